@@ -1,0 +1,67 @@
+"""tmcore: Tensor Memory's algebra, written once against the Python array API.
+
+A fixed-size recurrent voxel state ``(h, c)`` of shape ``(B, C, *S)`` that
+tokens read by n-linear sampling, write by Gaussian splatting, and update
+with a factorized-conv ConvLSTM. Every function here takes arrays of any one
+array-API namespace (NumPy, PyTorch, JAX, CuPy, array-api-strict, ...) and
+returns that namespace's arrays; every forward has a hand-written VJP.
+
+``import tmcore`` imports no framework.
+"""
+
+from tmcore.addressing import (
+    cell_centers,
+    normalized_to_voxel,
+    sigma_from_logit,
+    sigma_from_logit_vjp,
+    squash_coords,
+    squash_coords_vjp,
+    voxel_to_normalized,
+)
+from tmcore.cell import convlstm_step, convlstm_step_vjp
+from tmcore.conv import (
+    ConvParams,
+    conv_params_from_pointwise,
+    factorized_conv,
+    factorized_conv_vjp,
+    xavier_uniform_bound,
+)
+from tmcore.sampling import trilinear_sample, trilinear_sample_vjp
+from tmcore.scan import (
+    ScanGrads,
+    StepInputs,
+    memory_scan,
+    memory_scan_bwd,
+    memory_scan_fwd,
+    memory_scan_vjp,
+)
+from tmcore.splat import gaussian_splat, gaussian_splat_vjp
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ConvParams",
+    "ScanGrads",
+    "StepInputs",
+    "cell_centers",
+    "conv_params_from_pointwise",
+    "convlstm_step",
+    "convlstm_step_vjp",
+    "factorized_conv",
+    "factorized_conv_vjp",
+    "gaussian_splat",
+    "gaussian_splat_vjp",
+    "memory_scan",
+    "memory_scan_bwd",
+    "memory_scan_fwd",
+    "memory_scan_vjp",
+    "normalized_to_voxel",
+    "sigma_from_logit",
+    "sigma_from_logit_vjp",
+    "squash_coords",
+    "squash_coords_vjp",
+    "trilinear_sample",
+    "trilinear_sample_vjp",
+    "voxel_to_normalized",
+    "xavier_uniform_bound",
+]

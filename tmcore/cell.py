@@ -1,0 +1,114 @@
+"""The ConvLSTM update of the memory grid, and its VJP.
+
+``z = conv(concat([x, h]))`` (written volume first); ``i, f, o, g`` are the
+channel quarters of ``z`` in that order; ``c' = sigmoid(f) c + sigmoid(i) tanh(g)``,
+``h' = sigmoid(o) tanh(c')``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+from tmcore._math import sigmoid, sigmoid_grad_from_output, tanh_grad_from_output
+from tmcore._validate import check_rank, namespace_of
+from tmcore.conv import ConvParams, conv_bwd, conv_fwd, validate_conv_params
+
+__all__ = ["convlstm_step", "convlstm_step_vjp", "CellCache"]
+
+
+class CellCache(NamedTuple):
+    """What the backward of one step needs (recomputed, never stored across steps)."""
+
+    conv_stages: list
+    c: Any
+    gates: tuple  # (i, f, o, g) after their nonlinearities, each (B, C, *S)
+    tanh_c_new: Any
+
+
+def cell_fwd(xp: Any, x: Any, h: Any, c: Any, params: ConvParams) -> tuple[Any, Any, CellCache]:
+    """One ConvLSTM step without validation; returns ``(h', c', cache)``."""
+    z, stages = conv_fwd(xp, xp.concat([x, h], axis=1), params)
+    channels = h.shape[1]
+    i = sigmoid(xp, z[:, :channels, ...])
+    f = sigmoid(xp, z[:, channels : 2 * channels, ...])
+    o = sigmoid(xp, z[:, 2 * channels : 3 * channels, ...])
+    g = xp.tanh(z[:, 3 * channels :, ...])
+    c_new = f * c + i * g
+    tanh_c_new = xp.tanh(c_new)
+    h_new = o * tanh_c_new
+    return h_new, c_new, CellCache(stages, c, (i, f, o, g), tanh_c_new)
+
+
+def cell_bwd(
+    xp: Any, cache: CellCache, params: ConvParams, g_h: Any, g_c: Any
+) -> tuple[Any, Any, Any, ConvParams]:
+    """VJP of one step given its cache; returns ``(d_x, d_h, d_c, d_params)``."""
+    i, f, o, g = cache.gates
+    d_c_new = g_c + g_h * o * tanh_grad_from_output(cache.tanh_c_new)
+    d_z = xp.concat(
+        [
+            d_c_new * g * sigmoid_grad_from_output(i),
+            d_c_new * cache.c * sigmoid_grad_from_output(f),
+            g_h * cache.tanh_c_new * sigmoid_grad_from_output(o),
+            d_c_new * i * tanh_grad_from_output(g),
+        ],
+        axis=1,
+    )
+    d_xh, d_params = conv_bwd(xp, cache.conv_stages, params, d_z)
+    channels = i.shape[1]
+    return d_xh[:, :channels, ...], d_xh[:, channels:, ...], d_c_new * f, d_params
+
+
+def validate_state(h: Any, c: Any, h_name: str = "h", c_name: str = "c") -> None:
+    """Check ``h`` and ``c`` are ``(B, C, *S)`` with the same shape."""
+    check_rank(h_name, h, (3, 4, 5, 6), "(B, C, *S) with 1 to 4 spatial axes")
+    if tuple(c.shape) != tuple(h.shape):
+        raise ValueError(f"{c_name}: expected the shape of {h_name} {tuple(h.shape)}, "
+                         f"got {tuple(c.shape)}")
+
+
+def _validate(x, h, c, params, g_h=None, g_c=None):
+    params = ConvParams(*params)
+    xp = namespace_of(x=x, h=h, c=c, g_h=g_h, g_c=g_c,
+                      **{f"params.{k}": v for k, v in params._asdict().items()})
+    validate_state(h, c)
+    for name, value in (("x", x), ("g_h", g_h), ("g_c", g_c)):
+        if value is not None and tuple(value.shape) != tuple(h.shape):
+            raise ValueError(f"{name}: expected the shape of h (B, C, *S) = {tuple(h.shape)}, "
+                             f"got {tuple(value.shape)}")
+    validate_conv_params(params, h.ndim - 2, 2 * h.shape[1])
+    if params.pointwise_weight.shape[0] != 4 * h.shape[1]:
+        raise ValueError(f"params.pointwise_weight: expected shape (4C, 2C) = "
+                         f"{(4 * h.shape[1], 2 * h.shape[1])}, "
+                         f"got {tuple(params.pointwise_weight.shape)}")
+    return xp, params
+
+
+def convlstm_step(x: Any, h: Any, c: Any, params: ConvParams) -> tuple[Any, Any]:
+    """One ConvLSTM update.
+
+    Parameters
+    ----------
+    x : ``(B, C, *S)`` written volume.
+    h, c : ``(B, C, *S)`` hidden and cell state.
+    params : :class:`ConvParams` with ``C_in = 2C`` and ``C_out = 4C``.
+
+    Returns
+    -------
+    ``(h', c')``, each ``(B, C, *S)``.
+    """
+    xp, params = _validate(x, h, c, params)
+    h_new, c_new, _ = cell_fwd(xp, x, h, c, params)
+    return h_new, c_new
+
+
+def convlstm_step_vjp(
+    x: Any, h: Any, c: Any, params: ConvParams, g_h: Any, g_c: Any
+) -> tuple[Any, Any, Any, ConvParams]:
+    """VJP of :func:`convlstm_step` for cotangents ``g_h, g_c (B, C, *S)``.
+
+    Returns ``(d_x, d_h, d_c, d_params)``.
+    """
+    xp, params = _validate(x, h, c, params, g_h, g_c)
+    _, _, cache = cell_fwd(xp, x, h, c, params)
+    return cell_bwd(xp, cache, params, g_h, g_c)

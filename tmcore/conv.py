@@ -1,0 +1,210 @@
+"""Factorized convolution: per-axis depthwise 3-tap convs, then pointwise mixing.
+
+For each spatial axis ``a`` in order (first axis first) a depthwise 1-D
+cross-correlation ``y[i] = w[a,c,0] x[i-1] + w[a,c,1] x[i] + w[a,c,2] x[i+1] +
+b[a,c]`` with zero padding; then ``z = P @ y + p_bias`` over channels.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import array_api_compat
+
+from tmcore._validate import check_rank, namespace_of
+
+__all__ = [
+    "ConvParams",
+    "factorized_conv",
+    "factorized_conv_vjp",
+    "conv_params_from_pointwise",
+    "xavier_uniform_bound",
+]
+
+
+class ConvParams(NamedTuple):
+    """Parameters of a factorized conv over ``n`` spatial axes (a pytree in JAX).
+
+    Attributes
+    ----------
+    depthwise_weight : ``(n, C_in, 3)`` taps (previous, centre, next) per axis.
+    depthwise_bias : ``(n, C_in)``.
+    pointwise_weight : ``(C_out, C_in)``.
+    pointwise_bias : ``(C_out,)``.
+    """
+
+    depthwise_weight: Any
+    depthwise_bias: Any
+    pointwise_weight: Any
+    pointwise_bias: Any
+
+
+def xavier_uniform_bound(c_in: int, c_out: int) -> float:
+    """Half-width of the Xavier-uniform range for a ``(c_out, c_in)`` matrix."""
+    return math.sqrt(6.0 / (c_in + c_out))
+
+
+def conv_params_from_pointwise(pointwise_weight: Any, ndim: int) -> ConvParams:
+    """DESIGN's initialization around a given pointwise matrix ``(C_out, C_in)``.
+
+    Depthwise taps start as identity (centre 1, others 0, bias 0) and the
+    pointwise bias at 0. Draw ``pointwise_weight`` uniformly in
+    ``+-xavier_uniform_bound(C_in, C_out)`` with your framework's RNG.
+    """
+    xp = namespace_of(pointwise_weight=pointwise_weight)
+    check_rank("pointwise_weight", pointwise_weight, 2, "(C_out, C_in)")
+    c_out, c_in = pointwise_weight.shape
+    kw = {"dtype": pointwise_weight.dtype, "device": array_api_compat.device(pointwise_weight)}
+    centre = xp.asarray([0.0, 1.0, 0.0], **kw)
+    taps = xp.broadcast_to(centre, (ndim, c_in, 3))
+    return ConvParams(
+        depthwise_weight=xp.asarray(taps, copy=True),
+        depthwise_bias=xp.zeros((ndim, c_in), **kw),
+        pointwise_weight=pointwise_weight,
+        pointwise_bias=xp.zeros((c_out,), **kw),
+    )
+
+
+def shift(xp: Any, x: Any, axis: int, offset: int) -> Any:
+    """Shift along ``axis`` with zero fill: ``offset=+1`` gives ``y[i] = x[i-1]``,
+    ``offset=-1`` gives ``y[i] = x[i+1]``."""
+    size = x.shape[axis]
+    pad_shape = list(x.shape)
+    pad_shape[axis] = 1
+    pad = xp.zeros(tuple(pad_shape), dtype=x.dtype, device=array_api_compat.device(x))
+    index = [slice(None)] * x.ndim
+    if offset > 0:
+        index[axis] = slice(0, size - 1)
+        return xp.concat([pad, x[tuple(index)]], axis=axis)
+    index[axis] = slice(1, size)
+    return xp.concat([x[tuple(index)], pad], axis=axis)
+
+
+def _channel_view(x: Any, ndim: int) -> tuple[int, ...]:
+    return (1, x.shape[0]) + (1,) * ndim
+
+
+def depthwise_axis(xp: Any, x: Any, taps: Any, bias: Any, axis: int) -> Any:
+    """One depthwise 3-tap conv of ``x (B, C, *S)`` along spatial axis ``axis``."""
+    n = x.ndim - 2
+    dim = axis + 2
+    view = _channel_view(bias, n)
+    w_prev = xp.reshape(taps[:, 0], view)
+    w_mid = xp.reshape(taps[:, 1], view)
+    w_next = xp.reshape(taps[:, 2], view)
+    return (
+        w_prev * shift(xp, x, dim, +1)
+        + w_mid * x
+        + w_next * shift(xp, x, dim, -1)
+        + xp.reshape(bias, view)
+    )
+
+
+def conv_fwd(xp: Any, x: Any, params: ConvParams) -> tuple[Any, list[Any]]:
+    """Forward without validation. Returns ``z (B, C_out, *S)`` and the inputs
+    of each stage ``[x, after axis 0, ..., after axis n-1]`` for the backward."""
+    n = x.ndim - 2
+    stages = [x]
+    for axis in range(n):
+        stages.append(
+            depthwise_axis(
+                xp, stages[-1], params.depthwise_weight[axis, ...], params.depthwise_bias[axis, ...], axis
+            )
+        )
+    y = stages[-1]
+    batch = y.shape[0]
+    y_flat = xp.reshape(y, (batch, y.shape[1], -1))
+    z = xp.matmul(params.pointwise_weight, y_flat) + params.pointwise_bias[:, None]
+    return xp.reshape(z, (batch, z.shape[1], *x.shape[2:])), stages
+
+
+def conv_bwd(xp: Any, stages: list[Any], params: ConvParams, g: Any) -> tuple[Any, ConvParams]:
+    """VJP given the stage inputs from :func:`conv_fwd` and ``g (B, C_out, *S)``."""
+    n = len(stages) - 1
+    y = stages[-1]
+    batch, c_in = y.shape[:2]
+    y_flat = xp.reshape(y, (batch, c_in, -1))
+    g_flat = xp.reshape(g, (batch, g.shape[1], -1))
+    d_pointwise = xp.sum(xp.matmul(g_flat, xp.matrix_transpose(y_flat)), axis=0)
+    d_pointwise_bias = xp.sum(g_flat, axis=(0, 2))
+    d_y = xp.reshape(
+        xp.matmul(xp.matrix_transpose(params.pointwise_weight), g_flat), tuple(y.shape)
+    )
+    reduce_axes = (0,) + tuple(range(2, 2 + n))
+    d_taps = [None] * n
+    d_biases = [None] * n
+    for axis in reversed(range(n)):
+        x_in = stages[axis]
+        dim = axis + 2
+        taps = params.depthwise_weight[axis, ...]
+        d_taps[axis] = xp.stack(
+            [
+                xp.sum(d_y * shift(xp, x_in, dim, +1), axis=reduce_axes),
+                xp.sum(d_y * x_in, axis=reduce_axes),
+                xp.sum(d_y * shift(xp, x_in, dim, -1), axis=reduce_axes),
+            ],
+            axis=-1,
+        )
+        d_biases[axis] = xp.sum(d_y, axis=reduce_axes)
+        view = _channel_view(taps[:, 0], n)
+        d_y = (
+            xp.reshape(taps[:, 0], view) * shift(xp, d_y, dim, -1)
+            + xp.reshape(taps[:, 1], view) * d_y
+            + xp.reshape(taps[:, 2], view) * shift(xp, d_y, dim, +1)
+        )
+    d_params = ConvParams(
+        depthwise_weight=xp.stack(d_taps, axis=0),
+        depthwise_bias=xp.stack(d_biases, axis=0),
+        pointwise_weight=d_pointwise,
+        pointwise_bias=d_pointwise_bias,
+    )
+    return d_y, d_params
+
+
+def validate_conv_params(params: ConvParams, ndim: int, c_in: int, name: str = "params") -> None:
+    """Check the four fields' shapes against ``ndim`` spatial axes and ``c_in`` channels."""
+    if not isinstance(params, tuple) or len(params) != 4:
+        raise TypeError(f"{name}: expected ConvParams(depthwise_weight, depthwise_bias, "
+                        f"pointwise_weight, pointwise_bias), got {type(params).__name__}")
+    params = ConvParams(*params)
+    c_out = params.pointwise_weight.shape[0] if params.pointwise_weight.ndim == 2 else -1
+    expected = {
+        "depthwise_weight": (ndim, c_in, 3),
+        "depthwise_bias": (ndim, c_in),
+        "pointwise_weight": (c_out, c_in),
+        "pointwise_bias": (c_out,),
+    }
+    for field, shape in expected.items():
+        got = tuple(getattr(params, field).shape)
+        if got != shape:
+            raise ValueError(f"{name}.{field}: expected shape {shape}, got {got}")
+
+
+def _validate(x: Any, params: ConvParams, g: Any = None) -> Any:
+    check_rank("x", x, (3, 4, 5, 6), "(B, C_in, *S) with 1 to 4 spatial axes")
+    params = ConvParams(*params)
+    xp = namespace_of(x=x, g=g, **{f"params.{k}": v for k, v in params._asdict().items()})
+    validate_conv_params(params, x.ndim - 2, x.shape[1])
+    if g is not None:
+        expected = (x.shape[0], params.pointwise_weight.shape[0], *x.shape[2:])
+        if tuple(g.shape) != expected:
+            raise ValueError(f"g: expected shape (B, C_out, *S) = {expected}, got {tuple(g.shape)}")
+    return xp
+
+
+def factorized_conv(x: Any, params: ConvParams) -> Any:
+    """Apply the factorized conv to ``x (B, C_in, *S)``; returns ``(B, C_out, *S)``."""
+    xp = _validate(x, params)
+    return conv_fwd(xp, x, ConvParams(*params))[0]
+
+
+def factorized_conv_vjp(x: Any, params: ConvParams, g: Any) -> tuple[Any, ConvParams]:
+    """VJP of :func:`factorized_conv` for ``g (B, C_out, *S)``.
+
+    Returns ``(d_x (B, C_in, *S), d_params: ConvParams)``.
+    """
+    xp = _validate(x, params, g)
+    params = ConvParams(*params)
+    _, stages = conv_fwd(xp, x, params)
+    return conv_bwd(xp, stages, params, g)

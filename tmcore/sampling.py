@@ -1,0 +1,124 @@
+"""Trilinear (n-linear) sampling of the memory grid, and its VJP.
+
+Semantics are exactly ``torch.nn.functional.grid_sample(mode="bilinear",
+padding_mode="border", align_corners=True)``, in value and gradient:
+voxel positions are clamped to ``[0, S_a - 1]``; the coordinate gradient is
+zero at and beyond the borders (torch counts the border itself as outside);
+at an interior integer position the derivative is the right-sided one
+(``h[i + 1] - h[i]``), because the lower corner is ``floor(u)``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import array_api_compat
+
+from tmcore._separable import outer_product
+from tmcore._validate import check_dim, check_rank, namespace_of
+from tmcore.addressing import axis_of_component
+
+__all__ = ["trilinear_sample", "trilinear_sample_vjp", "tent_profiles"]
+
+
+def tent_profiles(xp: Any, coords: Any, shape: tuple[int, ...]) -> tuple[list[Any], list[Any]]:
+    """Per-axis interpolation weights and their derivatives.
+
+    Parameters
+    ----------
+    coords : ``(B, Q, n)`` normalized coordinates.
+    shape : spatial grid shape ``(S_0, ..., S_{n-1})``.
+
+    Returns
+    -------
+    weights : n arrays ``(B, Q, S_a)``; row sums are 1.
+    slopes : n arrays ``(B, Q, S_a)``: d weight / d coordinate component
+        addressing axis ``a`` (zero where the coordinate is clamped).
+    """
+    n = len(shape)
+    device = array_api_compat.device(coords)
+    weights, slopes = [], []
+    for axis in range(n):
+        size = shape[axis]
+        x = coords[..., axis_of_component(axis, n)]
+        half_extent = (size - 1) / 2.0
+        u = (x + 1.0) * half_extent
+        clamped = xp.clip(u, 0.0, float(size - 1))
+        lower = xp.floor(clamped)
+        frac = (clamped - lower)[..., None]
+        index = xp.arange(size, dtype=coords.dtype, device=device)
+        is_lower = xp.astype(index == lower[..., None], coords.dtype)
+        is_upper = xp.astype(index == (lower + 1.0)[..., None], coords.dtype)
+        weights.append(is_lower * (1.0 - frac) + is_upper * frac)
+        inside = xp.astype((u > 0.0) & (u < float(size - 1)), coords.dtype)
+        slopes.append((is_upper - is_lower) * (inside * half_extent)[..., None])
+    return weights, slopes
+
+
+def _flatten_grid(xp: Any, volume: Any) -> Any:
+    """``(B, C, *S) -> (B, C, P)``."""
+    return xp.reshape(volume, (volume.shape[0], volume.shape[1], -1))
+
+
+def sample_fwd(xp: Any, volume: Any, coords: Any) -> Any:
+    """``(B, C, *S), (B, Q, n) -> (B, Q, C)`` without validation."""
+    weights, _ = tent_profiles(xp, coords, tuple(volume.shape[2:]))
+    dense = outer_product(xp, weights)  # (B, Q, P)
+    return xp.matmul(dense, xp.matrix_transpose(_flatten_grid(xp, volume)))
+
+
+def sample_bwd(xp: Any, volume: Any, coords: Any, g: Any) -> tuple[Any, Any]:
+    """VJP of :func:`sample_fwd` for cotangent ``g (B, Q, C)``; no validation."""
+    shape = tuple(volume.shape[2:])
+    n = len(shape)
+    weights, slopes = tent_profiles(xp, coords, shape)
+    dense = outer_product(xp, weights)
+    d_volume = xp.reshape(xp.matmul(xp.matrix_transpose(g), dense), volume.shape)
+    # g . volume at every cell: (B, Q, C) @ (B, C, P) -> (B, Q, P)
+    g_dot_volume = xp.matmul(g, _flatten_grid(xp, volume))
+    components = [None] * n
+    for axis in range(n):
+        slope_weight = outer_product(xp, weights, replace={axis: slopes[axis]})
+        components[axis_of_component(axis, n)] = xp.sum(g_dot_volume * slope_weight, axis=-1)
+    return d_volume, xp.stack(components, axis=-1)
+
+
+def _validate(volume: Any, coords: Any, g: Any = None) -> Any:
+    xp = namespace_of(volume=volume, coords=coords, g=g)
+    check_rank("volume", volume, (3, 4, 5, 6), "(B, C, *S) with 1 to 4 spatial axes")
+    n = volume.ndim - 2
+    check_rank("coords", coords, 3, "(B, Q, n)")
+    check_dim("coords", coords, 0, volume.shape[0], "(B, Q, n)", "B = volume.shape[0]")
+    check_dim("coords", coords, 2, n, "(B, Q, n)", "n = number of spatial axes of volume")
+    if g is not None:
+        expected = (volume.shape[0], coords.shape[1], volume.shape[1])
+        if tuple(g.shape) != expected:
+            raise ValueError(f"g: expected shape (B, Q, C) = {expected}, got {tuple(g.shape)}")
+    return xp
+
+
+def trilinear_sample(volume: Any, coords: Any) -> Any:
+    """Sample ``volume`` at continuous ``coords`` by n-linear interpolation.
+
+    Parameters
+    ----------
+    volume : ``(B, C, *S)`` with 1 to 4 spatial axes.
+    coords : ``(B, Q, n)`` normalized to ``[-1, 1]``; ``coords[..., k]``
+        addresses spatial axis ``n - 1 - k``. Values outside are clamped to
+        the border (documented, like grid_sample's border padding).
+
+    Returns
+    -------
+    ``(B, Q, C)`` in the input's namespace, device and dtype.
+    """
+    xp = _validate(volume, coords)
+    return sample_fwd(xp, volume, coords)
+
+
+def trilinear_sample_vjp(volume: Any, coords: Any, g: Any) -> tuple[Any, Any]:
+    """VJP of :func:`trilinear_sample` for the cotangent ``g (B, Q, C)``.
+
+    Returns ``(d_volume (B, C, *S), d_coords (B, Q, n))``.
+    """
+    xp = _validate(volume, coords, g)
+    return sample_bwd(xp, volume, coords, g)

@@ -1,0 +1,277 @@
+"""The chunk recurrence: read, write, update, T times, with a lean backward.
+
+Per step ``t`` (DESIGN's order): read ``h_{t-1}`` at ``read_coords[:, t]``
+BEFORE this step's write; splat ``write_content[:, t]`` around
+``write_coords[:, t]`` with ``write_sigma[:, t]``; update ``(h, c)`` with the
+ConvLSTM. The backward keeps only the states at every ``checkpoint_every``-th
+step and recomputes the rest (and every step's gates) on the way back, so it
+stores at most ``T + 1`` states, never per-step gate tensors.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+from tmcore._validate import check_rank, namespace_of
+from tmcore.cell import cell_bwd, cell_fwd, validate_state
+from tmcore.conv import ConvParams, validate_conv_params
+from tmcore.sampling import sample_bwd, sample_fwd
+from tmcore.splat import DEFAULT_EPS, splat_bwd, splat_fwd
+
+__all__ = [
+    "StepInputs",
+    "ScanGrads",
+    "memory_scan",
+    "memory_scan_vjp",
+    "memory_scan_fwd",
+    "memory_scan_bwd",
+    "step_fwd",
+    "step_bwd",
+    "add_params",
+]
+
+
+class StepInputs(NamedTuple):
+    """One step's addressing and content, all batch-first.
+
+    read_coords ``(B, n)``, write_coords ``(B, n)``, write_sigma ``(B,)``,
+    write_content ``(B, C)``.
+    """
+
+    read_coords: Any
+    write_coords: Any
+    write_sigma: Any
+    write_content: Any
+
+
+class ScanGrads(NamedTuple):
+    """Gradients returned by :func:`memory_scan_vjp` (shapes of the inputs)."""
+
+    h0: Any
+    c0: Any
+    read_coords: Any
+    write_coords: Any
+    write_sigma: Any
+    write_content: Any
+    params: ConvParams
+
+
+def add_params(a: ConvParams, b: ConvParams) -> ConvParams:
+    """Field-wise sum of two :class:`ConvParams`."""
+    return ConvParams(*(x + y for x, y in zip(a, b, strict=True)))
+
+
+def step_fwd(
+    xp: Any, h: Any, c: Any, inputs: StepInputs, params: ConvParams, eps: float,
+    radius: float | None,
+) -> tuple[Any, Any, Any]:
+    """One chunk step; returns ``(read (B, C), h', c')``. No validation."""
+    read = sample_fwd(xp, h, inputs.read_coords[:, None, :])[:, 0, :]
+    written = splat_fwd(
+        xp, inputs.write_content[:, None, :], inputs.write_coords[:, None, :],
+        inputs.write_sigma[:, None], tuple(h.shape[2:]), eps, radius,
+    )
+    h_new, c_new, _ = cell_fwd(xp, written, h, c, params)
+    return read, h_new, c_new
+
+
+def step_bwd(
+    xp: Any, h: Any, c: Any, inputs: StepInputs, params: ConvParams, g_read: Any, g_h: Any,
+    g_c: Any, eps: float, radius: float | None,
+) -> tuple[Any, Any, StepInputs, ConvParams]:
+    """VJP of :func:`step_fwd` from the step's input state (recomputes the gates).
+
+    Returns ``(d_h, d_c, d_inputs, d_params)``.
+    """
+    shape = tuple(h.shape[2:])
+    content = inputs.write_content[:, None, :]
+    mu = inputs.write_coords[:, None, :]
+    sigma = inputs.write_sigma[:, None]
+    written = splat_fwd(xp, content, mu, sigma, shape, eps, radius)
+    _, _, cache = cell_fwd(xp, written, h, c, params)
+    d_written, d_h, d_c, d_params = cell_bwd(xp, cache, params, g_h, g_c)
+    d_content, d_mu, d_sigma = splat_bwd(xp, content, mu, sigma, shape, d_written, eps, radius)
+    d_h_read, d_read_coords = sample_bwd(
+        xp, h, inputs.read_coords[:, None, :], g_read[:, None, :]
+    )
+    d_inputs = StepInputs(d_read_coords[:, 0, :], d_mu[:, 0, :], d_sigma[:, 0], d_content[:, 0, :])
+    return d_h + d_h_read, d_c, d_inputs, d_params
+
+
+def _step_inputs(read_coords, write_coords, write_sigma, write_content, t: int) -> StepInputs:
+    return StepInputs(
+        read_coords[:, t, ...], write_coords[:, t, ...], write_sigma[:, t],
+        write_content[:, t, ...],
+    )
+
+
+def memory_scan_fwd(
+    xp: Any, h0: Any, c0: Any, read_coords: Any, write_coords: Any, write_sigma: Any,
+    write_content: Any, params: ConvParams, *, eps: float = DEFAULT_EPS,
+    radius: float | None = None, checkpoint_every: int = 1,
+) -> tuple[Any, Any, Any, Any, Any]:
+    """Forward scan without validation.
+
+    Returns ``(reads (B, T, C), h_T, c_T, h_checkpoints, c_checkpoints)``; the
+    checkpoints ``(ceil(T / checkpoint_every), B, C, *S)`` hold the states
+    entering steps ``0, k, 2k, ...`` and are all :func:`memory_scan_bwd` needs.
+    """
+    steps = read_coords.shape[1]
+    h, c = h0, c0
+    reads, h_saved, c_saved = [], [], []
+    for t in range(steps):
+        if t % checkpoint_every == 0:
+            h_saved.append(h)
+            c_saved.append(c)
+        read, h, c = step_fwd(
+            xp, h, c, _step_inputs(read_coords, write_coords, write_sigma, write_content, t),
+            params, eps, radius,
+        )
+        reads.append(read)
+    return xp.stack(reads, axis=1), h, c, xp.stack(h_saved, axis=0), xp.stack(c_saved, axis=0)
+
+
+def memory_scan_bwd(
+    xp: Any, read_coords: Any, write_coords: Any, write_sigma: Any, write_content: Any,
+    params: ConvParams, h_checkpoints: Any, c_checkpoints: Any, g_reads: Any, g_h: Any,
+    g_c: Any, *, eps: float = DEFAULT_EPS, radius: float | None = None,
+    checkpoint_every: int = 1,
+) -> ScanGrads:
+    """Backward scan from the checkpoints of :func:`memory_scan_fwd`. No validation.
+
+    Each segment of ``checkpoint_every`` steps is replayed from its checkpoint
+    (storing that segment's states only), then differentiated step by step.
+    """
+    steps = read_coords.shape[1]
+    d_steps: list[StepInputs] = [None] * steps  # type: ignore[list-item]
+    d_params = None
+    for segment in reversed(range(h_checkpoints.shape[0])):
+        start = segment * checkpoint_every
+        stop = min(start + checkpoint_every, steps)
+        states = [(h_checkpoints[segment, ...], c_checkpoints[segment, ...])]
+        for t in range(start, stop - 1):
+            _, h, c = step_fwd(
+                xp, *states[-1],
+                _step_inputs(read_coords, write_coords, write_sigma, write_content, t),
+                params, eps, radius,
+            )
+            states.append((h, c))
+        for t in reversed(range(start, stop)):
+            h, c = states[t - start]
+            g_h, g_c, d_step, d_step_params = step_bwd(
+                xp, h, c, _step_inputs(read_coords, write_coords, write_sigma, write_content, t),
+                params, g_reads[:, t, ...], g_h, g_c, eps, radius,
+            )
+            d_steps[t] = d_step
+            d_params = d_step_params if d_params is None else add_params(d_params, d_step_params)
+    stacked = [xp.stack([d[k] for d in d_steps], axis=1) for k in range(4)]
+    return ScanGrads(g_h, g_c, *stacked, d_params)
+
+
+def _validate(h0, c0, read_coords, write_coords, write_sigma, write_content, params,
+              checkpoint_every, radius, g_reads=None, g_h=None, g_c=None):
+    params = ConvParams(*params)
+    xp = namespace_of(
+        h0=h0, c0=c0, read_coords=read_coords, write_coords=write_coords,
+        write_sigma=write_sigma, write_content=write_content, g_reads=g_reads, g_h=g_h, g_c=g_c,
+        **{f"params.{k}": v for k, v in params._asdict().items()},
+    )
+    validate_state(h0, c0, "h0", "c0")
+    batch, channels = h0.shape[:2]
+    n = h0.ndim - 2
+    check_rank("read_coords", read_coords, 3, "(B, T, n)")
+    steps = read_coords.shape[1]
+    expected = {
+        "read_coords": ((batch, steps, n), "(B, T, n)"),
+        "write_coords": ((batch, steps, n), "(B, T, n)"),
+        "write_sigma": ((batch, steps), "(B, T)"),
+        "write_content": ((batch, steps, channels), "(B, T, C)"),
+        "g_reads": ((batch, steps, channels), "(B, T, C)"),
+        "g_h": (tuple(h0.shape), "(B, C, *S)"),
+        "g_c": (tuple(h0.shape), "(B, C, *S)"),
+    }
+    given = {"read_coords": read_coords, "write_coords": write_coords,
+             "write_sigma": write_sigma, "write_content": write_content,
+             "g_reads": g_reads, "g_h": g_h, "g_c": g_c}
+    for name, value in given.items():
+        shape, layout = expected[name]
+        if value is not None and tuple(value.shape) != shape:
+            raise ValueError(f"{name}: expected shape {layout} = {shape} (B, C, *S from h0, "
+                             f"T from read_coords), got {tuple(value.shape)}")
+    validate_conv_params(params, n, 2 * channels)
+    if params.pointwise_weight.shape[0] != 4 * channels:
+        raise ValueError(f"params.pointwise_weight: expected shape (4C, 2C) = "
+                         f"{(4 * channels, 2 * channels)}, got "
+                         f"{tuple(params.pointwise_weight.shape)}")
+    if isinstance(checkpoint_every, bool) or not isinstance(checkpoint_every, int) \
+            or checkpoint_every < 1:
+        raise ValueError(f"checkpoint_every: expected an int >= 1, got {checkpoint_every!r}")
+    if radius is not None and not radius > 0:
+        raise ValueError(f"radius: expected a positive number of sigmas or None, got {radius!r}")
+    if steps < 1:
+        raise ValueError(f"read_coords: expected at least one step (T >= 1), got shape "
+                         f"{tuple(read_coords.shape)}")
+    return xp, params
+
+
+def memory_scan(
+    h0: Any, c0: Any, read_coords: Any, write_coords: Any, write_sigma: Any, write_content: Any,
+    params: ConvParams, *, eps: float = DEFAULT_EPS, radius: float | None = None,
+    checkpoint_every: int = 1,
+) -> tuple[Any, Any, Any]:
+    """Run the chunk recurrence over ``T`` steps.
+
+    Parameters
+    ----------
+    h0, c0 : ``(B, C, *S)`` initial state.
+    read_coords : ``(B, T, n)`` read coordinate per step (normalized).
+    write_coords : ``(B, T, n)`` write centre per step.
+    write_sigma : ``(B, T)`` write spread per step (> 0).
+    write_content : ``(B, T, C)`` content vector per step.
+    params : :class:`ConvParams` of the ConvLSTM gates (``C_in = 2C, C_out = 4C``).
+    eps, radius : as in :func:`tmcore.gaussian_splat`.
+    checkpoint_every : only affects :func:`memory_scan_vjp`; accepted here so
+        both take the same keywords.
+
+    Returns
+    -------
+    ``(reads (B, T, C), h_T, c_T)``.
+    """
+    xp, params = _validate(h0, c0, read_coords, write_coords, write_sigma, write_content,
+                           params, checkpoint_every, radius)
+    reads, h, c, _, _ = memory_scan_fwd(
+        xp, h0, c0, read_coords, write_coords, write_sigma, write_content, params,
+        eps=eps, radius=radius, checkpoint_every=read_coords.shape[1],
+    )
+    return reads, h, c
+
+
+def memory_scan_vjp(
+    h0: Any, c0: Any, read_coords: Any, write_coords: Any, write_sigma: Any, write_content: Any,
+    params: ConvParams, g_reads: Any, g_h: Any = None, g_c: Any = None, *,
+    eps: float = DEFAULT_EPS, radius: float | None = None, checkpoint_every: int = 1,
+) -> ScanGrads:
+    """VJP of :func:`memory_scan`.
+
+    ``g_reads (B, T, C)``; ``g_h, g_c (B, C, *S)`` cotangents of the final
+    state (``None`` means zero). ``checkpoint_every = k`` keeps ``ceil(T/k)``
+    states and replays each segment: memory ``O(T/k + k)`` states for one
+    extra forward pass; the gradients do not depend on ``k``.
+
+    Returns
+    -------
+    :class:`ScanGrads` ``(h0, c0, read_coords, write_coords, write_sigma,
+    write_content, params)``, shaped like the inputs.
+    """
+    xp, params = _validate(h0, c0, read_coords, write_coords, write_sigma, write_content,
+                           params, checkpoint_every, radius, g_reads, g_h, g_c)
+    _, _, _, h_ckpt, c_ckpt = memory_scan_fwd(
+        xp, h0, c0, read_coords, write_coords, write_sigma, write_content, params,
+        eps=eps, radius=radius, checkpoint_every=checkpoint_every,
+    )
+    g_h = xp.zeros_like(h0) if g_h is None else g_h
+    g_c = xp.zeros_like(c0) if g_c is None else g_c
+    return memory_scan_bwd(
+        xp, read_coords, write_coords, write_sigma, write_content, params, h_ckpt, c_ckpt,
+        g_reads, g_h, g_c, eps=eps, radius=radius, checkpoint_every=checkpoint_every,
+    )

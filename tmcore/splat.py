@@ -1,0 +1,157 @@
+"""Gaussian splatting: writing content vectors as Gaussian-weighted volumes.
+
+``w_bk(p) = exp(-||p - mu_bk||^2 / (2 sigma_bk^2 + eps))`` over the normalized
+cell centres ``p``; ``volume[b, :, p] = sum_k content[b, k, :] * w_bk(p)``.
+The weight factors into one 1-D profile per axis, so the write is a dense
+contraction ``content^T @ W``. An optional truncation ``radius`` (in units of
+sigma) zeroes each axis profile where ``|p_a - mu_a| > radius * sigma``
+(a box, which keeps the weight separable); the mask is treated as constant
+in the gradient.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import array_api_compat
+
+from tmcore._separable import grid_size, outer_product
+from tmcore._validate import check_dim, check_grid_shape, check_rank, namespace_of
+from tmcore.addressing import axis_of_component
+
+__all__ = ["gaussian_splat", "gaussian_splat_vjp", "gaussian_profiles", "DEFAULT_EPS"]
+
+DEFAULT_EPS = 1e-6
+
+
+def gaussian_profiles(
+    xp: Any, mu: Any, sigma: Any, shape: tuple[int, ...], eps: float, radius: float | None
+) -> tuple[list[Any], list[Any], Any]:
+    """Per-axis Gaussian profiles.
+
+    Parameters
+    ----------
+    mu : ``(B, K, n)`` normalized centres (coordinate order).
+    sigma : ``(B, K)`` spreads.
+
+    Returns
+    -------
+    profiles : n arrays ``(B, K, S_a)`` (spatial-axis order), possibly truncated.
+    offsets : n arrays ``(B, K, S_a)``: ``p_a - mu_a``.
+    denom : ``(B, K, 1)``: ``2 sigma^2 + eps``.
+    """
+    n = len(shape)
+    device = array_api_compat.device(mu)
+    denom = (2.0 * sigma * sigma + eps)[..., None]
+    profiles, offsets = [], []
+    for axis in range(n):
+        centres = xp.linspace(-1.0, 1.0, shape[axis], dtype=mu.dtype, device=device)
+        offset = centres - mu[..., axis_of_component(axis, n), None]
+        profile = xp.exp(-(offset * offset) / denom)
+        if radius is not None:
+            inside = xp.abs(offset) <= radius * sigma[..., None]
+            profile = xp.where(inside, profile, xp.zeros_like(profile))
+        profiles.append(profile)
+        offsets.append(offset)
+    return profiles, offsets, denom
+
+
+def splat_fwd(
+    xp: Any, content: Any, mu: Any, sigma: Any, shape: tuple[int, ...], eps: float,
+    radius: float | None,
+) -> Any:
+    """``(B, K, C), (B, K, n), (B, K) -> (B, C, *shape)`` without validation."""
+    profiles, _, _ = gaussian_profiles(xp, mu, sigma, shape, eps, radius)
+    dense = outer_product(xp, profiles)  # (B, K, P)
+    volume = xp.matmul(xp.matrix_transpose(content), dense)  # (B, C, P)
+    return xp.reshape(volume, (content.shape[0], content.shape[2], *shape))
+
+
+def splat_bwd(
+    xp: Any, content: Any, mu: Any, sigma: Any, shape: tuple[int, ...], g: Any, eps: float,
+    radius: float | None,
+) -> tuple[Any, Any, Any]:
+    """VJP of :func:`splat_fwd` for ``g (B, C, *shape)``; no validation."""
+    n = len(shape)
+    profiles, offsets, denom = gaussian_profiles(xp, mu, sigma, shape, eps, radius)
+    dense = outer_product(xp, profiles)  # (B, K, P)
+    g_flat = xp.reshape(g, (g.shape[0], g.shape[1], grid_size(shape)))  # (B, C, P)
+    d_content = xp.matmul(dense, xp.matrix_transpose(g_flat))  # (B, K, C)
+    # sensitivity of the loss to each cell's weight, times the weight: (B, K, *S)
+    weighted = xp.reshape(xp.matmul(content, g_flat) * dense, (*dense.shape[:2], *shape))
+    spatial_axes = tuple(range(2, 2 + n))
+    d_mu_parts = [None] * n
+    moment2 = None
+    for axis in range(n):
+        view = [1] * n
+        view[axis] = shape[axis]
+        offset = xp.reshape(offsets[axis], (*dense.shape[:2], *view))
+        # d w / d mu_a = w * 2 (p_a - mu_a) / denom
+        d_mu_parts[axis_of_component(axis, n)] = xp.sum(weighted * offset, axis=spatial_axes)
+        term = xp.sum(weighted * (offset * offset), axis=spatial_axes)
+        moment2 = term if moment2 is None else moment2 + term
+    d_mu = xp.stack(d_mu_parts, axis=-1) * (2.0 / denom)
+    # d w / d sigma = w * ||p - mu||^2 * 4 sigma / denom^2
+    d_sigma = moment2 * (4.0 * sigma / (denom[..., 0] * denom[..., 0]))
+    return d_content, d_mu, d_sigma
+
+
+def _validate(content, mu, sigma, shape, g=None, radius=None):
+    dims = check_grid_shape("shape", shape)
+    xp = namespace_of(content=content, mu=mu, sigma=sigma, g=g)
+    check_rank("content", content, 3, "(B, K, C)")
+    batch, writes, channels = content.shape
+    check_rank("mu", mu, 3, "(B, K, n)")
+    if tuple(mu.shape) != (batch, writes, len(dims)):
+        raise ValueError(
+            f"mu: expected shape (B, K, n) = {(batch, writes, len(dims))} "
+            f"(B, K from content, n = len(shape)), got {tuple(mu.shape)}"
+        )
+    check_rank("sigma", sigma, 2, "(B, K)")
+    check_dim("sigma", sigma, 0, batch, "(B, K)", "B = content.shape[0]")
+    check_dim("sigma", sigma, 1, writes, "(B, K)", "K = content.shape[1]")
+    if g is not None and tuple(g.shape) != (batch, channels, *dims):
+        raise ValueError(
+            f"g: expected shape (B, C, *shape) = {(batch, channels, *dims)}, got {tuple(g.shape)}"
+        )
+    if radius is not None and not radius > 0:
+        raise ValueError(f"radius: expected a positive number of sigmas or None, got {radius!r}")
+    return xp, dims
+
+
+def gaussian_splat(
+    content: Any, mu: Any, sigma: Any, shape: Sequence[int], *, eps: float = DEFAULT_EPS,
+    radius: float | None = None,
+) -> Any:
+    """Write ``K`` content vectors as isotropic Gaussian volumes and sum them.
+
+    Parameters
+    ----------
+    content : ``(B, K, C)`` vectors to write.
+    mu : ``(B, K, n)`` normalized centres; ``mu[..., k]`` addresses axis ``n-1-k``.
+    sigma : ``(B, K)`` spreads in normalized units; must be > 0 (not checked
+        on the device to avoid a host sync; ``sigma = 0`` gives a one-hot-like
+        weight limited by ``eps``).
+    shape : spatial grid shape, 1 to 4 positive ints.
+    eps : added to ``2 sigma^2`` in the denominator.
+    radius : optional truncation in units of sigma (box per axis).
+
+    Returns
+    -------
+    ``(B, C, *shape)`` unnormalized written volume.
+    """
+    xp, dims = _validate(content, mu, sigma, shape, radius=radius)
+    return splat_fwd(xp, content, mu, sigma, dims, eps, radius)
+
+
+def gaussian_splat_vjp(
+    content: Any, mu: Any, sigma: Any, shape: Sequence[int], g: Any, *,
+    eps: float = DEFAULT_EPS, radius: float | None = None,
+) -> tuple[Any, Any, Any]:
+    """VJP of :func:`gaussian_splat` for ``g (B, C, *shape)``.
+
+    Returns ``(d_content (B, K, C), d_mu (B, K, n), d_sigma (B, K))``.
+    """
+    xp, dims = _validate(content, mu, sigma, shape, g=g, radius=radius)
+    return splat_bwd(xp, content, mu, sigma, dims, g, eps, radius)
