@@ -17,17 +17,9 @@ __all__ = [
     "check_dim",
     "check_floating",
     "check_grid_shape",
-    "describe",
 ]
 
 MAX_SPATIAL_RANK = 4
-
-
-def describe(x: Any) -> str:
-    """Short human-readable description of an array argument for error messages."""
-    shape = getattr(x, "shape", None)
-    dtype = getattr(x, "dtype", None)
-    return f"{type(x).__module__}.{type(x).__name__}(shape={tuple(shape) if shape is not None else '?'}, dtype={dtype})"
 
 
 def namespace_of(**arrays: Any) -> Any:
@@ -87,7 +79,8 @@ def check_grid_shape(name: str, shape: Any) -> tuple[int, ...]:
     try:
         dims = tuple(int(s) for s in shape)
     except TypeError:
-        raise TypeError(f"{name}: expected a tuple of 1 to 4 positive ints, got {shape!r}") from None
+        message = f"{name}: expected a tuple of 1 to 4 positive ints, got {shape!r}"
+        raise TypeError(message) from None
     if not 1 <= len(dims) <= MAX_SPATIAL_RANK or any(s < 1 for s in dims):
         raise ValueError(f"{name}: expected a tuple of 1 to 4 positive ints, got {shape!r}")
     if any(int(s) != s for s in shape):

@@ -107,11 +107,9 @@ def conv_fwd(xp: Any, x: Any, params: ConvParams) -> tuple[Any, list[Any]]:
     n = x.ndim - 2
     stages = [x]
     for axis in range(n):
-        stages.append(
-            depthwise_axis(
-                xp, stages[-1], params.depthwise_weight[axis, ...], params.depthwise_bias[axis, ...], axis
-            )
-        )
+        taps = params.depthwise_weight[axis, ...]
+        bias = params.depthwise_bias[axis, ...]
+        stages.append(depthwise_axis(xp, stages[-1], taps, bias, axis))
     y = stages[-1]
     batch = y.shape[0]
     y_flat = xp.reshape(y, (batch, y.shape[1], -1))
