@@ -1,0 +1,49 @@
+"""pytest configuration: the deterministic hypothesis profile and the ``xp`` fixture.
+
+The "ci" profile (derandomized, no deadline) is loaded by default; set
+``HYPOTHESIS_PROFILE=dev`` for fresh random examples on every run.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from types import ModuleType
+
+import pytest
+from hypothesis import HealthCheck, settings
+
+settings.register_profile(
+    "ci",
+    derandomize=True,
+    deadline=None,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+settings.register_profile("dev", deadline=None, print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+# The array-API standard revision array_api_strict is pinned to in tests: the most
+# widely implemented one, so that tmcore only relies on functions every
+# conforming namespace offers.
+STRICT_API_VERSION = "2023.12"
+
+NAMESPACES = ["numpy", "array_api_strict"]
+
+
+def load_namespace(name: str) -> ModuleType:
+    """Import an array namespace by name, skipping the test when it is missing."""
+    if name == "numpy":
+        import numpy
+
+        return numpy
+    module = pytest.importorskip(name, reason=f"{name} is not installed")
+    if name == "array_api_strict":
+        module.set_array_api_strict_flags(api_version=STRICT_API_VERSION)
+    return importlib.import_module(name)
+
+
+@pytest.fixture(scope="session", params=NAMESPACES)
+def xp(request) -> ModuleType:
+    """The array namespace under test (session-scoped so hypothesis can reuse it)."""
+    return load_namespace(request.param)

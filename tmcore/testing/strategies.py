@@ -1,0 +1,266 @@
+"""Hypothesis strategies and comparison helpers for property-testing tmcore on any namespace.
+
+Shapes are drawn by hypothesis; bulk values (volumes, contents, parameters) come
+from a NumPy generator seeded by a drawn integer, which keeps example generation
+fast while staying deterministic under the "ci" profile. Coordinates are drawn
+entry by entry so that the interesting positions (cell centres, exactly +-1,
+beyond the border) appear often.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+from hypothesis import assume
+from hypothesis import strategies as st
+
+from tmcore.testing.finite_diff import relative_error
+from tmcore.testing.reference import cell_centers
+
+__all__ = [
+    "conv_cases",
+    "lstm_cases",
+    "sample_cases",
+    "scan_cases",
+    "splat_cases",
+    "splat_margin_ok",
+    "assert_rel",
+    "coords_array",
+    "fd_step_for_sigma",
+    "grid_shapes",
+    "log_uniform_sigma",
+    "radii",
+    "seeds",
+    "smooth_coords_array",
+    "splat_margin_ok",
+    "to_numpy",
+]
+
+seeds = st.integers(min_value=0, max_value=2**32 - 1)
+radii = st.one_of(st.none(), st.sampled_from([1.0, 2.0, 3.0]), st.floats(1.0, 3.0))
+log_uniform_sigma = st.floats(-3.0, 1.0).map(lambda e: float(10.0**e))
+
+
+@st.composite
+def grid_shapes(
+    draw, min_ndim: int = 1, max_ndim: int = 4, max_size: int = 5, max_cells: int = 24
+) -> tuple[int, ...]:
+    """A spatial shape with ``min_ndim..max_ndim`` axes of length ``1..max_size``.
+
+    The longest axes are shortened until the shape has at most ``max_cells`` cells.
+    """
+    n = draw(st.integers(min_ndim, max_ndim))
+    sizes = draw(st.lists(st.integers(1, max_size), min_size=n, max_size=n))
+    while math.prod(sizes) > max_cells:
+        sizes[sizes.index(max(sizes))] -= 1
+    return tuple(sizes)
+
+
+def _coordinate(size: int) -> st.SearchStrategy[float]:
+    """One normalized coordinate for an axis of length ``size``: inside, on a cell
+    centre, exactly on the border, or beyond it (``|x|`` up to 1.5)."""
+    centres = [float(v) for v in np.linspace(-1.0, 1.0, size)]
+    return st.one_of(
+        st.floats(-1.0, 1.0),
+        st.sampled_from(centres),
+        st.sampled_from([-1.0, 1.0]),
+        st.tuples(st.sampled_from([-1.0, 1.0]), st.floats(1.0, 1.5)).map(lambda t: t[0] * t[1]),
+    )
+
+
+def _smooth_coordinate(size: int) -> st.SearchStrategy[float]:
+    """A coordinate at which trilinear sampling is differentiable, with a margin.
+
+    Inside: voxel position ``i + f`` with ``f`` in ``[0.01, 0.99]`` (at least 1e-2
+    voxels from every cell centre and border). Outside: ``|x| >= 1.001``. An axis
+    of length 1 has no kinks that matter (the gradient is 0 everywhere).
+    """
+    if size == 1:
+        return st.floats(-1.5, 1.5)
+    inside = st.tuples(st.integers(0, size - 2), st.floats(0.01, 0.99)).map(
+        lambda t: 2.0 * (t[0] + t[1]) / (size - 1) - 1.0
+    )
+    outside = st.tuples(st.sampled_from([-1.0, 1.0]), st.floats(1.001, 1.5)).map(
+        lambda t: t[0] * t[1]
+    )
+    return st.one_of(inside, outside)
+
+
+@st.composite
+def coords_array(draw, batch: int, count: int, shape: tuple[int, ...]) -> np.ndarray:
+    """``(batch, count, n)`` coordinates, ``[..., k]`` addressing axis ``n - 1 - k``."""
+    n = len(shape)
+    values = [
+        [[draw(_coordinate(shape[n - 1 - k])) for k in range(n)] for _ in range(count)]
+        for _ in range(batch)
+    ]
+    return np.asarray(values, dtype=np.float64).reshape(batch, count, n)
+
+
+@st.composite
+def smooth_coords_array(draw, batch: int, count: int, shape: tuple[int, ...]) -> np.ndarray:
+    """Like :func:`coords_array` but away from every kink (for finite differences)."""
+    n = len(shape)
+    values = [
+        [[draw(_smooth_coordinate(shape[n - 1 - k])) for k in range(n)] for _ in range(count)]
+        for _ in range(batch)
+    ]
+    return np.asarray(values, dtype=np.float64).reshape(batch, count, n)
+
+
+def fd_step_for_sigma(sigma: np.ndarray, eps: float = 1e-6) -> float:
+    """A finite-difference step small against the narrowest Gaussian's width."""
+    width = math.sqrt((2.0 * float(np.min(sigma)) ** 2 + eps) / 2.0)
+    return min(1e-6, 1e-4 * width)
+
+
+def splat_margin_ok(shape: tuple[int, ...], mu: np.ndarray, sigma: np.ndarray,
+                    radius: float | None) -> bool:
+    """True when no cell centre is within ``1e-4 sigma + 1e-5`` of a truncation edge.
+
+    ``mu`` is ``(..., n)`` in grid_sample order and ``sigma`` is ``mu.shape[:-1]``.
+    Away from the edges the truncated splat is smooth, so finite differences apply.
+    """
+    if radius is None:
+        return True
+    n = len(shape)
+    for idx in np.ndindex(*mu.shape[:-1]):
+        for a in range(n):
+            gap = np.abs(np.abs(cell_centers(shape[a]) - mu[idx][n - 1 - a]) - radius * sigma[idx])
+            if np.min(gap) <= 1e-4 * sigma[idx] + 1e-5:
+                return False
+    return True
+
+
+def to_numpy(x: Any) -> np.ndarray:
+    """A NumPy copy of an array of any namespace (``__array__`` or DLPack)."""
+    try:
+        return np.array(np.asarray(x), copy=True)
+    except (TypeError, ValueError, RuntimeError):
+        return np.array(np.from_dlpack(x), copy=True)
+
+
+def assert_rel(actual: Any, expected: np.ndarray, tol: float, what: str,
+               floor: float = 1e-30) -> None:
+    """Assert ``relative_error(actual, expected, floor) <= tol`` with a helpful message."""
+    actual = to_numpy(actual)
+    expected = np.asarray(expected)
+    assert actual.shape == expected.shape, f"{what}: shape {actual.shape} != {expected.shape}"
+    err = relative_error(actual, expected, floor=floor)
+    assert err <= tol, (
+        f"{what}: relative error {err:.3g} > {tol:.1g}\nactual=\n{actual}\nexpected=\n{expected}"
+    )
+
+
+# ----------------------------------------------------------------------------- cases
+
+
+def _conv_params(rng: np.random.Generator, n: int, c_in: int, c_out: int) -> list[np.ndarray]:
+    return [
+        rng.standard_normal((n, c_in, 3)) * 0.6,
+        rng.standard_normal((n, c_in)) * 0.3,
+        rng.standard_normal((c_out, c_in)) / math.sqrt(c_in),
+        rng.standard_normal((c_out,)) * 0.3,
+    ]
+
+
+# ----------------------------------------------------------------------------- strategies
+
+
+@st.composite
+def sample_cases(draw, smooth: bool = False, max_cells: int = 24) -> dict:
+    shape = draw(grid_shapes(max_cells=max_cells))
+    batch, channels, queries = draw(st.integers(1, 2)), draw(st.integers(1, 3)), draw(
+        st.integers(1, 3))
+    rng = np.random.default_rng(draw(seeds))
+    make = smooth_coords_array if smooth else coords_array
+    return dict(
+        volume=rng.standard_normal((batch, channels, *shape)),
+        coords=draw(make(batch, queries, shape)),
+        g=rng.standard_normal((batch, queries, channels)),
+    )
+
+
+@st.composite
+def splat_cases(draw, smooth: bool = False, max_cells: int = 24) -> dict:
+    shape = draw(grid_shapes(max_cells=max_cells))
+    batch, k, channels = draw(st.integers(1, 2)), draw(st.integers(1, 3)), draw(st.integers(1, 3))
+    rng = np.random.default_rng(draw(seeds))
+    mu = draw(coords_array(batch, k, shape))
+    sigma = np.asarray(draw(st.lists(log_uniform_sigma, min_size=batch * k,
+                                     max_size=batch * k))).reshape(batch, k)
+    radius = draw(radii)
+    if smooth:
+        assume(splat_margin_ok(shape, mu, sigma, radius))
+    return dict(
+        content=rng.standard_normal((batch, k, channels)),
+        mu=mu,
+        sigma=sigma,
+        shape=shape,
+        radius=radius,
+        g=rng.standard_normal((batch, channels, *shape)),
+    )
+
+
+@st.composite
+def conv_cases(draw, max_cells: int = 24) -> dict:
+    shape = draw(grid_shapes(max_cells=max_cells))
+    batch, c_in, c_out = draw(st.integers(1, 2)), draw(st.integers(1, 3)), draw(st.integers(1, 3))
+    rng = np.random.default_rng(draw(seeds))
+    return dict(
+        x=rng.standard_normal((batch, c_in, *shape)),
+        params=_conv_params(rng, len(shape), c_in, c_out),
+        g=rng.standard_normal((batch, c_out, *shape)),
+    )
+
+
+@st.composite
+def lstm_cases(draw, max_cells: int = 24, max_channels: int = 3) -> dict:
+    shape = draw(grid_shapes(max_cells=max_cells))
+    batch, channels = draw(st.integers(1, 2)), draw(st.integers(1, max_channels))
+    rng = np.random.default_rng(draw(seeds))
+    state_shape = (batch, channels, *shape)
+    return dict(
+        x=rng.standard_normal(state_shape),
+        h=rng.standard_normal(state_shape),
+        c=rng.standard_normal(state_shape),
+        params=_conv_params(rng, len(shape), 2 * channels, 4 * channels),
+        g_h=rng.standard_normal(state_shape),
+        g_c=rng.standard_normal(state_shape),
+    )
+
+
+@st.composite
+def scan_cases(draw, smooth: bool = False, max_cells: int = 16, max_steps: int = 4,
+               max_channels: int = 3) -> dict:
+    shape = draw(grid_shapes(max_cells=max_cells))
+    batch, channels = draw(st.integers(1, 2)), draw(st.integers(1, max_channels))
+    steps = draw(st.integers(1, max_steps))
+    rng = np.random.default_rng(draw(seeds))
+    make = smooth_coords_array if smooth else coords_array
+    write_coords = draw(coords_array(batch, steps, shape))
+    write_sigma = np.asarray(draw(st.lists(log_uniform_sigma, min_size=batch * steps,
+                                           max_size=batch * steps))).reshape(batch, steps)
+    radius = draw(radii)
+    if smooth:
+        assume(splat_margin_ok(shape, write_coords, write_sigma, radius))
+    state_shape = (batch, channels, *shape)
+    return dict(
+        h0=rng.standard_normal(state_shape) * 0.5,
+        c0=rng.standard_normal(state_shape) * 0.5,
+        read_coords=draw(make(batch, steps, shape)),
+        write_coords=write_coords,
+        write_sigma=write_sigma,
+        write_content=rng.standard_normal((batch, steps, channels)),
+        params=_conv_params(rng, len(shape), 2 * channels, 4 * channels),
+        g_reads=rng.standard_normal((batch, steps, channels)),
+        g_h=rng.standard_normal(state_shape),
+        g_c=rng.standard_normal(state_shape),
+        radius=radius,
+        checkpoint_every=draw(st.integers(1, 3)),
+    )
+
+
+_SCAN_INPUTS = ("h0", "c0", "read_coords", "write_coords", "write_sigma", "write_content")

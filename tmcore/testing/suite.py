@@ -1,0 +1,16 @@
+"""The property suite as pytest items (see :mod:`tmcore.testing.pytest_plugin`)."""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import pytest
+
+from tmcore.testing.kit import run_property
+from tmcore.testing.properties import PROPERTIES
+
+
+@pytest.mark.parametrize("name", list(PROPERTIES))
+def test_tmcore_property(tmcore_namespace: ModuleType, tmcore_max_examples: int | None,
+                         name: str) -> None:
+    run_property(tmcore_namespace, name, max_examples=tmcore_max_examples)
