@@ -18,10 +18,14 @@ test: $(STAMP)
 	$(PY) -m pytest -q
 
 demo: $(STAMP)
-	$(PY) -m examples.numpy_recurrence
+	$(PY) -m examples.diagnostics demo
 
 lint: $(STAMP)
 	$(PY) -m ruff check tmcore backends adapters tests examples benchmarks
+
+# Regenerates BENCHMARKS.md and benchmarks/results/ (about 15 min on a 2-core CPU).
+bench: $(STAMP)
+	$(PY) -m benchmarks.run --quick
 
 clean-venv:
 	rm -rf $(VENV)

@@ -1,0 +1,95 @@
+"""Optional fast paths per array namespace, chosen at call time from the arrays.
+
+tmcore's public functions (and the scan step) call ``tmcore._dispatch.ops_for(xp)``,
+which asks :func:`ops_for_namespace` once per namespace and caches the answer.
+A backend module is imported only when arrays of its namespace arrive, and only
+if its framework is already in ``sys.modules`` (holding its array means it was
+imported), so ``import tmcore`` and ``import tmcore.backends`` import no framework.
+
+=================  ==========================================================
+namespace          fast paths (everything else: the generic array-API path)
+=================  ==========================================================
+PyTorch            ``grid_sample`` read and its ``grid_sampler`` backward
+                   (n = 1, 2, 3), grouped ``conv3d`` depthwise taps;
+                   float16 / bfloat16 computed in float32
+JAX                ``lax.conv_general_dilated`` depthwise taps (jit-safe,
+                   x64 on or off); float16 / bfloat16 computed in float32
+NumPy              in-place slice arithmetic for the depthwise taps
+CuPy               the generic path on the GPU (no kernel measured to win)
+any other          the generic path
+=================  ==========================================================
+
+Each fast path is measured against the generic one by
+``benchmarks/backend_fastpaths.py`` and tested against it (and the float64
+reference) by ``tests/test_backends.py``. Gradients are deterministic by
+default everywhere (see :mod:`tmcore.backends._torch` for CUDA).
+
+Forcing the generic path, for comparison and debugging::
+
+    with tmcore.backends.use_generic():
+        tmcore.trilinear_sample(volume, coords)
+
+or set the environment variable ``TMCORE_GENERIC=1`` before tmcore is imported
+(it sets the switch's default; ``use_generic(False)`` overrides it locally).
+Under ``jax.jit`` the choice is made while tracing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import array_api_compat
+
+from tmcore._dispatch import ENV_VAR, FORCE_GENERIC, Ops, generic_ops, ops_for
+
+__all__ = ["use_generic", "ops_for_namespace", "backend_name", "ops_for", "generic_ops",
+           "Ops", "ENV_VAR"]
+
+# (predicate on the namespace, framework that must already be imported, backend module)
+_REGISTRY: list[tuple[Callable[[Any], bool], str, str]] = [
+    (array_api_compat.is_torch_namespace, "torch", "tmcore.backends._torch"),
+    (array_api_compat.is_jax_namespace, "jax", "tmcore.backends._jax"),
+    (array_api_compat.is_numpy_namespace, "numpy", "tmcore.backends._numpy"),
+    (array_api_compat.is_cupy_namespace, "cupy", "tmcore.backends._cupy"),
+]
+
+
+def backend_name(xp: Any) -> str:
+    """Which backend serves namespace ``xp``: ``"torch"``, ``"jax"``, ``"numpy"``,
+    ``"cupy"`` or ``"generic"``."""
+    for is_namespace, framework, _ in _REGISTRY:
+        if is_namespace(xp):
+            return framework
+    return "generic"
+
+
+def ops_for_namespace(xp: Any, generic: Ops) -> Ops:
+    """Build the :class:`~tmcore._dispatch.Ops` table for ``xp`` (uncached; tmcore caches).
+
+    Each backend module exposes ``make_ops(generic) -> Ops`` and may reuse any
+    of ``generic``'s entries.
+    """
+    for is_namespace, framework, module in _REGISTRY:
+        if is_namespace(xp):
+            if framework not in sys.modules:
+                return generic
+            return importlib.import_module(module).make_ops(generic)
+    return generic
+
+
+@contextlib.contextmanager
+def use_generic(enabled: bool = True) -> Iterator[None]:
+    """Context manager forcing (or, with ``enabled=False``, un-forcing) the generic path.
+
+    Local to the current thread / asyncio task. ``TMCORE_GENERIC=1`` in the
+    environment when tmcore is imported makes forcing the default.
+    """
+    token = FORCE_GENERIC.set(enabled)
+    try:
+        yield
+    finally:
+        FORCE_GENERIC.reset(token)

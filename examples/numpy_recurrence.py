@@ -33,8 +33,8 @@ def make_problem(seed: int = 0, batch: int = 2, channels: int = 4, steps: int = 
 
 
 def main() -> None:
-    print("tmcore NumPy demo: write -> ConvLSTM update -> read back, trained with hand-written VJPs")
-    print("(the full diagnostic suite replaces this demo once it lands)\n")
+    print("tmcore NumPy demo: write -> ConvLSTM update -> read back,")
+    print("trained with tmcore's hand-written VJPs (no autodiff framework)\n")
     h0, c0, read_coords, write_coords, write_sigma, content, params = make_problem()
     target = np.tanh(np.random.default_rng(1).normal(size=content.shape)) * 0.5
 
@@ -56,7 +56,9 @@ def main() -> None:
         grads = tmcore.memory_scan_vjp(h0, c0, read_coords, write_coords, write_sigma,
                                        content, params, g_reads)
         content = content - learning_rate * grads.write_content
-        params = tmcore.ConvParams(*(p - learning_rate * g for p, g in zip(params, grads.params)))
+        params = tmcore.ConvParams(
+            *(p - learning_rate * g for p, g in zip(params, grads.params, strict=True))
+        )
         losses.append(loss)
         if step % 10 == 0 or step == 99:
             print(f"{step:>4}  {loss:>10.6f}")

@@ -9,6 +9,12 @@ returns that namespace's arrays; every forward has a hand-written VJP.
 ``import tmcore`` imports no framework.
 """
 
+from tmcore._validate import (
+    VALIDATE_ENV_VAR,
+    set_validation,
+    validation,
+    validation_enabled,
+)
 from tmcore.addressing import (
     cell_centers,
     normalized_to_voxel,
@@ -40,6 +46,7 @@ from tmcore.splat import gaussian_splat, gaussian_splat_vjp
 __version__ = "0.1.0"
 
 __all__ = [
+    "VALIDATE_ENV_VAR",
     "ConvParams",
     "ScanGrads",
     "StepInputs",
@@ -61,7 +68,10 @@ __all__ = [
     "squash_coords",
     "squash_coords_vjp",
     "trilinear_sample",
+    "set_validation",
     "trilinear_sample_vjp",
+    "validation",
+    "validation_enabled",
     "voxel_to_normalized",
     "xavier_uniform_bound",
 ]

@@ -2,11 +2,29 @@
 
 Errors name the argument, what was given and what was expected, so a user who
 passes a wrong shape learns which one without reading tmcore's source.
+
+Two tiers (README, "Errors and numerics"):
+
+- **Always** (no device-to-host sync; only shapes, dtypes, namespaces, devices
+  and Python scalars are inspected): every check in this module except
+  :func:`check_values` / :func:`check_positive`.
+- **Validate mode** (reads array values, so it synchronizes with the device):
+  every array argument finite, every ``sigma`` > 0. Off by default; on with
+  ``with tmcore.validation(): ...``, ``tmcore.set_validation(True)`` or the
+  environment variable ``TMCORE_VALIDATE=1``. Values that are not concrete
+  (under ``jax.jit`` / ``vmap`` tracing, torch meta or fake tensors) are not
+  checked even then.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import contextvars
+import math
+import numbers
+import operator
+import os
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import array_api_compat
@@ -15,39 +33,171 @@ __all__ = [
     "namespace_of",
     "check_rank",
     "check_dim",
+    "check_nonempty",
     "check_floating",
     "check_grid_shape",
+    "check_int",
+    "check_eps",
+    "check_radius",
+    "check_positive_scalar",
+    "check_values",
+    "check_positive",
+    "require_array",
+    "validation",
+    "set_validation",
+    "validation_enabled",
+    "VALIDATE_ENV_VAR",
+    "OPTIONAL_ARRAYS",
 ]
 
 MAX_SPATIAL_RANK = 4
+
+#: Environment variable switching validate mode on (any value but "", "0").
+VALIDATE_ENV_VAR = "TMCORE_VALIDATE"
+
+#: Argument names :func:`namespace_of` lets be ``None``: the cotangents, which the
+#: shared forward/VJP validators leave out for the forward. A public VJP whose
+#: cotangent is required checks it with :func:`require_array`.
+OPTIONAL_ARRAYS = frozenset({"g", "g_reads", "g_h", "g_c"})
+
+_VALIDATE: contextvars.ContextVar[bool | None] = contextvars.ContextVar(
+    "tmcore_validate", default=None
+)
+_GLOBAL_VALIDATE: list[bool | None] = [None]
+
+
+# --------------------------------------------------------------------------- validate mode
+
+
+def validation_enabled() -> bool:
+    """Whether validate mode is on: the innermost :func:`validation` context, else
+    :func:`set_validation`, else the environment variable ``TMCORE_VALIDATE``."""
+    local = _VALIDATE.get()
+    if local is not None:
+        return local
+    if _GLOBAL_VALIDATE[0] is not None:
+        return _GLOBAL_VALIDATE[0]
+    return os.environ.get(VALIDATE_ENV_VAR, "") not in ("", "0")
+
+
+def set_validation(enabled: bool | None) -> None:
+    """Switch validate mode on or off for the whole process (``None``: back to the
+    environment variable). A :func:`validation` context overrides it locally."""
+    if enabled is not None and not isinstance(enabled, bool):
+        raise TypeError(f"enabled: expected True, False or None, got {enabled!r}")
+    _GLOBAL_VALIDATE[0] = enabled
+
+
+@contextlib.contextmanager
+def validation(enabled: bool = True) -> Iterator[None]:
+    """Context manager: validate mode on (or, with ``enabled=False``, off) inside.
+
+    Local to the current thread / asyncio task. In validate mode every public
+    function also checks that its array arguments are finite (no NaN or inf)
+    and that ``sigma`` is > 0; each check reads the values back to the host.
+    """
+    if not isinstance(enabled, bool):
+        raise TypeError(f"enabled: expected True or False, got {enabled!r}")
+    token = _VALIDATE.set(enabled)
+    try:
+        yield
+    finally:
+        _VALIDATE.reset(token)
+
+
+def _concrete_bool(value: Any) -> bool | None:
+    """``bool(value)``, or ``None`` when the value is not concrete (a tracer, a
+    meta / fake tensor, a lazy array): those are not checked."""
+    try:
+        return bool(value)
+    except Exception:  # each framework raises its own type for abstract values
+        return None
+
+
+def check_values(xp: Any, arrays: dict[str, Any]) -> None:
+    """Validate mode only: raise ``ValueError`` naming the first array that holds NaN or inf."""
+    if not validation_enabled():
+        return
+    for name, value in arrays.items():
+        if value is None:
+            continue
+        finite = _concrete_bool(xp.all(xp.isfinite(value)))
+        if finite is False:
+            bad = int(xp.sum(xp.astype(~xp.isfinite(value), xp.int32)))
+            raise ValueError(
+                f"{name}: expected finite values (validate mode), got {bad} NaN or inf "
+                f"of {math.prod(value.shape)} in an array of shape {tuple(value.shape)}"
+            )
+
+
+def check_positive(xp: Any, name: str, value: Any) -> None:
+    """Validate mode only: raise ``ValueError`` unless every entry of ``value`` is > 0."""
+    if not validation_enabled() or math.prod(value.shape) == 0:
+        return
+    positive = _concrete_bool(xp.all(value > 0))
+    if positive is False:
+        smallest = float(xp.min(value))
+        raise ValueError(f"{name}: expected every value > 0 (validate mode), got a minimum "
+                         f"of {smallest!r} in an array of shape {tuple(value.shape)}")
+
+
+# --------------------------------------------------------------------------- always
+
+
+def require_array(name: str, value: Any) -> None:
+    """Raise ``TypeError`` if a required array argument is ``None``."""
+    if value is None:
+        raise TypeError(f"{name}: expected an array, got None")
 
 
 def namespace_of(**arrays: Any) -> Any:
     """Return the single array-API namespace shared by ``arrays`` (name -> array).
 
-    ``None`` values are skipped. Raises ``TypeError`` naming the first argument
-    that is not an array, that belongs to a different namespace than the first
-    one, or that does not have a real floating dtype.
+    Raises ``TypeError`` naming the first argument that is not an array (``None``
+    is allowed only for the cotangent names in :data:`OPTIONAL_ARRAYS`), that
+    belongs to a different namespace than the first one, or that does not have
+    a real floating dtype; ``ValueError`` for an array on a different device
+    than the first one. In validate mode every array must also be finite.
     """
     found = None
     first_name = None
+    first_device = None
+    present: dict[str, Any] = {}
     for name, value in arrays.items():
         if value is None:
-            continue
+            if name.rpartition(".")[2] in OPTIONAL_ARRAYS:
+                continue
+            raise TypeError(f"{name}: expected an array, got None")
         if not array_api_compat.is_array_api_obj(value):
             raise TypeError(f"{name}: expected an array, got {type(value).__name__}")
         ns = array_api_compat.array_namespace(value)
+        device = _device_or_none(value)
         if found is None:
-            found, first_name = ns, name
+            found, first_name, first_device = ns, name, device
         elif ns is not found:
             raise TypeError(
                 f"{name}: all arrays must come from one namespace; {first_name} is "
                 f"{found.__name__}, {name} is {ns.__name__}"
             )
+        elif device is not None and first_device is not None and device != first_device:
+            raise ValueError(
+                f"{name}: all arrays must be on one device; {first_name} is on "
+                f"{first_device}, {name} is on {device}"
+            )
         check_floating(ns, name, value)
+        present[name] = value
     if found is None:
         raise TypeError("no array arguments were given")
+    check_values(found, present)
     return found
+
+
+def _device_or_none(x: Any) -> Any:
+    """The array's device, or ``None`` where it has none to compare (a JAX tracer)."""
+    try:
+        return array_api_compat.device(x)
+    except Exception:  # an abstract array without a device
+        return None
 
 
 def check_floating(xp: Any, name: str, x: Any) -> None:
@@ -74,15 +224,83 @@ def check_dim(name: str, x: Any, axis: int, expected: int, layout: str, what: st
         )
 
 
+def check_nonempty(name: str, x: Any, layout: str, axes: Sequence[int] | None = None) -> None:
+    """Raise ``ValueError`` if any of ``axes`` (default: all) of ``x`` has length 0."""
+    shape = tuple(x.shape)
+    axes = range(len(shape)) if axes is None else axes
+    if any(shape[a] == 0 for a in axes):
+        raise ValueError(f"{name}: expected shape {layout} with no zero-size axis, "
+                         f"got shape {shape}")
+
+
 def check_grid_shape(name: str, shape: Any) -> tuple[int, ...]:
-    """Validate a spatial grid shape: 1..4 positive integers. Returns it as a tuple."""
+    """Validate a spatial grid shape: 1..4 positive integers. Returns it as a tuple.
+
+    ``TypeError`` for a non-sequence, a string or a non-integer entry (floats and
+    bools included); ``ValueError`` for the wrong length or a size < 1.
+    """
+    expected = f"{name}: expected a tuple of 1 to 4 positive ints"
+    if isinstance(shape, (str, bytes)):
+        raise TypeError(f"{expected}, got {shape!r}")
     try:
-        dims = tuple(int(s) for s in shape)
+        entries = tuple(shape)
     except TypeError:
-        message = f"{name}: expected a tuple of 1 to 4 positive ints, got {shape!r}"
-        raise TypeError(message) from None
+        raise TypeError(f"{expected}, got {shape!r}") from None
+    dims = []
+    for s in entries:
+        if isinstance(s, bool):
+            raise TypeError(f"{expected}, got {shape!r} (a bool entry)")
+        try:
+            dims.append(operator.index(s))
+        except TypeError:
+            raise TypeError(f"{expected}, got {shape!r} (entry {s!r} is not an int)") from None
     if not 1 <= len(dims) <= MAX_SPATIAL_RANK or any(s < 1 for s in dims):
-        raise ValueError(f"{name}: expected a tuple of 1 to 4 positive ints, got {shape!r}")
-    if any(int(s) != s for s in shape):
-        raise TypeError(f"{name}: expected integer sizes, got {shape!r}")
-    return dims
+        raise ValueError(f"{expected}, got {shape!r}")
+    return tuple(dims)
+
+
+def check_int(name: str, value: Any, minimum: int, maximum: int | None = None) -> int:
+    """An integer (Python or NumPy, not bool) in ``[minimum, maximum]``; returned as int."""
+    bounds = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
+    if isinstance(value, bool):
+        raise TypeError(f"{name}: expected an int {bounds}, got {value!r}")
+    try:
+        number = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name}: expected an int {bounds}, got {value!r}") from None
+    if number < minimum or (maximum is not None and number > maximum):
+        raise ValueError(f"{name}: expected an int {bounds}, got {value!r}")
+    return number
+
+
+def _real(name: str, value: Any, expected: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name}: expected {expected}, got {value!r}")
+    return float(value)
+
+
+def check_eps(eps: Any, name: str = "eps") -> float:
+    """A finite real number >= 0 (the Gaussian's denominator offset)."""
+    value = _real(name, eps, "a finite number >= 0")
+    if not (math.isfinite(value) and value >= 0.0):
+        raise ValueError(f"{name}: expected a finite number >= 0, got {eps!r}")
+    return value
+
+
+def check_radius(radius: Any, name: str = "radius") -> float | None:
+    """``None`` or a real number > 0 (``inf`` allowed: no truncation)."""
+    if radius is None:
+        return None
+    value = _real(name, radius, "a positive number of sigmas or None")
+    if not value > 0.0:
+        raise ValueError(f"{name}: expected a positive number of sigmas or None, got {radius!r}")
+    return value
+
+
+def check_positive_scalar(name: str, value: Any) -> None:
+    """A finite real number > 0 (array-valued scales are left unchecked)."""
+    if array_api_compat.is_array_api_obj(value) and not isinstance(value, numbers.Real):
+        return
+    number = _real(name, value, "a finite number > 0")
+    if not (math.isfinite(number) and number > 0.0):
+        raise ValueError(f"{name}: expected a finite number > 0, got {value!r}")

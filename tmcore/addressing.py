@@ -14,7 +14,12 @@ from typing import Any
 import array_api_compat
 
 from tmcore._math import sigmoid, softplus, tanh_grad_from_output
-from tmcore._validate import check_dim, check_grid_shape, namespace_of
+from tmcore._validate import (
+    check_dim,
+    check_grid_shape,
+    check_positive_scalar,
+    namespace_of,
+)
 
 __all__ = [
     "axis_of_component",
@@ -64,16 +69,31 @@ def normalized_to_voxel(coords: Any, shape: Sequence[int]) -> Any:
     """
     dims = check_grid_shape("shape", shape)
     xp = namespace_of(coords=coords)
+    if coords.ndim < 1:
+        raise ValueError("coords: expected shape (..., n) (at least 1 dim), got shape ()")
     check_dim("coords", coords, -1, len(dims), "(..., n)", "n = len(shape)")
     return (coords + 1.0) * _scale_per_component(xp, coords, dims)
 
 
 def voxel_to_normalized(voxel: Any, shape: Sequence[int]) -> Any:
-    """Inverse of :func:`normalized_to_voxel` (for axes with ``S_a > 1``)."""
+    """Inverse of :func:`normalized_to_voxel` (every axis needs ``S_a > 1``)."""
     dims = check_grid_shape("shape", shape)
+    if min(dims) < 2:
+        raise ValueError(f"shape: expected every size >= 2 (a size-1 axis has no voxel "
+                         f"scale to invert), got {tuple(shape)!r}")
     xp = namespace_of(voxel=voxel)
+    if voxel.ndim < 1:
+        raise ValueError("voxel: expected shape (..., n) (at least 1 dim), got shape ()")
     check_dim("voxel", voxel, -1, len(dims), "(..., n)", "n = len(shape)")
     return voxel / _scale_per_component(xp, voxel, dims) - 1.0
+
+
+def _same_shape(name: str, x: Any, ref_name: str, ref: Any) -> None:
+    if x is None:
+        raise TypeError(f"{name}: expected an array, got None")
+    if tuple(x.shape) != tuple(ref.shape):
+        raise ValueError(f"{name}: expected the shape of {ref_name} {tuple(ref.shape)}, "
+                         f"got {tuple(x.shape)}")
 
 
 def squash_coords(logits: Any) -> Any:
@@ -85,16 +105,20 @@ def squash_coords(logits: Any) -> Any:
 def squash_coords_vjp(logits: Any, g: Any) -> Any:
     """VJP of :func:`squash_coords`: ``g * (1 - tanh(logits)^2)``."""
     xp = namespace_of(logits=logits, g=g)
+    _same_shape("g", g, "logits", logits)
     return g * tanh_grad_from_output(xp.tanh(logits))
 
 
 def sigma_from_logit(logit: Any, sigma_scale: float = 1.0) -> Any:
     """Write spread ``(softplus(logit) + 1e-4) * sigma_scale`` (always > 0)."""
     xp = namespace_of(logit=logit)
+    check_positive_scalar("sigma_scale", sigma_scale)
     return (softplus(xp, logit) + MIN_SIGMA) * sigma_scale
 
 
 def sigma_from_logit_vjp(logit: Any, g: Any, sigma_scale: float = 1.0) -> Any:
     """VJP of :func:`sigma_from_logit`: ``g * sigmoid(logit) * sigma_scale``."""
     xp = namespace_of(logit=logit, g=g)
+    _same_shape("g", g, "logit", logit)
+    check_positive_scalar("sigma_scale", sigma_scale)
     return g * sigmoid(xp, logit) * sigma_scale

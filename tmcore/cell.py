@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+from tmcore._dispatch import ops_for
 from tmcore._math import sigmoid, sigmoid_grad_from_output, tanh_grad_from_output
-from tmcore._validate import check_rank, namespace_of
-from tmcore.conv import ConvParams, conv_bwd, conv_fwd, validate_conv_params
+from tmcore._validate import check_nonempty, check_rank, namespace_of, require_array
+from tmcore.conv import ConvParams, as_conv_params, validate_conv_params
 
 __all__ = ["convlstm_step", "convlstm_step_vjp", "CellCache"]
 
@@ -19,7 +20,7 @@ __all__ = ["convlstm_step", "convlstm_step_vjp", "CellCache"]
 class CellCache(NamedTuple):
     """What the backward of one step needs (recomputed, never stored across steps)."""
 
-    conv_stages: list
+    conv_stages: Any  # the conv residuals of ops_for(xp).conv_fwd (generic: stage inputs)
     c: Any
     gates: tuple  # (i, f, o, g) after their nonlinearities, each (B, C, *S)
     tanh_c_new: Any
@@ -27,7 +28,7 @@ class CellCache(NamedTuple):
 
 def cell_fwd(xp: Any, x: Any, h: Any, c: Any, params: ConvParams) -> tuple[Any, Any, CellCache]:
     """One ConvLSTM step without validation; returns ``(h', c', cache)``."""
-    z, stages = conv_fwd(xp, xp.concat([x, h], axis=1), params)
+    z, stages = ops_for(xp).conv_fwd(xp, xp.concat([x, h], axis=1), params)
     channels = h.shape[1]
     i = sigmoid(xp, z[:, :channels, ...])
     f = sigmoid(xp, z[:, channels : 2 * channels, ...])
@@ -54,7 +55,7 @@ def cell_bwd(
         ],
         axis=1,
     )
-    d_xh, d_params = conv_bwd(xp, cache.conv_stages, params, d_z)
+    d_xh, d_params = ops_for(xp).conv_bwd(xp, cache.conv_stages, params, d_z)
     channels = i.shape[1]
     return d_xh[:, :channels, ...], d_xh[:, channels:, ...], d_c_new * f, d_params
 
@@ -62,13 +63,14 @@ def cell_bwd(
 def validate_state(h: Any, c: Any, h_name: str = "h", c_name: str = "c") -> None:
     """Check ``h`` and ``c`` are ``(B, C, *S)`` with the same shape."""
     check_rank(h_name, h, (3, 4, 5, 6), "(B, C, *S) with 1 to 4 spatial axes")
+    check_nonempty(h_name, h, "(B, C, *S)")
     if tuple(c.shape) != tuple(h.shape):
         raise ValueError(f"{c_name}: expected the shape of {h_name} {tuple(h.shape)}, "
                          f"got {tuple(c.shape)}")
 
 
 def _validate(x, h, c, params, g_h=None, g_c=None):
-    params = ConvParams(*params)
+    params = as_conv_params(params)
     xp = namespace_of(x=x, h=h, c=c, g_h=g_h, g_c=g_c,
                       **{f"params.{k}": v for k, v in params._asdict().items()})
     validate_state(h, c)
@@ -109,6 +111,8 @@ def convlstm_step_vjp(
 
     Returns ``(d_x, d_h, d_c, d_params)``.
     """
+    require_array("g_h", g_h)
+    require_array("g_c", g_c)
     xp, params = _validate(x, h, c, params, g_h, g_c)
     _, _, cache = cell_fwd(xp, x, h, c, params)
     return cell_bwd(xp, cache, params, g_h, g_c)

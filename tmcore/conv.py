@@ -12,7 +12,14 @@ from typing import Any, NamedTuple
 
 import array_api_compat
 
-from tmcore._validate import check_rank, namespace_of
+from tmcore._dispatch import ops_for
+from tmcore._validate import (
+    check_int,
+    check_nonempty,
+    check_rank,
+    namespace_of,
+    require_array,
+)
 
 __all__ = [
     "ConvParams",
@@ -42,6 +49,7 @@ class ConvParams(NamedTuple):
 
 def xavier_uniform_bound(c_in: int, c_out: int) -> float:
     """Half-width of the Xavier-uniform range for a ``(c_out, c_in)`` matrix."""
+    c_in, c_out = check_int("c_in", c_in, 1), check_int("c_out", c_out, 1)
     return math.sqrt(6.0 / (c_in + c_out))
 
 
@@ -54,6 +62,7 @@ def conv_params_from_pointwise(pointwise_weight: Any, ndim: int) -> ConvParams:
     """
     xp = namespace_of(pointwise_weight=pointwise_weight)
     check_rank("pointwise_weight", pointwise_weight, 2, "(C_out, C_in)")
+    ndim = check_int("ndim", ndim, 1, 4)
     c_out, c_in = pointwise_weight.shape
     kw = {"dtype": pointwise_weight.dtype, "device": array_api_compat.device(pointwise_weight)}
     centre = xp.asarray([0.0, 1.0, 0.0], **kw)
@@ -66,19 +75,20 @@ def conv_params_from_pointwise(pointwise_weight: Any, ndim: int) -> ConvParams:
     )
 
 
-def shift(xp: Any, x: Any, axis: int, offset: int) -> Any:
-    """Shift along ``axis`` with zero fill: ``offset=+1`` gives ``y[i] = x[i-1]``,
-    ``offset=-1`` gives ``y[i] = x[i+1]``."""
+def neighbours(xp: Any, x: Any, axis: int) -> tuple[Any, Any]:
+    """Zero-filled neighbours along ``axis``: ``(prev, next)`` with ``prev[i] = x[i-1]``
+    and ``next[i] = x[i+1]``. One padded copy, two slices (views where the
+    namespace has them)."""
     size = x.shape[axis]
     pad_shape = list(x.shape)
     pad_shape[axis] = 1
     pad = xp.zeros(tuple(pad_shape), dtype=x.dtype, device=array_api_compat.device(x))
+    padded = xp.concat([pad, x, pad], axis=axis)
     index = [slice(None)] * x.ndim
-    if offset > 0:
-        index[axis] = slice(0, size - 1)
-        return xp.concat([pad, x[tuple(index)]], axis=axis)
-    index[axis] = slice(1, size)
-    return xp.concat([x[tuple(index)], pad], axis=axis)
+    index[axis] = slice(0, size)
+    prev = padded[tuple(index)]
+    index[axis] = slice(2, size + 2)
+    return prev, padded[tuple(index)]
 
 
 def _channel_view(x: Any, ndim: int) -> tuple[int, ...]:
@@ -93,12 +103,8 @@ def depthwise_axis(xp: Any, x: Any, taps: Any, bias: Any, axis: int) -> Any:
     w_prev = xp.reshape(taps[:, 0], view)
     w_mid = xp.reshape(taps[:, 1], view)
     w_next = xp.reshape(taps[:, 2], view)
-    return (
-        w_prev * shift(xp, x, dim, +1)
-        + w_mid * x
-        + w_next * shift(xp, x, dim, -1)
-        + xp.reshape(bias, view)
-    )
+    prev, nxt = neighbours(xp, x, dim)
+    return w_prev * prev + w_mid * x + w_next * nxt + xp.reshape(bias, view)
 
 
 def conv_fwd(xp: Any, x: Any, params: ConvParams) -> tuple[Any, list[Any]]:
@@ -136,20 +142,22 @@ def conv_bwd(xp: Any, stages: list[Any], params: ConvParams, g: Any) -> tuple[An
         x_in = stages[axis]
         dim = axis + 2
         taps = params.depthwise_weight[axis, ...]
+        x_prev, x_next = neighbours(xp, x_in, dim)
         d_taps[axis] = xp.stack(
             [
-                xp.sum(d_y * shift(xp, x_in, dim, +1), axis=reduce_axes),
+                xp.sum(d_y * x_prev, axis=reduce_axes),
                 xp.sum(d_y * x_in, axis=reduce_axes),
-                xp.sum(d_y * shift(xp, x_in, dim, -1), axis=reduce_axes),
+                xp.sum(d_y * x_next, axis=reduce_axes),
             ],
             axis=-1,
         )
         d_biases[axis] = xp.sum(d_y, axis=reduce_axes)
         view = _channel_view(taps[:, 0], n)
+        g_prev, g_next = neighbours(xp, d_y, dim)
         d_y = (
-            xp.reshape(taps[:, 0], view) * shift(xp, d_y, dim, -1)
+            xp.reshape(taps[:, 0], view) * g_next
             + xp.reshape(taps[:, 1], view) * d_y
-            + xp.reshape(taps[:, 2], view) * shift(xp, d_y, dim, +1)
+            + xp.reshape(taps[:, 2], view) * g_prev
         )
     d_params = ConvParams(
         depthwise_weight=xp.stack(d_taps, axis=0),
@@ -160,12 +168,20 @@ def conv_bwd(xp: Any, stages: list[Any], params: ConvParams, g: Any) -> tuple[An
     return d_y, d_params
 
 
+def as_conv_params(params: Any, name: str = "params") -> ConvParams:
+    """``params`` as :class:`ConvParams`; ``TypeError`` unless it is a 4-tuple (or list)."""
+    if not isinstance(params, (tuple, list)) or len(params) != 4:
+        given = type(params).__name__
+        if isinstance(params, (tuple, list)):
+            given = f"a {given} of {len(params)} entries"
+        raise TypeError(f"{name}: expected ConvParams(depthwise_weight, depthwise_bias, "
+                        f"pointwise_weight, pointwise_bias), got {given}")
+    return ConvParams(*params)
+
+
 def validate_conv_params(params: ConvParams, ndim: int, c_in: int, name: str = "params") -> None:
     """Check the four fields' shapes against ``ndim`` spatial axes and ``c_in`` channels."""
-    if not isinstance(params, tuple) or len(params) != 4:
-        raise TypeError(f"{name}: expected ConvParams(depthwise_weight, depthwise_bias, "
-                        f"pointwise_weight, pointwise_bias), got {type(params).__name__}")
-    params = ConvParams(*params)
+    params = as_conv_params(params, name)
     c_out = params.pointwise_weight.shape[0] if params.pointwise_weight.ndim == 2 else -1
     expected = {
         "depthwise_weight": (ndim, c_in, 3),
@@ -180,9 +196,10 @@ def validate_conv_params(params: ConvParams, ndim: int, c_in: int, name: str = "
 
 
 def _validate(x: Any, params: ConvParams, g: Any = None) -> Any:
-    check_rank("x", x, (3, 4, 5, 6), "(B, C_in, *S) with 1 to 4 spatial axes")
-    params = ConvParams(*params)
+    params = as_conv_params(params)
     xp = namespace_of(x=x, g=g, **{f"params.{k}": v for k, v in params._asdict().items()})
+    check_rank("x", x, (3, 4, 5, 6), "(B, C_in, *S) with 1 to 4 spatial axes")
+    check_nonempty("x", x, "(B, C_in, *S)")
     validate_conv_params(params, x.ndim - 2, x.shape[1])
     if g is not None:
         expected = (x.shape[0], params.pointwise_weight.shape[0], *x.shape[2:])
@@ -194,7 +211,7 @@ def _validate(x: Any, params: ConvParams, g: Any = None) -> Any:
 def factorized_conv(x: Any, params: ConvParams) -> Any:
     """Apply the factorized conv to ``x (B, C_in, *S)``; returns ``(B, C_out, *S)``."""
     xp = _validate(x, params)
-    return conv_fwd(xp, x, ConvParams(*params))[0]
+    return ops_for(xp).conv_fwd(xp, x, ConvParams(*params))[0]
 
 
 def factorized_conv_vjp(x: Any, params: ConvParams, g: Any) -> tuple[Any, ConvParams]:
@@ -202,7 +219,9 @@ def factorized_conv_vjp(x: Any, params: ConvParams, g: Any) -> tuple[Any, ConvPa
 
     Returns ``(d_x (B, C_in, *S), d_params: ConvParams)``.
     """
+    require_array("g", g)
     xp = _validate(x, params, g)
     params = ConvParams(*params)
-    _, stages = conv_fwd(xp, x, params)
-    return conv_bwd(xp, stages, params, g)
+    ops = ops_for(xp)
+    _, residuals = ops.conv_fwd(xp, x, params)
+    return ops.conv_bwd(xp, residuals, params, g)

@@ -14,8 +14,9 @@ from typing import Any
 
 import array_api_compat
 
+from tmcore._dispatch import ops_for
 from tmcore._separable import outer_product
-from tmcore._validate import check_dim, check_rank, namespace_of
+from tmcore._validate import check_dim, check_nonempty, check_rank, namespace_of, require_array
 from tmcore.addressing import axis_of_component
 
 __all__ = ["trilinear_sample", "trilinear_sample_vjp", "tent_profiles"]
@@ -86,6 +87,7 @@ def sample_bwd(xp: Any, volume: Any, coords: Any, g: Any) -> tuple[Any, Any]:
 def _validate(volume: Any, coords: Any, g: Any = None) -> Any:
     xp = namespace_of(volume=volume, coords=coords, g=g)
     check_rank("volume", volume, (3, 4, 5, 6), "(B, C, *S) with 1 to 4 spatial axes")
+    check_nonempty("volume", volume, "(B, C, *S)")
     n = volume.ndim - 2
     check_rank("coords", coords, 3, "(B, Q, n)")
     check_dim("coords", coords, 0, volume.shape[0], "(B, Q, n)", "B = volume.shape[0]")
@@ -112,7 +114,7 @@ def trilinear_sample(volume: Any, coords: Any) -> Any:
     ``(B, Q, C)`` in the input's namespace, device and dtype.
     """
     xp = _validate(volume, coords)
-    return sample_fwd(xp, volume, coords)
+    return ops_for(xp).sample_fwd(xp, volume, coords)
 
 
 def trilinear_sample_vjp(volume: Any, coords: Any, g: Any) -> tuple[Any, Any]:
@@ -120,5 +122,6 @@ def trilinear_sample_vjp(volume: Any, coords: Any, g: Any) -> tuple[Any, Any]:
 
     Returns ``(d_volume (B, C, *S), d_coords (B, Q, n))``.
     """
+    require_array("g", g)
     xp = _validate(volume, coords, g)
-    return sample_bwd(xp, volume, coords, g)
+    return ops_for(xp).sample_bwd(xp, volume, coords, g)

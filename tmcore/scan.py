@@ -12,11 +12,19 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-from tmcore._validate import check_rank, namespace_of
+from tmcore._dispatch import ops_for
+from tmcore._validate import (
+    check_eps,
+    check_int,
+    check_positive,
+    check_radius,
+    check_rank,
+    namespace_of,
+    require_array,
+)
 from tmcore.cell import cell_bwd, cell_fwd, validate_state
-from tmcore.conv import ConvParams, validate_conv_params
-from tmcore.sampling import sample_bwd, sample_fwd
-from tmcore.splat import DEFAULT_EPS, splat_bwd, splat_fwd
+from tmcore.conv import ConvParams, as_conv_params, validate_conv_params
+from tmcore.splat import DEFAULT_EPS
 
 __all__ = [
     "StepInputs",
@@ -65,9 +73,13 @@ def step_fwd(
     xp: Any, h: Any, c: Any, inputs: StepInputs, params: ConvParams, eps: float,
     radius: float | None,
 ) -> tuple[Any, Any, Any]:
-    """One chunk step; returns ``(read (B, C), h', c')``. No validation."""
-    read = sample_fwd(xp, h, inputs.read_coords[:, None, :])[:, 0, :]
-    written = splat_fwd(
+    """One chunk step; returns ``(read (B, C), h', c')``. No validation.
+
+    Each primitive runs through ``ops_for(xp)`` (a backend fast path or the generic one).
+    """
+    ops = ops_for(xp)
+    read = ops.sample_fwd(xp, h, inputs.read_coords[:, None, :])[:, 0, :]
+    written = ops.splat_fwd(
         xp, inputs.write_content[:, None, :], inputs.write_coords[:, None, :],
         inputs.write_sigma[:, None], tuple(h.shape[2:]), eps, radius,
     )
@@ -83,15 +95,16 @@ def step_bwd(
 
     Returns ``(d_h, d_c, d_inputs, d_params)``.
     """
+    ops = ops_for(xp)
     shape = tuple(h.shape[2:])
     content = inputs.write_content[:, None, :]
     mu = inputs.write_coords[:, None, :]
     sigma = inputs.write_sigma[:, None]
-    written = splat_fwd(xp, content, mu, sigma, shape, eps, radius)
+    written = ops.splat_fwd(xp, content, mu, sigma, shape, eps, radius)
     _, _, cache = cell_fwd(xp, written, h, c, params)
     d_written, d_h, d_c, d_params = cell_bwd(xp, cache, params, g_h, g_c)
-    d_content, d_mu, d_sigma = splat_bwd(xp, content, mu, sigma, shape, d_written, eps, radius)
-    d_h_read, d_read_coords = sample_bwd(
+    d_content, d_mu, d_sigma = ops.splat_bwd(xp, content, mu, sigma, shape, d_written, eps, radius)
+    d_h_read, d_read_coords = ops.sample_bwd(
         xp, h, inputs.read_coords[:, None, :], g_read[:, None, :]
     )
     d_inputs = StepInputs(d_read_coords[:, 0, :], d_mu[:, 0, :], d_sigma[:, 0], d_content[:, 0, :])
@@ -169,8 +182,8 @@ def memory_scan_bwd(
 
 
 def _validate(h0, c0, read_coords, write_coords, write_sigma, write_content, params,
-              checkpoint_every, radius, g_reads=None, g_h=None, g_c=None):
-    params = ConvParams(*params)
+              checkpoint_every, radius, g_reads=None, g_h=None, g_c=None, eps=DEFAULT_EPS):
+    params = as_conv_params(params)
     xp = namespace_of(
         h0=h0, c0=c0, read_coords=read_coords, write_coords=write_coords,
         write_sigma=write_sigma, write_content=write_content, g_reads=g_reads, g_h=g_h, g_c=g_c,
@@ -203,14 +216,13 @@ def _validate(h0, c0, read_coords, write_coords, write_sigma, write_content, par
         raise ValueError(f"params.pointwise_weight: expected shape (4C, 2C) = "
                          f"{(4 * channels, 2 * channels)}, got "
                          f"{tuple(params.pointwise_weight.shape)}")
-    if isinstance(checkpoint_every, bool) or not isinstance(checkpoint_every, int) \
-            or checkpoint_every < 1:
-        raise ValueError(f"checkpoint_every: expected an int >= 1, got {checkpoint_every!r}")
-    if radius is not None and not radius > 0:
-        raise ValueError(f"radius: expected a positive number of sigmas or None, got {radius!r}")
+    check_int("checkpoint_every", checkpoint_every, 1)
+    check_radius(radius)
+    check_eps(eps)
     if steps < 1:
         raise ValueError(f"read_coords: expected at least one step (T >= 1), got shape "
                          f"{tuple(read_coords.shape)}")
+    check_positive(xp, "write_sigma", write_sigma)
     return xp, params
 
 
@@ -238,7 +250,7 @@ def memory_scan(
     ``(reads (B, T, C), h_T, c_T)``.
     """
     xp, params = _validate(h0, c0, read_coords, write_coords, write_sigma, write_content,
-                           params, checkpoint_every, radius)
+                           params, checkpoint_every, radius, eps=eps)
     reads, h, c, _, _ = memory_scan_fwd(
         xp, h0, c0, read_coords, write_coords, write_sigma, write_content, params,
         eps=eps, radius=radius, checkpoint_every=read_coords.shape[1],
@@ -263,8 +275,9 @@ def memory_scan_vjp(
     :class:`ScanGrads` ``(h0, c0, read_coords, write_coords, write_sigma,
     write_content, params)``, shaped like the inputs.
     """
+    require_array("g_reads", g_reads)
     xp, params = _validate(h0, c0, read_coords, write_coords, write_sigma, write_content,
-                           params, checkpoint_every, radius, g_reads, g_h, g_c)
+                           params, checkpoint_every, radius, g_reads, g_h, g_c, eps=eps)
     _, _, _, h_ckpt, c_ckpt = memory_scan_fwd(
         xp, h0, c0, read_coords, write_coords, write_sigma, write_content, params,
         eps=eps, radius=radius, checkpoint_every=checkpoint_every,

@@ -16,8 +16,19 @@ from typing import Any
 
 import array_api_compat
 
+from tmcore._dispatch import ops_for
 from tmcore._separable import grid_size, outer_product
-from tmcore._validate import check_dim, check_grid_shape, check_rank, namespace_of
+from tmcore._validate import (
+    check_dim,
+    check_eps,
+    check_grid_shape,
+    check_nonempty,
+    check_positive,
+    check_radius,
+    check_rank,
+    namespace_of,
+    require_array,
+)
 from tmcore.addressing import axis_of_component
 
 __all__ = ["gaussian_splat", "gaussian_splat_vjp", "gaussian_profiles", "DEFAULT_EPS"]
@@ -51,7 +62,7 @@ def gaussian_profiles(
         profile = xp.exp(-(offset * offset) / denom)
         if radius is not None:
             inside = xp.abs(offset) <= radius * sigma[..., None]
-            profile = xp.where(inside, profile, xp.zeros_like(profile))
+            profile = xp.where(inside, profile, profile * 0.0)  # 0, but NaN stays NaN
         profiles.append(profile)
         offsets.append(offset)
     return profiles, offsets, denom
@@ -97,10 +108,11 @@ def splat_bwd(
     return d_content, d_mu, d_sigma
 
 
-def _validate(content, mu, sigma, shape, g=None, radius=None):
+def _validate(content, mu, sigma, shape, g=None, radius=None, eps=DEFAULT_EPS):
     dims = check_grid_shape("shape", shape)
     xp = namespace_of(content=content, mu=mu, sigma=sigma, g=g)
     check_rank("content", content, 3, "(B, K, C)")
+    check_nonempty("content", content, "(B, K, C)", axes=(0, 2))
     batch, writes, channels = content.shape
     check_rank("mu", mu, 3, "(B, K, n)")
     if tuple(mu.shape) != (batch, writes, len(dims)):
@@ -115,8 +127,9 @@ def _validate(content, mu, sigma, shape, g=None, radius=None):
         raise ValueError(
             f"g: expected shape (B, C, *shape) = {(batch, channels, *dims)}, got {tuple(g.shape)}"
         )
-    if radius is not None and not radius > 0:
-        raise ValueError(f"radius: expected a positive number of sigmas or None, got {radius!r}")
+    check_radius(radius)
+    check_eps(eps)
+    check_positive(xp, "sigma", sigma)
     return xp, dims
 
 
@@ -130,19 +143,20 @@ def gaussian_splat(
     ----------
     content : ``(B, K, C)`` vectors to write.
     mu : ``(B, K, n)`` normalized centres; ``mu[..., k]`` addresses axis ``n-1-k``.
-    sigma : ``(B, K)`` spreads in normalized units; must be > 0 (not checked
-        on the device to avoid a host sync; ``sigma = 0`` gives a one-hot-like
-        weight limited by ``eps``).
+    sigma : ``(B, K)`` spreads in normalized units; must be > 0 (checked only
+        in validate mode, :func:`tmcore.validation`, as it needs a host sync;
+        otherwise ``sigma = 0`` gives a one-hot-like weight limited by ``eps``
+        and a negative sigma acts like ``|sigma|`` except under ``radius``).
     shape : spatial grid shape, 1 to 4 positive ints.
-    eps : added to ``2 sigma^2`` in the denominator.
+    eps : added to ``2 sigma^2`` in the denominator; a finite number >= 0.
     radius : optional truncation in units of sigma (box per axis).
 
     Returns
     -------
     ``(B, C, *shape)`` unnormalized written volume.
     """
-    xp, dims = _validate(content, mu, sigma, shape, radius=radius)
-    return splat_fwd(xp, content, mu, sigma, dims, eps, radius)
+    xp, dims = _validate(content, mu, sigma, shape, radius=radius, eps=eps)
+    return ops_for(xp).splat_fwd(xp, content, mu, sigma, dims, eps, radius)
 
 
 def gaussian_splat_vjp(
@@ -153,5 +167,6 @@ def gaussian_splat_vjp(
 
     Returns ``(d_content (B, K, C), d_mu (B, K, n), d_sigma (B, K))``.
     """
-    xp, dims = _validate(content, mu, sigma, shape, g=g, radius=radius)
-    return splat_bwd(xp, content, mu, sigma, dims, g, eps, radius)
+    require_array("g", g)
+    xp, dims = _validate(content, mu, sigma, shape, g=g, radius=radius, eps=eps)
+    return ops_for(xp).splat_bwd(xp, content, mu, sigma, dims, g, eps, radius)

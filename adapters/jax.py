@@ -1,0 +1,790 @@
+"""JAX adapter: tmcore's hand-written VJPs as ``jax.custom_vjp``, a pure layer, a Flax module.
+
+Three levels, each a thin layer over the one below:
+
+1. **Primitives** -- :func:`trilinear_sample`, :func:`gaussian_splat` and
+   :func:`memory_scan` are ``jax.custom_vjp`` functions whose forward and
+   backward are tmcore's own (``tmcore.*`` and ``tmcore.*_vjp``; the scan runs
+   ``tmcore.scan.step_fwd`` under ``lax.scan`` and its backward runs
+   ``tmcore.scan.step_bwd`` under a reverse ``lax.scan``, keeping only the
+   per-step input states). They are defined once, at import; static settings
+   (grid shape, ``eps``, ``radius``) travel as ``nondiff_argnums``. They work
+   under ``jit``, ``vmap`` and ``grad``. Second order: reverse-over-reverse
+   (``grad(grad(f))``) works, JAX differentiating the backward rules;
+   forward mode (``jvp``, ``jacfwd``, ``hessian``) is not available for
+   ``custom_vjp`` functions.
+2. **Pure layer** -- :func:`init` / :func:`apply` over a nested-dict parameter
+   pytree whose keys and layouts equal the PyTorch adapter's state dict
+   (``weight`` is ``(out, in)``), the gated residual :func:`residual_init` /
+   :func:`residual_apply`, the multi-layer :func:`stack_apply` (modes
+   ``"threaded"`` and ``"causal"``), streaming (state in, state out,
+   :func:`detach_state`, a per-sequence ``reset`` mask), and
+   :func:`params_from_state_dict` / :func:`state_dict_from_params`.
+3. **Flax NNX** -- :class:`TensorMemory` and :class:`GatedMemoryResidual`
+   hold the same pytree as ``nnx.Param`` leaves; :func:`params_from_module` /
+   :func:`load_params` convert.
+
+Layer math per chunk ``t`` of ``L = chunk_size`` tokens (DESIGN.md): read
+coordinate ``tanh(coord_net(first token))``; ``summary = write_proj(concat of
+the chunk's tokens, position-major)``; write coordinate ``tanh(coord_net(summary))``
+(the coordinate head is tied); ``content = content_net(summary)``; ``sigma =
+(softplus(sigma_net(summary)) + 1e-4) * sigma_scale``; the read of chunk ``t``
+sees the state before chunk ``t``'s write; ``out_proj(read_t)`` is broadcast to
+every token of chunk ``t``; a ragged last chunk is zero-padded on the right
+and the output trimmed.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from functools import partial
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax import lax
+
+import tmcore
+from tmcore.conv import ConvParams
+from tmcore.scan import StepInputs, add_params, step_bwd, step_fwd
+from tmcore.scan import _validate as _validate_scan_inputs
+from tmcore.splat import DEFAULT_EPS
+
+__all__ = [
+    "MODES",
+    "MemoryState",
+    "GatedMemoryResidual",
+    "TensorMemory",
+    "apply",
+    "conv_params",
+    "detach_state",
+    "gaussian_splat",
+    "init",
+    "init_state",
+    "load_params",
+    "memory_scan",
+    "params_from_module",
+    "params_from_state_dict",
+    "residual_apply",
+    "reset_state",
+    "residual_init",
+    "stack_apply",
+    "state_dict_from_params",
+    "trilinear_sample",
+]
+
+#: Multi-layer modes of :func:`stack_apply`.
+MODES = ("threaded", "causal")
+
+#: Parameter names of one memory layer, ``(group, leaf)``, torch state-dict order.
+LAYER_KEYS = (
+    ("write_proj", "weight"), ("write_proj", "bias"),
+    ("content_net", "weight"), ("content_net", "bias"),
+    ("sigma_net", "weight"), ("sigma_net", "bias"),
+    ("coord_net", "weight"), ("coord_net", "bias"),
+    ("cell", "depthwise_weight"), ("cell", "depthwise_bias"),
+    ("cell", "pointwise_weight"), ("cell", "pointwise_bias"),
+    ("out_proj", "weight"), ("out_proj", "bias"),
+)
+
+_LAYER_NORM_EPS = 1e-5  # torch.nn.LayerNorm's default
+
+
+# --------------------------------------------------------------------------- primitives
+
+
+@jax.custom_vjp
+def _sample(volume, coords):
+    return tmcore.trilinear_sample(volume, coords)
+
+
+def _sample_fwd(volume, coords):
+    return tmcore.trilinear_sample(volume, coords), (volume, coords)
+
+
+def _sample_bwd(residuals, g):
+    return tuple(tmcore.trilinear_sample_vjp(*residuals, jnp.asarray(g)))
+
+
+_sample.defvjp(_sample_fwd, _sample_bwd)
+# Called through ``jax.jit`` so that eager calls compile once per shape (not op by op, and
+# not re-tracing the scan bodies); under an outer ``jit`` they simply inline.
+_sample_jit = jax.jit(_sample)
+
+
+def trilinear_sample(
+    volume: jax.Array,  # [B, C, *S]
+    coords: jax.Array,  # [B, Q, n]
+) -> jax.Array:  # [B, Q, C]
+    """:func:`tmcore.trilinear_sample` with tmcore's VJP registered with JAX."""
+    return _sample_jit(jnp.asarray(volume), jnp.asarray(coords))
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _splat(content, mu, sigma, shape, eps, radius):
+    return tmcore.gaussian_splat(content, mu, sigma, shape, eps=eps, radius=radius)
+
+
+def _splat_fwd(content, mu, sigma, shape, eps, radius):
+    return _splat(content, mu, sigma, shape, eps, radius), (content, mu, sigma)
+
+
+def _splat_bwd(shape, eps, radius, residuals, g):
+    g = jnp.asarray(g)
+    return tuple(tmcore.gaussian_splat_vjp(*residuals, shape, g, eps=eps, radius=radius))
+
+
+_splat.defvjp(_splat_fwd, _splat_bwd)
+_splat_jit = jax.jit(_splat, static_argnums=(3, 4, 5))
+
+
+def _static_radius(radius: float | None) -> float | None:
+    return None if radius is None else float(radius)
+
+
+def gaussian_splat(
+    content: jax.Array,  # [B, K, C]
+    mu: jax.Array,  # [B, K, n]
+    sigma: jax.Array,  # [B, K]
+    shape: Sequence[int],
+    *,
+    eps: float = DEFAULT_EPS,
+    radius: float | None = None,
+) -> jax.Array:  # [B, C, *shape]
+    """:func:`tmcore.gaussian_splat` with tmcore's VJP registered with JAX.
+
+    ``shape``, ``eps`` and ``radius`` are static (Python values, not traced).
+    """
+    dims = tuple(int(s) for s in shape)
+    content, mu, sigma = map(jnp.asarray, (content, mu, sigma))
+    return _splat_jit(content, mu, sigma, dims, float(eps), _static_radius(radius))
+
+
+def _time_major(x: jax.Array) -> jax.Array:
+    return jnp.moveaxis(x, 1, 0)
+
+
+def _batch_major(x: jax.Array) -> jax.Array:
+    return jnp.moveaxis(x, 0, 1)
+
+
+def _run_scan(h0, c0, inputs: StepInputs, params: ConvParams, eps, radius, save_states: bool):
+    """``lax.scan`` of ``tmcore.scan.step_fwd``; ``inputs`` are time-major."""
+
+    def body(carry, step):
+        h, c = carry
+        read, h_new, c_new = step_fwd(jnp, h, c, step, params, eps, radius)
+        return (h_new, c_new), ((read, h, c) if save_states else read)
+
+    (h_last, c_last), outputs = lax.scan(body, (h0, c0), inputs)
+    return h_last, c_last, outputs
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(7, 8))
+def _scan(h0, c0, read_coords, write_coords, write_sigma, write_content, params, eps, radius):
+    inputs = StepInputs(*map(_time_major, (read_coords, write_coords, write_sigma, write_content)))
+    h_last, c_last, reads = _run_scan(h0, c0, inputs, params, eps, radius, save_states=False)
+    return _batch_major(reads), h_last, c_last
+
+
+def _scan_fwd(h0, c0, read_coords, write_coords, write_sigma, write_content, params, eps,
+              radius):
+    inputs = StepInputs(*map(_time_major, (read_coords, write_coords, write_sigma, write_content)))
+    h_last, c_last, (reads, h_in, c_in) = _run_scan(
+        h0, c0, inputs, params, eps, radius, save_states=True
+    )
+    # residuals: the state entering every step ([T, B, C, *S] each), inputs, params
+    return (_batch_major(reads), h_last, c_last), (h_in, c_in, inputs, params)
+
+
+def _scan_bwd(eps, radius, residuals, cotangents):
+    h_in, c_in, inputs, params = residuals
+    g_reads, g_h, g_c = map(jnp.asarray, cotangents)
+
+    def body(carry, step):
+        g_h, g_c, d_params = carry
+        h, c, step_inputs, g_read = step
+        d_h, d_c, d_step, d_step_params = step_bwd(
+            jnp, h, c, step_inputs, params, g_read, g_h, g_c, eps, radius
+        )
+        return (d_h, d_c, add_params(d_params, d_step_params)), d_step
+
+    zero_params = ConvParams(*(jnp.zeros_like(p) for p in params))
+    (d_h0, d_c0, d_params), d_steps = lax.scan(
+        body, (g_h, g_c, zero_params), (h_in, c_in, inputs, _time_major(g_reads)), reverse=True
+    )
+    return (d_h0, d_c0, *map(_batch_major, d_steps), d_params)
+
+
+_scan.defvjp(_scan_fwd, _scan_bwd)
+_scan_jit = jax.jit(_scan, static_argnums=(7, 8))
+
+
+def memory_scan(
+    h0: jax.Array,  # [B, C, *S]
+    c0: jax.Array,  # [B, C, *S]
+    read_coords: jax.Array,  # [B, T, n]
+    write_coords: jax.Array,  # [B, T, n]
+    write_sigma: jax.Array,  # [B, T]
+    write_content: jax.Array,  # [B, T, C]
+    params: ConvParams,
+    *,
+    eps: float = DEFAULT_EPS,
+    radius: float | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:  # reads [B, T, C], h_T, c_T [B, C, *S]
+    """:func:`tmcore.memory_scan` as a ``lax.scan`` with tmcore's backward registered.
+
+    The forward saves the state entering every step (``T`` states of shape
+    ``(B, C, *S)`` for ``h`` and for ``c``); the backward is a reverse
+    ``lax.scan`` of ``tmcore.scan.step_bwd``, which recomputes each step's
+    gates from its input state. ``params`` is a :class:`tmcore.ConvParams`
+    (``C_in = 2C``, ``C_out = 4C``).
+    """
+    h0, c0, read_coords, write_coords, write_sigma, write_content = map(
+        jnp.asarray, (h0, c0, read_coords, write_coords, write_sigma, write_content))
+    params = ConvParams(*map(jnp.asarray, params))
+    _, params = _validate_scan_inputs(
+        h0, c0, read_coords, write_coords, write_sigma, write_content, params, 1, radius
+    )
+    return _scan_jit(h0, c0, read_coords, write_coords, write_sigma, write_content, params,
+                     float(eps), _static_radius(radius))
+
+
+# --------------------------------------------------------------------------- pure layer
+
+
+class MemoryState(NamedTuple):
+    """The recurrent state ``(h, c)``, each ``(B, C, *S)`` (a pytree)."""
+
+    h: jax.Array
+    c: jax.Array
+
+
+def init_state(batch: int, memory_channels: int, memory_shape: Sequence[int],
+               dtype: Any = jnp.float32) -> MemoryState:
+    """Zero state ``(h, c)`` of shape ``(batch, memory_channels, *memory_shape)``."""
+    shape = (int(batch), int(memory_channels), *(int(s) for s in memory_shape))
+    return MemoryState(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+
+
+def detach_state(state: Any) -> Any:
+    """``lax.stop_gradient`` on every leaf: cut backprop between streamed segments."""
+    return jax.tree.map(lax.stop_gradient, state)
+
+
+def _linear_init(key: jax.Array, out_features: int, in_features: int, dtype: Any) -> dict:
+    """``torch.nn.Linear``'s default: weight and bias uniform in ``+-1/sqrt(in_features)``."""
+    bound = 1.0 / math.sqrt(in_features)
+    k_w, k_b = jax.random.split(key)
+    return {
+        "weight": jax.random.uniform(k_w, (out_features, in_features), dtype, -bound, bound),
+        "bias": jax.random.uniform(k_b, (out_features,), dtype, -bound, bound),
+    }
+
+
+def init(
+    key: jax.Array,
+    embed_dim: int,
+    memory_channels: int,
+    memory_shape: Sequence[int],
+    chunk_size: int,
+    sigma_scale: float = 1.0,
+    *,
+    dtype: Any = jnp.float32,
+) -> dict:
+    """Parameters of one Tensor Memory layer, initialized like the PyTorch adapter.
+
+    Linear layers as ``torch.nn.Linear`` (uniform ``+-1/sqrt(fan_in)``),
+    ``sigma_net.bias = 1.0``; the cell's depthwise taps identity, its
+    pointwise matrix Xavier-uniform, its biases zero.
+
+    Parameters
+    ----------
+    key : a ``jax.random`` key.
+    embed_dim : token width ``d``.
+    memory_channels : grid channels ``C``.
+    memory_shape : grid shape ``S`` (1 to 4 axes; ``n = len(S)``).
+    chunk_size : tokens per chunk ``L``.
+    sigma_scale : not a parameter; accepted for signature parity with the
+        PyTorch constructor and checked (> 0). Pass it to :func:`apply`.
+    dtype : parameter dtype.
+
+    Returns
+    -------
+    ``{"write_proj": {"weight" (d, L*d), "bias" (d,)}, "content_net": {(C, d), (C,)},
+    "sigma_net": {(1, d), (1,)}, "coord_net": {(n, d), (n,)}, "cell":
+    {"depthwise_weight" (n, 2C, 3), "depthwise_bias" (n, 2C), "pointwise_weight"
+    (4C, 2C), "pointwise_bias" (4C,)}, "out_proj": {(d, C), (d,)}}``.
+    """
+    d, channels, length = int(embed_dim), int(memory_channels), int(chunk_size)
+    dims = tuple(int(s) for s in memory_shape)
+    if min(d, channels, length) < 1:
+        raise ValueError(f"embed_dim, memory_channels, chunk_size: expected positive ints, got "
+                         f"{embed_dim!r}, {memory_channels!r}, {chunk_size!r}")
+    if not 1 <= len(dims) <= 4 or min(dims) < 1:
+        raise ValueError(f"memory_shape: expected 1 to 4 positive ints, got {memory_shape!r}")
+    if not sigma_scale > 0:
+        raise ValueError(f"sigma_scale: expected a positive number, got {sigma_scale!r}")
+    n = len(dims)
+    keys = jax.random.split(key, 6)
+    bound = tmcore.xavier_uniform_bound(2 * channels, 4 * channels)
+    pointwise = jax.random.uniform(keys[4], (4 * channels, 2 * channels), dtype, -bound, bound)
+    sigma_net = _linear_init(keys[2], 1, d, dtype)
+    sigma_net["bias"] = jnp.ones((1,), dtype)
+    return {
+        "write_proj": _linear_init(keys[0], d, length * d, dtype),
+        "content_net": _linear_init(keys[1], channels, d, dtype),
+        "sigma_net": sigma_net,
+        "coord_net": _linear_init(keys[3], n, d, dtype),
+        "cell": tmcore.conv_params_from_pointwise(pointwise, n)._asdict(),
+        "out_proj": _linear_init(keys[5], d, channels, dtype),
+    }
+
+
+def conv_params(cell: Mapping[str, jax.Array]) -> ConvParams:
+    """The ``"cell"`` group of a parameter pytree as :class:`tmcore.ConvParams`."""
+    return ConvParams(**{field: cell[field] for field in ConvParams._fields})
+
+
+def _linear(p: Mapping[str, jax.Array], x: jax.Array) -> jax.Array:
+    """``torch.nn.functional.linear``: ``x @ weight.T + bias``."""
+    return x @ p["weight"].T + p["bias"]
+
+
+def _layer_config(params: Mapping[str, Any], x: jax.Array, chunk_size: int | None) -> int:
+    for group, leaf in LAYER_KEYS:
+        if group not in params or leaf not in params[group]:
+            raise KeyError(f"params: missing {group}.{leaf} (expected a pytree from init or "
+                           f"params_from_state_dict)")
+    if x.ndim != 3:
+        raise ValueError(f"x: expected shape (B, N, d) (3 dims), got {tuple(x.shape)}")
+    d = params["out_proj"]["weight"].shape[0]
+    if x.shape[-1] != d:
+        raise ValueError(f"x: expected shape (B, N, d) with d = {d} (from out_proj.weight), "
+                         f"got {tuple(x.shape)}")
+    if x.shape[1] < 1:
+        raise ValueError(f"x: expected at least one token, got shape {tuple(x.shape)}")
+    in_features = params["write_proj"]["weight"].shape[1]
+    inferred = in_features // d
+    if inferred * d != in_features:
+        raise ValueError(f"params.write_proj.weight: expected shape (d, L*d), got "
+                         f"{tuple(params['write_proj']['weight'].shape)}")
+    if chunk_size is not None and int(chunk_size) != inferred:
+        raise ValueError(f"chunk_size: {chunk_size} disagrees with write_proj.weight "
+                         f"{tuple(params['write_proj']['weight'].shape)} (L = {inferred})")
+    return inferred
+
+
+def _start_state(params, x, state, memory_shape, reset) -> MemoryState:
+    channels = params["content_net"]["weight"].shape[0]
+    n = params["coord_net"]["weight"].shape[0]
+    if state is None:
+        if memory_shape is None:
+            raise ValueError("memory_shape: required when no state is given (it cannot be "
+                             "inferred from params)")
+        state = init_state(x.shape[0], channels, memory_shape, x.dtype)
+    state = MemoryState(*state)
+    expected = (x.shape[0], channels)
+    if tuple(state.h.shape[:2]) != expected or state.h.ndim != n + 2:
+        raise ValueError(f"state.h: expected shape (B, C, *S) with B, C = {expected} and "
+                         f"n = {n} spatial axes, got {tuple(state.h.shape)}")
+    if memory_shape is not None and tuple(state.h.shape[2:]) != tuple(memory_shape):
+        raise ValueError(f"memory_shape: {tuple(memory_shape)} disagrees with the state's "
+                         f"{tuple(state.h.shape[2:])}")
+    if reset is not None:
+        state = reset_state(state, reset)
+    return state
+
+
+def reset_state(state: Any, reset: jax.Array) -> Any:
+    """Zero the state of the sequences where ``reset (B,)`` is true (document boundaries)."""
+    reset = jnp.asarray(reset, bool)
+
+    def zero(leaf):
+        if reset.shape != leaf.shape[:1]:
+            raise ValueError(f"reset: expected shape (B,) = {leaf.shape[:1]}, "
+                             f"got {reset.shape}")
+        mask = jnp.reshape(reset, reset.shape + (1,) * (leaf.ndim - 1))
+        return jnp.where(mask, jnp.zeros_like(leaf), leaf)
+
+    return jax.tree.map(zero, state)
+
+
+_HEADS = ("write_proj", "content_net", "sigma_net", "coord_net", "out_proj")
+
+
+class _LayerStatic(NamedTuple):
+    sigma_scale: float
+    eps: float
+    radius: float | None
+
+
+def _addressing(heads: Mapping[str, Any], chunk: jax.Array, sigma_scale: float) -> StepInputs:
+    """One chunk ``[B, L, d]`` -> its :class:`StepInputs` (the layer's linear heads)."""
+    batch, length, d = chunk.shape
+    summary = _linear(heads["write_proj"], jnp.reshape(chunk, (batch, length * d)))
+    return StepInputs(
+        read_coords=tmcore.squash_coords(_linear(heads["coord_net"], chunk[:, 0, :])),
+        write_coords=tmcore.squash_coords(_linear(heads["coord_net"], summary)),
+        write_sigma=tmcore.sigma_from_logit(_linear(heads["sigma_net"], summary)[:, 0],
+                                            sigma_scale),
+        write_content=_linear(heads["content_net"], summary),
+    )
+
+
+def _layer_forward(heads, cell, chunks, h0, c0, static, save_states):
+    def body(carry, chunk):
+        h, c = carry
+        inputs = _addressing(heads, chunk, static.sigma_scale)
+        read, h_new, c_new = step_fwd(jnp, h, c, inputs, cell, static.eps, static.radius)
+        out = _linear(heads["out_proj"], read)
+        return (h_new, c_new), ((out, h, c) if save_states else out)
+
+    (h_last, c_last), outputs = lax.scan(body, (h0, c0), chunks)
+    return h_last, c_last, outputs
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _layer_scan(heads, cell, chunks, h0, c0, static):
+    """The layer's chunk loop: per step the linear heads, ``step_fwd``, ``out_proj``.
+
+    Every step runs the same shapes whatever ``T`` is, so a sequence processed
+    in pieces (whole chunks) gives bit-identical results to one call.
+    """
+    h_last, c_last, outs = _layer_forward(heads, cell, chunks, h0, c0, static, False)
+    return outs, h_last, c_last
+
+
+def _layer_scan_fwd(heads, cell, chunks, h0, c0, static):
+    h_last, c_last, (outs, h_in, c_in) = _layer_forward(heads, cell, chunks, h0, c0, static,
+                                                        True)
+    return (outs, h_last, c_last), (heads, cell, chunks, h_in, c_in)
+
+
+def _layer_scan_bwd(static, residuals, cotangents):
+    heads, cell, chunks, h_in, c_in = residuals
+    g_outs, g_h, g_c = map(jnp.asarray, cotangents)
+
+    def body(carry, step):
+        g_h, g_c, d_heads, d_cell = carry
+        h, c, chunk, g_out = step
+        inputs, addressing_vjp = jax.vjp(
+            lambda hd, ch: _addressing(hd, ch, static.sigma_scale), heads, chunk
+        )
+        read = tmcore.trilinear_sample(h, inputs.read_coords[:, None, :])[:, 0, :]
+        d_out_proj, g_read = jax.vjp(_linear, heads["out_proj"], read)[1](g_out)
+        d_h, d_c, d_inputs, d_step_cell = step_bwd(
+            jnp, h, c, inputs, cell, g_read, g_h, g_c, static.eps, static.radius
+        )
+        d_step_heads, d_chunk = addressing_vjp(d_inputs)
+        d_step_heads = {**d_step_heads, "out_proj": d_out_proj}
+        d_heads = jax.tree.map(jnp.add, d_heads, d_step_heads)
+        return (d_h, d_c, d_heads, add_params(d_cell, d_step_cell)), d_chunk
+
+    zeros = partial(jax.tree.map, jnp.zeros_like)
+    (d_h0, d_c0, d_heads, d_cell), d_chunks = lax.scan(
+        body, (g_h, g_c, zeros(heads), zeros(cell)), (h_in, c_in, chunks, g_outs), reverse=True
+    )
+    return d_heads, d_cell, d_chunks, d_h0, d_c0
+
+
+_layer_scan.defvjp(_layer_scan_fwd, _layer_scan_bwd)
+_layer_scan_jit = jax.jit(_layer_scan, static_argnums=5)
+
+
+def apply(
+    params: Mapping[str, Any],
+    x: jax.Array,  # [B, N, d]
+    state: MemoryState | tuple[jax.Array, jax.Array] | None = None,
+    *,
+    chunk_size: int | None = None,
+    memory_shape: Sequence[int] | None = None,
+    sigma_scale: float = 1.0,
+    reset: jax.Array | None = None,  # [B] bool
+    eps: float = DEFAULT_EPS,
+    radius: float | None = None,
+) -> tuple[jax.Array, MemoryState]:  # out [B, N, d], state
+    """Run one Tensor Memory layer over ``x``; returns ``(out, state)``.
+
+    Parameters
+    ----------
+    params : pytree from :func:`init` or :func:`params_from_state_dict`.
+    x : ``(B, N, d)`` tokens; ``N`` need not be a multiple of the chunk size.
+    state : ``(h, c)`` from a previous call (streaming), or ``None`` for zeros.
+    chunk_size : checked against ``write_proj.weight (d, L*d)``, which fixes it.
+    memory_shape : grid shape; needed when ``state`` is ``None``.
+    sigma_scale : multiplies the write spread.
+    reset : optional ``(B,)`` bool; those sequences start from the zero state.
+    eps, radius : as in :func:`tmcore.gaussian_splat`.
+
+    Returns
+    -------
+    ``out (B, N, d)`` -- ``out_proj(read_t)`` on every token of chunk ``t`` --
+    and the final :class:`MemoryState`. Pass the state to the next call to
+    stream a long sequence; wrap it in :func:`detach_state` to truncate
+    backprop. Pieces whose lengths are multiples of the chunk size give the
+    same result as one call.
+    """
+    length = _layer_config(params, x, chunk_size)
+    state = _start_state(params, x, state, memory_shape, reset)
+    batch, tokens, d = x.shape
+    steps = -(-tokens // length)
+    padded = jnp.pad(x, ((0, 0), (0, steps * length - tokens), (0, 0)))
+    chunks = jnp.moveaxis(jnp.reshape(padded, (batch, steps, length, d)), 1, 0)  # [T, B, L, d]
+    heads = {name: params[name] for name in _HEADS}
+    static = _LayerStatic(float(sigma_scale), float(eps), _static_radius(radius))
+    per_chunk, h, c = _layer_scan_jit(heads, conv_params(params["cell"]), chunks, state.h,
+                                      state.c, static)  # per_chunk [T, B, d]
+    out = jnp.broadcast_to(per_chunk[:, :, None, :], (steps, batch, length, d))
+    out = jnp.reshape(jnp.moveaxis(out, 0, 1), (batch, steps * length, d))
+    return out[:, :tokens, :], MemoryState(h, c)
+
+
+# --------------------------------------------------------------------------- residual, stack
+
+
+def residual_init(
+    key: jax.Array,
+    embed_dim: int,
+    memory_channels: int,
+    memory_shape: Sequence[int],
+    chunk_size: int,
+    sigma_scale: float = 1.0,
+    *,
+    gate_init: float = 0.0,
+    dtype: Any = jnp.float32,
+) -> dict:
+    """Parameters of ``x + sigmoid(gate) * memory(norm(x))``.
+
+    ``{"norm": {"weight" (d,), "bias" (d,)}, "memory": init(...), "gate" ()}``;
+    ``norm`` is a LayerNorm (ones, zeros, eps 1e-5 as in torch); ``gate_init``
+    0.0 (half open) and -2.0 (mostly closed) are the paper's two choices.
+    """
+    d = int(embed_dim)
+    return {
+        "norm": {"weight": jnp.ones((d,), dtype), "bias": jnp.zeros((d,), dtype)},
+        "memory": init(key, embed_dim, memory_channels, memory_shape, chunk_size, sigma_scale,
+                       dtype=dtype),
+        "gate": jnp.asarray(gate_init, dtype),
+    }
+
+
+def _layer_norm(p: Mapping[str, jax.Array], x: jax.Array) -> jax.Array:
+    mean = jnp.mean(x, axis=-1, keepdims=True)
+    var = jnp.mean(jnp.square(x - mean), axis=-1, keepdims=True)
+    return (x - mean) * lax.rsqrt(var + _LAYER_NORM_EPS) * p["weight"] + p["bias"]
+
+
+def residual_apply(
+    params: Mapping[str, Any], x: jax.Array, state: Any = None, **kwargs: Any
+) -> tuple[jax.Array, MemoryState]:
+    """``x + sigmoid(gate) * apply(memory, layer_norm(x), state)``; returns ``(out, state)``.
+
+    ``kwargs`` are :func:`apply`'s keywords (``memory_shape``, ``sigma_scale``,
+    ``reset``, ...).
+    """
+    out, state = apply(params["memory"], _layer_norm(params["norm"], x), state, **kwargs)
+    return x + jax.nn.sigmoid(params["gate"]) * out, state
+
+
+def stack_apply(
+    layers: Sequence[Mapping[str, Any]],
+    x: jax.Array,  # [B, N, d]
+    state: Any = None,
+    *,
+    mode: str,
+    blocks: Sequence[Callable[[jax.Array], jax.Array]] | None = None,
+    reset: jax.Array | None = None,
+    **kwargs: Any,
+) -> tuple[jax.Array, Any]:
+    """A stack of gated memory residuals, optionally after per-layer blocks.
+
+    Layer ``l`` computes ``x = blocks[l](x)`` (when given), then
+    ``x = residual_apply(layers[l], x, ...)``. Repeat one parameter pytree in
+    ``layers`` to share a memory between blocks.
+
+    Modes
+    -----
+    ``"threaded"`` (the paper's): one state threaded through the layers --
+        layer ``l`` starts from the state layer ``l - 1`` reached after the
+        WHOLE segment, so every position sees later tokens of the segment. Not
+        causal; right for bidirectional inputs (images, clip classification).
+        ``state`` is one :class:`MemoryState`.
+    ``"causal"``: every layer scans from its own state at the start of the
+        segment, so a read at chunk ``t`` depends only on earlier chunks and
+        chunk ``t``'s first token. Right for language modelling. ``state`` is
+        a tuple of per-layer states (a single state is used for every layer),
+        and a tuple is returned, so streaming is exact.
+
+    ``reset`` zeroes the incoming state of the flagged sequences (every layer's).
+    """
+    if mode not in MODES:
+        raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
+    if blocks is not None and len(blocks) != len(layers):
+        raise ValueError(f"blocks: expected {len(layers)} callables (one per layer), "
+                         f"got {len(blocks)}")
+    if state is not None and reset is not None:
+        state = reset_state(state, reset)
+    if mode == "threaded":
+        if state is not None:
+            state = MemoryState(*state)
+        for index, layer in enumerate(layers):
+            x = x if blocks is None else blocks[index](x)
+            x, state = residual_apply(layer, x, state, **kwargs)
+        return x, state
+    if state is None or hasattr(state[0], "shape"):  # one (h, c) for every layer
+        states = [state] * len(layers)
+    else:
+        states = list(state)
+        if len(states) != len(layers):
+            raise ValueError(f"state: expected {len(layers)} per-layer states in causal mode, "
+                             f"got {len(states)}")
+    finals = []
+    for index, layer in enumerate(layers):
+        x = x if blocks is None else blocks[index](x)
+        x, final = residual_apply(layer, x, states[index], **kwargs)
+        finals.append(final)
+    return x, tuple(finals)
+
+
+# --------------------------------------------------------------------------- state dicts
+
+
+def _find_prefix(keys: Sequence[str]) -> str:
+    anchors = [k[: -len("write_proj.weight")] for k in keys if k.endswith("write_proj.weight")]
+    if len(anchors) != 1:
+        raise ValueError(f"sd: cannot infer the prefix ({len(anchors)} keys end in "
+                         f"'write_proj.weight'); pass prefix=")
+    anchor = anchors[0]
+    outer = anchor[: -len("memory.")]
+    if anchor.endswith("memory.") and f"{outer}gate" in keys:  # a gated residual
+        return outer
+    return anchor
+
+
+def params_from_state_dict(
+    sd: Mapping[str, Any], prefix: str | None = None, *, dtype: Any = None
+) -> dict:
+    """Parameter pytree from a (PyTorch adapter) state dict of NumPy arrays.
+
+    Dotted names become nested dicts: ``"write_proj.weight"`` ->
+    ``params["write_proj"]["weight"]``, ``"memory.cell.pointwise_bias"`` ->
+    ``params["memory"]["cell"]["pointwise_bias"]``. Only keys starting with
+    ``prefix`` are taken, with it removed; ``prefix=None`` infers it from the
+    single key ending in ``write_proj.weight`` (a memory layer, or a gated
+    residual whose memory is ``memory``). Layouts are unchanged (torch's).
+    Arrays become ``jnp`` arrays of their own dtype (float64 needs x64
+    enabled) or of ``dtype``.
+    """
+    keys = [str(k) for k in sd]
+    prefix = _find_prefix(keys) if prefix is None else prefix
+    params: dict = {}
+    for key in keys:
+        if not key.startswith(prefix):
+            continue
+        node = params
+        *path, leaf = key[len(prefix):].split(".")
+        for part in path:
+            node = node.setdefault(part, {})
+        value = np.asarray(sd[key])
+        node[leaf] = jnp.asarray(value, dtype=dtype if dtype is not None else value.dtype)
+    if not params:
+        raise ValueError(f"sd: no key starts with prefix {prefix!r}")
+    layer = params.get("memory", params)
+    for group, leaf in LAYER_KEYS:
+        if group not in layer or leaf not in layer[group]:
+            raise KeyError(f"sd: missing {prefix}{'memory.' if layer is not params else ''}"
+                           f"{group}.{leaf}")
+    return params
+
+
+def state_dict_from_params(params: Mapping[str, Any], prefix: str = "") -> dict:
+    """Inverse of :func:`params_from_state_dict`: flat ``{dotted name: np.ndarray}``."""
+    out: dict = {}
+
+    def walk(node: Any, name: str) -> None:
+        if isinstance(node, Mapping):
+            for key, value in node.items():
+                walk(value, f"{name}{key}.")
+        else:
+            out[name[:-1]] = np.asarray(node)
+
+    walk(params, prefix)
+    return out
+
+
+# --------------------------------------------------------------------------- Flax NNX
+
+
+def _to_variables(tree: Mapping[str, Any]) -> nnx.Dict:
+    return nnx.Dict({k: _to_variables(v) if isinstance(v, Mapping) else nnx.Param(v)
+                     for k, v in tree.items()})
+
+
+def params_from_module(module: nnx.Module) -> dict:
+    """The pure parameter pytree of a :class:`TensorMemory` or :class:`GatedMemoryResidual`."""
+    return nnx.to_pure_dict(nnx.state(module, nnx.Param))
+
+
+def load_params(module: nnx.Module, params: Mapping[str, Any]) -> None:
+    """Overwrite ``module``'s parameters in place with a pure pytree of the same structure."""
+    state = nnx.state(module, nnx.Param)
+    nnx.replace_by_pure_dict(state, params)
+    nnx.update(module, state)
+
+
+class TensorMemory(nnx.Module):
+    """Flax NNX Tensor Memory layer; ``__call__(x, state=None, *, reset=None) -> (out, state)``.
+
+    Its ``nnx.Param`` leaves carry the names of :func:`init`'s pytree
+    (``module.write_proj["weight"]``, ``module.cell["pointwise_weight"]``, ...);
+    :func:`params_from_module` and :func:`load_params` convert.
+    """
+
+    def __init__(self, embed_dim: int, memory_channels: int, memory_shape: Sequence[int],
+                 chunk_size: int, sigma_scale: float = 1.0, *, rngs: nnx.Rngs,
+                 dtype: Any = jnp.float32, eps: float = DEFAULT_EPS,
+                 radius: float | None = None) -> None:
+        params = init(rngs.params(), embed_dim, memory_channels, memory_shape, chunk_size,
+                      sigma_scale, dtype=dtype)
+        for name, group in params.items():
+            setattr(self, name, _to_variables(group))
+        self.memory_channels = int(memory_channels)
+        self.memory_shape = tuple(int(s) for s in memory_shape)
+        self.chunk_size = int(chunk_size)
+        self.sigma_scale = float(sigma_scale)
+        self.eps = float(eps)
+        self.radius = _static_radius(radius)
+
+    def init_state(self, batch: int, dtype: Any = jnp.float32) -> MemoryState:
+        return init_state(batch, self.memory_channels, self.memory_shape, dtype)
+
+    def __call__(self, x: jax.Array, state: Any = None, *,
+                 reset: jax.Array | None = None) -> tuple[jax.Array, MemoryState]:
+        return apply(params_from_module(self), x, state, chunk_size=self.chunk_size,
+                     memory_shape=self.memory_shape, sigma_scale=self.sigma_scale,
+                     reset=reset, eps=self.eps, radius=self.radius)
+
+
+class GatedMemoryResidual(nnx.Module):
+    """Flax NNX ``x + sigmoid(gate) * memory(norm(x))`` (:func:`residual_apply`)."""
+
+    def __init__(self, embed_dim: int, memory_channels: int, memory_shape: Sequence[int],
+                 chunk_size: int, sigma_scale: float = 1.0, *, gate_init: float = 0.0,
+                 rngs: nnx.Rngs, dtype: Any = jnp.float32, eps: float = DEFAULT_EPS,
+                 radius: float | None = None) -> None:
+        self.memory = TensorMemory(embed_dim, memory_channels, memory_shape, chunk_size,
+                                   sigma_scale, rngs=rngs, dtype=dtype, eps=eps, radius=radius)
+        self.norm = _to_variables({"weight": jnp.ones((embed_dim,), dtype),
+                                   "bias": jnp.zeros((embed_dim,), dtype)})
+        self.gate = nnx.Param(jnp.asarray(gate_init, dtype))
+
+    def __call__(self, x: jax.Array, state: Any = None, *,
+                 reset: jax.Array | None = None) -> tuple[jax.Array, MemoryState]:
+        m = self.memory
+        return residual_apply(params_from_module(self), x, state, chunk_size=m.chunk_size,
+                              memory_shape=m.memory_shape, sigma_scale=m.sigma_scale,
+                              reset=reset, eps=m.eps, radius=m.radius)

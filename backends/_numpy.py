@@ -1,0 +1,22 @@
+"""NumPy: the generic array-API path (no fast path measured to win on CPU).
+
+Tried and dropped (``benchmarks/backend_fastpaths.py``, B=8 C=32 8^3 and
+B=32 C=16 6^3, float32, one BLAS thread): the depthwise taps by in-place
+slice arithmetic on a free ``(B, C, pre, S_a, post)`` reshape (slower than the
+generic ``concat`` shifts on the last axis, even overall) and the tap
+gradients by ``einsum`` over slices (within noise). ``scipy.ndimage.correlate1d``
+needs one call per channel (the taps differ per channel), a Python loop over
+``2C`` channels. The read, the write and the pointwise mix are already dense
+BLAS contractions in the generic path.
+"""
+
+from __future__ import annotations
+
+from tmcore._dispatch import Ops
+
+__all__ = ["make_ops"]
+
+
+def make_ops(generic: Ops) -> Ops:
+    """The NumPy table: the generic path."""
+    return generic

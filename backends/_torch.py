@@ -1,0 +1,183 @@
+"""PyTorch fast paths: ``grid_sample`` for the read, grouped convs for the depthwise taps.
+
+Imported only when torch tensors reach tmcore (torch is then in ``sys.modules``).
+
+- Read (n = 1, 2, 3): ``F.grid_sample(mode="bilinear", padding_mode="border",
+  align_corners=True)`` (n = 1 as a height-1 2-D sample); its VJP calls
+  ``aten.grid_sampler_{2,3}d_backward`` directly (no autograd graph). n = 4 and
+  mismatched dtypes use the generic path.
+- Determinism: on CUDA the ``grid_sampler`` backward accumulates the volume
+  gradient with ``atomicAdd``. By default the volume gradient on CUDA is
+  therefore the generic dense contraction (deterministic), and only the
+  coordinate gradient (one thread per query, no atomics) comes from
+  ``grid_sampler``. Set :data:`ALLOW_NONDETERMINISTIC` to ``True`` to use the
+  atomic kernel for the volume too; it is still refused while
+  ``torch.are_deterministic_algorithms_enabled()``. On CPU the kernel is
+  deterministic and always used.
+- Factorized conv (:data:`CONV_KERNEL`): each depthwise 3-tap pass works on
+  the free reshape ``(B, C, pre, S_a, post)`` (any n). On CUDA it is one
+  grouped ``conv3d`` (``groups = C``, TF32 off so float32 matches the generic
+  path); on CPU, where oneDNN's grouped conv measured slower, three fused
+  ``addcmul`` over slices (no ``concat`` copies). The VJP is the same pass with
+  flipped taps for the input and sliced products for the taps, so no
+  ``convolution_backward`` (whose CUDA weight gradient may be nondeterministic).
+- float16 / bfloat16: computed in float32, returned in the input dtype
+  (:mod:`tmcore.backends._mixed`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from tmcore._dispatch import Ops
+from tmcore._separable import outer_product
+from tmcore.conv import ConvParams
+from tmcore.sampling import tent_profiles
+
+from ._mixed import with_float32_compute
+
+__all__ = ["make_ops", "ALLOW_NONDETERMINISTIC", "CONV_KERNEL"]
+
+#: Use ``grid_sampler``'s atomic volume gradient on CUDA (off: deterministic dense VJP).
+ALLOW_NONDETERMINISTIC = False
+
+#: Depthwise kernel: ``"auto"`` (grouped conv on CUDA, slices on CPU), ``"conv"``, ``"slices"``.
+CONV_KERNEL = "auto"
+
+_BILINEAR, _BORDER = 0, 1
+
+
+def _grid_args(volume: torch.Tensor, coords: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``volume (B,C,*S)``, ``coords (B,Q,n)`` -> grid_sample's input and grid (n <= 3)."""
+    batch, queries, n = coords.shape
+    if n == 1:
+        zeros = torch.zeros_like(coords)
+        return volume[:, :, None, :], torch.cat([coords, zeros], dim=-1)[:, None, :, :]
+    if n == 2:
+        return volume, coords[:, None, :, :]
+    return volume, coords[:, None, None, :, :]
+
+
+def _atomic_ok(volume: torch.Tensor) -> bool:
+    """Whether ``grid_sampler``'s volume gradient may be used (deterministic or allowed)."""
+    return not volume.is_cuda or (
+        ALLOW_NONDETERMINISTIC and not torch.are_deterministic_algorithms_enabled()
+    )
+
+
+def _make_sample(generic: Ops) -> tuple[Any, Any]:
+    def sample_fwd(xp, volume, coords):
+        if volume.ndim > 5 or volume.dtype != coords.dtype:
+            return generic.sample_fwd(xp, volume, coords)
+        batch, channels = volume.shape[:2]
+        inp, grid = _grid_args(volume, coords)
+        out = F.grid_sample(inp, grid, mode="bilinear", padding_mode="border",
+                            align_corners=True)
+        return out.reshape(batch, channels, coords.shape[1]).transpose(1, 2).contiguous()
+
+    def sample_bwd(xp, volume, coords, g):
+        if volume.ndim > 5 or not volume.dtype == coords.dtype == g.dtype:
+            return generic.sample_bwd(xp, volume, coords, g)
+        batch, queries, n = coords.shape
+        inp, grid = _grid_args(volume, coords)
+        grad_out = g.transpose(1, 2).reshape(batch, g.shape[2], *grid.shape[1:-1])
+        atomic_ok = _atomic_ok(volume)
+        backward = (torch.ops.aten.grid_sampler_3d_backward if n == 3
+                    else torch.ops.aten.grid_sampler_2d_backward)
+        d_inp, d_grid = backward(grad_out, inp, grid, _BILINEAR, _BORDER, True, [atomic_ok, True])
+        if atomic_ok:
+            d_volume = d_inp.reshape(volume.shape)
+        else:
+            weights, _ = tent_profiles(xp, coords, tuple(volume.shape[2:]))
+            dense = outer_product(xp, weights)  # (B, Q, P)
+            d_volume = torch.matmul(g.transpose(1, 2), dense).reshape(volume.shape)
+        d_coords = d_grid.reshape(batch, queries, -1)[..., :n]
+        return d_volume, d_coords.contiguous()
+
+    return sample_fwd, sample_bwd
+
+
+def _no_tf32(x: torch.Tensor):
+    if x.is_cuda:
+        return torch.backends.cudnn.flags(enabled=True, allow_tf32=False)
+    return contextlib.nullcontext()
+
+
+def _view5(shape: tuple[int, ...], axis: int) -> tuple[int, int, int]:
+    """Spatial ``shape`` seen as ``(prod before axis, S_axis, prod after axis)``."""
+    return math.prod(shape[:axis]), shape[axis], math.prod(shape[axis + 1 :])
+
+
+def _depthwise(x: torch.Tensor, taps: torch.Tensor, bias: torch.Tensor | None,
+               axis: int) -> torch.Tensor:
+    """Depthwise 3-tap cross-correlation of ``x (B,C,*S)`` along spatial ``axis``:
+    ``y[i] = t0 x[i-1] + t1 x[i] + t2 x[i+1] (+ bias)``, zero padded."""
+    batch, channels = x.shape[:2]
+    x5 = x.reshape(batch, channels, *_view5(tuple(x.shape[2:]), axis))
+    if CONV_KERNEL == "conv" or (CONV_KERNEL == "auto" and x.is_cuda):
+        with _no_tf32(x):
+            y = F.conv3d(x5, taps.reshape(channels, 1, 1, 3, 1), bias, padding=(0, 1, 0),
+                         groups=channels)
+        return y.reshape(x.shape)
+    w = taps.reshape(1, channels, 1, 1, 1, 3)
+    if bias is None:
+        y = x5 * w[..., 1]
+    else:
+        y = torch.addcmul(bias.reshape(1, channels, 1, 1, 1), x5, w[..., 1])
+    # y is a fresh tensor: updating its slices in place is safe (and autograd-aware)
+    y[:, :, :, 1:].addcmul_(x5[:, :, :, :-1], w[..., 0])
+    y[:, :, :, :-1].addcmul_(x5[:, :, :, 1:], w[..., 2])
+    return y.reshape(x.shape)
+
+
+def conv_fwd(xp: Any, x: torch.Tensor, params: ConvParams):
+    """Grouped-conv forward; residuals are the generic stage inputs ``[x, ...]``."""
+    n = x.ndim - 2
+    stages = [x]
+    for axis in range(n):
+        stages.append(_depthwise(stages[-1], params.depthwise_weight[axis],
+                                 params.depthwise_bias[axis], axis))
+    y = stages[-1]
+    batch = y.shape[0]
+    z = torch.matmul(params.pointwise_weight, y.reshape(batch, y.shape[1], -1))
+    z = z + params.pointwise_bias[:, None]
+    return z.reshape(batch, z.shape[1], *x.shape[2:]), stages
+
+
+def conv_bwd(xp: Any, stages: list[torch.Tensor], params: ConvParams, g: torch.Tensor):
+    """VJP: flipped-tap grouped conv for the input, sliced products for the taps."""
+    n = len(stages) - 1
+    y = stages[-1]
+    batch, c_in = y.shape[:2]
+    y_flat = y.reshape(batch, c_in, -1)
+    g_flat = g.reshape(batch, g.shape[1], -1)
+    d_pointwise = torch.matmul(g_flat, y_flat.transpose(1, 2)).sum(0)
+    d_pointwise_bias = g_flat.sum((0, 2))
+    d_y = torch.matmul(params.pointwise_weight.T, g_flat).reshape(y.shape)
+    d_taps, d_biases = [None] * n, [None] * n
+    dims = (0, 2, 3, 4)
+    for axis in reversed(range(n)):
+        view = (batch, c_in, *_view5(tuple(y.shape[2:]), axis))
+        x5 = stages[axis].reshape(view)
+        d5 = d_y.reshape(view)
+        d_taps[axis] = torch.stack([
+            (d5[:, :, :, 1:] * x5[:, :, :, :-1]).sum(dims),
+            (d5 * x5).sum(dims),
+            (d5[:, :, :, :-1] * x5[:, :, :, 1:]).sum(dims),
+        ], dim=-1)
+        d_biases[axis] = d5.sum(dims)
+        d_y = _depthwise(d_y, params.depthwise_weight[axis].flip(-1), None, axis)
+    return d_y, ConvParams(torch.stack(d_taps), torch.stack(d_biases), d_pointwise,
+                           d_pointwise_bias)
+
+
+def make_ops(generic: Ops) -> Ops:
+    """The torch table: fast read and conv, generic splat, float32 compute for halves."""
+    sample_fwd, sample_bwd = _make_sample(generic)
+    fast = Ops(sample_fwd, sample_bwd, generic.splat_fwd, generic.splat_bwd, conv_fwd, conv_bwd)
+    return with_float32_compute(fast)

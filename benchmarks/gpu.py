@@ -1,0 +1,294 @@
+"""The benchmark suite on one GPU, in one call: ``python -m benchmarks.gpu``.
+
+Prints a short table and writes ``gpu_results.json`` (to ``$OUT`` when set).
+Per configuration: ms per chunk step (forward, forward+backward) of the torch
+layer (eager; ``torch.compile`` for the LM configs), the plain autograd
+baseline, the JAX layer (``jit``) and tmcore's scan on CuPy, each where its
+framework imports; peak GPU memory of a torch training step (tmcore vs plain);
+the truncated write at 8^3..32^3; a short streaming run. The **floor** here is
+the pointwise matmuls of one step on the GPU plus the bytes of state one step
+must move (read ``h, c``, write ``h', c'``: ``4 B C prod(S)`` floats) over the
+measured device-to-device copy bandwidth.
+
+``--device cpu --tiny`` runs the same code on the CPU at a tiny size (smoke
+test). Sections stop starting once ``--budget`` seconds have passed.
+Designed for <= 8 minutes on one H200.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # share the GPU with torch
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _bootstrap() -> None:
+    """Make ``tmcore.backends`` / ``tmcore.adapters`` importable from a plain checkout
+    (the GPU image has no editable install of this repository)."""
+    sys.path.insert(0, str(REPO))
+    import tmcore
+
+    try:
+        import tmcore.adapters  # noqa: F401
+    except ImportError:
+        tmcore.__path__.append(str(REPO))  # tmcore.backends -> backends/, tmcore.adapters -> ...
+
+
+_bootstrap()
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from benchmarks.common import CONFIGS, TINY, Config, machine_line  # noqa: E402
+from benchmarks.layers import (  # noqa: E402
+    floor_step,
+    make_inputs,
+    reference_params,
+    scan_inputs,
+    torch_layer,
+)
+
+__all__ = ["main"]
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _time(fn, device: str, reps: int, warmup: int = 2) -> float:
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    best = float("inf")
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def bandwidth(device: str) -> float:
+    """Device-to-device copy bandwidth, bytes read + written per second."""
+    n = (1 << 28) if device.startswith("cuda") else (1 << 22)
+    a = torch.empty(n, dtype=torch.float32, device=device)
+    b = torch.empty_like(a)
+    seconds = _time(lambda: b.copy_(a), device, reps=10)
+    return 2 * a.numel() * 4 / seconds
+
+
+def _torch_steps(cfg: Config, params, device: str, kind: str, compiled: bool = False):
+    layer = torch_layer(cfg, params, kind).to(device)
+    x, g = make_inputs(cfg)
+    xt = torch.as_tensor(x, device=device)
+    gt = torch.as_tensor(g, device=device)
+    fn = torch.compile(layer) if compiled else layer
+
+    def fwd():
+        with torch.no_grad():
+            return fn(xt)
+
+    xg = xt.clone().requires_grad_(True)
+
+    def train():
+        layer.zero_grad(set_to_none=True)
+        xg.grad = None
+        out = fn(xg)
+        (out[0] if isinstance(out, tuple) else out).backward(gt)
+    return fwd, train
+
+
+def _jax_steps(cfg: Config, params):
+    import jax
+    import jax.numpy as jnp
+
+    from tmcore.adapters import jax as tmjax
+
+    tree = jax.device_put(tmjax.params_from_state_dict(params))
+    x, g = (jnp.asarray(a) for a in make_inputs(cfg))
+
+    def forward(p, x):
+        return tmjax.apply(p, x, memory_shape=cfg.shape, chunk_size=cfg.chunk)[0]
+
+    fwd = jax.jit(forward)
+    grad = jax.jit(jax.grad(lambda p, x: jnp.sum(forward(p, x) * g), argnums=(0, 1)))
+    return (lambda: fwd(tree, x).block_until_ready(),
+            lambda: jax.block_until_ready(grad(tree, x)))
+
+
+def _cupy_steps(cfg: Config, params):
+    import array_api_compat
+    import cupy as cp
+
+    from tmcore.conv import ConvParams
+    from tmcore.scan import memory_scan_bwd, memory_scan_fwd
+
+    inp = {k: cp.asarray(v) for k, v in scan_inputs(cfg).items()}
+    cell = ConvParams(*(cp.asarray(params[f"cell.{f}"]) for f in ConvParams._fields))
+    h0 = cp.zeros((cfg.batch, cfg.channels, *cfg.shape), cp.float32)
+    args = (inp["read_coords"], inp["write_coords"], inp["write_sigma"], inp["write_content"],
+            cell)
+
+    xp = array_api_compat.array_namespace(h0)
+
+    def fwd():
+        memory_scan_fwd(xp, h0, h0, *args, checkpoint_every=cfg.steps)
+        cp.cuda.Device().synchronize()
+
+    def train():
+        _, h, c, hk, ck = memory_scan_fwd(xp, h0, h0, *args)
+        memory_scan_bwd(xp, *args, hk, ck, inp["g_reads"], cp.zeros_like(h), cp.zeros_like(c))
+        cp.cuda.Device().synchronize()
+    return fwd, train
+
+
+def _peak_torch(cfg: Config, params, device: str, kind: str) -> int | None:
+    if not device.startswith("cuda"):
+        return None
+    _, train = _torch_steps(cfg, params, device, kind)
+    train()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    train()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base
+
+
+def run_config(cfg: Config, device: str, bw: float, reps: int, log) -> dict:
+    params = reference_params(cfg)
+    floor = {}
+    for mode, train in (("fwd", False), ("train", True)):
+        mm = _time(floor_step(cfg, train, device=device), device, reps=50) / 1.0
+        state_bytes = 4 * cfg.batch * cfg.channels * cfg.cells * 4 * (2 if train else 1)
+        floor[mode] = (mm + state_bytes / bw) * 1e3
+    row = {"floor_ms": floor, "impls": {}}
+    candidates = [("torch", lambda: _torch_steps(cfg, params, device, "torch")),
+                  ("plain", lambda: _torch_steps(cfg, params, device, "plain"))]
+    if cfg.name.startswith("lm-1024") or cfg.name == "tiny":
+        candidates.append(("torch-compile",
+                           lambda: _torch_steps(cfg, params, device, "torch", compiled=True)))
+    candidates += [("jax", lambda: _jax_steps(cfg, params))]
+    if device.startswith("cuda"):
+        candidates.append(("cupy", lambda: _cupy_steps(cfg, params)))
+    for name, build in candidates:
+        try:
+            fwd, train = build()
+            cell = {m: _time(f, device, reps) / cfg.steps * 1e3
+                    for m, f in (("fwd", fwd), ("train", train))}
+            cell["ratio"] = {m: cell[m] / floor[m] for m in ("fwd", "train")}
+        except Exception as exc:  # a missing framework or a failing path is reported
+            cell = {"error": f"{type(exc).__name__}: {exc}"[:160]}
+        row["impls"][name] = cell
+        log(f"{cfg.name:8s} {name:14s} " + (
+            f"fwd {cell['fwd']:8.3f} ms ({cell['ratio']['fwd']:6.1f}x)  "
+            f"fwd+bwd {cell['train']:8.3f} ms ({cell['ratio']['train']:6.1f}x)"
+            if "error" not in cell else cell["error"]))
+    for kind in ("torch", "plain"):
+        try:
+            row[f"peak_{kind}"] = _peak_torch(cfg, params, device, kind)
+        except Exception as exc:
+            row[f"peak_{kind}"] = f"{type(exc).__name__}: {exc}"[:120]
+    if isinstance(row.get("peak_torch"), int) and isinstance(row.get("peak_plain"), int):
+        log(f"{cfg.name:8s} peak train memory: tmcore {row['peak_torch'] / 2**20:.1f} MiB, "
+            f"plain {row['peak_plain'] / 2**20:.1f} MiB "
+            f"({row['peak_torch'] / row['peak_plain']:.1%})")
+    return row
+
+
+def truncated_write(device: str, tiny: bool) -> dict:
+    import array_api_compat
+
+    import tmcore
+    from benchmarks import truncated as tw
+
+    xp = array_api_compat.array_namespace(torch.empty(0, device=device))
+    out = {}
+    for grid in ((8, 12) if tiny else tw.GRIDS):
+        content, mu, sigma = (t.to(device) for t in tw._inputs(grid))
+        shape = (grid,) * 3
+        size = tw.footprint(tw.SIGMA_CELLS, tw.RADIUS)
+        dense = _time(lambda: tmcore.gaussian_splat(content, mu, sigma, shape,  # noqa: B023
+                                                    radius=tw.RADIUS), device, 20)
+        window = _time(lambda: tw.window_write(xp, content, mu, sigma, shape,  # noqa: B023
+                                               tw.RADIUS, size), device, 20)  # noqa: B023
+        out[grid] = {"dense_ms": dense * 1e3, "window_ms": window * 1e3}
+    return out
+
+
+def streaming(device: str, tokens: int) -> dict:
+    from benchmarks.streaming import SEGMENT, _MemoryModel
+
+    model = _MemoryModel().to(device).eval()
+    state, done, peaks = None, 0, []
+    with torch.no_grad():
+        batch = torch.randint(0, 256, (1, SEGMENT), device=device)
+        model(batch, None)
+        if device.startswith("cuda"):
+            torch.cuda.reset_peak_memory_stats()
+        start = time.perf_counter()
+        while done < tokens:
+            _, state = model(batch, state)
+            done += SEGMENT
+            if device.startswith("cuda"):
+                peaks.append((done, torch.cuda.max_memory_allocated()))
+        _sync(device)
+    return {"tokens": done, "tokens_per_s": done / (time.perf_counter() - start),
+            "peak_first_last": [peaks[0], peaks[-1]] if peaks else None}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--budget", type=float, default=420.0, help="seconds")
+    parser.add_argument("--out", default=os.environ.get("OUT", str(REPO / "benchmarks"
+                                                                     / "results")))
+    args = parser.parse_args(argv)
+    start = time.perf_counter()
+    log = lambda msg: print(msg, flush=True)  # noqa: E731
+    device = args.device
+    if device.startswith("cuda"):
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+        log(f"device: {torch.cuda.get_device_name()}")
+    log(f"machine: {machine_line()}")
+    bw = bandwidth(device)
+    log(f"copy bandwidth: {bw / 1e9:.0f} GB/s (read + write)")
+    results = {"device": device, "bandwidth_Bps": bw, "configs": {}}
+    configs = [TINY] if args.tiny else CONFIGS
+    for cfg in configs:
+        if time.perf_counter() - start > args.budget:
+            log(f"{cfg.name}: skipped (budget)")
+            continue
+        reps = 1 if args.tiny else (2 if cfg.steps >= 256 else 3)
+        results["configs"][cfg.name] = run_config(cfg, device, bw, reps, log)
+    for name, fn in (("truncated", lambda: truncated_write(device, args.tiny)),
+                     ("streaming", lambda: streaming(device, 3 * 8192 if args.tiny
+                                                     else 1_000_000))):
+        if time.perf_counter() - start > args.budget:
+            log(f"{name}: skipped (budget)")
+            continue
+        try:
+            results[name] = fn()
+        except Exception as exc:
+            results[name] = {"error": f"{type(exc).__name__}: {exc}"[:160]}
+        log(f"{name}: {results[name]}")
+    results["wall_s"] = time.perf_counter() - start
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    path = Path(args.out) / ("gpu_results_tiny.json" if args.tiny else "gpu_results.json")
+    path.write_text(json.dumps(results, indent=1, default=str))
+    log(f"wrote {path} ({results['wall_s']:.0f} s)")
+    return results
+
+
+if __name__ == "__main__":
+    np.seterr(all="ignore")
+    main()

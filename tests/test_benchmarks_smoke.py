@@ -1,0 +1,38 @@
+"""The benchmark harness at a tiny size: it runs, and its baseline is the same math.
+
+No timing is asserted; only that the plain autograd baseline
+(``benchmarks/plain_torch.py``) gives tmcore's outputs and gradients, and that
+the windowed truncated write equals the dense one.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="the benchmarks need torch")
+
+from benchmarks.common import TINY  # noqa: E402
+from benchmarks.run import check_gradients  # noqa: E402
+
+
+def test_plain_autograd_matches_tmcore():
+    result = check_gradients(TINY, rtol=1e-10)
+    assert "x" in result["compared"] and "cell.pointwise_weight" in result["compared"]
+
+
+def test_window_write_matches_dense_truncated_splat():
+    from benchmarks import truncated
+
+    result = truncated.run(tiny=True, log=lambda _: None)
+    assert result["max_abs_diff"] < 1e-5
+
+
+def test_harness_tiny_run(tmp_path):
+    pytest.importorskip("matplotlib", reason="the report draws plots")
+    from benchmarks.run import main
+
+    results = main(["--tiny", "--out", str(tmp_path), "--impls", "torch", "plain", "numpy",
+                    "--skip", "streaming", "memory", "profile", "truncated"])
+    text = (tmp_path / "BENCHMARKS.md").read_text()
+    assert "Time per chunk step" in text and "floor" in text
+    assert results["timings"]["tiny"]["impls"]["torch"]["train"]["ms_per_step"] > 0

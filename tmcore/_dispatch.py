@@ -1,0 +1,86 @@
+"""Choose, per array namespace, the implementation of each primitive's forward and VJP.
+
+Every public function and the scan step ask :func:`ops_for` for an
+:class:`Ops` table. The table comes from ``tmcore.backends`` (imported lazily,
+on the first call) when it has fast paths for the namespace; every other
+namespace, and any primitive a backend leaves out, uses the generic array-API
+functions. Tables are cached per namespace, so a lookup is one context-variable
+read and one dict hit.
+
+Contract of each entry (the generic functions are the reference):
+
+- ``sample_fwd(xp, volume (B,C,*S), coords (B,Q,n)) -> (B,Q,C)``
+- ``sample_bwd(xp, volume, coords, g (B,Q,C)) -> (d_volume, d_coords)``
+- ``splat_fwd(xp, content (B,K,C), mu (B,K,n), sigma (B,K), shape, eps, radius) -> (B,C,*shape)``
+- ``splat_bwd(xp, content, mu, sigma, shape, g (B,C,*shape), eps, radius)
+  -> (d_content, d_mu, d_sigma)``
+- ``conv_fwd(xp, x (B,C_in,*S), params) -> (z (B,C_out,*S), residuals)``
+- ``conv_bwd(xp, residuals, params, g (B,C_out,*S)) -> (d_x, d_params)``
+
+``residuals`` is opaque: only the ``conv_bwd`` of the same table consumes it
+(the generic one is the list of stage inputs ``[x, after axis 0, ...]``).
+
+Forcing the generic path (for comparison and debugging): the environment
+variable ``TMCORE_GENERIC=1`` (read once, when tmcore is imported: it sets the
+default of the switch), or ``with tmcore.backends.use_generic(): ...`` (a
+context variable, so it is local to the thread / task; ``use_generic(False)``
+re-enables the fast paths inside it). Under ``jax.jit`` the choice is made
+while tracing.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import importlib
+import os
+from typing import Any, NamedTuple
+
+__all__ = ["Ops", "ops_for", "generic_ops", "FORCE_GENERIC", "ENV_VAR"]
+
+ENV_VAR = "TMCORE_GENERIC"
+FORCE_GENERIC: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "tmcore_force_generic", default=os.environ.get(ENV_VAR, "") not in ("", "0")
+)
+
+
+class Ops(NamedTuple):
+    """One implementation of every primitive's forward and VJP (see the module docstring)."""
+
+    sample_fwd: Any
+    sample_bwd: Any
+    splat_fwd: Any
+    splat_bwd: Any
+    conv_fwd: Any
+    conv_bwd: Any
+
+
+_GENERIC: list[Ops] = []
+_CACHE: dict[Any, Ops] = {}  # namespace module -> table
+
+
+def generic_ops() -> Ops:
+    """The generic array-API table (built once; imports are deferred to avoid cycles)."""
+    if not _GENERIC:
+        from tmcore import conv, sampling, splat
+
+        _GENERIC.append(Ops(sampling.sample_fwd, sampling.sample_bwd, splat.splat_fwd,
+                            splat.splat_bwd, conv.conv_fwd, conv.conv_bwd))
+    return _GENERIC[0]
+
+
+def _resolve(xp: Any) -> Ops:
+    try:
+        backends = importlib.import_module("tmcore.backends")
+    except ImportError:  # a checkout used without installing: generic everywhere
+        return generic_ops()
+    return backends.ops_for_namespace(xp, generic_ops())
+
+
+def ops_for(xp: Any) -> Ops:
+    """The :class:`Ops` table for namespace ``xp`` (generic when forced or not accelerated)."""
+    if FORCE_GENERIC.get():
+        return generic_ops()
+    ops = _CACHE.get(xp)
+    if ops is None:
+        ops = _CACHE[xp] = _resolve(xp)
+    return ops
