@@ -1,0 +1,60 @@
+"""What a diagnostic task provides: on-the-fly batches and the settings it sweeps."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = ["Batch", "Task"]
+
+
+@dataclass
+class Batch:
+    """One batch of a token-stream task (NumPy, converted to tensors by the trainer).
+
+    inputs ``(B, N, F)`` float32 token features; targets ``(B, N)`` int64 class
+    per position; mask ``(B, N)`` bool, where the loss and accuracy count.
+    """
+
+    inputs: np.ndarray
+    targets: np.ndarray
+    mask: np.ndarray
+
+
+class Task:
+    """Base class: a synthetic task with a swept setting.
+
+    Subclasses set ``name``, ``in_features``, ``n_classes``, ``sweep_key`` (the
+    setting plotted on the x axis), ``eval_settings`` (list of dicts) and
+    implement :meth:`batch` and :meth:`train_setting`.
+    """
+
+    name: str = "task"
+    in_features: int
+    n_classes: int
+    sweep_key: str
+    eval_settings: list[dict]
+
+    def batch(self, rng: np.random.Generator, size: int, setting: dict) -> Batch:
+        """``size`` fresh examples of ``setting``."""
+        raise NotImplementedError
+
+    def train_setting(self, rng: np.random.Generator) -> dict:
+        """The setting of the next training batch (tasks train on a mixture)."""
+        raise NotImplementedError
+
+    def max_len(self) -> int:
+        """Longest sequence any setting produces."""
+        return max(self.batch(np.random.default_rng(0), 1, s).inputs.shape[1]
+                   for s in self.eval_settings)
+
+    @staticmethod
+    def label(setting: dict) -> str:
+        """A short column label, e.g. ``writes=20,noise=0.05``."""
+        return ",".join(f"{k}={v}" for k, v in setting.items())
+
+    def plot_groups(self) -> list[tuple[str, str, list[dict]]]:
+        """Panels of the sweep plot: ``(title, x key, settings)``."""
+        return [(f"{self.name}: accuracy vs {self.sweep_key}", self.sweep_key,
+                 list(self.eval_settings))]
