@@ -9,10 +9,11 @@ place for a measured kernel later.
 from __future__ import annotations
 
 from tmcore._dispatch import Ops
+from tmcore.backends._mixed import with_float32_compute
 
 __all__ = ["make_ops"]
 
 
 def make_ops(generic: Ops) -> Ops:
-    """The CuPy table: the generic path."""
-    return generic
+    """The CuPy table: the generic path, float16 computed in float32 (as for NumPy)."""
+    return with_float32_compute(generic)

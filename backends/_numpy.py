@@ -13,10 +13,13 @@ BLAS contractions in the generic path.
 from __future__ import annotations
 
 from tmcore._dispatch import Ops
+from tmcore.backends._mixed import with_float32_compute
 
 __all__ = ["make_ops"]
 
 
 def make_ops(generic: Ops) -> Ops:
-    """The NumPy table: the generic path."""
-    return generic
+    """The NumPy table: the generic path, with float16 computed in float32 (as in
+    torch and JAX) because ``sigma**2`` and ``(2 sigma**2 + eps)**2`` under/overflow
+    in float16 at the ends of the supported sigma range."""
+    return with_float32_compute(generic)

@@ -78,7 +78,11 @@ def _make_sample(generic: Ops) -> tuple[Any, Any]:
         inp, grid = _grid_args(volume, coords)
         out = F.grid_sample(inp, grid, mode="bilinear", padding_mode="border",
                             align_corners=True)
-        return out.reshape(batch, channels, coords.shape[1]).transpose(1, 2).contiguous()
+        out = out.reshape(batch, channels, coords.shape[1]).transpose(1, 2)
+        # grid_sample clamps a NaN coordinate to the border; the generic path (and the
+        # contract) propagates NaN, so a bad coordinate is not silently read as data.
+        is_nan = torch.isnan(coords).any(dim=-1, keepdim=True)
+        return torch.where(is_nan, torch.nan, out).contiguous()
 
     def sample_bwd(xp, volume, coords, g):
         if volume.ndim > 5 or not volume.dtype == coords.dtype == g.dtype:
