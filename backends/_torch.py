@@ -148,9 +148,14 @@ def conv_fwd(xp: Any, x: torch.Tensor, params: ConvParams):
                                  params.depthwise_bias[axis], axis))
     y = stages[-1]
     batch = y.shape[0]
-    z = torch.matmul(params.pointwise_weight, y.reshape(batch, y.shape[1], -1))
-    z = z + params.pointwise_bias[:, None]
-    return z.reshape(batch, z.shape[1], *x.shape[2:]), stages
+    y_flat = y.reshape(batch, y.shape[1], -1)
+    c_out = params.pointwise_weight.shape[0]
+    # One baddbmm over an expanded (stride-0) weight: no transposed copies of y or z,
+    # which a broadcast 2-D @ 3-D matmul makes, and the bias add fused in.
+    z = torch.baddbmm(params.pointwise_bias[None, :, None].expand(batch, c_out, y_flat.shape[2]),
+                      params.pointwise_weight.expand(batch, *params.pointwise_weight.shape),
+                      y_flat)
+    return z.reshape(batch, c_out, *x.shape[2:]), stages
 
 
 def conv_bwd(xp: Any, stages: list[torch.Tensor], params: ConvParams, g: torch.Tensor):
@@ -162,7 +167,8 @@ def conv_bwd(xp: Any, stages: list[torch.Tensor], params: ConvParams, g: torch.T
     g_flat = g.reshape(batch, g.shape[1], -1)
     d_pointwise = torch.matmul(g_flat, y_flat.transpose(1, 2)).sum(0)
     d_pointwise_bias = g_flat.sum((0, 2))
-    d_y = torch.matmul(params.pointwise_weight.T, g_flat).reshape(y.shape)
+    weight_t = params.pointwise_weight.T
+    d_y = torch.bmm(weight_t.expand(batch, *weight_t.shape), g_flat).reshape(y.shape)
     d_taps, d_biases = [None] * n, [None] * n
     dims = (0, 2, 3, 4)
     for axis in reversed(range(n)):

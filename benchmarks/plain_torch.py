@@ -4,7 +4,7 @@ This is the comparison baseline of the benchmark suite: the layer written the
 straightforward way (``nn.Linear``, depthwise ``Conv3d``, ``grid_sample``,
 elementwise ops), differentiated by torch autograd, which stores every
 intermediate of every chunk step. Parameter names and layouts follow the
-tmcore layer (``docs/TEAM_NOTES.md``) so the same state dict loads into both
+tmcore layer (``docs/LAYER.md``) so the same state dict loads into both
 and the gradients can be compared one to one.
 """
 
@@ -61,7 +61,7 @@ class PlainTensorMemory(nn.Module):
 
     ``forward(x (B, N, d), state=None) -> (read projection (B, N, d), (h, c))``;
     the output is ``out_proj(read)`` broadcast to every token of its chunk (no
-    residual), like :func:`tmcore`'s layer math in ``docs/TEAM_NOTES.md``.
+    residual), like :func:`tmcore`'s layer math in ``docs/LAYER.md``.
     """
 
     def __init__(self, embed_dim: int, memory_channels: int, memory_shape, chunk_size: int,
