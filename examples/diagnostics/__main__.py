@@ -39,7 +39,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="torch CPU threads (1 is fastest for these small ops on 2 cores)")
     p.add_argument("--impl", choices=["adapter", "variant"], default="adapter",
                    help="Tensor Memory layer: tmcore.adapters.torch, or the pure-PyTorch "
-                        "VariantTensorMemory (same function, faster on CPU)")
+                        "VariantTensorMemory (same function)")
     p.add_argument("--device", default=None,
                    help="torch device (default: cuda when available, else cpu)")
     p.add_argument("--models", nargs="+", help="only these rows (model labels)")

@@ -22,7 +22,7 @@ _IMPL = {"name": "adapter"}
 
 def set_implementation(name: str) -> None:
     """``"adapter"`` (default: tmcore.adapters.torch) or ``"variant"`` (the pure-PyTorch
-    layer, same function and parameters, about 2x faster on CPU)."""
+    layer, same function and parameters)."""
     if name not in ("adapter", "variant"):
         raise ValueError(f"implementation: expected 'adapter' or 'variant', got {name!r}")
     _IMPL["name"] = name
