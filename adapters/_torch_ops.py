@@ -41,10 +41,11 @@ import array_api_compat
 import torch
 from torch import Tensor
 
+from tmcore import validation
 from tmcore.backends import use_generic
 from tmcore.conv import ConvParams
 from tmcore.sampling import sample_bwd, sample_fwd
-from tmcore.scan import memory_scan_bwd, memory_scan_fwd
+from tmcore.scan import memory_scan_bwd, memory_scan_fwd, validate_scan_inputs
 from tmcore.splat import splat_bwd, splat_fwd
 
 __all__ = [
@@ -295,6 +296,13 @@ def memory_scan_op(
 @memory_scan_op.register_fake
 def _(h0, c0, read_coords, write_coords, write_sigma, write_content, depthwise_weight,
       depthwise_bias, pointwise_weight, pointwise_bias, eps, radius, checkpoint_every):
+    # The adapter's memory_scan validates eagerly; under torch.compile Dynamo cannot trace
+    # the validator, so its shape checks run here, once per trace, in plain Python (fake
+    # tensors have no values: validate mode's value checks are off).
+    params = ConvParams(depthwise_weight, depthwise_bias, pointwise_weight, pointwise_bias)
+    with validation(False):
+        validate_scan_inputs(h0, c0, read_coords, write_coords, write_sigma, write_content,
+                             params, checkpoint_every, radius, eps=eps)
     batch, channels = h0.shape[:2]
     steps = read_coords.shape[1]
     saved = (steps + checkpoint_every - 1) // checkpoint_every

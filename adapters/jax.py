@@ -37,6 +37,8 @@ and the output trimmed.
 from __future__ import annotations
 
 import math
+import numbers
+import operator
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from typing import Any, NamedTuple
@@ -49,8 +51,7 @@ from jax import lax
 
 import tmcore
 from tmcore.conv import ConvParams
-from tmcore.scan import StepInputs, add_params, step_bwd, step_fwd
-from tmcore.scan import _validate as _validate_scan_inputs
+from tmcore.scan import StepInputs, add_params, step_bwd, step_fwd, validate_scan_inputs
 from tmcore.splat import DEFAULT_EPS
 
 __all__ = [
@@ -91,6 +92,99 @@ LAYER_KEYS = (
 )
 
 _LAYER_NORM_EPS = 1e-5  # torch.nn.LayerNorm's default
+
+#: State-dict key (last part) under which the PyTorch adapter stores the grid shape.
+EXTRA_STATE = "_extra_state"
+
+
+# --------------------------------------------------------------------------- argument checks
+# Static checks only (Python values, shapes and dtypes), so they also hold under ``jit``.
+
+
+def _positive_int(name: str, value: Any) -> int:
+    """An int >= 1 (Python or NumPy, not bool); ``TypeError`` / ``ValueError`` otherwise."""
+    if isinstance(value, bool):
+        raise TypeError(f"{name}: expected a positive int, got {value!r}")
+    try:
+        number = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name}: expected a positive int, got {value!r}") from None
+    if number < 1:
+        raise ValueError(f"{name}: expected a positive int, got {value!r}")
+    return number
+
+
+def _grid_shape(name: str, shape: Any) -> tuple[int, ...]:
+    """1 to 4 positive ints, never truncated: ``TypeError`` for a float / bool / non-int
+    entry or a non-sequence, ``ValueError`` for the wrong length or a size < 1."""
+    expected = f"{name}: expected a tuple of 1 to 4 positive ints"
+    if isinstance(shape, (str, bytes)):
+        raise TypeError(f"{expected}, got {shape!r}")
+    try:
+        entries = tuple(shape)
+    except TypeError:
+        raise TypeError(f"{expected}, got {shape!r}") from None
+    dims = []
+    for entry in entries:
+        try:
+            if isinstance(entry, bool):
+                raise TypeError
+            dims.append(operator.index(entry))
+        except TypeError:
+            raise TypeError(f"{expected}, got {shape!r} (entry {entry!r} is not an int)") from None
+    if not 1 <= len(dims) <= 4 or min(dims) < 1:
+        raise ValueError(f"{expected}, got {shape!r}")
+    return tuple(dims)
+
+
+def _real(name: str, value: Any, expected: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name}: expected {expected}, got {value!r}")
+    return float(value)
+
+
+def _check_eps(eps: Any) -> float:
+    value = _real("eps", eps, "a finite number >= 0")
+    if not (math.isfinite(value) and value >= 0.0):
+        raise ValueError(f"eps: expected a finite number >= 0, got {eps!r}")
+    return value
+
+
+def _check_radius(radius: Any) -> float | None:
+    if radius is None:
+        return None
+    value = _real("radius", radius, "a positive number of sigmas or None")
+    if not value > 0.0:
+        raise ValueError(f"radius: expected a positive number of sigmas or None, got {radius!r}")
+    return value
+
+
+def _check_sigma_scale(sigma_scale: Any) -> float:
+    value = _real("sigma_scale", sigma_scale, "a finite number > 0")
+    if not (math.isfinite(value) and value > 0.0):
+        raise ValueError(f"sigma_scale: expected a finite number > 0, got {sigma_scale!r}")
+    return value
+
+
+def _concrete(value: Any) -> np.ndarray | None:
+    """``value`` as a NumPy array, or ``None`` when it is not concrete (a tracer)."""
+    try:
+        return np.asarray(value)
+    except Exception:  # a tracer under jit / vmap / grad
+        return None
+
+
+def _stored_grid_error(value: Any, memory_shape: tuple[int, ...], where: str) -> str | None:
+    """Why a stored grid shape (the PyTorch adapter's ``_extra_state``) does not match."""
+    saved = _concrete(value)
+    if saved is None:
+        return None
+    if saved.ndim != 1 or not np.issubdtype(saved.dtype, np.integer):
+        return f"memory_shape: {where} should hold the grid shape (1-D ints), got {saved!r}"
+    if tuple(int(s) for s in saved) != tuple(memory_shape):
+        return (f"memory_shape: {tuple(memory_shape)} disagrees with the grid "
+                f"{tuple(int(s) for s in saved)} stored in {where}")
+    return None
 
 
 # --------------------------------------------------------------------------- primitives
@@ -246,8 +340,8 @@ def memory_scan(
     h0, c0, read_coords, write_coords, write_sigma, write_content = map(
         jnp.asarray, (h0, c0, read_coords, write_coords, write_sigma, write_content))
     params = ConvParams(*map(jnp.asarray, params))
-    _, params = _validate_scan_inputs(
-        h0, c0, read_coords, write_coords, write_sigma, write_content, params, 1, radius
+    _, params = validate_scan_inputs(
+        h0, c0, read_coords, write_coords, write_sigma, write_content, params, 1, radius, eps=eps
     )
     return _scan_jit(h0, c0, read_coords, write_coords, write_sigma, write_content, params,
                      float(eps), _static_radius(radius))
@@ -306,11 +400,14 @@ def init(
     key : a ``jax.random`` key.
     embed_dim : token width ``d``.
     memory_channels : grid channels ``C``.
-    memory_shape : grid shape ``S`` (1 to 4 axes; ``n = len(S)``).
+    memory_shape : grid shape ``S`` (1 to 4 positive ints; ``n = len(S)``).
     chunk_size : tokens per chunk ``L``.
     sigma_scale : not a parameter; accepted for signature parity with the
         PyTorch constructor and checked (> 0). Pass it to :func:`apply`.
     dtype : parameter dtype.
+
+    Sizes must be ints (a float is a ``TypeError``, never truncated); a size
+    < 1 is a ``ValueError``.
 
     Returns
     -------
@@ -319,15 +416,11 @@ def init(
     {"depthwise_weight" (n, 2C, 3), "depthwise_bias" (n, 2C), "pointwise_weight"
     (4C, 2C), "pointwise_bias" (4C,)}, "out_proj": {(d, C), (d,)}}``.
     """
-    d, channels, length = int(embed_dim), int(memory_channels), int(chunk_size)
-    dims = tuple(int(s) for s in memory_shape)
-    if min(d, channels, length) < 1:
-        raise ValueError(f"embed_dim, memory_channels, chunk_size: expected positive ints, got "
-                         f"{embed_dim!r}, {memory_channels!r}, {chunk_size!r}")
-    if not 1 <= len(dims) <= 4 or min(dims) < 1:
-        raise ValueError(f"memory_shape: expected 1 to 4 positive ints, got {memory_shape!r}")
-    if not sigma_scale > 0:
-        raise ValueError(f"sigma_scale: expected a positive number, got {sigma_scale!r}")
+    d = _positive_int("embed_dim", embed_dim)
+    channels = _positive_int("memory_channels", memory_channels)
+    length = _positive_int("chunk_size", chunk_size)
+    dims = _grid_shape("memory_shape", memory_shape)
+    _check_sigma_scale(sigma_scale)
     n = len(dims)
     keys = jax.random.split(key, 6)
     bound = tmcore.xavier_uniform_bound(2 * channels, 4 * channels)
@@ -354,46 +447,125 @@ def _linear(p: Mapping[str, jax.Array], x: jax.Array) -> jax.Array:
     return x @ p["weight"].T + p["bias"]
 
 
-def _layer_config(params: Mapping[str, Any], x: jax.Array, chunk_size: int | None) -> int:
+class _LayerShape(NamedTuple):
+    d: int  # embed_dim, from out_proj.weight (d, C)
+    length: int  # chunk_size L, from write_proj.weight (d, L*d)
+    channels: int  # C, from out_proj.weight (d, C)
+    n: int  # spatial axes, from coord_net.weight (n, d)
+
+
+def _check_params(params: Mapping[str, Any]) -> _LayerShape:
+    """Every parameter present and shaped consistently; ``KeyError`` / ``ValueError``
+    naming the leaf. Returns the sizes the parameters fix."""
+    if not isinstance(params, Mapping):
+        raise TypeError(f"params: expected a nested dict from init or params_from_state_dict, "
+                        f"got {type(params).__name__}")
     for group, leaf in LAYER_KEYS:
-        if group not in params or leaf not in params[group]:
+        if not isinstance(params.get(group), Mapping) or leaf not in params[group]:
             raise KeyError(f"params: missing {group}.{leaf} (expected a pytree from init or "
                            f"params_from_state_dict)")
+
+    def shape(group: str, leaf: str) -> tuple[int, ...]:
+        return tuple(jnp.shape(params[group][leaf]))
+
+    for group, leaf, rank in (("out_proj", "weight", 2), ("write_proj", "weight", 2),
+                              ("coord_net", "weight", 2)):
+        if len(shape(group, leaf)) != rank:
+            raise ValueError(f"params.{group}.{leaf}: expected a matrix (out, in), "
+                             f"got shape {shape(group, leaf)}")
+    d, channels = shape("out_proj", "weight")
+    n = shape("coord_net", "weight")[0]
+    in_features = shape("write_proj", "weight")[1]
+    length = in_features // d if d else 0
+    if d < 1 or channels < 1 or length < 1 or length * d != in_features:
+        raise ValueError(f"params.write_proj.weight: expected shape (d, L*d) with d = {d} "
+                         f"(from out_proj.weight), got {shape('write_proj', 'weight')}")
+    if not 1 <= n <= 4:
+        raise ValueError(f"params.coord_net.weight: expected shape (n, d) with n = 1 to 4 "
+                         f"spatial axes, got {shape('coord_net', 'weight')}")
+    expected = {
+        ("write_proj", "weight"): ((d, length * d), "(d, L*d)"),
+        ("write_proj", "bias"): ((d,), "(d,)"),
+        ("content_net", "weight"): ((channels, d), "(C, d)"),
+        ("content_net", "bias"): ((channels,), "(C,)"),
+        ("sigma_net", "weight"): ((1, d), "(1, d)"),
+        ("sigma_net", "bias"): ((1,), "(1,)"),
+        ("coord_net", "weight"): ((n, d), "(n, d)"),
+        ("coord_net", "bias"): ((n,), "(n,)"),
+        ("cell", "depthwise_weight"): ((n, 2 * channels, 3), "(n, 2C, 3)"),
+        ("cell", "depthwise_bias"): ((n, 2 * channels), "(n, 2C)"),
+        ("cell", "pointwise_weight"): ((4 * channels, 2 * channels), "(4C, 2C)"),
+        ("cell", "pointwise_bias"): ((4 * channels,), "(4C,)"),
+        ("out_proj", "weight"): ((d, channels), "(d, C)"),
+        ("out_proj", "bias"): ((d,), "(d,)"),
+    }
+    for (group, leaf), (want, layout) in expected.items():
+        if shape(group, leaf) != want:
+            raise ValueError(f"params.{group}.{leaf}: expected shape {layout} = {want} "
+                             f"(d = {d}, C = {channels} from out_proj.weight, n = {n} from "
+                             f"coord_net.weight, L = {length}), got {shape(group, leaf)}")
+    return _LayerShape(d, length, channels, n)
+
+
+def _layer_config(params: Mapping[str, Any], x: jax.Array, chunk_size: int | None) -> _LayerShape:
+    config = _check_params(params)
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        raise TypeError(f"x: expected an array of shape (B, N, d), got {type(x).__name__}")
     if x.ndim != 3:
         raise ValueError(f"x: expected shape (B, N, d) (3 dims), got {tuple(x.shape)}")
-    d = params["out_proj"]["weight"].shape[0]
+    d = config.d
     if x.shape[-1] != d:
         raise ValueError(f"x: expected shape (B, N, d) with d = {d} (from out_proj.weight), "
                          f"got {tuple(x.shape)}")
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(f"x: expected a floating dtype, got {x.dtype}")
     if x.shape[1] < 1:
         raise ValueError(f"x: expected at least one token, got shape {tuple(x.shape)}")
-    in_features = params["write_proj"]["weight"].shape[1]
-    inferred = in_features // d
-    if inferred * d != in_features:
-        raise ValueError(f"params.write_proj.weight: expected shape (d, L*d), got "
-                         f"{tuple(params['write_proj']['weight'].shape)}")
-    if chunk_size is not None and int(chunk_size) != inferred:
+    if chunk_size is not None and _positive_int("chunk_size", chunk_size) != config.length:
         raise ValueError(f"chunk_size: {chunk_size} disagrees with write_proj.weight "
-                         f"{tuple(params['write_proj']['weight'].shape)} (L = {inferred})")
-    return inferred
+                         f"{tuple(jnp.shape(params['write_proj']['weight']))} "
+                         f"(L = {config.length})")
+    return config
 
 
-def _start_state(params, x, state, memory_shape, reset) -> MemoryState:
-    channels = params["content_net"]["weight"].shape[0]
-    n = params["coord_net"]["weight"].shape[0]
+def _start_state(params, config: _LayerShape, x, state, memory_shape, reset) -> MemoryState:
+    channels, n = config.channels, config.n
+    if memory_shape is not None:
+        memory_shape = _grid_shape("memory_shape", memory_shape)
+        if len(memory_shape) != n:
+            raise ValueError(f"memory_shape: expected n = {n} axes (from coord_net.weight), "
+                             f"got {memory_shape}")
     if state is None:
         if memory_shape is None:
             raise ValueError("memory_shape: required when no state is given (it cannot be "
                              "inferred from params)")
         state = init_state(x.shape[0], channels, memory_shape, x.dtype)
+    if not isinstance(state, (tuple, list)) or len(state) != 2:
+        raise ValueError(f"state: expected a pair (h, c) or None, got {type(state).__name__}")
     state = MemoryState(*state)
+    for name, value in (("state.h", state.h), ("state.c", state.c)):
+        if not hasattr(value, "shape") or not hasattr(value, "dtype"):
+            raise TypeError(f"{name}: expected an array of shape (B, C, *S), "
+                            f"got {type(value).__name__}")
+        if not jnp.issubdtype(value.dtype, jnp.floating):
+            raise TypeError(f"{name}: expected a floating dtype, got {value.dtype}")
     expected = (x.shape[0], channels)
     if tuple(state.h.shape[:2]) != expected or state.h.ndim != n + 2:
         raise ValueError(f"state.h: expected shape (B, C, *S) with B, C = {expected} and "
                          f"n = {n} spatial axes, got {tuple(state.h.shape)}")
-    if memory_shape is not None and tuple(state.h.shape[2:]) != tuple(memory_shape):
-        raise ValueError(f"memory_shape: {tuple(memory_shape)} disagrees with the state's "
-                         f"{tuple(state.h.shape[2:])}")
+    if tuple(state.c.shape) != tuple(state.h.shape):
+        raise ValueError(f"state.c: expected the shape of state.h {tuple(state.h.shape)}, "
+                         f"got {tuple(state.c.shape)}")
+    grid = tuple(state.h.shape[2:])
+    if min(grid) < 1:
+        raise ValueError(f"state.h: expected shape (B, C, *S) with no zero-size axis, "
+                         f"got {tuple(state.h.shape)}")
+    if memory_shape is not None and grid != memory_shape:
+        raise ValueError(f"memory_shape: {memory_shape} disagrees with the state's {grid}")
+    if EXTRA_STATE in params:
+        error = _stored_grid_error(params[EXTRA_STATE], grid, f"params[{EXTRA_STATE!r}]")
+        if error is not None:
+            raise ValueError(error)
     if reset is not None:
         state = reset_state(state, reset)
     return state
@@ -520,6 +692,13 @@ def apply(
     reset : optional ``(B,)`` bool; those sequences start from the zero state.
     eps, radius : as in :func:`tmcore.gaussian_splat`.
 
+    Every argument is checked statically (shapes, dtypes, Python scalars; fine
+    under ``jit``): a missing parameter is a ``KeyError``, a misshapen one, a
+    bad ``memory_shape`` / ``eps`` / ``radius`` / ``sigma_scale`` or state a
+    ``ValueError``, a non-floating ``x`` a ``TypeError``, each naming the
+    argument. An ``_extra_state`` entry (the grid shape a PyTorch checkpoint
+    stores) must match the grid when it is concrete.
+
     Returns
     -------
     ``out (B, N, d)`` -- ``out_proj(read_t)`` on every token of chunk ``t`` --
@@ -528,14 +707,16 @@ def apply(
     backprop. Pieces whose lengths are multiples of the chunk size give the
     same result as one call.
     """
-    length = _layer_config(params, x, chunk_size)
-    state = _start_state(params, x, state, memory_shape, reset)
+    config = _layer_config(params, x, chunk_size)
+    state = _start_state(params, config, x, state, memory_shape, reset)
+    static = _LayerStatic(_check_sigma_scale(sigma_scale), _check_eps(eps),
+                          _check_radius(radius))
+    length = config.length
     batch, tokens, d = x.shape
     steps = -(-tokens // length)
     padded = jnp.pad(x, ((0, 0), (0, steps * length - tokens), (0, 0)))
     chunks = jnp.moveaxis(jnp.reshape(padded, (batch, steps, length, d)), 1, 0)  # [T, B, L, d]
     heads = {name: params[name] for name in _HEADS}
-    static = _LayerStatic(float(sigma_scale), float(eps), _static_radius(radius))
     per_chunk, h, c = _layer_scan_jit(heads, conv_params(params["cell"]), chunks, state.h,
                                       state.c, static)  # per_chunk [T, B, d]
     out = jnp.broadcast_to(per_chunk[:, :, None, :], (steps, batch, length, d))
@@ -677,7 +858,9 @@ def params_from_state_dict(
     single key ending in ``write_proj.weight`` (a memory layer, or a gated
     residual whose memory is ``memory``). Layouts are unchanged (torch's).
     Arrays become ``jnp`` arrays of their own dtype (float64 needs x64
-    enabled) or of ``dtype``.
+    enabled) or of ``dtype``. An ``_extra_state`` entry (the grid shape the
+    PyTorch adapter stores) is kept as an int array; :func:`apply` checks it
+    against the grid, :func:`state_dict_from_params` writes it back.
     """
     keys = [str(k) for k in sd]
     prefix = _find_prefix(keys) if prefix is None else prefix
@@ -690,7 +873,10 @@ def params_from_state_dict(
         for part in path:
             node = node.setdefault(part, {})
         value = np.asarray(sd[key])
-        node[leaf] = jnp.asarray(value, dtype=dtype if dtype is not None else value.dtype)
+        if leaf == EXTRA_STATE:  # the grid shape a PyTorch checkpoint stores: kept as ints
+            node[leaf] = jnp.asarray(value)
+        else:
+            node[leaf] = jnp.asarray(value, dtype=dtype if dtype is not None else value.dtype)
     if not params:
         raise ValueError(f"sd: no key starts with prefix {prefix!r}")
     layer = params.get("memory", params)
@@ -729,9 +915,60 @@ def params_from_module(module: nnx.Module) -> dict:
     return nnx.to_pure_dict(nnx.state(module, nnx.Param))
 
 
+def _without_extra_state(module: Any, params: Mapping[str, Any], path: str) -> dict:
+    """``params`` less its ``_extra_state`` entries, each checked (when concrete) against
+    the ``memory_shape`` of the submodule at its place."""
+    out = {}
+    for key, value in params.items():
+        if key == EXTRA_STATE:
+            grid = getattr(module, "memory_shape", None)
+            error = None if grid is None else _stored_grid_error(value, grid, f"{path}{key}")
+            if error is not None:
+                raise ValueError(error)
+        elif isinstance(value, Mapping):
+            out[key] = _without_extra_state(getattr(module, str(key), None), value,
+                                            f"{path}{key}.")
+        else:
+            out[key] = value
+    return out
+
+
+def _shape_mismatches(expected: Mapping[str, Any], given: Any, path: str) -> list[str]:
+    """Every leaf of ``given`` missing, unknown, or of another shape than in ``expected``."""
+    if not isinstance(given, Mapping):
+        return [f"{path[:-1]}: expected a dict of parameters, got {type(given).__name__}"]
+    problems = [f"{path}{k}: missing" for k in expected if k not in given]
+    problems += [f"{path}{k}: unknown to this module" for k in given if k not in expected]
+    for key, want in expected.items():
+        if key not in given:
+            continue
+        got = given[key]
+        if isinstance(want, Mapping):
+            problems += _shape_mismatches(want, got, f"{path}{key}.")
+        elif isinstance(got, Mapping):
+            problems.append(f"{path}{key}: expected an array of shape "
+                            f"{tuple(jnp.shape(want))}, got a dict")
+        elif tuple(jnp.shape(got)) != tuple(jnp.shape(want)):
+            problems.append(f"{path}{key}: expected shape {tuple(jnp.shape(want))}, "
+                            f"got {tuple(jnp.shape(got))}")
+    return problems
+
+
 def load_params(module: nnx.Module, params: Mapping[str, Any]) -> None:
-    """Overwrite ``module``'s parameters in place with a pure pytree of the same structure."""
+    """Overwrite ``module``'s parameters in place with a pure pytree of the same structure.
+
+    Raises ``ValueError`` naming the leaf when ``params`` misses one of the
+    module's parameters, has one it does not, or has one of another shape (then
+    nothing is changed). ``_extra_state`` entries (the grid shape of a PyTorch
+    checkpoint, see :func:`params_from_state_dict`) are checked against the
+    module's ``memory_shape`` and not loaded.
+    """
     state = nnx.state(module, nnx.Param)
+    params = _without_extra_state(module, params, "")
+    problems = _shape_mismatches(nnx.to_pure_dict(state), params, "")
+    if problems:
+        raise ValueError("params: not a pytree of this module's parameters (nothing loaded): "
+                         + "; ".join(problems))
     nnx.replace_by_pure_dict(state, params)
     nnx.update(module, state)
 

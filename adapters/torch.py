@@ -40,7 +40,8 @@ from torch import Tensor, nn
 
 from tmcore.adapters import _torch_ops
 from tmcore.addressing import MIN_SIGMA
-from tmcore.conv import ConvParams, conv_params_from_pointwise
+from tmcore.conv import ConvParams, as_conv_params, conv_params_from_pointwise
+from tmcore.scan import validate_scan_inputs
 from tmcore.splat import DEFAULT_EPS
 
 __all__ = [
@@ -109,15 +110,36 @@ def memory_scan(
     ``write_sigma (B, T)``, ``write_content (B, T, C)``, ``params``: a
     :class:`tmcore.ConvParams` of tensors. Returns ``(reads (B, T, C), h_T, c_T)``.
     ``checkpoint_every = k`` keeps ``ceil(T / k)`` states for the backward.
+
+    The arguments are checked by :func:`tmcore.scan.validate_scan_inputs`
+    (``TypeError`` / ``ValueError`` naming the argument; in tmcore's validate
+    mode also finite values and ``write_sigma > 0``). Under ``torch.compile``
+    the same shape checks run once, at trace time, in the op's fake
+    implementation (values of fake tensors are never read).
     """
+    params = as_conv_params(params)
+    if not torch.compiler.is_compiling():  # Dynamo cannot trace the validator's ContextVar
+        validate_scan_inputs(h0, c0, read_coords, write_coords, write_sigma, write_content,
+                             params, checkpoint_every, radius, eps=eps)
     reads, h, c, _, _ = _torch_ops.MemoryScanFunction.apply(
         h0, c0, read_coords, write_coords, write_sigma, write_content, *params,
-        float(eps), radius, int(checkpoint_every),
+        float(eps), None if radius is None else float(radius), int(checkpoint_every),
     )
     return reads, h, c
 
 
 # --------------------------------------------------------------------------- layer
+
+
+def _check_like_params(name: str, value: Tensor, ref: Tensor, check_dtype: bool) -> None:
+    """``ValueError`` unless ``value`` is on ``ref``'s device; ``TypeError`` unless it has
+    ``ref``'s dtype (when ``check_dtype``). ``name`` leads the message."""
+    if value.device != ref.device:
+        raise ValueError(f"{name}: expected a tensor on the parameters' device {ref.device}, "
+                         f"got one on {value.device}")
+    if check_dtype and value.dtype != ref.dtype:
+        raise TypeError(f"{name}: expected dtype {ref.dtype} (the parameters'), "
+                        f"got {value.dtype}")
 
 
 def _softplus(x: Tensor) -> Tensor:
@@ -225,6 +247,60 @@ class TensorMemory(nn.Module):
                 f"sigma_scale={self.sigma_scale}, checkpoint_every={self.checkpoint_every}, "
                 f"radius={self.radius}")
 
+    # ----------------------------------------------------------------- checkpoints
+
+    def get_extra_state(self) -> Tensor:
+        """The grid shape ``memory_shape`` as an int32 tensor (state-dict key ``_extra_state``).
+
+        The parameters do not show the grid (only its number of axes), so the
+        state dict carries it, and loading refuses a checkpoint of another grid.
+        A tensor, so that safetensors and ``torch.load(weights_only=True)`` keep it.
+        """
+        return torch.tensor(self.memory_shape, dtype=torch.int32)
+
+    def _grid_error(self, value: Any, key: str) -> str | None:
+        """Why ``value`` (a stored ``_extra_state``) does not fit this model, or ``None``."""
+        malformed = (f"memory_shape: {key} should hold a grid shape (a 1-D int tensor of "
+                     f"1 to 4 sizes), got {value!r}")
+        try:
+            stored = torch.as_tensor(value)
+        except (TypeError, ValueError, RuntimeError):
+            return malformed
+        if stored.device.type == "meta":
+            return None  # no values to compare
+        if (stored.dim() != 1 or not 1 <= stored.numel() <= 4 or stored.dtype == torch.bool
+                or stored.is_floating_point() or stored.is_complex()):
+            return malformed
+        saved = tuple(int(s) for s in stored.tolist())
+        if saved != self.memory_shape:
+            return (f"memory_shape: the checkpoint was saved from a grid {saved} ({key}), "
+                    f"this model's memory_shape is {self.memory_shape}")
+        return None
+
+    def set_extra_state(self, state: Any) -> None:
+        """Check a stored grid shape (see :meth:`get_extra_state`); ``ValueError`` on mismatch."""
+        error = self._grid_error(state, "_extra_state")
+        if error is not None:
+            raise ValueError(error)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        key = prefix + "_extra_state"
+        if key in state_dict:
+            error = self._grid_error(state_dict[key], key)
+            if error is not None:
+                # reported with torch's other loading errors (one RuntimeError naming all)
+                error_msgs.append(error)
+                state_dict = {k: v for k, v in state_dict.items() if k != key}
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
+        if key in missing_keys:
+            # state dicts from before the grid was stored (or from the JAX adapter's params):
+            # the grid cannot be checked, the parameters still are
+            missing_keys.remove(key)
+
+    # ----------------------------------------------------------------- forward
+
     def init_state(self, batch: int, device: Any = None, dtype: Any = None) -> State:
         """Zero state ``(h, c)``, each ``(batch, C, *S)`` (defaults: the parameters')."""
         ref = self.out_proj.weight
@@ -234,22 +310,39 @@ class TensorMemory(nn.Module):
         return torch.zeros(shape, **kw), torch.zeros(shape, **kw)
 
     def _check(self, x: Tensor, state: State | None, reset: Tensor | None) -> None:
+        if not isinstance(x, Tensor):
+            raise TypeError(f"x: expected a tensor of shape (B, N, d), got {type(x).__name__}")
         if x.dim() != 3:
             raise ValueError(f"x: expected shape (B, N, d), got {tuple(x.shape)}")
         if x.shape[-1] != self.embed_dim:
             raise ValueError(f"x: expected shape (B, N, d) with d = embed_dim = "
                              f"{self.embed_dim}, got {tuple(x.shape)}")
+        ref = self.out_proj.weight
+        # under autocast the tokens may come in a lower precision than the parameters
+        device_type = x.device.type
+        check_dtype = not (torch.amp.is_autocast_available(device_type)
+                           and torch.is_autocast_enabled(device_type))
+        _check_like_params("x", x, ref, check_dtype)
         expected = (x.shape[0], self.memory_channels, *self.memory_shape)
         if state is not None:
             if not isinstance(state, (tuple, list)) or len(state) != 2:
                 raise ValueError("state: expected a pair (h, c) or None")
             for name, value in zip(("h", "c"), state, strict=True):
+                if not isinstance(value, Tensor):
+                    raise TypeError(f"state: expected {name} to be a tensor of shape "
+                                    f"(B, C, *S) = {expected}, got {type(value).__name__}")
                 if tuple(value.shape) != expected:
                     raise ValueError(f"state: expected {name} of shape (B, C, *S) = "
                                      f"{expected}, got {tuple(value.shape)}")
-        if reset is not None and tuple(reset.shape) != (x.shape[0],):
-            raise ValueError(f"reset: expected a bool mask of shape (B,) = ({x.shape[0]},), "
-                             f"got {tuple(reset.shape)}")
+                _check_like_params(f"state: {name}", value, ref, check_dtype)
+        if reset is not None:
+            if not isinstance(reset, Tensor) or tuple(reset.shape) != (x.shape[0],):
+                got = tuple(reset.shape) if isinstance(reset, Tensor) else type(reset).__name__
+                raise ValueError(f"reset: expected a bool mask of shape (B,) = "
+                                 f"({x.shape[0]},), got {got}")
+            if reset.device != x.device:
+                raise ValueError(f"reset: expected a mask on x's device {x.device}, "
+                                 f"got one on {reset.device}")
 
     def _heads(self, chunk: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """One chunk ``(B, L, d)`` -> ``read_coord (B, n)``, ``write_coord (B, n)``,
@@ -513,10 +606,14 @@ def convert_reference_state_dict(
     the prefix is stripped. The reference's factorized conv (three depthwise
     ``Conv3d`` with kernels ``(3,1,1)``, ``(1,3,1)``, ``(1,1,3)`` and a 1x1x1
     pointwise ``Conv3d``) becomes ``cell.*``; ``writer.*`` loses its prefix;
-    the ``grid_cache`` buffer (recomputed by tmcore) is dropped. The result
-    loads with ``TensorMemory(...).load_state_dict(result, strict=True)``
-    (a 3-D ``memory_shape``). Raises ``ValueError`` on missing, unknown or
-    misshapen entries.
+    the ``grid_cache`` buffer ``(1, 3, D, H, W)`` (coordinates, recomputed by
+    tmcore) becomes ``_extra_state``, the grid shape ``(D, H, W)`` (see
+    :meth:`TensorMemory.get_extra_state`), so that loading refuses a model of
+    another grid (without ``grid_cache`` there is no ``_extra_state`` and the
+    grid is not checked). The result loads with
+    ``TensorMemory(...).load_state_dict(result, strict=True)`` (a 3-D
+    ``memory_shape``). Raises ``ValueError`` on missing, unknown or misshapen
+    entries.
     """
     own = {k[len(prefix):]: v for k, v in sd.items() if k.startswith(prefix)}
     if not own:
@@ -549,4 +646,10 @@ def convert_reference_state_dict(
     out["cell.depthwise_bias"] = torch.stack(biases).detach().clone()
     out["cell.pointwise_weight"] = pointwise.reshape(c4, c2).detach().clone()
     out["cell.pointwise_bias"] = own["gate_conv.pointwise.bias"].detach().clone()
+    if "grid_cache" in own:
+        grid = own["grid_cache"]
+        if grid.dim() != 5 or tuple(grid.shape[:2]) != (1, 3) or min(grid.shape[2:]) < 1:
+            raise ValueError(f"grid_cache: expected shape (1, 3, D, H, W), "
+                             f"got {tuple(grid.shape)}")
+        out["_extra_state"] = torch.tensor(tuple(grid.shape[2:]), dtype=torch.int32)
     return out

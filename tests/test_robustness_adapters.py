@@ -2,8 +2,7 @@
 input, and checkpoints (safetensors / .npz, never pickle) that round-trip exactly,
 refuse a wrong shape, and load the paper's reference layout.
 
-Tests marked ``xfail`` record a gap in an adapter (the reason says which); they
-turn into XPASS once the adapter checks it.
+Every gap these tests recorded (as ``xfail``) is closed in the adapters.
 """
 
 from __future__ import annotations
@@ -85,35 +84,50 @@ def test_torch_input_and_state_errors(ta, torch):
         memory(x, reset=torch.zeros(3, dtype=torch.bool))
 
 
-@pytest.mark.xfail(reason="adapters/torch.py TensorMemory.forward: x or state of another dtype "
-                          "or device than the parameters reaches torch (RuntimeError from "
-                          "nn.Linear / the scan), not a ValueError/TypeError naming x or state",
-                   strict=False, raises=(RuntimeError, AssertionError))
 def test_torch_dtype_and_device_mismatch_named(ta, torch):
     memory = _memory(ta, torch)
     x = torch.randn(2, 10, D)
-    for call, name in [(lambda: memory(x.double()), "x"),
-                       (lambda: memory(x.to("meta")), "x"),
-                       (lambda: memory(x, memory.init_state(2, dtype=torch.float64)), "state")]:
+    state64 = memory.init_state(2, dtype=torch.float64)
+    for call, error, fragments in [
+        (lambda: memory(x.double()), TypeError, ["x", "torch.float32", "torch.float64"]),
+        (lambda: memory(x.to(torch.int64)), TypeError, ["x", "torch.float32", "torch.int64"]),
+        (lambda: memory(x.to("meta")), ValueError, ["x", "cpu", "meta"]),
+        (lambda: memory(x, state64), TypeError, ["state", "torch.float32", "torch.float64"]),
+        (lambda: memory(x, (state64[0].float().to("meta"), state64[1].float())), ValueError,
+         ["state", "cpu", "meta"]),
+    ]:
         with pytest.raises((ValueError, TypeError)) as info:
             call()
-        assert name in str(info.value)
+        assert isinstance(info.value, error), repr(info.value)
+        _fragments(info, *fragments)
+    memory(x, memory.init_state(2))  # the parameters' dtype and device are accepted
 
 
-@pytest.mark.xfail(reason="adapters/torch.py memory_scan (functional) validates nothing: it "
-                          "calls tmcore.scan.memory_scan_fwd directly (checkpoint_every=0 -> "
-                          "ZeroDivisionError, mismatched n -> IndexError; tmcore validate mode "
-                          "does not apply)", strict=False,
-                   raises=(ZeroDivisionError, IndexError, RuntimeError, AssertionError))
 def test_torch_functional_scan_validates(ta, torch):
     params = ta.ConvLSTMCell(C, 3).params()
     args = [torch.zeros(1, C, 3, 3, 3), torch.zeros(1, C, 3, 3, 3), torch.zeros(1, 4, 3),
             torch.zeros(1, 4, 3), torch.ones(1, 4), torch.zeros(1, 4, C), params]
     with pytest.raises(ValueError, match="checkpoint_every"):
         ta.memory_scan(*args, checkpoint_every=0)
+    with pytest.raises(ValueError, match="radius"):
+        ta.memory_scan(*args, radius=0.0)
+    with pytest.raises(ValueError, match="eps"):
+        ta.memory_scan(*args, eps=-1.0)
+    reads, h, c = ta.memory_scan(*args)  # valid input runs
+    assert reads.shape == (1, 4, C) and h.shape == c.shape == (1, C, 3, 3, 3)
+    # tmcore's validate mode reaches the functional scan (and only then reads values)
+    nan_content = [*args[:5], torch.full((1, 4, C), float("nan")), params]
+    ta.memory_scan(*nan_content)
+    with tmcore.validation(), pytest.raises(ValueError, match="write_content"):
+        ta.memory_scan(*nan_content)
+    with tmcore.validation(), pytest.raises(ValueError, match="write_sigma"):
+        ta.memory_scan(*args[:4], -torch.ones(1, 4), *args[5:])
     args[3] = torch.zeros(1, 4, 2)
     with pytest.raises(ValueError, match="write_coords"):
         ta.memory_scan(*args)
+    args[3] = torch.zeros(1, 4, 3)
+    with pytest.raises(ValueError, match="write_content"):
+        ta.memory_scan(*args[:5], torch.zeros(1, 4, C + 1), params)
 
 
 def _outputs(memory, torch, seed=1):
@@ -153,16 +167,29 @@ def test_torch_load_with_wrong_shapes_names_the_tensor(ta, torch, tmp_path, othe
     _fragments(info, *names)
 
 
-@pytest.mark.xfail(reason="adapters/torch.py: the state dict holds no grid shape (memory_shape "
-                          "only shows through n), so a checkpoint from a (2, 3, 2) grid loads "
-                          "silently into a (4, 4, 4) model", strict=False)
 def test_torch_load_from_a_different_grid_is_refused(ta, torch, tmp_path):
     safetensors_torch = pytest.importorskip("safetensors.torch")
     path = tmp_path / "memory.safetensors"
     safetensors_torch.save_file(_memory(ta, torch).state_dict(), str(path))
     target = _memory(ta, torch, memory_shape=(4, 4, 4))
-    with pytest.raises((RuntimeError, ValueError), match="memory_shape|grid"):
+    before = {k: v.clone() for k, v in target.state_dict().items()}
+    with pytest.raises((RuntimeError, ValueError), match="memory_shape|grid") as info:
         target.load_state_dict(safetensors_torch.load_file(str(path)), strict=True)
+    _fragments(info, "memory_shape", "(2, 3, 2)", "(4, 4, 4)")
+    with pytest.raises((RuntimeError, ValueError), match="memory_shape"):  # not strict either
+        target.load_state_dict(safetensors_torch.load_file(str(path)), strict=False)
+    with pytest.raises(ValueError, match="memory_shape"):
+        target.set_extra_state(torch.tensor(GRID))
+    # the grid is stored under _extra_state, per memory of a model
+    assert torch.equal(_memory(ta, torch).state_dict()["_extra_state"], torch.tensor(GRID))
+    residual = ta.MemoryResidual(_memory(ta, torch))
+    assert "memory._extra_state" in residual.state_dict()
+    # a state dict from before the grid was stored (no _extra_state) still loads strictly
+    legacy = {k: v for k, v in _memory(ta, torch, seed=4, memory_shape=(4, 4, 4))
+              .state_dict().items() if k != "_extra_state"}
+    missing, unexpected = target.load_state_dict(legacy, strict=True)
+    assert not missing and not unexpected
+    assert not torch.equal(target.write_proj.weight, before["write_proj.weight"])
 
 
 def _reference_state_dict(torch, d=D, c=C, length=L, grid=(3, 4, 5), seed=0):
@@ -217,6 +244,11 @@ def test_reference_checkpoint_loads_through_convert(ta, torch, tmp_path):
     safetensors_torch.save_file(memory.state_dict(), str(path2))
     again = _memory(ta, torch, seed=5, memory_shape=(3, 4, 5))
     again.load_state_dict(safetensors_torch.load_file(str(path2)), strict=True)
+    # grid_cache (1, 3, D, H, W) carries the reference's grid: another grid is refused
+    assert torch.equal(converted["_extra_state"], torch.tensor((3, 4, 5)))
+    with pytest.raises(RuntimeError, match="memory_shape") as info:
+        _memory(ta, torch, memory_shape=(5, 4, 3)).load_state_dict(converted, strict=True)
+    _fragments(info, "(3, 4, 5)", "(5, 4, 3)")
 
 
 def test_reference_checkpoint_errors(ta, torch):
@@ -235,6 +267,9 @@ def test_reference_checkpoint_errors(ta, torch):
     with pytest.raises(ValueError) as info:
         ta.convert_reference_state_dict(bad)
     _fragments(info, "conv_h", "(4, 1, 1, 3, 1)")
+    with pytest.raises(ValueError) as info:
+        ta.convert_reference_state_dict({**sd, "grid_cache": torch.zeros(3, 4, 5)})
+    _fragments(info, "grid_cache", "(1, 3, D, H, W)", "(3, 4, 5)")
     converted = ta.convert_reference_state_dict(_reference_state_dict(torch, c=3))
     with pytest.raises(RuntimeError, match="size mismatch"):
         _memory(ta, torch).load_state_dict(converted, strict=True)
@@ -304,10 +339,6 @@ def test_jax_input_and_state_errors(ja, jax):
         ja.apply(params, x, memory_shape=GRID, sigma_scale=0.0)
 
 
-@pytest.mark.xfail(reason="adapters/jax.py apply: memory_shape with a zero size, eps < 0, "
-                          "radius <= 0, state.c shaped unlike state.h and parameter leaves of "
-                          "the wrong shape are not checked (they run, or fail inside JAX with "
-                          "a message that does not name the argument)", strict=False)
 def test_jax_apply_checks_the_rest(ja, jax):
     jnp = jax.numpy
     params = _jax_params(ja, jax)
@@ -329,6 +360,38 @@ def test_jax_apply_checks_the_rest(ja, jax):
             assert name in str(error), str(error)
         else:
             raise AssertionError(f"{name}: accepted")
+
+
+def test_jax_apply_and_init_check_parameters_and_dtypes(ja, jax):
+    jnp = jax.numpy
+    params = _jax_params(ja, jax)
+    x = jnp.zeros((2, 10, D), jnp.float32)
+    no_sigma_bias = {**params, "sigma_net": {"weight": params["sigma_net"]["weight"]}}
+    with pytest.raises(KeyError, match="sigma_net.bias"):
+        ja.apply(no_sigma_bias, x, memory_shape=GRID)
+    no_cell = {k: v for k, v in params.items() if k != "cell"}
+    with pytest.raises(KeyError, match="cell.depthwise_weight"):
+        ja.apply(no_cell, x, memory_shape=GRID)
+    with pytest.raises(TypeError) as info:
+        ja.apply(params, jnp.zeros((2, 10, D), jnp.int32), memory_shape=GRID)
+    _fragments(info, "x", "int32")
+    bad_cell = {**params, "cell": {**params["cell"], "pointwise_bias": jnp.zeros(3)}}
+    with pytest.raises(ValueError) as info:
+        ja.apply(bad_cell, x, memory_shape=GRID)
+    _fragments(info, "cell.pointwise_bias", "(8,)", "(3,)")
+    with pytest.raises(TypeError) as info:
+        ja.apply(params, x, state=(jnp.zeros((2, C, *GRID), jnp.int32),) * 2)
+    _fragments(info, "state.h", "floating", "int32")
+    # all static: the same checks hold under jit
+    with pytest.raises(ValueError, match="radius"):
+        jax.jit(lambda p, x_: ja.apply(p, x_, memory_shape=GRID, radius=-1.0))(params, x)
+    # init rejects non-integer sizes instead of truncating them
+    for bad in [(2, 2.5, 2), (2.0, 3, 2), (2, True)]:
+        with pytest.raises(TypeError) as info:
+            _jax_params(ja, jax, memory_shape=bad)
+        _fragments(info, "memory_shape", "not an int")
+    with pytest.raises(TypeError, match="chunk_size"):
+        _jax_params(ja, jax, chunk_size=4.0)
 
 
 def _jax_outputs(ja, jax, params):
@@ -368,6 +431,12 @@ def test_jax_params_from_a_torch_checkpoint(ja, jax, ta, torch, tmp_path):
     expected, _ = memory(torch.as_tensor(x))
     out, _ = ja.apply(params, jax.numpy.asarray(x), memory_shape=GRID)
     np.testing.assert_allclose(np.asarray(out), expected.detach().numpy(), rtol=1e-4, atol=1e-5)
+    # the grid the torch checkpoint stores (_extra_state) is kept and checked
+    assert tuple(np.asarray(params["_extra_state"])) == GRID
+    assert "_extra_state" in ja.state_dict_from_params(params)
+    with pytest.raises(ValueError) as info:
+        ja.apply(params, jax.numpy.asarray(x), memory_shape=(2, 3, 3))
+    _fragments(info, "memory_shape", "(2, 3, 3)", "(2, 3, 2)")
 
 
 def test_jax_params_with_wrong_shapes_are_refused(ja, jax):
@@ -386,12 +455,29 @@ def test_jax_params_with_wrong_shapes_are_refused(ja, jax):
     _fragments(info, "n = 2")
 
 
-@pytest.mark.xfail(reason="adapters/jax.py load_params: a pytree of another shape (another C, "
-                          "another n) replaces the Flax module's parameters without a check",
-                   strict=False)
 def test_flax_load_params_with_wrong_shapes_is_refused(ja, jax):
     nnx = pytest.importorskip("flax.nnx")
     module = ja.TensorMemory(D, C, GRID, L, rngs=nnx.Rngs(0))
+    before = ja.params_from_module(module)
     other = _jax_params(ja, jax, memory_channels=C + 1)
-    with pytest.raises((ValueError, TypeError)):
+    with pytest.raises((ValueError, TypeError)) as info:
         ja.load_params(module, other)
+    _fragments(info, "content_net.weight", "(2, 8)", "(3, 8)")
+    other_n = _jax_params(ja, jax, memory_shape=(2, 3))
+    with pytest.raises(ValueError) as info:
+        ja.load_params(module, other_n)
+    _fragments(info, "coord_net.weight", "(3, 8)", "(2, 8)")
+    incomplete = {k: v for k, v in _jax_params(ja, jax).items() if k != "out_proj"}
+    with pytest.raises(ValueError, match="out_proj"):
+        ja.load_params(module, incomplete)
+    # nothing was changed by the refused loads
+    for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(ja.params_from_module(module)),
+                    strict=True):
+        assert np.array_equal(np.asarray(a), np.asarray(b))
+    # a pytree of the module's shapes loads, with the grid a torch checkpoint stores
+    same = {**_jax_params(ja, jax, seed=3), "_extra_state": np.asarray(GRID, np.int32)}
+    ja.load_params(module, same)
+    np.testing.assert_array_equal(ja.params_from_module(module)["out_proj"]["weight"],
+                                  same["out_proj"]["weight"])
+    with pytest.raises(ValueError, match="memory_shape"):
+        ja.load_params(module, {**same, "_extra_state": np.asarray((4, 4, 4), np.int32)})

@@ -609,6 +609,28 @@ def test_torch_compile_matches_eager():
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 
 
+def test_torch_compile_scan_validation_and_validate_mode():
+    """The functional scan's checks hold under torch.compile (at trace time), and tmcore's
+    validate mode neither breaks the graph nor reads fake values."""
+    import tmcore
+
+    torch._dynamo.reset()
+    args = scan_args(batch=1, channels=2, shape=(3, 3, 3), steps=4, seed=21)
+
+    def scan(*a):
+        return tmt.memory_scan(*a[:6], ConvParams(*a[6:]), checkpoint_every=2)
+
+    compiled = torch.compile(scan, backend="aot_eager", fullgraph=True)
+    with tmcore.validation():
+        out = compiled(*args)
+    for a, b in zip(out, scan(*args), strict=True):
+        torch.testing.assert_close(a, b)
+    bad = list(args)
+    bad[3] = bad[3][..., :2]
+    with pytest.raises((ValueError, RuntimeError), match="write_coords"):
+        compiled(*bad)
+
+
 def test_vmap_and_func_grad():
     m, x, _ = layer_and_input(shape=(3, 3), chunk=2, tokens=6, d=4, c=2, seed=19)
     xs = torch.randn(3, 2, 6, 4, dtype=F64)

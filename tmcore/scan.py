@@ -36,6 +36,7 @@ __all__ = [
     "step_fwd",
     "step_bwd",
     "add_params",
+    "validate_scan_inputs",
 ]
 
 
@@ -181,8 +182,16 @@ def memory_scan_bwd(
     return ScanGrads(g_h, g_c, *stacked, d_params)
 
 
-def _validate(h0, c0, read_coords, write_coords, write_sigma, write_content, params,
-              checkpoint_every, radius, g_reads=None, g_h=None, g_c=None, eps=DEFAULT_EPS):
+def validate_scan_inputs(h0, c0, read_coords, write_coords, write_sigma, write_content, params,
+                         checkpoint_every, radius, g_reads=None, g_h=None, g_c=None,
+                         eps=DEFAULT_EPS):
+    """Check the arguments of :func:`memory_scan` / :func:`memory_scan_vjp`.
+
+    Shapes, dtypes, namespaces, devices and Python scalars always (no device sync);
+    in validate mode also finite values and ``write_sigma > 0`` (skipped for values
+    that are not concrete: tracers, meta / fake tensors). Raises ``TypeError`` /
+    ``ValueError`` naming the argument. Returns ``(xp, params as ConvParams)``.
+    """
     params = as_conv_params(params)
     xp = namespace_of(
         h0=h0, c0=c0, read_coords=read_coords, write_coords=write_coords,
@@ -226,6 +235,9 @@ def _validate(h0, c0, read_coords, write_coords, write_sigma, write_content, par
     return xp, params
 
 
+_validate = validate_scan_inputs  # the former private name
+
+
 def memory_scan(
     h0: Any, c0: Any, read_coords: Any, write_coords: Any, write_sigma: Any, write_content: Any,
     params: ConvParams, *, eps: float = DEFAULT_EPS, radius: float | None = None,
@@ -249,8 +261,8 @@ def memory_scan(
     -------
     ``(reads (B, T, C), h_T, c_T)``.
     """
-    xp, params = _validate(h0, c0, read_coords, write_coords, write_sigma, write_content,
-                           params, checkpoint_every, radius, eps=eps)
+    xp, params = validate_scan_inputs(h0, c0, read_coords, write_coords, write_sigma,
+                                      write_content, params, checkpoint_every, radius, eps=eps)
     reads, h, c, _, _ = memory_scan_fwd(
         xp, h0, c0, read_coords, write_coords, write_sigma, write_content, params,
         eps=eps, radius=radius, checkpoint_every=read_coords.shape[1],
@@ -276,8 +288,9 @@ def memory_scan_vjp(
     write_content, params)``, shaped like the inputs.
     """
     require_array("g_reads", g_reads)
-    xp, params = _validate(h0, c0, read_coords, write_coords, write_sigma, write_content,
-                           params, checkpoint_every, radius, g_reads, g_h, g_c, eps=eps)
+    xp, params = validate_scan_inputs(h0, c0, read_coords, write_coords, write_sigma,
+                                      write_content, params, checkpoint_every, radius, g_reads,
+                                      g_h, g_c, eps=eps)
     _, _, _, h_ckpt, c_ckpt = memory_scan_fwd(
         xp, h0, c0, read_coords, write_coords, write_sigma, write_content, params,
         eps=eps, radius=radius, checkpoint_every=checkpoint_every,
