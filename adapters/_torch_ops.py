@@ -127,6 +127,16 @@ class _Function(torch.autograd.Function):
     generate_vmap_rule = True
 
 
+def call(function: type[_Function], op: Callable[..., object], *args):
+    """Run an op through its Function twin in eager mode (``torch.func``-safe), or call
+    the custom op itself while ``torch.compile`` traces: the op carries the same
+    registered autograd, and Dynamo cannot trace the Function when no input
+    requires grad (``no_grad`` inference of a compiled model)."""
+    if torch.compiler.is_compiling():
+        return op(*args)
+    return function.apply(*args)
+
+
 def _backward(function: type[_Function], op: Callable[..., object], *args):
     """Run a backward op through its Function twin (``torch.func``-safe), or call the
     op itself while ``torch.compile`` traces (Dynamo cannot nest a Function in a

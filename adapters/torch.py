@@ -73,7 +73,8 @@ def trilinear_sample(volume: Tensor, coords: Tensor) -> Tensor:
             or coords.shape[2] != volume.dim() - 2:
         raise ValueError(f"coords: expected shape (B, Q, n) = ({volume.shape[0]}, Q, "
                          f"{volume.dim() - 2}), got {tuple(coords.shape)}")
-    return _torch_ops.TrilinearSampleFunction.apply(volume, coords)
+    return _torch_ops.call(_torch_ops.TrilinearSampleFunction, _torch_ops.trilinear_sample_op,
+                          volume, coords)
 
 
 def gaussian_splat(
@@ -96,7 +97,8 @@ def gaussian_splat(
     if tuple(sigma.shape) != (batch, writes):
         raise ValueError(f"sigma: expected shape (B, K) = {(batch, writes)}, "
                          f"got {tuple(sigma.shape)}")
-    return _torch_ops.GaussianSplatFunction.apply(content, mu, sigma, shape, float(eps), radius)
+    return _torch_ops.call(_torch_ops.GaussianSplatFunction, _torch_ops.gaussian_splat_op,
+                          content, mu, sigma, shape, float(eps), radius)
 
 
 def memory_scan(
@@ -121,7 +123,8 @@ def memory_scan(
     if not torch.compiler.is_compiling():  # Dynamo cannot trace the validator's ContextVar
         validate_scan_inputs(h0, c0, read_coords, write_coords, write_sigma, write_content,
                              params, checkpoint_every, radius, eps=eps)
-    reads, h, c, _, _ = _torch_ops.MemoryScanFunction.apply(
+    reads, h, c, _, _ = _torch_ops.call(
+        _torch_ops.MemoryScanFunction, _torch_ops.memory_scan_op,
         h0, c0, read_coords, write_coords, write_sigma, write_content, *params,
         float(eps), None if radius is None else float(radius), int(checkpoint_every),
     )

@@ -609,6 +609,21 @@ def test_torch_compile_matches_eager():
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 
 
+def test_torch_compile_inference_without_grad():
+    """A compiled model in no_grad / frozen-parameter inference runs and equals eager."""
+    torch._dynamo.reset()
+    torch.manual_seed(19)
+    model = MemoryModel()
+    x = torch.randn(2, 14, 16)
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    with torch.no_grad():
+        expected = model(x)
+        torch.testing.assert_close(compiled(x), expected, rtol=1e-5, atol=1e-6)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    torch.testing.assert_close(compiled(x), expected, rtol=1e-5, atol=1e-6)
+
+
 def test_torch_compile_scan_validation_and_validate_mode():
     """The functional scan's checks hold under torch.compile (at trace time), and tmcore's
     validate mode neither breaks the graph nor reads fake values."""
