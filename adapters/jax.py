@@ -50,6 +50,7 @@ from flax import nnx
 from jax import lax
 
 import tmcore
+from tmcore._validate import check_grid_shape
 from tmcore.conv import ConvParams
 from tmcore.scan import StepInputs, add_params, step_bwd, step_fwd, validate_scan_inputs
 from tmcore.splat import DEFAULT_EPS
@@ -112,29 +113,6 @@ def _positive_int(name: str, value: Any) -> int:
     if number < 1:
         raise ValueError(f"{name}: expected a positive int, got {value!r}")
     return number
-
-
-def _grid_shape(name: str, shape: Any) -> tuple[int, ...]:
-    """1 to 4 positive ints, never truncated: ``TypeError`` for a float / bool / non-int
-    entry or a non-sequence, ``ValueError`` for the wrong length or a size < 1."""
-    expected = f"{name}: expected a tuple of 1 to 4 positive ints"
-    if isinstance(shape, (str, bytes)):
-        raise TypeError(f"{expected}, got {shape!r}")
-    try:
-        entries = tuple(shape)
-    except TypeError:
-        raise TypeError(f"{expected}, got {shape!r}") from None
-    dims = []
-    for entry in entries:
-        try:
-            if isinstance(entry, bool):
-                raise TypeError
-            dims.append(operator.index(entry))
-        except TypeError:
-            raise TypeError(f"{expected}, got {shape!r} (entry {entry!r} is not an int)") from None
-    if not 1 <= len(dims) <= 4 or min(dims) < 1:
-        raise ValueError(f"{expected}, got {shape!r}")
-    return tuple(dims)
 
 
 def _real(name: str, value: Any, expected: str) -> float:
@@ -419,7 +397,7 @@ def init(
     d = _positive_int("embed_dim", embed_dim)
     channels = _positive_int("memory_channels", memory_channels)
     length = _positive_int("chunk_size", chunk_size)
-    dims = _grid_shape("memory_shape", memory_shape)
+    dims = check_grid_shape("memory_shape", memory_shape)
     _check_sigma_scale(sigma_scale)
     n = len(dims)
     keys = jax.random.split(key, 6)
@@ -531,7 +509,7 @@ def _layer_config(params: Mapping[str, Any], x: jax.Array, chunk_size: int | Non
 def _start_state(params, config: _LayerShape, x, state, memory_shape, reset) -> MemoryState:
     channels, n = config.channels, config.n
     if memory_shape is not None:
-        memory_shape = _grid_shape("memory_shape", memory_shape)
+        memory_shape = check_grid_shape("memory_shape", memory_shape)
         if len(memory_shape) != n:
             raise ValueError(f"memory_shape: expected n = {n} axes (from coord_net.weight), "
                              f"got {memory_shape}")

@@ -249,7 +249,7 @@ def check_grid_shape(name: str, shape: Any) -> tuple[int, ...]:
     dims = []
     for s in entries:
         if isinstance(s, bool):
-            raise TypeError(f"{expected}, got {shape!r} (a bool entry)")
+            raise TypeError(f"{expected}, got {shape!r} (entry {s!r} is a bool, not an int)")
         try:
             dims.append(operator.index(s))
         except TypeError:
