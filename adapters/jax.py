@@ -37,8 +37,6 @@ and the output trimmed.
 from __future__ import annotations
 
 import math
-import numbers
-import operator
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from typing import Any, NamedTuple
@@ -50,7 +48,13 @@ from flax import nnx
 from jax import lax
 
 import tmcore
-from tmcore._validate import check_grid_shape
+from tmcore._validate import (
+    check_eps,
+    check_grid_shape,
+    check_int,
+    check_positive_scalar,
+    check_radius,
+)
 from tmcore.conv import ConvParams
 from tmcore.scan import StepInputs, add_params, step_bwd, step_fwd, validate_scan_inputs
 from tmcore.splat import DEFAULT_EPS
@@ -102,46 +106,9 @@ EXTRA_STATE = "_extra_state"
 # Static checks only (Python values, shapes and dtypes), so they also hold under ``jit``.
 
 
-def _positive_int(name: str, value: Any) -> int:
-    """An int >= 1 (Python or NumPy, not bool); ``TypeError`` / ``ValueError`` otherwise."""
-    if isinstance(value, bool):
-        raise TypeError(f"{name}: expected a positive int, got {value!r}")
-    try:
-        number = operator.index(value)
-    except TypeError:
-        raise TypeError(f"{name}: expected a positive int, got {value!r}") from None
-    if number < 1:
-        raise ValueError(f"{name}: expected a positive int, got {value!r}")
-    return number
-
-
-def _real(name: str, value: Any, expected: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name}: expected {expected}, got {value!r}")
-    return float(value)
-
-
-def _check_eps(eps: Any) -> float:
-    value = _real("eps", eps, "a finite number >= 0")
-    if not (math.isfinite(value) and value >= 0.0):
-        raise ValueError(f"eps: expected a finite number >= 0, got {eps!r}")
-    return value
-
-
-def _check_radius(radius: Any) -> float | None:
-    if radius is None:
-        return None
-    value = _real("radius", radius, "a positive number of sigmas or None")
-    if not value > 0.0:
-        raise ValueError(f"radius: expected a positive number of sigmas or None, got {radius!r}")
-    return value
-
-
 def _check_sigma_scale(sigma_scale: Any) -> float:
-    value = _real("sigma_scale", sigma_scale, "a finite number > 0")
-    if not (math.isfinite(value) and value > 0.0):
-        raise ValueError(f"sigma_scale: expected a finite number > 0, got {sigma_scale!r}")
-    return value
+    check_positive_scalar("sigma_scale", sigma_scale)
+    return float(sigma_scale)
 
 
 def _concrete(value: Any) -> np.ndarray | None:
@@ -394,9 +361,9 @@ def init(
     {"depthwise_weight" (n, 2C, 3), "depthwise_bias" (n, 2C), "pointwise_weight"
     (4C, 2C), "pointwise_bias" (4C,)}, "out_proj": {(d, C), (d,)}}``.
     """
-    d = _positive_int("embed_dim", embed_dim)
-    channels = _positive_int("memory_channels", memory_channels)
-    length = _positive_int("chunk_size", chunk_size)
+    d = check_int("embed_dim", embed_dim, 1)
+    channels = check_int("memory_channels", memory_channels, 1)
+    length = check_int("chunk_size", chunk_size, 1)
     dims = check_grid_shape("memory_shape", memory_shape)
     _check_sigma_scale(sigma_scale)
     n = len(dims)
@@ -499,7 +466,7 @@ def _layer_config(params: Mapping[str, Any], x: jax.Array, chunk_size: int | Non
         raise TypeError(f"x: expected a floating dtype, got {x.dtype}")
     if x.shape[1] < 1:
         raise ValueError(f"x: expected at least one token, got shape {tuple(x.shape)}")
-    if chunk_size is not None and _positive_int("chunk_size", chunk_size) != config.length:
+    if chunk_size is not None and check_int("chunk_size", chunk_size, 1) != config.length:
         raise ValueError(f"chunk_size: {chunk_size} disagrees with write_proj.weight "
                          f"{tuple(jnp.shape(params['write_proj']['weight']))} "
                          f"(L = {config.length})")
@@ -687,8 +654,8 @@ def apply(
     """
     config = _layer_config(params, x, chunk_size)
     state = _start_state(params, config, x, state, memory_shape, reset)
-    static = _LayerStatic(_check_sigma_scale(sigma_scale), _check_eps(eps),
-                          _check_radius(radius))
+    static = _LayerStatic(_check_sigma_scale(sigma_scale), check_eps(eps),
+                          check_radius(radius))
     length = config.length
     batch, tokens, d = x.shape
     steps = -(-tokens // length)

@@ -262,6 +262,8 @@ def check_grid_shape(name: str, shape: Any) -> tuple[int, ...]:
 def check_int(name: str, value: Any, minimum: int, maximum: int | None = None) -> int:
     """An integer (Python or NumPy, not bool) in ``[minimum, maximum]``; returned as int."""
     bounds = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
+    if minimum == 1 and maximum is None:
+        bounds += " (a positive int)"
     if isinstance(value, bool):
         raise TypeError(f"{name}: expected an int {bounds}, got {value!r}")
     try:
