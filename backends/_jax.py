@@ -116,6 +116,5 @@ def make_ops(generic: Ops) -> Ops:
         # both conv_fwd variants return the generic stage list, so either bwd consumes it
         return (conv_bwd if _use_lax() else generic.conv_bwd)(xp, residuals, params, g)
 
-    fast = Ops(generic.sample_fwd, generic.sample_bwd, generic.splat_fwd, generic.splat_bwd,
-               conv_fwd_auto, conv_bwd_auto)
+    fast = generic._replace(conv_fwd=conv_fwd_auto, conv_bwd=conv_bwd_auto)
     return with_float32_compute(fast)

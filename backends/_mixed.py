@@ -81,4 +81,6 @@ def with_float32_compute(ops: Ops) -> Ops:
                                                                       strict=True)))
         return d_x, d_params
 
-    return Ops(sample_fwd, sample_bwd, splat_fwd, splat_bwd, conv_fwd, conv_bwd)
+    # the gates are elementwise on the conv's output: they run in its dtype unchanged
+    return ops._replace(sample_fwd=sample_fwd, sample_bwd=sample_bwd, splat_fwd=splat_fwd,
+                        splat_bwd=splat_bwd, conv_fwd=conv_fwd, conv_bwd=conv_bwd)

@@ -363,9 +363,11 @@ def test_torch_sample_matches_grid_sample_autograd(torch_mod, monkeypatch, n, de
     torch.testing.assert_close(d_c, ref_dc, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("spatial", [(3, 4, 5), (1, 2, 3), (4, 1, 1), (2, 3, 1)])
 @pytest.mark.parametrize("kernel", ["conv", "slices"])
-def test_torch_conv_matches_conv3d_autograd(torch_mod, monkeypatch, kernel):
-    """Both depthwise kernels against a chain of ``conv3d`` calls and its autograd."""
+def test_torch_conv_matches_conv3d_autograd(torch_mod, monkeypatch, kernel, spatial):
+    """Every depthwise kernel against a chain of ``conv3d`` calls and its autograd
+    (size-1 and size-2 axes included)."""
     torch = torch_mod
     F = torch.nn.functional
     from tmcore.backends import _torch as tb
@@ -373,7 +375,7 @@ def test_torch_conv_matches_conv3d_autograd(torch_mod, monkeypatch, kernel):
     monkeypatch.setattr(tb, "CONV_KERNEL", kernel)
     gen = torch.Generator().manual_seed(3)
     c_in, c_out = 4, 6
-    x = torch.randn(2, c_in, 3, 4, 5, dtype=torch.float64, generator=gen, requires_grad=True)
+    x = torch.randn(2, c_in, *spatial, dtype=torch.float64, generator=gen, requires_grad=True)
     leaves = [torch.randn(*s, dtype=torch.float64, generator=gen, requires_grad=True)
               for s in ((3, c_in, 3), (3, c_in), (c_out, c_in), (c_out,))]
     y = x

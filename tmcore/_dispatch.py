@@ -16,9 +16,11 @@ Contract of each entry (the generic functions are the reference):
   -> (d_content, d_mu, d_sigma)``
 - ``conv_fwd(xp, x (B,C_in,*S), params) -> (z (B,C_out,*S), residuals)``
 - ``conv_bwd(xp, residuals, params, g (B,C_out,*S)) -> (d_x, d_params)``
+- ``gates_fwd(xp, z (B,4C,*S), c (B,C,*S)) -> (h', c', residuals)`` (the LSTM update)
+- ``gates_bwd(xp, residuals, g_h, g_c (B,C,*S)) -> (d_z (B,4C,*S), d_c)``
 
-``residuals`` is opaque: only the ``conv_bwd`` of the same table consumes it
-(the generic one is the list of stage inputs ``[x, after axis 0, ...]``).
+``residuals`` are opaque: only the ``*_bwd`` of the same table consumes them
+(the generic conv's are the list of stage inputs ``[x, after axis 0, ...]``).
 
 Forcing the generic path (for comparison and debugging): the environment
 variable ``TMCORE_GENERIC=1`` (read once, when tmcore is imported: it sets the
@@ -52,6 +54,8 @@ class Ops(NamedTuple):
     splat_bwd: Any
     conv_fwd: Any
     conv_bwd: Any
+    gates_fwd: Any
+    gates_bwd: Any
 
 
 _GENERIC: list[Ops] = []
@@ -61,10 +65,11 @@ _CACHE: dict[Any, Ops] = {}  # namespace module -> table
 def generic_ops() -> Ops:
     """The generic array-API table (built once; imports are deferred to avoid cycles)."""
     if not _GENERIC:
-        from tmcore import conv, sampling, splat
+        from tmcore import cell, conv, sampling, splat
 
         _GENERIC.append(Ops(sampling.sample_fwd, sampling.sample_bwd, splat.splat_fwd,
-                            splat.splat_bwd, conv.conv_fwd, conv.conv_bwd))
+                            splat.splat_bwd, conv.conv_fwd, conv.conv_bwd, cell.gates_fwd,
+                            cell.gates_bwd))
     return _GENERIC[0]
 
 

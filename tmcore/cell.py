@@ -14,50 +14,69 @@ from tmcore._math import sigmoid, sigmoid_grad_from_output, tanh_grad_from_outpu
 from tmcore._validate import check_nonempty, check_rank, namespace_of, require_array
 from tmcore.conv import ConvParams, as_conv_params, validate_conv_params
 
-__all__ = ["convlstm_step", "convlstm_step_vjp", "CellCache"]
+__all__ = ["convlstm_step", "convlstm_step_vjp", "CellCache", "gates_fwd", "gates_bwd"]
 
 
 class CellCache(NamedTuple):
     """What the backward of one step needs (recomputed, never stored across steps)."""
 
     conv_stages: Any  # the conv residuals of ops_for(xp).conv_fwd (generic: stage inputs)
-    c: Any
-    gates: tuple  # (i, f, o, g) after their nonlinearities, each (B, C, *S)
-    tanh_c_new: Any
+    gate_residuals: Any  # the residuals of ops_for(xp).gates_fwd (generic: see gates_fwd)
 
 
-def cell_fwd(xp: Any, x: Any, h: Any, c: Any, params: ConvParams) -> tuple[Any, Any, CellCache]:
-    """One ConvLSTM step without validation; returns ``(h', c', cache)``."""
-    z, stages = ops_for(xp).conv_fwd(xp, xp.concat([x, h], axis=1), params)
-    channels = h.shape[1]
+def gates_fwd(xp: Any, z: Any, c: Any) -> tuple[Any, Any, Any]:
+    """The LSTM update from pre-activations ``z (B, 4C, *S)`` and cell ``c (B, C, *S)``.
+
+    Returns ``(h', c', residuals)``; the generic residuals are
+    ``(c, (i, f, o, g) after their nonlinearities, tanh(c'))``. This is the
+    generic entry ``gates_fwd`` of :func:`tmcore._dispatch.ops_for`.
+    """
+    channels = c.shape[1]
     i = sigmoid(xp, z[:, :channels, ...])
     f = sigmoid(xp, z[:, channels : 2 * channels, ...])
     o = sigmoid(xp, z[:, 2 * channels : 3 * channels, ...])
     g = xp.tanh(z[:, 3 * channels :, ...])
     c_new = f * c + i * g
     tanh_c_new = xp.tanh(c_new)
-    h_new = o * tanh_c_new
-    return h_new, c_new, CellCache(stages, c, (i, f, o, g), tanh_c_new)
+    return o * tanh_c_new, c_new, (c, (i, f, o, g), tanh_c_new)
+
+
+def gates_bwd(xp: Any, residuals: Any, g_h: Any, g_c: Any) -> tuple[Any, Any]:
+    """VJP of :func:`gates_fwd` for cotangents ``g_h, g_c (B, C, *S)``.
+
+    Returns ``(d_z (B, 4C, *S), d_c (B, C, *S))``.
+    """
+    c, (i, f, o, g), tanh_c_new = residuals
+    d_c_new = g_c + g_h * o * tanh_grad_from_output(tanh_c_new)
+    d_z = xp.concat(
+        [
+            d_c_new * g * sigmoid_grad_from_output(i),
+            d_c_new * c * sigmoid_grad_from_output(f),
+            g_h * tanh_c_new * sigmoid_grad_from_output(o),
+            d_c_new * i * tanh_grad_from_output(g),
+        ],
+        axis=1,
+    )
+    return d_z, d_c_new * f
+
+
+def cell_fwd(xp: Any, x: Any, h: Any, c: Any, params: ConvParams) -> tuple[Any, Any, CellCache]:
+    """One ConvLSTM step without validation; returns ``(h', c', cache)``."""
+    ops = ops_for(xp)
+    z, stages = ops.conv_fwd(xp, xp.concat([x, h], axis=1), params)
+    h_new, c_new, gate_residuals = ops.gates_fwd(xp, z, c)
+    return h_new, c_new, CellCache(stages, gate_residuals)
 
 
 def cell_bwd(
     xp: Any, cache: CellCache, params: ConvParams, g_h: Any, g_c: Any
 ) -> tuple[Any, Any, Any, ConvParams]:
     """VJP of one step given its cache; returns ``(d_x, d_h, d_c, d_params)``."""
-    i, f, o, g = cache.gates
-    d_c_new = g_c + g_h * o * tanh_grad_from_output(cache.tanh_c_new)
-    d_z = xp.concat(
-        [
-            d_c_new * g * sigmoid_grad_from_output(i),
-            d_c_new * cache.c * sigmoid_grad_from_output(f),
-            g_h * cache.tanh_c_new * sigmoid_grad_from_output(o),
-            d_c_new * i * tanh_grad_from_output(g),
-        ],
-        axis=1,
-    )
-    d_xh, d_params = ops_for(xp).conv_bwd(xp, cache.conv_stages, params, d_z)
-    channels = i.shape[1]
-    return d_xh[:, :channels, ...], d_xh[:, channels:, ...], d_c_new * f, d_params
+    ops = ops_for(xp)
+    d_z, d_c = ops.gates_bwd(xp, cache.gate_residuals, g_h, g_c)
+    d_xh, d_params = ops.conv_bwd(xp, cache.conv_stages, params, d_z)
+    channels = g_h.shape[1]
+    return d_xh[:, :channels, ...], d_xh[:, channels:, ...], d_c, d_params
 
 
 def validate_state(h: Any, c: Any, h_name: str = "h", c_name: str = "c") -> None:
