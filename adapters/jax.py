@@ -50,6 +50,7 @@ from jax import lax
 import tmcore
 from tmcore._validate import (
     check_eps,
+    check_finite,
     check_grid_shape,
     check_int,
     check_positive_scalar,
@@ -332,13 +333,16 @@ def init(
     chunk_size: int,
     sigma_scale: float = 1.0,
     *,
+    forget_bias: float = 0.0,
     dtype: Any = jnp.float32,
 ) -> dict:
     """Parameters of one Tensor Memory layer, initialized like the PyTorch adapter.
 
     Linear layers as ``torch.nn.Linear`` (uniform ``+-1/sqrt(fan_in)``),
     ``sigma_net.bias = 1.0``; the cell's depthwise taps identity, its
-    pointwise matrix Xavier-uniform, its biases zero.
+    pointwise matrix Xavier-uniform, its biases zero except the forget-gate
+    quarter of the pointwise bias, ``forget_bias`` (as the PyTorch
+    ``TensorMemory(forget_bias=...)``).
 
     Parameters
     ----------
@@ -349,6 +353,8 @@ def init(
     chunk_size : tokens per chunk ``L``.
     sigma_scale : not a parameter; accepted for signature parity with the
         PyTorch constructor and checked (> 0). Pass it to :func:`apply`.
+    forget_bias : initial bias of the ConvLSTM forget gate (default 0; e.g. 3
+        starts the memory keeping 95 % of its state per chunk).
     dtype : parameter dtype.
 
     Sizes must be ints (a float is a ``TypeError``, never truncated); a size
@@ -366,6 +372,7 @@ def init(
     length = check_int("chunk_size", chunk_size, 1)
     dims = check_grid_shape("memory_shape", memory_shape)
     _check_sigma_scale(sigma_scale)
+    forget_bias = check_finite("forget_bias", forget_bias)
     n = len(dims)
     keys = jax.random.split(key, 6)
     bound = tmcore.xavier_uniform_bound(2 * channels, 4 * channels)
@@ -377,9 +384,15 @@ def init(
         "content_net": _linear_init(keys[1], channels, d, dtype),
         "sigma_net": sigma_net,
         "coord_net": _linear_init(keys[3], n, d, dtype),
-        "cell": tmcore.conv_params_from_pointwise(pointwise, n)._asdict(),
+        "cell": _with_forget_bias(tmcore.conv_params_from_pointwise(pointwise, n)._asdict(),
+                                  channels, forget_bias),
         "out_proj": _linear_init(keys[5], d, channels, dtype),
     }
+
+
+def _with_forget_bias(cell: dict, channels: int, forget_bias: float) -> dict:
+    bias = cell["pointwise_bias"]
+    return {**cell, "pointwise_bias": bias.at[channels : 2 * channels].set(forget_bias)}
 
 
 def conv_params(cell: Mapping[str, jax.Array]) -> ConvParams:
@@ -681,6 +694,7 @@ def residual_init(
     sigma_scale: float = 1.0,
     *,
     gate_init: float = 0.0,
+    forget_bias: float = 0.0,
     dtype: Any = jnp.float32,
 ) -> dict:
     """Parameters of ``x + sigmoid(gate) * memory(norm(x))``.
@@ -693,7 +707,7 @@ def residual_init(
     return {
         "norm": {"weight": jnp.ones((d,), dtype), "bias": jnp.zeros((d,), dtype)},
         "memory": init(key, embed_dim, memory_channels, memory_shape, chunk_size, sigma_scale,
-                       dtype=dtype),
+                       forget_bias=forget_bias, dtype=dtype),
         "gate": jnp.asarray(gate_init, dtype),
     }
 
@@ -929,9 +943,9 @@ class TensorMemory(nnx.Module):
     def __init__(self, embed_dim: int, memory_channels: int, memory_shape: Sequence[int],
                  chunk_size: int, sigma_scale: float = 1.0, *, rngs: nnx.Rngs,
                  dtype: Any = jnp.float32, eps: float = DEFAULT_EPS,
-                 radius: float | None = None) -> None:
+                 radius: float | None = None, forget_bias: float = 0.0) -> None:
         params = init(rngs.params(), embed_dim, memory_channels, memory_shape, chunk_size,
-                      sigma_scale, dtype=dtype)
+                      sigma_scale, forget_bias=forget_bias, dtype=dtype)
         for name, group in params.items():
             setattr(self, name, _to_variables(group))
         self.memory_channels = int(memory_channels)
@@ -957,9 +971,10 @@ class GatedMemoryResidual(nnx.Module):
     def __init__(self, embed_dim: int, memory_channels: int, memory_shape: Sequence[int],
                  chunk_size: int, sigma_scale: float = 1.0, *, gate_init: float = 0.0,
                  rngs: nnx.Rngs, dtype: Any = jnp.float32, eps: float = DEFAULT_EPS,
-                 radius: float | None = None) -> None:
+                 radius: float | None = None, forget_bias: float = 0.0) -> None:
         self.memory = TensorMemory(embed_dim, memory_channels, memory_shape, chunk_size,
-                                   sigma_scale, rngs=rngs, dtype=dtype, eps=eps, radius=radius)
+                                   sigma_scale, rngs=rngs, dtype=dtype, eps=eps, radius=radius,
+                                   forget_bias=forget_bias)
         self.norm = _to_variables({"weight": jnp.ones((embed_dim,), dtype),
                                    "bias": jnp.zeros((embed_dim,), dtype)})
         self.gate = nnx.Param(jnp.asarray(gate_init, dtype))

@@ -38,6 +38,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from tmcore._validate import check_finite
 from tmcore.adapters import _torch_ops
 from tmcore.addressing import MIN_SIGMA
 from tmcore.conv import ConvParams, as_conv_params, conv_params_from_pointwise
@@ -156,12 +157,15 @@ class ConvLSTMCell(nn.Module):
     ``depthwise_weight (n, 2C, 3)``, ``depthwise_bias (n, 2C)``,
     ``pointwise_weight (4C, 2C)``, ``pointwise_bias (4C,)``. Initialized by
     :func:`tmcore.conv_params_from_pointwise` around a Xavier-uniform pointwise
-    matrix (identity taps, zero biases).
+    matrix (identity taps, zero biases), then the forget-gate quarter of the
+    pointwise bias (gate order ``i, f, o, g``) set to ``forget_bias``.
     """
 
-    def __init__(self, channels: int, ndim: int, *, device: Any = None, dtype: Any = None):
+    def __init__(self, channels: int, ndim: int, *, forget_bias: float = 0.0,
+                 device: Any = None, dtype: Any = None):
         super().__init__()
         self.channels, self.ndim = channels, ndim
+        self.forget_bias = check_finite("forget_bias", forget_bias)
         kw = {"device": device, "dtype": dtype}
         self.depthwise_weight = nn.Parameter(torch.empty(ndim, 2 * channels, 3, **kw))
         self.depthwise_bias = nn.Parameter(torch.empty(ndim, 2 * channels, **kw))
@@ -175,6 +179,7 @@ class ConvLSTMCell(nn.Module):
         for param, value in zip(self.params(), conv_params_from_pointwise(pointwise, self.ndim),
                                 strict=True):
             param.copy_(value)
+        self.pointwise_bias[self.channels : 2 * self.channels] = self.forget_bias
 
     def params(self) -> ConvParams:
         return ConvParams(self.depthwise_weight, self.depthwise_bias, self.pointwise_weight,
@@ -194,6 +199,11 @@ class TensorMemory(nn.Module):
     checkpoint_every : the backward keeps every k-th state and recomputes the rest.
     radius : optional truncation of the Gaussian write, in units of sigma.
     eps : added to ``2 sigma^2`` in the Gaussian.
+    forget_bias : initial bias of the ConvLSTM forget gate (default 0, DESIGN's
+        init: the cell starts keeping ``sigmoid(0) = 1/2`` of its state per chunk).
+        A positive value (e.g. 3: ``sigmoid(3) = 0.95``) starts the memory
+        remembering across many chunks, which long-range tasks need to discover
+        it at all (see examples/diagnostics/README.md).
 
     Per chunk ``t`` (DESIGN): ``read_coord = tanh(coord_net(first token))``;
     ``summary = write_proj(concat of the chunk's L tokens)``; ``write_coord =
@@ -209,8 +219,8 @@ class TensorMemory(nn.Module):
     def __init__(
         self, embed_dim: int, memory_channels: int, memory_shape: Sequence[int],
         chunk_size: int, sigma_scale: float = 1.0, *, checkpoint_every: int = 1,
-        radius: float | None = None, eps: float = DEFAULT_EPS, device: Any = None,
-        dtype: Any = None,
+        radius: float | None = None, eps: float = DEFAULT_EPS, forget_bias: float = 0.0,
+        device: Any = None, dtype: Any = None,
     ):
         super().__init__()
         for name, value in (("embed_dim", embed_dim), ("memory_channels", memory_channels),
@@ -239,7 +249,7 @@ class TensorMemory(nn.Module):
         self.content_net = nn.Linear(d, c, **kw)
         self.sigma_net = nn.Linear(d, 1, **kw)
         self.coord_net = nn.Linear(d, n, **kw)
-        self.cell = ConvLSTMCell(c, n, **kw)
+        self.cell = ConvLSTMCell(c, n, forget_bias=forget_bias, **kw)
         self.out_proj = nn.Linear(c, d, **kw)
         with torch.no_grad():
             self.sigma_net.bias.fill_(1.0)
@@ -248,7 +258,7 @@ class TensorMemory(nn.Module):
         return (f"embed_dim={self.embed_dim}, memory_channels={self.memory_channels}, "
                 f"memory_shape={self.memory_shape}, chunk_size={self.chunk_size}, "
                 f"sigma_scale={self.sigma_scale}, checkpoint_every={self.checkpoint_every}, "
-                f"radius={self.radius}")
+                f"radius={self.radius}, forget_bias={self.cell.forget_bias}")
 
     # ----------------------------------------------------------------- checkpoints
 

@@ -168,3 +168,41 @@ def test_segments_equal_streaming_the_memory():
         _, (h, c) = original(residual.last_input)
     torch.testing.assert_close(h, states[-1][0])
     torch.testing.assert_close(c, states[-1][1])
+
+
+def test_forget_bias_init_is_the_same_for_adapter_and_variant():
+    """``ModelConfig.forget_bias`` reaches both Tensor Memory layers (adapter and variant)."""
+    from examples.diagnostics.memory import init_forget_bias, make_tensor_memory
+    from examples.diagnostics.variants import VariantTensorMemory
+
+    adapter = make_tensor_memory(16, 4, (3, 3, 3), 1, forget_bias=3.0)
+    variant = make_tensor_memory(16, 4, (3, 3, 3), 1, forget_bias=3.0, write="gaussian")
+    assert isinstance(variant, VariantTensorMemory)
+    for layer in (adapter, variant):
+        bias = layer.cell.pointwise_bias.detach()
+        assert torch.all(bias[4:8] == 3.0) and not bias[:4].any() and not bias[8:].any()
+    assert torch.all(init_forget_bias(variant, -1.0).cell.pointwise_bias[4:8] == -1.0)
+
+
+@pytest.mark.parametrize("memory_first", [True, False])
+def test_jax_binding_runs_in_segments(tmp_path, memory_first):
+    """``binding --framework jax`` (tmcore.adapters.jax) trains at a tiny scale, memory before
+    or after the attention, and its init carries the forget bias."""
+    pytest.importorskip("jax", reason="jax is not installed")
+    pytest.importorskip("flax", reason="flax is not installed")
+    from dataclasses import replace
+
+    import jax
+
+    from examples.diagnostics.jax_binding import init_params
+
+    exp = make_experiment("binding", "tiny", steps=6)
+    exp.model = replace(exp.model, memory_first=memory_first)
+    exp.entries = [e for e in exp.entries if e.kind == "tensor_memory"]
+    result = run_experiment(exp, tmp_path, framework="jax", progress=False)
+    _check_result(result, tmp_path)
+    params = init_params(jax.random.key(0), exp.task.in_features, exp.task.n_classes,
+                         replace(exp.model, max_len=exp.task.max_len()))
+    c = exp.model.memory_channels
+    bias = np.asarray(params["blocks"][0]["memory"]["memory"]["cell"]["pointwise_bias"])
+    np.testing.assert_array_equal(bias[c:2 * c], exp.model.forget_bias)

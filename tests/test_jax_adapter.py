@@ -429,6 +429,23 @@ def test_reset_mask_and_detach():
     np.testing.assert_array_equal(detached, 0.0)
 
 
+def test_forget_bias_option():
+    """``forget_bias`` sets the forget quarter of the pointwise bias, as in the torch layer."""
+    p = tmj.init(jax.random.key(0), 16, 4, (3, 3), 2, forget_bias=3.0)
+    bias = np.asarray(p["cell"]["pointwise_bias"])
+    np.testing.assert_array_equal(bias[4:8], 3.0)
+    assert not bias[:4].any() and not bias[8:].any()
+    r = tmj.residual_init(jax.random.key(0), 16, 4, (3, 3), 2, forget_bias=-1.0)
+    np.testing.assert_array_equal(r["memory"]["cell"]["pointwise_bias"][4:8], -1.0)
+    with pytest.raises(ValueError, match="forget_bias"):
+        tmj.init(jax.random.key(0), 16, 4, (3, 3), 2, forget_bias=float("nan"))
+    from flax import nnx
+
+    flax_layer = tmj.GatedMemoryResidual(16, 4, (3, 3), 2, rngs=nnx.Rngs(0), forget_bias=2.0)
+    np.testing.assert_array_equal(
+        tmj.params_from_module(flax_layer.memory)["cell"]["pointwise_bias"][4:8], 2.0)
+
+
 def test_gated_residual_gate_init():
     _, x, state = _layer(tokens=6)
     zeros = jax.tree.map(jnp.zeros_like, state)

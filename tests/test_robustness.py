@@ -905,3 +905,27 @@ def test_fuzz_grid_shape(shape):
         assert "shape" in str(error)
         return
     assert len(centres) == len(shape) and [c.shape[0] for c in centres] == list(shape)
+
+
+@pytest.mark.parametrize("name", ["numpy", "array_api_strict"])
+def test_checkpoints_are_collected_in_place_and_fall_back_to_stack(name):
+    """The scan's checkpoint store writes into one preallocated array where the namespace
+    allows item assignment, and falls back to ``stack`` (with its dtype promotion) when a
+    state of another dtype arrives."""
+    from tmcore.scan import _CheckpointStore
+
+    xp = pytest.importorskip(name)
+    if name == "numpy":
+        import array_api_compat.numpy as xp
+    states = [xp.full((2, 3), float(i), dtype=xp.float32) for i in range(3)]
+    store = _CheckpointStore(xp, states[0], 3)
+    for s in states:
+        store.append(s)
+    assert store.buffer is not None  # preallocated, no list
+    out = store.result()
+    assert out.shape == (3, 2, 3) and out.dtype == xp.float32
+    assert float(xp.sum(out[2, ...])) == 12.0
+    mixed = _CheckpointStore(xp, states[0], 3)
+    mixed.append(states[0])
+    mixed.append(xp.ones((2, 3), dtype=xp.float64))
+    assert mixed.buffer is None and mixed.result().dtype == xp.float64

@@ -394,6 +394,23 @@ def test_layer_init_and_contract():
     assert torch.equal((tmt._softplus(z) + 1e-4) * 0.5, sigma_from_logit(z, 0.5))
 
 
+def test_forget_bias_option():
+    """``forget_bias`` sets the forget quarter (i, f, o, g) of the pointwise bias, survives
+    ``reset_parameters``, and is refused when not a finite number."""
+    m = tmt.TensorMemory(8, 3, (4, 4), 2, forget_bias=3.0)
+    bias = m.cell.pointwise_bias.detach()
+    assert torch.all(bias[3:6] == 3.0) and not bias[:3].any() and not bias[6:].any()
+    with torch.no_grad():
+        m.cell.pointwise_bias.zero_()
+    m.cell.reset_parameters()
+    assert torch.all(m.cell.pointwise_bias[3:6] == 3.0)
+    assert "forget_bias=3.0" in repr(m)
+    with pytest.raises(TypeError, match="forget_bias"):
+        tmt.TensorMemory(8, 3, (4, 4), 2, forget_bias="3")
+    with pytest.raises(ValueError, match="forget_bias"):
+        tmt.TensorMemory(8, 3, (4, 4), 2, forget_bias=float("inf"))
+
+
 def test_layer_validation_errors():
     with pytest.raises(ValueError, match="chunk_size"):
         tmt.TensorMemory(8, 2, (4, 4), 0)

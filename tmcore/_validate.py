@@ -289,6 +289,14 @@ def check_eps(eps: Any, name: str = "eps") -> float:
     return value
 
 
+def check_finite(name: str, value: Any) -> float:
+    """A finite real number (e.g. an initial bias)."""
+    number = _real(name, value, "a finite number")
+    if not math.isfinite(number):
+        raise ValueError(f"{name}: expected a finite number, got {value!r}")
+    return number
+
+
 def check_radius(radius: Any, name: str = "radius") -> float | None:
     """``None`` or a real number > 0 (``inf`` allowed: no truncation)."""
     if radius is None:

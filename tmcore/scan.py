@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+import array_api_compat
+
 from tmcore._dispatch import ops_for
 from tmcore._validate import (
     check_eps,
@@ -131,8 +133,10 @@ def memory_scan_fwd(
     entering steps ``0, k, 2k, ...`` and are all :func:`memory_scan_bwd` needs.
     """
     steps = read_coords.shape[1]
+    h_saved = _CheckpointStore(xp, h0, -(-steps // checkpoint_every))
+    c_saved = _CheckpointStore(xp, c0, -(-steps // checkpoint_every))
     h, c = h0, c0
-    reads, h_saved, c_saved = [], [], []
+    reads = []
     for t in range(steps):
         if t % checkpoint_every == 0:
             h_saved.append(h)
@@ -142,7 +146,41 @@ def memory_scan_fwd(
             params, eps, radius,
         )
         reads.append(read)
-    return xp.stack(reads, axis=1), h, c, xp.stack(h_saved, axis=0), xp.stack(c_saved, axis=0)
+    return xp.stack(reads, axis=1), h, c, h_saved.result(), c_saved.result()
+
+
+class _CheckpointStore:
+    """Collects ``count`` states ``(B, C, *S)`` into one ``(count, B, C, *S)`` array.
+
+    Where arrays support item assignment (NumPy, PyTorch, CuPy, array-api-strict)
+    each state is copied into a preallocated array as it arrives, so the
+    checkpoints are never held twice; a list-then-``stack`` would hold every
+    state in the list and in the stacked copy at once (twice the scan's memory
+    at the peak). Immutable arrays (JAX) fall back to ``stack``.
+    """
+
+    def __init__(self, xp: Any, like: Any, count: int) -> None:
+        self.xp, self.index, self.pending = xp, 0, []
+        self.buffer = None
+        if not array_api_compat.is_jax_namespace(xp):
+            self.buffer = xp.empty((count, *like.shape), dtype=like.dtype,
+                                   device=array_api_compat.device(like))
+
+    def append(self, state: Any) -> None:
+        if self.buffer is not None and state.dtype == self.buffer.dtype:
+            try:
+                self.buffer[self.index, ...] = state
+                self.index += 1
+                return
+            except (TypeError, RuntimeError):  # immutable, or a transform (vmap) refusing it
+                pass
+        if self.buffer is not None:  # from here on: a list (dtypes promote as in stack)
+            self.pending = [self.buffer[i, ...] for i in range(self.index)]
+            self.buffer = None
+        self.pending.append(state)
+
+    def result(self) -> Any:
+        return self.buffer if self.buffer is not None else self.xp.stack(self.pending, axis=0)
 
 
 def memory_scan_bwd(

@@ -27,11 +27,14 @@ class ModelConfig:
     memory_channels: int = 8
     memory_shape: tuple[int, int, int] = (6, 6, 6)
     chunk_size: int = 1
-    sigma_scale: float = 0.3  # write spread at init ~0.4 (cell spacing of 6^3: 0.4)
+    sigma_scale: float = 0.5  # write spread at init ~0.66 (cell spacing: 0.67 at 4^3, 0.4 at 6^3)
     write_init: str = "first_token"  # see memory.init_write_proj; "default": the layer's own
+    forget_bias: float = 3.0  # ConvLSTM forget-gate bias at init (memory.init_forget_bias)
     gate_init: float = 0.0  # sigmoid(0) = 0.5: the memory starts half open
     n_slots: int = 16
-    memory_first: bool = False  # the memory residual before the block's attention, not after
+    #: the memory residual before the block's attention (True), or after it; before, the
+    #: memory reads and writes the token embeddings themselves (see the README's findings)
+    memory_first: bool = True
 
 
 @dataclass(frozen=True)

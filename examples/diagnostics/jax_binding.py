@@ -50,7 +50,7 @@ def init_params(key: jax.Array, in_features: int, n_out: int, cfg: ModelConfig) 
         if i in cfg.memory_layers:
             block["memory"] = tmjax.residual_init(
                 next(keys), d, cfg.memory_channels, cfg.memory_shape, cfg.chunk_size,
-                cfg.sigma_scale, gate_init=cfg.gate_init)
+                cfg.sigma_scale, gate_init=cfg.gate_init, forget_bias=cfg.forget_bias)
             if cfg.write_init == "first_token":  # as examples.diagnostics.memory.init_write_proj
                 proj = block["memory"]["memory"]["write_proj"]
                 proj["weight"] = jnp.zeros_like(proj["weight"]).at[:, :d].set(jnp.eye(d))
@@ -80,12 +80,17 @@ def _segment(params: dict, h: jax.Array, states: list, cfg: ModelConfig
     causal = jnp.tril(jnp.ones((N, N), bool))
     new_states = []
     for block, state in zip(params["blocks"], states, strict=True):
+        if "memory" in block and cfg.memory_first:
+            h, state = tmjax.residual_apply(block["memory"], h, state,
+                                            chunk_size=cfg.chunk_size,
+                                            memory_shape=cfg.memory_shape,
+                                            sigma_scale=cfg.sigma_scale)
         qkv = _linear(block["qkv"], _layer_norm(block["ln1"], h))
         q, k, v = jnp.moveaxis(qkv.reshape(B, N, 3, heads, d // heads), 2, 0)
         scores = jnp.einsum("bqhe,bkhe->bhqk", q, k) / math.sqrt(d // heads)
         attn = jax.nn.softmax(jnp.where(causal, scores, -jnp.inf), axis=-1)
         h = h + _linear(block["proj"], jnp.einsum("bhqk,bkhe->bqhe", attn, v).reshape(B, N, d))
-        if "memory" in block:
+        if "memory" in block and not cfg.memory_first:
             h, state = tmjax.residual_apply(block["memory"], h, state,
                                             chunk_size=cfg.chunk_size,
                                             memory_shape=cfg.memory_shape,

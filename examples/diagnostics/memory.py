@@ -15,7 +15,8 @@ from torch import nn
 
 from examples.diagnostics.variants import VariantTensorMemory
 
-__all__ = ["make_tensor_memory", "adapter_name", "set_implementation", "init_write_proj"]
+__all__ = ["make_tensor_memory", "adapter_name", "set_implementation", "init_write_proj",
+           "init_forget_bias"]
 
 _IMPL = {"name": "adapter"}
 
@@ -65,12 +66,31 @@ def init_write_proj(memory: nn.Module) -> nn.Module:
     return memory
 
 
+@torch.no_grad()
+def init_forget_bias(memory: nn.Module, value: float) -> nn.Module:
+    """Set the ConvLSTM's forget-gate bias (the second quarter of the pointwise bias,
+    gate order ``i, f, o, g``) to ``value``. Returns ``memory``.
+
+    The adapter's ``TensorMemory(forget_bias=...)`` does the same at construction;
+    this helper serves :class:`VariantTensorMemory` too.
+    With the layer's default bias 0 the forget gate starts at ``sigmoid(0) = 0.5``:
+    with one update per token (chunk 1), a write made 30 tokens before its query
+    is scaled by ``0.5 ** 30`` and leaves no gradient for the model to discover
+    the memory with. A positive bias (the usual LSTM remedy) starts the cell
+    remembering: ``sigmoid(3) = 0.95``.
+    """
+    channels = memory.cell.pointwise_bias.shape[0] // 4
+    memory.cell.pointwise_bias[channels : 2 * channels] = value
+    return memory
+
+
 def make_tensor_memory(embed_dim: int, memory_channels: int, memory_shape: tuple[int, ...],
                        chunk_size: int, sigma_scale: float = 1.0, write_init: str = "first_token",
-                       **variant: object) -> nn.Module:
+                       forget_bias: float = 0.0, **variant: object) -> nn.Module:
     """A Tensor Memory layer; ``variant`` switches (``write``, ``tied``, ``conv``) select
     :class:`VariantTensorMemory`, as does a missing adapter. ``write_init``:
-    ``"first_token"`` (:func:`init_write_proj`) or ``"default"`` (the layer's own)."""
+    ``"first_token"`` (:func:`init_write_proj`) or ``"default"`` (the layer's own);
+    ``forget_bias``: see :func:`init_forget_bias` (0: the layer's own)."""
     if write_init not in ("first_token", "default"):
         raise ValueError(f"write_init: expected 'first_token' or 'default', got {write_init!r}")
     cls = _adapter_class()
@@ -83,4 +103,6 @@ def make_tensor_memory(embed_dim: int, memory_channels: int, memory_shape: tuple
     else:
         memory = cls(embed_dim, memory_channels, tuple(memory_shape), chunk_size,
                      sigma_scale=sigma_scale)
+    if forget_bias:
+        init_forget_bias(memory, forget_bias)
     return init_write_proj(memory) if write_init == "first_token" else memory

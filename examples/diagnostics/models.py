@@ -116,7 +116,7 @@ class Backbone(nn.Module):
         elif kind == "tensor":
             memory = make_tensor_memory(cfg.d_model, cfg.memory_channels, cfg.memory_shape,
                                         cfg.chunk_size, cfg.sigma_scale, cfg.write_init,
-                                        **variant)
+                                        cfg.forget_bias, **variant)
         else:
             raise ValueError(f"memory kind: expected None, 'slots' or 'tensor', got {kind!r}")
         return GatedResidual(memory, cfg.d_model, cfg.gate_init)

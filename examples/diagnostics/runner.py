@@ -47,8 +47,9 @@ def _backbones() -> list[Entry]:
 
 
 def _binding() -> Experiment:
-    # a 4^3 grid: half the time per chunk step of 6^3 (the demo's budget), 64 cells for <= 32 keys
-    return Experiment(CoordinateBinding(), TrainConfig(steps=300),
+    # a 4^3 grid: half the time per chunk step of 6^3 (the demo's budget), 64 cells for <= 32 keys;
+    # 600 steps: discovering the key -> address map takes ~300-500 (README findings)
+    return Experiment(CoordinateBinding(), TrainConfig(steps=600, warmup=60),
                       ModelConfig(memory_shape=(4, 4, 4)), _backbones(), picture="tensor_memory")
 
 
