@@ -352,6 +352,10 @@ def _scan_setup(ctx, inputs, output):
     *primals, eps, radius, checkpoint_every = inputs
     _, _, _, h_ckpt, c_ckpt = output
     ctx.mark_non_differentiable(h_ckpt, c_ckpt)
+    # Unused outputs get None, not zeros: materialized zero cotangents for the
+    # checkpoints would be a second copy of every saved state (as big as the saved
+    # states themselves) at the start of the backward. _scan_grad handles None.
+    ctx.set_materialize_grads(False)
     ctx.save_for_backward(*primals, h_ckpt, c_ckpt)
     ctx.options = (eps, radius, checkpoint_every)
 
