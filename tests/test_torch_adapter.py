@@ -728,3 +728,34 @@ def test_ddp_single_process_training_step(tmp_path):
                                                           strict=True))
     finally:
         dist.destroy_process_group()
+
+
+def test_backward_allocates_nothing_the_size_of_the_checkpoints():
+    """The scan's checkpoint outputs get no materialized zero cotangents: those would be a
+    second copy of every saved state at the start of each backward (the peak-memory
+    regression that ``ctx.set_materialize_grads(False)`` fixed). Every aten op of the
+    backward is recorded, and none may produce a tensor of the checkpoints' shape."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class RecordShapes(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.shapes = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for o in out if isinstance(out, (tuple, list)) else [out]:
+                if isinstance(o, torch.Tensor):
+                    self.shapes.append((str(func), tuple(o.shape)))
+            return out
+
+    m = tmt.TensorMemory(8, 3, (4, 4, 4), 2)
+    x = torch.randn(2, 10, 8, requires_grad=True)
+    out, _ = m(x)
+    recorder = RecordShapes()
+    with recorder:
+        out.sum().backward()
+    checkpoints = (5, 2, 3, 4, 4, 4)  # (T / checkpoint_every, B, C, *S)
+    assert recorder.shapes, "the recorder saw no ops"
+    assert [s for s in recorder.shapes if s[1] == checkpoints] == []
+    assert x.grad is not None and x.grad.abs().sum() > 0
