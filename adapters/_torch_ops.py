@@ -137,6 +137,16 @@ def call(function: type[_Function], op: Callable[..., object], *args):
     return function.apply(*args)
 
 
+def _register_rules(op: object, grad: Callable, setup: Callable, backward_op: object,
+                    backward_grad: Callable, backward_setup: Callable) -> None:
+    """Register autograd (``grad``/``setup``) and the looping vmap rule on a forward op and
+    on its ``*_backward`` op (whose own autograd gives second order)."""
+    op.register_autograd(grad, setup_context=setup)
+    backward_op.register_autograd(backward_grad, setup_context=backward_setup)
+    op.register_vmap(_loop_vmap(op))
+    backward_op.register_vmap(_loop_vmap(backward_op))
+
+
 def _backward(function: type[_Function], op: Callable[..., object], *args):
     """Run a backward op through its Function twin (``torch.func``-safe), or call the
     op itself while ``torch.compile`` traces (Dynamo cannot nest a Function in a
@@ -199,10 +209,8 @@ class _SampleBackwardFunction(_Function):
     backward = staticmethod(_sample_bwd_grad)
 
 
-trilinear_sample_op.register_autograd(_sample_grad, setup_context=_sample_setup)
-_trilinear_sample_backward.register_autograd(_sample_bwd_grad, setup_context=_sample_bwd_setup)
-trilinear_sample_op.register_vmap(_loop_vmap(trilinear_sample_op))
-_trilinear_sample_backward.register_vmap(_loop_vmap(_trilinear_sample_backward))
+_register_rules(trilinear_sample_op, _sample_grad, _sample_setup,
+                _trilinear_sample_backward, _sample_bwd_grad, _sample_bwd_setup)
 
 
 # --------------------------------------------------------------------------- splat
@@ -273,10 +281,8 @@ class _SplatBackwardFunction(_Function):
     backward = staticmethod(_splat_bwd_grad)
 
 
-gaussian_splat_op.register_autograd(_splat_grad, setup_context=_splat_setup)
-_gaussian_splat_backward.register_autograd(_splat_bwd_grad, setup_context=_splat_bwd_setup)
-gaussian_splat_op.register_vmap(_loop_vmap(gaussian_splat_op))
-_gaussian_splat_backward.register_vmap(_loop_vmap(_gaussian_splat_backward))
+_register_rules(gaussian_splat_op, _splat_grad, _splat_setup,
+                _gaussian_splat_backward, _splat_bwd_grad, _splat_bwd_setup)
 
 
 # --------------------------------------------------------------------------- scan
@@ -408,10 +414,8 @@ class _ScanBackwardFunction(_Function):
     backward = staticmethod(_scan_bwd_grad)
 
 
-memory_scan_op.register_autograd(_scan_grad, setup_context=_scan_setup)
-_memory_scan_backward.register_autograd(_scan_bwd_grad, setup_context=_scan_bwd_setup)
-memory_scan_op.register_vmap(_loop_vmap(memory_scan_op))
-_memory_scan_backward.register_vmap(_loop_vmap(_memory_scan_backward))
+_register_rules(memory_scan_op, _scan_grad, _scan_setup,
+                _memory_scan_backward, _scan_bwd_grad, _scan_bwd_setup)
 
 
 class MemoryScanFunction(_Function):

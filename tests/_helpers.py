@@ -1,4 +1,36 @@
-"""Test-suite helpers: the kit's strategies (tmcore.testing.strategies), re-exported."""
+"""Test-suite helpers: the kit's strategies (tmcore.testing.strategies), re-exported, and a
+random state dict in the paper's reference layout."""
 
 from tmcore.testing.strategies import *  # noqa: F403
-from tmcore.testing.strategies import __all__  # noqa: F401
+from tmcore.testing.strategies import __all__ as _strategies
+
+__all__ = [*_strategies, "reference_state_dict"]
+
+
+def reference_state_dict(torch, d: int, c: int, length: int, grid=(3, 4, 5), seed: int = 0,
+                         scale: float = 0.3) -> dict:
+    """A random state dict in the paper's reference layout (DESIGN.md): ``write_proj``,
+    ``writer.*``, ``coord_net``, ``gate_conv.*`` (Conv3d weights), ``out_proj`` and the
+    ``grid_cache`` (1, 3, D, H, W) of cell centres in (x, y, z) order for ``grid``.
+    ``torch`` is passed in so importing this module needs no framework."""
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g) * scale
+
+    sd = {
+        "write_proj.weight": rand(d, length * d), "write_proj.bias": rand(d),
+        "writer.content_net.weight": rand(c, d), "writer.content_net.bias": rand(c),
+        "writer.sigma_net.weight": rand(1, d), "writer.sigma_net.bias": rand(1),
+        "coord_net.weight": rand(3, d), "coord_net.bias": rand(3),
+        "gate_conv.conv_d.weight": rand(2 * c, 1, 3, 1, 1), "gate_conv.conv_d.bias": rand(2 * c),
+        "gate_conv.conv_h.weight": rand(2 * c, 1, 1, 3, 1), "gate_conv.conv_h.bias": rand(2 * c),
+        "gate_conv.conv_w.weight": rand(2 * c, 1, 1, 1, 3), "gate_conv.conv_w.bias": rand(2 * c),
+        "gate_conv.pointwise.weight": rand(4 * c, 2 * c, 1, 1, 1),
+        "gate_conv.pointwise.bias": rand(4 * c),
+        "out_proj.weight": rand(d, c), "out_proj.bias": rand(d),
+    }
+    axes = [torch.linspace(-1, 1, s) for s in grid]
+    zz, yy, xx = torch.meshgrid(*axes, indexing="ij")
+    sd["grid_cache"] = torch.stack([xx, yy, zz])[None]
+    return sd

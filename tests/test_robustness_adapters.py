@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from _helpers import reference_state_dict
 
 import tmcore
 
@@ -193,28 +194,8 @@ def test_torch_load_from_a_different_grid_is_refused(ta, torch, tmp_path):
 
 
 def _reference_state_dict(torch, d=D, c=C, length=L, grid=(3, 4, 5), seed=0):
-    """A state dict in the paper's reference layout (DESIGN.md)."""
-    g = torch.Generator().manual_seed(seed)
-
-    def rand(*shape):
-        return torch.randn(*shape, generator=g) * 0.3
-
-    sd = {
-        "write_proj.weight": rand(d, length * d), "write_proj.bias": rand(d),
-        "writer.content_net.weight": rand(c, d), "writer.content_net.bias": rand(c),
-        "writer.sigma_net.weight": rand(1, d), "writer.sigma_net.bias": rand(1),
-        "coord_net.weight": rand(3, d), "coord_net.bias": rand(3),
-        "gate_conv.conv_d.weight": rand(2 * c, 1, 3, 1, 1), "gate_conv.conv_d.bias": rand(2 * c),
-        "gate_conv.conv_h.weight": rand(2 * c, 1, 1, 3, 1), "gate_conv.conv_h.bias": rand(2 * c),
-        "gate_conv.conv_w.weight": rand(2 * c, 1, 1, 1, 3), "gate_conv.conv_w.bias": rand(2 * c),
-        "gate_conv.pointwise.weight": rand(4 * c, 2 * c, 1, 1, 1),
-        "gate_conv.pointwise.bias": rand(4 * c),
-        "out_proj.weight": rand(d, c), "out_proj.bias": rand(d),
-    }
-    axes = [torch.linspace(-1, 1, s) for s in grid]
-    zz, yy, xx = torch.meshgrid(*axes, indexing="ij")
-    sd["grid_cache"] = torch.stack([xx, yy, zz])[None]  # (1, 3, D, H, W), (x, y, z) order
-    return sd
+    """A state dict in the paper's reference layout (DESIGN.md), this file's sizes."""
+    return reference_state_dict(torch, d, c, length, grid, seed)
 
 
 def test_reference_checkpoint_loads_through_convert(ta, torch, tmp_path):

@@ -16,6 +16,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="torch is not installed")
 
 import torch.nn.functional as F  # noqa: E402
+from _helpers import reference_state_dict  # noqa: E402
 from torch import nn  # noqa: E402
 
 import tmcore.adapters.torch as tmt  # noqa: E402
@@ -340,18 +341,7 @@ def test_convert_reference_state_dict_layout_and_prefix():
     def t(*s):
         return torch.randn(*s, generator=g)
 
-    sd = {
-        "write_proj.weight": t(d, L * d), "write_proj.bias": t(d),
-        "writer.content_net.weight": t(c, d), "writer.content_net.bias": t(c),
-        "writer.sigma_net.weight": t(1, d), "writer.sigma_net.bias": t(1),
-        "coord_net.weight": t(3, d), "coord_net.bias": t(3),
-        "gate_conv.conv_d.weight": t(2 * c, 1, 3, 1, 1), "gate_conv.conv_d.bias": t(2 * c),
-        "gate_conv.conv_h.weight": t(2 * c, 1, 1, 3, 1), "gate_conv.conv_h.bias": t(2 * c),
-        "gate_conv.conv_w.weight": t(2 * c, 1, 1, 1, 3), "gate_conv.conv_w.bias": t(2 * c),
-        "gate_conv.pointwise.weight": t(4 * c, 2 * c, 1, 1, 1),
-        "gate_conv.pointwise.bias": t(4 * c), "out_proj.weight": t(d, c), "out_proj.bias": t(d),
-        "grid_cache": t(1, 3, 4, 4, 4),
-    }
+    sd = reference_state_dict(torch, d, c, L, grid=(4, 4, 4), seed=10, scale=1.0)
     prefixed = {f"layers.0.memory.{k}": v for k, v in sd.items()} | {"layers.0.attn.w": t(2)}
     for given, prefix in ((sd, ""), (prefixed, "layers.0.memory.")):
         out = tmt.convert_reference_state_dict(given, prefix=prefix)
