@@ -10,7 +10,10 @@ imported), so ``import tmcore`` and ``import tmcore.backends`` import no framewo
 namespace          fast paths (everything else: the generic array-API path)
 =================  ==========================================================
 PyTorch            ``grid_sample`` read and its ``grid_sampler`` backward
-                   (n = 1, 2, 3), grouped ``conv3d`` depthwise taps;
+                   (n = 1, 2, 3), grouped ``conv3d`` depthwise taps (CUDA);
+                   on the CPU fused C kernels for the depthwise passes and
+                   the gates (:mod:`tmcore.backends._native`, built on
+                   first use, ``TMCORE_NATIVE=0`` turns them off);
                    float16 / bfloat16 computed in float32
 JAX                ``lax.conv_general_dilated`` depthwise taps (jit-safe,
                    x64 on or off); float16 / bfloat16 computed in float32

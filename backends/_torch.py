@@ -25,6 +25,14 @@ Imported only when torch tensors reach tmcore (torch is then in ``sys.modules``)
   pass; the generic overflow-free ``0.5 tanh(x/2) + 0.5`` is three, and this
   CPU build's ``tanh`` is ~4x slower than its ``sigmoid``) and ``addcmul`` for
   the cell update; the VJP shares one ``s (1 - s)`` pass for the three gates.
+- Fused CPU cell (:mod:`tmcore.backends._native`): on the CPU, for float32 /
+  float64 tensors outside autograd and functorch transforms, the depthwise
+  passes (forward: all axes of a plane in one pass through the cache; VJP:
+  stages recomputed per plane, taps and input gradient together) and the gates
+  (forward and VJP, the gates recomputed from ``z``) are C kernels compiled on
+  first use; the pointwise product stays a torch ``baddbmm``. Anything else,
+  or a machine without a C compiler, takes the torch ops above (same results).
+  :data:`USE_NATIVE` or ``TMCORE_NATIVE=0`` turns them off.
 - float16 / bfloat16: computed in float32, returned in the input dtype
   (:mod:`tmcore.backends._mixed`).
 """
@@ -32,8 +40,10 @@ Imported only when torch tensors reach tmcore (torch is then in ``sys.modules``)
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import math
-from typing import Any
+import threading
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -43,9 +53,10 @@ from tmcore._separable import outer_product
 from tmcore.conv import ConvParams
 from tmcore.sampling import tent_profiles
 
+from . import _native
 from ._mixed import with_float32_compute
 
-__all__ = ["make_ops", "ALLOW_NONDETERMINISTIC", "CONV_KERNEL"]
+__all__ = ["make_ops", "ALLOW_NONDETERMINISTIC", "CONV_KERNEL", "USE_NATIVE"]
 
 #: Use ``grid_sampler``'s atomic volume gradient on CUDA (off: deterministic dense VJP).
 ALLOW_NONDETERMINISTIC = False
@@ -53,7 +64,84 @@ ALLOW_NONDETERMINISTIC = False
 #: Depthwise kernel: ``"auto"`` (grouped conv on CUDA, slices on CPU), ``"conv"``, ``"slices"``.
 CONV_KERNEL = "auto"
 
+#: Use the fused C kernels for the CPU cell when they can be built (see the module notes).
+USE_NATIVE = True
+
 _BILINEAR, _BORDER = 0, 1
+_NATIVE_DTYPES = {torch.float32: "f32", torch.float64: "f64"}
+_PLAIN = (torch.Tensor, torch.nn.Parameter)  # not fake / functional / other subclasses
+_is_wrapped = getattr(getattr(torch._C, "_functorch", None), "is_functorch_wrapped_tensor",
+                      lambda t: False)
+
+
+class _NativeConvResiduals(NamedTuple):
+    """Conv residuals of the fused path: the input and the depthwise output."""
+
+    x: torch.Tensor
+    y: torch.Tensor
+
+
+class _NativeGateResiduals(NamedTuple):
+    """Gate residuals of the fused path: the VJP recomputes the gates from ``z``."""
+
+    z: torch.Tensor
+    c: torch.Tensor
+
+
+def _native_kernels(*tensors: torch.Tensor) -> tuple[ctypes.CDLL, str] | None:
+    """``(library, dtype suffix)`` when the fused kernels may run on ``tensors``: plain
+    CPU float32 / float64 tensors (or parameters) of one dtype that autograd is not
+    recording and no functorch transform wraps (those need torch ops to see the
+    computation; fake and other subclass tensors have no data to hand to C)."""
+    if not USE_NATIVE:
+        return None
+    suffix = _NATIVE_DTYPES.get(tensors[0].dtype)
+    if suffix is None:
+        return None
+    grad_mode = torch.is_grad_enabled()
+    for t in tensors:
+        if (type(t) not in _PLAIN or t.device.type != "cpu" or t.dtype != tensors[0].dtype
+                or (grad_mode and t.requires_grad) or _is_wrapped(t)):
+            return None
+    lib = _native.library()
+    return None if lib is None else (lib, suffix)
+
+
+_WORKSPACE = threading.local()  # .buffers: dict while a scan's workspace is open
+
+
+@contextlib.contextmanager
+def workspace(xp: Any):
+    """Reuse the fused path's per-step temporaries (depthwise output, ``z``, ``d_z``,
+    ``d_y``) from one step to the next while the scan runs: the scan consumes each
+    step's residuals first, and fresh multi-MB buffers every step cost page faults
+    (measured: ~500 per LM step, 1-3 ms of system time)."""
+    previous = getattr(_WORKSPACE, "buffers", None)
+    _WORKSPACE.buffers = {}
+    try:
+        yield
+    finally:
+        _WORKSPACE.buffers = previous
+
+
+def _scratch(name: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+    """A per-step temporary: the workspace's buffer ``name`` when one is open, else new."""
+    buffers = getattr(_WORKSPACE, "buffers", None)
+    if buffers is None:
+        return torch.empty(shape, dtype=like.dtype, device=like.device)
+    key = (name, shape, like.dtype)
+    buffer = buffers.get(key)
+    if buffer is None:
+        buffer = buffers[key] = torch.empty(shape, dtype=like.dtype, device=like.device)
+    return buffer
+
+
+def _ptr(t: torch.Tensor) -> ctypes.c_void_p:
+    return ctypes.c_void_p(t.data_ptr())
+
+
+def _shape_arg(shape: tuple[int, ...]):
+    return (ctypes.c_int64 * len(shape))(*shape)
 
 
 def _grid_args(volume: torch.Tensor, coords: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -143,36 +231,67 @@ def _depthwise(x: torch.Tensor, taps: torch.Tensor, bias: torch.Tensor | None,
     return y.reshape(x.shape)
 
 
-def conv_fwd(xp: Any, x: torch.Tensor, params: ConvParams):
-    """Grouped-conv forward; residuals are the generic stage inputs ``[x, ...]``."""
-    n = x.ndim - 2
+def _depthwise_stages(x: torch.Tensor, params: ConvParams) -> list[torch.Tensor]:
+    """``[x, after axis 0, ..., after the last axis]`` with the torch ops."""
     stages = [x]
-    for axis in range(n):
+    for axis in range(x.ndim - 2):
         stages.append(_depthwise(stages[-1], params.depthwise_weight[axis],
                                  params.depthwise_bias[axis], axis))
-    y = stages[-1]
+    return stages
+
+
+def _native_depthwise(kernels, x: torch.Tensor, params: ConvParams) -> torch.Tensor:
+    """All depthwise passes of ``x (B, C_in, *S)`` in one fused kernel call."""
+    lib, suffix = kernels
+    x = x.contiguous()
+    taps = params.depthwise_weight.contiguous()
+    biases = params.depthwise_bias.contiguous()
+    y = _scratch("depthwise", tuple(x.shape), x)
+    spatial = tuple(x.shape[2:])
+    getattr(lib, f"dw_fwd_{suffix}")(_ptr(x), _ptr(y), _ptr(taps), _ptr(biases), x.shape[0],
+                                     x.shape[1], len(spatial), _shape_arg(spatial))
+    return y
+
+
+def _pointwise(y: torch.Tensor, params: ConvParams, scratch: bool = False) -> torch.Tensor:
+    """``z = W y + b`` per batch; ``scratch``: into the workspace's buffer (fused path)."""
     batch = y.shape[0]
     y_flat = y.reshape(batch, y.shape[1], -1)
     c_out = params.pointwise_weight.shape[0]
     # One baddbmm over an expanded (stride-0) weight: no transposed copies of y or z,
     # which a broadcast 2-D @ 3-D matmul makes, and the bias add fused in.
-    z = torch.baddbmm(params.pointwise_bias[None, :, None].expand(batch, c_out, y_flat.shape[2]),
-                      params.pointwise_weight.expand(batch, *params.pointwise_weight.shape),
-                      y_flat)
-    return z.reshape(batch, c_out, *x.shape[2:]), stages
+    args = (params.pointwise_bias[None, :, None].expand(batch, c_out, y_flat.shape[2]),
+            params.pointwise_weight.expand(batch, *params.pointwise_weight.shape), y_flat)
+    if scratch:
+        z = torch.baddbmm(*args, out=_scratch("z", (batch, c_out, y_flat.shape[2]), y))
+    else:
+        z = torch.baddbmm(*args)
+    return z.reshape(batch, c_out, *y.shape[2:])
 
 
-def conv_bwd(xp: Any, stages: list[torch.Tensor], params: ConvParams, g: torch.Tensor):
-    """VJP: flipped-tap grouped conv for the input, sliced products for the taps."""
+def conv_fwd(xp: Any, x: torch.Tensor, params: ConvParams):
+    """Factorized conv forward. Residuals: the generic stage inputs ``[x, ...]``, or
+    :class:`_NativeConvResiduals` on the fused path."""
+    kernels = _native_kernels(x, *params)
+    if kernels is not None and x.ndim <= 6:
+        y = _native_depthwise(kernels, x, params)
+        return _pointwise(y, params, scratch=True), _NativeConvResiduals(x, y)
+    stages = _depthwise_stages(x, params)
+    return _pointwise(stages[-1], params), stages
+
+
+def conv_bwd(xp: Any, stages, params: ConvParams, g: torch.Tensor):
+    """VJP: flipped-tap grouped conv for the input, sliced products for the taps (or
+    the fused kernel, for residuals of the fused forward)."""
+    if isinstance(stages, _NativeConvResiduals):
+        kernels = _native_kernels(stages.x, g, *params)
+        if kernels is not None:
+            return _native_conv_bwd(kernels, stages, params, g)
+        stages = _depthwise_stages(stages.x, params)  # e.g. g now recorded by autograd
     n = len(stages) - 1
     y = stages[-1]
     batch, c_in = y.shape[:2]
-    y_flat = y.reshape(batch, c_in, -1)
-    g_flat = g.reshape(batch, g.shape[1], -1)
-    d_pointwise = torch.matmul(g_flat, y_flat.transpose(1, 2)).sum(0)
-    d_pointwise_bias = g_flat.sum((0, 2))
-    weight_t = params.pointwise_weight.T
-    d_y = torch.bmm(weight_t.expand(batch, *weight_t.shape), g_flat).reshape(y.shape)
+    d_y, d_pointwise, d_pointwise_bias = _pointwise_bwd(y, params, g)
     d_taps, d_biases = [None] * n, [None] * n
     dims = (0, 2, 3, 4)
     for axis in reversed(range(n)):
@@ -190,11 +309,57 @@ def conv_bwd(xp: Any, stages: list[torch.Tensor], params: ConvParams, g: torch.T
                            d_pointwise_bias)
 
 
+def _pointwise_bwd(y: torch.Tensor, params: ConvParams, g: torch.Tensor, scratch: bool = False):
+    """``(d_y, d_pointwise_weight, d_pointwise_bias)`` of :func:`_pointwise`;
+    ``scratch``: ``d_y`` into the workspace's buffer (fused path)."""
+    batch, c_in = y.shape[:2]
+    y_flat = y.reshape(batch, c_in, -1)
+    g_flat = g.reshape(batch, g.shape[1], -1)
+    d_pointwise = torch.matmul(g_flat, y_flat.transpose(1, 2)).sum(0)
+    d_pointwise_bias = g_flat.sum((0, 2))
+    weight_t = params.pointwise_weight.T.expand(batch, c_in, g.shape[1])
+    if scratch:
+        d_y = torch.bmm(weight_t, g_flat, out=_scratch("d_y", tuple(y_flat.shape), y))
+    else:
+        d_y = torch.bmm(weight_t, g_flat)
+    return d_y.reshape(y.shape), d_pointwise, d_pointwise_bias
+
+
+def _native_conv_bwd(kernels, residuals: _NativeConvResiduals, params: ConvParams,
+                     g: torch.Tensor):
+    lib, suffix = kernels
+    x, y = residuals
+    d_y, d_pointwise, d_pointwise_bias = _pointwise_bwd(y, params, g.contiguous(), scratch=True)
+    x = x.contiguous()
+    taps = params.depthwise_weight.contiguous()
+    biases = params.depthwise_bias.contiguous()
+    d_x = torch.empty_like(x, memory_format=torch.contiguous_format)
+    d_taps, d_biases = torch.empty_like(taps), torch.empty_like(biases)
+    spatial = tuple(x.shape[2:])
+    getattr(lib, f"dw_bwd_{suffix}")(_ptr(x), _ptr(d_y.contiguous()), _ptr(d_x), _ptr(d_taps),
+                                     _ptr(d_biases), _ptr(taps), _ptr(biases), x.shape[0],
+                                     x.shape[1], len(spatial), _shape_arg(spatial))
+    return d_x, ConvParams(d_taps, d_biases, d_pointwise, d_pointwise_bias)
+
+
 def gates_fwd(xp: Any, z: torch.Tensor, c: torch.Tensor):
     """LSTM gates with torch's own kernels: one ``sigmoid`` over the three sigmoid
     quarters (this CPU build's ``sigmoid`` is ~4x faster than ``tanh``, and the
     generic ``0.5 tanh(x/2) + 0.5`` is three passes). Residuals: ``(c, sigmoids
-    (B,3C,*S), tanh(g), tanh(c'))``."""
+    (B,3C,*S), tanh(g), tanh(c'))``; on the fused path :class:`_NativeGateResiduals`."""
+    kernels = _native_kernels(z, c)
+    if kernels is not None:
+        lib, suffix = kernels
+        z, c = z.contiguous(), c.contiguous()
+        h_new, c_new = torch.empty_like(c), torch.empty_like(c)
+        batch, channels = c.shape[:2]
+        getattr(lib, f"gates_fwd_{suffix}")(_ptr(z), _ptr(c), _ptr(h_new), _ptr(c_new), batch,
+                                            channels, c[0, 0].numel())
+        return h_new, c_new, _NativeGateResiduals(z, c)
+    return _torch_gates(z, c)
+
+
+def _torch_gates(z: torch.Tensor, c: torch.Tensor):
     channels = c.shape[1]
     sig = torch.sigmoid(z[:, : 3 * channels])
     i, f, o = sig[:, :channels], sig[:, channels : 2 * channels], sig[:, 2 * channels :]
@@ -204,8 +369,29 @@ def gates_fwd(xp: Any, z: torch.Tensor, c: torch.Tensor):
     return o * tanh_c_new, c_new, (c, sig, g, tanh_c_new)
 
 
+def gates_residuals(xp: Any, z: torch.Tensor, c: torch.Tensor):
+    """Residuals for :func:`gates_bwd`: ``(z, c)`` on the fused path (its VJP recomputes
+    the gates, so nothing is computed here), else those of :func:`gates_fwd`."""
+    if _native_kernels(z, c) is not None:
+        return _NativeGateResiduals(z.contiguous(), c.contiguous())
+    return _torch_gates(z, c)[2]
+
+
 def gates_bwd(xp: Any, residuals: tuple, g_h: torch.Tensor, g_c: torch.Tensor):
     """VJP of :func:`gates_fwd`: the three sigmoid derivatives in one pass."""
+    if isinstance(residuals, _NativeGateResiduals):
+        z, c = residuals
+        kernels = _native_kernels(z, c, g_h, g_c)
+        if kernels is not None:
+            lib, suffix = kernels
+            g_h, g_c = g_h.contiguous(), g_c.contiguous()
+            d_z, d_c = _scratch("d_z", tuple(z.shape), z), torch.empty_like(c)
+            batch, channels = c.shape[:2]
+            getattr(lib, f"gates_bwd_{suffix}")(_ptr(z), _ptr(c), _ptr(g_h), _ptr(g_c),
+                                                _ptr(d_z), _ptr(d_c), batch, channels,
+                                                c[0, 0].numel())
+            return d_z, d_c
+        residuals = _torch_gates(z, c)[2]  # e.g. the cotangents now recorded by autograd
     c, sig, g, tanh_c_new = residuals
     channels = c.shape[1]
     i, f, o = sig[:, :channels], sig[:, channels : 2 * channels], sig[:, 2 * channels :]
@@ -225,5 +411,5 @@ def make_ops(generic: Ops) -> Ops:
     halves."""
     sample_fwd, sample_bwd = _make_sample(generic)
     fast = Ops(sample_fwd, sample_bwd, generic.splat_fwd, generic.splat_bwd, conv_fwd, conv_bwd,
-               gates_fwd, gates_bwd)
+               gates_fwd, gates_bwd, gates_residuals, workspace)
     return with_float32_compute(fast)

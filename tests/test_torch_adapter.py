@@ -424,14 +424,19 @@ def test_layer_validation_errors():
                           memory_channels=2, memory_shape=(4,), chunk_size=2)
 
 
-@pytest.mark.parametrize("checkpoint_every", [1, 3])
-def test_streaming_equals_one_call_bitwise(checkpoint_every):
-    m, x, _ = layer_and_input(shape=(3, 2, 3), chunk=4, tokens=24, d=4, c=2, seed=11,
+@pytest.mark.parametrize(("checkpoint_every", "cuts"), [
+    (1, (0, 8, 12, 24)), (3, (0, 8, 12, 24)),
+    # 37 chunk steps: the one call makes its write volumes in blocks of 16 steps, the
+    # pieces in blocks of 5 and 16 + 5 + 11: every row must still round the same
+    (1, (0, 20, 104, 148)), (5, (0, 20, 104, 148)),
+])
+def test_streaming_equals_one_call_bitwise(checkpoint_every, cuts):
+    m, x, _ = layer_and_input(shape=(3, 2, 3), chunk=4, tokens=cuts[-1], d=4, c=2, seed=11,
                               checkpoint_every=checkpoint_every)
     x = x.detach()
     out, state = m(x)
     pieces, carried = [], None
-    for start, stop in ((0, 8), (8, 12), (12, 24)):  # multiples of chunk_size
+    for start, stop in zip(cuts[:-1], cuts[1:], strict=True):  # multiples of chunk_size
         piece, carried = m(x[:, start:stop], carried)
         pieces.append(piece)
     assert torch.equal(torch.cat(pieces, 1), out)

@@ -18,6 +18,13 @@ Contract of each entry (the generic functions are the reference):
 - ``conv_bwd(xp, residuals, params, g (B,C_out,*S)) -> (d_x, d_params)``
 - ``gates_fwd(xp, z (B,4C,*S), c (B,C,*S)) -> (h', c', residuals)`` (the LSTM update)
 - ``gates_bwd(xp, residuals, g_h, g_c (B,C,*S)) -> (d_z (B,4C,*S), d_c)``
+- ``gates_residuals(xp, z, c) -> residuals``: what ``gates_fwd`` would return as
+  residuals, for the backward's recomputation, which needs no ``h', c'`` (a
+  backend whose ``gates_bwd`` recomputes the gates returns ``(z, c)`` at no cost)
+- ``workspace(xp) -> context manager``: entered around the scan's loops, which
+  consume each step's residuals before making the next step's; inside it a
+  backend may reuse the memory of its per-step temporaries (the generic one does
+  nothing)
 
 ``residuals`` are opaque: only the ``*_bwd`` of the same table consumes them
 (the generic conv's are the list of stage inputs ``[x, after axis 0, ...]``).
@@ -32,6 +39,7 @@ while tracing.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import importlib
 import os
@@ -56,6 +64,12 @@ class Ops(NamedTuple):
     conv_bwd: Any
     gates_fwd: Any
     gates_bwd: Any
+    gates_residuals: Any
+    workspace: Any
+
+
+def _no_workspace(xp: Any) -> contextlib.AbstractContextManager:
+    return contextlib.nullcontext()
 
 
 _GENERIC: list[Ops] = []
@@ -69,7 +83,7 @@ def generic_ops() -> Ops:
 
         _GENERIC.append(Ops(sampling.sample_fwd, sampling.sample_bwd, splat.splat_fwd,
                             splat.splat_bwd, conv.conv_fwd, conv.conv_bwd, cell.gates_fwd,
-                            cell.gates_bwd))
+                            cell.gates_bwd, cell.gates_residuals, _no_workspace))
     return _GENERIC[0]
 
 

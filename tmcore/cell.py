@@ -14,7 +14,8 @@ from tmcore._math import sigmoid, sigmoid_grad_from_output, tanh_grad_from_outpu
 from tmcore._validate import check_nonempty, check_rank, namespace_of, require_array
 from tmcore.conv import ConvParams, as_conv_params, validate_conv_params
 
-__all__ = ["convlstm_step", "convlstm_step_vjp", "CellCache", "gates_fwd", "gates_bwd"]
+__all__ = ["convlstm_step", "convlstm_step_vjp", "CellCache", "gates_fwd", "gates_bwd",
+           "gates_residuals", "cell_cache"]
 
 
 class CellCache(NamedTuple):
@@ -58,6 +59,20 @@ def gates_bwd(xp: Any, residuals: Any, g_h: Any, g_c: Any) -> tuple[Any, Any]:
         axis=1,
     )
     return d_z, d_c_new * f
+
+
+def gates_residuals(xp: Any, z: Any, c: Any) -> Any:
+    """The residuals of :func:`gates_fwd` alone (the generic path computes the update
+    anyway). The generic entry ``gates_residuals`` of :func:`tmcore._dispatch.ops_for`."""
+    return gates_fwd(xp, z, c)[2]
+
+
+def cell_cache(xp: Any, x: Any, h: Any, c: Any, params: ConvParams) -> CellCache:
+    """What :func:`cell_bwd` needs, recomputed from the step's inputs; unlike
+    :func:`cell_fwd` it does not ask for ``h', c'`` (a backend may skip them)."""
+    ops = ops_for(xp)
+    z, stages = ops.conv_fwd(xp, xp.concat([x, h], axis=1), params)
+    return CellCache(stages, ops.gates_residuals(xp, z, c))
 
 
 def cell_fwd(xp: Any, x: Any, h: Any, c: Any, params: ConvParams) -> tuple[Any, Any, CellCache]:
@@ -133,5 +148,4 @@ def convlstm_step_vjp(
     require_array("g_h", g_h)
     require_array("g_c", g_c)
     xp, params = _validate(x, h, c, params, g_h, g_c)
-    _, _, cache = cell_fwd(xp, x, h, c, params)
-    return cell_bwd(xp, cache, params, g_h, g_c)
+    return cell_bwd(xp, cell_cache(xp, x, h, c, params), params, g_h, g_c)

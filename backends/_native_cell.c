@@ -1,0 +1,316 @@
+/* Fused CPU kernels for the ConvLSTM cell of tmcore's torch backend.
+ *
+ * Four entries per dtype (suffix _f32 / _f64; the second half of this file is
+ * included twice, once per dtype), all on contiguous row-major
+ * arrays, called through ctypes by backends/_native.py:
+ *
+ *   dw_fwd   x (B,Cin,P) -> y (B,Cin,P): the n depthwise 3-tap passes (one per
+ *            spatial axis, zero padded, bias after each pass) of one plane at a
+ *            time, so the intermediate stages never leave the cache.
+ *   dw_bwd   x, dy -> dx, dtaps (n,Cin,3), dbias (n,Cin): recomputes the stages
+ *            of each plane, then runs the passes backwards.
+ *   gates_fwd z (B,4C,P), c (B,C,P) -> h', c' (i, f, o, g quarters of z).
+ *   gates_bwd z, c, g_h, g_c -> dz (B,4C,P), dc: recomputes the gates.
+ *
+ * The pointwise 2C -> 4C matrix product stays in torch (BLAS), between dw and
+ * gates. Operation order follows the torch path (bias + t1 x, then + t0 x[-1],
+ * then + t2 x[+1]) so both round alike. float32 gates use a polynomial exp
+ * that vectorizes (about 2 ulp); float64 uses libm. NaN propagates.
+ *
+ * Threads: OpenMP. Loaded after torch, the soname libgomp.so.1 resolves to the
+ * copy torch already holds, so both share one thread pool.
+ */
+#ifndef TM_TEMPLATE
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef int64_t i64;
+
+/* ------------------------------------------------------------------ math -- */
+
+/* exp for float32 by range reduction x = k ln2 + r, |r| <= ln2/2, and a
+ * degree-6 polynomial for exp(r) (the classic single-precision minimax fit);
+ * 2^k is built in the exponent bits. Branch-free so loops vectorize. */
+static inline float exp_f32(float x) {
+    float big = 88.3762626647949f, small = -87.3365447504f;
+    float xc = x > big ? big : x;          /* NaN fails both tests and stays NaN */
+    xc = xc < small ? small : xc;
+    float k = floorf(xc * 1.44269504088896341f + 0.5f);
+    float r = xc - k * 0.693359375f;
+    r = r + k * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    int32_t bits = ((int32_t)k + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
+static inline float sigmoid_f32(float x) { return 1.0f / (1.0f + exp_f32(-x)); }
+
+/* tanh: odd polynomial below 0.625 (no cancellation near 0), else
+ * 1 - 2 / (exp(2|x|) + 1) with the sign restored. */
+static inline float tanh_f32(float x) {
+    float a = fabsf(x);
+    float z = x * x;
+    float p = -5.70498872745e-3f;
+    p = p * z + 2.06390887954e-2f;
+    p = p * z - 5.37397155531e-2f;
+    p = p * z + 1.33314422036e-1f;
+    p = p * z - 3.33332819422e-1f;
+    float small = x + x * z * p;
+    float large = 1.0f - 2.0f / (exp_f32(2.0f * a) + 1.0f);
+    large = copysignf(large, x);
+    return a < 0.625f ? small : large;      /* NaN: a < 0.625 false, large is NaN */
+}
+
+static inline double sigmoid_f64(double x) { return 1.0 / (1.0 + exp(-x)); }
+static inline double tanh_f64(double x) { return tanh(x); }
+
+/* ------------------------------------------------------- depthwise passes -- */
+
+/* Every pass works on one flat plane of P = prod(shape) values; along axis a the
+ * neighbours of m are m -+ stride (stride = prod(shape[a+1:])), and
+ * edges[(2a) P + m] / edges[(2a+1) P + m] say whether m has a left / right
+ * neighbour on that axis. One flat loop per pass vectorizes whatever the axis
+ * length; the first and last `stride` values are looped apart so that no
+ * neighbour load leaves the plane. */
+static void plane_geometry(const i64 *shape, int n, i64 *P, i64 *strides) {
+    i64 s = 1;
+    for (int a = n - 1; a >= 0; --a) { strides[a] = s; s *= shape[a]; }
+    *P = s;
+}
+
+#define TM_TEMPLATE
+#define T float
+#define NAME(x) x##_f32
+#define SIGMOID sigmoid_f32
+#define TANH tanh_f32
+#include __FILE__
+#undef T
+#undef NAME
+#undef SIGMOID
+#undef TANH
+#define T double
+#define NAME(x) x##_f64
+#define SIGMOID sigmoid_f64
+#define TANH tanh_f64
+#include __FILE__
+
+#else /* TM_TEMPLATE: the kernels, once per dtype T */
+
+static T *NAME(edges)(const i64 *shape, int n) {
+    i64 P, strides[4];
+    plane_geometry(shape, n, &P, strides);
+    T *e = (T *)malloc(sizeof(T) * 2 * (size_t)n * (size_t)P);
+    for (int a = 0; a < n; ++a)
+        for (i64 m = 0; m < P; ++m) {
+            i64 k = (m / strides[a]) % shape[a];
+            e[(2 * a) * P + m] = (T)(k != 0);
+            e[(2 * a + 1) * P + m] = (T)(k != shape[a] - 1);
+        }
+    return e;
+}
+
+/* dst = ((bias + t1 x) + t0 x[-1]) + t2 x[+1] (the torch order), given the two
+ * neighbour values already loaded; a missing neighbour adds nothing. */
+static inline T NAME(fwd_at)(T x, T x_left, T x_right, int left, int right, T t0, T t1,
+                             T t2, T bias) {
+    T l = left ? t0 * x_left : (T)0;
+    T r = right ? t2 * x_right : (T)0;
+    return ((bias + t1 * x) + l) + r;
+}
+
+static void NAME(pass_fwd)(const T *restrict x, T *restrict y, i64 P, i64 st,
+                           const T *restrict hl, const T *restrict hr, const T *taps, T bias) {
+    const T t0 = taps[0], t1 = taps[1], t2 = taps[2];
+    i64 lo = st < P ? st : P, hi = P - st > lo ? P - st : lo;
+    for (i64 m = 0; m < lo; ++m) {
+        int right = m + st < P && hr[m] != 0;
+        y[m] = NAME(fwd_at)(x[m], 0, right ? x[m + st] : 0, 0, right, t0, t1, t2, bias);
+    }
+#pragma omp simd
+    for (i64 m = lo; m < hi; ++m)
+        y[m] = NAME(fwd_at)(x[m], x[m - st], x[m + st], hl[m] != 0, hr[m] != 0, t0, t1, t2,
+                            bias);
+    for (i64 m = hi; m < P; ++m) {
+        int left = m >= st && hl[m] != 0;
+        y[m] = NAME(fwd_at)(x[m], left ? x[m - st] : 0, 0, left, 0, t0, t1, t2, bias);
+    }
+}
+
+/* Backward of one pass at m: din = (t1 g + t2 g[-1]) + t0 g[+1] (the flipped taps, in
+ * the torch order), and the tap / bias gradient terms. */
+typedef struct { T t0, t1, t2, bias; } NAME(tap_sums);
+
+static inline T NAME(bwd_at)(T g, T g_left, T g_right, T x, T x_left, T x_right, int left,
+                             int right, T t0, T t1, T t2, NAME(tap_sums) *acc) {
+    g_left = left ? g_left : (T)0;
+    x_left = left ? x_left : (T)0;
+    g_right = right ? g_right : (T)0;
+    x_right = right ? x_right : (T)0;
+    acc->t0 += g * x_left;
+    acc->t1 += g * x;
+    acc->t2 += g * x_right;
+    acc->bias += g;
+    return (t1 * g + t2 * g_left) + t0 * g_right;
+}
+
+static void NAME(pass_bwd)(const T *restrict x, const T *restrict g, T *restrict din, i64 P,
+                           i64 st, const T *restrict hl, const T *restrict hr, const T *taps,
+                           double *acc) {
+    const T t0 = taps[0], t1 = taps[1], t2 = taps[2];
+    i64 lo = st < P ? st : P, hi = P - st > lo ? P - st : lo;
+    NAME(tap_sums) edge = {0, 0, 0, 0};
+    T a0 = 0, a1 = 0, a2 = 0, ab = 0;
+    for (i64 m = 0; m < lo; ++m) {
+        int right = m + st < P && hr[m] != 0;
+        din[m] = NAME(bwd_at)(g[m], 0, right ? g[m + st] : 0, x[m], 0,
+                              right ? x[m + st] : 0, 0, right, t0, t1, t2, &edge);
+    }
+#pragma omp simd reduction(+:a0, a1, a2, ab)
+    for (i64 m = lo; m < hi; ++m) {
+        NAME(tap_sums) s = {0, 0, 0, 0};
+        din[m] = NAME(bwd_at)(g[m], g[m - st], g[m + st], x[m], x[m - st], x[m + st],
+                              hl[m] != 0, hr[m] != 0, t0, t1, t2, &s);
+        a0 += s.t0;
+        a1 += s.t1;
+        a2 += s.t2;
+        ab += s.bias;
+    }
+    for (i64 m = hi; m < P; ++m) {
+        int left = m >= st && hl[m] != 0;
+        din[m] = NAME(bwd_at)(g[m], left ? g[m - st] : 0, 0, x[m], left ? x[m - st] : 0, 0,
+                              left, 0, t0, t1, t2, &edge);
+    }
+    acc[0] += (double)a0 + edge.t0;
+    acc[1] += (double)a1 + edge.t1;
+    acc[2] += (double)a2 + edge.t2;
+    acc[3] += (double)ab + edge.bias;
+}
+
+void NAME(dw_fwd)(const T *x, T *y, const T *taps, const T *bias, i64 B, i64 Cin, int n,
+                  const i64 *shape) {
+    i64 P, strides[4];
+    plane_geometry(shape, n, &P, strides);
+    T *edges = NAME(edges)(shape, n);
+#pragma omp parallel
+    {
+        T *tmp = (T *)malloc(sizeof(T) * (size_t)P);
+#pragma omp for schedule(static)
+        for (i64 plane = 0; plane < B * Cin; ++plane) {
+            i64 ch = plane % Cin;
+            const T *src = x + plane * P;
+            T *out = y + plane * P;
+            /* ping-pong so that the last pass lands in out */
+            T *bufs[2] = {(n % 2) ? out : tmp, (n % 2) ? tmp : out};
+            for (int a = 0; a < n; ++a) {
+                T *dst = bufs[a % 2];
+                NAME(pass_fwd)(src, dst, P, strides[a], edges + 2 * a * P,
+                               edges + (2 * a + 1) * P, taps + (a * Cin + ch) * 3,
+                               bias[a * Cin + ch]);
+                src = dst;
+            }
+        }
+        free(tmp);
+    }
+    free(edges);
+}
+
+/* Parallel over channels (each thread owns its channels' tap gradients); per plane
+ * the stages 1..n-1 are recomputed into a scratch buffer, then undone in reverse. */
+void NAME(dw_bwd)(const T *x, const T *dy, T *dx, T *dtaps, T *dbias, const T *taps,
+                  const T *bias, i64 B, i64 Cin, int n, const i64 *shape) {
+    i64 P, strides[4];
+    plane_geometry(shape, n, &P, strides);
+    T *edges = NAME(edges)(shape, n);
+#pragma omp parallel
+    {
+        T *work = (T *)malloc(sizeof(T) * (size_t)P * (size_t)(n + 1));
+#pragma omp for schedule(static)
+        for (i64 ch = 0; ch < Cin; ++ch) {
+            double acc[4][4] = {{0}};
+            for (i64 b = 0; b < B; ++b) {
+                const T *stage[4];
+                stage[0] = x + (b * Cin + ch) * P;
+                for (int a = 1; a < n; ++a) {
+                    T *dst = work + (size_t)(a - 1) * P;
+                    NAME(pass_fwd)(stage[a - 1], dst, P, strides[a - 1],
+                                   edges + 2 * (a - 1) * P, edges + (2 * a - 1) * P,
+                                   taps + ((a - 1) * Cin + ch) * 3, bias[(a - 1) * Cin + ch]);
+                    stage[a] = dst;
+                }
+                T *g0 = work + (size_t)(n - 1) * P, *g1 = work + (size_t)n * P;
+                const T *grad = dy + (b * Cin + ch) * P;
+                for (int a = n - 1; a >= 0; --a) {
+                    T *out = a == 0 ? dx + (b * Cin + ch) * P : ((n - 1 - a) % 2 ? g1 : g0);
+                    NAME(pass_bwd)(stage[a], grad, out, P, strides[a], edges + 2 * a * P,
+                                   edges + (2 * a + 1) * P, taps + (a * Cin + ch) * 3, acc[a]);
+                    grad = out;
+                }
+            }
+            for (int a = 0; a < n; ++a) {
+                for (int k = 0; k < 3; ++k) dtaps[(a * Cin + ch) * 3 + k] = (T)acc[a][k];
+                dbias[a * Cin + ch] = (T)acc[a][3];
+            }
+        }
+        free(work);
+    }
+    free(edges);
+}
+
+void NAME(gates_fwd)(const T *restrict z, const T *restrict c, T *restrict h_out,
+                     T *restrict c_out, i64 B, i64 C, i64 P) {
+#pragma omp parallel for schedule(static)
+    for (i64 plane = 0; plane < B * C; ++plane) {
+        i64 b = plane / C, ch = plane % C;
+        const T *zi = z + (b * 4 * C + ch) * P, *zf = zi + C * P, *zo = zf + C * P;
+        const T *zg = zo + C * P;
+        const T *cp = c + plane * P;
+        T *hp = h_out + plane * P, *cn = c_out + plane * P;
+#pragma omp simd
+        for (i64 p = 0; p < P; ++p) {
+            T i = SIGMOID(zi[p]), f = SIGMOID(zf[p]), o = SIGMOID(zo[p]);
+            T g = TANH(zg[p]);
+            T cnew = f * cp[p] + i * g;
+            cn[p] = cnew;
+            hp[p] = o * TANH(cnew);
+        }
+    }
+}
+
+void NAME(gates_bwd)(const T *restrict z, const T *restrict c, const T *restrict gh,
+                     const T *restrict gc, T *restrict dz, T *restrict dc, i64 B, i64 C,
+                     i64 P) {
+#pragma omp parallel for schedule(static)
+    for (i64 plane = 0; plane < B * C; ++plane) {
+        i64 b = plane / C, ch = plane % C;
+        i64 q = (b * 4 * C + ch) * P;
+        const T *zi = z + q, *zf = zi + C * P, *zo = zf + C * P, *zg = zo + C * P;
+        T *di = dz + q, *df = di + C * P, *d_o = df + C * P, *dg = d_o + C * P;
+        const T *cp = c + plane * P, *ghp = gh + plane * P, *gcp = gc + plane * P;
+        T *dcp = dc + plane * P;
+#pragma omp simd
+        for (i64 p = 0; p < P; ++p) {
+            T i = SIGMOID(zi[p]), f = SIGMOID(zf[p]), o = SIGMOID(zo[p]);
+            T g = TANH(zg[p]);
+            T cnew = f * cp[p] + i * g;
+            T tc = TANH(cnew);
+            T dcn = gcp[p] + ghp[p] * o * (1 - tc * tc);
+            di[p] = dcn * g * (i - i * i);
+            df[p] = dcn * cp[p] * (f - f * f);
+            d_o[p] = ghp[p] * tc * (o - o * o);
+            dg[p] = dcn * i * (1 - g * g);
+            dcp[p] = dcn * f;
+        }
+    }
+}
+
+#endif /* TM_TEMPLATE */

@@ -1,0 +1,223 @@
+"""The fused CPU cell kernels of the torch backend (``backends/_native_cell.c``).
+
+Checked against the backend's own torch ops (the path they replace) and the
+generic float64 math: every depthwise shape class (1 to 4 axes, axes of size 1
+and 2), float32 and float64, NaN and saturated gates; when they must step
+aside (autograd recording, functorch transforms, other dtypes); the build's
+failure modes; and the scan pieces that came with them (write blocks, the
+per-scan workspace) against a step-by-step composition.
+"""
+
+from __future__ import annotations
+
+import importlib
+import warnings
+
+import array_api_compat
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+torch = pytest.importorskip("torch", reason="torch is not installed")
+
+import tmcore  # noqa: E402
+import tmcore.backends._native as native  # noqa: E402
+import tmcore.backends._torch as bt  # noqa: E402
+from tmcore.conv import ConvParams  # noqa: E402
+from tmcore.scan import StepInputs, add_params, memory_scan_vjp, step_bwd, step_fwd  # noqa: E402
+
+pytestmark = pytest.mark.skipif(native.library() is None,
+                                reason="the fused kernels cannot be built here (no C compiler)")
+
+TOL = {torch.float32: dict(rtol=2e-5, atol=2e-5), torch.float64: dict(rtol=1e-12, atol=1e-12)}
+
+
+def _params(gen, n, c_in, c_out, dtype):
+    shapes = ((n, c_in, 3), (n, c_in), (c_out, c_in), (c_out,))
+    return ConvParams(*(torch.randn(*s, generator=gen, dtype=dtype) for s in shapes))
+
+
+def _both_paths(fn, *args):
+    """``fn(*args)`` on the fused path and on the torch ops it replaces."""
+    assert bt._native_kernels(*[a for a in args if isinstance(a, torch.Tensor)]) is not None
+    fused = fn(*args)
+    bt.USE_NATIVE = False
+    try:
+        plain = fn(*args)
+    finally:
+        bt.USE_NATIVE = True
+    return fused, plain
+
+
+def _close(a, b, dtype):
+    for x, y in zip(a, b, strict=True):
+        torch.testing.assert_close(x, y, equal_nan=True, **TOL[dtype])
+
+
+spatial_shapes = st.lists(st.integers(1, 6), min_size=1, max_size=4).map(tuple)
+
+
+def _no_worse(fused, plain, reference):
+    """float32: the fused result is as close to the float64 reference as the torch ops'
+    (sums of products round differently in another order, so not equal to theirs)."""
+    for f, p, r in zip(fused, plain, reference, strict=True):
+        scale = float(r.abs().max()) + 1e-30
+        err_fused = float((f.double() - r).abs().max())
+        err_plain = float((p.double() - r).abs().max())
+        assert err_fused <= 4 * err_plain + 1e-6 * scale, (err_fused, err_plain, scale)
+
+
+@settings(max_examples=25, deadline=None)
+@given(spatial=spatial_shapes, channels=st.integers(1, 5), batch=st.integers(1, 3),
+       double=st.booleans(), seed=st.integers(0, 2**16))
+def test_depthwise_and_pointwise_match_the_torch_ops(spatial, channels, batch, double, seed):
+    dtype = torch.float64 if double else torch.float32
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch, channels, *spatial, generator=gen, dtype=dtype)
+    params = _params(gen, len(spatial), channels, 2 * channels, dtype)
+    g = torch.randn(batch, 2 * channels, *spatial, generator=gen, dtype=dtype)
+    (z_fused, res), (z_plain, _) = _both_paths(bt.conv_fwd, None, x, params)
+    assert isinstance(res, bt._NativeConvResiduals)
+    fused = bt.conv_bwd(None, res, params, g)
+    plain = bt.conv_bwd(None, bt._depthwise_stages(x, params), params, g)
+    fused, plain = (z_fused, fused[0], *fused[1]), (z_plain, plain[0], *plain[1])
+    if double:
+        _close(fused, plain, dtype)
+        return
+    x64, g64 = x.double(), g.double()
+    p64 = ConvParams(*(t.double() for t in params))
+    stages = bt._depthwise_stages(x64, p64)
+    z64 = bt._pointwise(stages[-1], p64)
+    d64 = bt.conv_bwd(None, stages, p64, g64)
+    _no_worse(fused, plain, (z64, d64[0], *d64[1]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_gates_match_the_torch_ops_with_nan_and_saturation(dtype):
+    gen = torch.Generator().manual_seed(3)
+    channels = 4
+    z = torch.randn(2, 4 * channels, 3, 5, generator=gen, dtype=dtype) * 6
+    c = torch.randn(2, channels, 3, 5, generator=gen, dtype=dtype) * 3
+    z[0, 0, 0, 0] = float("nan")
+    z[1, 1, 1, 1], z[1, 2, 1, 1], z[1, 3, 1, 2], z[0, 3, 2, 4] = 100.0, -100.0, 1e-6, -3e-5
+    c[1, 0, 2, 2] = float("inf")
+    (h_f, c_f, res), (h_p, c_p, res_p) = _both_paths(bt.gates_fwd, None, z, c)
+    assert isinstance(res, bt._NativeGateResiduals)
+    _close((h_f, c_f), (h_p, c_p), dtype)
+    assert torch.isnan(h_f[0, 0, 0, 0]) and torch.isnan(c_f[0, 0, 0, 0])
+    # near zero the float32 tanh keeps its relative accuracy (no 1 - 2/(e^2x + 1) cancellation)
+    tiny = torch.tensor([1e-7, -3e-6, 1e-3, 0.3, 0.7, 5.0, 20.0], dtype=dtype)
+    zz = torch.zeros(1, 4, tiny.numel(), dtype=dtype)
+    zz[0, 3] = tiny
+    zz[0, 0] = 30.0  # input gate ~1, so c' = tanh(tiny): h' = sigmoid(0) tanh(tanh(tiny))
+    h_tiny, _, _ = bt.gates_fwd(None, zz, torch.zeros(1, 1, tiny.numel(), dtype=dtype))
+    expected = 0.5 * torch.tanh(torch.tanh(tiny.double()))
+    torch.testing.assert_close(h_tiny[0, 0].double(), expected, rtol=4e-7, atol=0)
+    g_h, g_c = torch.randn_like(c), torch.randn_like(c)
+    fused = bt.gates_bwd(None, res, g_h, g_c)
+    plain = bt.gates_bwd(None, res_p, g_h, g_c)
+    _close(fused, plain, dtype)
+
+
+@pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning")
+def test_the_fused_path_steps_aside_for_autograd_and_other_dtypes():
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, 4, 4, generator=gen, dtype=torch.float64, requires_grad=True)
+    params = _params(gen, 2, 3, 6, torch.float64)
+    z, res = bt.conv_fwd(None, x, params)
+    assert isinstance(res, list) and z.grad_fn is not None  # torch ops, recorded
+    with torch.no_grad():
+        assert isinstance(bt.conv_fwd(None, x, params)[1], bt._NativeConvResiduals)
+    assert bt._native_kernels(x.detach().half()) is None
+    assert bt._native_kernels(x.detach(), x.detach().float()) is None  # mixed dtypes
+    # under a functorch transform the tensors are wrapped: torch ops again
+    out = torch.func.vmap(lambda v: tmcore.factorized_conv(v, params))(x.detach()[:, None])
+    torch.testing.assert_close(out[:, 0], tmcore.factorized_conv(x.detach(), params))
+    # the residuals of the fused forward still work once autograd records the cotangent
+    with torch.no_grad():
+        _, native_res = bt.conv_fwd(None, x.detach(), params)
+    g = torch.randn(2, 6, 4, 4, dtype=torch.float64, generator=gen, requires_grad=True)
+    d_x, _ = bt.conv_bwd(None, native_res, params, g)
+    assert d_x.grad_fn is not None
+    torch.testing.assert_close(d_x, bt.conv_bwd(None, bt._depthwise_stages(x.detach(), params),
+                                                params, g.detach())[0])
+
+
+def test_switches_and_a_failed_build(monkeypatch, tmp_path):
+    monkeypatch.setenv(native.ENV_VAR, "0")
+    assert native.library() is None
+    monkeypatch.delenv(native.ENV_VAR)
+    assert native.library() is not None
+    # a machine without a usable compiler: one warning, then the torch ops
+    monkeypatch.setattr(native, "_STATE", {})
+    monkeypatch.setenv("CC", "tmcore-no-such-compiler")
+    monkeypatch.setenv("TMCORE_CACHE_DIR", str(tmp_path))
+    with pytest.warns(RuntimeWarning, match="TMCORE_NATIVE=0"):
+        assert native.library() is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert native.library() is None  # warned once
+    x = torch.randn(1, 2, 3)
+    params = ConvParams(torch.randn(1, 2, 3), torch.zeros(1, 2), torch.randn(4, 2),
+                        torch.zeros(4))
+    assert isinstance(bt.conv_fwd(None, x, params)[1], list)
+
+
+def test_a_fresh_cache_builds_and_loads(monkeypatch, tmp_path):
+    monkeypatch.setattr(native, "_STATE", {})
+    monkeypatch.setenv("TMCORE_CACHE_DIR", str(tmp_path))
+    lib = native.library()
+    assert lib is not None and len(list(tmp_path.glob("tmcore_cell-*.so"))) == 1
+    importlib.reload(native)  # a new process: loads the cached build
+    monkeypatch.setenv("TMCORE_CACHE_DIR", str(tmp_path))
+    assert native.library() is not None and len(list(tmp_path.iterdir())) == 1
+
+
+def _scan_case(steps, seed=0, dtype=torch.float64):
+    gen = torch.Generator().manual_seed(seed)
+    b, c, shape = 2, 3, (3, 4, 2)
+    r = lambda *s: torch.randn(*s, generator=gen, dtype=dtype)  # noqa: E731
+    h0, c0 = r(b, c, *shape) * 0.5, r(b, c, *shape) * 0.5
+    rc, wc = torch.tanh(r(b, steps, 3)), torch.tanh(r(b, steps, 3))
+    ws = torch.rand(b, steps, generator=gen, dtype=dtype) * 0.4 + 0.2
+    content = r(b, steps, c)
+    params = ConvParams(r(3, 2 * c, 3) * 0.4, r(3, 2 * c) * 0.1, r(4 * c, 2 * c) * 0.3,
+                        r(4 * c) * 0.1)
+    return h0, c0, rc, wc, ws, content, params, r(b, steps, c), r(b, c, *shape), r(b, c, *shape)
+
+
+@pytest.mark.parametrize("checkpoint_every", [1, 5, 40])
+def test_scan_vjp_across_write_blocks_equals_the_step_by_step_composition(checkpoint_every):
+    """T = 37 spans three write blocks (16 steps) and segments that straddle them."""
+    h0, c0, rc, wc, ws, content, params, g_reads, g_h, g_c = _scan_case(37)
+    got = memory_scan_vjp(h0, c0, rc, wc, ws, content, params, g_reads, g_h, g_c,
+                          checkpoint_every=checkpoint_every)
+    xp = array_api_compat.array_namespace(h0)
+    states = [(h0, c0)]
+    steps = [StepInputs(rc[:, t], wc[:, t], ws[:, t], content[:, t]) for t in range(37)]
+    for t in range(36):
+        states.append(step_fwd(xp, *states[-1], steps[t], params, 1e-6,
+                                           None)[1:])
+    d_h, d_c, d_steps, d_params = g_h, g_c, [None] * 37, None
+    for t in reversed(range(37)):
+        d_h, d_c, d_steps[t], p = step_bwd(xp, *states[t], steps[t], params,
+                                           g_reads[:, t], d_h, d_c, 1e-6, None)
+        d_params = p if d_params is None else add_params(d_params, p)
+    expected = [d_h, d_c, *(torch.stack([d[k] for d in d_steps], 1) for k in range(4)),
+                *d_params]
+    for a, e in zip((*got[:6], *got.params), expected, strict=True):
+        torch.testing.assert_close(a, e, rtol=1e-10, atol=1e-10)
+
+
+def test_scan_results_do_not_share_memory_with_the_workspace():
+    """Scratch buffers are reused from step to step and call to call: nothing returned
+    may alias them, so a second scan must leave the first one's results unchanged."""
+    case = _scan_case(20, seed=1, dtype=torch.float32)
+    first = memory_scan_vjp(*case)
+    kept = [t.clone() for t in (*first[:6], *first.params)]
+    memory_scan_vjp(*_scan_case(20, seed=2, dtype=torch.float32))
+    for a, b in zip((*first[:6], *first.params), kept, strict=True):
+        assert torch.equal(a, b)
+    reads = tmcore.memory_scan(*case[:7])[0]
+    assert not np.shares_memory(reads.numpy(), first.write_content.numpy())
