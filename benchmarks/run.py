@@ -39,6 +39,7 @@ __all__ = ["main", "check_gradients", "time_config"]
 REPO = Path(__file__).resolve().parent.parent
 IMPLS = {
     "torch": "torch layer, eager",
+    "torch-ops": "torch layer, eager, torch ops only (fused C kernels off, `TMCORE_NATIVE=0`)",
     "torch-generic": "torch layer, eager, generic path (`use_generic()`)",
     "torch-compile": "torch layer, `torch.compile`",
     "plain": "plain autograd baseline (eager)",
@@ -77,6 +78,18 @@ def check_gradients(cfg: Config, rtol: float = 2e-3) -> dict:
 
 
 def _torch_fn(cfg, params, x, g, impl, train):
+    if impl == "torch-ops":
+        from tmcore.backends import _torch as torch_backend
+
+        inner = torch_step(torch_layer(cfg, params, "torch"), x, g, train)
+
+        def torch_ops():
+            torch_backend.USE_NATIVE = False
+            try:
+                return inner()
+            finally:
+                torch_backend.USE_NATIVE = True
+        return torch_ops
     if impl == "torch-generic":
         from tmcore.backends import use_generic
 
