@@ -15,8 +15,10 @@ PyTorch            ``grid_sample`` read and its ``grid_sampler`` backward
                    the gates (:mod:`tmcore.backends._native`, built on
                    first use, ``TMCORE_NATIVE=0`` turns them off);
                    float16 / bfloat16 computed in float32
-JAX                ``lax.conv_general_dilated`` depthwise taps (jit-safe,
-                   x64 on or off); float16 / bfloat16 computed in float32
+JAX                on the CPU the fused C kernels as XLA custom calls
+                   (``jax.ffi``); off-CPU ``lax.conv_general_dilated``
+                   depthwise taps (jit-safe, x64 on or off); float16 /
+                   bfloat16 computed in float32
 NumPy              in-place slice arithmetic for the depthwise taps
 CuPy               the generic path on the GPU (no kernel measured to win)
 any other          the generic path

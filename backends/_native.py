@@ -1,11 +1,14 @@
 """Build and load the fused CPU cell kernels (``_native_cell.c``) on first use.
 
 The torch backend asks :func:`library` for the kernels the first time a CPU
-float32 / float64 cell runs. The C source is compiled once per machine with the
+float32 / float64 cell runs: the C source is compiled once per machine with the
 system C compiler (``$CC``, default ``cc``; about 2 s) into a cache folder and
-loaded with :mod:`ctypes`; later processes load the cached build. Without a
-compiler, or when the build fails, :func:`library` warns once and returns
-``None``, and the torch backend keeps its pure-torch path (same results, slower).
+loaded with :mod:`ctypes`. The JAX backend asks :func:`jax_library`: the same C
+kernels plus ``_native_jax.cc``, their XLA FFI handlers, compiled with ``$CXX``
+(default ``c++``) against the headers jaxlib ships (about 4 s) and registered
+as CPU custom-call targets. Later processes load the cached builds. Without a
+compiler, or when a build fails, the call warns once and returns ``None``, and
+the backend keeps its framework-only path (same results, slower).
 
 - ``TMCORE_NATIVE=0`` turns the kernels off (read at call time).
 - ``TMCORE_CACHE_DIR`` sets the cache folder (default
@@ -31,14 +34,15 @@ import threading
 import warnings
 from pathlib import Path
 
-__all__ = ["ENV_VAR", "library", "enabled", "cache_dir", "SOURCE"]
+__all__ = ["ENV_VAR", "library", "jax_library", "enabled", "cache_dir", "SOURCE"]
 
 ENV_VAR = "TMCORE_NATIVE"
 SOURCE = Path(__file__).with_name("_native_cell.c")
+JAX_SOURCE = Path(__file__).with_name("_native_jax.cc")
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno",
           "-fno-trapping-math")
 _LOCK = threading.Lock()
-_STATE: dict[str, object] = {}  # "lib": CDLL | None once tried
+_STATE: dict[str, object] = {}  # "torch" / "jax": CDLL, or None once a build failed
 
 
 def enabled() -> bool:
@@ -64,36 +68,39 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
-def _compiler() -> str | None:
-    name = os.environ.get("CC", "cc")
-    return shutil.which(name)
+def _tool(env: str, default: str) -> str | None:
+    return shutil.which(os.environ.get(env, default))
 
 
-def _build_key(compiler: str) -> str:
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
-                             timeout=30).stdout.splitlines()[:1]
+def _version(compiler: str) -> str:
+    return str(subprocess.run([compiler, "--version"], capture_output=True, text=True,
+                              timeout=30).stdout.splitlines()[:1])
+
+
+def _build_key(*parts: bytes | str) -> str:
     digest = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(_FLAGS).encode(), str(version).encode(),
-                 platform.machine().encode(), _cpu_flags().encode()):
-        digest.update(part)
+    for part in (*parts, platform.machine(), _cpu_flags()):
+        digest.update(part if isinstance(part, bytes) else part.encode())
         digest.update(b"\0")
     return digest.hexdigest()[:20]
 
 
-def _build(compiler: str, target: Path) -> None:
+def _run(command: list[str]) -> None:
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    if result.returncode != 0:
+        raise RuntimeError(result.stderr.strip()[-2000:] or f"{command[0]} failed")
+
+
+def _build(target: Path, commands) -> None:
+    """Run ``commands(workdir, out)`` (a list of compiler calls writing ``out``) in a
+    scratch folder next to ``target``, then move ``out`` into place: concurrent
+    builders never see half a file."""
     target.parent.mkdir(parents=True, exist_ok=True)
-    # compile next to the target, then rename: concurrent builders never see half a file
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
-    try:
-        result = subprocess.run([compiler, *_FLAGS, "-o", tmp, str(SOURCE), "-lm"],
-                                capture_output=True, text=True, timeout=300)
-        if result.returncode != 0:
-            raise RuntimeError(result.stderr.strip()[-2000:] or "the compiler failed")
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    with tempfile.TemporaryDirectory(dir=target.parent) as work:
+        out = Path(work) / target.name
+        for command in commands(Path(work), out):
+            _run(command)
+        os.replace(out, target)
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -110,32 +117,74 @@ def _declare(lib: ctypes.CDLL) -> None:
             getattr(lib, f"{kernel}_{suffix}").restype = None
 
 
-def _load() -> ctypes.CDLL:
-    compiler = _compiler()
-    if compiler is None:
+def _load_c() -> ctypes.CDLL:
+    cc = _tool("CC", "cc")
+    if cc is None:
         raise RuntimeError("no C compiler found ($CC, or cc on PATH)")
-    target = cache_dir() / f"tmcore_cell-{_build_key(compiler)}.so"
+    key = _build_key(SOURCE.read_bytes(), " ".join(_FLAGS), _version(cc))
+    target = cache_dir() / f"tmcore_cell-{key}.so"
     if not target.exists():
-        _build(compiler, target)
+        _build(target, lambda work, out: [[cc, *_FLAGS, "-o", str(out), str(SOURCE), "-lm"]])
     lib = ctypes.CDLL(str(target))
     _declare(lib)
     return lib
 
 
-def library() -> ctypes.CDLL | None:
-    """The loaded kernels, building them on the first call; ``None`` if disabled or
-    they cannot be built here (warned once, with the reason)."""
+def _load_jax() -> ctypes.CDLL:
+    import jax
+
+    cc, cxx = _tool("CC", "cc"), _tool("CXX", "c++")
+    if cc is None or cxx is None:
+        raise RuntimeError("no C / C++ compiler found ($CC / $CXX, or cc / c++ on PATH)")
+    include = jax.ffi.include_dir()
+    cxx_flags = ("-std=c++17", "-O2", "-fPIC", "-w", f"-I{include}")
+    key = _build_key(SOURCE.read_bytes(), JAX_SOURCE.read_bytes(), " ".join(_FLAGS),
+                     " ".join(cxx_flags), _version(cc), _version(cxx), jax.__version__)
+    target = cache_dir() / f"tmcore_cell_jax-{key}.so"
+    if not target.exists():
+        c_flags = [f for f in _FLAGS if f != "-shared"]
+
+        def commands(work: Path, out: Path) -> list[list[str]]:
+            return [[cc, *c_flags, "-c", str(SOURCE), "-o", str(work / "cell.o")],
+                    [cxx, *cxx_flags, "-c", str(JAX_SOURCE), "-o", str(work / "ffi.o")],
+                    [cxx, "-shared", "-fopenmp", str(work / "cell.o"), str(work / "ffi.o"),
+                     "-o", str(out), "-lm"]]
+        _build(target, commands)
+    lib = ctypes.CDLL(str(target))
+    for kernel in ("dw_fwd", "dw_bwd", "gates_fwd", "gates_bwd"):
+        for suffix in ("f32", "f64"):
+            name = f"tmcore_{kernel}_{suffix}"
+            jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, name)),
+                                        platform="cpu")
+    return lib
+
+
+def _cached(key: str, loader):
+    """``loader()``'s library, loaded once (``None``, warned once, if it fails)."""
     if not enabled():
         return None
-    if "lib" not in _STATE:
+    if key not in _STATE:
         with _LOCK:
-            if "lib" not in _STATE:
+            if key not in _STATE:
                 try:
-                    _STATE["lib"] = _load()
+                    _STATE[key] = loader()
                 except Exception as exc:  # no compiler, read-only cache, failed build
-                    _STATE["lib"] = None
+                    _STATE[key] = None
                     warnings.warn(
-                        f"tmcore: the fused CPU cell kernels are unavailable ({exc}); the "
-                        f"torch backend uses its pure-torch path (same results, slower). "
-                        f"Set {ENV_VAR}=0 to skip the attempt.", RuntimeWarning, stacklevel=3)
-    return _STATE["lib"]  # type: ignore[return-value]
+                        f"tmcore: the fused CPU cell kernels ({key}) are unavailable ({exc}); "
+                        f"the pure-{key} path runs instead (same results, slower). "
+                        f"Set {ENV_VAR}=0 to skip the attempt.", RuntimeWarning, stacklevel=4)
+    return _STATE[key]
+
+
+def jax_library() -> ctypes.CDLL | None:
+    """The kernels as XLA FFI targets for JAX on the CPU (``tmcore_{kernel}_{f32,f64}``),
+    built and registered on the first call; ``None`` if disabled or not buildable
+    (warned once)."""
+    return _cached("jax", _load_jax)
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded kernels (for ctypes), building them on the first call; ``None`` if
+    disabled or they cannot be built here (warned once, with the reason)."""
+    return _cached("torch", _load_c)

@@ -65,9 +65,12 @@ def path(request, backend):
         if name == "jax":
             import jax
 
-            if jax.default_backend() == "cpu":
-                pytest.skip("jax on CPU: the default table runs the generic math (its lax conv "
-                            "is tested by test_jax_matches_autodiff_of_generic_under_jit)")
+            from tmcore.backends import _native
+
+            if jax.default_backend() == "cpu" and _native.jax_library() is None:
+                pytest.skip("jax on CPU without the fused kernels: the default table runs the "
+                            "generic math (its lax conv is tested by "
+                            "test_jax_matches_autodiff_of_generic_under_jit)")
     return request.param
 
 

@@ -221,3 +221,86 @@ def test_scan_results_do_not_share_memory_with_the_workspace():
         assert torch.equal(a, b)
     reads = tmcore.memory_scan(*case[:7])[0]
     assert not np.shares_memory(reads.numpy(), first.write_content.numpy())
+
+
+# ----------------------------------------------------------------------------- JAX (XLA FFI)
+
+
+@pytest.fixture(scope="module")
+def jax_native():
+    jax = pytest.importorskip("jax", reason="jax is not installed")
+    if jax.default_backend() != "cpu":
+        pytest.skip("the JAX kernels serve the CPU backend only")
+    if native.jax_library() is None:
+        pytest.skip("the JAX kernels cannot be built here (no C++ compiler or FFI headers)")
+    return jax
+
+
+def _generic(f):
+    def run(*args):
+        with tmcore.backends.use_generic():
+            return f(*args)
+    return run
+
+
+@pytest.mark.parametrize("x64", [False, True])
+def test_jax_kernels_match_the_generic_math_under_jit_grad_and_vmap(jax_native, x64):
+    jax = jax_native
+    import jax.numpy as jnp
+
+    from tmcore.backends import _jax as jb
+
+    rng = np.random.default_rng(7)
+    with jax.enable_x64(x64):
+        dtype = jnp.float64 if x64 else jnp.float32
+        tol = 1e-10 if x64 else 3e-5
+
+        def arr(*s, scale=1.0):
+            return jnp.asarray(rng.standard_normal(s) * scale, dtype=dtype)
+
+        shape = (3, 4, 2)
+        x, h, c = arr(2, 4, *shape), arr(2, 2, *shape), arr(2, 2, *shape)
+        conv = ConvParams(arr(3, 4, 3), arr(3, 4), arr(6, 4, scale=0.5), arr(6))
+        cell = ConvParams(arr(3, 4, 3), arr(3, 4), arr(8, 4, scale=0.5), arr(8))
+        assert jb._native_suffix(x) == ("f64" if x64 else "f32")
+        cases = [
+            (tmcore.factorized_conv, tmcore.factorized_conv_vjp, (x, conv)),
+            (lambda x_, h_, c_, p: tmcore.convlstm_step(x_, h_, c_, p),
+             lambda x_, h_, c_, p, g: tmcore.convlstm_step_vjp(x_, h_, c_, p, *g),
+             (h, h, c, cell)),
+        ]
+        for forward, vjp, args in cases:
+            out, pullback = jax.vjp(_generic(forward), *args)
+            g = jax.tree_util.tree_map(lambda o: jnp.asarray(rng.standard_normal(o.shape),
+                                                             dtype), out)
+            expected = jax.tree_util.tree_leaves(pullback(g))
+            got_out = jax.jit(forward)(*args)
+            got_vjp = jax.tree_util.tree_leaves(jax.jit(vjp)(*args, g))
+            # autodiff through the fused forwards (their custom_vjp rules)
+            got_ad = jax.tree_util.tree_leaves(jax.vjp(jax.jit(forward), *args)[1](g))
+            for a, b in zip(jax.tree_util.tree_leaves(got_out), jax.tree_util.tree_leaves(out),
+                            strict=True):
+                np.testing.assert_allclose(a, b, rtol=tol, atol=tol)
+            for a, b, e in zip(got_vjp, got_ad, expected, strict=True):
+                assert a.dtype == e.dtype == dtype
+                np.testing.assert_allclose(a, e, rtol=tol, atol=10 * tol)
+                np.testing.assert_allclose(b, e, rtol=tol, atol=10 * tol)
+        # vmap runs the custom calls one slice at a time
+        batched = jax.vmap(lambda v: tmcore.factorized_conv(v, conv))(x[:, None])
+        np.testing.assert_allclose(batched[:, 0], _generic(tmcore.factorized_conv)(x, conv),
+                                   rtol=tol, atol=tol)
+
+
+def test_jax_kernels_switch_off(jax_native, monkeypatch):
+    import jax.numpy as jnp
+
+    from tmcore.backends import _jax as jb
+
+    x = jnp.ones((1, 2, 3), jnp.float32)
+    assert jb._native_suffix(x) == "f32"
+    assert jb._native_suffix(x.astype(jnp.float16)) is None
+    monkeypatch.setattr(jb, "USE_NATIVE", False)
+    assert jb._native_suffix(x) is None
+    monkeypatch.setattr(jb, "USE_NATIVE", True)
+    monkeypatch.setenv(native.ENV_VAR, "0")
+    assert jb._native_suffix(x) is None

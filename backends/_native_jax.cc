@@ -1,0 +1,149 @@
+// XLA FFI handlers (JAX on the CPU) around the fused cell kernels of _native_cell.c.
+//
+// Built by backends/_native.py together with _native_cell.c against the XLA FFI
+// headers that jaxlib ships (jax.ffi.include_dir()); registered as the CPU
+// custom-call targets tmcore_{dw_fwd,dw_bwd,gates_fwd,gates_bwd}_{f32,f64}.
+// Shapes are read from the buffers: x (B, Cin, *S) with 1 to 4 spatial axes,
+// z (B, 4C, *S), c (B, C, *S). Buffers are dense row-major (XLA's default layout).
+#include <cstdint>
+#include <string>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+extern "C" {
+void dw_fwd_f32(const float *, float *, const float *, const float *, int64_t, int64_t, int,
+                const int64_t *);
+void dw_fwd_f64(const double *, double *, const double *, const double *, int64_t, int64_t,
+                int, const int64_t *);
+void dw_bwd_f32(const float *, const float *, float *, float *, float *, const float *,
+                const float *, int64_t, int64_t, int, const int64_t *);
+void dw_bwd_f64(const double *, const double *, double *, double *, double *, const double *,
+                const double *, int64_t, int64_t, int, const int64_t *);
+void gates_fwd_f32(const float *, const float *, float *, float *, int64_t, int64_t, int64_t);
+void gates_fwd_f64(const double *, const double *, double *, double *, int64_t, int64_t,
+                   int64_t);
+void gates_bwd_f32(const float *, const float *, const float *, const float *, float *, float *,
+                   int64_t, int64_t, int64_t);
+void gates_bwd_f64(const double *, const double *, const double *, const double *, double *,
+                   double *, int64_t, int64_t, int64_t);
+}
+
+namespace {
+
+template <ffi::DataType T> struct Kernels;
+template <> struct Kernels<ffi::F32> {
+  static constexpr auto dw_fwd = dw_fwd_f32;
+  static constexpr auto dw_bwd = dw_bwd_f32;
+  static constexpr auto gates_fwd = gates_fwd_f32;
+  static constexpr auto gates_bwd = gates_bwd_f32;
+};
+template <> struct Kernels<ffi::F64> {
+  static constexpr auto dw_fwd = dw_fwd_f64;
+  static constexpr auto dw_bwd = dw_bwd_f64;
+  static constexpr auto gates_fwd = gates_fwd_f64;
+  static constexpr auto gates_bwd = gates_bwd_f64;
+};
+
+// (B, C, spatial shape, prod(spatial)) of a (B, C, *S) buffer.
+struct Layout {
+  int64_t batch = 0, channels = 0, cells = 1, shape[4] = {0, 0, 0, 0};
+  int n = 0;
+};
+
+template <typename Buf> bool layout_of(const Buf &buf, Layout *out) {
+  auto dims = buf.dimensions();
+  out->n = static_cast<int>(dims.size()) - 2;
+  if (out->n < 1 || out->n > 4) return false;
+  out->batch = dims[0];
+  out->channels = dims[1];
+  for (int a = 0; a < out->n; ++a) {
+    out->shape[a] = dims[a + 2];
+    out->cells *= dims[a + 2];
+  }
+  return true;
+}
+
+ffi::Error bad_rank(const char *what) {
+  return ffi::Error::InvalidArgument(std::string(what) +
+                                     ": expected (B, C, *S) with 1 to 4 spatial axes");
+}
+
+template <ffi::DataType T>
+ffi::Error DwFwd(ffi::Buffer<T> x, ffi::Buffer<T> taps, ffi::Buffer<T> bias,
+                 ffi::ResultBuffer<T> y) {
+  Layout l;
+  if (!layout_of(x, &l)) return bad_rank("x");
+  Kernels<T>::dw_fwd(x.typed_data(), y->typed_data(), taps.typed_data(), bias.typed_data(),
+                     l.batch, l.channels, l.n, l.shape);
+  return ffi::Error::Success();
+}
+
+template <ffi::DataType T>
+ffi::Error DwBwd(ffi::Buffer<T> x, ffi::Buffer<T> dy, ffi::Buffer<T> taps, ffi::Buffer<T> bias,
+                 ffi::ResultBuffer<T> dx, ffi::ResultBuffer<T> dtaps,
+                 ffi::ResultBuffer<T> dbias) {
+  Layout l;
+  if (!layout_of(x, &l)) return bad_rank("x");
+  Kernels<T>::dw_bwd(x.typed_data(), dy.typed_data(), dx->typed_data(), dtaps->typed_data(),
+                     dbias->typed_data(), taps.typed_data(), bias.typed_data(), l.batch,
+                     l.channels, l.n, l.shape);
+  return ffi::Error::Success();
+}
+
+template <ffi::DataType T>
+ffi::Error GatesFwd(ffi::Buffer<T> z, ffi::Buffer<T> c, ffi::ResultBuffer<T> h_out,
+                    ffi::ResultBuffer<T> c_out) {
+  Layout l;
+  if (!layout_of(c, &l)) return bad_rank("c");
+  Kernels<T>::gates_fwd(z.typed_data(), c.typed_data(), h_out->typed_data(),
+                        c_out->typed_data(), l.batch, l.channels, l.cells);
+  return ffi::Error::Success();
+}
+
+template <ffi::DataType T>
+ffi::Error GatesBwd(ffi::Buffer<T> z, ffi::Buffer<T> c, ffi::Buffer<T> g_h, ffi::Buffer<T> g_c,
+                    ffi::ResultBuffer<T> dz, ffi::ResultBuffer<T> dc) {
+  Layout l;
+  if (!layout_of(c, &l)) return bad_rank("c");
+  Kernels<T>::gates_bwd(z.typed_data(), c.typed_data(), g_h.typed_data(), g_c.typed_data(),
+                        dz->typed_data(), dc->typed_data(), l.batch, l.channels, l.cells);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+#define TM_HANDLERS(T, SFX)                                                                    \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(tmcore_dw_fwd_##SFX, DwFwd<T>,                                  \
+                                ffi::Ffi::Bind()                                                \
+                                    .Arg<ffi::Buffer<T>>()                                      \
+                                    .Arg<ffi::Buffer<T>>()                                      \
+                                    .Arg<ffi::Buffer<T>>()                                      \
+                                    .Ret<ffi::Buffer<T>>());                                    \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(tmcore_dw_bwd_##SFX, DwBwd<T>,                                  \
+                                ffi::Ffi::Bind()                                                \
+                                    .Arg<ffi::Buffer<T>>()                                      \
+                                    .Arg<ffi::Buffer<T>>()                                      \
+                                    .Arg<ffi::Buffer<T>>()                                      \
+                                    .Arg<ffi::Buffer<T>>()                                      \
+                                    .Ret<ffi::Buffer<T>>()                                      \
+                                    .Ret<ffi::Buffer<T>>()                                      \
+                                    .Ret<ffi::Buffer<T>>());                                    \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(tmcore_gates_fwd_##SFX, GatesFwd<T>,                            \
+                                ffi::Ffi::Bind()                                                \
+                                    .Arg<ffi::Buffer<T>>()                                      \
+                                    .Arg<ffi::Buffer<T>>()                                      \
+                                    .Ret<ffi::Buffer<T>>()                                      \
+                                    .Ret<ffi::Buffer<T>>());                                    \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(tmcore_gates_bwd_##SFX, GatesBwd<T>,                            \
+                                ffi::Ffi::Bind()                                                \
+                                    .Arg<ffi::Buffer<T>>()                                      \
+                                    .Arg<ffi::Buffer<T>>()                                      \
+                                    .Arg<ffi::Buffer<T>>()                                      \
+                                    .Arg<ffi::Buffer<T>>()                                      \
+                                    .Ret<ffi::Buffer<T>>()                                      \
+                                    .Ret<ffi::Buffer<T>>());
+
+TM_HANDLERS(ffi::F32, f32)
+TM_HANDLERS(ffi::F64, f64)
