@@ -2,7 +2,7 @@
 
 ``make bench`` runs ``python -m benchmarks.run``. Options:
 
-- ``--quick``: fewer repetitions everywhere, no ``torch.compile`` at N=4096
+- ``--quick``: one repetition at N=4096, no ``torch.compile`` there
   and a shorter streaming run (what ``make bench`` uses on a 2-core machine).
 - ``--tiny``: one tiny configuration, every measurement, into ``--out``
   (a smoke test; the tests run it).
@@ -427,7 +427,7 @@ def main(argv: list[str] | None = None) -> dict:
         "machine": machine_line(), "load_before": os.getloadavg()[0],
         "torch_source": torch_layer_source(), "threads": torch.get_num_threads(),
         "reps_note": ("minimum of N repetitions after one warm-up: "
-                      + ", ".join(f"{c.name} {1 if args.quick and c.steps >= 64 else c.reps}"
+                      + ", ".join(f"{c.name} {1 if args.quick and c.steps >= 256 else c.reps}"
                                   for c in configs)
                       + ("; --quick: torch.compile skipped at N=4096 (same per-step work as "
                          "N=1024)" if args.quick else "")),
@@ -441,7 +441,7 @@ def main(argv: list[str] | None = None) -> dict:
             impls = list(args.impls)
             if args.quick and cfg.tokens >= 4096 and "torch-compile" in impls:
                 impls.remove("torch-compile")
-            reps = 1 if args.quick and cfg.steps >= 64 else cfg.reps
+            reps = 1 if args.quick and cfg.steps >= 256 else cfg.reps
             results["timings"][cfg.name] = time_config(cfg, impls, reps, log)
         if "memory" not in args.skip:
             results["memory"][cfg.name] = memory_config(cfg, ["torch", "plain", "jax", "numpy"],
