@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import shlex
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -25,7 +26,6 @@ import torch
 from benchmarks.common import CONFIGS, TINY, Config, machine_line, run_isolated, time_fn
 from benchmarks.layers import (
     floor_step,
-    jax_step,
     make_inputs,
     numpy_step,
     reference_params,
@@ -120,6 +120,7 @@ def time_config(cfg: Config, impls: list[str], reps: int, log) -> dict:
     }
     for impl in impls:
         row = {}
+        isolated = _time_jax_isolated(cfg, reps) if impl == "jax" else None
         for mode, train in (("fwd", False), ("train", True)):
             if impl in _FAILED:  # e.g. torch.compile failing in the adapter: report it once
                 row[mode] = {"error": f"skipped, failed earlier: {_FAILED[impl]}"[:200]}
@@ -127,12 +128,13 @@ def time_config(cfg: Config, impls: list[str], reps: int, log) -> dict:
             try:
                 start = time.perf_counter()
                 if impl == "jax":
-                    fn = jax_step(cfg, params, x, g, train)
-                elif impl == "numpy":
-                    fn = numpy_step(cfg, params, train)
+                    if "error" in isolated:
+                        raise RuntimeError(isolated["error"])
+                    timing = isolated[mode]
                 else:
-                    fn = _torch_fn(cfg, params, x, g, impl, train)
-                timing = time_fn(fn, reps)
+                    fn = (numpy_step(cfg, params, train) if impl == "numpy"
+                          else _torch_fn(cfg, params, x, g, impl, train))
+                    timing = time_fn(fn, reps)
                 per_step = timing["min"] / cfg.steps * 1e3
                 row[mode] = {"ms_per_step": per_step,
                              "median_ms_per_step": timing["median"] / cfg.steps * 1e3,
@@ -144,6 +146,17 @@ def time_config(cfg: Config, impls: list[str], reps: int, log) -> dict:
             log(f"  {cfg.name:8s} {impl:14s} {mode:5s} {_fmt_cell(row[mode])}")
         result["impls"][impl] = row
     return result
+
+
+def _time_jax_isolated(cfg: Config, reps: int) -> dict:
+    """The JAX layer's timings from a process of its own (:mod:`benchmarks.jax_timing`:
+    its CPU kernels slowed later torch steps in a shared process)."""
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.jax_timing", "--config", cfg.name,
+                           "--reps", str(reps)], capture_output=True, text=True, cwd=REPO,
+                          timeout=1800)
+    if proc.returncode != 0:
+        return {"error": ((proc.stderr or proc.stdout).strip().splitlines() or ["failed"])[-1]}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def _fmt_cell(cell: dict) -> str:

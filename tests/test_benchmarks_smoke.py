@@ -7,6 +7,8 @@ the windowed truncated write equals the dense one.
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 
 torch = pytest.importorskip("torch", reason="the benchmarks need torch")
@@ -31,8 +33,12 @@ def test_harness_tiny_run(tmp_path):
     pytest.importorskip("matplotlib", reason="the report draws plots")
     from benchmarks.run import main
 
-    results = main(["--tiny", "--out", str(tmp_path), "--impls", "torch", "plain", "numpy",
+    impls = ["torch", "torch-ops", "plain", "numpy"]
+    if importlib.util.find_spec("jax") is not None:
+        impls.append("jax")  # timed in a process of its own (benchmarks.jax_timing)
+    results = main(["--tiny", "--out", str(tmp_path), "--impls", *impls,
                     "--skip", "streaming", "memory", "profile", "truncated"])
     text = (tmp_path / "BENCHMARKS.md").read_text()
     assert "Time per chunk step" in text and "floor" in text
-    assert results["timings"]["tiny"]["impls"]["torch"]["train"]["ms_per_step"] > 0
+    for impl in impls:
+        assert results["timings"]["tiny"]["impls"][impl]["train"]["ms_per_step"] > 0, impl
