@@ -7,6 +7,7 @@
 // z (B, 4C, *S), c (B, C, *S). Buffers are dense row-major (XLA's default layout).
 #include <cstdint>
 #include <string>
+#include <utility>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -114,36 +115,29 @@ ffi::Error GatesBwd(ffi::Buffer<T> z, ffi::Buffer<T> c, ffi::Buffer<T> g_h, ffi:
 
 }  // namespace
 
+// The binding of a handler: `args` input buffers, then `rets` (>= 1) result buffers, all
+// of T. Each step returns the next binding as a prvalue (bindings cannot be copied or
+// moved from outside), so the recursion ends on the last result, not on a parameter.
+template <ffi::DataType T, int args, int rets, typename Binding> auto Buffers(Binding binding) {
+  static_assert(rets >= 1, "a handler returns at least one buffer");
+  if constexpr (args > 0) {
+    return Buffers<T, args - 1, rets>(std::move(binding).template Arg<ffi::Buffer<T>>());
+  } else if constexpr (rets > 1) {
+    return Buffers<T, 0, rets - 1>(std::move(binding).template Ret<ffi::Buffer<T>>());
+  } else {
+    return std::move(binding).template Ret<ffi::Buffer<T>>();
+  }
+}
+
 #define TM_HANDLERS(T, SFX)                                                                    \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(tmcore_dw_fwd_##SFX, DwFwd<T>,                                  \
-                                ffi::Ffi::Bind()                                                \
-                                    .Arg<ffi::Buffer<T>>()                                      \
-                                    .Arg<ffi::Buffer<T>>()                                      \
-                                    .Arg<ffi::Buffer<T>>()                                      \
-                                    .Ret<ffi::Buffer<T>>());                                    \
+                                (Buffers<T, 3, 1>(ffi::Ffi::Bind())));                          \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(tmcore_dw_bwd_##SFX, DwBwd<T>,                                  \
-                                ffi::Ffi::Bind()                                                \
-                                    .Arg<ffi::Buffer<T>>()                                      \
-                                    .Arg<ffi::Buffer<T>>()                                      \
-                                    .Arg<ffi::Buffer<T>>()                                      \
-                                    .Arg<ffi::Buffer<T>>()                                      \
-                                    .Ret<ffi::Buffer<T>>()                                      \
-                                    .Ret<ffi::Buffer<T>>()                                      \
-                                    .Ret<ffi::Buffer<T>>());                                    \
+                                (Buffers<T, 4, 3>(ffi::Ffi::Bind())));                          \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(tmcore_gates_fwd_##SFX, GatesFwd<T>,                            \
-                                ffi::Ffi::Bind()                                                \
-                                    .Arg<ffi::Buffer<T>>()                                      \
-                                    .Arg<ffi::Buffer<T>>()                                      \
-                                    .Ret<ffi::Buffer<T>>()                                      \
-                                    .Ret<ffi::Buffer<T>>());                                    \
+                                (Buffers<T, 2, 2>(ffi::Ffi::Bind())));                          \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(tmcore_gates_bwd_##SFX, GatesBwd<T>,                            \
-                                ffi::Ffi::Bind()                                                \
-                                    .Arg<ffi::Buffer<T>>()                                      \
-                                    .Arg<ffi::Buffer<T>>()                                      \
-                                    .Arg<ffi::Buffer<T>>()                                      \
-                                    .Arg<ffi::Buffer<T>>()                                      \
-                                    .Ret<ffi::Buffer<T>>()                                      \
-                                    .Ret<ffi::Buffer<T>>());
+                                (Buffers<T, 4, 2>(ffi::Ffi::Bind())));
 
 TM_HANDLERS(ffi::F32, f32)
 TM_HANDLERS(ffi::F64, f64)
