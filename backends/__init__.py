@@ -31,11 +31,14 @@ default everywhere (see :mod:`tmcore.backends._torch` for CUDA).
 
 Forcing the generic path, for comparison and debugging::
 
-    with tmcore.backends.use_generic():
+    with tmcore.options(generic=True):
         tmcore.trilinear_sample(volume, coords)
 
-or set the environment variable ``TMCORE_GENERIC=1`` before tmcore is imported
-(it sets the switch's default; ``use_generic(False)`` overrides it locally).
+or set the environment variable ``TMCORE_GENERIC=1`` (it sets the option's
+default). :func:`use_generic` is the same switch under its older name. Every
+switch (``native``, ``triton``, ``deterministic``, ...) is an option of
+:func:`tmcore.options`; a backend's ``make_ops(generic, options)`` may read
+them, since tables are cached per namespace and options value.
 Under ``jax.jit`` the choice is made while tracing.
 """
 
@@ -43,13 +46,15 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import inspect
 import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import array_api_compat
 
-from tmcore._dispatch import ENV_VAR, FORCE_GENERIC, Ops, generic_ops, ops_for
+from tmcore._dispatch import ENV_VAR, Ops, generic_ops, ops_for
+from tmcore._options import Options, get_options, options
 
 __all__ = ["use_generic", "ops_for_namespace", "backend_name", "ops_for", "generic_ops",
            "Ops", "ENV_VAR"]
@@ -72,17 +77,22 @@ def backend_name(xp: Any) -> str:
     return "generic"
 
 
-def ops_for_namespace(xp: Any, generic: Ops) -> Ops:
-    """Build the :class:`~tmcore._dispatch.Ops` table for ``xp`` (uncached; tmcore caches).
+def ops_for_namespace(xp: Any, generic: Ops, options: Options | None = None) -> Ops:
+    """Build the :class:`~tmcore._dispatch.Ops` table for ``xp`` under ``options``
+    (default: the current :func:`tmcore.get_options`; uncached, tmcore caches).
 
-    Each backend module exposes ``make_ops(generic) -> Ops`` and may reuse any
-    of ``generic``'s entries.
+    Each backend module exposes ``make_ops(generic)`` or ``make_ops(generic,
+    options) -> Ops`` and may reuse any of ``generic``'s entries.
     """
+    options = get_options() if options is None else options
     for is_namespace, framework, module in _REGISTRY:
         if is_namespace(xp):
             if framework not in sys.modules:
                 return generic
-            return importlib.import_module(module).make_ops(generic)
+            make_ops = importlib.import_module(module).make_ops
+            if len(inspect.signature(make_ops).parameters) >= 2:
+                return make_ops(generic, options)
+            return make_ops(generic)
     return generic
 
 
@@ -90,11 +100,10 @@ def ops_for_namespace(xp: Any, generic: Ops) -> Ops:
 def use_generic(enabled: bool = True) -> Iterator[None]:
     """Context manager forcing (or, with ``enabled=False``, un-forcing) the generic path.
 
-    Local to the current thread / asyncio task. ``TMCORE_GENERIC=1`` in the
-    environment when tmcore is imported makes forcing the default.
+    The older name of ``tmcore.options(generic=enabled)``: local to the current
+    thread / asyncio task; ``TMCORE_GENERIC=1`` makes forcing the default.
     """
-    token = FORCE_GENERIC.set(enabled)
-    try:
+    if not isinstance(enabled, bool):
+        raise TypeError(f"enabled: expected True or False, got {enabled!r}")
+    with options(generic=enabled):
         yield
-    finally:
-        FORCE_GENERIC.reset(token)

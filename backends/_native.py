@@ -34,6 +34,8 @@ import threading
 import warnings
 from pathlib import Path
 
+from tmcore._options import get_options
+
 __all__ = ["ENV_VAR", "library", "jax_library", "enabled", "cache_dir", "SOURCE"]
 
 ENV_VAR = "TMCORE_NATIVE"
@@ -46,8 +48,9 @@ _STATE: dict[str, object] = {}  # "torch" / "jax": CDLL, or None once a build fa
 
 
 def enabled() -> bool:
-    """Whether the kernels may be used (``TMCORE_NATIVE`` is not ``0``)."""
-    return os.environ.get(ENV_VAR, "1").strip() not in ("0", "false", "no", "off")
+    """Whether the kernels may be used: ``tmcore.get_options().native`` (the option,
+    whose default is ``TMCORE_NATIVE``)."""
+    return get_options().native
 
 
 def cache_dir() -> Path:

@@ -49,6 +49,7 @@ import torch
 import torch.nn.functional as F
 
 from tmcore._dispatch import Ops
+from tmcore._options import get_options
 from tmcore._separable import outer_product
 from tmcore.conv import ConvParams
 from tmcore.sampling import tent_profiles
@@ -158,7 +159,8 @@ def _grid_args(volume: torch.Tensor, coords: torch.Tensor) -> tuple[torch.Tensor
 def _atomic_ok(volume: torch.Tensor) -> bool:
     """Whether ``grid_sampler``'s volume gradient may be used (deterministic or allowed)."""
     return not volume.is_cuda or (
-        ALLOW_NONDETERMINISTIC and not torch.are_deterministic_algorithms_enabled()
+        (ALLOW_NONDETERMINISTIC or not get_options().deterministic)
+        and not torch.are_deterministic_algorithms_enabled()
     )
 
 

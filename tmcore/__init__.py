@@ -6,9 +6,11 @@ with a factorized-conv ConvLSTM. Every function here takes arrays of any one
 array-API namespace (NumPy, PyTorch, JAX, CuPy, array-api-strict, ...) and
 returns that namespace's arrays; every forward has a hand-written VJP.
 
-``import tmcore`` imports no framework.
+``import tmcore`` imports no framework. Every switch (fused kernels, Triton,
+generic path, determinism, validate mode) is one of :func:`tmcore.options`.
 """
 
+from tmcore._options import Options, get_options, options
 from tmcore._validate import (
     VALIDATE_ENV_VAR,
     set_validation,
@@ -48,6 +50,7 @@ __version__ = "0.1.0"
 __all__ = [
     "VALIDATE_ENV_VAR",
     "ConvParams",
+    "Options",
     "ScanGrads",
     "StepInputs",
     "cell_centers",
@@ -58,11 +61,13 @@ __all__ = [
     "factorized_conv_vjp",
     "gaussian_splat",
     "gaussian_splat_vjp",
+    "get_options",
     "memory_scan",
     "memory_scan_bwd",
     "memory_scan_fwd",
     "memory_scan_vjp",
     "normalized_to_voxel",
+    "options",
     "sigma_from_logit",
     "sigma_from_logit_vjp",
     "squash_coords",

@@ -29,28 +29,26 @@ Contract of each entry (the generic functions are the reference):
 ``residuals`` are opaque: only the ``*_bwd`` of the same table consumes them
 (the generic conv's are the list of stage inputs ``[x, after axis 0, ...]``).
 
-Forcing the generic path (for comparison and debugging): the environment
-variable ``TMCORE_GENERIC=1`` (read once, when tmcore is imported: it sets the
-default of the switch), or ``with tmcore.backends.use_generic(): ...`` (a
-context variable, so it is local to the thread / task; ``use_generic(False)``
-re-enables the fast paths inside it). Under ``jax.jit`` the choice is made
-while tracing.
+Forcing the generic path (for comparison and debugging): ``with
+tmcore.options(generic=True): ...`` (local to the thread / task), or the
+environment variable ``TMCORE_GENERIC=1``; ``tmcore.backends.use_generic()`` is
+the same switch under its older name. Tables are cached per namespace and per
+:class:`tmcore._options.Options` value, so changing an option takes effect on
+the next call. Under ``jax.jit`` the choice is made while tracing.
 """
 
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import importlib
-import os
 from typing import Any, NamedTuple
 
-__all__ = ["Ops", "ops_for", "generic_ops", "FORCE_GENERIC", "ENV_VAR"]
+from tmcore._options import ENV_VARS, Options, get_options
 
-ENV_VAR = "TMCORE_GENERIC"
-FORCE_GENERIC: contextvars.ContextVar[bool] = contextvars.ContextVar(
-    "tmcore_force_generic", default=os.environ.get(ENV_VAR, "") not in ("", "0")
-)
+__all__ = ["Ops", "ops_for", "generic_ops", "ENV_VAR"]
+
+#: The environment variable forcing the generic path (the ``generic`` option's default).
+ENV_VAR = ENV_VARS["generic"]
 
 
 class Ops(NamedTuple):
@@ -73,7 +71,7 @@ def _no_workspace(xp: Any) -> contextlib.AbstractContextManager:
 
 
 _GENERIC: list[Ops] = []
-_CACHE: dict[Any, Ops] = {}  # namespace module -> table
+_CACHE: dict[tuple[Any, Options], Ops] = {}  # (namespace module, options) -> table
 
 
 def generic_ops() -> Ops:
@@ -87,19 +85,22 @@ def generic_ops() -> Ops:
     return _GENERIC[0]
 
 
-def _resolve(xp: Any) -> Ops:
+def _resolve(xp: Any, options: Options) -> Ops:
     try:
         backends = importlib.import_module("tmcore.backends")
     except ImportError:  # a checkout used without installing: generic everywhere
         return generic_ops()
-    return backends.ops_for_namespace(xp, generic_ops())
+    return backends.ops_for_namespace(xp, generic_ops(), options)
 
 
 def ops_for(xp: Any) -> Ops:
-    """The :class:`Ops` table for namespace ``xp`` (generic when forced or not accelerated)."""
-    if FORCE_GENERIC.get():
+    """The :class:`Ops` table for namespace ``xp`` under the current
+    :func:`tmcore.get_options` (generic when forced or not accelerated)."""
+    options = get_options()
+    if options.generic:
         return generic_ops()
-    ops = _CACHE.get(xp)
+    key = (xp, options)
+    ops = _CACHE.get(key)
     if ops is None:
-        ops = _CACHE[xp] = _resolve(xp)
+        ops = _CACHE[key] = _resolve(xp, options)
     return ops

@@ -10,8 +10,10 @@ Two tiers (README, "Errors and numerics"):
   :func:`check_values` / :func:`check_positive`.
 - **Validate mode** (reads array values, so it synchronizes with the device):
   every array argument finite, every ``sigma`` > 0. Off by default; on with
-  ``with tmcore.validation(): ...``, ``tmcore.set_validation(True)`` or the
-  environment variable ``TMCORE_VALIDATE=1``. Values that are not concrete
+  ``tmcore.options(validate=True)`` (also a context manager; older names:
+  ``with tmcore.validation(): ...``, and process-wide
+  ``tmcore.set_validation(True)``) or the environment variable
+  ``TMCORE_VALIDATE=1``. Values that are not concrete
   (under ``jax.jit`` / ``vmap`` tracing, torch meta or fake tensors) are not
   checked even then.
 """
@@ -19,15 +21,15 @@ Two tiers (README, "Errors and numerics"):
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import math
 import numbers
 import operator
-import os
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import array_api_compat
+
+from tmcore._options import ENV_VARS, get_options, options, set_process_option
 
 __all__ = [
     "namespace_of",
@@ -53,31 +55,22 @@ __all__ = [
 MAX_SPATIAL_RANK = 4
 
 #: Environment variable switching validate mode on (any value but "", "0").
-VALIDATE_ENV_VAR = "TMCORE_VALIDATE"
+VALIDATE_ENV_VAR = ENV_VARS["validate"]
 
 #: Argument names :func:`namespace_of` lets be ``None``: the cotangents, which the
 #: shared forward/VJP validators leave out for the forward. A public VJP whose
 #: cotangent is required checks it with :func:`require_array`.
 OPTIONAL_ARRAYS = frozenset({"g", "g_reads", "g_h", "g_c"})
 
-_VALIDATE: contextvars.ContextVar[bool | None] = contextvars.ContextVar(
-    "tmcore_validate", default=None
-)
-_GLOBAL_VALIDATE: list[bool | None] = [None]
-
 
 # --------------------------------------------------------------------------- validate mode
 
 
 def validation_enabled() -> bool:
-    """Whether validate mode is on: the innermost :func:`validation` context, else
-    :func:`set_validation`, else the environment variable ``TMCORE_VALIDATE``."""
-    local = _VALIDATE.get()
-    if local is not None:
-        return local
-    if _GLOBAL_VALIDATE[0] is not None:
-        return _GLOBAL_VALIDATE[0]
-    return os.environ.get(VALIDATE_ENV_VAR, "") not in ("", "0")
+    """Whether validate mode is on (``tmcore.get_options().validate``): the innermost
+    :func:`tmcore.options` / :func:`validation`, else :func:`set_validation`, else the
+    environment variable ``TMCORE_VALIDATE``."""
+    return get_options().validate
 
 
 def set_validation(enabled: bool | None) -> None:
@@ -85,24 +78,22 @@ def set_validation(enabled: bool | None) -> None:
     environment variable). A :func:`validation` context overrides it locally."""
     if enabled is not None and not isinstance(enabled, bool):
         raise TypeError(f"enabled: expected True, False or None, got {enabled!r}")
-    _GLOBAL_VALIDATE[0] = enabled
+    set_process_option("validate", enabled)
 
 
 @contextlib.contextmanager
 def validation(enabled: bool = True) -> Iterator[None]:
     """Context manager: validate mode on (or, with ``enabled=False``, off) inside.
 
-    Local to the current thread / asyncio task. In validate mode every public
-    function also checks that its array arguments are finite (no NaN or inf)
-    and that ``sigma`` is > 0; each check reads the values back to the host.
+    The older name of ``tmcore.options(validate=enabled)``: local to the current
+    thread / asyncio task. In validate mode every public function also checks
+    that its array arguments are finite (no NaN or inf) and that ``sigma`` is
+    > 0; each check reads the values back to the host.
     """
     if not isinstance(enabled, bool):
         raise TypeError(f"enabled: expected True or False, got {enabled!r}")
-    token = _VALIDATE.set(enabled)
-    try:
+    with options(validate=enabled):
         yield
-    finally:
-        _VALIDATE.reset(token)
 
 
 def _concrete_bool(value: Any) -> bool | None:
