@@ -1,0 +1,617 @@
+"""The Tensor Memory layer, defined once against the array API (no framework).
+
+The PyTorch and JAX adapters instantiate what is here and add only what their
+framework needs (parameters as framework objects, the scan registered with
+autograd / ``custom_vjp``, modules). A variant of the layer (an ablation, a
+diagnostic) subclasses :class:`Layer` and overrides :meth:`Layer.heads` or
+:meth:`Layer.read_out` instead of copying the layer.
+
+Sizes: ``d`` = embed_dim, ``C`` = memory_channels, ``S`` = memory_shape
+(``n = len(S)``, 1 to 4 axes), ``L`` = chunk_size, ``B`` batch, ``N`` tokens,
+``T = ceil(N / L)`` chunks.
+
+What lives here
+---------------
+- :class:`LayerConfig` / :func:`layer_config` -- every hyperparameter,
+  validated once (``TypeError`` for the wrong kind of value: a float, a bool or
+  a string where an int belongs; ``ValueError`` for a bad value; NumPy
+  integers are accepted as sizes).
+- :func:`param_specs` -- the parameters' names, shapes and initialization
+  plan as data (:class:`ParamSpec`; the table in docs/LAYER.md), and
+  :func:`init_params`, which realizes the plan with the caller's RNG.
+  :func:`check_params` / :func:`sizes_from_params` check a parameter pytree
+  ``{group: {leaf: array}}`` (the torch state-dict names split at the dot);
+  :func:`cell_params` gives its ``cell`` group as :class:`tmcore.ConvParams`.
+- :func:`heads` -- one chunk (or a stack of chunks) ``(..., L, d)`` to the
+  scan's :class:`tmcore.StepInputs`; :func:`read_out` -- reads ``(..., C)`` to
+  ``(..., d)``.
+- :func:`chunk` / :func:`unchunk` -- tokens ``(B, N, d)`` to chunks
+  ``(B, T, L, d)`` (a ragged last chunk zero-padded on the right) and
+  per-chunk outputs ``(B, T, d)`` back to ``(B, N, d)`` (broadcast to the
+  chunk's tokens, trimmed to ``N``).
+- :func:`zero_state`, :func:`reset_state` -- the initial state and the
+  per-sequence reset by a bool mask; :func:`check_tokens`,
+  :func:`check_state`.
+- The multi-layer modes :data:`MODES`: :func:`check_mode`,
+  :func:`segment_states`, :func:`start_state`, :func:`final_state`.
+- :func:`stored_grid_error` -- the check of a grid shape stored with the
+  parameters (the torch ``_extra_state``).
+- :class:`Layer` -- the forward of one layer given a ``scan`` callable
+  (the adapter's differentiable :func:`tmcore.memory_scan`).
+
+Per chunk ``t`` (DESIGN): ``read_coord = tanh(coord_net(first token))``;
+``summary = write_proj(the chunk's L tokens, position-major)``;
+``write_coord = tanh(coord_net(summary))`` (tied head); ``content =
+content_net(summary)``; ``sigma = (softplus(sigma_net(summary)) + 1e-4) *
+sigma_scale``; the scan reads the state before the chunk's write;
+``out_proj(read_t)`` is broadcast to every token of chunk ``t``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import operator
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
+
+import array_api_compat
+
+from tmcore._math import softplus
+from tmcore._validate import (
+    check_eps,
+    check_finite,
+    check_grid_shape,
+    check_int,
+    check_positive_scalar,
+    check_radius,
+)
+from tmcore.addressing import MIN_SIGMA
+from tmcore.conv import ConvParams, xavier_uniform_bound
+from tmcore.scan import StepInputs
+from tmcore.splat import DEFAULT_EPS
+
+__all__ = [
+    "GATE_SHAPE",
+    "GROUPS",
+    "MODES",
+    "Layer",
+    "LayerConfig",
+    "ParamSpec",
+    "cell_params",
+    "check_mode",
+    "check_params",
+    "check_state",
+    "check_tokens",
+    "chunk",
+    "final_state",
+    "heads",
+    "init_params",
+    "layer_config",
+    "linear",
+    "num_chunks",
+    "param_specs",
+    "read_out",
+    "reset_state",
+    "segment_states",
+    "sizes_from_params",
+    "start_state",
+    "stored_grid_error",
+    "unchunk",
+    "zero_state",
+]
+
+#: Multi-layer modes: ``"causal"`` (every layer scans from its own state at the
+#: start of the segment) and ``"threaded"`` (the reference: layer ``l`` starts
+#: from the state layer ``l - 1`` reached after the whole segment; not causal).
+MODES = ("causal", "threaded")
+
+#: Parameter groups of one layer, in state-dict order.
+GROUPS = ("write_proj", "content_net", "sigma_net", "coord_net", "cell", "out_proj")
+
+#: Shape of the gated residual's gate logit (1-D so that FSDP can shard it; a
+#: checkpoint with a 0-dim gate converts with ``reshape(GATE_SHAPE)``).
+GATE_SHAPE = (1,)
+
+Params = Mapping[str, Mapping[str, Any]]
+State = tuple[Any, Any]
+
+
+# --------------------------------------------------------------------------- config
+
+
+def _size(name: str, value: Any) -> int:
+    """A positive int (Python or NumPy, never bool or float)."""
+    return check_int(name, value, 1)
+
+
+def _grid(value: Any) -> tuple[int, ...]:
+    """``memory_shape``: 1 to 4 positive ints, or one int for a 1-D grid."""
+    if not isinstance(value, bool):
+        try:
+            return check_grid_shape("memory_shape", (operator.index(value),))
+        except TypeError:
+            pass
+    return check_grid_shape("memory_shape", value)
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerConfig:
+    """The layer's hyperparameters, validated (build with :func:`layer_config`)."""
+
+    embed_dim: int
+    memory_channels: int
+    memory_shape: tuple[int, ...]
+    chunk_size: int
+    sigma_scale: float = 1.0
+    checkpoint_every: int = 1
+    radius: float | None = None
+    eps: float = DEFAULT_EPS
+    forget_bias: float = 0.0
+
+    @property
+    def ndim(self) -> int:
+        """``n``, the number of spatial axes."""
+        return len(self.memory_shape)
+
+    def state_shape(self, batch: int) -> tuple[int, ...]:
+        """``(B, C, *S)``."""
+        return (batch, self.memory_channels, *self.memory_shape)
+
+
+def layer_config(
+    embed_dim: Any, memory_channels: Any, memory_shape: Any, chunk_size: Any,
+    sigma_scale: Any = 1.0, *, checkpoint_every: Any = 1, radius: Any = None,
+    eps: Any = DEFAULT_EPS, forget_bias: Any = 0.0,
+) -> LayerConfig:
+    """Validate the layer's arguments once; returns a frozen :class:`LayerConfig`.
+
+    Sizes (``embed_dim``, ``memory_channels``, ``chunk_size``,
+    ``checkpoint_every``, the entries of ``memory_shape``) are ints >= 1
+    (Python or NumPy; bool and float are a ``TypeError``, < 1 a ``ValueError``);
+    ``memory_shape`` is 1 to 4 of them (or one int: a 1-D grid);
+    ``sigma_scale`` a finite number > 0; ``radius`` ``None`` or > 0; ``eps`` a
+    finite number >= 0; ``forget_bias`` finite.
+    """
+    check_positive_scalar("sigma_scale", sigma_scale)
+    if array_api_compat.is_array_api_obj(sigma_scale):
+        raise TypeError(f"sigma_scale: expected a finite number > 0, got an array "
+                        f"{type(sigma_scale).__name__}")
+    return LayerConfig(
+        embed_dim=_size("embed_dim", embed_dim),
+        memory_channels=_size("memory_channels", memory_channels),
+        memory_shape=_grid(memory_shape),
+        chunk_size=_size("chunk_size", chunk_size),
+        sigma_scale=float(sigma_scale),
+        checkpoint_every=_size("checkpoint_every", checkpoint_every),
+        radius=check_radius(radius),
+        eps=check_eps(eps),
+        forget_bias=check_finite("forget_bias", forget_bias),
+    )
+
+
+# --------------------------------------------------------------------------- parameters
+
+
+class ParamSpec(NamedTuple):
+    """One parameter: ``group.leaf`` (the torch state-dict name), its shape and its init.
+
+    ``init`` is one of
+
+    - ``"uniform"``: uniform in ``[-bound, bound]`` (``torch.nn.Linear``'s default,
+      ``bound = 1 / sqrt(fan_in)``);
+    - ``"xavier_uniform"``: uniform in ``[-bound, bound]``, ``bound =
+      sqrt(6 / (fan_in + fan_out))``;
+    - ``"constant"``: every entry ``value``;
+    - ``"identity_taps"``: depthwise taps ``(0, 1, 0)`` on the last axis;
+    - ``"forget_bias"``: zeros except the forget-gate quarter ``[C:2C]`` = ``value``.
+    """
+
+    group: str
+    leaf: str
+    shape: tuple[int, ...]
+    layout: str
+    init: str
+    bound: float = 0.0
+    value: float = 0.0
+
+    @property
+    def name(self) -> str:
+        return f"{self.group}.{self.leaf}"
+
+
+def _linear_specs(group: str, out_features: int, in_features: int, out: str, inp: str,
+                  bias_value: float | None = None) -> list[ParamSpec]:
+    bound = 1.0 / math.sqrt(in_features)
+    bias = (ParamSpec(group, "bias", (out_features,), f"({out},)", "uniform", bound)
+            if bias_value is None else
+            ParamSpec(group, "bias", (out_features,), f"({out},)", "constant", value=bias_value))
+    return [ParamSpec(group, "weight", (out_features, in_features), f"({out}, {inp})",
+                      "uniform", bound), bias]
+
+
+def param_specs(config: LayerConfig) -> tuple[ParamSpec, ...]:
+    """Every parameter of one layer, in state-dict order (the plan in docs/LAYER.md)."""
+    d, c, n, length = config.embed_dim, config.memory_channels, config.ndim, config.chunk_size
+    return (
+        *_linear_specs("write_proj", d, length * d, "d", "L*d"),
+        *_linear_specs("content_net", c, d, "C", "d"),
+        *_linear_specs("sigma_net", 1, d, "1", "d", bias_value=1.0),
+        *_linear_specs("coord_net", n, d, "n", "d"),
+        ParamSpec("cell", "depthwise_weight", (n, 2 * c, 3), "(n, 2C, 3)", "identity_taps"),
+        ParamSpec("cell", "depthwise_bias", (n, 2 * c), "(n, 2C)", "constant", value=0.0),
+        ParamSpec("cell", "pointwise_weight", (4 * c, 2 * c), "(4C, 2C)", "xavier_uniform",
+                  xavier_uniform_bound(2 * c, 4 * c)),
+        ParamSpec("cell", "pointwise_bias", (4 * c,), "(4C,)", "forget_bias",
+                  value=config.forget_bias),
+        *_linear_specs("out_proj", d, c, "d", "C"),
+    )
+
+
+def init_params(
+    xp: Any, config: LayerConfig, uniform: Callable[[ParamSpec], Any], *, dtype: Any = None,
+    device: Any = None,
+) -> dict[str, dict[str, Any]]:
+    """Realize :func:`param_specs` as ``{group: {leaf: array}}``.
+
+    ``uniform(spec)`` draws an array of ``spec.shape`` uniformly in
+    ``[-spec.bound, spec.bound]`` with the caller's RNG (in ``dtype`` on
+    ``device``); it is called in state-dict order, once per random parameter.
+    """
+    kw = {"dtype": dtype, "device": device}
+    params: dict[str, dict[str, Any]] = {}
+    for spec in param_specs(config):
+        if spec.init in ("uniform", "xavier_uniform"):
+            value = uniform(spec)
+        elif spec.init == "constant":
+            value = xp.full(spec.shape, spec.value, **kw)
+        elif spec.init == "identity_taps":
+            value = xp.zeros(spec.shape, **kw)
+            value = xp.where(xp.arange(3, device=device) == 1, xp.ones_like(value), value)
+        elif spec.init == "forget_bias":
+            c = config.memory_channels
+            index = xp.arange(spec.shape[0], device=device)
+            forget = (index >= c) & (index < 2 * c)
+            value = xp.where(forget, xp.full(spec.shape, spec.value, **kw),
+                             xp.zeros(spec.shape, **kw))
+        else:  # pragma: no cover - the table above is closed
+            raise AssertionError(spec.init)
+        params.setdefault(spec.group, {})[spec.leaf] = value
+    return params
+
+
+def cell_params(params: Params) -> ConvParams:
+    """The ``"cell"`` group as :class:`tmcore.ConvParams` (the scan's gate parameters)."""
+    return ConvParams(*(params["cell"][field] for field in ConvParams._fields))
+
+
+def sizes_from_params(params: Any) -> tuple[int, int, int, int]:
+    """``(d, C, n, L)`` as the parameters fix them (``out_proj.weight (d, C)``,
+    ``coord_net.weight (n, d)``, ``write_proj.weight (d, L*d)``); raises like
+    :func:`check_params` for a malformed pytree."""
+    _require_leaves(params)
+
+    def shape(group: str, leaf: str) -> tuple[int, ...]:
+        return tuple(params[group][leaf].shape)
+
+    for group in ("out_proj", "write_proj", "coord_net"):
+        if len(shape(group, "weight")) != 2:
+            raise ValueError(f"params.{group}.weight: expected a matrix (out, in), "
+                             f"got shape {shape(group, 'weight')}")
+    d, c = shape("out_proj", "weight")
+    n = shape("coord_net", "weight")[0]
+    in_features = shape("write_proj", "weight")[1]
+    length = in_features // d if d else 0
+    if d < 1 or c < 1 or length < 1 or length * d != in_features:
+        raise ValueError(f"params.write_proj.weight: expected shape (d, L*d) with d = {d} "
+                         f"(from out_proj.weight), got {shape('write_proj', 'weight')}")
+    if not 1 <= n <= 4:
+        raise ValueError(f"params.coord_net.weight: expected shape (n, d) with n = 1 to 4 "
+                         f"spatial axes, got {shape('coord_net', 'weight')}")
+    return d, c, n, length
+
+
+def _require_leaves(params: Any) -> None:
+    if not isinstance(params, Mapping):
+        raise TypeError(f"params: expected a nested dict {{group: {{leaf: array}}}}, "
+                        f"got {type(params).__name__}")
+    for spec in param_specs(LayerConfig(1, 1, (1,), 1)):
+        group = params.get(spec.group)
+        if not isinstance(group, Mapping) or spec.leaf not in group:
+            raise KeyError(f"params: missing {spec.name}")
+        if not hasattr(group[spec.leaf], "shape"):
+            raise TypeError(f"params.{spec.name}: expected an array, "
+                            f"got {type(group[spec.leaf]).__name__}")
+
+
+def check_params(params: Any, config: LayerConfig) -> None:
+    """Every parameter present with the shape :func:`param_specs` gives, and a real
+    floating dtype: ``KeyError`` for a missing leaf, ``ValueError`` for a wrong
+    shape, ``TypeError`` for a non-array or non-floating leaf, each naming it."""
+    _require_leaves(params)
+    for spec in param_specs(config):
+        value = params[spec.group][spec.leaf]
+        if tuple(value.shape) != spec.shape:
+            raise ValueError(f"params.{spec.name}: expected shape {spec.layout} = {spec.shape}, "
+                             f"got {tuple(value.shape)}")
+        _check_floating(f"params.{spec.name}", value)
+
+
+def _check_floating(name: str, value: Any) -> None:
+    xp = array_api_compat.array_namespace(value)
+    if not xp.isdtype(value.dtype, "real floating"):
+        raise TypeError(f"{name}: expected a real floating dtype, got {value.dtype}")
+
+
+# --------------------------------------------------------------------------- heads
+
+
+def linear(xp: Any, p: Mapping[str, Any], x: Any) -> Any:
+    """``x @ weight.T + bias`` (torch's layout: ``weight (out, in)``); ``x (..., in)``."""
+    return xp.matmul(x, xp.matrix_transpose(p["weight"])) + p["bias"]
+
+
+def heads(xp: Any, params: Params, chunk: Any, config: LayerConfig) -> StepInputs:
+    """The layer's linear heads on ``chunk (..., L, d)`` -> :class:`tmcore.StepInputs`
+    with ``read_coords (..., n)``, ``write_coords (..., n)``, ``write_sigma (...)``,
+    ``write_content (..., C)``.
+
+    ``...`` is ``(B,)`` for one chunk or ``(B, T)`` for all of them. (The torch
+    layer calls it per chunk so that every chunk's arithmetic has the same shapes
+    whatever ``T`` is: streamed pieces then equal one call bit for bit.)
+    """
+    lead = tuple(chunk.shape[:-2])
+    length, d = chunk.shape[-2:]
+    summary = linear(xp, params["write_proj"], xp.reshape(chunk, (*lead, length * d)))
+    sigma_logit = linear(xp, params["sigma_net"], summary)[..., 0]
+    return StepInputs(
+        read_coords=xp.tanh(linear(xp, params["coord_net"], chunk[..., 0, :])),
+        write_coords=xp.tanh(linear(xp, params["coord_net"], summary)),
+        write_sigma=(softplus(xp, sigma_logit) + MIN_SIGMA) * config.sigma_scale,
+        write_content=linear(xp, params["content_net"], summary),
+    )
+
+
+def read_out(xp: Any, params: Params, reads: Any) -> Any:
+    """``out_proj`` on reads ``(..., C)`` -> ``(..., d)``."""
+    return linear(xp, params["out_proj"], reads)
+
+
+# --------------------------------------------------------------------------- chunking
+
+
+def num_chunks(tokens: int, chunk_size: int) -> int:
+    """``T = ceil(N / L)``."""
+    return -(-tokens // chunk_size)
+
+
+def chunk(xp: Any, x: Any, chunk_size: int) -> Any:
+    """``x (B, N, d)`` -> ``(B, T, L, d)``, the last chunk zero-padded on the right."""
+    batch, tokens, d = x.shape
+    steps = num_chunks(tokens, chunk_size)
+    pad = steps * chunk_size - tokens
+    if pad:
+        zeros = xp.zeros((batch, pad, d), dtype=x.dtype, device=array_api_compat.device(x))
+        x = xp.concat([x, zeros], axis=1)
+    return xp.reshape(x, (batch, steps, chunk_size, d))
+
+
+def unchunk(xp: Any, per_chunk: Any, tokens: int, chunk_size: int) -> Any:
+    """``per_chunk (B, T, d)`` -> ``(B, N, d)``: chunk ``t``'s row on each of its tokens,
+    trimmed to the ``N = tokens`` real ones."""
+    batch, steps, d = per_chunk.shape
+    out = xp.broadcast_to(per_chunk[:, :, None, :], (batch, steps, chunk_size, d))
+    return xp.reshape(out, (batch, steps * chunk_size, d))[:, :tokens, :]
+
+
+# --------------------------------------------------------------------------- state
+
+
+def zero_state(xp: Any, config: LayerConfig, batch: int, *, dtype: Any = None,
+               device: Any = None) -> State:
+    """Zeros ``(h, c)``, each ``(B, C, *S)``."""
+    shape = config.state_shape(batch)
+    return xp.zeros(shape, dtype=dtype, device=device), xp.zeros(shape, dtype=dtype,
+                                                                 device=device)
+
+
+def check_tokens(xp: Any, x: Any, config: LayerConfig) -> None:
+    """``x``: a real floating array of shape ``(B, N, d)`` with ``d = embed_dim``."""
+    if not array_api_compat.is_array_api_obj(x):
+        raise TypeError(f"x: expected an array of shape (B, N, d), got {type(x).__name__}")
+    if x.ndim != 3:
+        raise ValueError(f"x: expected shape (B, N, d) (3 dims), got {tuple(x.shape)}")
+    if x.shape[-1] != config.embed_dim:
+        raise ValueError(f"x: expected shape (B, N, d) with d = embed_dim = "
+                         f"{config.embed_dim}, got {tuple(x.shape)}")
+    if not xp.isdtype(x.dtype, "real floating"):
+        raise TypeError(f"x: expected a real floating dtype, got {x.dtype}")
+
+
+def check_state(xp: Any, state: Any, batch: int, config: LayerConfig) -> State:
+    """``state``: a pair ``(h, c)`` of real floating arrays ``(B, C, *S)``; returned as a tuple."""
+    expected = config.state_shape(batch)
+    if not isinstance(state, (tuple, list)) or len(state) != 2:
+        raise ValueError(f"state: expected a pair (h, c) of shape (B, C, *S) = {expected} "
+                         f"or None, got {type(state).__name__}")
+    for name, value in zip(("h", "c"), state, strict=True):
+        if not array_api_compat.is_array_api_obj(value):
+            raise TypeError(f"state: expected {name} to be an array of shape (B, C, *S) = "
+                            f"{expected}, got {type(value).__name__}")
+        if tuple(value.shape) != expected:
+            raise ValueError(f"state: expected {name} of shape (B, C, *S) = {expected}, "
+                             f"got {tuple(value.shape)}")
+        if not xp.isdtype(value.dtype, "real floating"):
+            raise TypeError(f"state: expected {name} of a real floating dtype, got {value.dtype}")
+    return state[0], state[1]
+
+
+def reset_state(xp: Any, state: State, mask: Any) -> State:
+    """Zero ``(h, c)`` of the sequences where the bool ``mask (B,)`` is True.
+
+    A non-bool mask is a ``TypeError`` (a float mask would silently mean
+    "anything non-zero"); compare explicitly, e.g. ``mask > 0.5``.
+    """
+    h, c = state
+    batch = h.shape[0]
+    if not array_api_compat.is_array_api_obj(mask):
+        raise TypeError(f"reset: expected a bool array of shape (B,) = ({batch},), "
+                        f"got {type(mask).__name__}")
+    if not xp.isdtype(mask.dtype, "bool"):
+        raise TypeError(f"reset: expected a bool mask of shape (B,) = ({batch},), got dtype "
+                        f"{mask.dtype} (compare explicitly, e.g. mask > 0.5)")
+    if tuple(mask.shape) != (batch,):
+        raise ValueError(f"reset: expected a bool mask of shape (B,) = ({batch},), "
+                         f"got {tuple(mask.shape)}")
+    where = xp.reshape(mask, (batch,) + (1,) * (h.ndim - 1))
+    return (xp.where(where, xp.zeros_like(h), h), xp.where(where, xp.zeros_like(c), c))
+
+
+# --------------------------------------------------------------------------- modes
+
+
+def check_mode(mode: Any) -> str:
+    """``mode`` in :data:`MODES`, else ``ValueError``."""
+    if mode not in MODES:
+        raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
+    return mode
+
+
+def _is_pair(state: Any) -> bool:
+    return (isinstance(state, (tuple, list)) and len(state) == 2
+            and all(hasattr(s, "shape") for s in state))
+
+
+def segment_states(mode: str, state: Any, layers: int) -> Any:
+    """The state a stack of ``layers`` starts a segment from, normalized.
+
+    ``"causal"``: a list of per-layer states (``None`` entries: zeros); ``state``
+    may be ``None``, one ``(h, c)`` pair (used for every layer) or a sequence of
+    ``layers`` pairs. ``"threaded"``: one pair or ``None``; a per-layer
+    sequence (as a causal stack returns) gives its last layer's state.
+    """
+    check_mode(mode)
+    if mode == "threaded":
+        if state is None or _is_pair(state):
+            return state
+        states = list(state)
+        return states[-1] if states else None
+    if state is None or _is_pair(state):
+        return [state] * layers
+    states = list(state)
+    if len(states) != layers:
+        raise ValueError(f"state: expected {layers} per-layer (h, c) pairs in causal mode, "
+                         f"got {len(states)}")
+    return states
+
+
+def start_state(mode: str, layer: int, segment: Any, previous: State | None) -> tuple[Any, bool]:
+    """Where layer ``layer`` starts: ``(state or None, whether the reset mask applies)``.
+
+    ``segment`` is :func:`segment_states`' result; ``previous`` the state layer
+    ``layer - 1`` reached in this segment. Causal: the layer's own segment state,
+    reset applies. Threaded: layer 0 the segment state (reset applies), every
+    later layer the previous layer's final state (already reset upstream).
+    """
+    if mode == "causal":
+        return segment[layer], True
+    if layer == 0:
+        return segment, True
+    return previous, False
+
+
+def final_state(mode: str, finals: Sequence[State]) -> Any:
+    """What a stack returns: per-layer states (causal, a tuple) or the last one (threaded)."""
+    return tuple(finals) if mode == "causal" else finals[-1]
+
+
+# --------------------------------------------------------------------------- stored grid
+
+
+def stored_grid_error(stored: Any, memory_shape: Sequence[int], where: str) -> str | None:
+    """Why a stored grid shape (1-D ints, e.g. torch's ``_extra_state``) does not fit
+    ``memory_shape``, or ``None`` (it fits, or its values cannot be read: a tracer,
+    a meta tensor)."""
+    malformed = (f"memory_shape: {where} should hold a grid shape (a 1-D int array of "
+                 f"1 to 4 sizes), got {stored!r}")
+    if array_api_compat.is_array_api_obj(stored):
+        xp = array_api_compat.array_namespace(stored)
+        if stored.ndim != 1 or not 1 <= stored.shape[0] <= 4 \
+                or not xp.isdtype(stored.dtype, "integral"):
+            return malformed
+        try:
+            saved = tuple(int(stored[i]) for i in range(stored.shape[0]))
+        except Exception:  # not concrete (each framework raises its own type)
+            return None
+    else:
+        if isinstance(stored, (str, bytes)) or not isinstance(stored, Sequence):
+            return malformed
+        try:
+            saved = tuple(operator.index(s) for s in stored)
+        except TypeError:
+            return malformed
+        if not 1 <= len(saved) <= 4 or any(isinstance(s, bool) for s in stored):
+            return malformed
+    if saved != tuple(memory_shape):
+        return (f"memory_shape: the checkpoint was saved from a grid {saved} ({where}), "
+                f"this model's memory_shape is {tuple(memory_shape)}")
+    return None
+
+
+# --------------------------------------------------------------------------- the layer
+
+Scan = Callable[[Any, Any, StepInputs], tuple[Any, Any, Any]]
+
+
+class Layer:
+    """One Tensor Memory layer over a parameter pytree ``{group: {leaf: array}}``.
+
+    Adapters build one per module; a variant overrides :meth:`heads` (e.g. untied
+    coordinate heads) or :meth:`read_out`. :meth:`forward` needs a ``scan``:
+    ``scan(h0, c0, inputs) -> (reads (B, T, C), h_T, c_T)`` with ``inputs`` a
+    :class:`tmcore.StepInputs` of ``(B, T, ...)`` arrays (the adapter's
+    differentiable :func:`tmcore.memory_scan`, or any variant of it).
+    """
+
+    def __init__(self, config: LayerConfig):
+        if not isinstance(config, LayerConfig):
+            raise TypeError(f"config: expected a LayerConfig (from layer_config), "
+                            f"got {type(config).__name__}")
+        self.config = config
+
+    def heads(self, xp: Any, params: Params, chunk: Any) -> StepInputs:
+        """See :func:`heads`."""
+        return heads(xp, params, chunk, self.config)
+
+    def read_out(self, xp: Any, params: Params, reads: Any) -> Any:
+        """See :func:`read_out`."""
+        return read_out(xp, params, reads)
+
+    def forward(self, xp: Any, params: Params, x: Any, state: State | None, *, scan: Scan,
+                reset: Any = None) -> tuple[Any, State]:
+        """``x (B, N, d)``, ``state (h, c)`` or ``None`` (zeros) -> ``(out (B, N, d), (h, c))``.
+
+        Checks ``x``, ``state`` and ``reset`` (:func:`check_tokens`,
+        :func:`check_state`, :func:`reset_state`); the heads and the read-out
+        run chunk by chunk (same shapes for every chunk, see :func:`heads`).
+        ``N = 0`` returns zeros and the (reset) state.
+        """
+        config = self.config
+        check_tokens(xp, x, config)
+        batch, tokens, d = x.shape
+        if state is None:
+            state = zero_state(xp, config, batch, dtype=x.dtype,
+                               device=array_api_compat.device(x))
+        else:
+            state = check_state(xp, state, batch, config)
+        if reset is not None:
+            state = reset_state(xp, state, reset)
+        if tokens == 0:
+            return xp.zeros_like(x), state
+        chunks = chunk(xp, x, config.chunk_size)
+        steps = chunks.shape[1]
+        per_step = [self.heads(xp, params, chunks[:, t, ...]) for t in range(steps)]
+        inputs = StepInputs(*(xp.stack(list(v), axis=1) for v in zip(*per_step, strict=True)))
+        reads, h, c = scan(state[0], state[1], inputs)
+        out = xp.stack([self.read_out(xp, params, reads[:, t, ...]) for t in range(steps)], axis=1)
+        return unchunk(xp, out, tokens, config.chunk_size), (h, c)
