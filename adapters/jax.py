@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from functools import partial
 from typing import Any, NamedTuple
 
 import jax
@@ -55,10 +54,17 @@ from tmcore._validate import (
     check_int,
     check_positive_scalar,
     check_radius,
+    check_values,
+    validation_enabled,
 )
 from tmcore.conv import ConvParams
-from tmcore.scan import StepInputs, add_params, step_bwd, step_fwd, validate_scan_inputs
+from tmcore.sampling import _validate as sample_validate
+from tmcore.scan import StepInputs, validate_scan_inputs
 from tmcore.splat import DEFAULT_EPS
+from tmcore.splat import _validate as splat_validate
+
+from . import _jax_scan as _scan_mod
+from ._jax_scan import forward_mode_guard
 
 __all__ = [
     "MODES",
@@ -136,49 +142,29 @@ def _stored_grid_error(value: Any, memory_shape: tuple[int, ...], where: str) ->
 # --------------------------------------------------------------------------- primitives
 
 
-@jax.custom_vjp
-def _sample(volume, coords):
-    return tmcore.trilinear_sample(volume, coords)
+def _is_concrete(*arrays: Any) -> bool:
+    return not any(isinstance(a, jax.core.Tracer) for a in arrays)
 
 
-def _sample_fwd(volume, coords):
-    return tmcore.trilinear_sample(volume, coords), (volume, coords)
-
-
-def _sample_bwd(residuals, g):
-    return tuple(tmcore.trilinear_sample_vjp(*residuals, jnp.asarray(g)))
-
-
-_sample.defvjp(_sample_fwd, _sample_bwd)
-# Called through ``jax.jit`` so that eager calls compile once per shape (not op by op, and
-# not re-tracing the scan bodies); under an outer ``jit`` they simply inline.
-_sample_jit = jax.jit(_sample)
+def _check_values_eagerly(arrays: dict[str, Any]) -> None:
+    """Validate mode: finite values, for arrays that are concrete (not under a trace)."""
+    if validation_enabled() and _is_concrete(*arrays.values()):
+        check_values(jnp, arrays)
 
 
 def trilinear_sample(
     volume: jax.Array,  # [B, C, *S]
     coords: jax.Array,  # [B, Q, n]
 ) -> jax.Array:  # [B, Q, C]
-    """:func:`tmcore.trilinear_sample` with tmcore's VJP registered with JAX."""
-    return _sample_jit(jnp.asarray(volume), jnp.asarray(coords))
+    """:func:`tmcore.trilinear_sample` with tmcore's VJP registered with JAX.
 
-
-@partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _splat(content, mu, sigma, shape, eps, radius):
-    return tmcore.gaussian_splat(content, mu, sigma, shape, eps=eps, radius=radius)
-
-
-def _splat_fwd(content, mu, sigma, shape, eps, radius):
-    return _splat(content, mu, sigma, shape, eps, radius), (content, mu, sigma)
-
-
-def _splat_bwd(shape, eps, radius, residuals, g):
-    g = jnp.asarray(g)
-    return tuple(tmcore.gaussian_splat_vjp(*residuals, shape, g, eps=eps, radius=radius))
-
-
-_splat.defvjp(_splat_fwd, _splat_bwd)
-_splat_jit = jax.jit(_splat, static_argnums=(3, 4, 5))
+    Arguments are checked like :func:`tmcore.trilinear_sample` (validate mode
+    included, for concrete arrays).
+    """
+    volume, coords = jnp.asarray(volume), jnp.asarray(coords)
+    sample_validate(volume, coords)
+    _check_values_eagerly({"volume": volume, "coords": coords})
+    return forward_mode_guard("trilinear_sample", lambda: _scan_mod.sample(volume, coords))
 
 
 def _static_radius(radius: float | None) -> float | None:
@@ -197,10 +183,14 @@ def gaussian_splat(
     """:func:`tmcore.gaussian_splat` with tmcore's VJP registered with JAX.
 
     ``shape``, ``eps`` and ``radius`` are static (Python values, not traced).
+    Arguments are checked like :func:`tmcore.gaussian_splat` (in validate mode
+    also finite values and ``sigma > 0``, for concrete arrays).
     """
-    dims = tuple(int(s) for s in shape)
     content, mu, sigma = map(jnp.asarray, (content, mu, sigma))
-    return _splat_jit(content, mu, sigma, dims, float(eps), _static_radius(radius))
+    _, dims = splat_validate(content, mu, sigma, shape, radius=radius, eps=eps)
+    _check_values_eagerly({"content": content, "mu": mu, "sigma": sigma})
+    return forward_mode_guard("gaussian_splat", lambda: _scan_mod.splat(
+        content, mu, sigma, tuple(dims), float(eps), _static_radius(radius)))
 
 
 def _time_major(x: jax.Array) -> jax.Array:
@@ -211,56 +201,13 @@ def _batch_major(x: jax.Array) -> jax.Array:
     return jnp.moveaxis(x, 0, 1)
 
 
-def _run_scan(h0, c0, inputs: StepInputs, params: ConvParams, eps, radius, save_states: bool):
-    """``lax.scan`` of ``tmcore.scan.step_fwd``; ``inputs`` are time-major."""
-
-    def body(carry, step):
-        h, c = carry
-        read, h_new, c_new = step_fwd(jnp, h, c, step, params, eps, radius)
-        return (h_new, c_new), ((read, h, c) if save_states else read)
-
-    (h_last, c_last), outputs = lax.scan(body, (h0, c0), inputs)
-    return h_last, c_last, outputs
-
-
-@partial(jax.custom_vjp, nondiff_argnums=(7, 8))
-def _scan(h0, c0, read_coords, write_coords, write_sigma, write_content, params, eps, radius):
-    inputs = StepInputs(*map(_time_major, (read_coords, write_coords, write_sigma, write_content)))
-    h_last, c_last, reads = _run_scan(h0, c0, inputs, params, eps, radius, save_states=False)
-    return _batch_major(reads), h_last, c_last
-
-
-def _scan_fwd(h0, c0, read_coords, write_coords, write_sigma, write_content, params, eps,
-              radius):
-    inputs = StepInputs(*map(_time_major, (read_coords, write_coords, write_sigma, write_content)))
-    h_last, c_last, (reads, h_in, c_in) = _run_scan(
-        h0, c0, inputs, params, eps, radius, save_states=True
-    )
-    # residuals: the state entering every step ([T, B, C, *S] each), inputs, params
-    return (_batch_major(reads), h_last, c_last), (h_in, c_in, inputs, params)
-
-
-def _scan_bwd(eps, radius, residuals, cotangents):
-    h_in, c_in, inputs, params = residuals
-    g_reads, g_h, g_c = map(jnp.asarray, cotangents)
-
-    def body(carry, step):
-        g_h, g_c, d_params = carry
-        h, c, step_inputs, g_read = step
-        d_h, d_c, d_step, d_step_params = step_bwd(
-            jnp, h, c, step_inputs, params, g_read, g_h, g_c, eps, radius
-        )
-        return (d_h, d_c, add_params(d_params, d_step_params)), d_step
-
-    zero_params = ConvParams(*(jnp.zeros_like(p) for p in params))
-    (d_h0, d_c0, d_params), d_steps = lax.scan(
-        body, (g_h, g_c, zero_params), (h_in, c_in, inputs, _time_major(g_reads)), reverse=True
-    )
-    return (d_h0, d_c0, *map(_batch_major, d_steps), d_params)
-
-
-_scan.defvjp(_scan_fwd, _scan_bwd)
-_scan_jit = jax.jit(_scan, static_argnums=(7, 8))
+def _promote(name: str, arrays: Sequence[Any]) -> Any:
+    """The common floating dtype of ``arrays`` (JAX's promotion), or a ``TypeError``."""
+    dtype = jnp.result_type(*arrays)
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(f"{name}: expected floating arrays, got dtypes "
+                        f"{sorted({str(jnp.asarray(a).dtype) for a in arrays})}")
+    return dtype
 
 
 def memory_scan(
@@ -274,23 +221,35 @@ def memory_scan(
     *,
     eps: float = DEFAULT_EPS,
     radius: float | None = None,
+    checkpoint_every: int = 1,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:  # reads [B, T, C], h_T, c_T [B, C, *S]
     """:func:`tmcore.memory_scan` as a ``lax.scan`` with tmcore's backward registered.
 
-    The forward saves the state entering every step (``T`` states of shape
-    ``(B, C, *S)`` for ``h`` and for ``c``); the backward is a reverse
-    ``lax.scan`` of ``tmcore.scan.step_bwd``, which recomputes each step's
-    gates from its input state. ``params`` is a :class:`tmcore.ConvParams`
-    (``C_in = 2C``, ``C_out = 4C``).
+    The backward keeps the state entering every ``checkpoint_every``-th step
+    (``ceil(T / k)`` states of shape ``(B, C, *S)`` for ``h`` and for ``c``) and
+    replays each segment before differentiating it step by step with
+    ``tmcore.scan.step_bwd``; the gradients do not depend on ``k``. ``params``
+    is a :class:`tmcore.ConvParams` (``C_in = 2C``, ``C_out = 4C``). Mixed
+    floating dtypes are promoted to a common one (JAX's rules).
     """
-    h0, c0, read_coords, write_coords, write_sigma, write_content = map(
-        jnp.asarray, (h0, c0, read_coords, write_coords, write_sigma, write_content))
-    params = ConvParams(*map(jnp.asarray, params))
-    _, params = validate_scan_inputs(
-        h0, c0, read_coords, write_coords, write_sigma, write_content, params, 1, radius, eps=eps
-    )
-    return _scan_jit(h0, c0, read_coords, write_coords, write_sigma, write_content, params,
-                     float(eps), _static_radius(radius))
+    arrays = [jnp.asarray(a) for a in (h0, c0, read_coords, write_coords, write_sigma,
+                                       write_content, *params)]
+    dtype = _promote("memory_scan", arrays)
+    h0, c0, read_coords, write_coords, write_sigma, write_content, *cell = (
+        a.astype(dtype) for a in arrays)
+    _, params = validate_scan_inputs(h0, c0, read_coords, write_coords, write_sigma,
+                                     write_content, ConvParams(*cell), checkpoint_every, radius,
+                                     eps=eps)
+    _check_values_eagerly({"h0": h0, "c0": c0, "read_coords": read_coords,
+                           "write_coords": write_coords, "write_sigma": write_sigma,
+                           "write_content": write_content})
+    static = _scan_mod.ScanStatic(_scan_mod.identity_prepare, _scan_mod.identity_finish,
+                                  float(eps), _static_radius(radius), int(checkpoint_every),
+                                  _scan_mod.options_key())
+    xs = StepInputs(*map(_time_major, (read_coords, write_coords, write_sigma, write_content)))
+    reads, h, c = forward_mode_guard(
+        "memory_scan", lambda: _scan_mod.checkpoint_scan(static, (), params, xs, h0, c0))
+    return _batch_major(reads), h, c
 
 
 # --------------------------------------------------------------------------- pure layer
@@ -384,10 +343,21 @@ def init(
         "content_net": _linear_init(keys[1], channels, d, dtype),
         "sigma_net": sigma_net,
         "coord_net": _linear_init(keys[3], n, d, dtype),
-        "cell": _with_forget_bias(tmcore.conv_params_from_pointwise(pointwise, n)._asdict(),
-                                  channels, forget_bias),
+        "cell": _with_forget_bias(_cell_init(pointwise, n), channels, forget_bias),
         "out_proj": _linear_init(keys[5], d, channels, dtype),
     }
+
+
+def _cell_init(pointwise: jax.Array, n: int) -> dict:
+    """:func:`tmcore.conv_params_from_pointwise` as JAX arrays without a device.
+
+    The generic function places its leaves on the pointwise matrix's device,
+    which commits them to that device; uncommitted leaves (made by ``jnp``
+    without ``device=``) let ``jit`` place them with the batch-sharded inputs.
+    """
+    plan = tmcore.conv_params_from_pointwise(np.zeros(pointwise.shape, pointwise.dtype), n)
+    return {**{name: jnp.asarray(value) for name, value in plan._asdict().items()},
+            "pointwise_weight": pointwise}
 
 
 def _with_forget_bias(cell: dict, channels: int, forget_bias: float) -> dict:
@@ -486,6 +456,16 @@ def _layer_config(params: Mapping[str, Any], x: jax.Array, chunk_size: int | Non
     return config
 
 
+def _zero_state_like(x: jax.Array, channels: int, memory_shape: tuple[int, ...]) -> MemoryState:
+    """A zero state ``(B, C, *S)`` derived from ``x (B, N, d)``: it inherits ``x``'s batch
+    sharding (explicit meshes) and varying axes (``shard_map``), which a fresh
+    ``jnp.zeros`` would not have."""
+    zero = jnp.zeros_like(x[:, 0, 0])  # (B,), sharded and varying like x's batch
+    shape = (x.shape[0], channels, *memory_shape)
+    zeros = jnp.broadcast_to(jnp.reshape(zero, (x.shape[0],) + (1,) * (len(shape) - 1)), shape)
+    return MemoryState(zeros, zeros)
+
+
 def _start_state(params, config: _LayerShape, x, state, memory_shape, reset) -> MemoryState:
     channels, n = config.channels, config.n
     if memory_shape is not None:
@@ -497,7 +477,7 @@ def _start_state(params, config: _LayerShape, x, state, memory_shape, reset) -> 
         if memory_shape is None:
             raise ValueError("memory_shape: required when no state is given (it cannot be "
                              "inferred from params)")
-        state = init_state(x.shape[0], channels, memory_shape, x.dtype)
+        state = _zero_state_like(x, channels, memory_shape)
     if not isinstance(state, (tuple, list)) or len(state) != 2:
         raise ValueError(f"state: expected a pair (h, c) or None, got {type(state).__name__}")
     state = MemoryState(*state)
@@ -546,83 +526,39 @@ def reset_state(state: Any, reset: jax.Array) -> Any:
 _HEADS = ("write_proj", "content_net", "sigma_net", "coord_net", "out_proj")
 
 
-class _LayerStatic(NamedTuple):
+class _Heads(NamedTuple):
+    """``prepare`` of the layer's scan: one chunk ``[B, L, d]`` -> its :class:`StepInputs`
+    through the linear heads (hashable by value: it keys the compiled scan)."""
+
     sigma_scale: float
-    eps: float
-    radius: float | None
 
-
-def _addressing(heads: Mapping[str, Any], chunk: jax.Array, sigma_scale: float) -> StepInputs:
-    """One chunk ``[B, L, d]`` -> its :class:`StepInputs` (the layer's linear heads)."""
-    batch, length, d = chunk.shape
-    summary = _linear(heads["write_proj"], jnp.reshape(chunk, (batch, length * d)))
-    return StepInputs(
-        read_coords=tmcore.squash_coords(_linear(heads["coord_net"], chunk[:, 0, :])),
-        write_coords=tmcore.squash_coords(_linear(heads["coord_net"], summary)),
-        write_sigma=tmcore.sigma_from_logit(_linear(heads["sigma_net"], summary)[:, 0],
-                                            sigma_scale),
-        write_content=_linear(heads["content_net"], summary),
-    )
-
-
-def _layer_forward(heads, cell, chunks, h0, c0, static, save_states):
-    def body(carry, chunk):
-        h, c = carry
-        inputs = _addressing(heads, chunk, static.sigma_scale)
-        read, h_new, c_new = step_fwd(jnp, h, c, inputs, cell, static.eps, static.radius)
-        out = _linear(heads["out_proj"], read)
-        return (h_new, c_new), ((out, h, c) if save_states else out)
-
-    (h_last, c_last), outputs = lax.scan(body, (h0, c0), chunks)
-    return h_last, c_last, outputs
-
-
-@partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _layer_scan(heads, cell, chunks, h0, c0, static):
-    """The layer's chunk loop: per step the linear heads, ``step_fwd``, ``out_proj``.
-
-    Every step runs the same shapes whatever ``T`` is, so a sequence processed
-    in pieces (whole chunks) gives bit-identical results to one call.
-    """
-    h_last, c_last, outs = _layer_forward(heads, cell, chunks, h0, c0, static, False)
-    return outs, h_last, c_last
-
-
-def _layer_scan_fwd(heads, cell, chunks, h0, c0, static):
-    h_last, c_last, (outs, h_in, c_in) = _layer_forward(heads, cell, chunks, h0, c0, static,
-                                                        True)
-    return (outs, h_last, c_last), (heads, cell, chunks, h_in, c_in)
-
-
-def _layer_scan_bwd(static, residuals, cotangents):
-    heads, cell, chunks, h_in, c_in = residuals
-    g_outs, g_h, g_c = map(jnp.asarray, cotangents)
-
-    def body(carry, step):
-        g_h, g_c, d_heads, d_cell = carry
-        h, c, chunk, g_out = step
-        inputs, addressing_vjp = jax.vjp(
-            lambda hd, ch: _addressing(hd, ch, static.sigma_scale), heads, chunk
+    def __call__(self, heads: Mapping[str, Any], chunk: jax.Array) -> StepInputs:
+        batch, length, d = chunk.shape
+        summary = _linear(heads["write_proj"], jnp.reshape(chunk, (batch, length * d)))
+        return StepInputs(
+            read_coords=tmcore.squash_coords(_linear(heads["coord_net"], chunk[:, 0, :])),
+            write_coords=tmcore.squash_coords(_linear(heads["coord_net"], summary)),
+            write_sigma=tmcore.sigma_from_logit(_linear(heads["sigma_net"], summary)[:, 0],
+                                                self.sigma_scale),
+            write_content=_linear(heads["content_net"], summary),
         )
-        read = tmcore.trilinear_sample(h, inputs.read_coords[:, None, :])[:, 0, :]
-        d_out_proj, g_read = jax.vjp(_linear, heads["out_proj"], read)[1](g_out)
-        d_h, d_c, d_inputs, d_step_cell = step_bwd(
-            jnp, h, c, inputs, cell, g_read, g_h, g_c, static.eps, static.radius
-        )
-        d_step_heads, d_chunk = addressing_vjp(d_inputs)
-        d_step_heads = {**d_step_heads, "out_proj": d_out_proj}
-        d_heads = jax.tree.map(jnp.add, d_heads, d_step_heads)
-        return (d_h, d_c, d_heads, add_params(d_cell, d_step_cell)), d_chunk
-
-    zeros = partial(jax.tree.map, jnp.zeros_like)
-    (d_h0, d_c0, d_heads, d_cell), d_chunks = lax.scan(
-        body, (g_h, g_c, zeros(heads), zeros(cell)), (h_in, c_in, chunks, g_outs), reverse=True
-    )
-    return d_heads, d_cell, d_chunks, d_h0, d_c0
 
 
-_layer_scan.defvjp(_layer_scan_fwd, _layer_scan_bwd)
-_layer_scan_jit = jax.jit(_layer_scan, static_argnums=5)
+def _out_proj(heads: Mapping[str, Any], read: jax.Array) -> jax.Array:
+    """``finish`` of the layer's scan: ``out_proj(read (B, C)) -> (B, d)``."""
+    return _linear(heads["out_proj"], read)
+
+
+_HEADS = ("write_proj", "content_net", "sigma_net", "coord_net", "out_proj")
+
+
+def _compute_dtype(params: Mapping[str, Any], x: jax.Array, state: Any) -> Any:
+    """The dtype the layer computes and keeps its state in: JAX's promotion of ``x``,
+    the parameters and a given state (float32 params with a bfloat16 ``x`` -> float32)."""
+    leaves = [params[group][leaf] for group, leaf in LAYER_KEYS]
+    if state is not None:
+        leaves += [state[0], state[1]]
+    return jnp.result_type(x, *leaves)
 
 
 def apply(
@@ -636,6 +572,7 @@ def apply(
     reset: jax.Array | None = None,  # [B] bool
     eps: float = DEFAULT_EPS,
     radius: float | None = None,
+    checkpoint_every: int = 1,
 ) -> tuple[jax.Array, MemoryState]:  # out [B, N, d], state
     """Run one Tensor Memory layer over ``x``; returns ``(out, state)``.
 
@@ -649,13 +586,21 @@ def apply(
     sigma_scale : multiplies the write spread.
     reset : optional ``(B,)`` bool; those sequences start from the zero state.
     eps, radius : as in :func:`tmcore.gaussian_splat`.
+    checkpoint_every : the backward keeps the state entering every k-th chunk
+        (``ceil(T / k)`` states) and recomputes the rest: memory ``O(T/k + k)``
+        states for one extra forward pass; results do not depend on ``k``.
 
     Every argument is checked statically (shapes, dtypes, Python scalars; fine
     under ``jit``): a missing parameter is a ``KeyError``, a misshapen one, a
     bad ``memory_shape`` / ``eps`` / ``radius`` / ``sigma_scale`` or state a
     ``ValueError``, a non-floating ``x`` a ``TypeError``, each naming the
     argument. An ``_extra_state`` entry (the grid shape a PyTorch checkpoint
-    stores) must match the grid when it is concrete.
+    stores) must match the grid when it is concrete. In validate mode
+    (:func:`tmcore.options`) concrete ``x`` and state must also be finite.
+
+    Mixed precision: the layer computes in JAX's promotion of ``x``, the
+    parameters and the state (float32 parameters with a bfloat16 ``x``:
+    float32); the output and the returned state have that dtype.
 
     Returns
     -------
@@ -667,16 +612,26 @@ def apply(
     """
     config = _layer_config(params, x, chunk_size)
     state = _start_state(params, config, x, state, memory_shape, reset)
-    static = _LayerStatic(_check_sigma_scale(sigma_scale), check_eps(eps),
-                          check_radius(radius))
+    static = _scan_mod.ScanStatic(_Heads(_check_sigma_scale(sigma_scale)), _out_proj,
+                                  check_eps(eps), check_radius(radius),
+                                  check_int("checkpoint_every", checkpoint_every, 1),
+                                  _scan_mod.options_key())
+    dtype = _compute_dtype(params, x, state)
+    x = x.astype(dtype)
+    state = MemoryState(state.h.astype(dtype), state.c.astype(dtype))
+    _check_values_eagerly({"x": x, "state.h": state.h, "state.c": state.c})
     length = config.length
     batch, tokens, d = x.shape
+    if batch == 0:  # nothing to scan; shapes as for any other batch
+        return jnp.zeros((0, tokens, d), dtype), state
     steps = -(-tokens // length)
     padded = jnp.pad(x, ((0, 0), (0, steps * length - tokens), (0, 0)))
     chunks = jnp.moveaxis(jnp.reshape(padded, (batch, steps, length, d)), 1, 0)  # [T, B, L, d]
-    heads = {name: params[name] for name in _HEADS}
-    per_chunk, h, c = _layer_scan_jit(heads, conv_params(params["cell"]), chunks, state.h,
-                                      state.c, static)  # per_chunk [T, B, d]
+    heads = {name: jax.tree.map(lambda a: a.astype(dtype), dict(params[name]))
+             for name in _HEADS}
+    cell = ConvParams(*(a.astype(dtype) for a in conv_params(params["cell"])))
+    per_chunk, h, c = forward_mode_guard("apply", lambda: _scan_mod.checkpoint_scan(
+        static, heads, cell, chunks, state.h, state.c))  # per_chunk [T, B, d]
     out = jnp.broadcast_to(per_chunk[:, :, None, :], (steps, batch, length, d))
     out = jnp.reshape(jnp.moveaxis(out, 0, 1), (batch, steps * length, d))
     return out[:, :tokens, :], MemoryState(h, c)
@@ -943,7 +898,8 @@ class TensorMemory(nnx.Module):
     def __init__(self, embed_dim: int, memory_channels: int, memory_shape: Sequence[int],
                  chunk_size: int, sigma_scale: float = 1.0, *, rngs: nnx.Rngs,
                  dtype: Any = jnp.float32, eps: float = DEFAULT_EPS,
-                 radius: float | None = None, forget_bias: float = 0.0) -> None:
+                 radius: float | None = None, forget_bias: float = 0.0,
+                 checkpoint_every: int = 1) -> None:
         params = init(rngs.params(), embed_dim, memory_channels, memory_shape, chunk_size,
                       sigma_scale, forget_bias=forget_bias, dtype=dtype)
         for name, group in params.items():
@@ -954,6 +910,7 @@ class TensorMemory(nnx.Module):
         self.sigma_scale = float(sigma_scale)
         self.eps = float(eps)
         self.radius = _static_radius(radius)
+        self.checkpoint_every = check_int("checkpoint_every", checkpoint_every, 1)
 
     def init_state(self, batch: int, dtype: Any = jnp.float32) -> MemoryState:
         return init_state(batch, self.memory_channels, self.memory_shape, dtype)
@@ -962,7 +919,8 @@ class TensorMemory(nnx.Module):
                  reset: jax.Array | None = None) -> tuple[jax.Array, MemoryState]:
         return apply(params_from_module(self), x, state, chunk_size=self.chunk_size,
                      memory_shape=self.memory_shape, sigma_scale=self.sigma_scale,
-                     reset=reset, eps=self.eps, radius=self.radius)
+                     reset=reset, eps=self.eps, radius=self.radius,
+                     checkpoint_every=self.checkpoint_every)
 
 
 class GatedMemoryResidual(nnx.Module):
@@ -971,10 +929,11 @@ class GatedMemoryResidual(nnx.Module):
     def __init__(self, embed_dim: int, memory_channels: int, memory_shape: Sequence[int],
                  chunk_size: int, sigma_scale: float = 1.0, *, gate_init: float = 0.0,
                  rngs: nnx.Rngs, dtype: Any = jnp.float32, eps: float = DEFAULT_EPS,
-                 radius: float | None = None, forget_bias: float = 0.0) -> None:
+                 radius: float | None = None, forget_bias: float = 0.0,
+                 checkpoint_every: int = 1) -> None:
         self.memory = TensorMemory(embed_dim, memory_channels, memory_shape, chunk_size,
                                    sigma_scale, rngs=rngs, dtype=dtype, eps=eps, radius=radius,
-                                   forget_bias=forget_bias)
+                                   forget_bias=forget_bias, checkpoint_every=checkpoint_every)
         self.norm = _to_variables({"weight": jnp.ones((embed_dim,), dtype),
                                    "bias": jnp.zeros((embed_dim,), dtype)})
         self.gate = nnx.Param(jnp.asarray(gate_init, dtype))
@@ -984,4 +943,5 @@ class GatedMemoryResidual(nnx.Module):
         m = self.memory
         return residual_apply(params_from_module(self), x, state, chunk_size=m.chunk_size,
                               memory_shape=m.memory_shape, sigma_scale=m.sigma_scale,
-                              reset=reset, eps=m.eps, radius=m.radius)
+                              reset=reset, eps=m.eps, radius=m.radius,
+                              checkpoint_every=m.checkpoint_every)
