@@ -7,58 +7,225 @@ loaded with :mod:`ctypes`. The JAX backend asks :func:`jax_library`: the same C
 kernels plus ``_native_jax.cc``, their XLA FFI handlers, compiled with ``$CXX``
 (default ``c++``) against the headers jaxlib ships (about 4 s) and registered
 as CPU custom-call targets. Later processes load the cached builds. Without a
-compiler, or when a build fails, the call warns once and returns ``None``, and
-the backend keeps its framework-only path (same results, slower).
+compiler (and no verified build to reuse), or when a build fails, the call
+warns once and returns ``None``, and the backend keeps its framework-only path
+(same results, slower).
 
-- ``TMCORE_NATIVE=0`` turns the kernels off (read at call time).
+- ``tmcore.options(native=False)`` or ``TMCORE_NATIVE=0`` turns the kernels off
+  (read at call time, by :func:`enabled`).
 - ``TMCORE_CACHE_DIR`` sets the cache folder (default
   ``$XDG_CACHE_HOME/tmcore``, else ``~/.cache/tmcore``).
+- ``TMCORE_COMPILE_TIMEOUT`` bounds each compiler run, in seconds (default 120).
+
+**The cache cannot be planted into.** A shared object in the cache runs code
+in this process as soon as it is loaded, so nothing is loaded that another
+user could have written:
+
+- the folder is created private (``0700``); a folder that is not owned by this
+  user, or that group or others may write, or that lies below a folder others
+  may write without the sticky bit (``/tmp`` has it), is not used: tmcore warns
+  once and builds into a fresh private temporary folder for this process;
+- every build is written under a temporary name and renamed into place, and
+  the SHA-256 of the shared object is written (also atomically) beside it as
+  ``<name>.sha256``; before loading, the file must be a regular file owned by
+  this user, not writable by others, and hash to the recorded digest.
+
+**A bad cache heals.** A build that fails its check (truncated, garbage, no
+digest) or fails to load (no such symbols) is deleted and rebuilt once in this
+process; if the fresh build fails too, tmcore warns and keeps the framework
+path. A truncated file is never mapped, so it cannot raise SIGBUS. Compilers
+run under the timeout in their own process group (killed whole when it
+expires). A compiler's version is cached by (path, size, mtime) in
+``compilers.json``, so ``cc --version`` does not run at every start. Each
+successful load records its build as the latest for this source and machine,
+so a later process without a compiler on ``PATH`` still loads it (verified).
 
 The build is keyed by the source, the flags, the compiler's version and the
 CPU's feature flags (it uses ``-march=native``), so a shared cache never hands
 a build to a machine it was not made for. The kernels use OpenMP; loaded after
 torch, ``libgomp.so.1`` resolves to the copy torch already holds, so both share
 one thread pool.
+
+Clear the cache by deleting the folder (``rm -r ~/.cache/tmcore``); it is
+rebuilt on the next use.
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import ctypes
 import hashlib
+import json
 import os
 import platform
+import re
 import shutil
+import signal
+import stat
 import subprocess
 import tempfile
 import threading
 import warnings
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import NamedTuple
 
 from tmcore._options import get_options
 
-__all__ = ["ENV_VAR", "library", "jax_library", "enabled", "cache_dir", "SOURCE"]
+__all__ = ["ENV_VAR", "TIMEOUT_ENV_VAR", "library", "jax_library", "enabled", "cache_dir",
+           "compile_timeout", "SOURCE"]
 
 ENV_VAR = "TMCORE_NATIVE"
+TIMEOUT_ENV_VAR = "TMCORE_COMPILE_TIMEOUT"
+DEFAULT_TIMEOUT = 120.0
 SOURCE = Path(__file__).with_name("_native_cell.c")
 JAX_SOURCE = Path(__file__).with_name("_native_jax.cc")
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno",
           "-fno-trapping-math")
-_LOCK = threading.Lock()
+_KERNELS = ("dw_fwd", "dw_bwd", "gates_fwd", "gates_bwd")
+_LOCK = threading.RLock()
 _STATE: dict[str, object] = {}  # "torch" / "jax": CDLL, or None once a build failed
+_FALLBACK: dict[str, Path] = {}  # "dir": this process's private folder, once one was needed
 
 
 def enabled() -> bool:
     """Whether the kernels may be used: ``tmcore.get_options().native`` (the option,
-    whose default is ``TMCORE_NATIVE``)."""
+    whose default is ``TMCORE_NATIVE``). The one place that answers "are the native
+    kernels on?" for both backends."""
     return get_options().native
 
 
 def cache_dir() -> Path:
-    """Where builds are kept (``TMCORE_CACHE_DIR``, else the user's cache folder)."""
+    """The configured cache folder (``TMCORE_CACHE_DIR``, else the user's cache folder).
+    Builds go elsewhere when it is not safe to use (see the module notes)."""
     if os.environ.get("TMCORE_CACHE_DIR"):
         return Path(os.environ["TMCORE_CACHE_DIR"])
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(base) / "tmcore"
+
+
+def compile_timeout() -> float:
+    """Seconds one compiler run may take (``TMCORE_COMPILE_TIMEOUT``, default 120)."""
+    try:
+        value = float(os.environ.get(TIMEOUT_ENV_VAR, ""))
+    except ValueError:
+        return DEFAULT_TIMEOUT
+    return value if value > 0 else DEFAULT_TIMEOUT
+
+
+# --------------------------------------------------------------------------- safe paths
+
+
+def _folder_problem(path: Path) -> str | None:
+    """Why the existing folder ``path`` may hold files another user wrote, or ``None``."""
+    uid = os.geteuid()
+    resolved = path.resolve()
+    info = os.stat(resolved)
+    if not stat.S_ISDIR(info.st_mode):
+        return "it is not a folder"
+    if info.st_uid != uid:
+        return f"it is owned by uid {info.st_uid}, not by this user ({uid})"
+    if info.st_mode & 0o022:
+        return f"group or others may write to it (mode {stat.S_IMODE(info.st_mode):o})"
+    for parent in resolved.parents:
+        info = os.stat(parent)
+        if info.st_uid not in (uid, 0):
+            return f"{parent} is owned by another user (uid {info.st_uid})"
+        if info.st_mode & 0o022 and not info.st_mode & stat.S_ISVTX:
+            return f"others may write to {parent} (mode {stat.S_IMODE(info.st_mode):o})"
+    return None
+
+
+def _file_problem(path: Path) -> str | None:
+    """Why ``path`` is not a regular file only this user may write, or ``None``
+    (``"is missing"`` when absent). Symbolic links are refused, not followed."""
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        return "is missing"
+    if not stat.S_ISREG(info.st_mode):
+        return "is not a regular file"
+    if info.st_uid != os.geteuid():
+        return f"is owned by uid {info.st_uid}"
+    if info.st_mode & 0o022:
+        return f"is writable by group or others (mode {stat.S_IMODE(info.st_mode):o})"
+    return None
+
+
+def _safe_dir() -> Path:
+    """The cache folder, created private; or, when it is not safe (or cannot be made),
+    a fresh private temporary folder for this process (warned once)."""
+    wanted = cache_dir()
+    try:
+        wanted.mkdir(mode=0o700, parents=True, exist_ok=True)
+        problem = _folder_problem(wanted)
+    except OSError as exc:
+        problem = f"it cannot be created or read ({exc})"
+    if problem is None:
+        return wanted
+    if "dir" not in _FALLBACK:
+        fresh = Path(tempfile.mkdtemp(prefix="tmcore-native-"))  # 0700, ours
+        atexit.register(shutil.rmtree, fresh, ignore_errors=True)
+        _FALLBACK["dir"] = fresh
+        warnings.warn(
+            f"tmcore: not using the kernel cache folder {wanted}: {problem}. The fused "
+            f"CPU kernels are built into the private folder {fresh} for this process "
+            f"instead (set TMCORE_CACHE_DIR to a folder only you can write to keep "
+            f"builds between runs).", RuntimeWarning, stacklevel=5)
+    return _FALLBACK["dir"]
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` through a private temporary file and a rename."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def _digest(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _sidecar(target: Path) -> Path:
+    return target.with_name(target.name + ".sha256")
+
+
+def _check(target: Path) -> str | None:
+    """``None`` when ``target`` may be loaded: a regular file of this user's, not
+    writable by others, hashing to its recorded SHA-256; else why not."""
+    try:
+        for path in (target, _sidecar(target)):
+            problem = _file_problem(path)
+            if problem is not None:
+                return f"{path.name} {problem}"
+        recorded = _sidecar(target).read_text(errors="replace").strip()
+        if _digest(target) != recorded:
+            return f"{target.name} does not match its recorded SHA-256 (truncated or replaced)"
+    except OSError as exc:  # removed or replaced while being checked
+        return f"{target.name} cannot be read ({exc})"
+    return None
+
+
+def _remove(target: Path) -> None:
+    for path in (target, _sidecar(target)):
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+
+
+# --------------------------------------------------------------------------- compilers
 
 
 def _cpu_flags() -> str:
@@ -75,102 +242,220 @@ def _tool(env: str, default: str) -> str | None:
     return shutil.which(os.environ.get(env, default))
 
 
-def _version(compiler: str) -> str:
-    return str(subprocess.run([compiler, "--version"], capture_output=True, text=True,
-                              timeout=30).stdout.splitlines()[:1])
+def _run(command: Sequence[str], timeout: float) -> str:
+    """Run ``command`` in its own process group; its stdout. The whole group is killed
+    when ``timeout`` expires (a compiler's children too)."""
+    proc = subprocess.Popen(list(command), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            stdin=subprocess.DEVNULL, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(OSError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise RuntimeError(f"{Path(command[0]).name} did not finish within {timeout:g} s "
+                           f"(set {TIMEOUT_ENV_VAR} to allow longer)") from None
+    if proc.returncode != 0:
+        raise RuntimeError(err.strip()[-2000:] or f"{command[0]} failed ({proc.returncode})")
+    return out
+
+
+def _identity(folder: Path, compiler: str, timeout: float) -> str:
+    """The compiler's version line, cached in ``folder/compilers.json`` by the resolved
+    path, size and mtime of its executable (so it runs once per compiler install)."""
+    real = os.path.realpath(compiler)
+    info = os.stat(real)
+    stamp = [info.st_size, info.st_mtime_ns]
+    table_path = folder / "compilers.json"
+    table: dict = {}
+    if _file_problem(table_path) is None:
+        try:
+            table = json.loads(table_path.read_text())
+        except (OSError, ValueError):
+            table = {}
+    entry = table.get(real) if isinstance(table, dict) else None
+    if isinstance(entry, dict) and entry.get("stamp") == stamp and "version" in entry:
+        return str(entry["version"])
+    version = str(_run([compiler, "--version"], timeout).splitlines()[:1])
+    table = table if isinstance(table, dict) else {}
+    table[real] = {"stamp": stamp, "version": version}
+    with contextlib.suppress(OSError):
+        _write_atomic(table_path, json.dumps(table, indent=1, sort_keys=True).encode())
+    return version
 
 
 def _build_key(*parts: bytes | str) -> str:
     digest = hashlib.sha256()
-    for part in (*parts, platform.machine(), _cpu_flags()):
+    for part in parts:
         digest.update(part if isinstance(part, bytes) else part.encode())
         digest.update(b"\0")
     return digest.hexdigest()[:20]
 
 
-def _run(command: list[str]) -> None:
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
-    if result.returncode != 0:
-        raise RuntimeError(result.stderr.strip()[-2000:] or f"{command[0]} failed")
-
-
-def _build(target: Path, commands) -> None:
-    """Run ``commands(workdir, out)`` (a list of compiler calls writing ``out``) in a
-    scratch folder next to ``target``, then move ``out`` into place: concurrent
-    builders never see half a file."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as work:
+def _build(target: Path, commands: Callable[[Path, Path], list[list[str]]],
+           timeout: float) -> None:
+    """Run ``commands(workdir, out)`` (compiler calls writing ``out``) in a private
+    scratch folder next to ``target``, record ``out``'s SHA-256, then rename both
+    into place: no process ever sees half a file."""
+    with tempfile.TemporaryDirectory(dir=target.parent, prefix=".build-") as work:
         out = Path(work) / target.name
         for command in commands(Path(work), out):
-            _run(command)
+            _run(command, timeout)
+        os.chmod(out, 0o700)
+        digest = _digest(out)
         os.replace(out, target)
+        _write_atomic(_sidecar(target), digest.encode())
+
+
+# --------------------------------------------------------------------------- loading
+
+
+class _Spec(NamedTuple):
+    """How to build and finish loading one library."""
+
+    prefix: str  # file names: {prefix}-{key}.so
+    tools: tuple[tuple[str, str], ...]  # (environment variable, default) per compiler
+    parts: Callable[[], list[bytes | str]]  # what the build depends on, compilers aside
+    commands: Callable[[list[str], Path, Path], list[list[str]]]  # compilers, work, out
+    finish: Callable[[ctypes.CDLL], None]  # declare / register; AttributeError: no symbol
+
+
+def _unload(lib: ctypes.CDLL) -> None:
+    """Drop a library that loaded but is unusable, so that a rebuild at the same path
+    is mapped afresh (the dynamic loader reuses a loaded object by name)."""
+    try:
+        import _ctypes
+
+        _ctypes.dlclose(lib._handle)
+    except (ImportError, AttributeError, OSError):
+        pass
+
+
+def _open(target: Path, finish: Callable[[ctypes.CDLL], None]) -> ctypes.CDLL | None:
+    """Load a verified build and finish it; ``None`` if either step fails."""
+    try:
+        lib = ctypes.CDLL(str(target))
+    except OSError:
+        return None
+    try:
+        finish(lib)
+    except (AttributeError, OSError, TypeError, ValueError):
+        _unload(lib)
+        return None
+    return lib
+
+
+_NAME = re.compile(r"[A-Za-z0-9_]+-[0-9a-f]{20}\.so")
+
+
+def _latest(pointer: Path) -> Path | None:
+    """The build a ``*.latest`` pointer names, if the pointer is safe and well-formed."""
+    if _file_problem(pointer) is not None:
+        return None
+    name = pointer.read_text(errors="replace").strip()
+    return pointer.with_name(name) if _NAME.fullmatch(name) else None
+
+
+def _load(spec: _Spec) -> ctypes.CDLL:
+    folder = _safe_dir()
+    timeout = compile_timeout()
+    base = _build_key(*spec.parts(), " ".join(_FLAGS), platform.machine(), _cpu_flags())
+    pointer = folder / f"{spec.prefix}-{base}.latest"
+    compilers = [_tool(env, default) for env, default in spec.tools]
+    have_compilers = all(c is not None for c in compilers)
+    if have_compilers:
+        key = _build_key(base, *(_identity(folder, c, timeout) for c in compilers))
+        target = folder / f"{spec.prefix}-{key}.so"
+    else:
+        target = _latest(pointer)
+        if target is None:
+            names = " / ".join(f"${env} or {default}" for env, default in spec.tools)
+            raise RuntimeError(f"no compiler found ({names} on PATH) and no earlier "
+                               f"build in {folder}")
+    problem = _check(target)
+    lib = _open(target, spec.finish) if problem is None else None
+    if lib is None and problem is None:
+        problem = f"{target.name} fails to load"
+    if lib is None:
+        if not have_compilers:
+            raise RuntimeError(f"{problem}, and no compiler is found to rebuild it")
+        if not problem.endswith("is missing"):
+            warnings.warn(f"tmcore: the cached kernel build {problem}; rebuilding it",
+                          RuntimeWarning, stacklevel=5)
+        _remove(target)
+        _build(target, lambda work, out: spec.commands(compilers, work, out), timeout)
+        problem = _check(target)
+        lib = _open(target, spec.finish) if problem is None else None
+        if lib is None:
+            raise RuntimeError(f"the fresh build {target} {problem or 'fails to load'}")
+    with contextlib.suppress(OSError):
+        _write_atomic(pointer, target.name.encode())
+    return lib
 
 
 def _declare(lib: ctypes.CDLL) -> None:
     ptr, i64, cint = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     shape = ctypes.POINTER(ctypes.c_int64)
-    for suffix in ("f32", "f64"):
-        getattr(lib, f"dw_fwd_{suffix}").argtypes = [ptr, ptr, ptr, ptr, i64, i64, cint, shape]
-        getattr(lib, f"dw_bwd_{suffix}").argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64,
-                                                     i64, cint, shape]
-        getattr(lib, f"gates_fwd_{suffix}").argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64]
-        getattr(lib, f"gates_bwd_{suffix}").argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, i64,
-                                                        i64, i64]
-        for kernel in ("dw_fwd", "dw_bwd", "gates_fwd", "gates_bwd"):
-            getattr(lib, f"{kernel}_{suffix}").restype = None
+    argtypes = {
+        "dw_fwd": [ptr, ptr, ptr, ptr, i64, i64, cint, shape],
+        "dw_bwd": [ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, cint, shape],
+        "gates_fwd": [ptr, ptr, ptr, ptr, i64, i64, i64],
+        "gates_bwd": [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64],
+    }
+    functions = [(getattr(lib, f"{k}_{s}"), k) for k in _KERNELS for s in ("f32", "f64")]
+    for function, kernel in functions:  # all looked up first: a missing one changes nothing
+        function.argtypes = argtypes[kernel]
+        function.restype = cint  # 0, or nonzero when a scratch allocation failed
 
 
-def _load_c() -> ctypes.CDLL:
-    cc = _tool("CC", "cc")
-    if cc is None:
-        raise RuntimeError("no C compiler found ($CC, or cc on PATH)")
-    key = _build_key(SOURCE.read_bytes(), " ".join(_FLAGS), _version(cc))
-    target = cache_dir() / f"tmcore_cell-{key}.so"
-    if not target.exists():
-        _build(target, lambda work, out: [[cc, *_FLAGS, "-o", str(out), str(SOURCE), "-lm"]])
-    lib = ctypes.CDLL(str(target))
-    _declare(lib)
-    return lib
+_TORCH = _Spec(
+    prefix="tmcore_cell",
+    tools=(("CC", "cc"),),
+    parts=lambda: [SOURCE.read_bytes()],
+    commands=lambda cc, work, out: [[cc[0], *_FLAGS, "-o", str(out), str(SOURCE), "-lm"]],
+    finish=_declare,
+)
 
 
-def _load_jax() -> ctypes.CDLL:
+def _jax_spec() -> _Spec:
     import jax
 
-    cc, cxx = _tool("CC", "cc"), _tool("CXX", "c++")
-    if cc is None or cxx is None:
-        raise RuntimeError("no C / C++ compiler found ($CC / $CXX, or cc / c++ on PATH)")
     include = jax.ffi.include_dir()
     cxx_flags = ("-std=c++17", "-O2", "-fPIC", "-w", f"-I{include}")
-    key = _build_key(SOURCE.read_bytes(), JAX_SOURCE.read_bytes(), " ".join(_FLAGS),
-                     " ".join(cxx_flags), _version(cc), _version(cxx), jax.__version__)
-    target = cache_dir() / f"tmcore_cell_jax-{key}.so"
-    if not target.exists():
-        c_flags = [f for f in _FLAGS if f != "-shared"]
+    c_flags = [f for f in _FLAGS if f != "-shared"]
 
-        def commands(work: Path, out: Path) -> list[list[str]]:
-            return [[cc, *c_flags, "-c", str(SOURCE), "-o", str(work / "cell.o")],
-                    [cxx, *cxx_flags, "-c", str(JAX_SOURCE), "-o", str(work / "ffi.o")],
-                    [cxx, "-shared", "-fopenmp", str(work / "cell.o"), str(work / "ffi.o"),
-                     "-o", str(out), "-lm"]]
-        _build(target, commands)
-    lib = ctypes.CDLL(str(target))
-    for kernel in ("dw_fwd", "dw_bwd", "gates_fwd", "gates_bwd"):
-        for suffix in ("f32", "f64"):
-            name = f"tmcore_{kernel}_{suffix}"
-            jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, name)),
-                                        platform="cpu")
-    return lib
+    def commands(tools: list[str], work: Path, out: Path) -> list[list[str]]:
+        cc, cxx = tools
+        return [[cc, *c_flags, "-c", str(SOURCE), "-o", str(work / "cell.o")],
+                [cxx, *cxx_flags, "-c", str(JAX_SOURCE), "-o", str(work / "ffi.o")],
+                [cxx, "-shared", "-fopenmp", str(work / "cell.o"), str(work / "ffi.o"),
+                 "-o", str(out), "-lm"]]
+
+    def finish(lib: ctypes.CDLL) -> None:
+        names = [f"tmcore_{k}_{s}" for k in _KERNELS for s in ("f32", "f64")]
+        handlers = [getattr(lib, name) for name in names]  # all found before any registers
+        for name, handler in zip(names, handlers, strict=True):
+            jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(handler), platform="cpu")
+
+    return _Spec(
+        prefix="tmcore_cell_jax",
+        tools=(("CC", "cc"), ("CXX", "c++")),
+        parts=lambda: [SOURCE.read_bytes(), JAX_SOURCE.read_bytes(), " ".join(cxx_flags),
+                       jax.__version__],
+        commands=commands,
+        finish=finish,
+    )
 
 
-def _cached(key: str, loader):
-    """``loader()``'s library, loaded once (``None``, warned once, if it fails)."""
+def _cached(key: str, spec: Callable[[], _Spec]):
+    """The library of ``spec()``, loaded once (``None``, warned once, if it fails)."""
     if not enabled():
         return None
     if key not in _STATE:
         with _LOCK:
             if key not in _STATE:
                 try:
-                    _STATE[key] = loader()
+                    _STATE[key] = _load(spec())
                 except Exception as exc:  # no compiler, read-only cache, failed build
                     _STATE[key] = None
                     warnings.warn(
@@ -184,10 +469,11 @@ def jax_library() -> ctypes.CDLL | None:
     """The kernels as XLA FFI targets for JAX on the CPU (``tmcore_{kernel}_{f32,f64}``),
     built and registered on the first call; ``None`` if disabled or not buildable
     (warned once)."""
-    return _cached("jax", _load_jax)
+    return _cached("jax", _jax_spec)
 
 
 def library() -> ctypes.CDLL | None:
     """The loaded kernels (for ctypes), building them on the first call; ``None`` if
-    disabled or they cannot be built here (warned once, with the reason)."""
-    return _cached("torch", _load_c)
+    disabled or they cannot be built here (warned once, with the reason). Each kernel
+    returns 0, or nonzero when it could not allocate its scratch memory."""
+    return _cached("torch", lambda: _TORCH)

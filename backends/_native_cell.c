@@ -12,6 +12,10 @@
  *   gates_fwd z (B,4C,P), c (B,C,P) -> h', c' (i, f, o, g quarters of z).
  *   gates_bwd z, c, g_h, g_c -> dz (B,4C,P), dc: recomputes the gates.
  *
+ * Every entry returns 0, or TM_ENOMEM when a scratch allocation failed (the
+ * outputs are then undefined; the caller raises MemoryError). Callers check
+ * shapes and contiguity before calling: the kernels trust them.
+ *
  * The pointwise 2C -> 4C matrix product stays in torch (BLAS), between dw and
  * gates. Operation order follows the torch path (bias + t1 x, then + t0 x[-1],
  * then + t2 x[+1]) so both round alike. float32 gates use a polynomial exp
@@ -22,17 +26,29 @@
  */
 #ifndef TM_TEMPLATE
 #include <math.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 typedef int64_t i64;
 
+#define TM_ENOMEM 1
+
+/* malloc(count * size), or NULL when the product overflows size_t or a
+ * count is negative (so that a huge grid fails cleanly instead of wrapping). */
+static void *tm_alloc(i64 count, size_t size) {
+    if (count < 0 || (size != 0 && (uint64_t)count > SIZE_MAX / size)) return NULL;
+    return malloc(count == 0 ? 1 : (size_t)count * size); /* never NULL for 0 */
+}
+
 /* ------------------------------------------------------------------ math -- */
 
 /* exp for float32 by range reduction x = k ln2 + r, |r| <= ln2/2, and a
  * degree-6 polynomial for exp(r) (the classic single-precision minimax fit);
- * 2^k is built in the exponent bits. Branch-free so loops vectorize. */
+ * 2^k is built in the exponent bits. Branch-free so loops vectorize. Beyond
+ * the float32 range it returns +inf / 0 as libm does, so sigmoid(-inf) is
+ * exactly 0 (not the 2.9e-39 of the clamped polynomial), like torch's. */
 static inline float exp_f32(float x) {
     float big = 88.3762626647949f, small = -87.3365447504f;
     float xc = x > big ? big : x;          /* NaN fails both tests and stays NaN */
@@ -50,7 +66,9 @@ static inline float exp_f32(float x) {
     int32_t bits = ((int32_t)k + 127) << 23;
     float scale;
     memcpy(&scale, &bits, sizeof scale);
-    return p * scale;
+    float result = p * scale;
+    result = x > 88.7228394f ? INFINITY : result;  /* NaN: both tests false, stays NaN */
+    return x < small ? 0.0f : result;
 }
 
 static inline float sigmoid_f32(float x) { return 1.0f / (1.0f + exp_f32(-x)); }
@@ -109,7 +127,8 @@ static void plane_geometry(const i64 *shape, int n, i64 *P, i64 *strides) {
 static T *NAME(edges)(const i64 *shape, int n) {
     i64 P, strides[4];
     plane_geometry(shape, n, &P, strides);
-    T *e = (T *)malloc(sizeof(T) * 2 * (size_t)n * (size_t)P);
+    T *e = (T *)tm_alloc(P > 0 && 2 * n > INT64_MAX / P ? -1 : 2 * n * P, sizeof(T));
+    if (e == NULL) return NULL;
     for (int a = 0; a < n; ++a)
         for (i64 m = 0; m < P; ++m) {
             i64 k = (m / strides[a]) % shape[a];
@@ -196,78 +215,107 @@ static void NAME(pass_bwd)(const T *restrict x, const T *restrict g, T *restrict
     acc[3] += (double)ab + edge.bias;
 }
 
-void NAME(dw_fwd)(const T *x, T *y, const T *taps, const T *bias, i64 B, i64 Cin, int n,
-                  const i64 *shape) {
+int NAME(dw_fwd)(const T *x, T *y, const T *taps, const T *bias, i64 B, i64 Cin, int n,
+                 const i64 *shape) {
     i64 P, strides[4];
     plane_geometry(shape, n, &P, strides);
     T *edges = NAME(edges)(shape, n);
+    if (edges == NULL) return TM_ENOMEM;
+    int failed = 0;
 #pragma omp parallel
     {
-        T *tmp = (T *)malloc(sizeof(T) * (size_t)P);
+        T *tmp = (T *)tm_alloc(P, sizeof(T));
+        if (tmp == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp barrier
+        int skip;
+#pragma omp atomic read
+        skip = failed;
+        if (!skip) { /* every thread reads the same flag after the barrier */
 #pragma omp for schedule(static)
-        for (i64 plane = 0; plane < B * Cin; ++plane) {
-            i64 ch = plane % Cin;
-            const T *src = x + plane * P;
-            T *out = y + plane * P;
-            /* ping-pong so that the last pass lands in out */
-            T *bufs[2] = {(n % 2) ? out : tmp, (n % 2) ? tmp : out};
-            for (int a = 0; a < n; ++a) {
-                T *dst = bufs[a % 2];
-                NAME(pass_fwd)(src, dst, P, strides[a], edges + 2 * a * P,
-                               edges + (2 * a + 1) * P, taps + (a * Cin + ch) * 3,
-                               bias[a * Cin + ch]);
-                src = dst;
+            for (i64 plane = 0; plane < B * Cin; ++plane) {
+                i64 ch = plane % Cin;
+                const T *src = x + plane * P;
+                T *out = y + plane * P;
+                /* ping-pong so that the last pass lands in out */
+                T *bufs[2] = {(n % 2) ? out : tmp, (n % 2) ? tmp : out};
+                for (int a = 0; a < n; ++a) {
+                    T *dst = bufs[a % 2];
+                    NAME(pass_fwd)(src, dst, P, strides[a], edges + 2 * a * P,
+                                   edges + (2 * a + 1) * P, taps + (a * Cin + ch) * 3,
+                                   bias[a * Cin + ch]);
+                    src = dst;
+                }
             }
         }
         free(tmp);
     }
     free(edges);
+    return failed ? TM_ENOMEM : 0;
 }
 
 /* Parallel over channels (each thread owns its channels' tap gradients); per plane
  * the stages 1..n-1 are recomputed into a scratch buffer, then undone in reverse. */
-void NAME(dw_bwd)(const T *x, const T *dy, T *dx, T *dtaps, T *dbias, const T *taps,
-                  const T *bias, i64 B, i64 Cin, int n, const i64 *shape) {
+int NAME(dw_bwd)(const T *x, const T *dy, T *dx, T *dtaps, T *dbias, const T *taps,
+                 const T *bias, i64 B, i64 Cin, int n, const i64 *shape) {
     i64 P, strides[4];
     plane_geometry(shape, n, &P, strides);
     T *edges = NAME(edges)(shape, n);
+    if (edges == NULL) return TM_ENOMEM;
+    int failed = 0;
 #pragma omp parallel
     {
-        T *work = (T *)malloc(sizeof(T) * (size_t)P * (size_t)(n + 1));
+        T *work = (T *)tm_alloc(P > 0 && n + 1 > INT64_MAX / P ? -1 : P * (n + 1), sizeof(T));
+        if (work == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp barrier
+        int skip;
+#pragma omp atomic read
+        skip = failed;
+        if (!skip) { /* every thread reads the same flag after the barrier */
 #pragma omp for schedule(static)
-        for (i64 ch = 0; ch < Cin; ++ch) {
-            double acc[4][4] = {{0}};
-            for (i64 b = 0; b < B; ++b) {
-                const T *stage[4];
-                stage[0] = x + (b * Cin + ch) * P;
-                for (int a = 1; a < n; ++a) {
-                    T *dst = work + (size_t)(a - 1) * P;
-                    NAME(pass_fwd)(stage[a - 1], dst, P, strides[a - 1],
-                                   edges + 2 * (a - 1) * P, edges + (2 * a - 1) * P,
-                                   taps + ((a - 1) * Cin + ch) * 3, bias[(a - 1) * Cin + ch]);
-                    stage[a] = dst;
+            for (i64 ch = 0; ch < Cin; ++ch) {
+                double acc[4][4] = {{0}};
+                for (i64 b = 0; b < B; ++b) {
+                    const T *stage[4];
+                    stage[0] = x + (b * Cin + ch) * P;
+                    for (int a = 1; a < n; ++a) {
+                        T *dst = work + (size_t)(a - 1) * P;
+                        NAME(pass_fwd)(stage[a - 1], dst, P, strides[a - 1],
+                                       edges + 2 * (a - 1) * P, edges + (2 * a - 1) * P,
+                                       taps + ((a - 1) * Cin + ch) * 3,
+                                       bias[(a - 1) * Cin + ch]);
+                        stage[a] = dst;
+                    }
+                    T *g0 = work + (size_t)(n - 1) * P, *g1 = work + (size_t)n * P;
+                    const T *grad = dy + (b * Cin + ch) * P;
+                    for (int a = n - 1; a >= 0; --a) {
+                        T *out = a == 0 ? dx + (b * Cin + ch) * P
+                                        : ((n - 1 - a) % 2 ? g1 : g0);
+                        NAME(pass_bwd)(stage[a], grad, out, P, strides[a], edges + 2 * a * P,
+                                       edges + (2 * a + 1) * P, taps + (a * Cin + ch) * 3,
+                                       acc[a]);
+                        grad = out;
+                    }
                 }
-                T *g0 = work + (size_t)(n - 1) * P, *g1 = work + (size_t)n * P;
-                const T *grad = dy + (b * Cin + ch) * P;
-                for (int a = n - 1; a >= 0; --a) {
-                    T *out = a == 0 ? dx + (b * Cin + ch) * P : ((n - 1 - a) % 2 ? g1 : g0);
-                    NAME(pass_bwd)(stage[a], grad, out, P, strides[a], edges + 2 * a * P,
-                                   edges + (2 * a + 1) * P, taps + (a * Cin + ch) * 3, acc[a]);
-                    grad = out;
+                for (int a = 0; a < n; ++a) {
+                    for (int k = 0; k < 3; ++k) dtaps[(a * Cin + ch) * 3 + k] = (T)acc[a][k];
+                    dbias[a * Cin + ch] = (T)acc[a][3];
                 }
-            }
-            for (int a = 0; a < n; ++a) {
-                for (int k = 0; k < 3; ++k) dtaps[(a * Cin + ch) * 3 + k] = (T)acc[a][k];
-                dbias[a * Cin + ch] = (T)acc[a][3];
             }
         }
         free(work);
     }
     free(edges);
+    return failed ? TM_ENOMEM : 0;
 }
 
-void NAME(gates_fwd)(const T *restrict z, const T *restrict c, T *restrict h_out,
-                     T *restrict c_out, i64 B, i64 C, i64 P) {
+int NAME(gates_fwd)(const T *restrict z, const T *restrict c, T *restrict h_out,
+                    T *restrict c_out, i64 B, i64 C, i64 P) {
 #pragma omp parallel for schedule(static)
     for (i64 plane = 0; plane < B * C; ++plane) {
         i64 b = plane / C, ch = plane % C;
@@ -284,11 +332,12 @@ void NAME(gates_fwd)(const T *restrict z, const T *restrict c, T *restrict h_out
             hp[p] = o * TANH(cnew);
         }
     }
+    return 0;
 }
 
-void NAME(gates_bwd)(const T *restrict z, const T *restrict c, const T *restrict gh,
-                     const T *restrict gc, T *restrict dz, T *restrict dc, i64 B, i64 C,
-                     i64 P) {
+int NAME(gates_bwd)(const T *restrict z, const T *restrict c, const T *restrict gh,
+                    const T *restrict gc, T *restrict dz, T *restrict dc, i64 B, i64 C,
+                    i64 P) {
 #pragma omp parallel for schedule(static)
     for (i64 plane = 0; plane < B * C; ++plane) {
         i64 b = plane / C, ch = plane % C;
@@ -311,6 +360,7 @@ void NAME(gates_bwd)(const T *restrict z, const T *restrict c, const T *restrict
             dcp[p] = dcn * f;
         }
     }
+    return 0;
 }
 
 #endif /* TM_TEMPLATE */

@@ -91,10 +91,12 @@ class _NativeGateResiduals(NamedTuple):
 
 def _native_kernels(*tensors: torch.Tensor) -> tuple[ctypes.CDLL, str] | None:
     """``(library, dtype suffix)`` when the fused kernels may run on ``tensors``: plain
-    CPU float32 / float64 tensors (or parameters) of one dtype that autograd is not
-    recording and no functorch transform wraps (those need torch ops to see the
-    computation; fake and other subclass tensors have no data to hand to C)."""
-    if not USE_NATIVE:
+    strided CPU float32 / float64 tensors (or parameters) of one dtype that autograd is
+    not recording and no functorch transform wraps (those need torch ops to see the
+    computation; fake, nested, sparse and other subclass tensors have no plain memory
+    to hand to C). Negative / conjugate views and ZeroTensors are materialized by
+    :func:`_plain` at the call."""
+    if not (USE_NATIVE and _native.enabled()):
         return None
     suffix = _NATIVE_DTYPES.get(tensors[0].dtype)
     if suffix is None:
@@ -102,10 +104,63 @@ def _native_kernels(*tensors: torch.Tensor) -> tuple[ctypes.CDLL, str] | None:
     grad_mode = torch.is_grad_enabled()
     for t in tensors:
         if (type(t) not in _PLAIN or t.device.type != "cpu" or t.dtype != tensors[0].dtype
+                or t.layout != torch.strided or t.is_nested
                 or (grad_mode and t.requires_grad) or _is_wrapped(t)):
             return None
     lib = _native.library()
     return None if lib is None else (lib, suffix)
+
+
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as dense, contiguous memory holding its values: a ZeroTensor (no memory,
+    data pointer 0) becomes real zeros, a negative or conjugate view is resolved (its
+    memory holds the un-negated values), and strided views are copied."""
+    if t._is_zerotensor():
+        return torch.zeros(t.shape, dtype=t.dtype, device=t.device)
+    return t.resolve_neg().resolve_conj().contiguous()
+
+
+def _expect_shape(name: str, t: torch.Tensor, shape: tuple[int, ...], layout: str) -> None:
+    """``ValueError`` unless ``t.shape == shape``: the C kernels index every buffer from
+    the shapes of ``x`` / ``c``, so a wrong one would be read or written out of bounds."""
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name}: expected shape {layout} = {tuple(shape)} for the fused "
+                         f"CPU kernel, got {tuple(t.shape)}")
+
+
+def _check_state(name: str, t: torch.Tensor) -> None:
+    if not 3 <= t.ndim <= 6:
+        raise ValueError(f"{name}: expected shape (B, C, *S) with 1 to 4 spatial axes, got "
+                         f"{tuple(t.shape)}")
+
+
+def _check_conv(x: torch.Tensor, params: ConvParams) -> None:
+    """Shapes the depthwise kernels rely on: ``x (B, C_in, *S)``, taps ``(n, C_in, 3)``,
+    biases ``(n, C_in)``."""
+    _check_state("x", x)
+    n, c_in = x.ndim - 2, x.shape[1]
+    _expect_shape("params.depthwise_weight", params.depthwise_weight, (n, c_in, 3),
+                  "(n, C_in, 3)")
+    _expect_shape("params.depthwise_bias", params.depthwise_bias, (n, c_in), "(n, C_in)")
+
+
+def _check_gates(z: torch.Tensor, c: torch.Tensor, *cotangents: torch.Tensor) -> None:
+    """Shapes the gate kernels rely on: ``c (B, C, *S)``, ``z (B, 4C, *S)``, cotangents
+    shaped like ``c``."""
+    _check_state("c", c)
+    batch, channels, *spatial = c.shape
+    _expect_shape("z", z, (batch, 4 * channels, *spatial), "(B, 4C, *S)")
+    for name, g in zip(("g_h", "g_c"), cotangents, strict=False):
+        _expect_shape(name, g, tuple(c.shape), "(B, C, *S) like c")
+
+
+def _call(lib: ctypes.CDLL, kernel: str, suffix: str, *args: Any) -> None:
+    """Run one C kernel; its nonzero return (a scratch allocation failed) becomes a
+    ``MemoryError`` (its outputs are then undefined and are not returned)."""
+    if getattr(lib, f"{kernel}_{suffix}")(*args) != 0:
+        raise MemoryError(f"tmcore: the fused CPU kernel {kernel} could not allocate its "
+                          f"scratch memory (grid too large for the memory available; "
+                          f"{_native.ENV_VAR}=0 uses the torch ops instead)")
 
 
 _WORKSPACE = threading.local()  # .buffers: dict while a scan's workspace is open
@@ -164,25 +219,39 @@ def _atomic_ok(volume: torch.Tensor) -> bool:
     )
 
 
+def _kernel_coords(coords: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(coords fit for grid_sampler, NaN mask (B, Q, 1))``.
+
+    ``grid_sampler``'s backward crashes (reads out of bounds) on NaN coordinates and
+    on infinite ones along a size-1 axis, so the kernels see NaN as 0 and every
+    coordinate clamped to ``[-1, 1]``; clamping changes neither the value (border
+    padding clamps there anyway) nor the gradient (zero at and beyond the border).
+    NaN queries are then made NaN in the results, as on the generic path."""
+    is_nan = torch.isnan(coords).any(dim=-1, keepdim=True)
+    safe = torch.where(torch.isnan(coords), 0.0, coords).clamp(-1.0, 1.0)
+    return safe, is_nan
+
+
 def _make_sample(generic: Ops) -> tuple[Any, Any]:
     def sample_fwd(xp, volume, coords):
         if volume.ndim > 5 or volume.dtype != coords.dtype:
             return generic.sample_fwd(xp, volume, coords)
         batch, channels = volume.shape[:2]
-        inp, grid = _grid_args(volume, coords)
+        safe, is_nan = _kernel_coords(coords)
+        inp, grid = _grid_args(volume, safe)
         out = F.grid_sample(inp, grid, mode="bilinear", padding_mode="border",
                             align_corners=True)
         out = out.reshape(batch, channels, coords.shape[1]).transpose(1, 2)
-        # grid_sample clamps a NaN coordinate to the border; the generic path (and the
-        # contract) propagates NaN, so a bad coordinate is not silently read as data.
-        is_nan = torch.isnan(coords).any(dim=-1, keepdim=True)
+        # A NaN coordinate reads NaN (as on the generic path): a bad coordinate is not
+        # silently read as data.
         return torch.where(is_nan, torch.nan, out).contiguous()
 
     def sample_bwd(xp, volume, coords, g):
         if volume.ndim > 5 or not volume.dtype == coords.dtype == g.dtype:
             return generic.sample_bwd(xp, volume, coords, g)
         batch, queries, n = coords.shape
-        inp, grid = _grid_args(volume, coords)
+        safe, is_nan = _kernel_coords(coords)
+        inp, grid = _grid_args(volume, safe)
         grad_out = g.transpose(1, 2).reshape(batch, g.shape[2], *grid.shape[1:-1])
         atomic_ok = _atomic_ok(volume)
         backward = (torch.ops.aten.grid_sampler_3d_backward if n == 3
@@ -191,10 +260,15 @@ def _make_sample(generic: Ops) -> tuple[Any, Any]:
         if atomic_ok:
             d_volume = d_inp.reshape(volume.shape)
         else:
-            weights, _ = tent_profiles(xp, coords, tuple(volume.shape[2:]))
+            weights, _ = tent_profiles(xp, safe, tuple(volume.shape[2:]))
             dense = outer_product(xp, weights)  # (B, Q, P)
             d_volume = torch.matmul(g.transpose(1, 2), dense).reshape(volume.shape)
         d_coords = d_grid.reshape(batch, queries, -1)[..., :n]
+        # NaN as on the generic path: the NaN query's coordinate gradient, and the whole
+        # volume gradient of its batch element (every cell's weight for it is NaN).
+        d_coords = torch.where(is_nan, torch.nan, d_coords)
+        batch_nan = is_nan.reshape(batch, -1).any(dim=1).reshape(batch, *[1] * (volume.ndim - 1))
+        d_volume = torch.where(batch_nan, torch.nan, d_volume)
         return d_volume, d_coords.contiguous()
 
     return sample_fwd, sample_bwd
@@ -245,13 +319,14 @@ def _depthwise_stages(x: torch.Tensor, params: ConvParams) -> list[torch.Tensor]
 def _native_depthwise(kernels, x: torch.Tensor, params: ConvParams) -> torch.Tensor:
     """All depthwise passes of ``x (B, C_in, *S)`` in one fused kernel call."""
     lib, suffix = kernels
-    x = x.contiguous()
-    taps = params.depthwise_weight.contiguous()
-    biases = params.depthwise_bias.contiguous()
+    _check_conv(x, params)
+    x = _plain(x)
+    taps = _plain(params.depthwise_weight)
+    biases = _plain(params.depthwise_bias)
     y = _scratch("depthwise", tuple(x.shape), x)
     spatial = tuple(x.shape[2:])
-    getattr(lib, f"dw_fwd_{suffix}")(_ptr(x), _ptr(y), _ptr(taps), _ptr(biases), x.shape[0],
-                                     x.shape[1], len(spatial), _shape_arg(spatial))
+    _call(lib, "dw_fwd", suffix, _ptr(x), _ptr(y), _ptr(taps), _ptr(biases), x.shape[0],
+          x.shape[1], len(spatial), _shape_arg(spatial))
     return y
 
 
@@ -331,16 +406,24 @@ def _native_conv_bwd(kernels, residuals: _NativeConvResiduals, params: ConvParam
                      g: torch.Tensor):
     lib, suffix = kernels
     x, y = residuals
-    d_y, d_pointwise, d_pointwise_bias = _pointwise_bwd(y, params, g.contiguous(), scratch=True)
-    x = x.contiguous()
-    taps = params.depthwise_weight.contiguous()
-    biases = params.depthwise_bias.contiguous()
+    _check_conv(x, params)
+    _expect_shape("y", y, tuple(x.shape), "(B, C_in, *S) like x")
+    g = _plain(g)
+    if g.ndim != x.ndim or g.shape[0] != x.shape[0] or tuple(g.shape[2:]) != tuple(x.shape[2:]):
+        raise ValueError(f"g: expected shape (B, C_out, *S) with B, *S of x {tuple(x.shape)}, "
+                         f"got {tuple(g.shape)}")
+    d_y, d_pointwise, d_pointwise_bias = _pointwise_bwd(y, params, g, scratch=True)
+    d_y = _plain(d_y)
+    _expect_shape("d_y", d_y, tuple(x.shape), "(B, C_in, *S) like x")
+    x = _plain(x)
+    taps = _plain(params.depthwise_weight)
+    biases = _plain(params.depthwise_bias)
     d_x = torch.empty_like(x, memory_format=torch.contiguous_format)
-    d_taps, d_biases = torch.empty_like(taps), torch.empty_like(biases)
+    d_taps = torch.empty_like(taps, memory_format=torch.contiguous_format)
+    d_biases = torch.empty_like(biases, memory_format=torch.contiguous_format)
     spatial = tuple(x.shape[2:])
-    getattr(lib, f"dw_bwd_{suffix}")(_ptr(x), _ptr(d_y.contiguous()), _ptr(d_x), _ptr(d_taps),
-                                     _ptr(d_biases), _ptr(taps), _ptr(biases), x.shape[0],
-                                     x.shape[1], len(spatial), _shape_arg(spatial))
+    _call(lib, "dw_bwd", suffix, _ptr(x), _ptr(d_y), _ptr(d_x), _ptr(d_taps), _ptr(d_biases),
+          _ptr(taps), _ptr(biases), x.shape[0], x.shape[1], len(spatial), _shape_arg(spatial))
     return d_x, ConvParams(d_taps, d_biases, d_pointwise, d_pointwise_bias)
 
 
@@ -352,11 +435,13 @@ def gates_fwd(xp: Any, z: torch.Tensor, c: torch.Tensor):
     kernels = _native_kernels(z, c)
     if kernels is not None:
         lib, suffix = kernels
-        z, c = z.contiguous(), c.contiguous()
-        h_new, c_new = torch.empty_like(c), torch.empty_like(c)
+        _check_gates(z, c)
+        z, c = _plain(z), _plain(c)
+        h_new = torch.empty_like(c, memory_format=torch.contiguous_format)
+        c_new = torch.empty_like(c, memory_format=torch.contiguous_format)
         batch, channels = c.shape[:2]
-        getattr(lib, f"gates_fwd_{suffix}")(_ptr(z), _ptr(c), _ptr(h_new), _ptr(c_new), batch,
-                                            channels, c[0, 0].numel())
+        _call(lib, "gates_fwd", suffix, _ptr(z), _ptr(c), _ptr(h_new), _ptr(c_new), batch,
+              channels, math.prod(c.shape[2:]))
         return h_new, c_new, _NativeGateResiduals(z, c)
     return _torch_gates(z, c)
 
@@ -375,7 +460,8 @@ def gates_residuals(xp: Any, z: torch.Tensor, c: torch.Tensor):
     """Residuals for :func:`gates_bwd`: ``(z, c)`` on the fused path (its VJP recomputes
     the gates, so nothing is computed here), else those of :func:`gates_fwd`."""
     if _native_kernels(z, c) is not None:
-        return _NativeGateResiduals(z.contiguous(), c.contiguous())
+        _check_gates(z, c)
+        return _NativeGateResiduals(_plain(z), _plain(c))
     return _torch_gates(z, c)[2]
 
 
@@ -386,12 +472,13 @@ def gates_bwd(xp: Any, residuals: tuple, g_h: torch.Tensor, g_c: torch.Tensor):
         kernels = _native_kernels(z, c, g_h, g_c)
         if kernels is not None:
             lib, suffix = kernels
-            g_h, g_c = g_h.contiguous(), g_c.contiguous()
-            d_z, d_c = _scratch("d_z", tuple(z.shape), z), torch.empty_like(c)
+            _check_gates(z, c, g_h, g_c)
+            z, c, g_h, g_c = _plain(z), _plain(c), _plain(g_h), _plain(g_c)
+            d_z = _scratch("d_z", tuple(z.shape), z)
+            d_c = torch.empty_like(c, memory_format=torch.contiguous_format)
             batch, channels = c.shape[:2]
-            getattr(lib, f"gates_bwd_{suffix}")(_ptr(z), _ptr(c), _ptr(g_h), _ptr(g_c),
-                                                _ptr(d_z), _ptr(d_c), batch, channels,
-                                                c[0, 0].numel())
+            _call(lib, "gates_bwd", suffix, _ptr(z), _ptr(c), _ptr(g_h), _ptr(g_c), _ptr(d_z),
+                  _ptr(d_c), batch, channels, math.prod(c.shape[2:]))
             return d_z, d_c
         residuals = _torch_gates(z, c)[2]  # e.g. the cotangents now recorded by autograd
     c, sig, g, tanh_c_new = residuals

@@ -169,9 +169,11 @@ def test_a_fresh_cache_builds_and_loads(monkeypatch, tmp_path):
     monkeypatch.setenv("TMCORE_CACHE_DIR", str(tmp_path))
     lib = native.library()
     assert lib is not None and len(list(tmp_path.glob("tmcore_cell-*.so"))) == 1
+    before = sorted(p.name for p in tmp_path.iterdir())  # the build, its digest, pointers
     importlib.reload(native)  # a new process: loads the cached build
     monkeypatch.setenv("TMCORE_CACHE_DIR", str(tmp_path))
-    assert native.library() is not None and len(list(tmp_path.iterdir())) == 1
+    assert native.library() is not None
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
 
 
 def _scan_case(steps, seed=0, dtype=torch.float64):

@@ -6,6 +6,11 @@ voxel positions are clamped to ``[0, S_a - 1]``; the coordinate gradient is
 zero at and beyond the borders (torch counts the border itself as outside);
 at an interior integer position the derivative is the right-sided one
 (``h[i + 1] - h[i]``), because the lower corner is ``floor(u)``.
+
+Non-finite coordinates: ``+-inf`` reads the border (finite value, zero
+coordinate gradient), like any coordinate beyond it; a NaN component makes
+that query's read and coordinate gradient NaN, and the volume gradient of its
+batch element NaN. Every backend follows this.
 """
 
 from __future__ import annotations
@@ -43,7 +48,10 @@ def tent_profiles(xp: Any, coords: Any, shape: tuple[int, ...]) -> tuple[list[An
         size = shape[axis]
         x = coords[..., axis_of_component(axis, n)]
         half_extent = (size - 1) / 2.0
-        u = (x + 1.0) * half_extent
+        # Clamp the coordinate, not only the voxel position: an infinite coordinate
+        # then reads the border like any far one (on a size-1 axis inf * 0 would be
+        # NaN), as grid_sample does. NaN stays NaN.
+        u = (xp.clip(x, -1.0, 1.0) + 1.0) * half_extent
         clamped = xp.clip(u, 0.0, float(size - 1))
         lower = xp.floor(clamped)
         frac = (clamped - lower)[..., None]
@@ -51,7 +59,8 @@ def tent_profiles(xp: Any, coords: Any, shape: tuple[int, ...]) -> tuple[list[An
         is_lower = xp.astype(index == lower[..., None], coords.dtype)
         is_upper = xp.astype(index == (lower + 1.0)[..., None], coords.dtype)
         weights.append(is_lower * (1.0 - frac) + is_upper * frac)
-        inside = xp.astype((u > 0.0) & (u < float(size - 1)), coords.dtype)
+        # u * 0: NaN for a NaN coordinate (so its gradient is NaN too), else 0
+        inside = xp.astype((u > 0.0) & (u < float(size - 1)), coords.dtype) + u * 0.0
         slopes.append((is_upper - is_lower) * (inside * half_extent)[..., None])
     return weights, slopes
 
