@@ -4,39 +4,35 @@ Three levels, each a thin layer over the one below:
 
 1. **Primitives** -- :func:`trilinear_sample`, :func:`gaussian_splat` and
    :func:`memory_scan` are ``jax.custom_vjp`` functions whose forward and
-   backward are tmcore's own (``tmcore.*`` and ``tmcore.*_vjp``; the scan runs
-   ``tmcore.scan.step_fwd`` under ``lax.scan`` and its backward runs
-   ``tmcore.scan.step_bwd`` under a reverse ``lax.scan``, keeping only the
-   per-step input states). They are defined once, at import; static settings
-   (grid shape, ``eps``, ``radius``) travel as ``nondiff_argnums``. They work
-   under ``jit``, ``vmap`` and ``grad``. Second order: reverse-over-reverse
-   (``grad(grad(f))``) works, JAX differentiating the backward rules;
-   forward mode (``jvp``, ``jacfwd``, ``hessian``) is not available for
-   ``custom_vjp`` functions.
+   backward are tmcore's own. The scan is ONE checkpointing ``lax.scan``
+   (:mod:`tmcore.adapters._jax_scan`) built from ``tmcore.scan.step_fwd`` /
+   ``step_bwd``; its backward keeps every ``checkpoint_every``-th state and
+   replays the segments in between. They work under ``jit``, ``vmap``,
+   ``grad`` and ``shard_map`` (default ``check_vma=True``). Second order:
+   reverse-over-reverse (``grad(grad(f))``) works; forward mode (``jvp``,
+   ``jacfwd``, ``hessian``) is not available for ``custom_vjp`` functions and
+   raises a ``TypeError`` saying so and what to use instead.
 2. **Pure layer** -- :func:`init` / :func:`apply` over a nested-dict parameter
    pytree whose keys and layouts equal the PyTorch adapter's state dict
    (``weight`` is ``(out, in)``), the gated residual :func:`residual_init` /
    :func:`residual_apply`, the multi-layer :func:`stack_apply` (modes
-   ``"threaded"`` and ``"causal"``), streaming (state in, state out,
-   :func:`detach_state`, a per-sequence ``reset`` mask), and
+   ``"causal"`` and ``"threaded"``), streaming (state in, state out,
+   :func:`detach_state`, a per-sequence bool ``reset`` mask), and
    :func:`params_from_state_dict` / :func:`state_dict_from_params`.
 3. **Flax NNX** -- :class:`TensorMemory` and :class:`GatedMemoryResidual`
    hold the same pytree as ``nnx.Param`` leaves; :func:`params_from_module` /
    :func:`load_params` convert.
 
-Layer math per chunk ``t`` of ``L = chunk_size`` tokens (DESIGN.md): read
-coordinate ``tanh(coord_net(first token))``; ``summary = write_proj(concat of
-the chunk's tokens, position-major)``; write coordinate ``tanh(coord_net(summary))``
-(the coordinate head is tied); ``content = content_net(summary)``; ``sigma =
-(softplus(sigma_net(summary)) + 1e-4) * sigma_scale``; the read of chunk ``t``
-sees the state before chunk ``t``'s write; ``out_proj(read_t)`` is broadcast to
-every token of chunk ``t``; a ragged last chunk is zero-padded on the right
-and the output trimmed.
+The layer itself (configuration checks, parameter plan, heads, chunking,
+reset, modes, stored-grid check) is :mod:`tmcore.layer`, shared with the
+PyTorch adapter; this module adds JAX's side: the scan registered with
+``custom_vjp`` (the heads and ``out_proj`` run inside it, per chunk), pytrees,
+dtype promotion and sharding-friendly zero states.
 """
 
 from __future__ import annotations
 
-import math
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -46,17 +42,8 @@ import numpy as np
 from flax import nnx
 from jax import lax
 
-import tmcore
-from tmcore._validate import (
-    check_eps,
-    check_finite,
-    check_grid_shape,
-    check_int,
-    check_positive_scalar,
-    check_radius,
-    check_values,
-    validation_enabled,
-)
+from tmcore import layer as tl
+from tmcore._validate import check_finite, check_int, check_values, validation_enabled
 from tmcore.conv import ConvParams
 from tmcore.sampling import _validate as sample_validate
 from tmcore.scan import StepInputs, validate_scan_inputs
@@ -70,6 +57,7 @@ __all__ = [
     "MODES",
     "MemoryState",
     "GatedMemoryResidual",
+    "StoredGrid",
     "TensorMemory",
     "apply",
     "conv_params",
@@ -89,19 +77,12 @@ __all__ = [
     "trilinear_sample",
 ]
 
-#: Multi-layer modes of :func:`stack_apply`.
-MODES = ("threaded", "causal")
+#: Multi-layer modes of :func:`stack_apply` (:data:`tmcore.layer.MODES`).
+MODES = tl.MODES
 
 #: Parameter names of one memory layer, ``(group, leaf)``, torch state-dict order.
-LAYER_KEYS = (
-    ("write_proj", "weight"), ("write_proj", "bias"),
-    ("content_net", "weight"), ("content_net", "bias"),
-    ("sigma_net", "weight"), ("sigma_net", "bias"),
-    ("coord_net", "weight"), ("coord_net", "bias"),
-    ("cell", "depthwise_weight"), ("cell", "depthwise_bias"),
-    ("cell", "pointwise_weight"), ("cell", "pointwise_bias"),
-    ("out_proj", "weight"), ("out_proj", "bias"),
-)
+LAYER_KEYS = tuple((spec.group, spec.leaf)
+                   for spec in tl.param_specs(tl.LayerConfig(1, 1, (1,), 1)))
 
 _LAYER_NORM_EPS = 1e-5  # torch.nn.LayerNorm's default
 
@@ -109,34 +90,24 @@ _LAYER_NORM_EPS = 1e-5  # torch.nn.LayerNorm's default
 EXTRA_STATE = "_extra_state"
 
 
-# --------------------------------------------------------------------------- argument checks
-# Static checks only (Python values, shapes and dtypes), so they also hold under ``jit``.
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True)
+class StoredGrid:
+    """The grid shape a PyTorch checkpoint stores (its ``_extra_state``), kept in a
+    parameter pytree as a static node: it has no array leaf, so ``jax.grad``,
+    ``optax`` and ``jax.tree.map`` see only the floating parameters, while
+    :func:`apply` / :func:`load_params` check it and :func:`state_dict_from_params`
+    writes it back."""
+
+    shape: tuple[int, ...]
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        return np.asarray(self.shape, dtype=np.int64 if dtype is None else dtype)
 
 
-def _check_sigma_scale(sigma_scale: Any) -> float:
-    check_positive_scalar("sigma_scale", sigma_scale)
-    return float(sigma_scale)
-
-
-def _concrete(value: Any) -> np.ndarray | None:
-    """``value`` as a NumPy array, or ``None`` when it is not concrete (a tracer)."""
-    try:
-        return np.asarray(value)
-    except Exception:  # a tracer under jit / vmap / grad
-        return None
-
-
-def _stored_grid_error(value: Any, memory_shape: tuple[int, ...], where: str) -> str | None:
-    """Why a stored grid shape (the PyTorch adapter's ``_extra_state``) does not match."""
-    saved = _concrete(value)
-    if saved is None:
-        return None
-    if saved.ndim != 1 or not np.issubdtype(saved.dtype, np.integer):
-        return f"memory_shape: {where} should hold the grid shape (1-D ints), got {saved!r}"
-    if tuple(int(s) for s in saved) != tuple(memory_shape):
-        return (f"memory_shape: {tuple(memory_shape)} disagrees with the grid "
-                f"{tuple(int(s) for s in saved)} stored in {where}")
-    return None
+def _stored(value: Any) -> Any:
+    """A stored grid as :func:`tmcore.layer.stored_grid_error` reads it."""
+    return value.shape if isinstance(value, StoredGrid) else value
 
 
 # --------------------------------------------------------------------------- primitives
@@ -265,23 +236,13 @@ class MemoryState(NamedTuple):
 def init_state(batch: int, memory_channels: int, memory_shape: Sequence[int],
                dtype: Any = jnp.float32) -> MemoryState:
     """Zero state ``(h, c)`` of shape ``(batch, memory_channels, *memory_shape)``."""
-    shape = (int(batch), int(memory_channels), *(int(s) for s in memory_shape))
-    return MemoryState(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+    config = tl.layer_config(1, memory_channels, memory_shape, 1)
+    return MemoryState(*tl.zero_state(jnp, config, check_int("batch", batch, 0), dtype=dtype))
 
 
 def detach_state(state: Any) -> Any:
     """``lax.stop_gradient`` on every leaf: cut backprop between streamed segments."""
     return jax.tree.map(lax.stop_gradient, state)
-
-
-def _linear_init(key: jax.Array, out_features: int, in_features: int, dtype: Any) -> dict:
-    """``torch.nn.Linear``'s default: weight and bias uniform in ``+-1/sqrt(in_features)``."""
-    bound = 1.0 / math.sqrt(in_features)
-    k_w, k_b = jax.random.split(key)
-    return {
-        "weight": jax.random.uniform(k_w, (out_features, in_features), dtype, -bound, bound),
-        "bias": jax.random.uniform(k_b, (out_features,), dtype, -bound, bound),
-    }
 
 
 def init(
@@ -297,11 +258,13 @@ def init(
 ) -> dict:
     """Parameters of one Tensor Memory layer, initialized like the PyTorch adapter.
 
-    Linear layers as ``torch.nn.Linear`` (uniform ``+-1/sqrt(fan_in)``),
-    ``sigma_net.bias = 1.0``; the cell's depthwise taps identity, its
-    pointwise matrix Xavier-uniform, its biases zero except the forget-gate
-    quarter of the pointwise bias, ``forget_bias`` (as the PyTorch
-    ``TensorMemory(forget_bias=...)``).
+    The plan is :func:`tmcore.layer.param_specs` (docs/LAYER.md): linear layers
+    as ``torch.nn.Linear`` (uniform ``+-1/sqrt(fan_in)``), ``sigma_net.bias =
+    1.0``; the cell's depthwise taps identity, its pointwise matrix
+    Xavier-uniform, its biases zero except the forget-gate quarter of the
+    pointwise bias, ``forget_bias``. The random leaves are drawn from ``key``
+    in state-dict order. Arrays are made without a device (uncommitted), so
+    ``jit`` places them next to sharded inputs.
 
     Parameters
     ----------
@@ -316,8 +279,9 @@ def init(
         starts the memory keeping 95 % of its state per chunk).
     dtype : parameter dtype.
 
-    Sizes must be ints (a float is a ``TypeError``, never truncated); a size
-    < 1 is a ``ValueError``.
+    Sizes must be ints (a float or bool is a ``TypeError``, never truncated;
+    NumPy ints are fine); a size < 1 is a ``ValueError``
+    (:func:`tmcore.layer.layer_config`).
 
     Returns
     -------
@@ -326,230 +290,100 @@ def init(
     {"depthwise_weight" (n, 2C, 3), "depthwise_bias" (n, 2C), "pointwise_weight"
     (4C, 2C), "pointwise_bias" (4C,)}, "out_proj": {(d, C), (d,)}}``.
     """
-    d = check_int("embed_dim", embed_dim, 1)
-    channels = check_int("memory_channels", memory_channels, 1)
-    length = check_int("chunk_size", chunk_size, 1)
-    dims = check_grid_shape("memory_shape", memory_shape)
-    _check_sigma_scale(sigma_scale)
-    forget_bias = check_finite("forget_bias", forget_bias)
-    n = len(dims)
-    keys = jax.random.split(key, 6)
-    bound = tmcore.xavier_uniform_bound(2 * channels, 4 * channels)
-    pointwise = jax.random.uniform(keys[4], (4 * channels, 2 * channels), dtype, -bound, bound)
-    sigma_net = _linear_init(keys[2], 1, d, dtype)
-    sigma_net["bias"] = jnp.ones((1,), dtype)
-    return {
-        "write_proj": _linear_init(keys[0], d, length * d, dtype),
-        "content_net": _linear_init(keys[1], channels, d, dtype),
-        "sigma_net": sigma_net,
-        "coord_net": _linear_init(keys[3], n, d, dtype),
-        "cell": _with_forget_bias(_cell_init(pointwise, n), channels, forget_bias),
-        "out_proj": _linear_init(keys[5], d, channels, dtype),
-    }
+    config = tl.layer_config(embed_dim, memory_channels, memory_shape, chunk_size, sigma_scale,
+                             forget_bias=forget_bias)
+    random = [s for s in tl.param_specs(config) if s.init in ("uniform", "xavier_uniform")]
+    keys = iter(jax.random.split(key, len(random)))
 
+    def uniform(spec: tl.ParamSpec) -> jax.Array:
+        return jax.random.uniform(next(keys), spec.shape, dtype, -spec.bound, spec.bound)
 
-def _cell_init(pointwise: jax.Array, n: int) -> dict:
-    """:func:`tmcore.conv_params_from_pointwise` as JAX arrays without a device.
-
-    The generic function places its leaves on the pointwise matrix's device,
-    which commits them to that device; uncommitted leaves (made by ``jnp``
-    without ``device=``) let ``jit`` place them with the batch-sharded inputs.
-    """
-    plan = tmcore.conv_params_from_pointwise(np.zeros(pointwise.shape, pointwise.dtype), n)
-    return {**{name: jnp.asarray(value) for name, value in plan._asdict().items()},
-            "pointwise_weight": pointwise}
-
-
-def _with_forget_bias(cell: dict, channels: int, forget_bias: float) -> dict:
-    bias = cell["pointwise_bias"]
-    return {**cell, "pointwise_bias": bias.at[channels : 2 * channels].set(forget_bias)}
+    return tl.init_params(jnp, config, uniform, dtype=dtype)
 
 
 def conv_params(cell: Mapping[str, jax.Array]) -> ConvParams:
     """The ``"cell"`` group of a parameter pytree as :class:`tmcore.ConvParams`."""
-    return ConvParams(**{field: cell[field] for field in ConvParams._fields})
+    return tl.cell_params({"cell": cell})
 
 
-def _linear(p: Mapping[str, jax.Array], x: jax.Array) -> jax.Array:
-    """``torch.nn.functional.linear``: ``x @ weight.T + bias``."""
-    return x @ p["weight"].T + p["bias"]
-
-
-class _LayerShape(NamedTuple):
-    d: int  # embed_dim, from out_proj.weight (d, C)
-    length: int  # chunk_size L, from write_proj.weight (d, L*d)
-    channels: int  # C, from out_proj.weight (d, C)
-    n: int  # spatial axes, from coord_net.weight (n, d)
-
-
-def _check_params(params: Mapping[str, Any]) -> _LayerShape:
-    """Every parameter present and shaped consistently; ``KeyError`` / ``ValueError``
-    naming the leaf. Returns the sizes the parameters fix."""
-    if not isinstance(params, Mapping):
-        raise TypeError(f"params: expected a nested dict from init or params_from_state_dict, "
-                        f"got {type(params).__name__}")
-    for group, leaf in LAYER_KEYS:
-        if not isinstance(params.get(group), Mapping) or leaf not in params[group]:
-            raise KeyError(f"params: missing {group}.{leaf} (expected a pytree from init or "
-                           f"params_from_state_dict)")
-
-    def shape(group: str, leaf: str) -> tuple[int, ...]:
-        return tuple(jnp.shape(params[group][leaf]))
-
-    for group, leaf, rank in (("out_proj", "weight", 2), ("write_proj", "weight", 2),
-                              ("coord_net", "weight", 2)):
-        if len(shape(group, leaf)) != rank:
-            raise ValueError(f"params.{group}.{leaf}: expected a matrix (out, in), "
-                             f"got shape {shape(group, leaf)}")
-    d, channels = shape("out_proj", "weight")
-    n = shape("coord_net", "weight")[0]
-    in_features = shape("write_proj", "weight")[1]
-    length = in_features // d if d else 0
-    if d < 1 or channels < 1 or length < 1 or length * d != in_features:
-        raise ValueError(f"params.write_proj.weight: expected shape (d, L*d) with d = {d} "
-                         f"(from out_proj.weight), got {shape('write_proj', 'weight')}")
-    if not 1 <= n <= 4:
-        raise ValueError(f"params.coord_net.weight: expected shape (n, d) with n = 1 to 4 "
-                         f"spatial axes, got {shape('coord_net', 'weight')}")
-    expected = {
-        ("write_proj", "weight"): ((d, length * d), "(d, L*d)"),
-        ("write_proj", "bias"): ((d,), "(d,)"),
-        ("content_net", "weight"): ((channels, d), "(C, d)"),
-        ("content_net", "bias"): ((channels,), "(C,)"),
-        ("sigma_net", "weight"): ((1, d), "(1, d)"),
-        ("sigma_net", "bias"): ((1,), "(1,)"),
-        ("coord_net", "weight"): ((n, d), "(n, d)"),
-        ("coord_net", "bias"): ((n,), "(n,)"),
-        ("cell", "depthwise_weight"): ((n, 2 * channels, 3), "(n, 2C, 3)"),
-        ("cell", "depthwise_bias"): ((n, 2 * channels), "(n, 2C)"),
-        ("cell", "pointwise_weight"): ((4 * channels, 2 * channels), "(4C, 2C)"),
-        ("cell", "pointwise_bias"): ((4 * channels,), "(4C,)"),
-        ("out_proj", "weight"): ((d, channels), "(d, C)"),
-        ("out_proj", "bias"): ((d,), "(d,)"),
-    }
-    for (group, leaf), (want, layout) in expected.items():
-        if shape(group, leaf) != want:
-            raise ValueError(f"params.{group}.{leaf}: expected shape {layout} = {want} "
-                             f"(d = {d}, C = {channels} from out_proj.weight, n = {n} from "
-                             f"coord_net.weight, L = {length}), got {shape(group, leaf)}")
-    return _LayerShape(d, length, channels, n)
-
-
-def _layer_config(params: Mapping[str, Any], x: jax.Array, chunk_size: int | None) -> _LayerShape:
-    config = _check_params(params)
-    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
-        raise TypeError(f"x: expected an array of shape (B, N, d), got {type(x).__name__}")
-    if x.ndim != 3:
-        raise ValueError(f"x: expected shape (B, N, d) (3 dims), got {tuple(x.shape)}")
-    d = config.d
-    if x.shape[-1] != d:
-        raise ValueError(f"x: expected shape (B, N, d) with d = {d} (from out_proj.weight), "
-                         f"got {tuple(x.shape)}")
-    if not jnp.issubdtype(x.dtype, jnp.floating):
-        raise TypeError(f"x: expected a floating dtype, got {x.dtype}")
-    if x.shape[1] < 1:
-        raise ValueError(f"x: expected at least one token, got shape {tuple(x.shape)}")
-    if chunk_size is not None and check_int("chunk_size", chunk_size, 1) != config.length:
+def _layer_config(params: Mapping[str, Any], x: Any, state: Any, *, chunk_size: Any,
+                  memory_shape: Any, sigma_scale: Any, eps: Any, radius: Any,
+                  checkpoint_every: Any) -> tl.LayerConfig:
+    """The layer's config from its parameters (``d, C, n, L``) and the call's arguments;
+    the grid from ``memory_shape``, else from the state."""
+    d, channels, n, length = tl.sizes_from_params(params)
+    tl.check_params(params, tl.LayerConfig(d, channels, (1,) * n, length))
+    if chunk_size is not None and check_int("chunk_size", chunk_size, 1) != length:
         raise ValueError(f"chunk_size: {chunk_size} disagrees with write_proj.weight "
-                         f"{tuple(jnp.shape(params['write_proj']['weight']))} "
-                         f"(L = {config.length})")
-    return config
+                         f"{tuple(params['write_proj']['weight'].shape)} (L = {length})")
+    if memory_shape is not None:
+        grid = tl.layer_config(d, channels, memory_shape, length).memory_shape
+        if len(grid) != n:
+            raise ValueError(f"memory_shape: expected n = {n} axes (from coord_net.weight), "
+                             f"got {grid}")
+    elif state is None:
+        raise ValueError("memory_shape: required when no state is given (it cannot be "
+                         "inferred from params)")
+    else:
+        h = state[0] if isinstance(state, (tuple, list)) and len(state) == 2 else None
+        if not hasattr(h, "shape") or len(h.shape) != n + 2:
+            tl.check_state(jnp, state, getattr(x, "shape", (0,))[0],
+                           tl.LayerConfig(d, channels, (1,) * n, length))
+            raise ValueError(f"state: expected (h, c) of shape (B, C, *S) with n = {n} "
+                             f"spatial axes, got {getattr(h, 'shape', None)}")
+        grid = tuple(int(s) for s in h.shape[2:])
+        if min(grid) < 1:
+            raise ValueError(f"state: expected h of shape (B, C, *S) with no zero-size axis, "
+                             f"got {tuple(h.shape)}")
+    return tl.layer_config(d, channels, grid, length, sigma_scale,
+                           checkpoint_every=checkpoint_every, radius=radius, eps=eps)
 
 
-def _zero_state_like(x: jax.Array, channels: int, memory_shape: tuple[int, ...]) -> MemoryState:
+def _zero_state_like(x: jax.Array, config: tl.LayerConfig) -> MemoryState:
     """A zero state ``(B, C, *S)`` derived from ``x (B, N, d)``: it inherits ``x``'s batch
     sharding (explicit meshes) and varying axes (``shard_map``), which a fresh
     ``jnp.zeros`` would not have."""
-    zero = jnp.zeros_like(x[:, 0, 0])  # (B,), sharded and varying like x's batch
-    shape = (x.shape[0], channels, *memory_shape)
-    zeros = jnp.broadcast_to(jnp.reshape(zero, (x.shape[0],) + (1,) * (len(shape) - 1)), shape)
+    shape = config.state_shape(x.shape[0])
+    zero = jnp.zeros_like(x[:, 0, 0]) if x.shape[1] else jnp.zeros(x.shape[:1], x.dtype)
+    zeros = jnp.broadcast_to(jnp.reshape(zero, shape[:1] + (1,) * (len(shape) - 1)), shape)
     return MemoryState(zeros, zeros)
 
 
-def _start_state(params, config: _LayerShape, x, state, memory_shape, reset) -> MemoryState:
-    channels, n = config.channels, config.n
-    if memory_shape is not None:
-        memory_shape = check_grid_shape("memory_shape", memory_shape)
-        if len(memory_shape) != n:
-            raise ValueError(f"memory_shape: expected n = {n} axes (from coord_net.weight), "
-                             f"got {memory_shape}")
-    if state is None:
-        if memory_shape is None:
-            raise ValueError("memory_shape: required when no state is given (it cannot be "
-                             "inferred from params)")
-        state = _zero_state_like(x, channels, memory_shape)
-    if not isinstance(state, (tuple, list)) or len(state) != 2:
-        raise ValueError(f"state: expected a pair (h, c) or None, got {type(state).__name__}")
-    state = MemoryState(*state)
-    for name, value in (("state.h", state.h), ("state.c", state.c)):
-        if not hasattr(value, "shape") or not hasattr(value, "dtype"):
-            raise TypeError(f"{name}: expected an array of shape (B, C, *S), "
-                            f"got {type(value).__name__}")
-        if not jnp.issubdtype(value.dtype, jnp.floating):
-            raise TypeError(f"{name}: expected a floating dtype, got {value.dtype}")
-    expected = (x.shape[0], channels)
-    if tuple(state.h.shape[:2]) != expected or state.h.ndim != n + 2:
-        raise ValueError(f"state.h: expected shape (B, C, *S) with B, C = {expected} and "
-                         f"n = {n} spatial axes, got {tuple(state.h.shape)}")
-    if tuple(state.c.shape) != tuple(state.h.shape):
-        raise ValueError(f"state.c: expected the shape of state.h {tuple(state.h.shape)}, "
-                         f"got {tuple(state.c.shape)}")
-    grid = tuple(state.h.shape[2:])
-    if min(grid) < 1:
-        raise ValueError(f"state.h: expected shape (B, C, *S) with no zero-size axis, "
-                         f"got {tuple(state.h.shape)}")
-    if memory_shape is not None and grid != memory_shape:
-        raise ValueError(f"memory_shape: {memory_shape} disagrees with the state's {grid}")
-    if EXTRA_STATE in params:
-        error = _stored_grid_error(params[EXTRA_STATE], grid, f"params[{EXTRA_STATE!r}]")
-        if error is not None:
-            raise ValueError(error)
-    if reset is not None:
-        state = reset_state(state, reset)
-    return state
+def _is_pair(state: Any) -> bool:
+    return (isinstance(state, (tuple, list)) and len(state) == 2
+            and all(hasattr(s, "shape") for s in state))
 
 
 def reset_state(state: Any, reset: jax.Array) -> Any:
-    """Zero the state of the sequences where ``reset (B,)`` is true (document boundaries)."""
-    reset = jnp.asarray(reset, bool)
+    """Zero the state of the sequences where the bool ``reset (B,)`` is True (document
+    boundaries); ``state`` is one ``(h, c)`` or a sequence of them (a causal stack's).
 
-    def zero(leaf):
-        if reset.shape != leaf.shape[:1]:
-            raise ValueError(f"reset: expected shape (B,) = {leaf.shape[:1]}, "
-                             f"got {reset.shape}")
-        mask = jnp.reshape(reset, reset.shape + (1,) * (leaf.ndim - 1))
-        return jnp.where(mask, jnp.zeros_like(leaf), leaf)
-
-    return jax.tree.map(zero, state)
-
-
-_HEADS = ("write_proj", "content_net", "sigma_net", "coord_net", "out_proj")
+    A non-bool mask is a ``TypeError`` (:func:`tmcore.layer.reset_state`).
+    """
+    if _is_pair(state):
+        return MemoryState(*tl.reset_state(jnp, tuple(state), jnp.asarray(reset)))
+    return tuple(reset_state(s, reset) for s in state)
 
 
 class _Heads(NamedTuple):
-    """``prepare`` of the layer's scan: one chunk ``[B, L, d]`` -> its :class:`StepInputs`
-    through the linear heads (hashable by value: it keys the compiled scan)."""
+    """``prepare`` of the layer's scan: one chunk ``(B, L, d)`` -> its :class:`StepInputs`
+    by ``layer.heads`` (hashable by value: it keys the compiled scan)."""
 
-    sigma_scale: float
+    layer: type
+    config: tl.LayerConfig
 
-    def __call__(self, heads: Mapping[str, Any], chunk: jax.Array) -> StepInputs:
-        batch, length, d = chunk.shape
-        summary = _linear(heads["write_proj"], jnp.reshape(chunk, (batch, length * d)))
-        return StepInputs(
-            read_coords=tmcore.squash_coords(_linear(heads["coord_net"], chunk[:, 0, :])),
-            write_coords=tmcore.squash_coords(_linear(heads["coord_net"], summary)),
-            write_sigma=tmcore.sigma_from_logit(_linear(heads["sigma_net"], summary)[:, 0],
-                                                self.sigma_scale),
-            write_content=_linear(heads["content_net"], summary),
-        )
+    def __call__(self, params: Mapping[str, Any], chunk: jax.Array) -> StepInputs:
+        return self.layer(self.config).heads(jnp, params, chunk)
 
 
-def _out_proj(heads: Mapping[str, Any], read: jax.Array) -> jax.Array:
-    """``finish`` of the layer's scan: ``out_proj(read (B, C)) -> (B, d)``."""
-    return _linear(heads["out_proj"], read)
+class _ReadOut(NamedTuple):
+    """``finish`` of the layer's scan: ``layer.read_out`` on one chunk's read ``(B, C)``."""
 
+    layer: type
+    config: tl.LayerConfig
 
-_HEADS = ("write_proj", "content_net", "sigma_net", "coord_net", "out_proj")
+    def __call__(self, params: Mapping[str, Any], read: jax.Array) -> jax.Array:
+        return self.layer(self.config).read_out(jnp, params, read)
 
 
 def _compute_dtype(params: Mapping[str, Any], x: jax.Array, state: Any) -> Any:
@@ -573,6 +407,7 @@ def apply(
     eps: float = DEFAULT_EPS,
     radius: float | None = None,
     checkpoint_every: int = 1,
+    layer: type[tl.Layer] = tl.Layer,
 ) -> tuple[jax.Array, MemoryState]:  # out [B, N, d], state
     """Run one Tensor Memory layer over ``x``; returns ``(out, state)``.
 
@@ -589,14 +424,17 @@ def apply(
     checkpoint_every : the backward keeps the state entering every k-th chunk
         (``ceil(T / k)`` states) and recomputes the rest: memory ``O(T/k + k)``
         states for one extra forward pass; results do not depend on ``k``.
+    layer : a :class:`tmcore.layer.Layer` subclass overriding ``heads`` or
+        ``read_out`` (a variant of the layer); the default is the layer.
 
     Every argument is checked statically (shapes, dtypes, Python scalars; fine
-    under ``jit``): a missing parameter is a ``KeyError``, a misshapen one, a
-    bad ``memory_shape`` / ``eps`` / ``radius`` / ``sigma_scale`` or state a
-    ``ValueError``, a non-floating ``x`` a ``TypeError``, each naming the
-    argument. An ``_extra_state`` entry (the grid shape a PyTorch checkpoint
-    stores) must match the grid when it is concrete. In validate mode
-    (:func:`tmcore.options`) concrete ``x`` and state must also be finite.
+    under ``jit``; :mod:`tmcore.layer`): a missing parameter is a ``KeyError``,
+    a misshapen one, a bad ``memory_shape`` / ``eps`` / ``radius`` /
+    ``sigma_scale`` or state a ``ValueError``, a non-floating ``x`` or
+    parameter a ``TypeError``, each naming the argument. An ``_extra_state``
+    entry (the grid shape a PyTorch checkpoint stores) must match the grid. In
+    validate mode (:func:`tmcore.options`) concrete ``x`` and state must also
+    be finite.
 
     Mixed precision: the layer computes in JAX's promotion of ``x``, the
     parameters and the state (float32 parameters with a bfloat16 ``x``:
@@ -608,33 +446,43 @@ def apply(
     and the final :class:`MemoryState`. Pass the state to the next call to
     stream a long sequence; wrap it in :func:`detach_state` to truncate
     backprop. Pieces whose lengths are multiples of the chunk size give the
-    same result as one call.
+    same result as one call, bit for bit.
     """
-    config = _layer_config(params, x, chunk_size)
-    state = _start_state(params, config, x, state, memory_shape, reset)
-    static = _scan_mod.ScanStatic(_Heads(_check_sigma_scale(sigma_scale)), _out_proj,
-                                  check_eps(eps), check_radius(radius),
-                                  check_int("checkpoint_every", checkpoint_every, 1),
-                                  _scan_mod.options_key())
+    config = _layer_config(params, x, state, chunk_size=chunk_size,
+                           memory_shape=memory_shape, sigma_scale=sigma_scale, eps=eps,
+                           radius=radius, checkpoint_every=checkpoint_every)
+    tl.check_tokens(jnp, x, config)
+    batch, tokens, d = x.shape
+    if state is None:
+        state = _zero_state_like(x, config)
+    state = MemoryState(*tl.check_state(jnp, state, batch, config))
+    if EXTRA_STATE in params:
+        error = tl.stored_grid_error(_stored(params[EXTRA_STATE]), config.memory_shape,
+                                     f"params[{EXTRA_STATE!r}]")
+        if error is not None:
+            raise ValueError(error)
+    if reset is not None:
+        state = reset_state(state, reset)
     dtype = _compute_dtype(params, x, state)
     x = x.astype(dtype)
     state = MemoryState(state.h.astype(dtype), state.c.astype(dtype))
     _check_values_eagerly({"x": x, "state.h": state.h, "state.c": state.c})
-    length = config.length
-    batch, tokens, d = x.shape
-    if batch == 0:  # nothing to scan; shapes as for any other batch
-        return jnp.zeros((0, tokens, d), dtype), state
-    steps = -(-tokens // length)
+    if batch == 0 or tokens == 0:  # nothing to scan; shapes as for any other input
+        return jnp.zeros((batch, tokens, d), dtype), state
+    length = config.chunk_size
+    steps = tl.num_chunks(tokens, length)
+    # jnp.pad rather than a concatenated zero block: it keeps x's sharding on every mesh
     padded = jnp.pad(x, ((0, 0), (0, steps * length - tokens), (0, 0)))
     chunks = jnp.moveaxis(jnp.reshape(padded, (batch, steps, length, d)), 1, 0)  # [T, B, L, d]
-    heads = {name: jax.tree.map(lambda a: a.astype(dtype), dict(params[name]))
-             for name in _HEADS}
+    theta = {group: {leaf: value.astype(dtype) for leaf, value in params[group].items()}
+             for group in tl.GROUPS if group != "cell"}
     cell = ConvParams(*(a.astype(dtype) for a in conv_params(params["cell"])))
+    static = _scan_mod.ScanStatic(_Heads(layer, config), _ReadOut(layer, config), config.eps,
+                                  config.radius, config.checkpoint_every,
+                                  _scan_mod.options_key())
     per_chunk, h, c = forward_mode_guard("apply", lambda: _scan_mod.checkpoint_scan(
-        static, heads, cell, chunks, state.h, state.c))  # per_chunk [T, B, d]
-    out = jnp.broadcast_to(per_chunk[:, :, None, :], (steps, batch, length, d))
-    out = jnp.reshape(jnp.moveaxis(out, 0, 1), (batch, steps * length, d))
-    return out[:, :tokens, :], MemoryState(h, c)
+        static, theta, cell, chunks, state.h, state.c))  # per_chunk [T, B, d]
+    return tl.unchunk(jnp, _batch_major(per_chunk), tokens, length), MemoryState(h, c)
 
 
 # --------------------------------------------------------------------------- residual, stack
@@ -654,16 +502,17 @@ def residual_init(
 ) -> dict:
     """Parameters of ``x + sigmoid(gate) * memory(norm(x))``.
 
-    ``{"norm": {"weight" (d,), "bias" (d,)}, "memory": init(...), "gate" ()}``;
+    ``{"norm": {"weight" (d,), "bias" (d,)}, "memory": init(...), "gate" (1,)}``;
     ``norm`` is a LayerNorm (ones, zeros, eps 1e-5 as in torch); ``gate_init``
     0.0 (half open) and -2.0 (mostly closed) are the paper's two choices.
     """
-    d = int(embed_dim)
+    memory = init(key, embed_dim, memory_channels, memory_shape, chunk_size, sigma_scale,
+                  forget_bias=forget_bias, dtype=dtype)
+    d = memory["out_proj"]["bias"].shape[0]
     return {
         "norm": {"weight": jnp.ones((d,), dtype), "bias": jnp.zeros((d,), dtype)},
-        "memory": init(key, embed_dim, memory_channels, memory_shape, chunk_size, sigma_scale,
-                       forget_bias=forget_bias, dtype=dtype),
-        "gate": jnp.asarray(gate_init, dtype),
+        "memory": memory,
+        "gate": jnp.full(tl.GATE_SHAPE, check_finite("gate_init", gate_init), dtype),
     }
 
 
@@ -679,7 +528,7 @@ def residual_apply(
     """``x + sigmoid(gate) * apply(memory, layer_norm(x), state)``; returns ``(out, state)``.
 
     ``kwargs`` are :func:`apply`'s keywords (``memory_shape``, ``sigma_scale``,
-    ``reset``, ...).
+    ``reset``, ``checkpoint_every``, ...). The gate may be ``(1,)`` or 0-dim.
     """
     out, state = apply(params["memory"], _layer_norm(params["norm"], x), state, **kwargs)
     return x + jax.nn.sigmoid(params["gate"]) * out, state
@@ -701,8 +550,8 @@ def stack_apply(
     ``x = residual_apply(layers[l], x, ...)``. Repeat one parameter pytree in
     ``layers`` to share a memory between blocks.
 
-    Modes
-    -----
+    Modes (:mod:`tmcore.layer`)
+    ---------------------------
     ``"threaded"`` (the paper's): one state threaded through the layers --
         layer ``l`` starts from the state layer ``l - 1`` reached after the
         WHOLE segment, so every position sees later tokens of the segment. Not
@@ -716,33 +565,20 @@ def stack_apply(
 
     ``reset`` zeroes the incoming state of the flagged sequences (every layer's).
     """
-    if mode not in MODES:
-        raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
+    tl.check_mode(mode)
     if blocks is not None and len(blocks) != len(layers):
         raise ValueError(f"blocks: expected {len(layers)} callables (one per layer), "
                          f"got {len(blocks)}")
-    if state is not None and reset is not None:
-        state = reset_state(state, reset)
-    if mode == "threaded":
-        if state is not None:
-            state = MemoryState(*state)
-        for index, layer in enumerate(layers):
-            x = x if blocks is None else blocks[index](x)
-            x, state = residual_apply(layer, x, state, **kwargs)
-        return x, state
-    if state is None or hasattr(state[0], "shape"):  # one (h, c) for every layer
-        states = [state] * len(layers)
-    else:
-        states = list(state)
-        if len(states) != len(layers):
-            raise ValueError(f"state: expected {len(layers)} per-layer states in causal mode, "
-                             f"got {len(states)}")
-    finals = []
-    for index, layer in enumerate(layers):
+    segment = tl.segment_states(mode, state, len(layers))
+    finals: list[MemoryState] = []
+    previous = None
+    for index, params in enumerate(layers):
         x = x if blocks is None else blocks[index](x)
-        x, final = residual_apply(layer, x, states[index], **kwargs)
-        finals.append(final)
-    return x, tuple(finals)
+        start, resets = tl.start_state(mode, index, segment, previous)
+        x, previous = residual_apply(params, x, start, reset=reset if resets else None,
+                                     **kwargs)
+        finals.append(previous)
+    return x, tl.final_state(mode, finals)
 
 
 # --------------------------------------------------------------------------- state dicts
@@ -760,6 +596,21 @@ def _find_prefix(keys: Sequence[str]) -> str:
     return anchor
 
 
+def _expected_names(residual: bool) -> set[str]:
+    layer = {f"{group}.{leaf}" for group, leaf in LAYER_KEYS} | {EXTRA_STATE}
+    if not residual:
+        return layer
+    return {f"memory.{name}" for name in layer} | {"norm.weight", "norm.bias", "gate"}
+
+
+def _stored_grid(key: str, value: np.ndarray) -> StoredGrid:
+    if value.ndim != 1 or not 1 <= value.shape[0] <= 4 or not np.issubdtype(value.dtype,
+                                                                             np.integer):
+        raise ValueError(f"sd[{key!r}]: expected the grid shape a PyTorch checkpoint stores "
+                         f"(1 to 4 ints), got {value!r}")
+    return StoredGrid(tuple(int(s) for s in value))
+
+
 def params_from_state_dict(
     sd: Mapping[str, Any], prefix: str | None = None, *, dtype: Any = None
 ) -> dict:
@@ -770,34 +621,49 @@ def params_from_state_dict(
     ``params["memory"]["cell"]["pointwise_bias"]``. Only keys starting with
     ``prefix`` are taken, with it removed; ``prefix=None`` infers it from the
     single key ending in ``write_proj.weight`` (a memory layer, or a gated
-    residual whose memory is ``memory``). Layouts are unchanged (torch's).
-    Arrays become ``jnp`` arrays of their own dtype (float64 needs x64
+    residual whose memory is ``memory``). Layouts are unchanged (torch's); a
+    0-dim ``gate`` (older checkpoints) becomes ``(1,)``.
+
+    Raises ``KeyError`` for a missing parameter, ``ValueError`` for a key under
+    ``prefix`` that is not one of the layer's (a typo, another module's
+    weights: pass ``prefix=``) and ``TypeError`` for a non-floating weight.
+    Weights become ``jnp`` arrays of their own dtype (float64 needs x64
     enabled) or of ``dtype``. An ``_extra_state`` entry (the grid shape the
-    PyTorch adapter stores) is kept as an int array; :func:`apply` checks it
-    against the grid, :func:`state_dict_from_params` writes it back.
+    PyTorch adapter stores) becomes a :class:`StoredGrid` node (no array leaf,
+    so ``jax.grad`` and optax accept the pytree); :func:`apply` checks it
+    against the grid and :func:`state_dict_from_params` writes it back.
     """
     keys = [str(k) for k in sd]
     prefix = _find_prefix(keys) if prefix is None else prefix
+    names = {key[len(prefix):]: key for key in keys if key.startswith(prefix)}
+    if not names:
+        raise ValueError(f"sd: no key starts with prefix {prefix!r}")
+    residual = any(name.startswith("memory.") for name in names)
+    expected = _expected_names(residual)
+    unknown = sorted(f"{prefix}{name}" for name in names if name not in expected)
+    if unknown:
+        raise ValueError(f"sd: keys under prefix {prefix!r} that are not parameters of a "
+                         f"Tensor Memory {'residual' if residual else 'layer'}: {unknown} "
+                         f"(pass prefix= to select one module)")
+    missing = sorted(f"{prefix}{name}" for name in expected - set(names)
+                     if not name.endswith(EXTRA_STATE))
+    if missing:
+        raise KeyError(f"sd: missing {', '.join(missing)}")
     params: dict = {}
-    for key in keys:
-        if not key.startswith(prefix):
-            continue
+    for name, key in names.items():
         node = params
-        *path, leaf = key[len(prefix):].split(".")
+        *path, leaf = name.split(".")
         for part in path:
             node = node.setdefault(part, {})
         value = np.asarray(sd[key])
-        if leaf == EXTRA_STATE:  # the grid shape a PyTorch checkpoint stores: kept as ints
-            node[leaf] = jnp.asarray(value)
-        else:
-            node[leaf] = jnp.asarray(value, dtype=dtype if dtype is not None else value.dtype)
-    if not params:
-        raise ValueError(f"sd: no key starts with prefix {prefix!r}")
-    layer = params.get("memory", params)
-    for group, leaf in LAYER_KEYS:
-        if group not in layer or leaf not in layer[group]:
-            raise KeyError(f"sd: missing {prefix}{'memory.' if layer is not params else ''}"
-                           f"{group}.{leaf}")
+        if leaf == EXTRA_STATE:
+            node[leaf] = _stored_grid(key, value)
+            continue
+        if not jnp.issubdtype(value.dtype, jnp.floating):
+            raise TypeError(f"sd[{key!r}]: expected a floating array, got dtype {value.dtype}")
+        if name == "gate" and value.ndim == 0:
+            value = np.reshape(value, tl.GATE_SHAPE)
+        node[leaf] = jnp.asarray(value, dtype=dtype if dtype is not None else value.dtype)
     return params
 
 
@@ -836,7 +702,8 @@ def _without_extra_state(module: Any, params: Mapping[str, Any], path: str) -> d
     for key, value in params.items():
         if key == EXTRA_STATE:
             grid = getattr(module, "memory_shape", None)
-            error = None if grid is None else _stored_grid_error(value, grid, f"{path}{key}")
+            error = None if grid is None else tl.stored_grid_error(_stored(value), grid,
+                                                                   f"{path}{key}")
             if error is not None:
                 raise ValueError(error)
         elif isinstance(value, Mapping):
@@ -847,8 +714,9 @@ def _without_extra_state(module: Any, params: Mapping[str, Any], path: str) -> d
     return out
 
 
-def _shape_mismatches(expected: Mapping[str, Any], given: Any, path: str) -> list[str]:
-    """Every leaf of ``given`` missing, unknown, or of another shape than in ``expected``."""
+def _mismatches(expected: Mapping[str, Any], given: Any, path: str) -> list[str]:
+    """Every leaf of ``given`` missing, unknown, not floating, or of another shape than
+    in ``expected``."""
     if not isinstance(given, Mapping):
         return [f"{path[:-1]}: expected a dict of parameters, got {type(given).__name__}"]
     problems = [f"{path}{k}: missing" for k in expected if k not in given]
@@ -858,13 +726,16 @@ def _shape_mismatches(expected: Mapping[str, Any], given: Any, path: str) -> lis
             continue
         got = given[key]
         if isinstance(want, Mapping):
-            problems += _shape_mismatches(want, got, f"{path}{key}.")
+            problems += _mismatches(want, got, f"{path}{key}.")
         elif isinstance(got, Mapping):
             problems.append(f"{path}{key}: expected an array of shape "
                             f"{tuple(jnp.shape(want))}, got a dict")
         elif tuple(jnp.shape(got)) != tuple(jnp.shape(want)):
             problems.append(f"{path}{key}: expected shape {tuple(jnp.shape(want))}, "
                             f"got {tuple(jnp.shape(got))}")
+        elif not jnp.issubdtype(jnp.result_type(got), jnp.floating):
+            problems.append(f"{path}{key}: expected a floating array, got dtype "
+                            f"{jnp.result_type(got)}")
     return problems
 
 
@@ -872,18 +743,23 @@ def load_params(module: nnx.Module, params: Mapping[str, Any]) -> None:
     """Overwrite ``module``'s parameters in place with a pure pytree of the same structure.
 
     Raises ``ValueError`` naming the leaf when ``params`` misses one of the
-    module's parameters, has one it does not, or has one of another shape (then
-    nothing is changed). ``_extra_state`` entries (the grid shape of a PyTorch
-    checkpoint, see :func:`params_from_state_dict`) are checked against the
-    module's ``memory_shape`` and not loaded.
+    module's parameters, has one it does not, has one of another shape or a
+    non-floating one (then nothing is changed). Values are cast to the dtype of
+    the parameter they replace (like ``torch``'s ``load_state_dict``).
+    ``_extra_state`` entries (the grid shape of a PyTorch checkpoint, see
+    :func:`params_from_state_dict`) are checked against the module's
+    ``memory_shape`` and not loaded.
     """
     state = nnx.state(module, nnx.Param)
+    current = nnx.to_pure_dict(state)
     params = _without_extra_state(module, params, "")
-    problems = _shape_mismatches(nnx.to_pure_dict(state), params, "")
+    problems = _mismatches(current, params, "")
     if problems:
         raise ValueError("params: not a pytree of this module's parameters (nothing loaded): "
                          + "; ".join(problems))
-    nnx.replace_by_pure_dict(state, params)
+    cast = jax.tree.map(lambda new, old: jnp.asarray(new, dtype=jnp.result_type(old)), params,
+                        current)
+    nnx.replace_by_pure_dict(state, cast)
     nnx.update(module, state)
 
 
@@ -892,7 +768,9 @@ class TensorMemory(nnx.Module):
 
     Its ``nnx.Param`` leaves carry the names of :func:`init`'s pytree
     (``module.write_proj["weight"]``, ``module.cell["pointwise_weight"]``, ...);
-    :func:`params_from_module` and :func:`load_params` convert.
+    :func:`params_from_module` and :func:`load_params` convert. Mixed
+    precision as in :func:`apply` (float32 parameters with a bfloat16 ``x``
+    compute and keep the state in float32).
     """
 
     def __init__(self, embed_dim: int, memory_channels: int, memory_shape: Sequence[int],
@@ -900,17 +778,20 @@ class TensorMemory(nnx.Module):
                  dtype: Any = jnp.float32, eps: float = DEFAULT_EPS,
                  radius: float | None = None, forget_bias: float = 0.0,
                  checkpoint_every: int = 1) -> None:
+        config = tl.layer_config(embed_dim, memory_channels, memory_shape, chunk_size,
+                                 sigma_scale, checkpoint_every=checkpoint_every, radius=radius,
+                                 eps=eps, forget_bias=forget_bias)
         params = init(rngs.params(), embed_dim, memory_channels, memory_shape, chunk_size,
                       sigma_scale, forget_bias=forget_bias, dtype=dtype)
         for name, group in params.items():
             setattr(self, name, _to_variables(group))
-        self.memory_channels = int(memory_channels)
-        self.memory_shape = tuple(int(s) for s in memory_shape)
-        self.chunk_size = int(chunk_size)
-        self.sigma_scale = float(sigma_scale)
-        self.eps = float(eps)
-        self.radius = _static_radius(radius)
-        self.checkpoint_every = check_int("checkpoint_every", checkpoint_every, 1)
+        self.memory_channels = config.memory_channels
+        self.memory_shape = config.memory_shape
+        self.chunk_size = config.chunk_size
+        self.sigma_scale = config.sigma_scale
+        self.eps = config.eps
+        self.radius = config.radius
+        self.checkpoint_every = config.checkpoint_every
 
     def init_state(self, batch: int, dtype: Any = jnp.float32) -> MemoryState:
         return init_state(batch, self.memory_channels, self.memory_shape, dtype)
@@ -936,7 +817,8 @@ class GatedMemoryResidual(nnx.Module):
                                    forget_bias=forget_bias, checkpoint_every=checkpoint_every)
         self.norm = _to_variables({"weight": jnp.ones((embed_dim,), dtype),
                                    "bias": jnp.zeros((embed_dim,), dtype)})
-        self.gate = nnx.Param(jnp.asarray(gate_init, dtype))
+        self.gate = nnx.Param(jnp.full(tl.GATE_SHAPE, check_finite("gate_init", gate_init),
+                                       dtype))
 
     def __call__(self, x: jax.Array, state: Any = None, *,
                  reset: jax.Array | None = None) -> tuple[jax.Array, MemoryState]:

@@ -453,7 +453,7 @@ def test_gated_residual_gate_init():
     for gate in (0.0, -2.0):
         params = tmj.residual_init(jax.random.key(0), EMBED, CHANNELS, SHAPE, CHUNK,
                                    gate_init=gate, dtype=jnp.float64)
-        assert float(params["gate"]) == gate
+        assert params["gate"].shape == (1,) and float(params["gate"][0]) == gate
         out, _ = residual(params, x, zeros)
         mean = jnp.mean(x, -1, keepdims=True)
         normed = (x - mean) / jnp.sqrt(jnp.var(x, -1, keepdims=True) + 1e-5)
