@@ -34,30 +34,37 @@ def _one_thread():
     torch.set_num_threads(threads)
 
 
-RESULT_KEYS = {"task", "settings", "runs", "summary", "train_config", "model_config", "files"}
+RESULT_KEYS = {"task", "protocol", "scale", "command", "commit", "dirty", "config",
+               "environment", "settings", "window_ceiling", "seeds", "rows", "runs"}
 
 
 def _check_result(result: dict, out_dir) -> None:
     assert RESULT_KEYS <= result.keys()
-    on_disk = json.loads((out_dir / result["task"] / "results.json").read_text())
+    path = out_dir / f"{result['task']}-{result['protocol']}.json"
+    on_disk = json.loads(path.read_text())
     assert RESULT_KEYS <= on_disk.keys()
-    assert (out_dir / result["task"] / "accuracy.png").stat().st_size > 0
+    assert on_disk["rows"] == result["rows"]
+    assert path.with_suffix(".png").stat().st_size > 0
     for run in result["runs"]:
         assert run["loss_curve"], run["model"]
         assert all(math.isfinite(loss) for _, loss in run["loss_curve"]), run["model"]
-        assert set(run["accuracy"]) == set(result["settings"])
+        assert set(run["accuracy"]) <= set(result["settings"])
         assert all(0.0 <= a <= 1.0 for a in run["accuracy"].values())
-    assert set(result["summary"]) == {e for e in {r["model"] for r in result["runs"]}}
+    for row in result["rows"]:
+        assert len(row["seeds"]) == len(result["seeds"])
+        assert all(0.0 <= v <= 100.0 for v in row["seeds"] + row["reset"])
+    assert set(result["window_ceiling"]) == set(result["settings"])
 
 
 @pytest.mark.parametrize("name", ["mapping", "occlusion", "ablations"])
 def test_task_runs_and_writes_outputs(name, tmp_path, capsys):
     exp = make_experiment(name, "tiny")
+    exp.entries = exp.entries[:2] if name == "ablations" else exp.entries
     result = run_experiment(exp, tmp_path, progress=False)
     _check_result(result, tmp_path)
     assert len(result["runs"]) == len(exp.entries)
     printed = capsys.readouterr().out
-    assert f"{exp.task.name} — accuracy" in printed
+    assert f"{exp.task.name}, protocol streaming" in printed
 
 
 def test_noharm_training_lowers_the_loss(tmp_path):
@@ -72,18 +79,147 @@ def test_noharm_training_lowers_the_loss(tmp_path):
     assert all(0.0 < g < 1.0 for _, gates in tm["gate_curve"] for g in gates)
 
 
-def test_demo_binding_and_noharm(tmp_path, capsys):
-    """``make demo`` at tiny scale: both tasks run, write outputs and print their tables."""
+def test_demo_runs_both_protocols(tmp_path, capsys):
+    """``make demo`` at tiny scale: binding under both protocols, results files with the
+    command, the commit and per-seed rows, and both tables printed."""
     assert main(["demo", "--tiny", "--no-progress", "--out", str(tmp_path)]) == 0
     printed = capsys.readouterr().out
-    assert "binding — accuracy" in printed and "noharm — accuracy" in printed
-    for model in ("transformer_wide", "memory_slots", "tensor_memory"):
-        assert model in printed
-    for task in ("binding", "noharm"):
-        _check_result(json.loads((tmp_path / task / "results.json").read_text()), tmp_path)
-    # the Tensor Memory model draws its state; memory gates are plotted over training
-    assert (tmp_path / "binding" / "memory_state.png").stat().st_size > 0
-    assert (tmp_path / "binding" / "gates.png").stat().st_size > 0
+    assert "protocol paper" in printed and "protocol streaming" in printed
+    assert "window ceiling" in printed
+    for protocol in ("paper", "streaming"):
+        result = json.loads((tmp_path / f"binding-{protocol}.json").read_text())
+        _check_result(result, tmp_path)
+        assert result["protocol"] == protocol
+        assert result["command"].startswith("python -m examples.diagnostics demo")
+        assert result["commit"] is None or len(result["commit"]) == 40
+    paper = json.loads((tmp_path / "binding-paper.json").read_text())
+    assert paper["config"]["model"]["segment"] is None and paper["config"]["per_setting"]
+    assert set(paper["window_ceiling"].values()) == {100.0}
+    streaming = json.loads((tmp_path / "binding-streaming.json").read_text())
+    models = {r["model"] for r in streaming["rows"]}
+    assert {"sliding_window", "transformer_xl", "lstm_memory", "memory_slots",
+            "tensor_memory"} <= models
+    assert (tmp_path / "binding-streaming-memory.png").stat().st_size > 0
+
+
+def test_same_seed_same_numbers(tmp_path):
+    """Item 5: two runs of the same seed give identical numbers, inline or in 2 worker
+    processes (each job pins its threads, deterministic algorithms, seeded data)."""
+    def run(jobs: int, out) -> dict:
+        exp = make_experiment("binding", "tiny", seeds=(0,), steps=12)
+        exp.entries = [e for e in exp.entries
+                       if e.kind in ("transformer_xl", "memory_slots", "tensor_memory")]
+        return run_experiment(exp, out, progress=False, jobs=jobs)
+
+    first, second = run(1, tmp_path / "a"), run(1, tmp_path / "b")
+    assert first["rows"] == second["rows"]
+    assert [r["loss_curve"] for r in first["runs"]] == [r["loss_curve"] for r in second["runs"]]
+    parallel = run(2, tmp_path / "c")
+    assert [r["loss_curve"] for r in parallel["runs"]] == [r["loss_curve"]
+                                                          for r in first["runs"]]
+    assert parallel["environment"]["threads"] == 1
+
+
+def test_committed_readme_tables_equal_the_results_files():
+    """Item 4: every README results block is the rendering of its committed results file."""
+    from examples.diagnostics.render import READMES, render_files
+    from examples.diagnostics.results import RESULTS_DIR, load_results
+
+    found = load_results(RESULTS_DIR)
+    for name, result in found.items():
+        if result.get("kind") == "tuning":
+            assert result["chosen"] and result["rows"], name
+            continue
+        assert RESULT_KEYS <= result.keys(), name
+        assert result["protocol"] in ("paper", "streaming")
+        assert all(len(r["seeds"]) == len(result["seeds"]) for r in result["rows"])
+    assert render_files(check=True) == []
+    text = "".join(p.read_text() for p in READMES if p.exists())
+    for name in found:
+        assert f"<!-- results: {name} -->" in text, f"{name} is not rendered in a README"
+
+
+def test_render_replaces_a_stale_block():
+    from examples.diagnostics.render import render_text
+
+    result = {"task": "binding", "protocol": "streaming", "scale": "cpu", "command": "x",
+              "commit": "0" * 40, "dirty": False, "environment": {"threads": 1},
+              "config": {"model": {"segment": 8}, "per_setting": False, "reset": "segment"},
+              "settings": ["W=8"], "window_ceiling": {"W=8": 52.6}, "seeds": [0, 1],
+              "rows": [{"model": "tensor_memory", "setting": "W=8", "seeds": [80.0, 90.0],
+                        "reset": [50.0, 52.0]}],
+              "params": {"tensor_memory": 10}, "carried": {"tensor_memory": 1024}}
+    text = "a\n<!-- results: x -->\nold table\n<!-- /results -->\nb\n"
+    out = render_text(text, {"x": result})
+    assert "old table" not in out and "85.0 ± 7.1" in out and "2/2" in out
+    assert "52.6" in out and out.startswith("a\n") and out.endswith("b\n")
+    assert render_text(out, {"x": result}) == out
+
+
+def test_window_ceiling_of_binding():
+    """8 writes + 4 queries in segments of 8: the last segment holds the last 4 writes, so
+    half the answers are visible: 0.5 + 0.5 / 16."""
+    from examples.diagnostics.tasks import CoordinateBinding
+
+    task = CoordinateBinding(writes=(8,), noises=())
+    ceiling = task.window_ceiling({"writes": 8, "noise": 0.0}, 8)
+    assert abs(ceiling - (0.5 + 0.5 / 16)) < 0.03
+    assert task.window_ceiling({"writes": 8, "noise": 0.0}, None) == 1.0
+
+
+def test_slot_write_addresses_slots_at_chunk_1():
+    """The slots' write at chunk size 1 must not give every slot the same update (the old
+    write took a softmax over the chunk's ONE token: every slot became tanh(value))."""
+    from examples.diagnostics.slots import SlotMemory
+
+    torch.manual_seed(0)
+    memory = SlotMemory(8, 4, 1)
+    with torch.no_grad():
+        memory.update_gate.bias.fill_(20.0)  # gate ~1: the old write overwrote every slot
+    _, slots = memory(torch.randn(1, 1, 8))
+    spread = (slots - slots.mean(1, keepdim=True)).abs().max()
+    assert spread > 1e-3
+
+
+def test_lstm_memory_state_and_forget_bias_match_tensor_memory():
+    from dataclasses import replace
+
+    from examples.diagnostics.config import ModelConfig
+    from examples.diagnostics.models import build_model, carried_numbers
+
+    cfg = replace(ModelConfig(d_model=16, n_layers=2, n_heads=2, memory_channels=2,
+                              memory_shape=(3, 3, 3)), segment=4, max_len=12)
+    lstm, tm = (build_model(k, 5, 3, cfg) for k in ("lstm_memory", "tensor_memory"))
+    xl = build_model("transformer_xl", 5, 3, cfg)
+    assert carried_numbers(lstm) == carried_numbers(tm) == cfg.state_numbers() == 108
+    assert carried_numbers(xl) <= cfg.state_numbers() < carried_numbers(xl) + 2 * 16
+    rnn = lstm.memories()[0].memory.rnn
+    hidden = rnn.hidden_size
+    assert torch.all(rnn.bias_ih_l0[hidden:2 * hidden] == cfg.forget_bias)
+    assert torch.all(rnn.bias_hh_l0[hidden:2 * hidden] == 0.0)
+
+
+@pytest.mark.parametrize("kind", ["sliding_window", "transformer_xl", "lstm_memory",
+                                  "memory_slots", "tensor_memory"])
+def test_reset_at_segments_forgets_the_past(kind):
+    """``reset="segment"``: nothing of the first segment reaches the last one."""
+    x, y = _streams()
+    model = _model(kind, 4)
+    with torch.no_grad():
+        assert float((model(x, reset="segment")[:, -4:]
+                      - model(y, reset="segment")[:, -4:]).abs().max()) == 0.0
+
+
+def test_cached_attention_with_reset_is_the_plain_transformer():
+    """Sliding window and XL with their caches reset are the segment-local transformer."""
+    x, _ = _streams()
+    plain = _model("transformer", 4)
+    for kind in ("sliding_window", "transformer_xl"):
+        cached = _model(kind, 4)
+        cached.load_state_dict(plain.state_dict())
+        with torch.no_grad():
+            torch.testing.assert_close(cached(x, reset="segment"), plain(x))
+            assert float((cached(x) - plain(x)).abs().max()) > 1e-5
 
 
 def test_variant_layer_matches_the_adapter():
@@ -108,8 +244,7 @@ def test_variant_layer_matches_the_adapter():
     torch.testing.assert_close(c_v, c_r)
 
 
-def _final_segment_change(kind: str, segment: int | None) -> float:
-    """Max change of the last segment's logits when a token of the FIRST segment changes."""
+def _model(kind: str, segment: int | None):
     from dataclasses import replace
 
     from examples.diagnostics.config import ModelConfig
@@ -118,25 +253,48 @@ def _final_segment_change(kind: str, segment: int | None) -> float:
     cfg = replace(ModelConfig(d_model=16, n_layers=2, n_heads=2, memory_channels=2,
                               memory_shape=(3, 3, 3), n_slots=4), segment=segment, max_len=12)
     torch.manual_seed(0)
-    model = build_model(kind, 5, 3, cfg).eval()
+    return build_model(kind, 5, 3, cfg).eval()
+
+
+def _streams() -> tuple:
+    torch.manual_seed(1)
     x = torch.randn(2, 12, 5)
     y = x.clone()
     y[:, 0] += 1.0
+    return x, y
+
+
+def _final_segment_change(kind: str, segment: int | None) -> float:
+    """Max change of the last segment's logits when a token of the FIRST segment changes."""
+    model = _model(kind, segment)
+    x, y = _streams()
     with torch.no_grad():
         return float((model(x)[:, -4:] - model(y)[:, -4:]).abs().max())
 
 
-@pytest.mark.parametrize("kind", ["transformer", "transformer_wide"])
+@pytest.mark.parametrize("kind", ["transformer", "transformer_wide", "sliding_window"])
 def test_segments_hide_earlier_segments_from_attention(kind):
-    """Segments of 4: a plain transformer's last segment cannot see the first one."""
+    """Segments of 4: a plain transformer's last segment cannot see the first one, nor can
+    a sliding window of 4 tokens (2 layers reach 6 tokens back, token 0 is 8 back)."""
     assert _final_segment_change(kind, 4) == 0.0
-    assert _final_segment_change(kind, None) > 1e-4  # one full window: it does
+    if kind != "sliding_window":
+        assert _final_segment_change(kind, None) > 1e-4  # one full window: it does
 
 
-@pytest.mark.parametrize("kind", ["memory_slots", "tensor_memory"])
+@pytest.mark.parametrize("kind", ["memory_slots", "tensor_memory", "lstm_memory"])
 def test_memory_state_crosses_segments(kind):
     """The recurrent state carries the first segment into the last one."""
     assert _final_segment_change(kind, 4) > 1e-5
+
+
+def test_xl_cache_reaches_the_previous_segment():
+    """The XL cache (3 tokens here) carries the previous segment's end into the last one."""
+    model = _model("transformer_xl", 4)
+    x, _ = _streams()
+    y = x.clone()
+    y[:, 7] += 1.0  # last token of the middle segment
+    with torch.no_grad():
+        assert float((model(x)[:, -4:] - model(y)[:, -4:]).abs().max()) > 1e-5
 
 
 def test_segments_equal_streaming_the_memory():

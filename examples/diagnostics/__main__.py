@@ -1,14 +1,19 @@
-"""``python -m examples.diagnostics <task> [--full] [--seeds ...] [--out DIR]``.
+"""``python -m examples.diagnostics <task> [--protocol paper|streaming] [--full] [...]``.
 
-Tasks: ``binding``, ``noharm``, ``mapping``, ``occlusion``, ``ablations``,
-``all`` (the five in turn) and ``demo`` (binding + noharm at CPU scale, the
-``make demo`` target). Results go to ``DIR/<task>/results.json`` with PNG plots
-beside it; a table per task is printed at the end.
+Tasks: ``binding`` (both protocols), ``noharm``, ``mapping``, ``occlusion``,
+``ablations`` (streaming only); ``demo`` (binding under both protocols at CPU
+scale, seed 0: the ``make demo`` target); ``render`` (rewrite the README tables
+from the committed results files; ``--check`` to compare only).
+``--tune`` runs the hyper-parameter search on the held-out tuning split
+instead. Results go to ``<out>/<task>-<protocol>.json`` with a PNG plot; the
+committed ones are in ``examples/diagnostics/results/``.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -17,67 +22,136 @@ import torch
 from rich.console import Console
 
 from examples.diagnostics.memory import adapter_name, set_implementation
+from examples.diagnostics.protocols import PROTOCOLS
 from examples.diagnostics.report import print_table
-from examples.diagnostics.runner import EXPERIMENTS, make_experiment, run_experiment
+from examples.diagnostics.results import RESULTS_DIR
+from examples.diagnostics.runner import TASKS, make_experiment, run_experiment, run_tuning
 
-DEMO = ("binding", "noharm")
+#: ``make demo``: binding under both protocols at CPU scale, seed 0 (the committed results'
+#: first seed, so the demo's table can be checked against them).
+DEMO = (("binding", "paper"), ("binding", "streaming"))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m examples.diagnostics", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("task", choices=[*EXPERIMENTS, "all", "demo"])
-    p.add_argument("--full", action="store_true", help="paper-scale sizes (meant for a GPU)")
+    p.add_argument("task", choices=[*TASKS, "demo", "render"])
+    p.add_argument("--protocol", choices=PROTOCOLS, default="streaming",
+                   help="paper: the whole stream in one window, the authors' settings; "
+                        "streaming: segments with carried state (default)")
+    p.add_argument("--full", action="store_true", help="the paper's sizes (meant for a GPU)")
     p.add_argument("--tiny", action="store_true", help="a few steps on tiny inputs (smoke test)")
-    p.add_argument("--seeds", type=int, nargs="+", help="override the task's seeds")
+    p.add_argument("--tune", action="store_true",
+                   help="run the hyper-parameter search (same grid size for every row) on "
+                        "the held-out tuning split instead of the evaluation runs")
+    p.add_argument("--tune-steps", type=int, help="training steps of each tuning point")
+    p.add_argument("--hparams", type=Path,
+                   help="a tuning results file whose chosen points the rows use (default for "
+                        "streaming: the committed <task>-streaming-tuning.json, if any)")
+    p.add_argument("--seeds", type=int, nargs="+", help="override the protocol's seeds")
     p.add_argument("--steps", type=int, help="override the number of training steps")
     p.add_argument("--out", type=Path, default=Path("diagnostics_out"), help="output folder")
     p.add_argument("--framework", choices=["torch", "jax"], default="torch",
-                   help="jax: train the Tensor Memory model with tmcore.adapters.jax "
-                        "(binding and ablation-free tasks only)")
+                   help="jax: train the Tensor Memory row with tmcore.adapters.jax (binding)")
     p.add_argument("--threads", type=int, default=1,
-                   help="torch CPU threads (1 is fastest for these small ops on 2 cores)")
+                   help="torch CPU threads per job (results are bitwise repeatable for a "
+                        "given count; 1 is fastest for these small ops)")
+    p.add_argument("--jobs", type=int, default=1,
+                   help="worker processes (same numbers as 1; each pins its own threads)")
     p.add_argument("--impl", choices=["adapter", "variant"], default="adapter",
                    help="Tensor Memory layer: tmcore.adapters.torch, or the pure-PyTorch "
                         "VariantTensorMemory (same function)")
-    p.add_argument("--device", default=None,
-                   help="torch device (default: cuda when available, else cpu)")
+    p.add_argument("--device", default="cpu", help="torch device (the runner trains on cpu)")
     p.add_argument("--models", nargs="+", help="only these rows (model labels)")
-    p.add_argument("--context", choices=["segment", "full"], default="segment",
-                   help="segment (default): attention within segments of --segment tokens, "
-                        "memory state carried across segments; full: the whole stream in one "
-                        "attention window (memory cannot beat attention there)")
-    p.add_argument("--segment", type=int, help="segment length W (default: the task's)")
+    p.add_argument("--segment", type=int, help="streaming: segment length W")
+    p.add_argument("--check", action="store_true", help="render: compare only (exit 1 if stale)")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bars")
     return p.parse_args(argv)
 
 
+def _hparams(args: argparse.Namespace, task: str, protocol: str) -> tuple[dict, str | None]:
+    path = args.hparams
+    if path is None and protocol == "streaming" and not args.tiny:
+        default = RESULTS_DIR / f"{task}-streaming-tuning.json"
+        path = default if default.exists() else None
+    if path is None:
+        return {}, None
+    chosen = json.loads(Path(path).read_text())["chosen"]
+    try:
+        shown = str(Path(path).resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        shown = str(path)
+    return chosen, shown
+
+
+def _compare_with_committed(result: dict, console: Console) -> None:
+    """The demo's seed-0 numbers against seed 0 of the committed results (same config)."""
+    path = RESULTS_DIR / f"{result['task']}-{result['protocol']}.json"
+    if not path.exists():
+        return
+    committed = json.loads(path.read_text())
+
+    def config(r: dict) -> dict:
+        return {**r["config"], "train": {k: v for k, v in r["config"]["train"].items()
+                                         if k != "seeds"}}
+
+    if committed["seeds"][:1] != result["seeds"] or config(committed) != config(result):
+        console.print(f"[dim]{path.name}: other config or seeds, not compared[/dim]")
+        return
+    mine = {(r["model"], r["setting"]): r["seeds"][0] for r in result["rows"]}
+    theirs = {(r["model"], r["setting"]): r["seeds"][0] for r in committed["rows"]}
+    same = all(theirs.get(k) == v for k, v in mine.items())
+    env_same = committed["environment"] == result["environment"]
+    console.print(f"seed 0 vs committed {path.name}: "
+                  + ("[green]identical[/green]" if same else "[red]different[/red]")
+                  + ("" if env_same else " (recorded environment differs: "
+                     "threads / kernels / CPU / versions)"))
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
+    console = Console(width=None if sys.stdout.isatty() else 200)
+    if args.task == "render":
+        from examples.diagnostics.render import render_files
+
+        stale = render_files(check=args.check)
+        for path in stale:
+            console.print(f"{'stale' if args.check else 'rendered'}: {path}")
+        return 1 if (args.check and stale) else 0
     if args.full and args.tiny:
         raise SystemExit("--full and --tiny are exclusive")
     torch.set_num_threads(args.threads)
     set_implementation(args.impl)
     scale = "full" if args.full else "tiny" if args.tiny else "cpu"
-    names = list(EXPERIMENTS) if args.task == "all" else list(DEMO) if args.task == "demo" \
-        else [args.task]
-    if args.framework == "jax" and names != ["binding"]:
-        raise SystemExit("--framework jax is offered for the binding task")
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    console = Console(width=None if sys.stdout.isatty() else 160)
-    console.print(f"[bold]tmcore diagnostics[/bold]: {', '.join(names)} at {scale} scale, "
-                  f"context {args.context}, Tensor Memory from {adapter_name()}, "
-                  f"framework {args.framework}, device {device}")
+    if args.task == "demo":
+        runs = DEMO
+        seeds = tuple(args.seeds) if args.seeds else (0,)
+    else:
+        runs = ((args.task, args.protocol),)
+        seeds = tuple(args.seeds) if args.seeds else None
+    command = "python -m examples.diagnostics " + " ".join(shlex.quote(a) for a in argv)
+    console.print(f"[bold]tmcore diagnostics[/bold]: {', '.join(f'{t} ({p})' for t, p in runs)} "
+                  f"at {scale} scale, Tensor Memory from {adapter_name()}, "
+                  f"{args.jobs} job(s) x {args.threads} thread(s)")
     start = time.perf_counter()
     results = []
-    for name in names:
-        exp = make_experiment(name, scale, tuple(args.seeds) if args.seeds else None, args.steps,
-                              context=args.context, segment=args.segment)
+    for task, protocol in runs:
+        exp = make_experiment(task, scale, seeds, args.steps, protocol, args.segment)
         if args.models:
             exp.entries = [e for e in exp.entries if e.label in args.models]
-        results.append(run_experiment(exp, args.out, framework=args.framework,
-                                      progress=not args.no_progress, console=console,
-                                      device=device))
+        if args.tune:
+            run_tuning(exp, args.out, console=console, jobs=args.jobs, threads=args.threads,
+                       command=command, steps=args.tune_steps)
+            continue
+        hparams, source = _hparams(args, task, protocol)
+        result = run_experiment(exp, args.out, framework=args.framework,
+                                progress=not args.no_progress, console=console,
+                                device=args.device, jobs=args.jobs, threads=args.threads,
+                                command=command, hparams=hparams, hparams_from=source)
+        results.append(result)
+        if args.task == "demo":
+            _compare_with_committed(result, console)
     if len(results) > 1:
         console.rule("summary")
         for result in results:

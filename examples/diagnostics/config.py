@@ -4,11 +4,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-__all__ = ["ModelConfig", "TrainConfig", "MODEL_KINDS", "scaled"]
+__all__ = ["ModelConfig", "TrainConfig", "MODEL_KINDS", "STREAMING_KINDS", "MEMORY_KINDS",
+           "scaled"]
 
-#: The backbones every task compares, at equal depth and width (the wide one is
-#: parameter-matched to the Tensor Memory model instead).
+#: The backbones the old-style tasks compare, at equal depth and width (the wide one is
+#: parameter-matched to the Tensor Memory model instead); also the paper protocol's rows.
 MODEL_KINDS = ("transformer", "transformer_wide", "memory_slots", "tensor_memory")
+#: The streaming protocol's rows: every baseline can carry something across segments
+#: except the plain one (see models.py for each one's state size).
+STREAMING_KINDS = ("transformer", "sliding_window", "transformer_xl", "lstm_memory",
+                   "memory_slots", "tensor_memory")
+#: Rows whose memory has a retention ("forget") bias to tune; the others tune lr only.
+MEMORY_KINDS = ("lstm_memory", "gru_memory", "memory_slots", "tensor_memory")
 
 
 @dataclass(frozen=True)
@@ -32,9 +39,36 @@ class ModelConfig:
     forget_bias: float = 3.0  # ConvLSTM forget-gate bias at init (memory.init_forget_bias)
     gate_init: float = 0.0  # sigmoid(0) = 0.5: the memory starts half open
     n_slots: int = 16
+    #: recurrent-memory baseline (``lstm_memory`` / ``gru_memory``) hidden size; ``None``:
+    #: the size whose state holds as many numbers as Tensor Memory's ``(h, c)``
+    rnn_hidden: int | None = None
+    #: Transformer-XL cache length in tokens per layer; ``None``: as many numbers as Tensor
+    #: Memory's state (``2 C prod(S) / (d * n_layers)``)
+    cache_tokens: int | None = None
+    #: sliding-window attention: each token sees this many tokens back (``None``: the segment)
+    window: int | None = None
+    dropout: float = 0.0
     #: the memory residual before the block's attention (True), or after it; before, the
     #: memory reads and writes the token embeddings themselves (see the README's findings)
     memory_first: bool = True
+
+    def state_numbers(self) -> int:
+        """Numbers in one Tensor Memory layer's state ``(h, c)``: ``2 C prod(S)``."""
+        cells = 1
+        for size in self.memory_shape:
+            cells *= size
+        return 2 * self.memory_channels * cells
+
+    def rnn_hidden_size(self) -> int:
+        """The LSTM/GRU baseline's hidden size: its ``(h, c)`` holds ``state_numbers()``."""
+        return self.rnn_hidden or self.state_numbers() // 2
+
+    def xl_cache_tokens(self) -> int:
+        """Transformer-XL cache length: ``d`` numbers per token and layer, as many numbers in
+        all as Tensor Memory's state (at least 1)."""
+        if self.cache_tokens is not None:
+            return self.cache_tokens
+        return max(1, self.state_numbers() // (self.d_model * self.n_layers))
 
 
 @dataclass(frozen=True)
@@ -51,6 +85,7 @@ class TrainConfig:
     eval_examples: int = 256
     log_every: int = 10
     seeds: tuple[int, ...] = (0,)
+    schedule: str = "cosine"  # "cosine" (warmup + cosine to 0.1 lr) or "constant" (the paper's)
     extra: dict = field(default_factory=dict)  # task-specific knobs
 
 

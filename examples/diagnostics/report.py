@@ -1,111 +1,142 @@
-"""Results: the terminal table (rich), the JSON file and the PNG plots."""
+"""Tables and plots from a results dictionary (``results.py``).
+
+One function, :func:`table`, turns a results dictionary into rows of strings;
+the terminal table (rich) and the README's markdown tables (``render.py``) are
+both printed from it, so they cannot disagree.
+
+Conventions: accuracy in %, ``mean ± std`` over seeds (sample std, ddof 1);
+``window ceiling``: the best a model that sees only its own segment can do
+(answers in the segment + chance on the rest; 100 in one window);
+``uses state``: seeds whose accuracy drops by >= :data:`USE_MARGIN` points
+(mean over settings) when the carried state is reset -- the memory was
+discovered and is used.
+"""
 
 from __future__ import annotations
 
-import json
+import statistics
 from pathlib import Path
 
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-__all__ = ["summarize", "print_table", "write_json", "plot_sweeps", "plot_gates"]
+__all__ = ["table", "title", "print_table", "print_tuning", "plot_results", "USE_MARGIN",
+           "mean_std"]
+
+USE_MARGIN = 5.0
 
 
-def summarize(runs: list[dict]) -> dict[str, dict[str, dict[str, float]]]:
-    """``{model: {setting label: {"mean", "std", "n"}}}`` over seeds (accuracies in [0, 1])."""
-    out: dict[str, dict[str, list[float]]] = {}
-    for run in runs:
-        for label, acc in run["accuracy"].items():
-            out.setdefault(run["model"], {}).setdefault(label, []).append(acc)
-    return {m: {k: {"mean": float(np.mean(v)), "std": float(np.std(v)), "n": len(v)}
-                for k, v in per.items()} for m, per in out.items()}
+def mean_std(values: list[float]) -> str:
+    """``"88.3 ± 2.1"`` (sample std), or ``"88.3"`` for one value, ``"-"`` for none."""
+    if not values:
+        return "-"
+    mean = statistics.fmean(values)
+    if len(values) == 1:
+        return f"{mean:.1f}"
+    return f"{mean:.1f} ± {statistics.stdev(values):.1f}"
+
+
+def _uses_state(result: dict, model: str) -> str:
+    rows = [r for r in result["rows"] if r["model"] == model and r["reset"]]
+    if not rows:
+        return "-"
+    n = len(result["seeds"])
+    drops = [statistics.fmean(r["seeds"][i] - r["reset"][i] for r in rows) for i in range(n)]
+    return f"{sum(d >= USE_MARGIN for d in drops)}/{n}"
+
+
+def title(result: dict) -> str:
+    """One line naming the task, protocol, scale, seeds and context."""
+    model = result["config"]["model"]
+    context = (f"segments of {model['segment']}, state carried" if model.get("segment")
+               else "whole stream in one window")
+    per = "one model per setting" if result["config"].get("per_setting") else \
+        "one model per row"
+    return (f"{result['task']}, protocol {result['protocol']} ({result['scale']} scale; "
+            f"{context}; {per}) — accuracy % over seeds {result['seeds']}")
+
+
+def table(result: dict) -> tuple[list[str], list[list[str]]]:
+    """``(header, rows)`` of strings: one row per model, then the window ceiling; then,
+    for the models that carry state, a row with the accuracy after resetting it."""
+    settings = result["settings"]
+    header = ["model", "params", "carried", *settings, "uses state"]
+    by = {(r["model"], r["setting"]): r for r in result["rows"]}
+    models = list(dict.fromkeys(r["model"] for r in result["rows"]))
+    rows = []
+    for model in models:
+        rows.append([model, f"{result['params'][model]:,}",
+                     f"{result['carried'].get(model, 0):,}" if result["carried"].get(model)
+                     else "0",
+                     *[mean_std(by[model, s]["seeds"]) for s in settings],
+                     _uses_state(result, model)])
+    rows.append(["window ceiling", "", "",
+                 *[f"{result['window_ceiling'][s]:.1f}" for s in settings], ""])
+    reset = result["config"].get("reset", "segment")
+    for model in models:
+        if any(by[model, s]["reset"] for s in settings):
+            rows.append([f"{model}, state reset every {reset}", "", "",
+                         *[mean_std(by[model, s]["reset"]) for s in settings], ""])
+    return header, rows
 
 
 def print_table(result: dict, console: Console | None = None) -> Table:
-    """Print one task's accuracy table (mean +- std over seeds, in %) and return it.
-
-    ``gate``: final ``sigmoid(gate)`` of each memory (first seed); ``mem off``:
-    accuracy averaged over the settings with the memory gates closed after
-    training (close to the row's accuracies = the memory is not used)."""
+    """Print :func:`table` with :func:`title` and return the rich table."""
     console = console or Console()
-    summary, labels = result["summary"], result["settings"]
-    seeds = len({r["seed"] for r in result["runs"]})
-    context = result.get("context", "full")
-    table = Table(title=f"{result['task']} — accuracy % (mean ± std over {seeds} seed(s)), "
-                        f"context: {context}")
-    table.add_column("model", style="bold")
-    table.add_column("params", justify="right")
-    for label in labels:
-        table.add_column(label, justify="right")
-    table.add_column("gate", justify="right")
-    table.add_column("mem off", justify="right")
-    table.add_column("train s", justify="right")
-    for model, per in summary.items():
-        runs = [r for r in result["runs"] if r["model"] == model]
-        gates = runs[0]["gate_curve"][-1][1] if runs and runs[0]["gate_curve"] else []
-        cells = []
-        for label in labels:
-            s = per[label]
-            cells.append(f"{100 * s['mean']:.1f}" + (f" ± {100 * s['std']:.1f}" if s["n"] > 1
-                                                     else ""))
-        off = [np.mean(list(r["memory_off"].values())) for r in runs if r.get("memory_off")]
-        table.add_row(model, f"{runs[0]['params']:,}", *cells,
-                      " ".join(f"{g:.2f}" for g in gates) or "-",
-                      f"{100 * np.mean(off):.1f}" if off else "-",
-                      f"{np.mean([r['seconds'] for r in runs]):.0f}")
-    console.print(table)
-    return table
+    header, rows = table(result)
+    out = Table(title=title(result))
+    for i, name in enumerate(header):
+        out.add_column(name, justify="left" if i == 0 else "right", style="bold" if i == 0
+                       else None)
+    for row in rows:
+        out.add_row(*row)
+    console.print(out)
+    return out
 
 
-def write_json(result: dict, path: Path) -> None:
-    """Write ``result`` (task, settings, runs, summary, config) as indented JSON."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=2))
+def print_tuning(result: dict, console: Console | None = None) -> Table:
+    """Every tuning point's mean accuracy on the tuning split, the chosen one marked."""
+    console = console or Console()
+    out = Table(title=f"tuning {result['task']} / {result['protocol']}: mean accuracy % on "
+                      f"the held-out tuning split")
+    out.add_column("model", style="bold")
+    out.add_column("point")
+    out.add_column("mean", justify="right")
+    for row in result["rows"]:
+        for point in row["points"]:
+            mark = " *" if point["hparams"] == row["chosen"] else ""
+            out.add_row(row["model"], _point(point["hparams"]) + mark,
+                        f"{100 * point['mean']:.1f}")
+    console.print(out)
+    return out
 
 
-def plot_sweeps(result: dict, groups: list[tuple[str, str, list[dict]]], path: Path) -> None:
-    """Accuracy vs the swept setting, one panel per ``(title, x_key, settings)`` group."""
-    fig, axes = plt.subplots(1, len(groups), figsize=(5 * len(groups), 3.6), squeeze=False)
-    for ax, (title, key, settings) in zip(axes[0], groups, strict=True):
-        xs = [s[key] for s in settings]
-        for model, per in result["summary"].items():
-            labels = [result["label_of"][json.dumps(s, sort_keys=True)] for s in settings]
-            mean = np.array([per[k]["mean"] for k in labels]) * 100
-            std = np.array([per[k]["std"] for k in labels]) * 100
-            ax.errorbar(xs, mean, yerr=std, marker="o", capsize=3, label=model)
-        ax.set(title=title, xlabel=key, ylabel="accuracy %", ylim=(0, 102))
-        ax.grid(alpha=0.3)
-    axes[0][-1].legend(fontsize=8)
+def _point(hparams: dict) -> str:
+    return ", ".join(f"{k} {v:g}" for k, v in hparams.items())
+
+
+def plot_results(result: dict, path: Path) -> None:
+    """Accuracy vs setting per model (mean ± std), with the window ceiling dashed."""
+    settings = result["settings"]
+    by = {(r["model"], r["setting"]): r for r in result["rows"]}
+    models = list(dict.fromkeys(r["model"] for r in result["rows"]))
+    fig, ax = plt.subplots(figsize=(6.5, 3.8))
+    xs = range(len(settings))
+    for model in models:
+        means = [statistics.fmean(by[model, s]["seeds"]) for s in settings]
+        stds = [statistics.stdev(by[model, s]["seeds"]) if len(by[model, s]["seeds"]) > 1
+                else 0.0 for s in settings]
+        ax.errorbar(xs, means, yerr=stds, marker="o", capsize=3, label=model)
+    ax.plot(xs, [result["window_ceiling"][s] for s in settings], "k--", label="window ceiling")
+    ax.set_xticks(list(xs), settings)
+    ax.set(title=f"{result['task']} ({result['protocol']} protocol, {result['scale']} scale)",
+           ylabel="accuracy %", ylim=(0, 102))
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
-
-
-def plot_gates(result: dict, path: Path) -> bool:
-    """``sigmoid(gate)`` of every memory layer over training (first seed); False if none."""
-    fig, ax = plt.subplots(figsize=(5.5, 3.6))
-    drew = False
-    for run in result["runs"]:
-        if run["seed"] != result["runs"][0]["seed"] or not run["gate_curve"]:
-            continue
-        steps = [s for s, _ in run["gate_curve"]]
-        values = np.array([g for _, g in run["gate_curve"]])
-        if values.size == 0 or values.ndim != 2 or values.shape[1] == 0:
-            continue
-        for layer in range(values.shape[1]):
-            ax.plot(steps, values[:, layer], label=f"{run['model']} (memory {layer})")
-            drew = True
-    if drew:
-        ax.set(title=f"{result['task']}: memory gate sigmoid(gate) over training",
-               xlabel="step", ylabel="gate", ylim=(0, 1))
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return drew

@@ -1,8 +1,19 @@
-"""Experiments: which task, which backbones, how long; runs them and writes the results."""
+"""Experiments: which task, protocol, backbones and sizes; runs them and writes the results.
+
+A run is a list of jobs ``(row, seed, setting group, hyper-parameters)``; each
+job trains one model in its own deterministic state (``train.make_deterministic``,
+seeded init, seeded data), so running them inline or in ``jobs`` worker
+processes gives the same numbers. The results file
+``<out>/<task>-<protocol>.json`` (``results.write_results``) holds the rows
+``{model, setting, seeds: [...], reset: [...]}`` and everything needed to
+trace them.
+"""
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
+import multiprocessing
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -10,15 +21,28 @@ from pathlib import Path
 import torch
 from rich.console import Console
 
-from examples.diagnostics import report
-from examples.diagnostics.config import MODEL_KINDS, ModelConfig, TrainConfig, scaled
-from examples.diagnostics.memory import adapter_name
-from examples.diagnostics.models import build_model
-from examples.diagnostics.picture import memory_states, plot_memory_states
+from examples.diagnostics import protocols, report, results
+from examples.diagnostics.config import (
+    MEMORY_KINDS,
+    MODEL_KINDS,
+    STREAMING_KINDS,
+    ModelConfig,
+    TrainConfig,
+    scaled,
+)
+from examples.diagnostics.memory import adapter_name, set_implementation
+from examples.diagnostics.models import build_model, carried_numbers
 from examples.diagnostics.tasks import CoordinateBinding, MapBuilding, NoHarm, Occlusion, Task
-from examples.diagnostics.train import eval_batches, train_and_evaluate
+from examples.diagnostics.train import (
+    TUNE_DATA_SEED,
+    TUNE_EVAL_SEED,
+    eval_batches,
+    make_deterministic,
+    train_and_evaluate,
+)
 
-__all__ = ["Entry", "Experiment", "EXPERIMENTS", "make_experiment", "run_experiment"]
+__all__ = ["Entry", "Experiment", "EXPERIMENTS", "make_experiment", "run_experiment",
+           "run_tuning"]
 
 
 @dataclass(frozen=True)
@@ -33,41 +57,56 @@ class Entry:
 
 @dataclass
 class Experiment:
-    """A task, its sizes and the rows to train."""
+    """A task under a protocol, its sizes and the rows to train.
+
+    ``per_setting``: one model per evaluation setting (the paper's protocol), else
+    one model trained on the task's mixture covers every setting.
+    """
 
     task: Task
     train: TrainConfig
     model: ModelConfig
     entries: list[Entry]
+    protocol: str = "streaming"
+    per_setting: bool = False
+    scale: str = "cpu"
     picture: str | None = None  # label of the entry whose memory state is drawn
+    task_config: dict = field(default_factory=dict)
 
 
-def _backbones() -> list[Entry]:
-    return [Entry(kind, kind) for kind in MODEL_KINDS]
+def _rows(kinds: tuple[str, ...]) -> list[Entry]:
+    return [Entry(kind, kind) for kind in kinds]
 
 
-def _binding() -> Experiment:
-    # a 4^3 grid: half the time per chunk step of 6^3 (the demo's budget), 64 cells for <= 32 keys;
-    # 600 steps: discovering the key -> address map takes ~300-500 (README findings)
-    return Experiment(CoordinateBinding(), TrainConfig(steps=600, warmup=60),
-                      ModelConfig(memory_shape=(4, 4, 4)), _backbones(), picture="tensor_memory")
+def _binding_paper(scale: str) -> Experiment:
+    task_kw, train, model = protocols.paper_binding(scale)
+    return Experiment(CoordinateBinding(**task_kw), train, model, _rows(MODEL_KINDS),
+                      protocol="paper", per_setting=True, task_config=task_kw)
 
 
-def _noharm() -> Experiment:
-    return Experiment(NoHarm(), TrainConfig(steps=100, warmup=10, seeds=(0, 1, 2)),
-                      ModelConfig(), _backbones())
+def _binding_streaming(scale: str) -> Experiment:
+    task_kw, train, model = protocols.streaming_binding(scale)
+    return Experiment(CoordinateBinding(**task_kw), train, model, _rows(STREAMING_KINDS),
+                      protocol="streaming", picture="tensor_memory", task_config=task_kw)
 
 
-def _mapping() -> Experiment:
+def _noharm_streaming(scale: str) -> Experiment:
+    task_kw, train, model = protocols.streaming_noharm(scale)
+    return Experiment(NoHarm(**task_kw), train, model,
+                      _rows(("transformer", "lstm_memory", "memory_slots", "tensor_memory")),
+                      protocol="streaming", task_config=task_kw)
+
+
+def _mapping(scale: str) -> Experiment:
     return Experiment(MapBuilding(), TrainConfig(steps=300), ModelConfig(memory_shape=(2, 8, 8)),
-                      _backbones(), picture="tensor_memory")
+                      _rows(STREAMING_KINDS), picture="tensor_memory")
 
 
-def _occlusion() -> Experiment:
-    return Experiment(Occlusion(), TrainConfig(steps=300), ModelConfig(), _backbones())
+def _occlusion(scale: str) -> Experiment:
+    return Experiment(Occlusion(), TrainConfig(steps=300), ModelConfig(), _rows(STREAMING_KINDS))
 
 
-def _ablations() -> Experiment:
+def _ablations(scale: str) -> Experiment:
     base = {"write": "gaussian", "tied": True, "conv": "factorized"}  # forces the variant layer
 
     def row(label: str, overrides: dict | None = None, **switch: object) -> Entry:
@@ -84,48 +123,56 @@ def _ablations() -> Experiment:
         row("chunk 4", {"chunk_size": 4}),
     ]
     task = CoordinateBinding(writes=(5, 10, 20), noises=())
-    # the binding setting (4^3 base grid, 600 steps: finding the memory takes ~300-500)
     return Experiment(task, TrainConfig(steps=600, warmup=60),
                       ModelConfig(memory_shape=(4, 4, 4)), entries)
 
 
-EXPERIMENTS = {"binding": _binding, "noharm": _noharm, "mapping": _mapping,
-               "occlusion": _occlusion, "ablations": _ablations}
-
+#: ``(task, protocol) -> builder(scale)``. Map building, occlusion and the ablations exist in
+#: the streaming setting only (not redone under the new protocols: see the README).
+EXPERIMENTS = {
+    ("binding", "paper"): _binding_paper,
+    ("binding", "streaming"): _binding_streaming,
+    ("noharm", "streaming"): _noharm_streaming,
+    ("mapping", "streaming"): _mapping,
+    ("occlusion", "streaming"): _occlusion,
+    ("ablations", "streaming"): _ablations,
+}
+TASKS = tuple(dict.fromkeys(task for task, _ in EXPERIMENTS))
 
 #: Minute versions of the tasks for ``--tiny`` (smoke tests).
 TINY_TASKS = {
-    "binding": lambda: CoordinateBinding(writes=(2, 4), n_queries=2, noises=(0.1,),
-                                         noise_writes=4),
-    "noharm": lambda: NoHarm(length=6),
-    "mapping": lambda: MapBuilding(horizons=(1, 2), grid=4, n_queries=2),
-    "occlusion": lambda: Occlusion(lengths=(1, 2), frame=4, visible=2),
-    "ablations": lambda: CoordinateBinding(writes=(2, 3), n_queries=2, noises=()),
+    "binding": lambda kw: CoordinateBinding(writes=(2, 4), n_queries=2,
+                                            n_values=kw.get("n_values", 16), noises=()),
+    "noharm": lambda kw: NoHarm(length=6),
+    "mapping": lambda kw: MapBuilding(horizons=(1, 2), grid=4, n_queries=2),
+    "occlusion": lambda kw: Occlusion(lengths=(1, 2), frame=4, visible=2),
+    "ablations": lambda kw: CoordinateBinding(writes=(2, 3), n_queries=2, noises=()),
 }
 
 
 def make_experiment(name: str, scale: str = "cpu", seeds: tuple[int, ...] | None = None,
-                    steps: int | None = None, context: str = "segment",
+                    steps: int | None = None, protocol: str = "streaming",
                     segment: int | None = None) -> Experiment:
-    """The named experiment at a scale (``cpu`` default, ``full``, ``tiny``).
-
-    ``context="segment"`` (default): attention within segments of ``segment``
-    tokens (default: the config's), memory state carried across segments;
-    ``context="full"``: the whole stream in one attention window.
-    """
-    if context not in ("segment", "full"):
-        raise ValueError(f"context: expected 'segment' or 'full', got {context!r}")
-    exp = EXPERIMENTS[name]()
+    """The named experiment under ``protocol`` at a scale (``cpu`` default, ``full``,
+    ``tiny``); ``seeds`` / ``steps`` / ``segment`` override the protocol's."""
+    if protocol not in protocols.PROTOCOLS:
+        raise ValueError(f"protocol: expected one of {protocols.PROTOCOLS}, got {protocol!r}")
+    if (name, protocol) not in EXPERIMENTS:
+        raise ValueError(f"{name!r} is not offered under the {protocol!r} protocol "
+                         f"(offered: {sorted(EXPERIMENTS)})")
+    exp = EXPERIMENTS[name, protocol](scale)
+    exp.scale = scale
     if scale == "tiny":
-        exp.task = TINY_TASKS[name]()
-    exp.train, exp.model = scaled(exp.train, exp.model, scale)
+        exp.task = TINY_TASKS[name](exp.task_config)
+        exp.task_config = {"tiny": True}
+        exp.train, exp.model = scaled(exp.train, exp.model, "tiny")
+    elif scale == "full" and not exp.task_config:  # old-style tasks: the generic --full
+        exp.train, exp.model = scaled(exp.train, exp.model, "full")
     if seeds:
         exp.train = replace(exp.train, seeds=tuple(seeds))
     if steps:
         exp.train = replace(exp.train, steps=steps, warmup=min(exp.train.warmup, steps // 4 + 1))
-    if context == "full":
-        exp.model = replace(exp.model, segment=None)
-    elif segment:
+    if segment and protocol == "streaming":
         exp.model = replace(exp.model, segment=segment)
     if scale == "tiny":  # tiny grids keep the smoke test fast; ablated grids shrink too
         exp.entries = [replace(e, overrides={**e.overrides, "memory_shape": (3, 3, 3)})
@@ -133,62 +180,230 @@ def make_experiment(name: str, scale: str = "cpu", seeds: tuple[int, ...] | None
     return exp
 
 
+# -- jobs -------------------------------------------------------------------------------------
+@dataclass
+class Job:
+    """One model to train: a row, a seed, the settings it covers, its hyper-parameters."""
+
+    entry: Entry
+    seed: int
+    task: Task
+    train: TrainConfig
+    model: ModelConfig
+    hparams: dict
+    reset: str | None
+    impl: str = "adapter"
+    threads: int = 1
+    progress: bool = False
+    eval_seed: int | None = None
+    data_seed: int | None = None
+    keep_state: bool = False
+
+
+def _apply_hparams(train: TrainConfig, model: ModelConfig, hparams: dict
+                   ) -> tuple[TrainConfig, ModelConfig]:
+    if "lr" in hparams:
+        train = replace(train, lr=float(hparams["lr"]))
+    if "forget_bias" in hparams:
+        model = replace(model, forget_bias=float(hparams["forget_bias"]))
+    return train, model
+
+
+def _run_job(job: Job) -> dict:
+    """Train and evaluate one job in this process (also the worker entry point)."""
+    make_deterministic(job.threads)
+    set_implementation(job.impl)
+    train, model_cfg = _apply_hparams(job.train, job.model, job.hparams)
+    cfg = replace(model_cfg, **job.entry.overrides)
+    evals = eval_batches(job.task, train.eval_examples,
+                         **({"seed": job.eval_seed} if job.eval_seed is not None else {}))
+    torch.manual_seed(job.seed)
+    model = build_model(job.entry.kind, job.task.in_features, job.task.n_classes, cfg,
+                        job.entry.variant)
+    run = train_and_evaluate(model, job.task, train, job.seed, job.entry.label, evals,
+                             job.progress, reset=job.reset, data_seed=job.data_seed)
+    run.hparams = dict(job.hparams)
+    out = {"run": asdict(run), "carried": carried_numbers(model)}
+    if job.keep_state:
+        out["state_dict"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return out
+
+
+def _execute(jobs: list[Job], n_workers: int, console: Console, label: str) -> list[dict]:
+    """Run ``jobs`` inline (``n_workers <= 1``) or in spawned worker processes; results in
+    job order either way."""
+    done: list[dict] = []
+
+    def note(job: Job, res: dict) -> None:
+        acc = " ".join(f"{100 * v:.1f}" for v in res["run"]["accuracy"].values())
+        console.print(f"  [dim]{label} {job.entry.label} seed {job.seed} "
+                      f"{json.dumps(job.hparams) if job.hparams else ''}: {acc} "
+                      f"({res['run']['seconds']:.0f}s)[/dim]")
+
+    if n_workers <= 1:
+        for job in jobs:
+            res = _run_job(job)
+            note(job, res)
+            done.append(res)
+        return done
+    ctx = multiprocessing.get_context("spawn")  # no fork after OpenMP has started
+    with concurrent.futures.ProcessPoolExecutor(n_workers, mp_context=ctx) as pool:
+        futures = [pool.submit(_run_job, replace(job, progress=False)) for job in jobs]
+        for job, future in zip(jobs, futures, strict=True):
+            res = future.result()
+            note(job, res)
+            done.append(res)
+    return done
+
+
+def _groups(exp: Experiment) -> list[Task]:
+    """The tasks the models of one row train on: one per setting (paper) or the mixture."""
+    if exp.per_setting and isinstance(exp.task, CoordinateBinding):
+        kw = {"n_values": exp.task.n_values, "n_queries": exp.task.n_queries}
+        return [CoordinateBinding.only(s, **kw) for s in exp.task.eval_settings]
+    return [exp.task]
+
+
+def _reset_mode(exp: Experiment) -> str:
+    return "segment" if exp.model.segment else "token"
+
+
 def run_experiment(exp: Experiment, out_dir: Path, *, framework: str = "torch",
                    progress: bool = True, console: Console | None = None,
-                   device: str = "cpu") -> dict:
-    """Train every entry for every seed, evaluate, print the table, write JSON and plots.
+                   device: str = "cpu", jobs: int = 1, threads: int = 1,
+                   command: str = "", hparams: dict | None = None,
+                   hparams_from: str | None = None) -> dict:
+    """Train every row for every seed, evaluate, print the table, write the results file.
 
-    Returns the result dictionary (also written to ``out_dir/<task>/results.json``).
+    ``hparams``: ``{row label: {"lr": ..., "forget_bias": ...}}`` (from a tuning
+    file), applied per row. Returns the results dictionary (also written to
+    ``out_dir/<task>-<protocol>.json``).
     """
     console = console or Console()
-    task, out = exp.task, Path(out_dir) / exp.task.name
+    task = exp.task
+    out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     model_cfg = replace(exp.model, max_len=max(exp.model.max_len, task.max_len()))
-    evals = eval_batches(task, exp.train.eval_examples)
-    runs, trained = [], {}
+    hparams = hparams or {}
     start = time.perf_counter()
-    for seed in exp.train.seeds:
-        for entry in exp.entries:
-            if framework == "jax":
-                from examples.diagnostics.jax_binding import train_and_evaluate_jax
+    groups = _groups(exp)
+    impl = "variant" if adapter_name() == "VariantTensorMemory" else "adapter"
+    outputs: list[dict] = []
+    if framework == "jax":
+        from examples.diagnostics.jax_binding import train_and_evaluate_jax
 
+        make_deterministic(threads)
+        for seed in exp.train.seeds:
+            for entry in exp.entries:
                 if entry.kind != "tensor_memory":
                     continue
-                run = train_and_evaluate_jax(task, exp.train, replace(model_cfg, **entry.overrides),
-                                             seed, entry.label + " (jax)", evals, progress)
-                runs.append(asdict(run))
-                continue
-            torch.manual_seed(seed)
-            cfg = replace(model_cfg, **entry.overrides)
-            model = build_model(entry.kind, task.in_features, task.n_classes, cfg,
-                                entry.variant).to(device)
-            run = train_and_evaluate(model, task, exp.train, seed, entry.label, evals, progress)
-            runs.append(asdict(run))
-            trained.setdefault(entry.label, model)
-            acc = " ".join(f"{100 * v:.0f}" for v in run.accuracy.values())
-            console.print(f"  [dim]{task.name} {entry.label} seed {seed}: {acc} "
-                          f"({run.seconds:.0f}s)[/dim]")
+                for group in groups:
+                    evals = eval_batches(group, exp.train.eval_examples)
+                    run = train_and_evaluate_jax(group, exp.train,
+                                                 replace(model_cfg, **entry.overrides), seed,
+                                                 entry.label + " (jax)", evals, progress)
+                    outputs.append({"run": asdict(run), "carried": model_cfg.state_numbers()})
+    else:
+        job_list = [
+            Job(entry, seed, group, exp.train, model_cfg, dict(hparams.get(entry.label, {})),
+                _reset_mode(exp), impl, threads, progress and jobs <= 1,
+                keep_state=(entry.label == exp.picture and seed == exp.train.seeds[0]
+                            and device == "cpu"))
+            for seed in exp.train.seeds for entry in exp.entries for group in groups]
+        if device != "cpu":
+            raise SystemExit("this runner trains on the CPU (each job pins its threads)")
+        outputs = _execute(job_list, jobs, console, f"{task.name}/{exp.protocol}")
+    runs = [o["run"] for o in outputs]
+    carried = {}
+    for o in outputs:
+        carried.setdefault(o["run"]["model"], o["carried"])
     settings = [task.label(s) for s in task.eval_settings]
-    result = {
-        "task": task.name, "framework": framework, "adapter": adapter_name(),
-        "context": f"segments of {model_cfg.segment}" if model_cfg.segment else "full",
-        "sweep_key": task.sweep_key, "settings": settings,
-        "label_of": {json.dumps(s, sort_keys=True): task.label(s) for s in task.eval_settings},
-        "train_config": asdict(exp.train), "model_config": asdict(model_cfg),
-        "runs": runs, "summary": report.summarize(runs),
-        "seconds": time.perf_counter() - start, "files": {},
-    }
-    report.plot_sweeps(result, task.plot_groups(), out / "accuracy.png")
-    result["files"]["accuracy_plot"] = str(out / "accuracy.png")
-    if report.plot_gates(result, out / "gates.png"):
-        result["files"]["gates_plot"] = str(out / "gates.png")
-    if exp.picture in trained:
-        setting = task.eval_settings[min(1, len(task.eval_settings) - 1)]
-        norms = memory_states(trained[exp.picture], task, setting)
-        path = out / "memory_state.png"
-        plot_memory_states(norms, path, f"{task.name}, {task.label(setting)}: ||h|| per cell "
-                           f"(rows: step, columns: depth slice)")
-        result["files"]["memory_state_plot"] = str(path)
-    report.write_json(result, out / "results.json")
+    ceilings = {task.label(s): task.window_ceiling(s, model_cfg.segment)
+                for s in task.eval_settings}
+    result = results.build_results(
+        task=task.name, protocol=exp.protocol, scale=exp.scale, command=command,
+        settings=settings, ceilings=ceilings, runs=runs, carried=carried,
+        config={"task": exp.task_config or {"name": task.name},
+                "train": asdict(exp.train), "model": asdict(model_cfg),
+                "per_setting": exp.per_setting, "reset": _reset_mode(exp),
+                "framework": framework, "layer": adapter_name(),
+                "hparams": hparams, "hparams_from": hparams_from},
+        environment=results.environment(threads),
+        seconds=time.perf_counter() - start)
+    path = out / f"{task.name}-{exp.protocol}.json"
+    results.write_results(result, path)
+    report.plot_results(result, out / f"{task.name}-{exp.protocol}.png")
+    picture = next((o for o in outputs if "state_dict" in o), None)
+    if picture is not None:
+        _draw_memory(exp, model_cfg, picture, out / f"{task.name}-{exp.protocol}-memory.png")
     report.print_table(result, console)
+    console.print(f"results: {path}")
+    return result
+
+
+def _draw_memory(exp: Experiment, model_cfg: ModelConfig, output: dict, path: Path) -> None:
+    from examples.diagnostics.picture import memory_states, plot_memory_states
+
+    entry = next(e for e in exp.entries if e.label == exp.picture)
+    hp = output["run"].get("hparams", {})
+    _, cfg = _apply_hparams(exp.train, replace(model_cfg, **entry.overrides), hp)
+    torch.manual_seed(0)
+    model = build_model(entry.kind, exp.task.in_features, exp.task.n_classes, cfg,
+                        entry.variant)
+    model.load_state_dict(output["state_dict"])
+    setting = exp.task.eval_settings[min(1, len(exp.task.eval_settings) - 1)]
+    norms = memory_states(model, exp.task, setting)
+    plot_memory_states(norms, path, f"{exp.task.name} ({exp.protocol}), "
+                       f"{exp.task.label(setting)}: ||h|| per cell (rows: step, columns: "
+                       f"depth slice)")
+
+
+def run_tuning(exp: Experiment, out_dir: Path, *, console: Console | None = None,
+               jobs: int = 1, threads: int = 1, command: str = "",
+               steps: int | None = None) -> dict:
+    """The same hyper-parameter search for every row (``protocols.tuning_grid``: 4 points
+    each), one seed, on the held-out tuning split: training streams from
+    ``TUNE_DATA_SEED``, scored on examples drawn from ``TUNE_EVAL_SEED`` (never the
+    evaluation examples). Writes ``<out>/<task>-<protocol>-tuning.json`` with every
+    point's score and the chosen point per row (best mean accuracy over settings)."""
+    console = console or Console()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model_cfg = replace(exp.model, max_len=max(exp.model.max_len, exp.task.max_len()))
+    train = exp.train if steps is None else replace(
+        exp.train, steps=steps, warmup=min(exp.train.warmup, steps // 4 + 1))
+    impl = "variant" if adapter_name() == "VariantTensorMemory" else "adapter"
+    seed = exp.train.seeds[0]
+    job_list = [Job(entry, seed, exp.task, train, model_cfg, point, None, impl, threads,
+                    eval_seed=TUNE_EVAL_SEED, data_seed=TUNE_DATA_SEED + seed)
+                for entry in exp.entries
+                for point in protocols.tuning_grid(entry.kind, train, model_cfg)]
+    start = time.perf_counter()
+    outputs = _execute(job_list, jobs, console, f"tune {exp.task.name}/{exp.protocol}")
+    rows, chosen = [], {}
+    for entry in exp.entries:
+        points = [(o["run"]["hparams"], o["run"]["accuracy"]) for o in outputs
+                  if o["run"]["model"] == entry.label]
+        scored = [{"hparams": hp, "accuracy": acc,
+                   "mean": sum(acc.values()) / len(acc)} for hp, acc in points]
+        best = max(scored, key=lambda p: p["mean"])  # first of equals: the grid's order
+        chosen[entry.label] = best["hparams"]
+        rows.append({"model": entry.label, "kind": entry.kind, "points": scored,
+                     "chosen": best["hparams"]})
+    result = {
+        "task": exp.task.name, "protocol": exp.protocol, "kind": "tuning", "scale": exp.scale,
+        "command": command, **results.commit_info(),
+        "config": {"task": exp.task_config, "train": asdict(train), "model": asdict(model_cfg),
+                   "seed": seed, "data_seed": TUNE_DATA_SEED + seed,
+                   "eval_seed": TUNE_EVAL_SEED,
+                   "grid": {e.label: protocols.tuning_grid(e.kind, train, model_cfg)
+                            for e in exp.entries},
+                   "memory_kinds": list(MEMORY_KINDS)},
+        "environment": results.environment(threads),
+        "rows": rows, "chosen": chosen, "seconds": time.perf_counter() - start,
+    }
+    path = out / f"{exp.task.name}-{exp.protocol}-tuning.json"
+    results.write_results(result, path)
+    report.print_tuning(result, console)
+    console.print(f"tuning results: {path}")
     return result

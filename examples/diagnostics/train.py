@@ -14,10 +14,40 @@ from tqdm.auto import tqdm
 from examples.diagnostics.config import TrainConfig
 from examples.diagnostics.tasks import Batch, Task
 
-__all__ = ["RunResult", "train_and_evaluate", "evaluate", "evaluate_memory_off",
-           "eval_batches", "to_tensors", "masked_loss"]
+__all__ = ["RunResult", "train_and_evaluate", "evaluate", "eval_batches", "to_tensors",
+           "masked_loss", "make_deterministic", "EVAL_SEED", "TUNE_EVAL_SEED", "TUNE_DATA_SEED"]
 
 EVAL_SEED = 12_345  # every model of a task is evaluated on the same examples
+#: The held-out tuning split: its own evaluation examples and its own training streams, so a
+#: hyper-parameter search never sees the evaluation examples nor the final runs' batches.
+TUNE_EVAL_SEED = 54_321
+TUNE_DATA_SEED = 1_000_003
+
+
+def make_deterministic(threads: int = 1) -> dict:
+    """Pin everything a rerun's numbers depend on in this process; returns what was set.
+
+    Why a rerun drifted before: torch's CPU reductions split work by thread
+    count (1 vs 2 intra-op threads give different float32 sums, so different
+    weights after a few steps), and tmcore's fused CPU kernels round float32
+    differently from the torch ops they replace (a build that fails, or
+    ``TMCORE_NATIVE=0``, silently changes the numbers; they are also compiled
+    for the CPU at hand, ``-march=native``). So: a fixed thread count,
+    deterministic algorithms, tmcore's deterministic option, and the results
+    file records the thread count and whether the kernels ran.
+    """
+    torch.set_num_threads(threads)
+    torch.use_deterministic_algorithms(True)
+    info = {"torch_threads": threads, "torch_deterministic": True}
+    try:
+        import tmcore
+
+        if hasattr(tmcore, "options"):
+            tmcore.options(deterministic=True)
+            info["tmcore_deterministic"] = True
+    except ImportError:  # the examples also run on the pure-PyTorch variant
+        pass
+    return info
 
 
 @dataclass
@@ -31,8 +61,12 @@ class RunResult:
     accuracy: dict[str, float]
     loss_curve: list[tuple[int, float]] = field(default_factory=list)
     gate_curve: list[tuple[int, list[float]]] = field(default_factory=list)
-    #: accuracy with every memory read switched off (gates closed): how much the memory is used
-    memory_off: dict[str, float] = field(default_factory=dict)
+    #: accuracy with what the model carries reset (``Backbone.forward(reset=...)``: state
+    #: and caches at every segment boundary; every token in one-window runs): the part of
+    #: the accuracy that needs the carried state. Empty for models that carry nothing.
+    reset: dict[str, float] = field(default_factory=dict)
+    #: the hyper-parameters this run used (lr, retention bias, ...)
+    hparams: dict = field(default_factory=dict)
 
 
 def to_tensors(batch: Batch, device: torch.device | str = "cpu"
@@ -51,19 +85,22 @@ def masked_loss(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor
     return loss, acc
 
 
-def eval_batches(task: Task, n_examples: int, chunk: int = 128) -> dict[str, list[Batch]]:
-    """The fixed evaluation set of every setting, seeded by ``EVAL_SEED``."""
+def eval_batches(task: Task, n_examples: int, chunk: int = 128, seed: int = EVAL_SEED
+                 ) -> dict[str, list[Batch]]:
+    """The fixed evaluation set of every setting, seeded by ``seed`` (``EVAL_SEED``; the
+    tuning split uses ``TUNE_EVAL_SEED``)."""
     out = {}
     for i, setting in enumerate(task.eval_settings):
-        rng = np.random.default_rng(EVAL_SEED + i)
+        rng = np.random.default_rng(seed + i)
         sizes = [min(chunk, n_examples - s) for s in range(0, n_examples, chunk)]
         out[task.label(setting)] = [task.batch(rng, n, setting) for n in sizes]
     return out
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, batches: dict[str, list[Batch]]) -> dict[str, float]:
-    """Accuracy per setting label."""
+def evaluate(model: torch.nn.Module, batches: dict[str, list[Batch]],
+             reset: str | None = None) -> dict[str, float]:
+    """Accuracy per setting label (``reset``: see ``models.Backbone.forward``)."""
     model.eval()
     device = next(model.parameters()).device
     result = {}
@@ -71,7 +108,7 @@ def evaluate(model: torch.nn.Module, batches: dict[str, list[Batch]]) -> dict[st
         correct = total = 0
         for batch in parts:
             x, y, m = to_tensors(batch, device)
-            pred = model(x).argmax(-1)
+            pred = (model(x, reset=reset) if reset else model(x)).argmax(-1)
             correct += int((pred[m] == y[m]).sum())
             total += int(m.sum())
         result[label] = correct / max(total, 1)
@@ -79,22 +116,10 @@ def evaluate(model: torch.nn.Module, batches: dict[str, list[Batch]]) -> dict[st
     return result
 
 
-@torch.no_grad()
-def evaluate_memory_off(model: torch.nn.Module, batches: dict[str, list[Batch]]
-                        ) -> dict[str, float]:
-    """Accuracy per setting with every memory gate closed (``sigmoid(-inf) = 0``): the
-    memory still runs, but nothing it reads reaches the tokens. Empty without memories."""
-    memories = model.memories() if hasattr(model, "memories") else []
-    if not memories:
-        return {}
-    saved = [m.gate.detach().clone() for m in memories]
-    for m in memories:
-        m.gate.fill_(-float("inf"))
-    try:
-        return evaluate(model, batches)
-    finally:
-        for m, gate in zip(memories, saved, strict=True):
-            m.gate.copy_(gate)
+def carries_state(model: torch.nn.Module) -> bool:
+    """Whether the model carries anything across segments / tokens (memory or cache)."""
+    return any(getattr(b, "memory", None) is not None or getattr(b, "attention", "local")
+               != "local" for b in getattr(model, "blocks", []))
 
 
 def _param_groups(model: torch.nn.Module, cfg: TrainConfig) -> list[dict]:
@@ -113,6 +138,8 @@ def _param_groups(model: torch.nn.Module, cfg: TrainConfig) -> list[dict]:
 
 def _lr_lambda(cfg: TrainConfig):
     def factor(step: int) -> float:
+        if cfg.schedule == "constant":
+            return 1.0
         if step < cfg.warmup:
             return (step + 1) / cfg.warmup
         progress = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
@@ -122,13 +149,16 @@ def _lr_lambda(cfg: TrainConfig):
 
 def train_and_evaluate(model: torch.nn.Module, task: Task, cfg: TrainConfig, seed: int,
                        name: str, eval_sets: dict[str, list[Batch]],
-                       progress: bool = True) -> RunResult:
-    """Train ``model`` on fresh batches of ``task`` for ``cfg.steps`` steps, then evaluate.
+                       progress: bool = True, reset: str | None = "segment",
+                       data_seed: int | None = None) -> RunResult:
+    """Train ``model`` on fresh batches of ``task`` for ``cfg.steps`` steps, then evaluate
+    (and, for models that carry state, evaluate again with ``reset``).
 
-    The data stream depends only on ``seed``, so every backbone sees the same
-    batches. Gate values (``model.gate_values()``) are logged with the loss.
+    The data stream depends only on ``data_seed`` (default ``seed``), so every
+    backbone sees the same batches. Gate values (``model.gate_values()``) are
+    logged with the loss.
     """
-    rng = np.random.default_rng(seed)
+    rng = np.random.default_rng(seed if data_seed is None else data_seed)
     device = next(model.parameters()).device
     opt = torch.optim.AdamW(_param_groups(model, cfg), lr=cfg.lr, weight_decay=cfg.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(cfg))
@@ -152,6 +182,7 @@ def train_and_evaluate(model: torch.nn.Module, task: Task, cfg: TrainConfig, see
             result.gate_curve.append((step, list(model.gate_values())))
             bar.set_postfix(loss=f"{running:.3f}", acc=f"{acc.item():.2f}")
     result.accuracy = evaluate(model, eval_sets)
-    result.memory_off = evaluate_memory_off(model, eval_sets)
+    if reset and carries_state(model):
+        result.reset = evaluate(model, eval_sets, reset=reset)
     result.seconds = time.perf_counter() - start
     return result

@@ -14,12 +14,16 @@ class Batch:
     """One batch of a token-stream task (NumPy, converted to tensors by the trainer).
 
     inputs ``(B, N, F)`` float32 token features; targets ``(B, N)`` int64 class
-    per position; mask ``(B, N)`` bool, where the loss and accuracy count.
+    per position; mask ``(B, N)`` bool, where the loss and accuracy count;
+    source ``(B, N)`` int64 (optional): for each masked position, the EARLIEST
+    position a model must still see to answer it (-1 elsewhere); used for the
+    window ceiling.
     """
 
     inputs: np.ndarray
     targets: np.ndarray
     mask: np.ndarray
+    source: np.ndarray | None = None
 
 
 class Task:
@@ -48,6 +52,24 @@ class Task:
         """Longest sequence any setting produces."""
         return max(self.batch(np.random.default_rng(0), 1, s).inputs.shape[1]
                    for s in self.eval_settings)
+
+    def window_ceiling(self, setting: dict, window: int | None, examples: int = 2048) -> float:
+        """Best accuracy of a model that sees only its own segment of ``window`` tokens
+        (segments cut as ``models.Backbone`` cuts them: left-padded so the last segment
+        ends the stream): the answers whose source lies in the query's segment, plus
+        chance (``1 / n_classes``) on the others. ``window=None``: one window, 1.0."""
+        if window is None:
+            return 1.0
+        batch = self.batch(np.random.default_rng(2024), examples, setting)
+        if batch.source is None:
+            raise NotImplementedError(f"{self.name}: no answer sources for a window ceiling")
+        N = batch.inputs.shape[1]
+        pad = (-N) % window
+        rows, cols = np.nonzero(batch.mask)
+        src = batch.source[rows, cols]
+        visible = (src >= 0) & ((src + pad) // window == (cols + pad) // window)
+        chance = 1.0 / self.n_classes
+        return float(visible.mean() + (1 - visible.mean()) * chance)
 
     @staticmethod
     def label(setting: dict) -> str:

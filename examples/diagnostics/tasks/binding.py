@@ -31,8 +31,20 @@ class CoordinateBinding(Task):
         self.n_classes = n_values
         self.eval_settings = [{"writes": w, "noise": 0.0} for w in writes] + [
             {"writes": noise_writes, "noise": s} for s in noises if s > 0]
+        self.fixed: dict | None = None
+
+    @classmethod
+    def only(cls, setting: dict, **kwargs: object) -> CoordinateBinding:
+        """A task that trains and evaluates on ONE setting (the paper's protocol: one model
+        per number of writes and noise level)."""
+        task = cls(writes=(setting["writes"],), noises=(), **kwargs)
+        task.eval_settings = [dict(setting)]
+        task.fixed = dict(setting)
+        return task
 
     def train_setting(self, rng: np.random.Generator) -> dict:
+        if self.fixed is not None:
+            return dict(self.fixed)
         return {"writes": int(rng.choice(self.writes)),
                 "noise": float(rng.uniform(0.0, self.train_noise))}
 
@@ -44,7 +56,8 @@ class CoordinateBinding(Task):
         queries = np.take_along_axis(keys, picked[..., None], axis=1)
         queries = np.clip(queries + rng.normal(0.0, 1.0, queries.shape) * setting["noise"], -1, 1)
         dist = ((queries[:, :, None, :] - keys[:, None, :, :]) ** 2).sum(-1)  # (B, Q, W)
-        answers = np.take_along_axis(values, dist.argmin(-1), axis=1)  # (B, Q)
+        nearest = dist.argmin(-1)  # (B, Q): the write that answers each query
+        answers = np.take_along_axis(values, nearest, axis=1)  # (B, Q)
         x = np.zeros((size, W + Q, self.in_features), np.float32)
         x[:, :W, 0] = 1.0
         x[:, W:, 1] = 1.0
@@ -55,7 +68,9 @@ class CoordinateBinding(Task):
         targets[:, W:] = answers
         mask = np.zeros((size, W + Q), bool)
         mask[:, W:] = True
-        return Batch(x, targets, mask)
+        source = np.full((size, W + Q), -1, np.int64)
+        source[:, W:] = nearest
+        return Batch(x, targets, mask, source)
 
     @staticmethod
     def label(setting: dict) -> str:

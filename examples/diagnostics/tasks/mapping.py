@@ -41,7 +41,8 @@ class MapBuilding(Task):
         rows, cols = cells[..., 0], cells[..., 1]
         bits = occupancy[np.arange(size)[:, None], rows, cols]
         # queries: cells drawn among the observed ones
-        picked = np.take_along_axis(cells, rng.integers(0, T * P * P, (size, Q, 1)), axis=1)
+        which = rng.integers(0, T * P * P, (size, Q, 1))
+        picked = np.take_along_axis(cells, which, axis=1)
         q_bits = occupancy[np.arange(size)[:, None], picked[..., 0], picked[..., 1]]
         n_obs = T * P * P
         x = np.zeros((size, n_obs + Q, 5), np.float32)
@@ -57,4 +58,9 @@ class MapBuilding(Task):
         targets[:, n_obs:] = q_bits
         mask = np.zeros((size, n_obs + Q), bool)
         mask[:, n_obs:] = True
-        return Batch(x, targets, mask)
+        # the answer's source: the LAST observation of the queried cell
+        same = (cells[:, None, :, :] == picked[:, :, None, :]).all(-1)  # (B, Q, TPP)
+        last = n_obs - 1 - np.argmax(same[..., ::-1], axis=-1)
+        source = np.full((size, n_obs + Q), -1, np.int64)
+        source[:, n_obs:] = last
+        return Batch(x, targets, mask, source)

@@ -33,4 +33,5 @@ class NoHarm(Task):
         N, V = setting["length"], self.n_values
         tokens = (rng.integers(0, V, (size, 1)) + np.arange(N)) % V  # (B, N)
         x = np.eye(V, dtype=np.float32)[tokens]
-        return Batch(x, (tokens + 1) % V, np.ones((size, N), bool))
+        source = np.broadcast_to(np.arange(N), (size, N)).copy()  # the token itself
+        return Batch(x, (tokens + 1) % V, np.ones((size, N), bool), source)

@@ -56,4 +56,7 @@ class Occlusion(Task):
         targets[:, n_frames] = quadrant
         mask = np.zeros((size, n_frames + 1), bool)
         mask[:, n_frames] = True
-        return Batch(x, targets, mask)
+        # constant velocity: the last TWO visible frames give position and velocity
+        source = np.full((size, n_frames + 1), -1, np.int64)
+        source[:, n_frames] = K - 2
+        return Batch(x, targets, mask, source)

@@ -1,0 +1,90 @@
+"""Render the README tables from the committed results files.
+
+``python -m examples.diagnostics render`` rewrites every block
+
+    <!-- results: binding-streaming -->
+    ... (generated) ...
+    <!-- /results -->
+
+in the READMEs (:data:`READMES`) with the table of
+``examples/diagnostics/results/binding-streaming.json`` (a ``-tuning`` file
+gives the tuning table); ``--check`` only compares and exits 1 on a
+difference. ``tests/test_diagnostics_smoke.py`` runs the check, so the
+committed tables always equal the committed results.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from examples.diagnostics.report import table, title
+from examples.diagnostics.results import RESULTS_DIR, load_results
+
+__all__ = ["markdown", "render_text", "render_files", "READMES"]
+
+_ROOT = Path(__file__).resolve().parents[2]
+READMES = (Path(__file__).with_name("README.md"), _ROOT / "README.md")
+_BLOCK = re.compile(r"(<!-- results: (?P<name>[\w.-]+) -->\n)(?P<body>.*?)(<!-- /results -->)",
+                    re.DOTALL)
+
+
+def _md_table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(cell.replace("|", "/") for cell in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _source(result: dict, name: str) -> str:
+    commit = (result.get("commit") or "unknown")[:10]
+    dirty = " + uncommitted changes" if result.get("dirty") else ""
+    env = result.get("environment", {})
+    return (f"Source: `examples/diagnostics/results/{name}.json`, made by `{result['command']}` "
+            f"at commit {commit}{dirty} ({env.get('threads', '?')} torch thread(s), fused "
+            f"kernels {'on' if env.get('native_kernels') else 'off'}).")
+
+
+def markdown(name: str, result: dict) -> str:
+    """The markdown block of one results file (title, table, source line)."""
+    if result.get("kind") == "tuning":
+        header = ["model", "grid point", "tuning-split mean %", "chosen"]
+        rows = [[row["model"], ", ".join(f"{k} {v:g}" for k, v in p["hparams"].items()),
+                 f"{100 * p['mean']:.1f}", "yes" if p["hparams"] == row["chosen"] else ""]
+                for row in result["rows"] for p in row["points"]]
+        head = (f"*Tuning, {result['task']} / {result['protocol']}: every row searched the "
+                f"same number of points, seed {result['config']['seed']}, "
+                f"{result['config']['train']['steps']} steps, scored on the held-out tuning "
+                f"split.*")
+        return "\n\n".join([head, _md_table(header, rows), _source(result, name)]) + "\n"
+    header, rows = table(result)
+    return "\n\n".join([f"*{title(result)}*", _md_table(header, rows),
+                        _source(result, name)]) + "\n"
+
+
+def render_text(text: str, results: dict[str, dict]) -> str:
+    """``text`` with every results block replaced by its rendering (unknown names are
+    left as they are)."""
+    def replace(match: re.Match) -> str:
+        name = match.group("name")
+        if name not in results:
+            return match.group(0)
+        return match.group(1) + markdown(name, results[name]) + match.group(4)
+
+    return _BLOCK.sub(replace, text)
+
+
+def render_files(check: bool = False, folder: Path = RESULTS_DIR,
+                 readmes: tuple[Path, ...] = READMES) -> list[Path]:
+    """Render every README; returns the files that differ (rewritten unless ``check``)."""
+    found = load_results(folder)
+    stale = []
+    for path in readmes:
+        if not path.exists():
+            continue
+        old = path.read_text()
+        new = render_text(old, found)
+        if new != old:
+            stale.append(path)
+            if not check:
+                path.write_text(new)
+    return stale

@@ -1,0 +1,122 @@
+"""The results file: every number in the README tables comes from one of these.
+
+``examples/diagnostics/results/<task>-<protocol>.json``::
+
+    task, protocol ("paper" | "streaming"), scale, command, commit, dirty,
+    dirty_paths, config {task, train, model, ...}, environment {torch, threads,
+    native kernels, cpu, ...}, settings [labels], window_ceiling {label: %},
+    rows [{model, setting, seeds: [% per seed], reset: [% per seed]}],
+    seeds [the seed of each position], params {model: n}, carried {model: n},
+    gates {model: [[per layer] per seed]}, runs [full per-run records], seconds
+
+Accuracies in ``rows`` are percentages rounded to 0.01; ``reset`` is the
+accuracy with the carried state reset (``models.Backbone.forward(reset=...)``),
+empty for models that carry nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+from pathlib import Path
+
+__all__ = ["build_results", "write_results", "load_results", "commit_info", "environment",
+           "RESULTS_DIR", "TRACKED_PATHS"]
+
+RESULTS_DIR = Path(__file__).with_name("results")
+#: The paths whose uncommitted changes can change a run's numbers.
+TRACKED_PATHS = ("examples/diagnostics", "tmcore", "backends", "adapters")
+_ROOT = Path(__file__).resolve().parents[2]
+
+
+def _git(*args: str) -> str | None:
+    try:
+        done = subprocess.run(["git", *args], cwd=_ROOT, capture_output=True, text=True,
+                              timeout=30, check=True)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout.strip()
+
+
+def commit_info() -> dict:
+    """``{"commit": HEAD, "dirty": bool, "dirty_paths": [...]}`` at run time; ``dirty``
+    counts changes under :data:`TRACKED_PATHS` only (other files cannot change a run)."""
+    head = _git("rev-parse", "HEAD")
+    status = _git("status", "--porcelain", "--", *TRACKED_PATHS)
+    paths = sorted(line[3:] for line in (status or "").splitlines()
+                   if not line[3:].startswith("examples/diagnostics/results/"))
+    return {"commit": head, "dirty": bool(paths), "dirty_paths": paths[:50]}
+
+
+def environment(threads: int) -> dict:
+    """What a bitwise rerun must match: versions, CPU, threads, whether the fused kernels
+    ran (they round float32 differently from the torch ops and are built per CPU)."""
+    import numpy
+    import torch
+
+    env = {"python": platform.python_version(), "torch": torch.__version__,
+           "numpy": numpy.__version__, "machine": platform.machine(), "threads": threads,
+           "cpu": _cpu_model(), "native_kernels": None}
+    try:
+        from backends import _native
+
+        env["native_kernels"] = bool(_native.enabled() and _native.library() is not None)
+    except Exception:  # no tmcore backends (pure-PyTorch variant): nothing fused ran
+        env["native_kernels"] = False
+    env["TMCORE_NATIVE"] = os.environ.get("TMCORE_NATIVE")
+    return env
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def build_results(*, task: str, protocol: str, scale: str, command: str, settings: list[str],
+                  ceilings: dict[str, float], runs: list[dict], carried: dict[str, int],
+                  config: dict, environment: dict, seconds: float) -> dict:
+    """The results dictionary from per-run records (``train.RunResult`` as dicts)."""
+    seeds = sorted({r["seed"] for r in runs})
+    models = list(dict.fromkeys(r["model"] for r in runs))
+    rows = []
+    for model in models:
+        mine = [r for r in runs if r["model"] == model]
+        for setting in settings:
+            by_seed = {r["seed"]: r for r in mine if setting in r["accuracy"]}
+            rows.append({
+                "model": model, "setting": setting,
+                "seeds": [round(100 * by_seed[s]["accuracy"][setting], 2) for s in seeds],
+                "reset": [round(100 * by_seed[s]["reset"][setting], 2) for s in seeds
+                          if by_seed[s].get("reset")],
+            })
+    return {
+        "task": task, "protocol": protocol, "scale": scale, "command": command,
+        **commit_info(), "config": config, "environment": environment,
+        "settings": settings,
+        "window_ceiling": {k: round(100 * v, 2) for k, v in ceilings.items()},
+        "seeds": seeds, "rows": rows,
+        "params": {m: next(r["params"] for r in runs if r["model"] == m) for m in models},
+        "carried": carried,
+        "gates": {m: [r["gate_curve"][-1][1] if r["gate_curve"] else [] for r in runs
+                      if r["model"] == m] for m in models},
+        "runs": runs, "seconds": round(seconds, 1),
+    }
+
+
+def write_results(result: dict, path: Path) -> None:
+    """Write ``result`` as indented JSON (``path``'s folder is created)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1) + "\n")
+
+
+def load_results(folder: Path = RESULTS_DIR) -> dict[str, dict]:
+    """``{file stem: results}`` of every results file in ``folder`` (sorted by name)."""
+    return {p.stem: json.loads(p.read_text()) for p in sorted(Path(folder).glob("*.json"))}
