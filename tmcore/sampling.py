@@ -24,7 +24,8 @@ from tmcore._separable import outer_product
 from tmcore._validate import check_dim, check_nonempty, check_rank, namespace_of, require_array
 from tmcore.addressing import axis_of_component
 
-__all__ = ["trilinear_sample", "trilinear_sample_vjp", "tent_profiles"]
+__all__ = ["trilinear_sample", "trilinear_sample_vjp", "tent_profiles",
+           "validate_sample_inputs"]
 
 
 def tent_profiles(xp: Any, coords: Any, shape: tuple[int, ...]) -> tuple[list[Any], list[Any]]:
@@ -93,7 +94,9 @@ def sample_bwd(xp: Any, volume: Any, coords: Any, g: Any) -> tuple[Any, Any]:
     return d_volume, xp.stack(components, axis=-1)
 
 
-def _validate(volume: Any, coords: Any, g: Any = None) -> Any:
+def validate_sample_inputs(volume: Any, coords: Any, g: Any = None) -> Any:
+    """The checks of :func:`trilinear_sample` / its VJP (shared with the torch custom
+    op, which runs them in eager mode). Returns the namespace."""
     xp = namespace_of(volume=volume, coords=coords, g=g)
     check_rank("volume", volume, (3, 4, 5, 6), "(B, C, *S) with 1 to 4 spatial axes")
     check_nonempty("volume", volume, "(B, C, *S)")
@@ -106,6 +109,9 @@ def _validate(volume: Any, coords: Any, g: Any = None) -> Any:
         if tuple(g.shape) != expected:
             raise ValueError(f"g: expected shape (B, Q, C) = {expected}, got {tuple(g.shape)}")
     return xp
+
+
+_validate = validate_sample_inputs
 
 
 def trilinear_sample(volume: Any, coords: Any) -> Any:

@@ -31,7 +31,8 @@ from tmcore._validate import (
 )
 from tmcore.addressing import axis_of_component
 
-__all__ = ["gaussian_splat", "gaussian_splat_vjp", "gaussian_profiles", "DEFAULT_EPS"]
+__all__ = ["gaussian_splat", "gaussian_splat_vjp", "gaussian_profiles", "DEFAULT_EPS",
+           "validate_splat_inputs"]
 
 DEFAULT_EPS = 1e-6
 
@@ -129,7 +130,9 @@ def splat_bwd(
     return d_content, d_mu, d_sigma
 
 
-def _validate(content, mu, sigma, shape, g=None, radius=None, eps=DEFAULT_EPS):
+def validate_splat_inputs(content, mu, sigma, shape, g=None, radius=None, eps=DEFAULT_EPS):
+    """The checks of :func:`gaussian_splat` / its VJP (shared with the torch custom op,
+    which runs them in eager mode). Returns ``(namespace, shape as a tuple)``."""
     dims = check_grid_shape("shape", shape)
     xp = namespace_of(content=content, mu=mu, sigma=sigma, g=g)
     check_rank("content", content, 3, "(B, K, C)")
@@ -152,6 +155,9 @@ def _validate(content, mu, sigma, shape, g=None, radius=None, eps=DEFAULT_EPS):
     check_eps(eps)
     check_positive(xp, "sigma", sigma)
     return xp, dims
+
+
+_validate = validate_splat_inputs
 
 
 def gaussian_splat(
