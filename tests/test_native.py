@@ -11,7 +11,11 @@ per-scan workspace) against a step-by-step composition.
 from __future__ import annotations
 
 import importlib
+import os
+import subprocess
+import sys
 import warnings
+from pathlib import Path
 
 import array_api_compat
 import numpy as np
@@ -306,3 +310,162 @@ def test_jax_kernels_switch_off(jax_native, monkeypatch):
     monkeypatch.setattr(jb, "USE_NATIVE", True)
     monkeypatch.setenv(native.ENV_VAR, "0")
     assert jb._native_suffix(x) is None
+
+
+# ----------------------------------------------------------------------------- bad calls
+
+
+def _cell_case(dtype=torch.float64, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    b, c, shape = 2, 3, (3, 4)
+    r = lambda *s: torch.randn(*s, generator=gen, dtype=dtype)  # noqa: E731
+    return r(b, 2 * c, *shape), _params(gen, 2, 2 * c, 4 * c, dtype), r(b, 4 * c, *shape), \
+        r(b, c, *shape)
+
+
+def test_every_native_entry_checks_the_shapes_it_indexes_by():
+    """The kernels index every buffer by the shape of x / c: a malformed call (the low
+    level functions validate nothing) raises instead of reading or writing out of
+    bounds."""
+    x, params, z, c = _cell_case()
+    bad_taps = params._replace(depthwise_weight=params.depthwise_weight[:, :1])  # (n, 1, 3)
+    bad_bias = params._replace(depthwise_bias=params.depthwise_bias[:1])
+    with torch.no_grad():
+        for bad, name in ((bad_taps, "depthwise_weight"), (bad_bias, "depthwise_bias")):
+            with pytest.raises(ValueError, match=name):
+                bt.conv_fwd(None, x, bad)
+        _, residuals = bt.conv_fwd(None, x, params)
+        g = torch.randn(2, 12, 3, 4, dtype=torch.float64)
+        with pytest.raises(ValueError, match="depthwise_weight"):
+            bt.conv_bwd(None, residuals, bad_taps, g)
+        with pytest.raises(ValueError, match="g: expected shape"):
+            bt.conv_bwd(None, residuals, params, g[..., :3])
+        with pytest.raises(ValueError, match=r"z: expected shape \(B, 4C, \*S\)"):
+            bt.gates_fwd(None, z[:, :9], c)  # pointwise weights (3C, 2C)
+        with pytest.raises(ValueError, match="z: expected"):
+            bt.gates_residuals(None, z[:, :9], c)
+        res = bt.gates_residuals(None, z, c)
+        with pytest.raises(ValueError, match="g_c: expected"):
+            bt.gates_bwd(None, res, torch.ones_like(c), torch.ones(2, 3, 3, 3,
+                                                                  dtype=torch.float64))
+
+
+def _scan_op_args():
+    h0, c0, rc, wc, ws, content, params, g_reads, g_h, g_c = _scan_case(5)
+    return [h0, c0, rc, wc, ws, content], list(params), [g_reads, g_h, g_c]
+
+
+@pytest.mark.parametrize("case", ["taps (n, 1, 3)", "pointwise (3C, 2C)", "checkpoint_every 0"])
+def test_the_custom_ops_validate_their_arguments_in_eager_mode(case):
+    """torch.ops.tmcore.memory_scan (and its backward op) called directly run the public
+    checks: malformed parameters raise a clear error (they read and wrote out of
+    bounds, gave wrong output, or ZeroDivisionError)."""
+    import tmcore.adapters.torch  # noqa: F401  (registers the ops)
+
+    primals, params, cotangents = _scan_op_args()
+    k = 1
+    if case.startswith("taps"):
+        params[0], params[1] = params[0][:, :1].contiguous(), params[1][:, :1].contiguous()
+        match = "depthwise_weight"
+    elif case.startswith("pointwise"):
+        params[2], params[3] = params[2][:9].contiguous(), params[3][:9].contiguous()
+        match = r"pointwise_weight: expected shape \(4C, 2C\)"
+    else:
+        k, match = 0, "checkpoint_every"
+    with pytest.raises(ValueError, match=match):
+        torch.ops.tmcore.memory_scan(*primals, *params, 1e-6, None, k)
+    _, _, _, h_ckpt, c_ckpt = torch.ops.tmcore.memory_scan(*primals, *_scan_op_args()[1],
+                                                           1e-6, None, 1)
+    with pytest.raises(ValueError, match=match):
+        torch.ops.tmcore.memory_scan_backward(*primals, *params, h_ckpt, c_ckpt, *cotangents,
+                                              1e-6, None, k)
+
+
+def _neg(t):
+    """A negative view: its memory holds ``-t``'s values negated (the neg bit set)."""
+    view = torch._neg_view(-t)
+    assert view.is_neg() and torch.equal(view, t)
+    return view
+
+
+def _zero(like):
+    z = torch._efficientzerotensor(like.shape, dtype=like.dtype)
+    assert z._is_zerotensor() and z.data_ptr() == 0
+    return z
+
+
+def test_negative_views_and_zero_tensors_give_the_plain_results():
+    """Negative views (memory holds the un-negated values) and ZeroTensors (no memory,
+    data pointer 0: a segfault) are materialized before the C kernels see them."""
+    x, params, z, c = _cell_case()
+    g = torch.randn(2, 12, 3, 4, dtype=torch.float64)
+    g_h, g_c = torch.randn_like(c), torch.randn_like(c)
+    with torch.no_grad():
+        z_plain, res_plain = bt.conv_fwd(None, x, params)
+        neg_params = ConvParams(*(_neg(p) for p in params))
+        z_neg, res_neg = bt.conv_fwd(None, _neg(x), neg_params)
+        assert isinstance(res_neg, bt._NativeConvResiduals)
+        torch.testing.assert_close(z_neg, z_plain, rtol=0, atol=0)
+        plain = bt.conv_bwd(None, res_plain, params, g)
+        _close((plain[0], *plain[1]), (lambda d: (d[0], *d[1]))(
+            bt.conv_bwd(None, res_neg, neg_params, _neg(g))), torch.float64)
+        zero = bt.conv_bwd(None, res_plain, params, _zero(g))
+        expected = bt.conv_bwd(None, res_plain, params, torch.zeros_like(g))
+        _close((zero[0], *zero[1]), (expected[0], *expected[1]), torch.float64)
+        fwd_plain = bt.gates_fwd(None, z, c)
+        fwd_neg = bt.gates_fwd(None, _neg(z), _neg(c))
+        _close(fwd_neg[:2], fwd_plain[:2], torch.float64)
+        for gh, gc in ((_neg(g_h), _neg(g_c)), (_zero(c), g_c), (g_h, _zero(c))):
+            want = bt.gates_bwd(None, fwd_plain[2], gh.clone(), gc.clone())
+            _close(bt.gates_bwd(None, fwd_neg[2], gh, gc), want, torch.float64)
+    # through a public function: a ZeroTensor cotangent, as autograd may hand one
+    h = torch.randn_like(c)
+    got = tmcore.convlstm_step_vjp(h, h, c, params, _zero(c), g_c)
+    want = tmcore.convlstm_step_vjp(h, h, c, params, torch.zeros_like(c), g_c)
+    for a, b in zip((*got[:3], *got[3]), (*want[:3], *want[3]), strict=True):
+        torch.testing.assert_close(a, b)
+
+
+_OOM_SCRIPT = r"""
+import resource, sys
+import torch, tmcore
+import tmcore.backends._native as native
+from tmcore.conv import ConvParams
+assert native.library() is not None
+params = ConvParams(torch.zeros(4, 1, 3), torch.zeros(4, 1), torch.ones(1, 1), torch.zeros(1))
+tmcore.factorized_conv(torch.zeros(1, 1, 2, 2, 2, 2), params)  # threads and arenas exist
+x = torch.zeros(1, 1, 64, 64, 64, 64)  # 64 MiB; the kernel's scratch is 8x that
+with open("/proc/self/status") as f:
+    vm = next(int(l.split()[1]) * 1024 for l in f if l.startswith("VmSize"))
+resource.setrlimit(resource.RLIMIT_AS, (vm + 256 * 2**20, resource.RLIM_INFINITY))
+try:
+    tmcore.factorized_conv(x, params)
+except MemoryError as exc:
+    print("MemoryError:", exc)
+    sys.exit(0)
+sys.exit(3)
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs Linux /proc")
+def test_a_failed_allocation_in_a_kernel_raises_memory_error():
+    """Under a memory limit the kernel's scratch allocation fails: MemoryError (it
+    segfaulted on the unchecked NULL)."""
+    env = dict(os.environ, OMP_NUM_THREADS="2")
+    result = subprocess.run([sys.executable, "-c", _OOM_SCRIPT], capture_output=True,
+                            text=True, timeout=300, env=env)
+    assert result.returncode == 0, (result.returncode, result.stdout, result.stderr[-2000:])
+    assert "fused CPU kernel dw_fwd could not allocate" in result.stdout
+
+
+def test_the_jax_handlers_refuse_buffers_of_the_wrong_size(jax_native):
+    """Called directly with taps (n, 1, 3), the FFI handler returns an error instead of
+    reading out of bounds."""
+    jax = jax_native
+    import jax.numpy as jnp
+
+    x = jnp.ones((2, 3, 4, 5), jnp.float32)
+    taps, bias = jnp.ones((2, 1, 3), jnp.float32), jnp.ones((2, 3), jnp.float32)
+    call = jax.ffi.ffi_call("tmcore_dw_fwd_f32", jax.ShapeDtypeStruct(x.shape, x.dtype))
+    with pytest.raises(Exception, match="size does not match"):
+        jax.block_until_ready(call(x, taps, bias))
