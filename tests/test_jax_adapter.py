@@ -538,3 +538,227 @@ def test_errors_name_the_argument():
     with pytest.raises(ValueError, match="write_content"):
         tmj.memory_scan(*state, jnp.zeros((2, 4, 3)), jnp.zeros((2, 4, 3)), jnp.ones((2, 4)),
                         jnp.zeros((2, 4, CHANNELS + 1)), tmj.conv_params(p["cell"]))
+
+
+# --------------------------------------------------------------------------- one scan, checkpoints
+
+
+@pytest.mark.parametrize("every", [2, 3, 7])
+def test_checkpoint_every_same_gradients_fewer_states(every):
+    """The layer and memory_scan share one checkpointing scan: gradients do not depend on
+    ``checkpoint_every``, and the forward saves ``ceil(T / k)`` states for the backward."""
+    from tmcore.adapters import _jax_scan
+
+    p, x, state = _layer(tokens=20)  # 7 chunks, the last ragged
+
+    def loss(p_, x_, s_, k):
+        out, (h, c) = tmj.apply(p_, x_, s_, checkpoint_every=k)
+        return jnp.sum(out ** 2) + jnp.sum(h * c)
+
+    grads = [jax.jit(jax.value_and_grad(partial(loss, k=k), argnums=(0, 1, 2)))(p, x, state)
+             for k in (1, every)]
+    assert _tree_rel(grads[0], grads[1]) < 1e-12
+    state_scan, inputs, cell = _scan_inputs(steps=7)
+    cell = tmj.conv_params(cell)
+    cot = _random_like(jax.eval_shape(lambda *a: tmj.memory_scan(*a, cell), *state_scan,
+                                      *inputs), 5)
+    runs = [_jit_vjp(lambda *a, k=k: tmj.memory_scan(*a, cell, checkpoint_every=k),
+                     (*state_scan, *inputs), cot) for k in (1, every)]
+    assert _tree_rel(runs[0], runs[1]) < 1e-12
+    static = _jax_scan.ScanStatic(_jax_scan.identity_prepare, _jax_scan.identity_finish, 1e-6,
+                                  None, every, _jax_scan.options_key())
+    residuals = jax.eval_shape(lambda *a: _jax_scan._scan_fwd(static, (), *a)[1], cell,
+                               tmcore_step_inputs(inputs), *state_scan)
+    full, tail = divmod(7, every)
+    assert residuals[3][0].shape == (full, *state_scan[0].shape)  # h checkpoints
+    assert (residuals[4] is not None) == bool(tail)  # the ragged last segment's start
+
+
+def tmcore_step_inputs(inputs):
+    from tmcore.scan import StepInputs
+
+    return StepInputs(*(jnp.moveaxis(a, 1, 0) for a in inputs))
+
+
+# --------------------------------------------------------------------------- issue 13 defects
+
+
+def _kernel_targets(fn) -> set[str]:
+    """The fused-kernel custom calls in a fresh trace of ``fn`` (a new lambda each time:
+    make_jaxpr caches by function)."""
+    import re
+
+    return set(re.findall(r"tmcore_\w+", str(jax.make_jaxpr(fn)())))
+
+
+def _require_kernels():
+    from tmcore.backends import _native
+
+    if not _native.enabled() or _native.jax_library() is None:
+        pytest.skip("the fused CPU kernels for JAX are not built here (no compiler)")
+
+
+def test_options_apply_after_the_first_trace_and_per_thread():
+    import threading
+
+    import tmcore
+    from tmcore.backends import use_generic
+
+    _require_kernels()
+    p, _, _ = _layer()
+    x = jnp.ones((3, 7, EMBED))  # a shape no other test traces
+
+    def call():
+        return lambda: tmj.apply(p, x, memory_shape=SHAPE)[0]
+
+    assert _kernel_targets(call()), "the default trace should use the fused kernels"
+    with tmcore.options(generic=True):
+        assert not _kernel_targets(call())
+    with use_generic():
+        assert not _kernel_targets(call())
+    with tmcore.options(native=False):
+        assert not _kernel_targets(call())
+    assert _kernel_targets(call())
+    # another thread's setting does not leak into this one, nor this one's into it
+    seen = {}
+
+    def worker():
+        with jax.enable_x64(True), tmcore.options(generic=True):
+            seen["thread"] = _kernel_targets(call())
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    thread.join()
+    assert seen["thread"] == set()
+    assert _kernel_targets(call())
+
+
+def test_validate_mode_reaches_apply_and_primitives():
+    import tmcore
+
+    p, x, state = _layer(tokens=6)
+    bad = x.at[0, 1, 2].set(jnp.nan)
+    tmj.apply(p, bad, state)  # off by default: no check
+    with tmcore.options(validate=True):
+        with pytest.raises(ValueError, match="x: expected finite"):
+            tmj.apply(p, bad, state)
+        with pytest.raises(ValueError, match="state.h: expected finite"):
+            tmj.apply(p, x, (state.h.at[0, 0, 0, 0, 0].set(jnp.inf), state.c))
+        content = jnp.ones((1, 2, CHANNELS))
+        mu = jnp.zeros((1, 2, 3))
+        with pytest.raises(ValueError, match="sigma"):
+            tmj.gaussian_splat(content, mu, jnp.asarray([[0.5, -1.0]]), SHAPE)
+        with pytest.raises(ValueError, match="coords: expected finite"):
+            tmj.trilinear_sample(state.h, jnp.full((2, 1, 3), jnp.nan))
+        # under jit the values are not concrete: no check, no error
+        jax.jit(lambda a: tmj.apply(p, a, state)[0])(bad)
+
+
+def test_empty_batch():
+    p, _, _ = _layer()
+    out, (h, c) = tmj.apply(p, jnp.zeros((0, 6, EMBED)), memory_shape=SHAPE)
+    assert out.shape == (0, 6, EMBED) and h.shape == c.shape == (0, CHANNELS, *SHAPE)
+    grad = jax.grad(lambda a: jnp.sum(tmj.apply(p, a, memory_shape=SHAPE)[0]))(
+        jnp.zeros((0, 6, EMBED)))
+    assert grad.shape == (0, 6, EMBED)
+
+
+def test_mixed_dtypes_promote():
+    p, x, state = _layer(tokens=6)
+    p32 = jax.tree.map(lambda a: a.astype(jnp.float32), p)
+    for x_low in (x.astype(jnp.float16), x.astype(jnp.bfloat16)):
+        out, (h, c) = tmj.apply(p32, x_low, memory_shape=SHAPE)  # zero state
+        assert out.dtype == h.dtype == c.dtype == jnp.float32
+        assert np.all(np.isfinite(np.asarray(out)))
+        expected = tmj.apply(p32, x_low.astype(jnp.float32), memory_shape=SHAPE)[0]
+        np.testing.assert_allclose(np.asarray(out), np.asarray(expected), rtol=1e-6, atol=1e-6)
+        grads = jax.grad(lambda p_, a: jnp.sum(tmj.apply(p_, a, memory_shape=SHAPE)[0]),
+                         argnums=(0, 1))(p32, x_low)
+        assert grads[1].dtype == x_low.dtype
+        assert all(g.dtype == jnp.float32 for g in jax.tree.leaves(grads[0]))
+    # h float64 with c float32: promoted, equal to the all-float64 run
+    mixed = (state.h, state.c.astype(jnp.float32))
+    out, (h, c) = tmj.apply(p, x, mixed)
+    assert h.dtype == c.dtype == jnp.float64
+    assert _rel(out, tmj.apply(p, x, (state.h, mixed[1].astype(jnp.float64)))[0]) < 1e-15
+    state_scan, inputs, cell = _scan_inputs(steps=2)
+    reads, h, _ = tmj.memory_scan(state_scan[0], state_scan[1].astype(jnp.float32), *inputs,
+                                  tmj.conv_params(cell))
+    assert reads.dtype == h.dtype == jnp.float64
+
+
+def test_nnx_module_mixed_precision():
+    from flax import nnx
+
+    module = tmj.TensorMemory(EMBED, CHANNELS, SHAPE, CHUNK, rngs=nnx.Rngs(0),
+                              dtype=jnp.float32)
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(2, 6, EMBED)), jnp.bfloat16)
+    out, state = module(x)
+    assert out.dtype == state.h.dtype == jnp.float32
+    out, state = module(x, state)  # the float32 state streams on with bfloat16 tokens
+    assert np.all(np.isfinite(np.asarray(out)))
+
+
+def test_state_dict_conversion_is_strict_and_differentiable():
+    p, x, state = _layer(tokens=6)
+    sd = tmj.state_dict_from_params(p)
+    sd["_extra_state"] = np.asarray(SHAPE)
+    params = tmj.params_from_state_dict(sd)
+    assert not any(jnp.issubdtype(a.dtype, jnp.integer) for a in jax.tree.leaves(params))
+    grads = jax.grad(lambda p_: jnp.sum(tmj.apply(p_, x, state)[0]))(params)  # no int leaf
+    assert _tree_rel({k: v for k, v in grads.items() if k != "_extra_state"},
+                     jax.grad(lambda p_: jnp.sum(tmj.apply(p_, x, state)[0]))(p)) < 1e-15
+    optax = pytest.importorskip("optax", reason="optax is not installed")
+    optimizer = optax.adam(1e-3)
+    updates, _ = optimizer.update(grads, optimizer.init(params), params)
+    optax.apply_updates(params, updates)
+    assert set(tmj.state_dict_from_params(params)) == set(sd)  # the grid shape written back
+    np.testing.assert_array_equal(tmj.state_dict_from_params(params)["_extra_state"], SHAPE)
+    with pytest.raises(ValueError, match="memory_shape"):  # the stored grid is still checked
+        tmj.apply(params, x, memory_shape=(2, 2, 2))
+    with pytest.raises(ValueError, match="write_proj.wieght"):
+        tmj.params_from_state_dict({**sd, "write_proj.wieght": sd["write_proj.weight"]})
+    with pytest.raises(TypeError, match="content_net.weight"):
+        tmj.params_from_state_dict({**sd, "content_net.weight":
+                                    sd["content_net.weight"].astype(np.int32)})
+
+
+def test_load_params_keeps_dtypes_and_refuses_integers():
+    from flax import nnx
+
+    module = tmj.TensorMemory(EMBED, CHANNELS, SHAPE, CHUNK, rngs=nnx.Rngs(0),
+                              dtype=jnp.float32)
+    p, _, _ = _layer()  # float64
+    tmj.load_params(module, p)
+    loaded = tmj.params_from_module(module)
+    assert all(a.dtype == jnp.float32 for a in jax.tree.leaves(loaded))
+    assert _tree_rel(loaded, p) < 1e-6
+    ints = jax.tree.map(lambda a: jnp.round(a).astype(jnp.int32), p)
+    with pytest.raises(ValueError, match="floating"):
+        tmj.load_params(module, ints)
+    assert all(a.dtype == jnp.float32 for a in jax.tree.leaves(tmj.params_from_module(module)))
+
+
+@pytest.mark.parametrize("transform", ["jvp", "jacfwd", "hessian"])
+def test_forward_mode_error_names_tmcore_and_the_workaround(transform):
+    p, x, state = _layer(tokens=3, batch=1)
+
+    def f(a):
+        return jnp.sum(tmj.apply(p, a, state)[0])
+
+    with pytest.raises(TypeError, match="TMCORE_NATIVE=0") as info:
+        if transform == "jvp":
+            jax.jvp(f, (x,), (x,))
+        else:
+            getattr(jax, transform)(f)(x)
+    assert "tmcore" in str(info.value) and "jacrev" in str(info.value)
+
+
+def test_float_sizes_are_type_errors():
+    with pytest.raises(TypeError, match="embed_dim"):
+        tmj.init(jax.random.key(0), 2.0, CHANNELS, SHAPE, CHUNK)
+    with pytest.raises(TypeError, match="chunk_size"):
+        tmj.init(jax.random.key(0), EMBED, CHANNELS, SHAPE, True)
+    p = tmj.init(jax.random.key(0), np.int64(EMBED), np.int32(CHANNELS), SHAPE, CHUNK)
+    assert p["out_proj"]["weight"].shape == (EMBED, CHANNELS)
+
