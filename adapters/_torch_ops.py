@@ -1,24 +1,29 @@
-"""tmcore's hand-written VJPs registered with PyTorch as custom ops.
+"""tmcore's hand-written VJPs registered with PyTorch as custom ops, made by one factory.
 
-Every op here is a ``torch.library.custom_op`` built once at import, with a
-fake (meta) implementation for ``torch.compile``, an autograd rule that calls
-a second custom op running tmcore's backward, and a vmap rule. The forward
-and backward math is tmcore's, run on torch tensors through the array-API
-namespace (and tmcore's torch fast paths where it has them); nothing is
-re-derived here.
+:func:`_make_op` turns an :class:`OpSpec` (the op's tensor inputs, its static
+arguments, its outputs, and its forward / backward written with tmcore's
+``ops_for`` dispatch table) into
 
-Each op also has an ``autograd.Function`` twin (``MemoryScanFunction``, ...)
-with the same ``setup_context`` / ``backward``: ``custom_op``'s registered
-autograd raises under ``torch.func.grad`` in torch 2.13, the Function does
-not. The adapter's public functions call the Functions; ``torch.ops.tmcore.*``
-called directly has autograd too (eager, compile, ``opcheck``).
+- a ``torch.library.custom_op`` ``tmcore::<name>`` with a fake (meta)
+  implementation for ``torch.compile``, an autograd rule and a vmap rule;
+- a second custom op ``tmcore::<name>_backward`` running tmcore's backward,
+  whose own autograd rule gives second order (an exact Hessian-vector
+  product: the backward is re-run on the generic array-API path under torch
+  autograd and the cotangents pulled back through it);
+- an ``autograd.Function`` twin of each (``custom_op``'s registered autograd
+  raises under ``torch.func.grad`` in torch 2.13, the Function does not); the
+  adapter's public functions call the twins (:func:`call`).
 
-Second-order gradients (``create_graph=True`` in eager mode): each backward op
-has its own autograd rule, which re-runs tmcore's generic backward on torch
-tensors under torch autograd and pulls the cotangents back through it (an
-exact Hessian-vector product). Not supported: third order (the re-run is
-detached from the outer graph), nested ``torch.func.grad`` (Hessians through
-``torch.func``), double backward through a ``torch.compile``-d model.
+Every forward and backward goes through :func:`tmcore._dispatch.ops_for`, so
+backend fast paths, the float16 / bfloat16 float32-compute rule and
+:func:`tmcore.options` apply exactly as for ``tmcore.*``. The options in force
+at the forward are also in force in the backward (saved on the autograd
+context), whichever thread runs it.
+
+Not supported: third order (the re-run is detached from the outer graph),
+nested ``torch.func.grad`` (Hessians through ``torch.func``), double backward
+through a ``torch.compile``-d model, forward mode (``torch.func.jvp``,
+``jacfwd``): :func:`call` raises a clear error under a forward-mode transform.
 
 vmap: the rules loop over the mapped dimension (correct for any ``in_dims``,
 including batched parameters, e.g. per-sample gradients; one call per slice).
@@ -35,23 +40,29 @@ Op namespace ``tmcore``::
 plus one ``*_backward`` op each.
 """
 
+from __future__ import annotations
+
+import dataclasses
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import array_api_compat
 import torch
 from torch import Tensor
 
-from tmcore import validation
-from tmcore.backends import use_generic
+from tmcore._dispatch import ops_for
+from tmcore._options import get_options, options
 from tmcore.conv import ConvParams
-from tmcore.sampling import sample_bwd, sample_fwd
+from tmcore.sampling import validate_sample_inputs
 from tmcore.scan import memory_scan_bwd, memory_scan_fwd, validate_scan_inputs
-from tmcore.splat import splat_bwd, splat_fwd
+from tmcore.splat import validate_splat_inputs
 
 __all__ = [
     "GaussianSplatFunction",
     "MemoryScanFunction",
+    "OpSpec",
     "TrilinearSampleFunction",
+    "call",
     "gaussian_splat_op",
     "memory_scan_op",
     "trilinear_sample_op",
@@ -60,32 +71,71 @@ __all__ = [
 _XP = array_api_compat.array_namespace(torch.empty(0))
 
 
-def _contiguous(*tensors: Tensor) -> tuple[Tensor, ...]:
+# --------------------------------------------------------------------------- the factory
+
+
+@dataclasses.dataclass(frozen=True)
+class OpSpec:
+    """What :func:`_make_op` needs to know about one primitive.
+
+    ``primals``: names of the differentiable tensor inputs; ``statics``:
+    ``(name, schema type)`` of the non-tensor inputs; ``outputs``: names of the
+    outputs, of which the last ``residuals`` are saved for the backward and carry
+    no gradient. ``forward(primals, statics) -> outputs`` and
+    ``backward(primals, residuals, cotangents, statics) -> one gradient per
+    primal`` take and return tuples of tensors; ``fake(primals, statics) ->
+    outputs`` allocates the outputs for ``torch.compile`` (and may check
+    shapes); ``recompute(primals, statics) -> residuals`` rebuilds the residuals
+    for second order (default: none).
+    """
+
+    name: str
+    primals: tuple[str, ...]
+    statics: tuple[tuple[str, str], ...]
+    outputs: tuple[str, ...]
+    forward: Callable[[tuple, tuple], tuple]
+    backward: Callable[[tuple, tuple, tuple, tuple], tuple]
+    fake: Callable[[tuple, tuple], tuple]
+    residuals: int = 0
+    recompute: Callable[[tuple, tuple], tuple] = lambda primals, statics: ()
+
+
+def _contiguous(tensors: Sequence[Tensor]) -> tuple[Tensor, ...]:
     return tuple(t.contiguous() for t in tensors)
 
 
-def _pullback(
-    fn: Callable[..., Sequence[Tensor]], primals: Sequence[Tensor], needs: Sequence[bool],
-    cotangents: Sequence[Tensor | None],
-) -> list[Tensor | None]:
+def _schema(spec: OpSpec, backward: bool) -> str:
+    """The ``torch.library`` schema of the op (or of its backward)."""
+    tensors = list(spec.primals)
+    if backward:
+        differentiable = len(spec.outputs) - spec.residuals
+        tensors += list(spec.outputs[differentiable:])
+        tensors += [f"g_{name}" for name in spec.outputs[:differentiable]]
+    args = [f"Tensor {name}" for name in tensors]
+    args += [f"{kind} {name}" for name, kind in spec.statics]
+    count = len(spec.primals) if backward else len(spec.outputs)
+    result = "Tensor" if count == 1 else "(" + ", ".join(["Tensor"] * count) + ")"
+    return f"({', '.join(args)}) -> {result}"
+
+
+def _pullback(fn: Callable[..., Sequence[Tensor]], primals: Sequence[Tensor],
+              needs: Sequence[bool], cotangents: Sequence[Tensor | None]) -> list[Tensor | None]:
     """``sum_k <cotangents[k], d fn(primals)[k] / d primals[i]>`` for every ``i`` in ``needs``.
 
     ``fn`` is a tmcore backward re-run on detached copies under torch autograd,
     forced onto the generic array-API path (plain differentiable torch ops);
     ``None`` cotangents count as zero; entries not needed are ``None``.
     """
-    with torch.enable_grad(), use_generic():
+    with torch.enable_grad(), options(generic=True):
         leaves = [p.detach().requires_grad_(n) for p, n in zip(primals, needs, strict=True)]
         outs = fn(*leaves)
         pairs = [(o, c) for o, c in zip(outs, cotangents, strict=True)
                  if c is not None and o.requires_grad]
         wrt = [leaf for leaf in leaves if leaf.requires_grad]
-        if not pairs or not wrt:
-            grads = [None] * len(wrt)
-        else:
-            grads = list(torch.autograd.grad(
-                [o for o, _ in pairs], wrt, [c for _, c in pairs], allow_unused=True,
-            ))
+        grads = [None] * len(wrt)
+        if pairs and wrt:
+            grads = list(torch.autograd.grad([o for o, _ in pairs], wrt,
+                                             [c for _, c in pairs], allow_unused=True))
     result, it = [], iter(grads)
     for leaf in leaves:
         g = next(it) if leaf.requires_grad else None
@@ -95,7 +145,7 @@ def _pullback(
     return result
 
 
-def _loop_vmap(op: Callable[..., object]) -> Callable[..., object]:
+def _loop_vmap(op: Callable[..., Any]) -> Callable[..., Any]:
     """A vmap rule that calls ``op`` once per mapped slice and stacks the results."""
 
     def rule(info, in_dims, *args):
@@ -113,333 +163,258 @@ def _loop_vmap(op: Callable[..., object]) -> Callable[..., object]:
 
 
 class _Function(torch.autograd.Function):
-    """Base of the autograd.Function twins of the ops below.
-
-    ``custom_op``'s registered autograd is not usable under ``torch.func.grad``
-    (torch 2.13 raises), so the adapter's public functions call these thin
-    Functions instead: the forward calls the custom op, ``setup_context`` and
-    ``backward`` are the very rules registered on the ops (the backward calls
-    the ``*_backward`` op's own Function twin, which gives second order),
-    and ``generate_vmap_rule`` composes the ops' vmap rules. They trace under
-    ``torch.compile`` like the ops themselves.
-    """
+    """Base of the ``autograd.Function`` twins of the ops (see the module docstring): the
+    forward calls the custom op, ``setup_context`` / ``backward`` are the very rules
+    registered on the op, and ``generate_vmap_rule`` composes the ops' vmap rules."""
 
     generate_vmap_rule = True
 
 
-def call(function: type[_Function], op: Callable[..., object], *args):
+def _in_forward_mode() -> bool:
+    """Whether a ``torch.func.jvp`` / ``jacfwd`` transform is active (none of the ops
+    has a forward-mode rule)."""
+    try:
+        from torch._functorch.pyfunctorch import retrieve_current_functorch_interpreter
+
+        interpreter = retrieve_current_functorch_interpreter()
+    except Exception:  # an older or newer torch without this helper: let torch decide
+        return False
+    return interpreter is not None and interpreter.key().name == "Jvp"
+
+
+def call(function: type[_Function], op: Callable[..., Any], *args: Any) -> Any:
     """Run an op through its Function twin in eager mode (``torch.func``-safe), or call
     the custom op itself while ``torch.compile`` traces: the op carries the same
     registered autograd, and Dynamo cannot trace the Function when no input
     requires grad (``no_grad`` inference of a compiled model)."""
     if torch.compiler.is_compiling():
         return op(*args)
+    if _in_forward_mode():
+        raise NotImplementedError(
+            f"tmcore: {op.__name__} has no forward-mode derivative (torch.func.jvp, jacfwd, "
+            f"hessian via jacfwd): tmcore registers reverse-mode VJPs only. Use reverse mode "
+            f"(torch.func.grad / vjp / jacrev, or torch.autograd.grad twice)")
     return function.apply(*args)
 
 
-def _register_rules(op: object, grad: Callable, setup: Callable, backward_op: object,
-                    backward_grad: Callable, backward_setup: Callable) -> None:
-    """Register autograd (``grad``/``setup``) and the looping vmap rule on a forward op and
-    on its ``*_backward`` op (whose own autograd gives second order)."""
+@dataclasses.dataclass
+class MadeOp:
+    """What :func:`_make_op` returns: the two ops and their Function twins."""
+
+    op: Any
+    backward_op: Any
+    function: type[_Function]
+    backward_function: type[_Function]
+
+
+def _make_op(spec: OpSpec) -> MadeOp:
+    """Register ``tmcore::<name>`` and ``tmcore::<name>_backward`` from ``spec``."""
+    n_primals, n_statics = len(spec.primals), len(spec.statics)
+    differentiable = len(spec.outputs) - spec.residuals
+    single = len(spec.outputs) == 1
+
+    def split(args: tuple) -> tuple[tuple, tuple]:
+        return tuple(args[:n_primals]), tuple(args[len(args) - n_statics:])
+
+    def forward(*args):
+        primals, statics = split(args)
+        out = _contiguous(spec.forward(primals, statics))
+        return out[0] if single else out
+
+    def fake(*args):
+        primals, statics = split(args)
+        out = tuple(spec.fake(primals, statics))
+        return out[0] if single else out
+
+    def backward(*args):
+        primals, statics = split(args)
+        residuals = tuple(args[n_primals:n_primals + spec.residuals])
+        cotangents = tuple(args[n_primals + spec.residuals:len(args) - n_statics])
+        return _contiguous(spec.backward(primals, residuals, cotangents, statics))
+
+    def backward_fake(*args):
+        return tuple(torch.empty_like(p) for p in args[:n_primals])
+
+    op = torch.library.custom_op(f"tmcore::{spec.name}", forward, mutates_args=(),
+                                 schema=_schema(spec, backward=False))
+    op.register_fake(fake)
+    backward_op = torch.library.custom_op(f"tmcore::{spec.name}_backward", backward,
+                                          mutates_args=(), schema=_schema(spec, backward=True))
+    backward_op.register_fake(backward_fake)
+
+    def setup(ctx, inputs, output):
+        primals, statics = split(tuple(inputs))
+        outputs = (output,) if single else tuple(output)
+        residuals = outputs[differentiable:]
+        if residuals:
+            ctx.mark_non_differentiable(*residuals)
+        # Unused outputs get None, not zeros: materialized zero cotangents for the
+        # residuals would be a second copy of every saved state (as big as the saved
+        # states themselves) at the start of the backward. grad() fills in zeros.
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(*primals, *residuals)
+        ctx.statics = statics
+        ctx.out_like = [(o.shape, o.dtype, o.device) for o in outputs[:differentiable]]
+        ctx.tm_options = get_options()
+
+    def grad(ctx, *cotangents):
+        saved = ctx.saved_tensors
+        primals, residuals = saved[:n_primals], saved[n_primals:]
+        filled = [torch.zeros(shape, dtype=dtype, device=device) if g is None else g.contiguous()
+                  for g, (shape, dtype, device) in zip(cotangents[:differentiable], ctx.out_like,
+                                                       strict=True)]
+        with options(**dataclasses.asdict(ctx.tm_options)):
+            if torch.compiler.is_compiling():
+                grads = backward_op(*primals, *residuals, *filled, *ctx.statics)
+            else:
+                grads = backward_function.apply(*primals, *residuals, *filled, *ctx.statics)
+        return (*grads, *([None] * n_statics))
+
+    def backward_setup(ctx, inputs, output):
+        inputs = tuple(inputs)
+        ctx.save_for_backward(*inputs[:len(inputs) - n_statics])
+        ctx.statics = tuple(inputs[len(inputs) - n_statics:])
+        ctx.tm_options = get_options()
+
+    def backward_grad(ctx, *g_grads):
+        saved = ctx.saved_tensors
+        statics = ctx.statics
+        primals = saved[:n_primals]
+        cotangents = saved[n_primals + spec.residuals:]
+        needs = ctx.needs_input_grad
+        need_primals = needs[:n_primals]
+        need_cotangents = needs[n_primals + spec.residuals:len(needs) - n_statics]
+
+        # Differentiate "recompute the residuals, then the backward" from the primals, so
+        # the residual inputs (functions of the primals) need no gradient of their own.
+        def fn(*leaves):
+            prim, cot = tuple(leaves[:n_primals]), tuple(leaves[n_primals:])
+            return spec.backward(prim, spec.recompute(prim, statics), cot, statics)
+
+        with options(**dataclasses.asdict(ctx.tm_options)):
+            grads = _pullback(fn, (*primals, *cotangents), (*need_primals, *need_cotangents),
+                              g_grads)
+        return (*grads[:n_primals], *([None] * spec.residuals), *grads[n_primals:],
+                *([None] * n_statics))
+
     op.register_autograd(grad, setup_context=setup)
     backward_op.register_autograd(backward_grad, setup_context=backward_setup)
     op.register_vmap(_loop_vmap(op))
     backward_op.register_vmap(_loop_vmap(backward_op))
 
-
-def _backward(function: type[_Function], op: Callable[..., object], *args):
-    """Run a backward op through its Function twin (``torch.func``-safe), or call the
-    op itself while ``torch.compile`` traces (Dynamo cannot nest a Function in a
-    Function's backward; the op's registered autograd then gives second order)."""
-    if torch.compiler.is_compiling():
-        return op(*args)
-    return function.apply(*args)
-
-
-# --------------------------------------------------------------------------- sample
-
-
-@torch.library.custom_op("tmcore::trilinear_sample", mutates_args=())
-def trilinear_sample_op(volume: Tensor, coords: Tensor) -> Tensor:
-    """``volume (B, C, *S)``, ``coords (B, Q, n)`` -> ``(B, Q, C)`` (tmcore.trilinear_sample)."""
-    return sample_fwd(_XP, volume, coords).contiguous()
+    title = "".join(part.title() for part in spec.name.split("_"))
+    backward_function = type(f"_{title}BackwardFunction", (_Function,), {
+        "forward": staticmethod(lambda *args: backward_op(*args)),
+        "setup_context": staticmethod(backward_setup),
+        "backward": staticmethod(backward_grad),
+    })
+    function = type(f"{title}Function", (_Function,), {
+        "forward": staticmethod(lambda *args: op(*args)),
+        "setup_context": staticmethod(setup),
+        "backward": staticmethod(grad),
+    })
+    return MadeOp(op, backward_op, function, backward_function)
 
 
-@trilinear_sample_op.register_fake
-def _(volume, coords):
-    return volume.new_empty((volume.shape[0], coords.shape[1], volume.shape[1]))
+# --------------------------------------------------------------------------- the three ops
 
 
-@torch.library.custom_op("tmcore::trilinear_sample_backward", mutates_args=())
-def _trilinear_sample_backward(volume: Tensor, coords: Tensor, g: Tensor) -> tuple[Tensor, Tensor]:
-    return _contiguous(*sample_bwd(_XP, volume, coords, g))
+def _sample_forward(primals, statics):
+    volume, coords = primals
+    validate_sample_inputs(volume, coords)  # eager calls of the op: the public checks
+    return (ops_for(_XP).sample_fwd(_XP, volume, coords),)
 
 
-@_trilinear_sample_backward.register_fake
-def _(volume, coords, g):
-    return torch.empty_like(volume), torch.empty_like(coords)
+def _sample_backward(primals, residuals, cotangents, statics):
+    volume, coords = primals
+    validate_sample_inputs(volume, coords, cotangents[0])
+    return ops_for(_XP).sample_bwd(_XP, volume, coords, cotangents[0])
 
 
-def _sample_setup(ctx, inputs, output):
-    ctx.save_for_backward(*inputs)
+def _sample_fake(primals, statics):
+    volume, coords = primals
+    return (volume.new_empty((volume.shape[0], coords.shape[1], volume.shape[1])),)
 
 
-def _sample_grad(ctx, g):
-    volume, coords = ctx.saved_tensors
-    return tuple(_backward(_SampleBackwardFunction, _trilinear_sample_backward, volume, coords,
-                           g.contiguous()))
+_SAMPLE = _make_op(OpSpec(
+    name="trilinear_sample", primals=("volume", "coords"), statics=(), outputs=("out",),
+    forward=_sample_forward, backward=_sample_backward, fake=_sample_fake))
 
 
-def _sample_bwd_setup(ctx, inputs, output):
-    ctx.save_for_backward(*inputs)
+def _splat_forward(primals, statics):
+    shape, eps, radius = statics
+    validate_splat_inputs(*primals, shape, radius=radius, eps=eps)
+    return (ops_for(_XP).splat_fwd(_XP, *primals, tuple(shape), eps, radius),)
 
 
-def _sample_bwd_grad(ctx, g_volume, g_coords):
-    primals = ctx.saved_tensors
-    return tuple(_pullback(lambda v, c, g: sample_bwd(_XP, v, c, g), primals,
-                           ctx.needs_input_grad, (g_volume, g_coords)))
+def _splat_backward(primals, residuals, cotangents, statics):
+    shape, eps, radius = statics
+    validate_splat_inputs(*primals, shape, cotangents[0], radius=radius, eps=eps)
+    return ops_for(_XP).splat_bwd(_XP, *primals, tuple(shape), cotangents[0], eps, radius)
 
 
-class _SampleBackwardFunction(_Function):
-    @staticmethod
-    def forward(volume, coords, g):
-        return _trilinear_sample_backward(volume, coords, g)
-
-    setup_context = staticmethod(_sample_bwd_setup)
-    backward = staticmethod(_sample_bwd_grad)
+def _splat_fake(primals, statics):
+    content = primals[0]
+    return (content.new_empty((content.shape[0], content.shape[2], *statics[0])),)
 
 
-_register_rules(trilinear_sample_op, _sample_grad, _sample_setup,
-                _trilinear_sample_backward, _sample_bwd_grad, _sample_bwd_setup)
+_SPLAT = _make_op(OpSpec(
+    name="gaussian_splat", primals=("content", "mu", "sigma"),
+    statics=(("shape", "SymInt[]"), ("eps", "float"), ("radius", "float?")),
+    outputs=("volume",), forward=_splat_forward, backward=_splat_backward, fake=_splat_fake))
+
+_SCAN_PRIMALS = ("h0", "c0", "read_coords", "write_coords", "write_sigma", "write_content",
+                 "depthwise_weight", "depthwise_bias", "pointwise_weight", "pointwise_bias")
 
 
-# --------------------------------------------------------------------------- splat
+def _scan_forward(primals, statics):
+    eps, radius, checkpoint_every = statics
+    validate_scan_inputs(*primals[:6], ConvParams(*primals[6:]), checkpoint_every, radius,
+                         eps=eps)  # eager calls of the op: the public checks
+    return memory_scan_fwd(_XP, *primals[:6], ConvParams(*primals[6:]), eps=eps, radius=radius,
+                           checkpoint_every=checkpoint_every)
 
 
-@torch.library.custom_op("tmcore::gaussian_splat", mutates_args=())
-def gaussian_splat_op(
-    content: Tensor, mu: Tensor, sigma: Tensor, shape: Sequence[int], eps: float,
-    radius: float | None,
-) -> Tensor:
-    """``content (B, K, C)``, ``mu (B, K, n)``, ``sigma (B, K)`` -> ``(B, C, *shape)``."""
-    return splat_fwd(_XP, content, mu, sigma, tuple(shape), eps, radius).contiguous()
+def _scan_recompute(primals, statics):
+    return _scan_forward(primals, statics)[3:]
 
 
-@gaussian_splat_op.register_fake
-def _(content, mu, sigma, shape, eps, radius):
-    return content.new_empty((content.shape[0], content.shape[2], *shape))
+def _scan_backward(primals, residuals, cotangents, statics):
+    eps, radius, checkpoint_every = statics
+    validate_scan_inputs(*primals[:6], ConvParams(*primals[6:]), checkpoint_every, radius,
+                         *cotangents, eps=eps)
+    grads = memory_scan_bwd(_XP, *primals[2:6], ConvParams(*primals[6:]), *residuals,
+                            *cotangents, eps=eps, radius=radius,
+                            checkpoint_every=checkpoint_every)
+    return (*grads[:6], *grads.params)
 
 
-@torch.library.custom_op("tmcore::gaussian_splat_backward", mutates_args=())
-def _gaussian_splat_backward(
-    content: Tensor, mu: Tensor, sigma: Tensor, g: Tensor, eps: float, radius: float | None,
-) -> tuple[Tensor, Tensor, Tensor]:
-    shape = tuple(g.shape[2:])
-    return _contiguous(*splat_bwd(_XP, content, mu, sigma, shape, g, eps, radius))
-
-
-@_gaussian_splat_backward.register_fake
-def _(content, mu, sigma, g, eps, radius):
-    return torch.empty_like(content), torch.empty_like(mu), torch.empty_like(sigma)
-
-
-def _splat_setup(ctx, inputs, output):
-    content, mu, sigma, _, eps, radius = inputs
-    ctx.save_for_backward(content, mu, sigma)
-    ctx.eps, ctx.radius = eps, radius
-
-
-def _splat_grad(ctx, g):
-    content, mu, sigma = ctx.saved_tensors
-    grads = _backward(_SplatBackwardFunction, _gaussian_splat_backward, content, mu, sigma,
-                      g.contiguous(), ctx.eps, ctx.radius)
-    return (*grads, None, None, None)
-
-
-def _splat_bwd_setup(ctx, inputs, output):
-    content, mu, sigma, g, eps, radius = inputs
-    ctx.save_for_backward(content, mu, sigma, g)
-    ctx.eps, ctx.radius = eps, radius
-
-
-def _splat_bwd_grad(ctx, g_content, g_mu, g_sigma):
-    eps, radius = ctx.eps, ctx.radius
-
-    def fn(content, mu, sigma, g):
-        return splat_bwd(_XP, content, mu, sigma, tuple(g.shape[2:]), g, eps, radius)
-
-    grads = _pullback(fn, ctx.saved_tensors, ctx.needs_input_grad[:4], (g_content, g_mu, g_sigma))
-    return (*grads, None, None)
-
-
-class _SplatBackwardFunction(_Function):
-    @staticmethod
-    def forward(content, mu, sigma, g, eps, radius):
-        return _gaussian_splat_backward(content, mu, sigma, g, eps, radius)
-
-    setup_context = staticmethod(_splat_bwd_setup)
-    backward = staticmethod(_splat_bwd_grad)
-
-
-_register_rules(gaussian_splat_op, _splat_grad, _splat_setup,
-                _gaussian_splat_backward, _splat_bwd_grad, _splat_bwd_setup)
-
-
-# --------------------------------------------------------------------------- scan
-
-
-@torch.library.custom_op("tmcore::memory_scan", mutates_args=())
-def memory_scan_op(
-    h0: Tensor, c0: Tensor, read_coords: Tensor, write_coords: Tensor, write_sigma: Tensor,
-    write_content: Tensor, depthwise_weight: Tensor, depthwise_bias: Tensor,
-    pointwise_weight: Tensor, pointwise_bias: Tensor, eps: float, radius: float | None,
-    checkpoint_every: int,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """tmcore.scan.memory_scan_fwd on torch tensors.
-
-    ``h0, c0 (B, C, *S)``, ``read_coords, write_coords (B, T, n)``,
-    ``write_sigma (B, T)``, ``write_content (B, T, C)``, ConvParams as four
-    tensors. Returns ``(reads (B, T, C), h_T, c_T, h_checkpoints,
-    c_checkpoints)``; the checkpoints ``(ceil(T / checkpoint_every), B, C, *S)``
-    are what the backward needs and carry no gradient.
-    """
-    params = ConvParams(depthwise_weight, depthwise_bias, pointwise_weight, pointwise_bias)
-    out = memory_scan_fwd(_XP, h0, c0, read_coords, write_coords, write_sigma, write_content,
-                          params, eps=eps, radius=radius, checkpoint_every=checkpoint_every)
-    return _contiguous(*out)
-
-
-@memory_scan_op.register_fake
-def _(h0, c0, read_coords, write_coords, write_sigma, write_content, depthwise_weight,
-      depthwise_bias, pointwise_weight, pointwise_bias, eps, radius, checkpoint_every):
+def _scan_fake(primals, statics):
     # The adapter's memory_scan validates eagerly; under torch.compile Dynamo cannot trace
     # the validator, so its shape checks run here, once per trace, in plain Python (fake
     # tensors have no values: validate mode's value checks are off).
-    params = ConvParams(depthwise_weight, depthwise_bias, pointwise_weight, pointwise_bias)
-    with validation(False):
-        validate_scan_inputs(h0, c0, read_coords, write_coords, write_sigma, write_content,
-                             params, checkpoint_every, radius, eps=eps)
-    batch, channels = h0.shape[:2]
-    steps = read_coords.shape[1]
-    saved = (steps + checkpoint_every - 1) // checkpoint_every
-    return (
-        h0.new_empty((batch, steps, channels)),
-        torch.empty_like(h0),
-        torch.empty_like(c0),
-        h0.new_empty((saved, *h0.shape)),
-        c0.new_empty((saved, *c0.shape)),
-    )
-
-
-@torch.library.custom_op("tmcore::memory_scan_backward", mutates_args=())
-def _memory_scan_backward(
-    h0: Tensor, c0: Tensor, read_coords: Tensor, write_coords: Tensor, write_sigma: Tensor,
-    write_content: Tensor, depthwise_weight: Tensor, depthwise_bias: Tensor,
-    pointwise_weight: Tensor, pointwise_bias: Tensor, h_checkpoints: Tensor,
-    c_checkpoints: Tensor, g_reads: Tensor, g_h: Tensor, g_c: Tensor, eps: float,
-    radius: float | None, checkpoint_every: int,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    params = ConvParams(depthwise_weight, depthwise_bias, pointwise_weight, pointwise_bias)
-    grads = memory_scan_bwd(_XP, read_coords, write_coords, write_sigma, write_content, params,
-                            h_checkpoints, c_checkpoints, g_reads, g_h, g_c, eps=eps,
-                            radius=radius, checkpoint_every=checkpoint_every)
-    return _contiguous(*grads[:6], *grads.params)
-
-
-@_memory_scan_backward.register_fake
-def _(h0, c0, read_coords, write_coords, write_sigma, write_content, depthwise_weight,
-      depthwise_bias, pointwise_weight, pointwise_bias, *rest):
-    primals = (h0, c0, read_coords, write_coords, write_sigma, write_content, depthwise_weight,
-               depthwise_bias, pointwise_weight, pointwise_bias)
-    return tuple(torch.empty_like(p) for p in primals)
-
-
-def _scan_setup(ctx, inputs, output):
-    *primals, eps, radius, checkpoint_every = inputs
-    _, _, _, h_ckpt, c_ckpt = output
-    ctx.mark_non_differentiable(h_ckpt, c_ckpt)
-    # Unused outputs get None, not zeros: materialized zero cotangents for the
-    # checkpoints would be a second copy of every saved state (as big as the saved
-    # states themselves) at the start of the backward. _scan_grad handles None.
-    ctx.set_materialize_grads(False)
-    ctx.save_for_backward(*primals, h_ckpt, c_ckpt)
-    ctx.options = (eps, radius, checkpoint_every)
-
-
-def _scan_grad(ctx, g_reads, g_h, g_c, _g_hk, _g_ck):
-    *primals, h_ckpt, c_ckpt = ctx.saved_tensors
+    eps, radius, checkpoint_every = statics
     h0, c0, read_coords = primals[:3]
-    batch, steps, channels = read_coords.shape[0], read_coords.shape[1], h0.shape[1]
-    g_reads = (read_coords.new_zeros((batch, steps, channels)) if g_reads is None
-               else g_reads.contiguous())
-    g_h = torch.zeros_like(h0) if g_h is None else g_h.contiguous()
-    g_c = torch.zeros_like(c0) if g_c is None else g_c.contiguous()
-    grads = _backward(_ScanBackwardFunction, _memory_scan_backward, *primals, h_ckpt, c_ckpt,
-                      g_reads, g_h, g_c, *ctx.options)
-    return (*grads, None, None, None)
+    with options(validate=False):
+        validate_scan_inputs(*primals[:6], ConvParams(*primals[6:]), checkpoint_every, radius,
+                             eps=eps)
+    batch, channels = h0.shape[:2]
+    saved = -(-read_coords.shape[1] // checkpoint_every)
+    return (h0.new_empty((batch, read_coords.shape[1], channels)), torch.empty_like(h0),
+            torch.empty_like(c0), h0.new_empty((saved, *h0.shape)),
+            c0.new_empty((saved, *c0.shape)))
 
 
-def _scan_bwd_setup(ctx, inputs, output):
-    *tensors, eps, radius, checkpoint_every = inputs
-    ctx.save_for_backward(*tensors)
-    ctx.options = (eps, radius, checkpoint_every)
+_SCAN = _make_op(OpSpec(
+    name="memory_scan", primals=_SCAN_PRIMALS,
+    statics=(("eps", "float"), ("radius", "float?"), ("checkpoint_every", "int")),
+    outputs=("reads", "h", "c", "h_checkpoints", "c_checkpoints"), residuals=2,
+    forward=_scan_forward, backward=_scan_backward, fake=_scan_fake,
+    recompute=_scan_recompute))
 
-
-def _scan_bwd_grad(ctx, *cotangents):
-    eps, radius, checkpoint_every = ctx.options
-    saved = ctx.saved_tensors
-    # Differentiate "forward to the checkpoints, then backward" from h0, c0, so
-    # the checkpoint inputs (functions of the primals) need no gradient of their own.
-    primals = saved[:10] + saved[12:15]
-    needs = ctx.needs_input_grad[:10] + ctx.needs_input_grad[12:15]
-
-    def fn(h0, c0, rc, wc, ws, wcont, dw, db, pw, pb, g_reads, g_h, g_c):
-        params = ConvParams(dw, db, pw, pb)
-        *_, h_ckpt, c_ckpt = memory_scan_fwd(_XP, h0, c0, rc, wc, ws, wcont, params, eps=eps,
-                                             radius=radius, checkpoint_every=checkpoint_every)
-        grads = memory_scan_bwd(_XP, rc, wc, ws, wcont, params, h_ckpt, c_ckpt, g_reads, g_h,
-                                g_c, eps=eps, radius=radius, checkpoint_every=checkpoint_every)
-        return (*grads[:6], *grads.params)
-
-    grads = _pullback(fn, primals, needs, cotangents)
-    return (*grads[:10], None, None, *grads[10:], None, None, None)
-
-
-class _ScanBackwardFunction(_Function):
-    @staticmethod
-    def forward(*args):
-        return _memory_scan_backward(*args)
-
-    setup_context = staticmethod(_scan_bwd_setup)
-    backward = staticmethod(_scan_bwd_grad)
-
-
-_register_rules(memory_scan_op, _scan_grad, _scan_setup,
-                _memory_scan_backward, _scan_bwd_grad, _scan_bwd_setup)
-
-
-class MemoryScanFunction(_Function):
-    @staticmethod
-    def forward(*args):
-        return memory_scan_op(*args)
-
-    setup_context = staticmethod(_scan_setup)
-    backward = staticmethod(_scan_grad)
-
-
-class TrilinearSampleFunction(_Function):
-    @staticmethod
-    def forward(volume, coords):
-        return trilinear_sample_op(volume, coords)
-
-    setup_context = staticmethod(_sample_setup)
-    backward = staticmethod(_sample_grad)
-
-
-class GaussianSplatFunction(_Function):
-    @staticmethod
-    def forward(content, mu, sigma, shape, eps, radius):
-        return gaussian_splat_op(content, mu, sigma, shape, eps, radius)
-
-    setup_context = staticmethod(_splat_setup)
-    backward = staticmethod(_splat_grad)
+trilinear_sample_op = _SAMPLE.op
+gaussian_splat_op = _SPLAT.op
+memory_scan_op = _SCAN.op
+TrilinearSampleFunction = _SAMPLE.function
+GaussianSplatFunction = _SPLAT.function
+MemoryScanFunction = _SCAN.function

@@ -12,15 +12,26 @@ Quick start::
     y, state = layer(x)                               # state = (h, c), each (B, C, *S)
     y2, state = layer(torch.randn(8, 256, 128), state)  # streaming: carry the state
 
+The layer itself (config checks, parameter plan, heads, chunking, reset, modes,
+stored-grid check) is :mod:`tmcore.layer`; this module only holds it in
+``nn.Module`` s, registers tmcore's VJPs with autograd and attaches memories to
+models (:mod:`tmcore.adapters._torch_attach`).
+
 Gradients come from tmcore's hand-written VJPs, registered as
 ``torch.library`` custom ops (``torch.ops.tmcore.*``, see
 :mod:`tmcore.adapters._torch_ops`): they work in eager mode, under
 ``torch.compile`` (``fullgraph=True``, no graph breaks), with ``torch.func``
 (``grad``, ``vmap`` by looping over the mapped dimension, per-sample
-gradients) and with DDP. Second-order gradients work in eager mode
-(``create_graph=True``); third order, Hessians through nested
-``torch.func.grad`` and double backward of a compiled model do not.
-Returned gradients are contiguous.
+gradients), DDP and FSDP (FSDP1 and ``fully_shard``). Second-order gradients
+work in eager mode (``create_graph=True``); third order, Hessians through
+nested ``torch.func.grad`` and double backward of a compiled model do not.
+Forward mode (``torch.func.jvp``, ``jacfwd``) is not available: it raises a
+``NotImplementedError`` saying so. ``torch.jit.trace`` / ``torch.jit.script``
+are not supported (the layer runs Python per chunk and calls custom ops with
+Python-side validation); use ``torch.compile`` or ``torch.export``-free eager.
+Returned gradients are contiguous. Under ``no_grad`` (or when nothing requires
+grad) the scan keeps no checkpoints, so inference memory does not grow with
+the sequence.
 
 Multi-layer modes (:func:`attach_memory`): ``"causal"`` (every layer scans from
 the segment's initial state, a read at chunk ``t`` sees only tokens before
@@ -32,16 +43,18 @@ later tokens: only for bidirectional inputs such as images or clips).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
-from tmcore._validate import check_finite
+from tmcore import layer as tl
+from tmcore import sampling, splat
+from tmcore._validate import check_finite, check_int
 from tmcore.adapters import _torch_ops
-from tmcore.addressing import MIN_SIGMA
-from tmcore.conv import ConvParams, as_conv_params, conv_params_from_pointwise
+from tmcore.conv import ConvParams, as_conv_params
 from tmcore.scan import validate_scan_inputs
 from tmcore.splat import DEFAULT_EPS
 
@@ -53,27 +66,28 @@ __all__ = [
     "attach_memory",
     "convert_reference_state_dict",
     "detach_memory",
+    "detach_state",
     "gaussian_splat",
     "memory_scan",
     "trilinear_sample",
 ]
 
-MODES = ("causal", "threaded")
+MODES = tl.MODES
 State = tuple[Tensor, Tensor]
+_XP = _torch_ops._XP
 
 
 # --------------------------------------------------------------------------- functional ops
 
 
 def trilinear_sample(volume: Tensor, coords: Tensor) -> Tensor:
-    """``tmcore.trilinear_sample`` with autograd: ``(B, C, *S), (B, Q, n) -> (B, Q, C)``."""
-    if volume.dim() not in (3, 4, 5, 6):
-        raise ValueError(f"volume: expected shape (B, C, *S) with 1 to 4 spatial axes, "
-                         f"got {tuple(volume.shape)}")
-    if coords.dim() != 3 or coords.shape[0] != volume.shape[0] \
-            or coords.shape[2] != volume.dim() - 2:
-        raise ValueError(f"coords: expected shape (B, Q, n) = ({volume.shape[0]}, Q, "
-                         f"{volume.dim() - 2}), got {tuple(coords.shape)}")
+    """``tmcore.trilinear_sample`` with autograd: ``(B, C, *S), (B, Q, n) -> (B, Q, C)``.
+
+    Same checks (and validate mode), dispatch and float16 / bfloat16 rule as
+    ``tmcore.trilinear_sample``.
+    """
+    if not torch.compiler.is_compiling():  # Dynamo cannot trace the validator's ContextVar
+        sampling._validate(volume, coords)
     return _torch_ops.call(_torch_ops.TrilinearSampleFunction, _torch_ops.trilinear_sample_op,
                           volume, coords)
 
@@ -85,21 +99,20 @@ def gaussian_splat(
     """``tmcore.gaussian_splat`` with autograd.
 
     ``content (B, K, C)``, ``mu (B, K, n)``, ``sigma (B, K)`` -> ``(B, C, *shape)``.
+    Same checks (and validate mode), dispatch and float16 / bfloat16 rule as
+    ``tmcore.gaussian_splat``.
     """
-    shape = [int(s) for s in shape]
-    if not 1 <= len(shape) <= 4 or min(shape) < 1:
-        raise ValueError(f"shape: expected 1 to 4 positive ints, got {tuple(shape)}")
-    if content.dim() != 3:
-        raise ValueError(f"content: expected shape (B, K, C), got {tuple(content.shape)}")
-    batch, writes = content.shape[:2]
-    if tuple(mu.shape) != (batch, writes, len(shape)):
-        raise ValueError(f"mu: expected shape (B, K, n) = {(batch, writes, len(shape))}, "
-                         f"got {tuple(mu.shape)}")
-    if tuple(sigma.shape) != (batch, writes):
-        raise ValueError(f"sigma: expected shape (B, K) = {(batch, writes)}, "
-                         f"got {tuple(sigma.shape)}")
+    if torch.compiler.is_compiling():
+        dims = tuple(shape)
+    else:
+        _, dims = splat._validate(content, mu, sigma, shape, radius=radius, eps=eps)
     return _torch_ops.call(_torch_ops.GaussianSplatFunction, _torch_ops.gaussian_splat_op,
-                          content, mu, sigma, shape, float(eps), radius)
+                          content, mu, sigma, list(dims), float(eps),
+                          None if radius is None else float(radius))
+
+
+def _needs_grad(*tensors: Tensor) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
 def memory_scan(
@@ -112,7 +125,9 @@ def memory_scan(
     ``h0, c0 (B, C, *S)``, ``read_coords, write_coords (B, T, n)``,
     ``write_sigma (B, T)``, ``write_content (B, T, C)``, ``params``: a
     :class:`tmcore.ConvParams` of tensors. Returns ``(reads (B, T, C), h_T, c_T)``.
-    ``checkpoint_every = k`` keeps ``ceil(T / k)`` states for the backward.
+    ``checkpoint_every = k`` keeps ``ceil(T / k)`` states for the backward; when
+    no gradient is needed (``no_grad``, or no input requires grad) only the
+    initial state is kept, so inference memory does not grow with ``T``.
 
     The arguments are checked by :func:`tmcore.scan.validate_scan_inputs`
     (``TypeError`` / ``ValueError`` naming the argument; in tmcore's validate
@@ -124,12 +139,24 @@ def memory_scan(
     if not torch.compiler.is_compiling():  # Dynamo cannot trace the validator's ContextVar
         validate_scan_inputs(h0, c0, read_coords, write_coords, write_sigma, write_content,
                              params, checkpoint_every, radius, eps=eps)
+    tensors = (h0, c0, read_coords, write_coords, write_sigma, write_content, *params)
+    if not _needs_grad(*tensors):
+        checkpoint_every = max(int(read_coords.shape[1]), 1)  # one checkpoint: h0, c0
     reads, h, c, _, _ = _torch_ops.call(
-        _torch_ops.MemoryScanFunction, _torch_ops.memory_scan_op,
-        h0, c0, read_coords, write_coords, write_sigma, write_content, *params,
+        _torch_ops.MemoryScanFunction, _torch_ops.memory_scan_op, *tensors,
         float(eps), None if radius is None else float(radius), int(checkpoint_every),
     )
     return reads, h, c
+
+
+def detach_state(state: Any) -> Any:
+    """Detach a state ``(h, c)`` or a sequence of them (truncated backprop between calls)."""
+    if state is None:
+        return None
+    if isinstance(state, Tensor):
+        return state.detach()
+    return type(state)(detach_state(s) for s in state) if isinstance(state, tuple) \
+        else [detach_state(s) for s in state]
 
 
 # --------------------------------------------------------------------------- layer
@@ -146,19 +173,36 @@ def _check_like_params(name: str, value: Tensor, ref: Tensor, check_dtype: bool)
                         f"got {value.dtype}")
 
 
-def _softplus(x: Tensor) -> Tensor:
-    """``tmcore``'s overflow-free softplus ``max(x, 0) + log1p(exp(-|x|))`` in torch ops."""
-    return torch.clamp_min(x, 0.0) + torch.log1p(torch.exp(-x.abs()))
+def _init_from_plan(params: Mapping[str, Tensor], config: tl.LayerConfig, groups: Sequence[str]
+                    ) -> None:
+    """Fill ``params`` (``"group.leaf"`` -> parameter) from :func:`tmcore.layer.param_specs`,
+    drawing the random ones with torch's RNG in state-dict order."""
+    ref = next(iter(params.values()))
+
+    def uniform(spec: tl.ParamSpec) -> Tensor:
+        return torch.empty(spec.shape, dtype=ref.dtype, device=ref.device).uniform_(
+            -spec.bound, spec.bound)
+
+    values = tl.init_params(_XP, config, uniform, dtype=ref.dtype, device=ref.device,
+                            groups=groups)
+    with torch.no_grad():
+        for group, leaves in values.items():
+            for leaf, value in leaves.items():
+                params[f"{group}.{leaf}"].copy_(value)
+
+
+def _cell_config(channels: int, ndim: int, forget_bias: float) -> tl.LayerConfig:
+    return tl.layer_config(1, channels, (1,) * ndim, 1, forget_bias=forget_bias)
 
 
 class ConvLSTMCell(nn.Module):
     """The four :class:`tmcore.ConvParams` tensors of the ConvLSTM gates.
 
     ``depthwise_weight (n, 2C, 3)``, ``depthwise_bias (n, 2C)``,
-    ``pointwise_weight (4C, 2C)``, ``pointwise_bias (4C,)``. Initialized by
-    :func:`tmcore.conv_params_from_pointwise` around a Xavier-uniform pointwise
-    matrix (identity taps, zero biases), then the forget-gate quarter of the
-    pointwise bias (gate order ``i, f, o, g``) set to ``forget_bias``.
+    ``pointwise_weight (4C, 2C)``, ``pointwise_bias (4C,)``, initialized by the
+    plan of :func:`tmcore.layer.param_specs` (identity taps, zero biases, a
+    Xavier-uniform pointwise matrix, the forget-gate quarter of the pointwise
+    bias (gate order ``i, f, o, g``) set to ``forget_bias``).
     """
 
     def __init__(self, channels: int, ndim: int, *, forget_bias: float = 0.0,
@@ -166,24 +210,28 @@ class ConvLSTMCell(nn.Module):
         super().__init__()
         self.channels, self.ndim = channels, ndim
         self.forget_bias = check_finite("forget_bias", forget_bias)
+        self._config = _cell_config(channels, ndim, self.forget_bias)
         kw = {"device": device, "dtype": dtype}
-        self.depthwise_weight = nn.Parameter(torch.empty(ndim, 2 * channels, 3, **kw))
-        self.depthwise_bias = nn.Parameter(torch.empty(ndim, 2 * channels, **kw))
-        self.pointwise_weight = nn.Parameter(torch.empty(4 * channels, 2 * channels, **kw))
-        self.pointwise_bias = nn.Parameter(torch.empty(4 * channels, **kw))
+        for spec in tl.param_specs(self._config):
+            if spec.group == "cell":
+                self.register_parameter(spec.leaf, nn.Parameter(torch.empty(spec.shape, **kw)))
         self.reset_parameters()
 
-    @torch.no_grad()
     def reset_parameters(self) -> None:
-        pointwise = nn.init.xavier_uniform_(torch.empty_like(self.pointwise_weight))
-        for param, value in zip(self.params(), conv_params_from_pointwise(pointwise, self.ndim),
-                                strict=True):
-            param.copy_(value)
-        self.pointwise_bias[self.channels : 2 * self.channels] = self.forget_bias
+        _init_from_plan({f"cell.{k}": v for k, v in self.named_parameters()}, self._config,
+                        ("cell",))
 
     def params(self) -> ConvParams:
         return ConvParams(self.depthwise_weight, self.depthwise_bias, self.pointwise_weight,
                           self.pointwise_bias)
+
+
+class _TorchLayer(tl.Layer):
+    """tmcore's layer with torch's fused ``F.linear`` for the heads (follows autocast)."""
+
+    @staticmethod
+    def linear(xp: Any, p: Mapping[str, Tensor], x: Tensor) -> Tensor:
+        return F.linear(x, p["weight"], p["bias"])
 
 
 class TensorMemory(nn.Module):
@@ -198,23 +246,24 @@ class TensorMemory(nn.Module):
     sigma_scale : multiplies the predicted write spread.
     checkpoint_every : the backward keeps every k-th state and recomputes the rest.
     radius : optional truncation of the Gaussian write, in units of sigma.
-    eps : added to ``2 sigma^2`` in the Gaussian.
+    eps : added to ``2 sigma^2`` in the Gaussian (>= 0).
     forget_bias : initial bias of the ConvLSTM forget gate (default 0, DESIGN's
         init: the cell starts keeping ``sigmoid(0) = 1/2`` of its state per chunk).
         A positive value (e.g. 3: ``sigmoid(3) = 0.95``) starts the memory
         remembering across many chunks, which long-range tasks need to discover
         it at all (see examples/diagnostics/README.md).
 
-    Per chunk ``t`` (DESIGN): ``read_coord = tanh(coord_net(first token))``;
-    ``summary = write_proj(concat of the chunk's L tokens)``; ``write_coord =
-    tanh(coord_net(summary))`` (tied head); ``content = content_net(summary)``;
-    ``sigma = (softplus(sigma_net(summary)) + 1e-4) * sigma_scale``; the read
-    (from the state before the chunk's write) goes through ``out_proj`` and is
-    broadcast to every token of the chunk. A ragged last chunk is zero-padded
-    on the right and the output trimmed. The chunk grid is per call: for
-    streaming to equal one long call, feed pieces whose lengths are multiples
-    of ``chunk_size`` (a ragged piece writes a zero-padded chunk into the state).
+    Every argument is checked once by :func:`tmcore.layer.layer_config` (sizes
+    are ints, Python or NumPy: a float or bool is a ``TypeError``, a size < 1 a
+    ``ValueError``). The math per chunk is :class:`tmcore.layer.Layer`'s
+    (``layer_class``; a variant subclasses it). A ragged last chunk is
+    zero-padded on the right and the output trimmed. The chunk grid is per
+    call: for streaming to equal one long call, feed pieces whose lengths are
+    multiples of ``chunk_size`` (a ragged piece writes a zero-padded chunk into
+    the state).
     """
+
+    layer_class: type[tl.Layer] = _TorchLayer
 
     def __init__(
         self, embed_dim: int, memory_channels: int, memory_shape: Sequence[int],
@@ -223,42 +272,45 @@ class TensorMemory(nn.Module):
         device: Any = None, dtype: Any = None,
     ):
         super().__init__()
-        for name, value in (("embed_dim", embed_dim), ("memory_channels", memory_channels),
-                            ("chunk_size", chunk_size), ("checkpoint_every", checkpoint_every)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}: expected an int >= 1, got {value!r}")
-        if isinstance(memory_shape, int):
-            memory_shape = (memory_shape,)
-        shape = tuple(memory_shape)
-        if not 1 <= len(shape) <= 4 or any(
-                isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in shape):
-            raise ValueError(f"memory_shape: expected 1 to 4 positive ints, got {memory_shape!r}")
-        if not sigma_scale > 0:
-            raise ValueError(f"sigma_scale: expected > 0, got {sigma_scale!r}")
-        if radius is not None and not radius > 0:
-            raise ValueError(f"radius: expected a positive number of sigmas or None, "
-                             f"got {radius!r}")
-        self.embed_dim, self.memory_channels = embed_dim, memory_channels
-        self.memory_shape, self.chunk_size = shape, chunk_size
-        self.sigma_scale, self.checkpoint_every = float(sigma_scale), checkpoint_every
-        self.radius = None if radius is None else float(radius)
-        self.eps = float(eps)
-        n, d, c = len(shape), embed_dim, memory_channels
+        config = tl.layer_config(embed_dim, memory_channels, memory_shape, chunk_size,
+                                 sigma_scale, checkpoint_every=checkpoint_every,
+                                 radius=radius, eps=eps, forget_bias=forget_bias)
+        self.config = config
+        self.layer = self.layer_class(config)
+        d, c, n = config.embed_dim, config.memory_channels, config.ndim
         kw = {"device": device, "dtype": dtype}
-        self.write_proj = nn.Linear(chunk_size * d, d, **kw)
+        self.write_proj = nn.Linear(config.chunk_size * d, d, **kw)
         self.content_net = nn.Linear(d, c, **kw)
         self.sigma_net = nn.Linear(d, 1, **kw)
         self.coord_net = nn.Linear(d, n, **kw)
-        self.cell = ConvLSTMCell(c, n, forget_bias=forget_bias, **kw)
+        self.cell = ConvLSTMCell(c, n, forget_bias=config.forget_bias, **kw)
         self.out_proj = nn.Linear(c, d, **kw)
-        with torch.no_grad():
-            self.sigma_net.bias.fill_(1.0)
+        self.reset_parameters()
+
+    # config fields as attributes (read-only views of self.config)
+    embed_dim = property(lambda self: self.config.embed_dim)
+    memory_channels = property(lambda self: self.config.memory_channels)
+    memory_shape = property(lambda self: self.config.memory_shape)
+    chunk_size = property(lambda self: self.config.chunk_size)
+    sigma_scale = property(lambda self: self.config.sigma_scale)
+    checkpoint_every = property(lambda self: self.config.checkpoint_every)
+    radius = property(lambda self: self.config.radius)
+    eps = property(lambda self: self.config.eps)
+
+    def reset_parameters(self) -> None:
+        """Initialize every parameter by the plan of :func:`tmcore.layer.param_specs`."""
+        _init_from_plan(dict(self.named_parameters()), self.config, tl.GROUPS)
 
     def extra_repr(self) -> str:
         return (f"embed_dim={self.embed_dim}, memory_channels={self.memory_channels}, "
                 f"memory_shape={self.memory_shape}, chunk_size={self.chunk_size}, "
                 f"sigma_scale={self.sigma_scale}, checkpoint_every={self.checkpoint_every}, "
                 f"radius={self.radius}, forget_bias={self.cell.forget_bias}")
+
+    def params(self) -> dict[str, dict[str, Tensor]]:
+        """The parameters as tmcore.layer's pytree ``{group: {leaf: tensor}}``."""
+        return {group: {leaf: p for leaf, p in getattr(self, group).named_parameters()}
+                for group in tl.GROUPS}
 
     # ----------------------------------------------------------------- checkpoints
 
@@ -272,23 +324,12 @@ class TensorMemory(nn.Module):
         return torch.tensor(self.memory_shape, dtype=torch.int32)
 
     def _grid_error(self, value: Any, key: str) -> str | None:
-        """Why ``value`` (a stored ``_extra_state``) does not fit this model, or ``None``."""
-        malformed = (f"memory_shape: {key} should hold a grid shape (a 1-D int tensor of "
-                     f"1 to 4 sizes), got {value!r}")
-        try:
-            stored = torch.as_tensor(value)
-        except (TypeError, ValueError, RuntimeError):
-            return malformed
-        if stored.device.type == "meta":
+        if isinstance(value, Tensor) and value.device.type == "meta":
             return None  # no values to compare
-        if (stored.dim() != 1 or not 1 <= stored.numel() <= 4 or stored.dtype == torch.bool
-                or stored.is_floating_point() or stored.is_complex()):
-            return malformed
-        saved = tuple(int(s) for s in stored.tolist())
-        if saved != self.memory_shape:
-            return (f"memory_shape: the checkpoint was saved from a grid {saved} ({key}), "
-                    f"this model's memory_shape is {self.memory_shape}")
-        return None
+        if not isinstance(value, Tensor) and isinstance(value, Sequence) \
+                and not isinstance(value, (str, bytes)):
+            value = list(value)
+        return tl.stored_grid_error(value, self.memory_shape, key)
 
     def set_extra_state(self, state: Any) -> None:
         """Check a stored grid shape (see :meth:`get_extra_state`); ``ValueError`` on mismatch."""
@@ -317,55 +358,33 @@ class TensorMemory(nn.Module):
     def init_state(self, batch: int, device: Any = None, dtype: Any = None) -> State:
         """Zero state ``(h, c)``, each ``(batch, C, *S)`` (defaults: the parameters')."""
         ref = self.out_proj.weight
-        shape = (batch, self.memory_channels, *self.memory_shape)
-        kw = {"device": ref.device if device is None else device,
-              "dtype": ref.dtype if dtype is None else dtype}
-        return torch.zeros(shape, **kw), torch.zeros(shape, **kw)
+        return tl.zero_state(_XP, self.config, check_int("batch", batch, 0),
+                             dtype=ref.dtype if dtype is None else dtype,
+                             device=ref.device if device is None else device)
 
     def _check(self, x: Tensor, state: State | None, reset: Tensor | None) -> None:
+        """The torch-side checks :class:`tmcore.layer.Layer` cannot make: device and dtype
+        against the parameters (autocast allows lower-precision tokens)."""
         if not isinstance(x, Tensor):
             raise TypeError(f"x: expected a tensor of shape (B, N, d), got {type(x).__name__}")
-        if x.dim() != 3:
-            raise ValueError(f"x: expected shape (B, N, d), got {tuple(x.shape)}")
-        if x.shape[-1] != self.embed_dim:
-            raise ValueError(f"x: expected shape (B, N, d) with d = embed_dim = "
-                             f"{self.embed_dim}, got {tuple(x.shape)}")
         ref = self.out_proj.weight
-        # under autocast the tokens may come in a lower precision than the parameters
         device_type = x.device.type
         check_dtype = not (torch.amp.is_autocast_available(device_type)
                            and torch.is_autocast_enabled(device_type))
         _check_like_params("x", x, ref, check_dtype)
-        expected = (x.shape[0], self.memory_channels, *self.memory_shape)
+        tl.check_tokens(_XP, x, self.config)
         if state is not None:
-            if not isinstance(state, (tuple, list)) or len(state) != 2:
-                raise ValueError("state: expected a pair (h, c) or None")
-            for name, value in zip(("h", "c"), state, strict=True):
-                if not isinstance(value, Tensor):
-                    raise TypeError(f"state: expected {name} to be a tensor of shape "
-                                    f"(B, C, *S) = {expected}, got {type(value).__name__}")
-                if tuple(value.shape) != expected:
-                    raise ValueError(f"state: expected {name} of shape (B, C, *S) = "
-                                     f"{expected}, got {tuple(value.shape)}")
-                _check_like_params(f"state: {name}", value, ref, check_dtype)
-        if reset is not None:
-            if not isinstance(reset, Tensor) or tuple(reset.shape) != (x.shape[0],):
-                got = tuple(reset.shape) if isinstance(reset, Tensor) else type(reset).__name__
-                raise ValueError(f"reset: expected a bool mask of shape (B,) = "
-                                 f"({x.shape[0]},), got {got}")
-            if reset.device != x.device:
-                raise ValueError(f"reset: expected a mask on x's device {x.device}, "
-                                 f"got one on {reset.device}")
+            h, c = tl.check_state(_XP, state, x.shape[0], self.config)
+            _check_like_params("state: h", h, ref, check_dtype)
+            _check_like_params("state: c", c, ref, check_dtype)
+        if isinstance(reset, Tensor) and reset.device != x.device:
+            raise ValueError(f"reset: expected a mask on x's device {x.device}, "
+                             f"got one on {reset.device}")
 
-    def _heads(self, chunk: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """One chunk ``(B, L, d)`` -> ``read_coord (B, n)``, ``write_coord (B, n)``,
-        ``content (B, C)``, ``sigma (B,)``."""
-        summary = self.write_proj(chunk.reshape(chunk.shape[0], -1))
-        read_coord = torch.tanh(self.coord_net(chunk[:, 0]))
-        write_coord = torch.tanh(self.coord_net(summary))
-        content = self.content_net(summary)
-        sigma = (_softplus(self.sigma_net(summary)[:, 0]) + MIN_SIGMA) * self.sigma_scale
-        return read_coord, write_coord, content, sigma
+    def _scan(self, h0: Tensor, c0: Tensor, inputs: Any) -> tuple[Tensor, Tensor, Tensor]:
+        config = self.config
+        return memory_scan(h0, c0, *inputs, self.cell.params(), eps=config.eps,
+                           radius=config.radius, checkpoint_every=config.checkpoint_every)
 
     def forward(
         self, x: Tensor, state: State | None = None, *, reset: Tensor | None = None
@@ -373,38 +392,12 @@ class TensorMemory(nn.Module):
         """Run the memory over ``x (B, N, d)``.
 
         ``state``: ``(h, c)`` from a previous call (``None``: zeros). ``reset``:
-        optional ``(B,)`` bool mask; those sequences start from zeros (document
-        boundaries when streaming). Returns ``(out (B, N, d), (h, c))``.
+        optional ``(B,)`` bool mask (a float mask is a ``TypeError``); those
+        sequences start from zeros (document boundaries when streaming).
+        Returns ``(out (B, N, d), (h, c))``.
         """
         self._check(x, state, reset)
-        batch, tokens, d = x.shape
-        if state is None:
-            state = self.init_state(batch, x.device, x.dtype)
-        h0, c0 = state
-        if reset is not None:
-            mask = reset.reshape((batch,) + (1,) * (h0.dim() - 1)).to(torch.bool)
-            h0 = torch.where(mask, torch.zeros_like(h0), h0)
-            c0 = torch.where(mask, torch.zeros_like(c0), c0)
-        if tokens == 0:
-            return x.new_zeros(x.shape), (h0, c0)
-        size = self.chunk_size
-        steps = (tokens + size - 1) // size
-        if steps * size != tokens:
-            x = nn.functional.pad(x, (0, 0, 0, steps * size - tokens))
-        chunks = x.reshape(batch, steps, size, d)
-        # Chunk by chunk, so that every chunk's arithmetic has the same shapes
-        # whatever the number of chunks in the call (BLAS kernels and vectorized
-        # elementwise loops may round differently for other sizes): streaming
-        # pieces then equals one long call bit for bit.
-        heads = [self._heads(chunks[:, t]) for t in range(steps)]
-        read_coords, write_coords, content, sigma = (
-            torch.stack(v, 1) for v in zip(*heads, strict=True))
-        reads, h, c = memory_scan(h0, c0, read_coords, write_coords, sigma, content,
-                                  self.cell.params(), eps=self.eps, radius=self.radius,
-                                  checkpoint_every=self.checkpoint_every)
-        out = torch.stack([self.out_proj(reads[:, t]) for t in range(steps)], 1)
-        out = out[:, :, None, :].expand(batch, steps, size, d)
-        return out.reshape(batch, steps * size, d)[:, :tokens], (h, c)
+        return self.layer.forward(_XP, self.params(), x, state, scan=self._scan, reset=reset)
 
 
 class MemoryResidual(nn.Module):
@@ -412,8 +405,9 @@ class MemoryResidual(nn.Module):
 
     ``norm``: a module, a class called as ``norm(embed_dim)``, or ``None`` for
     ``nn.LayerNorm(embed_dim)`` (pass ``nn.Identity()`` for none). ``gate_init``
-    is the initial logit (the paper uses 0.0 and -2.0). ``forward(x, state=None,
-    *, reset=None) -> (y, state)``.
+    is the initial logit (the paper uses 0.0 and -2.0). The gate is stored with
+    shape ``(1,)`` (FSDP shards no 0-dim parameter); checkpoints saved with the
+    older 0-dim gate still load.
     """
 
     def __init__(self, memory: TensorMemory, norm: Any = None, gate_init: float = 0.0):
@@ -426,171 +420,38 @@ class MemoryResidual(nn.Module):
         elif isinstance(norm, type):
             norm = norm(memory.embed_dim, **kw)
         self.norm = norm
-        self.gate = nn.Parameter(torch.full((), float(gate_init), **kw))
+        self.gate = nn.Parameter(torch.full(tl.GATE_SHAPE, check_finite("gate_init", gate_init),
+                                            **kw))
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        key = prefix + "gate"
+        value = state_dict.get(key)
+        if isinstance(value, Tensor) and value.dim() == 0:  # saved before the gate was (1,)
+            state_dict = {**state_dict, key: value.reshape(tl.GATE_SHAPE)}
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
 
     def forward(
         self, x: Tensor, state: State | None = None, *, reset: Tensor | None = None
     ) -> tuple[Tensor, State]:
+        """``x (B, N, d)`` -> ``(x + sigmoid(gate) * memory(norm(x), state), new state)``.
+
+        ``state`` and ``reset`` are :meth:`TensorMemory.forward`'s: ``(h, c)`` from
+        the previous call (``None``: zeros) and an optional ``(B,)`` bool mask of
+        sequences that start from zeros. The state returned is the memory's.
+        """
         out, state = self.memory(self.norm(x), state, reset=reset)
         return x + torch.sigmoid(self.gate) * out, state
 
 
 # --------------------------------------------------------------------------- attach / detach
 
-
-def _blocks_of(blocks: Any) -> tuple[list[nn.Module], bool | None]:
-    if isinstance(blocks, nn.TransformerEncoder):
-        layers = list(blocks.layers)
-    elif isinstance(blocks, (nn.ModuleList, nn.Sequential)) or (
-            isinstance(blocks, Iterable) and not isinstance(blocks, nn.Module)):
-        layers = list(blocks)
-    else:
-        raise TypeError(f"blocks: expected an nn.ModuleList, nn.Sequential, "
-                        f"nn.TransformerEncoder or a list of modules, got {type(blocks).__name__}")
-    if not layers or not all(isinstance(b, nn.Module) for b in layers):
-        raise ValueError("blocks: expected at least one nn.Module block")
-    attn = getattr(layers[0], "self_attn", None)
-    return layers, getattr(attn, "batch_first", None)
-
-
-class MemoryHandle(nn.Module):
-    """The memories attached to a model's blocks, their streaming state and hooks.
-
-    Holds one :class:`MemoryResidual` per block (``handle.memories[l]``), each
-    with its own parameters: give ``handle.parameters()`` to the optimizer
-    (and, for DDP, wrap a module that holds both the model and the handle).
-    After every model call, ``handle.state[l]`` is the ``(h, c)`` layer ``l``
-    reached. With ``streaming=True`` the next call starts from it (per layer in
-    ``causal`` mode; from the last layer's state in ``threaded`` mode), else
-    every call starts from zeros. The hooks assume the blocks run in order,
-    once each, per model call.
-    """
-
-    def __init__(self, blocks: list[nn.Module], memories: list[MemoryResidual], mode: str,
-                 streaming: bool, batch_first: bool):
-        super().__init__()
-        self.memories = nn.ModuleList(memories)
-        self.mode, self.streaming, self.batch_first = mode, streaming, batch_first
-        self.state: list[State] | None = None
-        self._reset: Tensor | None = None
-        self._carried: list[State] | None = None
-        self._current: list[State | None] = []
-        self._hooks = [block.register_forward_hook(self._hook(layer))
-                       for layer, block in enumerate(blocks)]
-
-    def extra_repr(self) -> str:
-        return f"mode={self.mode!r}, streaming={self.streaming}, attached={self.attached}"
-
-    @property
-    def attached(self) -> bool:
-        return bool(self._hooks)
-
-    def _hook(self, layer: int):
-        def hook(module, args, output):
-            if isinstance(output, tuple):
-                return (self._apply(layer, output[0]), *output[1:])
-            return self._apply(layer, output)
-
-        return hook
-
-    def _apply(self, layer: int, y: Tensor) -> Tensor:
-        if layer == 0:
-            self._carried = self.state if self.streaming else None
-            self._current = [None] * len(self.memories)
-        x = y if self.batch_first else y.transpose(0, 1)
-        carried = self._carried
-        if self.mode == "causal":
-            init = None if carried is None else carried[layer]
-            reset = self._reset
-        elif layer == 0:
-            init = None if carried is None else carried[-1]
-            reset = self._reset
-        else:
-            init, reset = self._current[layer - 1], None
-        out, state = self.memories[layer](x, init, reset=reset)
-        self._current[layer] = state
-        if layer == len(self.memories) - 1:
-            self.state, self._reset, self._carried = list(self._current), None, None
-        return out if self.batch_first else out.transpose(0, 1)
-
-    def reset_state(self, mask: Tensor | None = None) -> None:
-        """Forget the state (``mask=None``), or start the sequences where the
-        ``(B,)`` bool ``mask`` is True from zeros at the next call."""
-        if mask is None:
-            self.state, self._reset = None, None
-        else:
-            self._reset = mask if self._reset is None else (self._reset | mask)
-
-    def detach_state(self) -> None:
-        """Cut the graph to the previous calls (truncated backprop through time)."""
-        if self.state is not None:
-            self.state = [(h.detach(), c.detach()) for h, c in self.state]
-
-    def set_state(self, state: Sequence[State] | None) -> None:
-        """Replace the per-layer state (``None``: zeros at the next call)."""
-        if state is not None and len(state) != len(self.memories):
-            raise ValueError(f"state: expected {len(self.memories)} per-layer (h, c) pairs, "
-                             f"got {len(state)}")
-        self.state = None if state is None else [tuple(s) for s in state]
-
-    def remove(self) -> None:
-        """Remove the hooks: the model computes exactly what it did before attaching."""
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks = []
-        self.state, self._reset, self._carried, self._current = None, None, None, []
-
-    def __enter__(self) -> MemoryHandle:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.remove()
-
-
-def attach_memory(
-    blocks: Any, mode: str = "causal", *, gate_init: float = 0.0, norm: Any = None,
-    streaming: bool = False, batch_first: bool | None = None, **memory_kwargs: Any,
-) -> MemoryHandle:
-    """Add a gated Tensor Memory after every block of an existing model, via forward hooks.
-
-    Parameters
-    ----------
-    blocks : an ``nn.ModuleList`` / ``nn.Sequential`` / list of blocks, or an
-        ``nn.TransformerEncoder`` (its ``layers``). Blocks are not edited; each
-        block's output ``y`` (or ``y[0]`` if it returns a tuple) becomes
-        ``y + sigmoid(gate_l) * memory_l(norm_l(y))``.
-    mode : ``"causal"`` (every layer scans from the segment's initial state;
-        causal) or ``"threaded"`` (the paper's reference: layer ``l`` starts from
-        the state layer ``l-1`` reached after the whole sequence; NOT causal).
-    gate_init, norm : as in :class:`MemoryResidual`.
-    streaming : carry ``handle.state`` from one model call to the next.
-    batch_first : layout of the block outputs; ``None`` reads it from
-        ``block.self_attn.batch_first`` when present, else assumes True.
-    **memory_kwargs : :class:`TensorMemory` arguments (``embed_dim``, ...);
-        device and dtype default to the blocks' parameters.
-
-    Returns
-    -------
-    :class:`MemoryHandle`; ``handle.remove()`` (or :func:`detach_memory`) undoes it.
-    """
-    if mode not in MODES:
-        raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
-    layers, detected = _blocks_of(blocks)
-    if batch_first is None:
-        batch_first = True if detected is None else bool(detected)
-    ref = next((p for b in layers for p in b.parameters()), None)
-    if ref is not None:
-        memory_kwargs.setdefault("device", ref.device)
-        memory_kwargs.setdefault("dtype", ref.dtype)
-    memories = [MemoryResidual(TensorMemory(**memory_kwargs), norm=norm, gate_init=gate_init)
-                for _ in layers]
-    return MemoryHandle(layers, memories, mode, streaming, batch_first)
-
-
-def detach_memory(handle: MemoryHandle) -> None:
-    """Same as ``handle.remove()``."""
-    handle.remove()
-
+from tmcore.adapters._torch_attach import (  # noqa: E402  (builds on the classes above)
+    MemoryHandle,
+    attach_memory,
+    detach_memory,
+)
 
 # --------------------------------------------------------------------------- reference weights
 
@@ -610,6 +471,20 @@ _DEPTHWISE = ("gate_conv.conv_d", "gate_conv.conv_h", "gate_conv.conv_w")
 _IGNORED = ("grid_cache",)
 
 
+def _reference_sizes(own: Mapping[str, Tensor]) -> tl.LayerConfig:
+    """``d``, ``C``, ``L`` of a reference state dict (n = 3), from ``out_proj.weight (d, C)``
+    and ``write_proj.weight (d, L*d)``; ``ValueError`` naming the key otherwise."""
+    out_proj, write_proj = own["out_proj.weight"], own["write_proj.weight"]
+    if out_proj.dim() != 2 or min(out_proj.shape) < 1:
+        raise ValueError(f"out_proj.weight: expected shape (d, C), got {tuple(out_proj.shape)}")
+    d, c = out_proj.shape
+    if write_proj.dim() != 2 or write_proj.shape[0] != d or write_proj.shape[1] % d \
+            or write_proj.shape[1] == 0:
+        raise ValueError(f"write_proj.weight: expected shape (d, L*d) with d = {d} "
+                         f"(from out_proj.weight), got {tuple(write_proj.shape)}")
+    return tl.LayerConfig(d, c, (1, 1, 1), write_proj.shape[1] // d)
+
+
 def convert_reference_state_dict(
     sd: Mapping[str, Tensor], prefix: str = ""
 ) -> dict[str, Tensor]:
@@ -625,8 +500,9 @@ def convert_reference_state_dict(
     another grid (without ``grid_cache`` there is no ``_extra_state`` and the
     grid is not checked). The result loads with
     ``TensorMemory(...).load_state_dict(result, strict=True)`` (a 3-D
-    ``memory_shape``). Raises ``ValueError`` on missing, unknown or misshapen
-    entries.
+    ``memory_shape``). Raises ``TypeError`` for a value that is not a floating
+    tensor (NumPy arrays and lists included: convert with ``torch.as_tensor``),
+    ``ValueError`` on missing, unknown or misshapen entries, each naming the key.
     """
     own = {k[len(prefix):]: v for k, v in sd.items() if k.startswith(prefix)}
     if not own:
@@ -639,26 +515,45 @@ def convert_reference_state_dict(
     if unknown or missing:
         raise ValueError(f"sd: not a reference memory state dict under prefix {prefix!r}; "
                          f"unknown keys {unknown}, missing keys {missing}")
+    for key, value in own.items():
+        if not isinstance(value, Tensor) or not value.is_floating_point():
+            got = f"a {value.dtype} tensor" if isinstance(value, Tensor) else type(value).__name__
+            raise TypeError(f"{prefix}{key}: expected a floating torch.Tensor, got {got} "
+                            f"(convert with torch.as_tensor first)")
+    config = _reference_sizes(own)
+    c = config.memory_channels
     out = {new: own[old].detach().clone() for old, new in _RENAMED.items()}
     pointwise = own["gate_conv.pointwise.weight"]
-    c4, c2 = pointwise.shape[:2]
-    if tuple(pointwise.shape) != (c4, c2, 1, 1, 1) or c4 != 2 * c2:
-        raise ValueError(f"gate_conv.pointwise.weight: expected shape (4C, 2C, 1, 1, 1), "
+    if tuple(pointwise.shape) != (4 * c, 2 * c, 1, 1, 1):
+        raise ValueError(f"gate_conv.pointwise.weight: expected shape (4C, 2C, 1, 1, 1) = "
+                         f"{(4 * c, 2 * c, 1, 1, 1)} (C = {c} from out_proj.weight), "
                          f"got {tuple(pointwise.shape)}")
     taps, biases = [], []
     for axis, name in enumerate(_DEPTHWISE):
         weight = own[f"{name}.weight"]
         kernel = [1, 1, 1]
         kernel[axis] = 3
-        if tuple(weight.shape) != (c2, 1, *kernel):
-            raise ValueError(f"{name}.weight: expected shape {(c2, 1, *kernel)}, "
+        if tuple(weight.shape) != (2 * c, 1, *kernel):
+            raise ValueError(f"{name}.weight: expected shape {(2 * c, 1, *kernel)}, "
                              f"got {tuple(weight.shape)}")
-        taps.append(weight.reshape(c2, 3))
-        biases.append(own[f"{name}.bias"].reshape(c2))
+        taps.append(weight.reshape(2 * c, 3))
+        bias = own[f"{name}.bias"]
+        if tuple(bias.shape) != (2 * c,):
+            raise ValueError(f"{name}.bias: expected shape (2C,) = ({2 * c},), "
+                             f"got {tuple(bias.shape)}")
+        biases.append(bias)
     out["cell.depthwise_weight"] = torch.stack(taps).detach().clone()
     out["cell.depthwise_bias"] = torch.stack(biases).detach().clone()
-    out["cell.pointwise_weight"] = pointwise.reshape(c4, c2).detach().clone()
+    out["cell.pointwise_weight"] = pointwise.reshape(4 * c, 2 * c).detach().clone()
     out["cell.pointwise_bias"] = own["gate_conv.pointwise.bias"].detach().clone()
+    reference_name = {new: old for old, new in _RENAMED.items()}
+    reference_name["cell.pointwise_bias"] = "gate_conv.pointwise.bias"
+    for spec in tl.param_specs(config):
+        if spec.name in reference_name and tuple(out[spec.name].shape) != spec.shape:
+            raise ValueError(f"{reference_name[spec.name]}: expected shape {spec.layout} = "
+                             f"{spec.shape} (d = {config.embed_dim}, C = {c}, "
+                             f"L = {config.chunk_size}, n = 3), "
+                             f"got {tuple(out[spec.name].shape)}")
     if "grid_cache" in own:
         grid = own["grid_cache"]
         if grid.dim() != 5 or tuple(grid.shape[:2]) != (1, 3) or min(grid.shape[2:]) < 1:

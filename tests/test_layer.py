@@ -164,13 +164,13 @@ def test_reset_by_bool_mask_only():
 
 
 def test_check_state_and_tokens():
-    with pytest.raises(ValueError, match=r"expected h of shape \(B, C, \*S\) = \(2, 2, 3, 4\)"):
+    with pytest.raises(ValueError, match=r"state.h: expected shape \(B, C, \*S\) = \(2, 2, 3, 4\)"):
         tl.check_state(xp, (np.zeros((2, 2, 3, 3)), np.zeros((2, 2, 3, 4))), 2, CONFIG)
     with pytest.raises(ValueError, match="state: expected a pair"):
         tl.check_state(xp, np.zeros((2, 2, 3, 4)), 2, CONFIG)
-    with pytest.raises(TypeError, match="state: expected c of a real floating dtype"):
+    with pytest.raises(TypeError, match="state.c: expected a real floating dtype"):
         tl.check_state(xp, (np.zeros((2, 2, 3, 4)), np.zeros((2, 2, 3, 4), int)), 2, CONFIG)
-    with pytest.raises(ValueError, match="d = embed_dim = 6"):
+    with pytest.raises(ValueError, match=r"d = 6 \(embed_dim = 6\)"):
         tl.check_tokens(xp, np.zeros((2, 3, 5)), CONFIG)
     with pytest.raises(TypeError, match="x: expected a real floating dtype"):
         tl.check_tokens(xp, np.zeros((2, 3, 6), int), CONFIG)

@@ -379,9 +379,16 @@ def test_layer_init_and_contract():
     assert torch.equal(out, out_explicit)
     # one read per chunk, broadcast to the chunk's tokens
     assert torch.equal(out[:, 4], out[:, 7]) and torch.equal(out[:, 8], out[:, 9])
-    # sigma head equals tmcore.sigma_from_logit (overflow-free softplus)
+    # the sigma head is tmcore.sigma_from_logit (overflow-free softplus), also at +-40
+    m2 = tmt.TensorMemory(1, 1, (2,), 1, sigma_scale=0.5).double()
+    with torch.no_grad():
+        m2.write_proj.weight.fill_(1.0)
+        m2.write_proj.bias.zero_()
+        m2.sigma_net.weight.fill_(1.0)
+        m2.sigma_net.bias.zero_()
     z = torch.tensor([-50.0, -1.0, 0.0, 3.0, 40.0], dtype=F64)
-    assert torch.equal((tmt._softplus(z) + 1e-4) * 0.5, sigma_from_logit(z, 0.5))
+    sigma = m2.layer.heads(XP, m2.params(), z[:, None, None]).write_sigma
+    assert torch.equal(sigma, sigma_from_logit(z, 0.5))
 
 
 def test_forget_bias_option():

@@ -250,9 +250,9 @@ def param_specs(config: LayerConfig) -> tuple[ParamSpec, ...]:
 
 def init_params(
     xp: Any, config: LayerConfig, uniform: Callable[[ParamSpec], Any], *, dtype: Any = None,
-    device: Any = None,
+    device: Any = None, groups: Sequence[str] = GROUPS,
 ) -> dict[str, dict[str, Any]]:
-    """Realize :func:`param_specs` as ``{group: {leaf: array}}``.
+    """Realize :func:`param_specs` as ``{group: {leaf: array}}`` (only ``groups``).
 
     ``uniform(spec)`` draws an array of ``spec.shape`` uniformly in
     ``[-spec.bound, spec.bound]`` with the caller's RNG (in ``dtype`` on
@@ -261,6 +261,8 @@ def init_params(
     kw = {"dtype": dtype, "device": device}
     params: dict[str, dict[str, Any]] = {}
     for spec in param_specs(config):
+        if spec.group not in groups:
+            continue
         if spec.init in ("uniform", "xavier_uniform"):
             value = uniform(spec)
         elif spec.init == "constant":
@@ -351,7 +353,11 @@ def linear(xp: Any, p: Mapping[str, Any], x: Any) -> Any:
     return xp.matmul(x, xp.matrix_transpose(p["weight"])) + p["bias"]
 
 
-def heads(xp: Any, params: Params, chunk: Any, config: LayerConfig) -> StepInputs:
+Linear = Callable[[Any, Mapping[str, Any], Any], Any]
+
+
+def heads(xp: Any, params: Params, chunk: Any, config: LayerConfig, *,
+          linear: Linear = linear) -> StepInputs:
     """The layer's linear heads on ``chunk (..., L, d)`` -> :class:`tmcore.StepInputs`
     with ``read_coords (..., n)``, ``write_coords (..., n)``, ``write_sigma (...)``,
     ``write_content (..., C)``.
@@ -359,6 +365,9 @@ def heads(xp: Any, params: Params, chunk: Any, config: LayerConfig) -> StepInput
     ``...`` is ``(B,)`` for one chunk or ``(B, T)`` for all of them. (The torch
     layer calls it per chunk so that every chunk's arithmetic has the same shapes
     whatever ``T`` is: streamed pieces then equal one call bit for bit.)
+    ``linear(xp, p, x)`` computes every linear head (default :func:`linear`; an
+    adapter may pass its framework's fused kernel, e.g. torch's ``F.linear``,
+    which also follows autocast).
     """
     lead = tuple(chunk.shape[:-2])
     length, d = chunk.shape[-2:]
@@ -372,7 +381,7 @@ def heads(xp: Any, params: Params, chunk: Any, config: LayerConfig) -> StepInput
     )
 
 
-def read_out(xp: Any, params: Params, reads: Any) -> Any:
+def read_out(xp: Any, params: Params, reads: Any, *, linear: Linear = linear) -> Any:
     """``out_proj`` on reads ``(..., C)`` -> ``(..., d)``."""
     return linear(xp, params["out_proj"], reads)
 
@@ -391,7 +400,9 @@ def chunk(xp: Any, x: Any, chunk_size: int) -> Any:
     steps = num_chunks(tokens, chunk_size)
     pad = steps * chunk_size - tokens
     if pad:
-        zeros = xp.zeros((batch, pad, d), dtype=x.dtype, device=array_api_compat.device(x))
+        # zeros like x (dtype, device, sharding) without asking for a device, which
+        # torch.compile would trace through array_api_compat's type checks
+        zeros = xp.broadcast_to(xp.zeros_like(x[:, :1, :]), (batch, pad, d))
         x = xp.concat([x, zeros], axis=1)
     return xp.reshape(x, (batch, steps, chunk_size, d))
 
@@ -407,6 +418,16 @@ def unchunk(xp: Any, per_chunk: Any, tokens: int, chunk_size: int) -> Any:
 # --------------------------------------------------------------------------- state
 
 
+def _device(x: Any) -> Any:
+    """``x``'s device: the standard ``.device`` attribute where it is one (cheap, and
+    traceable by torch.compile), else ``array_api_compat.device``."""
+    try:
+        device = x.device
+    except Exception:  # e.g. an array spread over several devices
+        device = None
+    return array_api_compat.device(x) if device is None or callable(device) else device
+
+
 def zero_state(xp: Any, config: LayerConfig, batch: int, *, dtype: Any = None,
                device: Any = None) -> State:
     """Zeros ``(h, c)``, each ``(B, C, *S)``."""
@@ -417,13 +438,13 @@ def zero_state(xp: Any, config: LayerConfig, batch: int, *, dtype: Any = None,
 
 def check_tokens(xp: Any, x: Any, config: LayerConfig) -> None:
     """``x``: a real floating array of shape ``(B, N, d)`` with ``d = embed_dim``."""
-    if not array_api_compat.is_array_api_obj(x):
+    if not (hasattr(x, "shape") and hasattr(x, "dtype")):
         raise TypeError(f"x: expected an array of shape (B, N, d), got {type(x).__name__}")
     if x.ndim != 3:
         raise ValueError(f"x: expected shape (B, N, d) (3 dims), got {tuple(x.shape)}")
     if x.shape[-1] != config.embed_dim:
-        raise ValueError(f"x: expected shape (B, N, d) with d = embed_dim = "
-                         f"{config.embed_dim}, got {tuple(x.shape)}")
+        raise ValueError(f"x: expected shape (B, N, d) with d = {config.embed_dim} "
+                         f"(embed_dim = {config.embed_dim}), got {tuple(x.shape)}")
     if not xp.isdtype(x.dtype, "real floating"):
         raise TypeError(f"x: expected a real floating dtype, got {x.dtype}")
 
@@ -435,14 +456,14 @@ def check_state(xp: Any, state: Any, batch: int, config: LayerConfig) -> State:
         raise ValueError(f"state: expected a pair (h, c) of shape (B, C, *S) = {expected} "
                          f"or None, got {type(state).__name__}")
     for name, value in zip(("h", "c"), state, strict=True):
-        if not array_api_compat.is_array_api_obj(value):
-            raise TypeError(f"state: expected {name} to be an array of shape (B, C, *S) = "
+        if not (hasattr(value, "shape") and hasattr(value, "dtype")):
+            raise TypeError(f"state.{name}: expected an array of shape (B, C, *S) = "
                             f"{expected}, got {type(value).__name__}")
         if tuple(value.shape) != expected:
-            raise ValueError(f"state: expected {name} of shape (B, C, *S) = {expected}, "
+            raise ValueError(f"state.{name}: expected shape (B, C, *S) = {expected}, "
                              f"got {tuple(value.shape)}")
         if not xp.isdtype(value.dtype, "real floating"):
-            raise TypeError(f"state: expected {name} of a real floating dtype, got {value.dtype}")
+            raise TypeError(f"state.{name}: expected a real floating dtype, got {value.dtype}")
     return state[0], state[1]
 
 
@@ -573,6 +594,9 @@ class Layer:
     differentiable :func:`tmcore.memory_scan`, or any variant of it).
     """
 
+    #: the linear map of every head (see :func:`heads`); a subclass may replace it
+    linear: Linear = staticmethod(linear)
+
     def __init__(self, config: LayerConfig):
         if not isinstance(config, LayerConfig):
             raise TypeError(f"config: expected a LayerConfig (from layer_config), "
@@ -581,11 +605,11 @@ class Layer:
 
     def heads(self, xp: Any, params: Params, chunk: Any) -> StepInputs:
         """See :func:`heads`."""
-        return heads(xp, params, chunk, self.config)
+        return heads(xp, params, chunk, self.config, linear=self.linear)
 
     def read_out(self, xp: Any, params: Params, reads: Any) -> Any:
         """See :func:`read_out`."""
-        return read_out(xp, params, reads)
+        return read_out(xp, params, reads, linear=self.linear)
 
     def forward(self, xp: Any, params: Params, x: Any, state: State | None, *, scan: Scan,
                 reset: Any = None) -> tuple[Any, State]:
@@ -600,8 +624,7 @@ class Layer:
         check_tokens(xp, x, config)
         batch, tokens, d = x.shape
         if state is None:
-            state = zero_state(xp, config, batch, dtype=x.dtype,
-                               device=array_api_compat.device(x))
+            state = zero_state(xp, config, batch, dtype=x.dtype, device=_device(x))
         else:
             state = check_state(xp, state, batch, config)
         if reset is not None:

@@ -1,0 +1,312 @@
+"""Attach a gated Tensor Memory to every block of an existing torch model, and remove it.
+
+:func:`attach_memory` registers one :class:`~tmcore.adapters.torch.MemoryResidual`
+per block as a submodule of that block (``block.tensor_memory``) and a forward
+hook on the block that applies it. Because the memories live inside the
+model, ``model.parameters()``, ``state_dict()``, ``zero_grad()``,
+``clip_grad_norm_``, ``.to()`` / ``.double()``, ``copy.deepcopy`` (and so
+``torch.optim.swa_utils.AveragedModel``), pickling / ``torch.save`` and
+DDP / FSDP all see them; :meth:`MemoryHandle.remove` deletes the submodules and
+the hooks, so the model is exactly what it was before.
+
+The multi-layer modes and the start state of each layer are
+:mod:`tmcore.layer`'s (:func:`~tmcore.layer.segment_states`,
+:func:`~tmcore.layer.start_state`). Per-call bookkeeping is local to the
+calling thread, so one model may be called from several threads at once (the
+streaming state ``handle.state`` is then the last finished call's).
+
+Activation checkpointing of the blocks (``torch.utils.checkpoint``): the
+recomputation in the backward re-runs the hook; it is recognized (it runs
+inside the backward pass) and given the very start state and reset mask the
+original forward used, so gradients are exact, with or without streaming.
+With ``use_reentrant=True`` no gradient reaches a streamed-in state (torch
+only differentiates the checkpoint's explicit inputs): detach the state
+between calls (:meth:`MemoryHandle.detach_state`) or use the default
+``use_reentrant=False``.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from tmcore import layer as tl
+
+__all__ = ["ATTRIBUTE", "MemoryHandle", "attach_memory", "detach_memory"]
+
+#: Name of the memory submodule attach_memory adds to each block.
+ATTRIBUTE = "tensor_memory"
+
+#: Start states remembered for activation-checkpoint recomputation, per handle
+#: (a few calls' worth; each entry only references tensors the graph holds anyway).
+_RECORDS_PER_LAYER = 4
+
+State = tuple[Tensor, Tensor]
+_AMBIGUOUS: Any = object()  # a record key two live calls shared
+
+
+def _in_backward() -> bool:
+    """Whether the autograd engine is running a backward pass in this thread."""
+    task = getattr(torch._C, "_current_graph_task_id", None)
+    return task is not None and task() != -1
+
+
+def _blocks_of(blocks: Any) -> tuple[list[nn.Module], bool | None]:
+    if isinstance(blocks, nn.TransformerEncoder):
+        layers = list(blocks.layers)
+    elif isinstance(blocks, (nn.ModuleList, nn.Sequential)) or (
+            isinstance(blocks, Iterable) and not isinstance(blocks, nn.Module)):
+        layers = list(blocks)
+    else:
+        raise TypeError(f"blocks: expected an nn.ModuleList, nn.Sequential, "
+                        f"nn.TransformerEncoder or a list of modules, got {type(blocks).__name__}")
+    if not layers or not all(isinstance(b, nn.Module) for b in layers):
+        raise ValueError("blocks: expected at least one nn.Module block")
+    attn = getattr(layers[0], "self_attn", None)
+    return layers, getattr(attn, "batch_first", None)
+
+
+class _Hook:
+    """The forward hook of block ``layer`` (a picklable, deep-copyable object, unlike a
+    closure: a copied model's hooks call the copied handle and memories)."""
+
+    def __init__(self, handle: MemoryHandle, layer: int):
+        self.handle, self.layer = handle, layer
+
+    def __call__(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        if isinstance(output, tuple):
+            return (self.handle._run(self.layer, module, args, output[0]), *output[1:])
+        return self.handle._run(self.layer, module, args, output)
+
+
+class MemoryHandle:
+    """The memories attached to a model's blocks, their streaming state and hooks.
+
+    ``handle.memories[l]`` is block ``l``'s :class:`MemoryResidual` (also
+    ``block.tensor_memory``, so the model's ``parameters()`` include it;
+    ``handle.parameters()`` yields the memories' parameters alone, e.g. for a
+    separate optimizer group). After every model call, ``handle.state[l]`` is
+    the ``(h, c)`` layer ``l`` reached. With ``streaming=True`` the next call
+    starts from it (per layer in ``causal`` mode; from the last layer's state in
+    ``threaded`` mode), else every call starts from zeros. The hooks assume the
+    blocks run in order, once each, per model call.
+    """
+
+    def __init__(self, blocks: list[nn.Module], memories: list[nn.Module], mode: str,
+                 streaming: bool, batch_first: bool):
+        self.mode = tl.check_mode(mode)
+        self.streaming, self.batch_first = bool(streaming), bool(batch_first)
+        for index, block in enumerate(blocks):
+            if hasattr(block, ATTRIBUTE):
+                raise ValueError(f"blocks[{index}]: already has an attribute {ATTRIBUTE!r} "
+                                 f"(memory attached twice?); remove the first handle first")
+        self._blocks = list(blocks)
+        for block, memory in zip(self._blocks, memories, strict=True):
+            block.add_module(ATTRIBUTE, memory)
+        self.state: list[State] | None = None
+        self._reset: Tensor | None = None
+        self._setup_transient()
+        self._hooks = [block.register_forward_hook(_Hook(self, layer))
+                       for layer, block in enumerate(self._blocks)]
+
+    def _setup_transient(self) -> None:
+        self._local = threading.local()  # per-call bookkeeping of the calling thread
+        self._records: dict[tuple, tuple[Any, Any]] = {}
+        self._lock = threading.Lock()
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        for key in ("_local", "_records", "_lock"):
+            state.pop(key)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._setup_transient()
+
+    def __repr__(self) -> str:
+        return (f"MemoryHandle(mode={self.mode!r}, streaming={self.streaming}, "
+                f"layers={len(self._blocks)}, attached={self.attached})")
+
+    @property
+    def attached(self) -> bool:
+        return bool(self._hooks)
+
+    @property
+    def memories(self) -> list[nn.Module]:
+        """Each block's memory (``block.tensor_memory``), in block order."""
+        return [getattr(block, ATTRIBUTE) for block in self._blocks] if self.attached else []
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        """The memories' parameters (each once); ``model.parameters()`` includes them."""
+        seen: set[int] = set()
+        for memory in self.memories:
+            for p in memory.parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    yield p
+
+    # ----------------------------------------------------------------- the hook
+
+    def _record_key(self, layer: int, args: tuple) -> tuple | None:
+        """Identify the block input of this call, as the recomputation will see it again."""
+        x = args[0] if args and isinstance(args[0], Tensor) else None
+        if x is None or x.device.type == "meta":
+            return None
+        return (layer, x.data_ptr(), tuple(x.shape), x._version)
+
+    def _run(self, layer: int, module: nn.Module, args: tuple, y: Tensor) -> Tensor:
+        memory = getattr(module, ATTRIBUTE)
+        x = y if self.batch_first else y.transpose(0, 1)
+        key = self._record_key(layer, args)
+        if _in_backward():  # activation checkpointing is recomputing this block
+            with self._lock:
+                record = self._records.get(key) if key is not None else None
+            if record is _AMBIGUOUS:
+                raise RuntimeError(
+                    f"tmcore: block {layer} with attached memory is recomputed in the backward "
+                    f"(activation checkpointing), but the same input tensor went through it "
+                    f"twice from different states; run backward after each forward, or pass "
+                    f"a fresh tensor to each call")
+            if record is None:
+                raise RuntimeError(
+                    f"tmcore: block {layer} with attached memory was re-run during the "
+                    f"backward pass (activation checkpointing?) but its forward call is no "
+                    f"longer known (more than {_RECORDS_PER_LAYER} calls ago, or its input "
+                    f"tensor was changed in place); run backward after each forward")
+            out, _ = memory(x, record[1], reset=record[2])
+            return out if self.batch_first else out.transpose(0, 1)
+        local = self._local
+        layers = len(self._blocks)
+        if layer == 0:
+            local.carried = tl.segment_states(self.mode, self.state if self.streaming else None,
+                                              layers)
+            local.current = [None] * layers
+            local.reset, self._reset = self._reset, None
+        elif getattr(local, "current", None) is None or local.current[layer - 1] is None:
+            raise RuntimeError(f"tmcore: block {layer} ran before block {layer - 1} in this call; "
+                               f"attached memories need the blocks to run in order, once each")
+        init, applies = tl.start_state(self.mode, layer, local.carried,
+                                       local.current[layer - 1] if layer else None)
+        reset = local.reset if applies else None
+        if key is not None:
+            self._remember(key, args[0], init, reset)
+        out, state = memory(x, init, reset=reset)
+        local.current[layer] = state
+        if layer == layers - 1:
+            self.state = list(local.current)
+            local.current, local.carried, local.reset = None, None, None
+        return out if self.batch_first else out.transpose(0, 1)
+
+    def _remember(self, key: tuple, x: Tensor, init: Any, reset: Any) -> None:
+        """Keep this call's start of block ``key[0]`` for a recomputation in the backward.
+
+        A key seen before whose tensor is gone is stale (its storage was freed and
+        reused, so its graph is gone too); one whose tensor is alive and that started
+        from another state is ambiguous (the recomputation could not tell the calls
+        apart, and refuses)."""
+        with self._lock:
+            old = self._records.pop(key, None)
+            if old is _AMBIGUOUS or (old is not None and old[0]() is x
+                                     and (old[1] is not init or old[2] is not reset)):
+                self._records[key] = _AMBIGUOUS
+            else:
+                self._records[key] = (weakref.ref(x), init, reset)
+            while len(self._records) > _RECORDS_PER_LAYER * len(self._blocks):
+                self._records.pop(next(iter(self._records)))
+
+    # ----------------------------------------------------------------- state
+
+    def reset_state(self, mask: Tensor | None = None) -> None:
+        """Forget the state (``mask=None``), or start the sequences where the
+        ``(B,)`` bool ``mask`` is True from zeros at the next call."""
+        if mask is None:
+            self.state, self._reset = None, None
+            return
+        if not isinstance(mask, Tensor) or mask.dtype != torch.bool:
+            raise TypeError(f"mask: expected a bool tensor of shape (B,), got "
+                            f"{mask.dtype if isinstance(mask, Tensor) else type(mask).__name__}")
+        self._reset = mask if self._reset is None else (self._reset | mask)
+
+    def detach_state(self) -> None:
+        """Cut the graph to the previous calls (truncated backprop through time)."""
+        if self.state is not None:
+            self.state = [(h.detach(), c.detach()) for h, c in self.state]
+
+    def set_state(self, state: Sequence[State] | None) -> None:
+        """Replace the per-layer state (``None``: zeros at the next call)."""
+        if state is not None and len(state) != len(self._blocks):
+            raise ValueError(f"state: expected {len(self._blocks)} per-layer (h, c) pairs, "
+                             f"got {len(state)}")
+        self.state = None if state is None else [tuple(s) for s in state]
+
+    def remove(self) -> None:
+        """Remove the hooks and the memory submodules: the model is exactly as before."""
+        for hook in self._hooks:
+            hook.remove()
+        if self._hooks:
+            for block in self._blocks:
+                if ATTRIBUTE in block._modules:
+                    delattr(block, ATTRIBUTE)
+        self._hooks = []
+        self.state, self._reset = None, None
+        with self._lock:
+            self._records.clear()
+
+    def __enter__(self) -> MemoryHandle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+
+def attach_memory(
+    blocks: Any, mode: str = "causal", *, gate_init: float = 0.0, norm: Any = None,
+    streaming: bool = False, batch_first: bool | None = None, **memory_kwargs: Any,
+) -> MemoryHandle:
+    """Add a gated Tensor Memory after every block of an existing model.
+
+    Parameters
+    ----------
+    blocks : an ``nn.ModuleList`` / ``nn.Sequential`` / list of blocks, or an
+        ``nn.TransformerEncoder`` (its ``layers``). Each block gets a submodule
+        ``tensor_memory`` (a :class:`MemoryResidual`) and a forward hook; its
+        code is not edited. The block's output ``y`` (or ``y[0]`` if it returns
+        a tuple) becomes ``y + sigmoid(gate_l) * memory_l(norm_l(y))``.
+    mode : ``"causal"`` (every layer scans from the segment's initial state;
+        causal) or ``"threaded"`` (the paper's reference: layer ``l`` starts from
+        the state layer ``l-1`` reached after the whole sequence; NOT causal).
+    gate_init, norm : as in :class:`MemoryResidual`.
+    streaming : carry ``handle.state`` from one model call to the next.
+    batch_first : layout of the block outputs; ``None`` reads it from
+        ``block.self_attn.batch_first`` when present, else assumes True.
+    **memory_kwargs : :class:`TensorMemory` arguments (``embed_dim``, ...);
+        device and dtype default to the blocks' parameters.
+
+    Returns
+    -------
+    :class:`MemoryHandle`; ``handle.remove()`` (or :func:`detach_memory`) undoes it.
+    """
+    from tmcore.adapters.torch import MemoryResidual, TensorMemory
+
+    tl.check_mode(mode)
+    layers, detected = _blocks_of(blocks)
+    if batch_first is None:
+        batch_first = True if detected is None else bool(detected)
+    ref = next((p for b in layers for p in b.parameters()), None)
+    if ref is not None:
+        memory_kwargs.setdefault("device", ref.device)
+        memory_kwargs.setdefault("dtype", ref.dtype)
+    memories = [MemoryResidual(TensorMemory(**memory_kwargs), norm=norm, gate_init=gate_init)
+                for _ in layers]
+    return MemoryHandle(layers, memories, mode, streaming, batch_first)
+
+
+def detach_memory(handle: MemoryHandle) -> None:
+    """Same as ``handle.remove()``."""
+    handle.remove()
