@@ -65,6 +65,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--models", nargs="+", help="only these rows (model labels)")
     p.add_argument("--segment", type=int, help="streaming: segment length W")
     p.add_argument("--check", action="store_true", help="render: compare only (exit 1 if stale)")
+    p.add_argument("--cache", type=Path,
+                   help="reuse finished jobs from this folder and add new ones (resumes an "
+                        "interrupted run; jobs are deterministic)")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bars")
     return p.parse_args(argv)
 
@@ -142,13 +145,14 @@ def main(argv: list[str] | None = None) -> int:
             exp.entries = [e for e in exp.entries if e.label in args.models]
         if args.tune:
             run_tuning(exp, args.out, console=console, jobs=args.jobs, threads=args.threads,
-                       command=command, steps=args.tune_steps)
+                       command=command, steps=args.tune_steps, cache=args.cache)
             continue
         hparams, source = _hparams(args, task, protocol)
         result = run_experiment(exp, args.out, framework=args.framework,
                                 progress=not args.no_progress, console=console,
                                 device=args.device, jobs=args.jobs, threads=args.threads,
-                                command=command, hparams=hparams, hparams_from=source)
+                                command=command, hparams=hparams, hparams_from=source,
+                                cache=args.cache)
         results.append(result)
         if args.task == "demo":
             _compare_with_committed(result, console)

@@ -12,6 +12,7 @@ trace them.
 from __future__ import annotations
 
 import concurrent.futures
+import hashlib
 import json
 import multiprocessing
 import time
@@ -229,31 +230,88 @@ def _run_job(job: Job) -> dict:
     return out
 
 
-def _execute(jobs: list[Job], n_workers: int, console: Console, label: str) -> list[dict]:
-    """Run ``jobs`` inline (``n_workers <= 1``) or in spawned worker processes; results in
-    job order either way."""
-    done: list[dict] = []
+def _source_hash() -> str:
+    """Hash of this package's sources: a cached job is reused only by the same code."""
+    digest = hashlib.sha1()
+    root = Path(__file__).parent
+    for path in sorted([*root.glob("*.py"), *root.glob("tasks/*.py")]):
+        digest.update(path.name.encode() + path.read_bytes())
+    return digest.hexdigest()
 
+
+def _job_key(job: Job) -> str:
+    data = {"entry": asdict(job.entry), "seed": job.seed, "task": type(job.task).__name__,
+            "task_params": vars(job.task), "train": asdict(job.train),
+            "model": asdict(job.model), "hparams": job.hparams, "reset": job.reset,
+            "impl": job.impl, "threads": job.threads, "eval_seed": job.eval_seed,
+            "data_seed": job.data_seed, "source": _source_hash()}
+    text = json.dumps(data, sort_keys=True, default=str)
+    return hashlib.sha1(text.encode()).hexdigest()
+
+
+class _Cache:
+    """Finished jobs as ``<dir>/<key>.json`` (``--cache``): an interrupted run resumes where
+    it stopped. Jobs are deterministic, so a cached job's numbers are the ones a rerun
+    would give (the key holds the config and a hash of this package's sources; each
+    record keeps the commit it ran at)."""
+
+    def __init__(self, folder: Path | None) -> None:
+        self.folder = Path(folder) if folder else None
+
+    def get(self, job: Job) -> dict | None:
+        if self.folder is None or job.keep_state:
+            return None
+        path = self.folder / f"{_job_key(job)}.json"
+        return json.loads(path.read_text())["output"] if path.exists() else None
+
+    def put(self, job: Job, output: dict) -> None:
+        if self.folder is None or "state_dict" in output:
+            return
+        self.folder.mkdir(parents=True, exist_ok=True)
+        record = {"output": output, **results.commit_info()}
+        tmp = self.folder / f".{_job_key(job)}.tmp"
+        tmp.write_text(json.dumps(record))
+        tmp.replace(self.folder / f"{_job_key(job)}.json")
+
+
+def _execute(jobs: list[Job], n_workers: int, console: Console, label: str,
+             cache: Path | None = None) -> list[dict]:
+    """Run ``jobs`` inline (``n_workers <= 1``) or in spawned worker processes; results in
+    job order either way. ``cache``: a folder of finished jobs to reuse and extend."""
+    store = _Cache(cache)
+    cached = [store.get(job) for job in jobs]
+    todo = [job for job, hit in zip(jobs, cached, strict=True) if hit is None]
+    if len(todo) < len(jobs):
+        console.print(f"  [dim]{label}: {len(jobs) - len(todo)} job(s) from the cache[/dim]")
+    fresh = iter(_run_all(todo, n_workers, console, label, store))
+    return [hit if hit is not None else next(fresh) for hit in cached]
+
+
+def _run_all(jobs: list[Job], n_workers: int, console: Console, label: str,
+             store: _Cache) -> list[dict]:
     def note(job: Job, res: dict) -> None:
+        store.put(job, res)
         acc = " ".join(f"{100 * v:.1f}" for v in res["run"]["accuracy"].values())
         console.print(f"  [dim]{label} {job.entry.label} seed {job.seed} "
                       f"{json.dumps(job.hparams) if job.hparams else ''}: {acc} "
                       f"({res['run']['seconds']:.0f}s)[/dim]")
 
     if n_workers <= 1:
+        done = []
         for job in jobs:
-            res = _run_job(job)
-            note(job, res)
-            done.append(res)
+            done.append(_run_job(job))
+            note(job, done[-1])
         return done
     ctx = multiprocessing.get_context("spawn")  # no fork after OpenMP has started
     with concurrent.futures.ProcessPoolExecutor(n_workers, mp_context=ctx) as pool:
-        futures = [pool.submit(_run_job, replace(job, progress=False)) for job in jobs]
-        for job, future in zip(jobs, futures, strict=True):
-            res = future.result()
-            note(job, res)
-            done.append(res)
-    return done
+        futures = {pool.submit(_run_job, replace(job, progress=False)): i
+                   for i, job in enumerate(jobs)}
+        finished: dict[int, dict] = {}
+        for future in concurrent.futures.as_completed(futures):  # cache each as it ends
+            i = futures[future]
+            finished[i] = future.result()
+            note(jobs[i], finished[i])
+    return [finished[i] for i in range(len(jobs))]
 
 
 def _groups(exp: Experiment) -> list[Task]:
@@ -272,7 +330,7 @@ def run_experiment(exp: Experiment, out_dir: Path, *, framework: str = "torch",
                    progress: bool = True, console: Console | None = None,
                    device: str = "cpu", jobs: int = 1, threads: int = 1,
                    command: str = "", hparams: dict | None = None,
-                   hparams_from: str | None = None) -> dict:
+                   hparams_from: str | None = None, cache: Path | None = None) -> dict:
     """Train every row for every seed, evaluate, print the table, write the results file.
 
     ``hparams``: ``{row label: {"lr": ..., "forget_bias": ...}}`` (from a tuning
@@ -312,7 +370,7 @@ def run_experiment(exp: Experiment, out_dir: Path, *, framework: str = "torch",
             for seed in exp.train.seeds for entry in exp.entries for group in groups]
         if device != "cpu":
             raise SystemExit("this runner trains on the CPU (each job pins its threads)")
-        outputs = _execute(job_list, jobs, console, f"{task.name}/{exp.protocol}")
+        outputs = _execute(job_list, jobs, console, f"{task.name}/{exp.protocol}", cache)
     runs = [o["run"] for o in outputs]
     carried = {}
     for o in outputs:
@@ -360,7 +418,7 @@ def _draw_memory(exp: Experiment, model_cfg: ModelConfig, output: dict, path: Pa
 
 def run_tuning(exp: Experiment, out_dir: Path, *, console: Console | None = None,
                jobs: int = 1, threads: int = 1, command: str = "",
-               steps: int | None = None) -> dict:
+               steps: int | None = None, cache: Path | None = None) -> dict:
     """The same hyper-parameter search for every row (``protocols.tuning_grid``: 4 points
     each), one seed, on the held-out tuning split: training streams from
     ``TUNE_DATA_SEED``, scored on examples drawn from ``TUNE_EVAL_SEED`` (never the
@@ -379,7 +437,7 @@ def run_tuning(exp: Experiment, out_dir: Path, *, console: Console | None = None
                 for entry in exp.entries
                 for point in protocols.tuning_grid(entry.kind, train, model_cfg)]
     start = time.perf_counter()
-    outputs = _execute(job_list, jobs, console, f"tune {exp.task.name}/{exp.protocol}")
+    outputs = _execute(job_list, jobs, console, f"tune {exp.task.name}/{exp.protocol}", cache)
     rows, chosen = [], {}
     for entry in exp.entries:
         points = [(o["run"]["hparams"], o["run"]["accuracy"]) for o in outputs
