@@ -1,0 +1,137 @@
+"""Results file, table, plot and pictures of the masked-patch reconstruction example.
+
+``rows``: one per (model, metric, setting) with ``seeds`` = the value of each
+seed (in the order of the top-level ``seeds``): metrics ``psnr`` (dB) and
+``ssim`` at settings ``"25%"``, ``"50%"``, ``"75%"`` (mask ratio), and
+``step_ms`` (median wall-clock of one training step) at setting ``"train"``.
+"""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+from examples.image.common import commit_info, environment, md_table, mean_std  # noqa: E402
+from examples.image.train import LABELS  # noqa: E402
+
+__all__ = ["build_results", "table", "markdown", "plot_metrics", "picture", "setting"]
+
+
+def setting(ratio: float) -> str:
+    return f"{round(100 * ratio)}%"
+
+
+def build_results(records: list[dict], config: dict, command: str, data: str,
+                  threads: int, device: str, seconds: float) -> dict:
+    seeds = sorted({r["seed"] for r in records})
+    models = list(dict.fromkeys(r["model"] for r in records))
+    rows = []
+    for model in models:
+        by_seed = {r["seed"]: r for r in records if r["model"] == model}
+        for metric, digits in (("psnr", 3), ("ssim", 4)):
+            for ratio in config["ratios"]:
+                rows.append({"model": model, "metric": metric, "setting": setting(ratio),
+                             "seeds": [round(by_seed[s][metric][str(ratio)], digits)
+                                       for s in seeds]})
+        rows.append({"model": model, "metric": "step_ms", "setting": "train",
+                     "seeds": [by_seed[s]["step_ms"] for s in seeds]})
+    return {"task": "masked-patch reconstruction", "command": command, **commit_info(),
+            "data": data, "config": config, "environment": environment(threads, device),
+            "seeds": seeds, "rows": rows,
+            "params": {m: next(r["params"] for r in records if r["model"] == m)
+                       for m in models},
+            "gates": {m: [r["gates"] for r in records if r["model"] == m] for m in models},
+            "runs": records, "seconds": round(seconds, 1)}
+
+
+def _values(result: dict, model: str, metric: str, where: str) -> list[float]:
+    return next(r["seeds"] for r in result["rows"]
+                if r["model"] == model and r["metric"] == metric and r["setting"] == where)
+
+
+def table(result: dict) -> tuple[list[str], list[list[str]]]:
+    """``(header, rows)``: PSNR and SSIM per mask ratio, mean ± std over seeds."""
+    ratios = [setting(r) for r in result["config"]["ratios"]]
+    models = list(result["params"])
+    header = ["model", "params", "ms / step",
+              *[f"PSNR {s}" for s in ratios], *[f"SSIM {s}" for s in ratios]]
+    rows = []
+    for m in models:
+        rows.append([LABELS.get(m, m), f"{result['params'][m]:,}",
+                     f"{statistics.fmean(_values(result, m, 'step_ms', 'train')):.0f}",
+                     *[mean_std(_values(result, m, "psnr", s)) for s in ratios],
+                     *[mean_std(_values(result, m, "ssim", s), 3) for s in ratios]])
+    return header, rows
+
+
+def markdown(result: dict, name: str) -> str:
+    """Title line, table and source line (the README block)."""
+    c = result["config"]
+    head = (f"*Masked-patch reconstruction, {result['data']}: {c['size']}x{c['size']} images, "
+            f"{c['patch']}x{c['patch']} patches, width {c['width']}, depth {c['depth']}, "
+            f"{c['steps']} steps; held-out images; PSNR (dB) and SSIM of the composite, "
+            f"mean ± std over seeds {result['seeds']}.*")
+    env = result["environment"]
+    source = (f"Source: `examples/image/results/{name}.json`, made by `{result['command']}` at "
+              f"commit {(result.get('commit') or 'unknown')[:10]}"
+              f"{' + uncommitted changes' if result.get('dirty') else ''} "
+              f"({env['threads']} torch thread(s) on {env['device']}, "
+              f"{result['seconds'] / 60:.1f} min in all).")
+    header, rows = table(result)
+    return "\n\n".join([head, md_table(header, rows), source]) + "\n"
+
+
+def plot_metrics(result: dict, path: Path) -> None:
+    """PSNR and SSIM against the mask ratio, one line per model, std over seeds as bars."""
+    ratios = [setting(r) for r in result["config"]["ratios"]]
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.4))
+    for ax, metric, name in ((axes[0], "psnr", "PSNR (dB)"), (axes[1], "ssim", "SSIM")):
+        for m in result["params"]:
+            values = [_values(result, m, metric, s) for s in ratios]
+            mean = [statistics.fmean(v) for v in values]
+            std = [statistics.stdev(v) if len(v) > 1 else 0.0 for v in values]
+            ax.errorbar(ratios, mean, yerr=std, marker="o", capsize=3, label=LABELS.get(m, m))
+        ax.set_xlabel("mask ratio")
+        ax.set_ylabel(name)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"Masked-patch reconstruction ({result['data']}), seeds {result['seeds']}",
+                 fontsize=10)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def picture(target: np.ndarray, masks: dict[str, np.ndarray], recons: dict[str, np.ndarray],
+            patch: int, title: str, path: Path) -> None:
+    """Rows of held-out images: target, then for each mask ratio the masked input (masked
+    patches grey) and the reconstruction. ``target (B, C, H, W)``; ``masks[s] (B, N)``
+    bool; ``recons[s] (B, C, H, W)``."""
+    b, _, size, _ = target.shape
+    grid = size // patch
+    cols = 1 + 2 * len(masks)
+    fig, axes = plt.subplots(b, cols, figsize=(1.3 * cols, 1.3 * b + 0.4), squeeze=False)
+    for i in range(b):
+        panels = [("target", target[i])]
+        for s, mask in masks.items():
+            pixel_mask = np.kron(mask[i].reshape(grid, grid), np.ones((patch, patch))) > 0
+            masked = np.where(pixel_mask[None], 0.5, target[i])
+            panels += [(f"masked {s}", masked), (f"recon. {s}", recons[s][i])]
+        for ax, (name, image) in zip(axes[i], panels, strict=True):
+            ax.imshow(np.clip(image.transpose(1, 2, 0), 0, 1), interpolation="nearest")
+            ax.set_xticks([])
+            ax.set_yticks([])
+            if i == 0:
+                ax.set_title(name, fontsize=7)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
