@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1 if (args.check and stale) else 0
     from tqdm.auto import tqdm
 
-    from examples.image.common import write_json
+    from examples.image.common import commit_info, write_json
     from examples.image.report import build_results, picture, plot_metrics
     from examples.image.runner import load, run_one
     from examples.image.train import LABELS, SCALES
@@ -101,6 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"tmcore image example: {scale} scale, {len(config.models)} models x "
           f"{len(config.seeds)} seeds, {config.steps} steps, device {args.device}")
     start = time.perf_counter()
+    provenance = commit_info()
     data_spec = (str(args.data), args.limit) if args.data else None
     runs = [(s, m) for s in config.seeds for m in config.models]
     jobs = [(kind, seed, config, data_spec, args.device, args.threads,
@@ -127,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         pool.shutdown()
     _, test = load(config, data_spec, config.seeds[0])
     result = build_results(records, config.as_dict(), command, data_name, args.threads,
-                           args.device, time.perf_counter() - start)
+                           args.device, time.perf_counter() - start, provenance)
     write_json(result, args.out / "results" / f"{name}.json")
     figures = args.out / "figures"
     suffix = "" if name == COMMITTED else f"-{name}"

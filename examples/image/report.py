@@ -28,7 +28,10 @@ def setting(ratio: float) -> str:
 
 
 def build_results(records: list[dict], config: dict, command: str, data: str,
-                  threads: int, device: str, seconds: float) -> dict:
+                  threads: int, device: str, seconds: float,
+                  provenance: dict | None = None) -> dict:
+    """The results dictionary from per-run records; ``provenance``: :func:`commit_info` taken
+    when the run started (default: now)."""
     seeds = sorted({r["seed"] for r in records})
     models = list(dict.fromkeys(r["model"] for r in records))
     rows = []
@@ -41,7 +44,8 @@ def build_results(records: list[dict], config: dict, command: str, data: str,
                                        for s in seeds]})
         rows.append({"model": model, "metric": "step_ms", "setting": "train",
                      "seeds": [by_seed[s]["step_ms"] for s in seeds]})
-    return {"task": "masked-patch reconstruction", "command": command, **commit_info(),
+    return {"task": "masked-patch reconstruction", "command": command,
+            **(provenance or commit_info()),
             "data": data, "config": config, "environment": environment(threads, device),
             "seeds": seeds, "rows": rows,
             "params": {m: next(r["params"] for r in records if r["model"] == m)
