@@ -64,7 +64,13 @@ def conv_params_from_pointwise(pointwise_weight: Any, ndim: int) -> ConvParams:
     check_rank("pointwise_weight", pointwise_weight, 2, "(C_out, C_in)")
     ndim = check_int("ndim", ndim, 1, 4)
     c_out, c_in = pointwise_weight.shape
-    kw = {"dtype": pointwise_weight.dtype, "device": array_api_compat.device(pointwise_weight)}
+    kw: dict[str, Any] = {"dtype": pointwise_weight.dtype}
+    if not array_api_compat.is_jax_array(pointwise_weight):
+        # torch/CuPy need the input's device. JAX does not: an array created
+        # with ``device=`` is committed to that one device, and jit with
+        # batch-sharded inputs then rejects it ("incompatible devices"); an
+        # uncommitted array follows whatever it is combined with.
+        kw["device"] = array_api_compat.device(pointwise_weight)
     centre = xp.asarray([0.0, 1.0, 0.0], **kw)
     taps = xp.broadcast_to(centre, (ndim, c_in, 3))
     return ConvParams(
@@ -80,10 +86,19 @@ def neighbours(xp: Any, x: Any, axis: int) -> tuple[Any, Any]:
     and ``next[i] = x[i+1]``. One padded copy, two slices (views where the
     namespace has them)."""
     size = x.shape[axis]
-    pad_shape = list(x.shape)
-    pad_shape[axis] = 1
-    pad = xp.zeros(tuple(pad_shape), dtype=x.dtype, device=array_api_compat.device(x))
+    edge = [slice(None)] * x.ndim
+    edge[axis] = slice(0, 1)
+    # The zero pad is made from a slice of x, not from xp.zeros: it then has x's
+    # dtype, device and (under JAX explicit meshes) sharding, so the concat sees
+    # operands with one sharding. ``zeros_like`` never reads x's values.
+    pad = xp.zeros_like(x[tuple(edge)])
     padded = xp.concat([pad, x, pad], axis=axis)
+    if array_api_compat.is_dask_array(padded):
+        # The concat makes blocks of 1, S, 1 along ``axis`` and the shifted slices
+        # cut them at 1 and S-1; combined with x, every conv refines the blocks
+        # until each cell is one block (the task graph grows with T * cells).
+        # One block along ``axis`` keeps x's chunking for the slices.
+        padded = padded.rechunk({axis: -1})
     index = [slice(None)] * x.ndim
     index[axis] = slice(0, size)
     prev = padded[tuple(index)]
