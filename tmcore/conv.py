@@ -216,6 +216,9 @@ def _validate(x: Any, params: ConvParams, g: Any = None) -> Any:
     check_rank("x", x, (3, 4, 5, 6), "(B, C_in, *S) with 1 to 4 spatial axes")
     check_nonempty("x", x, "(B, C_in, *S)")
     validate_conv_params(params, x.ndim - 2, x.shape[1])
+    for field, value in params._asdict().items():  # name the argument, not a kernel's error
+        if value.dtype != x.dtype:
+            raise TypeError(f"params.{field}: expected x's dtype {x.dtype}, got {value.dtype}")
     if g is not None:
         expected = (x.shape[0], params.pointwise_weight.shape[0], *x.shape[2:])
         if tuple(g.shape) != expected:
