@@ -54,7 +54,7 @@ from tmcore._separable import outer_product
 from tmcore.conv import ConvParams
 from tmcore.sampling import tent_profiles
 
-from . import _native
+from . import _native, _triton
 from ._mixed import with_float32_compute
 
 __all__ = ["make_ops", "ALLOW_NONDETERMINISTIC", "CONV_KERNEL", "USE_NATIVE"]
@@ -232,6 +232,17 @@ def _kernel_coords(coords: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return safe, is_nan
 
 
+def _may_hold_true(mask: torch.Tensor) -> bool:
+    """``mask.any()`` where asking is free (a plain CPU tensor), else ``True``: on CUDA
+    it would synchronize, and transformed or fake tensors cannot answer."""
+    if mask.device.type != "cpu" or type(mask) not in _PLAIN or _is_wrapped(mask):
+        return True
+    try:
+        return bool(mask.any())
+    except RuntimeError:  # e.g. data-dependent control flow under a transform
+        return True
+
+
 def _make_sample(generic: Ops) -> tuple[Any, Any]:
     def sample_fwd(xp, volume, coords):
         if volume.ndim > 5 or volume.dtype != coords.dtype:
@@ -264,11 +275,13 @@ def _make_sample(generic: Ops) -> tuple[Any, Any]:
             dense = outer_product(xp, weights)  # (B, Q, P)
             d_volume = torch.matmul(g.transpose(1, 2), dense).reshape(volume.shape)
         d_coords = d_grid.reshape(batch, queries, -1)[..., :n]
-        # NaN as on the generic path: the NaN query's coordinate gradient, and the whole
-        # volume gradient of its batch element (every cell's weight for it is NaN).
-        d_coords = torch.where(is_nan, torch.nan, d_coords)
-        batch_nan = is_nan.reshape(batch, -1).any(dim=1).reshape(batch, *[1] * (volume.ndim - 1))
-        d_volume = torch.where(batch_nan, torch.nan, d_volume)
+        if _may_hold_true(is_nan):
+            # NaN as on the generic path: the NaN query's coordinate gradient, and the
+            # volume gradient of its batch element (every cell's weight for it is NaN).
+            d_coords = torch.where(is_nan, torch.nan, d_coords)
+            batch_nan = is_nan.reshape(batch, -1).any(dim=1)
+            d_volume = torch.where(batch_nan.reshape(batch, *[1] * (volume.ndim - 1)),
+                                   torch.nan, d_volume)
         return d_volume, d_coords.contiguous()
 
     return sample_fwd, sample_bwd
@@ -500,5 +513,6 @@ def make_ops(generic: Ops) -> Ops:
     halves."""
     sample_fwd, sample_bwd = _make_sample(generic)
     fast = Ops(sample_fwd, sample_bwd, generic.splat_fwd, generic.splat_bwd, conv_fwd, conv_bwd,
-               gates_fwd, gates_bwd, gates_residuals, workspace)
+               gates_fwd, gates_bwd, gates_residuals, workspace,
+               _triton.scan_fwd, _triton.scan_bwd)  # fused scan (declines where it can't run)
     return with_float32_compute(fast)
