@@ -5,7 +5,8 @@
 - :mod:`tmcore.testing.strategies`: hypothesis strategies for tmcore inputs.
 - :mod:`tmcore.testing.properties`: the property suite, :data:`PROPERTIES`.
 - :func:`check_namespace`: run the suite on any array namespace; also as a
-  pytest plugin (``--tmcore-namespace``).
+  pytest plugin (``--tmcore-namespace``, ``--tmcore-max-examples``,
+  ``--tmcore-time-budget``). :func:`require_float64` is its up-front check.
 
 Names are loaded lazily, so the pytest plugin (registered for every pytest run
 where tmcore is installed) costs nothing and needs neither NumPy nor
@@ -23,6 +24,7 @@ __all__ = [
     "PropertyFailure",
     "check_namespace",
     "load_namespace",
+    "require_float64",
     "run_property",
 ]
 

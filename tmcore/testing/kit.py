@@ -8,41 +8,126 @@
 Each property of :data:`tmcore.testing.properties.PROPERTIES` is run under
 hypothesis; a failure is shrunk to a minimal example, and the report names
 the property, the assertion and that example. The suite needs float64 in the
-namespace (the references are float64) plus float32 for the dtype check.
+namespace (the references are float64) plus float32 for the dtype check;
+without float64 it stops at once with a :class:`ValueError` that says so
+(:func:`require_float64`) instead of reporting rounding "failures".
+
+Budget: ``max_examples`` caps the examples per property and ``time_budget``
+(seconds, for the whole run) stops each property once its share is spent;
+every property runs at least one example, and the report says how many ran.
 """
 
 from __future__ import annotations
 
 import importlib
+import math
+import time
 import traceback
+import warnings
 from dataclasses import dataclass, field
 from types import ModuleType
 
+import array_api_compat
+import numpy as np
 from hypothesis import HealthCheck, given, settings
 
 from tmcore.testing.properties import PROPERTIES
+from tmcore.testing.strategies import to_numpy
 
 __all__ = ["check_namespace", "run_property", "NamespaceReport", "PropertyFailure",
-           "load_namespace"]
+           "load_namespace", "require_float64"]
+
+# 1 + 2**-40 is not a float32; a namespace that narrows float64 loses it.
+_FLOAT64_PROBE = np.asarray([1.0, 1.0 + 2.0**-40, -3.5])
+_JAX_X64_HINT = (' JAX keeps 64-bit types off by default: call jax.config.update('
+                 '"jax_enable_x64", True) before creating any array (or set the '
+                 'environment variable JAX_ENABLE_X64=1).')
 
 
 def load_namespace(name_or_module: str | ModuleType) -> ModuleType:
-    """The namespace module for a dotted name (``"array_api_strict"``, ``"mlx.core"``)."""
+    """The namespace module for a dotted name (``"array_api_strict"``, ``"mlx.core"``).
+
+    ``"marray.<backend>"`` (e.g. ``"marray.numpy"``, the name marray gives it)
+    is ``marray.masked_namespace(<backend>)``: marray builds its namespaces on
+    demand, so there is no module of that name to import.
+    """
     if isinstance(name_or_module, ModuleType):
         return name_or_module
+    if not isinstance(name_or_module, str):
+        raise TypeError(f"xp: expected a namespace module or its dotted name, "
+                        f"got {type(name_or_module).__name__}")
+    head, _, backend = name_or_module.partition(".")
+    if head == "marray" and backend:
+        marray = importlib.import_module("marray")
+        return marray.masked_namespace(importlib.import_module(backend))
     return importlib.import_module(name_or_module)
 
 
+def _namespace_name(xp: ModuleType) -> str:
+    return getattr(xp, "__name__", repr(xp))
+
+
+def require_float64(xp: ModuleType) -> None:
+    """Raise ``ValueError`` at once unless ``xp`` holds float64 exactly.
+
+    Checks that ``xp.float64`` exists and that ``xp.asarray`` of float64 NumPy
+    data (with and without ``dtype=xp.float64``, as the properties call it)
+    keeps dtype float64 and every bit of the values. The message says how to
+    turn float64 on where that is known (JAX).
+    """
+    name = _namespace_name(xp)
+    problem = None
+    f64 = getattr(xp, "float64", None)
+    if f64 is None:
+        problem = "it has no float64 dtype"
+    else:
+        for kwargs in ({"dtype": f64}, {}):
+            call = "xp.asarray(float64 data" + (", dtype=xp.float64)" if kwargs else ")")
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")  # JAX warns, then narrows
+                    a = xp.asarray(_FLOAT64_PROBE, **kwargs)
+            except Exception as exc:  # noqa: BLE001 - reported with its message
+                problem = f"{call} raised {type(exc).__name__}: {exc}"
+                break
+            if a.dtype != f64:
+                problem = f"{call} gives dtype {a.dtype}"
+                break
+            if not np.array_equal(to_numpy(a), _FLOAT64_PROBE):
+                problem = f"{call} does not keep float64 values exactly"
+                break
+    if problem is None:
+        return
+    hint = _JAX_X64_HINT if array_api_compat.is_jax_namespace(xp) or name.startswith("jax") else ""
+    raise ValueError(
+        f"xp: float64 is off or missing in {name} ({problem}). The property suite compares "
+        f"against float64 references, so it cannot run without float64.{hint} To check "
+        "float32 alone, pass properties=['float32_in_float32_out'].")
+
+
+class _BudgetSpent(BaseException):
+    """Stops a property once its time is spent. A ``BaseException`` on purpose:
+    hypothesis lets it through at once instead of shrinking it as a failure."""
+
+
 def run_property(xp: ModuleType, name: str, *, max_examples: int | None = None,
-                 derandomize: bool | None = None) -> None:
+                 derandomize: bool | None = None, time_budget: float | None = None) -> int:
     """Run one property against ``xp``; raises on the (shrunk) minimal failing case.
 
     ``max_examples`` defaults to the property's own budget; ``derandomize``
-    defaults to the active hypothesis profile's setting.
+    defaults to the active hypothesis profile's setting. ``time_budget``
+    (seconds): no new example starts once it is spent, though the first one
+    always runs and a failure is always shrunk to the end. Raises
+    ``ValueError`` first if the property needs float64 and ``xp`` lacks it.
+
+    Returns the number of examples that ran and passed.
     """
     if name not in PROPERTIES:
         raise ValueError(f"name: unknown property {name!r}; expected one of {sorted(PROPERTIES)}")
+    _check_budget(max_examples, time_budget)
     prop = PROPERTIES[name]
+    if prop.needs_float64:
+        require_float64(xp)
     overrides = dict(
         max_examples=prop.max_examples if max_examples is None else max_examples,
         deadline=None,
@@ -51,14 +136,40 @@ def run_property(xp: ModuleType, name: str, *, max_examples: int | None = None,
     )
     if derandomize is not None:
         overrides["derandomize"] = derandomize
+    stop_at = None if time_budget is None else time.monotonic() + time_budget
+    state = {"passed": 0, "failed": False}
 
     @settings(**overrides)
     @given(case=prop.strategy)
     def check(case: dict) -> None:
-        prop.check(xp, case)
+        # Once anything failed, never stop: hypothesis must finish shrinking.
+        if (stop_at is not None and state["passed"] and not state["failed"]
+                and time.monotonic() >= stop_at):
+            raise _BudgetSpent
+        try:
+            prop.check(xp, case)
+        except Exception:
+            state["failed"] = True
+            raise
+        state["passed"] += 1
 
     check.__name__ = name
-    check()
+    try:
+        check()
+    except _BudgetSpent:
+        pass
+    return state["passed"]
+
+
+def _check_budget(max_examples: int | None, time_budget: float | None) -> None:
+    if max_examples is not None and (isinstance(max_examples, bool)
+                                     or not isinstance(max_examples, int) or max_examples < 1):
+        raise ValueError(f"max_examples: expected a positive int or None, got {max_examples!r}")
+    if time_budget is not None and (isinstance(time_budget, bool)
+                                    or not isinstance(time_budget, (int, float))
+                                    or not math.isfinite(time_budget) or time_budget <= 0):
+        raise ValueError(f"time_budget: expected a positive number of seconds or None, "
+                         f"got {time_budget!r}")
 
 
 @dataclass
@@ -80,6 +191,8 @@ class NamespaceReport:
     namespace: str
     passed: list[str] = field(default_factory=list)
     failures: list[PropertyFailure] = field(default_factory=list)
+    #: examples that ran and passed, per passed property
+    examples: dict[str, int] = field(default_factory=dict)
 
     def __bool__(self) -> bool:
         return not self.failures
@@ -87,7 +200,10 @@ class NamespaceReport:
     def __str__(self) -> str:
         lines = [f"tmcore property suite on {self.namespace}: {len(self.passed)} passed, "
                  f"{len(self.failures)} failed"]
-        lines += [f"  ok      {name}" for name in self.passed]
+        for name in self.passed:
+            count = self.examples.get(name)
+            noun = "example" if count == 1 else "examples"
+            lines.append(f"  ok      {name}" + ("" if count is None else f" ({count} {noun})"))
         lines += [str(failure) for failure in self.failures]
         return "\n".join(lines)
 
@@ -101,8 +217,8 @@ def _describe_failure(name: str, exc: BaseException) -> PropertyFailure:
 
 
 def check_namespace(xp: str | ModuleType, *, properties: list[str] | None = None,
-                    max_examples: int | None = None, derandomize: bool = True,
-                    raise_on_failure: bool = False) -> NamespaceReport:
+                    max_examples: int | None = None, time_budget: float | None = None,
+                    derandomize: bool = True, raise_on_failure: bool = False) -> NamespaceReport:
     """Run the property suite on ``xp`` (a module or its dotted name).
 
     Parameters
@@ -110,28 +226,47 @@ def check_namespace(xp: str | ModuleType, *, properties: list[str] | None = None
     xp : the array namespace, e.g. ``array_api_strict`` or ``"mlx.core"``.
     properties : names to run (default: all of :data:`PROPERTIES`).
     max_examples : per-property example budget (default: each property's own).
+    time_budget : seconds for the whole run (default: none). Each property gets
+        an equal share of what is left when it starts (time a fast property
+        leaves over goes to the later ones); it always runs at least one
+        example, so the run can overshoot by about one example per property.
     derandomize : deterministic examples (default) for reproducible reports.
     raise_on_failure : raise ``AssertionError`` with the report if anything failed.
 
     Returns
     -------
-    :class:`NamespaceReport` listing passed properties and failures with their
-    minimal examples.
+    :class:`NamespaceReport` listing passed properties (with how many examples
+    ran) and failures with their minimal examples.
+
+    Raises
+    ------
+    ValueError : unknown property names, a bad budget, or (before anything
+        runs) a namespace without float64 when a selected property needs it.
     """
     names = list(PROPERTIES) if properties is None else list(properties)
     unknown = sorted(set(names) - set(PROPERTIES))
     if unknown:
         raise ValueError(f"properties: unknown property {unknown}; expected names from "
                          f"{sorted(PROPERTIES)}")
+    _check_budget(max_examples, time_budget)
     module = load_namespace(xp)
-    report = NamespaceReport(getattr(module, "__name__", repr(module)))
-    for name in names:
+    if any(PROPERTIES[name].needs_float64 for name in names):
+        require_float64(module)  # fail fast, not after minutes of rounding "failures"
+    report = NamespaceReport(_namespace_name(module))
+    deadline = None if time_budget is None else time.monotonic() + time_budget
+    for i, name in enumerate(names):
+        share = None
+        if deadline is not None:
+            # never 0: run_property rejects it, and one example always runs anyway
+            share = max(deadline - time.monotonic(), 1e-3) / (len(names) - i)
         try:
-            run_property(module, name, max_examples=max_examples, derandomize=derandomize)
+            count = run_property(module, name, max_examples=max_examples,
+                                 derandomize=derandomize, time_budget=share)
         except Exception as exc:  # noqa: BLE001 - every failure is reported, not raised
             report.failures.append(_describe_failure(name, exc))
         else:
             report.passed.append(name)
+            report.examples[name] = count
     if raise_on_failure and report.failures:
         raise AssertionError(str(report))
     return report

@@ -68,15 +68,16 @@ class Property(NamedTuple):
     check: Callable[[ModuleType, dict], None]
     strategy: st.SearchStrategy
     max_examples: int
+    needs_float64: bool = True  # compares against the float64 references
 
 
 #: name -> :class:`Property`, in the order they are run.
 PROPERTIES: dict[str, Property] = {}
 
 
-def _property(max_examples: int, strategy: st.SearchStrategy):
+def _property(max_examples: int, strategy: st.SearchStrategy, needs_float64: bool = True):
     def register(check: Callable[[ModuleType, dict], None]):
-        PROPERTIES[check.__name__] = Property(check, strategy, max_examples)
+        PROPERTIES[check.__name__] = Property(check, strategy, max_examples, needs_float64)
         return check
 
     return register
@@ -352,7 +353,7 @@ def _leaves(tree: Any) -> list[Any]:
     return [tree]
 
 
-@_property(1, st.just({}))
+@_property(1, st.just({}), needs_float64=False)
 def float32_in_float32_out(xp: ModuleType, case: dict) -> None:
     """Every public function keeps float32 (and the namespace) and stays finite."""
     for name, result in _float32_calls(xp).items():

@@ -2,11 +2,15 @@
 
 Run tmcore's property suite against any namespace::
 
-    pytest --pyargs tmcore.testing.suite --tmcore-namespace=array_api_strict
+    pytest --pyargs tmcore.testing.suite --tmcore-namespace=array_api_strict \
+        --tmcore-max-examples=5 --tmcore-time-budget=60
 
 The plugin is registered through the ``pytest11`` entry point when tmcore is
 installed; with plugin autoloading disabled, add ``-p tmcore.testing.pytest_plugin``.
 Each property is one test item; a failure prints hypothesis' minimal example.
+``--tmcore-time-budget`` (seconds) is split evenly over the collected suite
+items; each item runs at least one example. A namespace without float64
+fails every item that needs it at once, with a message saying so.
 """
 
 from __future__ import annotations
@@ -32,6 +36,23 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         default=None,
         help="per-property hypothesis example budget (default: each property's own)",
     )
+    group.addoption(
+        "--tmcore-time-budget",
+        action="store",
+        type=float,
+        default=None,
+        help="seconds for the whole property suite, split evenly over its collected items "
+             "(each runs at least one example; default: no limit)",
+    )
+
+
+_BUDGET_ITEMS = pytest.StashKey[int]()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Count the suite items that share ``--tmcore-time-budget`` (after ``-k``)."""
+    config.stash[_BUDGET_ITEMS] = sum(
+        "tmcore_time_budget" in getattr(item, "fixturenames", ()) for item in items)
 
 
 @pytest.fixture(scope="session")
@@ -48,3 +69,14 @@ def tmcore_namespace(request: pytest.FixtureRequest) -> ModuleType:
 @pytest.fixture(scope="session")
 def tmcore_max_examples(request: pytest.FixtureRequest) -> int | None:
     return request.config.getoption("--tmcore-max-examples")
+
+
+@pytest.fixture
+def tmcore_time_budget(request: pytest.FixtureRequest) -> float | None:
+    """This item's share of ``--tmcore-time-budget`` in seconds (``None``: no limit)."""
+    total = request.config.getoption("--tmcore-time-budget")
+    if total is None:
+        return None
+    if total <= 0:
+        raise pytest.UsageError(f"--tmcore-time-budget: expected positive seconds, got {total}")
+    return total / max(request.config.stash.get(_BUDGET_ITEMS, 1), 1)

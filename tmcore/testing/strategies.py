@@ -134,12 +134,63 @@ def splat_margin_ok(shape: tuple[int, ...], mu: np.ndarray, sigma: np.ndarray,
     return True
 
 
-def to_numpy(x: Any) -> np.ndarray:
-    """A NumPy copy of an array of any namespace (``__array__`` or DLPack)."""
+def _is_masked(x: Any) -> bool:
+    """A masked array (marray, ``numpy.ma``): it carries ``.data`` and ``.mask``."""
+    if isinstance(x, np.ma.MaskedArray):
+        return True
+    return not isinstance(x, np.ndarray) and hasattr(x, "mask") and hasattr(x, "data")
+
+
+def _plain_numpy(x: Any) -> np.ndarray:
+    """A NumPy view/copy of an unmasked array of any namespace.
+
+    Order matters: DLPack first (zero-copy on the CPU and exact for every
+    namespace that exports it); then hooks of namespaces that do not export
+    DLPack (ndonnx' ``unwrap_numpy``); ``np.asarray`` last, and only if it gives
+    a real numeric array: for an object that is not array-like to NumPy it
+    silently returns a 0-d ``object`` array, which would make every shape
+    comparison fail for the wrong reason.
+    """
+    if isinstance(x, np.ndarray):
+        return x
+    if hasattr(x, "__dlpack__"):
+        try:
+            return np.from_dlpack(x)
+        except (TypeError, ValueError, RuntimeError, BufferError, AttributeError):
+            pass
+        try:  # a producer on another device may copy to the host on request
+            return np.from_dlpack(x, device="cpu", copy=True)
+        except (TypeError, ValueError, RuntimeError, BufferError, AttributeError):
+            pass
+    unwrap = getattr(x, "unwrap_numpy", None)  # ndonnx: no DLPack export
+    if callable(unwrap):
+        return np.asarray(unwrap())
     try:
-        return np.array(np.asarray(x), copy=True)
-    except (TypeError, ValueError, RuntimeError):
-        return np.array(np.from_dlpack(x), copy=True)
+        out = np.asarray(x)
+    except (TypeError, ValueError, RuntimeError) as exc:
+        raise TypeError(f"cannot read a {type(x).__name__} back into NumPy: it exports "
+                        f"neither DLPack nor __array__ ({exc})") from exc
+    if out.dtype == object:
+        raise TypeError(f"cannot read a {type(x).__name__} back into NumPy: np.asarray gives "
+                        "an object array; the namespace should export DLPack (__dlpack__)")
+    return out
+
+
+def to_numpy(x: Any) -> np.ndarray:
+    """A NumPy copy of an array of any namespace (DLPack, ``unwrap_numpy`` or ``__array__``).
+
+    Masked arrays (marray) are read as their data with masked entries set to
+    NaN, so an output that tmcore should never mask fails every comparison
+    instead of passing on stale data.
+    """
+    if _is_masked(x):
+        data = np.array(_plain_numpy(x.data), copy=True)
+        mask = np.broadcast_to(_plain_numpy(x.mask).astype(bool), data.shape)
+        if mask.any():
+            data = data.astype(np.result_type(data.dtype, np.float16))
+            data[mask] = np.nan
+        return data
+    return np.array(_plain_numpy(x), copy=True)
 
 
 def assert_rel(actual: Any, expected: np.ndarray, tol: float, what: str,

@@ -12,5 +12,6 @@ from tmcore.testing.properties import PROPERTIES
 
 @pytest.mark.parametrize("name", list(PROPERTIES))
 def test_tmcore_property(tmcore_namespace: ModuleType, tmcore_max_examples: int | None,
-                         name: str) -> None:
-    run_property(tmcore_namespace, name, max_examples=tmcore_max_examples)
+                         tmcore_time_budget: float | None, name: str) -> None:
+    run_property(tmcore_namespace, name, max_examples=tmcore_max_examples,
+                 time_budget=tmcore_time_budget)
