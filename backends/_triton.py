@@ -16,9 +16,9 @@ per scan (deterministic: no atomics).
 
 When it runs (:func:`usable`):
 
-- ``TMCORE_TRITON=0`` (or ``tmcore.options(triton=False)`` where that exists):
-  never. Unset: CUDA tensors only. ``TMCORE_TRITON=1``: CUDA tensors, and CPU
-  tensors when ``TRITON_INTERPRET=1`` (Triton's interpreter; how CI tests the
+- ``tmcore.options(triton=False)`` / ``TMCORE_TRITON=0``: never. ``"auto"``
+  (the default): CUDA tensors only. ``True`` / ``TMCORE_TRITON=1``: CUDA
+  tensors, and CPU tensors when ``TRITON_INTERPRET=1`` (Triton's interpreter; how CI tests the
   kernels). The C kernels stay the CPU default.
 - plain tensors of one dtype, float32 or float64 (others: the per-primitive
   path, which computes halves in float32), not recorded by autograd, no
@@ -43,6 +43,7 @@ from typing import Any
 
 import torch
 
+from tmcore._options import get_options
 from tmcore.conv import ConvParams
 
 __all__ = ["scan_fwd", "scan_bwd", "usable", "available", "ENV_VAR", "MAX_CHANNELS",
@@ -80,26 +81,9 @@ def available() -> bool:
 
 
 def _setting() -> bool | None:
-    """The switch: ``True`` / ``False``, or ``None`` for automatic (CUDA only)."""
-    try:
-        from tmcore import _options  # the options surface, where it exists
-    except ImportError:
-        _options = None
-    value = getattr(_options, "get", None)
-    if value is not None:
-        try:
-            chosen = value("triton")
-        except (KeyError, TypeError, ValueError):
-            chosen = None
-        else:
-            if chosen is not None:
-                return bool(chosen)
-    raw = os.environ.get(ENV_VAR, "").strip().lower()
-    if raw in ("0", "false", "off", "no"):
-        return False
-    if raw in ("1", "true", "on", "yes"):
-        return True
-    return None
+    """The ``triton`` option: ``True`` / ``False``, or ``None`` for automatic (CUDA only)."""
+    choice = get_options().triton
+    return None if choice == "auto" else bool(choice)
 
 
 def _interpreting() -> bool:

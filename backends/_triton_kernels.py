@@ -111,6 +111,17 @@ def _bias(db_ptr, A: tl.constexpr, N: tl.constexpr, base, offs_c, mask_c, C2):
 
 
 @triton.jit
+def _tap_sums(i, t0, t1, t2, S: tl.constexpr):
+    """``V = sum_k t_k [cell i + k - 1 inside]``: ``(CB, BP)``."""
+    V = t1[:, None] + (i * 0).to(t1.dtype)[None, :]
+    if S > 1:
+        has_prev = (i > 0).to(t1.dtype)
+        has_next = (i < S - 1).to(t1.dtype)
+        V += t0[:, None] * has_prev[None, :] + t2[:, None] * has_next[None, :]
+    return V
+
+
+@triton.jit
 def _pick(d: tl.constexpr, t0, t1, t2):
     if d == 0:
         v = t0
@@ -181,40 +192,51 @@ def _conv_input(h_row, content, mu0, mu1, mu2, denom, rs, dw_ptr, db_ptr, offs_c
         bias_x = bias_x * V1 + _bias(db_ptr, 1, N, 0, offs_c, mask_c, C2)[:, None]
     bias_x = bias_x * V + _bias(db_ptr, 2, N, 0, offs_c, mask_c, C2)[:, None]
     y_x = content[:, None] * G + bias_x
-    # ---- h half: 3^n gathers
-    hx0, hx1, hx2 = _taps(dw_ptr, 2, N, C, offs_c, mask_c, C2)
-    ones = hx1 * 0.0 + 1.0
-    hy0, hy1, hy2 = ones, ones, ones
-    hz0, hz1, hz2 = ones, ones, ones
-    if N >= 2:
-        hy0, hy1, hy2 = _taps(dw_ptr, 1, N, C, offs_c, mask_c, C2)
-    if N >= 3:
-        hz0, hz1, hz2 = _taps(dw_ptr, 0, N, C, offs_c, mask_c, C2)
+    # ---- h half: 3^n gathers (runtime loops: an unrolled 27-way body compiles for minutes)
+    LO0: tl.constexpr = 0 if S0 > 1 else 1
+    HI0: tl.constexpr = 3 if S0 > 1 else 2
+    LO1: tl.constexpr = 0 if S1 > 1 else 1
+    HI1: tl.constexpr = 3 if S1 > 1 else 2
+    LO2: tl.constexpr = 0 if S2 > 1 else 1
+    HI2: tl.constexpr = 3 if S2 > 1 else 2
     y_h = tl.zeros_like(G)
-    for d0 in tl.static_range(3):
-        for d1 in tl.static_range(3):
-            for d2 in tl.static_range(3):
-                if (d0 == 1 or S0 > 1) and (d1 == 1 or S1 > 1) and (d2 == 1 or S2 > 1):
-                    j0 = i0 + (d0 - 1)
-                    j1 = i1 + (d1 - 1)
-                    j2 = i2 + (d2 - 1)
-                    valid = ((j0 >= 0) & (j0 < S0) & (j1 >= 0) & (j1 < S1) & (j2 >= 0)
-                             & (j2 < S2) & (offs_p < P))
-                    q = offs_p + ((d0 - 1) * S1 * S2 + (d1 - 1) * S2 + (d2 - 1))
-                    u = tl.load(h_row + offs_c[:, None] * P + q[None, :],
-                                mask=mask_c[:, None] & valid[None, :], other=0.0)
-                    k = _pick(d0, hz0, hz1, hz2) * _pick(d1, hy0, hy1, hy2)
-                    k = k * _pick(d2, hx0, hx1, hx2)
-                    y_h += k[:, None] * u
-    _, Vh, _, _ = _x_axis(i2, mu2, denom, rs, hx0, hx1, hx2, S2, HAS_RADIUS)
+    one = (offs_c * 0 + 1).to(G.dtype)
+    # taps inline (not through a helper: each helper call costs ~10 ms in the interpreter)
+    for d0 in range(LO0, HI0):
+        if N >= 3:
+            k0 = tl.load(dw_ptr + (C + offs_c) * 3 + d0, mask=mask_c, other=0.0)
+        else:
+            k0 = one
+        for d1 in range(LO1, HI1):
+            if N >= 2:
+                k01 = k0 * tl.load(dw_ptr + ((N - 2) * C2 + C + offs_c) * 3 + d1, mask=mask_c,
+                                   other=0.0)
+            else:
+                k01 = k0
+            for d2 in range(LO2, HI2):
+                k = k01 * tl.load(dw_ptr + ((N - 1) * C2 + C + offs_c) * 3 + d2, mask=mask_c,
+                                  other=0.0)
+                j0 = i0 + (d0 - 1)
+                j1 = i1 + (d1 - 1)
+                j2 = i2 + (d2 - 1)
+                valid = ((j0 >= 0) & (j0 < S0) & (j1 >= 0) & (j1 < S1) & (j2 >= 0)
+                         & (j2 < S2) & (offs_p < P))
+                q = offs_p + ((d0 - 1) * (S1 * S2) + (d1 - 1) * S2 + (d2 - 1))
+                u = tl.load(h_row + offs_c[:, None] * P + q[None, :],
+                            mask=mask_c[:, None] & valid[None, :], other=0.0)
+                y_h += k[:, None] * u
+    hx0, hx1, hx2 = _taps(dw_ptr, 2, N, C, offs_c, mask_c, C2)
     bias_h = tl.zeros_like(G)
     if N >= 3:
-        _, Vh0, _, _ = _x_axis(i0, mu0, denom, rs, hz0, hz1, hz2, S0, HAS_RADIUS)
-        bias_h = bias_h * Vh0 + _bias(db_ptr, 0, N, C, offs_c, mask_c, C2)[:, None]
+        hz0, hz1, hz2 = _taps(dw_ptr, 0, N, C, offs_c, mask_c, C2)
+        bias_h = (bias_h * _tap_sums(i0, hz0, hz1, hz2, S0)
+                  + _bias(db_ptr, 0, N, C, offs_c, mask_c, C2)[:, None])
     if N >= 2:
-        _, Vh1, _, _ = _x_axis(i1, mu1, denom, rs, hy0, hy1, hy2, S1, HAS_RADIUS)
-        bias_h = bias_h * Vh1 + _bias(db_ptr, 1, N, C, offs_c, mask_c, C2)[:, None]
-    bias_h = bias_h * Vh + _bias(db_ptr, 2, N, C, offs_c, mask_c, C2)[:, None]
+        hy0, hy1, hy2 = _taps(dw_ptr, 1, N, C, offs_c, mask_c, C2)
+        bias_h = (bias_h * _tap_sums(i1, hy0, hy1, hy2, S1)
+                  + _bias(db_ptr, 1, N, C, offs_c, mask_c, C2)[:, None])
+    bias_h = (bias_h * _tap_sums(i2, hx0, hx1, hx2, S2)
+              + _bias(db_ptr, 2, N, C, offs_c, mask_c, C2)[:, None])
     y_h += bias_h
     row_ok = mask_c[:, None]
     return tl.where(row_ok, y_x, 0.0), tl.where(row_ok, y_h, 0.0)
@@ -336,7 +358,18 @@ def _read(h_row, rc, out, offs_c, mask_c, N: tl.constexpr, S0: tl.constexpr,
         for e1 in tl.static_range(2):
             for e2 in tl.static_range(2):
                 if (e0 == 0 or S0 > 1) and (e1 == 0 or S1 > 1) and (e2 == 0 or S2 > 1):
-                    w = _corner_w(e0, fr0, S0) * _corner_w(e1, fr1, S1) * _corner_w(e2, fr2, S2)
+                    if e0 == 0:
+                        w = 1.0 - fr0
+                    else:
+                        w = fr0
+                    if e1 == 0:
+                        w = w * (1.0 - fr1)
+                    else:
+                        w = w * fr1
+                    if e2 == 0:
+                        w = w * (1.0 - fr2)
+                    else:
+                        w = w * fr2
                     j0 = offs_c * 0 + (l0 + e0)  # per-channel copies: masks are vectors
                     j1 = offs_c * 0 + (l1 + e1)
                     j2 = offs_c * 0 + (l2 + e2)
@@ -345,29 +378,6 @@ def _read(h_row, rc, out, offs_c, mask_c, N: tl.constexpr, S0: tl.constexpr,
                                  mask=mask_c & ok, other=0.0)
                     acc += w * hv
     tl.store(out + offs_c, acc, mask=mask_c)
-
-
-@triton.jit
-def _corner_w(e: tl.constexpr, frac, S: tl.constexpr):
-    if S == 1:
-        w = frac * 0.0 + 1.0
-    elif e == 0:
-        w = 1.0 - frac
-    else:
-        w = frac
-    return w
-
-
-@triton.jit
-def _corner_slope(e: tl.constexpr, inside, frac, S: tl.constexpr):
-    """d weight / d coordinate at corner ``e`` (zero when clamped)."""
-    if S == 1:
-        s = inside.to(frac.dtype) * 0.0
-    elif e == 0:
-        s = -inside.to(frac.dtype) * ((S - 1) * 0.5)
-    else:
-        s = inside.to(frac.dtype) * ((S - 1) * 0.5)
-    return s
 
 
 @triton.jit
@@ -389,6 +399,13 @@ def step_bwd_a_kernel(
     slot = b * programs + pid
     P: tl.constexpr = S0 * S1 * S2
     TILES: tl.constexpr = (P + BP - 1) // BP
+    # bias classes per axis (0 first, 1 interior, 2 last): S = 1 has only 0, S = 2 only 0, 2
+    MH0: tl.constexpr = 1 if S0 == 1 else 3
+    MS0: tl.constexpr = 2 if S0 == 2 else 1
+    MH1: tl.constexpr = 1 if S1 == 1 else 3
+    MS1: tl.constexpr = 2 if S1 == 2 else 1
+    MH2: tl.constexpr = 1 if S2 == 1 else 3
+    MS2: tl.constexpr = 2 if S2 == 2 else 1
     offs_c = tl.arange(0, CB)
     mask_c = offs_c < C
     row = b * C * P
@@ -468,20 +485,16 @@ def step_bwd_a_kernel(
         k0 = tl.where(i0 == 0, 0, tl.where(i0 == S0 - 1, 2, 1))
         k1 = tl.where(i1 == 0, 0, tl.where(i1 == S1 - 1, 2, 1))
         k2 = tl.where(i2 == 0, 0, tl.where(i2 == S2 - 1, 2, 1))
-        for m0 in tl.static_range(3):
-            for m1 in tl.static_range(3):
-                for m2 in tl.static_range(3):
-                    # S == 1: only "first"; S == 2: first or last; S >= 3: all three
-                    if ((m0 == 0 or (S0 == 2 and m0 == 2) or S0 >= 3)
-                            and (m1 == 0 or (S1 == 2 and m1 == 2) or S1 >= 3)
-                            and (m2 == 0 or (S2 == 2 and m2 == 2) or S2 >= 3)):
-                        sel = ((k0 == m0) & (k1 == m1) & (k2 == m2)).to(y_x.dtype)
-                        e_at = e_part + (slot * 2 * C + offs_c) * 27 + (m0 * 9 + m1 * 3 + m2)
-                        ex = tl.load(e_at, mask=mask_c, other=0.0)
-                        tl.store(e_at, ex + tl.sum(dy_x * sel[None, :], axis=1), mask=mask_c)
-                        eh = tl.load(e_at + C * 27, mask=mask_c, other=0.0)
-                        tl.store(e_at + C * 27, eh + tl.sum(dy_h * sel[None, :], axis=1),
-                                 mask=mask_c)
+        for m0 in range(0, MH0, MS0):
+            for m1 in range(0, MH1, MS1):
+                for m2 in range(0, MH2, MS2):
+                    sel = ((k0 == m0) & (k1 == m1) & (k2 == m2)).to(y_x.dtype)
+                    e_at = e_part + (slot * 2 * C + offs_c) * 27 + (m0 * 9 + m1 * 3 + m2)
+                    ex = tl.load(e_at, mask=mask_c, other=0.0)
+                    tl.store(e_at, ex + tl.sum(dy_x * sel[None, :], axis=1), mask=mask_c)
+                    eh = tl.load(e_at + C * 27, mask=mask_c, other=0.0)
+                    tl.store(e_at + C * 27, eh + tl.sum(dy_h * sel[None, :], axis=1),
+                             mask=mask_c)
     _add_w(dpw_part, slot, 0, dwx_i, dwh_i, offs_c, mask_c, C)
     _add_w(dpw_part, slot, 1, dwx_f, dwh_f, offs_c, mask_c, C)
     _add_w(dpw_part, slot, 2, dwx_o, dwh_o, offs_c, mask_c, C)
@@ -546,21 +559,16 @@ def step_bwd_b_kernel(
     x0 = _coord(rc_ptr + bt * N, 0, N)
     x1 = _coord(rc_ptr + bt * N, 1, N)
     x2 = _coord(rc_ptr + bt * N, 2, N)
-    _, low0, fr0, _ = _tent(x0, S0)
-    _, low1, fr1, _ = _tent(x1, S1)
-    _, low2, fr2, _ = _tent(x2, S2)
-    # taps of both halves (padded axes: the identity)
-    hx0, hx1, hx2 = _taps(dw_ptr, 2, N, C, offs_c, mask_c, C2)
-    xx0, xx1, xx2 = _taps(dw_ptr, 2, N, 0, offs_c, mask_c, C2)
-    ones = hx1 * 0.0 + 1.0
-    hy0, hy1, hy2, hz0, hz1, hz2 = ones, ones, ones, ones, ones, ones
-    xy0, xy1, xy2, xz0, xz1, xz2 = ones, ones, ones, ones, ones, ones
-    if N >= 2:
-        hy0, hy1, hy2 = _taps(dw_ptr, 1, N, C, offs_c, mask_c, C2)
-        xy0, xy1, xy2 = _taps(dw_ptr, 1, N, 0, offs_c, mask_c, C2)
-    if N >= 3:
-        hz0, hz1, hz2 = _taps(dw_ptr, 0, N, C, offs_c, mask_c, C2)
-        xz0, xz1, xz2 = _taps(dw_ptr, 0, N, 0, offs_c, mask_c, C2)
+    li0, low0, fr0, in0 = _tent(x0, S0)
+    li1, low1, fr1, in1 = _tent(x1, S1)
+    li2, low2, fr2, in2 = _tent(x2, S2)
+    LO0: tl.constexpr = 0 if S0 > 1 else 1
+    HI0: tl.constexpr = 3 if S0 > 1 else 2
+    LO1: tl.constexpr = 0 if S1 > 1 else 1
+    HI1: tl.constexpr = 3 if S1 > 1 else 2
+    LO2: tl.constexpr = 0 if S2 > 1 else 1
+    HI2: tl.constexpr = 3 if S2 > 1 else 2
+    one = (offs_c * 0 + 1).to(content.dtype)
     zero_c = tl.zeros((CB,), dtype=content.dtype)
     d_content = zero_c
     s_mu0 = tl.sum(zero_c, axis=0)
@@ -578,33 +586,43 @@ def step_bwd_b_kernel(
         x_own = content[:, None] * w[None, :]
         d_h = tl.zeros_like(h_own)
         d_x = tl.zeros_like(h_own)
-        for d0 in tl.static_range(3):
-            for d1 in tl.static_range(3):
-                for d2 in tl.static_range(3):
-                    if (d0 == 1 or S0 > 1) and (d1 == 1 or S1 > 1) and (d2 == 1 or S2 > 1):
-                        j0 = i0 - (d0 - 1)
-                        j1 = i1 - (d1 - 1)
-                        j2 = i2 - (d2 - 1)
-                        valid = ((j0 >= 0) & (j0 < S0) & (j1 >= 0) & (j1 < S1) & (j2 >= 0)
-                                 & (j2 < S2) & mask_p)
-                        src = offs_p - ((d0 - 1) * S1 * S2 + (d1 - 1) * S2 + (d2 - 1))
-                        m = mask_c[:, None] & valid[None, :]
-                        g_x = tl.load(dy_ptr + dy_row + offs_c[:, None] * P + src[None, :],
-                                      mask=m, other=0.0)
-                        g_hh = tl.load(dy_ptr + dy_row + (C + offs_c[:, None]) * P
-                                       + src[None, :], mask=m, other=0.0)
-                        k_h = _pick(d0, hz0, hz1, hz2) * _pick(d1, hy0, hy1, hy2)
-                        k_h = k_h * _pick(d2, hx0, hx1, hx2)
-                        k_x = _pick(d0, xz0, xz1, xz2) * _pick(d1, xy0, xy1, xy2)
-                        k_x = k_x * _pick(d2, xx0, xx1, xx2)
-                        d_h += k_h[:, None] * g_hh
-                        d_x += k_x[:, None] * g_x
-                        d = d0 * 9 + d1 * 3 + d2
-                        c_at = corr_part + (slot * C2 + offs_c) * 27 + d
-                        cx = tl.load(c_at, mask=mask_c, other=0.0)
-                        tl.store(c_at, cx + tl.sum(g_x * x_own, axis=1), mask=mask_c)
-                        ch = tl.load(c_at + C * 27, mask=mask_c, other=0.0)
-                        tl.store(c_at + C * 27, ch + tl.sum(g_hh * h_own, axis=1), mask=mask_c)
+        for d0 in range(LO0, HI0):
+            if N >= 3:
+                kh0 = tl.load(dw_ptr + (C + offs_c) * 3 + d0, mask=mask_c, other=0.0)
+                kx0 = tl.load(dw_ptr + offs_c * 3 + d0, mask=mask_c, other=0.0)
+            else:
+                kh0 = one
+                kx0 = one
+            for d1 in range(LO1, HI1):
+                if N >= 2:
+                    at1 = dw_ptr + ((N - 2) * C2 + offs_c) * 3 + d1
+                    kh01 = kh0 * tl.load(at1 + 3 * C, mask=mask_c, other=0.0)
+                    kx01 = kx0 * tl.load(at1, mask=mask_c, other=0.0)
+                else:
+                    kh01 = kh0
+                    kx01 = kx0
+                for d2 in range(LO2, HI2):
+                    at2 = dw_ptr + ((N - 1) * C2 + offs_c) * 3 + d2
+                    k_h = kh01 * tl.load(at2 + 3 * C, mask=mask_c, other=0.0)
+                    k_x = kx01 * tl.load(at2, mask=mask_c, other=0.0)
+                    j0 = i0 - (d0 - 1)
+                    j1 = i1 - (d1 - 1)
+                    j2 = i2 - (d2 - 1)
+                    valid = ((j0 >= 0) & (j0 < S0) & (j1 >= 0) & (j1 < S1) & (j2 >= 0)
+                             & (j2 < S2) & mask_p)
+                    src = offs_p - ((d0 - 1) * (S1 * S2) + (d1 - 1) * S2 + (d2 - 1))
+                    m = mask_c[:, None] & valid[None, :]
+                    g_x = tl.load(dy_ptr + dy_row + offs_c[:, None] * P + src[None, :],
+                                  mask=m, other=0.0)
+                    g_hh = tl.load(dy_ptr + dy_row + (C + offs_c[:, None]) * P + src[None, :],
+                                   mask=m, other=0.0)
+                    d_h += k_h[:, None] * g_hh
+                    d_x += k_x[:, None] * g_x
+                    c_at = corr_part + (slot * C2 + offs_c) * 27 + (d0 * 9 + d1 * 3 + d2)
+                    cx = tl.load(c_at, mask=mask_c, other=0.0)
+                    tl.store(c_at, cx + tl.sum(g_x * x_own, axis=1), mask=mask_c)
+                    ch = tl.load(c_at + C * 27, mask=mask_c, other=0.0)
+                    tl.store(c_at + C * 27, ch + tl.sum(g_hh * h_own, axis=1), mask=mask_c)
         # the read's volume gradient: g_read (x) interpolation weights
         w_read = _tent_weight(i2, low2, fr2)
         if N >= 2:
@@ -617,15 +635,15 @@ def step_bwd_b_kernel(
         d_x = tl.where(mask, d_x, 0.0)
         d_content += tl.sum(d_x * w[None, :], axis=1)
         weighted = tl.sum(d_x * content[:, None], axis=0) * w
-        _, off2 = _gauss(i2, mu2, denom, rs, S2, HAS_RADIUS)
+        gw2, off2 = _gauss(i2, mu2, denom, rs, S2, HAS_RADIUS)
         s_mu2 += tl.sum(weighted * off2, axis=0)
         s_m2 += tl.sum(weighted * off2 * off2, axis=0)
         if N >= 2:
-            _, off1 = _gauss(i1, mu1, denom, rs, S1, HAS_RADIUS)
+            gw1, off1 = _gauss(i1, mu1, denom, rs, S1, HAS_RADIUS)
             s_mu1 += tl.sum(weighted * off1, axis=0)
             s_m2 += tl.sum(weighted * off1 * off1, axis=0)
         if N >= 3:
-            _, off0 = _gauss(i0, mu0, denom, rs, S0, HAS_RADIUS)
+            gw0, off0 = _gauss(i0, mu0, denom, rs, S0, HAS_RADIUS)
             s_mu0 += tl.sum(weighted * off0, axis=0)
             s_m2 += tl.sum(weighted * off0 * off0, axis=0)
     width = C + 4
@@ -646,6 +664,10 @@ def _read_coord_grad(h_row, rc, g_read, out, offs_c, mask_c, N: tl.constexpr,
     """``d read / d coords`` contracted with ``g_read`` (C,), stored per component."""
     P: tl.constexpr = S0 * S1 * S2
     l0, fr0, in0, l1, fr1, in1, l2, fr2, in2 = _corner_loop_setup(rc, N, S0, S1, S2)
+    # d weight / d coordinate: -+ (S - 1) / 2 at the lower / upper corner, 0 when clamped
+    slope0 = in0.to(fr0.dtype) * ((S0 - 1) * 0.5)
+    slope1 = in1.to(fr1.dtype) * ((S1 - 1) * 0.5)
+    slope2 = in2.to(fr2.dtype) * ((S2 - 1) * 0.5)
     a0 = tl.sum(g_read * 0.0, axis=0)
     a1 = a0
     a2 = a0
@@ -660,12 +682,27 @@ def _read_coord_grad(h_row, rc, g_read, out, offs_c, mask_c, N: tl.constexpr,
                     hv = tl.load(h_row + offs_c * P + (j0 * S1 * S2 + j1 * S2 + j2),
                                  mask=mask_c & ok, other=0.0)
                     gh = tl.sum(g_read * hv, axis=0)
-                    w0 = _corner_w(e0, fr0, S0)
-                    w1 = _corner_w(e1, fr1, S1)
-                    w2 = _corner_w(e2, fr2, S2)
-                    a0 += gh * _corner_slope(e0, in0, fr0, S0) * w1 * w2
-                    a1 += gh * w0 * _corner_slope(e1, in1, fr1, S1) * w2
-                    a2 += gh * w0 * w1 * _corner_slope(e2, in2, fr2, S2)
+                    if e0 == 0:
+                        w0 = 1.0 - fr0
+                        s0 = -slope0
+                    else:
+                        w0 = fr0
+                        s0 = slope0
+                    if e1 == 0:
+                        w1 = 1.0 - fr1
+                        s1 = -slope1
+                    else:
+                        w1 = fr1
+                        s1 = slope1
+                    if e2 == 0:
+                        w2 = 1.0 - fr2
+                        s2 = -slope2
+                    else:
+                        w2 = fr2
+                        s2 = slope2
+                    a0 += gh * s0 * w1 * w2
+                    a1 += gh * w0 * s1 * w2
+                    a2 += gh * w0 * w1 * s2
     tl.store(out + 0, a2)  # component 0 addresses the last axis
     if N >= 2:
         tl.store(out + 1, a1)

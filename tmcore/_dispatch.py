@@ -25,6 +25,11 @@ Contract of each entry (the generic functions are the reference):
   consume each step's residuals before making the next step's; inside it a
   backend may reuse the memory of its per-step temporaries (the generic one does
   nothing)
+- ``scan_fwd`` / ``scan_bwd`` (optional, default ``None``): a fused whole-scan
+  forward / backward with the signature and results of
+  :func:`tmcore.scan.memory_scan_fwd` / ``memory_scan_bwd`` (positional, after
+  ``xp``: the arrays, then ``eps, radius, checkpoint_every``); it returns
+  ``None`` to decline, and the scan then runs its per-step loop
 
 ``residuals`` are opaque: only the ``*_bwd`` of the same table consumes them
 (the generic conv's are the list of stage inputs ``[x, after axis 0, ...]``).
@@ -64,6 +69,8 @@ class Ops(NamedTuple):
     gates_bwd: Any
     gates_residuals: Any
     workspace: Any
+    scan_fwd: Any = None  # optional fused memory_scan_fwd (tmcore.scan); None: per-step loop
+    scan_bwd: Any = None  # optional fused memory_scan_bwd; either may return None to decline
 
 
 def _no_workspace(xp: Any) -> contextlib.AbstractContextManager:

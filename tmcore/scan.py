@@ -215,6 +215,12 @@ def memory_scan_fwd(
     checkpoints ``(ceil(T / checkpoint_every), B, C, *S)`` hold the states
     entering steps ``0, k, 2k, ...`` and are all :func:`memory_scan_bwd` needs.
     """
+    fused = ops_for(xp).scan_fwd
+    if fused is not None:  # a backend's whole-scan kernels (may decline: None)
+        out = fused(xp, h0, c0, read_coords, write_coords, write_sigma, write_content, params,
+                    eps, radius, checkpoint_every)
+        if out is not None:
+            return out
     steps = read_coords.shape[1]
     writes = _Writes(xp, write_coords, write_sigma, write_content, tuple(h0.shape[2:]), eps,
                      radius)
@@ -277,6 +283,13 @@ def memory_scan_bwd(
     Each segment of ``checkpoint_every`` steps is replayed from its checkpoint
     (storing that segment's states only), then differentiated step by step.
     """
+    fused = ops_for(xp).scan_bwd
+    if fused is not None:  # a backend's whole-scan kernels (may decline: None)
+        out = fused(xp, read_coords, write_coords, write_sigma, write_content, params,
+                    h_checkpoints, c_checkpoints, g_reads, g_h, g_c, eps, radius,
+                    checkpoint_every)
+        if out is not None:
+            return out
     steps = read_coords.shape[1]
     writes = _Writes(xp, write_coords, write_sigma, write_content, tuple(g_h.shape[2:]), eps,
                      radius)
