@@ -168,7 +168,10 @@ def _forward_loop(h0, c0, rc, wc, ws, wcont, dw, db, pw, pb, *, eps, radius, eve
     h_ck[0].copy_(h0)
     c_ck[0].copy_(c0)
     reads = torch.empty((geo.batch, steps, geo.channels), dtype=h0.dtype, device=h0.device)
-    scratch = [(torch.empty_like(h0), torch.empty_like(c0)) for _ in range(2 if steps > 2 else 0)]
+    # states that are neither checkpoints nor the result: two buffers, alternating by
+    # step (consecutive such states land in different ones; one is enough for one state)
+    between = sum(1 for t in range(steps - 1) if (t + 1) % every)
+    scratch = [(torch.empty_like(h0), torch.empty_like(c0)) for _ in range(min(between, 2))]
     h_t, c_t = torch.empty_like(h0), torch.empty_like(c0)
     consts = geo.constexprs(radius is not None)
     r = 0.0 if radius is None else float(radius)
@@ -179,7 +182,7 @@ def _forward_loop(h0, c0, rc, wc, ws, wcont, dw, db, pw, pb, *, eps, radius, eve
         elif (t + 1) % every == 0:
             out = (h_ck[(t + 1) // every], c_ck[(t + 1) // every])
         else:
-            out = scratch[t % 2]
+            out = scratch[t % len(scratch)]  # never the buffer it reads: see above
         k.step_fwd_kernel[geo.grid](
             cur[0], cur[1], out[0], out[1], reads, rc, wc, ws, wcont, dw, db, pw, pb,
             t, steps, geo.channels, eps, r, WRITE_READ=True, PRECISION=_precision(h0),
