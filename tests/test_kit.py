@@ -133,6 +133,28 @@ def test_read_back_unwraps_ndonnx_style_and_masked_arrays():
         assert_rel(_Masked(data, np.array([False, True, False, False])), data, 1e-3, "masked")
 
 
+class _OnAccelerator:
+    """DLPack export refused (memory on a device), ``to_device("cpu")`` works."""
+
+    def __init__(self, data: np.ndarray):
+        self._data = data
+
+    def __dlpack__(self, **kwargs):
+        raise BufferError("memory is on an accelerator")
+
+    def __dlpack_device__(self):
+        return (2, 0)  # kDLCUDA
+
+    def to_device(self, device, /, *, stream=None):
+        assert device == "cpu"
+        return self._data
+
+
+def test_read_back_copies_accelerator_arrays_to_the_host():
+    data = np.arange(3.0)
+    np.testing.assert_array_equal(to_numpy(_OnAccelerator(data)), data)
+
+
 def test_read_back_refuses_what_numpy_only_sees_as_an_object():
     with pytest.raises(TypeError, match="object array"):
         to_numpy(object())

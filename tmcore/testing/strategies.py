@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import array_api_compat
 import numpy as np
 from hypothesis import assume
 from hypothesis import strategies as st
@@ -141,27 +142,39 @@ def _is_masked(x: Any) -> bool:
     return not isinstance(x, np.ndarray) and hasattr(x, "mask") and hasattr(x, "data")
 
 
-def _plain_numpy(x: Any) -> np.ndarray:
+_READ_ERRORS = (TypeError, ValueError, RuntimeError, BufferError, AttributeError)
+
+
+def _plain_numpy(x: Any, _moved: bool = False) -> np.ndarray:
     """A NumPy view/copy of an unmasked array of any namespace.
 
     Order matters: DLPack first (zero-copy on the CPU and exact for every
-    namespace that exports it); then hooks of namespaces that do not export
-    DLPack (ndonnx' ``unwrap_numpy``); ``np.asarray`` last, and only if it gives
-    a real numeric array: for an object that is not array-like to NumPy it
-    silently returns a 0-d ``object`` array, which would make every shape
-    comparison fail for the wrong reason.
+    namespace that exports it); for arrays on an accelerator,
+    ``array_api_compat.to_device(x, "cpu")`` (CuPy, torch); then hooks of
+    namespaces that do not export DLPack (ndonnx' ``unwrap_numpy``);
+    ``np.asarray`` last, and only if it gives a real numeric array: for an
+    object that is not array-like to NumPy it silently returns a 0-d
+    ``object`` array, which would make every shape comparison fail for the
+    wrong reason.
     """
     if isinstance(x, np.ndarray):
         return x
     if hasattr(x, "__dlpack__"):
         try:
             return np.from_dlpack(x)
-        except (TypeError, ValueError, RuntimeError, BufferError, AttributeError):
+        except _READ_ERRORS:
             pass
         try:  # a producer on another device may copy to the host on request
             return np.from_dlpack(x, device="cpu", copy=True)
-        except (TypeError, ValueError, RuntimeError, BufferError, AttributeError):
+        except _READ_ERRORS:
             pass
+        if not _moved:
+            try:
+                moved = array_api_compat.to_device(x, "cpu")
+            except _READ_ERRORS:
+                moved = x
+            if moved is not x:
+                return _plain_numpy(moved, _moved=True)
     unwrap = getattr(x, "unwrap_numpy", None)  # ndonnx: no DLPack export
     if callable(unwrap):
         return np.asarray(unwrap())
