@@ -2,16 +2,24 @@
 
 Prints a short table and writes ``gpu_results.json`` (to ``$OUT`` when set).
 Per configuration: ms per chunk step (forward, forward+backward) of the torch
-layer (eager; ``torch.compile`` for the LM configs), the plain autograd
-baseline, the JAX layer (``jit``) and tmcore's scan on CuPy, each where its
-framework imports; peak GPU memory of a torch training step (tmcore vs plain);
+layer (``torch``: the default, i.e. the fused Triton scan on CUDA when Triton
+imports; ``torch-per-step``: the same layer with ``tmcore.options(triton=False)``;
+``torch-compile``: the fused layer under ``torch.compile``, LM configs), the
+plain autograd baseline, the JAX layer (``jit``) and tmcore's scan on CuPy
+(``cupy``: its fused kernels; ``cupy-generic``: the array-API path), each where
+its framework imports; kernel launches per chunk step of a torch training step
+(``torch.profiler``, CUDA only); the max |fused - per-step| of the layer's
+outputs and gradients; peak GPU memory of a torch training step (fused,
+per-step, plain);
 the truncated write at 8^3..32^3; a short streaming run. The **floor** here is
 the pointwise matmuls of one step on the GPU plus the bytes of state one step
 must move (read ``h, c``, write ``h', c'``: ``4 B C prod(S)`` floats) over the
 measured device-to-device copy bandwidth.
 
 ``--device cpu --tiny`` runs the same code on the CPU at a tiny size (smoke
-test). Sections stop starting once ``--budget`` seconds have passed.
+test; ``--impls`` / ``--sections`` pick rows). Sections stop starting once
+``--budget`` seconds have passed. The first fused call per shape compiles the
+Triton kernels (tens of seconds each) outside the timings (warm-up calls).
 Designed for <= 8 minutes on one H200.
 """
 
@@ -84,7 +92,12 @@ def bandwidth(device: str) -> float:
     return 2 * a.numel() * 4 / seconds
 
 
-def _torch_steps(cfg: Config, params, device: str, kind: str, compiled: bool = False):
+def _torch_steps(cfg: Config, params, device: str, kind: str, compiled: bool = False,
+                 triton: bool | str = "auto"):
+    """``(forward, train step)`` closures of a torch layer; ``triton``: the
+    ``tmcore.options(triton=...)`` value both run under."""
+    import tmcore
+
     layer = torch_layer(cfg, params, kind).to(device)
     x, g = make_inputs(cfg)
     xt = torch.as_tensor(x, device=device)
@@ -92,7 +105,7 @@ def _torch_steps(cfg: Config, params, device: str, kind: str, compiled: bool = F
     fn = torch.compile(layer) if compiled else layer
 
     def fwd():
-        with torch.no_grad():
+        with torch.no_grad(), tmcore.options(triton=triton):
             return fn(xt)
 
     xg = xt.clone().requires_grad_(True)
@@ -100,9 +113,56 @@ def _torch_steps(cfg: Config, params, device: str, kind: str, compiled: bool = F
     def train():
         layer.zero_grad(set_to_none=True)
         xg.grad = None
-        out = fn(xg)
-        (out[0] if isinstance(out, tuple) else out).backward(gt)
+        with tmcore.options(triton=triton):
+            out = fn(xg)
+            (out[0] if isinstance(out, tuple) else out).backward(gt)
+    train.layer, train.x = layer, xg  # for the agreement check
     return fwd, train
+
+
+def launches_per_step(train, cfg: Config, device: str) -> float | None:
+    """CUDA kernel launches of one training step per chunk step (``torch.profiler``);
+    ``None`` off CUDA."""
+    if not device.startswith("cuda"):
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    train()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        train()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return len(kernels) / cfg.steps
+
+
+def fused_agreement(cfg: Config, params, device: str) -> dict:
+    """Max |fused - per-step| over the layer's output and every gradient (one training
+    step each way; 0 where the fused path does not run, e.g. on the CPU)."""
+    import tmcore
+
+    results = {}
+    for triton in (True, False):
+        _, train = _torch_steps(cfg, params, device, "torch", triton=triton)
+        layer, x = train.layer, train.x
+        layer.zero_grad(set_to_none=True)
+        x.grad = None
+        _, gt = make_inputs(cfg)
+        with tmcore.options(triton=triton):
+            out = layer(x)
+            out = out[0] if isinstance(out, tuple) else out
+            out.backward(torch.as_tensor(gt, device=device))
+        results[triton] = [out.detach(), x.grad] + [p.grad for p in layer.parameters()]
+    diffs = [(a - b).abs().max().item() for a, b in zip(results[True], results[False],
+                                                         strict=True) if a is not None]
+    return {"output": diffs[0], "grads": max(diffs[1:])}
+
+
+def fused_active(device: str) -> bool:
+    """Whether tmcore's torch backend runs the fused Triton scan on ``device`` tensors."""
+    from tmcore.backends import _triton
+
+    return _triton.usable(torch.zeros(1, 1, 2, device=device))
 
 
 def _jax_steps(cfg: Config, params):
@@ -123,10 +183,12 @@ def _jax_steps(cfg: Config, params):
             lambda: jax.block_until_ready(grad(tree, x)))
 
 
-def _cupy_steps(cfg: Config, params):
+def _cupy_steps(cfg: Config, params, generic: bool = False):
+    """The scan on CuPy (its fused kernels by default; ``generic``: the array-API path)."""
     import array_api_compat
     import cupy as cp
 
+    import tmcore
     from tmcore.conv import ConvParams
     from tmcore.scan import memory_scan_bwd, memory_scan_fwd
 
@@ -139,20 +201,24 @@ def _cupy_steps(cfg: Config, params):
     xp = array_api_compat.array_namespace(h0)
 
     def fwd():
-        memory_scan_fwd(xp, h0, h0, *args, checkpoint_every=cfg.steps)
+        with tmcore.options(generic=generic):
+            memory_scan_fwd(xp, h0, h0, *args, checkpoint_every=cfg.steps)
         cp.cuda.Device().synchronize()
 
     def train():
-        _, h, c, hk, ck = memory_scan_fwd(xp, h0, h0, *args)
-        memory_scan_bwd(xp, *args, hk, ck, inp["g_reads"], cp.zeros_like(h), cp.zeros_like(c))
+        with tmcore.options(generic=generic):
+            _, h, c, hk, ck = memory_scan_fwd(xp, h0, h0, *args)
+            memory_scan_bwd(xp, *args, hk, ck, inp["g_reads"], cp.zeros_like(h),
+                            cp.zeros_like(c))
         cp.cuda.Device().synchronize()
     return fwd, train
 
 
-def _peak_torch(cfg: Config, params, device: str, kind: str) -> int | None:
+def _peak_torch(cfg: Config, params, device: str, kind: str,
+                triton: bool | str = "auto") -> int | None:
     if not device.startswith("cuda"):
         return None
-    _, train = _torch_steps(cfg, params, device, kind)
+    _, train = _torch_steps(cfg, params, device, kind, triton=triton)
     train()
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
@@ -162,7 +228,8 @@ def _peak_torch(cfg: Config, params, device: str, kind: str) -> int | None:
     return torch.cuda.max_memory_allocated() - base
 
 
-def run_config(cfg: Config, device: str, bw: float, reps: int, log) -> dict:
+def run_config(cfg: Config, device: str, bw: float, reps: int, log,
+               impls: list[str] | None = None) -> dict:
     params = reference_params(cfg)
     floor = {}
     for mode, train in (("fwd", False), ("train", True)):
@@ -171,35 +238,52 @@ def run_config(cfg: Config, device: str, bw: float, reps: int, log) -> dict:
         floor[mode] = (mm + state_bytes / bw) * 1e3
     row = {"floor_ms": floor, "impls": {}}
     candidates = [("torch", lambda: _torch_steps(cfg, params, device, "torch")),
+                  ("torch-per-step",
+                   lambda: _torch_steps(cfg, params, device, "torch", triton=False)),
                   ("plain", lambda: _torch_steps(cfg, params, device, "plain"))]
     if cfg.name.startswith("lm-1024") or cfg.name == "tiny":
         candidates.append(("torch-compile",
                            lambda: _torch_steps(cfg, params, device, "torch", compiled=True)))
     candidates += [("jax", lambda: _jax_steps(cfg, params))]
     if device.startswith("cuda"):
-        candidates.append(("cupy", lambda: _cupy_steps(cfg, params)))
+        candidates += [("cupy", lambda: _cupy_steps(cfg, params)),
+                       ("cupy-generic", lambda: _cupy_steps(cfg, params, generic=True))]
     for name, build in candidates:
+        if impls is not None and name not in impls:
+            continue
         try:
             fwd, train = build()
             cell = {m: _time(f, device, reps) / cfg.steps * 1e3
                     for m, f in (("fwd", fwd), ("train", train))}
             cell["ratio"] = {m: cell[m] / floor[m] for m in ("fwd", "train")}
+            if name.startswith("torch") and name != "torch-compile":
+                cell["launches_per_step"] = launches_per_step(train, cfg, device)
         except Exception as exc:  # a missing framework or a failing path is reported
             cell = {"error": f"{type(exc).__name__}: {exc}"[:160]}
         row["impls"][name] = cell
+        launches = cell.get("launches_per_step")
         log(f"{cfg.name:8s} {name:14s} " + (
             f"fwd {cell['fwd']:8.3f} ms ({cell['ratio']['fwd']:6.1f}x)  "
             f"fwd+bwd {cell['train']:8.3f} ms ({cell['ratio']['train']:6.1f}x)"
+            + (f"  {launches:6.1f} launches/step" if launches is not None else "")
             if "error" not in cell else cell["error"]))
-    for kind in ("torch", "plain"):
+    if impls is None or "torch" in impls:
         try:
-            row[f"peak_{kind}"] = _peak_torch(cfg, params, device, kind)
+            row["fused_vs_per_step"] = fused_agreement(cfg, params, device)
         except Exception as exc:
-            row[f"peak_{kind}"] = f"{type(exc).__name__}: {exc}"[:120]
-    if isinstance(row.get("peak_torch"), int) and isinstance(row.get("peak_plain"), int):
-        log(f"{cfg.name:8s} peak train memory: tmcore {row['peak_torch'] / 2**20:.1f} MiB, "
-            f"plain {row['peak_plain'] / 2**20:.1f} MiB "
-            f"({row['peak_torch'] / row['peak_plain']:.1%})")
+            row["fused_vs_per_step"] = {"error": f"{type(exc).__name__}: {exc}"[:160]}
+        log(f"{cfg.name:8s} max |fused - per-step|: {row['fused_vs_per_step']}")
+    for key, kind, triton in (("torch", "torch", "auto"), ("torch_per_step", "torch", False),
+                              ("plain", "plain", "auto")):
+        try:
+            row[f"peak_{key}"] = _peak_torch(cfg, params, device, kind, triton)
+        except Exception as exc:
+            row[f"peak_{key}"] = f"{type(exc).__name__}: {exc}"[:120]
+    peaks = {k: row.get(f"peak_{k}") for k in ("torch", "torch_per_step", "plain")}
+    if all(isinstance(v, int) for v in peaks.values()):
+        log(f"{cfg.name:8s} peak train memory: tmcore {peaks['torch'] / 2**20:.1f} MiB "
+            f"(per-step {peaks['torch_per_step'] / 2**20:.1f}), "
+            f"plain {peaks['plain'] / 2**20:.1f} MiB ({peaks['torch'] / peaks['plain']:.1%})")
     return row
 
 
@@ -251,6 +335,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--budget", type=float, default=420.0, help="seconds")
     parser.add_argument("--out", default=os.environ.get("OUT", str(REPO / "benchmarks"
                                                                      / "results")))
+    parser.add_argument("--impls", nargs="+", default=None,
+                        help="rows to time (default: all), e.g. torch torch-per-step")
+    parser.add_argument("--sections", nargs="*", default=["truncated", "streaming"],
+                        help="extra sections to run (default: truncated streaming)")
     args = parser.parse_args(argv)
     start = time.perf_counter()
     log = lambda msg: print(msg, flush=True)  # noqa: E731
@@ -262,17 +350,22 @@ def main(argv: list[str] | None = None) -> dict:
     log(f"machine: {machine_line()}")
     bw = bandwidth(device)
     log(f"copy bandwidth: {bw / 1e9:.0f} GB/s (read + write)")
-    results = {"device": device, "bandwidth_Bps": bw, "configs": {}}
+    results = {"device": device, "bandwidth_Bps": bw, "configs": {},
+               "fused_torch": fused_active(device)}
+    log(f"fused Triton scan for torch on {device}: "
+        f"{'on' if results['fused_torch'] else 'off (the per-step path runs)'}")
     configs = [TINY] if args.tiny else CONFIGS
     for cfg in configs:
         if time.perf_counter() - start > args.budget:
             log(f"{cfg.name}: skipped (budget)")
             continue
         reps = 1 if args.tiny else (2 if cfg.steps >= 256 else 3)
-        results["configs"][cfg.name] = run_config(cfg, device, bw, reps, log)
+        results["configs"][cfg.name] = run_config(cfg, device, bw, reps, log, args.impls)
     for name, fn in (("truncated", lambda: truncated_write(device, args.tiny)),
                      ("streaming", lambda: streaming(device, 3 * 8192 if args.tiny
                                                      else 1_000_000))):
+        if name not in args.sections:
+            continue
         if time.perf_counter() - start > args.budget:
             log(f"{name}: skipped (budget)")
             continue

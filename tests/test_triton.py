@@ -243,3 +243,20 @@ def test_kernel_torch_layer_with_and_without(monkeypatch):
         default = run()
     assert calls.bwd == 1
     _close(fused, default, 2e-5, 2e-5)
+
+
+def test_gpu_benchmark_helpers_on_cpu():
+    """``benchmarks/gpu.py``'s fused-path helpers run on the CPU: the agreement check
+    (0 there: the fused path is off on CPU tensors by default), no launch count off
+    CUDA, and the switch reported off."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir))
+    from benchmarks import gpu
+    from benchmarks.common import TINY
+    from benchmarks.layers import reference_params
+
+    params = reference_params(TINY)
+    assert gpu.fused_active("cpu") is False
+    agreement = gpu.fused_agreement(TINY, params, "cpu")
+    assert agreement == {"output": 0.0, "grads": 0.0}
+    _, train = gpu._torch_steps(TINY, params, "cpu", "torch", triton=False)
+    assert gpu.launches_per_step(train, TINY, "cpu") is None
