@@ -123,6 +123,8 @@ class MemoryHandle:
         state = dict(self.__dict__)
         for key in ("_local", "_records", "_lock"):
             state.pop(key)
+        if self.state is not None:  # a copy carries the streaming state, not its graph
+            state["state"] = [(h.detach(), c.detach()) for h, c in self.state]
         return state
 
     def __setstate__(self, state: dict) -> None:

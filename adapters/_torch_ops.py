@@ -191,7 +191,7 @@ def call(function: type[_Function], op: Callable[..., Any], *args: Any) -> Any:
         return op(*args)
     if _in_forward_mode():
         raise NotImplementedError(
-            f"tmcore: {op.__name__} has no forward-mode derivative (torch.func.jvp, jacfwd, "
+            f"tmcore: {getattr(op, '_name', op)} has no forward-mode derivative (torch.func.jvp, jacfwd, "
             f"hessian via jacfwd): tmcore registers reverse-mode VJPs only. Use reverse mode "
             f"(torch.func.grad / vjp / jacrev, or torch.autograd.grad twice)")
     return function.apply(*args)

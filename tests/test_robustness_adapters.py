@@ -256,6 +256,164 @@ def test_reference_checkpoint_errors(ta, torch):
         _memory(ta, torch).load_state_dict(converted, strict=True)
 
 
+# --------------------------------------------------------------------------- issue 13: torch
+
+
+def test_torch_functional_ops_go_through_dispatch_and_validation(ta, torch):
+    """adapters.torch.trilinear_sample / gaussian_splat: tmcore's checks, validate mode,
+    dispatch and float16 rule (old main: none of them; e.g. eps=-1 gave values ~1e7)."""
+    gen = torch.Generator().manual_seed(0)
+    vol = torch.randn(2, 3, 4, 5, 6, generator=gen)
+    coords = torch.rand(2, 7, 3, generator=gen) * 2 - 1
+    content, sigma = torch.randn(2, 2, 3, generator=gen), torch.rand(2, 2, generator=gen) + 0.1
+    mu = coords[:, :2]
+    # float16: the float32-compute rule of tmcore.trilinear_sample / gaussian_splat
+    for ours, public in (
+            (lambda v, c: ta.trilinear_sample(v, c), tmcore.trilinear_sample),
+            (lambda k, m, s: ta.gaussian_splat(k, m, s, (4, 5, 6)),
+             lambda k, m, s: tmcore.gaussian_splat(k, m, s, (4, 5, 6)))):
+        args = (vol, coords) if ours.__code__.co_argcount == 2 else (content, mu, sigma)
+        half = [a.half() for a in args]
+        got, want = ours(*half), public(*half)
+        assert got.dtype == torch.float16 and torch.equal(got, want)
+        exact = public(*[a.double() for a in args])
+        assert (got.double() - exact).abs().max() <= 1.0e-3 * exact.abs().max() + 1e-3
+    cases = [
+        (lambda: ta.gaussian_splat(content, mu, sigma, (4, 5, 6), eps=-1.0), ValueError, "eps"),
+        (lambda: ta.gaussian_splat(content, mu, sigma, (4, 5, 6), radius=-1.0), ValueError,
+         "radius"),
+        (lambda: ta.gaussian_splat(content, mu, sigma, (4, 0, 6)), ValueError, "shape"),
+        (lambda: ta.gaussian_splat(content, mu, sigma, (4.7, 5, 6)), TypeError, "shape"),
+        (lambda: ta.gaussian_splat(content.long(), mu, sigma, (4, 5, 6)), TypeError,
+         "content: expected a real floating dtype"),
+        (lambda: ta.trilinear_sample(vol[:, :, :0], coords), ValueError, "volume"),
+        (lambda: ta.trilinear_sample(vol.int(), coords), TypeError, "volume"),
+        (lambda: ta.trilinear_sample(vol.to("meta"), coords), ValueError, "device"),
+    ]
+    for call, error, fragment in cases:
+        with pytest.raises(error, match=fragment):
+            call()
+    bad = coords.clone()
+    bad[0, 0, 0] = float("nan")
+    ta.trilinear_sample(vol, bad)  # NaN propagates outside validate mode
+    with tmcore.options(validate=True):
+        with pytest.raises(ValueError, match="coords: expected finite values"):
+            ta.trilinear_sample(vol, bad)
+        with pytest.raises(ValueError, match="sigma: expected every value > 0"):
+            ta.gaussian_splat(content, mu, -sigma, (4, 5, 6))
+
+
+def test_torch_functional_ops_keep_gradients_and_options(ta, torch):
+    vol = torch.randn(1, 2, 3, 4, dtype=torch.float64, requires_grad=True)
+    coords = (torch.rand(1, 5, 2, dtype=torch.float64) * 2 - 1).requires_grad_()
+    assert torch.autograd.gradcheck(ta.trilinear_sample, (vol, coords))
+    with tmcore.options(generic=True):  # the option reaches the op (and its backward)
+        generic = torch.autograd.grad(ta.trilinear_sample(vol, coords).sum(), (vol, coords))
+    fast = torch.autograd.grad(ta.trilinear_sample(vol, coords).sum(), (vol, coords))
+    for a, b in zip(generic, fast, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_torch_small_items(ta, torch):
+    np_ = np
+    # NumPy integers as sizes; floats and bools refused with a TypeError
+    memory = ta.TensorMemory(np_.int64(D), np_.int64(C), (np_.int64(2), 3, np_.int32(2)),
+                             np_.int64(L), checkpoint_every=np_.int64(2))
+    assert memory.memory_shape == GRID and memory.chunk_size == L
+    for bad in ({"embed_dim": 2.0}, {"embed_dim": True}, {"chunk_size": 4.0}):
+        with pytest.raises(TypeError, match=next(iter(bad))):
+            _memory(ta, torch, **bad)
+    with pytest.raises(ValueError, match="eps: expected a finite number >= 0"):
+        _memory(ta, torch, eps=-1.0)
+    # a float reset mask is refused, a bool one works
+    x = torch.randn(2, 8, D)
+    with pytest.raises(TypeError, match="reset: expected a bool mask"):
+        memory(x, reset=torch.tensor([1.0, 0.0]))
+    memory(x, reset=torch.tensor([True, False]))
+    # detach_state is exported and detaches a state or a list of states
+    out, state = memory(x.requires_grad_())
+    assert state[0].grad_fn is not None
+    detached = ta.detach_state(state)
+    assert all(t.grad_fn is None for t in detached)
+    assert all(t.grad_fn is None for s in ta.detach_state([state, state]) for t in s)
+    # forward mode is refused with a clear error
+    vol = torch.randn(1, 2, 3, 3)
+    coords = torch.zeros(1, 2, 2)
+    with pytest.raises(NotImplementedError, match="tmcore.*forward-mode.*reverse mode"):
+        torch.func.jvp(lambda v: ta.trilinear_sample(v, coords), (vol,), (vol,))
+    with pytest.raises(NotImplementedError, match="forward-mode"):
+        torch.func.jvp(lambda t: memory(t)[0], (x.detach(),), (x.detach(),))
+    # factorized_conv with mixed dtypes names the argument
+    params = tmcore.conv_params_from_pointwise(torch.randn(8, 4), 2)
+    with pytest.raises(TypeError, match="params.depthwise_weight: expected x's dtype"):
+        tmcore.factorized_conv(torch.randn(1, 4, 3, 3, dtype=torch.float64), params)
+
+
+def test_torch_gate_is_one_dimensional_and_old_checkpoints_load(ta, torch):
+    residual = ta.MemoryResidual(_memory(ta, torch), gate_init=-2.0)
+    assert residual.gate.shape == (1,)
+    old = residual.state_dict()
+    old["gate"] = torch.tensor(1.5)  # a checkpoint saved with the 0-dim gate
+    fresh = ta.MemoryResidual(_memory(ta, torch, seed=3))
+    missing, unexpected = fresh.load_state_dict(old, strict=True)
+    assert not missing and not unexpected and fresh.gate.shape == (1,)
+    assert fresh.gate.item() == 1.5
+    x = torch.randn(2, 8, D)
+    y, _ = fresh(x)
+    out, _ = fresh.memory(fresh.norm(x))
+    torch.testing.assert_close(y, x + torch.sigmoid(torch.tensor(1.5)) * out)
+
+
+def test_torch_no_grad_scan_keeps_no_checkpoints(ta, torch, monkeypatch):
+    """Inference memory does not grow with the sequence: under no_grad the scan keeps one
+    checkpoint (the initial state) instead of one per step (old main: T of them, ~450 MiB
+    for 3000 chunks)."""
+    from tmcore.adapters import _torch_ops
+
+    kept = []
+    original = _torch_ops.memory_scan_fwd
+
+    def spy(*args, **kwargs):
+        out = original(*args, **kwargs)
+        kept.append(out[3].shape[0])
+        return out
+
+    monkeypatch.setattr(_torch_ops, "memory_scan_fwd", spy)
+    memory = _memory(ta, torch)
+    x = torch.randn(1, 40 * L, D)
+    with torch.no_grad():
+        out_nograd, state = memory(x)
+    assert kept == [1]
+    with torch.inference_mode():
+        memory(x)
+    assert kept == [1, 1]
+    out, state2 = memory(x)  # with grad: one checkpoint per step (checkpoint_every=1)
+    assert kept[-1] == 40
+    assert torch.equal(out.detach(), out_nograd) and torch.equal(state2[0].detach(), state[0])
+
+
+def test_torch_reference_conversion_errors_name_the_key(ta, torch):
+    sd = _reference_state_dict(torch)
+    cases = [
+        ({"gate_conv.pointwise.weight": torch.zeros(8)}, ValueError,
+         ["gate_conv.pointwise.weight", "(4C, 2C, 1, 1, 1)", "(8,)"]),
+        ({"gate_conv.pointwise.bias": torch.zeros(4 * C + 1)}, ValueError,
+         ["gate_conv.pointwise.bias", "(4C,)", "(9,)"]),
+        ({"writer.content_net.bias": torch.zeros(C + 1)}, ValueError,
+         ["writer.content_net.bias", "(3,)"]),
+        ({"gate_conv.conv_d.bias": torch.zeros(2)}, ValueError, ["gate_conv.conv_d.bias"]),
+        ({"out_proj.weight": np.zeros((D, C), np.float32)}, TypeError,
+         ["out_proj.weight", "ndarray", "torch.as_tensor"]),
+        ({"coord_net.bias": [0.0, 0.0, 0.0]}, TypeError, ["coord_net.bias", "list"]),
+        ({"coord_net.bias": torch.zeros(3, dtype=torch.int64)}, TypeError,
+         ["coord_net.bias", "torch.int64"]),
+    ]
+    for change, error, fragments in cases:
+        with pytest.raises(error) as info:
+            ta.convert_reference_state_dict({**sd, **change})
+        _fragments(info, *fragments)
+
+
 # =========================================================================== JAX
 
 

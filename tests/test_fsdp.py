@@ -1,0 +1,167 @@
+"""Tensor Memory under torch's data-parallel engines, on the CPU with gloo (issue 16).
+
+Two processes (``torch.multiprocessing.spawn``, a file rendezvous: no network port),
+each with half of the batch, must give the gradients one process computes on the
+whole batch, for a model with memories attached to its blocks:
+
+- DDP;
+- FSDP1 (``FullyShardedDataParallel``, ``use_orig_params=True``), per block;
+- FSDP2 (``fully_shard``) per block and at the root, with ``streaming=True``
+  over two calls and one backward (old main: "setStorage ... out of bounds").
+
+Old main refused FSDP outright: the 0-dim ``MemoryResidual.gate``. All variants run
+in one spawn (process start-up dominates: about 10-20 s on a busy 2-core machine).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="torch is not installed")
+dist = pytest.importorskip("torch.distributed", reason="torch.distributed is not available")
+
+pytestmark = pytest.mark.skipif(
+    not (dist.is_available() and dist.is_gloo_available()),
+    reason="torch.distributed with the gloo backend is not available")
+
+WORLD = 2
+BATCH, TOKENS, D = 4, 16, 8  # two streamed calls of TOKENS // 2 tokens
+CPU = torch.device("cpu")  # FSDP1 asks for an accelerator unless told the device
+
+
+def _build(streaming: bool):
+    """The same model (and memories) in every process: token-wise blocks, memories attached."""
+    from torch import nn
+
+    import tmcore.adapters.torch as tmt
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(D, D)
+
+        def forward(self, x):
+            return x + torch.tanh(self.lin(x))
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList(Block() for _ in range(2))
+            self.head = nn.Linear(D, 1)
+
+        def forward(self, x):
+            for block in self.blocks:
+                x = block(x)
+            return self.head(x)
+
+    torch.manual_seed(0)
+    model = Model().double()  # the memories take the blocks' dtype
+    handle = tmt.attach_memory(model.blocks, "causal", embed_dim=D, memory_channels=2,
+                               memory_shape=(3, 2, 3), chunk_size=4, streaming=streaming,
+                               gate_init=-1.0)
+    return model, handle
+
+
+def _inputs():
+    return torch.randn(BATCH, TOKENS, D, dtype=torch.float64,
+                       generator=torch.Generator().manual_seed(1))
+
+
+def _loss(model, x, streaming: bool):
+    """Mean over the given batch (two streamed calls when ``streaming``)."""
+    if not streaming:
+        return model(x).square().mean()
+    half = TOKENS // 2
+    return (model(x[:, :half]).square().mean() + model(x[:, half:]).square().mean()) / 2
+
+
+def _clean(name: str) -> str:
+    for wrapper in ("_fsdp_wrapped_module.", "module."):
+        name = name.replace(wrapper, "")
+    return name
+
+
+def _reference(streaming: bool) -> dict[str, list]:
+    model, _ = _build(streaming)
+    _loss(model, _inputs(), streaming).backward()
+    return {name: p.grad.reshape(-1).tolist() for name, p in model.named_parameters()}
+
+
+def _run_variant(variant: str, rank: int) -> dict[str, list]:
+    streaming = variant == "fsdp2-streaming"
+    model, _ = _build(streaming)
+    x = _inputs()[rank * BATCH // WORLD:(rank + 1) * BATCH // WORLD]
+    if variant == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        wrapped = DistributedDataParallel(model)
+        _loss(wrapped, x, streaming).backward()
+        return {_clean(n): p.grad.reshape(-1).tolist() for n, p in wrapped.named_parameters()}
+    if variant == "fsdp1":
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        for index, block in enumerate(model.blocks):
+            model.blocks[index] = FSDP(block, use_orig_params=True, device_id=CPU)
+        wrapped = FSDP(model, use_orig_params=True, device_id=CPU)
+        _loss(wrapped, x, streaming).backward()
+        with FSDP.summon_full_params(wrapped, with_grads=True):
+            return {_clean(n): p.grad.reshape(-1).tolist()
+                    for n, p in wrapped.named_parameters()}
+    from torch.distributed.fsdp import fully_shard
+
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    _loss(model, x, streaming).backward()
+    return {_clean(n): p.grad.full_tensor().reshape(-1).tolist()
+            for n, p in model.named_parameters()}
+
+
+VARIANTS = ("ddp", "fsdp1", "fsdp2", "fsdp2-streaming")
+
+
+def _worker(rank: int, store: str, out: str) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
+                            world_size=WORLD)
+    try:
+        results, errors = {}, {}
+        for variant in VARIANTS:
+            try:
+                results[variant] = _run_variant(variant, rank)
+            except Exception as exc:  # reported by the test, per variant
+                errors[variant] = f"{type(exc).__name__}: {exc}"
+            dist.barrier()
+        if rank == 0:
+            with open(out, "w") as f:
+                json.dump({"results": results, "errors": errors}, f)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def distributed(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("fsdp")
+    out = folder / "out.json"
+    sys.path.insert(0, os.path.dirname(__file__))  # the children import this module
+    torch.multiprocessing.spawn(_worker, args=(str(folder / "store"), str(out)),
+                                nprocs=WORLD, join=True)
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_two_processes_equal_one(distributed, variant):
+    assert variant not in distributed["errors"], distributed["errors"].get(variant)
+    got = distributed["results"][variant]
+    expected = _reference(streaming=variant == "fsdp2-streaming")
+    assert sorted(got) == sorted(expected)
+    assert any("tensor_memory" in name for name in got)
+    for name, values in expected.items():
+        want = torch.tensor(values, dtype=torch.float64)
+        have = torch.tensor(got[name], dtype=torch.float64)
+        torch.testing.assert_close(have, want, rtol=1e-10, atol=1e-12, msg=name)
