@@ -191,8 +191,9 @@ def call(function: type[_Function], op: Callable[..., Any], *args: Any) -> Any:
         return op(*args)
     if _in_forward_mode():
         raise NotImplementedError(
-            f"tmcore: {getattr(op, '_name', op)} has no forward-mode derivative (torch.func.jvp, jacfwd, "
-            f"hessian via jacfwd): tmcore registers reverse-mode VJPs only. Use reverse mode "
+            f"tmcore: {getattr(op, '_name', op)} has no forward-mode derivative "
+            f"(torch.func.jvp, jacfwd, hessian via jacfwd): tmcore registers reverse-mode "
+            f"VJPs only. Use reverse mode "
             f"(torch.func.grad / vjp / jacrev, or torch.autograd.grad twice)")
     return function.apply(*args)
 
