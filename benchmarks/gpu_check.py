@@ -11,6 +11,13 @@ and the forced-generic path in float32, checks both against the float64 NumPy
 generic path (relative error <= ``--tol``), checks that the VJPs are bitwise
 reproducible, and prints one table of best-of-n milliseconds. Runs in
 well under 4 minutes on one GPU. Exit status 1 when any check fails.
+
+    python benchmarks/gpu_check.py --triton-compile [--arch 90]
+
+compiles the fused scan's Triton kernels (forward, backward A, backward B) for
+an NVIDIA target with Triton's own LLVM and ptxas, no GPU needed, at the
+benchmark shapes, and prints compile time, shared memory and whether the PTX
+spills to local memory (run without ``TRITON_INTERPRET``).
 """
 
 from __future__ import annotations
@@ -72,6 +79,62 @@ def _deterministic(fw, config: str) -> bool:
     return True
 
 
+#: (name, grid padded to 3 axes, channels) of the kernels compiled by --triton-compile
+COMPILE_SHAPES = [("lm", (8, 8, 8), 32), ("toy", (6, 6, 6), 16), ("vit", (8, 8, 8), 64),
+                  ("2d", (1, 5, 7), 3), ("1d", (1, 1, 9), 4)]
+
+
+def triton_compile(arch: int, shapes: list[str], dtype: str) -> int:
+    """Compile the fused kernels for ``sm_<arch>`` (no device needed); 0 when all build."""
+    import os
+
+    if os.environ.get("TRITON_INTERPRET", "") not in ("", "0"):
+        print("unset TRITON_INTERPRET: the interpreter replaces the compiler")
+        return 1
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    from tmcore.backends import _triton
+    from tmcore.backends import _triton_kernels as k
+
+    failures = 0
+    for name, s3, channels in COMPILE_SHAPES:
+        if name not in shapes:
+            continue
+        n = sum(1 for size in s3 if size > 1) if name in ("2d", "1d") else 3
+        geo = _triton._Geometry(_FakeState((2, channels, *s3[3 - n:])))
+        for fn, extra in ((k.step_fwd_kernel, {"WRITE_READ": True, "PRECISION": "ieee"}),
+                          (k.step_bwd_a_kernel, {"PRECISION": "ieee"}),
+                          (k.step_bwd_b_kernel, {})):
+            consts = {**geo.constexprs(True), **extra}
+            signature = {a: ("constexpr" if a in consts else "i32" if a in ("t", "T", "C")
+                             else "fp32" if a in ("eps", "radius") else f"*{dtype}")
+                         for a in fn.arg_names}
+            start = time.perf_counter()
+            try:
+                compiled = triton.compile(
+                    triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=consts),
+                    target=GPUTarget("cuda", arch, 32), options={"num_warps": geo.num_warps})
+            except Exception as err:  # noqa: BLE001 - report every kernel
+                failures += 1
+                print(f"FAIL {name} {fn.__name__}: {type(err).__name__}: {str(err)[:300]}")
+                continue
+            spills = ".local" in compiled.asm["ptx"]
+            print(f"{name:4s} C={channels:<3d} {fn.__name__:18s} {dtype} sm_{arch}: "
+                  f"{time.perf_counter() - start:6.1f} s, shared {compiled.metadata.shared} B"
+                  f"{', spills to local memory' if spills else ''}", flush=True)
+    print(f"triton {triton.__version__}: {failures} failures")
+    return 1 if failures else 0
+
+
+class _FakeState:
+    """Shape-only stand-in for a state tensor (the geometry needs shape and device)."""
+
+    def __init__(self, shape):
+        self.shape = shape
+        self.is_cuda = True
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
@@ -82,9 +145,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget", type=float, default=0.2, help="seconds per timing")
     parser.add_argument("--tol", type=float, default=5e-4, help="float32 relative tolerance")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--triton-compile", action="store_true",
+                        help="only compile the fused Triton kernels for --arch (no GPU needed)")
+    parser.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90")
+    parser.add_argument("--shapes", nargs="+", default=["lm"],
+                        choices=[name for name, _, _ in COMPILE_SHAPES])
+    parser.add_argument("--dtype", default="fp32", choices=["fp32", "fp64"])
     args = parser.parse_args(argv)
     start = time.perf_counter()
     bb.ensure_tmcore()
+    if args.triton_compile:
+        return triton_compile(args.arch, args.shapes, args.dtype)
     names = args.frameworks or (["torch", "jax", "cupy"] if args.device == "cuda"
                                 else ["numpy", "torch", "jax"])
     expected = {config: bb.expected_outputs(config) for config in args.configs}
