@@ -17,8 +17,10 @@ test: $(STAMP)
 	$(PY) -m ruff check tmcore backends adapters tests examples benchmarks
 	$(PY) -m pytest -q
 
+# Binding under the paper protocol and the streaming one, seed 0, two worker processes of one
+# thread each (deterministic: a rerun prints the same table; compared with the committed results).
 demo: $(STAMP)
-	$(PY) -m examples.diagnostics demo
+	$(PY) -m examples.diagnostics demo --jobs 2
 
 lint: $(STAMP)
 	$(PY) -m ruff check tmcore backends adapters tests examples benchmarks

@@ -138,8 +138,9 @@ def _schedule(cfg: TrainConfig):
 
 
 def _gates(params: dict) -> list[float]:
-    return [float(jax.nn.sigmoid(b["memory"]["gate"])) for b in params["blocks"]
-            if "memory" in b]
+    # the adapter's gate is (1,) (older versions: a scalar); one value per memory
+    return [float(jnp.reshape(jax.nn.sigmoid(b["memory"]["gate"]), (-1,))[0])
+            for b in params["blocks"] if "memory" in b]
 
 
 def _arrays(batch: Batch, length: int, segment: int | None):

@@ -18,7 +18,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from examples.diagnostics.report import table, title
+from examples.diagnostics.report import gate_reach, table, title
 from examples.diagnostics.results import RESULTS_DIR, load_results
 
 __all__ = ["markdown", "render_text", "render_files", "READMES"]
@@ -57,8 +57,12 @@ def markdown(name: str, result: dict) -> str:
                 f"split.*")
         return "\n\n".join([head, _md_table(header, rows), _source(result, name)]) + "\n"
     header, rows = table(result)
-    return "\n\n".join([f"*{title(result)}*", _md_table(header, rows),
-                        _source(result, name)]) + "\n"
+    parts = [f"*{title(result)}*", _md_table(header, rows), _source(result, name)]
+    if any(r[-1] not in ("-", "") for r in rows):
+        reach = gate_reach(result["config"]["train"])
+        parts[-1] += (f" A gate logit can move at most about ±{reach:.1f} from its initial 0 "
+                      f"in this schedule (Adam: ≤ ~lr per step).")
+    return "\n\n".join(parts) + "\n"
 
 
 def render_text(text: str, results: dict[str, dict]) -> str:

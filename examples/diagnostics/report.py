@@ -9,11 +9,14 @@ Conventions: accuracy in %, ``mean ± std`` over seeds (sample std, ddof 1);
 (answers in the segment + chance on the rest; 100 in one window);
 ``uses state``: seeds whose accuracy drops by >= :data:`USE_MARGIN` points
 (mean over settings) when the carried state is reset -- the memory was
-discovered and is used.
+discovered and is used; ``gate``: final ``sigmoid(gate)`` of the first memory,
+mean over runs (initial value 0.5; :func:`gate_reach` bounds how far it could
+have moved).
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 from pathlib import Path
 
@@ -25,7 +28,7 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 __all__ = ["table", "title", "print_table", "print_tuning", "plot_results", "USE_MARGIN",
-           "mean_std"]
+           "mean_std", "gate_reach"]
 
 USE_MARGIN = 5.0
 
@@ -38,6 +41,29 @@ def mean_std(values: list[float]) -> str:
     if len(values) == 1:
         return f"{mean:.1f}"
     return f"{mean:.1f} ± {statistics.stdev(values):.1f}"
+
+
+def gate_reach(train: dict) -> float:
+    """How far a scalar can move in one run: Adam moves a parameter by at most about the
+    learning rate per step, so the sum of the schedule's learning rates bounds the gate
+    logit's travel from its initial value."""
+    steps, lr, warmup = train["steps"], train["lr"], train.get("warmup", 0)
+    total = 0.0
+    for step in range(steps):
+        if train.get("schedule", "cosine") == "constant":
+            factor = 1.0
+        elif step < warmup:
+            factor = (step + 1) / warmup
+        else:
+            progress = min((step - warmup) / max(1, steps - warmup), 1.0)
+            factor = 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+        total += lr * factor
+    return total
+
+
+def _gate(result: dict, model: str) -> str:
+    finals = [g[0] for g in result.get("gates", {}).get(model, []) if g]
+    return f"{statistics.fmean(finals):.2f}" if finals else "-"
 
 
 def _uses_state(result: dict, model: str) -> str:
@@ -64,7 +90,7 @@ def table(result: dict) -> tuple[list[str], list[list[str]]]:
     """``(header, rows)`` of strings: one row per model, then the window ceiling; then,
     for the models that carry state, a row with the accuracy after resetting it."""
     settings = result["settings"]
-    header = ["model", "params", "carried", *settings, "uses state"]
+    header = ["model", "params", "carried", *settings, "uses state", "gate"]
     by = {(r["model"], r["setting"]): r for r in result["rows"]}
     models = list(dict.fromkeys(r["model"] for r in result["rows"]))
     rows = []
@@ -73,14 +99,14 @@ def table(result: dict) -> tuple[list[str], list[list[str]]]:
                      f"{result['carried'].get(model, 0):,}" if result["carried"].get(model)
                      else "0",
                      *[mean_std(by[model, s]["seeds"]) for s in settings],
-                     _uses_state(result, model)])
+                     _uses_state(result, model), _gate(result, model)])
     rows.append(["window ceiling", "", "",
-                 *[f"{result['window_ceiling'][s]:.1f}" for s in settings], ""])
+                 *[f"{result['window_ceiling'][s]:.1f}" for s in settings], "", ""])
     reset = result["config"].get("reset", "segment")
     for model in models:
         if any(by[model, s]["reset"] for s in settings):
             rows.append([f"{model}, state reset every {reset}", "", "",
-                         *[mean_std(by[model, s]["reset"]) for s in settings], ""])
+                         *[mean_std(by[model, s]["reset"]) for s in settings], "", ""])
     return header, rows
 
 

@@ -81,7 +81,11 @@ def _rows(kinds: tuple[str, ...]) -> list[Entry]:
 
 def _binding_paper(scale: str) -> Experiment:
     task_kw, train, model = protocols.paper_binding(scale)
-    return Experiment(CoordinateBinding(**task_kw), train, model, _rows(MODEL_KINDS),
+    task = CoordinateBinding(**task_kw)
+    # the paper's grid: every noise level at every number of writes, one model each
+    task.eval_settings = [{"writes": w, "noise": float(s)} for w in task_kw["writes"]
+                          for s in task_kw["noises"]]
+    return Experiment(task, train, model, _rows(MODEL_KINDS),
                       protocol="paper", per_setting=True, task_config=task_kw)
 
 
@@ -231,10 +235,12 @@ def _run_job(job: Job) -> dict:
 
 
 def _source_hash() -> str:
-    """Hash of this package's sources: a cached job is reused only by the same code."""
+    """Hash of the sources that decide a job's numbers (models, training, tasks): a cached
+    job is reused only by the same code. (Tables, rendering and the CLI are left out.)"""
     digest = hashlib.sha1()
     root = Path(__file__).parent
-    for path in sorted([*root.glob("*.py"), *root.glob("tasks/*.py")]):
+    numeric = ("config", "models", "slots", "recurrent", "memory", "variants", "train")
+    for path in sorted([*(root / f"{n}.py" for n in numeric), *root.glob("tasks/*.py")]):
         digest.update(path.name.encode() + path.read_bytes())
     return digest.hexdigest()
 
