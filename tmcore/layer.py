@@ -618,7 +618,7 @@ class Layer:
         Checks ``x``, ``state`` and ``reset`` (:func:`check_tokens`,
         :func:`check_state`, :func:`reset_state`); the heads and the read-out
         run chunk by chunk (same shapes for every chunk, see :func:`heads`).
-        ``N = 0`` returns zeros and the (reset) state.
+        ``N = 0`` or ``B = 0`` returns zeros and the (reset) state.
         """
         config = self.config
         check_tokens(xp, x, config)
@@ -629,7 +629,7 @@ class Layer:
             state = check_state(xp, state, batch, config)
         if reset is not None:
             state = reset_state(xp, state, reset)
-        if tokens == 0:
+        if tokens == 0 or batch == 0:  # nothing to scan (the scan refuses empty arrays)
             return xp.zeros_like(x), state
         chunks = chunk(xp, x, config.chunk_size)
         steps = chunks.shape[1]
