@@ -35,6 +35,8 @@ When it runs (:func:`usable`):
 from __future__ import annotations
 
 import collections
+import contextlib
+import functools
 import importlib
 import math
 import os
@@ -207,14 +209,21 @@ def scan_fwd(xp: Any, h0, c0, read_coords, write_coords, write_sigma, write_cont
         return None
     geo = _Geometry(h0)
     inputs = (h0.contiguous(), c0.contiguous(), *prepared)
-    key = ("fwd", tuple(h0.shape), read_coords.shape[1], h0.dtype, h0.device, float(eps),
-           radius, checkpoint_every, _precision(h0))
+    with _on_device(h0):
+        return _replay(_key("fwd", h0, read_coords, eps, radius, checkpoint_every),
+                       functools.partial(_forward_loop, eps=float(eps), radius=radius,
+                                         every=checkpoint_every, geo=geo), inputs)
 
-    def run(*args):
-        return _forward_loop(*args, eps=float(eps), radius=radius, every=checkpoint_every,
-                             geo=geo)
 
-    return _replay(key, run, inputs)
+def _on_device(t: torch.Tensor):
+    """Triton launches on the current CUDA device: make it the tensors' one."""
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+
+
+def _key(kind: str, state, read_coords, eps, radius, every) -> tuple:
+    """Cache key of a captured scan loop."""
+    return (kind, tuple(state.shape), read_coords.shape[1], state.dtype, state.device,
+            float(eps), radius, every, _precision(state))
 
 
 # --------------------------------------------------------------------------- backward
@@ -311,14 +320,11 @@ def scan_bwd(xp: Any, read_coords, write_coords, write_sigma, write_content,
     rc, wc, ws, wcont, dw, db, pw, pb = prepared
     inputs = (*prepared, h_checkpoints.contiguous(), c_checkpoints.contiguous(),
               g_reads.contiguous(), g_h.contiguous(), g_c.contiguous())
-    key = ("bwd", tuple(g_h.shape), read_coords.shape[1], g_h.dtype, g_h.device, float(eps),
-           radius, checkpoint_every, _precision(g_h))
-
-    def run(*args):
-        return _backward_loop(*args, eps=float(eps), radius=radius, every=checkpoint_every,
-                              geo=geo)
-
-    d_h0, d_c0, d_rc, write_part, d_pw, d_pb, e_sums, corr = _replay(key, run, inputs)
+    with _on_device(g_h):
+        d_h0, d_c0, d_rc, write_part, d_pw, d_pb, e_sums, corr = _replay(
+            _key("bwd", g_h, read_coords, eps, radius, checkpoint_every),
+            functools.partial(_backward_loop, eps=float(eps), radius=radius,
+                              every=checkpoint_every, geo=geo), inputs)
     channels, n = geo.channels, geo.n
     sums = write_part.sum(dim=2)  # (B, T, C + 4), a fixed-order reduction
     denom = 2.0 * ws * ws + eps

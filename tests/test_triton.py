@@ -260,3 +260,42 @@ def test_gpu_benchmark_helpers_on_cpu():
     assert agreement == {"output": 0.0, "grads": 0.0}
     _, train = gpu._torch_steps(TINY, params, "cpu", "torch", triton=False)
     assert gpu.launches_per_step(train, TINY, "cpu") is None
+
+
+def test_cupy_table_has_the_bridged_scan():
+    """The CuPy table's whole-scan entries are the DLPack bridge to the Triton kernels."""
+    from tmcore._dispatch import generic_ops
+    from tmcore.backends import _cupy
+
+    ops = _cupy.make_ops(generic_ops())
+    assert ops.scan_fwd is _cupy.bridged_scan_fwd and ops.scan_bwd is _cupy.bridged_scan_bwd
+    with tmcore.options(triton=False):  # off: declines without importing anything
+        assert _cupy.bridged_scan_fwd(np, *([None] * 7), 1e-6, None, 1) is None
+
+
+@inner
+def test_kernel_dlpack_bridge_on_numpy(monkeypatch):
+    """The bridge CuPy uses, run on NumPy arrays (DLPack to CPU torch, the interpreted
+    kernels, back): same forward and VJP as NumPy's generic scan."""
+    import array_api_compat
+
+    from tmcore.backends import _cupy
+    from tmcore.scan import memory_scan_bwd, memory_scan_fwd
+
+    xp = array_api_compat.array_namespace(np.empty(0))
+    inputs, params, cot = _case(2, 3, (3, 2), 2, torch.float64, seed=3)
+    h0, c0, *rest = (v.numpy() for v in inputs.values())
+    params = ConvParams(*(p.numpy() for p in params))
+    g_reads, g_h, g_c = (v.numpy() for v in cot.values())
+    calls = _Calls(monkeypatch)
+    out = _cupy.bridged_scan_fwd(xp, h0, c0, *rest, params, 1e-6, None, 1)
+    grads = _cupy.bridged_scan_bwd(xp, *rest, params, *out[3:], g_reads, g_h, g_c, 1e-6,
+                                   None, 1)
+    assert (calls.fwd, calls.bwd) == (1, 1)
+    assert all(isinstance(a, np.ndarray) for a in (*out, *_flat(grads)))
+    want = memory_scan_fwd(xp, h0, c0, *rest, params)
+    want_grads = memory_scan_bwd(xp, *rest, params, *want[3:], g_reads, g_h, g_c)
+    _close([torch.from_numpy(a) for a in out], [torch.from_numpy(a) for a in want],
+           1e-10, 1e-12)
+    _close([torch.from_numpy(a) for a in _flat(grads)],
+           [torch.from_numpy(a) for a in _flat(want_grads)], 1e-10, 1e-12)
