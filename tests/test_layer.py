@@ -94,6 +94,23 @@ def test_param_plan_shapes_and_init():
     assert np.all(np.abs(params["content_net"]["weight"]) <= bound)
 
 
+def test_layer_md_table_matches_the_plan():
+    """docs/LAYER.md's parameter table lists every ParamSpec with its layout and init."""
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "LAYER.md").read_text()
+    rows = [line for line in text.splitlines() if line.startswith("| `")]
+    for spec in tl.param_specs(CONFIG):
+        row = next((r for r in rows if f"`{spec.group}.{spec.leaf}`" in r
+                    or (spec.leaf == "bias" and f"`{spec.group}.weight`, `.bias`" in r)), None)
+        assert row is not None, spec.name
+        assert f"`{spec.layout}`" in row, (spec.name, row)
+        word = {"uniform": "uniform", "xavier_uniform": "Xavier", "identity_taps": "identity",
+                "forget_bias": "forget_bias"}.get(spec.init)
+        if word is not None:
+            assert word in row, (spec.name, row)
+
+
 def test_check_params_names_the_leaf():
     params = _params()
     params["cell"]["pointwise_bias"] = np.zeros(3)
