@@ -388,8 +388,9 @@ def _load(spec: _Spec) -> ctypes.CDLL:
         lib = _open(target, spec.finish) if problem is None else None
         if lib is None:
             raise RuntimeError(f"the fresh build {target} {problem or 'fails to load'}")
-    with contextlib.suppress(OSError):
-        _write_atomic(pointer, target.name.encode())
+    if _latest(pointer) != target:  # recorded for a later process without a compiler
+        with contextlib.suppress(OSError):
+            _write_atomic(pointer, target.name.encode())
     return lib
 
 
