@@ -32,7 +32,15 @@ Imported only when torch tensors reach tmcore (torch is then in ``sys.modules``)
   (forward and VJP, the gates recomputed from ``z``) are C kernels compiled on
   first use; the pointwise product stays a torch ``baddbmm``. Anything else,
   or a machine without a C compiler, takes the torch ops above (same results).
-  :data:`USE_NATIVE` or ``TMCORE_NATIVE=0`` turns them off.
+  :data:`USE_NATIVE` or ``TMCORE_NATIVE=0`` turns them off. Every call checks the
+  shapes the kernels index by (``ValueError``, never an out-of-bounds access),
+  hands them plain contiguous memory (negative / conjugate views resolved,
+  ZeroTensors materialized) and turns a failed scratch allocation into
+  ``MemoryError``.
+- Read coordinates reach ``grid_sampler`` clamped to ``[-1, 1]`` with NaN as 0
+  (its backward reads out of bounds on NaN, and on inf along a size-1 axis);
+  the results are the same, and NaN queries are made NaN afterwards as on the
+  generic path.
 - float16 / bfloat16: computed in float32, returned in the input dtype
   (:mod:`tmcore.backends._mixed`).
 """

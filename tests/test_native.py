@@ -4,8 +4,10 @@ Checked against the backend's own torch ops (the path they replace) and the
 generic float64 math: every depthwise shape class (1 to 4 axes, axes of size 1
 and 2), float32 and float64, NaN and saturated gates; when they must step
 aside (autograd recording, functorch transforms, other dtypes); the build's
-failure modes; and the scan pieces that came with them (write blocks, the
-per-scan workspace) against a step-by-step composition.
+failure modes; the scan pieces that came with them (write blocks, the
+per-scan workspace) against a step-by-step composition; and bad calls
+(malformed shapes, the custom ops called directly, negative views and
+ZeroTensors, allocation failures). The build cache: ``test_native_cache.py``.
 """
 
 from __future__ import annotations
