@@ -76,11 +76,14 @@ _FALSE = ("0", "false", "no", "off")
 _LOCAL: contextvars.ContextVar[tuple[tuple[str, Any], ...]] = contextvars.ContextVar(
     "tmcore_options", default=()
 )
-# Process-wide overrides (set_validation): field -> value.
+# Process-wide overrides (set_validation): field -> value, and the same as a cache key.
 _PROCESS: dict[str, Any] = {}
+_PROCESS_KEY: list[tuple] = [()]
 # (environment values, process overrides, local overrides) -> Options
 _CACHE: dict[tuple, Options] = {}
 _WARNED: set[tuple[str, str]] = set()
+# (environment values, process key, local overrides, Options) of the last answer
+_LAST: list[tuple] = [(None, None, None, None)]
 
 
 def _parse_env(name: str, raw: str | None) -> Any:
@@ -102,22 +105,44 @@ def _check(name: str, value: Any) -> Any:
     raise TypeError(f"{name}: expected {expected}, got {value!r}")
 
 
-def _env_key() -> tuple[str | None, ...]:
-    environ = os.environ
-    return tuple(environ.get(ENV_VARS[name]) for name in _FIELDS)
+# The raw values are read from os.environ's own dict (CPython's ``os._Environ._data``,
+# what ``os.environ[...] = ...`` and ``putenv`` through it update): one dict lookup per
+# variable instead of ``os.environ.get``'s encode-and-decode, since every dispatch asks
+# for the options. Elsewhere (no ``_data``) the public mapping is used.
+_ENV_DATA = getattr(os.environ, "_data", None)
+_ENCODE = getattr(os.environ, "encodekey", None)
+if _ENV_DATA is not None and _ENCODE is not None:
+    _K0, _K1, _K2, _K3, _K4 = (_ENCODE(ENV_VARS[name]) for name in _FIELDS)
+
+    def _env_key(get: Any = _ENV_DATA.get) -> tuple:
+        return (get(_K0), get(_K1), get(_K2), get(_K3), get(_K4))
+
+    def _decode(raw: Any) -> str | None:
+        return None if raw is None else os.environ.decodevalue(raw)
+else:  # pragma: no cover - non-CPython environ
+    def _env_key() -> tuple:
+        return tuple(os.environ.get(ENV_VARS[name]) for name in _FIELDS)
+
+    def _decode(raw: Any) -> str | None:
+        return raw
 
 
 def get_options() -> Options:
     """The options in effect here: :func:`options` overrides, else process-wide, else
     the environment variables, else the defaults."""
     local = _LOCAL.get()
-    key = (_env_key(), tuple(_PROCESS.items()), local)
+    env = _env_key()
+    last = _LAST[0]  # the previous answer: most calls ask again under the same settings
+    if last[0] == env and last[1] is _PROCESS_KEY[0] and last[2] is local:
+        return last[3]
+    key = (env, _PROCESS_KEY[0], local)
     found = _CACHE.get(key)
     if found is not None:
+        _LAST[0] = (*key, found)
         return found
     values: dict[str, Any] = {}
     for name, raw in zip(_FIELDS, key[0], strict=True):
-        parsed = _parse_env(name, raw)
+        parsed = _parse_env(name, _decode(raw))
         if parsed is not None:
             values[name] = parsed
     values.update(_PROCESS)
@@ -126,6 +151,7 @@ def get_options() -> Options:
     if len(_CACHE) > 256:  # keys are few in practice; never let the cache grow unbounded
         _CACHE.clear()
     _CACHE[key] = found
+    _LAST[0] = (*key, found)
     return found
 
 
@@ -168,6 +194,7 @@ def set_process_option(name: str, value: Any) -> None:
         _PROCESS.pop(name, None)
     else:
         _PROCESS[name] = value
+    _PROCESS_KEY[0] = tuple(sorted(_PROCESS.items()))
 
 
 def _warn_bad_env() -> None:
