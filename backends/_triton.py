@@ -193,11 +193,44 @@ def _forward_loop(h0, c0, rc, wc, ws, wcont, dw, db, pw, pb, *, eps, radius, eve
     return reads, h_t, c_t, h_ck, c_ck
 
 
-def _prepare(h0, rc, wc, ws, wcont, params, eps, radius):
-    tensors = (h0, rc, wc, ws, wcont, *params)
-    if rc.shape[2] != h0.ndim - 2 or not usable(*tensors):
+def _prepare(state, rc, wc, ws, wcont, params, eps, radius):
+    """The kernels' inputs made contiguous, after the entry checks; ``None`` to decline."""
+    tensors = (state, rc, wc, ws, wcont, *params)
+    if rc.ndim != 3 or rc.shape[2] != state.ndim - 2 or not usable(*tensors):
         return None
+    check_shapes(state, rc, {"write_coords": wc, "write_sigma": ws, "write_content": wcont},
+                 params)
     return tuple(t.contiguous() for t in (rc, wc, ws, wcont, *params))
+
+
+def check_shapes(state: torch.Tensor, read_coords: torch.Tensor, arrays: dict,
+                 params: ConvParams) -> None:
+    """Every shape the kernels index by, against ``state (B, C, *S)`` and ``read_coords
+    (B, T, n)``: a ``ValueError`` naming the argument instead of an out-of-bounds read."""
+    batch, channels = state.shape[:2]
+    n, steps = state.ndim - 2, read_coords.shape[1]
+    expected = {
+        "write_coords": (batch, steps, n), "write_sigma": (batch, steps),
+        "write_content": (batch, steps, channels), "g_reads": (batch, steps, channels),
+        "c0": tuple(state.shape), "g_c": tuple(state.shape),
+        "h_checkpoints": (-1, *state.shape), "c_checkpoints": (-1, *state.shape),
+        "params.depthwise_weight": (n, 2 * channels, 3),
+        "params.depthwise_bias": (n, 2 * channels),
+        "params.pointwise_weight": (4 * channels, 2 * channels),
+        "params.pointwise_bias": (4 * channels,),
+    }
+    named = dict(arrays, **{f"params.{k}": v for k, v in params._asdict().items()})
+    for name, value in named.items():
+        want = expected[name]
+        got = tuple(value.shape)
+        if len(got) != len(want) or any(w not in (-1, g)
+                                        for w, g in zip(want, got, strict=True)):
+            raise ValueError(f"{name}: expected shape {want} (from the state "
+                             f"{tuple(state.shape)} and read_coords "
+                             f"{tuple(read_coords.shape)}), got {got}")
+    if 2 * state.numel() * max(4, steps) >= 2**31:
+        raise ValueError(f"h0: the Triton kernels index with 32-bit offsets; a state of "
+                         f"{tuple(state.shape)} over {steps} steps is too large for them")
 
 
 def scan_fwd(xp: Any, h0, c0, read_coords, write_coords, write_sigma, write_content,
@@ -207,6 +240,7 @@ def scan_fwd(xp: Any, h0, c0, read_coords, write_coords, write_sigma, write_cont
                         eps, radius)
     if prepared is None or not usable(h0, c0):
         return None
+    check_shapes(h0, read_coords, {"c0": c0}, params)
     geo = _Geometry(h0)
     inputs = (h0.contiguous(), c0.contiguous(), *prepared)
     with _on_device(h0):
@@ -316,6 +350,13 @@ def scan_bwd(xp: Any, read_coords, write_coords, write_sigma, write_content,
                         eps, radius)
     if prepared is None or not usable(g_h, g_c, g_reads, h_checkpoints, c_checkpoints):
         return None
+    check_shapes(g_h, read_coords, {"g_c": g_c, "g_reads": g_reads,
+                                    "h_checkpoints": h_checkpoints,
+                                    "c_checkpoints": c_checkpoints}, params)
+    saved = -(-read_coords.shape[1] // checkpoint_every)
+    if h_checkpoints.shape[0] != saved or c_checkpoints.shape[0] != saved:
+        raise ValueError(f"h_checkpoints: expected {saved} = ceil(T / checkpoint_every) "
+                         f"states, got {h_checkpoints.shape[0]} and {c_checkpoints.shape[0]}")
     geo = _Geometry(g_h)
     rc, wc, ws, wcont, dw, db, pw, pb = prepared
     inputs = (*prepared, h_checkpoints.contiguous(), c_checkpoints.contiguous(),

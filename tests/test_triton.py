@@ -299,3 +299,19 @@ def test_kernel_dlpack_bridge_on_numpy(monkeypatch):
            1e-10, 1e-12)
     _close([torch.from_numpy(a) for a in _flat(grads)],
            [torch.from_numpy(a) for a in _flat(want_grads)], 1e-10, 1e-12)
+
+
+def test_entry_checks_name_the_argument():
+    """The kernels index by the shapes: a mismatch is a ValueError naming the argument
+    (checked before anything is launched, so no interpreter is needed)."""
+    from tmcore.backends import _triton
+
+    inputs, params, cot = _case(1, 2, (3,), 2, torch.float32)
+    bad = dict(inputs, write_content=inputs["write_content"][:, :, :1])
+    with pytest.raises(ValueError, match="write_content"):
+        _triton.check_shapes(bad["h0"], bad["read_coords"],
+                             {"write_content": bad["write_content"]}, params)
+    with pytest.raises(ValueError, match="params.pointwise_weight"):
+        _triton.check_shapes(inputs["h0"], inputs["read_coords"], {},
+                             params._replace(pointwise_weight=params.pointwise_weight.T))
+    _triton.check_shapes(inputs["h0"], inputs["read_coords"], {"g_c": cot["g_c"]}, params)
