@@ -30,7 +30,9 @@ Math (DESIGN's conventions; ``u = concat(x, h)``, ``x`` the written volume):
   write's content / centre / spread partial sums of this step; the read
   coordinate gradient (first program of each row).
 
-Tap and bias gradients are finished once per scan from the per-program
+The step index ``t``, ``T`` and ``C`` are not specialized on (Triton would otherwise
+compile new variants for ``t == 1`` and ``t % 16 == 0``). Tap and bias gradients are
+finished once per scan from the per-program
 sums (``corr`` and the bias classes ``E``: every bias term depends on a cell
 only through whether it is first / interior / last along each axis, so 27
 class sums per channel carry everything). No atomics: each program owns its
@@ -287,7 +289,7 @@ def _cells(tile, BP: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr):
     return offs_p, offs_p // (S1 * S2), (offs_p // S2) % S1, offs_p % S2
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["t", "T", "C"])
 def step_fwd_kernel(
     h_ptr, c_ptr, h_out, c_out, reads_ptr, rc_ptr, wc_ptr, ws_ptr, wcont_ptr,
     dw_ptr, db_ptr, pw_ptr, pb_ptr, t, T, C, eps, radius,
@@ -380,7 +382,7 @@ def _read(h_row, rc, out, offs_c, mask_c, N: tl.constexpr, S0: tl.constexpr,
     tl.store(out + offs_c, acc, mask=mask_c)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["t", "T", "C"])
 def step_bwd_a_kernel(
     h_ptr, c_ptr, gh_ptr, gc_ptr, dy_ptr, wcont_ptr, wc_ptr, ws_ptr,
     dw_ptr, db_ptr, pw_ptr, pb_ptr, dpw_part, dpb_part, e_part, t, T, C, eps, radius,
@@ -522,7 +524,7 @@ def _add_b(part, slot, q: tl.constexpr, d, offs_c, mask_c, C):
     tl.store(at, tl.load(at, mask=mask_c, other=0.0) + d, mask=mask_c)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["t", "T", "C"])
 def step_bwd_b_kernel(
     h_ptr, gh_ptr, dy_ptr, g_reads, rc_ptr, wcont_ptr, wc_ptr, ws_ptr, dw_ptr,
     corr_part, write_part, d_rc, t, T, C, eps, radius,

@@ -260,6 +260,8 @@ def test_gpu_benchmark_helpers_on_cpu():
     assert agreement == {"output": 0.0, "grads": 0.0}
     _, train = gpu._torch_steps(TINY, params, "cpu", "torch", triton=False)
     assert gpu.launches_per_step(train, TINY, "cpu") is None
+    assert gpu.prewarm([TINY], "cpu", print) == {}
+    gpu.warm_one(2, (3,), "cpu")
 
 
 def test_cupy_table_has_the_bridged_scan():
