@@ -29,12 +29,17 @@ float16 / bfloat16 inputs compute in float32 and return the input dtype.
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental.custom_partitioning import custom_partitioning
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from tmcore._dispatch import Ops
 from tmcore.cell import gates_fwd as generic_gates_fwd
@@ -80,6 +85,17 @@ def _depthwise(x: Any, taps: Any, bias: Any | None, axis: int) -> Any:
     return jnp.reshape(y, x.shape)
 
 
+def _sum_over_batch(g_flat: Any, y_flat: Any) -> Any:
+    """``sum_b g[b] @ y[b].T`` for ``g (B, O, P)``, ``y (B, I, P)`` -> ``(O, I)``.
+
+    The per-sample products come first and the batch sum last: a product
+    contracting a sharded batch axis is ambiguous on explicit meshes, a sum is
+    not (and the ``(B, O, I)`` intermediate is small).
+    """
+    per_sample = jnp.einsum("bop,bip->boi", g_flat, y_flat, precision=lax.Precision.HIGHEST)
+    return jnp.sum(per_sample, axis=0)
+
+
 def conv_fwd(xp: Any, x: Any, params: ConvParams):
     """Forward; residuals are the generic stage inputs ``[x, after axis 0, ...]``."""
     stages = [x]
@@ -102,7 +118,7 @@ def conv_bwd(xp: Any, stages: list[Any], params: ConvParams, g: Any):
     y_flat = jnp.reshape(y, (batch, c_in, -1))
     g_flat = jnp.reshape(g, (batch, g.shape[1], -1))
     hi = lax.Precision.HIGHEST
-    d_pointwise = jnp.einsum("bop,bip->oi", g_flat, y_flat, precision=hi)
+    d_pointwise = _sum_over_batch(g_flat, y_flat)
     d_pointwise_bias = jnp.sum(g_flat, axis=(0, 2))
     d_y = jnp.reshape(jnp.matmul(params.pointwise_weight.T, g_flat, precision=hi), y.shape)
     d_taps, d_biases = [None] * n, [None] * n
@@ -146,14 +162,157 @@ def _native_suffix(*arrays: Any) -> str | None:
     return suffix if _native.jax_library() is not None else None
 
 
-def _ffi(kernel: str, like: Any, outputs: Any, *args: Any) -> Any:
-    suffix = _native_suffix(like)
-    return jax.ffi.ffi_call(f"tmcore_{kernel}_{suffix}", outputs,
-                            vmap_method="sequential")(*args)
+def _varying(a: Any) -> frozenset:
+    """The manual mesh axes ``a`` varies over inside ``shard_map`` (empty elsewhere)."""
+    aval = jax.typeof(a)
+    vma = getattr(aval, "vma", None)
+    if vma is None:
+        vma = getattr(getattr(aval, "manual_axis_type", None), "varying", frozenset())
+    return frozenset(vma)
+
+
+def _same_varying(args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """``args`` cast to the union of their varying axes (what every jnp op does
+    implicitly; an FFI call needs it explicitly to type its outputs)."""
+    axes = frozenset().union(*map(_varying, args))
+    if not axes:
+        return args
+    return tuple(lax.pcast(a, tuple(sorted(axes - _varying(a))), to="varying")
+                 if axes - _varying(a) else a for a in args)
 
 
 def _struct(a: Any) -> jax.ShapeDtypeStruct:
+    """The result type of a kernel output shaped like ``a`` (keeping its varying axes)."""
+    aval = jax.typeof(a)
+    manual = getattr(aval, "manual_axis_type", None)
+    if manual is not None and getattr(manual, "varying", None):
+        return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=aval.sharding,
+                                    manual_axis_type=manual)
     return jax.ShapeDtypeStruct(a.shape, a.dtype)
+
+
+def _explicit_batch_axes(x: Any) -> tuple[str, ...] | None:
+    """The explicit mesh axes ``x``'s leading (batch) axis is sharded over, if any."""
+    sharding = getattr(jax.typeof(x), "sharding", None)
+    spec = getattr(sharding, "spec", None)
+    if not spec or spec[0] is None:
+        return None
+    axes = spec[0] if isinstance(spec[0], tuple) else (spec[0],)
+    return tuple(axes) or None
+
+
+def _ffi(kernel: str, args: tuple[Any, ...], batched: tuple[bool, ...],
+         outputs: tuple[int, ...], summed: tuple[int, ...] = ()) -> tuple[Any, ...]:
+    """Call kernel ``kernel`` on ``args``; output ``i`` is shaped like ``args[outputs[i]]``.
+
+    ``batched[j]``: ``args[j]`` has the leading batch axis; ``summed``: outputs that
+    are sums over the batch (the taps' gradients). With the batch sharded over
+    explicit mesh axes, the kernel runs on each shard (an internal ``shard_map``:
+    no gather) and the summed outputs are ``psum``-ed; inside ``shard_map`` the
+    outputs carry the inputs' varying axes.
+    """
+    axes = _explicit_batch_axes(args[0])
+    if axes is not None:
+        def local(*shard):
+            outs = _ffi(kernel, shard, batched, outputs, summed)
+            return tuple(lax.psum(o, axes) if i in summed else o for i, o in enumerate(outs))
+
+        in_specs = tuple(P(axes) if b else P() for b in batched)
+        out_specs = tuple(P() if i in summed else P(axes) for i in range(len(outputs)))
+        return jax.shard_map(local, mesh=jax.typeof(args[0]).sharding.mesh,
+                             in_specs=in_specs, out_specs=out_specs,
+                             axis_names=set(axes))(*args)
+    args = _same_varying(args)
+    if jax.device_count() > 1 and not any(map(_varying, args)):
+        # several devices: jit may shard the batch (Auto axes, invisible while tracing)
+        return tuple(_partitioned(kernel, _native_suffix(args[0]), batched, outputs,
+                                  summed)(*args))
+    return _plain_ffi(kernel, _native_suffix(args[0]), args, outputs)
+
+
+def _plain_ffi(kernel: str, suffix: str, args: tuple[Any, ...],
+               outputs: tuple[int, ...]) -> tuple[Any, ...]:
+    structs = tuple(_struct(args[i]) for i in outputs)
+    return tuple(jax.ffi.ffi_call(f"tmcore_{kernel}_{suffix}", structs,
+                                  vmap_method="sequential")(*args))
+
+
+def _letters(shapes: tuple[tuple[int, ...], ...], batched: tuple[bool, ...]) -> list[list[str]]:
+    """Einsum-like factor names per operand: ``b`` for a batch axis, operands of equal
+    shape share names (they are aligned elementwise), others get their own."""
+    names: dict[tuple[int, ...], list[str]] = {}
+    pool = iter("acdefghijklmnopqrstuvwxyz")
+    out = []
+    for shape, has_batch in zip(shapes, batched, strict=True):
+        key = (has_batch, *shape)
+        if key not in names:
+            rest = [next(pool) for _ in shape[1 if has_batch else 0:]]
+            names[key] = (["b"] if has_batch else []) + rest
+        out.append(names[key])
+    return out
+
+
+@functools.cache
+def _partitioned(kernel: str, suffix: str, batched: tuple[bool, ...], outputs: tuple[int, ...],
+                 summed: tuple[int, ...]) -> Callable[..., Any]:
+    """The kernel as a ``custom_partitioning`` function that XLA splits along the batch:
+    each device runs it on its rows (the other operands replicated), the ``summed``
+    outputs are ``psum``-ed; so data parallelism never gathers the batch. Batched by
+    ``custom_vmap`` (``custom_partitioning`` has no ``vmap`` rule): the vmapped
+    axis is looped over, like the plain call's ``vmap_method="sequential"``."""
+
+    def batch_axes(arg_shapes: Any) -> Any:
+        spec = getattr(getattr(arg_shapes[0], "sharding", None), "spec", None)
+        return spec[0] if spec else None
+
+    def out_shardings(mesh: Any, axes: Any) -> tuple[Any, ...]:
+        return tuple(NamedSharding(mesh, P() if i in summed else P(axes))
+                     for i in range(len(outputs)))
+
+    def infer(mesh, arg_shapes, result_shape):
+        return out_shardings(mesh, batch_axes(arg_shapes))
+
+    def partition(mesh, arg_shapes, result_shape):
+        axes = batch_axes(arg_shapes)
+        arg_shardings = tuple(NamedSharding(mesh, P(axes) if b else P()) for b in batched)
+
+        def lower(*args):
+            outs = _plain_ffi(kernel, suffix, args, outputs)
+            if axes is None:
+                return outs
+            return tuple(lax.psum(o, axes) if i in summed else o for i, o in enumerate(outs))
+
+        return mesh, lower, out_shardings(mesh, axes), arg_shardings
+
+    def rule(mesh, value_types, result_types):
+        names = _letters(tuple(tuple(v.shape) for v in value_types), batched)
+        results = [names[i] for i in outputs]
+        return (", ".join(" ".join(n) for n in names) + " -> "
+                + ", ".join(" ".join(n) for n in results))
+
+    @custom_partitioning
+    def call(*args):
+        return _plain_ffi(kernel, suffix, args, outputs)
+
+    call.def_partition(partition=partition, infer_sharding_from_operands=infer,
+                       sharding_rule=rule)
+
+    @jax.custom_batching.custom_vmap
+    def batchable(*args):
+        return call(*args)
+
+    @batchable.def_vmap
+    def _vmap(axis_size, in_batched, *args):
+        mapped = [a for a, b in zip(args, in_batched, strict=True) if b]
+
+        def one(rows):
+            rows = iter(rows)
+            return batchable(*(next(rows) if b else a
+                               for a, b in zip(args, in_batched, strict=True)))
+
+        return lax.map(one, mapped), (True,) * len(outputs)
+
+    return batchable
 
 
 def _generic_depthwise(x: Any, taps: Any, bias: Any) -> Any:
@@ -189,14 +348,14 @@ def _fused(generic: Any):
 @_fused(_generic_depthwise_vjp)
 def _native_depthwise_vjp(x: Any, taps: Any, bias: Any, g: Any) -> tuple[Any, Any, Any]:
     """``(d_x, d_taps, d_bias)`` of :func:`_native_depthwise` for the cotangent ``g``."""
-    return tuple(_ffi("dw_bwd", x, (_struct(x), _struct(taps), _struct(bias)), x, g, taps,
-                      bias))
+    return _ffi("dw_bwd", (x, g, taps, bias), (True, True, False, False), (0, 2, 3),
+                summed=(1, 2))
 
 
 @jax.custom_vjp
 def _native_depthwise(x: Any, taps: Any, bias: Any) -> Any:
     """All depthwise passes of ``x (B, C, *S)``, taps ``(n, C, 3)``, bias ``(n, C)``."""
-    return _ffi("dw_fwd", x, _struct(x), x, taps, bias)
+    return _ffi("dw_fwd", (x, taps, bias), (True, False, False), (0,))[0]
 
 
 _native_depthwise.defvjp(lambda x, taps, bias: (_native_depthwise(x, taps, bias), (x, taps, bias)),
@@ -206,13 +365,13 @@ _native_depthwise.defvjp(lambda x, taps, bias: (_native_depthwise(x, taps, bias)
 @_fused(_generic_gates_vjp)
 def _native_gates_vjp(z: Any, c: Any, g_h: Any, g_c: Any) -> tuple[Any, Any]:
     """``(d_z, d_c)`` of :func:`_native_gates` (the gates recomputed from ``z``)."""
-    return tuple(_ffi("gates_bwd", c, (_struct(z), _struct(c)), z, c, g_h, g_c))
+    return _ffi("gates_bwd", (z, c, g_h, g_c), (True,) * 4, (0, 1))
 
 
 @jax.custom_vjp
 def _native_gates(z: Any, c: Any) -> tuple[Any, Any]:
     """``(h', c')`` from ``z (B, 4C, *S)`` and ``c (B, C, *S)``."""
-    return tuple(_ffi("gates_fwd", c, (_struct(c), _struct(c)), z, c))
+    return _ffi("gates_fwd", (z, c), (True, True), (1, 1))
 
 
 _native_gates.defvjp(lambda z, c: (_native_gates(z, c), (z, c)),
@@ -239,7 +398,7 @@ def native_conv_bwd(xp: Any, residuals: _NativeConvResiduals, params: ConvParams
     y_flat = jnp.reshape(y, (batch, c_in, -1))
     g_flat = jnp.reshape(g, (batch, g.shape[1], -1))
     hi = lax.Precision.HIGHEST
-    d_pointwise = jnp.einsum("bop,bip->oi", g_flat, y_flat, precision=hi)
+    d_pointwise = _sum_over_batch(g_flat, y_flat)
     d_y = jnp.reshape(jnp.matmul(params.pointwise_weight.T, g_flat, precision=hi), y.shape)
     d_x, d_taps, d_biases = _native_depthwise_vjp(x, params.depthwise_weight,
                                                   params.depthwise_bias, d_y)

@@ -1,0 +1,186 @@
+"""The JAX adapter on two devices: shard_map, explicit and auto meshes, uncommitted init.
+
+JAX fixes its device count when it is first initialized, and the main pytest
+process may already have done so with one CPU device. So the checks run in a
+subprocess started with ``XLA_FLAGS=--xla_force_host_platform_device_count=2``
+(this file, run as a script); it prints one JSON line of results that the tests
+below assert on. Float64, small shapes: every gradient must equal the
+single-device one to ~1e-12, and no all-gather may appear in a data-parallel
+step (the fused CPU kernels are split along the batch, not gathered).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("jax", reason="jax is not installed")
+pytest.importorskip("flax", reason="flax is not installed")
+
+D, C, S, L, B, N = 6, 2, (3, 2, 3), 2, 4, 5
+TOL = 1e-12
+
+
+def _checks() -> dict:  # runs in the 2-device subprocess
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+    from jax.sharding import AxisType, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import tmcore
+    from tmcore.adapters import jax as tmj
+
+    assert jax.device_count() == 2, jax.devices()
+    results: dict = {}
+    rng = np.random.default_rng(0)
+    params = tmj.init(jax.random.key(0), D, C, S, L, dtype=jnp.float64)
+    params = jax.tree.map(lambda a: a + 0.1 * jnp.asarray(rng.normal(size=a.shape)), params)
+    x = jnp.asarray(rng.normal(size=(B, N, D)))
+    h0 = jnp.asarray(0.3 * rng.normal(size=(B, C, *S)))
+    c0 = jnp.asarray(0.3 * rng.normal(size=(B, C, *S)))
+
+    def loss(p, x_, state=None):
+        out, (h, c) = tmj.apply(p, x_, state, memory_shape=S, checkpoint_every=2)
+        return jnp.sum(out ** 2) + jnp.sum(h * c)
+
+    grad = jax.value_and_grad(loss, argnums=(0, 1))
+    grad_state = jax.value_and_grad(loss, argnums=(0, 1, 2))
+    single = jax.jit(grad)(params, x)
+    single_state = jax.jit(grad_state)(params, x, (h0, c0))
+
+    def err(a, b) -> float:
+        return max(float(jnp.max(jnp.abs(u - v)) / (jnp.max(jnp.abs(v)) + 1e-300))
+                   for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True))
+
+    def gathers(compiled) -> int:
+        return compiled.as_text().count("all-gather(")
+
+    # shard_map with its default check_vma=True, state=None and a sharded state
+    mesh = jax.make_mesh((2,), ("data",), axis_types=(AxisType.Explicit,))
+    auto = jax.make_mesh((2,), ("data",), axis_types=(AxisType.Auto,))
+
+    def per_device(p, x_):
+        value, grads = grad(p, x_)
+        return jax.lax.psum(value, "data"), grads  # param grads come back summed already
+
+    def per_device_state(p, x_, state):
+        value, grads = grad_state(p, x_, state)
+        return jax.lax.psum(value, "data"), grads
+
+    data = P("data")
+    mapped = jax.jit(jax.shard_map(per_device, mesh=auto, in_specs=(P(), data),
+                                   out_specs=(P(), (P(), data))))
+    results["shard_map"] = err(mapped(params, x), single)
+    mapped_state = jax.jit(jax.shard_map(per_device_state, mesh=auto,
+                                         in_specs=(P(), data, (data, data)),
+                                         out_specs=(P(), (P(), data, (data, data)))))
+    results["shard_map_state"] = err(mapped_state(params, x, (h0, c0)), single_state)
+
+    # the bare scan under shard_map too
+    read = jnp.asarray(rng.uniform(-1, 1, (B, 3, len(S))))
+    sigma = jnp.asarray(rng.uniform(0.3, 0.8, (B, 3)))
+    content = jnp.asarray(rng.normal(size=(B, 3, C)))
+    cell = tmj.conv_params(params["cell"])
+
+    def scan_loss(cell_, h, c, r, s, w):
+        reads, h_t, _ = tmj.memory_scan(h, c, r, r, s, w, cell_, checkpoint_every=2)
+        return jnp.sum(reads ** 2) + jnp.sum(h_t)
+
+    scan_grad = jax.grad(scan_loss, argnums=tuple(range(6)))
+    scan_args = (cell, h0, c0, read, sigma, content)
+    mapped_scan = jax.jit(jax.shard_map(scan_grad, mesh=auto, in_specs=(P(),) + (data,) * 5,
+                                        out_specs=(P(),) + (data,) * 5))
+    results["shard_map_scan"] = err(mapped_scan(*scan_args), jax.jit(scan_grad)(*scan_args))
+
+    # explicit mesh: state=None (the zero state takes x's sharding), a sharded state
+    with jax.set_mesh(mesh):
+        xs = jax.device_put(x, NamedSharding(mesh, data))
+        state_s = tuple(jax.device_put(a, NamedSharding(mesh, data)) for a in (h0, c0))
+        step = jax.jit(grad)
+        results["explicit_none"] = err(step(params, xs), single)
+        results["explicit_none_gathers"] = gathers(step.lower(params, xs).compile())
+        step_state = jax.jit(grad_state)
+        results["explicit_state"] = err(step_state(params, xs, state_s), single_state)
+        results["explicit_state_gathers"] = gathers(
+            step_state.lower(params, xs, state_s).compile())
+        out, new = jax.jit(lambda p, a, s: tmj.apply(p, a, s))(params, xs, state_s)
+        results["explicit_specs"] = [str(jax.typeof(a).sharding.spec)
+                                     for a in (out, new.h, new.c)]
+        with tmcore.options(native=False):  # the generic path on the same mesh
+            results["explicit_generic"] = err(jax.jit(grad)(params, xs), single)
+
+    # auto mesh (jit with batch-sharded inputs): the kernels are split, not gathered
+    xa = jax.device_put(x, NamedSharding(auto, data))
+    state_a = tuple(jax.device_put(a, NamedSharding(auto, data)) for a in (h0, c0))
+    step = jax.jit(grad)
+    results["auto_none"] = err(step(params, xa), single)
+    results["auto_none_gathers"] = gathers(step.lower(params, xa).compile())
+    step_state = jax.jit(grad_state)
+    results["auto_state"] = err(step_state(params, xa, state_a), single_state)
+    results["auto_state_gathers"] = gathers(step_state.lower(params, xa, state_a).compile())
+    # vmap of the partitioned kernels (an ensemble of two parameter sets)
+    pair = jax.tree.map(lambda a: jnp.stack([a, 2.0 * a]), params)
+    ensemble = jax.jit(jax.vmap(grad, in_axes=(0, None)))(pair, x)
+    results["vmap"] = err(jax.tree.map(lambda a: a[1], ensemble),
+                          jax.jit(grad)(jax.tree.map(lambda a: 2.0 * a, params), x))
+
+    # init and the NNX modules make uncommitted arrays: they join sharded inputs
+    fresh = tmj.init(jax.random.key(1), D, C, S, L, dtype=jnp.float64)
+    results["init_committed"] = sum(bool(a.committed) for a in jax.tree.leaves(fresh))
+    module = tmj.GatedMemoryResidual(D, C, S, L, rngs=nnx.Rngs(0), dtype=jnp.float64)
+    leaves = jax.tree.leaves(tmj.params_from_module(module))
+    results["nnx_committed"] = sum(bool(a.committed) for a in leaves)
+    out, _ = module(xa)
+    results["nnx_auto_shape"] = list(out.shape)
+    return results
+
+
+@pytest.fixture(scope="module")
+def results() -> dict:
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+           "JAX_ENABLE_X64": "1", "JAX_PLATFORMS": "cpu"}
+    run = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True,
+                         timeout=900)
+    assert run.returncode == 0, run.stderr[-4000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("name", ["shard_map", "shard_map_state", "shard_map_scan"])
+def test_shard_map_default_checks_match_one_device(results, name):
+    assert results[name] < TOL, results
+
+
+@pytest.mark.parametrize("name", ["explicit_none", "explicit_state", "explicit_generic"])
+def test_explicit_mesh_matches_one_device(results, name):
+    assert results[name] < TOL, results
+
+
+def test_explicit_mesh_keeps_the_batch_sharding(results):
+    assert results["explicit_specs"] == ["P('data', None, None)",
+                                         "P('data', None, None, None, None)",
+                                         "P('data', None, None, None, None)"], results
+    assert results["explicit_none_gathers"] == results["explicit_state_gathers"] == 0, results
+
+
+@pytest.mark.parametrize("name", ["auto_none", "auto_state", "vmap"])
+def test_auto_mesh_matches_one_device(results, name):
+    assert results[name] < TOL, results
+
+
+def test_auto_mesh_never_gathers_the_batch(results):
+    assert results["auto_none_gathers"] == results["auto_state_gathers"] == 0, results
+
+
+def test_init_and_modules_are_uncommitted(results):
+    assert results["init_committed"] == results["nnx_committed"] == 0, results
+    assert results["nnx_auto_shape"] == [B, N, D]
+
+
+if __name__ == "__main__":
+    print(json.dumps(_checks()))
