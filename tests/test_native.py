@@ -471,3 +471,38 @@ def test_the_jax_handlers_refuse_buffers_of_the_wrong_size(jax_native):
     call = jax.ffi.ffi_call("tmcore_dw_fwd_f32", jax.ShapeDtypeStruct(x.shape, x.dtype))
     with pytest.raises(Exception, match="size does not match"):
         jax.block_until_ready(call(x, taps, bias))
+
+
+_JAX_OOM_SCRIPT = r"""
+import resource, sys
+import jax, jax.numpy as jnp, tmcore
+import tmcore.backends._native as native
+from tmcore.conv import ConvParams
+if native.jax_library() is None:
+    sys.exit(4)
+params = ConvParams(jnp.zeros((4, 1, 3)), jnp.zeros((4, 1)), jnp.ones((1, 1)), jnp.zeros(1))
+f = jax.jit(tmcore.factorized_conv)
+jax.block_until_ready(f(jnp.zeros((1, 1, 2, 2, 2, 2)), params))
+x = jnp.zeros((1, 1, 64, 64, 64, 64))
+compiled = f.lower(x, params).compile()
+with open("/proc/self/status") as fh:
+    vm = next(int(l.split()[1]) * 1024 for l in fh if l.startswith("VmSize"))
+resource.setrlimit(resource.RLIMIT_AS, (vm + 400 * 2**20, resource.RLIM_INFINITY))
+try:
+    jax.block_until_ready(compiled(x, params))
+except Exception as exc:
+    print(type(exc).__name__, exc)
+    sys.exit(0)
+sys.exit(3)
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs Linux /proc")
+def test_a_failed_allocation_in_a_jax_kernel_is_an_error_not_a_crash(jax_native):
+    """The FFI handler turns the kernel's failed allocation into RESOURCE_EXHAUSTED."""
+    result = subprocess.run([sys.executable, "-c", _JAX_OOM_SCRIPT], capture_output=True,
+                            text=True, timeout=300)
+    if result.returncode == 4:
+        pytest.skip("the JAX kernels cannot be built in a subprocess here")
+    assert result.returncode == 0, (result.returncode, result.stdout, result.stderr[-2000:])
+    assert "RESOURCE_EXHAUSTED: tmcore dw_fwd: out of memory" in result.stdout
