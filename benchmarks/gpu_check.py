@@ -16,8 +16,8 @@ well under 4 minutes on one GPU. Exit status 1 when any check fails.
 
 compiles the fused scan's Triton kernels (forward, backward A, backward B) for
 an NVIDIA target with Triton's own LLVM and ptxas, no GPU needed, at the
-benchmark shapes, and prints compile time, shared memory and whether the PTX
-spills to local memory (run without ``TRITON_INTERPRET``).
+benchmark shapes, and prints compile time, shared memory, and registers and spills
+per thread from ``ptxas -v`` (run without ``TRITON_INTERPRET``).
 """
 
 from __future__ import annotations
@@ -119,12 +119,40 @@ def triton_compile(arch: int, shapes: list[str], dtype: str) -> int:
                 failures += 1
                 print(f"FAIL {name} {fn.__name__}: {type(err).__name__}: {str(err)[:300]}")
                 continue
-            spills = ".local" in compiled.asm["ptx"]
+            seconds = time.perf_counter() - start
             print(f"{name:4s} C={channels:<3d} {fn.__name__:18s} {dtype} sm_{arch}: "
-                  f"{time.perf_counter() - start:6.1f} s, shared {compiled.metadata.shared} B"
-                  f"{', spills to local memory' if spills else ''}", flush=True)
+                  f"{seconds:6.1f} s, shared {compiled.metadata.shared} B, "
+                  f"{_ptxas_usage(compiled.asm['ptx'], arch)}", flush=True)
     print(f"triton {triton.__version__}: {failures} failures")
     return 1 if failures else 0
+
+
+def _ptxas_usage(ptx: str, arch: int) -> str:
+    """Registers and spills per thread, from Triton's bundled ``ptxas -v`` on the PTX."""
+    import re
+    import subprocess
+    import tempfile
+
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = f"{tmp}/k.ptx"
+        with open(path, "w") as f:
+            f.write(ptx)
+        try:
+            target = re.search(r"\.target\s+(sm_\w+)", ptx)
+            sm = target.group(1) if target else f"sm_{arch}"
+            done = subprocess.run([get_ptxas(arch).path, f"-arch={sm}", "-v", path, "-o",
+                                   f"{tmp}/k.cubin"], capture_output=True, text=True,
+                                  timeout=600)
+        except Exception as err:  # noqa: BLE001 - informative only
+            return f"ptxas: {type(err).__name__}"
+    text = done.stdout + done.stderr
+    regs = re.search(r"Used (\d+) registers", text)
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
+    return (f"{regs.group(1) if regs else '?'} registers, "
+            f"spill stores/loads {spills.group(1)}/{spills.group(2)} B" if spills
+            else text.strip()[-200:])
 
 
 class _FakeState:
