@@ -174,6 +174,8 @@ def gaussian_splat(
         in validate mode, :func:`tmcore.validation`, as it needs a host sync;
         otherwise ``sigma = 0`` gives a one-hot-like weight limited by ``eps``
         and a negative sigma acts like ``|sigma|`` except under ``radius``).
+        With ``eps = 0`` too the weight is the limit: exactly 1 on a cell centre
+        the write hits exactly, 0 elsewhere, and zero gradients for mu / sigma.
     shape : spatial grid shape, 1 to 4 positive ints.
     eps : added to ``2 sigma^2`` in the denominator; a finite number >= 0.
     radius : optional truncation in units of sigma (box per axis).
