@@ -27,17 +27,21 @@ from examples.image.train import SCALES as IMAGE_SCALES  # noqa: E402
 from examples.image.train import patchify, random_masks, train_one, unpatchify  # noqa: E402
 from examples.video import data as video_data  # noqa: E402
 from examples.video.__main__ import main as video_main  # noqa: E402
-from examples.video.train import tubelets  # noqa: E402
+from examples.video.train import VideoConfig, tubelets  # noqa: E402
 
 RESULT_KEYS = {"task", "command", "commit", "config", "rows", "seeds", "params", "runs"}
 
 
 @pytest.fixture(autouse=True)
 def _one_thread():
+    """One thread, as the CLIs default to; the runs also switch on deterministic algorithms,
+    which is put back afterwards so that other tests see what they expect."""
     threads = torch.get_num_threads()
+    deterministic = torch.are_deterministic_algorithms_enabled()
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+    torch.use_deterministic_algorithms(deterministic)
 
 
 def _check_rows(result: dict, metrics: set[str]) -> None:
@@ -178,7 +182,7 @@ def test_video_tiny_run_writes_results(tmp_path):
     top1 = {r["model"]: r["seeds"] for r in result["rows"] if r["metric"] == "top1"}
     top5 = {r["model"]: r["seeds"] for r in result["rows"] if r["metric"] == "top5"}
     assert all(a <= b for m in top1 for a, b in zip(top1[m], top5[m], strict=True))
-    assert result["config"]["grid"] == [4, 4, 4]
+    assert result["config"]["grid"] == [2, 4, 4]  # 4 frames in tubelets of 2, 4x4 patches
     for name in ("accuracy", "clips"):
         assert (tmp_path / "figures" / f"{name}-actions-tiny.png").stat().st_size > 0
 
@@ -201,11 +205,15 @@ def test_procedural_clips():
         video_data.procedural(4, 2, 16, 0)
 
 
-def test_tubelets_are_frame_major():
-    clips = torch.rand(2, 3, 1, 8, 8)
-    tokens = tubelets(clips, 4)
-    assert tokens.shape == (2, 12, 16)
-    assert torch.equal(tokens[0, 4 + 1].reshape(1, 4, 4), clips[0, 1, :, 0:4, 4:8])
+def test_tubelets_are_time_major():
+    clips = torch.rand(2, 4, 1, 8, 8)
+    tokens = tubelets(clips, 4, tube=2)
+    assert tokens.shape == (2, 8, 32)
+    # token 4 + 1: second time step (frames 2, 3), first row, second column
+    assert torch.equal(tokens[0, 4 + 1].reshape(2, 1, 4, 4), clips[0, 2:4, :, 0:4, 4:8])
+    assert torch.equal(tubelets(clips, 4)[0, 4 + 1].reshape(1, 4, 4), clips[0, 1, :, 0:4, 4:8])
+    with pytest.raises(ValueError, match="frames"):
+        VideoConfig(frames=7, tube=2)
 
 
 def _write_clip(folder, frames: int, start: int) -> None:

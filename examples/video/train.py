@@ -1,15 +1,16 @@
 """Action recognition: the clip classifier, its training loop and its evaluation.
 
-A clip ``(T, C, H, W)`` is cut into ``patch x patch`` patches per frame (a
-``(T, H/p, W/p)`` token grid, frame-major); every backbone is a joint
-space-time transformer over all ``T (H/p) (W/p)`` tokens (full attention, learned
+A clip ``(T, C, H, W)`` is cut into tubelets of ``tube`` frames x ``patch x
+patch`` pixels (a ``(T/tube, H/p, W/p)`` token grid, time-major; a tubelet sees
+the motion between its frames, as in ViViT's tubelet embedding); every backbone
+is a joint space-time transformer over all tokens (full attention, learned
 position embeddings, same depth and width), mean-pooled and classified by a
 linear head:
 
 - ``base``: the joint space-time transformer;
 - ``registers``: the same with learned register tokens;
 - ``memory``: the same with a gated Tensor Memory after every block, voxel grid
-  = the token grid ``(T, H/p, W/p)``, one chunk per frame, ``threaded`` mode
+  = the token grid ``(T/tube, H/p, W/p)``, one chunk per time step, ``threaded`` mode
   (the whole clip is given at once and classified as a whole, so nothing needs
   to be causal; the state a layer reaches after the last frame seeds the next
   layer's pass, the paper's reference behaviour).
@@ -49,6 +50,7 @@ class VideoConfig:
     frames: int = 8
     size: int = 16
     patch: int = 4
+    tube: int = 2
     width: int = 64
     depth: int = 3
     heads: int = 4
@@ -57,7 +59,7 @@ class VideoConfig:
     forget_bias: float = 3.0
     steps: int = 300
     batch: int = 32
-    lr: float = 1e-3
+    lr: float = 2e-3
     weight_decay: float = 0.05
     warmup: int = 20
     train_count: int = 6000
@@ -65,9 +67,14 @@ class VideoConfig:
     seeds: tuple[int, ...] = (0, 1, 2)
     models: tuple[str, ...] = MODELS
 
+    def __post_init__(self) -> None:
+        if self.frames % self.tube or self.size % self.patch:
+            raise ValueError(f"frames, size: expected multiples of tube={self.tube} and "
+                             f"patch={self.patch}, got {self.frames} and {self.size}")
+
     @property
     def grid(self) -> tuple[int, int, int]:
-        return (self.frames, self.size // self.patch, self.size // self.patch)
+        return (self.frames // self.tube, self.size // self.patch, self.size // self.patch)
 
     def backbone(self) -> BackboneConfig:
         return BackboneConfig(grid=self.grid, width=self.width, depth=self.depth,
@@ -92,12 +99,13 @@ SCALES = {
 }
 
 
-def tubelets(clips: Tensor, patch: int) -> Tensor:
-    """``(B, T, C, H, W)`` -> ``(B, T (H/p) (W/p), C p p)``, frame-major, rows within a frame."""
+def tubelets(clips: Tensor, patch: int, tube: int = 1) -> Tensor:
+    """``(B, T, C, H, W)`` -> ``(B, (T/tube) (H/p) (W/p), tube C p p)``: time-major, then
+    rows, then columns; each token holds ``tube`` frames of one ``p x p`` patch."""
     b, t, c, h, w = clips.shape
-    x = clips.reshape(b, t, c, h // patch, patch, w // patch, patch)
-    return x.permute(0, 1, 3, 5, 2, 4, 6).reshape(b, t * (h // patch) * (w // patch),
-                                                 c * patch * patch)
+    x = clips.reshape(b, t // tube, tube, c, h // patch, patch, w // patch, patch)
+    return x.permute(0, 1, 4, 6, 2, 3, 5, 7).reshape(
+        b, (t // tube) * (h // patch) * (w // patch), tube * c * patch * patch)
 
 
 class ClipClassifier(nn.Module):
@@ -105,13 +113,13 @@ class ClipClassifier(nn.Module):
 
     def __init__(self, kind: str, config: VideoConfig, channels: int, classes: int):
         super().__init__()
-        self.patch = config.patch
-        self.embed = nn.Linear(channels * config.patch ** 2, config.width)
+        self.patch, self.tube = config.patch, config.tube
+        self.embed = nn.Linear(config.tube * channels * config.patch ** 2, config.width)
         self.backbone = Backbone(kind, config.backbone())
         self.head = nn.Linear(config.width, classes)
 
     def forward(self, clips: Tensor) -> Tensor:
-        tokens = self.embed((tubelets(clips, self.patch) - 0.5) / 0.25)
+        tokens = self.embed((tubelets(clips, self.patch, self.tube) - 0.5) / 0.25)
         return self.head(self.backbone(tokens).mean(dim=1))
 
 
