@@ -168,6 +168,23 @@ def test_backbones_differ_only_where_they_should():
         Backbone("base", config)(torch.randn(2, 15, 16))
 
 
+def test_full_scale_models_build_and_run():
+    """--full is meant for a GPU; here its models are built and run on one example."""
+    from examples.image.train import MaskedAutoencoder
+    from examples.video.train import SCALES as VIDEO_SCALES
+    from examples.video.train import ClipClassifier
+
+    config = IMAGE_SCALES["full"]
+    model = MaskedAutoencoder("memory", config).eval()
+    patches = patchify(torch.rand(1, 3, config.size, config.size), config.patch)
+    with torch.no_grad():
+        assert model(patches, torch.zeros(1, 64, dtype=torch.bool)).shape == patches.shape
+    video = VIDEO_SCALES["full"]
+    clf = ClipClassifier("memory", video, channels=3, classes=101).eval()
+    with torch.no_grad():
+        assert clf(torch.rand(1, video.frames, 3, video.size, video.size)).shape == (1, 101)
+
+
 # --------------------------------------------------------------------------- video
 
 
