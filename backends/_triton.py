@@ -30,6 +30,9 @@ When it runs (:func:`usable`):
   captured once per shape / dtype / options as a CUDA graph and replayed
   (:data:`USE_CUDA_GRAPHS`, ``TMCORE_CUDA_GRAPHS=0`` turns it off); a capture
   that fails falls back to the eager launches for that key, silently.
+- Transparent fallback: if the kernels fail to compile or launch for a shape
+  (e.g. an older Triton), a ``RuntimeWarning`` says so once and the per-step
+  path runs for that shape from then on.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ import importlib
 import math
 import os
 import threading
+import warnings
 from typing import Any
 
 import torch
@@ -243,10 +247,27 @@ def scan_fwd(xp: Any, h0, c0, read_coords, write_coords, write_sigma, write_cont
     check_shapes(h0, read_coords, {"c0": c0}, params)
     geo = _Geometry(h0)
     inputs = (h0.contiguous(), c0.contiguous(), *prepared)
-    with _on_device(h0):
-        return _replay(_key("fwd", h0, read_coords, eps, radius, checkpoint_every),
-                       functools.partial(_forward_loop, eps=float(eps), radius=radius,
-                                         every=checkpoint_every, geo=geo), inputs)
+    key = _key("fwd", h0, read_coords, eps, radius, checkpoint_every)
+    if key in _BROKEN:
+        return None
+    try:
+        with _on_device(h0):
+            return _replay(key, functools.partial(_forward_loop, eps=float(eps), radius=radius,
+                                                  every=checkpoint_every, geo=geo), inputs)
+    except Exception as err:  # noqa: BLE001 - e.g. a Triton too old to compile them
+        return _broken(key, err)
+
+
+#: Keys whose kernels failed (compile or launch): the per-step path runs for them.
+_BROKEN: set = set()
+
+
+def _broken(key: tuple, err: Exception) -> None:
+    """Remember a failing key, warn once, and decline (the per-step loop runs instead)."""
+    _BROKEN.add(key)
+    warnings.warn(f"tmcore: the fused Triton scan failed for {key[:4]} "
+                  f"({type(err).__name__}: {str(err)[:300]}); using the per-step path",
+                  RuntimeWarning, stacklevel=3)
 
 
 def _on_device(t: torch.Tensor):
@@ -361,11 +382,16 @@ def scan_bwd(xp: Any, read_coords, write_coords, write_sigma, write_content,
     rc, wc, ws, wcont, dw, db, pw, pb = prepared
     inputs = (*prepared, h_checkpoints.contiguous(), c_checkpoints.contiguous(),
               g_reads.contiguous(), g_h.contiguous(), g_c.contiguous())
-    with _on_device(g_h):
-        d_h0, d_c0, d_rc, write_part, d_pw, d_pb, e_sums, corr = _replay(
-            _key("bwd", g_h, read_coords, eps, radius, checkpoint_every),
-            functools.partial(_backward_loop, eps=float(eps), radius=radius,
-                              every=checkpoint_every, geo=geo), inputs)
+    key = _key("bwd", g_h, read_coords, eps, radius, checkpoint_every)
+    if key in _BROKEN:
+        return None
+    try:
+        with _on_device(g_h):
+            d_h0, d_c0, d_rc, write_part, d_pw, d_pb, e_sums, corr = _replay(
+                key, functools.partial(_backward_loop, eps=float(eps), radius=radius,
+                                       every=checkpoint_every, geo=geo), inputs)
+    except Exception as err:  # noqa: BLE001 - e.g. a Triton too old to compile them
+        return _broken(key, err)
     channels, n = geo.channels, geo.n
     sums = write_part.sum(dim=2)  # (B, T, C + 4), a fixed-order reduction
     denom = 2.0 * ws * ws + eps

@@ -15,6 +15,7 @@ import importlib.util
 import os
 import subprocess
 import sys
+import warnings
 
 import numpy as np
 import pytest
@@ -23,6 +24,9 @@ torch = pytest.importorskip("torch")
 
 import tmcore  # noqa: E402
 from tmcore.conv import ConvParams  # noqa: E402
+
+# a kernel failure would fall back to the per-step path with a warning: fail instead
+pytestmark = pytest.mark.filterwarnings("error:tmcore. the fused Triton scan failed")
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
@@ -317,3 +321,28 @@ def test_entry_checks_name_the_argument():
         _triton.check_shapes(inputs["h0"], inputs["read_coords"], {},
                              params._replace(pointwise_weight=params.pointwise_weight.T))
     _triton.check_shapes(inputs["h0"], inputs["read_coords"], {"g_c": cot["g_c"]}, params)
+
+
+@pytest.mark.filterwarnings("default")
+def test_failing_kernels_fall_back_with_one_warning(monkeypatch):
+    """A shape whose kernels fail (e.g. a Triton too old to build them) warns once and
+    runs the per-step path, with the same results, from then on."""
+    from tmcore.backends import _triton
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("no kernels here")
+
+    monkeypatch.setattr(_triton, "_BROKEN", set())
+    monkeypatch.setattr(_triton, "usable", lambda *tensors: True)
+    monkeypatch.setattr(_triton, "_forward_loop", fail)
+    inputs, params, _ = _case(1, 2, (3,), 2, torch.float64)
+    with pytest.warns(RuntimeWarning, match="fused Triton scan failed"):
+        got = tmcore.memory_scan(*inputs.values(), params)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no second warning
+        again = tmcore.memory_scan(*inputs.values(), params)
+    with tmcore.options(triton=False):
+        want = tmcore.memory_scan(*inputs.values(), params)
+    _close(got, want, 0, 0)
+    _close(again, want, 0, 0)
+    assert len(_triton._BROKEN) == 1
