@@ -71,7 +71,7 @@ def test_dask_scan_vjp_task_graph_stays_linear_in_steps():
     """Graph size of memory_scan_vjp grows ~linearly in T, not with T * cells.
 
     Measured for this graph: the old per-cell blocks gave 31 448 tasks at T = 2
-    and 69 976 at T = 4 (and h0's gradient had 64 blocks); with one block per
+    and 69 976 at T = 4 (h0's gradient: 48 blocks at T = 1); with one block per
     axis 703 at T = 1 and 2 085 at T = 3.
     """
     da = pytest.importorskip("dask.array", reason="dask is not installed")
