@@ -53,7 +53,8 @@ from tmcore._options import get_options
 from tmcore.conv import ConvParams
 
 __all__ = ["scan_fwd", "scan_bwd", "usable", "available", "ENV_VAR", "MAX_CHANNELS",
-           "ALLOW_TF32", "USE_CUDA_GRAPHS", "launches_per_step"]
+           "ALLOW_TF32", "USE_CUDA_GRAPHS", "launches_per_step", "check_shapes",
+           "graph_cache_bytes"]
 
 ENV_VAR = "TMCORE_TRITON"
 #: Widest memory the kernels take (register tiles are ``C x C``); wider: the generic loop.
@@ -442,6 +443,16 @@ def _replay(key: tuple, fn, inputs: tuple[torch.Tensor, ...]) -> tuple:
             buffer.copy_(value)
         graph.replay()
         return tuple(o.clone() for o in outs)
+
+
+def graph_cache_bytes() -> int:
+    """Bytes held by the cached graphs' static inputs and outputs (their memory pools'
+    temporaries not included): memory a training step's peak does not show, since it
+    stays allocated between calls."""
+    total = 0
+    for _, static, outs in _GRAPHS.values():
+        total += sum(t.numel() * t.element_size() for t in (*static, *outs))
+    return total
 
 
 def _capture(fn, inputs):  # pragma: no cover - needs a CUDA device

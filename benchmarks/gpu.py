@@ -327,11 +327,15 @@ def run_config(cfg: Config, device: str, bw: float, reps: int, log,
             row[f"peak_{key}"] = _peak_torch(cfg, params, device, kind, triton)
         except Exception as exc:
             row[f"peak_{key}"] = f"{type(exc).__name__}: {exc}"[:120]
+    from tmcore.backends import _triton
+
+    row["graph_cache_bytes"] = _triton.graph_cache_bytes()  # held between calls, not in peaks
     peaks = {k: row.get(f"peak_{k}") for k in ("torch", "torch_per_step", "plain")}
     if all(isinstance(v, int) for v in peaks.values()):
         log(f"{cfg.name:8s} peak train memory: tmcore {peaks['torch'] / 2**20:.1f} MiB "
             f"(per-step {peaks['torch_per_step'] / 2**20:.1f}), "
-            f"plain {peaks['plain'] / 2**20:.1f} MiB ({peaks['torch'] / peaks['plain']:.1%})")
+            f"plain {peaks['plain'] / 2**20:.1f} MiB ({peaks['torch'] / peaks['plain']:.1%}); "
+            f"CUDA graphs hold {row['graph_cache_bytes'] / 2**20:.1f} MiB between calls")
     return row
 
 

@@ -266,6 +266,9 @@ def test_gpu_benchmark_helpers_on_cpu():
     assert gpu.launches_per_step(train, TINY, "cpu") is None
     assert gpu.prewarm([TINY], "cpu", print) == {}
     gpu.warm_one(2, (3,), "cpu")
+    from tmcore.backends import _triton
+
+    assert _triton.graph_cache_bytes() == 0  # no graphs off CUDA
 
 
 def test_cupy_table_has_the_bridged_scan():
