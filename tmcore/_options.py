@@ -1,23 +1,21 @@
 """One configuration surface for every tmcore switch: :func:`options` and :func:`get_options`.
 
-=============  ======================  =======  ============================================
-field          environment variable    default  meaning
-=============  ======================  =======  ============================================
-``native``     ``TMCORE_NATIVE``       True     fused C kernels for the CPU cell (torch, JAX)
-``triton``     ``TMCORE_TRITON``       "auto"   Triton kernels for torch: ``"auto"`` lets the
-                                                backend decide (CUDA tensors, Triton
-                                                installed), True forces them wherever they
-                                                can run (CPU under ``TRITON_INTERPRET=1``),
-                                                False turns them off
-``generic``    ``TMCORE_GENERIC``      False    force the generic array-API path everywhere
-                                                (no backend fast path at all)
-``deterministic`` ``TMCORE_DETERMINISTIC`` True  no kernel whose result depends on thread
-                                                timing (atomic adds on CUDA); False allows
-                                                them where they are faster
-``validate``   ``TMCORE_VALIDATE``     False    validate mode: public functions also check
-                                                that arrays are finite and sigma > 0 (reads
-                                                values back to the host)
-=============  ======================  =======  ============================================
+Fields (environment variable, default: meaning):
+
+- ``native`` (``TMCORE_NATIVE``, True): the fused C kernels for the CPU cell
+  (torch, JAX).
+- ``triton`` (``TMCORE_TRITON``, ``"auto"``): Triton kernels for torch;
+  ``"auto"`` lets the backend decide (CUDA tensors, Triton installed), True
+  forces them wherever they can run (CPU under ``TRITON_INTERPRET=1``), False
+  turns them off.
+- ``generic`` (``TMCORE_GENERIC``, False): force the generic array-API path
+  everywhere (no backend fast path at all).
+- ``deterministic`` (``TMCORE_DETERMINISTIC``, True): no kernel whose result
+  depends on thread timing (atomic adds on CUDA); False allows them where they
+  are faster.
+- ``validate`` (``TMCORE_VALIDATE``, False): validate mode; public functions
+  also check that arrays are finite and sigma > 0 (reads values back to the
+  host).
 
 Three layers, innermost first:
 
@@ -31,8 +29,9 @@ Three layers, innermost first:
 3. The environment variables: ``0``, ``false``, ``no``, ``off`` (any case) mean
    False, any other non-empty value True (``TMCORE_TRITON`` also takes
    ``auto``); unset or empty means the default above. They are read from
-   ``os.environ`` when :func:`get_options` is called (a cheap lookup), so a
-   variable set before the first tmcore call, or changed by a test, counts.
+   ``os.environ`` when :func:`get_options` is called (a few dict lookups), so
+   a variable set before the first tmcore call, or changed later through
+   ``os.environ`` (a test's ``monkeypatch.setenv``), counts.
 
 Where a choice is made: ``generic`` and ``triton`` when :func:`tmcore._dispatch.ops_for`
 picks a table (its cache is keyed by the options, so a change takes effect on
