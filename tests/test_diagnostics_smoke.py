@@ -105,19 +105,25 @@ def test_demo_runs_both_protocols(tmp_path, capsys):
 def test_same_seed_same_numbers(tmp_path):
     """Item 5: two runs of the same seed give identical numbers, inline or in 2 worker
     processes (each job pins its threads, deterministic algorithms, seeded data)."""
-    def run(jobs: int, out) -> dict:
+    def run(jobs: int, out, cache=None) -> dict:
         exp = make_experiment("binding", "tiny", seeds=(0,), steps=12)
         exp.entries = [e for e in exp.entries
                        if e.kind in ("transformer_xl", "memory_slots", "tensor_memory")]
-        return run_experiment(exp, out, progress=False, jobs=jobs)
+        return run_experiment(exp, out, progress=False, jobs=jobs, cache=cache)
 
-    first, second = run(1, tmp_path / "a"), run(1, tmp_path / "b")
+    def curves(result: dict) -> list:  # as JSON (a cached run comes back from JSON)
+        return json.loads(json.dumps([r["loss_curve"] for r in result["runs"]]))
+
+    first, second = run(1, tmp_path / "a", tmp_path / "cache"), run(1, tmp_path / "b")
     assert first["rows"] == second["rows"]
-    assert [r["loss_curve"] for r in first["runs"]] == [r["loss_curve"] for r in second["runs"]]
+    assert curves(first) == curves(second)
     parallel = run(2, tmp_path / "c")
-    assert [r["loss_curve"] for r in parallel["runs"]] == [r["loss_curve"]
-                                                          for r in first["runs"]]
+    assert curves(parallel) == curves(first)
     assert parallel["environment"]["threads"] == 1
+    # --cache: the finished jobs are reused as they were (an interrupted run resumes)
+    assert len(list((tmp_path / "cache").glob("*.json"))) == 3
+    resumed = run(1, tmp_path / "d", tmp_path / "cache")
+    assert resumed["rows"] == first["rows"] and curves(resumed) == curves(first)
 
 
 def test_committed_readme_tables_equal_the_results_files():

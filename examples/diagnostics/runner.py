@@ -265,15 +265,26 @@ class _Cache:
         self.folder = Path(folder) if folder else None
 
     def get(self, job: Job) -> dict | None:
-        if self.folder is None or job.keep_state:
+        if self.folder is None:
             return None
-        path = self.folder / f"{_job_key(job)}.json"
-        return json.loads(path.read_text())["output"] if path.exists() else None
+        key = _job_key(job)
+        path, weights = self.folder / f"{key}.json", self.folder / f"{key}.pt"
+        if not path.exists() or (job.keep_state and not weights.exists()):
+            return None
+        output = json.loads(path.read_text())["output"]
+        if job.keep_state:
+            output["state_dict"] = torch.load(weights, weights_only=True)
+        return output
 
     def put(self, job: Job, output: dict) -> None:
-        if self.folder is None or "state_dict" in output:
+        if self.folder is None:
             return
         self.folder.mkdir(parents=True, exist_ok=True)
+        key = _job_key(job)
+        if "state_dict" in output:  # the trained weights of the pictured model
+            torch.save(output["state_dict"], self.folder / f".{key}.pt.tmp")
+            (self.folder / f".{key}.pt.tmp").replace(self.folder / f"{key}.pt")
+            output = {k: v for k, v in output.items() if k != "state_dict"}
         record = {"output": output, **results.commit_info()}
         tmp = self.folder / f".{_job_key(job)}.tmp"
         tmp.write_text(json.dumps(record))
