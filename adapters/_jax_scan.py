@@ -33,6 +33,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import PartitionSpec as P
 
 from tmcore._dispatch import ops_for
 from tmcore._options import Options, get_options
@@ -300,8 +301,45 @@ def checkpoint_scan(static: ScanStatic, theta: Any, cell: ConvParams, xs: Any,
     h_T, c_T)``. The backward stores ``ceil(T / checkpoint_every)`` states and
     replays each segment (``checkpoint_every = 1``: every state, no replay).
     """
+    axes = _explicit_batch_axes(h0)
+    if axes is not None:
+        return _per_shard(static, axes, theta, cell, xs, h0, c0)
     theta, cell, xs, h0, c0 = match_vma(theta, cell, xs, h0, c0)
     return _scan_jit(static, theta, cell, xs, h0, c0)
+
+
+def _explicit_batch_axes(state: jax.Array) -> tuple[str, ...] | None:
+    """The explicit mesh axes the state's batch axis is sharded over, if any."""
+    spec = getattr(getattr(jax.typeof(state), "sharding", None), "spec", None)
+    if not spec or spec[0] is None:
+        return None
+    axes = spec[0] if isinstance(spec[0], tuple) else (spec[0],)
+    return tuple(axes) or None
+
+
+def _per_shard(static: ScanStatic, axes: tuple[str, ...], theta, cell, xs, h0, c0):
+    """The scan on an explicit mesh whose ``axes`` shard the batch: each device scans its
+    rows (an internal ``shard_map``); the parameters are replicated and their
+    gradients summed over ``axes`` (the transpose of the replication). Without it,
+    the parameter gradients' products over the sharded batch are ambiguous there."""
+    mesh = jax.typeof(h0).sharding.mesh
+    replicated = P()
+
+    def replicate(leaf):
+        spec = getattr(getattr(jax.typeof(leaf), "sharding", None), "spec", None)
+        return jax.reshard(leaf, replicated) if spec and any(s is not None for s in spec) \
+            else leaf
+
+    theta, cell = jax.tree.map(replicate, (theta, cell))
+    batch, steps_batch = P(axes), P(None, axes)
+
+    def local(theta_, cell_, xs_, h_, c_):
+        return checkpoint_scan(static, theta_, cell_, xs_, h_, c_)
+
+    return jax.shard_map(local, mesh=mesh,
+                         in_specs=(replicated, replicated, steps_batch, batch, batch),
+                         out_specs=(steps_batch, batch, batch),
+                         axis_names=set(axes))(theta, cell, xs, h0, c0)
 
 
 def identity_prepare(theta: Any, x_t: StepInputs) -> StepInputs:

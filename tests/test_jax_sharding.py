@@ -109,6 +109,10 @@ def _checks() -> dict:  # runs in the 2-device subprocess
         results["explicit_state"] = err(step_state(params, xs, state_s), single_state)
         results["explicit_state_gathers"] = gathers(
             step_state.lower(params, xs, state_s).compile())
+        mean_grad = jax.value_and_grad(  # a mean: the cotangents come in sharded
+            lambda p, a: jnp.mean(tmj.apply(p, a, memory_shape=S)[0] ** 2))
+        results["explicit_mean"] = err(jax.jit(mean_grad)(params, xs),
+                                       jax.jit(mean_grad)(params, x))
         out, new = jax.jit(lambda p, a, s: tmj.apply(p, a, s))(params, xs, state_s)
         results["explicit_specs"] = [str(jax.typeof(a).sharding.spec)
                                      for a in (out, new.h, new.c)]
@@ -156,7 +160,8 @@ def test_shard_map_default_checks_match_one_device(results, name):
     assert results[name] < TOL, results
 
 
-@pytest.mark.parametrize("name", ["explicit_none", "explicit_state", "explicit_generic"])
+@pytest.mark.parametrize("name", ["explicit_none", "explicit_state", "explicit_mean",
+                                  "explicit_generic"])
 def test_explicit_mesh_matches_one_device(results, name):
     assert results[name] < TOL, results
 
