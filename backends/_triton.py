@@ -139,14 +139,16 @@ class _Geometry:
         self.cells = math.prod(self.spatial)
         self.cb = max(16, 1 << (self.channels - 1).bit_length())
         pow2_cells = 1 << (self.cells - 1).bit_length()
-        self.bp = max(16, min(64 if self.cb <= 16 else 32, pow2_cells))
+        # (CB, BP) register tiles: 16-32 cells a tile keeps them small (ptxas -v of the
+        # sm_90 builds: 64-cell tiles at C = 32 spilled)
+        self.bp = max(16, min(32 if self.cb <= 16 else 16, pow2_cells))
         tiles = -(-self.cells // self.bp)
         # the interpreter runs programs one after another: two per row still tests the
         # slot logic and the tile loop
         cap = 2 if not state.is_cuda else MAX_PROGRAMS_PER_ROW
         self.programs = min(tiles, cap)
         self.grid = (self.batch, self.programs)
-        self.num_warps = 8 if self.cb >= 64 else 4
+        self.num_warps = 4 if self.cb <= 16 else 8
 
     def constexprs(self, has_radius: bool) -> dict:
         s0, s1, s2 = self.s3

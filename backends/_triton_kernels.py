@@ -136,19 +136,40 @@ def _pick(d: tl.constexpr, t0, t1, t2):
 
 @triton.jit
 def _x_axis(i, mu, denom, rs, t0, t1, t2, S: tl.constexpr, HAS_RADIUS: tl.constexpr):
-    """One axis of the ``x`` half: ``(G (CB, BP), V (CB, BP), g (BP,), p - mu (BP,))`` with
-    ``G = sum_k t_k g(i + k - 1)`` over cells inside and ``V = sum_k t_k`` likewise."""
+    """One axis of the ``x`` half: ``G = sum_k t_k g(i + k - 1)`` over cells inside,
+    ``(CB, BP)``, ``g`` the axis's Gaussian profile."""
     g_mid, off = _gauss(i, mu, denom, rs, S, HAS_RADIUS)
     G = t1[:, None] * g_mid[None, :]
-    V = t1[:, None] + 0.0 * g_mid[None, :]
     if S > 1:
-        g_prev, _ = _gauss(i - 1, mu, denom, rs, S, HAS_RADIUS)
-        g_next, _ = _gauss(i + 1, mu, denom, rs, S, HAS_RADIUS)
-        has_prev = (i > 0).to(g_mid.dtype)
-        has_next = (i < S - 1).to(g_mid.dtype)
-        G += t0[:, None] * (g_prev * has_prev)[None, :] + t2[:, None] * (g_next * has_next)[None, :]
-        V += t0[:, None] * has_prev[None, :] + t2[:, None] * has_next[None, :]
-    return G, V, g_mid, off
+        g_prev, off_prev = _gauss(i - 1, mu, denom, rs, S, HAS_RADIUS)
+        g_next, off_next = _gauss(i + 1, mu, denom, rs, S, HAS_RADIUS)
+        G += t0[:, None] * tl.where(i > 0, g_prev, 0.0)[None, :]
+        G += t2[:, None] * tl.where(i < S - 1, g_next, 0.0)[None, :]
+    return G
+
+
+@triton.jit
+def _bias_field(dw_ptr, db_ptr, base, i0, i1, i2, offs_c, mask_c, C2, N: tl.constexpr,
+                S0: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr):
+    """The per-pass biases of channels ``base + offs_c`` carried through the later passes
+    (first real axis first): ``((b_0 V_1 + b_1) V_2 + b_2)``, ``(CB, BP)``. Each tap sum
+    ``V`` is made just before it is used (fewer live tiles, fewer registers)."""
+    t0, t1, t2 = _taps(dw_ptr, 2, N, base, offs_c, mask_c, C2)
+    last = _bias(db_ptr, 2, N, base, offs_c, mask_c, C2)
+    if N == 1:
+        field = last[:, None] + (i2 * 0).to(t1.dtype)[None, :]
+    else:
+        if N == 3:
+            field = _bias(db_ptr, 0, N, base, offs_c, mask_c, C2)[:, None] + \
+                (i1 * 0).to(t1.dtype)[None, :]
+            u0, u1, u2 = _taps(dw_ptr, 1, N, base, offs_c, mask_c, C2)
+            field = field * _tap_sums(i1, u0, u1, u2, S1) + \
+                _bias(db_ptr, 1, N, base, offs_c, mask_c, C2)[:, None]
+        else:
+            field = _bias(db_ptr, 1, N, base, offs_c, mask_c, C2)[:, None] + \
+                (i1 * 0).to(t1.dtype)[None, :]
+        field = field * _tap_sums(i2, t0, t1, t2, S2) + last[:, None]
+    return field
 
 
 @triton.jit
@@ -177,23 +198,15 @@ def _conv_input(h_row, content, mu0, mu1, mu2, denom, rs, dw_ptr, db_ptr, offs_c
     P: tl.constexpr = S0 * S1 * S2
     # ---- x half: separable
     tx0, tx1, tx2 = _taps(dw_ptr, 2, N, 0, offs_c, mask_c, C2)
-    G, V, _, _ = _x_axis(i2, mu2, denom, rs, tx0, tx1, tx2, S2, HAS_RADIUS)
+    G = _x_axis(i2, mu2, denom, rs, tx0, tx1, tx2, S2, HAS_RADIUS)
     if N >= 2:
         ty0, ty1, ty2 = _taps(dw_ptr, 1, N, 0, offs_c, mask_c, C2)
-        G1, V1, _, _ = _x_axis(i1, mu1, denom, rs, ty0, ty1, ty2, S1, HAS_RADIUS)
-        G = G * G1
+        G = G * _x_axis(i1, mu1, denom, rs, ty0, ty1, ty2, S1, HAS_RADIUS)
     if N >= 3:
         tz0, tz1, tz2 = _taps(dw_ptr, 0, N, 0, offs_c, mask_c, C2)
-        G0, V0, _, _ = _x_axis(i0, mu0, denom, rs, tz0, tz1, tz2, S0, HAS_RADIUS)
-        G = G * G0
-    # biases carried through the later passes, in pass order (first real axis first)
-    bias_x = tl.zeros_like(G)
-    if N >= 3:
-        bias_x = bias_x * V0 + _bias(db_ptr, 0, N, 0, offs_c, mask_c, C2)[:, None]
-    if N >= 2:
-        bias_x = bias_x * V1 + _bias(db_ptr, 1, N, 0, offs_c, mask_c, C2)[:, None]
-    bias_x = bias_x * V + _bias(db_ptr, 2, N, 0, offs_c, mask_c, C2)[:, None]
-    y_x = content[:, None] * G + bias_x
+        G = G * _x_axis(i0, mu0, denom, rs, tz0, tz1, tz2, S0, HAS_RADIUS)
+    y_x = content[:, None] * G + _bias_field(dw_ptr, db_ptr, 0, i0, i1, i2, offs_c, mask_c,
+                                             C2, N, S0, S1, S2)
     # ---- h half: 3^n gathers (runtime loops: an unrolled 27-way body compiles for minutes)
     LO0: tl.constexpr = 0 if S0 > 1 else 1
     HI0: tl.constexpr = 3 if S0 > 1 else 2
@@ -227,19 +240,7 @@ def _conv_input(h_row, content, mu0, mu1, mu2, denom, rs, dw_ptr, db_ptr, offs_c
                 u = tl.load(h_row + offs_c[:, None] * P + q[None, :],
                             mask=mask_c[:, None] & valid[None, :], other=0.0)
                 y_h += k[:, None] * u
-    hx0, hx1, hx2 = _taps(dw_ptr, 2, N, C, offs_c, mask_c, C2)
-    bias_h = tl.zeros_like(G)
-    if N >= 3:
-        hz0, hz1, hz2 = _taps(dw_ptr, 0, N, C, offs_c, mask_c, C2)
-        bias_h = (bias_h * _tap_sums(i0, hz0, hz1, hz2, S0)
-                  + _bias(db_ptr, 0, N, C, offs_c, mask_c, C2)[:, None])
-    if N >= 2:
-        hy0, hy1, hy2 = _taps(dw_ptr, 1, N, C, offs_c, mask_c, C2)
-        bias_h = (bias_h * _tap_sums(i1, hy0, hy1, hy2, S1)
-                  + _bias(db_ptr, 1, N, C, offs_c, mask_c, C2)[:, None])
-    bias_h = (bias_h * _tap_sums(i2, hx0, hx1, hx2, S2)
-              + _bias(db_ptr, 2, N, C, offs_c, mask_c, C2)[:, None])
-    y_h += bias_h
+    y_h += _bias_field(dw_ptr, db_ptr, C, i0, i1, i2, offs_c, mask_c, C2, N, S0, S1, S2)
     row_ok = mask_c[:, None]
     return tl.where(row_ok, y_x, 0.0), tl.where(row_ok, y_h, 0.0)
 
@@ -324,15 +325,15 @@ def step_fwd_kernel(
         y_x, y_h = _conv_input(h_ptr + row, content, mu0, mu1, mu2, denom, rs, dw_ptr, db_ptr,
                                offs_c, mask_c, i0, i1, i2, offs_p, C, N, S0, S1, S2,
                                HAS_RADIUS)
-        z_i = _mix(y_x, y_h, pw_ptr, pb_ptr, 0, offs_c, mask_c, C, PRECISION)
-        z_f = _mix(y_x, y_h, pw_ptr, pb_ptr, 1, offs_c, mask_c, C, PRECISION)
-        z_o = _mix(y_x, y_h, pw_ptr, pb_ptr, 2, offs_c, mask_c, C, PRECISION)
-        z_g = _mix(y_x, y_h, pw_ptr, pb_ptr, 3, offs_c, mask_c, C, PRECISION)
         at = row + offs_c[:, None] * P + offs_p[None, :]
         mask = mask_c[:, None] & mask_p[None, :]
-        c = tl.load(c_ptr + at, mask=mask, other=0.0)
-        c_new = _sigmoid(z_f) * c + _sigmoid(z_i) * _tanh(z_g)
-        h_new = _sigmoid(z_o) * _tanh(c_new)
+        # one gate quarter at a time, each consumed at once (fewer live tiles)
+        c_new = _sigmoid(_mix(y_x, y_h, pw_ptr, pb_ptr, 1, offs_c, mask_c, C, PRECISION)) \
+            * tl.load(c_ptr + at, mask=mask, other=0.0)
+        c_new += _sigmoid(_mix(y_x, y_h, pw_ptr, pb_ptr, 0, offs_c, mask_c, C, PRECISION)) \
+            * _tanh(_mix(y_x, y_h, pw_ptr, pb_ptr, 3, offs_c, mask_c, C, PRECISION))
+        h_new = _sigmoid(_mix(y_x, y_h, pw_ptr, pb_ptr, 2, offs_c, mask_c, C, PRECISION)) \
+            * _tanh(c_new)
         tl.store(c_out + at, c_new, mask=mask)
         tl.store(h_out + at, h_new, mask=mask)
 
@@ -419,11 +420,6 @@ def step_bwd_a_kernel(
     mu0 = _coord(wc_ptr + bt * N, 0, N)
     mu1 = _coord(wc_ptr + bt * N, 1, N)
     mu2 = _coord(wc_ptr + bt * N, 2, N)
-    zero_w = tl.zeros((CB, CB), dtype=content.dtype)
-    dwx_i, dwx_f, dwx_o, dwx_g = zero_w, zero_w, zero_w, zero_w
-    dwh_i, dwh_f, dwh_o, dwh_g = zero_w, zero_w, zero_w, zero_w
-    zero_b = tl.zeros((CB,), dtype=content.dtype)
-    db_i, db_f, db_o, db_g = zero_b, zero_b, zero_b, zero_b
     for tile in range(pid, TILES, programs):
         offs_p, i0, i1, i2 = _cells(tile, BP, S1, S2)
         mask_p = offs_p < P
@@ -468,19 +464,12 @@ def step_bwd_a_kernel(
         dy_at = b * 2 * C * P + offs_c[:, None] * P + offs_p[None, :]
         tl.store(dy_ptr + dy_at, dy_x, mask=mask)
         tl.store(dy_ptr + dy_at + C * P, dy_h, mask=mask)
-        # pointwise weight and bias gradients
-        dwx_i += tl.dot(dz_i, tl.trans(y_x), input_precision=PRECISION)
-        dwx_f += tl.dot(dz_f, tl.trans(y_x), input_precision=PRECISION)
-        dwx_o += tl.dot(dz_o, tl.trans(y_x), input_precision=PRECISION)
-        dwx_g += tl.dot(dz_g, tl.trans(y_x), input_precision=PRECISION)
-        dwh_i += tl.dot(dz_i, tl.trans(y_h), input_precision=PRECISION)
-        dwh_f += tl.dot(dz_f, tl.trans(y_h), input_precision=PRECISION)
-        dwh_o += tl.dot(dz_o, tl.trans(y_h), input_precision=PRECISION)
-        dwh_g += tl.dot(dz_g, tl.trans(y_h), input_precision=PRECISION)
-        db_i += tl.sum(dz_i, axis=1)
-        db_f += tl.sum(dz_f, axis=1)
-        db_o += tl.sum(dz_o, axis=1)
-        db_g += tl.sum(dz_g, axis=1)
+        # pointwise weight and bias gradients, added to this program's slot tile by tile
+        # (register accumulators for the eight (C, C) blocks would spill)
+        _add_w(dpw_part, slot, 0, dz_i, y_x, y_h, offs_c, mask_c, C, PRECISION)
+        _add_w(dpw_part, slot, 1, dz_f, y_x, y_h, offs_c, mask_c, C, PRECISION)
+        _add_w(dpw_part, slot, 2, dz_o, y_x, y_h, offs_c, mask_c, C, PRECISION)
+        _add_w(dpw_part, slot, 3, dz_g, y_x, y_h, offs_c, mask_c, C, PRECISION)
         # bias-class sums: class per axis 0 = first cell, 1 = interior, 2 = last (S > 1)
         dy_x = tl.where(mask, dy_x, 0.0)
         dy_h = tl.where(mask, dy_h, 0.0)
@@ -497,25 +486,25 @@ def step_bwd_a_kernel(
                     eh = tl.load(e_at + C * 27, mask=mask_c, other=0.0)
                     tl.store(e_at + C * 27, eh + tl.sum(dy_h * sel[None, :], axis=1),
                              mask=mask_c)
-    _add_w(dpw_part, slot, 0, dwx_i, dwh_i, offs_c, mask_c, C)
-    _add_w(dpw_part, slot, 1, dwx_f, dwh_f, offs_c, mask_c, C)
-    _add_w(dpw_part, slot, 2, dwx_o, dwh_o, offs_c, mask_c, C)
-    _add_w(dpw_part, slot, 3, dwx_g, dwh_g, offs_c, mask_c, C)
-    _add_b(dpb_part, slot, 0, db_i, offs_c, mask_c, C)
-    _add_b(dpb_part, slot, 1, db_f, offs_c, mask_c, C)
-    _add_b(dpb_part, slot, 2, db_o, offs_c, mask_c, C)
-    _add_b(dpb_part, slot, 3, db_g, offs_c, mask_c, C)
+        _add_b(dpb_part, slot, 0, tl.sum(dz_i, axis=1), offs_c, mask_c, C)
+        _add_b(dpb_part, slot, 1, tl.sum(dz_f, axis=1), offs_c, mask_c, C)
+        _add_b(dpb_part, slot, 2, tl.sum(dz_o, axis=1), offs_c, mask_c, C)
+        _add_b(dpb_part, slot, 3, tl.sum(dz_g, axis=1), offs_c, mask_c, C)
 
 
 @triton.jit
-def _add_w(part, slot, q: tl.constexpr, d_x, d_h, offs_c, mask_c, C):
+def _add_w(part, slot, q: tl.constexpr, d_z, y_x, y_h, offs_c, mask_c, C,
+           PRECISION: tl.constexpr):
+    """Slot ``(4C, 2C)`` rows of quarter ``q`` += ``d_z y^T`` for both halves."""
     rows = q * C + offs_c
     base = part + slot * 8 * C * C + rows[:, None] * (2 * C)
     mask = mask_c[:, None] & mask_c[None, :]
     at_x = base + offs_c[None, :]
-    tl.store(at_x, tl.load(at_x, mask=mask, other=0.0) + d_x, mask=mask)
+    tl.store(at_x, tl.load(at_x, mask=mask, other=0.0)
+             + tl.dot(d_z, tl.trans(y_x), input_precision=PRECISION), mask=mask)
     at_h = base + C + offs_c[None, :]
-    tl.store(at_h, tl.load(at_h, mask=mask, other=0.0) + d_h, mask=mask)
+    tl.store(at_h, tl.load(at_h, mask=mask, other=0.0)
+             + tl.dot(d_z, tl.trans(y_h), input_precision=PRECISION), mask=mask)
 
 
 @triton.jit
