@@ -6,6 +6,12 @@ BEFORE this step's write; splat ``write_content[:, t]`` around
 ConvLSTM. The backward keeps only the states at every ``checkpoint_every``-th
 step and recomputes the rest (and every step's gates) on the way back, so it
 stores at most ``T + 1`` states, never per-step gate tensors.
+
+A backend may run the whole loop in fused kernels instead: the optional
+``scan_fwd`` / ``scan_bwd`` entries of its :class:`~tmcore._dispatch.Ops` table
+(torch on CUDA: the Triton kernels of ``tmcore.backends._triton``; CuPy: the
+same kernels through DLPack) are tried first, with the same arguments, results
+and checkpoint layout, and return ``None`` to leave the loop below to run.
 """
 
 from __future__ import annotations
