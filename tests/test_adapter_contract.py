@@ -35,7 +35,8 @@ class TorchShim:
 
     def from_state_dict(self, sd, **config):
         model = self.build(**config)
-        model.load_state_dict({k: self.torch.as_tensor(v) for k, v in sd.items()}, strict=True)
+        copies = {k: self.torch.tensor(np.array(v)) for k, v in sd.items()}  # writable
+        model.load_state_dict(copies, strict=True)
         return model
 
     def run(self, model, x, state=None, reset=None):
