@@ -13,8 +13,17 @@ stays a ``jnp.matmul``. The depthwise passes and the gates are
 ``jax.custom_vjp`` functions whose backward is the fused VJP, itself a
 ``custom_vjp`` differentiated through the generic math: ``jax.grad`` through
 tmcore's public functions works to any order (reverse mode; forward mode,
-``jax.jvp``, needs :data:`USE_NATIVE` off or ``TMCORE_NATIVE=0``). Measured at
-the LM config: depthwise passes 1.0 -> 0.13 ms, a training step ~1.6x faster.
+``jax.jvp``, needs ``tmcore.options(native=False)`` or ``TMCORE_NATIVE=0``;
+:data:`USE_NATIVE` is the older module switch). Measured at the LM config:
+depthwise passes 1.0 -> 0.13 ms, a training step ~1.6x faster.
+
+Sharding: the kernels work on a batch axis they do not mix, so they are split
+along it. Inside ``shard_map`` their outputs carry the inputs' varying axes
+(``check_vma=True``); on an explicit mesh whose axes shard the batch they run
+per shard in an internal ``shard_map`` (the taps' gradients ``psum``-ed); with
+several devices they are ``custom_partitioning`` calls, so ``jit`` over Auto
+meshes splits them along the batch instead of gathering it (their ``vmap`` is
+then a loop over the mapped axis, as ``vmap_method="sequential"``).
 
 Imported only when JAX arrays reach tmcore. Everything is traceable under
 ``jax.jit`` (shapes and dtypes are the only Python-level branches; no host
