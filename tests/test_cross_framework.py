@@ -105,3 +105,36 @@ def test_gated_residual_agrees_with_torch():
     print(f"\ntorch vs jax, gated residual: max relative error {max(errors.values()):.2e} "
           f"({max(errors, key=errors.get)})")
     assert max(errors.values()) < TOL, errors
+
+
+def test_checkpointed_layer_agrees_with_torch():
+    """Both adapters' checkpointing scans (every 2nd chunk state kept) give the same
+    outputs and gradients as each other."""
+    torch.manual_seed(4)
+    memory = tm_torch.TensorMemory(D, C, SHAPE, L, sigma_scale=0.7, dtype=torch.float64,
+                                   checkpoint_every=2)
+    with torch.no_grad():
+        for p in memory.cell.parameters():
+            p.add_(0.2 * torch.randn_like(p))
+    sd = {k: v.detach().numpy() for k, v in memory.state_dict().items()}
+    params = tmj.params_from_state_dict(sd)
+    inputs, cotangents = _inputs(5, 14)  # 5 chunks: two full segments and a tail
+    errors = _compare(memory, lambda p, x, s: tmj.apply(p, x, s, sigma_scale=0.7,
+                                                        checkpoint_every=2),
+                      params, inputs, cotangents)
+    assert max(errors.values()) < TOL, errors
+
+
+@pytest.mark.parametrize(("name", "value", "error"), [
+    ("embed_dim", 2.0, TypeError), ("memory_channels", True, TypeError),
+    ("chunk_size", 0, ValueError), ("memory_shape", (3, 0, 2), ValueError),
+])
+def test_config_errors_have_the_same_type(name, value, error):
+    """One config check (tmcore.layer) behind both adapters: same exception type, and the
+    message names the argument."""
+    config = {"embed_dim": D, "memory_channels": C, "memory_shape": SHAPE, "chunk_size": L,
+              name: value}
+    with pytest.raises(error, match=name):
+        tm_torch.TensorMemory(**config)
+    with pytest.raises(error, match=name):
+        tmj.init(jax.random.key(0), **config)
