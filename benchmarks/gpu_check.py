@@ -114,7 +114,9 @@ def triton_compile(arch: int, shapes: list[str], dtype: str) -> int:
             try:
                 compiled = triton.compile(
                     triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=consts),
-                    target=GPUTarget("cuda", arch, 32), options={"num_warps": geo.num_warps})
+                    target=GPUTarget("cuda", arch, 32),
+                    options={"num_warps": geo.fwd_warps if fn is k.step_fwd_kernel
+                             else geo.num_warps})
             except Exception as err:  # noqa: BLE001 - report every kernel
                 failures += 1
                 print(f"FAIL {name} {fn.__name__}: {type(err).__name__}: {str(err)[:300]}")
