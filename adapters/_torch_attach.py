@@ -50,6 +50,13 @@ State = tuple[Tensor, Tensor]
 _AMBIGUOUS: Any = object()  # a record key two live calls shared
 
 
+def _detach(state: Any) -> Any:
+    """A layer's state (``(h, c)`` or a :class:`tmcore.layer.StreamState`), detached."""
+    from tmcore.adapters.torch import detach_state
+
+    return detach_state(state)
+
+
 def _in_backward() -> bool:
     """Whether the autograd engine is running a backward pass in this thread."""
     task = getattr(torch._C, "_current_graph_task_id", None)
@@ -91,10 +98,11 @@ class MemoryHandle:
     ``block.tensor_memory``, so the model's ``parameters()`` include it;
     ``handle.parameters()`` yields the memories' parameters alone, e.g. for a
     separate optimizer group). After every model call, ``handle.state[l]`` is
-    the ``(h, c)`` layer ``l`` reached. With ``streaming=True`` the next call
-    starts from it (per layer in ``causal`` mode; from the last layer's state in
-    ``threaded`` mode), else every call starts from zeros. The hooks assume the
-    blocks run in order, once each, per model call.
+    the state layer ``l`` reached (``(h, c)``; a ``StreamState`` when streaming
+    in ``causal`` mode). With ``streaming=True`` the next call starts from it
+    (per layer in ``causal`` mode; from the last layer's state in ``threaded``
+    mode), else every call starts from zeros. The hooks assume the blocks run in
+    order, once each, per model call.
     """
 
     def __init__(self, blocks: list[nn.Module], memories: list[nn.Module], mode: str,
@@ -110,6 +118,7 @@ class MemoryHandle:
             block.add_module(ATTRIBUTE, memory)
         self.state: list[State] | None = None
         self._reset: Tensor | None = None
+        self._doc_starts: Tensor | None = None
         self._setup_transient()
         self._hooks = [block.register_forward_hook(_Hook(self, layer))
                        for layer, block in enumerate(self._blocks)]
@@ -124,10 +133,11 @@ class MemoryHandle:
         for key in ("_local", "_records", "_lock"):
             state.pop(key)
         if self.state is not None:  # a copy carries the streaming state, not its graph
-            state["state"] = [(h.detach(), c.detach()) for h, c in self.state]
+            state["state"] = [_detach(s) for s in self.state]
         return state
 
     def __setstate__(self, state: dict) -> None:
+        state.setdefault("_doc_starts", None)  # pickled before packed documents
         self.__dict__.update(state)
         self._setup_transient()
 
@@ -181,7 +191,7 @@ class MemoryHandle:
                     f"backward pass (activation checkpointing?) but its forward call is no "
                     f"longer known (more than {_RECORDS_PER_LAYER} calls ago, or its input "
                     f"tensor was changed in place); run backward after each forward")
-            out, _ = memory(x, record[1], reset=record[2])
+            out, _ = memory(x, record[1], reset=record[2], **record[3])
             return out if self.batch_first else out.transpose(0, 1)
         local = self._local
         layers = len(self._blocks)
@@ -190,22 +200,34 @@ class MemoryHandle:
                                               layers)
             local.current = [None] * layers
             local.reset, self._reset = self._reset, None
+            local.doc_starts, self._doc_starts = self._doc_starts, None
         elif getattr(local, "current", None) is None or local.current[layer - 1] is None:
             raise RuntimeError(f"tmcore: block {layer} ran before block {layer - 1} in this call; "
                                f"attached memories need the blocks to run in order, once each")
         init, applies = tl.start_state(self.mode, layer, local.carried,
                                        local.current[layer - 1] if layer else None)
         reset = local.reset if applies else None
+        kwargs = self._stream_kwargs(local.doc_starts)
         if key is not None:
-            self._remember(key, args[0], init, reset)
-        out, state = memory(x, init, reset=reset)
+            self._remember(key, args[0], init, reset, kwargs)
+        out, state = memory(x, init, reset=reset, **kwargs)
         local.current[layer] = state
         if layer == layers - 1:
             self.state = list(local.current)
             local.current, local.carried, local.reset = None, None, None
+            local.doc_starts = None
         return out if self.batch_first else out.transpose(0, 1)
 
-    def _remember(self, key: tuple, x: Tensor, init: Any, reset: Any) -> None:
+    def _stream_kwargs(self, doc_starts: Any) -> dict[str, Any]:
+        """Causal mode streams (the state carries the unfinished chunk, so calls of any
+        lengths equal one long call) when ``streaming`` or packed documents ask for it;
+        threaded mode passes plain ``(h, c)`` between layers."""
+        if self.mode != "causal":
+            return {}
+        return {"stream": self.streaming or doc_starts is not None, "doc_starts": doc_starts}
+
+    def _remember(self, key: tuple, x: Tensor, init: Any, reset: Any,
+                  kwargs: dict[str, Any]) -> None:
         """Keep this call's start of block ``key[0]`` for a recomputation in the backward.
 
         A key seen before whose tensor is gone is stale (its storage was freed and
@@ -215,10 +237,12 @@ class MemoryHandle:
         with self._lock:
             old = self._records.pop(key, None)
             if old is _AMBIGUOUS or (old is not None and old[0]() is x
-                                     and (old[1] is not init or old[2] is not reset)):
+                                     and (old[1] is not init or old[2] is not reset
+                                          or old[3].get("doc_starts")
+                                          is not kwargs.get("doc_starts"))):
                 self._records[key] = _AMBIGUOUS
             else:
-                self._records[key] = (weakref.ref(x), init, reset)
+                self._records[key] = (weakref.ref(x), init, reset, kwargs)
             while len(self._records) > _RECORDS_PER_LAYER * len(self._blocks):
                 self._records.pop(next(iter(self._records)))
 
@@ -228,24 +252,39 @@ class MemoryHandle:
         """Forget the state (``mask=None``), or start the sequences where the
         ``(B,)`` bool ``mask`` is True from zeros at the next call."""
         if mask is None:
-            self.state, self._reset = None, None
+            self.state, self._reset, self._doc_starts = None, None, None
             return
         if not isinstance(mask, Tensor) or mask.dtype != torch.bool:
             raise TypeError(f"mask: expected a bool tensor of shape (B,), got "
                             f"{mask.dtype if isinstance(mask, Tensor) else type(mask).__name__}")
         self._reset = mask if self._reset is None else (self._reset | mask)
 
+    def start_documents(self, doc_starts: Tensor) -> None:
+        """Packed documents in the next call (``causal`` mode): a ``(B, N)`` bool mask,
+        True at each token that starts a document; every layer forgets its state there
+        and restarts its chunk grid, so each document's outputs equal running it alone
+        (:meth:`TensorMemory.forward`'s ``doc_starts``)."""
+        if self.mode != "causal":
+            raise ValueError(f"doc_starts: packed documents need mode='causal', "
+                             f"this handle is {self.mode!r}")
+        if not isinstance(doc_starts, Tensor) or doc_starts.dtype != torch.bool:
+            got = (doc_starts.dtype if isinstance(doc_starts, Tensor)
+                   else type(doc_starts).__name__)
+            raise TypeError(f"doc_starts: expected a bool tensor of shape (B, N), got {got}")
+        self._doc_starts = doc_starts
+
     def detach_state(self) -> None:
         """Cut the graph to the previous calls (truncated backprop through time)."""
         if self.state is not None:
-            self.state = [(h.detach(), c.detach()) for h, c in self.state]
+            self.state = [_detach(s) for s in self.state]
 
     def set_state(self, state: Sequence[State] | None) -> None:
         """Replace the per-layer state (``None``: zeros at the next call)."""
         if state is not None and len(state) != len(self._blocks):
             raise ValueError(f"state: expected {len(self._blocks)} per-layer (h, c) pairs, "
                              f"got {len(state)}")
-        self.state = None if state is None else [tuple(s) for s in state]
+        self.state = None if state is None else [
+            s if isinstance(s, tl.StreamState) else tuple(s) for s in state]
 
     def remove(self) -> None:
         """Remove the hooks and the memory submodules: the model is exactly as before."""
@@ -256,7 +295,7 @@ class MemoryHandle:
                 if ATTRIBUTE in block._modules:
                     delattr(block, ATTRIBUTE)
         self._hooks = []
-        self.state, self._reset = None, None
+        self.state, self._reset, self._doc_starts = None, None, None
         with self._lock:
             self._records.clear()
 
@@ -284,7 +323,10 @@ def attach_memory(
         causal) or ``"threaded"`` (the paper's reference: layer ``l`` starts from
         the state layer ``l-1`` reached after the whole sequence; NOT causal).
     gate_init, norm : as in :class:`MemoryResidual`.
-    streaming : carry ``handle.state`` from one model call to the next.
+    streaming : carry ``handle.state`` from one model call to the next. In ``causal``
+        mode each layer's state is then a :class:`tmcore.layer.StreamState` (it
+        carries the unfinished chunk), so calls of any lengths (one token at a
+        time: generation) equal one long call.
     batch_first : layout of the block outputs; ``None`` reads it from
         ``block.self_attn.batch_first`` when present, else assumes True.
     **memory_kwargs : :class:`TensorMemory` arguments (``embed_dim``, ...);

@@ -62,6 +62,7 @@ __all__ = [
     "ConvLSTMCell",
     "MemoryHandle",
     "MemoryResidual",
+    "StreamState",
     "TensorMemory",
     "attach_memory",
     "convert_reference_state_dict",
@@ -74,6 +75,9 @@ __all__ = [
 
 MODES = tl.MODES
 State = tuple[Tensor, Tensor]
+#: The state between streamed calls (:class:`tmcore.layer.StreamState`): ``(h, c)`` at
+#: the last chunk boundary plus the unfinished chunk's tokens, their count and its read.
+StreamState = tl.StreamState
 _XP = _torch_ops._XP
 
 
@@ -150,11 +154,15 @@ def memory_scan(
 
 
 def detach_state(state: Any) -> Any:
-    """Detach a state ``(h, c)`` or a sequence of them (truncated backprop between calls)."""
+    """Detach a state ``(h, c)``, a :class:`StreamState` or a sequence of them (truncated
+    backprop between calls); non-tensor fields (a stream state's ``count``) are kept."""
     if state is None:
         return None
     if isinstance(state, Tensor):
         return state.detach()
+    if isinstance(state, tl.StreamState):
+        return tl.StreamState(state.h.detach(), state.c.detach(), state.pending.detach(),
+                              state.count, state.read.detach())
     return type(state)(detach_state(s) for s in state) if isinstance(state, tuple) \
         else [detach_state(s) for s in state]
 
@@ -257,10 +265,11 @@ class TensorMemory(nn.Module):
     are ints, Python or NumPy: a float or bool is a ``TypeError``, a size < 1 a
     ``ValueError``). The math per chunk is :class:`tmcore.layer.Layer`'s
     (``layer_class``; a variant subclasses it). A ragged last chunk is
-    zero-padded on the right and the output trimmed. The chunk grid is per
-    call: for streaming to equal one long call, feed pieces whose lengths are
-    multiples of ``chunk_size`` (a ragged piece writes a zero-padded chunk into
-    the state).
+    zero-padded on the right and the output trimmed. Streaming: with
+    ``stream=True`` (or a :class:`StreamState` passed in) the state carries the
+    unfinished chunk, so pieces of any lengths equal one long call; a
+    non-streaming call's ``(h, c)`` has a ragged last chunk (zero-padded)
+    written into it.
     """
 
     layer_class: type[tl.Layer] = _TorchLayer
@@ -373,6 +382,11 @@ class TensorMemory(nn.Module):
                            and torch.is_autocast_enabled(device_type))
         _check_like_params("x", x, ref, check_dtype)
         tl.check_tokens(_XP, x, self.config)
+        if isinstance(state, tl.StreamState):
+            state = tl.stream_state(_XP, state, x, self.config)
+            _check_like_params("state: pending", state.pending, ref, check_dtype)
+            _check_like_params("state: read", state.read, ref, check_dtype)
+            state = (state.h, state.c)
         if state is not None:
             h, c = tl.check_state(_XP, state, x.shape[0], self.config)
             _check_like_params("state: h", h, ref, check_dtype)
@@ -387,16 +401,42 @@ class TensorMemory(nn.Module):
                            radius=config.radius, checkpoint_every=config.checkpoint_every)
 
     def forward(
-        self, x: Tensor, state: State | None = None, *, reset: Tensor | None = None
-    ) -> tuple[Tensor, State]:
+        self, x: Tensor, state: Any = None, *, reset: Tensor | None = None,
+        doc_starts: Tensor | None = None, stream: bool | None = None,
+    ) -> tuple[Tensor, Any]:
         """Run the memory over ``x (B, N, d)``.
 
-        ``state``: ``(h, c)`` from a previous call (``None``: zeros). ``reset``:
-        optional ``(B,)`` bool mask (a float mask is a ``TypeError``); those
-        sequences start from zeros (document boundaries when streaming).
-        Returns ``(out (B, N, d), (h, c))``.
+        ``state``: ``(h, c)`` or a :class:`StreamState` from a previous call
+        (``None``: zeros). ``reset``: optional ``(B,)`` bool mask (a float mask is
+        a ``TypeError``); those sequences start from zeros (document boundaries
+        when streaming).
+
+        ``stream``: return a :class:`StreamState` (``(h, c)`` at the last chunk
+        boundary plus the unfinished chunk), so that pieces of any lengths, one
+        token at a time included, equal one long call
+        (:meth:`tmcore.layer.Layer.forward_stream`). ``None`` (default): stream
+        when ``state`` is a :class:`StreamState` or ``doc_starts`` is given.
+        ``doc_starts``: optional ``(B, N)`` bool mask of document starts (packed
+        documents; each document's outputs equal running it alone; see
+        :func:`tmcore.layer.doc_starts_from_offsets`).
+
+        Returns ``(out (B, N, d), state)``: ``(h, c)`` without streaming (a ragged
+        last chunk is zero-padded and written into it), else a :class:`StreamState`.
         """
+        if stream is None:
+            stream = isinstance(state, tl.StreamState) or doc_starts is not None
         self._check(x, state, reset)
+        if stream:
+            if isinstance(doc_starts, Tensor) and doc_starts.device != x.device:
+                raise ValueError(f"doc_starts: expected a mask on x's device {x.device}, "
+                                 f"got one on {doc_starts.device}")
+            return self.layer.forward_stream(_XP, self.params(), x, state, scan=self._scan,
+                                             reset=reset, doc_starts=doc_starts)
+        if isinstance(state, tl.StreamState):
+            raise ValueError("state: a StreamState continues a stream; pass stream=True "
+                             "(or leave stream=None)")
+        if doc_starts is not None:
+            raise ValueError("doc_starts: packed documents need stream=True (or None)")
         return self.layer.forward(_XP, self.params(), x, state, scan=self._scan, reset=reset)
 
 
@@ -433,15 +473,19 @@ class MemoryResidual(nn.Module):
                                       unexpected_keys, error_msgs)
 
     def forward(
-        self, x: Tensor, state: State | None = None, *, reset: Tensor | None = None
-    ) -> tuple[Tensor, State]:
+        self, x: Tensor, state: Any = None, *, reset: Tensor | None = None,
+        doc_starts: Tensor | None = None, stream: bool | None = None,
+    ) -> tuple[Tensor, Any]:
         """``x (B, N, d)`` -> ``(x + sigmoid(gate) * memory(norm(x), state), new state)``.
 
-        ``state`` and ``reset`` are :meth:`TensorMemory.forward`'s: ``(h, c)`` from
-        the previous call (``None``: zeros) and an optional ``(B,)`` bool mask of
-        sequences that start from zeros. The state returned is the memory's.
+        ``state``, ``reset``, ``doc_starts`` and ``stream`` are
+        :meth:`TensorMemory.forward`'s: ``(h, c)`` or a :class:`StreamState` from the
+        previous call (``None``: zeros), an optional ``(B,)`` bool mask of sequences
+        that start from zeros, an optional ``(B, N)`` mask of document starts. The
+        state returned is the memory's.
         """
-        out, state = self.memory(self.norm(x), state, reset=reset)
+        out, state = self.memory(self.norm(x), state, reset=reset, doc_starts=doc_starts,
+                                 stream=stream)
         return x + torch.sigmoid(self.gate) * out, state
 
 

@@ -1,0 +1,252 @@
+"""Streaming for any split, and packed documents (tmcore.layer.forward_stream, torch adapter).
+
+Contract: feeding a sequence in pieces of ANY lengths (ragged, one token at a time),
+carrying the :class:`tmcore.layer.StreamState`, gives the outputs, the state and the
+gradients of one long call: exactly in float64 (we assert <= 1e-12; in practice the
+results are bit-identical), within 1e-5 in float32. Packed documents (a per-token
+document-start mask): each document's outputs equal running it alone; a document that
+ends mid-chunk does not leak into the next (its chunk grid restarts).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import tmcore  # noqa: E402
+from tmcore import layer as tl  # noqa: E402
+from tmcore.adapters.torch import (  # noqa: E402
+    MemoryResidual,
+    StreamState,
+    TensorMemory,
+    attach_memory,
+    detach_state,
+)
+
+TOL = {torch.float64: 1e-12, torch.float32: 1e-5}
+L = 4
+
+
+def _memory(dtype=torch.float64, seed=0, **kw):
+    torch.manual_seed(seed)
+    return TensorMemory(8, 3, (3, 4), L, dtype=dtype, **kw)
+
+
+def _splits(rng: np.random.Generator, total: int) -> list[int]:
+    cuts = sorted(rng.choice(np.arange(1, total), size=rng.integers(1, 6), replace=False))
+    return [int(b - a) for a, b in zip([0, *cuts], [*cuts, total], strict=True)]
+
+
+def _stream(memory, x, splits, state=None, doc_starts=None):
+    outs, i = [], 0
+    for n in splits:
+        ds = None if doc_starts is None else doc_starts[:, i:i + n]
+        out, state = memory(x[:, i:i + n], state, stream=True, doc_starts=ds)
+        outs.append(out)
+        i += n
+    return torch.cat(outs, dim=1), state
+
+
+def _close(a, b, dtype):
+    assert (a - b).abs().max().item() <= TOL[dtype]
+
+
+def _same_state(s, ref, dtype):
+    assert s.count == ref.count
+    for name in ("h", "c", "pending", "read"):
+        _close(getattr(s, name), getattr(ref, name), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("split", ["ones", "seed0", "seed1", "seed2", "chunks"])
+def test_any_split_equals_one_call(dtype, split):
+    memory = _memory(dtype)
+    x = torch.randn(2, 23, 8, dtype=dtype)
+    full, ref = memory(x, stream=True)
+    old, _ = memory(x)                      # the non-streaming call: same outputs
+    _close(full, old, dtype)
+    splits = ([1] * 23 if split == "ones" else [L] * 5 + [3] if split == "chunks"
+              else _splits(np.random.default_rng(int(split[-1])), 23))
+    out, state = _stream(memory, x, splits)
+    _close(out, full, dtype)
+    _same_state(state, ref, dtype)
+    assert isinstance(state, StreamState) and state.count == (23 % L,) * 2
+
+
+def test_the_old_ragged_call_differs():
+    """Why streaming needs the unfinished chunk: non-streaming ragged pieces differ."""
+    memory = _memory()
+    x = torch.randn(1, 12, 8, dtype=torch.float64)
+    full, _ = memory(x)
+    state, outs = None, []
+    for i in range(12):
+        out, state = memory(x[:, i:i + 1], state, stream=False)
+        outs.append(out)
+    assert (torch.cat(outs, 1) - full).abs().max() > 1e-3
+
+
+def test_gradients_through_the_stream_equal_one_call():
+    memory = _memory()
+    x = torch.randn(2, 13, 8, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(2, 13, 8, dtype=torch.float64)
+
+    def grads(splits):
+        out, state = _stream(memory, x, splits)
+        loss = (out * weight).sum() + state.h.square().sum() + state.read.sum()
+        return torch.autograd.grad(loss, [x, *memory.parameters()])
+
+    for a, b in zip(grads([13]), grads([1, 2, 5, 1, 4]), strict=True):
+        _close(a, b, torch.float64)
+
+
+def test_pair_is_a_chunk_boundary_state():
+    memory = _memory()
+    x = torch.randn(2, 11, 8, dtype=torch.float64)
+    _, pair = memory(x[:, :8])                       # old-style (h, c) after 2 chunks
+    out, state = memory(x[:, 8:], pair, stream=True)
+    full, ref = memory(x, stream=True)
+    _close(out, full[:, 8:], torch.float64)
+    _same_state(state, ref, torch.float64)
+
+
+def test_detach_state_keeps_the_count():
+    memory = _memory()
+    x = torch.randn(1, 6, 8, dtype=torch.float64, requires_grad=True)
+    _, state = memory(x, stream=True)
+    cut = detach_state(state)
+    assert isinstance(cut, StreamState) and cut.count == (2,)
+    assert not any(t.requires_grad for t in (cut.h, cut.c, cut.pending, cut.read))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_packed_documents_equal_each_alone(dtype):
+    memory = _memory(dtype)
+    rng = np.random.default_rng(3)
+    x = torch.randn(2, 29, 8, dtype=dtype)
+    offsets = [[0, 6, 7, 15, 22], [0, 9, 10]]    # boundaries mid-chunk and 1-token documents
+    starts = tl.doc_starts_from_offsets(tl_xp(), offsets, 29)
+    out, state = memory(x, doc_starts=starts)
+    for row, offs in enumerate(offsets):
+        for a, b in zip(offs, [*offs[1:], 29], strict=True):
+            alone, alone_state = memory(x[row:row + 1, a:b], stream=True)
+            _close(out[row:row + 1, a:b], alone, dtype)
+        for name in ("h", "c", "pending", "read"):   # the last document's state
+            _close(getattr(state, name)[row], getattr(alone_state, name)[0], dtype)
+    # packed and streamed in random pieces: the same as one packed call
+    pieces, streamed = _stream(memory, x, _splits(rng, 29), doc_starts=starts)
+    _close(pieces, out, dtype)
+    _same_state(streamed, state, dtype)
+
+
+def tl_xp():
+    from tmcore.adapters import _torch_ops
+
+    return _torch_ops._XP
+
+
+def test_reset_mid_chunk_drops_the_unfinished_chunk():
+    memory = _memory()
+    x = torch.randn(2, 10, 8, dtype=torch.float64)
+    _, state = memory(x[:, :6], stream=True)                 # both rows mid-chunk
+    out, state = memory(x[:, 6:], state, reset=torch.tensor([True, False]))
+    alone, alone_state = memory(x[:1, 6:], stream=True)
+    _close(out[:1], alone, torch.float64)
+    full, ref = memory(x[1:], stream=True)
+    _close(out[1:], full[:, 6:], torch.float64)
+    assert state.count == (alone_state.count[0], ref.count[0])
+
+
+def test_packed_outputs_are_causal():
+    memory = _memory()
+    x = torch.randn(1, 20, 8, dtype=torch.float64)
+    starts = tl.doc_starts_from_offsets(tl_xp(), [0, 7], 20)
+    out, _ = memory(x, doc_starts=starts)
+    for p in (3, 9, 13):
+        y = x.clone()
+        y[:, p:] += 1.0
+        changed, _ = memory(y, doc_starts=starts)
+        assert torch.equal(changed[:, :p], out[:, :p])
+
+
+def test_numpy_layer_streams_exactly():
+    """The framework-free layer with NumPy and tmcore's own scan."""
+    config = tl.layer_config(6, 2, (3, 3), 3)
+    rng = np.random.default_rng(0)
+    params = tl.init_params(np, config, lambda s: rng.uniform(-s.bound, s.bound, s.shape))
+    layer = tl.Layer(config)
+
+    def scan(h, c, inputs):
+        return tmcore.memory_scan(h, c, *inputs, tl.cell_params(params))
+
+    x = rng.standard_normal((2, 14, 6))
+    full, ref = layer.forward_stream(np, params, x, None, scan=scan)
+    state, outs = None, []
+    for i in range(14):
+        out, state = layer.forward_stream(np, params, x[:, i:i + 1], state, scan=scan)
+        outs.append(out)
+    assert np.array_equal(np.concatenate(outs, axis=1), full)
+    assert np.array_equal(state.h, ref.h) and state.count == ref.count == (2, 2)
+
+
+def test_bad_stream_inputs_are_named():
+    memory = _memory()
+    x = torch.randn(2, 5, 8, dtype=torch.float64)
+    _, state = memory(x, stream=True)
+    with pytest.raises(ValueError, match="state.count"):
+        memory(x, state._replace(count=(1, L)))
+    with pytest.raises(ValueError, match="state.pending"):
+        memory(x, state._replace(pending=state.pending[:, :2]))
+    with pytest.raises(TypeError, match="doc_starts"):
+        memory(x, doc_starts=torch.zeros(2, 5))
+    with pytest.raises(ValueError, match="doc_starts"):
+        memory(x, doc_starts=torch.zeros(2, 4, dtype=torch.bool))
+    with pytest.raises(ValueError, match="stream=True"):
+        memory(x, state, stream=False)
+    with pytest.raises(ValueError, match="offsets"):
+        tl.doc_starts_from_offsets(tl_xp(), [0, 3, 3], 5)
+
+
+def test_residual_and_attach_memory_stream_any_split():
+    """attach_memory(streaming=True) in causal mode: calls of any lengths equal one call
+    (position-wise blocks, so only the memories carry context), and packed documents."""
+    class Block(torch.nn.Module):  # not a Sequential: it would call its new submodule
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            return torch.tanh(self.linear(x))
+
+    torch.manual_seed(1)
+    blocks = torch.nn.ModuleList([Block() for _ in range(2)]).double()
+    handle = attach_memory(blocks, "causal", streaming=True, embed_dim=8, memory_channels=3,
+                           memory_shape=(3, 4), chunk_size=L)
+
+    def model(x):
+        for block in blocks:
+            x = block(x)
+        return x
+
+    x = torch.randn(2, 15, 8, dtype=torch.float64)
+    full = model(x)
+    ref = handle.state
+    handle.reset_state()
+    out = torch.cat([model(x[:, i:i + n]) for i, n in ((0, 1), (1, 1), (2, 6), (8, 7))], 1)
+    _close(out, full, torch.float64)
+    for s, r in zip(handle.state, ref, strict=True):
+        _same_state(s, r, torch.float64)
+    handle.detach_state()
+    assert all(isinstance(s, StreamState) for s in handle.state)
+    # packed documents through the handle
+    handle.reset_state()
+    handle.start_documents(tl.doc_starts_from_offsets(tl_xp(), [0, 5], 15).expand(2, 15))
+    packed = model(x)
+    handle.reset_state()
+    alone = model(x[:, 5:])
+    _close(packed[:, 5:], alone, torch.float64)
+    handle.remove()
+    residual = MemoryResidual(_memory())
+    y, state = residual(x[:, :3], stream=True)
+    assert state.count == (3, 3)
