@@ -68,6 +68,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cache", type=Path,
                    help="reuse finished jobs from this folder and add new ones (resumes an "
                         "interrupted run; jobs are deterministic)")
+    p.add_argument("--cached-only", action="store_true",
+                   help="with --cache: assemble the results from the finished jobs only "
+                        "(a row lists the seeds it has)")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bars")
     return p.parse_args(argv)
 
@@ -152,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
                                 progress=not args.no_progress, console=console,
                                 device=args.device, jobs=args.jobs, threads=args.threads,
                                 command=command, hparams=hparams, hparams_from=source,
-                                cache=args.cache)
+                                cache=args.cache, cached_only=args.cached_only)
         results.append(result)
         if args.task == "demo":
             _compare_with_committed(result, console)

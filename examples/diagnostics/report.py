@@ -70,7 +70,7 @@ def _uses_state(result: dict, model: str) -> str:
     rows = [r for r in result["rows"] if r["model"] == model and r["reset"]]
     if not rows:
         return "-"
-    n = len(result["seeds"])
+    n = min(len(r["reset"]) for r in rows)
     drops = [statistics.fmean(r["seeds"][i] - r["reset"][i] for r in rows) for i in range(n)]
     return f"{sum(d >= USE_MARGIN for d in drops)}/{n}"
 
@@ -95,7 +95,9 @@ def table(result: dict) -> tuple[list[str], list[list[str]]]:
     models = list(dict.fromkeys(r["model"] for r in result["rows"]))
     rows = []
     for model in models:
-        rows.append([model, f"{result['params'][model]:,}",
+        have = by[model, settings[0]].get("seed_ids")
+        rows.append([model + (f" (seeds {', '.join(map(str, have))} only)" if have else ""),
+                     f"{result['params'][model]:,}",
                      f"{result['carried'].get(model, 0):,}" if result["carried"].get(model)
                      else "0",
                      *[mean_std(by[model, s]["seeds"]) for s in settings],

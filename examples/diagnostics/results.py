@@ -90,12 +90,16 @@ def build_results(*, task: str, protocol: str, scale: str, command: str, setting
         mine = [r for r in runs if r["model"] == model]
         for setting in settings:
             by_seed = {r["seed"]: r for r in mine if setting in r["accuracy"]}
-            rows.append({
+            have = [s for s in seeds if s in by_seed]
+            row = {
                 "model": model, "setting": setting,
-                "seeds": [round(100 * by_seed[s]["accuracy"][setting], 2) for s in seeds],
-                "reset": [round(100 * by_seed[s]["reset"][setting], 2) for s in seeds
+                "seeds": [round(100 * by_seed[s]["accuracy"][setting], 2) for s in have],
+                "reset": [round(100 * by_seed[s]["reset"][setting], 2) for s in have
                           if by_seed[s].get("reset")],
-            })
+            }
+            if have != seeds:  # an assembly of finished jobs (--cached-only) lacks some
+                row["seed_ids"] = have
+            rows.append(row)
     return {
         "task": task, "protocol": protocol, "scale": scale, "command": command,
         **commit_info(), "config": config, "environment": environment,

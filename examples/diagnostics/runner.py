@@ -267,9 +267,14 @@ class _Cache:
     def get(self, job: Job) -> dict | None:
         if self.folder is None:
             return None
-        key = _job_key(job)
-        path, weights = self.folder / f"{key}.json", self.folder / f"{key}.pt"
-        if not path.exists() or (job.keep_state and not weights.exists()):
+        # the key holds the run's seed list too: a job finished by a one-seed run
+        # (``--seeds 1``) is the same job as in a run over every seed
+        alone = replace(job, train=replace(job.train, seeds=(job.seed,)))
+        for key in dict.fromkeys((_job_key(job), _job_key(alone))):
+            path, weights = self.folder / f"{key}.json", self.folder / f"{key}.pt"
+            if path.exists() and (weights.exists() or not job.keep_state):
+                break
+        else:
             return None
         output = json.loads(path.read_text())["output"]
         if job.keep_state:
@@ -292,11 +297,17 @@ class _Cache:
 
 
 def _execute(jobs: list[Job], n_workers: int, console: Console, label: str,
-             cache: Path | None = None) -> list[dict]:
+             cache: Path | None = None, cached_only: bool = False) -> list[dict]:
     """Run ``jobs`` inline (``n_workers <= 1``) or in spawned worker processes; results in
     job order either way. ``cache``: a folder of finished jobs to reuse and extend."""
     store = _Cache(cache)
     cached = [store.get(job) for job in jobs]
+    if cached_only:  # assemble what has finished; the missing jobs are left out
+        missing = sum(hit is None for hit in cached)
+        if missing:
+            console.print(f"  [yellow]{label}: {missing} job(s) not in the cache, left "
+                          f"out[/yellow]")
+        return [hit for hit in cached if hit is not None]
     todo = [job for job, hit in zip(jobs, cached, strict=True) if hit is None]
     if len(todo) < len(jobs):
         console.print(f"  [dim]{label}: {len(jobs) - len(todo)} job(s) from the cache[/dim]")
@@ -347,7 +358,8 @@ def run_experiment(exp: Experiment, out_dir: Path, *, framework: str = "torch",
                    progress: bool = True, console: Console | None = None,
                    device: str = "cpu", jobs: int = 1, threads: int = 1,
                    command: str = "", hparams: dict | None = None,
-                   hparams_from: str | None = None, cache: Path | None = None) -> dict:
+                   hparams_from: str | None = None, cache: Path | None = None,
+                   cached_only: bool = False) -> dict:
     """Train every row for every seed, evaluate, print the table, write the results file.
 
     ``hparams``: ``{row label: {"lr": ..., "forget_bias": ...}}`` (from a tuning
@@ -387,7 +399,8 @@ def run_experiment(exp: Experiment, out_dir: Path, *, framework: str = "torch",
             for seed in exp.train.seeds for entry in exp.entries for group in groups]
         if device != "cpu":
             raise SystemExit("this runner trains on the CPU (each job pins its threads)")
-        outputs = _execute(job_list, jobs, console, f"{task.name}/{exp.protocol}", cache)
+        outputs = _execute(job_list, jobs, console, f"{task.name}/{exp.protocol}", cache,
+                           cached_only)
     runs = [o["run"] for o in outputs]
     carried = {}
     for o in outputs:
