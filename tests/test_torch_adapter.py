@@ -571,11 +571,12 @@ def test_attached_streaming_state_reset_and_detach():
     handle.reset_state()
     pieces = [model(x[:, :4]), model(x[:, 4:6])]
     handle.detach_state()
-    assert all(h.grad_fn is None for h, _ in handle.state)
+    assert all(s[0].grad_fn is None for s in handle.state)  # s: a StreamState (h, c, ...)
     pieces.append(model(x[:, 6:]))
     assert torch.equal(torch.cat(pieces, 1).detach(), whole.detach())
-    for (h, c), (h2, c2) in zip(handle.state, whole_state, strict=True):
-        assert torch.equal(h.detach(), h2.detach()) and torch.equal(c.detach(), c2.detach())
+    for s, s2 in zip(handle.state, whole_state, strict=True):
+        assert torch.equal(s[0].detach(), s2[0].detach())
+        assert torch.equal(s[1].detach(), s2[1].detach())
     # a document boundary in sequence 0 only
     handle.reset_state(torch.tensor([True, False]))
     after_reset = model(x[:, :4])

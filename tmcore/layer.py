@@ -869,7 +869,6 @@ def _forward_stream(layer: Layer, xp: Any, params: Params, x: Any, state: Any, *
                       xp.zeros_like(x[0, :1, :])], axis=0)              # + a zero row (-1)
     def take(table: Any, index: list[int]) -> Any:
         return xp.take(table, xp.asarray(index, dtype=xp.int64, device=device), axis=0)
-    chunks = xp.reshape(take(flat, plan.gather), (batch, plan.steps, length, d))
     # the continued unfinished chunk whose read is already known: nothing to scan
     only_pending = plan.steps == 1 and all(
         0 < k and not r[0] and cap == 0
@@ -878,6 +877,7 @@ def _forward_stream(layer: Layer, xp: Any, params: Params, x: Any, state: Any, *
         reads = st.read[:, None, :]
         h, c = st.h, st.c
     else:
+        chunks = xp.reshape(take(flat, plan.gather), (batch, plan.steps, length, d))
         reads, h, c = _segmented_scan(layer, xp, params, chunks, st, plan, scan)
     out_rows = xp.stack([layer.read_out(xp, params, reads[:, t, ...])
                          for t in range(plan.steps)], axis=1)           # (B, T, d)

@@ -1,0 +1,165 @@
+"""Token-by-token generation: tokens/s and memory vs context length, with and without
+Tensor Memory, full attention vs a sliding window (examples/lm/model.py's TinyLM).
+
+Each (model, context) runs in a fresh process (``benchmarks.common.run_isolated``,
+one thread): the prompt of ``context`` random bytes is prefilled in pieces of
+``--piece`` tokens (chunked prefill, through the same cache), then ``--decode``
+tokens are decoded one at a time (greedy). Reported per row: decode tokens/s (one decode
+pass after a warm-up call, timed end to end), the bytes
+the decoding cache holds between steps (keys/values plus the memory's
+``StreamState``; exact, from the tensors), and the growth of the process's peak
+resident set during prefill + decode (``peak_rss_growth``).
+
+    python -m benchmarks.generation            # CPU, ~1-2 minutes
+    python -m benchmarks.generation --tiny     # seconds (smoke)
+
+Writes ``benchmarks/results/generation.json`` (``command``, ``commit``, ``config``,
+``machine``, ``rows``) and prints the Markdown table the README shows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+KINDS = {  # name -> (window, memory)
+    "attention": (None, False),
+    "attention+memory": (None, True),
+    "window": (64, False),
+    "window+memory": (64, True),
+}
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                       "generation.json")
+
+
+def _config(args: argparse.Namespace, kind: str):
+    from examples.lm.model import LMConfig
+
+    window, memory = KINDS[kind]
+    return LMConfig(width=args.width, layers=args.layers, heads=args.heads, window=window,
+                    memory=memory, memory_channels=args.channels,
+                    memory_shape=tuple(args.grid), chunk_size=args.chunk)
+
+
+def measure(args: argparse.Namespace, kind: str, context: int) -> dict:
+    """One (model, context) row, in this process."""
+    import torch
+
+    from benchmarks.common import peak_rss_growth
+    from examples.lm.model import TinyLM, cache_bytes
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = TinyLM(_config(args, kind)).eval()
+    prompt = torch.randint(0, 256, (1, context), generator=torch.Generator().manual_seed(1))
+    times: dict = {}
+    with torch.no_grad():  # warm-up outside the measurement (kernel caches, allocator)
+        model(prompt[:, :2 * args.chunk + 1])
+
+    @torch.no_grad()
+    def run():
+        start = time.perf_counter()
+        cache = None
+        for i in range(0, context, args.piece):
+            logits, cache = model(prompt[:, i:i + args.piece], cache)
+        times["prefill_s"] = time.perf_counter() - start
+        token = logits[:, -1:].argmax(-1)
+        start = time.perf_counter()
+        for _ in range(args.decode):
+            logits, cache = model(token, cache)
+            token = logits[:, -1:].argmax(-1)
+        times["decode_s"] = time.perf_counter() - start
+        times["cache_bytes"] = cache_bytes(cache)
+        return cache
+
+    peak = peak_rss_growth(run)
+    return {"model": kind, "context": context,
+            "decode_tokens_per_s": args.decode / times["decode_s"],
+            "prefill_tokens_per_s": context / times["prefill_s"],
+            "cache_bytes": times["cache_bytes"], "peak_rss_growth_bytes": peak,
+            "params": sum(p.numel() for p in model.parameters())}
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                              cwd=os.path.dirname(RESULTS)).stdout.strip()
+    except OSError:
+        return "unknown"
+
+
+def table(result: dict) -> str:
+    """The Markdown table of a results dict (README)."""
+    lines = ["| model | context | decode tokens/s | prefill tokens/s | cache held | "
+             "peak RSS growth |", "|---|---:|---:|---:|---:|---:|"]
+    for r in result["rows"]:
+        if "error" in r:
+            lines.append(f"| {r['model']} | {r['context']} | error | | | |")
+            continue
+        lines.append(f"| {r['model']} | {r['context']} | {r['decode_tokens_per_s']:.0f} | "
+                     f"{r['prefill_tokens_per_s']:.0f} | {r['cache_bytes'] / 2**10:.0f} KiB | "
+                     f"{r['peak_rss_growth_bytes'] / 2**20:.1f} MiB |")
+    return "\n".join(lines)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--contexts", type=int, nargs="+", default=[256, 1024, 4096])
+    p.add_argument("--kinds", nargs="+", default=list(KINDS), choices=list(KINDS))
+    p.add_argument("--decode", type=int, default=64, help="tokens decoded one at a time")
+    p.add_argument("--piece", type=int, default=512, help="prefill piece length")
+    p.add_argument("--width", type=int, default=128)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--channels", type=int, default=16)
+    p.add_argument("--grid", type=int, nargs="+", default=[8, 8, 8])
+    p.add_argument("--chunk", type=int, default=16)
+    p.add_argument("--tiny", action="store_true", help="a few seconds: small sizes, no file")
+    p.add_argument("--out", default=RESULTS)
+    p.add_argument("--one", nargs=2, metavar=("KIND", "CONTEXT"), help=argparse.SUPPRESS)
+    return p
+
+
+def main(argv: list[str] | None = None) -> dict:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parser().parse_args(argv)
+    if args.tiny:
+        args.contexts, args.decode, args.width, args.layers = [32, 64], 8, 32, 2
+        args.grid, args.channels, args.chunk, args.piece = [3, 3, 3], 4, 4, 16
+    if args.one:
+        row = measure(args, args.one[0], int(args.one[1]))
+        print(json.dumps(row))
+        return row
+    from benchmarks.common import machine_line, run_isolated
+
+    base = [a for a in argv if a != "--tiny"] if not args.tiny else argv
+    rows = []
+    for context in args.contexts:
+        for kind in args.kinds:
+            row = run_isolated("benchmarks.generation", [*base, "--one", kind, str(context)])
+            row.setdefault("model", kind)
+            row.setdefault("context", context)
+            rows.append(row)
+            print(json.dumps(row), file=sys.stderr)
+    config = {k: getattr(args, k) for k in ("contexts", "kinds", "decode", "piece", "width",
+                                            "layers", "heads", "channels", "grid", "chunk")}
+    config["window"] = 64
+    config["batch"] = 1
+    config["dtype"] = "float32"
+    config["threads"] = 1
+    result = {"command": "python -m benchmarks.generation " + " ".join(argv),
+              "commit": _commit(), "machine": machine_line(), "config": config, "rows": rows}
+    if not args.tiny:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+            f.write("\n")
+    print(table(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()
