@@ -35,7 +35,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
     p = argparse.ArgumentParser(prog="python -m examples.image", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("command", nargs="?", default="run", choices=["run", "render"])
+    p.add_argument("command", nargs="?", default="run", choices=["run", "render", "timing"])
+    p.add_argument("--rounds", type=int, default=20, help="timing: timed steps per model")
     p.add_argument("--full", action="store_true", help="larger sizes, meant for a GPU")
     p.add_argument("--tiny", action="store_true", help="a few steps on tiny inputs (smoke)")
     p.add_argument("--data", type=Path, help="an ImageFolder-style directory root/<class>/<image> "
@@ -67,19 +68,8 @@ def render(check: bool = False) -> bool:
     return render_readme({"image": lambda: markdown(result, COMMITTED)}, check=check)
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = parse_args(argv)
-    if args.command == "render":
-        stale = render(args.check)
-        print(("stale" if args.check else "rendered") if stale else "up to date")
-        return 1 if (args.check and stale) else 0
-    from tqdm.auto import tqdm
-
-    from examples.image.common import commit_info, write_json
-    from examples.image.report import build_results, picture, plot_metrics
-    from examples.image.runner import load, run_one
-    from examples.image.train import LABELS, SCALES
+def _config(args: argparse.Namespace):
+    from examples.image.train import SCALES
 
     if args.full and args.tiny:
         raise SystemExit("--full and --tiny are exclusive")
@@ -91,6 +81,42 @@ def main(argv: list[str] | None = None) -> int:
         config.steps = args.steps
     if args.models:
         config.models = tuple(args.models)
+    return scale, config
+
+
+def timing(args: argparse.Namespace, argv: list[str]) -> int:
+    """Interleaved step times (:mod:`examples.image.timing`) -> ``<out>/results/timing.json``."""
+    from examples.image.common import md_table, write_json
+    from examples.image.timing import measure
+
+    scale, config = _config(args)
+    command = "python -m examples.image " + " ".join(shlex.quote(a) for a in argv)
+    result = measure(config, args.rounds, command, args.threads, args.device)
+    name = "timing" if scale == "cpu" else f"timing-{scale}"
+    write_json(result, args.out / "results" / f"{name}.json")
+    print(md_table(["model", "median ms per step, per seed"],
+                   [[r["model"], ", ".join(f"{v:.0f}" for v in r["seeds"])]
+                    for r in result["rows"]]))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    if args.command == "render":
+        stale = render(args.check)
+        print(("stale" if args.check else "rendered") if stale else "up to date")
+        return 1 if (args.check and stale) else 0
+    if args.command == "timing":
+        return timing(args, argv)
+    from tqdm.auto import tqdm
+
+    from examples.image.common import commit_info, write_json
+    from examples.image.report import build_results, picture, plot_metrics
+    from examples.image.runner import load, run_one
+    from examples.image.train import LABELS
+
+    scale, config = _config(args)
     name = COMMITTED if scale == "cpu" else f"{COMMITTED}-{scale}"
     if args.data:
         name = f"{COMMITTED}-{args.data.resolve().name}" + ("" if scale == "cpu" else f"-{scale}")

@@ -124,3 +124,22 @@ def render_readme(renderers: dict[str, Callable[[], str]], check: bool = False,
     if new != old and not check:
         path.write_text(new)
     return new != old
+
+
+def interleaved_ms(steps: dict[str, Callable[[], None]], count: int, warmup: int = 3
+                   ) -> dict[str, list[float]]:
+    """Wall-clock (ms) of ``count`` calls of each training-step closure, taken in turn
+    (the order rotates every round) so that a machine whose load changes slows every
+    model alike; ``warmup`` rounds first are not timed."""
+    import time
+
+    names = list(steps)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for round_ in range(warmup + count):
+        shift = round_ % len(names)
+        for name in names[shift:] + names[:shift]:
+            start = time.perf_counter()
+            steps[name]()
+            if round_ >= warmup:
+                times[name].append(1000 * (time.perf_counter() - start))
+    return times
