@@ -54,3 +54,11 @@ def test_model_is_causal():
             out, _ = model(changed)
             assert torch.equal(out[:, :p], base[:, :p])
             assert not torch.equal(out[:, p], base[:, p])
+
+
+def test_generate_cli_runs():
+    from examples.lm.generate import corpus, main
+
+    assert corpus().numel() > 100_000  # CPython's help topics, bundled with Python
+    text = main(["--steps", "1", "--tokens", "3", "--window", "8"])
+    assert isinstance(text, str)
