@@ -42,7 +42,7 @@ def train(model: TinyLM, data: torch.Tensor, steps: int, *, batch: int = 16,
         opt.zero_grad()
         loss.backward()
         opt.step()
-    return float(loss)
+    return float(loss.detach())
 
 
 def main(argv: list[str] | None = None) -> str:
