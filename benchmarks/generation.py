@@ -4,8 +4,8 @@ Tensor Memory, full attention vs a sliding window (examples/lm/model.py's TinyLM
 Each (model, context) runs in a fresh process (``benchmarks.common.run_isolated``,
 one thread): the prompt of ``context`` random bytes is prefilled in pieces of
 ``--piece`` tokens (chunked prefill, through the same cache), then ``--decode``
-tokens are decoded one at a time (greedy). Reported per row: decode tokens/s (one decode
-pass after a warm-up call, timed end to end), the bytes
+tokens are decoded one at a time (greedy). Reported per row: decode tokens/s (the fastest
+of ``--passes`` consecutive decode passes, each continuing the cache), the bytes
 the decoding cache holds between steps (keys/values plus the memory's
 ``StreamState``; exact, from the tensors), and the growth of the process's peak
 resident set during prefill + decode (``peak_rss_growth``).
@@ -68,11 +68,14 @@ def measure(args: argparse.Namespace, kind: str, context: int) -> dict:
             logits, cache = model(prompt[:, i:i + args.piece], cache)
         times["prefill_s"] = time.perf_counter() - start
         token = logits[:, -1:].argmax(-1)
-        start = time.perf_counter()
-        for _ in range(args.decode):
-            logits, cache = model(token, cache)
-            token = logits[:, -1:].argmax(-1)
-        times["decode_s"] = time.perf_counter() - start
+        passes = []
+        for _ in range(args.passes):  # the least disturbed pass (a shared machine)
+            start = time.perf_counter()
+            for _ in range(args.decode):
+                logits, cache = model(token, cache)
+                token = logits[:, -1:].argmax(-1)
+            passes.append(time.perf_counter() - start)
+        times["decode_s"] = min(passes)
         times["cache_bytes"] = cache_bytes(cache)
         return cache
 
@@ -111,6 +114,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--contexts", type=int, nargs="+", default=[256, 1024, 4096])
     p.add_argument("--kinds", nargs="+", default=list(KINDS), choices=list(KINDS))
     p.add_argument("--decode", type=int, default=64, help="tokens decoded one at a time")
+    p.add_argument("--passes", type=int, default=3, help="decode passes; the fastest counts")
     p.add_argument("--piece", type=int, default=512, help="prefill piece length")
     p.add_argument("--width", type=int, default=128)
     p.add_argument("--layers", type=int, default=4)
@@ -129,6 +133,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser().parse_args(argv)
     if args.tiny:
         args.contexts, args.decode, args.width, args.layers = [32, 64], 8, 32, 2
+        args.passes = 1
         args.grid, args.channels, args.chunk, args.piece = [3, 3, 3], 4, 4, 16
     if args.one:
         row = measure(args, args.one[0], int(args.one[1]))
@@ -145,8 +150,9 @@ def main(argv: list[str] | None = None) -> dict:
             row.setdefault("context", context)
             rows.append(row)
             print(json.dumps(row), file=sys.stderr)
-    config = {k: getattr(args, k) for k in ("contexts", "kinds", "decode", "piece", "width",
-                                            "layers", "heads", "channels", "grid", "chunk")}
+    config = {k: getattr(args, k) for k in ("contexts", "kinds", "decode", "passes", "piece",
+                                            "width", "layers", "heads", "channels", "grid",
+                                            "chunk")}
     config["window"] = 64
     config["batch"] = 1
     config["dtype"] = "float32"
