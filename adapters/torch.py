@@ -68,6 +68,7 @@ __all__ = [
     "convert_reference_state_dict",
     "detach_memory",
     "detach_state",
+    "doc_starts_from_offsets",
     "gaussian_splat",
     "memory_scan",
     "trilinear_sample",
@@ -165,6 +166,14 @@ def detach_state(state: Any) -> Any:
                               state.count, state.read.detach())
     return type(state)(detach_state(s) for s in state) if isinstance(state, tuple) \
         else [detach_state(s) for s in state]
+
+
+def doc_starts_from_offsets(offsets: Sequence[Any], tokens: int, *, device: Any = None
+                            ) -> Tensor:
+    """``cu_seqlens``-style document offsets (one row, or one list per row) to the bool
+    ``(B, tokens)`` mask :meth:`TensorMemory.forward` takes as ``doc_starts``
+    (:func:`tmcore.layer.doc_starts_from_offsets`)."""
+    return tl.doc_starts_from_offsets(_XP, offsets, tokens, device=device)
 
 
 # --------------------------------------------------------------------------- layer

@@ -23,6 +23,7 @@ from tmcore.adapters.torch import (  # noqa: E402
     TensorMemory,
     attach_memory,
     detach_state,
+    doc_starts_from_offsets,
 )
 
 TOL = {torch.float64: 1e-12, torch.float32: 1e-5}
@@ -126,7 +127,7 @@ def test_packed_documents_equal_each_alone(dtype):
     rng = np.random.default_rng(3)
     x = torch.randn(2, 29, 8, dtype=dtype)
     offsets = [[0, 6, 7, 15, 22], [0, 9, 10]]    # boundaries mid-chunk and 1-token documents
-    starts = tl.doc_starts_from_offsets(tl_xp(), offsets, 29)
+    starts = doc_starts_from_offsets(offsets, 29)
     out, state = memory(x, doc_starts=starts)
     for row, offs in enumerate(offsets):
         for a, b in zip(offs, [*offs[1:], 29], strict=True):
@@ -138,12 +139,6 @@ def test_packed_documents_equal_each_alone(dtype):
     pieces, streamed = _stream(memory, x, _splits(rng, 29), doc_starts=starts)
     _close(pieces, out, dtype)
     _same_state(streamed, state, dtype)
-
-
-def tl_xp():
-    from tmcore.adapters import _torch_ops
-
-    return _torch_ops._XP
 
 
 def test_reset_mid_chunk_drops_the_unfinished_chunk():
@@ -161,7 +156,7 @@ def test_reset_mid_chunk_drops_the_unfinished_chunk():
 def test_packed_outputs_are_causal():
     memory = _memory()
     x = torch.randn(1, 20, 8, dtype=torch.float64)
-    starts = tl.doc_starts_from_offsets(tl_xp(), [0, 7], 20)
+    starts = doc_starts_from_offsets([0, 7], 20)
     out, _ = memory(x, doc_starts=starts)
     for p in (3, 9, 13):
         y = x.clone()
@@ -205,7 +200,7 @@ def test_bad_stream_inputs_are_named():
     with pytest.raises(ValueError, match="stream=True"):
         memory(x, state, stream=False)
     with pytest.raises(ValueError, match="offsets"):
-        tl.doc_starts_from_offsets(tl_xp(), [0, 3, 3], 5)
+        doc_starts_from_offsets([0, 3, 3], 5)
 
 
 def test_residual_and_attach_memory_stream_any_split():
@@ -241,7 +236,7 @@ def test_residual_and_attach_memory_stream_any_split():
     assert all(isinstance(s, StreamState) for s in handle.state)
     # packed documents through the handle
     handle.reset_state()
-    handle.start_documents(tl.doc_starts_from_offsets(tl_xp(), [0, 5], 15).expand(2, 15))
+    handle.start_documents(doc_starts_from_offsets([0, 5], 15).expand(2, 15))
     packed = model(x)
     handle.reset_state()
     alone = model(x[:, 5:])
