@@ -65,7 +65,9 @@ def render(check: bool = False) -> bool:
     result = json.loads(path.read_text())
     if not check:
         plot_metrics(result, HERE / "figures" / "metrics.png")
-    return render_readme({"image": lambda: markdown(result, COMMITTED)}, check=check)
+    timing_path = HERE / "results" / "timing.json"
+    timing = json.loads(timing_path.read_text()) if timing_path.exists() else None
+    return render_readme({"image": lambda: markdown(result, COMMITTED, timing)}, check=check)
 
 
 def _config(args: argparse.Namespace):

@@ -59,8 +59,15 @@ def _values(result: dict, model: str, metric: str, where: str) -> list[float]:
                 if r["model"] == model and r["metric"] == metric and r["setting"] == where)
 
 
-def table(result: dict) -> tuple[list[str], list[list[str]]]:
-    """``(header, rows)``: PSNR and SSIM per mask ratio, mean ± std over seeds."""
+def _step_ms(result: dict, model: str) -> list[float]:
+    return next(r["seeds"] for r in result["rows"]
+                if r["model"] == model and r["metric"] == "step_ms")
+
+
+def table(result: dict, timing: dict | None = None) -> tuple[list[str], list[list[str]]]:
+    """``(header, rows)``: PSNR and SSIM per mask ratio, mean ± std over seeds; ms per
+    training step from ``timing`` (the interleaved measurement) when given."""
+    source = timing if timing is not None else result
     ratios = [setting(r) for r in result["config"]["ratios"]]
     models = list(result["params"])
     header = ["model", "params", "ms / step",
@@ -68,13 +75,13 @@ def table(result: dict) -> tuple[list[str], list[list[str]]]:
     rows = []
     for m in models:
         rows.append([LABELS.get(m, m), f"{result['params'][m]:,}",
-                     f"{statistics.fmean(_values(result, m, 'step_ms', 'train')):.0f}",
+                     f"{statistics.fmean(_step_ms(source, m)):.0f}",
                      *[mean_std(_values(result, m, "psnr", s)) for s in ratios],
                      *[mean_std(_values(result, m, "ssim", s), 3) for s in ratios]])
     return header, rows
 
 
-def markdown(result: dict, name: str) -> str:
+def markdown(result: dict, name: str, timing: dict | None = None) -> str:
     """Title line, table and source line (the README block)."""
     c = result["config"]
     head = (f"*Masked-patch reconstruction, {result['data']}: {c['size']}x{c['size']} images, "
@@ -87,7 +94,11 @@ def markdown(result: dict, name: str) -> str:
               f"{' + uncommitted changes' if result.get('dirty') else ''} "
               f"({env['threads']} torch thread(s) on {env['device']}, "
               f"{result['seconds'] / 60:.1f} min in all).")
-    header, rows = table(result)
+    if timing is not None:
+        source += (f" Step times: `examples/image/results/timing.json`, made by "
+                   f"`{timing['command']}` (the models take steps in turn on one batch, "
+                   f"median of {timing['config']['rounds']} steps per seed).")
+    header, rows = table(result, timing)
     return "\n\n".join([head, md_table(header, rows), source]) + "\n"
 
 

@@ -62,9 +62,11 @@ def render(check: bool = False) -> bool:
     from examples.video.report import markdown, plot_results
 
     result = json.loads((HERE / "results" / f"{COMMITTED}.json").read_text())
+    timing_path = HERE / "results" / "timing.json"
+    timing = json.loads(timing_path.read_text()) if timing_path.exists() else None
     if not check:
-        plot_results(result, HERE / "figures" / "accuracy.png")
-    return render_readme({"video": lambda: markdown(result, COMMITTED)}, check=check)
+        plot_results(result, HERE / "figures" / "accuracy.png", timing)
+    return render_readme({"video": lambda: markdown(result, COMMITTED, timing)}, check=check)
 
 
 def _config(args: argparse.Namespace):

@@ -53,15 +53,17 @@ def _values(result: dict, model: str, metric: str) -> list[float]:
                 if r["model"] == model and r["metric"] == metric)
 
 
-def table(result: dict) -> tuple[list[str], list[list[str]]]:
+def table(result: dict, timing: dict | None = None) -> tuple[list[str], list[list[str]]]:
     """``(header, rows)``: top-1 / top-5 % and ms per training step, mean ± std over seeds,
-    and the step time relative to the first model."""
+    and the step time relative to the first model. Step times come from ``timing`` (the
+    interleaved measurement, :mod:`examples.video.timing`) when given, else from training."""
     models = list(result["params"])
-    base = statistics.fmean(_values(result, models[0], "step_ms"))
+    source = timing if timing is not None else result
+    base = statistics.fmean(_values(source, models[0], "step_ms"))
     header = ["model", "params", "top-1 %", "top-5 %", "ms / step", "step time"]
     rows = []
     for m in models:
-        ms = _values(result, m, "step_ms")
+        ms = _values(source, m, "step_ms")
         rows.append([LABELS.get(m, m), f"{result['params'][m]:,}",
                      mean_std(_values(result, m, "top1"), 1),
                      mean_std(_values(result, m, "top5"), 1), mean_std(ms, 0),
@@ -69,12 +71,13 @@ def table(result: dict) -> tuple[list[str], list[list[str]]]:
     return header, rows
 
 
-def markdown(result: dict, name: str) -> str:
+def markdown(result: dict, name: str, timing: dict | None = None) -> str:
     """Title line, table and source line (the README block)."""
     c = result["config"]
     head = (f"*Action recognition, {result['data']}: {len(result['classes'])} classes, "
-            f"{c['frames']} frames of {c['size']}x{c['size']}, {c['patch']}x{c['patch']} "
-            f"patches ({c['grid'][0]}x{c['grid'][1]}x{c['grid'][2]} tokens), width "
+            f"{c['frames']} frames of {c['size']}x{c['size']}, tubelets of {c.get('tube', 1)} "
+            f"frames x {c['patch']}x{c['patch']} pixels "
+            f"({c['grid'][0]}x{c['grid'][1]}x{c['grid'][2]} tokens), width "
             f"{c['width']}, depth {c['depth']}, {c['steps']} steps of {c['batch']} clips; "
             f"held-out clips; mean ± std over seeds {result['seeds']}.*")
     env = result["environment"]
@@ -82,13 +85,18 @@ def markdown(result: dict, name: str) -> str:
               f"commit {(result.get('commit') or 'unknown')[:10]}"
               f"{' + uncommitted changes' if result.get('dirty') else ''} "
               f"({env['threads']} torch thread(s) on {env['device']}, "
-              f"{result['seconds'] / 60:.1f} min in all; step times from a shared machine).")
-    header, rows = table(result)
+              f"{result['seconds'] / 60:.1f} min in all).")
+    if timing is not None:
+        source += (f" Step times: `examples/video/results/timing.json`, made by "
+                   f"`{timing['command']}` (the models take steps in turn on one batch, "
+                   f"median of {timing['config']['rounds']} steps per seed).")
+    header, rows = table(result, timing)
     return "\n\n".join([head, md_table(header, rows), source]) + "\n"
 
 
-def plot_results(result: dict, path: Path) -> None:
-    """Top-1 / top-5 accuracy and ms per step per model (bars: mean; ticks: std)."""
+def plot_results(result: dict, path: Path, timing: dict | None = None) -> None:
+    """Top-1 / top-5 accuracy and ms per step per model (bars: mean; ticks: std); step
+    times from ``timing`` (the interleaved measurement) when given."""
     models = list(result["params"])
     names = [LABELS.get(m, m) for m in models]
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.2))
@@ -100,7 +108,7 @@ def plot_results(result: dict, path: Path) -> None:
                     capsize=3, label=metric.replace("top", "top-"))
     axes[0].set_ylabel("held-out accuracy %")
     axes[0].legend(fontsize=8)
-    ms = [_values(result, m, "step_ms") for m in models]
+    ms = [_values(timing if timing is not None else result, m, "step_ms") for m in models]
     axes[1].bar(x, [statistics.fmean(v) for v in ms],
                 yerr=[statistics.stdev(v) if len(v) > 1 else 0 for v in ms], capsize=3)
     axes[1].set_ylabel("ms per training step")
