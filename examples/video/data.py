@@ -24,6 +24,7 @@ import numpy as np
 
 __all__ = ["CLASSES", "procedural", "folder_split", "EXTENSIONS"]
 
+#: Motion patterns; the last two name positions: out along x (y) and back to the start.
 CLASSES = ("right", "left", "down", "up", "down-right", "up-left", "clockwise",
            "counter-clockwise", "left-right-left", "up-down-up")
 SHAPES = ("square", "disk", "cross", "ring")
