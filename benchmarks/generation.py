@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> dict:
     config["batch"] = 1
     config["dtype"] = "float32"
     config["threads"] = 1
-    result = {"command": "python -m benchmarks.generation " + " ".join(argv),
+    result = {"command": " ".join(["python -m benchmarks.generation", *argv]),
               "commit": _commit(), "machine": machine_line(), "config": config, "rows": rows}
     if not args.tiny:
         with open(args.out, "w") as f:

@@ -62,3 +62,15 @@ def test_generate_cli_runs():
     assert corpus().numel() > 100_000  # CPython's help topics, bundled with Python
     text = main(["--steps", "1", "--tokens", "3", "--window", "8"])
     assert isinstance(text, str)
+
+
+def test_readme_generation_table_is_rendered_from_results():
+    import json
+    from pathlib import Path
+
+    from benchmarks.generation import RESULTS, table
+
+    result = json.loads(Path(RESULTS).read_text())
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    assert result["command"].startswith("python -m benchmarks.generation") and result["commit"]
+    assert table(result) in readme
