@@ -13,20 +13,24 @@ waits for a gathered batch (``all_gathers`` counts them in the compiled step). R
 ``native=False`` time the generic path for comparison. Prints one JSON line and
 writes it to ``--out``.
 
-    python -m benchmarks.jax_sharding --config lm-256 --reps 10 \\
-        --out benchmarks/results/jax_sharding.json
+    python -m benchmarks.jax_sharding --config lm-256 --reps 7 --one-core-per-device \\
+        --out benchmarks/results/jax_sharding_1core.json
 """
 
 from __future__ import annotations
 
 import os
+import sys
 
+_ONE_CORE = "--one-core-per-device" in sys.argv
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                           + " --xla_force_host_platform_device_count=2").strip()
+                           + " --xla_force_host_platform_device_count=2"
+                           + (" --xla_cpu_multi_thread_eigen=false" if _ONE_CORE else "")).strip()
+if _ONE_CORE:  # each host device computes on one thread: a device per core
+    os.environ["OMP_NUM_THREADS"] = "1"
 
 import argparse  # noqa: E402
 import json  # noqa: E402
-import sys  # noqa: E402
 
 from benchmarks.common import CONFIGS, TINY, machine_line, time_fn  # noqa: E402
 
@@ -77,6 +81,9 @@ def main(argv: list[str] | None = None) -> None:
                         choices=[c.name for c in [*CONFIGS, TINY]])
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--out", default=None, help="also write the JSON here")
+    parser.add_argument("--one-core-per-device", action="store_true",
+                        help="one compute thread per host device (XLA and the C kernels), so "
+                             "two devices use two cores and one device one core")
     args = parser.parse_args(argv)
     cfg = next(c for c in [*CONFIGS, TINY] if c.name == args.config)
     # one device at the per-device batch, one device at the combined batch (the same
@@ -87,7 +94,8 @@ def main(argv: list[str] | None = None) -> None:
     result = {
         "command": "python -m benchmarks.jax_sharding " + " ".join(argv or sys.argv[1:]),
         "config": cfg.name, "describe": f"per device: {cfg.describe()}",
-        "machine": machine_line(), "rows": rows,
+        "machine": machine_line(), "load_average": os.getloadavg(),
+        "one_core_per_device": args.one_core_per_device, "rows": rows,
     }
     line = json.dumps(result)
     print(line)
