@@ -185,6 +185,34 @@ def test_numpy_layer_streams_exactly():
     assert np.array_equal(state.h, ref.h) and state.count == ref.count == (2, 2)
 
 
+def test_jax_numpy_layer_streams_and_packs():
+    """The same framework-free layer on jax.numpy arrays (eager; tmcore's generic scan).
+    The JAX adapter's ``apply`` does not stream yet; this shows the logic is shared."""
+    jnp = pytest.importorskip("jax.numpy")
+    config = tl.layer_config(6, 2, (3, 3), 3)
+    rng = np.random.default_rng(1)
+    params = tl.init_params(np, config, lambda s: rng.uniform(-s.bound, s.bound, s.shape)
+                            .astype(np.float32))
+    params = {g: {k: jnp.asarray(v) for k, v in leaves.items()} for g, leaves in params.items()}
+    layer = tl.Layer(config)
+
+    def scan(h, c, inputs):
+        return tmcore.memory_scan(h, c, *inputs, tl.cell_params(params))
+
+    x = jnp.asarray(rng.standard_normal((2, 11, 6)).astype(np.float32))
+    full, ref = layer.forward_stream(jnp, params, x, None, scan=scan)
+    state, outs = None, []
+    for i, n in ((0, 1), (1, 4), (5, 1), (6, 5)):
+        out, state = layer.forward_stream(jnp, params, x[:, i:i + n], state, scan=scan)
+        outs.append(out)
+    assert float(jnp.max(jnp.abs(jnp.concatenate(outs, axis=1) - full))) <= 1e-5
+    assert state.count == ref.count == (2, 2)
+    starts = tl.doc_starts_from_offsets(jnp, [0, 4], 11)
+    packed, _ = layer.forward_stream(jnp, params, x[:1], None, scan=scan, doc_starts=starts)
+    alone, _ = layer.forward_stream(jnp, params, x[:1, 4:], None, scan=scan)
+    assert float(jnp.max(jnp.abs(packed[:, 4:] - alone))) <= 1e-5
+
+
 def test_bad_stream_inputs_are_named():
     memory = _memory()
     x = torch.randn(2, 5, 8, dtype=torch.float64)

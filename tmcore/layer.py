@@ -868,7 +868,7 @@ def _forward_stream(layer: Layer, xp: Any, params: Params, x: Any, state: Any, *
     flat = xp.concat([xp.reshape(both, (batch * (length + tokens), d)),
                       xp.zeros_like(x[0, :1, :])], axis=0)              # + a zero row (-1)
     def take(table: Any, index: list[int]) -> Any:
-        return xp.take(table, xp.asarray(index, dtype=xp.int64, device=device), axis=0)
+        return xp.take(table, xp.asarray(index, device=device), axis=0)  # default int dtype
     # the continued unfinished chunk whose read is already known: nothing to scan
     only_pending = plan.steps == 1 and all(
         0 < k and not r[0] and cap == 0
