@@ -189,3 +189,17 @@ def test_init_and_modules_are_uncommitted(results):
 
 if __name__ == "__main__":
     print(json.dumps(_checks()))
+
+
+def test_benchmark_script_runs(tmp_path):
+    """``benchmarks/jax_sharding.py`` (BENCHMARKS.md's 1 vs 2 device table) at the tiny
+    config: every row timed, no all-gather in any compiled step."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tmp_path / "jax_sharding.json"
+    run = subprocess.run([sys.executable, "-m", "benchmarks.jax_sharding", "--config", "tiny",
+                          "--reps", "1", "--out", str(out)], cwd=root, capture_output=True,
+                         text=True, timeout=900, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert run.returncode == 0, run.stderr[-4000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["devices"], r["batch"]) for r in rows] == [(1, 2), (1, 4), (2, 4)] * 2
+    assert all(r["all_gathers"] == 0 and r["min"] > 0 for r in rows), rows
