@@ -150,7 +150,30 @@ def test_reset_mid_chunk_drops_the_unfinished_chunk():
     _close(out[:1], alone, torch.float64)
     full, ref = memory(x[1:], stream=True)
     _close(out[1:], full[:, 6:], torch.float64)
-    assert state.count == (alone_state.count[0], ref.count[0])
+    assert state.count == (alone_state.count[0], ref.count[0]) == (0, 2)
+    # rows on different chunk grids keep streaming, each as it would alone
+    more = torch.randn(2, 7, 8, dtype=torch.float64)
+    out, state = memory(more, state)
+    a, _ = memory(more[:1], alone_state)
+    b, _ = memory(more[1:], ref)
+    _close(out, torch.cat([a, b]), torch.float64)
+    # a reset with no tokens forgets the row now
+    _, empty = memory(more[:, :0], state, reset=torch.tensor([False, True]))
+    assert empty.count == (state.count[0], 0) and not empty.h[1].any()
+
+
+def test_packed_gradients_equal_each_document_alone():
+    memory = _memory()
+    x = torch.randn(1, 14, 8, dtype=torch.float64, requires_grad=True)
+    starts = doc_starts_from_offsets([0, 5], 14)
+    packed, _ = memory(x, doc_starts=starts)
+    weight = torch.randn_like(packed)
+    g_packed = torch.autograd.grad((packed * weight).sum(), [x, *memory.parameters()])
+    alone = [memory(x[:, a:b], stream=True)[0] for a, b in ((0, 5), (5, 14))]
+    g_alone = torch.autograd.grad((torch.cat(alone, 1) * weight).sum(),
+                                  [x, *memory.parameters()])
+    for a, b in zip(g_packed, g_alone, strict=True):
+        _close(a, b, torch.float64)
 
 
 def test_packed_outputs_are_causal():

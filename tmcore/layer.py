@@ -707,8 +707,7 @@ def stream_state(xp: Any, state: Any, x: Any, config: LayerConfig) -> StreamStat
                                     device=device))
     if not isinstance(state, StreamState):
         h, c = check_state(xp, state, batch, config)
-        return StreamState(h, c, xp.astype(empty, h.dtype) if h.dtype != x.dtype else empty,
-                           (0,) * batch, xp.zeros((batch, config.memory_channels),
+        return StreamState(h, c, empty, (0,) * batch, xp.zeros((batch, config.memory_channels),
                                                   dtype=h.dtype, device=device))
     h, c = check_state(xp, (state.h, state.c), batch, config)
     expected = (batch, config.chunk_size, config.embed_dim)
