@@ -98,17 +98,22 @@ def _checks() -> dict:  # runs in the 2-device subprocess
                                         out_specs=(P(),) + (data,) * 5))
     results["shard_map_scan"] = err(mapped_scan(*scan_args), jax.jit(scan_grad)(*scan_args))
 
+    def data_parallel(name, mesh_):
+        """Batch-sharded steps with state=None and a sharded state vs one device;
+        returns the sharded ``x`` and state."""
+        xs = jax.device_put(x, NamedSharding(mesh_, data))
+        state = tuple(jax.device_put(a, NamedSharding(mesh_, data)) for a in (h0, c0))
+        for case, fn, args, expected in (("none", grad, (params, xs), single),
+                                         ("state", grad_state, (params, xs, state),
+                                          single_state)):
+            step = jax.jit(fn)
+            results[f"{name}_{case}"] = err(step(*args), expected)
+            results[f"{name}_{case}_gathers"] = gathers(step.lower(*args).compile())
+        return xs, state
+
     # explicit mesh: state=None (the zero state takes x's sharding), a sharded state
     with jax.set_mesh(mesh):
-        xs = jax.device_put(x, NamedSharding(mesh, data))
-        state_s = tuple(jax.device_put(a, NamedSharding(mesh, data)) for a in (h0, c0))
-        step = jax.jit(grad)
-        results["explicit_none"] = err(step(params, xs), single)
-        results["explicit_none_gathers"] = gathers(step.lower(params, xs).compile())
-        step_state = jax.jit(grad_state)
-        results["explicit_state"] = err(step_state(params, xs, state_s), single_state)
-        results["explicit_state_gathers"] = gathers(
-            step_state.lower(params, xs, state_s).compile())
+        xs, state_s = data_parallel("explicit", mesh)
         mean_grad = jax.value_and_grad(  # a mean: the cotangents come in sharded
             lambda p, a: jnp.mean(tmj.apply(p, a, memory_shape=S)[0] ** 2))
         results["explicit_mean"] = err(jax.jit(mean_grad)(params, xs),
@@ -120,14 +125,7 @@ def _checks() -> dict:  # runs in the 2-device subprocess
             results["explicit_generic"] = err(jax.jit(grad)(params, xs), single)
 
     # auto mesh (jit with batch-sharded inputs): the kernels are split, not gathered
-    xa = jax.device_put(x, NamedSharding(auto, data))
-    state_a = tuple(jax.device_put(a, NamedSharding(auto, data)) for a in (h0, c0))
-    step = jax.jit(grad)
-    results["auto_none"] = err(step(params, xa), single)
-    results["auto_none_gathers"] = gathers(step.lower(params, xa).compile())
-    step_state = jax.jit(grad_state)
-    results["auto_state"] = err(step_state(params, xa, state_a), single_state)
-    results["auto_state_gathers"] = gathers(step_state.lower(params, xa, state_a).compile())
+    xa, _ = data_parallel("auto", auto)
     # vmap of the partitioned kernels (an ensemble of two parameter sets)
     pair = jax.tree.map(lambda a: jnp.stack([a, 2.0 * a]), params)
     ensemble = jax.jit(jax.vmap(grad, in_axes=(0, None)))(pair, x)
