@@ -42,11 +42,12 @@ def _git(*args: str) -> str | None:
 
 def commit_info() -> dict:
     """``{"commit": HEAD, "dirty": bool, "dirty_paths": [...]}`` at run time; ``dirty``
-    counts changes under :data:`TRACKED_PATHS` only (other files cannot change a run)."""
+    counts uncommitted source changes under :data:`TRACKED_PATHS` only (other files and
+    docs cannot change a run)."""
     head = _git("rev-parse", "HEAD")
     status = _git("status", "--porcelain", "--", *TRACKED_PATHS)
     paths = sorted(line[3:] for line in (status or "").splitlines()
-                   if not line[3:].startswith("examples/diagnostics/results/"))
+                   if line[3:].endswith((".py", ".c", ".cc", ".h")))  # code, not docs
     return {"commit": head, "dirty": bool(paths), "dirty_paths": paths[:50]}
 
 

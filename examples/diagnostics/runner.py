@@ -276,7 +276,8 @@ class _Cache:
                 break
         else:
             return None
-        output = json.loads(path.read_text())["output"]
+        record = json.loads(path.read_text())
+        output = {**record["output"], "ran_at": {k: record.get(k) for k in ("commit", "dirty")}}
         if job.keep_state:
             output["state_dict"] = torch.load(weights, weights_only=True)
         return output
@@ -402,6 +403,8 @@ def run_experiment(exp: Experiment, out_dir: Path, *, framework: str = "torch",
         outputs = _execute(job_list, jobs, console, f"{task.name}/{exp.protocol}", cache,
                            cached_only)
     runs = [o["run"] for o in outputs]
+    # the commits the jobs ran at (jobs from the cache may predate this run's commit)
+    ran_at = sorted({json.dumps(o["ran_at"], sort_keys=True) for o in outputs if "ran_at" in o})
     carried = {}
     for o in outputs:
         carried.setdefault(o["run"]["model"], o["carried"])
@@ -418,6 +421,7 @@ def run_experiment(exp: Experiment, out_dir: Path, *, framework: str = "torch",
                 "hparams": hparams, "hparams_from": hparams_from},
         environment=results.environment(threads),
         seconds=time.perf_counter() - start)
+    result["cached_jobs_ran_at"] = [json.loads(r) for r in ran_at]
     path = out / f"{task.name}-{exp.protocol}.json"
     results.write_results(result, path)
     report.plot_results(result, out / f"{task.name}-{exp.protocol}.png")
