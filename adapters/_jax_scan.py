@@ -164,7 +164,7 @@ class ScanStatic(NamedTuple):
     """The scan's static configuration (hashable: a ``jit`` / ``nondiff`` argument).
 
     ``prepare(theta, xs_t) -> StepInputs`` and ``finish(theta, read (B, C)) -> y_t``
-    must be hashable module-level functions (their identity keys the trace).
+    must hash by value (module-level functions, NamedTuples): they key the trace.
     """
 
     prepare: Callable[[Any, Any], StepInputs]
@@ -216,6 +216,14 @@ def _scan_fwd(static: ScanStatic, theta, cell, xs, h0, c0):
     k, full, tail = _segments(steps, static.checkpoint_every)
     step = partial(_step, static, theta, cell)
 
+    if k == 1:  # every state is a checkpoint: one flat scan, no segments
+        def keep(carry, x_t):
+            end, y = step(carry, x_t)
+            return end, (y, carry)
+
+        carry, (ys, checkpoints) = lax.scan(keep, (h0, c0), xs)
+        return (ys, *carry), (theta, cell, xs, checkpoints, None)
+
     def segment(carry, xs_segment):
         end, ys = lax.scan(step, carry, xs_segment)
         return end, (ys, carry)  # the checkpoint: the state entering the segment
@@ -246,6 +254,11 @@ def _segment_bwd(static: ScanStatic, theta, cell, start, xs_segment, g_ys, carry
         cs = jnp.concatenate([c0[None], cs], axis=0)
     else:
         hs, cs = h0[None], c0[None]
+    return _steps_bwd(static, theta, cell, (hs, cs), xs_segment, g_ys, carry)
+
+
+def _steps_bwd(static: ScanStatic, theta, cell, states, xs, g_ys, carry):
+    """Reverse scan of the step VJP given the state entering every step ``states``."""
 
     def body(carry, item):
         g_h, g_c, d_theta, d_cell = carry
@@ -261,7 +274,7 @@ def _segment_bwd(static: ScanStatic, theta, cell, start, xs_segment, g_ys, carry
                                d_theta_finish)
         return (d_h, d_c, d_theta, add_params(d_cell, d_cell_step)), d_x
 
-    return lax.scan(body, carry, (hs, cs, xs_segment, g_ys), reverse=True)
+    return lax.scan(body, carry, (*states, xs, g_ys), reverse=True)
 
 
 def _scan_bwd(static: ScanStatic, residuals, cotangents):
@@ -273,6 +286,10 @@ def _scan_bwd(static: ScanStatic, residuals, cotangents):
     zeros = partial(jax.tree.map, jnp.zeros_like)
     carry = (jnp.asarray(g_h), jnp.asarray(g_c), zeros(theta), zeros(cell))
     carry = match_vma(carry, xs)[0]  # cotangents may come in unvarying
+    if k == 1:
+        (d_h0, d_c0, d_theta, d_cell), d_xs = _steps_bwd(static, theta, cell, checkpoints, xs,
+                                                         g_ys, carry)
+        return d_theta, d_cell, d_xs, d_h0, d_c0
     xs_head, xs_tail = _split(xs, full, k)
     g_head, g_tail = _split(g_ys, full, k)
     d_tail = None
