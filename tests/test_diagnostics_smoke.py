@@ -372,3 +372,31 @@ def test_jax_binding_runs_in_segments(tmp_path):
     c = exp.model.memory_channels
     bias = np.asarray(params["blocks"][0]["memory"]["memory"]["cell"]["pointwise_bias"])
     np.testing.assert_array_equal(bias[c:2 * c], exp.model.forget_bias)
+
+
+def test_demo_compares_its_seed_0_with_the_committed_results(capsys):
+    """``make demo`` checks its table against seed 0 of the committed results (same config):
+    identical numbers say "identical", a changed number says "different"."""
+    import copy
+
+    from rich.console import Console
+
+    from examples.diagnostics.__main__ import _compare_with_committed
+    from examples.diagnostics.results import RESULTS_DIR
+
+    path = RESULTS_DIR / "binding-streaming.json"
+    if not path.exists():
+        pytest.skip("no committed streaming results")
+    committed = json.loads(path.read_text())
+    demo = copy.deepcopy(committed)
+    demo["seeds"] = [0]
+    demo["config"]["train"]["seeds"] = (0,)
+    demo["config"]["model"]["memory_shape"] = tuple(demo["config"]["model"]["memory_shape"])
+    for row in demo["rows"]:
+        row["seeds"] = row["seeds"][:1]
+    console = Console(width=200)
+    _compare_with_committed(demo, console)
+    demo["rows"][0]["seeds"][0] += 0.01
+    _compare_with_committed(demo, console)
+    out = capsys.readouterr().out
+    assert "identical" in out and "different" in out

@@ -97,9 +97,10 @@ def _compare_with_committed(result: dict, console: Console) -> None:
         return
     committed = json.loads(path.read_text())
 
-    def config(r: dict) -> dict:
-        return {**r["config"], "train": {k: v for k, v in r["config"]["train"].items()
-                                         if k != "seeds"}}
+    def config(r: dict) -> dict:  # as JSON (tuples -> lists), the run's seed list aside
+        plain = json.loads(json.dumps(r["config"]))
+        plain["train"].pop("seeds", None)
+        return plain
 
     if committed["seeds"][:1] != result["seeds"] or config(committed) != config(result):
         console.print(f"[dim]{path.name}: other config or seeds, not compared[/dim]")
