@@ -282,9 +282,9 @@ def test_video_main_reads_a_folder(tmp_path):
 def test_readme_tables_equal_the_committed_results():
     from examples.image.__main__ import HERE as IMAGE_DIR
     from examples.image.__main__ import render as render_image
-    from examples.image.common import README
     from examples.video.__main__ import HERE as VIDEO_DIR
     from examples.video.__main__ import render as render_video
+    from examples.vision_common import README
 
     text = README.read_text()
     assert "## Images and video" in text
@@ -294,3 +294,36 @@ def test_readme_tables_equal_the_committed_results():
             pytest.skip(f"no committed {name} results yet")
         assert f"<!-- vision-results: {name} -->" in text
         assert render(check=True) is False, f"README {name} table is stale: run render"
+
+
+# --------------------------------------------------------------------------- shared code
+
+
+def test_default_scales_are_the_committed_configs():
+    """``SCALES["cpu"]`` (the configs' defaults over :class:`ExperimentConfig`'s) is what the
+    committed results were made with, and the backbone gets the example's own sizes."""
+    from examples.image.__main__ import HERE as IMAGE_DIR
+    from examples.video.__main__ import HERE as VIDEO_DIR
+    from examples.video.train import SCALES as VIDEO_SCALES
+
+    for folder, name, scales in ((IMAGE_DIR, "masked", IMAGE_SCALES),
+                                 (VIDEO_DIR, "actions", VIDEO_SCALES)):
+        path = folder / "results" / f"{name}.json"
+        if not path.exists():
+            pytest.skip(f"no committed {name} results yet")
+        config = json.loads(json.dumps(scales["cpu"].as_dict()))
+        assert config == json.loads(path.read_text())["config"]
+    assert IMAGE_SCALES["tiny"].backbone().window == 1  # an image field reaches the backbone
+    assert VIDEO_SCALES["full"].backbone().grid == (8, 8, 8)
+    assert VIDEO_SCALES["tiny"].lr == VideoConfig().lr == 2e-3  # the video default, not the base's
+
+
+def test_result_names():
+    from pathlib import Path
+
+    from examples.vision_common import result_name
+
+    assert result_name("masked", "cpu", None) == ("masked", "")
+    assert result_name("masked", "tiny", None) == ("masked-tiny", "-masked-tiny")
+    assert result_name("actions", "full", Path("/d/ucf")) == ("actions-ucf-full",
+                                                             "-actions-ucf-full")

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
+from examples.vision_common import center_crop
+
 __all__ = ["TRAIN_IMAGES", "TEST_IMAGES", "bundled_split", "folder_split", "load_image",
            "random_crops", "EXTENSIONS"]
 
@@ -87,20 +89,11 @@ def bundled_split(size: int, train_count: int, test_count: int, seed: int,
 
 
 def load_image(path: Path, size: int) -> np.ndarray:
-    """One file -> ``(3, size, size)`` float32: shorter side resized to ``size``, centre crop."""
+    """One file -> ``(3, size, size)`` float32: shorter side resized to ``size`` (bicubic),
+    centre crop."""
     from PIL import Image
 
-    with Image.open(path) as im:
-        im = im.convert("RGB")
-        w, h = im.size
-        scale = size / min(w, h)
-        im = im.resize((max(size, round(w * scale)), max(size, round(h * scale))),
-                       Image.Resampling.BICUBIC)
-        w, h = im.size
-        left, top = (w - size) // 2, (h - size) // 2
-        im = im.crop((left, top, left + size, top + size))
-        array = np.asarray(im, dtype=np.float32) / 255.0
-    return np.ascontiguousarray(array.transpose(2, 0, 1))
+    return center_crop(path, size, Image.Resampling.BICUBIC)
 
 
 def folder_split(root: Path, size: int, test_every: int = 10,

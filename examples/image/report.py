@@ -11,14 +11,12 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
-import matplotlib
+import numpy as np
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
+from examples import vision_common as common
+from examples.image.train import LABELS
 
-from examples.image.common import commit_info, environment, md_table, mean_std  # noqa: E402
-from examples.image.train import LABELS  # noqa: E402
+plt = common.pyplot()
 
 __all__ = ["build_results", "table", "markdown", "plot_metrics", "picture", "setting"]
 
@@ -30,55 +28,28 @@ def setting(ratio: float) -> str:
 def build_results(records: list[dict], config: dict, command: str, data: str,
                   threads: int, device: str, seconds: float,
                   provenance: dict | None = None) -> dict:
-    """The results dictionary from per-run records; ``provenance``: :func:`commit_info` taken
+    """The results dictionary from per-run records; ``provenance``: ``commit_info()`` taken
     when the run started (default: now)."""
-    seeds = sorted({r["seed"] for r in records})
-    models = list(dict.fromkeys(r["model"] for r in records))
-    rows = []
-    for model in models:
-        by_seed = {r["seed"]: r for r in records if r["model"] == model}
-        for metric, digits in (("psnr", 3), ("ssim", 4)):
-            for ratio in config["ratios"]:
-                rows.append({"model": model, "metric": metric, "setting": setting(ratio),
-                             "seeds": [round(by_seed[s][metric][str(ratio)], digits)
-                                       for s in seeds]})
-        rows.append({"model": model, "metric": "step_ms", "setting": "train",
-                     "seeds": [by_seed[s]["step_ms"] for s in seeds]})
-    return {"task": "masked-patch reconstruction", "command": command,
-            **(provenance or commit_info()),
-            "data": data, "config": config, "environment": environment(threads, device),
-            "seeds": seeds, "rows": rows,
-            "params": {m: next(r["params"] for r in records if r["model"] == m)
-                       for m in models},
-            "gates": {m: [r["gates"] for r in records if r["model"] == m] for m in models},
-            "runs": records, "seconds": round(seconds, 1)}
 
+    def metric_rows(model: str, by_seed: dict, seeds: list) -> list[dict]:
+        return [{"model": model, "metric": metric, "setting": setting(ratio),
+                 "seeds": [round(by_seed[s][metric][str(ratio)], digits) for s in seeds]}
+                for metric, digits in (("psnr", 3), ("ssim", 4)) for ratio in config["ratios"]]
 
-def _values(result: dict, model: str, metric: str, where: str) -> list[float]:
-    return next(r["seeds"] for r in result["rows"]
-                if r["model"] == model and r["metric"] == metric and r["setting"] == where)
-
-
-def _step_ms(result: dict, model: str) -> list[float]:
-    return next(r["seeds"] for r in result["rows"]
-                if r["model"] == model and r["metric"] == "step_ms")
+    return common.results_dict("masked-patch reconstruction", records, metric_rows, config,
+                               command, data, threads, device, seconds, provenance)
 
 
 def table(result: dict, timing: dict | None = None) -> tuple[list[str], list[list[str]]]:
     """``(header, rows)``: PSNR and SSIM per mask ratio, mean ± std over seeds; ms per
     training step from ``timing`` (the interleaved measurement) when given."""
-    source = timing if timing is not None else result
     ratios = [setting(r) for r in result["config"]["ratios"]]
-    models = list(result["params"])
     header = ["model", "params", "ms / step",
               *[f"PSNR {s}" for s in ratios], *[f"SSIM {s}" for s in ratios]]
-    rows = []
-    for m in models:
-        rows.append([LABELS.get(m, m), f"{result['params'][m]:,}",
-                     f"{statistics.fmean(_step_ms(source, m)):.0f}",
-                     *[mean_std(_values(result, m, "psnr", s)) for s in ratios],
-                     *[mean_std(_values(result, m, "ssim", s), 3) for s in ratios]])
-    return header, rows
+    return header, common.model_rows(result, timing, LABELS, lambda m, ms: [
+        f"{statistics.fmean(ms):.0f}",
+        *[common.mean_std(common.row_values(result, m, "psnr", s)) for s in ratios],
+        *[common.mean_std(common.row_values(result, m, "ssim", s), 3) for s in ratios]])
 
 
 def markdown(result: dict, name: str, timing: dict | None = None) -> str:
@@ -88,18 +59,7 @@ def markdown(result: dict, name: str, timing: dict | None = None) -> str:
             f"{c['patch']}x{c['patch']} patches, width {c['width']}, depth {c['depth']}, "
             f"{c['steps']} steps; held-out images; PSNR (dB) and SSIM of the composite, "
             f"mean ± std over seeds {result['seeds']}.*")
-    env = result["environment"]
-    source = (f"Source: `examples/image/results/{name}.json`, made by `{result['command']}` at "
-              f"commit {(result.get('commit') or 'unknown')[:10]}"
-              f"{' + uncommitted changes' if result.get('dirty') else ''} "
-              f"({env['threads']} torch thread(s) on {env['device']}, "
-              f"{result['seconds'] / 60:.1f} min in all).")
-    if timing is not None:
-        source += (f" Step times: `examples/image/results/timing.json`, made by "
-                   f"`{timing['command']}` (the models take steps in turn on one batch, "
-                   f"median of {timing['config']['rounds']} steps per seed).")
-    header, rows = table(result, timing)
-    return "\n\n".join([head, md_table(header, rows), source]) + "\n"
+    return common.readme_block("image", name, head, result, timing, table)
 
 
 def plot_metrics(result: dict, path: Path) -> None:
@@ -108,7 +68,7 @@ def plot_metrics(result: dict, path: Path) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.4))
     for ax, metric, name in ((axes[0], "psnr", "PSNR (dB)"), (axes[1], "ssim", "SSIM")):
         for m in result["params"]:
-            values = [_values(result, m, metric, s) for s in ratios]
+            values = [common.row_values(result, m, metric, s) for s in ratios]
             mean = [statistics.fmean(v) for v in values]
             std = [statistics.stdev(v) if len(v) > 1 else 0.0 for v in values]
             ax.errorbar(ratios, mean, yerr=std, marker="o", capsize=3, label=LABELS.get(m, m))
@@ -118,10 +78,7 @@ def plot_metrics(result: dict, path: Path) -> None:
     axes[0].legend(fontsize=8)
     fig.suptitle(f"Masked-patch reconstruction ({result['data']}), seeds {result['seeds']}",
                  fontsize=10)
-    fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    common.save_figure(fig, path, 110)
 
 
 def picture(target: np.ndarray, masks: dict[str, np.ndarray], recons: dict[str, np.ndarray],
@@ -146,7 +103,4 @@ def picture(target: np.ndarray, masks: dict[str, np.ndarray], recons: dict[str, 
             if i == 0:
                 ax.set_title(name, fontsize=7)
     fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
+    common.save_figure(fig, path, 90)

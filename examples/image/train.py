@@ -15,18 +15,21 @@ and averaged over the images.
 from __future__ import annotations
 
 import math
-import statistics
-import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from tqdm.auto import tqdm
 
-from examples.image.backbone import KINDS, Backbone, BackboneConfig
-from examples.image.common import make_deterministic
+from examples.image.backbone import KINDS, Backbone
+from examples.vision_common import (
+    ExperimentConfig,
+    fit,
+    make_deterministic,
+    scales,
+    training_summary,
+)
 
 __all__ = ["ImageConfig", "SCALES", "MaskedAutoencoder", "patchify", "unpatchify",
            "random_masks", "train_one", "reconstruct", "scores", "EVAL_SEED"]
@@ -37,27 +40,12 @@ LABELS = {"base": "Base ViT", "local": "Local ViT", "registers": "Registers ViT"
 
 
 @dataclass
-class ImageConfig:
-    """One experiment's sizes (see :data:`SCALES`)."""
+class ImageConfig(ExperimentConfig):
+    """One experiment's sizes (see :data:`SCALES`): :class:`ExperimentConfig`'s, the local
+    attention ``window``, the mask ``ratios`` and the ``models``."""
 
-    size: int = 32
-    patch: int = 4
-    width: int = 64
-    depth: int = 4
-    heads: int = 4
-    registers: int = 4
     window: int = 2
-    memory_channels: int = 16
-    forget_bias: float = 3.0
-    steps: int = 300
-    batch: int = 32
-    lr: float = 1e-3
-    weight_decay: float = 0.05
-    warmup: int = 20
-    train_count: int = 8192
-    test_count: int = 256
     ratios: tuple[float, ...] = (0.25, 0.5, 0.75)
-    seeds: tuple[int, ...] = (0, 1, 2)
     models: tuple[str, ...] = KINDS
     extra: dict = field(default_factory=dict)
 
@@ -65,27 +53,12 @@ class ImageConfig:
     def grid(self) -> tuple[int, int]:
         return (self.size // self.patch, self.size // self.patch)
 
-    def backbone(self) -> BackboneConfig:
-        return BackboneConfig(grid=self.grid, width=self.width, depth=self.depth,
-                              heads=self.heads, registers=self.registers, window=self.window,
-                              memory_channels=self.memory_channels,
-                              forget_bias=self.forget_bias)
 
-    def as_dict(self) -> dict:
-        out = asdict(self)
-        out["grid"] = list(self.grid)
-        return out
-
-
-SCALES = {
-    "tiny": ImageConfig(size=16, patch=4, width=32, depth=2, heads=2, window=1,
-                        memory_channels=4, steps=3, batch=4, warmup=1, train_count=32,
-                        test_count=8, seeds=(0,)),
-    "cpu": ImageConfig(),
-    "full": ImageConfig(size=64, patch=8, width=256, depth=8, heads=8, window=2,
-                        memory_channels=32, steps=20_000, batch=256, lr=5e-4, warmup=1000,
-                        train_count=200_000, test_count=2048),
-}
+SCALES = scales(ImageConfig,
+                tiny={"size": 16, "patch": 4, "depth": 2, "window": 1, "train_count": 32,
+                      "test_count": 8},
+                full={"size": 64, "patch": 8, "window": 2, "batch": 256,
+                      "train_count": 200_000, "test_count": 2048})
 
 
 def patchify(images: Tensor, patch: int) -> Tensor:
@@ -126,14 +99,6 @@ class MaskedAutoencoder(nn.Module):
         return self.head(self.backbone(tokens))
 
 
-def _lr(step: int, config: ImageConfig) -> float:
-    """Linear warmup, then cosine to 10 %."""
-    if step < config.warmup:
-        return config.lr * (step + 1) / config.warmup
-    t = (step - config.warmup) / max(1, config.steps - config.warmup)
-    return config.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
-
-
 def reconstruct(model: MaskedAutoencoder, images: Tensor, mask: Tensor, patch: int) -> Tensor:
     """The composite ``(B, C, H, W)`` in [0, 1]: visible patches given, masked ones predicted."""
     patches = patchify(images, patch)
@@ -168,39 +133,23 @@ def train_one(kind: str, seed: int, config: ImageConfig, train: np.ndarray, test
     ``psnr`` / ``ssim`` per ratio, the loss curve, time per step (ms), parameters."""
     gen = make_deterministic(seed, threads)
     model = MaskedAutoencoder(kind, config, channels=train.shape[1]).to(device)
-    decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "pos" not in n]
-    rest = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "pos" not in n)]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": config.weight_decay},
-                             {"params": rest, "weight_decay": 0.0}], lr=config.lr)
     data = torch.from_numpy(train)
     tokens = math.prod(config.grid)
-    batch_rng = np.random.default_rng(seed + 1_000)
-    losses, times = [], []
-    bar = tqdm(range(config.steps), desc=desc or f"image:{kind}:s{seed}", disable=not progress,
-               leave=False, dynamic_ncols=True)
-    model.train()
-    for step in bar:
-        for group in opt.param_groups:
-            group["lr"] = _lr(step, config)
+
+    def draw(batch_rng: np.random.Generator):
         idx = torch.from_numpy(batch_rng.integers(0, len(data), config.batch))
         ratio = config.ratios[int(batch_rng.integers(len(config.ratios)))]
         images = data[idx].to(device)
         mask = random_masks(config.batch, tokens, ratio, gen).to(device)
-        start = time.perf_counter()
-        patches = patchify(images, config.patch)
-        pred = model(patches, mask)
-        loss = F.mse_loss(pred[mask], patches[mask])
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        if device != "cpu":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-        losses.append(loss.item())
-        if step % 10 == 0:
-            bar.set_postfix(loss=f"{losses[-1]:.4f}")
-    model.eval()
+
+        def loss() -> Tensor:
+            patches = patchify(images, config.patch)
+            return F.mse_loss(model(patches, mask)[mask], patches[mask])
+
+        return loss
+
+    losses, times = fit(model, config, seed, draw, device=device, progress=progress,
+                        desc=desc or f"image:{kind}:s{seed}", loss_digits=4)
     test_t = torch.from_numpy(test)
     psnr, ssim = {}, {}
     for ratio, masks in eval_masks(config, len(test)).items():
@@ -208,13 +157,8 @@ def train_one(kind: str, seed: int, config: ImageConfig, train: np.ndarray, test
                                        masks[i:i + 256].to(device), config.patch).cpu()
                            for i in range(0, len(test), 256)])
         psnr[str(ratio)], ssim[str(ratio)] = scores(recon.numpy(), test)
-    every = max(1, config.steps // 50)
-    record = {
-        "model": kind, "seed": seed, "params": sum(p.numel() for p in model.parameters()),
-        "psnr": psnr, "ssim": ssim,
-        "loss_curve": [[i, round(sum(losses[i:i + every]) / len(losses[i:i + every]), 6)]
-                       for i in range(0, len(losses), every)],
-        "step_ms": round(1000 * statistics.median(times[len(times) // 5:] or times), 2),
-        "train_seconds": round(sum(times), 2), "gates": model.backbone.gates(),
-    }
+    record = {"model": kind, "seed": seed,
+              "params": sum(p.numel() for p in model.parameters()), "psnr": psnr, "ssim": ssim,
+              **training_summary(losses, times, config.steps, 6),
+              "gates": model.backbone.gates()}
     return record, model

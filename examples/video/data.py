@@ -22,6 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
+from examples.vision_common import center_crop
+
 __all__ = ["CLASSES", "procedural", "folder_split", "EXTENSIONS"]
 
 #: Motion patterns; the last two name positions: out along x (y) and back to the start.
@@ -122,19 +124,11 @@ def procedural(count: int, frames: int, size: int, seed: int,
 
 
 def _frame(path: Path, size: int) -> np.ndarray:
-    """One frame -> ``(3, size, size)``: shorter side resized to ``size``, centre crop."""
+    """One frame -> ``(3, size, size)``: shorter side resized to ``size`` (bilinear), centre
+    crop."""
     from PIL import Image
 
-    with Image.open(path) as im:
-        im = im.convert("RGB")
-        w, h = im.size
-        scale = size / min(w, h)
-        im = im.resize((max(size, round(w * scale)), max(size, round(h * scale))),
-                       Image.Resampling.BILINEAR)
-        w, h = im.size
-        left, top = (w - size) // 2, (h - size) // 2
-        array = np.asarray(im.crop((left, top, left + size, top + size)), np.float32) / 255.0
-    return array.transpose(2, 0, 1)
+    return center_crop(path, size, Image.Resampling.BILINEAR)
 
 
 def _is_test(name: str, index: int, test_every: int) -> bool:

@@ -21,19 +21,21 @@ training step (forward, backward, optimizer).
 
 from __future__ import annotations
 
-import math
-import statistics
-import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from tqdm.auto import tqdm
 
-from examples.image.backbone import Backbone, BackboneConfig
-from examples.image.common import make_deterministic
+from examples.image.backbone import Backbone
+from examples.vision_common import (
+    ExperimentConfig,
+    fit,
+    make_deterministic,
+    scales,
+    training_summary,
+)
 
 __all__ = ["VideoConfig", "SCALES", "ClipClassifier", "tubelets", "train_one", "topk",
            "MODELS", "LABELS"]
@@ -44,27 +46,17 @@ LABELS = {"base": "Joint space-time", "registers": "+ registers",
 
 
 @dataclass
-class VideoConfig:
-    """One experiment's sizes (see :data:`SCALES`)."""
+class VideoConfig(ExperimentConfig):
+    """One experiment's sizes (see :data:`SCALES`): :class:`ExperimentConfig`'s with other
+    defaults, the clip length ``frames``, the tubelet length ``tube`` and the ``models``."""
 
-    frames: int = 8
     size: int = 16
-    patch: int = 4
-    tube: int = 2
-    width: int = 64
     depth: int = 3
-    heads: int = 4
-    registers: int = 4
-    memory_channels: int = 16
-    forget_bias: float = 3.0
-    steps: int = 300
-    batch: int = 32
     lr: float = 2e-3
-    weight_decay: float = 0.05
-    warmup: int = 20
     train_count: int = 6000
     test_count: int = 1000
-    seeds: tuple[int, ...] = (0, 1, 2)
+    frames: int = 8
+    tube: int = 2
     models: tuple[str, ...] = MODELS
 
     def __post_init__(self) -> None:
@@ -76,27 +68,12 @@ class VideoConfig:
     def grid(self) -> tuple[int, int, int]:
         return (self.frames // self.tube, self.size // self.patch, self.size // self.patch)
 
-    def backbone(self) -> BackboneConfig:
-        return BackboneConfig(grid=self.grid, width=self.width, depth=self.depth,
-                              heads=self.heads, registers=self.registers,
-                              memory_channels=self.memory_channels,
-                              forget_bias=self.forget_bias)
 
-    def as_dict(self) -> dict:
-        out = asdict(self)
-        out["grid"] = list(self.grid)
-        return out
-
-
-SCALES = {
-    "tiny": VideoConfig(frames=4, size=16, patch=4, width=32, depth=1, heads=2,
-                        memory_channels=4, steps=3, batch=4, warmup=1, train_count=20,
-                        test_count=20, seeds=(0,)),
-    "cpu": VideoConfig(),
-    "full": VideoConfig(frames=16, size=64, patch=8, width=256, depth=8, heads=8,
-                        memory_channels=32, steps=20_000, batch=64, lr=5e-4, warmup=1000,
-                        train_count=100_000, test_count=5000),
-}
+SCALES = scales(VideoConfig,
+                tiny={"frames": 4, "size": 16, "patch": 4, "depth": 1, "train_count": 20,
+                      "test_count": 20},
+                full={"frames": 16, "size": 64, "patch": 8, "batch": 64, "train_count": 100_000,
+                      "test_count": 5000})
 
 
 def tubelets(clips: Tensor, patch: int, tube: int = 1) -> Tensor:
@@ -130,13 +107,6 @@ def topk(logits: Tensor, labels: Tensor, k: int) -> float:
     return float((logits.topk(k, dim=1).indices == labels[:, None]).any(dim=1).float().mean())
 
 
-def _lr(step: int, config: VideoConfig) -> float:
-    if step < config.warmup:
-        return config.lr * (step + 1) / config.warmup
-    t = (step - config.warmup) / max(1, config.steps - config.warmup)
-    return config.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
-
-
 def train_one(kind: str, seed: int, config: VideoConfig,
               train: tuple[np.ndarray, np.ndarray], test: tuple[np.ndarray, np.ndarray],
               classes: int, *, device: str = "cpu", threads: int = 1,
@@ -145,44 +115,21 @@ def train_one(kind: str, seed: int, config: VideoConfig,
     loss curve, median ms per training step, parameters, memory gates."""
     make_deterministic(seed, threads)
     model = ClipClassifier(kind, config, train[0].shape[2], classes).to(device)
-    decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "pos" not in n]
-    rest = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "pos" not in n)]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": config.weight_decay},
-                             {"params": rest, "weight_decay": 0.0}], lr=config.lr)
     xs, ys = torch.from_numpy(train[0]), torch.from_numpy(train[1])
-    batch_rng = np.random.default_rng(seed + 1_000)
-    losses, times = [], []
-    bar = tqdm(range(config.steps), desc=f"video:{kind}:s{seed}", disable=not progress,
-               leave=False, dynamic_ncols=True)
-    model.train()
-    for step in bar:
-        for group in opt.param_groups:
-            group["lr"] = _lr(step, config)
+
+    def draw(batch_rng: np.random.Generator):
         idx = torch.from_numpy(batch_rng.integers(0, len(xs), config.batch))
         clips, labels = xs[idx].to(device), ys[idx].to(device)
-        start = time.perf_counter()
-        loss = F.cross_entropy(model(clips), labels)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        if device != "cpu":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-        losses.append(loss.item())
-        if step % 10 == 0:
-            bar.set_postfix(loss=f"{losses[-1]:.3f}")
-    model.eval()
+        return lambda: F.cross_entropy(model(clips), labels)
+
+    losses, times = fit(model, config, seed, draw, device=device, progress=progress,
+                        desc=f"video:{kind}:s{seed}", loss_digits=3)
     with torch.no_grad():
         logits = torch.cat([model(torch.from_numpy(test[0][i:i + 250]).to(device)).cpu()
                             for i in range(0, len(test[0]), 250)])
     labels = torch.from_numpy(test[1])
-    every = max(1, config.steps // 50)
-    return {
-        "model": kind, "seed": seed, "params": sum(p.numel() for p in model.parameters()),
-        "top1": topk(logits, labels, 1), "top5": topk(logits, labels, 5),
-        "loss_curve": [[i, round(sum(losses[i:i + every]) / len(losses[i:i + every]), 5)]
-                       for i in range(0, len(losses), every)],
-        "step_ms": round(1000 * statistics.median(times[len(times) // 5:] or times), 2),
-        "train_seconds": round(sum(times), 2), "gates": model.backbone.gates(),
-    }
+    return {"model": kind, "seed": seed,
+            "params": sum(p.numel() for p in model.parameters()),
+            "top1": topk(logits, labels, 1), "top5": topk(logits, labels, 5),
+            **training_summary(losses, times, config.steps, 5),
+            "gates": model.backbone.gates()}
