@@ -80,6 +80,7 @@ def streaming_noharm(scale: str) -> tuple[dict, TrainConfig, ModelConfig]:
     model = ModelConfig(d_model=32, n_layers=1, n_heads=2, memory_shape=(4, 4, 4),
                         memory_channels=4, segment=8, n_slots=8)
     if scale == "full":
+        train = replace(train, seeds=(0, 1, 2, 3, 4))
         model = replace(model, d_model=64, n_layers=2, n_heads=4, memory_channels=8)
     return task, train, model
 
