@@ -58,10 +58,12 @@ __all__ = [
     "MemoryState",
     "GatedMemoryResidual",
     "StoredGrid",
+    "StreamState",
     "TensorMemory",
     "apply",
     "conv_params",
     "detach_state",
+    "doc_starts_from_offsets",
     "gaussian_splat",
     "init",
     "init_state",
@@ -240,9 +242,28 @@ def init_state(batch: int, memory_channels: int, memory_shape: Sequence[int],
     return MemoryState(*tl.zero_state(jnp, config, check_int("batch", batch, 0), dtype=dtype))
 
 
+#: The state between streamed calls (:class:`tmcore.layer.StreamState`): ``(h, c)`` at
+#: the last chunk boundary plus the unfinished chunk's tokens, their count and its read.
+StreamState = tl.StreamState
+
+
 def detach_state(state: Any) -> Any:
-    """``lax.stop_gradient`` on every leaf: cut backprop between streamed segments."""
-    return jax.tree.map(lax.stop_gradient, state)
+    """``lax.stop_gradient`` on every array: cut backprop between streamed segments (a
+    :class:`StreamState`'s ``count`` stays Python ints)."""
+    def cut(s: Any) -> Any:
+        if isinstance(s, tl.StreamState):
+            return s._replace(h=lax.stop_gradient(s.h), c=lax.stop_gradient(s.c),
+                              pending=lax.stop_gradient(s.pending),
+                              read=lax.stop_gradient(s.read))
+        return lax.stop_gradient(s)
+    return jax.tree.map(cut, state, is_leaf=lambda s: isinstance(s, tl.StreamState))
+
+
+def doc_starts_from_offsets(offsets: Sequence[Any], tokens: int) -> jax.Array:
+    """``cu_seqlens``-style document offsets (one row, or one list per row) to the bool
+    ``(B, tokens)`` mask :func:`apply` takes as ``doc_starts``
+    (:func:`tmcore.layer.doc_starts_from_offsets`)."""
+    return tl.doc_starts_from_offsets(jnp, offsets, tokens)
 
 
 def init(
@@ -408,7 +429,9 @@ def apply(
     radius: float | None = None,
     checkpoint_every: int = 1,
     layer: type[tl.Layer] = tl.Layer,
-) -> tuple[jax.Array, MemoryState]:  # out [B, N, d], state
+    stream: bool | None = None,
+    doc_starts: Any = None,  # [B, N] bool
+) -> tuple[jax.Array, Any]:  # out [B, N, d], state
     """Run one Tensor Memory layer over ``x``; returns ``(out, state)``.
 
     Parameters
@@ -426,6 +449,19 @@ def apply(
         states for one extra forward pass; results do not depend on ``k``.
     layer : a :class:`tmcore.layer.Layer` subclass overriding ``heads`` or
         ``read_out`` (a variant of the layer); the default is the layer.
+    stream : return a :class:`StreamState` (``(h, c)`` at the last chunk
+        boundary plus the unfinished chunk), so that pieces of ANY lengths, one
+        token at a time included, equal one long call
+        (:meth:`tmcore.layer.Layer.forward_stream`); ``None`` (default): stream
+        when ``state`` is a :class:`StreamState` or ``doc_starts`` is given.
+        The chunk grid is planned on the host: a streaming call runs eagerly
+        (``jax.grad`` works; under ``jit`` the state's ``count`` and
+        ``doc_starts`` must be concrete, e.g. closed over), and its scans are
+        the compiled :func:`memory_scan`.
+    doc_starts : optional ``(B, N)`` bool, True at each token that starts a
+        document (packed documents, :func:`doc_starts_from_offsets`): the state
+        and the unfinished chunk are dropped there and the chunk grid restarts,
+        so each document's outputs equal running it alone.
 
     Every argument is checked statically (shapes, dtypes, Python scalars; fine
     under ``jit``; :mod:`tmcore.layer`): a missing parameter is a ``KeyError``,
@@ -448,10 +484,20 @@ def apply(
     backprop. Pieces whose lengths are multiples of the chunk size give the
     same result as one call, bit for bit.
     """
-    config = _layer_config(params, x, state, chunk_size=chunk_size,
+    if stream is None:
+        stream = isinstance(state, tl.StreamState) or doc_starts is not None
+    if isinstance(state, tl.StreamState) and not stream:
+        raise ValueError("state: a StreamState continues a stream; pass stream=True "
+                         "(or leave stream=None)")
+    if doc_starts is not None and not stream:
+        raise ValueError("doc_starts: packed documents need stream=True (or None)")
+    pair = (state.h, state.c) if isinstance(state, tl.StreamState) else state
+    config = _layer_config(params, x, pair, chunk_size=chunk_size,
                            memory_shape=memory_shape, sigma_scale=sigma_scale, eps=eps,
                            radius=radius, checkpoint_every=checkpoint_every)
     tl.check_tokens(jnp, x, config)
+    if stream:
+        return _apply_stream(params, x, state, config, layer, reset, doc_starts)
     batch, tokens, d = x.shape
     if state is None:
         state = _zero_state_like(x, config)
@@ -483,6 +529,39 @@ def apply(
     per_chunk, h, c = forward_mode_guard("apply", lambda: _scan_mod.checkpoint_scan(
         static, theta, cell, chunks, state.h, state.c))  # per_chunk [T, B, d]
     return tl.unchunk(jnp, _batch_major(per_chunk), tokens, length), MemoryState(h, c)
+
+
+def _apply_stream(params: Mapping[str, Any], x: jax.Array, state: Any,
+                  config: tl.LayerConfig, layer: type[tl.Layer], reset: Any,
+                  doc_starts: Any) -> tuple[jax.Array, tl.StreamState]:
+    """:func:`apply` with ``stream=True``: the shared layer's ``forward_stream`` with
+    :func:`memory_scan` (compiled, custom VJP) as its scan."""
+    if EXTRA_STATE in params:
+        error = tl.stored_grid_error(_stored(params[EXTRA_STATE]), config.memory_shape,
+                                     f"params[{EXTRA_STATE!r}]")
+        if error is not None:
+            raise ValueError(error)
+    if isinstance(state, tl.StreamState):
+        state = tl.stream_state(jnp, state, x, config)  # checks (count must be concrete)
+    dtype = _compute_dtype(params, x, None if state is None else (state[0], state[1]))
+    x = x.astype(dtype)
+    if isinstance(state, tl.StreamState):
+        state = state._replace(h=state.h.astype(dtype), c=state.c.astype(dtype),
+                               pending=state.pending.astype(dtype),
+                               read=state.read.astype(dtype))
+    elif state is not None:
+        state = MemoryState(*(s.astype(dtype) for s in tl.check_state(
+            jnp, state, x.shape[0], config)))
+    theta = {group: {leaf: value.astype(dtype) for leaf, value in params[group].items()}
+             for group in tl.GROUPS if group != "cell"}
+    cell = ConvParams(*(a.astype(dtype) for a in conv_params(params["cell"])))
+
+    def scan(h: jax.Array, c: jax.Array, inputs: StepInputs) -> tuple[Any, Any, Any]:
+        return memory_scan(h, c, *inputs, cell, eps=config.eps, radius=config.radius,
+                           checkpoint_every=config.checkpoint_every)
+
+    return layer(config).forward_stream(jnp, theta, x, state, scan=scan, reset=reset,
+                                        doc_starts=doc_starts)
 
 
 # --------------------------------------------------------------------------- residual, stack
@@ -566,6 +645,9 @@ def stack_apply(
     ``reset`` zeroes the incoming state of the flagged sequences (every layer's).
     """
     tl.check_mode(mode)
+    if mode == "threaded" and (kwargs.get("stream") or kwargs.get("doc_starts") is not None):
+        raise ValueError("stream / doc_starts: streaming across chunk boundaries and packed "
+                         "documents need mode='causal'")
     if blocks is not None and len(blocks) != len(layers):
         raise ValueError(f"blocks: expected {len(layers)} callables (one per layer), "
                          f"got {len(blocks)}")
@@ -796,12 +878,14 @@ class TensorMemory(nnx.Module):
     def init_state(self, batch: int, dtype: Any = jnp.float32) -> MemoryState:
         return init_state(batch, self.memory_channels, self.memory_shape, dtype)
 
-    def __call__(self, x: jax.Array, state: Any = None, *,
-                 reset: jax.Array | None = None) -> tuple[jax.Array, MemoryState]:
+    def __call__(self, x: jax.Array, state: Any = None, *, reset: jax.Array | None = None,
+                 stream: bool | None = None, doc_starts: Any = None
+                 ) -> tuple[jax.Array, Any]:
         return apply(params_from_module(self), x, state, chunk_size=self.chunk_size,
                      memory_shape=self.memory_shape, sigma_scale=self.sigma_scale,
                      reset=reset, eps=self.eps, radius=self.radius,
-                     checkpoint_every=self.checkpoint_every)
+                     checkpoint_every=self.checkpoint_every, stream=stream,
+                     doc_starts=doc_starts)
 
 
 class GatedMemoryResidual(nnx.Module):
@@ -820,10 +904,12 @@ class GatedMemoryResidual(nnx.Module):
         self.gate = nnx.Param(jnp.full(tl.GATE_SHAPE, check_finite("gate_init", gate_init),
                                        dtype))
 
-    def __call__(self, x: jax.Array, state: Any = None, *,
-                 reset: jax.Array | None = None) -> tuple[jax.Array, MemoryState]:
+    def __call__(self, x: jax.Array, state: Any = None, *, reset: jax.Array | None = None,
+                 stream: bool | None = None, doc_starts: Any = None
+                 ) -> tuple[jax.Array, Any]:
         m = self.memory
         return residual_apply(params_from_module(self), x, state, chunk_size=m.chunk_size,
                               memory_shape=m.memory_shape, sigma_scale=m.sigma_scale,
                               reset=reset, eps=m.eps, radius=m.radius,
-                              checkpoint_every=m.checkpoint_every)
+                              checkpoint_every=m.checkpoint_every, stream=stream,
+                              doc_starts=doc_starts)

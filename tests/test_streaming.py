@@ -208,34 +208,6 @@ def test_numpy_layer_streams_exactly():
     assert np.array_equal(state.h, ref.h) and state.count == ref.count == (2, 2)
 
 
-def test_jax_numpy_layer_streams_and_packs():
-    """The same framework-free layer on jax.numpy arrays (eager; tmcore's generic scan).
-    The JAX adapter's ``apply`` does not stream yet; this shows the logic is shared."""
-    jnp = pytest.importorskip("jax.numpy")
-    config = tl.layer_config(6, 2, (3, 3), 3)
-    rng = np.random.default_rng(1)
-    params = tl.init_params(np, config, lambda s: rng.uniform(-s.bound, s.bound, s.shape)
-                            .astype(np.float32))
-    params = {g: {k: jnp.asarray(v) for k, v in leaves.items()} for g, leaves in params.items()}
-    layer = tl.Layer(config)
-
-    def scan(h, c, inputs):
-        return tmcore.memory_scan(h, c, *inputs, tl.cell_params(params))
-
-    x = jnp.asarray(rng.standard_normal((2, 11, 6)).astype(np.float32))
-    full, ref = layer.forward_stream(jnp, params, x, None, scan=scan)
-    state, outs = None, []
-    for i, n in ((0, 1), (1, 4), (5, 1), (6, 5)):
-        out, state = layer.forward_stream(jnp, params, x[:, i:i + n], state, scan=scan)
-        outs.append(out)
-    assert float(jnp.max(jnp.abs(jnp.concatenate(outs, axis=1) - full))) <= 1e-5
-    assert state.count == ref.count == (2, 2)
-    starts = tl.doc_starts_from_offsets(jnp, [0, 4], 11)
-    packed, _ = layer.forward_stream(jnp, params, x[:1], None, scan=scan, doc_starts=starts)
-    alone, _ = layer.forward_stream(jnp, params, x[:1, 4:], None, scan=scan)
-    assert float(jnp.max(jnp.abs(packed[:, 4:] - alone))) <= 1e-5
-
-
 def test_bad_stream_inputs_are_named():
     memory = _memory()
     x = torch.randn(2, 5, 8, dtype=torch.float64)
@@ -296,3 +268,84 @@ def test_residual_and_attach_memory_stream_any_split():
     residual = MemoryResidual(_memory())
     y, state = residual(x[:, :3], stream=True)
     assert state.count == (3, 3)
+
+
+# --------------------------------------------------------------------------- JAX adapter
+
+
+def _jax():
+    pytest.importorskip("jax")
+    pytest.importorskip("flax")
+    import jax
+    import jax.numpy as jnp
+
+    from tmcore.adapters import jax as tmj
+
+    return jax, jnp, tmj
+
+
+def _jax_split(tmj, params, x, splits, state=None, **kw):
+    outs, i = [], 0
+    for n in splits:
+        out, state = tmj.apply(params, x[:, i:i + n], state, memory_shape=(3, 4),
+                               stream=True, **kw)
+        outs.append(out)
+        i += n
+    import jax.numpy as jnp
+
+    return jnp.concatenate(outs, axis=1), state
+
+
+def _jmax(a, b):
+    import jax.numpy as jnp
+
+    return float(jnp.max(jnp.abs(a - b)))
+
+
+def test_jax_apply_streams_any_split_and_packs():
+    jax, jnp, tmj = _jax()
+    params = tmj.init(jax.random.key(0), 8, 3, (3, 4), L)
+    x = jax.random.normal(jax.random.key(1), (2, 13, 8))
+    full, ref = tmj.apply(params, x, memory_shape=(3, 4), stream=True)
+    old, _ = tmj.apply(params, x, memory_shape=(3, 4))
+    assert _jmax(full, old) <= 1e-5
+    for splits in ([1] * 13, [3, 1, 9]):
+        out, state = _jax_split(tmj, params, x, splits)
+        assert isinstance(state, tmj.StreamState) and state.count == ref.count == (1, 1)
+        assert _jmax(out, full) <= 1e-5 and _jmax(state.h, ref.h) <= 1e-5
+        assert _jmax(state.read, ref.read) <= 1e-5
+    cut = tmj.detach_state(state)
+    assert cut.count == (1, 1)
+    # packed documents: each equals running it alone
+    starts = tmj.doc_starts_from_offsets([0, 5, 6], 13)
+    packed, _ = tmj.apply(params, x[:1], memory_shape=(3, 4), doc_starts=starts)
+    for a, b in ((0, 5), (5, 6), (6, 13)):
+        alone, _ = tmj.apply(params, x[:1, a:b], memory_shape=(3, 4), stream=True)
+        assert _jmax(packed[:, a:b], alone) <= 1e-5
+    # under jit the state's count must be concrete: a clear error
+    with pytest.raises(TypeError, match="concrete"):
+        jax.jit(lambda s: tmj.apply(params, x, s, memory_shape=(3, 4))[0])(state)
+
+
+def test_jax_causal_stack_and_modules_stream():
+    jax, jnp, tmj = _jax()
+    from flax import nnx
+
+    layers = [tmj.residual_init(jax.random.key(k), 8, 3, (3, 4), L) for k in range(2)]
+    x = jax.random.normal(jax.random.key(2), (1, 11, 8))
+    full, ref = tmj.stack_apply(layers, x, mode="causal", memory_shape=(3, 4), stream=True)
+    state, outs, i = None, [], 0
+    for n in (1, 5, 1, 4):
+        out, state = tmj.stack_apply(layers, x[:, i:i + n], state, mode="causal",
+                                     memory_shape=(3, 4), stream=True)
+        outs.append(out)
+        i += n
+    assert _jmax(jnp.concatenate(outs, axis=1), full) <= 1e-5
+    assert [s.count for s in state] == [s.count for s in ref] == [(3,), (3,)]
+    with pytest.raises(ValueError, match="causal"):
+        tmj.stack_apply(layers, x, mode="threaded", memory_shape=(3, 4), stream=True)
+    module = tmj.GatedMemoryResidual(8, 3, (3, 4), L, rngs=nnx.Rngs(0))
+    y, s = module(x[:, :3], stream=True)
+    y2, s = module(x[:, 3:], s)
+    whole, _ = module(x, stream=True)
+    assert s.count == (3,) and _jmax(jnp.concatenate([y, y2], axis=1), whole) <= 1e-5

@@ -503,6 +503,9 @@ def check_mode(mode: Any) -> str:
 
 
 def _is_pair(state: Any) -> bool:
+    """One layer's state: an ``(h, c)`` pair or a :class:`StreamState`."""
+    if isinstance(state, StreamState):
+        return True
     return (isinstance(state, (tuple, list)) and len(state) == 2
             and all(hasattr(s, "shape") for s in state))
 
@@ -720,12 +723,20 @@ def stream_state(xp: Any, state: Any, x: Any, config: LayerConfig) -> StreamStat
                          f"{(batch, config.memory_channels)}, got "
                          f"{getattr(state.read, 'shape', type(state.read).__name__)}")
     count = state.count
-    if not isinstance(count, (tuple, list)) or len(count) != batch or not all(
-            isinstance(k, int) and not isinstance(k, bool) and 0 <= k < config.chunk_size
-            for k in count):
+    try:  # Python or NumPy ints, or concrete 0-d integer arrays
+        count = tuple(operator.index(k) for k in count) if not isinstance(count, bool) \
+            and all(not isinstance(k, bool) for k in count) else None
+    except TypeError as error:
+        if "Tracer" in type(error).__name__ or "tracer" in str(error).lower():
+            raise TypeError("state.count: must be concrete Python ints (the chunk grid is "
+                            "planned on the host); under jax.jit close over the state or "
+                            "stream outside jit") from error
+        count = None
+    if count is None or len(count) != batch or not all(
+            0 <= k < config.chunk_size for k in count):
         raise ValueError(f"state.count: expected {batch} ints in [0, {config.chunk_size}) "
-                         f"(tokens of each row's unfinished chunk), got {count!r}")
-    return StreamState(h, c, state.pending, tuple(count), state.read)
+                         f"(tokens of each row's unfinished chunk), got {state.count!r}")
+    return StreamState(h, c, state.pending, count, state.read)
 
 
 def _host_bools(mask: Any) -> list:
