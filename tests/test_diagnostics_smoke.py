@@ -251,6 +251,145 @@ def test_variant_layer_matches_the_adapter():
     torch.testing.assert_close(c_v, c_r)
 
 
+def _variant_pair(**switches):
+    """A default variant and a switched one with the same parameters (float64)."""
+    from examples.diagnostics.variants import VariantTensorMemory
+
+    torch.manual_seed(1)
+    base = VariantTensorMemory(8, 3, (3, 4, 5), 2).double()
+    with torch.no_grad():  # non-identity taps, so that the conv switch matters
+        base.cell.depthwise_weight.add_(0.3 * torch.randn_like(base.cell.depthwise_weight))
+        base.cell.depthwise_bias.add_(0.3 * torch.randn_like(base.cell.depthwise_bias))
+    variant = VariantTensorMemory(8, 3, (3, 4, 5), 2, **switches).double()
+    variant.load_state_dict(base.state_dict(), strict=False)
+    return base, variant
+
+
+def test_variant_hard_write_puts_content_in_one_cell():
+    """``write="hard"``: each written volume is the content in the one nearest cell, and the
+    layer's scan with it gives no gradient to the spread head."""
+    from examples.diagnostics.variants import hard_write
+    from tmcore.scan import StepInputs
+
+    shape = (3, 4, 5)
+    coords = torch.tensor([[-1.0, -1.0, -1.0], [0.9, -0.2, 0.4], [0.3, 0.99, -0.6]],
+                          dtype=torch.double)  # (x, y, z) -> axes (W, H, D)
+    content = torch.randn(3, 2, dtype=torch.double)
+    inputs = StepInputs(None, coords, torch.full((3,), 0.5, dtype=torch.double), content)
+    written = hard_write(inputs, shape)
+    assert written.shape == (3, 2, *shape)
+    for b in range(3):
+        nearest = tuple(int(torch.argmin((torch.linspace(-1, 1, size, dtype=torch.double)
+                                          - coords[b, 2 - axis]).abs()))
+                        for axis, size in enumerate(shape))
+        expected = torch.zeros(2, *shape, dtype=torch.double)
+        expected[(slice(None), *nearest)] = content[b]
+        assert torch.equal(written[b], expected), (b, nearest)
+
+    base, hard = _variant_pair(write="hard")
+    x = torch.randn(2, 7, 8, dtype=torch.double)
+    out_g, _ = base(x)
+    out_h, _ = hard(x)
+    assert float((out_h - out_g).detach().abs().max()) > 1e-6  # the write changed
+    out_h.sum().backward()
+    assert hard.sigma_net.weight.grad is None  # no spread in a hard write
+    assert float(hard.content_net.weight.grad.abs().sum()) > 0
+
+
+def test_variant_stepwise_scan_equals_memory_scan():
+    """The ablations' loop scan with the Gaussian write is tmcore's ``memory_scan``
+    (values and gradients), so a hard write changes only the write."""
+    from examples.diagnostics.variants import _stepwise_scan, gaussian_write
+    from tmcore.adapters.torch import ConvLSTMCell, memory_scan
+    from tmcore.scan import StepInputs
+
+    torch.manual_seed(2)
+    B, T, C, shape = 2, 3, 2, (3, 4, 2)
+    cell = ConvLSTMCell(C, 3).double()
+    with torch.no_grad():
+        cell.depthwise_weight.add_(0.3 * torch.randn_like(cell.depthwise_weight))
+    leaves = [torch.randn(B, C, *shape, dtype=torch.double),
+              torch.randn(B, C, *shape, dtype=torch.double),
+              torch.rand(B, T, 3, dtype=torch.double) * 2 - 1,
+              torch.rand(B, T, 3, dtype=torch.double) * 2 - 1,
+              torch.rand(B, T, dtype=torch.double) + 0.2,
+              torch.randn(B, T, C, dtype=torch.double)]
+    leaves = [v.requires_grad_() for v in leaves]
+    results = []
+    for scan in ("loop", "memory_scan"):
+        if scan == "loop":
+            got = _stepwise_scan(leaves[0], leaves[1], StepInputs(*leaves[2:]), cell.params(),
+                                 gaussian_write(1e-6, None))
+        else:
+            got = memory_scan(*leaves, cell.params(), eps=1e-6)
+        loss = sum((g * w).sum() for g, w in zip(got, (1.0, 0.7, -0.4), strict=True))
+        grads = torch.autograd.grad(loss, [*leaves, *cell.parameters()])
+        results.append((got, grads))
+    for a, b in zip(results[0][0] + results[0][1], results[1][0] + results[1][1], strict=True):
+        torch.testing.assert_close(a, b)
+
+
+def test_variant_untied_heads_have_their_own_write_head():
+    """``tied=False``: ``write_coord_net`` is an extra parameter group that sets the write
+    coordinates (the reads still use ``coord_net``); equal to the tied layer when it is a
+    copy of ``coord_net``."""
+    base, untied = _variant_pair(tied=False)
+    keys = set(untied.state_dict()) - set(base.state_dict())
+    assert keys == {"write_coord_net.weight", "write_coord_net.bias"}
+    assert untied.write_coord_net.weight is not untied.coord_net.weight
+    x = torch.randn(2, 7, 8, dtype=torch.double)
+    with torch.no_grad():
+        untied.write_coord_net.load_state_dict(base.coord_net.state_dict())
+        out_b, (h_b, _) = base(x)
+        out_u, (h_u, _) = untied(x)
+        torch.testing.assert_close(out_u, out_b, rtol=0, atol=0)
+        torch.testing.assert_close(h_u, h_b, rtol=0, atol=0)
+        untied.write_coord_net.weight.add_(0.5)
+        out_u2, (h_u2, _) = untied(x)
+    assert float((h_u2 - h_b).abs().max()) > 1e-6  # the write head moves the writes
+    # the first chunk's read comes before any write: the write head cannot change it
+    torch.testing.assert_close(out_u2[:, :2], out_b[:, :2], rtol=0, atol=0)
+    assert float((out_u2[:, 2:] - out_b[:, 2:]).abs().max()) > 1e-6
+    out_u2 = untied(x)[0]
+    out_u2.sum().backward()
+    assert float(untied.write_coord_net.weight.grad.abs().sum()) > 0
+
+
+def test_variant_pointwise_conv_ignores_the_taps():
+    """``conv="pointwise"``: the depthwise taps and bias have no effect (and no gradient);
+    it equals the factorized layer with identity taps and zero depthwise bias."""
+    base, pointwise = _variant_pair(conv="pointwise")
+    x = torch.randn(2, 7, 8, dtype=torch.double)
+    with torch.no_grad():
+        out_p, _ = pointwise(x)
+        out_b, _ = base(x)
+    assert float((out_p - out_b).abs().max()) > 1e-6  # the random taps matter to the default
+    with torch.no_grad():
+        base.cell.depthwise_weight.zero_()
+        base.cell.depthwise_weight[..., 1] = 1.0
+        base.cell.depthwise_bias.zero_()
+        pointwise.cell.depthwise_weight.mul_(-2.0)  # ignored
+        out_i, (h_i, _) = base(x)
+    out_p2, (h_p2, _) = pointwise(x)
+    torch.testing.assert_close(out_p2, out_p, rtol=0, atol=0)
+    torch.testing.assert_close(out_p2, out_i)
+    torch.testing.assert_close(h_p2, h_i)
+    out_p2.sum().backward()
+    assert pointwise.cell.depthwise_weight.grad is None
+    assert float(pointwise.cell.pointwise_weight.grad.abs().sum()) > 0
+
+
+def test_variant_switches_are_checked():
+    from examples.diagnostics.variants import VariantTensorMemory
+
+    with pytest.raises(ValueError, match="write"):
+        VariantTensorMemory(8, 2, (3, 3, 3), 2, write="soft")
+    with pytest.raises(ValueError, match="conv"):
+        VariantTensorMemory(8, 2, (3, 3, 3), 2, conv="depthwise")
+    with pytest.raises(TypeError, match="tied"):
+        VariantTensorMemory(8, 2, (3, 3, 3), 2, tied=0)
+
+
 def _model(kind: str, segment: int | None):
     from dataclasses import replace
 
