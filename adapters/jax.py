@@ -482,7 +482,8 @@ def apply(
     and the final :class:`MemoryState`. Pass the state to the next call to
     stream a long sequence; wrap it in :func:`detach_state` to truncate
     backprop. Pieces whose lengths are multiples of the chunk size give the
-    same result as one call, bit for bit.
+    same result as one call, bit for bit; with ``stream=True`` (a
+    :class:`StreamState`) pieces of any lengths do.
     """
     if stream is None:
         stream = isinstance(state, tl.StreamState) or doc_starts is not None
