@@ -1,14 +1,12 @@
 """Which Tensor Memory layer the examples use.
 
-The PyTorch adapter ``tmcore.adapters.torch.TensorMemory`` when it is
-importable; otherwise (a checkout without the adapter) the pure-PyTorch
-:class:`~examples.diagnostics.variants.VariantTensorMemory`, which computes
-the same function with the same parameter names, with a warning.
+The PyTorch adapter ``tmcore.adapters.torch.TensorMemory`` by default;
+:class:`~examples.diagnostics.variants.VariantTensorMemory` (the adapter's layer
+with ablation switches) when a switch is set or ``set_implementation("variant")``
+asks for it.
 """
 
 from __future__ import annotations
-
-import warnings
 
 import torch
 from torch import nn
@@ -32,10 +30,8 @@ def set_implementation(name: str) -> None:
 def _adapter_class():
     if _IMPL["name"] == "variant":
         return None
-    try:
-        from tmcore.adapters.torch import TensorMemory
-    except ImportError:
-        return None
+    from tmcore.adapters.torch import TensorMemory
+
     return TensorMemory
 
 
@@ -88,16 +84,13 @@ def make_tensor_memory(embed_dim: int, memory_channels: int, memory_shape: tuple
                        chunk_size: int, sigma_scale: float = 1.0, write_init: str = "first_token",
                        forget_bias: float = 0.0, **variant: object) -> nn.Module:
     """A Tensor Memory layer; ``variant`` switches (``write``, ``tied``, ``conv``) select
-    :class:`VariantTensorMemory`, as does a missing adapter. ``write_init``:
+    :class:`VariantTensorMemory`, as does ``set_implementation("variant")``. ``write_init``:
     ``"first_token"`` (:func:`init_write_proj`) or ``"default"`` (the layer's own);
     ``forget_bias``: see :func:`init_forget_bias` (0: the layer's own)."""
     if write_init not in ("first_token", "default"):
         raise ValueError(f"write_init: expected 'first_token' or 'default', got {write_init!r}")
     cls = _adapter_class()
     if variant or cls is None:
-        if cls is None and not variant and _IMPL["name"] == "adapter":
-            warnings.warn("tmcore.adapters.torch is not importable; using the pure-PyTorch "
-                          "VariantTensorMemory stand-in", stacklevel=2)
         memory = VariantTensorMemory(embed_dim, memory_channels, tuple(memory_shape),
                                      chunk_size, sigma_scale, **variant)
     else:
