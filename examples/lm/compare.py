@@ -44,12 +44,12 @@ class CompareConfig:
 
     sizes: ModelSizes = field(default_factory=ModelSizes)
     context: int = 256
-    steps: int = 300
+    steps: int = 400
     batch: int = 16
     lr: float = 3e-3
-    warmup: int = 30
+    warmup: int = 40
     weight_decay: float = 0.01
-    eval_tokens: int = 32768
+    eval_tokens: int = 0
     eval_batch: int = 16
     seeds: tuple[int, ...] = (0, 1, 2)
     models: tuple[str, ...] = MODELS
