@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import sys
 from types import ModuleType
 
 import pytest
@@ -47,3 +48,30 @@ def load_namespace(name: str) -> ModuleType:
 def xp(request) -> ModuleType:
     """The array namespace under test (session-scoped so hypothesis can reuse it)."""
     return load_namespace(request.param)
+
+
+@pytest.fixture(autouse=True)
+def _isolated_process_settings():
+    """Each test starts from the same tmcore options and torch settings.
+
+    Examples under test call ``tmcore.options(deterministic=True)`` as a setter and
+    pin torch's thread count; without this, those settings would leak into every
+    later test of the session (and hide what the environment variables set).
+    """
+    from tmcore import _options
+
+    token = _options._LOCAL.set(_options._LOCAL.get())
+    torch = importlib.import_module("torch") if "torch" in sys.modules else None
+    saved = (torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()) \
+        if torch is not None else None
+    try:
+        yield
+    finally:
+        _options._LOCAL.reset(token)
+        torch = importlib.import_module("torch") if "torch" in sys.modules else None
+        if torch is not None:
+            if saved is not None:
+                torch.set_num_threads(saved[0])
+                torch.use_deterministic_algorithms(saved[1])
+            else:
+                torch.use_deterministic_algorithms(False)

@@ -746,9 +746,10 @@ def _host_bools(mask: Any) -> list:
             return mask.tolist()
         except Exception:  # e.g. array-api-strict arrays have no tolist
             pass
-    import numpy as np
-
-    return np.asarray(mask).tolist()
+    # element by element through 0-d arrays: slow, but only namespaces without tolist get here
+    if mask.ndim == 0:
+        return bool(mask)
+    return [_host_bools(mask[i, ...]) for i in range(mask.shape[0])]
 
 
 def check_doc_starts(xp: Any, doc_starts: Any, batch: int, tokens: int) -> list[list[bool]]:
