@@ -109,3 +109,19 @@ def test_tiny_run_is_deterministic_and_renders(tmp_path):
     assert (tmp_path / "figures" / "x.png").stat().st_size > 0
     assert " ± " in (tmp_path / "results" / "x.md").read_text()
     assert compare.CompareConfig.from_dict(result["config"]) == config
+
+
+def test_committed_results_match_the_readme_and_table():
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    results = root / "examples" / "lm" / "results"
+    if not (results / "compare.json").is_file():
+        pytest.skip("no committed examples/lm/results/compare.json")
+    result = json.loads((results / "compare.json").read_text())
+    assert len(result["seeds"]) >= 3 and all(len(r["seeds"]) == len(result["seeds"])
+                                             for r in result["rows"])
+    text = compare.markdown(result, "compare")
+    assert (results / "compare.md").read_text() == text  # else: python -m examples.lm render
+    table = "\n".join(line for line in text.splitlines() if line.startswith("|"))
+    assert table in (root / "README.md").read_text()

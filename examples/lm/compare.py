@@ -78,8 +78,8 @@ SCALES = {
     "cpu": CompareConfig(),
     # meant for one GPU (hours, not minutes); the window stays 64
     "full": CompareConfig(sizes=ModelSizes(width=512, layers=6, heads=8, window=64, segment=128,
-                                           memory_channels=32, memory_shape=(8, 8, 8),
-                                           chunk_size=32, linear_chunk=64),
+                                           memory_channels=16, memory_shape=(8, 8, 8),
+                                           chunk_size=16, linear_chunk=64),
                           context=512, steps=20_000, batch=32, lr=6e-4, warmup=1000,
                           eval_tokens=0, eval_batch=32),
 }
