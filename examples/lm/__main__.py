@@ -51,6 +51,20 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _lm_dirty() -> bool:
+    """Whether examples/lm has uncommitted code changes (results and figures excluded)."""
+    import subprocess
+
+    try:
+        out = subprocess.run(["git", "status", "--porcelain", "--", "examples/lm"],
+                             cwd=common.ROOT, capture_output=True, text=True, timeout=30,
+                             check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return any("/results/" not in line and "/figures/" not in line
+               for line in out.splitlines())
+
+
 def _compare(args: argparse.Namespace, argv: list[str]) -> int:
     scale = "full" if args.full else "tiny" if args.tiny else "cpu"
     config = SCALES[scale]
@@ -65,6 +79,8 @@ def _compare(args: argparse.Namespace, argv: list[str]) -> int:
     data = None if args.data is None else str(args.data)
     command = common.command_line("python -m examples.lm", argv)
     provenance = common.commit_info()
+    # commit_info watches the library and the vision examples; this example's code counts too
+    provenance["dirty"] = provenance["dirty"] or _lm_dirty()
     start = time.perf_counter()
     jobs = [(kind, seed, config, data, args.device, args.threads, not args.no_progress
              and args.jobs == 1) for kind in config.models for seed in config.seeds]
