@@ -58,16 +58,21 @@ def gaussian_profiles(
     denom = (2.0 * sigma * sigma + eps)[..., None]
     # denom = 0 (sigma = 0 with eps = 0, or 2 sigma^2 underflowing): the limit, a
     # weight of 1 on a centre the write hits exactly and 0 elsewhere, not 0/0 = NaN.
-    degenerate = denom == 0.0
-    safe_denom = xp.where(degenerate, xp.ones_like(denom), denom)
+    # With eps > 0, denom >= eps > 0 and the plain formula serves (no extra passes).
+    degenerate = denom == 0.0 if eps <= 0.0 else None
+    if degenerate is not None:
+        safe_denom = xp.where(degenerate, xp.ones_like(denom), denom)
     profiles, offsets = [], []
     for axis in range(n):
         centres = xp.linspace(-1.0, 1.0, shape[axis], dtype=mu.dtype, device=device)
         offset = centres - mu[..., axis_of_component(axis, n), None]
         square = offset * offset
-        exponent = square / safe_denom
-        limit = xp.where(square > 0.0, xp.full_like(square, xp.inf), square)  # NaN stays
-        profile = xp.exp(-xp.where(degenerate, limit, exponent))
+        if degenerate is None:
+            profile = xp.exp(-square / denom)
+        else:
+            exponent = square / safe_denom
+            limit = xp.where(square > 0.0, xp.full_like(square, xp.inf), square)  # NaN stays
+            profile = xp.exp(-xp.where(degenerate, limit, exponent))
         if radius is not None:
             inside = xp.abs(offset) <= radius * sigma[..., None]
             profile = xp.where(inside, profile, profile * 0.0)  # 0, but NaN stays NaN
@@ -120,11 +125,15 @@ def splat_bwd(
         moment2 = term if moment2 is None else moment2 + term
     # denom = 0: the weight is a step in mu and sigma (flat on either side); its
     # gradient is taken as 0 rather than 0 * inf
+    if eps > 0.0:  # denom >= eps > 0
+        d_mu = xp.stack(d_mu_parts, axis=-1) * (2.0 / denom)
+        # d w / d sigma = w * ||p - mu||^2 * 4 sigma / denom^2
+        d_sigma = moment2 * (4.0 * sigma / (denom[..., 0] * denom[..., 0]))
+        return d_content, d_mu, d_sigma
     degenerate = denom == 0.0
     safe_denom = xp.where(degenerate, xp.ones_like(denom), denom)
     zero = xp.zeros_like(denom)
     d_mu = xp.stack(d_mu_parts, axis=-1) * xp.where(degenerate, zero, 2.0 / safe_denom)
-    # d w / d sigma = w * ||p - mu||^2 * 4 sigma / denom^2
     scale = xp.where(degenerate, zero, 4.0 * sigma[..., None] / (safe_denom * safe_denom))
     d_sigma = moment2 * scale[..., 0]
     return d_content, d_mu, d_sigma

@@ -1,0 +1,117 @@
+"""Is the torch layer's CPU training step as fast as at another commit? Measured side by side.
+
+This machine is shared and noisy, so two checkouts are timed in alternation, in
+fresh processes, round after round, and the answer is the ratio of their medians
+(and of their minimums). Each checkout needs its own environment with tmcore
+installed from it (for example a copy of ``.venv`` with ``pip install -e
+<checkout> --no-deps``)::
+
+    python -m benchmarks.cpu_regression --python /tmp/old/.venv/bin/python \\
+        --python .venv/bin/python --config lm-256 --rounds 5
+
+One process times ``--reps`` training steps (forward + backward, float32) of
+``tmcore.adapters.torch.TensorMemory`` built from the public constructor only,
+so that any commit's adapter runs the same script. ``--json PATH`` writes the
+per-round values, the command and the commits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+from benchmarks.common import CONFIGS, machine_line
+
+_CHILD = r"""
+import json, sys, time
+import torch
+from tmcore.adapters.torch import TensorMemory
+
+batch, d, channels, shape, chunk, tokens, reps, threads = json.loads(sys.argv[1])
+torch.manual_seed(0)
+torch.set_num_threads(threads)
+layer = TensorMemory(d, channels, tuple(shape), chunk)
+x = torch.randn(batch, tokens, d, requires_grad=True)
+g = torch.randn(batch, tokens, d)
+
+
+def step():
+    out, _ = layer(x)
+    out.backward(g)
+
+
+step()  # warm-up: kernels loaded, allocator primed
+times = []
+for _ in range(reps):
+    start = time.perf_counter()
+    step()
+    times.append(time.perf_counter() - start)
+print(json.dumps(times))
+"""
+
+
+def _commit(python: str) -> str:
+    """The commit of the checkout that ``python``'s tmcore was installed from."""
+    where = subprocess.run([python, "-c", "import tmcore, os; print(os.path.dirname("
+                            "os.path.dirname(tmcore.__file__)))"],
+                           capture_output=True, text=True, check=True, cwd="/").stdout.strip()
+    done = subprocess.run(["git", "-C", where, "rev-parse", "--short=10", "HEAD"],
+                          capture_output=True, text=True)
+    return f"{done.stdout.strip() or '?'} ({where})"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--python", action="append", required=True,
+                        help="an interpreter whose tmcore is the checkout to time (twice or more)")
+    parser.add_argument("--config", default="lm-256", choices=[c.name for c in CONFIGS])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args(argv)
+    if len(args.python) < 2:
+        parser.error("--python: give at least two interpreters to compare")
+    cfg = next(c for c in CONFIGS if c.name == args.config)
+    spec = json.dumps([cfg.batch, cfg.embed_dim, cfg.channels, list(cfg.shape), cfg.chunk,
+                       cfg.tokens, args.reps, args.threads])
+    per_python: dict[str, list[float]] = {p: [] for p in args.python}
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    for round_index in range(args.rounds):
+        # rotate the order so a load that changes during a round slows every checkout alike
+        order = args.python[round_index % len(args.python):] + \
+            args.python[:round_index % len(args.python)]
+        for python in order:
+            # cwd "/": no checkout's folder shadows the installed tmcore on sys.path
+            done = subprocess.run([python, "-c", _CHILD, spec], capture_output=True,
+                                  text=True, check=True, env=env, cwd="/")
+            per_python[python].extend(json.loads(done.stdout.strip().splitlines()[-1]))
+    base = args.python[0]
+    rows = []
+    for python, times in per_python.items():
+        row = {"python": python, "commit": _commit(python),
+               "median_ms": 1e3 * statistics.median(times), "min_ms": 1e3 * min(times),
+               "seconds": times}
+        row["median_ratio_to_first"] = statistics.median(times) / statistics.median(
+            per_python[base])
+        row["min_ratio_to_first"] = min(times) / min(per_python[base])
+        rows.append(row)
+        print(f"{row['commit']}: median {row['median_ms']:.1f} ms, min {row['min_ms']:.1f} ms "
+              f"per training step; x{row['median_ratio_to_first']:.3f} (median), "
+              f"x{row['min_ratio_to_first']:.3f} (min) of the first")
+    if args.json is not None:
+        command = "python -m benchmarks.cpu_regression " + " ".join(
+            shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
+        args.json.write_text(json.dumps({"command": command, "machine": machine_line(),
+                                         "config": args.config, "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
