@@ -264,7 +264,7 @@ class TensorMemory(nn.Module):
     checkpoint_every : the backward keeps every k-th state and recomputes the rest.
     radius : optional truncation of the Gaussian write, in units of sigma.
     eps : added to ``2 sigma^2`` in the Gaussian (>= 0).
-    forget_bias : initial bias of the ConvLSTM forget gate (default 0, DESIGN's
+    forget_bias : initial bias of the ConvLSTM forget gate (default 0, the layer's
         init: the cell starts keeping ``sigmoid(0) = 1/2`` of its state per chunk).
         A positive value (e.g. 3: ``sigmoid(3) = 0.95``) starts the memory
         remembering across many chunks, which long-range tasks need to discover

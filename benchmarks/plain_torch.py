@@ -1,4 +1,4 @@
-"""A plain autograd implementation of the DESIGN math with ordinary torch ops.
+"""A plain autograd implementation of the layer's math (docs/LAYER.md) with ordinary torch ops.
 
 This is the comparison baseline of the benchmark suite: the layer written the
 straightforward way (``nn.Linear``, depthwise ``Conv3d``, ``grid_sample``,

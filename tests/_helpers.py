@@ -9,7 +9,7 @@ __all__ = [*_strategies, "reference_state_dict"]
 
 def reference_state_dict(torch, d: int, c: int, length: int, grid=(3, 4, 5), seed: int = 0,
                          scale: float = 0.3) -> dict:
-    """A random state dict in the paper's reference layout (DESIGN.md): ``write_proj``,
+    """A random state dict in the paper's reference layout (docs/LAYER.md): ``write_proj``,
     ``writer.*``, ``coord_net``, ``gate_conv.*`` (Conv3d weights), ``out_proj`` and the
     ``grid_cache`` (1, 3, D, H, W) of cell centres in (x, y, z) order for ``grid``.
     ``torch`` is passed in so importing this module needs no framework."""

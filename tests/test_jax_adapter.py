@@ -1,7 +1,7 @@
 """The JAX adapter: custom VJPs, the pure layer, modes, streaming, Flax NNX, state dicts.
 
 Ground truth here is a plain-``jnp`` forward of the same math written from
-DESIGN.md (tent weights, a dense Gaussian, pad-and-slice convolutions, a Python
+docs/LAYER.md (tent weights, a dense Gaussian, pad-and-slice convolutions, a Python
 loop over chunks) differentiated by ``jax.grad``; the adapter's gradients run
 tmcore's hand-written VJPs. Float64 runs inside ``jax.enable_x64`` (module
 fixture) so the global flag is untouched for other test files.
@@ -139,7 +139,7 @@ def ref_scan(h, c, read_coords, write_coords, write_sigma, write_content, cell, 
 
 
 def ref_apply(p, x, h, c, chunk, sigma_scale=1.0):
-    """The layer straight from DESIGN.md, a ``lax.scan`` over chunks."""
+    """The layer straight from docs/LAYER.md's per-chunk math, a ``lax.scan`` over chunks."""
     lin = lambda q, v: v @ q["weight"].T + q["bias"]  # noqa: E731
     batch, tokens, d = x.shape
     steps = math.ceil(tokens / chunk)

@@ -194,7 +194,7 @@ def test_torch_load_from_a_different_grid_is_refused(ta, torch, tmp_path):
 
 
 def _reference_state_dict(torch, d=D, c=C, length=L, grid=(3, 4, 5), seed=0):
-    """A state dict in the paper's reference layout (DESIGN.md), this file's sizes."""
+    """A state dict in the paper's reference layout (docs/LAYER.md), this file's sizes."""
     return reference_state_dict(torch, d, c, length, grid, seed)
 
 

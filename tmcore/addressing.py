@@ -1,6 +1,6 @@
 """Continuous addressing: normalized coordinates, voxel positions, cell centres.
 
-Conventions (DESIGN.md): coordinates live in ``[-1, 1]``; ``coords[..., k]``
+Conventions (README, docs/LAYER.md): coordinates live in ``[-1, 1]``; ``coords[..., k]``
 addresses spatial axis ``n - 1 - k`` (grid_sample order: x = last axis);
 cell centres are ``linspace(-1, 1, S_a)`` (align_corners=True), so the voxel
 position along axis ``a`` is ``u_a = (x + 1) / 2 * (S_a - 1)``.
@@ -33,7 +33,7 @@ __all__ = [
     "MIN_SIGMA",
 ]
 
-#: Floor added to the softplus of the sigma logit (DESIGN: ``softplus(.) + 1e-4``).
+#: Floor added to the softplus of the sigma logit (docs/LAYER.md: ``softplus(.) + 1e-4``).
 MIN_SIGMA = 1e-4
 
 

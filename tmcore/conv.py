@@ -54,7 +54,7 @@ def xavier_uniform_bound(c_in: int, c_out: int) -> float:
 
 
 def conv_params_from_pointwise(pointwise_weight: Any, ndim: int) -> ConvParams:
-    """DESIGN's initialization around a given pointwise matrix ``(C_out, C_in)``.
+    """The layer's initialization (docs/LAYER.md) around a given pointwise matrix ``(C_out, C_in)``.
 
     Depthwise taps start as identity (centre 1, others 0, bias 0) and the
     pointwise bias at 0. Draw ``pointwise_weight`` uniformly in

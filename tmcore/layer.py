@@ -39,7 +39,7 @@ What lives here
 - :class:`Layer` -- the forward of one layer given a ``scan`` callable
   (the adapter's differentiable :func:`tmcore.memory_scan`).
 
-Per chunk ``t`` (DESIGN): ``read_coord = tanh(coord_net(first token))``;
+Per chunk ``t`` (docs/LAYER.md, "Per-chunk math"): ``read_coord = tanh(coord_net(first token))``;
 ``summary = write_proj(the chunk's L tokens, position-major)``;
 ``write_coord = tanh(coord_net(summary))`` (tied head); ``content =
 content_net(summary)``; ``sigma = (softplus(sigma_net(summary)) + 1e-4) *

@@ -1,6 +1,6 @@
 """The chunk recurrence: read, write, update, T times, with a lean backward.
 
-Per step ``t`` (DESIGN's order): read ``h_{t-1}`` at ``read_coords[:, t]``
+Per step ``t`` (the layer's order, docs/LAYER.md): read ``h_{t-1}`` at ``read_coords[:, t]``
 BEFORE this step's write; splat ``write_content[:, t]`` around
 ``write_coords[:, t]`` with ``write_sigma[:, t]``; update ``(h, c)`` with the
 ConvLSTM. The backward keeps only the states at every ``checkpoint_every``-th

@@ -49,7 +49,7 @@ def paper_binding(scale: str) -> tuple[dict, TrainConfig, ModelConfig]:
                         weight_decay=0.01, warmup=0, schedule="constant",
                         eval_examples=sizes["eval_examples"], seeds=sizes["seeds"],
                         log_every=10 if scale != "full" else 50)
-    # the authors' layer init: DESIGN defaults (forget bias 0, the layer's own write
+    # the authors' layer init: layer defaults (forget bias 0, the layer's own write
     # projection, sigma scale 1), memory after the attention, gate logit 0
     model = ModelConfig(d_model=64, n_layers=2, n_heads=4, segment=None,
                         memory_channels=sizes["memory_channels"],
