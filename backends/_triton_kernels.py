@@ -290,6 +290,19 @@ def _cells(tile, BP: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr):
     return offs_p, offs_p // (S1 * S2), (offs_p // S2) % S1, offs_p % S2
 
 
+@triton.jit
+def _write_params(wcont_ptr, ws_ptr, wc_ptr, bt, offs_c, mask_c, C, eps, radius,
+                  N: tl.constexpr):
+    """Step ``bt``'s write: content ``(CB,)``, sigma, ``2 sigma^2 + eps``, the truncation
+    radius ``radius * sigma`` and the centre ``mu0, mu1, mu2`` (coordinate order)."""
+    content = tl.load(wcont_ptr + bt * C + offs_c, mask=mask_c, other=0.0)
+    sigma = tl.load(ws_ptr + bt)
+    mu0 = _coord(wc_ptr + bt * N, 0, N)
+    mu1 = _coord(wc_ptr + bt * N, 1, N)
+    mu2 = _coord(wc_ptr + bt * N, 2, N)
+    return content, sigma, 2.0 * sigma * sigma + eps, radius * sigma, mu0, mu1, mu2
+
+
 @triton.jit(do_not_specialize=["t", "T", "C"])
 def step_fwd_kernel(
     h_ptr, c_ptr, h_out, c_out, reads_ptr, rc_ptr, wc_ptr, ws_ptr, wcont_ptr,
@@ -308,13 +321,8 @@ def step_fwd_kernel(
     mask_c = offs_c < C
     row = b * C * P
     bt = b * T + t
-    content = tl.load(wcont_ptr + bt * C + offs_c, mask=mask_c, other=0.0)
-    sigma = tl.load(ws_ptr + bt)
-    denom = 2.0 * sigma * sigma + eps
-    rs = radius * sigma
-    mu0 = _coord(wc_ptr + bt * N, 0, N)
-    mu1 = _coord(wc_ptr + bt * N, 1, N)
-    mu2 = _coord(wc_ptr + bt * N, 2, N)
+    content, sigma, denom, rs, mu0, mu1, mu2 = _write_params(
+        wcont_ptr, ws_ptr, wc_ptr, bt, offs_c, mask_c, C, eps, radius, N)
     if WRITE_READ:
         if pid == 0:
             _read(h_ptr + row, rc_ptr + bt * N, reads_ptr + bt * C, offs_c, mask_c, N, S0, S1,
@@ -413,13 +421,8 @@ def step_bwd_a_kernel(
     mask_c = offs_c < C
     row = b * C * P
     bt = b * T + t
-    content = tl.load(wcont_ptr + bt * C + offs_c, mask=mask_c, other=0.0)
-    sigma = tl.load(ws_ptr + bt)
-    denom = 2.0 * sigma * sigma + eps
-    rs = radius * sigma
-    mu0 = _coord(wc_ptr + bt * N, 0, N)
-    mu1 = _coord(wc_ptr + bt * N, 1, N)
-    mu2 = _coord(wc_ptr + bt * N, 2, N)
+    content, sigma, denom, rs, mu0, mu1, mu2 = _write_params(
+        wcont_ptr, ws_ptr, wc_ptr, bt, offs_c, mask_c, C, eps, radius, N)
     for tile in range(pid, TILES, programs):
         offs_p, i0, i1, i2 = _cells(tile, BP, S1, S2)
         mask_p = offs_p < P
@@ -539,14 +542,9 @@ def step_bwd_b_kernel(
     row = b * C * P
     dy_row = b * 2 * C * P
     bt = b * T + t
-    content = tl.load(wcont_ptr + bt * C + offs_c, mask=mask_c, other=0.0)
+    content, sigma, denom, rs, mu0, mu1, mu2 = _write_params(
+        wcont_ptr, ws_ptr, wc_ptr, bt, offs_c, mask_c, C, eps, radius, N)
     g_read = tl.load(g_reads + bt * C + offs_c, mask=mask_c, other=0.0)
-    sigma = tl.load(ws_ptr + bt)
-    denom = 2.0 * sigma * sigma + eps
-    rs = radius * sigma
-    mu0 = _coord(wc_ptr + bt * N, 0, N)
-    mu1 = _coord(wc_ptr + bt * N, 1, N)
-    mu2 = _coord(wc_ptr + bt * N, 2, N)
     x0 = _coord(rc_ptr + bt * N, 0, N)
     x1 = _coord(rc_ptr + bt * N, 1, N)
     x2 = _coord(rc_ptr + bt * N, 2, N)
