@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from examples.lm.model import LayerCache, LMConfig, TinyLM
+from examples.lm.model import CausalAttention, LayerCache, LMConfig, TinyLM
 
 __all__ = ["MODELS", "LABELS", "ModelSizes", "CompareLM", "LinearAttention",
            "linear_attention"]
@@ -80,24 +80,17 @@ def linear_attention(q: Tensor, k: Tensor, v: Tensor, chunk: int, eps: float = 1
     return out.reshape(b, h, t * chunk, d)[:, :, :n]
 
 
-class LinearAttention(nn.Module):
-    """Multi-head causal ELU+1 linear attention (same projections as ``CausalAttention``);
+class LinearAttention(CausalAttention):
+    """Multi-head causal ELU+1 linear attention (the projections of ``CausalAttention``);
     whole sequences only (the comparison trains and scores teacher-forced)."""
 
     def __init__(self, width: int, heads: int, chunk: int):
-        super().__init__()
-        if width % heads:
-            raise ValueError(f"width: expected a multiple of heads = {heads}, got {width}")
-        self.heads, self.chunk = heads, chunk
-        self.qkv = nn.Linear(width, 3 * width)
-        self.proj = nn.Linear(width, width)
+        super().__init__(width, heads, window=None)
+        self.chunk = chunk
 
     def forward(self, x: Tensor, cache: LayerCache) -> Tensor:
-        batch, n, width = x.shape
-        q, k, v = self.qkv(x).view(batch, n, 3, self.heads, width // self.heads) \
-            .permute(2, 0, 3, 1, 4)
-        out = linear_attention(q, k, v, self.chunk)
-        return self.proj(out.transpose(1, 2).reshape(batch, n, width))
+        q, k, v = self.split_heads(x)
+        return self.merge_heads(linear_attention(q, k, v, self.chunk))
 
 
 class CompareLM(nn.Module):

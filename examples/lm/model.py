@@ -72,10 +72,21 @@ class CausalAttention(nn.Module):
         self.qkv = nn.Linear(width, 3 * width)
         self.proj = nn.Linear(width, width)
 
-    def forward(self, x: Tensor, cache: LayerCache) -> Tensor:
+    def split_heads(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """``x (B, n, width)`` -> ``q, k, v``, each ``(B, H, n, width // H)``."""
         batch, n, width = x.shape
         q, k, v = self.qkv(x).view(batch, n, 3, self.heads, width // self.heads) \
-            .permute(2, 0, 3, 1, 4)                                   # each (B, H, n, dh)
+            .permute(2, 0, 3, 1, 4)
+        return q, k, v
+
+    def merge_heads(self, out: Tensor) -> Tensor:
+        """``out (B, H, n, dh)`` -> the output projection of ``(B, n, H * dh)``."""
+        batch, heads, n, dh = out.shape
+        return self.proj(out.transpose(1, 2).reshape(batch, n, heads * dh))
+
+    def forward(self, x: Tensor, cache: LayerCache) -> Tensor:
+        n = x.shape[1]
+        q, k, v = self.split_heads(x)
         past = 0 if cache.k is None else cache.k.shape[2]
         if cache.k is not None:
             k, v = torch.cat([cache.k, k], dim=2), torch.cat([cache.v, v], dim=2)
@@ -91,7 +102,7 @@ class CausalAttention(nn.Module):
             drop = max(k.shape[2] - keep, 0)
             k, v, cache.start = k[:, :, drop:], v[:, :, drop:], cache.start + drop
         cache.k, cache.v = k, v
-        return self.proj(out.transpose(1, 2).reshape(batch, n, width))
+        return self.merge_heads(out)
 
 
 class Block(nn.Module):
