@@ -56,15 +56,18 @@ def _check_result(result: dict, out_dir) -> None:
     assert set(result["window_ceiling"]) == set(result["settings"])
 
 
-@pytest.mark.parametrize("name", ["mapping", "occlusion", "ablations"])
-def test_task_runs_and_writes_outputs(name, tmp_path, capsys):
-    exp = make_experiment(name, "tiny")
+@pytest.mark.parametrize("name, protocol", [("mapping", "paper"), ("mapping", "streaming"),
+                                            ("occlusion", "paper"), ("occlusion", "streaming"),
+                                            ("ablations", "streaming")])
+def test_task_runs_and_writes_outputs(name, protocol, tmp_path, capsys):
+    exp = make_experiment(name, "tiny", protocol=protocol)
     exp.entries = exp.entries[:2] if name == "ablations" else exp.entries
     result = run_experiment(exp, tmp_path, progress=False)
     _check_result(result, tmp_path)
-    assert len(result["runs"]) == len(exp.entries)
+    per_row = len(exp.task.eval_settings) if exp.per_setting else 1
+    assert len(result["runs"]) == len(exp.entries) * per_row
     printed = capsys.readouterr().out
-    assert f"{exp.task.name}, protocol streaming" in printed
+    assert f"{exp.task.name}, protocol {protocol}" in printed
 
 
 def test_noharm_training_lowers_the_loss(tmp_path):

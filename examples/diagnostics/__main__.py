@@ -75,11 +75,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _hparams(args: argparse.Namespace, task: str, protocol: str) -> tuple[dict, str | None]:
+def _hparams(args: argparse.Namespace, task: str, protocol: str,
+             tuning_from: str | None = None) -> tuple[dict, str | None]:
+    """The rows' chosen points: ``--hparams``, else (streaming) the committed tuning file of
+    this task, else of ``tuning_from`` (map building and occlusion reuse binding's)."""
     path = args.hparams
     if path is None and protocol == "streaming" and not args.tiny:
-        default = RESULTS_DIR / f"{task}-streaming-tuning.json"
-        path = default if default.exists() else None
+        for name in dict.fromkeys(n for n in (task, tuning_from) if n):
+            default = RESULTS_DIR / f"{name}-streaming-tuning.json"
+            if default.exists():
+                path = default
+                break
     if path is None:
         return {}, None
     chosen = json.loads(Path(path).read_text())["chosen"]
@@ -151,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
             run_tuning(exp, args.out, console=console, jobs=args.jobs, threads=args.threads,
                        command=command, steps=args.tune_steps, cache=args.cache)
             continue
-        hparams, source = _hparams(args, task, protocol)
+        hparams, source = _hparams(args, task, protocol, exp.tuning_from)
         result = run_experiment(exp, args.out, framework=args.framework,
                                 progress=not args.no_progress, console=console,
                                 device=args.device, jobs=args.jobs, threads=args.threads,

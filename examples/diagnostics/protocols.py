@@ -21,10 +21,11 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from examples.diagnostics.config import MEMORY_KINDS, STREAMING_KINDS, ModelConfig, TrainConfig
+from examples.diagnostics.config import MEMORY_KINDS, ModelConfig, TrainConfig
 
-__all__ = ["PROTOCOLS", "PAPER_CPU", "PAPER_FULL", "paper_binding", "streaming_binding",
-           "streaming_noharm", "tuning_grid"]
+__all__ = ["PROTOCOLS", "PAPER_CPU", "PAPER_FULL", "paper_binding", "paper_mapping",
+           "paper_occlusion", "streaming_binding", "streaming_mapping", "streaming_noharm",
+           "streaming_occlusion", "tuning_grid"]
 
 PROTOCOLS = ("paper", "streaming")
 
@@ -59,6 +60,50 @@ def paper_binding(scale: str) -> tuple[dict, TrainConfig, ModelConfig]:
     return task, train, model
 
 
+#: The authors' map-building and occlusion scripts (their defaults): 1500 steps x 64, lr 3e-4
+#: constant, d 96, 3 layers, 4 heads, a 6^3 grid with C = 16, 8 slots, dropout 0.1,
+#: 20 x 64 evaluation examples per setting. The CPU scale keeps the binding CPU model.
+TOY_FULL = {"steps": 1500, "batch_size": 64, "d_model": 96, "n_layers": 3,
+            "memory_shape": (6, 6, 6), "memory_channels": 16, "eval_examples": 1280,
+            "seeds": (0, 1, 2, 3, 4)}
+
+
+def _paper_toy(scale: str, steps: int, eval_examples: int) -> tuple[TrainConfig, ModelConfig]:
+    """Train and model config of map building / occlusion under the paper protocol:
+    ``steps`` x 32 and the binding CPU model at CPU scale, :data:`TOY_FULL` at ``full``."""
+    full = scale == "full"
+    train = TrainConfig(steps=TOY_FULL["steps"] if full else steps,
+                        batch_size=TOY_FULL["batch_size"] if full else 32, lr=3e-4,
+                        weight_decay=0.01, warmup=0, schedule="constant",
+                        eval_examples=TOY_FULL["eval_examples"] if full else eval_examples,
+                        seeds=TOY_FULL["seeds"] if full else (0, 1, 2),
+                        log_every=50 if full else 25)
+    model = ModelConfig(d_model=TOY_FULL["d_model"] if full else 64,
+                        n_layers=TOY_FULL["n_layers"] if full else 2, n_heads=4, segment=None,
+                        memory_channels=TOY_FULL["memory_channels"] if full else 8,
+                        memory_shape=TOY_FULL["memory_shape"] if full else (4, 4, 4),
+                        n_slots=8, forget_bias=0.0, write_init="default", sigma_scale=1.0,
+                        memory_first=False, dropout=0.1)
+    return train, model
+
+
+def paper_mapping(scale: str) -> tuple[dict, TrainConfig, ModelConfig]:
+    """Map building as the authors ran it: an 8 x 8 grid, 2 x 2 glimpses, one query,
+    horizons T = 16 / 32 / 64, one model per horizon, the whole stream in one window.
+    CPU scale: 1500 steps x 32 (the authors: 1500 x 64), 512 evaluation examples."""
+    task = {"horizons": (16, 32, 64), "grid": 8, "patch": 2, "n_queries": 1}
+    return (task, *_paper_toy(scale, steps=1500, eval_examples=512))
+
+
+def paper_occlusion(scale: str) -> tuple[dict, TrainConfig, ModelConfig]:
+    """The authors' occlusion: 8 frames of 16 x 16 in 4 x 4 patch tokens (128 tokens), the
+    final frame's quadrant, one model per L. CPU scale: L = 0 and 6 only (the ends of
+    their 0 / 2 / 4 / 6) and 300 steps x 32; ``--full``: every L, their sizes."""
+    task = {"lengths": (0, 2, 4, 6) if scale == "full" else (0, 6), "frames": 8,
+            "frame_size": 16, "patch": 4}
+    return (task, *_paper_toy(scale, steps=300, eval_examples=256))
+
+
 def streaming_binding(scale: str) -> tuple[dict, TrainConfig, ModelConfig]:
     """Binding in segments of 8 with carried state (CPU scale: d 64, 4^3 grid, C 8; every
     carried state about 1024 numbers, the sliding window's KV cache 2048)."""
@@ -85,6 +130,28 @@ def streaming_noharm(scale: str) -> tuple[dict, TrainConfig, ModelConfig]:
     return task, train, model
 
 
+def _streaming_toy(scale: str) -> tuple[TrainConfig, ModelConfig]:
+    """Map building and occlusion in segments of 8: the streaming binding sizes."""
+    _, train, model = streaming_binding(scale)
+    return train, model
+
+
+def streaming_mapping(scale: str) -> tuple[dict, TrainConfig, ModelConfig]:
+    """The authors' glimpse format (8 x 8 grid, 2 x 2 glimpses, one query) in segments of 8
+    with carried state; one model per row trained on the mixture of T = 16 / 32 / 64."""
+    task = {"horizons": (16, 32, 64), "grid": 8, "patch": 2, "n_queries": 1}
+    train, model = _streaming_toy(scale)
+    return task, replace(train, eval_examples=512 if scale != "full" else 2048), model
+
+
+def streaming_occlusion(scale: str) -> tuple[dict, TrainConfig, ModelConfig]:
+    """The harder occlusion (4 visible frames, then L = 2 / 4 / 8 / 16 hidden ones, the
+    quadrant at every hidden frame) in segments of 8; every row also runs with the clock
+    feature (``Occlusion(clock=True)``)."""
+    task = {"lengths": (2, 4, 8, 16), "frame": 8, "visible": 4}
+    return (task, *_streaming_toy(scale))
+
+
 def tuning_grid(kind: str, train: TrainConfig, model: ModelConfig) -> list[dict]:
     """The hyper-parameter grid of one row: 4 points for every model.
 
@@ -96,5 +163,3 @@ def tuning_grid(kind: str, train: TrainConfig, model: ModelConfig) -> list[dict]
         return [{"lr": lr, "forget_bias": bias} for lr in (1e-3, 3e-3) for bias in (0.0, 3.0)]
     return [{"lr": lr} for lr in (5e-4, 1e-3, 3e-3, 6e-3)]
 
-
-STREAMING_ROWS = STREAMING_KINDS

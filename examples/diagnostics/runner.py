@@ -33,7 +33,14 @@ from examples.diagnostics.config import (
 )
 from examples.diagnostics.memory import adapter_name, set_implementation
 from examples.diagnostics.models import build_model, carried_numbers
-from examples.diagnostics.tasks import CoordinateBinding, MapBuilding, NoHarm, Occlusion, Task
+from examples.diagnostics.tasks import (
+    CoordinateBinding,
+    MapBuilding,
+    NoHarm,
+    Occlusion,
+    OcclusionFinalFrame,
+    Task,
+)
 from examples.diagnostics.train import (
     TUNE_DATA_SEED,
     TUNE_EVAL_SEED,
@@ -54,6 +61,8 @@ class Entry:
     kind: str
     variant: dict = field(default_factory=dict)
     overrides: dict = field(default_factory=dict)
+    #: task attributes this row changes (``Task.with_options``), e.g. the occlusion clock
+    task_options: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -73,6 +82,9 @@ class Experiment:
     scale: str = "cpu"
     picture: str | None = None  # label of the entry whose memory state is drawn
     task_config: dict = field(default_factory=dict)
+    #: the task whose committed tuning file gives the rows' hyper-parameters when this one
+    #: has none (``<tuning_from>-<protocol>-tuning.json``; matched by row label, then kind)
+    tuning_from: str | None = None
 
 
 def _rows(kinds: tuple[str, ...]) -> list[Entry]:
@@ -102,13 +114,30 @@ def _noharm_streaming(scale: str) -> Experiment:
                       protocol="streaming", task_config=task_kw)
 
 
-def _mapping(scale: str) -> Experiment:
-    return Experiment(MapBuilding(), TrainConfig(steps=300), ModelConfig(memory_shape=(2, 8, 8)),
-                      _rows(STREAMING_KINDS), picture="tensor_memory")
+def _mapping_paper(scale: str) -> Experiment:
+    task_kw, train, model = protocols.paper_mapping(scale)
+    return Experiment(MapBuilding(**task_kw), train, model, _rows(MODEL_KINDS),
+                      protocol="paper", per_setting=True, task_config=task_kw)
 
 
-def _occlusion(scale: str) -> Experiment:
-    return Experiment(Occlusion(), TrainConfig(steps=300), ModelConfig(), _rows(STREAMING_KINDS))
+def _mapping_streaming(scale: str) -> Experiment:
+    task_kw, train, model = protocols.streaming_mapping(scale)
+    return Experiment(MapBuilding(**task_kw), train, model, _rows(STREAMING_KINDS),
+                      protocol="streaming", task_config=task_kw, tuning_from="binding")
+
+
+def _occlusion_paper(scale: str) -> Experiment:
+    task_kw, train, model = protocols.paper_occlusion(scale)
+    return Experiment(OcclusionFinalFrame(**task_kw), train, model, _rows(MODEL_KINDS),
+                      protocol="paper", per_setting=True, task_config=task_kw)
+
+
+def _occlusion_streaming(scale: str) -> Experiment:
+    task_kw, train, model = protocols.streaming_occlusion(scale)
+    rows = _rows(STREAMING_KINDS) + [Entry(f"{kind} +clock", kind, task_options={"clock": True})
+                                     for kind in STREAMING_KINDS]
+    return Experiment(Occlusion(**task_kw), train, model, rows, protocol="streaming",
+                      task_config=task_kw, tuning_from="binding")
 
 
 def _ablations(scale: str) -> Experiment:
@@ -132,14 +161,16 @@ def _ablations(scale: str) -> Experiment:
                       ModelConfig(memory_shape=(4, 4, 4)), entries)
 
 
-#: ``(task, protocol) -> builder(scale)``. Map building, occlusion and the ablations exist in
-#: the streaming setting only (not redone under the new protocols: see the README).
+#: ``(task, protocol) -> builder(scale)``. The Tensor Memory ablations exist in the streaming
+#: setting only (not redone under the new protocols: see the README).
 EXPERIMENTS = {
     ("binding", "paper"): _binding_paper,
     ("binding", "streaming"): _binding_streaming,
     ("noharm", "streaming"): _noharm_streaming,
-    ("mapping", "streaming"): _mapping,
-    ("occlusion", "streaming"): _occlusion,
+    ("mapping", "paper"): _mapping_paper,
+    ("mapping", "streaming"): _mapping_streaming,
+    ("occlusion", "paper"): _occlusion_paper,
+    ("occlusion", "streaming"): _occlusion_streaming,
     ("ablations", "streaming"): _ablations,
 }
 TASKS = tuple(dict.fromkeys(task for task, _ in EXPERIMENTS))
@@ -149,8 +180,11 @@ TINY_TASKS = {
     "binding": lambda kw: CoordinateBinding(writes=(2, 4), n_queries=2,
                                             n_values=kw.get("n_values", 16), noises=()),
     "noharm": lambda kw: NoHarm(length=6),
-    "mapping": lambda kw: MapBuilding(horizons=(1, 2), grid=4, n_queries=2),
-    "occlusion": lambda kw: Occlusion(lengths=(1, 2), frame=4, visible=2),
+    "mapping": lambda kw: MapBuilding(horizons=(2, 4), grid=4, n_queries=2),
+    "occlusion": lambda kw: (OcclusionFinalFrame(lengths=(0, 2), frames=3, frame_size=4,
+                                                 patch=2)
+                             if "frame_size" in kw else Occlusion(lengths=(1, 2), frame=4,
+                                                                  visible=2)),
     "ablations": lambda kw: CoordinateBinding(writes=(2, 3), n_queries=2, noises=()),
 }
 
@@ -345,10 +379,18 @@ def _run_all(jobs: list[Job], n_workers: int, console: Console, label: str,
 
 def _groups(exp: Experiment) -> list[Task]:
     """The tasks the models of one row train on: one per setting (paper) or the mixture."""
-    if exp.per_setting and isinstance(exp.task, CoordinateBinding):
+    if not exp.per_setting:
+        return [exp.task]
+    if isinstance(exp.task, CoordinateBinding):
         kw = {"n_values": exp.task.n_values, "n_queries": exp.task.n_queries}
         return [CoordinateBinding.only(s, **kw) for s in exp.task.eval_settings]
-    return [exp.task]
+    return [exp.task.fixed_to(s) for s in exp.task.eval_settings]
+
+
+def row_hparams(hparams: dict, entry: Entry) -> dict:
+    """A row's chosen hyper-parameters: by its label, else by its kind (a row that adds a
+    task option, e.g. ``tensor_memory +clock``, uses its kind's point)."""
+    return dict(hparams.get(entry.label, hparams.get(entry.kind, {})))
 
 
 def _reset_mode(exp: Experiment) -> str:
@@ -393,7 +435,8 @@ def run_experiment(exp: Experiment, out_dir: Path, *, framework: str = "torch",
                     outputs.append({"run": asdict(run), "carried": model_cfg.state_numbers()})
     else:
         job_list = [
-            Job(entry, seed, group, exp.train, model_cfg, dict(hparams.get(entry.label, {})),
+            Job(entry, seed, group.with_options(**entry.task_options), exp.train, model_cfg,
+                row_hparams(hparams, entry),
                 _reset_mode(exp), impl, threads, progress and jobs <= 1,
                 keep_state=(entry.label == exp.picture and seed == exp.train.seeds[0]
                             and device == "cpu"))
@@ -466,7 +509,8 @@ def run_tuning(exp: Experiment, out_dir: Path, *, console: Console | None = None
         exp.train, steps=steps, warmup=min(exp.train.warmup, steps // 4 + 1))
     impl = "variant" if adapter_name() == "VariantTensorMemory" else "adapter"
     seed = exp.train.seeds[0]
-    job_list = [Job(entry, seed, exp.task, train, model_cfg, point, None, impl, threads,
+    job_list = [Job(entry, seed, exp.task.with_options(**entry.task_options), train, model_cfg,
+                    point, None, impl, threads,
                     eval_seed=TUNE_EVAL_SEED, data_seed=TUNE_DATA_SEED + seed)
                 for entry in exp.entries
                 for point in protocols.tuning_grid(entry.kind, train, model_cfg)]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import numpy as np
@@ -39,6 +40,8 @@ class Task:
     n_classes: int
     sweep_key: str
     eval_settings: list[dict]
+    #: set by :meth:`fixed_to`: the one setting every training batch uses
+    fixed: dict | None = None
 
     def batch(self, rng: np.random.Generator, size: int, setting: dict) -> Batch:
         """``size`` fresh examples of ``setting``."""
@@ -57,19 +60,40 @@ class Task:
         """Best accuracy of a model that sees only its own segment of ``window`` tokens
         (segments cut as ``models.Backbone`` cuts them: left-padded so the last segment
         ends the stream): the answers whose source lies in the query's segment, plus
-        chance (``1 / n_classes``) on the others. ``window=None``: one window, 1.0."""
-        if window is None:
-            return 1.0
+        chance (``1 / n_classes``) on the others. ``window=None``: one window; 1.0 unless
+        some answers have no source in the stream at all (map building's unglimpsed
+        cells), which only chance can answer."""
         batch = self.batch(np.random.default_rng(2024), examples, setting)
         if batch.source is None:
+            if window is None:
+                return 1.0
             raise NotImplementedError(f"{self.name}: no answer sources for a window ceiling")
         N = batch.inputs.shape[1]
+        window = window or N
         pad = (-N) % window
         rows, cols = np.nonzero(batch.mask)
         src = batch.source[rows, cols]
         visible = (src >= 0) & ((src + pad) // window == (cols + pad) // window)
         chance = 1.0 / self.n_classes
         return float(visible.mean() + (1 - visible.mean()) * chance)
+
+    def fixed_to(self, setting: dict) -> Task:
+        """A copy that trains and evaluates on ONE setting (the paper protocol: one model
+        per setting). Subclasses honour ``fixed`` in :meth:`train_setting`."""
+        task = copy.copy(self)
+        task.eval_settings = [dict(setting)]
+        task.fixed = dict(setting)
+        return task
+
+    def with_options(self, **options: object) -> Task:
+        """A copy with some attributes changed (a row's task-side ablation, e.g. the
+        occlusion clock); unknown names raise."""
+        task = copy.copy(self)
+        for name, value in options.items():
+            if not hasattr(task, name):
+                raise ValueError(f"{type(self).__name__} has no option {name!r}")
+            setattr(task, name, value)
+        return task
 
     @staticmethod
     def label(setting: dict) -> str:
