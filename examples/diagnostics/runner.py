@@ -16,6 +16,7 @@ import hashlib
 import json
 import multiprocessing
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -114,22 +115,22 @@ def _noharm_streaming(scale: str) -> Experiment:
                       protocol="streaming", task_config=task_kw)
 
 
-def _mapping_paper(scale: str) -> Experiment:
-    task_kw, train, model = protocols.paper_mapping(scale)
-    return Experiment(MapBuilding(**task_kw), train, model, _rows(MODEL_KINDS),
-                      protocol="paper", per_setting=True, task_config=task_kw)
+def _one_model_per_setting(task_cls: type[Task],
+                           sizes: Callable[[str], tuple[dict, TrainConfig, ModelConfig]]
+                           ) -> Callable[[str], Experiment]:
+    """The builder of a paper-protocol experiment: the paper's rows, one model per
+    setting, the whole stream in one window (``sizes(scale)`` from :mod:`protocols`)."""
+    def build(scale: str) -> Experiment:
+        task_kw, train, model = sizes(scale)
+        return Experiment(task_cls(**task_kw), train, model, _rows(MODEL_KINDS),
+                          protocol="paper", per_setting=True, task_config=task_kw)
+    return build
 
 
 def _mapping_streaming(scale: str) -> Experiment:
     task_kw, train, model = protocols.streaming_mapping(scale)
     return Experiment(MapBuilding(**task_kw), train, model, _rows(STREAMING_KINDS),
                       protocol="streaming", task_config=task_kw, tuning_from="binding")
-
-
-def _occlusion_paper(scale: str) -> Experiment:
-    task_kw, train, model = protocols.paper_occlusion(scale)
-    return Experiment(OcclusionFinalFrame(**task_kw), train, model, _rows(MODEL_KINDS),
-                      protocol="paper", per_setting=True, task_config=task_kw)
 
 
 def _occlusion_streaming(scale: str) -> Experiment:
@@ -167,9 +168,10 @@ EXPERIMENTS = {
     ("binding", "paper"): _binding_paper,
     ("binding", "streaming"): _binding_streaming,
     ("noharm", "streaming"): _noharm_streaming,
-    ("mapping", "paper"): _mapping_paper,
+    ("mapping", "paper"): _one_model_per_setting(MapBuilding, protocols.paper_mapping),
     ("mapping", "streaming"): _mapping_streaming,
-    ("occlusion", "paper"): _occlusion_paper,
+    ("occlusion", "paper"): _one_model_per_setting(OcclusionFinalFrame,
+                                                   protocols.paper_occlusion),
     ("occlusion", "streaming"): _occlusion_streaming,
     ("ablations", "streaming"): _ablations,
 }

@@ -36,12 +36,26 @@ __all__ = ["Occlusion", "OcclusionFinalFrame"]
 CLOCK_SCALE = 32.0
 
 
-class OcclusionFinalFrame(Task):
-    """The authors' occlusion: sweeps the number ``L`` of hidden middle frames."""
+class _OcclusionSweep(Task):
+    """What both versions share: 4 quadrants, a sweep over the number of hidden frames."""
 
     name = "occlusion"
     sweep_key = "occluded"
     n_classes = 4
+    lengths: tuple[int, ...]
+
+    def train_setting(self, rng: np.random.Generator) -> dict:
+        if self.fixed is not None:
+            return dict(self.fixed)
+        return {"occluded": int(rng.choice(self.lengths))}
+
+    @staticmethod
+    def label(setting: dict) -> str:
+        return f"L={setting['occluded']}"
+
+
+class OcclusionFinalFrame(_OcclusionSweep):
+    """The authors' occlusion: sweeps the number ``L`` of hidden middle frames."""
 
     def __init__(self, lengths: tuple[int, ...] = (0, 2, 4, 6), frames: int = 8,
                  frame_size: int = 16, patch: int = 4, ball: int = 2) -> None:
@@ -55,11 +69,6 @@ class OcclusionFinalFrame(Task):
         self.tokens_per_frame = (frame_size // patch) ** 2
         self.in_features = patch * patch
         self.eval_settings = [{"occluded": n} for n in lengths]
-
-    def train_setting(self, rng: np.random.Generator) -> dict:
-        if self.fixed is not None:
-            return dict(self.fixed)
-        return {"occluded": int(rng.choice(self.lengths))}
 
     def batch(self, rng: np.random.Generator, size: int, setting: dict) -> Batch:
         T, L, S, P = self.frames, setting["occluded"], self.frame_size, self.patch
@@ -91,17 +100,9 @@ class OcclusionFinalFrame(Task):
         source[:, -1] = N - self.tokens_per_frame  # the final frame's first token
         return Batch(np.ascontiguousarray(x), targets, mask, source)
 
-    @staticmethod
-    def label(setting: dict) -> str:
-        return f"L={setting['occluded']}"
 
-
-class Occlusion(Task):
+class Occlusion(_OcclusionSweep):
     """The harder occlusion: per-frame targets while hidden; sweeps ``L``."""
-
-    name = "occlusion"
-    sweep_key = "occluded"
-    n_classes = 4
 
     def __init__(self, lengths: tuple[int, ...] = (2, 4, 8, 16), frame: int = 8,
                  visible: int = 4, blob: float = 0.7, clock: bool = False) -> None:
@@ -114,11 +115,6 @@ class Occlusion(Task):
         self.clock = clock
         self.in_features = frame * frame + 3
         self.eval_settings = [{"occluded": n} for n in lengths]
-
-    def train_setting(self, rng: np.random.Generator) -> dict:
-        if self.fixed is not None:
-            return dict(self.fixed)
-        return {"occluded": int(rng.choice(self.lengths))}
 
     def batch(self, rng: np.random.Generator, size: int, setting: dict) -> Batch:
         K, L, F = self.visible, setting["occluded"], self.frame
@@ -146,7 +142,3 @@ class Occlusion(Task):
         source = np.full((size, n_frames), -1, np.int64)
         source[:, K:] = K - 2
         return Batch(x, targets.astype(np.int64), mask, source)
-
-    @staticmethod
-    def label(setting: dict) -> str:
-        return f"L={setting['occluded']}"
