@@ -141,6 +141,7 @@ def test_committed_readme_tables_equal_the_results_files():
             continue
         assert RESULT_KEYS <= result.keys(), name
         assert result["protocol"] in ("paper", "streaming")
+        assert len(result["seeds"]) >= 3, f"{name}: fewer than 3 seeds"
         assert all(len(r["seeds"]) == len(r.get("seed_ids", result["seeds"]))
                    for r in result["rows"])
     assert render_files(check=True) == []
