@@ -193,6 +193,29 @@ def test_harder_occlusion_ceiling_in_segments_of_8():
     assert task.window_ceiling({"occluded": 16}, 8) == pytest.approx(0.25)
 
 
+def test_harder_occlusion_reference_holds_the_last_seen_quadrant():
+    """The rule 'the ball stays in the quadrant it was last seen in' is right more often
+    after short occlusions; it is the score of a memory that keeps position only."""
+    task = Occlusion()
+    short, long = (task.references({"occluded": n})["last seen quadrant"] for n in (2, 16))
+    assert 0.7 < short < 0.85 and 0.5 < long < 0.62
+    assert MapBuilding().references({"steps": 16}) == {}
+
+
+def test_reference_rules_are_rendered_under_the_table():
+    pytest.importorskip("matplotlib", reason="the report needs matplotlib")
+    pytest.importorskip("rich", reason="the report needs rich")
+    from examples.diagnostics.report import table
+
+    result = {"settings": ["L=8"], "rows": [{"model": "tensor_memory", "setting": "L=8",
+                                             "seeds": [50.0, 60.0], "reset": [25.0, 25.0]}],
+              "params": {"tensor_memory": 1}, "carried": {"tensor_memory": 2},
+              "window_ceiling": {"L=8": 25.0}, "config": {"reset": "segment"},
+              "references": {"last seen quadrant": {"L=8": 56.1}}}
+    _, rows = table(result)
+    assert ["last seen quadrant (a rule, no model)", "", "", "56.1", "", ""] in rows
+
+
 def test_fixed_to_and_with_options_copy_the_task():
     task = Occlusion()
     one = task.fixed_to({"occluded": 8})

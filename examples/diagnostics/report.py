@@ -6,7 +6,8 @@ both printed from it, so they cannot disagree.
 
 Conventions: accuracy in %, ``mean ± std`` over seeds (sample std, ddof 1);
 ``window ceiling``: the best a model that sees only its own segment can do
-(answers in the segment + chance on the rest; 100 in one window);
+(answers in the segment + chance on the rest; 100 in one window); rows marked
+``(a rule, no model)``: accuracies of simple rules (``Task.references``);
 ``uses state``: seeds whose accuracy drops by >= :data:`USE_MARGIN` points
 (mean over settings) when the carried state is reset -- the memory was
 discovered and is used; ``gate``: final ``sigmoid(gate)`` of the first memory,
@@ -104,6 +105,9 @@ def table(result: dict) -> tuple[list[str], list[list[str]]]:
                      _uses_state(result, model), _gate(result, model)])
     rows.append(["window ceiling", "", "",
                  *[f"{result['window_ceiling'][s]:.1f}" for s in settings], "", ""])
+    for name, values in result.get("references", {}).items():
+        rows.append([f"{name} (a rule, no model)", "", "",
+                     *[f"{values[s]:.1f}" for s in settings], "", ""])
     reset = result["config"].get("reset", "segment")
     for model in models:
         if any(by[model, s]["reset"] for s in settings):

@@ -5,6 +5,7 @@
     task, protocol ("paper" | "streaming"), scale, command, commit, dirty,
     dirty_paths, config {task, train, model, ...}, environment {torch, threads,
     native kernels, cpu, ...}, settings [labels], window_ceiling {label: %},
+    references {rule: {label: %}} (rules that need no model; may be empty),
     rows [{model, setting, seeds: [% per seed], reset: [% per seed]}],
     seeds [the seed of each position], params {model: n}, carried {model: n},
     gates {model: [[per layer] per seed]}, runs [full per-run records], seconds
@@ -82,7 +83,8 @@ def _cpu_model() -> str:
 
 def build_results(*, task: str, protocol: str, scale: str, command: str, settings: list[str],
                   ceilings: dict[str, float], runs: list[dict], carried: dict[str, int],
-                  config: dict, environment: dict, seconds: float) -> dict:
+                  config: dict, environment: dict, seconds: float,
+                  references: dict[str, dict[str, float]] | None = None) -> dict:
     """The results dictionary from per-run records (``train.RunResult`` as dicts)."""
     seeds = sorted({r["seed"] for r in runs})
     models = list(dict.fromkeys(r["model"] for r in runs))
@@ -106,6 +108,8 @@ def build_results(*, task: str, protocol: str, scale: str, command: str, setting
         **commit_info(), "config": config, "environment": environment,
         "settings": settings,
         "window_ceiling": {k: round(100 * v, 2) for k, v in ceilings.items()},
+        "references": {name: {k: round(100 * v, 2) for k, v in values.items()}
+                       for name, values in (references or {}).items()},
         "seeds": seeds, "rows": rows,
         "params": {m: next(r["params"] for r in runs if r["model"] == m) for m in models},
         "carried": carried,

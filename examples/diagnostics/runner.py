@@ -456,9 +456,14 @@ def run_experiment(exp: Experiment, out_dir: Path, *, framework: str = "torch",
     settings = [task.label(s) for s in task.eval_settings]
     ceilings = {task.label(s): task.window_ceiling(s, model_cfg.segment)
                 for s in task.eval_settings}
+    references: dict[str, dict[str, float]] = {}
+    for s in task.eval_settings:
+        for name, value in task.references(s).items():
+            references.setdefault(name, {})[task.label(s)] = value
     result = results.build_results(
         task=task.name, protocol=exp.protocol, scale=exp.scale, command=command,
-        settings=settings, ceilings=ceilings, runs=runs, carried=carried,
+        settings=settings, ceilings=ceilings, references=references, runs=runs,
+        carried=carried,
         config={"task": exp.task_config or {"name": task.name},
                 "train": asdict(exp.train), "model": asdict(model_cfg),
                 "per_setting": exp.per_setting, "reset": _reset_mode(exp),

@@ -77,6 +77,11 @@ class Task:
         chance = 1.0 / self.n_classes
         return float(visible.mean() + (1 - visible.mean()) * chance)
 
+    def references(self, setting: dict, examples: int = 2048) -> dict[str, float]:
+        """Accuracies of simple rules that need no model (``{name: fraction}``), printed
+        under the table for scale; none by default."""
+        return {}
+
     def fixed_to(self, setting: dict) -> Task:
         """A copy that trains and evaluates on ONE setting (the paper protocol: one model
         per setting). Subclasses honour ``fixed`` in :meth:`train_setting`."""

@@ -142,3 +142,12 @@ class Occlusion(_OcclusionSweep):
         source = np.full((size, n_frames), -1, np.int64)
         source[:, K:] = K - 2
         return Batch(x, targets.astype(np.int64), mask, source)
+
+    def references(self, setting: dict, examples: int = 2048) -> dict[str, float]:
+        """``last seen quadrant``: answer every hidden frame with the quadrant of the last
+        visible frame. A model that carries where the ball was, but not where it was
+        going, scores about this."""
+        batch = self.batch(np.random.default_rng(2024), examples, setting)
+        K = self.visible
+        held = batch.targets[:, K:] == batch.targets[:, K - 1:K]
+        return {"last seen quadrant": float(held.mean())}
