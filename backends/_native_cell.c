@@ -100,6 +100,23 @@ static inline double tanh_f64(double x) { return tanh(x); }
  * neighbour on that axis. One flat loop per pass vectorizes whatever the axis
  * length; the first and last `stride` values are looped apart so that no
  * neighbour load leaves the plane. */
+/* Called by every thread of a parallel region right after allocating its scratch
+ * buffer: flags a failed allocation, waits for the whole team, and returns whether any
+ * thread failed, so that all threads skip the work together (the caller then returns
+ * TM_ENOMEM). The barrier is orphaned, which OpenMP allows; without OpenMP the pragmas
+ * are ignored and this is a NULL check. */
+static int tm_team_alloc_failed(const void *scratch, int *failed) {
+    if (scratch == NULL) {
+#pragma omp atomic write
+        *failed = 1;
+    }
+#pragma omp barrier
+    int any;
+#pragma omp atomic read
+    any = *failed;
+    return any;
+}
+
 static void plane_geometry(const i64 *shape, int n, i64 *P, i64 *strides) {
     i64 s = 1;
     for (int a = n - 1; a >= 0; --a) { strides[a] = s; s *= shape[a]; }
@@ -225,15 +242,7 @@ int NAME(dw_fwd)(const T *x, T *y, const T *taps, const T *bias, i64 B, i64 Cin,
 #pragma omp parallel
     {
         T *tmp = (T *)tm_alloc(P, sizeof(T));
-        if (tmp == NULL) {
-#pragma omp atomic write
-            failed = 1;
-        }
-#pragma omp barrier
-        int skip;
-#pragma omp atomic read
-        skip = failed;
-        if (!skip) { /* every thread reads the same flag after the barrier */
+        if (!tm_team_alloc_failed(tmp, &failed)) {
 #pragma omp for schedule(static)
             for (i64 plane = 0; plane < B * Cin; ++plane) {
                 i64 ch = plane % Cin;
@@ -268,15 +277,7 @@ int NAME(dw_bwd)(const T *x, const T *dy, T *dx, T *dtaps, T *dbias, const T *ta
 #pragma omp parallel
     {
         T *work = (T *)tm_alloc(P > 0 && n + 1 > INT64_MAX / P ? -1 : P * (n + 1), sizeof(T));
-        if (work == NULL) {
-#pragma omp atomic write
-            failed = 1;
-        }
-#pragma omp barrier
-        int skip;
-#pragma omp atomic read
-        skip = failed;
-        if (!skip) { /* every thread reads the same flag after the barrier */
+        if (!tm_team_alloc_failed(work, &failed)) {
 #pragma omp for schedule(static)
             for (i64 ch = 0; ch < Cin; ++ch) {
                 double acc[4][4] = {{0}};
