@@ -67,7 +67,9 @@ def test_task_runs_and_writes_outputs(name, protocol, tmp_path, capsys):
     per_row = len(exp.task.eval_settings) if exp.per_setting else 1
     assert len(result["runs"]) == len(exp.entries) * per_row
     printed = capsys.readouterr().out
-    assert f"{exp.task.name}, protocol {protocol}" in printed
+    assert f"{name}, protocol {protocol}" in printed
+    # the ablations train on binding but must never overwrite binding's results
+    assert sorted(p.name for p in tmp_path.glob("*.json")) == [f"{name}-{protocol}.json"]
 
 
 def test_noharm_training_lowers_the_loss(tmp_path):

@@ -83,6 +83,9 @@ class Experiment:
     scale: str = "cpu"
     picture: str | None = None  # label of the entry whose memory state is drawn
     task_config: dict = field(default_factory=dict)
+    #: the experiment's name (``make_experiment``'s): results go to ``<name>-<protocol>.json``;
+    #: the task's name when empty (the ablations train on binding but are not binding)
+    name: str = ""
     #: the task whose committed tuning file gives the rows' hyper-parameters when this one
     #: has none (``<tuning_from>-<protocol>-tuning.json``; matched by row label, then kind)
     tuning_from: str | None = None
@@ -202,7 +205,7 @@ def make_experiment(name: str, scale: str = "cpu", seeds: tuple[int, ...] | None
         raise ValueError(f"{name!r} is not offered under the {protocol!r} protocol "
                          f"(offered: {sorted(EXPERIMENTS)})")
     exp = EXPERIMENTS[name, protocol](scale)
-    exp.scale = scale
+    exp.scale, exp.name = scale, name
     if scale == "tiny":
         exp.task = TINY_TASKS[name](exp.task_config)
         exp.task_config = {"tiny": True}
@@ -413,6 +416,7 @@ def run_experiment(exp: Experiment, out_dir: Path, *, framework: str = "torch",
     """
     console = console or Console()
     task = exp.task
+    name = exp.name or task.name
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     model_cfg = replace(exp.model, max_len=max(exp.model.max_len, task.max_len()))
@@ -445,7 +449,7 @@ def run_experiment(exp: Experiment, out_dir: Path, *, framework: str = "torch",
             for seed in exp.train.seeds for entry in exp.entries for group in groups]
         if device != "cpu":
             raise SystemExit("this runner trains on the CPU (each job pins its threads)")
-        outputs = _execute(job_list, jobs, console, f"{task.name}/{exp.protocol}", cache,
+        outputs = _execute(job_list, jobs, console, f"{name}/{exp.protocol}", cache,
                            cached_only)
     runs = [o["run"] for o in outputs]
     # the commits the jobs ran at (jobs from the cache may predate this run's commit)
@@ -458,10 +462,10 @@ def run_experiment(exp: Experiment, out_dir: Path, *, framework: str = "torch",
                 for s in task.eval_settings}
     references: dict[str, dict[str, float]] = {}
     for s in task.eval_settings:
-        for name, value in task.references(s).items():
-            references.setdefault(name, {})[task.label(s)] = value
+        for rule, value in task.references(s).items():
+            references.setdefault(rule, {})[task.label(s)] = value
     result = results.build_results(
-        task=task.name, protocol=exp.protocol, scale=exp.scale, command=command,
+        task=name, protocol=exp.protocol, scale=exp.scale, command=command,
         settings=settings, ceilings=ceilings, references=references, runs=runs,
         carried=carried,
         config={"task": exp.task_config or {"name": task.name},
@@ -472,12 +476,12 @@ def run_experiment(exp: Experiment, out_dir: Path, *, framework: str = "torch",
         environment=results.environment(threads),
         seconds=time.perf_counter() - start)
     result["cached_jobs_ran_at"] = [json.loads(r) for r in ran_at]
-    path = out / f"{task.name}-{exp.protocol}.json"
+    path = out / f"{name}-{exp.protocol}.json"
     results.write_results(result, path)
-    report.plot_results(result, out / f"{task.name}-{exp.protocol}.png")
+    report.plot_results(result, out / f"{name}-{exp.protocol}.png")
     picture = next((o for o in outputs if "state_dict" in o), None)
     if picture is not None:
-        _draw_memory(exp, model_cfg, picture, out / f"{task.name}-{exp.protocol}-memory.png")
+        _draw_memory(exp, model_cfg, picture, out / f"{name}-{exp.protocol}-memory.png")
     report.print_table(result, console)
     console.print(f"results: {path}")
     return result
@@ -522,7 +526,8 @@ def run_tuning(exp: Experiment, out_dir: Path, *, console: Console | None = None
                 for entry in exp.entries
                 for point in protocols.tuning_grid(entry.kind, train, model_cfg)]
     start = time.perf_counter()
-    outputs = _execute(job_list, jobs, console, f"tune {exp.task.name}/{exp.protocol}", cache)
+    name = exp.name or exp.task.name
+    outputs = _execute(job_list, jobs, console, f"tune {name}/{exp.protocol}", cache)
     rows, chosen = [], {}
     for entry in exp.entries:
         points = [(o["run"]["hparams"], o["run"]["accuracy"]) for o in outputs
@@ -534,7 +539,7 @@ def run_tuning(exp: Experiment, out_dir: Path, *, console: Console | None = None
         rows.append({"model": entry.label, "kind": entry.kind, "points": scored,
                      "chosen": best["hparams"]})
     result = {
-        "task": exp.task.name, "protocol": exp.protocol, "kind": "tuning", "scale": exp.scale,
+        "task": name, "protocol": exp.protocol, "kind": "tuning", "scale": exp.scale,
         "command": command, **results.commit_info(),
         "config": {"task": exp.task_config, "train": asdict(train), "model": asdict(model_cfg),
                    "seed": seed, "data_seed": TUNE_DATA_SEED + seed,
@@ -545,7 +550,7 @@ def run_tuning(exp: Experiment, out_dir: Path, *, console: Console | None = None
         "environment": results.environment(threads),
         "rows": rows, "chosen": chosen, "seconds": time.perf_counter() - start,
     }
-    path = out / f"{exp.task.name}-{exp.protocol}-tuning.json"
+    path = out / f"{name}-{exp.protocol}-tuning.json"
     results.write_results(result, path)
     report.print_tuning(result, console)
     console.print(f"tuning results: {path}")
