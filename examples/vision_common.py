@@ -24,7 +24,6 @@ import platform
 import re
 import shlex
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -37,6 +36,7 @@ import torch
 from torch import Tensor, nn
 
 from examples.image.backbone import BackboneConfig
+from examples.reporting import cpu_model, git, md_table, mean_std
 
 __all__ = ["make_deterministic", "commit_info", "environment", "mean_std", "md_table",
            "write_json", "render_readme", "README", "ROOT", "interleaved_ms", "parser",
@@ -70,54 +70,20 @@ def make_deterministic(seed: int, threads: int = 1) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
-def _git(*args: str) -> str | None:
-    try:
-        done = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True,
-                              timeout=30, check=True)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return done.stdout.strip()
-
-
 def commit_info() -> dict:
     """``{"commit": HEAD, "dirty": bool}``; dirty counts code paths only (not results)."""
-    status = _git("status", "--porcelain", "--", *TRACKED) or ""
+    status = git("status", "--porcelain", "--", *TRACKED) or ""
     paths = [line[3:] for line in status.splitlines()
              if "/results/" not in line and "/figures/" not in line]
-    return {"commit": _git("rev-parse", "HEAD"), "dirty": bool(paths)}
+    return {"commit": git("rev-parse", "HEAD"), "dirty": bool(paths)}
 
 
 def environment(threads: int, device: str) -> dict:
     """Versions, CPU, threads and device: what a bitwise rerun must match."""
     import numpy
 
-    cpu = platform.processor()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
     return {"python": platform.python_version(), "torch": torch.__version__,
-            "numpy": numpy.__version__, "cpu": cpu, "threads": threads, "device": device}
-
-
-def mean_std(values: Sequence[float], digits: int = 2) -> str:
-    """``"24.31 ± 0.12"`` (sample std over seeds), one value alone, ``"-"`` for none."""
-    if not values:
-        return "-"
-    mean = statistics.fmean(values)
-    if len(values) == 1:
-        return f"{mean:.{digits}f}"
-    return f"{mean:.{digits}f} ± {statistics.stdev(values):.{digits}f}"
-
-
-def md_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    """A markdown table."""
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(str(c).replace("|", "/") for c in row) + " |" for row in rows]
-    return "\n".join(lines)
+            "numpy": numpy.__version__, "cpu": cpu_model(), "threads": threads, "device": device}
 
 
 def write_json(obj: dict, path: Path) -> None:

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from examples.diagnostics.report import gate_reach, table, title
 from examples.diagnostics.results import RESULTS_DIR, load_results
+from examples.reporting import md_table
 
 __all__ = ["markdown", "render_text", "render_files", "READMES"]
 
@@ -27,12 +28,6 @@ _ROOT = Path(__file__).resolve().parents[2]
 READMES = (Path(__file__).with_name("README.md"), _ROOT / "README.md")
 _BLOCK = re.compile(r"(<!-- results: (?P<name>[\w.-]+) -->\n)(?P<body>.*?)(<!-- /results -->)",
                     re.DOTALL)
-
-
-def _md_table(header: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(cell.replace("|", "/") for cell in row) + " |" for row in rows]
-    return "\n".join(lines)
 
 
 def _source(result: dict, name: str) -> str:
@@ -55,9 +50,9 @@ def markdown(name: str, result: dict) -> str:
                 f"same number of points, seed {result['config']['seed']}, "
                 f"{result['config']['train']['steps']} steps, scored on the held-out tuning "
                 f"split.*")
-        return "\n\n".join([head, _md_table(header, rows), _source(result, name)]) + "\n"
+        return "\n\n".join([head, md_table(header, rows), _source(result, name)]) + "\n"
     header, rows = table(result)
-    parts = [f"*{title(result)}*", _md_table(header, rows), _source(result, name)]
+    parts = [f"*{title(result)}*", md_table(header, rows), _source(result, name)]
     if any(r[-1] not in ("-", "") for r in rows):
         reach = gate_reach(result["config"]["train"])
         parts[-1] += (f" A gate logit can move at most about ±{reach:.1f} from its initial 0 "

@@ -28,6 +28,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
+from examples import reporting  # noqa: E402
+
 __all__ = ["table", "title", "print_table", "print_tuning", "plot_results", "USE_MARGIN",
            "mean_std", "gate_reach"]
 
@@ -36,12 +38,7 @@ USE_MARGIN = 5.0
 
 def mean_std(values: list[float]) -> str:
     """``"88.3 ± 2.1"`` (sample std), or ``"88.3"`` for one value, ``"-"`` for none."""
-    if not values:
-        return "-"
-    mean = statistics.fmean(values)
-    if len(values) == 1:
-        return f"{mean:.1f}"
-    return f"{mean:.1f} ± {statistics.stdev(values):.1f}"
+    return reporting.mean_std(values, digits=1)
 
 
 def gate_reach(train: dict) -> float:

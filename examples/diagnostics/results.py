@@ -20,8 +20,9 @@ from __future__ import annotations
 import json
 import os
 import platform
-import subprocess
 from pathlib import Path
+
+from examples.reporting import cpu_model, git
 
 __all__ = ["build_results", "write_results", "load_results", "commit_info", "environment",
            "RESULTS_DIR", "TRACKED_PATHS"]
@@ -29,24 +30,14 @@ __all__ = ["build_results", "write_results", "load_results", "commit_info", "env
 RESULTS_DIR = Path(__file__).with_name("results")
 #: The paths whose uncommitted changes can change a run's numbers.
 TRACKED_PATHS = ("examples/diagnostics", "tmcore", "backends", "adapters")
-_ROOT = Path(__file__).resolve().parents[2]
-
-
-def _git(*args: str) -> str | None:
-    try:
-        done = subprocess.run(["git", *args], cwd=_ROOT, capture_output=True, text=True,
-                              timeout=30, check=True)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return done.stdout.strip()
 
 
 def commit_info() -> dict:
     """``{"commit": HEAD, "dirty": bool, "dirty_paths": [...]}`` at run time; ``dirty``
     counts uncommitted source changes under :data:`TRACKED_PATHS` only (other files and
     docs cannot change a run)."""
-    head = _git("rev-parse", "HEAD")
-    status = _git("status", "--porcelain", "--", *TRACKED_PATHS)
+    head = git("rev-parse", "HEAD")
+    status = git("status", "--porcelain", "--", *TRACKED_PATHS)
     paths = sorted(line[3:] for line in (status or "").splitlines()
                    if line[3:].endswith((".py", ".c", ".cc", ".h")))  # code, not docs
     return {"commit": head, "dirty": bool(paths), "dirty_paths": paths[:50]}
@@ -60,7 +51,7 @@ def environment(threads: int) -> dict:
 
     env = {"python": platform.python_version(), "torch": torch.__version__,
            "numpy": numpy.__version__, "machine": platform.machine(), "threads": threads,
-           "cpu": _cpu_model(), "native_kernels": None}
+           "cpu": cpu_model(), "native_kernels": None}
     try:
         from backends import _native
 
@@ -69,16 +60,6 @@ def environment(threads: int) -> dict:
         env["native_kernels"] = False
     env["TMCORE_NATIVE"] = os.environ.get("TMCORE_NATIVE")
     return env
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 def build_results(*, task: str, protocol: str, scale: str, command: str, settings: list[str],
