@@ -479,15 +479,8 @@ def reset_state(xp: Any, state: State, mask: Any) -> State:
     """
     h, c = state
     batch = h.shape[0]
-    if not array_api_compat.is_array_api_obj(mask):
-        raise TypeError(f"reset: expected a bool array of shape (B,) = ({batch},), "
-                        f"got {type(mask).__name__}")
-    if not xp.isdtype(mask.dtype, "bool"):
-        raise TypeError(f"reset: expected a bool mask of shape (B,) = ({batch},), got dtype "
-                        f"{mask.dtype} (compare explicitly, e.g. mask > 0.5)")
-    if tuple(mask.shape) != (batch,):
-        raise ValueError(f"reset: expected a bool mask of shape (B,) = ({batch},), "
-                         f"got {tuple(mask.shape)}")
+    _require_bool_array(xp, mask, "reset", "(B,)", (batch,),
+                        hint=" (compare explicitly, e.g. mask > 0.5)")
     where = xp.reshape(mask, (batch,) + (1,) * (h.ndim - 1))
     return (xp.where(where, xp.zeros_like(h), h), xp.where(where, xp.zeros_like(c), c))
 
@@ -752,18 +745,23 @@ def _host_bools(mask: Any) -> list:
     return [_host_bools(mask[i, ...]) for i in range(mask.shape[0])]
 
 
+def _require_bool_array(xp: Any, value: Any, name: str, axes: str,
+                        shape: tuple[int, ...], hint: str = "") -> None:
+    """Raise unless ``value`` is a bool array of ``shape`` (named ``axes``, e.g. ``"(B,)"``):
+    ``TypeError`` for a non-array or another dtype, ``ValueError`` for another shape."""
+    expected = f"of shape {axes} = ({', '.join(map(str, shape))}{',' if len(shape) == 1 else ''})"
+    if not array_api_compat.is_array_api_obj(value):
+        raise TypeError(f"{name}: expected a bool array {expected}, got {type(value).__name__}")
+    if not xp.isdtype(value.dtype, "bool"):
+        raise TypeError(f"{name}: expected a bool mask {expected}, got dtype {value.dtype}{hint}")
+    if tuple(value.shape) != shape:
+        raise ValueError(f"{name}: expected a bool mask {expected}, got {tuple(value.shape)}")
+
+
 def check_doc_starts(xp: Any, doc_starts: Any, batch: int, tokens: int) -> list[list[bool]]:
     """``doc_starts``: a bool array ``(B, N)``, True at every token that starts a new
     document (the layer forgets everything before it); returned as host lists."""
-    if not array_api_compat.is_array_api_obj(doc_starts):
-        raise TypeError(f"doc_starts: expected a bool array of shape (B, N) = "
-                        f"({batch}, {tokens}), got {type(doc_starts).__name__}")
-    if not xp.isdtype(doc_starts.dtype, "bool"):
-        raise TypeError(f"doc_starts: expected a bool mask of shape (B, N) = "
-                        f"({batch}, {tokens}), got dtype {doc_starts.dtype}")
-    if tuple(doc_starts.shape) != (batch, tokens):
-        raise ValueError(f"doc_starts: expected a bool mask of shape (B, N) = "
-                         f"({batch}, {tokens}), got {tuple(doc_starts.shape)}")
+    _require_bool_array(xp, doc_starts, "doc_starts", "(B, N)", (batch, tokens))
     return [[bool(v) for v in row] for row in _host_bools(doc_starts)]
 
 
