@@ -152,6 +152,7 @@ class LayerConfig:
     radius: float | None = None
     eps: float = DEFAULT_EPS
     forget_bias: float = 0.0
+    zero_init: bool = False
 
     @property
     def ndim(self) -> int:
@@ -166,7 +167,7 @@ class LayerConfig:
 def layer_config(
     embed_dim: Any, memory_channels: Any, memory_shape: Any, chunk_size: Any,
     sigma_scale: Any = 1.0, *, checkpoint_every: Any = 1, radius: Any = None,
-    eps: Any = DEFAULT_EPS, forget_bias: Any = 0.0,
+    eps: Any = DEFAULT_EPS, forget_bias: Any = 0.0, zero_init: Any = False,
 ) -> LayerConfig:
     """Validate the layer's arguments once; returns a frozen :class:`LayerConfig`.
 
@@ -175,7 +176,10 @@ def layer_config(
     (Python or NumPy; bool and float are a ``TypeError``, < 1 a ``ValueError``);
     ``memory_shape`` is 1 to 4 of them (or one int: a 1-D grid);
     ``sigma_scale`` a finite number > 0; ``radius`` ``None`` or > 0; ``eps`` a
-    finite number >= 0; ``forget_bias`` finite.
+    finite number >= 0; ``forget_bias`` finite; ``zero_init`` a bool: the
+    read-out ``out_proj`` starts at zero (weight and bias), so the layer's output
+    is exactly 0 at initialization while ``out_proj`` still gets a gradient (an
+    attached memory is then an exact identity that trains).
     """
     check_positive_scalar("sigma_scale", sigma_scale)
     if array_api_compat.is_array_api_obj(sigma_scale):
@@ -191,7 +195,15 @@ def layer_config(
         radius=check_radius(radius),
         eps=check_eps(eps),
         forget_bias=check_finite("forget_bias", forget_bias),
+        zero_init=_flag("zero_init", zero_init),
     )
+
+
+def _flag(name: str, value: Any) -> bool:
+    """A Python or NumPy bool (an int or a string is a ``TypeError``)."""
+    if isinstance(value, bool) or type(value).__name__ == "bool_":
+        return bool(value)
+    raise TypeError(f"{name}: expected True or False, got {value!r}")
 
 
 # --------------------------------------------------------------------------- parameters
@@ -248,8 +260,15 @@ def param_specs(config: LayerConfig) -> tuple[ParamSpec, ...]:
                   xavier_uniform_bound(2 * c, 4 * c)),
         ParamSpec("cell", "pointwise_bias", (4 * c,), "(4C,)", "forget_bias",
                   value=config.forget_bias),
-        *_linear_specs("out_proj", d, c, "d", "C"),
+        *(_zero_specs("out_proj", d, c) if config.zero_init
+          else _linear_specs("out_proj", d, c, "d", "C")),
     )
+
+
+def _zero_specs(group: str, out_features: int, in_features: int) -> list[ParamSpec]:
+    """A linear map that starts at exactly zero (``zero_init``)."""
+    return [ParamSpec(group, "weight", (out_features, in_features), "(d, C)", "constant"),
+            ParamSpec(group, "bias", (out_features,), "(d,)", "constant")]
 
 
 def init_params(
