@@ -1,7 +1,7 @@
 """JAX fast paths: ``lax.conv_general_dilated`` for the depthwise taps (on accelerators),
 fused C kernels through the XLA FFI (on the CPU).
 
-:data:`CONV_KERNEL` ``"auto"`` uses the grouped conv when JAX's default
+The option ``depthwise="auto"`` uses the grouped conv when JAX's default
 backend is not the CPU: XLA:CPU expands grouped convs and measured about 300x
 slower there than the generic shifts.
 
@@ -13,8 +13,8 @@ stays a ``jnp.matmul``. The depthwise passes and the gates are
 ``jax.custom_vjp`` functions whose backward is the fused VJP, itself a
 ``custom_vjp`` differentiated through the generic math: ``jax.grad`` through
 tmcore's public functions works to any order (reverse mode; forward mode,
-``jax.jvp``, needs ``tmcore.options(native=False)`` or ``TMCORE_NATIVE=0``;
-:data:`USE_NATIVE` is the older module switch). Measured at the LM config:
+``jax.jvp``, needs ``tmcore.options(native=False)`` or ``TMCORE_NATIVE=0``).
+Measured at the LM config:
 depthwise passes 1.0 -> 0.13 ms, a training step ~1.6x faster.
 
 Sharding: the kernels work on a batch axis they do not mix, so they are split
@@ -51,27 +51,24 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from tmcore._dispatch import Ops
+from tmcore._options import Options
 from tmcore.cell import gates_fwd as generic_gates_fwd
 from tmcore.conv import ConvParams, depthwise_axis
 
 from . import _native
 from ._mixed import with_float32_compute
 
-__all__ = ["make_ops", "CONV_KERNEL", "USE_NATIVE"]
-
-#: Use the fused C kernels (XLA FFI) on the CPU when they can be built.
-USE_NATIVE = True
+__all__ = ["make_ops"]
 
 _DIMS = ("NCDHW", "OIDHW", "NCDHW")
 
-#: ``"auto"`` (grouped conv unless JAX's default backend is the CPU), ``"lax"``, ``"generic"``.
-CONV_KERNEL = "auto"
 
-
-def _use_lax() -> bool:
-    if CONV_KERNEL == "auto":
+def _use_lax(kernel: str) -> bool:
+    """Whether the depthwise taps use the grouped ``lax`` conv (option ``depthwise``:
+    ``"auto"`` unless JAX's default backend is the CPU, ``"grouped"``, ``"shifts"``: never)."""
+    if kernel == "auto":
         return jax.default_backend() != "cpu"
-    return CONV_KERNEL == "lax"
+    return kernel == "grouped"
 
 
 def _view(x: Any, axis: int) -> tuple[int, ...]:
@@ -162,7 +159,7 @@ class _NativeGateResiduals(NamedTuple):
 def _native_suffix(*arrays: Any) -> str | None:
     """The kernels' dtype suffix when they may run on ``arrays`` (CPU default backend,
     one float32 / float64 dtype, the library built), else ``None``."""
-    if not (USE_NATIVE and _native.enabled()) or jax.default_backend() != "cpu":
+    if not _native.enabled() or jax.default_backend() != "cpu":
         return None
     dtype = arrays[0].dtype
     suffix = {jnp.dtype("float32"): "f32", jnp.dtype("float64"): "f64"}.get(jnp.dtype(dtype))
@@ -414,20 +411,21 @@ def native_conv_bwd(xp: Any, residuals: _NativeConvResiduals, params: ConvParams
     return d_x, ConvParams(d_taps, d_biases, d_pointwise, jnp.sum(g_flat, axis=(0, 2)))
 
 
-def make_ops(generic: Ops) -> Ops:
-    """The JAX table: lax conv (see :data:`CONV_KERNEL`), generic read and write, float32
+def make_ops(generic: Ops, options: Options) -> Ops:
+    """The JAX table: lax conv (option ``depthwise``), generic read and write, float32
     compute for halves."""
+    kernel = options.depthwise
 
     def conv_fwd_auto(xp, x, params):
-        if CONV_KERNEL == "auto" and _native_suffix(x, *params) is not None:
+        if kernel == "auto" and _native_suffix(x, *params) is not None:
             return native_conv_fwd(xp, x, params)
-        return (conv_fwd if _use_lax() else generic.conv_fwd)(xp, x, params)
+        return (conv_fwd if _use_lax(kernel) else generic.conv_fwd)(xp, x, params)
 
     def conv_bwd_auto(xp, residuals, params, g):
         if isinstance(residuals, _NativeConvResiduals):
             return native_conv_bwd(xp, residuals, params, g)
         # both other conv_fwd variants return the generic stage list: either bwd consumes it
-        return (conv_bwd if _use_lax() else generic.conv_bwd)(xp, residuals, params, g)
+        return (conv_bwd if _use_lax(kernel) else generic.conv_bwd)(xp, residuals, params, g)
 
     def gates_fwd(xp, z, c):
         if _native_suffix(z, c) is not None:

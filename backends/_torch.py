@@ -10,11 +10,11 @@ Imported only when torch tensors reach tmcore (torch is then in ``sys.modules``)
   gradient with ``atomicAdd``. By default the volume gradient on CUDA is
   therefore the generic dense contraction (deterministic), and only the
   coordinate gradient (one thread per query, no atomics) comes from
-  ``grid_sampler``. Set :data:`ALLOW_NONDETERMINISTIC` to ``True`` to use the
-  atomic kernel for the volume too; it is still refused while
+  ``grid_sampler``. ``tmcore.options(deterministic=False)`` uses the atomic
+  kernel for the volume too; it is still refused while
   ``torch.are_deterministic_algorithms_enabled()``. On CPU the kernel is
   deterministic and always used.
-- Factorized conv (:data:`CONV_KERNEL`): each depthwise 3-tap pass works on
+- Factorized conv (option ``depthwise``): each depthwise 3-tap pass works on
   the free reshape ``(B, C, pre, S_a, post)`` (any n). On CUDA it is one
   grouped ``conv3d`` (``groups = C``, TF32 off so float32 matches the generic
   path); on CPU, where oneDNN's grouped conv measured slower, three fused
@@ -32,7 +32,8 @@ Imported only when torch tensors reach tmcore (torch is then in ``sys.modules``)
   (forward and VJP, the gates recomputed from ``z``) are C kernels compiled on
   first use; the pointwise product stays a torch ``baddbmm``. Anything else,
   or a machine without a C compiler, takes the torch ops above (same results).
-  :data:`USE_NATIVE` or ``TMCORE_NATIVE=0`` turns them off. Every call checks the
+  ``tmcore.options(native=False)`` (or ``TMCORE_NATIVE=0``) turns them off, and a
+  forced ``depthwise`` kernel skips the fused conv. Every call checks the
   shapes the kernels index by (``ValueError``, never an out-of-bounds access),
   hands them plain contiguous memory (negative / conjugate views resolved,
   ZeroTensors materialized) and turns a failed scratch allocation into
@@ -49,6 +50,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import math
 import threading
 from typing import Any, NamedTuple
@@ -57,7 +59,7 @@ import torch
 import torch.nn.functional as F
 
 from tmcore._dispatch import Ops
-from tmcore._options import get_options
+from tmcore._options import Options, get_options
 from tmcore._separable import outer_product
 from tmcore.conv import ConvParams
 from tmcore.sampling import tent_profiles
@@ -65,16 +67,7 @@ from tmcore.sampling import tent_profiles
 from . import _native, _triton
 from ._mixed import with_float32_compute
 
-__all__ = ["make_ops", "ALLOW_NONDETERMINISTIC", "CONV_KERNEL", "USE_NATIVE"]
-
-#: Use ``grid_sampler``'s atomic volume gradient on CUDA (off: deterministic dense VJP).
-ALLOW_NONDETERMINISTIC = False
-
-#: Depthwise kernel: ``"auto"`` (grouped conv on CUDA, slices on CPU), ``"conv"``, ``"slices"``.
-CONV_KERNEL = "auto"
-
-#: Use the fused C kernels for the CPU cell when they can be built (see the module notes).
-USE_NATIVE = True
+__all__ = ["make_ops"]
 
 _BILINEAR, _BORDER = 0, 1
 _NATIVE_DTYPES = {torch.float32: "f32", torch.float64: "f64"}
@@ -104,7 +97,7 @@ def _native_kernels(*tensors: torch.Tensor) -> tuple[ctypes.CDLL, str] | None:
     computation; fake, nested, sparse and other subclass tensors have no plain memory
     to hand to C). Negative / conjugate views and ZeroTensors are materialized by
     :func:`_plain` at the call."""
-    if not (USE_NATIVE and _native.enabled()):
+    if not _native.enabled():
         return None
     suffix = _NATIVE_DTYPES.get(tensors[0].dtype)
     if suffix is None:
@@ -222,7 +215,7 @@ def _grid_args(volume: torch.Tensor, coords: torch.Tensor) -> tuple[torch.Tensor
 def _atomic_ok(volume: torch.Tensor) -> bool:
     """Whether ``grid_sampler``'s volume gradient may be used (deterministic or allowed)."""
     return not volume.is_cuda or (
-        (ALLOW_NONDETERMINISTIC or not get_options().deterministic)
+        not get_options().deterministic
         and not torch.are_deterministic_algorithms_enabled()
     )
 
@@ -306,13 +299,21 @@ def _view5(shape: tuple[int, ...], axis: int) -> tuple[int, int, int]:
     return math.prod(shape[:axis]), shape[axis], math.prod(shape[axis + 1 :])
 
 
+def _grouped(x: torch.Tensor, kernel: str) -> bool:
+    """Whether the depthwise passes over ``x`` use grouped ``conv3d`` (``kernel``, the
+    option ``depthwise``: ``"auto"`` on CUDA, ``"grouped"`` everywhere, ``"shifts"``
+    nowhere)."""
+    return kernel == "grouped" or (kernel == "auto" and x.is_cuda)
+
+
 def _depthwise(x: torch.Tensor, taps: torch.Tensor, bias: torch.Tensor | None,
-               axis: int) -> torch.Tensor:
+               axis: int, grouped: bool) -> torch.Tensor:
     """Depthwise 3-tap cross-correlation of ``x (B,C,*S)`` along spatial ``axis``:
-    ``y[i] = t0 x[i-1] + t1 x[i] + t2 x[i+1] (+ bias)``, zero padded."""
+    ``y[i] = t0 x[i-1] + t1 x[i] + t2 x[i+1] (+ bias)``, zero padded; ``grouped``:
+    one grouped ``conv3d``, else three products over shifted slices."""
     batch, channels = x.shape[:2]
     x5 = x.reshape(batch, channels, *_view5(tuple(x.shape[2:]), axis))
-    if CONV_KERNEL == "conv" or (CONV_KERNEL == "auto" and x.is_cuda):
+    if grouped:
         with _no_tf32(x):
             y = F.conv3d(x5, taps.reshape(channels, 1, 1, 3, 1), bias, padding=(0, 1, 0),
                          groups=channels)
@@ -328,12 +329,14 @@ def _depthwise(x: torch.Tensor, taps: torch.Tensor, bias: torch.Tensor | None,
     return y.reshape(x.shape)
 
 
-def _depthwise_stages(x: torch.Tensor, params: ConvParams) -> list[torch.Tensor]:
+def _depthwise_stages(x: torch.Tensor, params: ConvParams,
+                      kernel: str = "auto") -> list[torch.Tensor]:
     """``[x, after axis 0, ..., after the last axis]`` with the torch ops."""
     stages = [x]
+    grouped = _grouped(x, kernel)
     for axis in range(x.ndim - 2):
         stages.append(_depthwise(stages[-1], params.depthwise_weight[axis],
-                                 params.depthwise_bias[axis], axis))
+                                 params.depthwise_bias[axis], axis, grouped))
     return stages
 
 
@@ -367,31 +370,32 @@ def _pointwise(y: torch.Tensor, params: ConvParams, scratch: bool = False) -> to
     return z.reshape(batch, c_out, *y.shape[2:])
 
 
-def conv_fwd(xp: Any, x: torch.Tensor, params: ConvParams):
+def conv_fwd(xp: Any, x: torch.Tensor, params: ConvParams, kernel: str = "auto"):
     """Factorized conv forward. Residuals: the generic stage inputs ``[x, ...]``, or
-    :class:`_NativeConvResiduals` on the fused path."""
-    kernels = _native_kernels(x, *params)
+    :class:`_NativeConvResiduals` on the fused path (``kernel="auto"`` only)."""
+    kernels = _native_kernels(x, *params) if kernel == "auto" else None
     if kernels is not None and x.ndim <= 6:
         y = _native_depthwise(kernels, x, params)
         return _pointwise(y, params, scratch=True), _NativeConvResiduals(x, y)
-    stages = _depthwise_stages(x, params)
+    stages = _depthwise_stages(x, params, kernel)
     return _pointwise(stages[-1], params), stages
 
 
-def conv_bwd(xp: Any, stages, params: ConvParams, g: torch.Tensor):
+def conv_bwd(xp: Any, stages, params: ConvParams, g: torch.Tensor, kernel: str = "auto"):
     """VJP: flipped-tap grouped conv for the input, sliced products for the taps (or
     the fused kernel, for residuals of the fused forward)."""
     if isinstance(stages, _NativeConvResiduals):
         kernels = _native_kernels(stages.x, g, *params)
         if kernels is not None:
             return _native_conv_bwd(kernels, stages, params, g)
-        stages = _depthwise_stages(stages.x, params)  # e.g. g now recorded by autograd
+        stages = _depthwise_stages(stages.x, params, kernel)  # e.g. g now recorded by autograd
     n = len(stages) - 1
     y = stages[-1]
     batch, c_in = y.shape[:2]
     d_y, d_pointwise, d_pointwise_bias = _pointwise_bwd(y, params, g)
     d_taps, d_biases = [None] * n, [None] * n
     dims = (0, 2, 3, 4)
+    grouped = _grouped(y, kernel)
     for axis in reversed(range(n)):
         view = (batch, c_in, *_view5(tuple(y.shape[2:]), axis))
         x5 = stages[axis].reshape(view)
@@ -402,7 +406,7 @@ def conv_bwd(xp: Any, stages, params: ConvParams, g: torch.Tensor):
             (d5[:, :, :, :-1] * x5[:, :, :, 1:]).sum(dims),
         ], dim=-1)
         d_biases[axis] = d5.sum(dims)
-        d_y = _depthwise(d_y, params.depthwise_weight[axis].flip(-1), None, axis)
+        d_y = _depthwise(d_y, params.depthwise_weight[axis].flip(-1), None, axis, grouped)
     return d_y, ConvParams(torch.stack(d_taps), torch.stack(d_biases), d_pointwise,
                            d_pointwise_bias)
 
@@ -516,11 +520,13 @@ def gates_bwd(xp: Any, residuals: tuple, g_h: torch.Tensor, g_c: torch.Tensor):
     return d_z, d_c_new * f
 
 
-def make_ops(generic: Ops) -> Ops:
+def make_ops(generic: Ops, options: Options) -> Ops:
     """The torch table: fast read, conv and gates, generic splat, float32 compute for
-    halves."""
+    halves; the depthwise kernel is ``options.depthwise`` (tables are cached per options)."""
     sample_fwd, sample_bwd = _make_sample(generic)
-    fast = Ops(sample_fwd, sample_bwd, generic.splat_fwd, generic.splat_bwd, conv_fwd, conv_bwd,
+    conv = functools.partial(conv_fwd, kernel=options.depthwise)
+    conv_vjp = functools.partial(conv_bwd, kernel=options.depthwise)
+    fast = Ops(sample_fwd, sample_bwd, generic.splat_fwd, generic.splat_bwd, conv, conv_vjp,
                gates_fwd, gates_bwd, gates_residuals, workspace,
                _triton.scan_fwd, _triton.scan_bwd)  # fused scan (declines where it can't run)
     return with_float32_compute(fast)

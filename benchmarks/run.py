@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+import tmcore
 from benchmarks.common import CONFIGS, TINY, Config, machine_line, run_isolated, time_fn
 from benchmarks.layers import (
     floor_step,
@@ -79,16 +80,11 @@ def check_gradients(cfg: Config, rtol: float = 2e-3) -> dict:
 
 def _torch_fn(cfg, params, x, g, impl, train):
     if impl == "torch-ops":
-        from tmcore.backends import _torch as torch_backend
-
         inner = torch_step(torch_layer(cfg, params, "torch"), x, g, train)
 
         def torch_ops():
-            torch_backend.USE_NATIVE = False
-            try:
+            with tmcore.options(native=False):
                 return inner()
-            finally:
-                torch_backend.USE_NATIVE = True
         return torch_ops
     if impl == "torch-generic":
         from tmcore.backends import use_generic

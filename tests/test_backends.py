@@ -367,15 +367,13 @@ def test_torch_sample_matches_grid_sample_autograd(torch_mod, monkeypatch, n, de
 
 
 @pytest.mark.parametrize("spatial", [(3, 4, 5), (1, 2, 3), (4, 1, 1), (2, 3, 1)])
-@pytest.mark.parametrize("kernel", ["conv", "slices"])
+@pytest.mark.parametrize("kernel", ["grouped", "shifts"])
 def test_torch_conv_matches_conv3d_autograd(torch_mod, monkeypatch, kernel, spatial):
     """Every depthwise kernel against a chain of ``conv3d`` calls and its autograd
     (size-1 and size-2 axes included)."""
     torch = torch_mod
     F = torch.nn.functional
-    from tmcore.backends import _torch as tb
-
-    monkeypatch.setattr(tb, "CONV_KERNEL", kernel)
+    tmcore.options(depthwise=kernel)  # for this test only (conftest restores the options)
     gen = torch.Generator().manual_seed(3)
     c_in, c_out = 4, 6
     x = torch.randn(2, c_in, *spatial, dtype=torch.float64, generator=gen, requires_grad=True)
@@ -416,15 +414,14 @@ def test_torch_fast_paths_are_differentiable_by_autograd(torch_mod):
 # ----------------------------------------------------------------------------- jax natives
 
 
-@pytest.mark.parametrize(("kernel", "x64"), [("lax", False), ("lax", True), ("generic", False)])
+@pytest.mark.parametrize(("kernel", "x64"), [("grouped", False), ("grouped", True),
+                                             ("shifts", False)])
 def test_jax_matches_autodiff_of_generic_under_jit(monkeypatch, x64, kernel):
     """Fast VJPs (jitted) equal ``jax.vjp`` of the generic forward, 64-bit mode on and off."""
     jax = pytest.importorskip("jax", reason="jax is not installed")
     import jax.numpy as jnp
 
-    from tmcore.backends import _jax as jb
-
-    monkeypatch.setattr(jb, "CONV_KERNEL", kernel)
+    tmcore.options(depthwise=kernel)  # for this test only (conftest restores the options)
     rng = np.random.default_rng(11)
     with jax.enable_x64(x64):
         dtype = jnp.float64 if x64 else jnp.float32

@@ -48,11 +48,8 @@ def _both_paths(fn, *args):
     """``fn(*args)`` on the fused path and on the torch ops it replaces."""
     assert bt._native_kernels(*[a for a in args if isinstance(a, torch.Tensor)]) is not None
     fused = fn(*args)
-    bt.USE_NATIVE = False
-    try:
+    with tmcore.options(native=False):
         plain = fn(*args)
-    finally:
-        bt.USE_NATIVE = True
     return fused, plain
 
 
@@ -307,9 +304,8 @@ def test_jax_kernels_switch_off(jax_native, monkeypatch):
     x = jnp.ones((1, 2, 3), jnp.float32)
     assert jb._native_suffix(x) == "f32"
     assert jb._native_suffix(x.astype(jnp.float16)) is None
-    monkeypatch.setattr(jb, "USE_NATIVE", False)
-    assert jb._native_suffix(x) is None
-    monkeypatch.setattr(jb, "USE_NATIVE", True)
+    with tmcore.options(native=False):
+        assert jb._native_suffix(x) is None
     monkeypatch.setenv(native.ENV_VAR, "0")
     assert jb._native_suffix(x) is None
 

@@ -26,7 +26,7 @@ def _clean_env(monkeypatch):
 def test_defaults_and_fields():
     opts = tmcore.get_options()
     assert opts == tmcore.Options(native=True, triton="auto", generic=False,
-                                  deterministic=True, validate=False)
+                                  deterministic=True, validate=False, depthwise="auto")
     assert hash(opts) == hash(tmcore.Options())
 
 
@@ -149,3 +149,16 @@ def test_environment_in_a_fresh_process():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, env=env)
     assert out.stdout.split() == ["False", "True", "True", "False", "True"]
+
+
+def test_depthwise_kernel_option(monkeypatch):
+    """``depthwise`` picks the backends' depthwise kernel; bad values are refused by name."""
+    assert tmcore.get_options().depthwise == "auto"
+    with tmcore.options(depthwise="shifts"):
+        assert tmcore.get_options().depthwise == "shifts"
+    with pytest.raises(ValueError, match="depthwise: expected 'auto', 'grouped', 'shifts'"):
+        tmcore.options(depthwise="conv")
+    monkeypatch.setenv("TMCORE_DEPTHWISE", "grouped")
+    assert tmcore.get_options().depthwise == "grouped"
+    monkeypatch.setenv("TMCORE_DEPTHWISE", "nonsense")  # ignored: the default stays
+    assert tmcore.get_options().depthwise == "auto"

@@ -16,6 +16,11 @@ Fields (environment variable, default: meaning):
 - ``validate`` (``TMCORE_VALIDATE``, False): validate mode; public functions
   also check that arrays are finite and sigma > 0 (reads values back to the
   host).
+- ``depthwise`` (``TMCORE_DEPTHWISE``, ``"auto"``): the depthwise-tap kernel of
+  the torch and JAX backends; ``"auto"`` lets the backend choose (fused C
+  kernels on the CPU, a grouped conv on accelerators), ``"grouped"`` forces the
+  grouped conv (torch ``conv3d``, ``lax.conv_general_dilated``), ``"shifts"``
+  the shifted-slice products; both forced kernels skip the fused C conv.
 
 Three layers, innermost first:
 
@@ -51,6 +56,8 @@ from typing import Any, Literal
 __all__ = ["Options", "options", "get_options", "ENV_VARS"]
 
 TritonMode = bool | Literal["auto"]
+DepthwiseKernel = Literal["auto", "grouped", "shifts"]
+_DEPTHWISE = ("auto", "grouped", "shifts")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +69,7 @@ class Options:
     generic: bool = False
     deterministic: bool = True
     validate: bool = False
+    depthwise: DepthwiseKernel = "auto"
 
 
 _FIELDS = tuple(f.name for f in dataclasses.fields(Options))
@@ -90,6 +98,8 @@ def _parse_env(name: str, raw: str | None) -> Any:
     if raw is None or raw.strip() == "":
         return None
     text = raw.strip().lower()
+    if name == "depthwise":
+        return text if text in _DEPTHWISE else None  # _warn_bad_env names a bad value
     if name == "triton" and text == "auto":
         return "auto"
     return text not in _FALSE
@@ -98,6 +108,10 @@ def _parse_env(name: str, raw: str | None) -> Any:
 def _check(name: str, value: Any) -> Any:
     if name not in _FIELDS:
         raise TypeError(f"options: unknown option {name!r}; expected one of {', '.join(_FIELDS)}")
+    if name == "depthwise" and value is not None and value not in _DEPTHWISE:
+        raise ValueError(f"depthwise: expected 'auto', 'grouped', 'shifts' or None, got {value!r}")
+    if name == "depthwise":
+        return value
     if value is None or isinstance(value, bool) or (name == "triton" and value == "auto"):
         return value
     expected = "True, False, 'auto' or None" if name == "triton" else "True, False or None"
@@ -111,10 +125,10 @@ def _check(name: str, value: Any) -> Any:
 _ENV_DATA = getattr(os.environ, "_data", None)
 _ENCODE = getattr(os.environ, "encodekey", None)
 if _ENV_DATA is not None and _ENCODE is not None:
-    _K0, _K1, _K2, _K3, _K4 = (_ENCODE(ENV_VARS[name]) for name in _FIELDS)
+    _K0, _K1, _K2, _K3, _K4, _K5 = (_ENCODE(ENV_VARS[name]) for name in _FIELDS)
 
     def _env_key(get: Any = _ENV_DATA.get) -> tuple:
-        return (get(_K0), get(_K1), get(_K2), get(_K3), get(_K4))
+        return (get(_K0), get(_K1), get(_K2), get(_K3), get(_K4), get(_K5))
 
     def _decode(raw: Any) -> str | None:
         return None if raw is None else os.environ.decodevalue(raw)
@@ -204,10 +218,14 @@ def _warn_bad_env() -> None:
             continue
         text = raw.strip().lower()
         known = _FALSE + ("1", "true", "yes", "on") + (("auto",) if name == "triton" else ())
+        if name == "depthwise":
+            known = _DEPTHWISE
         if text not in known and (name, text) not in _WARNED:
             _WARNED.add((name, text))
-            warnings.warn(f"tmcore: {ENV_VARS[name]}={raw!r} is read as True; use 1 or 0",
-                          RuntimeWarning, stacklevel=2)
+            hint = ("is ignored; use auto, grouped or shifts" if name == "depthwise"
+                    else "is read as True; use 1 or 0")
+            warnings.warn(f"tmcore: {ENV_VARS[name]}={raw!r} {hint}", RuntimeWarning,
+                          stacklevel=2)
 
 
 _warn_bad_env()
