@@ -10,6 +10,7 @@ returns that namespace's arrays; every forward has a hand-written VJP.
 generic path, determinism, validate mode) is one of :func:`tmcore.options`.
 """
 
+from tmcore import _installed  # noqa: F401  (refuses a checkout that is not installed)
 from tmcore._options import Options, get_options, options
 from tmcore._validate import (
     VALIDATE_ENV_VAR,

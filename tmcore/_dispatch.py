@@ -93,10 +93,9 @@ def generic_ops() -> Ops:
 
 
 def _resolve(xp: Any, options: Options) -> Ops:
-    try:
-        backends = importlib.import_module("tmcore.backends")
-    except ImportError:  # a checkout used without installing: generic everywhere
-        return generic_ops()
+    # Never swallowed: ``import tmcore`` already refused a checkout that is not installed,
+    # so an ImportError here is a real fault of a backend and must be seen.
+    backends = importlib.import_module("tmcore.backends")
     return backends.ops_for_namespace(xp, generic_ops(), options)
 
 
