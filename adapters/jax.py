@@ -431,6 +431,7 @@ def apply(
     layer: type[tl.Layer] = tl.Layer,
     stream: bool | None = None,
     doc_starts: Any = None,  # [B, N] bool
+    valid: Any = None,  # [B, N] bool
 ) -> tuple[jax.Array, Any]:  # out [B, N, d], state
     """Run one Tensor Memory layer over ``x``; returns ``(out, state)``.
 
@@ -462,6 +463,9 @@ def apply(
         document (packed documents, :func:`doc_starts_from_offsets`): the state
         and the unfinished chunk are dropped there and the chunk grid restarts,
         so each document's outputs equal running it alone.
+    valid : optional ``(B, N)`` bool, False at tokens to skip (padding, left or
+        right): they never enter the state nor the chunk grid and their outputs
+        are zeros; each row streams its valid tokens only. Implies streaming.
 
     Every argument is checked statically (shapes, dtypes, Python scalars; fine
     under ``jit``; :mod:`tmcore.layer`): a missing parameter is a ``KeyError``,
@@ -486,7 +490,10 @@ def apply(
     :class:`StreamState`) pieces of any lengths do.
     """
     if stream is None:
-        stream = isinstance(state, tl.StreamState) or doc_starts is not None
+        stream = (isinstance(state, tl.StreamState) or doc_starts is not None
+                  or valid is not None)
+    if valid is not None and not stream:
+        raise ValueError("valid: skipping tokens needs stream=True (or None)")
     if isinstance(state, tl.StreamState) and not stream:
         raise ValueError("state: a StreamState continues a stream; pass stream=True "
                          "(or leave stream=None)")
@@ -498,7 +505,7 @@ def apply(
                            radius=radius, checkpoint_every=checkpoint_every)
     tl.check_tokens(jnp, x, config)
     if stream:
-        return _apply_stream(params, x, state, config, layer, reset, doc_starts)
+        return _apply_stream(params, x, state, config, layer, reset, doc_starts, valid)
     batch, tokens, d = x.shape
     if state is None:
         state = _zero_state_like(x, config)
@@ -534,7 +541,7 @@ def apply(
 
 def _apply_stream(params: Mapping[str, Any], x: jax.Array, state: Any,
                   config: tl.LayerConfig, layer: type[tl.Layer], reset: Any,
-                  doc_starts: Any) -> tuple[jax.Array, tl.StreamState]:
+                  doc_starts: Any, valid: Any = None) -> tuple[jax.Array, tl.StreamState]:
     """:func:`apply` with ``stream=True``: the shared layer's ``forward_stream`` with
     :func:`memory_scan` (compiled, custom VJP) as its scan."""
     if EXTRA_STATE in params:
@@ -562,7 +569,7 @@ def _apply_stream(params: Mapping[str, Any], x: jax.Array, state: Any,
                            checkpoint_every=config.checkpoint_every)
 
     return layer(config).forward_stream(jnp, theta, x, state, scan=scan, reset=reset,
-                                        doc_starts=doc_starts)
+                                        doc_starts=doc_starts, valid=valid)
 
 
 # --------------------------------------------------------------------------- residual, stack
@@ -880,13 +887,13 @@ class TensorMemory(nnx.Module):
         return init_state(batch, self.memory_channels, self.memory_shape, dtype)
 
     def __call__(self, x: jax.Array, state: Any = None, *, reset: jax.Array | None = None,
-                 stream: bool | None = None, doc_starts: Any = None
+                 stream: bool | None = None, doc_starts: Any = None, valid: Any = None
                  ) -> tuple[jax.Array, Any]:
         return apply(params_from_module(self), x, state, chunk_size=self.chunk_size,
                      memory_shape=self.memory_shape, sigma_scale=self.sigma_scale,
                      reset=reset, eps=self.eps, radius=self.radius,
                      checkpoint_every=self.checkpoint_every, stream=stream,
-                     doc_starts=doc_starts)
+                     doc_starts=doc_starts, valid=valid)
 
 
 class GatedMemoryResidual(nnx.Module):
@@ -906,11 +913,11 @@ class GatedMemoryResidual(nnx.Module):
                                        dtype))
 
     def __call__(self, x: jax.Array, state: Any = None, *, reset: jax.Array | None = None,
-                 stream: bool | None = None, doc_starts: Any = None
+                 stream: bool | None = None, doc_starts: Any = None, valid: Any = None
                  ) -> tuple[jax.Array, Any]:
         m = self.memory
         return residual_apply(params_from_module(self), x, state, chunk_size=m.chunk_size,
                               memory_shape=m.memory_shape, sigma_scale=m.sigma_scale,
                               reset=reset, eps=m.eps, radius=m.radius,
                               checkpoint_every=m.checkpoint_every, stream=stream,
-                              doc_starts=doc_starts)
+                              doc_starts=doc_starts, valid=valid)

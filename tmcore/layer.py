@@ -672,7 +672,8 @@ class Layer:
         return unchunk(xp, out, tokens, config.chunk_size), (h, c)
 
     def forward_stream(self, xp: Any, params: Params, x: Any, state: Any, *, scan: Scan,
-                       reset: Any = None, doc_starts: Any = None) -> tuple[Any, StreamState]:
+                       reset: Any = None, doc_starts: Any = None,
+                       valid: Any = None) -> tuple[Any, StreamState]:
         """Streaming and packed documents: ``x (B, N, d)`` -> ``(out (B, N, d), StreamState)``.
 
         ``state``: ``None`` (zeros), an ``(h, c)`` pair (a chunk boundary) or the
@@ -689,9 +690,14 @@ class Layer:
         at the first token of the row. The grid is decided on the host (the masks are
         read there), and the scan is cut only where some row starts a document or
         ends with an unfinished chunk.
+
+        ``valid``: optional bool ``(B, N)``, False at tokens to skip (padding, e.g. a
+        Hugging Face attention mask, left or right): they never enter the state nor the
+        chunk grid, their outputs are zeros, and each row's stream is its valid tokens
+        only (the returned state is the one running them alone gives).
         """
         return forward_stream(self, xp, params, x, state, scan=scan, reset=reset,
-                              doc_starts=doc_starts)
+                              doc_starts=doc_starts, valid=valid)
 
 
 # the streaming half of the layer lives in tmcore.stream (imported last: it builds on

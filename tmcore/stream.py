@@ -144,50 +144,67 @@ class _Plan(NamedTuple):
     gather: list[int]                   # (B*T*L,) flat token index per chunk slot (-1: zero)
     resets: list[list[bool]]            # (B, T): zero the state before this chunk
     capture: list[int]                  # (B,): the returned state is the one entering chunk k
-    token_step: list[int]               # (B*N,): flat (b*T + t) chunk of each new token
+    token_step: list[int]               # (B*N,): flat (b*T + t) chunk of each token (-1: none)
     pending: list[list[int]]            # (B,): flat indices of the unfinished chunk's tokens
     count: tuple[int, ...]
+    forget: list[bool]                  # (B,): the row ends with an empty document
 
 
-def _plan(counts: Sequence[int], tokens: int, starts: list[list[bool]], length: int) -> _Plan:
-    """Chunk each row's stream (unfinished chunk + new tokens), restarting the grid at
-    each document start (each document is chunked as if it were alone)."""
+def _plan(counts: Sequence[int], tokens: int, starts: list[list[bool]], length: int,
+          valid: list[list[bool]] | None = None) -> _Plan:
+    """Chunk each row's stream (unfinished chunk + its valid new tokens), restarting the
+    grid at each document start (each document is chunked as if it were alone). A
+    document start on a skipped token (``valid`` False) starts the document at the row's
+    next valid token; after its last valid token it leaves the row empty (``forget``)."""
     width = length + tokens  # row stride of the concatenation [pending, x]
     rows = []
     for b, count in enumerate(counts):
-        def flat(p: int, b: int = b, count: int = count) -> int:  # stream position -> index
-            return b * width + (p if p < count else length + p - count)
-        cuts = [i for i in range(tokens) if starts[b][i]]
+        keep = list(range(tokens)) if valid is None else [
+            n for n in range(tokens) if valid[b][n]]
+        row_starts, carried = [], False
+        for n in range(tokens):
+            carried = carried or starts[b][n]
+            if valid is None or valid[b][n]:
+                row_starts.append(carried)
+                carried = False
+        new = len(keep)
+
+        def flat(p: int, b: int = b, count: int = count, keep: list = keep) -> int:
+            return b * width + (p if p < count else length + keep[p - count])
+        cuts = [i for i in range(new) if row_starts[i]]
         if not cuts or cuts[0] != 0:   # the first document continues the carried state
             segments = [(0, False)]
         else:                          # the unfinished chunk's document has ended
             segments = []
         segments += [(count + i, True) for i in cuts]
-        ends = [s for s, _ in segments[1:]] + [count + tokens]
-        chunks, resets, token_step = [], [], []
+        ends = [s for s, _ in segments[1:]] + [count + new]
+        chunks, resets, step_of = [], [], []
         for (begin, reset), end in zip(segments, ends, strict=True):
             for a in range(begin, end, length):
                 chunks.append([flat(p) for p in range(a, min(a + length, end))])
                 resets.append(reset and a == begin)
-                token_step += [len(chunks) - 1] * sum(1 for p in range(a, min(a + length, end))
-                                                      if p >= count)
-        last = chunks[-1]
-        unfinished = len(last) < length
+                step_of += [len(chunks) - 1] * sum(1 for p in range(a, min(a + length, end))
+                                                   if p >= count)
+        token_step = [-1] * tokens
+        for n, t in zip(keep, step_of, strict=True):
+            token_step[n] = t
+        unfinished = bool(chunks) and len(chunks[-1]) < length
         rows.append((chunks, resets, token_step,
                      len(chunks) - 1 if unfinished else len(chunks),
-                     last if unfinished else []))
+                     chunks[-1] if unfinished and not carried else [], carried))
     steps = max(len(r[0]) for r in rows)
-    gather, resets, capture, token_step, pending = [], [], [], [], []
-    for b, (chunks, reset, tok, cap, pend) in enumerate(rows):
+    gather, resets, capture, token_step, pending, forget = [], [], [], [], [], []
+    for b, (chunks, reset, tok, cap, pend, gone) in enumerate(rows):
         chunks = chunks + [[]] * (steps - len(chunks))
         for ch in chunks:
             gather += ch + [-1] * (length - len(ch))
         resets.append(reset + [False] * (steps - len(reset)))
         capture.append(cap)
-        token_step += [b * steps + t for t in tok]
+        token_step += [b * steps + t if t >= 0 else -1 for t in tok]
         pending.append(pend)
+        forget.append(gone)
     return _Plan(steps, gather, resets, capture, token_step, pending,
-                 tuple(len(p) for p in pending))
+                 tuple(len(p) for p in pending), forget)
 
 
 def _where_rows(xp: Any, rows: list[bool], a: Any, b: Any) -> Any:
@@ -199,7 +216,8 @@ def _where_rows(xp: Any, rows: list[bool], a: Any, b: Any) -> Any:
 
 
 def forward_stream(layer: Layer, xp: Any, params: Params, x: Any, state: Any, *, scan: Scan,
-                    reset: Any = None, doc_starts: Any = None) -> tuple[Any, StreamState]:
+                   reset: Any = None, doc_starts: Any = None,
+                   valid: Any = None) -> tuple[Any, StreamState]:
     """:meth:`tmcore.layer.Layer.forward_stream` (see there) of ``layer``."""
     config = layer.config
     check_tokens(xp, x, config)
@@ -208,6 +226,7 @@ def forward_stream(layer: Layer, xp: Any, params: Params, x: Any, state: Any, *,
     st = stream_state(xp, state, x, config)
     starts = (check_doc_starts(xp, doc_starts, batch, tokens) if doc_starts is not None
               else [[False] * tokens for _ in range(batch)])
+    keep = check_valid(xp, valid, batch, tokens) if valid is not None else None
     if reset is not None:
         # validated like the pair path's reset; rows that reset start a new document here
         reset_state(xp, (st.h, st.c), reset)
@@ -219,7 +238,7 @@ def forward_stream(layer: Layer, xp: Any, params: Params, x: Any, state: Any, *,
                     st = _forget_rows(xp, st, b)
     if tokens == 0 or batch == 0:
         return xp.zeros_like(x), st
-    plan = _plan(st.count, tokens, starts, length)
+    plan = _plan(st.count, tokens, starts, length, keep)
     device = _device(x)
     both = xp.concat([xp.astype(st.pending, x.dtype), x], axis=1)      # (B, L + N, d)
     flat = xp.concat([xp.reshape(both, (batch * (length + tokens), d)),
@@ -230,25 +249,43 @@ def forward_stream(layer: Layer, xp: Any, params: Params, x: Any, state: Any, *,
     only_pending = plan.steps == 1 and all(
         0 < k and not r[0] and cap == 0
         for k, r, cap in zip(st.count, plan.resets, plan.capture, strict=True))
-    if only_pending:
+    if plan.steps == 0:  # no row has a token or an unfinished chunk
+        reads = xp.zeros((batch, 0, config.memory_channels), dtype=x.dtype, device=device)
+        h, c = st.h, st.c
+    elif only_pending:
         reads = st.read[:, None, :]
         h, c = st.h, st.c
     else:
         chunks = xp.reshape(take(flat, plan.gather), (batch, plan.steps, length, d))
         reads, h, c = _segmented_scan(layer, xp, params, chunks, st, plan, scan)
-    out_rows = xp.stack([layer.read_out(xp, params, reads[:, t, ...])
-                         for t in range(plan.steps)], axis=1)           # (B, T, d)
-    out = xp.reshape(take(xp.reshape(out_rows, (batch * plan.steps, d)), plan.token_step),
-                     (batch, tokens, d))
+    if plan.steps:
+        out_rows = xp.stack([layer.read_out(xp, params, reads[:, t, ...])
+                             for t in range(plan.steps)], axis=1)       # (B, T, d)
+        out_table = xp.concat([xp.reshape(out_rows, (batch * plan.steps, d)),
+                               xp.zeros_like(out_rows[0, :1, :])], axis=0)
+        out = xp.reshape(take(out_table, plan.token_step), (batch, tokens, d))
+    else:
+        out = xp.zeros_like(x)
     pending = xp.reshape(take(flat, [i for p in plan.pending
                                      for i in p + [-1] * (length - len(p))]),
                          (batch, length, d))
-    channels = reads.shape[-1]
+    channels = config.memory_channels
     read_table = xp.concat([xp.reshape(reads, (batch * plan.steps, channels)),
-                            xp.zeros_like(reads[0, :1, :])], axis=0)
+                            xp.zeros_like(st.read[:1, :])], axis=0)
     read = take(read_table, [b * plan.steps + k if plan.count[b] else -1
                              for b, k in enumerate(plan.capture)])
+    if any(plan.forget):
+        keep_rows = [not f for f in plan.forget]
+        h = _where_rows(xp, keep_rows, h, xp.zeros_like(h))
+        c = _where_rows(xp, keep_rows, c, xp.zeros_like(c))
     return out, StreamState(h, c, pending, plan.count, read)
+
+
+def check_valid(xp: Any, valid: Any, batch: int, tokens: int) -> list[list[bool]]:
+    """``valid``: a bool array ``(B, N)``, False at tokens the stream skips (padding);
+    returned as host lists."""
+    _require_bool_array(xp, valid, "valid", "(B, N)", (batch, tokens))
+    return [[bool(v) for v in row] for row in _host_bools(valid)]
 
 
 def _forget_rows(xp: Any, st: StreamState, row: int) -> StreamState:
