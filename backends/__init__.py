@@ -13,14 +13,18 @@ PyTorch            ``grid_sample`` read and its ``grid_sampler`` backward
                    (n = 1, 2, 3), grouped ``conv3d`` depthwise taps (CUDA);
                    on the CPU fused C kernels for the depthwise passes and
                    the gates (:mod:`tmcore.backends._native`, built on
-                   first use, ``TMCORE_NATIVE=0`` turns them off);
+                   first use; ``tmcore.options(native=False)`` or
+                   ``TMCORE_NATIVE=0`` turns them off); on CUDA the whole
+                   scan as fused Triton kernels (:mod:`tmcore.backends._triton`);
                    float16 / bfloat16 computed in float32
 JAX                on the CPU the fused C kernels as XLA custom calls
                    (``jax.ffi``); off-CPU ``lax.conv_general_dilated``
                    depthwise taps (jit-safe, x64 on or off); float16 /
                    bfloat16 computed in float32
-NumPy              in-place slice arithmetic for the depthwise taps
-CuPy               the generic path on the GPU (no kernel measured to win)
+CuPy               the whole scan through the same Triton kernels (zero-copy
+                   DLPack bridge) when torch and triton are installed;
+                   float16 computed in float32
+NumPy              float16 computed in float32 (no faster kernel measured)
 any other          the generic path
 =================  ==========================================================
 
@@ -36,9 +40,10 @@ Forcing the generic path, for comparison and debugging::
 
 or set the environment variable ``TMCORE_GENERIC=1`` (it sets the option's
 default). :func:`use_generic` is the same switch under its older name. Every
-switch (``native``, ``triton``, ``deterministic``, ...) is an option of
-:func:`tmcore.options`; a backend's ``make_ops(generic, options)`` may read
-them, since tables are cached per namespace and options value.
+switch (``native``, ``triton``, ``deterministic``, ``depthwise``, ...) is an
+option of :func:`tmcore.options`; a backend's ``make_ops(generic, options)`` may
+read them, since tables are cached per namespace and options value (backend
+modules hold no switches of their own).
 Under ``jax.jit`` the choice is made while tracing.
 """
 

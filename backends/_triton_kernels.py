@@ -124,17 +124,6 @@ def _tap_sums(i, t0, t1, t2, S: tl.constexpr):
 
 
 @triton.jit
-def _pick(d: tl.constexpr, t0, t1, t2):
-    if d == 0:
-        v = t0
-    elif d == 1:
-        v = t1
-    else:
-        v = t2
-    return v
-
-
-@triton.jit
 def _x_axis(i, mu, denom, rs, t0, t1, t2, S: tl.constexpr, HAS_RADIUS: tl.constexpr):
     """One axis of the ``x`` half: ``G = sum_k t_k g(i + k - 1)`` over cells inside,
     ``(CB, BP)``, ``g`` the axis's Gaussian profile."""

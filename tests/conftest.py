@@ -44,6 +44,16 @@ def load_namespace(name: str) -> ModuleType:
     return importlib.import_module(name)
 
 
+def pytest_collection_modifyitems(config, items) -> None:
+    """Tests marked ``slow`` are skipped unless ``TMCORE_SLOW_TESTS`` is set (not 0)."""
+    if os.environ.get("TMCORE_SLOW_TESTS", "") not in ("", "0"):
+        return
+    skip = pytest.mark.skip(reason="slow: set TMCORE_SLOW_TESTS=1")
+    for item in items:
+        if item.get_closest_marker("slow") is not None:
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="session", params=NAMESPACES)
 def xp(request) -> ModuleType:
     """The array namespace under test (session-scoped so hypothesis can reuse it)."""

@@ -34,9 +34,6 @@ def _assert_namespace(xp: ModuleType, *arrays: Any) -> None:
         assert isinstance(a, kind), f"expected a {kind.__name__}, got {type(a).__name__}"
 
 
-# ----------------------------------------------------------------------------- dtype
-
-
 # ----------------------------------------------------------------------------- imports
 
 FRAMEWORKS = ("torch", "jax", "jaxlib", "cupy")

@@ -3,8 +3,8 @@ determinism, and fuzzing with valid and invalid arguments.
 
 What is checked always, what only in validate mode and what not at all is
 listed in the README ("Errors and numerics") and in ``tmcore._validate``.
-The long-scan length on NumPy is ``TMCORE_LONG_SCAN_STEPS`` (default 5,000,
-about 15 s on one core; 100,000 takes about 5 minutes); the 100,000-step run
+The long-scan length on NumPy is ``TMCORE_LONG_SCAN_STEPS`` (default 2,000;
+100,000 takes about 5 minutes on one core); the 100,000-step run
 itself is done by JAX's ``lax.scan`` over the same ``tmcore.scan.step_fwd``.
 """
 
@@ -26,9 +26,9 @@ import tmcore
 RNG = np.random.default_rng(20240607)
 
 #: Compiling the JAX scan's VJP in half precision takes ~30 s per dtype on a busy 2-core
-#: machine; run with TMCORE_SLOW_TESTS=1 (the torch half-precision scans always run).
-SLOW = pytest.mark.skipif(os.environ.get("TMCORE_SLOW_TESTS", "") in ("", "0"),
-                          reason="slow: set TMCORE_SLOW_TESTS=1")
+#: machine; ``slow`` tests run with TMCORE_SLOW_TESTS=1 (conftest; the torch half-precision
+#: scans always run).
+SLOW = pytest.mark.slow
 
 
 # --------------------------------------------------------------------------- fixtures

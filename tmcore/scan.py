@@ -377,9 +377,6 @@ def validate_scan_inputs(h0, c0, read_coords, write_coords, write_sigma, write_c
     return xp, params
 
 
-_validate = validate_scan_inputs  # the former private name
-
-
 def memory_scan(
     h0: Any, c0: Any, read_coords: Any, write_coords: Any, write_sigma: Any, write_content: Any,
     params: ConvParams, *, eps: float = DEFAULT_EPS, radius: float | None = None,
