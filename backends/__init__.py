@@ -61,8 +61,8 @@ import array_api_compat
 from tmcore._dispatch import ENV_VAR, Ops, generic_ops, ops_for
 from tmcore._options import Options, get_options, options
 
-__all__ = ["use_generic", "ops_for_namespace", "backend_name", "ops_for", "generic_ops",
-           "Ops", "ENV_VAR"]
+__all__ = ["use_generic", "ops_for_namespace", "backend_name", "native_kernels_active",
+           "ops_for", "generic_ops", "Ops", "ENV_VAR"]
 
 # (predicate on the namespace, framework that must already be imported, backend module)
 _REGISTRY: list[tuple[Callable[[Any], bool], str, str]] = [
@@ -99,6 +99,20 @@ def ops_for_namespace(xp: Any, generic: Ops, options: Options | None = None) -> 
                 return make_ops(generic, options)
             return make_ops(generic)
     return generic
+
+
+def native_kernels_active() -> bool:
+    """Whether the fused C kernels for the CPU run here.
+
+    Returns
+    -------
+    bool
+        True when the ``native`` option is on and the kernels are built (they are
+        compiled on the first call that needs them, which this call may be).
+    """
+    from tmcore.backends import _native
+
+    return bool(_native.enabled() and _native.library() is not None)
 
 
 @contextlib.contextmanager

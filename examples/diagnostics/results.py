@@ -53,9 +53,9 @@ def environment(threads: int) -> dict:
            "numpy": numpy.__version__, "machine": platform.machine(), "threads": threads,
            "cpu": cpu_model(), "native_kernels": None}
     try:
-        from backends import _native
+        from tmcore.backends import native_kernels_active
 
-        env["native_kernels"] = bool(_native.enabled() and _native.library() is not None)
+        env["native_kernels"] = native_kernels_active()
     except Exception:  # no tmcore backends (pure-PyTorch variant): nothing fused ran
         env["native_kernels"] = False
     env["TMCORE_NATIVE"] = os.environ.get("TMCORE_NATIVE")

@@ -40,7 +40,7 @@ from tmcore.testing.reference import (
     ref_trilinear_sample_vjp,
 )
 from tmcore.testing.strategies import (
-    _SCAN_INPUTS,
+    SCAN_INPUTS,
     assert_rel,
     conv_cases,
     fd_step_for_sigma,
@@ -238,7 +238,7 @@ def convlstm_vjp_matches_central_differences(xp: ModuleType, case: dict) -> None
 
 
 def _scan_call(xp, case, checkpoint_every: int | None = None):
-    ins = [_asx(xp, case[k]) for k in _SCAN_INPUTS]
+    ins = [_asx(xp, case[k]) for k in SCAN_INPUTS]
     ce = case["checkpoint_every"] if checkpoint_every is None else checkpoint_every
     return ins, dict(radius=case["radius"], checkpoint_every=ce)
 
@@ -263,12 +263,12 @@ def memory_scan_matches_reference(xp: ModuleType, case: dict) -> None:
     ins, kw = _scan_call(xp, case)
     reads, h_t, c_t = tmcore.memory_scan(*ins, _params_x(xp, case["params"]), **kw)
     _assert_namespace(xp, reads, h_t, c_t)
-    ref = ref_memory_scan(*(case[k] for k in _SCAN_INPUTS), *case["params"],
+    ref = ref_memory_scan(*(case[k] for k in SCAN_INPUTS), *case["params"],
                           radius=case["radius"])
     for name, got, want in zip(("reads", "h_T", "c_T"), (reads, h_t, c_t), ref, strict=True):
         assert_rel(got, want, FWD_TOL, name)
     grads = _scan_vjp(xp, case)
-    ref_grads = ref_memory_scan_vjp(*(case[k] for k in _SCAN_INPUTS), *case["params"],
+    ref_grads = ref_memory_scan_vjp(*(case[k] for k in SCAN_INPUTS), *case["params"],
                                     case["g_reads"], case["g_h"], case["g_c"],
                                     radius=case["radius"])
     for name, got, want in zip(_SCAN_GRAD_LABELS, grads, ref_grads, strict=True):
@@ -292,8 +292,8 @@ def memory_scan_independent_of_checkpoint_every(xp: ModuleType, case: dict) -> N
 
 @_property(8, scan_cases(smooth=True, max_cells=6, max_steps=3, max_channels=2))
 def memory_scan_vjp_matches_central_differences(xp: ModuleType, case: dict) -> None:
-    n_in = len(_SCAN_INPUTS)
-    args = [*(case[k] for k in _SCAN_INPUTS), *case["params"]]
+    n_in = len(SCAN_INPUTS)
+    args = [*(case[k] for k in SCAN_INPUTS), *case["params"]]
 
     def f(*a):
         return tmcore.memory_scan(*a[:n_in], tmcore.ConvParams(*a[n_in:]),

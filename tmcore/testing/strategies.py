@@ -21,12 +21,12 @@ from tmcore.testing.finite_diff import relative_error
 from tmcore.testing.reference import cell_centers
 
 __all__ = [
+    "SCAN_INPUTS",
     "conv_cases",
     "lstm_cases",
     "sample_cases",
     "scan_cases",
     "splat_cases",
-    "splat_margin_ok",
     "assert_rel",
     "coords_array",
     "fd_step_for_sigma",
@@ -327,4 +327,5 @@ def scan_cases(draw, smooth: bool = False, max_cells: int = 16, max_steps: int =
     )
 
 
-_SCAN_INPUTS = ("h0", "c0", "read_coords", "write_coords", "write_sigma", "write_content")
+#: The array keys of a :func:`scan_cases` case, in ``memory_scan``'s argument order.
+SCAN_INPUTS = ("h0", "c0", "read_coords", "write_coords", "write_sigma", "write_content")
