@@ -13,14 +13,25 @@ Fields (environment variable, default: meaning):
 - ``deterministic`` (``TMCORE_DETERMINISTIC``, True): no kernel whose result
   depends on thread timing (atomic adds on CUDA); False allows them where they
   are faster.
-- ``validate`` (``TMCORE_VALIDATE``, False): validate mode; public functions
-  also check that arrays are finite and sigma > 0 (reads values back to the
-  host).
+- ``validate`` (``TMCORE_VALIDATE``, False): validate mode. Its scope is the
+  INPUTS of tmcore's public functions: every array argument they receive must
+  be finite and every ``sigma`` > 0 (reads values back to the host). For the
+  layers that means the tokens, the state and the cell weights handed to the
+  scan, and the heads' outputs (coordinates, sigma, content) computed from the
+  linear weights; it does not inspect the layer's linear weights themselves
+  (a NaN there is reported as the head output it poisons, or, for
+  ``out_proj``, not at all), nor any output.
 - ``depthwise`` (``TMCORE_DEPTHWISE``, ``"auto"``): the depthwise-tap kernel of
   the torch and JAX backends; ``"auto"`` lets the backend choose (fused C
   kernels on the CPU, a grouped conv on accelerators), ``"grouped"`` forces the
   grouped conv (torch ``conv3d``, ``lax.conv_general_dilated``), ``"shifts"``
   the shifted-slice products; both forced kernels skip the fused C conv.
+
+Values are exactly ``True``, ``False`` or ``None`` (``triton`` also the string
+``"auto"``; ``depthwise`` one of its strings or ``None``); anything else (``1``,
+``"yes"``, a NumPy ``bool_`` or array) is a ``TypeError`` naming the field
+(``ValueError`` for an unknown ``depthwise`` string), raised before anything
+changes.
 
 Three layers, innermost first:
 
@@ -51,7 +62,7 @@ import contextvars
 import dataclasses
 import os
 import warnings
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 __all__ = ["Options", "options", "get_options", "ENV_VARS"]
 
@@ -79,17 +90,42 @@ ENV_VARS: dict[str, str] = {name: f"TMCORE_{name.upper()}" for name in _FIELDS}
 
 _FALSE = ("0", "false", "no", "off")
 
-# Context-local overrides: a tuple of (field, value) pairs, or () for none.
-_LOCAL: contextvars.ContextVar[tuple[tuple[str, Any], ...]] = contextvars.ContextVar(
-    "tmcore_options", default=()
-)
+Changes = tuple[tuple[str, Any], ...]
+
+
+class _Local(NamedTuple):
+    """What :func:`options` set in this context: ``entries`` in the order they were
+    made, each ``(block, changes)`` -- ``block`` the open ``with`` block that made it
+    (a :class:`_Block`), or ``None`` for a plain setter call -- and ``overrides``,
+    the entries folded into one sorted ``(field, value)`` tuple (the cache key)."""
+
+    entries: tuple[tuple[Any, Changes], ...]
+    overrides: Changes
+
+
+def _local(entries: tuple[tuple[Any, Changes], ...]) -> _Local:
+    folded: dict[str, Any] = {}
+    for _, changes in entries:
+        for name, value in changes:
+            if value is None:
+                folded.pop(name, None)
+            else:
+                folded[name] = value
+    return _Local(entries, tuple(sorted(folded.items())))
+
+
+_EMPTY = _Local((), ())
+
+# Context-local overrides (a _Local).
+_LOCAL: contextvars.ContextVar[_Local] = contextvars.ContextVar("tmcore_options",
+                                                                default=_EMPTY)
 # Process-wide overrides (set_validation): field -> value, and the same as a cache key.
 _PROCESS: dict[str, Any] = {}
 _PROCESS_KEY: list[tuple] = [()]
 # (environment values, process overrides, local overrides) -> Options
 _CACHE: dict[tuple, Options] = {}
 _WARNED: set[tuple[str, str]] = set()
-# (environment values, process key, local overrides, Options) of the last answer
+# (environment values, process key, local state, Options) of the last answer
 _LAST: list[tuple] = [(None, None, None, None)]
 
 
@@ -105,26 +141,38 @@ def _parse_env(name: str, raw: str | None) -> Any:
     return text not in _FALSE
 
 
-def _check(name: str, value: Any) -> Any:
+def _check(name: Any, value: Any) -> Any:
+    """``value`` if it is a valid setting of field ``name`` (exactly True, False, None, or
+    for ``triton`` the str ``"auto"``); else ``TypeError`` naming the field. Exact types:
+    a NumPy ``bool_`` or 0-d array is refused (an array ``== "auto"`` is truthy and
+    unhashable, and would break every later call in the thread)."""
     if name not in _FIELDS:
         raise TypeError(f"options: unknown option {name!r}; expected one of {', '.join(_FIELDS)}")
-    if name == "depthwise" and value is not None and value not in _DEPTHWISE:
-        raise ValueError(f"depthwise: expected 'auto', 'grouped', 'shifts' or None, got {value!r}")
-    if name == "depthwise":
+    if name == "depthwise" and value is not None:
+        if type(value) is not str:
+            raise TypeError(f"depthwise: expected 'auto', 'grouped', 'shifts' or None, got "
+                            f"{value!r} (of type {type(value).__module__}."
+                            f"{type(value).__qualname__})")
+        if value not in _DEPTHWISE:
+            raise ValueError(f"depthwise: expected 'auto', 'grouped', 'shifts' or None, "
+                             f"got {value!r}")
         return value
-    if value is None or isinstance(value, bool) or (name == "triton" and value == "auto"):
+    if value is None or type(value) is bool or (
+            name == "triton" and type(value) is str and value == "auto"):
         return value
     expected = "True, False, 'auto' or None" if name == "triton" else "True, False or None"
-    raise TypeError(f"{name}: expected {expected}, got {value!r}")
+    raise TypeError(f"{name}: expected {expected}, got {value!r} "
+                    f"(of type {type(value).__module__}.{type(value).__qualname__})")
 
 
 # The raw values are read from os.environ's own dict (CPython's ``os._Environ._data``,
 # what ``os.environ[...] = ...`` and ``putenv`` through it update): one dict lookup per
-# variable instead of ``os.environ.get``'s encode-and-decode, since every dispatch asks
-# for the options. Elsewhere (no ``_data``) the public mapping is used.
+# variable. The public ``os.environ.get`` costs about 2 us per UNSET variable (it raises
+# and catches a KeyError inside), 25x this whole function, which every dispatch calls.
+# Where ``_data`` is absent or not a dict (another Python), the public mapping is used.
 _ENV_DATA = getattr(os.environ, "_data", None)
 _ENCODE = getattr(os.environ, "encodekey", None)
-if _ENV_DATA is not None and _ENCODE is not None:
+if isinstance(_ENV_DATA, dict) and _ENCODE is not None:
     _K0, _K1, _K2, _K3, _K4, _K5 = (_ENCODE(ENV_VARS[name]) for name in _FIELDS)
 
     def _env_key(get: Any = _ENV_DATA.get) -> tuple:
@@ -148,24 +196,31 @@ def get_options() -> Options:
     last = _LAST[0]  # the previous answer: most calls ask again under the same settings
     if last[0] == env and last[1] is _PROCESS_KEY[0] and last[2] is local:
         return last[3]
-    key = (env, _PROCESS_KEY[0], local)
+    key = (env, _PROCESS_KEY[0], local.overrides)
     found = _CACHE.get(key)
-    if found is not None:
-        _LAST[0] = (*key, found)
-        return found
-    values: dict[str, Any] = {}
-    for name, raw in zip(_FIELDS, key[0], strict=True):
-        parsed = _parse_env(name, _decode(raw))
-        if parsed is not None:
-            values[name] = parsed
-    values.update(_PROCESS)
-    values.update(local)
-    found = Options(**values)
-    if len(_CACHE) > 256:  # keys are few in practice; never let the cache grow unbounded
-        _CACHE.clear()
-    _CACHE[key] = found
-    _LAST[0] = (*key, found)
+    if found is None:
+        values: dict[str, Any] = {}
+        for name, raw in zip(_FIELDS, env, strict=True):
+            parsed = _parse_env(name, _decode(raw))
+            if parsed is not None:
+                values[name] = parsed
+        values.update(_PROCESS)
+        values.update(local.overrides)
+        found = Options(**values)
+        if len(_CACHE) > 256:  # keys are few in practice; never let the cache grow unbounded
+            _CACHE.clear()
+        _CACHE[key] = found
+    _LAST[0] = (env, _PROCESS_KEY[0], local, found)
     return found
+
+
+class _Block:
+    """One open ``with`` block of an :class:`options` object (its entry's owner)."""
+
+    __slots__ = ("owner",)
+
+    def __init__(self, owner: options) -> None:
+        self.owner = owner
 
 
 class options:  # noqa: N801  (a function-like name: it is called, rarely instantiated)
@@ -177,23 +232,75 @@ class options:  # noqa: N801  (a function-like name: it is called, rarely instan
     returns that option to its default (environment variable, else built-in).
     See the module docstring for the fields. ``with tmcore.options() as opts``
     binds the effective :class:`Options`.
+
+    Every value is checked first (exactly ``True``, ``False``, ``None``, or for
+    ``triton`` the string ``"auto"``; anything else is a ``TypeError`` naming the
+    field), so a refused call changes nothing.
+
+    As a context manager the block's setting is applied by ``__enter__`` (it
+    replaces the immediate application of the call, so a ``with`` leaves nothing
+    behind) and undone if entering fails; ``__exit__`` removes exactly this
+    block's setting and any setter calls made inside it. Blocks may be exited in
+    any order (e.g. ``ExitStack`` or hand-written ``__enter__`` / ``__exit__``):
+    exiting an outer block before an inner one drops the outer block's setting and
+    keeps the inner one's until it exits, so nothing leaks. Exiting a block that is
+    not open in this thread / task (exited twice, or entered in another thread) is
+    a ``RuntimeError``.
+
+    Reusing one object: creating it applies its changes at once (the setter
+    form); a ``with`` entered right after creating it (nothing changed in
+    between) takes that application over, which is why ``with
+    tmcore.options(...):`` leaves nothing behind. Any later ``with obj:`` --
+    nested, repeated or in another thread -- applies the same changes on top of
+    what is in effect when it is entered, and its exit removes exactly that entry
+    (a nested reuse exits innermost first). To keep a setting for later without
+    applying it now, keep the keywords instead:
+    ``quiet = functools.partial(tmcore.options, validate=False)``, then
+    ``with quiet(): ...``.
     """
 
     def __init__(self, **changes: Any) -> None:
-        checked = {name: _check(name, value) for name, value in changes.items()}
-        current = dict(_LOCAL.get())
-        for name, value in checked.items():
-            if value is None:
-                current.pop(name, None)
-            else:
-                current[name] = value
-        self._token = _LOCAL.set(tuple(sorted(current.items())))
+        self._changes: Changes = tuple((name, _check(name, value))
+                                       for name, value in changes.items())
+        before = _LOCAL.get()
+        entries = before.entries
+        if entries and entries[-1][0] is None:  # merge consecutive setter calls
+            merged = dict(entries[-1][1])
+            merged.update(self._changes)
+            entries = (*entries[:-1], (None, tuple(merged.items())))
+        else:
+            entries = (*entries, (None, self._changes))
+        after = _local(entries)
+        _LOCAL.set(after)
+        self._applied: tuple[_Local, _Local] | None = (before, after)
 
     def __enter__(self) -> Options:
-        return get_options()
+        state = _LOCAL.get()
+        applied, self._applied = self._applied, None
+        if applied is not None and state is applied[1]:
+            state = applied[0]  # the block applies the call's changes instead
+        _LOCAL.set(_local((*state.entries, (_Block(self), self._changes))))
+        try:
+            return get_options()
+        except BaseException:
+            _LOCAL.set(state)
+            raise
 
-    def __exit__(self, *exc: object) -> None:
-        _LOCAL.reset(self._token)
+    def __exit__(self, exc_type: Any, *exc: object) -> None:
+        entries = _LOCAL.get().entries
+        index = next((i for i in reversed(range(len(entries)))
+                      if isinstance(entries[i][0], _Block) and entries[i][0].owner is self),
+                     None)
+        if index is None:
+            if exc_type is None:
+                raise RuntimeError(
+                    "tmcore.options: exiting a block that is not open in this thread / task "
+                    "(exited twice, or entered in another thread)")
+            return  # do not hide the exception in flight
+        stop = index + 1
+        while stop < len(entries) and entries[stop][0] is None:  # setters made inside it
+            stop += 1
+        _LOCAL.set(_local((*entries[:index], *entries[stop:])))
 
     def __repr__(self) -> str:
         return f"tmcore.options -> {get_options()!r}"
