@@ -1,0 +1,641 @@
+"""Local updates: the write and the ConvLSTM update touch only a window around the write.
+
+Per step, the window is ``w`` cells per spatial axis around the write centre:
+``start_a = clamp(round(u_a) - w // 2, 0, S_a - w)``, ``u_a`` the voxel position of
+the write coordinate (clamped to the grid; a NaN coordinate puts the window at 0) and
+``w`` replaced by ``S_a`` on an axis shorter than it. Then
+
+- the written volume is the Gaussian splat restricted to the window (zero outside);
+- the gates are the ConvLSTM's, ``z = conv([x, h])`` over the whole grid (so a window
+  cell reads a 1-cell halo of ``h`` around the window, and the grid's zero padding at
+  the real borders);
+- ``h', c'`` take the ConvLSTM's new values inside the window and keep ``h, c``
+  exactly (bit for bit) everywhere else.
+
+The window position is piecewise constant in the write coordinate and is treated as a
+constant in the gradient (like the splat's truncation ``radius``).
+
+Two paths, equal to within rounding (``method=``):
+
+- ``"masked"``: the definition, computed densely with a window mask and
+  ``where(mask, new, old)``; every array-API namespace; cost of the dense step.
+- ``"fast"`` (default): gathers the window plus its halo (a box of ``min(w + 2, S_a)``
+  cells per axis, moved inside the grid at the borders, so the box's own zero padding
+  is the grid's) with ``take``, splats and updates that box only, and writes the box
+  back (:mod:`tmcore._gather`). Its arithmetic does not depend on the grid size.
+
+:func:`local_update` is one step (functional: it copies the state once, a memory copy
+with no arithmetic). :func:`local_memory_scan` is the chunk recurrence of
+:func:`tmcore.memory_scan` (read before the write, then the local update), whose fast
+path updates its own copy of the state in place, so each step costs the window's work.
+Its backward keeps, per step, the overwritten boxes of ``h, c`` and the ``2^n`` cells of
+the read (the *undo log*, ``O(T B C (w + 2)^n)`` numbers, no dense state per step) and
+replays no step: the gates are recomputed from the stored boxes. The masked scan keeps
+every step's dense input state instead.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import array_api_compat
+
+from tmcore._dispatch import ops_for
+from tmcore._gather import box_index, gather_box, index_dtype, set_box, to_index
+from tmcore._separable import outer_product
+from tmcore._validate import (
+    check_dim,
+    check_eps,
+    check_int,
+    check_positive,
+    check_radius,
+    check_rank,
+    namespace_of,
+    require_array,
+)
+from tmcore.addressing import axis_of_component
+from tmcore.cell import cell_bwd, cell_cache, cell_fwd, validate_state
+from tmcore.conv import ConvParams, as_conv_params, validate_conv_params
+from tmcore.scan import ScanGrads, StepInputs, add_params, validate_scan_inputs
+from tmcore.splat import DEFAULT_EPS, gaussian_profiles
+
+__all__ = [
+    "METHODS",
+    "LocalScanResiduals",
+    "Window",
+    "local_update",
+    "local_update_vjp",
+    "local_memory_scan",
+    "local_memory_scan_vjp",
+    "local_scan_fwd",
+    "local_scan_bwd",
+    "window_geometry",
+    "window_mask",
+]
+
+#: The two paths of every local function (see the module docstring).
+METHODS = ("fast", "masked")
+
+
+class Window(NamedTuple):
+    """Where a step's window and its box lie, per batch element.
+
+    start : ``(B, n)`` integer window start per spatial axis.
+    size : window size per axis, ``min(w, S_a)``.
+    box_start : ``(B, n)`` integer start of the box (window plus halo, inside the grid).
+    box : box size per axis, ``min(w + 2, S_a)``.
+    """
+
+    start: Any
+    size: tuple[int, ...]
+    box_start: Any
+    box: tuple[int, ...]
+
+
+def window_geometry(xp: Any, coords: Any, shape: tuple[int, ...], window: int) -> Window:
+    """The :class:`Window` of writes at ``coords (B, n)`` (normalized, coordinate order)."""
+    n = len(shape)
+    dtype = index_dtype(xp, array_api_compat.device(coords))
+    starts, box_starts, sizes, boxes = [], [], [], []
+    for axis in range(n):
+        s = shape[axis]
+        size, box = min(window, s), min(window + 2, s)
+        u = (coords[:, axis_of_component(axis, n)] + 1.0) * ((s - 1) / 2.0)
+        u = xp.clip(u, 0.0, float(s - 1))
+        start = xp.clip(xp.round(u) - float(size // 2), 0.0, float(s - size))
+        starts.append(start)
+        box_starts.append(xp.clip(start - 1.0, 0.0, float(s - box)))
+        sizes.append(size)
+        boxes.append(box)
+    return Window(to_index(xp, xp.stack(starts, axis=1), dtype), tuple(sizes),
+                  to_index(xp, xp.stack(box_starts, axis=1), dtype), tuple(boxes))
+
+
+def _axis_masks(xp: Any, first: Any, size: tuple[int, ...], extent: tuple[int, ...]) -> list[Any]:
+    """Per axis ``(B, extent_a)`` bool: ``first[:, a] <= j < first[:, a] + size_a``."""
+    device = array_api_compat.device(first)
+    masks = []
+    for axis, length in enumerate(extent):
+        j = xp.arange(length, dtype=first.dtype, device=device)[None, :]
+        lo = first[:, axis : axis + 1]
+        masks.append((j >= lo) & (j < lo + size[axis]))
+    return masks
+
+
+def _combine(xp: Any, masks: list[Any]) -> Any:
+    """Per-axis masks ``(B, L_a)`` -> their box ``(B, 1, *L)``."""
+    n = len(masks)
+    out = None
+    for axis, m in enumerate(masks):
+        view = [1] * n
+        view[axis] = m.shape[1]
+        m = xp.reshape(m, (m.shape[0], 1, *view))
+        out = m if out is None else out & m
+    return out
+
+
+def window_mask(xp: Any, geometry: Window, shape: tuple[int, ...]) -> Any:
+    """The window as a ``(B, 1, *S)`` bool mask of the grid."""
+    return _combine(xp, _axis_masks(xp, geometry.start, geometry.size, shape))
+
+
+def _box_window_masks(xp: Any, geometry: Window) -> list[Any]:
+    """Per axis ``(B, box_a)``: which box cells are in the window."""
+    return _axis_masks(xp, geometry.start - geometry.box_start, geometry.size, geometry.box)
+
+
+def _take_rows(xp: Any, rows: Any, first: Any, length: int) -> Any:
+    """``rows (B, L)`` -> ``(B, length)``: ``rows[b, first[b] + j]``."""
+    batch, extent = rows.shape
+    device = array_api_compat.device(first)
+    base = xp.arange(batch, dtype=first.dtype, device=device)[:, None] * extent
+    index = base + first[:, None] + xp.arange(length, dtype=first.dtype, device=device)[None, :]
+    return xp.reshape(xp.take(xp.reshape(rows, (-1,)), xp.reshape(index, (-1,))),
+                      (batch, length))
+
+
+def _zero(xp: Any, x: Any) -> Any:
+    return xp.zeros_like(x)
+
+
+# ----------------------------------------------------------------------------- the box write
+
+
+class _BoxWrite(NamedTuple):
+    """The splat restricted to the window, on the box: what its VJP needs too."""
+
+    dense: Any  # (B, 1, prod(box)) window-masked outer product of the profiles
+    profiles: list[Any]  # per axis (B, 1, box_a), window-masked
+    offsets: list[Any]  # per axis (B, 1, box_a): p_a - mu_a
+    denom: Any  # (B, 1, 1)
+
+
+def _box_write(xp: Any, write: StepInputs, geometry: Window, shape: tuple[int, ...],
+               eps: float, radius: float | None) -> tuple[Any, _BoxWrite]:
+    """The written box ``(B, C, *box)``: the splat's own 1-D profiles (one per axis,
+    ``O(S_a)`` each) cut to the box and masked to the window."""
+    batch = write.write_content.shape[0]
+    mu = write.write_coords[:, None, :]
+    profiles, offsets, denom = gaussian_profiles(xp, mu, write.write_sigma[:, None], shape,
+                                                 eps, radius)
+    masks = _box_window_masks(xp, geometry)
+    box_profiles, box_offsets = [], []
+    for axis, length in enumerate(geometry.box):
+        first = geometry.box_start[:, axis]
+        profile = _take_rows(xp, profiles[axis][:, 0, :], first, length)
+        profile = xp.where(masks[axis], profile, _zero(xp, profile))
+        box_profiles.append(profile[:, None, :])
+        box_offsets.append(_take_rows(xp, offsets[axis][:, 0, :], first, length)[:, None, :])
+    dense = outer_product(xp, box_profiles)  # (B, 1, prod(box))
+    volume = write.write_content[:, :, None] * dense
+    box = xp.reshape(volume, (batch, volume.shape[1], *geometry.box))
+    return box, _BoxWrite(dense, box_profiles, box_offsets, denom)
+
+
+def _box_write_bwd(xp: Any, write: StepInputs, parts: _BoxWrite, g: Any,
+                   sigma: Any) -> tuple[Any, Any, Any]:
+    """VJP of :func:`_box_write` for ``g (B, C, *box)``: ``(d_content (B, C), d_mu (B, n),
+    d_sigma (B,))`` (the rules of the splat's VJP for one write, on the box)."""
+    dense, profiles, offsets, denom = parts
+    batch, channels = g.shape[:2]
+    box = tuple(g.shape[2:])
+    n = len(box)
+    g_flat = xp.reshape(g, (batch, channels, dense.shape[2]))
+    d_content = xp.matmul(dense, xp.matrix_transpose(g_flat))[:, 0, :]
+    weighted = xp.reshape(xp.matmul(write.write_content[:, None, :], g_flat) * dense,
+                          (batch, 1, *box))
+    spatial = tuple(range(2, 2 + n))
+    parts_mu: list[Any] = [None] * n
+    moment2 = None
+    for axis in range(n):
+        view = [1] * n
+        view[axis] = box[axis]
+        offset = xp.reshape(offsets[axis], (batch, 1, *view))
+        parts_mu[axis_of_component(axis, n)] = xp.sum(weighted * offset, axis=spatial)
+        square = offsets[axis] * offsets[axis]
+        square = xp.where(profiles[axis] == 0.0, _zero(xp, square), square)
+        term = xp.sum(weighted * xp.reshape(square, offset.shape), axis=spatial)
+        moment2 = term if moment2 is None else moment2 + term
+    d_mu = xp.stack(parts_mu, axis=-1)  # (B, 1, n)
+    denom2 = denom[..., 0]  # (B, 1)
+    degenerate = denom == 0.0
+    safe = xp.where(degenerate, xp.ones_like(denom), denom)
+    d_mu = d_mu * xp.where(degenerate, _zero(xp, denom), 2.0 / safe)
+    safe2 = safe[..., 0]
+    scale = xp.where(denom2 == 0.0, _zero(xp, denom2), 4.0 * sigma[:, None] / (safe2 * safe2))
+    return d_content, d_mu[:, 0, :], (moment2 * scale)[:, 0]
+
+
+# ----------------------------------------------------------------------------- one step
+
+
+def _owned(xp: Any, x: Any) -> Any:
+    """A copy the caller may update in place (JAX updates are functional: no copy)."""
+    if array_api_compat.is_jax_namespace(xp):
+        return x
+    return xp.asarray(x, copy=True)
+
+
+def _fast_box(xp: Any, h: Any, c: Any, write: StepInputs, params: ConvParams, window: int,
+              eps: float, radius: float | None):
+    """Gather and update the box: ``(geometry, index, h box, c box, new h box, new c box)``."""
+    shape = tuple(h.shape[2:])
+    geometry = window_geometry(xp, write.write_coords, shape, window)
+    index = box_index(xp, geometry.box_start, geometry.box, h.shape[0], h.shape[1], shape)
+    h_box = gather_box(xp, h, geometry.box_start, geometry.box, index)
+    c_box = gather_box(xp, c, geometry.box_start, geometry.box, index)
+    x_box, _ = _box_write(xp, write, geometry, shape, eps, radius)
+    h_new, c_new, _ = cell_fwd(xp, x_box, h_box, c_box, params)
+    inside = _combine(xp, _box_window_masks(xp, geometry))
+    return (geometry, index, h_box, c_box, xp.where(inside, h_new, h_box),
+            xp.where(inside, c_new, c_box))
+
+
+def _fast_step_bwd(xp: Any, h_box: Any, c_box: Any, write: StepInputs, geometry: Window,
+                   shape: tuple[int, ...], params: ConvParams, g_h_box: Any, g_c_box: Any,
+                   eps: float, radius: float | None):
+    """VJP of one fast step on its box: ``(d_h box, d_c box, d_inputs, d_params)`` where the
+    box cotangents already include the pass-through outside the window."""
+    x_box, parts = _box_write(xp, write, geometry, shape, eps, radius)
+    inside = _combine(xp, _box_window_masks(xp, geometry))
+    zero = _zero(xp, g_h_box)
+    cache = cell_cache(xp, x_box, h_box, c_box, params)
+    d_x, d_h, d_c, d_params = cell_bwd(xp, cache, params, xp.where(inside, g_h_box, zero),
+                                       xp.where(inside, g_c_box, zero))
+    d_h = xp.where(inside, zero, g_h_box) + d_h
+    d_c = xp.where(inside, zero, g_c_box) + d_c
+    d_content, d_mu, d_sigma = _box_write_bwd(xp, write, parts, d_x, write.write_sigma)
+    return d_h, d_c, (d_mu, d_sigma, d_content), d_params
+
+
+def _masked_step(xp: Any, h: Any, c: Any, write: StepInputs, params: ConvParams, window: int,
+                 eps: float, radius: float | None):
+    """The definition, densely: ``(h', c', mask (B, 1, *S), written (B, C, *S))``."""
+    shape = tuple(h.shape[2:])
+    mask = window_mask(xp, window_geometry(xp, write.write_coords, shape, window), shape)
+    splat = ops_for(xp).splat_fwd(xp, write.write_content[:, None, :],
+                                  write.write_coords[:, None, :], write.write_sigma[:, None],
+                                  shape, eps, radius)
+    written = xp.where(mask, splat, _zero(xp, splat))
+    h_new, c_new, _ = cell_fwd(xp, written, h, c, params)
+    return xp.where(mask, h_new, h), xp.where(mask, c_new, c), mask, written
+
+
+def _masked_step_bwd(xp: Any, h: Any, c: Any, write: StepInputs, params: ConvParams,
+                     window: int, g_h: Any, g_c: Any, eps: float, radius: float | None):
+    """VJP of :func:`_masked_step`: ``(d_h, d_c, (d_mu, d_sigma, d_content), d_params)``."""
+    shape = tuple(h.shape[2:])
+    _, _, mask, written = _masked_step(xp, h, c, write, params, window, eps, radius)
+    zero = _zero(xp, g_h)
+    cache = cell_cache(xp, written, h, c, params)
+    d_x, d_h, d_c, d_params = cell_bwd(xp, cache, params, xp.where(mask, g_h, zero),
+                                       xp.where(mask, g_c, zero))
+    d_h = xp.where(mask, zero, g_h) + d_h
+    d_c = xp.where(mask, zero, g_c) + d_c
+    d_content, d_mu, d_sigma = ops_for(xp).splat_bwd(
+        xp, write.write_content[:, None, :], write.write_coords[:, None, :],
+        write.write_sigma[:, None], shape, xp.where(mask, d_x, _zero(xp, d_x)), eps, radius)
+    return d_h, d_c, (d_mu[:, 0, :], d_sigma[:, 0], d_content[:, 0, :]), d_params
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def _check_method(method: Any) -> str:
+    if method not in METHODS:
+        raise ValueError(f"method: expected one of {METHODS}, got {method!r}")
+    return method
+
+
+def _validate_step(h, c, write_coords, write_sigma, write_content, params, window, eps, radius,
+                   method, g_h=None, g_c=None):
+    params = as_conv_params(params)
+    xp = namespace_of(h=h, c=c, write_coords=write_coords, write_sigma=write_sigma,
+                      write_content=write_content, g_h=g_h, g_c=g_c,
+                      **{f"params.{k}": v for k, v in params._asdict().items()})
+    validate_state(h, c)
+    batch, channels = h.shape[:2]
+    n = h.ndim - 2
+    check_rank("write_coords", write_coords, 2, "(B, n)")
+    check_dim("write_coords", write_coords, 0, batch, "(B, n)", "B = h.shape[0]")
+    check_dim("write_coords", write_coords, 1, n, "(B, n)", "n = number of spatial axes of h")
+    check_rank("write_sigma", write_sigma, 1, "(B,)")
+    check_dim("write_sigma", write_sigma, 0, batch, "(B,)", "B = h.shape[0]")
+    check_rank("write_content", write_content, 2, "(B, C)")
+    check_dim("write_content", write_content, 0, batch, "(B, C)", "B = h.shape[0]")
+    check_dim("write_content", write_content, 1, channels, "(B, C)", "C = h.shape[1]")
+    for name, value in (("g_h", g_h), ("g_c", g_c)):
+        if value is not None and tuple(value.shape) != tuple(h.shape):
+            raise ValueError(f"{name}: expected the shape of h (B, C, *S) = {tuple(h.shape)}, "
+                             f"got {tuple(value.shape)}")
+    validate_conv_params(params, n, 2 * channels)
+    if params.pointwise_weight.shape[0] != 4 * channels:
+        raise ValueError(f"params.pointwise_weight: expected shape (4C, 2C) = "
+                         f"{(4 * channels, 2 * channels)}, got "
+                         f"{tuple(params.pointwise_weight.shape)}")
+    check_int("window", window, 1)
+    check_radius(radius)
+    check_eps(eps)
+    _check_method(method)
+    check_positive(xp, "write_sigma", write_sigma)
+    return xp, params
+
+
+# ----------------------------------------------------------------------------- public step
+
+
+def local_update(h: Any, c: Any, write_coords: Any, write_sigma: Any, write_content: Any,
+                 params: ConvParams, *, window: int, eps: float = DEFAULT_EPS,
+                 radius: float | None = None, method: str = "fast") -> tuple[Any, Any]:
+    """One write and ConvLSTM update confined to a window around the write.
+
+    Parameters
+    ----------
+    h, c : ``(B, C, *S)`` state.
+    write_coords : ``(B, n)`` normalized write centre (coordinate order).
+    write_sigma : ``(B,)`` write spread (> 0).
+    write_content : ``(B, C)`` content vector.
+    params : :class:`ConvParams` of the gates (``C_in = 2C, C_out = 4C``).
+    window : cells per axis, ``w >= 1`` (``min(w, S_a)`` on each axis).
+    eps, radius : as in :func:`tmcore.gaussian_splat`.
+    method : ``"fast"`` (box gather / write-back) or ``"masked"`` (dense definition).
+
+    Returns
+    -------
+    ``(h', c')``, each ``(B, C, *S)``: equal to ``h, c`` bit for bit outside the window.
+    """
+    xp, params = _validate_step(h, c, write_coords, write_sigma, write_content, params,
+                                window, eps, radius, method)
+    write = StepInputs(None, write_coords, write_sigma, write_content)
+    if method == "masked":
+        h_new, c_new, _, _ = _masked_step(xp, h, c, write, params, window, eps, radius)
+        return h_new, c_new
+    geometry, index, _, _, h_box, c_box = _fast_box(xp, h, c, write, params, window, eps, radius)
+    return (set_box(xp, _owned(xp, h), geometry.box_start, h_box, index),
+            set_box(xp, _owned(xp, c), geometry.box_start, c_box, index))
+
+
+def local_update_vjp(h: Any, c: Any, write_coords: Any, write_sigma: Any, write_content: Any,
+                     params: ConvParams, g_h: Any, g_c: Any, *, window: int,
+                     eps: float = DEFAULT_EPS, radius: float | None = None,
+                     method: str = "fast") -> tuple[Any, Any, Any, Any, Any, ConvParams]:
+    """VJP of :func:`local_update` for ``g_h, g_c (B, C, *S)``.
+
+    Returns ``(d_h, d_c, d_write_coords (B, n), d_write_sigma (B,), d_write_content (B, C),
+    d_params)``; outside the window ``d_h = g_h`` and ``d_c = g_c`` except on the 1-cell
+    halo the gates read.
+    """
+    require_array("g_h", g_h)
+    require_array("g_c", g_c)
+    xp, params = _validate_step(h, c, write_coords, write_sigma, write_content, params,
+                                window, eps, radius, method, g_h, g_c)
+    write = StepInputs(None, write_coords, write_sigma, write_content)
+    if method == "masked":
+        d_h, d_c, (d_mu, d_sigma, d_content), d_params = _masked_step_bwd(
+            xp, h, c, write, params, window, g_h, g_c, eps, radius)
+        return d_h, d_c, d_mu, d_sigma, d_content, d_params
+    shape = tuple(h.shape[2:])
+    geometry = window_geometry(xp, write_coords, shape, window)
+    index = box_index(xp, geometry.box_start, geometry.box, h.shape[0], h.shape[1], shape)
+
+    def box(x):
+        return gather_box(xp, x, geometry.box_start, geometry.box, index)
+
+    d_h_box, d_c_box, (d_mu, d_sigma, d_content), d_params = _fast_step_bwd(
+        xp, box(h), box(c), write, geometry, shape, params, box(g_h), box(g_c), eps, radius)
+    d_h = set_box(xp, _owned(xp, g_h), geometry.box_start, d_h_box, index)
+    d_c = set_box(xp, _owned(xp, g_c), geometry.box_start, d_c_box, index)
+    return d_h, d_c, d_mu, d_sigma, d_content, d_params
+
+
+# ----------------------------------------------------------------------------- local read
+
+
+def _corners(xp: Any, coords: Any, shape: tuple[int, ...]):
+    """The ``2^n`` cells an n-linear read at ``coords (B, n)`` uses, as a box.
+
+    Returns ``(start (B, n), size, weights, slopes)``: per axis ``(B, 1, size_a)``
+    interpolation weights and their derivatives w.r.t. the coordinate component
+    addressing that axis; the conventions of :func:`tmcore.sampling.tent_profiles`
+    (border clamping, right-sided derivative at cell centres, zero at the border).
+    """
+    n = len(shape)
+    dtype = index_dtype(xp, array_api_compat.device(coords))
+    starts, sizes, weights, slopes = [], [], [], []
+    for axis in range(n):
+        s = shape[axis]
+        half = (s - 1) / 2.0
+        u = (xp.clip(coords[:, axis_of_component(axis, n)], -1.0, 1.0) + 1.0) * half
+        clamped = xp.clip(u, 0.0, float(s - 1))
+        inside = xp.astype((u > 0.0) & (u < float(s - 1)), coords.dtype) + u * 0.0
+        if s == 1:
+            starts.append(xp.zeros_like(u))
+            sizes.append(1)
+            weights.append(xp.ones_like(u)[:, None, None] + u[:, None, None] * 0.0)
+            slopes.append(xp.zeros_like(u)[:, None, None] * inside[:, None, None])
+            continue
+        lower = xp.clip(xp.floor(clamped), 0.0, float(s - 2))
+        frac = clamped - lower
+        starts.append(lower)
+        sizes.append(2)
+        weights.append(xp.stack([1.0 - frac, frac], axis=-1)[:, None, :])
+        step = inside * half
+        slopes.append(xp.stack([-step, step], axis=-1)[:, None, :])
+    return to_index(xp, xp.stack(starts, axis=1), dtype), tuple(sizes), weights, slopes
+
+
+def _read_box(xp: Any, h: Any, coords: Any):
+    """``(read (B, C), corner box (B, C, *size), start, size, weights, slopes)``."""
+    start, size, weights, slopes = _corners(xp, coords, tuple(h.shape[2:]))
+    box = gather_box(xp, h, start, size)
+    dense = outer_product(xp, weights)  # (B, 1, 2^n)
+    flat = xp.reshape(box, (box.shape[0], box.shape[1], dense.shape[2]))
+    return xp.matmul(dense, xp.matrix_transpose(flat))[:, 0, :], box, start, size, weights, slopes
+
+
+def _read_box_bwd(xp: Any, box: Any, weights: list[Any], slopes: list[Any],
+                  g: Any) -> tuple[Any, Any]:
+    """VJP of the corner read: ``(d_box (B, C, *size), d_coords (B, n))``."""
+    n = len(weights)
+    batch, channels = box.shape[:2]
+    dense = outer_product(xp, weights)
+    flat = xp.reshape(box, (batch, channels, dense.shape[2]))
+    d_box = xp.reshape(xp.matmul(g[:, :, None], dense), box.shape)
+    g_dot = xp.matmul(g[:, None, :], flat)  # (B, 1, 2^n)
+    parts: list[Any] = [None] * n
+    for axis in range(n):
+        slope = outer_product(xp, weights, replace={axis: slopes[axis]})
+        parts[axis_of_component(axis, n)] = xp.sum(g_dot * slope, axis=-1)[:, 0]
+    return d_box, xp.stack(parts, axis=-1)
+
+
+# ----------------------------------------------------------------------------- scan
+
+
+class LocalScanResiduals(NamedTuple):
+    """What :func:`local_scan_bwd` needs from :func:`local_scan_fwd`.
+
+    Fast path: ``h_boxes, c_boxes (T, B, C, *box)`` (each step's box before its update)
+    and ``read_boxes (T, B, C, *corners)`` (the cells each read used). Masked path: the
+    dense input states ``(T, B, C, *S)`` in ``h_boxes, c_boxes`` and ``read_boxes=None``.
+    """
+
+    h_boxes: Any
+    c_boxes: Any
+    read_boxes: Any
+
+
+def _step_inputs(read_coords, write_coords, write_sigma, write_content, t: int) -> StepInputs:
+    return StepInputs(read_coords[:, t, ...], write_coords[:, t, ...], write_sigma[:, t],
+                      write_content[:, t, ...])
+
+
+def local_scan_fwd(xp: Any, h0: Any, c0: Any, read_coords: Any, write_coords: Any,
+                   write_sigma: Any, write_content: Any, params: ConvParams, *, window: int,
+                   eps: float = DEFAULT_EPS, radius: float | None = None, method: str = "fast",
+                   overwrite_state: bool = False,
+                   ) -> tuple[Any, Any, Any, LocalScanResiduals]:
+    """Forward local scan without validation: ``(reads (B, T, C), h_T, c_T, residuals)``.
+
+    ``overwrite_state=True`` (fast path) lets the scan update ``h0, c0`` themselves in
+    place where the namespace allows it, saving the one copy of the state.
+    """
+    steps = read_coords.shape[1]
+    reads, h_saved, c_saved, read_saved = [], [], [], []
+    if method == "masked":
+        h, c = h0, c0
+        sample = ops_for(xp).sample_fwd
+        for t in range(steps):
+            step = _step_inputs(read_coords, write_coords, write_sigma, write_content, t)
+            h_saved.append(h)
+            c_saved.append(c)
+            reads.append(sample(xp, h, step.read_coords[:, None, :])[:, 0, :])
+            h, c, _, _ = _masked_step(xp, h, c, step, params, window, eps, radius)
+        return (xp.stack(reads, axis=1), h, c,
+                LocalScanResiduals(xp.stack(h_saved), xp.stack(c_saved), None))
+    h = h0 if overwrite_state else _owned(xp, h0)
+    c = c0 if overwrite_state else _owned(xp, c0)
+    with ops_for(xp).workspace(xp):
+        for t in range(steps):
+            step = _step_inputs(read_coords, write_coords, write_sigma, write_content, t)
+            read, read_box, *_ = _read_box(xp, h, step.read_coords)
+            reads.append(read)
+            read_saved.append(read_box)
+            geometry, index, h_box, c_box, h_new, c_new = _fast_box(xp, h, c, step, params,
+                                                                     window, eps, radius)
+            h_saved.append(h_box)
+            c_saved.append(c_box)
+            h = set_box(xp, h, geometry.box_start, h_new, index)
+            c = set_box(xp, c, geometry.box_start, c_new, index)
+    return (xp.stack(reads, axis=1), h, c,
+            LocalScanResiduals(xp.stack(h_saved), xp.stack(c_saved), xp.stack(read_saved)))
+
+
+def local_scan_bwd(xp: Any, residuals: LocalScanResiduals, read_coords: Any, write_coords: Any,
+                   write_sigma: Any, write_content: Any, params: ConvParams, g_reads: Any,
+                   g_h: Any, g_c: Any, *, window: int, eps: float = DEFAULT_EPS,
+                   radius: float | None = None, method: str = "fast") -> ScanGrads:
+    """Backward local scan from :func:`local_scan_fwd`'s residuals. No validation.
+
+    ``g_h, g_c (B, C, *S)`` are copied once (fast path) and updated in place per step.
+    """
+    steps = read_coords.shape[1]
+    shape = tuple(g_h.shape[2:])
+    batch, channels = g_h.shape[:2]
+    d_read, d_mu, d_sigma, d_content = [None] * steps, [None] * steps, [None] * steps, \
+        [None] * steps
+    d_params = None
+    masked = method == "masked"
+    if not masked:
+        g_h, g_c = _owned(xp, g_h), _owned(xp, g_c)
+    with ops_for(xp).workspace(xp):
+        for t in reversed(range(steps)):
+            step = _step_inputs(read_coords, write_coords, write_sigma, write_content, t)
+            h_prev, c_prev = residuals.h_boxes[t, ...], residuals.c_boxes[t, ...]
+            if masked:
+                g_h, g_c, grads, step_params = _masked_step_bwd(
+                    xp, h_prev, c_prev, step, params, window, g_h, g_c, eps, radius)
+                d_volume, d_coords = ops_for(xp).sample_bwd(
+                    xp, h_prev, step.read_coords[:, None, :], g_reads[:, t, None, :])
+                g_h = g_h + d_volume
+                d_read[t] = d_coords[:, 0, :]
+            else:
+                geometry = window_geometry(xp, step.write_coords, shape, window)
+                index = box_index(xp, geometry.box_start, geometry.box, batch, channels, shape)
+                g_h_box = gather_box(xp, g_h, geometry.box_start, geometry.box, index)
+                g_c_box = gather_box(xp, g_c, geometry.box_start, geometry.box, index)
+                d_h_box, d_c_box, grads, step_params = _fast_step_bwd(
+                    xp, h_prev, c_prev, step, geometry, shape, params, g_h_box, g_c_box, eps,
+                    radius)
+                g_h = set_box(xp, g_h, geometry.box_start, d_h_box, index)
+                g_c = set_box(xp, g_c, geometry.box_start, d_c_box, index)
+                start, size, weights, slopes = _corners(xp, step.read_coords, shape)
+                d_box, d_read[t] = _read_box_bwd(xp, residuals.read_boxes[t, ...], weights,
+                                                 slopes, g_reads[:, t, ...])
+                corner = box_index(xp, start, size, batch, channels, shape)
+                g_h = set_box(xp, g_h, start,
+                              gather_box(xp, g_h, start, size, corner) + d_box, corner)
+            d_mu[t], d_sigma[t], d_content[t] = grads
+            d_params = step_params if d_params is None else add_params(d_params, step_params)
+    return ScanGrads(g_h, g_c, xp.stack(d_read, axis=1), xp.stack(d_mu, axis=1),
+                     xp.stack(d_sigma, axis=1), xp.stack(d_content, axis=1), d_params)
+
+
+def _validate_scan(h0, c0, read_coords, write_coords, write_sigma, write_content, params, window,
+                   radius, eps, method, g_reads=None, g_h=None, g_c=None):
+    xp, params = validate_scan_inputs(h0, c0, read_coords, write_coords, write_sigma,
+                                      write_content, params, 1, radius, g_reads, g_h, g_c,
+                                      eps=eps)
+    check_int("window", window, 1)
+    _check_method(method)
+    return xp, params
+
+
+def local_memory_scan(h0: Any, c0: Any, read_coords: Any, write_coords: Any, write_sigma: Any,
+                      write_content: Any, params: ConvParams, *, window: int,
+                      eps: float = DEFAULT_EPS, radius: float | None = None,
+                      method: str = "fast", overwrite_state: bool = False,
+                      ) -> tuple[Any, Any, Any]:
+    """The chunk recurrence of :func:`tmcore.memory_scan` with local updates.
+
+    Per step: read ``h`` at ``read_coords[:, t]`` (n-linear, border), then
+    :func:`local_update` with the step's write. Arguments as in
+    :func:`tmcore.memory_scan`, plus ``window`` and ``method`` as in
+    :func:`local_update`; ``overwrite_state=True`` lets the fast path update ``h0, c0``
+    in place (NumPy, PyTorch, CuPy, ...) instead of copying them once.
+
+    Returns
+    -------
+    ``(reads (B, T, C), h_T, c_T)``.
+    """
+    xp, params = _validate_scan(h0, c0, read_coords, write_coords, write_sigma, write_content,
+                                params, window, radius, eps, method)
+    if not isinstance(overwrite_state, bool):
+        raise TypeError(f"overwrite_state: expected True or False, got {overwrite_state!r}")
+    reads, h, c, _ = local_scan_fwd(xp, h0, c0, read_coords, write_coords, write_sigma,
+                                    write_content, params, window=window, eps=eps,
+                                    radius=radius, method=method,
+                                    overwrite_state=overwrite_state)
+    return reads, h, c
+
+
+def local_memory_scan_vjp(h0: Any, c0: Any, read_coords: Any, write_coords: Any,
+                          write_sigma: Any, write_content: Any, params: ConvParams,
+                          g_reads: Any, g_h: Any = None, g_c: Any = None, *, window: int,
+                          eps: float = DEFAULT_EPS, radius: float | None = None,
+                          method: str = "fast") -> ScanGrads:
+    """VJP of :func:`local_memory_scan` (``g_h, g_c = None`` mean zero).
+
+    Returns :class:`~tmcore.scan.ScanGrads` shaped like the inputs.
+    """
+    require_array("g_reads", g_reads)
+    xp, params = _validate_scan(h0, c0, read_coords, write_coords, write_sigma, write_content,
+                                params, window, radius, eps, method, g_reads, g_h, g_c)
+    _, _, _, residuals = local_scan_fwd(xp, h0, c0, read_coords, write_coords, write_sigma,
+                                        write_content, params, window=window, eps=eps,
+                                        radius=radius, method=method)
+    g_h = xp.zeros_like(h0) if g_h is None else g_h
+    g_c = xp.zeros_like(c0) if g_c is None else g_c
+    return local_scan_bwd(xp, residuals, read_coords, write_coords, write_sigma, write_content,
+                          params, g_reads, g_h, g_c, window=window, eps=eps, radius=radius,
+                          method=method)
