@@ -35,6 +35,7 @@ from tmcore.conv import (
     factorized_conv_vjp,
     xavier_uniform_bound,
 )
+from tmcore.local import local_memory_scan, local_memory_scan_vjp, local_update, local_update_vjp
 from tmcore.sampling import trilinear_sample, trilinear_sample_vjp
 from tmcore.scan import (
     ScanGrads,
@@ -45,6 +46,7 @@ from tmcore.scan import (
     memory_scan_vjp,
 )
 from tmcore.splat import gaussian_splat, gaussian_splat_vjp
+from tmcore.warp import warp_state, warp_state_vjp
 
 __version__ = "0.1.0"
 
@@ -80,4 +82,6 @@ __all__ = [
     "validation_enabled",
     "voxel_to_normalized",
     "xavier_uniform_bound",
+    "local_update", "local_update_vjp", "local_memory_scan", "local_memory_scan_vjp",
+    "warp_state", "warp_state_vjp",
 ]
