@@ -2,8 +2,9 @@
 
 Contract: feeding a sequence in pieces of ANY lengths (ragged, one token at a time),
 carrying the :class:`tmcore.layer.StreamState`, gives the outputs, the state and the
-gradients of one long call: exactly in float64 (we assert <= 1e-12; in practice the
-results are bit-identical), within 1e-5 in float32. Packed documents (a per-token
+gradients of one long call within rounding: <= 1e-12 in float64, <= 1e-5 in float32 (the
+heads run once over all of a call's chunks, so pieces are not bit-identical). The state's
+``count`` is an integer array ``(B,)``. Packed documents (a per-token
 document-start mask): each document's outputs equal running it alone; a document that
 ends mid-chunk does not leak into the next (its chunk grid restarts).
 """
@@ -50,12 +51,16 @@ def _stream(memory, x, splits, state=None, doc_starts=None):
     return torch.cat(outs, dim=1), state
 
 
+def _ints(count):
+    return [int(k) for k in count]
+
+
 def _close(a, b, dtype):
     assert (a - b).abs().max().item() <= TOL[dtype]
 
 
 def _same_state(s, ref, dtype):
-    assert s.count == ref.count
+    assert _ints(s.count) == _ints(ref.count)
     for name in ("h", "c", "pending", "read"):
         _close(getattr(s, name), getattr(ref, name), dtype)
 
@@ -73,7 +78,7 @@ def test_any_split_equals_one_call(dtype, split):
     out, state = _stream(memory, x, splits)
     _close(out, full, dtype)
     _same_state(state, ref, dtype)
-    assert isinstance(state, StreamState) and state.count == (23 % L,) * 2
+    assert isinstance(state, StreamState) and _ints(state.count) == [23 % L] * 2
 
 
 def test_the_old_ragged_call_differs():
@@ -117,7 +122,7 @@ def test_detach_state_keeps_the_count():
     x = torch.randn(1, 6, 8, dtype=torch.float64, requires_grad=True)
     _, state = memory(x, stream=True)
     cut = detach_state(state)
-    assert isinstance(cut, StreamState) and cut.count == (2,)
+    assert isinstance(cut, StreamState) and _ints(cut.count) == [2]
     assert not any(t.requires_grad for t in (cut.h, cut.c, cut.pending, cut.read))
 
 
@@ -150,7 +155,7 @@ def test_reset_mid_chunk_drops_the_unfinished_chunk():
     _close(out[:1], alone, torch.float64)
     full, ref = memory(x[1:], stream=True)
     _close(out[1:], full[:, 6:], torch.float64)
-    assert state.count == (alone_state.count[0], ref.count[0]) == (0, 2)
+    assert _ints(state.count) == [int(alone_state.count[0]), int(ref.count[0])] == [0, 2]
     # rows on different chunk grids keep streaming, each as it would alone
     more = torch.randn(2, 7, 8, dtype=torch.float64)
     out, state = memory(more, state)
@@ -159,7 +164,7 @@ def test_reset_mid_chunk_drops_the_unfinished_chunk():
     _close(out, torch.cat([a, b]), torch.float64)
     # a reset with no tokens forgets the row now
     _, empty = memory(more[:, :0], state, reset=torch.tensor([False, True]))
-    assert empty.count == (state.count[0], 0) and not empty.h[1].any()
+    assert _ints(empty.count) == [int(state.count[0]), 0] and not empty.h[1].any()
 
 
 def test_packed_gradients_equal_each_document_alone():
@@ -204,8 +209,9 @@ def test_numpy_layer_streams_exactly():
     for i in range(14):
         out, state = layer.forward_stream(np, params, x[:, i:i + 1], state, scan=scan)
         outs.append(out)
-    assert np.array_equal(np.concatenate(outs, axis=1), full)
-    assert np.array_equal(state.h, ref.h) and state.count == ref.count == (2, 2)
+    assert np.max(np.abs(np.concatenate(outs, axis=1) - full)) <= 1e-12
+    assert np.max(np.abs(state.h - ref.h)) <= 1e-12
+    assert _ints(state.count) == _ints(ref.count) == [2, 2]
 
 
 def test_bad_stream_inputs_are_named():
@@ -267,7 +273,7 @@ def test_residual_and_attach_memory_stream_any_split():
     handle.remove()
     residual = MemoryResidual(_memory())
     y, state = residual(x[:, :3], stream=True)
-    assert state.count == (3, 3)
+    assert _ints(state.count) == [3, 3]
 
 
 # --------------------------------------------------------------------------- JAX adapter
@@ -311,20 +317,26 @@ def test_jax_apply_streams_any_split_and_packs():
     assert _jmax(full, old) <= 1e-5
     for splits in ([1] * 13, [3, 1, 9]):
         out, state = _jax_split(tmj, params, x, splits)
-        assert isinstance(state, tmj.StreamState) and state.count == ref.count == (1, 1)
+        assert isinstance(state, tmj.StreamState)
+        assert _ints(state.count) == _ints(ref.count) == [1, 1]
         assert _jmax(out, full) <= 1e-5 and _jmax(state.h, ref.h) <= 1e-5
         assert _jmax(state.read, ref.read) <= 1e-5
     cut = tmj.detach_state(state)
-    assert cut.count == (1, 1)
+    assert _ints(cut.count) == [1, 1]
     # packed documents: each equals running it alone
     starts = tmj.doc_starts_from_offsets([0, 5, 6], 13)
     packed, _ = tmj.apply(params, x[:1], memory_shape=(3, 4), doc_starts=starts)
     for a, b in ((0, 5), (5, 6), (6, 13)):
         alone, _ = tmj.apply(params, x[:1, a:b], memory_shape=(3, 4), stream=True)
         assert _jmax(packed[:, a:b], alone) <= 1e-5
-    # under jit the state's count must be concrete: a clear error
-    with pytest.raises(TypeError, match="concrete"):
-        jax.jit(lambda s: tmj.apply(params, x, s, memory_shape=(3, 4))[0])(state)
+    # the state is data: a jitted call continues it like an eager one
+    eager, _ = tmj.apply(params, x, state, memory_shape=(3, 4))
+    jitted = jax.jit(lambda s: tmj.apply(params, x, s, memory_shape=(3, 4))[0])(state)
+    assert _jmax(eager, jitted) <= 1e-5
+    # a traced doc_starts cannot plan the grid: tmcore's TypeError naming it
+    with pytest.raises(TypeError, match="doc_starts.*concrete"):
+        jax.jit(lambda m: tmj.apply(params, x[:1], memory_shape=(3, 4), doc_starts=m)[0])(
+            starts)
 
 
 def test_jax_causal_stack_and_modules_stream():
@@ -341,11 +353,11 @@ def test_jax_causal_stack_and_modules_stream():
         outs.append(out)
         i += n
     assert _jmax(jnp.concatenate(outs, axis=1), full) <= 1e-5
-    assert [s.count for s in state] == [s.count for s in ref] == [(3,), (3,)]
+    assert [_ints(s.count) for s in state] == [_ints(s.count) for s in ref] == [[3], [3]]
     with pytest.raises(ValueError, match="causal"):
         tmj.stack_apply(layers, x, mode="threaded", memory_shape=(3, 4), stream=True)
     module = tmj.GatedMemoryResidual(8, 3, (3, 4), L, rngs=nnx.Rngs(0))
     y, s = module(x[:, :3], stream=True)
     y2, s = module(x[:, 3:], s)
     whole, _ = module(x, stream=True)
-    assert s.count == (3,) and _jmax(jnp.concatenate([y, y2], axis=1), whole) <= 1e-5
+    assert _ints(s.count) == [3] and _jmax(jnp.concatenate([y, y2], axis=1), whole) <= 1e-5

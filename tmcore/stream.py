@@ -20,6 +20,7 @@ import operator
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
+from tmcore._validate import validation_enabled
 from tmcore.scan import StepInputs
 
 __all__ = ["StreamState", "check_doc_starts", "doc_starts_from_offsets", "forward_stream",
@@ -33,84 +34,151 @@ class StreamState(NamedTuple):
       last complete chunk);
     - ``pending`` ``(B, L, d)``: the unfinished chunk's tokens so far (its head inputs;
       the write needs all ``L`` of them), zeros after ``count[b]``;
-    - ``count``: per row, how many tokens the unfinished chunk holds (``0 .. L-1``; a
-      tuple of Python ints, because the chunk grid is decided on the host);
+    - ``count`` ``(B,)`` int32 array: per row, how many tokens the unfinished chunk
+      holds (``0 .. L-1``). An array, not Python ints, so that the state is data: it
+      passes through ``jax.jit``, ``lax.scan``, ``vmap`` and ``tree.map`` like the
+      other fields;
     - ``read`` ``(B, C)``: the unfinished chunk's read (fixed by its first token and
       ``h``: the read happens before the chunk's write), zeros where ``count`` is 0.
 
     Feeding a sequence in pieces of any lengths, carrying this state, equals one long
     call (:meth:`Layer.forward_stream`). A plain ``(h, c)`` pair is the state at a
-    chunk boundary (``count`` all 0) and is accepted wherever a ``StreamState`` is.
+    chunk boundary (``count`` all 0) and is accepted wherever a ``StreamState`` is, and
+    so is a ``count`` of Python ints.
     """
 
     h: Any
     c: Any
     pending: Any
-    count: tuple[int, ...]
+    count: Any
     read: Any
+
+
+#: dtype name of :attr:`StreamState.count`
+COUNT_DTYPE = "int32"
+
+
+def _count_array(xp: Any, counts: Sequence[int], device: Any) -> Any:
+    return xp.asarray(list(counts), dtype=getattr(xp, COUNT_DTYPE), device=device)
+
+
+def _is_traced(value: Any) -> bool:
+    """Whether ``value`` is an abstract value of a tracing framework (e.g. a JAX tracer)."""
+    return any("Tracer" in cls.__name__ for cls in type(value).__mro__)
+
+
+def _trace_error(error: BaseException) -> bool:
+    text = type(error).__name__
+    return "Tracer" in text or "Concretization" in text
 
 
 def stream_state(xp: Any, state: Any, x: Any, config: LayerConfig) -> StreamState:
     """``state`` (``None``, an ``(h, c)`` pair or a :class:`StreamState`) for tokens
-    ``x (B, N, d)`` as a checked :class:`StreamState` (zeros / an empty unfinished chunk
-    where the state does not say otherwise)."""
+    ``x (B, N, d)`` as a checked :class:`StreamState` with an array ``count`` (zeros /
+    an empty unfinished chunk where the state does not say otherwise)."""
+    return _stream_state(xp, state, x, config)[0]
+
+
+def _stream_state(xp: Any, state: Any, x: Any,
+                  config: LayerConfig) -> tuple[StreamState, tuple[int, ...] | None]:
+    """:func:`stream_state` and the counts as Python ints where they are known without
+    reading an array (``None``, a pair, Python-int counts), else ``None``."""
     batch = x.shape[0]
     device = _device(x)
     empty = xp.zeros((batch, config.chunk_size, config.embed_dim), dtype=x.dtype, device=device)
+    zeros = (0,) * batch
     if state is None:
         h, c = zero_state(xp, config, batch, dtype=x.dtype, device=device)
-        return StreamState(h, c, empty, (0,) * batch,
+        return StreamState(h, c, empty, _count_array(xp, zeros, device),
                            xp.zeros((batch, config.memory_channels), dtype=x.dtype,
-                                    device=device))
+                                    device=device)), zeros
     if not isinstance(state, StreamState):
         h, c = check_state(xp, state, batch, config)
-        return StreamState(h, c, empty, (0,) * batch, xp.zeros((batch, config.memory_channels),
-                                                  dtype=h.dtype, device=device))
+        return StreamState(h, c, empty, _count_array(xp, zeros, device),
+                           xp.zeros((batch, config.memory_channels), dtype=h.dtype,
+                                    device=device)), zeros
     h, c = check_state(xp, (state.h, state.c), batch, config)
-    expected = (batch, config.chunk_size, config.embed_dim)
-    if not hasattr(state.pending, "shape") or tuple(state.pending.shape) != expected:
-        raise ValueError(f"state.pending: expected shape (B, L, d) = {expected}, got "
-                         f"{getattr(state.pending, 'shape', type(state.pending).__name__)}")
-    if not hasattr(state.read, "shape") or \
-            tuple(state.read.shape) != (batch, config.memory_channels):
-        raise ValueError(f"state.read: expected shape (B, C) = "
-                         f"{(batch, config.memory_channels)}, got "
-                         f"{getattr(state.read, 'shape', type(state.read).__name__)}")
-    count = state.count
-    try:  # Python or NumPy ints, or concrete 0-d integer arrays
-        count = tuple(operator.index(k) for k in count) if not isinstance(count, bool) \
+    for name, value, axes, shape in (
+            ("pending", state.pending, "(B, L, d)",
+             (batch, config.chunk_size, config.embed_dim)),
+            ("read", state.read, "(B, C)", (batch, config.memory_channels))):
+        if not hasattr(value, "shape") or not hasattr(value, "dtype") \
+                or tuple(value.shape) != shape:
+            raise ValueError(f"state.{name}: expected shape {axes} = {shape}, got "
+                             f"{getattr(value, 'shape', type(value).__name__)}")
+        if not xp.isdtype(value.dtype, "real floating"):
+            raise TypeError(f"state.{name}: expected a real floating dtype (like state.h), "
+                            f"got {value.dtype}")
+    count, known = _check_count(xp, state.count, batch, config.chunk_size, device)
+    return StreamState(h, c, state.pending, count, state.read), known
+
+
+def _check_count(xp: Any, count: Any, batch: int, length: int,
+                 device: Any) -> tuple[Any, tuple[int, ...] | None]:
+    """``state.count``: ``B`` ints in ``[0, L)``: an integer array ``(B,)`` (its values
+    are checked when concrete in validate mode) or Python / NumPy ints (checked)."""
+    expected = f"{batch} ints in [0, {length}) (tokens of each row's unfinished chunk)"
+    if hasattr(count, "shape") and hasattr(count, "dtype"):
+        if tuple(count.shape) != (batch,):
+            raise ValueError(f"state.count: expected an integer array of shape (B,) = "
+                             f"({batch},), got {tuple(count.shape)}")
+        if not xp.isdtype(count.dtype, "integral"):
+            raise TypeError(f"state.count: expected an integer array ({expected}), got "
+                            f"dtype {count.dtype}")
+        if validation_enabled() and not _is_traced(count):
+            values = [int(v) for v in _host_list(count, "state.count", "")]
+            if not all(0 <= k < length for k in values):
+                raise ValueError(f"state.count: expected {expected}, got {values}")
+        return xp.astype(count, getattr(xp, COUNT_DTYPE)), None
+    try:
+        known = tuple(operator.index(k) for k in count) if not isinstance(count, bool) \
             and all(not isinstance(k, bool) for k in count) else None
-    except TypeError as error:
-        if "Tracer" in type(error).__name__ or "tracer" in str(error).lower():
-            raise TypeError("state.count: must be concrete Python ints (the chunk grid is "
-                            "planned on the host); under jax.jit close over the state or "
-                            "stream outside jit") from error
-        count = None
-    if count is None or len(count) != batch or not all(
-            0 <= k < config.chunk_size for k in count):
-        raise ValueError(f"state.count: expected {batch} ints in [0, {config.chunk_size}) "
-                         f"(tokens of each row's unfinished chunk), got {state.count!r}")
-    return StreamState(h, c, state.pending, count, state.read)
+    except TypeError:
+        known = None
+    if known is None or len(known) != batch or not all(0 <= k < length for k in known):
+        raise ValueError(f"state.count: expected {expected}, got {count!r}")
+    return _count_array(xp, known, device), known
 
 
-def _host_bools(mask: Any) -> list:
-    """A bool array's values as nested Python lists (on the host)."""
-    if hasattr(mask, "tolist"):
+def _host_list(value: Any, name: str, why: str) -> Any:
+    """An array's values as (nested) Python lists, read on the host; a traced array is
+    tmcore's ``TypeError`` naming ``name`` (``why`` says what to do)."""
+    if _is_traced(value):
+        raise TypeError(f"{name}: must be a concrete array here (it is traced, e.g. under "
+                        f"jax.jit){why}")
+    try:
+        if hasattr(value, "tolist"):
+            return value.tolist()
+    except Exception as error:  # e.g. array-api-strict arrays have no tolist
+        if _trace_error(error):
+            raise TypeError(f"{name}: must be a concrete array here{why}") from error
+    if value.ndim == 0:  # element by element: slow, only namespaces without tolist
         try:
-            return mask.tolist()
-        except Exception:  # e.g. array-api-strict arrays have no tolist
-            pass
-    # element by element through 0-d arrays: slow, but only namespaces without tolist get here
-    if mask.ndim == 0:
-        return bool(mask)
-    return [_host_bools(mask[i, ...]) for i in range(mask.shape[0])]
+            return bool(value) if "bool" in str(value.dtype) else int(value)
+        except Exception as error:
+            if _trace_error(error):
+                raise TypeError(f"{name}: must be a concrete array here{why}") from error
+            raise
+    return [_host_list(value[i, ...], name, why) for i in range(value.shape[0])]
+
+
+def _host_bools(mask: Any, name: str = "mask", why: str = "") -> list:
+    """A bool array's values as nested Python lists (on the host)."""
+    return _host_list(mask, name, why)
+
+
+_PACKED_WHY = ("; packed documents (doc_starts) are planned on the host: pass doc_starts as "
+               "a concrete (NumPy) array closed over by the jitted function or as a static "
+               "argument, run the packed call outside jit, or pass the documents as separate "
+               "rows (with valid= masking their padding), which traces")
 
 
 def check_doc_starts(xp: Any, doc_starts: Any, batch: int, tokens: int) -> list[list[bool]]:
     """``doc_starts``: a bool array ``(B, N)``, True at every token that starts a new
     document (the layer forgets everything before it); returned as host lists."""
     _require_bool_array(xp, doc_starts, "doc_starts", "(B, N)", (batch, tokens))
-    return [[bool(v) for v in row] for row in _host_bools(doc_starts)]
+    return [[bool(v) for v in row] for row in _host_bools(doc_starts, "doc_starts",
+                                                          _PACKED_WHY)]
 
 
 def doc_starts_from_offsets(xp: Any, offsets: Sequence[Any], tokens: int, *,
@@ -218,27 +286,176 @@ def _where_rows(xp: Any, rows: list[bool], a: Any, b: Any) -> Any:
 def forward_stream(layer: Layer, xp: Any, params: Params, x: Any, state: Any, *, scan: Scan,
                    reset: Any = None, doc_starts: Any = None,
                    valid: Any = None) -> tuple[Any, StreamState]:
-    """:meth:`tmcore.layer.Layer.forward_stream` (see there) of ``layer``."""
+    """:meth:`tmcore.layer.Layer.forward_stream` (see there) of ``layer``.
+
+    Without ``doc_starts`` the chunk grid is computed from the arrays (``count``,
+    ``valid``, ``reset`` may be traced: :func:`_array_stream`); with ``doc_starts`` it is
+    planned on the host (:func:`_host_stream`), which reads the masks and the counts.
+    """
     config = layer.config
     check_tokens(xp, x, config)
+    batch, tokens, _ = x.shape
+    st, known = _stream_state(xp, state, x, config)
+    if valid is not None:
+        _require_bool_array(xp, valid, "valid", "(B, N)", (batch, tokens))
+    if reset is not None:
+        reset_state(xp, (st.h, st.c), reset)  # validated like the pair path's reset
+    if doc_starts is not None:
+        return _host_stream(layer, xp, params, x, st, known, scan, reset, doc_starts, valid)
+    return _array_stream(layer, xp, params, x, st, known, scan, reset, valid)
+
+
+def check_valid(xp: Any, valid: Any, batch: int, tokens: int) -> list[list[bool]]:
+    """``valid``: a bool array ``(B, N)``, False at tokens the stream skips (padding);
+    returned as host lists."""
+    _require_bool_array(xp, valid, "valid", "(B, N)", (batch, tokens))
+    return [[bool(v) for v in row] for row in _host_bools(valid, "valid", _PACKED_WHY)]
+
+
+def _rows(xp: Any, mask: Any, a: Any, b: Any) -> Any:
+    """``a`` in the rows where the bool array ``mask (B,)`` is True, else ``b``."""
+    return xp.where(xp.reshape(mask, (mask.shape[0],) + (1,) * (a.ndim - 1)), a, b)
+
+
+def _maybe_host(value: Any) -> Any:
+    """``value``'s host lists when it can be read without tracing (else ``None``)."""
+    if _is_traced(value):
+        return None
+    try:
+        return _host_list(value, "", "")
+    except TypeError:
+        return None
+
+
+def _array_stream(layer: Layer, xp: Any, params: Params, x: Any, st: StreamState,
+                  known: tuple[int, ...] | None, scan: Scan, reset: Any,
+                  valid: Any) -> tuple[Any, StreamState]:
+    """The stream with its chunk grid computed from arrays (no host reads of traced
+    values, fixed shapes for fixed ``N``): row ``b``'s stream is its ``count[b]`` pending
+    tokens followed by its (valid) new tokens; chunk ``j`` is stream positions
+    ``[jL, (j+1)L)``, gathered from ``[pending, x]`` by per-row indices. The scan runs
+    ``T = ceil((max count + N) / L)`` chunks for every row; a row's returned state is
+    the one after its ``m[b] = (count[b] + new[b]) // L`` complete chunks, so the scan is
+    cut at every value ``m`` can take (two neighbouring values without ``valid``) and
+    each row selects its own. Every read is the one of the state entering its chunk
+    (chunks ``<= m[b]`` all advance the state), so the outputs are exact."""
+    config = layer.config
+    batch, tokens, d = x.shape
+    length, channels = config.chunk_size, config.memory_channels
+    device = _device(x)
+    index = xp.asarray(0, device=device).dtype                  # the default integer dtype
+    h, c, pending, read = st.h, st.c, xp.astype(st.pending, x.dtype), st.read
+    count = xp.astype(st.count, index)
+    if reset is not None:
+        h, c, pending, read = (_rows(xp, reset, xp.zeros_like(v), v)
+                               for v in (h, c, pending, read))
+        count = xp.where(reset, xp.zeros_like(count), count)
+        flags = None if known is None or not any(known) else _maybe_host(reset)
+        known = None if known is None else (
+            known if not any(known) else None if flags is None else
+            tuple(0 if r else k for r, k in zip(flags, known, strict=True)))
+    if tokens == 0 or batch == 0:
+        return xp.zeros_like(x), StreamState(h, c, pending, xp.astype(count, xp.int32), read)
+    # per row: the new tokens, compacted (valid ones first, in order), and how many
+    rows = xp.arange(batch, dtype=index, device=device)[:, None]
+    if valid is None:
+        new = xp.full((batch,), tokens, dtype=index, device=device)
+        rank = xp.broadcast_to(xp.arange(tokens, dtype=index, device=device)[None, :],
+                               (batch, tokens))
+        compact = x
+        counts_new = (tokens, tokens)
+    else:
+        ones = xp.astype(valid, index)
+        new = xp.sum(ones, axis=1)
+        rank = xp.cumulative_sum(ones, axis=1) - 1
+        order = xp.argsort(1 - ones, axis=1, stable=True)
+        compact = xp.reshape(xp.take(xp.reshape(x, (batch * tokens, d)),
+                                     xp.reshape(rows * tokens + order, (-1,)), axis=0),
+                             (batch, tokens, d))
+        host = _maybe_host(valid)
+        counts_new = ((0, tokens) if host is None else
+                      (min(sum(r) for r in host), max(sum(r) for r in host)))
+    k_lo, k_hi = (0, length - 1) if known is None else (min(known), max(known))
+    m_lo, m_hi = (k_lo + counts_new[0]) // length, (k_hi + counts_new[1]) // length
+    steps = -(-(k_hi + counts_new[1]) // length)              # T: chunks holding a token
+    width = length + tokens
+    table = xp.concat([xp.reshape(xp.concat([pending, compact], axis=1), (batch * width, d)),
+                       xp.zeros_like(x[0, :1, :])], axis=0)    # + a zero row
+
+    def source(p: Any) -> Any:
+        """Flat row of ``table`` holding stream position ``p (B, P)`` (zero row: none)."""
+        k = count[:, None]
+        inside = p < k + new[:, None]
+        at = rows * width + xp.where(p < k, p, length + p - k)
+        return xp.reshape(xp.where(inside, at, xp.full_like(at, batch * width)), (-1,))
+
+    m = (count + new) // length                                # complete chunks per row
+    left = count + new - m * length                            # the new unfinished chunk
+    if steps:
+        positions = xp.arange(steps * length, dtype=index, device=device)[None, :]
+        chunks = xp.reshape(xp.take(table, source(positions), axis=0),
+                            (batch, steps, length, d))
+        inputs = layer.heads(xp, params, chunks)               # once over all B*T chunks
+        cuts = sorted({0, steps, *range(m_lo, min(m_hi, steps) + 1)})
+        states = {0: (h, c)}
+        parts = []
+        for t0, t1 in zip(cuts, cuts[1:], strict=False):
+            part, h, c = scan(h, c, StepInputs(*(v[:, t0:t1, ...] for v in inputs)))
+            parts.append(part)
+            states[t1] = (h, c)
+        reads = parts[0] if len(parts) == 1 else xp.concat(parts, axis=1)   # (B, T, C)
+        # a continued unfinished chunk's read is the one the state carries
+        first = _rows(xp, count > 0, read, reads[:, 0, :])
+        reads = xp.concat([first[:, None, :], reads[:, 1:, :]], axis=1) if steps > 1 \
+            else first[:, None, :]
+        h, c = states[m_lo]
+        for t in range(m_lo + 1, min(m_hi, steps) + 1):
+            pick = m == t
+            h = _rows(xp, pick, states[t][0], h)
+            c = _rows(xp, pick, states[t][1], c)
+        out_table = xp.concat([xp.reshape(layer.read_out(xp, params, reads),
+                                          (batch * steps, d)),
+                               xp.zeros_like(x[0, :1, :])], axis=0)
+        at = rows * steps + (count[:, None] + rank) // length
+        if valid is not None:
+            at = xp.where(valid, at, xp.full_like(at, batch * steps))
+        out = xp.reshape(xp.take(out_table, xp.reshape(at, (-1,)), axis=0), (batch, tokens, d))
+        read_table = xp.concat([xp.reshape(reads, (batch * steps, channels)),
+                                xp.zeros_like(read[:1, :])], axis=0)
+        pick = xp.where(left > 0, rows[:, 0] * steps + xp.minimum(m, steps - 1),
+                        xp.full_like(m, batch * steps))
+        read = xp.take(read_table, pick, axis=0)
+    else:  # no row has a token (all padding) nor an unfinished chunk
+        out = xp.zeros_like(x)
+    # the new unfinished chunk: stream positions m L .. m L + L - 1 (zeros after the stream)
+    slots = m[:, None] * length + xp.arange(length, dtype=index, device=device)[None, :]
+    pending = xp.reshape(xp.take(table, source(slots), axis=0), (batch, length, d))
+    return out, StreamState(h, c, pending, xp.astype(left, xp.int32), read)
+
+
+def _host_stream(layer: Layer, xp: Any, params: Params, x: Any, st: StreamState,
+                 known: tuple[int, ...] | None, scan: Scan, reset: Any, doc_starts: Any,
+                 valid: Any) -> tuple[Any, StreamState]:
+    """The stream with its chunk grid planned on the host (packed documents: the grid
+    restarts at every document start, ``_plan``)."""
+    config = layer.config
     batch, tokens, d = x.shape
     length = config.chunk_size
-    st = stream_state(xp, state, x, config)
-    starts = (check_doc_starts(xp, doc_starts, batch, tokens) if doc_starts is not None
-              else [[False] * tokens for _ in range(batch)])
+    starts = check_doc_starts(xp, doc_starts, batch, tokens)
     keep = check_valid(xp, valid, batch, tokens) if valid is not None else None
+    counts = list(known) if known is not None else [
+        int(k) for k in _host_list(st.count, "state.count", _PACKED_WHY)]
     if reset is not None:
-        # validated like the pair path's reset; rows that reset start a new document here
-        reset_state(xp, (st.h, st.c), reset)
-        for b, r in enumerate(_host_bools(reset)):
+        for b, r in enumerate(_host_bools(reset, "reset", _PACKED_WHY)):
             if r:
                 if tokens:
                     starts[b][0] = True
                 else:  # no token to start at: forget the state now
-                    st = _forget_rows(xp, st, b)
+                    st, counts[b] = _forget_rows(xp, st, b), 0
+    st = st._replace(count=counts)
     if tokens == 0 or batch == 0:
-        return xp.zeros_like(x), st
-    plan = _plan(st.count, tokens, starts, length, keep)
+        return xp.zeros_like(x), st._replace(count=_count_array(xp, counts, _device(x)))
+    plan = _plan(counts, tokens, starts, length, keep)
     device = _device(x)
     both = xp.concat([xp.astype(st.pending, x.dtype), x], axis=1)      # (B, L + N, d)
     flat = xp.concat([xp.reshape(both, (batch * (length + tokens), d)),
@@ -248,7 +465,7 @@ def forward_stream(layer: Layer, xp: Any, params: Params, x: Any, state: Any, *,
     # the continued unfinished chunk whose read is already known: nothing to scan
     only_pending = plan.steps == 1 and all(
         0 < k and not r[0] and cap == 0
-        for k, r, cap in zip(st.count, plan.resets, plan.capture, strict=True))
+        for k, r, cap in zip(counts, plan.resets, plan.capture, strict=True))
     if plan.steps == 0:  # no row has a token or an unfinished chunk
         reads = xp.zeros((batch, 0, config.memory_channels), dtype=x.dtype, device=device)
         h, c = st.h, st.c
@@ -259,8 +476,7 @@ def forward_stream(layer: Layer, xp: Any, params: Params, x: Any, state: Any, *,
         chunks = xp.reshape(take(flat, plan.gather), (batch, plan.steps, length, d))
         reads, h, c = _segmented_scan(layer, xp, params, chunks, st, plan, scan)
     if plan.steps:
-        out_rows = xp.stack([layer.read_out(xp, params, reads[:, t, ...])
-                             for t in range(plan.steps)], axis=1)       # (B, T, d)
+        out_rows = layer.read_out(xp, params, reads)                    # (B, T, d)
         out_table = xp.concat([xp.reshape(out_rows, (batch * plan.steps, d)),
                                xp.zeros_like(out_rows[0, :1, :])], axis=0)
         out = xp.reshape(take(out_table, plan.token_step), (batch, tokens, d))
@@ -278,33 +494,24 @@ def forward_stream(layer: Layer, xp: Any, params: Params, x: Any, state: Any, *,
         keep_rows = [not f for f in plan.forget]
         h = _where_rows(xp, keep_rows, h, xp.zeros_like(h))
         c = _where_rows(xp, keep_rows, c, xp.zeros_like(c))
-    return out, StreamState(h, c, pending, plan.count, read)
-
-
-def check_valid(xp: Any, valid: Any, batch: int, tokens: int) -> list[list[bool]]:
-    """``valid``: a bool array ``(B, N)``, False at tokens the stream skips (padding);
-    returned as host lists."""
-    _require_bool_array(xp, valid, "valid", "(B, N)", (batch, tokens))
-    return [[bool(v) for v in row] for row in _host_bools(valid)]
+    return out, StreamState(h, c, pending, _count_array(xp, plan.count, device), read)
 
 
 def _forget_rows(xp: Any, st: StreamState, row: int) -> StreamState:
-    rows = [b == row for b in range(len(st.count))]
-    zero = [xp.zeros_like(v) for v in (st.h, st.c, st.pending, st.read)]
-    h, c, pending, read = (_where_rows(xp, [not r for r in rows], v, z)
-                           for v, z in zip((st.h, st.c, st.pending, st.read), zero,
-                                           strict=True))
-    return StreamState(h, c, pending, tuple(0 if r else k for r, k in zip(rows, st.count,
-                                                                          strict=True)), read)
+    rows = [b != row for b in range(st.h.shape[0])]
+    h, c, pending, read = (_where_rows(xp, rows, v, xp.zeros_like(v))
+                           for v in (st.h, st.c, st.pending, st.read))
+    return st._replace(h=h, c=c, pending=pending, read=read)
 
 
 def _segmented_scan(layer: Layer, xp: Any, params: Params, chunks: Any, st: StreamState,
                     plan: _Plan, scan: Scan) -> tuple[Any, Any, Any]:
     """Scan the planned chunks; the scan is cut where a row resets (document start) or
     where a row's returned state is taken, so each row gets exactly the state entering
-    its unfinished chunk (or after its last chunk)."""
+    its unfinished chunk (or after its last chunk). The heads run once over all the
+    ``(B, T)`` chunks; each segment scans its slice of them."""
     batch = chunks.shape[0]
-    per_step = [layer.heads(xp, params, chunks[:, t, ...]) for t in range(plan.steps)]
+    inputs = layer.heads(xp, params, chunks)                   # (B, T, ...) each
     cuts = {0, plan.steps, *plan.capture}
     cuts |= {t for row in plan.resets for t, r in enumerate(row) if r}
     cuts_sorted = sorted(cuts)
@@ -324,9 +531,7 @@ def _segmented_scan(layer: Layer, xp: Any, params: Params, chunks: Any, st: Stre
             final_c = c if final_c is None else _where_rows(xp, taken, c, final_c)
         if t1 is None:
             break
-        inputs = StepInputs(*(xp.stack(list(v), axis=1)
-                              for v in zip(*per_step[t0:t1], strict=True)))
-        part, h, c = scan(h, c, inputs)
+        part, h, c = scan(h, c, StepInputs(*(v[:, t0:t1, ...] for v in inputs)))
         reads.append(part)
     return xp.concat(reads, axis=1), final_h, final_c
 
