@@ -380,27 +380,45 @@ Linear = Callable[[Any, Mapping[str, Any], Any], Any]
 
 
 def heads(xp: Any, params: Params, chunk: Any, config: LayerConfig, *,
-          linear: Linear = linear) -> StepInputs:
+          linear: Linear = linear, softplus: Callable[[Any, Any], Any] = softplus
+          ) -> StepInputs:
     """The layer's linear heads on ``chunk (..., L, d)`` -> :class:`tmcore.StepInputs`
     with ``read_coords (..., n)``, ``write_coords (..., n)``, ``write_sigma (...)``,
     ``write_content (..., C)``.
 
-    ``...`` is ``(B,)`` for one chunk or ``(B, T)`` for all of them. (The torch
-    layer calls it per chunk so that every chunk's arithmetic has the same shapes
-    whatever ``T`` is: streamed pieces then equal one call bit for bit.)
-    ``linear(xp, p, x)`` computes every linear head (default :func:`linear`; an
+    ``...`` is ``(B,)`` for one chunk or ``(B, T)`` for all of them; the layer
+    calls it once on all ``(B, T)`` chunks, so the number of operations does not
+    grow with the sequence. (Streamed pieces then equal one call to rounding,
+    not bit for bit: a matmul over ``B*T`` rows may block its sums differently
+    from one over fewer rows.)
+
+    The three heads that read a ``d``-vector (``coord_net``, tied between the read
+    query and the write summary, ``content_net`` and ``sigma_net``) run as ONE
+    matrix product: their weights stacked ``(n + C + 1, d)``, applied to the
+    stacked rows ``[first token, summary]`` ``(..., 2, d)`` (the content and sigma
+    columns of the first-token row are not used). The math is the per-head one;
+    the fusion saves the dispatches (kernel launches on a GPU) of four products.
+
+    ``linear(xp, p, x)`` computes every linear map (default :func:`linear`; an
     adapter may pass its framework's fused kernel, e.g. torch's ``F.linear``,
-    which also follows autocast).
+    which also follows autocast); ``softplus(xp, x)`` likewise (default the
+    overflow-free :func:`tmcore._math.softplus`).
     """
     lead = tuple(chunk.shape[:-2])
     length, d = chunk.shape[-2:]
+    n = config.ndim
+    c = config.memory_channels
     summary = linear(xp, params["write_proj"], xp.reshape(chunk, (*lead, length * d)))
-    sigma_logit = linear(xp, params["sigma_net"], summary)[..., 0]
+    fused = {key: xp.concat([params[g][key] for g in ("coord_net", "content_net", "sigma_net")],
+                            axis=0) for key in ("weight", "bias")}
+    rows = xp.stack([chunk[..., 0, :], summary], axis=-2)               # (..., 2, d)
+    out = linear(xp, fused, rows)                                       # (..., 2, n + C + 1)
+    coords = xp.tanh(out[..., :n])                                      # (..., 2, n)
     return StepInputs(
-        read_coords=xp.tanh(linear(xp, params["coord_net"], chunk[..., 0, :])),
-        write_coords=xp.tanh(linear(xp, params["coord_net"], summary)),
-        write_sigma=(softplus(xp, sigma_logit) + MIN_SIGMA) * config.sigma_scale,
-        write_content=linear(xp, params["content_net"], summary),
+        read_coords=coords[..., 0, :],
+        write_coords=coords[..., 1, :],
+        write_sigma=(softplus(xp, out[..., 1, n + c]) + MIN_SIGMA) * config.sigma_scale,
+        write_content=out[..., 1, n:n + c],
     )
 
 
@@ -628,6 +646,8 @@ class Layer:
 
     #: the linear map of every head (see :func:`heads`); a subclass may replace it
     linear: Linear = staticmethod(linear)
+    #: the sigma head's softplus (see :func:`heads`); a subclass may replace it
+    softplus: Callable[[Any, Any], Any] = staticmethod(softplus)
 
     def __init__(self, config: LayerConfig):
         if not isinstance(config, LayerConfig):
@@ -637,7 +657,8 @@ class Layer:
 
     def heads(self, xp: Any, params: Params, chunk: Any) -> StepInputs:
         """See :func:`heads`."""
-        return heads(xp, params, chunk, self.config, linear=self.linear)
+        return heads(xp, params, chunk, self.config, linear=self.linear,
+                     softplus=self.softplus)
 
     def read_out(self, xp: Any, params: Params, reads: Any) -> Any:
         """See :func:`read_out`."""
@@ -649,7 +670,7 @@ class Layer:
 
         Checks ``x``, ``state`` and ``reset`` (:func:`check_tokens`,
         :func:`check_state`, :func:`reset_state`); the heads and the read-out
-        run chunk by chunk (same shapes for every chunk, see :func:`heads`).
+        run once over all chunks (``(B, T, ...)``), the scan steps through them.
         ``N = 0`` or ``B = 0`` returns zeros and the (reset) state.
         """
         config = self.config
@@ -663,12 +684,11 @@ class Layer:
             state = reset_state(xp, state, reset)
         if tokens == 0 or batch == 0:  # nothing to scan (the scan refuses empty arrays)
             return xp.zeros_like(x), state
-        chunks = chunk(xp, x, config.chunk_size)
-        steps = chunks.shape[1]
-        per_step = [self.heads(xp, params, chunks[:, t, ...]) for t in range(steps)]
-        inputs = StepInputs(*(xp.stack(list(v), axis=1) for v in zip(*per_step, strict=True)))
+        # the heads and the read-out run once over all B*T chunk rows: the operations a
+        # call dispatches do not grow with the sequence (only the scan steps through it)
+        inputs = self.heads(xp, params, chunk(xp, x, config.chunk_size))  # (B, T, ...) each
         reads, h, c = scan(state[0], state[1], inputs)
-        out = xp.stack([self.read_out(xp, params, reads[:, t, ...]) for t in range(steps)], axis=1)
+        out = self.read_out(xp, params, reads)                            # (B, T, d)
         return unchunk(xp, out, tokens, config.chunk_size), (h, c)
 
     def forward_stream(self, xp: Any, params: Params, x: Any, state: Any, *, scan: Scan,

@@ -233,49 +233,58 @@ def memory_scan_fwd(
     h_saved = _CheckpointStore(xp, h0, -(-steps // checkpoint_every))
     c_saved = _CheckpointStore(xp, c0, -(-steps // checkpoint_every))
     h, c = h0, c0
-    reads = []
+    reads = None
     with ops_for(xp).workspace(xp):
         for t in range(steps):
             if t % checkpoint_every == 0:
                 h_saved.append(h)
                 c_saved.append(c)
             read, h, c = _advance(xp, h, c, read_coords[:, t, ...], writes.volume(t), params)
+            if reads is None:  # (B, T, C), preallocated once the reads' dtype is known
+                reads = _CheckpointStore(xp, read, steps, axis=1)
             reads.append(read)
-    return xp.stack(reads, axis=1), h, c, h_saved.result(), c_saved.result()
+    return reads.result(), h, c, h_saved.result(), c_saved.result()
 
 
 class _CheckpointStore:
-    """Collects ``count`` states ``(B, C, *S)`` into one ``(count, B, C, *S)`` array.
+    """Collects ``count`` arrays shaped like ``like`` into one array, stacked along
+    ``axis``: the checkpoint states ``(B, C, *S)`` into ``(count, B, C, *S)``, the
+    reads ``(B, C)`` into ``(B, T, C)`` (``axis=1``).
 
     Where arrays support item assignment (NumPy, PyTorch, CuPy, array-api-strict)
-    each state is copied into a preallocated array as it arrives, so the
-    checkpoints are never held twice; a list-then-``stack`` would hold every
-    state in the list and in the stacked copy at once (twice the scan's memory
-    at the peak). Immutable arrays (JAX) fall back to ``stack``.
+    each array is copied into a preallocated one as it arrives, so nothing is held
+    twice; a list-then-``stack`` would hold every state in the list and in the
+    stacked copy at once (twice the scan's memory at the peak), and ``T`` small
+    reads interleaved with the steps' temporaries fragment the heap of a long
+    ``no_grad`` scan. Immutable arrays (JAX) fall back to ``stack``.
     """
 
-    def __init__(self, xp: Any, like: Any, count: int) -> None:
-        self.xp, self.index, self.pending = xp, 0, []
+    def __init__(self, xp: Any, like: Any, count: int, axis: int = 0) -> None:
+        self.xp, self.index, self.pending, self.axis = xp, 0, [], axis
         self.buffer = None
         if not array_api_compat.is_jax_namespace(xp):
-            self.buffer = xp.empty((count, *like.shape), dtype=like.dtype,
-                                   device=array_api_compat.device(like))
+            shape = (*like.shape[:axis], count, *like.shape[axis:])
+            self.buffer = xp.empty(shape, dtype=like.dtype, device=array_api_compat.device(like))
+
+    def _at(self, index: int) -> tuple:
+        return (slice(None),) * self.axis + (index, ...)
 
     def append(self, state: Any) -> None:
         if self.buffer is not None and state.dtype == self.buffer.dtype:
             try:
-                self.buffer[self.index, ...] = state
+                self.buffer[self._at(self.index)] = state
                 self.index += 1
                 return
             except (TypeError, RuntimeError):  # immutable, or a transform (vmap) refusing it
                 pass
         if self.buffer is not None:  # from here on: a list (dtypes promote as in stack)
-            self.pending = [self.buffer[i, ...] for i in range(self.index)]
+            self.pending = [self.buffer[self._at(i)] for i in range(self.index)]
             self.buffer = None
         self.pending.append(state)
 
     def result(self) -> Any:
-        return self.buffer if self.buffer is not None else self.xp.stack(self.pending, axis=0)
+        return self.buffer if self.buffer is not None else self.xp.stack(self.pending,
+                                                                         axis=self.axis)
 
 
 def memory_scan_bwd(

@@ -1,0 +1,106 @@
+"""What a compiler pays for the layer as the sequence grows.
+
+- torch: one ``torch.compile(..., dynamic=True)`` of a training step of the torch
+  layer, called at several sequence lengths: compile time of the first call, how many
+  graphs Dynamo made in all (one: a new length does not recompile), and the largest
+  difference from eager.
+- JAX: ``jax.jit`` of a training step (value and gradient) of the JAX layer at several
+  numbers of chunks: compile time and the size of the optimized HLO text (both flat:
+  the chunk loop is a ``lax.scan``, not unrolled).
+
+    python -m benchmarks.compile_dynamic --out benchmarks/results/compile_dynamic.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["torch_dynamic", "jax_compile", "main"]
+
+SIZES = {"embed_dim": 32, "memory_channels": 8, "memory_shape": (4, 4, 4), "chunk_size": 4}
+
+
+def torch_dynamic(lengths: Sequence[int], *, stream: bool = False) -> dict[str, Any]:
+    """One dynamic-shape compile of a torch training step, called at ``lengths``."""
+    import torch
+    from torch._dynamo.utils import counters
+
+    from tmcore.adapters.torch import TensorMemory
+
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    layer = TensorMemory(**SIZES)
+
+    def loss(x: Any) -> Any:
+        return layer(x, stream=stream)[0].square().mean()
+
+    compiled = torch.compile(loss, dynamic=True)
+    rows = []
+    for n in lengths:
+        x = torch.randn(2, n, SIZES["embed_dim"], requires_grad=True)
+        start = time.perf_counter()
+        compiled(x).backward()
+        seconds = time.perf_counter() - start
+        eager = loss(x.detach())
+        rows.append({"tokens": n, "seconds": round(seconds, 3),
+                     "graphs_so_far": int(counters["stats"]["unique_graphs"]),
+                     "max_abs_diff": float((compiled(x.detach()) - eager).abs())})
+    return {"stream": stream, "rows": rows,
+            "graph_breaks": {str(k): v for k, v in counters["graph_break"].items()}}
+
+
+def jax_compile(chunk_counts: Sequence[int]) -> list[dict[str, Any]]:
+    """Compile time and optimized-HLO size of a jitted JAX training step per chunk count."""
+    import jax
+    import jax.numpy as jnp
+
+    from tmcore.adapters import jax as tj
+
+    params = tj.init(jax.random.PRNGKey(0), SIZES["embed_dim"], SIZES["memory_channels"],
+                     SIZES["memory_shape"], SIZES["chunk_size"])
+
+    def loss(p: Any, x: Any) -> Any:
+        out, _ = tj.apply(p, x, chunk_size=SIZES["chunk_size"],
+                          memory_shape=SIZES["memory_shape"], stream=False)
+        return jnp.mean(out ** 2)
+
+    rows = []
+    for steps in chunk_counts:
+        x = jnp.ones((2, steps * SIZES["chunk_size"], SIZES["embed_dim"]))
+        start = time.perf_counter()
+        compiled = jax.jit(jax.value_and_grad(loss)).lower(params, x).compile()
+        seconds = time.perf_counter() - start
+        rows.append({"chunks": steps, "compile_seconds": round(seconds, 3),
+                     "hlo_chars": len(compiled.as_text())})
+    return rows
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--lengths", type=int, nargs="+", default=[256, 1024, 4096])
+    parser.add_argument("--chunks", type=int, nargs="+", default=[16, 64, 256])
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    import torch
+
+    torch.set_num_threads(1)
+    result = {"command": "python -m benchmarks.compile_dynamic "
+                         + " ".join(sys.argv[1:] if argv is None else argv),
+              "config": {**SIZES, "batch": 2},
+              "torch": [torch_dynamic(args.lengths, stream=s) for s in (False, True)],
+              "jax": jax_compile(args.chunks)}
+    print(json.dumps(result, indent=1))
+    if args.out:
+        with open(args.out, "w") as handle:
+            json.dump(result, handle, indent=1)
+    return result
+
+
+if __name__ == "__main__":
+    main()
