@@ -15,14 +15,30 @@ The multi-layer modes and the start state of each layer are
 calling thread, so one model may be called from several threads at once (the
 streaming state ``handle.state`` is then the last finished call's).
 
+The hook is registered in front of the block's other forward hooks
+(``prepend=True``), so hooks that record block outputs (e.g. Hugging Face's
+``output_hidden_states``) see the memory's contribution whenever they were
+registered.
+
 Activation checkpointing of the blocks (``torch.utils.checkpoint``): the
 recomputation in the backward re-runs the hook; it is recognized (it runs
-inside the backward pass) and given the very start state and reset mask the
+inside the backward pass) and given the very start state and masks the
 original forward used, so gradients are exact, with or without streaming.
-With ``use_reentrant=True`` no gradient reaches a streamed-in state (torch
-only differentiates the checkpoint's explicit inputs): detach the state
-between calls (:meth:`MemoryHandle.detach_state`) or use the default
-``use_reentrant=False``.
+With ``use_reentrant=True`` no gradient could reach a streamed-in state that
+is still part of the graph (torch only differentiates the checkpoint's
+explicit inputs): that case raises a ``RuntimeError`` in the backward instead
+of returning wrong gradients; detach the state between calls
+(:meth:`MemoryHandle.detach_state`, then it is exact) or use
+``use_reentrant=False``. Blocks that checkpoint only their ``forward``
+(Hugging Face ``GradientCheckpointingLayer`` with ``gradient_checkpointing``
+on, transformers 5) run the memory in a checkpoint of its own with the
+block's checkpoint function, the start state passed as explicit inputs, so its
+activations are recomputed in the backward and gradients are exact with
+either ``use_reentrant``.
+
+Under ``torch.compile`` the per-call bookkeeping is a plain object (no thread
+local, no lock, no records for recomputation), so the hooks trace without a
+graph break.
 """
 
 from __future__ import annotations
@@ -57,8 +73,15 @@ def _detach(state: Any) -> Any:
     return detach_state(state)
 
 
+def _compiling() -> bool:
+    return torch.compiler.is_compiling()
+
+
 def _in_backward() -> bool:
-    """Whether the autograd engine is running a backward pass in this thread."""
+    """Whether the autograd engine is running a backward pass in this thread (never
+    while torch.compile traces: the compiled backward re-runs no hook)."""
+    if _compiling():
+        return False
     task = getattr(torch._C, "_current_graph_task_id", None)
     return task is not None and task() != -1
 
@@ -76,6 +99,62 @@ def _blocks_of(blocks: Any) -> tuple[list[nn.Module], bool | None]:
         raise ValueError("blocks: expected at least one nn.Module block")
     attn = getattr(layers[0], "self_attn", None)
     return layers, getattr(attn, "batch_first", None)
+
+
+class _CallState:
+    """Per-call bookkeeping (a plain object: what a thread-local holds outside compile)."""
+
+    carried: Any = None
+    current: Any = None
+    reset: Any = None
+    doc_starts: Any = None
+    valid: Any = None
+
+
+def _has_graph(state: Any) -> bool:
+    """Whether a layer's start state holds a tensor that is part of an autograd graph."""
+    if state is None:
+        return False
+    return any(isinstance(v, Tensor) and v.requires_grad for v in state)
+
+
+def _checkpoints_forward(module: nn.Module) -> bool:
+    """A Hugging Face ``GradientCheckpointingLayer`` (transformers 5) in checkpointing mode:
+    it checkpoints only its ``forward``, so a forward hook runs outside the checkpoint."""
+    return (getattr(module, "gradient_checkpointing", False) is True and module.training
+            and torch.is_grad_enabled()
+            and callable(getattr(module, "_gradient_checkpointing_func", None)))
+
+
+def _checkpointed(module: nn.Module, memory: nn.Module, x: Tensor, init: Any, reset: Any,
+                  kwargs: dict[str, Any]) -> tuple[Tensor, Any]:
+    """``memory(x, init, ...)`` inside the block's checkpoint function: the memory's
+    activations are recomputed in the backward. The start state's tensors are explicit
+    inputs (a reentrant checkpoint differentiates only those), the returned state's
+    tensors explicit outputs."""
+    fields = None if init is None else list(init)
+    where = [i for i, v in enumerate(fields or ()) if isinstance(v, Tensor)]
+    box: list[Any] = []
+
+    def run(x: Tensor, *tensors: Tensor) -> tuple[Tensor, ...]:
+        state = None
+        if fields is not None:
+            values = list(fields)
+            for i, t in zip(where, tensors, strict=True):
+                values[i] = t
+            state = type(init)(*values) if isinstance(init, tl.StreamState) else tuple(values)
+        out, new = memory(x, state, reset=reset, **kwargs)
+        box[:] = [new]
+        return (out, *(v for v in new if isinstance(v, Tensor)))
+
+    out, *tensors = module._gradient_checkpointing_func(run, x, *(fields[i] for i in where))
+    new = box[0]
+    values = list(new)
+    slots = [i for i, v in enumerate(values) if isinstance(v, Tensor)]
+    for i, t in zip(slots, tensors, strict=True):
+        values[i] = t
+    state = type(new)(*values) if isinstance(new, tl.StreamState) else tuple(values)
+    return out, state
 
 
 class _Hook:
@@ -119,18 +198,20 @@ class MemoryHandle:
         self.state: list[State] | None = None
         self._reset: Tensor | None = None
         self._doc_starts: Tensor | None = None
+        self._valid: Tensor | None = None
         self._setup_transient()
-        self._hooks = [block.register_forward_hook(_Hook(self, layer))
+        self._hooks = [block.register_forward_hook(_Hook(self, layer), prepend=True)
                        for layer, block in enumerate(self._blocks)]
 
     def _setup_transient(self) -> None:
         self._local = threading.local()  # per-call bookkeeping of the calling thread
+        self._compiled_local = _CallState()  # the same under torch.compile (traceable)
         self._records: dict[tuple, tuple[Any, Any]] = {}
         self._lock = threading.Lock()
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
-        for key in ("_local", "_records", "_lock"):
+        for key in ("_local", "_compiled_local", "_records", "_lock"):
             state.pop(key)
         if self.state is not None:  # a copy carries the streaming state, not its graph
             state["state"] = [_detach(s) for s in self.state]
@@ -138,6 +219,7 @@ class MemoryHandle:
 
     def __setstate__(self, state: dict) -> None:
         state.setdefault("_doc_starts", None)  # pickled before packed documents
+        state.setdefault("_valid", None)
         self.__dict__.update(state)
         self._setup_transient()
 
@@ -175,7 +257,8 @@ class MemoryHandle:
     def _run(self, layer: int, module: nn.Module, args: tuple, y: Tensor) -> Tensor:
         memory = getattr(module, ATTRIBUTE)
         x = y if self.batch_first else y.transpose(0, 1)
-        key = self._record_key(layer, args)
+        compiling = _compiling()
+        key = None if compiling else self._record_key(layer, args)
         if _in_backward():  # activation checkpointing is recomputing this block
             with self._lock:
                 record = self._records.get(key) if key is not None else None
@@ -191,9 +274,17 @@ class MemoryHandle:
                     f"backward pass (activation checkpointing?) but its forward call is no "
                     f"longer known (more than {_RECORDS_PER_LAYER} calls ago, or its input "
                     f"tensor was changed in place); run backward after each forward")
+            if not record[4] and _has_graph(record[1]):
+                raise RuntimeError(
+                    f"tmcore: block {layer} is recomputed by a reentrant checkpoint "
+                    f"(use_reentrant=True), which differentiates only the checkpoint's "
+                    f"explicit inputs, but its memory started from a streamed-in state that "
+                    f"is part of the graph: its gradient would be silently lost. Detach the "
+                    f"state between calls (handle.detach_state()) or checkpoint with "
+                    f"use_reentrant=False")
             out, _ = memory(x, record[1], reset=record[2], **record[3])
             return out if self.batch_first else out.transpose(0, 1)
-        local = self._local
+        local = self._compiled_local if compiling else self._local
         layers = len(self._blocks)
         if layer == 0:
             local.carried = tl.segment_states(self.mode, self.state if self.streaming else None,
@@ -201,30 +292,40 @@ class MemoryHandle:
             local.current = [None] * layers
             local.reset, self._reset = self._reset, None
             local.doc_starts, self._doc_starts = self._doc_starts, None
+            local.valid, self._valid = self._valid, None
         elif getattr(local, "current", None) is None or local.current[layer - 1] is None:
             raise RuntimeError(f"tmcore: block {layer} ran before block {layer - 1} in this call; "
                                f"attached memories need the blocks to run in order, once each")
         init, applies = tl.start_state(self.mode, layer, local.carried,
                                        local.current[layer - 1] if layer else None)
         reset = local.reset if applies else None
-        kwargs = self._stream_kwargs(local.doc_starts)
+        kwargs = self._stream_kwargs(local.doc_starts, local.valid)
         if key is not None:
             self._remember(key, args[0], init, reset, kwargs)
-        out, state = memory(x, init, reset=reset, **kwargs)
+        if _checkpoints_forward(module):
+            out, state = _checkpointed(module, memory, x, init, reset, kwargs)
+        else:
+            out, state = memory(x, init, reset=reset, **kwargs)
         local.current[layer] = state
         if layer == layers - 1:
             self.state = list(local.current)
             local.current, local.carried, local.reset = None, None, None
-            local.doc_starts = None
+            local.doc_starts, local.valid = None, None
         return out if self.batch_first else out.transpose(0, 1)
 
-    def _stream_kwargs(self, doc_starts: Any) -> dict[str, Any]:
-        """Causal mode streams (the state carries the unfinished chunk, so calls of any
-        lengths equal one long call) when ``streaming`` or packed documents ask for it;
-        threaded mode passes plain ``(h, c)`` between layers."""
+    def _stream_kwargs(self, doc_starts: Any, valid: Any = None) -> dict[str, Any]:
+        """Causal mode streams (every layer's state is a :class:`tmcore.layer.StreamState`
+        that carries the unfinished chunk, so calls of any lengths equal one long call);
+        threaded mode passes plain ``(h, c)`` between layers (``stream=False``), as the
+        reference does."""
         if self.mode != "causal":
-            return {}
-        return {"stream": self.streaming or doc_starts is not None, "doc_starts": doc_starts}
+            if valid is not None:
+                raise ValueError("valid: padding masks need mode='causal'")
+            return {"stream": False}
+        kwargs: dict[str, Any] = {"stream": True, "doc_starts": doc_starts}
+        if valid is not None:
+            kwargs["valid"] = valid
+        return kwargs
 
     def _remember(self, key: tuple, x: Tensor, init: Any, reset: Any,
                   kwargs: dict[str, Any]) -> None:
@@ -242,7 +343,8 @@ class MemoryHandle:
                                           is not kwargs.get("doc_starts"))):
                 self._records[key] = _AMBIGUOUS
             else:
-                self._records[key] = (weakref.ref(x), init, reset, kwargs)
+                self._records[key] = (weakref.ref(x), init, reset, kwargs,
+                                      torch.is_grad_enabled())
             while len(self._records) > _RECORDS_PER_LAYER * len(self._blocks):
                 self._records.pop(next(iter(self._records)))
 
@@ -252,7 +354,7 @@ class MemoryHandle:
         """Forget the state (``mask=None``), or start the sequences where the
         ``(B,)`` bool ``mask`` is True from zeros at the next call."""
         if mask is None:
-            self.state, self._reset, self._doc_starts = None, None, None
+            self.state, self._reset, self._doc_starts, self._valid = None, None, None, None
             return
         if not isinstance(mask, Tensor) or mask.dtype != torch.bool:
             raise TypeError(f"mask: expected a bool tensor of shape (B,), got "
@@ -272,6 +374,23 @@ class MemoryHandle:
                    else type(doc_starts).__name__)
             raise TypeError(f"doc_starts: expected a bool tensor of shape (B, N), got {got}")
         self._doc_starts = doc_starts
+
+    def set_valid(self, valid: Tensor | None) -> None:
+        """Padding in the next call (``causal`` mode): a ``(B, N)`` bool mask, False at
+        padding tokens. They never enter any layer's state nor its chunk grid, and the
+        memory adds nothing to them, so every row equals running its valid tokens alone
+        (:meth:`TensorMemory.forward`'s ``valid``). ``None`` clears it."""
+        if valid is None:
+            self._valid = None
+            return
+        if self.mode != "causal":
+            raise ValueError(f"valid: padding masks need mode='causal', "
+                             f"this handle is {self.mode!r}")
+        if not isinstance(valid, Tensor) or valid.dtype != torch.bool or valid.dim() != 2:
+            got = (f"{valid.dtype} tensor of shape {tuple(valid.shape)}"
+                   if isinstance(valid, Tensor) else type(valid).__name__)
+            raise TypeError(f"valid: expected a bool tensor of shape (B, N), got {got}")
+        self._valid = valid
 
     def detach_state(self) -> None:
         """Cut the graph to the previous calls (truncated backprop through time)."""
@@ -295,7 +414,7 @@ class MemoryHandle:
                 if ATTRIBUTE in block._modules:
                     delattr(block, ATTRIBUTE)
         self._hooks = []
-        self.state, self._reset, self._doc_starts = None, None, None
+        self.state, self._reset, self._doc_starts, self._valid = None, None, None, None
         with self._lock:
             self._records.clear()
 
@@ -308,7 +427,8 @@ class MemoryHandle:
 
 def attach_memory(
     blocks: Any, mode: str = "causal", *, gate_init: float = 0.0, norm: Any = None,
-    streaming: bool = False, batch_first: bool | None = None, **memory_kwargs: Any,
+    zero_init: bool = False, streaming: bool = False, batch_first: bool | None = None,
+    **memory_kwargs: Any,
 ) -> MemoryHandle:
     """Add a gated Tensor Memory after every block of an existing model.
 
@@ -322,11 +442,13 @@ def attach_memory(
     mode : ``"causal"`` (every layer scans from the segment's initial state;
         causal) or ``"threaded"`` (the paper's reference: layer ``l`` starts from
         the state layer ``l-1`` reached after the whole sequence; NOT causal).
-    gate_init, norm : as in :class:`MemoryResidual`.
+    gate_init, norm, zero_init : as in :class:`MemoryResidual` (``zero_init=True``: the
+        memories' read-outs start at zero, so the model is exactly unchanged until
+        they train).
     streaming : carry ``handle.state`` from one model call to the next. In ``causal``
-        mode each layer's state is then a :class:`tmcore.layer.StreamState` (it
-        carries the unfinished chunk), so calls of any lengths (one token at a
-        time: generation) equal one long call.
+        mode each layer's state is a :class:`tmcore.layer.StreamState` (it carries
+        the unfinished chunk), so calls of any lengths (one token at a time:
+        generation) equal one long call.
     batch_first : layout of the block outputs; ``None`` reads it from
         ``block.self_attn.batch_first`` when present, else assumes True.
     **memory_kwargs : :class:`TensorMemory` arguments (``embed_dim``, ...);
@@ -346,8 +468,8 @@ def attach_memory(
     if ref is not None:
         memory_kwargs.setdefault("device", ref.device)
         memory_kwargs.setdefault("dtype", ref.dtype)
-    memories = [MemoryResidual(TensorMemory(**memory_kwargs), norm=norm, gate_init=gate_init)
-                for _ in layers]
+    memories = [MemoryResidual(TensorMemory(zero_init=zero_init, **memory_kwargs), norm=norm,
+                               gate_init=gate_init) for _ in layers]
     return MemoryHandle(layers, memories, mode, streaming, batch_first)
 
 

@@ -43,6 +43,7 @@ later tokens: only for bidirectional inputs such as images or clips).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -280,12 +281,16 @@ class TensorMemory(nn.Module):
     Every argument is checked once by :func:`tmcore.layer.layer_config` (sizes
     are ints, Python or NumPy: a float or bool is a ``TypeError``, a size < 1 a
     ``ValueError``). The math per chunk is :class:`tmcore.layer.Layer`'s
-    (``layer_class``; a variant subclasses it). A ragged last chunk is
-    zero-padded on the right and the output trimmed. Streaming: with
-    ``stream=True`` (or a :class:`StreamState` passed in) the state carries the
-    unfinished chunk, so pieces of any lengths equal one long call; a
-    non-streaming call's ``(h, c)`` has a ragged last chunk (zero-padded)
-    written into it.
+    (``layer_class``; a variant subclasses it).
+    zero_init : start the read-out ``out_proj`` at zero (weight and bias): the
+        layer's output is exactly 0 at initialization (an attached memory is an
+        exact identity) while ``out_proj`` still gets a gradient.
+
+    Streaming by default: :meth:`forward` returns a :class:`StreamState` that
+    carries the unfinished chunk, so feeding a sequence back in pieces of any
+    lengths with the returned state equals one long call. ``stream=False`` pads
+    the ragged last chunk with zeros and writes it into the state (a plain
+    ``(h, c)``; the paper's reference behaviour).
     """
 
     layer_class: type[tl.Layer] = _TorchLayer
@@ -294,12 +299,13 @@ class TensorMemory(nn.Module):
         self, embed_dim: int, memory_channels: int, memory_shape: Sequence[int],
         chunk_size: int, sigma_scale: float = 1.0, *, checkpoint_every: int = 1,
         radius: float | None = None, eps: float = DEFAULT_EPS, forget_bias: float = 0.0,
-        device: Any = None, dtype: Any = None,
+        zero_init: bool = False, device: Any = None, dtype: Any = None,
     ):
         super().__init__()
         config = tl.layer_config(embed_dim, memory_channels, memory_shape, chunk_size,
                                  sigma_scale, checkpoint_every=checkpoint_every,
-                                 radius=radius, eps=eps, forget_bias=forget_bias)
+                                 radius=radius, eps=eps, forget_bias=forget_bias,
+                                 zero_init=zero_init)
         self.config = config
         self.layer = self.layer_class(config)
         d, c, n = config.embed_dim, config.memory_channels, config.ndim
@@ -321,21 +327,41 @@ class TensorMemory(nn.Module):
     checkpoint_every = property(lambda self: self.config.checkpoint_every)
     radius = property(lambda self: self.config.radius)
     eps = property(lambda self: self.config.eps)
+    forget_bias = property(lambda self: self.config.forget_bias)
+    zero_init = property(lambda self: self.config.zero_init)
 
     def reset_parameters(self) -> None:
         """Initialize every parameter by the plan of :func:`tmcore.layer.param_specs`."""
         _init_from_plan(dict(self.named_parameters()), self.config, tl.GROUPS)
 
+    def zero_read_out_(self) -> None:
+        """Zero ``out_proj`` (weight and bias) and keep ``zero_init=True`` in the config
+        (so :meth:`reset_parameters` keeps it): the output is exactly 0 from here on
+        until ``out_proj`` trains."""
+        self.config = dataclasses.replace(self.config, zero_init=True)
+        self.layer.config = self.config
+        with torch.no_grad():
+            self.out_proj.weight.zero_()
+            self.out_proj.bias.zero_()
+
     def extra_repr(self) -> str:
         return (f"embed_dim={self.embed_dim}, memory_channels={self.memory_channels}, "
                 f"memory_shape={self.memory_shape}, chunk_size={self.chunk_size}, "
                 f"sigma_scale={self.sigma_scale}, checkpoint_every={self.checkpoint_every}, "
-                f"radius={self.radius}, forget_bias={self.cell.forget_bias}")
+                f"radius={self.radius}, forget_bias={self.cell.forget_bias}"
+                + (", zero_init=True" if self.zero_init else ""))
 
     def params(self) -> dict[str, dict[str, Tensor]]:
-        """The parameters as tmcore.layer's pytree ``{group: {leaf: tensor}}``."""
-        return {group: {leaf: p for leaf, p in getattr(self, group).named_parameters()}
-                for group in tl.GROUPS}
+        """The parameters as tmcore.layer's pytree ``{group: {leaf: tensor}}``.
+
+        Read by attribute (``self.write_proj.weight``, ...), not through
+        ``named_parameters()``: FSDP1 with flat parameters (its default) unregisters
+        the parameters and sets each attribute to a view of the flat one."""
+        params: dict[str, dict[str, Tensor]] = {}
+        for spec in tl.param_specs(self.config):
+            params.setdefault(spec.group, {})[spec.leaf] = getattr(getattr(self, spec.group),
+                                                                   spec.leaf)
+        return params
 
     # ----------------------------------------------------------------- checkpoints
 
@@ -418,7 +444,7 @@ class TensorMemory(nn.Module):
 
     def forward(
         self, x: Tensor, state: Any = None, *, reset: Tensor | None = None,
-        doc_starts: Tensor | None = None, stream: bool | None = None,
+        doc_starts: Tensor | None = None, valid: Tensor | None = None, stream: bool = True,
     ) -> tuple[Tensor, Any]:
         """Run the memory over ``x (B, N, d)``.
 
@@ -427,32 +453,39 @@ class TensorMemory(nn.Module):
         a ``TypeError``); those sequences start from zeros (document boundaries
         when streaming).
 
-        ``stream``: return a :class:`StreamState` (``(h, c)`` at the last chunk
-        boundary plus the unfinished chunk), so that pieces of any lengths, one
-        token at a time included, equal one long call
-        (:meth:`tmcore.layer.Layer.forward_stream`). ``None`` (default): stream
-        when ``state`` is a :class:`StreamState` or ``doc_starts`` is given.
+        ``stream`` (default ``True``): return a :class:`StreamState` (``(h, c)`` at
+        the last chunk boundary plus the unfinished chunk), so that feeding a
+        sequence back in pieces of any lengths (one token at a time included) with
+        the returned state equals one long call
+        (:meth:`tmcore.layer.Layer.forward_stream`). ``stream=False`` pads the
+        ragged last chunk with zeros and writes it into the state, which is then a
+        plain ``(h, c)`` (the paper's reference; continuing from it is NOT the
+        same as one long call unless every piece is a multiple of ``chunk_size``).
         ``doc_starts``: optional ``(B, N)`` bool mask of document starts (packed
         documents; each document's outputs equal running it alone; see
-        :func:`tmcore.layer.doc_starts_from_offsets`).
+        :func:`tmcore.layer.doc_starts_from_offsets`). ``valid``: optional
+        ``(B, N)`` bool mask, False at padding: those tokens never enter the
+        state nor the chunk grid and their outputs are zeros, so every row equals
+        running its valid tokens alone.
 
-        Returns ``(out (B, N, d), state)``: ``(h, c)`` without streaming (a ragged
-        last chunk is zero-padded and written into it), else a :class:`StreamState`.
+        Returns ``(out (B, N, d), state)``: a :class:`StreamState`, or ``(h, c)``
+        with ``stream=False``.
         """
-        if stream is None:
-            stream = isinstance(state, tl.StreamState) or doc_starts is not None
         self._check(x, state, reset)
         if stream:
-            if isinstance(doc_starts, Tensor) and doc_starts.device != x.device:
-                raise ValueError(f"doc_starts: expected a mask on x's device {x.device}, "
-                                 f"got one on {doc_starts.device}")
+            for name, mask in (("doc_starts", doc_starts), ("valid", valid)):
+                if isinstance(mask, Tensor) and mask.device != x.device:
+                    raise ValueError(f"{name}: expected a mask on x's device {x.device}, "
+                                     f"got one on {mask.device}")
+            extra = {} if valid is None else {"valid": valid}
             return self.layer.forward_stream(_XP, self.params(), x, state, scan=self._scan,
-                                             reset=reset, doc_starts=doc_starts)
+                                             reset=reset, doc_starts=doc_starts, **extra)
         if isinstance(state, tl.StreamState):
-            raise ValueError("state: a StreamState continues a stream; pass stream=True "
-                             "(or leave stream=None)")
+            raise ValueError("state: a StreamState continues a stream; leave stream=True")
         if doc_starts is not None:
-            raise ValueError("doc_starts: packed documents need stream=True (or None)")
+            raise ValueError("doc_starts: packed documents need stream=True (the default)")
+        if valid is not None:
+            raise ValueError("valid: a padding mask needs stream=True (the default)")
         return self.layer.forward(_XP, self.params(), x, state, scan=self._scan, reset=reset)
 
 
@@ -461,23 +494,35 @@ class MemoryResidual(nn.Module):
 
     ``norm``: a module, a class called as ``norm(embed_dim)``, or ``None`` for
     ``nn.LayerNorm(embed_dim)`` (pass ``nn.Identity()`` for none). ``gate_init``
-    is the initial logit (the paper uses 0.0 and -2.0). The gate is stored with
+    is the initial logit (the paper uses 0.0 and -2.0; a finite value that the
+    parameters' dtype can hold, else ``ValueError``). The gate is stored with
     shape ``(1,)`` (FSDP shards no 0-dim parameter); checkpoints saved with the
-    older 0-dim gate still load.
+    older 0-dim gate still load. ``zero_init=True`` zeroes the memory's read-out
+    ``out_proj`` (see :class:`TensorMemory`): the residual is then exactly ``x`` at
+    initialization, and the memory still trains.
     """
 
-    def __init__(self, memory: TensorMemory, norm: Any = None, gate_init: float = 0.0):
+    def __init__(self, memory: TensorMemory, norm: Any = None, gate_init: float = 0.0, *,
+                 zero_init: bool = False):
         super().__init__()
-        self.memory = memory
+        if not isinstance(memory, TensorMemory):
+            raise TypeError(f"memory: expected a TensorMemory, got {type(memory).__name__}")
         ref = memory.out_proj.weight
+        gate_init = check_finite("gate_init", gate_init)
+        limit = torch.finfo(ref.dtype).max
+        if abs(gate_init) > limit:
+            raise ValueError(f"gate_init: expected a finite logit that {ref.dtype} can hold "
+                             f"(|gate_init| <= {limit:.4g}), got {gate_init!r}")
+        if tl._flag("zero_init", zero_init) and not memory.zero_init:
+            memory.zero_read_out_()
+        self.memory = memory
         kw = {"device": ref.device, "dtype": ref.dtype}
         if norm is None:
             norm = nn.LayerNorm(memory.embed_dim, **kw)
         elif isinstance(norm, type):
             norm = norm(memory.embed_dim, **kw)
         self.norm = norm
-        self.gate = nn.Parameter(torch.full(tl.GATE_SHAPE, check_finite("gate_init", gate_init),
-                                            **kw))
+        self.gate = nn.Parameter(torch.full(tl.GATE_SHAPE, gate_init, **kw))
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
@@ -490,18 +535,21 @@ class MemoryResidual(nn.Module):
 
     def forward(
         self, x: Tensor, state: Any = None, *, reset: Tensor | None = None,
-        doc_starts: Tensor | None = None, stream: bool | None = None,
+        doc_starts: Tensor | None = None, valid: Tensor | None = None, stream: bool = True,
     ) -> tuple[Tensor, Any]:
         """``x (B, N, d)`` -> ``(x + sigmoid(gate) * memory(norm(x), state), new state)``.
 
-        ``state``, ``reset``, ``doc_starts`` and ``stream`` are
+        ``state``, ``reset``, ``doc_starts``, ``valid`` and ``stream`` are
         :meth:`TensorMemory.forward`'s: ``(h, c)`` or a :class:`StreamState` from the
         previous call (``None``: zeros), an optional ``(B,)`` bool mask of sequences
-        that start from zeros, an optional ``(B, N)`` mask of document starts. The
-        state returned is the memory's.
+        that start from zeros, optional ``(B, N)`` masks of document starts and of
+        valid (non-padding) tokens; by default a :class:`StreamState` is returned
+        (pieces of any lengths equal one call), ``stream=False`` returns ``(h, c)``
+        with the ragged last chunk zero-padded and written into it. The state
+        returned is the memory's.
         """
         out, state = self.memory(self.norm(x), state, reset=reset, doc_starts=doc_starts,
-                                 stream=stream)
+                                 valid=valid, stream=stream)
         return x + torch.sigmoid(self.gate) * out, state
 
 

@@ -274,7 +274,7 @@ def test_layer_gradcheck():
 
     def fn(x, h0, c0, *ps):
         out, (h, c) = torch.func.functional_call(m, dict(zip(names, ps, strict=True)),
-                                                 (x, (h0, c0)))
+                                                 (x, (h0, c0)), {"stream": False})
         return out, h, c
 
     assert torch.autograd.gradcheck(fn, (x, *state, *params), fast_mode=True)
@@ -284,7 +284,7 @@ def test_layer_gradcheck():
 def test_layer_vjp_matches_plain_autograd(shape):
     m, x, state = layer_and_input(shape=shape, chunk=3, tokens=8, d=5, c=2, seed=6,
                                   checkpoint_every=2)
-    out, (h, c) = m(x, state)
+    out, (h, c) = m(x, state, stream=False)  # the reference writes the padded last chunk
     ref_out, (ref_h, ref_c) = plain_forward(m, x, state)
     assert rel_err(out, ref_out) < 1e-12 and rel_err(h, ref_h) < 1e-12
     leaves = [x, *state, *m.parameters()]
@@ -316,7 +316,7 @@ def test_converted_reference_gives_identical_outputs_and_gradients():
     x = torch.randn(2, 11, 6, generator=g, dtype=F64, requires_grad=True)  # ragged last chunk
     h0 = torch.randn(2, 2, 3, 4, 2, generator=g, dtype=F64, requires_grad=True)
     c0 = torch.randn(2, 2, 3, 4, 2, generator=g, dtype=F64, requires_grad=True)
-    out, (h, c) = ours(x, (h0, c0))
+    out, (h, c) = ours(x, (h0, c0), stream=False)  # the reference pads the ragged chunk
     ref_out, (ref_h, ref_c) = ref(x, (h0, c0))
     assert rel_err(out, ref_out) < 1e-12
     assert rel_err(h, ref_h) < 1e-12 and rel_err(c, ref_c) < 1e-12
@@ -373,10 +373,15 @@ def test_layer_init_and_contract():
     h, c = m.init_state(2, "cpu", torch.float32)
     assert h.shape == (2, 3, 4, 5, 2) and not h.any() and not c.any()
     x = torch.randn(2, 10, 8)
-    out, (h1, _) = m(x)
+    out, state = m(x)
+    # streaming by default (issue 23): the state carries the unfinished chunk (10 = 2*4 + 2)
+    assert isinstance(state, tmt.StreamState) and list(state.count) == [2, 2]
     assert out.shape == x.shape
     out_explicit, _ = m(x, (h, c))
     assert torch.equal(out, out_explicit)
+    out_padded, (h1, _) = m(x, stream=False)  # opt-in: the zero-padded chunk is written
+    assert torch.equal(out_padded, out) and h1.shape == h.shape
+    assert not torch.equal(h1, state.h)
     # one read per chunk, broadcast to the chunk's tokens
     assert torch.equal(out[:, 4], out[:, 7]) and torch.equal(out[:, 8], out[:, 9])
     # the sigma head is tmcore.sigma_from_logit (overflow-free softplus), also at +-40
@@ -669,13 +674,14 @@ def test_torch_compile_scan_validation_and_validate_mode():
 def test_vmap_and_func_grad():
     m, x, _ = layer_and_input(shape=(3, 3), chunk=2, tokens=6, d=4, c=2, seed=19)
     xs = torch.randn(3, 2, 6, 4, dtype=F64)
-    batched = torch.func.vmap(lambda xi: m(xi)[0])(xs)
-    looped = torch.stack([m(xi)[0] for xi in xs])
+    # vmap needs the non-streaming path (the stream's chunk grid is planned per row)
+    batched = torch.func.vmap(lambda xi: m(xi, stream=False)[0])(xs)
+    looped = torch.stack([m(xi, stream=False)[0] for xi in xs])
     assert torch.allclose(batched, looped, rtol=1e-12, atol=0)
     params = {k: v.detach() for k, v in m.named_parameters()}
 
     def loss(ps, xi):
-        return torch.func.functional_call(m, ps, (xi,))[0].square().sum()
+        return torch.func.functional_call(m, ps, (xi,), {"stream": False})[0].square().sum()
 
     grads = torch.func.grad(loss)(params, x.detach())
     m.zero_grad()
