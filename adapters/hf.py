@@ -1,0 +1,681 @@
+"""Hugging Face ``transformers`` integration: Tensor Memory in a causal LM with one call.
+
+::
+
+    from transformers import AutoModelForCausalLM
+    from tmcore.adapters import hf
+
+    model = AutoModelForCausalLM.from_pretrained("path/to/model")
+    memory = hf.attach_memory(model, memory_channels=16, memory_shape=(4, 4, 4),
+                              chunk_size=32)          # zero_init=True: unchanged at step 0
+    ...                                               # train (Trainer works), generate
+    model.save_pretrained("out")                      # the memory config is in config.json
+    model = hf.from_pretrained("out")                 # the model with its memory, bit-identical
+    hf.detach_memory(model)                           # the model exactly as before
+
+:func:`attach_memory` finds the decoder blocks of a ``PreTrainedModel``
+(``model.layers``, ``transformer.h``, ... of its base model; or the dotted path
+given as ``blocks=``) and adds a gated :class:`~tmcore.adapters.torch.MemoryResidual`
+after each (``causal`` mode of :func:`tmcore.adapters.torch.attach_memory`: a
+read at chunk ``t`` sees only tokens before chunk ``t`` and the chunk's first
+token).
+
+The memory state belongs to the generation, the way the KV cache does:
+
+- a call with an empty cache (a new ``generate``, a first forward) or with no
+  cache (``use_cache=False``, training) starts from a fresh state; the state a
+  cached call reaches is stored ON the cache object, so the next call with that
+  cache continues it, and two ``generate`` calls in a row (of any batch sizes)
+  are independent;
+- beam search reorders it with the cache (``Cache.reorder_cache``, also
+  ``batch_select_indices`` / ``batch_repeat_interleave``); a cache ``crop`` that
+  removes tokens (assisted or prompt-lookup decoding) is refused with a
+  ``RuntimeError``: the memory state cannot be rolled back;
+- ``attention_mask`` (left or right padding, ``(B, past + N)`` of 0/1 ints or
+  bools) decides which tokens enter the state: padding never enters it nor
+  shifts the chunk grid, so every row equals that row run alone;
+- training forwards never carry a state across batches, unless
+  ``streaming=True`` asks for streaming training (truncated backprop: each
+  uncached forward in training mode continues, detached, from the previous one;
+  :meth:`HFMemory.reset_state` at document boundaries).
+
+The memory configuration (every hyper-parameter, the blocks' path) is stored in
+``model.config.tensor_memory``, so ``save_pretrained`` writes it to
+``config.json`` and :func:`from_pretrained` rebuilds the model with its memory
+and loads its weights, checking each stored value. A plain
+``AutoModelForCausalLM.from_pretrained`` of such a checkpoint returns the model
+WITHOUT memory (and reports the memory weights as unexpected).
+
+Also: ``gradient_checkpointing_enable()`` recomputes the memory inside a
+checkpoint (exact gradients); ``torch.compile(model, fullgraph=True)`` traces
+through the memory; ``output_hidden_states`` includes the memory's
+contribution; DDP, FSDP1 (flat parameters) and FSDP2 wrap the model.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import math
+import os
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from tmcore import layer as tl
+from tmcore.adapters import _torch_attach
+from tmcore.adapters.torch import MemoryHandle, StreamState, detach_state
+from tmcore.adapters.torch import attach_memory as _attach_blocks
+
+__all__ = ["CONFIG_KEY", "HFMemory", "attach_memory", "detach_memory", "find_blocks",
+           "from_pretrained", "memory_of"]
+
+#: Key of the memory configuration in ``model.config`` (and so in ``config.json``).
+CONFIG_KEY = "tensor_memory"
+#: Version of the stored configuration's layout.
+FORMAT = 1
+#: Where decoder blocks live, relative to the model (first match wins).
+BLOCK_PATHS = ("model.layers", "transformer.h", "model.decoder.layers", "gpt_neox.layers",
+               "transformer.layers", "transformer.blocks", "model.language_model.layers",
+               "layers", "h", "decoder.layers", "blocks")
+_NORMS = ("layernorm", "identity")
+_CACHE_ATTR = "_tmcore_memory"
+_CACHE_NAMES = ("cache", "past_key_values")
+_LAYER_KEYS = ("embed_dim", "memory_channels", "memory_shape", "chunk_size", "sigma_scale",
+               "checkpoint_every", "radius", "eps", "forget_bias", "zero_init")
+_SPEC_KEYS = ("format", "blocks", "num_blocks", "mode", "gate_init", "norm", "streaming",
+              *_LAYER_KEYS)
+
+
+def _transformers() -> Any:
+    try:
+        import transformers
+    except ImportError as error:  # pragma: no cover - the tests skip without it
+        raise ImportError("tmcore.adapters.hf needs transformers: pip install 'tmcore[hf]'"
+                          ) from error
+    return transformers
+
+
+# --------------------------------------------------------------------------- blocks
+
+
+def _resolve(root: nn.Module, path: str) -> Any:
+    obj: Any = root
+    for part in path.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            return None
+    return obj
+
+
+def find_blocks(model: nn.Module, blocks: str | None = None) -> tuple[str, nn.Module,
+                                                                         nn.ModuleList]:
+    """``(path, owner, blocks)`` of a decoder: the dotted path of its ``nn.ModuleList`` of
+    blocks (``blocks`` if given, else the first of :data:`BLOCK_PATHS` that is one, of
+    ``config.num_hidden_layers`` blocks when the config says), the module that owns it
+    (the base model, whose forward receives the cache and the attention mask), and the
+    list. ``ValueError`` naming ``model`` / ``blocks`` when there is none."""
+    transformers = _transformers()
+    if not isinstance(model, transformers.PreTrainedModel):
+        raise TypeError(f"model: expected a transformers PreTrainedModel, "
+                        f"got {type(model).__name__}")
+    config = model.config
+    if getattr(config, "is_encoder_decoder", False):
+        raise ValueError(f"model: {type(model).__name__} is an encoder-decoder; "
+                         f"tmcore.adapters.hf supports decoder-only (causal LM) models")
+    if blocks is not None:
+        if not isinstance(blocks, str):
+            raise TypeError(f"blocks: expected a dotted path such as 'model.layers', "
+                            f"got {type(blocks).__name__}")
+        found = _resolve(model, blocks)
+        if not isinstance(found, nn.ModuleList) or len(found) == 0:
+            raise ValueError(f"blocks: {blocks!r} is not a non-empty nn.ModuleList of "
+                             f"{type(model).__name__} (got {type(found).__name__})")
+        candidates = [blocks]
+    else:
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        layers = getattr(text, "num_hidden_layers", None)
+        candidates = [p for p in BLOCK_PATHS
+                      if isinstance(_resolve(model, p), nn.ModuleList)
+                      and len(_resolve(model, p)) > 0
+                      and (layers is None or len(_resolve(model, p)) == layers)]
+        if not candidates:
+            raise ValueError(f"model: could not find the decoder blocks of "
+                             f"{type(model).__name__} (tried {', '.join(BLOCK_PATHS)}); "
+                             f"pass blocks='dotted.path.to.the.ModuleList'")
+    path = candidates[0]
+    owner_path, _, _ = path.rpartition(".")
+    owner = model if not owner_path else _resolve(model, owner_path)
+    return path, owner, _resolve(model, path)
+
+
+def _hidden_size(model: nn.Module) -> int:
+    config = model.config
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    size = getattr(text, "hidden_size", None)
+    if not isinstance(size, int):
+        raise ValueError("model: its config has no integer hidden_size; pass embed_dim=")
+    return size
+
+
+# --------------------------------------------------------------------------- state per cache
+
+
+class _Entry:
+    """What a cache object carries for the memory: the owner, the cache length the
+    state belongs to, the per-layer states."""
+
+    def __init__(self, owner: int, length: int, state: list[Any]):
+        self.owner, self.length, self.state = owner, length, state
+
+
+def _index_state(state: Any, index: Tensor) -> Any:
+    """One layer's state with its batch axis gathered by ``index (B',)`` (every field,
+    ``count`` included: a tuple of ints or an integer array)."""
+    def take(t: Tensor) -> Tensor:
+        return t.index_select(0, index.to(t.device))
+
+    if isinstance(state, StreamState):
+        count = state.count
+        if isinstance(count, Tensor):
+            count = take(count)
+        elif hasattr(count, "shape") and not isinstance(count, tuple):  # a NumPy array
+            count = count[index.cpu().numpy()]
+        else:
+            count = tuple(count[i] for i in index.tolist())
+        return StreamState(take(state.h), take(state.c), take(state.pending), count,
+                           take(state.read))
+    return tuple(take(t) for t in state)
+
+
+class _CacheMethod:
+    """An instance attribute that wraps a ``Cache`` method so the memory state stored on
+    the cache follows it (picklable and deep-copyable with the cache)."""
+
+    def __init__(self, cache: Any, name: str):
+        self.cache, self.name = cache, name
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        cache, name = self.cache, self.name
+        entry = cache.__dict__.get(_CACHE_ATTR)
+        if name == "crop" and entry is not None:
+            before = cache.get_seq_length()
+            amount = args[0] if args else kwargs.get("tokens_to_remove", kwargs.get(
+                "max_length", 0))
+            removes = amount < 0 or (amount > 0 and amount < before)
+            if removes and before > 0:
+                raise RuntimeError(
+                    f"tmcore.adapters.hf: cache.crop({amount}) would remove tokens, but the "
+                    f"Tensor Memory state cannot be rolled back (assisted / prompt-lookup "
+                    f"decoding and deferred stop checks are not supported with memory); "
+                    f"use greedy, sampling or beam search")
+        result = getattr(type(cache), name)(cache, *args, **kwargs)
+        if entry is None:
+            return result
+        if name in ("reorder_cache", "batch_select_indices"):
+            index = args[0] if args else next(iter(kwargs.values()))
+            index = torch.as_tensor(index)
+            if index.dtype == torch.bool:
+                index = torch.nonzero(index).reshape(-1)
+            entry.state = [_index_state(s, index) for s in entry.state]
+        elif name == "batch_repeat_interleave":
+            repeats = args[0] if args else next(iter(kwargs.values()))
+            batch = _state_batch(entry.state)
+            index = torch.arange(batch).repeat_interleave(int(repeats))
+            entry.state = [_index_state(s, index) for s in entry.state]
+        elif name == "reset":
+            cache.__dict__.pop(_CACHE_ATTR, None)
+        return result
+
+
+_FOLLOWED = ("reorder_cache", "batch_select_indices", "batch_repeat_interleave", "crop",
+             "reset")
+
+
+def _state_batch(states: list[Any]) -> int:
+    first = states[0]
+    return int((first.h if isinstance(first, StreamState) else first[0]).shape[0])
+
+
+# --------------------------------------------------------------------------- the handle
+
+
+class HFMemory:
+    """The memories attached to a Hugging Face model (:func:`attach_memory`'s result).
+
+    ``memories`` / ``parameters()`` as :class:`tmcore.adapters.torch.MemoryHandle`'s;
+    ``spec`` the stored configuration (``model.config.tensor_memory``);
+    :meth:`state_of` the per-layer state a cache carries; :meth:`remove` undoes the
+    attach exactly.
+    """
+
+    def __init__(self, model: nn.Module, path: str, owner: nn.Module, handle: MemoryHandle,
+                 spec: dict[str, Any]):
+        self.model, self.path, self.owner, self.handle = model, path, owner, handle
+        self.spec = spec
+        self.streaming = bool(spec["streaming"])
+        self._train_state: list[Any] | None = None
+        self._names = _parameter_names(owner)
+        self._hooks = [
+            owner.register_forward_pre_hook(_PreHook(self), with_kwargs=True, prepend=True),
+            owner.register_forward_hook(_PostHook(self), with_kwargs=True),
+        ]
+
+    def __repr__(self) -> str:
+        return (f"HFMemory(blocks={self.path!r}, layers={len(self.handle.memories)}, "
+                f"attached={self.attached})")
+
+    @property
+    def attached(self) -> bool:
+        return bool(self._hooks)
+
+    @property
+    def memories(self) -> list[nn.Module]:
+        return self.handle.memories
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        return self.handle.parameters()
+
+    def state_of(self, cache: Any) -> list[Any] | None:
+        """The per-layer memory state ``cache`` carries (``None``: none, a fresh start)."""
+        entry = getattr(cache, "__dict__", {}).get(_CACHE_ATTR)
+        return None if entry is None else entry.state
+
+    def reset_state(self) -> None:
+        """Forget the streaming-training state (``streaming=True``): the next uncached
+        training forward starts fresh (a document boundary)."""
+        self._train_state = None
+
+    def remove(self) -> None:
+        """Remove the memories, the hooks and ``model.config.tensor_memory``."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+        self.handle.remove()
+        self._train_state = None
+        if getattr(self.model, "_tmcore_hf_memory", None) is self:
+            del self.model._tmcore_hf_memory
+        if hasattr(self.model.config, CONFIG_KEY):
+            delattr(self.model.config, CONFIG_KEY)
+
+    # ----------------------------------------------------------------- per call
+
+    def _arg(self, args: tuple, kwargs: dict, name: str) -> Any:
+        if name in kwargs:
+            return kwargs[name]
+        index = self._names.get(name)
+        return args[index] if index is not None and index < len(args) else None
+
+    def _cache_arg(self, args: tuple, kwargs: dict) -> Any:
+        for name in _CACHE_NAMES:
+            value = self._arg(args, kwargs, name)
+            if value is not None:
+                return name, value
+        return _CACHE_NAMES[0], None
+
+    def _before(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        compiling = torch.compiler.is_compiling()
+        name, cache = self._cache_arg(args, kwargs)
+        tokens = self._arg(args, kwargs, "input_ids")
+        if tokens is None:
+            tokens = self._arg(args, kwargs, "inputs_embeds")
+        if not isinstance(tokens, Tensor) or tokens.dim() < 2:
+            raise ValueError("input_ids: expected input_ids (B, N) or inputs_embeds (B, N, d)")
+        batch, count = int(tokens.shape[0]), int(tokens.shape[1])
+        start = None
+        if cache is None:
+            if self.streaming and module.training and self._train_state is not None:
+                if _state_batch(self._train_state) != batch:
+                    raise ValueError(
+                        f"input_ids: streaming training continues the previous batch of "
+                        f"{_state_batch(self._train_state)} rows, got {batch} rows; drop the "
+                        f"last incomplete batch (dataloader_drop_last=True) or call "
+                        f"memory.reset_state() first")
+                start = self._train_state
+        else:
+            start = self._cache_start(name, cache, compiling)
+        self.handle.state = start
+        self.handle._valid = _valid_mask(self._arg(args, kwargs, "attention_mask"), batch,
+                                         count, compiling)
+
+    def _cache_start(self, name: str, cache: Any, compiling: bool) -> list[Any] | None:
+        transformers = _transformers()
+        if not isinstance(cache, transformers.Cache):
+            raise TypeError(f"{name}: tmcore's memory follows a transformers Cache object "
+                            f"(DynamicCache, StaticCache, ...); got {type(cache).__name__} "
+                            f"(legacy tuple caches cannot carry the memory state)")
+        past = cache.get_seq_length()
+        if compiling:
+            entry = cache.__dict__.get(_CACHE_ATTR)
+            return None if entry is None else entry.state
+        if past == 0:
+            cache.__dict__.pop(_CACHE_ATTR, None)
+            return None
+        entry = cache.__dict__.get(_CACHE_ATTR)
+        if entry is None or entry.owner != id(self):
+            raise RuntimeError(f"{name}: this cache holds {past} tokens but no Tensor Memory "
+                               f"state of this model (filled before the memory was attached, "
+                               f"or by another model); start from an empty cache")
+        if entry.length != past:
+            raise RuntimeError(f"{name}: the cache now holds {past} tokens, its memory state "
+                               f"belongs to {entry.length}; the cache was changed in a way "
+                               f"the memory cannot follow")
+        return entry.state
+
+    def _after(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        states = self.handle.state
+        self.handle.state = None
+        self.handle._valid = None
+        if states is None:
+            return
+        _, cache = self._cache_arg(args, kwargs)
+        if cache is None:
+            cache = _cache_in(output)
+        transformers = _transformers()
+        if isinstance(cache, transformers.Cache):
+            self._bind(cache, states)
+        if self.streaming and module.training and cache is None:
+            self._train_state = [detach_state(s) for s in states]
+
+    def _bind(self, cache: Any, states: list[Any]) -> None:
+        length = 0 if torch.compiler.is_compiling() else cache.get_seq_length()
+        cache.__dict__[_CACHE_ATTR] = _Entry(id(self), length, list(states))
+        for name in _FOLLOWED:
+            current = cache.__dict__.get(name)
+            if not isinstance(current, _CacheMethod) and hasattr(type(cache), name):
+                cache.__dict__[name] = _CacheMethod(cache, name)
+
+
+class _PreHook:
+    def __init__(self, memory: HFMemory):
+        self.memory = memory
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        self.memory._before(module, args, kwargs)
+
+
+class _PostHook:
+    def __init__(self, memory: HFMemory):
+        self.memory = memory
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        self.memory._after(module, args, kwargs, output)
+
+
+def _parameter_names(owner: nn.Module) -> dict[str, int]:
+    try:
+        params = list(inspect.signature(owner.forward).parameters)
+    except (TypeError, ValueError):  # pragma: no cover - a forward without a signature
+        return {}
+    return {name: i for i, name in enumerate(params)}
+
+
+def _cache_in(output: Any) -> Any:
+    for name in _CACHE_NAMES:
+        value = getattr(output, name, None)
+        if value is not None:
+            return value
+    if isinstance(output, tuple):
+        transformers = _transformers()
+        return next((v for v in output if isinstance(v, transformers.Cache)), None)
+    return None
+
+
+_INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+
+
+def _valid_mask(mask: Any, batch: int, tokens: int, compiling: bool) -> Tensor | None:
+    """The new tokens' bool ``(B, N)`` validity from ``attention_mask (B, past + N)``
+    (``None`` when there is no mask or no padding)."""
+    if mask is None:
+        return None
+    if not isinstance(mask, Tensor):
+        raise TypeError(f"attention_mask: expected a tensor of shape (B, past + N) of 0/1 "
+                        f"ints or bools, got {type(mask).__name__}")
+    if mask.dtype != torch.bool and mask.dtype not in _INT_DTYPES:
+        raise TypeError(f"attention_mask: expected 0/1 ints or bools of shape (B, past + N), "
+                        f"got dtype {mask.dtype} (tmcore reads which tokens are padding; "
+                        f"convert with mask.long())")
+    if mask.dim() != 2 or mask.shape[0] != batch or mask.shape[1] < tokens:
+        raise ValueError(f"attention_mask: expected shape (B, past + N) with B = {batch}, "
+                         f"N = {tokens} (a 2-D padding mask; 4-D attention masks cannot "
+                         f"tell tmcore which tokens are padding), got {tuple(mask.shape)}")
+    valid = mask[:, mask.shape[1] - tokens:]
+    if valid.dtype != torch.bool:
+        if not compiling and bool(((valid != 0) & (valid != 1)).any()):
+            raise ValueError("attention_mask: expected only 0 and 1 (1 = a real token)")
+        valid = valid != 0
+    if compiling:
+        return valid
+    return None if bool(valid.all()) else valid
+
+
+# --------------------------------------------------------------------------- attach / detach
+
+
+def memory_of(model: nn.Module) -> HFMemory | None:
+    """The :class:`HFMemory` attached to ``model`` (``None`` if none)."""
+    return getattr(model, "_tmcore_hf_memory", None)
+
+
+def _norm_module(norm: str) -> Any:
+    if norm not in _NORMS:
+        raise ValueError(f"norm: expected one of {_NORMS}, got {norm!r}")
+    return None if norm == "layernorm" else nn.Identity()
+
+
+def attach_memory(
+    model: nn.Module, *, memory_channels: int, memory_shape: Sequence[int], chunk_size: int,
+    sigma_scale: float = 1.0, zero_init: bool = True, gate_init: float = 0.0,
+    norm: str = "layernorm", blocks: str | None = None, streaming: bool = False,
+    checkpoint_every: int = 1, radius: float | None = None, eps: float = 1e-6,
+    forget_bias: float = 0.0, embed_dim: int | None = None,
+) -> HFMemory:
+    """Add a gated Tensor Memory after every decoder block of ``model`` (one call).
+
+    Parameters
+    ----------
+    model : a ``transformers.PreTrainedModel`` decoder (``LlamaForCausalLM``,
+        ``GPT2LMHeadModel``, ``Qwen2ForCausalLM``, ...); its blocks are found by
+        :func:`find_blocks` (``blocks=`` a dotted path overrides).
+    memory_channels, memory_shape, chunk_size, sigma_scale, checkpoint_every, radius,
+        eps, forget_bias : the layer's (:class:`tmcore.adapters.torch.TensorMemory`);
+        ``embed_dim`` defaults to the config's ``hidden_size``.
+    zero_init : (default ``True``) the read-outs start at zero: the model's outputs
+        are bit-identical to the original's until the memory trains, and the
+        read-outs still get a gradient.
+    gate_init : the residual gate's initial logit. ``norm``: ``"layernorm"`` (the
+        default, a LayerNorm before the memory) or ``"identity"``.
+    streaming : streaming training: uncached forwards in training mode continue,
+        detached, from the previous one (truncated backprop); default ``False``:
+        every uncached forward starts fresh. Cached calls always follow the cache.
+
+    Returns
+    -------
+    :class:`HFMemory`; :func:`detach_memory` (or ``.remove()``) undoes it exactly. The
+    configuration is stored in ``model.config.tensor_memory``.
+    """
+    if memory_of(model) is not None:
+        raise ValueError("model: already has a Tensor Memory attached; detach_memory first")
+    path, owner, found = find_blocks(model, blocks)
+    if embed_dim is None:
+        embed_dim = _hidden_size(model)
+    if not isinstance(streaming, bool):
+        raise TypeError(f"streaming: expected True or False, got {streaming!r}")
+    config = tl.layer_config(embed_dim, memory_channels, memory_shape, chunk_size, sigma_scale,
+                             checkpoint_every=checkpoint_every, radius=radius, eps=eps,
+                             forget_bias=forget_bias, zero_init=zero_init)
+    spec: dict[str, Any] = {
+        "format": FORMAT, "blocks": path, "num_blocks": len(found), "mode": "causal",
+        "gate_init": float(gate_init), "norm": norm, "streaming": streaming,
+        "embed_dim": config.embed_dim, "memory_channels": config.memory_channels,
+        "memory_shape": list(config.memory_shape), "chunk_size": config.chunk_size,
+        "sigma_scale": config.sigma_scale, "checkpoint_every": config.checkpoint_every,
+        "radius": config.radius, "eps": config.eps, "forget_bias": config.forget_bias,
+        "zero_init": config.zero_init,
+    }
+    return _attach_spec(model, spec)
+
+
+def _attach_spec(model: nn.Module, spec: dict[str, Any]) -> HFMemory:
+    path, owner, found = find_blocks(model, spec["blocks"])
+    if len(found) != spec["num_blocks"]:
+        raise ValueError(f"{CONFIG_KEY}.num_blocks: stored {spec['num_blocks']} blocks at "
+                         f"{path!r}, the model has {len(found)}")
+    handle = _attach_blocks(
+        found, "causal", gate_init=spec["gate_init"], norm=_norm_module(spec["norm"]),
+        zero_init=spec["zero_init"], streaming=True, batch_first=True,
+        embed_dim=spec["embed_dim"], memory_channels=spec["memory_channels"],
+        memory_shape=tuple(spec["memory_shape"]), chunk_size=spec["chunk_size"],
+        sigma_scale=spec["sigma_scale"], checkpoint_every=spec["checkpoint_every"],
+        radius=spec["radius"], eps=spec["eps"], forget_bias=spec["forget_bias"])
+    memory = HFMemory(model, path, owner, handle, spec)
+    model._tmcore_hf_memory = memory
+    setattr(model.config, CONFIG_KEY, dict(spec))
+    return memory
+
+
+def detach_memory(model: nn.Module) -> None:
+    """Remove the memory :func:`attach_memory` added (the model is exactly as before)."""
+    memory = memory_of(model)
+    if memory is None:
+        raise ValueError("model: has no Tensor Memory attached")
+    memory.remove()
+
+
+# --------------------------------------------------------------------------- save / load
+
+
+def check_spec(spec: Any) -> dict[str, Any]:
+    """A stored configuration (``config.tensor_memory``), checked: every key present and
+    known, each value of the right kind (the layer's checks); ``ValueError`` /
+    ``TypeError`` naming ``tensor_memory.<key>``."""
+    if not isinstance(spec, dict):
+        raise TypeError(f"{CONFIG_KEY}: expected a dict in the model config, "
+                        f"got {type(spec).__name__}")
+    missing = sorted(set(_SPEC_KEYS) - set(spec))
+    unknown = sorted(set(spec) - set(_SPEC_KEYS))
+    if missing or unknown:
+        raise ValueError(f"{CONFIG_KEY}: missing keys {missing}, unknown keys {unknown} "
+                         f"(saved by another tmcore version?)")
+    if spec["format"] != FORMAT:
+        raise ValueError(f"{CONFIG_KEY}.format: expected {FORMAT}, got {spec['format']!r}")
+    if spec["mode"] != "causal":
+        raise ValueError(f"{CONFIG_KEY}.mode: expected 'causal', got {spec['mode']!r}")
+    for key in ("streaming", "zero_init"):
+        if not isinstance(spec[key], bool):
+            raise TypeError(f"{CONFIG_KEY}.{key}: expected true or false, got {spec[key]!r}")
+    if not isinstance(spec["gate_init"], (int, float)) or isinstance(spec["gate_init"], bool) \
+            or not math.isfinite(spec["gate_init"]):
+        raise ValueError(f"{CONFIG_KEY}.gate_init: expected a finite number, "
+                         f"got {spec['gate_init']!r}")
+    if spec["norm"] not in _NORMS:
+        raise ValueError(f"{CONFIG_KEY}.norm: expected one of {_NORMS}, got {spec['norm']!r}")
+    if not isinstance(spec["blocks"], str) or not isinstance(spec["num_blocks"], int):
+        raise TypeError(f"{CONFIG_KEY}.blocks / num_blocks: expected a dotted path and an "
+                        f"int, got {spec['blocks']!r}, {spec['num_blocks']!r}")
+    try:
+        config = tl.layer_config(
+            spec["embed_dim"], spec["memory_channels"], spec["memory_shape"],
+            spec["chunk_size"], spec["sigma_scale"], checkpoint_every=spec["checkpoint_every"],
+            radius=spec["radius"], eps=spec["eps"], forget_bias=spec["forget_bias"],
+            zero_init=spec["zero_init"])
+    except (TypeError, ValueError) as error:
+        raise type(error)(f"{CONFIG_KEY}: {error}") from error
+    stored = {k: spec[k] for k in _LAYER_KEYS}
+    stored["memory_shape"] = tuple(stored["memory_shape"])
+    rebuilt = {k: getattr(config, k) for k in _LAYER_KEYS}
+    for key in _LAYER_KEYS:
+        if stored[key] != rebuilt[key]:
+            raise ValueError(f"{CONFIG_KEY}.{key}: stored {stored[key]!r} does not survive "
+                             f"the layer's checks ({rebuilt[key]!r})")
+    return dict(spec)
+
+
+def _memory_tensors(path: str) -> dict[str, Tensor]:
+    """The memory entries (``*.tensor_memory.*``) of a ``save_pretrained`` folder."""
+    from safetensors.torch import load_file
+
+    marker = f".{_torch_attach.ATTRIBUTE}."
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            files = sorted({v for k, v in json.load(f)["weight_map"].items() if marker in k})
+    elif os.path.exists(os.path.join(path, "model.safetensors")):
+        files = ["model.safetensors"]
+    else:
+        raise ValueError(f"path: {path!r} has no model.safetensors (save with "
+                         f"save_pretrained(..., safe_serialization=True), the default)")
+    out: dict[str, Tensor] = {}
+    for name in files:
+        out.update({k: v for k, v in load_file(os.path.join(path, name)).items()
+                    if marker in k})
+    return out
+
+
+def from_pretrained(path: str | os.PathLike, model_class: Any = None, **kwargs: Any
+                    ) -> nn.Module:
+    """Load a model saved with its memory (``save_pretrained``) and its memory, in one call.
+
+    ``path``: a local folder written by ``save_pretrained`` of a model with memory;
+    ``model_class``: the class to load with (default ``AutoModelForCausalLM``; an
+    ``Auto*`` class or a concrete one); ``kwargs`` go to its ``from_pretrained``
+    (``torch_dtype``, ...). The memory configuration is read from ``config.json``
+    (``tensor_memory``) and checked (:func:`check_spec`); the memory weights are
+    loaded strictly (every memory tensor present, none unknown, shapes and the grid
+    checked), so the result equals the saved model bit for bit. ``ValueError`` when
+    the checkpoint has no memory configuration.
+    """
+    transformers = _transformers()
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        raise ValueError(f"path: expected a local folder written by save_pretrained, "
+                         f"got {path!r}")
+    config = kwargs.pop("config", None) or transformers.AutoConfig.from_pretrained(path)
+    spec = getattr(config, CONFIG_KEY, None)
+    if spec is None:
+        raise ValueError(f"path: {path!r} has no '{CONFIG_KEY}' in its config.json (saved "
+                         f"without memory?); load it with the model class's from_pretrained")
+    spec = check_spec(spec)
+    if model_class is None:
+        model_class = transformers.AutoModelForCausalLM
+    concrete = model_class
+    mapping = getattr(model_class, "_model_mapping", None)
+    if mapping is not None:
+        concrete = mapping[type(config)]
+    marker = rf"\.{_torch_attach.ATTRIBUTE}\."
+    saved = concrete.__dict__.get("_keys_to_ignore_on_load_unexpected", _NOTHING)
+    concrete._keys_to_ignore_on_load_unexpected = [
+        *(getattr(concrete, "_keys_to_ignore_on_load_unexpected", None) or []), marker]
+    try:  # the base weights (the memory's are not the base model's: ignored here)
+        model = concrete.from_pretrained(path, config=config, **kwargs)
+    finally:
+        if saved is _NOTHING:
+            del concrete._keys_to_ignore_on_load_unexpected
+        else:
+            concrete._keys_to_ignore_on_load_unexpected = saved
+    if hasattr(model.config, CONFIG_KEY):
+        delattr(model.config, CONFIG_KEY)
+    memory = _attach_spec(model, spec)
+    tensors = _memory_tensors(path)
+    expected = {k for k in model.state_dict() if f".{_torch_attach.ATTRIBUTE}." in k}
+    missing, unknown = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
+    if missing or unknown:
+        memory.remove()
+        raise ValueError(f"path: the memory weights do not fit its {CONFIG_KEY} config: "
+                         f"missing {missing[:4]}{'...' if len(missing) > 4 else ''}, "
+                         f"unknown {unknown[:4]}{'...' if len(unknown) > 4 else ''}")
+    try:
+        result = model.load_state_dict(tensors, strict=False)
+    except RuntimeError as error:
+        memory.remove()
+        raise ValueError(f"{CONFIG_KEY}: the stored configuration does not fit the saved "
+                         f"memory weights: {error}") from error
+    if any(f".{_torch_attach.ATTRIBUTE}." in k for k in result.missing_keys):
+        raise ValueError(f"path: memory weights missing: {result.missing_keys}")
+    return model
+
+
+_NOTHING: Any = object()
