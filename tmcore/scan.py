@@ -51,8 +51,16 @@ __all__ = [
 class StepInputs(NamedTuple):
     """One step's addressing and content, all batch-first.
 
-    read_coords ``(B, n)``, write_coords ``(B, n)``, write_sigma ``(B,)``,
-    write_content ``(B, C)``.
+    Parameters
+    ----------
+    read_coords : array, shape ``(B, n)``
+        The normalized read position of the step.
+    write_coords : array, shape ``(B, n)``
+        The normalized write centre of the step.
+    write_sigma : array, shape ``(B,)``
+        The write spread of the step.
+    write_content : array, shape ``(B, C)``
+        The content vector written by the step.
     """
 
     read_coords: Any
@@ -62,7 +70,25 @@ class StepInputs(NamedTuple):
 
 
 class ScanGrads(NamedTuple):
-    """Gradients returned by :func:`memory_scan_vjp` (shapes of the inputs)."""
+    """Gradients returned by :func:`memory_scan_vjp`, one per input, shaped like it.
+
+    Parameters
+    ----------
+    h0 : array, shape ``(B, C, *S)``
+        The gradient for the initial hidden state.
+    c0 : array, shape ``(B, C, *S)``
+        The gradient for the initial cell state.
+    read_coords : array, shape ``(B, T, n)``
+        The gradient for the read coordinates.
+    write_coords : array, shape ``(B, T, n)``
+        The gradient for the write centres.
+    write_sigma : array, shape ``(B, T)``
+        The gradient for the write spreads.
+    write_content : array, shape ``(B, T, C)``
+        The gradient for the written content.
+    params : ConvParams
+        The gradients for the gate conv's fields.
+    """
 
     h0: Any
     c0: Any
@@ -215,11 +241,50 @@ def memory_scan_fwd(
     write_content: Any, params: ConvParams, *, eps: float = DEFAULT_EPS,
     radius: float | None = None, checkpoint_every: int = 1,
 ) -> tuple[Any, Any, Any, Any, Any]:
-    """Forward scan without validation.
+    """Run the forward scan without validation, keeping the backward's checkpoints.
 
-    Returns ``(reads (B, T, C), h_T, c_T, h_checkpoints, c_checkpoints)``; the
-    checkpoints ``(ceil(T / checkpoint_every), B, C, *S)`` hold the states
-    entering steps ``0, k, 2k, ...`` and are all :func:`memory_scan_bwd` needs.
+    The low-level half of :func:`memory_scan_vjp`, for adapters that register it
+    with a framework's autodiff (and call it inside ``jit``, so it checks
+    nothing: validate with :func:`memory_scan` first).
+
+    Parameters
+    ----------
+    xp : namespace
+        The array namespace of the arguments.
+    h0 : array, shape ``(B, C, *S)``
+        The initial hidden state.
+    c0 : array, shape ``(B, C, *S)``
+        The initial cell state.
+    read_coords : array, shape ``(B, T, n)``
+        The normalized read position of each step.
+    write_coords : array, shape ``(B, T, n)``
+        The normalized write centre of each step.
+    write_sigma : array, shape ``(B, T)``
+        The write spread of each step.
+    write_content : array, shape ``(B, T, C)``
+        The content written by each step.
+    params : ConvParams
+        The gate conv, ``C_in = 2C``, ``C_out = 4C``.
+    eps : float, default 1e-6
+        As in :func:`gaussian_splat`.
+    radius : float or None, default None
+        As in :func:`gaussian_splat`.
+    checkpoint_every : int, default 1
+        Keep the state entering every ``checkpoint_every``-th step.
+
+    Returns
+    -------
+    reads : array, shape ``(B, T, C)``
+        What each step read, from the state before its write.
+    h_T : array, shape ``(B, C, *S)``
+        The final hidden state.
+    c_T : array, shape ``(B, C, *S)``
+        The final cell state.
+    h_checkpoints : array, shape ``(ceil(T / checkpoint_every), B, C, *S)``
+        The hidden states entering steps ``0, k, 2k, ...``: all that
+        :func:`memory_scan_bwd` needs.
+    c_checkpoints : array, shape ``(ceil(T / checkpoint_every), B, C, *S)``
+        The cell states entering the same steps.
     """
     fused = ops_for(xp).scan_fwd
     if fused is not None:  # a backend's whole-scan kernels (may decline: None)
@@ -293,10 +358,46 @@ def memory_scan_bwd(
     g_c: Any, *, eps: float = DEFAULT_EPS, radius: float | None = None,
     checkpoint_every: int = 1,
 ) -> ScanGrads:
-    """Backward scan from the checkpoints of :func:`memory_scan_fwd`. No validation.
+    """Run the backward scan from the checkpoints of :func:`memory_scan_fwd`, unvalidated.
 
     Each segment of ``checkpoint_every`` steps is replayed from its checkpoint
     (storing that segment's states only), then differentiated step by step.
+
+    Parameters
+    ----------
+    xp : namespace
+        The array namespace of the arguments.
+    read_coords : array, shape ``(B, T, n)``
+        The read positions of the forward scan.
+    write_coords : array, shape ``(B, T, n)``
+        The write centres of the forward scan.
+    write_sigma : array, shape ``(B, T)``
+        The write spreads of the forward scan.
+    write_content : array, shape ``(B, T, C)``
+        The written content of the forward scan.
+    params : ConvParams
+        The gate conv of the forward scan.
+    h_checkpoints : array, shape ``(ceil(T / checkpoint_every), B, C, *S)``
+        The hidden-state checkpoints returned by :func:`memory_scan_fwd`.
+    c_checkpoints : array, shape ``(ceil(T / checkpoint_every), B, C, *S)``
+        The cell-state checkpoints returned by :func:`memory_scan_fwd`.
+    g_reads : array, shape ``(B, T, C)``
+        The cotangent of the reads.
+    g_h : array, shape ``(B, C, *S)``
+        The cotangent of the final hidden state.
+    g_c : array, shape ``(B, C, *S)``
+        The cotangent of the final cell state.
+    eps : float, default 1e-6
+        As in the forward scan.
+    radius : float or None, default None
+        As in the forward scan.
+    checkpoint_every : int, default 1
+        As in the forward scan that made the checkpoints.
+
+    Returns
+    -------
+    ScanGrads
+        The gradients for every input, shaped like it.
     """
     fused = ops_for(xp).scan_bwd
     if fused is not None:  # a backend's whole-scan kernels (may decline: None)
@@ -391,23 +492,84 @@ def memory_scan(
     params: ConvParams, *, eps: float = DEFAULT_EPS, radius: float | None = None,
     checkpoint_every: int = 1,
 ) -> tuple[Any, Any, Any]:
-    """Run the chunk recurrence over ``T`` steps.
+    """Run the chunk recurrence over ``T`` steps: read, then write, then update.
+
+    Step ``t`` reads ``h`` at ``read_coords[:, t]`` from the state BEFORE its
+    write, splats ``write_content[:, t]`` around ``write_coords[:, t]`` with
+    spread ``write_sigma[:, t]``, and updates ``(h, c)`` with the ConvLSTM
+    (:func:`convlstm_step`).
 
     Parameters
     ----------
-    h0, c0 : ``(B, C, *S)`` initial state.
-    read_coords : ``(B, T, n)`` read coordinate per step (normalized).
-    write_coords : ``(B, T, n)`` write centre per step.
-    write_sigma : ``(B, T)`` write spread per step (> 0).
-    write_content : ``(B, T, C)`` content vector per step.
-    params : :class:`ConvParams` of the ConvLSTM gates (``C_in = 2C, C_out = 4C``).
-    eps, radius : as in :func:`tmcore.gaussian_splat`.
-    checkpoint_every : only affects :func:`memory_scan_vjp`; accepted here so
-        both take the same keywords.
+    h0 : array, shape ``(B, C, *S)``
+        The initial hidden state, with 1 to 4 spatial axes.
+    c0 : array, shape ``(B, C, *S)``
+        The initial cell state.
+    read_coords : array, shape ``(B, T, n)``
+        The normalized read position of each step (``coords[..., k]``
+        addresses spatial axis ``n - 1 - k``).
+    write_coords : array, shape ``(B, T, n)``
+        The normalized write centre of each step.
+    write_sigma : array, shape ``(B, T)``
+        The write spread of each step, > 0 (checked in validate mode only).
+    write_content : array, shape ``(B, T, C)``
+        The content vector written by each step.
+    params : ConvParams
+        The ConvLSTM's gate conv, ``C_in = 2C``, ``C_out = 4C``.
+    eps : float, default 1e-6
+        As in :func:`gaussian_splat`.
+    radius : float or None, default None
+        As in :func:`gaussian_splat`.
+    checkpoint_every : int, default 1
+        Checked (an int >= 1) but without effect here: it only changes what
+        :func:`memory_scan_vjp` stores, and is accepted so that both take the
+        same keywords.
 
     Returns
     -------
-    ``(reads (B, T, C), h_T, c_T)``.
+    reads : array, shape ``(B, T, C)``
+        What each step read.
+    h_T : array, shape ``(B, C, *S)``
+        The final hidden state.
+    c_T : array, shape ``(B, C, *S)``
+        The final cell state.
+
+    Raises
+    ------
+    TypeError
+        If ``params`` is not a 4-tuple, an argument is not an array, the arrays
+        mix namespaces, or ``checkpoint_every`` is not an int.
+    ValueError
+        If a shape does not match the layouts above (``B, C, S`` from ``h0``,
+        ``T`` from ``read_coords``), ``T`` is 0, ``checkpoint_every < 1``,
+        ``eps`` or ``radius`` is out of range, or (validate mode only) an
+        array holds NaN or inf or a sigma is not > 0.
+
+    See Also
+    --------
+    memory_scan_vjp : The gradients of the scan.
+
+    Examples
+    --------
+    Write one vector at the centre of a 1-D grid, then read it back there:
+
+    >>> import numpy as np
+    >>> import tmcore
+    >>> B, C, T, S = 1, 2, 2, (5,)
+    >>> h0 = c0 = np.zeros((B, C, *S))
+    >>> coords = np.zeros((B, T, 1))                   # read and write at the centre
+    >>> sigma = np.full((B, T), 0.3)
+    >>> content = np.ones((B, T, C))
+    >>> pointwise = np.zeros((4 * C, 2 * C))           # (4C, 2C), gates i, f, o, g
+    >>> pointwise[3 * C:, :C] = np.eye(C)              # the candidate g is the write
+    >>> params = tmcore.conv_params_from_pointwise(pointwise, ndim=1)
+    >>> reads, h, c = tmcore.memory_scan(h0, c0, coords, coords, sigma, content, params)
+    >>> reads.shape, h.shape
+    ((1, 2, 2), (1, 2, 5))
+    >>> reads[0, 0]                                    # step 0 reads the empty state
+    array([0., 0.])
+    >>> bool(np.all(reads[0, 1] > 0))                  # step 1 reads step 0's write
+    True
     """
     xp, params = validate_scan_inputs(h0, c0, read_coords, write_coords, write_sigma,
                                       write_content, params, checkpoint_every, radius, eps=eps)
@@ -423,17 +585,61 @@ def memory_scan_vjp(
     params: ConvParams, g_reads: Any, g_h: Any = None, g_c: Any = None, *,
     eps: float = DEFAULT_EPS, radius: float | None = None, checkpoint_every: int = 1,
 ) -> ScanGrads:
-    """VJP of :func:`memory_scan`.
+    """Gradients of :func:`memory_scan` for the cotangents of its outputs.
 
-    ``g_reads (B, T, C)``; ``g_h, g_c (B, C, *S)`` cotangents of the final
-    state (``None`` means zero). ``checkpoint_every = k`` keeps ``ceil(T/k)``
-    states and replays each segment: memory ``O(T/k + k)`` states for one
-    extra forward pass; the gradients do not depend on ``k``.
+    The forward is run again keeping only the state entering every
+    ``checkpoint_every``-th step; each segment is replayed on the way back.
+    With ``checkpoint_every = k`` the backward holds ``O(T/k + k)`` states for
+    one extra forward pass, never per-step gate tensors; the gradients do not
+    depend on ``k``.
+
+    Parameters
+    ----------
+    h0 : array, shape ``(B, C, *S)``
+        The initial hidden state.
+    c0 : array, shape ``(B, C, *S)``
+        The initial cell state.
+    read_coords : array, shape ``(B, T, n)``
+        The normalized read position of each step.
+    write_coords : array, shape ``(B, T, n)``
+        The normalized write centre of each step.
+    write_sigma : array, shape ``(B, T)``
+        The write spread of each step.
+    write_content : array, shape ``(B, T, C)``
+        The content vector written by each step.
+    params : ConvParams
+        The ConvLSTM's gate conv, ``C_in = 2C``, ``C_out = 4C``.
+    g_reads : array, shape ``(B, T, C)``
+        The cotangent of the reads.
+    g_h : array, shape ``(B, C, *S)``, optional
+        The cotangent of the final hidden state; None means zero.
+    g_c : array, shape ``(B, C, *S)``, optional
+        The cotangent of the final cell state; None means zero.
+    eps : float, default 1e-6
+        As in :func:`gaussian_splat`.
+    radius : float or None, default None
+        As in :func:`gaussian_splat`.
+    checkpoint_every : int, default 1
+        Keep the state entering every ``checkpoint_every``-th step and
+        recompute the others.
 
     Returns
     -------
-    :class:`ScanGrads` ``(h0, c0, read_coords, write_coords, write_sigma,
-    write_content, params)``, shaped like the inputs.
+    ScanGrads
+        ``(h0, c0, read_coords, write_coords, write_sigma, write_content,
+        params)``: the gradient for each input, shaped like it.
+
+    Raises
+    ------
+    TypeError
+        As for :func:`memory_scan`; ``g_reads`` may not be None.
+    ValueError
+        As for :func:`memory_scan`, and if a cotangent is not shaped like its
+        output.
+
+    See Also
+    --------
+    memory_scan : The forward scan.
     """
     require_array("g_reads", g_reads)
     xp, params = validate_scan_inputs(h0, c0, read_coords, write_coords, write_sigma,

@@ -175,23 +175,71 @@ def gaussian_splat(
 ) -> Any:
     """Write ``K`` content vectors as isotropic Gaussian volumes and sum them.
 
+    ``volume[b, :, p] = sum_k content[b, k, :] * w_bk(p)`` with the
+    unnormalized weight ``w_bk(p) = exp(-||p - mu_bk||^2 / (2 sigma_bk^2 +
+    eps))`` over the normalized cell centres ``p``. The weight is a product
+    of one 1-D profile per axis, so the write is a dense contraction.
+
     Parameters
     ----------
-    content : ``(B, K, C)`` vectors to write.
-    mu : ``(B, K, n)`` normalized centres; ``mu[..., k]`` addresses axis ``n-1-k``.
-    sigma : ``(B, K)`` spreads in normalized units; must be > 0 (checked only
-        in validate mode, :func:`tmcore.validation`, as it needs a host sync;
-        otherwise ``sigma = 0`` gives a one-hot-like weight limited by ``eps``
-        and a negative sigma acts like ``|sigma|`` except under ``radius``).
-        With ``eps = 0`` too the weight is the limit: exactly 1 on a cell centre
-        the write hits exactly, 0 elsewhere, and zero gradients for mu / sigma.
-    shape : spatial grid shape, 1 to 4 positive ints.
-    eps : added to ``2 sigma^2`` in the denominator; a finite number >= 0.
-    radius : optional truncation in units of sigma (box per axis).
+    content : array, shape ``(B, K, C)``
+        The vectors to write.
+    mu : array, shape ``(B, K, n)``
+        The normalized centres of the writes; ``mu[..., k]`` addresses spatial
+        axis ``n - 1 - k``. Centres far outside ``[-1, 1]`` write (close to)
+        nothing.
+    sigma : array, shape ``(B, K)``
+        The spreads, in normalized units; must be > 0. This is checked only in
+        validate mode (``tmcore.options(validate=True)``), as it needs a host
+        sync; otherwise ``sigma = 0`` gives a one-hot-like weight limited by
+        ``eps``, and a negative sigma acts like ``|sigma|`` except under
+        ``radius``. With ``eps = 0`` too the weight is the limit: exactly 1 on
+        a cell centre the write hits exactly, 0 elsewhere, and zero gradients
+        for ``mu`` and ``sigma``.
+    shape : sequence of int
+        The spatial grid shape ``S``, 1 to 4 positive ints.
+    eps : float, default 1e-6
+        Added to ``2 sigma^2`` in the denominator; a finite number >= 0.
+    radius : float or None, default None
+        Truncation in units of sigma: each axis profile is zero where
+        ``|p_a - mu_a| > radius * sigma`` (a box, so the weight stays
+        separable; the mask is constant in the gradient). None writes
+        everywhere.
 
     Returns
     -------
-    ``(B, C, *shape)`` unnormalized written volume.
+    array, shape ``(B, C, *shape)``
+        The written volume, in the namespace, device and dtype of the inputs.
+
+    Raises
+    ------
+    TypeError
+        If an argument is not an array, the arrays mix namespaces, a dtype is
+        not real floating, or ``shape`` is not a sequence of ints.
+    ValueError
+        If a shape does not match the layouts above, ``shape`` has no or more
+        than 4 axes or a size < 1, ``eps`` is negative or not finite,
+        ``radius`` is not None or > 0, or (validate mode only) an array holds
+        NaN or inf or a sigma is not > 0.
+
+    See Also
+    --------
+    gaussian_splat_vjp : The gradients of this write.
+
+    Examples
+    --------
+    One write at the centre of a 1-D grid of five cells:
+
+    >>> import numpy as np
+    >>> import tmcore
+    >>> content = np.ones((1, 1, 1))                  # (B, K, C)
+    >>> mu = np.zeros((1, 1, 1))                      # (B, K, n)
+    >>> sigma = np.full((1, 1), 0.5)                  # (B, K)
+    >>> volume = tmcore.gaussian_splat(content, mu, sigma, (5,))
+    >>> volume.shape
+    (1, 1, 5)
+    >>> np.round(volume[0, 0], 3)                     # exp(-p^2 / 0.5) at p = -1 ... 1
+    array([0.135, 0.607, 1.   , 0.607, 0.135])
     """
     xp, dims = _validate(content, mu, sigma, shape, radius=radius, eps=eps)
     return ops_for(xp).splat_fwd(xp, content, mu, sigma, dims, eps, radius)
@@ -201,9 +249,45 @@ def gaussian_splat_vjp(
     content: Any, mu: Any, sigma: Any, shape: Sequence[int], g: Any, *,
     eps: float = DEFAULT_EPS, radius: float | None = None,
 ) -> tuple[Any, Any, Any]:
-    """VJP of :func:`gaussian_splat` for ``g (B, C, *shape)``.
+    """Gradients of :func:`gaussian_splat` for the cotangent ``g``.
 
-    Returns ``(d_content (B, K, C), d_mu (B, K, n), d_sigma (B, K))``.
+    Parameters
+    ----------
+    content : array, shape ``(B, K, C)``
+        The vectors that were written.
+    mu : array, shape ``(B, K, n)``
+        The normalized centres of the writes.
+    sigma : array, shape ``(B, K)``
+        The spreads of the writes.
+    shape : sequence of int
+        The spatial grid shape ``S``.
+    g : array, shape ``(B, C, *shape)``
+        The cotangent of the written volume.
+    eps : float, default 1e-6
+        As in :func:`gaussian_splat`.
+    radius : float or None, default None
+        As in :func:`gaussian_splat`; the truncation mask is constant in the
+        gradient.
+
+    Returns
+    -------
+    d_content : array, shape ``(B, K, C)``
+        The gradient for ``content``.
+    d_mu : array, shape ``(B, K, n)``
+        The gradient for ``mu``.
+    d_sigma : array, shape ``(B, K)``
+        The gradient for ``sigma``.
+
+    Raises
+    ------
+    TypeError
+        As for :func:`gaussian_splat`; ``g`` may not be None.
+    ValueError
+        As for :func:`gaussian_splat`, and if ``g`` is not ``(B, C, *shape)``.
+
+    See Also
+    --------
+    gaussian_splat : The write itself.
     """
     require_array("g", g)
     xp, dims = _validate(content, mu, sigma, shape, g=g, radius=radius, eps=eps)
