@@ -121,17 +121,39 @@ def _validate(x, h, c, params, g_h=None, g_c=None):
 
 
 def convlstm_step(x: Any, h: Any, c: Any, params: ConvParams) -> tuple[Any, Any]:
-    """One ConvLSTM update.
+    """One ConvLSTM update of the state ``(h, c)`` by the written volume ``x``.
+
+    ``z = factorized_conv(concat([x, h], channel axis), params)`` is split into
+    the gates ``(i, f, o, g)`` in that order; ``c' = sigmoid(f) c + sigmoid(i)
+    tanh(g)`` and ``h' = sigmoid(o) tanh(c')``.
 
     Parameters
     ----------
-    x : ``(B, C, *S)`` written volume.
-    h, c : ``(B, C, *S)`` hidden and cell state.
-    params : :class:`ConvParams` with ``C_in = 2C`` and ``C_out = 4C``.
+    x : array, shape ``(B, C, *S)``
+        The written volume (first in the concatenation).
+    h : array, shape ``(B, C, *S)``
+        The hidden state.
+    c : array, shape ``(B, C, *S)``
+        The cell state.
+    params : ConvParams
+        The gate conv, with ``C_in = 2C`` and ``C_out = 4C``.
 
     Returns
     -------
-    ``(h', c')``, each ``(B, C, *S)``.
+    h_new : array, shape ``(B, C, *S)``
+        The new hidden state, ``|h_new| <= 1``.
+    c_new : array, shape ``(B, C, *S)``
+        The new cell state.
+
+    Raises
+    ------
+    TypeError
+        If ``params`` is not a 4-tuple, an argument is not an array, or the
+        arrays mix namespaces.
+    ValueError
+        If ``h`` does not have 1 to 4 spatial axes, ``x`` or ``c`` is not shaped
+        like ``h``, or a field of ``params`` does not fit ``C_in = 2C``,
+        ``C_out = 4C``.
     """
     xp, params = _validate(x, h, c, params)
     h_new, c_new, _ = cell_fwd(xp, x, h, c, params)
@@ -141,9 +163,41 @@ def convlstm_step(x: Any, h: Any, c: Any, params: ConvParams) -> tuple[Any, Any]
 def convlstm_step_vjp(
     x: Any, h: Any, c: Any, params: ConvParams, g_h: Any, g_c: Any
 ) -> tuple[Any, Any, Any, ConvParams]:
-    """VJP of :func:`convlstm_step` for cotangents ``g_h, g_c (B, C, *S)``.
+    """Gradients of :func:`convlstm_step` for the cotangents of ``h'`` and ``c'``.
 
-    Returns ``(d_x, d_h, d_c, d_params)``.
+    Parameters
+    ----------
+    x : array, shape ``(B, C, *S)``
+        The written volume of the step.
+    h : array, shape ``(B, C, *S)``
+        The hidden state entering the step.
+    c : array, shape ``(B, C, *S)``
+        The cell state entering the step.
+    params : ConvParams
+        The gate conv, with ``C_in = 2C`` and ``C_out = 4C``.
+    g_h : array, shape ``(B, C, *S)``
+        The cotangent of the new hidden state.
+    g_c : array, shape ``(B, C, *S)``
+        The cotangent of the new cell state.
+
+    Returns
+    -------
+    d_x : array, shape ``(B, C, *S)``
+        The gradient for ``x``.
+    d_h : array, shape ``(B, C, *S)``
+        The gradient for ``h``.
+    d_c : array, shape ``(B, C, *S)``
+        The gradient for ``c``.
+    d_params : ConvParams
+        The gradients for the conv's fields, shaped like them.
+
+    Raises
+    ------
+    TypeError
+        As for :func:`convlstm_step`; ``g_h`` and ``g_c`` may not be None.
+    ValueError
+        As for :func:`convlstm_step`, and if ``g_h`` or ``g_c`` is not shaped
+        like ``h``.
     """
     require_array("g_h", g_h)
     require_array("g_c", g_c)

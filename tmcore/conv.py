@@ -33,12 +33,20 @@ __all__ = [
 class ConvParams(NamedTuple):
     """Parameters of a factorized conv over ``n`` spatial axes (a pytree in JAX).
 
-    Attributes
+    A named tuple of four arrays of one namespace, dtype and device. A ConvLSTM
+    over ``C`` channels uses ``C_in = 2C`` (the written volume and ``h``) and
+    ``C_out = 4C`` (the gates ``i, f, o, g``).
+
+    Parameters
     ----------
-    depthwise_weight : ``(n, C_in, 3)`` taps (previous, centre, next) per axis.
-    depthwise_bias : ``(n, C_in)``.
-    pointwise_weight : ``(C_out, C_in)``.
-    pointwise_bias : ``(C_out,)``.
+    depthwise_weight : array, shape ``(n, C_in, 3)``
+        The taps (previous, centre, next) per spatial axis and channel.
+    depthwise_bias : array, shape ``(n, C_in)``
+        The bias of each depthwise pass.
+    pointwise_weight : array, shape ``(C_out, C_in)``
+        The channel-mixing matrix.
+    pointwise_bias : array, shape ``(C_out,)``
+        The bias of the mixing.
     """
 
     depthwise_weight: Any
@@ -48,17 +56,66 @@ class ConvParams(NamedTuple):
 
 
 def xavier_uniform_bound(c_in: int, c_out: int) -> float:
-    """Half-width of the Xavier-uniform range for a ``(c_out, c_in)`` matrix."""
+    """Half-width of the Xavier-uniform range for a ``(c_out, c_in)`` matrix.
+
+    Parameters
+    ----------
+    c_in : int
+        The number of input channels, >= 1.
+    c_out : int
+        The number of output channels, >= 1.
+
+    Returns
+    -------
+    float
+        ``sqrt(6 / (c_in + c_out))``: draw the matrix uniformly in
+        ``[-bound, bound]``.
+
+    Raises
+    ------
+    TypeError
+        If ``c_in`` or ``c_out`` is not an int.
+    ValueError
+        If ``c_in`` or ``c_out`` is < 1.
+
+    Examples
+    --------
+    >>> import tmcore
+    >>> tmcore.xavier_uniform_bound(16, 32)           # the ConvLSTM of C = 8 channels
+    0.3535533905932738
+    """
     c_in, c_out = check_int("c_in", c_in, 1), check_int("c_out", c_out, 1)
     return math.sqrt(6.0 / (c_in + c_out))
 
 
 def conv_params_from_pointwise(pointwise_weight: Any, ndim: int) -> ConvParams:
-    """The layer's initialization (docs/LAYER.md) around a given pointwise matrix ``(C_out, C_in)``.
+    """Build the layer's initial conv parameters around a given pointwise matrix.
 
     Depthwise taps start as identity (centre 1, others 0, bias 0) and the
-    pointwise bias at 0. Draw ``pointwise_weight`` uniformly in
-    ``+-xavier_uniform_bound(C_in, C_out)`` with your framework's RNG.
+    pointwise bias at 0 (the parameter plan of docs/LAYER.md). Draw
+    ``pointwise_weight`` uniformly in ``+-xavier_uniform_bound(C_in, C_out)``
+    with your framework's random numbers.
+
+    Parameters
+    ----------
+    pointwise_weight : array, shape ``(C_out, C_in)``
+        The channel-mixing matrix; the other fields are made in its namespace,
+        dtype and device.
+    ndim : int
+        The number of spatial axes ``n``, 1 to 4.
+
+    Returns
+    -------
+    ConvParams
+        ``depthwise_weight (n, C_in, 3)``, ``depthwise_bias (n, C_in)``,
+        ``pointwise_weight`` itself and ``pointwise_bias (C_out,)``.
+
+    Raises
+    ------
+    TypeError
+        If ``pointwise_weight`` is not an array or ``ndim`` is not an int.
+    ValueError
+        If ``pointwise_weight`` is not 2-D or ``ndim`` is not 1 to 4.
     """
     xp = namespace_of(pointwise_weight=pointwise_weight)
     check_rank("pointwise_weight", pointwise_weight, 2, "(C_out, C_in)")
@@ -227,15 +284,63 @@ def _validate(x: Any, params: ConvParams, g: Any = None) -> Any:
 
 
 def factorized_conv(x: Any, params: ConvParams) -> Any:
-    """Apply the factorized conv to ``x (B, C_in, *S)``; returns ``(B, C_out, *S)``."""
+    """Apply the factorized conv: depthwise 3-tap passes per axis, then pointwise mixing.
+
+    For each spatial axis in order (first axis first) a depthwise 1-D
+    cross-correlation with zero padding and a per-channel bias, then
+    ``z = pointwise_weight @ y + pointwise_bias`` over channels.
+
+    Parameters
+    ----------
+    x : array, shape ``(B, C_in, *S)``
+        The input, with 1 to 4 spatial axes.
+    params : ConvParams
+        The parameters, of ``x``'s dtype, with ``n = len(S)`` and ``C_in``
+        matching ``x``.
+
+    Returns
+    -------
+    array, shape ``(B, C_out, *S)``
+        The convolved input.
+
+    Raises
+    ------
+    TypeError
+        If ``params`` is not a 4-tuple, an argument is not an array, the arrays
+        mix namespaces, or a field's dtype differs from ``x``'s.
+    ValueError
+        If ``x`` does not have 1 to 4 spatial axes or has a zero-size axis, or
+        a field of ``params`` does not have the shape above.
+    """
     xp = _validate(x, params)
     return ops_for(xp).conv_fwd(xp, x, ConvParams(*params))[0]
 
 
 def factorized_conv_vjp(x: Any, params: ConvParams, g: Any) -> tuple[Any, ConvParams]:
-    """VJP of :func:`factorized_conv` for ``g (B, C_out, *S)``.
+    """Gradients of :func:`factorized_conv` for the cotangent ``g``.
 
-    Returns ``(d_x (B, C_in, *S), d_params: ConvParams)``.
+    Parameters
+    ----------
+    x : array, shape ``(B, C_in, *S)``
+        The input of the conv.
+    params : ConvParams
+        The parameters of the conv.
+    g : array, shape ``(B, C_out, *S)``
+        The cotangent of the output.
+
+    Returns
+    -------
+    d_x : array, shape ``(B, C_in, *S)``
+        The gradient for ``x``.
+    d_params : ConvParams
+        The gradients for the four fields, shaped like them.
+
+    Raises
+    ------
+    TypeError
+        As for :func:`factorized_conv`; ``g`` may not be None.
+    ValueError
+        As for :func:`factorized_conv`, and if ``g`` is not ``(B, C_out, *S)``.
     """
     require_array("g", g)
     xp = _validate(x, params, g)

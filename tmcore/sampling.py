@@ -115,27 +115,93 @@ _validate = validate_sample_inputs
 
 
 def trilinear_sample(volume: Any, coords: Any) -> Any:
-    """Sample ``volume`` at continuous ``coords`` by n-linear interpolation.
+    """Read ``volume`` at continuous coordinates by n-linear interpolation.
+
+    For ``n = 3`` spatial axes this is trilinear interpolation (the paper's
+    name, kept for the function), bilinear for ``n = 2``, linear for ``n = 1``
+    and quadrilinear for ``n = 4``. It equals ``torch.nn.functional.grid_sample
+    (mode="bilinear", padding_mode="border", align_corners=True)`` in value and
+    gradient: voxel positions are clamped to the border, and the coordinate
+    gradient is zero at and beyond it.
 
     Parameters
     ----------
-    volume : ``(B, C, *S)`` with 1 to 4 spatial axes.
-    coords : ``(B, Q, n)`` normalized to ``[-1, 1]``; ``coords[..., k]``
-        addresses spatial axis ``n - 1 - k``. Values outside are clamped to
-        the border (documented, like grid_sample's border padding).
+    volume : array, shape ``(B, C, *S)``
+        The grid to read, with 1 to 4 spatial axes ``S``, of a real floating
+        dtype.
+    coords : array, shape ``(B, Q, n)``
+        ``Q`` query positions per batch element, normalized to ``[-1, 1]``
+        (cell centres at ``linspace(-1, 1, S_a)``); ``coords[..., k]``
+        addresses spatial axis ``n - 1 - k`` (x is the last axis). Values
+        outside ``[-1, 1]``, infinities included, read the border.
 
     Returns
     -------
-    ``(B, Q, C)`` in the input's namespace, device and dtype.
+    array, shape ``(B, Q, C)``
+        The interpolated values, in the namespace, device and dtype of the
+        inputs.
+
+    Raises
+    ------
+    TypeError
+        If an argument is not an array, the arrays belong to different
+        namespaces, or a dtype is not real floating.
+    ValueError
+        If ``volume`` does not have 1 to 4 spatial axes or has a zero-size
+        axis, if ``coords`` is not ``(B, Q, n)`` with ``volume``'s ``B`` and
+        ``n``, or if the arrays lie on different devices.
+
+    See Also
+    --------
+    trilinear_sample_vjp : The gradients of this read.
+
+    Examples
+    --------
+    A 1-D grid of three cells read at its centre and halfway to the right:
+
+    >>> import numpy as np
+    >>> import tmcore
+    >>> volume = np.array([0.0, 1.0, 4.0]).reshape(1, 1, 3)       # (B, C, S)
+    >>> coords = np.array([[[0.0], [0.5], [2.0]]])                # (B, Q, 1)
+    >>> tmcore.trilinear_sample(volume, coords)[..., 0]
+    array([[1. , 2.5, 4. ]])
     """
     xp = _validate(volume, coords)
     return ops_for(xp).sample_fwd(xp, volume, coords)
 
 
 def trilinear_sample_vjp(volume: Any, coords: Any, g: Any) -> tuple[Any, Any]:
-    """VJP of :func:`trilinear_sample` for the cotangent ``g (B, Q, C)``.
+    """Gradients of :func:`trilinear_sample` for the cotangent ``g``.
 
-    Returns ``(d_volume (B, C, *S), d_coords (B, Q, n))``.
+    Parameters
+    ----------
+    volume : array, shape ``(B, C, *S)``
+        The grid that was read.
+    coords : array, shape ``(B, Q, n)``
+        The normalized query positions that were read.
+    g : array, shape ``(B, Q, C)``
+        The cotangent of the read.
+
+    Returns
+    -------
+    d_volume : array, shape ``(B, C, *S)``
+        The gradient for ``volume``, a dense contraction (no scatter, so it is
+        deterministic on every backend).
+    d_coords : array, shape ``(B, Q, n)``
+        The gradient for ``coords``; zero for a component at or beyond the
+        border.
+
+    Raises
+    ------
+    TypeError
+        If an argument is not an array (``g`` may not be None), or the arrays
+        mix namespaces or have a dtype that is not real floating.
+    ValueError
+        If a shape does not match the layouts above.
+
+    See Also
+    --------
+    trilinear_sample : The read itself.
     """
     require_array("g", g)
     xp = _validate(volume, coords, g)

@@ -45,11 +45,28 @@ _JAX_X64_HINT = (' JAX keeps 64-bit types off by default: call jax.config.update
 
 
 def load_namespace(name_or_module: str | ModuleType) -> ModuleType:
-    """The namespace module for a dotted name (``"array_api_strict"``, ``"mlx.core"``).
+    """Import the namespace module of a dotted name (``"array_api_strict"``, ``"mlx.core"``).
 
     ``"marray.<backend>"`` (e.g. ``"marray.numpy"``, the name marray gives it)
     is ``marray.masked_namespace(<backend>)``: marray builds its namespaces on
     demand, so there is no module of that name to import.
+
+    Parameters
+    ----------
+    name_or_module : str or module
+        A dotted module name, or a namespace module (returned as it is).
+
+    Returns
+    -------
+    module
+        The array namespace.
+
+    Raises
+    ------
+    TypeError
+        If ``name_or_module`` is neither a string nor a module.
+    ImportError
+        If the module cannot be imported.
     """
     if isinstance(name_or_module, ModuleType):
         return name_or_module
@@ -68,12 +85,22 @@ def _namespace_name(xp: ModuleType) -> str:
 
 
 def require_float64(xp: ModuleType) -> None:
-    """Raise ``ValueError`` at once unless ``xp`` holds float64 exactly.
+    """Check that ``xp`` holds float64 exactly, before any property runs.
 
     Checks that ``xp.float64`` exists and that ``xp.asarray`` of float64 NumPy
     data (with and without ``dtype=xp.float64``, as the properties call it)
-    keeps dtype float64 and every bit of the values. The message says how to
-    turn float64 on where that is known (JAX).
+    keeps dtype float64 and every bit of the values.
+
+    Parameters
+    ----------
+    xp : module
+        The array namespace.
+
+    Raises
+    ------
+    ValueError
+        If float64 is missing or narrowed; the message says how to turn it on
+        where that is known (JAX).
     """
     name = _namespace_name(xp)
     problem = None
@@ -112,15 +139,36 @@ class _BudgetSpent(BaseException):
 
 def run_property(xp: ModuleType, name: str, *, max_examples: int | None = None,
                  derandomize: bool | None = None, time_budget: float | None = None) -> int:
-    """Run one property against ``xp``; raises on the (shrunk) minimal failing case.
+    """Run one property of the suite against ``xp``.
 
-    ``max_examples`` defaults to the property's own budget; ``derandomize``
-    defaults to the active hypothesis profile's setting. ``time_budget``
-    (seconds): no new example starts once it is spent, though the first one
-    always runs and a failure is always shrunk to the end. Raises
-    ``ValueError`` first if the property needs float64 and ``xp`` lacks it.
+    Parameters
+    ----------
+    xp : module
+        The array namespace.
+    name : str
+        A key of :data:`PROPERTIES`.
+    max_examples : int, optional
+        The number of examples (default: the property's own budget).
+    derandomize : bool, optional
+        Deterministic examples (default: the active hypothesis profile's
+        setting).
+    time_budget : float, optional
+        Seconds after which no new example starts; the first one always runs
+        and a failure is always shrunk to the end.
 
-    Returns the number of examples that ran and passed.
+    Returns
+    -------
+    int
+        The number of examples that ran and passed.
+
+    Raises
+    ------
+    ValueError
+        If ``name`` is unknown, a budget is not positive, or the property needs
+        float64 and ``xp`` lacks it.
+    Exception
+        The property's own error (an ``AssertionError`` for a wrong value) on
+        hypothesis' shrunk minimal failing example.
     """
     if name not in PROPERTIES:
         raise ValueError(f"name: unknown property {name!r}; expected one of {sorted(PROPERTIES)}")
@@ -174,7 +222,17 @@ def _check_budget(max_examples: int | None, time_budget: float | None) -> None:
 
 @dataclass
 class PropertyFailure:
-    """A violated property: its name, the error and hypothesis' minimal example."""
+    """A violated property: its name, the error and hypothesis' minimal example.
+
+    Parameters
+    ----------
+    name : str
+        The property's name.
+    error : str
+        The first line of the error it raised.
+    minimal_example : str
+        The shrunk example hypothesis reported, indented.
+    """
 
     name: str
     error: str
@@ -186,12 +244,23 @@ class PropertyFailure:
 
 @dataclass
 class NamespaceReport:
-    """Outcome of :func:`check_namespace`; truthy when every property held."""
+    """Outcome of :func:`check_namespace`; truthy when every property held.
+
+    Parameters
+    ----------
+    namespace : str
+        The name of the namespace that was checked.
+    passed : list of str
+        The properties that held.
+    failures : list of PropertyFailure
+        The properties that failed, with their minimal examples.
+    examples : dict of str to int
+        How many examples ran and passed, per passed property.
+    """
 
     namespace: str
     passed: list[str] = field(default_factory=list)
     failures: list[PropertyFailure] = field(default_factory=list)
-    #: examples that ran and passed, per passed property
     examples: dict[str, int] = field(default_factory=dict)
 
     def __bool__(self) -> bool:
@@ -221,27 +290,40 @@ def check_namespace(xp: str | ModuleType, *, properties: list[str] | None = None
                     derandomize: bool = True, raise_on_failure: bool = False) -> NamespaceReport:
     """Run the property suite on ``xp`` (a module or its dotted name).
 
+    Every forward and VJP is compared with the float64 NumPy references and
+    central differences on hypothesis-drawn shapes, coordinates and sigmas.
+
     Parameters
     ----------
-    xp : the array namespace, e.g. ``array_api_strict`` or ``"mlx.core"``.
-    properties : names to run (default: all of :data:`PROPERTIES`).
-    max_examples : per-property example budget (default: each property's own).
-    time_budget : seconds for the whole run (default: none). Each property gets
-        an equal share of what is left when it starts (time a fast property
-        leaves over goes to the later ones); it always runs at least one
-        example, so the run can overshoot by about one example per property.
-    derandomize : deterministic examples (default) for reproducible reports.
-    raise_on_failure : raise ``AssertionError`` with the report if anything failed.
+    xp : str or module
+        The array namespace, e.g. ``array_api_strict`` or ``"mlx.core"``.
+    properties : list of str, optional
+        The names to run (default: all of :data:`PROPERTIES`).
+    max_examples : int, optional
+        The per-property example budget (default: each property's own).
+    time_budget : float, optional
+        Seconds for the whole run (default: none). Each property gets an equal
+        share of what is left when it starts (time a fast property leaves over
+        goes to the later ones); it always runs at least one example, so the
+        run can overshoot by about one example per property.
+    derandomize : bool, default True
+        Deterministic examples, for reproducible reports.
+    raise_on_failure : bool, default False
+        Raise an ``AssertionError`` with the report if anything failed.
 
     Returns
     -------
-    :class:`NamespaceReport` listing passed properties (with how many examples
-    ran) and failures with their minimal examples.
+    NamespaceReport
+        The passed properties (with how many examples ran) and the failures
+        with their minimal examples.
 
     Raises
     ------
-    ValueError : unknown property names, a bad budget, or (before anything
-        runs) a namespace without float64 when a selected property needs it.
+    ValueError
+        For unknown property names, a bad budget, or (before anything runs) a
+        namespace without float64 when a selected property needs it.
+    AssertionError
+        With ``raise_on_failure``, if a property failed.
     """
     names = list(PROPERTIES) if properties is None else list(properties)
     unknown = sorted(set(names) - set(PROPERTIES))
