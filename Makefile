@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.tmcore-installed
 
-.PHONY: test demo lint bench clean-venv
+.PHONY: test demo lint bench docs clean-venv
 
 $(STAMP): pyproject.toml constraints-dev.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -28,6 +28,10 @@ lint: $(STAMP)
 # Regenerates BENCHMARKS.md and benchmarks/results/ (about 15 min on a 2-core CPU).
 bench: $(STAMP)
 	$(PY) -m benchmarks.run --quick
+
+# The documentation site (guides and the API reference) into docs/_build/html; warnings are errors.
+docs: $(STAMP)
+	$(PY) -m sphinx -W --keep-going -q -b html docs docs/_build/html
 
 clean-venv:
 	rm -rf $(VENV)
