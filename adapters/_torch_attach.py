@@ -199,6 +199,7 @@ class MemoryHandle:
         self._reset: Tensor | None = None
         self._doc_starts: Tensor | None = None
         self._valid: Tensor | None = None
+        self._state_cut = True  # no state, or one detached from earlier calls' graphs
         self._setup_transient()
         self._hooks = [block.register_forward_hook(_Hook(self, layer), prepend=True)
                        for layer, block in enumerate(self._blocks)]
@@ -220,6 +221,7 @@ class MemoryHandle:
     def __setstate__(self, state: dict) -> None:
         state.setdefault("_doc_starts", None)  # pickled before packed documents
         state.setdefault("_valid", None)
+        state.setdefault("_state_cut", True)
         self.__dict__.update(state)
         self._setup_transient()
 
@@ -274,14 +276,15 @@ class MemoryHandle:
                     f"backward pass (activation checkpointing?) but its forward call is no "
                     f"longer known (more than {_RECORDS_PER_LAYER} calls ago, or its input "
                     f"tensor was changed in place); run backward after each forward")
-            if not record[4] and _has_graph(record[1]):
+            if not record[4] and not record[5]:
                 raise RuntimeError(
                     f"tmcore: block {layer} is recomputed by a reentrant checkpoint "
                     f"(use_reentrant=True), which differentiates only the checkpoint's "
-                    f"explicit inputs, but its memory started from a streamed-in state that "
-                    f"is part of the graph: its gradient would be silently lost. Detach the "
-                    f"state between calls (handle.detach_state()) or checkpoint with "
-                    f"use_reentrant=False")
+                    f"explicit inputs, but its memory started from a state another call or "
+                    f"layer produced (streaming, or threaded mode): the gradient through "
+                    f"that state would be silently lost. Detach the streamed state between "
+                    f"calls (handle.detach_state(), then the gradients are exact) or "
+                    f"checkpoint with use_reentrant=False")
             out, _ = memory(x, record[1], reset=record[2], **record[3])
             return out if self.batch_first else out.transpose(0, 1)
         local = self._compiled_local if compiling else self._local
@@ -293,6 +296,7 @@ class MemoryHandle:
             local.reset, self._reset = self._reset, None
             local.doc_starts, self._doc_starts = self._doc_starts, None
             local.valid, self._valid = self._valid, None
+            local.carried_cut = self._state_cut or not self.streaming or self.state is None
         elif getattr(local, "current", None) is None or local.current[layer - 1] is None:
             raise RuntimeError(f"tmcore: block {layer} ran before block {layer - 1} in this call; "
                                f"attached memories need the blocks to run in order, once each")
@@ -301,7 +305,10 @@ class MemoryHandle:
         reset = local.reset if applies else None
         kwargs = self._stream_kwargs(local.doc_starts, local.valid)
         if key is not None:
-            self._remember(key, args[0], init, reset, kwargs)
+            # whether a reentrant recomputation may start from ``init`` (no gradient is lost
+            # through it): no state, or a carried one the user cut (detach_state)
+            cut = init is None or (local.carried_cut and (self.mode == "causal" or layer == 0))
+            self._remember(key, args[0], init, reset, kwargs, cut)
         if _checkpoints_forward(module):
             out, state = _checkpointed(module, memory, x, init, reset, kwargs)
         else:
@@ -309,6 +316,7 @@ class MemoryHandle:
         local.current[layer] = state
         if layer == layers - 1:
             self.state = list(local.current)
+            self._state_cut = False  # produced by this call (cut only by detach_state)
             local.current, local.carried, local.reset = None, None, None
             local.doc_starts, local.valid = None, None
         return out if self.batch_first else out.transpose(0, 1)
@@ -328,7 +336,7 @@ class MemoryHandle:
         return kwargs
 
     def _remember(self, key: tuple, x: Tensor, init: Any, reset: Any,
-                  kwargs: dict[str, Any]) -> None:
+                  kwargs: dict[str, Any], cut: bool = True) -> None:
         """Keep this call's start of block ``key[0]`` for a recomputation in the backward.
 
         A key seen before whose tensor is gone is stale (its storage was freed and
@@ -344,7 +352,7 @@ class MemoryHandle:
                 self._records[key] = _AMBIGUOUS
             else:
                 self._records[key] = (weakref.ref(x), init, reset, kwargs,
-                                      torch.is_grad_enabled())
+                                      torch.is_grad_enabled(), cut)
             while len(self._records) > _RECORDS_PER_LAYER * len(self._blocks):
                 self._records.pop(next(iter(self._records)))
 
@@ -396,6 +404,7 @@ class MemoryHandle:
         """Cut the graph to the previous calls (truncated backprop through time)."""
         if self.state is not None:
             self.state = [_detach(s) for s in self.state]
+        self._state_cut = True
 
     def set_state(self, state: Sequence[State] | None) -> None:
         """Replace the per-layer state (``None``: zeros at the next call)."""
@@ -404,6 +413,7 @@ class MemoryHandle:
                              f"got {len(state)}")
         self.state = None if state is None else [
             s if isinstance(s, tl.StreamState) else tuple(s) for s in state]
+        self._state_cut = True
 
     def remove(self) -> None:
         """Remove the hooks and the memory submodules: the model is exactly as before."""

@@ -336,7 +336,8 @@ class HFMemory:
                 start = self._train_state
         else:
             start = self._cache_start(name, cache, compiling)
-        self.handle.state = start
+        self.handle.state = start  # a detached training state, a cache's (no grad) or None
+        self.handle._state_cut = True
         self.handle._valid = _valid_mask(self._arg(args, kwargs, "attention_mask"), batch,
                                          count, compiling)
 

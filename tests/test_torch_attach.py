@@ -214,3 +214,65 @@ def test_attaching_twice_is_refused():
     handle.remove()
     tmt.attach_memory(model.blocks, embed_dim=6, memory_channels=2, memory_shape=(2,),
                       chunk_size=2).remove()
+
+
+def test_reentrant_checkpointing_of_a_streamed_state_in_the_graph_is_refused():
+    """use_reentrant=True cannot differentiate a streamed-in state that is part of the graph
+    (issue 22: gradients were silently off by up to 0.03): the backward refuses."""
+    model, handle = _attached("causal", streaming=True, seed=11, dtype=F64, ckpt=True,
+                              reentrant=True)
+    x0 = torch.zeros(2, 6, 6, dtype=F64, requires_grad=True)
+    xs = [torch.randn(2, 6, 6, dtype=F64, generator=torch.Generator().manual_seed(s))
+          for s in (12, 13)]
+    loss = sum(model(x + x0).square().sum() for x in xs)  # the second call's state: in the graph
+    with pytest.raises(RuntimeError, match="use_reentrant=True"):
+        loss.backward()
+
+
+def test_zero_init_attaches_an_exact_identity_that_trains():
+    torch.manual_seed(14)
+    model = Stack()
+    x = torch.randn(2, 7, 6)
+    before = model(x)
+    handle = tmt.attach_memory(model.blocks, "causal", embed_dim=6, memory_channels=2,
+                               memory_shape=(3, 2), chunk_size=2, zero_init=True, gate_init=2.0)
+    out = model(x)
+    assert torch.equal(out, before)
+    out.square().sum().backward()
+    assert all(m.memory.out_proj.weight.grad.abs().max() > 0 for m in handle.memories)
+    assert all(m.memory.zero_init for m in handle.memories)
+    # MemoryResidual(zero_init=True) zeroes an existing memory's read-out, and keeps it
+    memory = tmt.TensorMemory(6, 2, (3,), 2)
+    residual = tmt.MemoryResidual(memory, zero_init=True)
+    memory.reset_parameters()
+    assert not memory.out_proj.weight.any() and torch.equal(residual(x)[0], x)
+
+
+def test_padding_mask_keeps_pads_out_of_every_layer():
+    """set_valid: rows with padding equal the rows' valid tokens run alone (causal mode)."""
+    model, handle = _attached("causal", seed=15, dtype=F64)
+    x = torch.randn(2, 7, 6, dtype=F64)
+    valid = torch.ones(2, 7, dtype=torch.bool)
+    valid[0, :3] = False
+    valid[1, 5:] = False
+    handle.set_valid(valid)
+    out = model(x)
+    for row in range(2):
+        alone = model(x[row:row + 1, valid[row]])
+        torch.testing.assert_close(out[row, valid[row]], alone[0], rtol=1e-12, atol=1e-12)
+    with pytest.raises(TypeError, match="valid"):
+        handle.set_valid(valid.long())
+    threaded, th = _attached("threaded", seed=16)
+    with pytest.raises(ValueError, match="valid"):
+        th.set_valid(valid)
+
+
+def test_compiled_model_with_attached_memory_has_no_graph_break():
+    """The per-call bookkeeping (thread local, lock, recompute records) is skipped while
+    torch.compile traces (issue 22: 9 graph breaks in the attach hooks)."""
+    model, _ = _attached("causal", seed=17)
+    x = torch.randn(2, 8, 6)
+    expected = model(x)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, backend="eager")
+    torch.testing.assert_close(compiled(x), expected, rtol=1e-5, atol=1e-6)
