@@ -42,6 +42,7 @@ import numpy as np
 from flax import nnx
 from jax import lax
 
+from tmcore import _sizes
 from tmcore import layer as tl
 from tmcore._validate import check_finite, check_int, check_values, validation_enabled
 from tmcore.conv import ConvParams
@@ -313,6 +314,7 @@ def init(
     """
     config = tl.layer_config(embed_dim, memory_channels, memory_shape, chunk_size, sigma_scale,
                              forget_bias=forget_bias)
+    _sizes.check_params(jnp, config, dtype)  # before any parameter is made
     random = [s for s in tl.param_specs(config) if s.init in ("uniform", "xavier_uniform")]
     keys = iter(jax.random.split(key, len(random)))
 
@@ -504,6 +506,7 @@ def apply(
                            memory_shape=memory_shape, sigma_scale=sigma_scale, eps=eps,
                            radius=radius, checkpoint_every=checkpoint_every)
     tl.check_tokens(jnp, x, config)
+    _sizes.check_forward(jnp, config, x)  # the state and the call fit, before allocating
     if stream:
         return _apply_stream(params, x, state, config, layer, reset, doc_starts, valid)
     batch, tokens, d = x.shape

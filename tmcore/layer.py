@@ -57,6 +57,7 @@ from typing import Any, NamedTuple
 
 import array_api_compat
 
+from tmcore import _sizes
 from tmcore._math import softplus
 from tmcore._validate import (
     check_eps,
@@ -185,7 +186,7 @@ def layer_config(
     if array_api_compat.is_array_api_obj(sigma_scale):
         raise TypeError(f"sigma_scale: expected a finite number > 0, got an array "
                         f"{type(sigma_scale).__name__}")
-    return LayerConfig(
+    return _sizes.check_config(LayerConfig(
         embed_dim=_size("embed_dim", embed_dim),
         memory_channels=_size("memory_channels", memory_channels),
         memory_shape=_grid(memory_shape),
@@ -196,7 +197,7 @@ def layer_config(
         eps=check_eps(eps),
         forget_bias=check_finite("forget_bias", forget_bias),
         zero_init=_flag("zero_init", zero_init),
-    )
+    ))
 
 
 def _flag(name: str, value: Any) -> bool:
@@ -472,6 +473,7 @@ def _device(x: Any) -> Any:
 def zero_state(xp: Any, config: LayerConfig, batch: int, *, dtype: Any = None,
                device: Any = None) -> State:
     """Zeros ``(h, c)``, each ``(B, C, *S)``."""
+    _sizes.check_state(xp, config, batch, dtype, device)  # sizes before allocating
     shape = config.state_shape(batch)
     return xp.zeros(shape, dtype=dtype, device=device), xp.zeros(shape, dtype=dtype,
                                                                  device=device)

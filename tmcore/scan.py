@@ -20,6 +20,7 @@ from typing import Any, NamedTuple
 
 import array_api_compat
 
+from tmcore import _sizes
 from tmcore._dispatch import ops_for
 from tmcore._validate import (
     check_eps,
@@ -483,6 +484,7 @@ def validate_scan_inputs(h0, c0, read_coords, write_coords, write_sigma, write_c
     if steps < 1:
         raise ValueError(f"read_coords: expected at least one step (T >= 1), got shape "
                          f"{tuple(read_coords.shape)}")
+    _sizes.check_scan(xp, h0, steps, checkpoint_every, g_reads is not None)  # before allocating
     check_positive(xp, "write_sigma", write_sigma)
     return xp, params
 

@@ -16,6 +16,7 @@ from typing import Any
 
 import array_api_compat
 
+from tmcore import _sizes
 from tmcore._dispatch import ops_for
 from tmcore._separable import grid_size, outer_product
 from tmcore._validate import (
@@ -162,6 +163,8 @@ def validate_splat_inputs(content, mu, sigma, shape, g=None, radius=None, eps=DE
         )
     check_radius(radius)
     check_eps(eps)
+    _sizes.check_array(xp, "shape", (batch, channels, *dims), "(B, C, *shape)", "the volume",
+                       content)
     check_positive(xp, "sigma", sigma)
     return xp, dims
 

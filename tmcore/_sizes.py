@@ -1,0 +1,329 @@
+"""Sizes checked before anything is allocated: element counts and the bytes a call needs.
+
+Two checks, both made from shapes and dtypes only (no array is touched):
+
+- **Element counts** against int64 (:func:`check_count`): every array a layer
+  or a scan makes must have fewer than ``2**63`` BYTES at 8 bytes an element
+  (XLA aborts the process, with SIGABRT, on a shape whose extent product
+  overflows; torch and NumPy raise late and unclearly). A ``ValueError`` naming
+  the argument (``memory_shape``, ``embed_dim``, ...).
+- **Bytes** against what the device can ever hold (:func:`check_bytes`): the
+  host's memory (``MemTotal`` + swap), a cgroup limit and the address space
+  left under ``RLIMIT_AS``, whichever is least; a CUDA device's total memory
+  (torch, CuPy) or a JAX device's ``bytes_limit``. A call that needs more than
+  that can never run, so it raises ``MemoryError`` naming the argument and the
+  estimate before it allocates. This is a bound, not a prediction: a call below
+  it may still run out of memory that other arrays hold.
+
+The estimates (:func:`scan_bytes`, :func:`forward_bytes`) count what a call
+certainly holds at its peak: the state in and out, one step's working set
+(the written volume, the ``4C`` gate pre-activations), the reads and outputs,
+and, for a backward, the ``ceil(T / k)`` checkpointed states. They are lower
+bounds of the real peak, so they never refuse a call that fits.
+
+Callers: :func:`tmcore.layer.layer_config` (counts), :func:`tmcore.layer.zero_state`
+(the state and one step over it, before the zero state is made: every layer path
+and ``init_state`` starts there), :func:`tmcore.scan.validate_scan_inputs` (the
+scan, with its checkpoints for a backward), and the JAX adapter's ``init`` (the
+parameters) and ``apply`` (:func:`check_forward`).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = [
+    "INT64_MAX",
+    "check_count",
+    "check_config",
+    "check_bytes",
+    "check_state",
+    "check_forward",
+    "check_scan",
+    "check_params",
+    "check_array",
+    "memory_budget",
+    "scan_bytes",
+    "forward_bytes",
+    "itemsize",
+]
+
+INT64_MAX = 2**63 - 1
+#: the widest element any array here may have (float64 / int64), in bytes
+_WIDEST = 8
+#: below this estimate no budget is looked up (a call that small always fits)
+_SMALL = 64 << 20
+#: the per-step working set of the scan, in states ``(B, C, *S)``: the written volume
+#: (1), the gate pre-activations (4C: 4), the new ``h, c`` (2); a lower bound
+_STEP_STATES = 7
+
+
+def _gib(nbytes: float) -> str:
+    return f"{nbytes / 2**30:,.1f} GiB" if nbytes >= 2**27 else f"{nbytes / 2**20:,.1f} MiB"
+
+
+def check_count(name: str, shape: Sequence[int], layout: str, what: str) -> int:
+    """The number of elements of an array of ``shape`` (``layout`` names its axes, e.g.
+    ``"(B, C, *S)"``); ``ValueError`` naming ``name`` when that many 8-byte elements
+    would not fit in int64 bytes."""
+    count = math.prod(int(s) for s in shape)
+    if count > INT64_MAX // _WIDEST:
+        raise ValueError(
+            f"{name}: {what} {layout} = {tuple(int(s) for s in shape)} would have {count:.3e} "
+            f"elements, more than int64 can address (at most 2**63 - 1 bytes, "
+            f"{INT64_MAX // _WIDEST:.3e} elements of 8 bytes)")
+    return count
+
+
+def check_config(config: Any) -> Any:
+    """``config`` (a :class:`tmcore.layer.LayerConfig`) if one row of its state ``(C, *S)``
+    and its largest parameter ``write_proj (d, L*d)`` have int64-addressable sizes;
+    else ``ValueError`` naming the argument."""
+    check_count("memory_shape", (config.memory_channels, *config.memory_shape), "(C, *S)",
+                "the state of one sequence")
+    check_count("embed_dim", (config.embed_dim, config.chunk_size * config.embed_dim),
+                "(d, L*d)", "write_proj.weight")
+    return config
+
+
+# --------------------------------------------------------------------------- budgets
+
+
+def _meminfo() -> int | None:
+    """``MemTotal`` + ``SwapTotal`` of the host, in bytes (``None`` if unknown)."""
+    try:
+        with open("/proc/meminfo") as handle:
+            fields = dict(line.split(":", 1) for line in handle if ":" in line)
+        kib = sum(int(fields[k].split()[0]) for k in ("MemTotal", "SwapTotal") if k in fields)
+        return kib * 1024 if kib else None
+    except (OSError, ValueError):
+        pass
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def _cgroup_limit() -> int | None:
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            with open(path) as handle:
+                text = handle.read().strip()
+        except OSError:
+            continue
+        if text.isdigit() and int(text) < 2**60:
+            return int(text)
+    return None
+
+
+_STATIC: dict[str, int | None] = {}
+
+
+def _address_space_left() -> int | None:
+    """Bytes of address space left under ``RLIMIT_AS`` (``None``: unlimited or unknown)."""
+    try:
+        import resource  # POSIX only
+
+        soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    except (ImportError, OSError, ValueError, AttributeError):
+        return None
+    if soft == resource.RLIM_INFINITY or soft < 0:
+        return None
+    try:
+        with open("/proc/self/statm") as handle:
+            used = int(handle.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        used = 0
+    return max(soft - used, 0)
+
+
+def _host_budget() -> tuple[int, str] | None:
+    if "host" not in _STATIC:
+        limits = [v for v in (_meminfo(), _cgroup_limit()) if v]
+        _STATIC["host"] = min(limits) if limits else None
+    found = []
+    if _STATIC["host"]:
+        found.append((_STATIC["host"], "the host's memory (RAM + swap, or its cgroup limit)"))
+    left = _address_space_left()
+    if left is not None:
+        found.append((left, "the address space left under RLIMIT_AS"))
+    return min(found) if found else None
+
+
+def _device_of(array: Any) -> Any:
+    try:
+        device = array.device
+    except Exception:  # no single device
+        return None
+    return device() if callable(device) else device
+
+
+def memory_budget(xp: Any, device: Any = None) -> tuple[int, str] | None:
+    """``(bytes, what it is)``: the most memory ``device`` of namespace ``xp`` can ever
+    give one call; ``None`` where it is not known (then nothing is refused)."""
+    name = getattr(xp, "__name__", "")
+    try:
+        if "torch" in name and "torch" in sys.modules:
+            torch = sys.modules["torch"]
+            dev = torch.device(device) if device is not None else torch.get_default_device()
+            if dev.type == "meta":
+                return None
+            if dev.type == "cuda":
+                props = torch.cuda.get_device_properties(dev)
+                return props.total_memory, f"the memory of {dev}"
+            if dev.type != "cpu":
+                return None
+        elif "jax" in name and "jax" in sys.modules:
+            jax = sys.modules["jax"]
+            dev = device if device is not None and hasattr(device, "platform") \
+                else jax.devices()[0]
+            if dev.platform != "cpu":
+                stats = dev.memory_stats() or {}
+                limit = stats.get("bytes_limit")
+                return (int(limit), f"the memory of {dev}") if limit else None
+        elif "cupy" in name and "cupy" in sys.modules:
+            cupy = sys.modules["cupy"]
+            index = getattr(device, "id", None)
+            with cupy.cuda.Device(index):
+                return int(cupy.cuda.runtime.memGetInfo()[1]), f"the memory of GPU {index}"
+    except Exception:  # an unusual device, or a framework without these calls
+        return None
+    return _host_budget()
+
+
+def itemsize(xp: Any, dtype: Any) -> int:
+    """Bytes per element of ``dtype`` (4 when it cannot be told, e.g. ``None``)."""
+    size = getattr(dtype, "itemsize", None)
+    if isinstance(size, int) and size > 0:
+        return size
+    if dtype is None:
+        return 4
+    try:
+        return max(xp.finfo(dtype).bits // 8, 1)
+    except Exception:  # not a floating dtype of xp
+        return 4
+
+
+def _compiling() -> bool:
+    """Whether torch.compile is tracing (then the checks ran eagerly, or run in the
+    ops' fake implementations; a file read here would break the graph)."""
+    torch = sys.modules.get("torch")
+    try:
+        return torch is not None and bool(torch.compiler.is_compiling())
+    except Exception:  # an older torch
+        return False
+
+
+def check_bytes(name: str, nbytes: int, what: str, xp: Any, device: Any = None) -> None:
+    """``MemoryError`` naming ``name`` when ``nbytes`` (what ``what`` needs) exceeds
+    :func:`memory_budget`; nothing is looked up for small requests."""
+    if nbytes > INT64_MAX:
+        raise ValueError(f"{name}: {what} would need {nbytes:.3e} bytes, more than int64 "
+                         f"can address")
+    if nbytes < _SMALL or _compiling():
+        return
+    budget = memory_budget(xp, device)
+    if budget is not None and nbytes > budget[0]:
+        raise MemoryError(
+            f"{name}: {what} would take at least {_gib(nbytes)}, more than {_gib(budget[0])} "
+            f"({budget[1]}); nothing was allocated. Use a smaller grid, batch or "
+            f"channel count (or a larger checkpoint_every for the backward)")
+
+
+# --------------------------------------------------------------------------- estimates
+
+
+def scan_bytes(state: int, batch: int, channels: int, steps: int, checkpoints: int,
+               item: int) -> int:
+    """Bytes a scan over ``steps`` chunks certainly holds: the state in and out
+    (``state`` elements each of ``h``, ``c``), one step's working set, ``checkpoints``
+    saved ``(h, c)`` pairs, and the reads ``(B, T, C)``."""
+    return item * (state * (4 + _STEP_STATES + 2 * checkpoints) + batch * steps * channels)
+
+
+def forward_bytes(config: Any, batch: int, tokens: int, item: int) -> int:
+    """Bytes one layer call on ``(B, N, d)`` tokens certainly holds (no checkpoints):
+    :func:`scan_bytes` plus the output ``(B, N, d)`` and the padded chunks."""
+    state = batch * config.memory_channels * math.prod(config.memory_shape)
+    steps = -(-tokens // config.chunk_size)
+    padded = batch * steps * config.chunk_size * config.embed_dim
+    return scan_bytes(state, batch, config.memory_channels, steps, 0, item) \
+        + item * (batch * tokens * config.embed_dim + padded)
+
+
+def _state_shape(config: Any, batch: int) -> tuple[int, ...]:
+    return (batch, config.memory_channels, *config.memory_shape)
+
+
+def check_state(xp: Any, config: Any, batch: int, dtype: Any = None, device: Any = None
+                ) -> None:
+    """Before a zero state ``(h, c)`` of ``(B, C, *S)`` is made: its count fits int64, and
+    the state with one scan step over it (the least any layer call on it needs:
+    :func:`scan_bytes` for one step) fits the device (``ValueError`` / ``MemoryError``
+    naming ``memory_shape``). Both layer paths (plain and streaming) and both
+    adapters' ``init_state`` make their zero state here."""
+    if _compiling():
+        return
+    shape = _state_shape(config, int(batch))
+    count = check_count("memory_shape", shape, "(B, C, *S)", "the state h (and c)")
+    check_bytes("memory_shape", scan_bytes(count, shape[0], shape[1], 1, 0, itemsize(xp, dtype)),
+                f"the state (h, c) of shape (B, C, *S) = {shape} and one scan step over it",
+                xp, device)
+
+
+def check_forward(xp: Any, config: Any, x: Any) -> None:
+    """Before a layer call on ``x (B, N, d)`` allocates: the state and the call's
+    working set fit (``ValueError`` / ``MemoryError`` naming ``memory_shape``)."""
+    if _compiling():
+        return
+    batch, tokens = int(x.shape[0]), int(x.shape[1])
+    shape = _state_shape(config, batch)
+    check_count("memory_shape", shape, "(B, C, *S)", "the state h (and c)")
+    nbytes = forward_bytes(config, batch, tokens, itemsize(xp, x.dtype))
+    if nbytes >= _SMALL:
+        check_bytes("memory_shape", nbytes,
+                    f"a layer call on x {tuple(x.shape)} with a state (B, C, *S) = {shape}",
+                    xp, _device_of(x))
+
+
+def check_scan(xp: Any, h0: Any, steps: int, checkpoint_every: int, backward: bool) -> None:
+    """Before a scan allocates: the checkpoints' count fits int64, and the bytes the scan
+    needs (:func:`scan_bytes`; ``ceil(T / k)`` checkpoints for a backward, one for a
+    forward) fit the device (``ValueError`` / ``MemoryError`` naming ``h0``)."""
+    shape = tuple(int(s) for s in h0.shape)
+    saved = -(-steps // checkpoint_every) if backward else 1
+    state = check_count("h0", shape, "(B, C, *S)", "the state")
+    check_count("checkpoint_every", (saved, *shape), "(ceil(T / k), B, C, *S)",
+                "the saved states")
+    nbytes = scan_bytes(state, shape[0], shape[1], steps, saved, itemsize(xp, h0.dtype))
+    if nbytes >= _SMALL:
+        kind = f"a backward over T = {steps} steps keeping {saved} states" if backward \
+            else f"a scan over T = {steps} steps"
+        check_bytes("h0", nbytes, f"{kind} of shape (B, C, *S) = {shape}", xp, _device_of(h0))
+
+
+def check_array(xp: Any, name: str, shape: Sequence[int], layout: str, what: str,
+                like: Any) -> None:
+    """Before an output of ``shape`` (``layout``) in ``like``'s dtype and device is made:
+    its count fits int64 and its bytes fit the device (``ValueError`` /
+    ``MemoryError`` naming ``name``)."""
+    count = check_count(name, shape, layout, what)
+    if count * _WIDEST >= _SMALL:
+        check_bytes(name, count * itemsize(xp, like.dtype),
+                    f"{what} {layout} = {tuple(int(s) for s in shape)}", xp, _device_of(like))
+
+
+def check_params(xp: Any, config: Any, dtype: Any = None, device: Any = None) -> None:
+    """Before a layer's parameters are made: their bytes fit the device (``MemoryError``
+    naming ``embed_dim``)."""
+    from tmcore.layer import param_specs  # the layer builds on this module
+
+    count = sum(math.prod(spec.shape) for spec in param_specs(config))
+    d, length = config.embed_dim, config.chunk_size
+    check_bytes("embed_dim", count * itemsize(xp, dtype),
+                f"the parameters (write_proj.weight (d, L*d) = ({d}, {length * d}) and "
+                f"the rest)", xp, device)
