@@ -414,14 +414,16 @@ def _parameter_names(owner: nn.Module) -> dict[str, int]:
 
 
 def _cache_in(output: Any) -> Any:
-    for name in _CACHE_NAMES:
-        value = getattr(output, name, None)
-        if value is not None:
-            return value
-    if isinstance(output, tuple):
-        transformers = _transformers()
-        return next((v for v in output if isinstance(v, transformers.Cache)), None)
-    return None
+    """The cache a base model's output holds (a ``ModelOutput`` field or a tuple entry;
+    read by value, not by name: an old field name may be a deprecated alias)."""
+    transformers = _transformers()
+    if isinstance(output, transformers.utils.ModelOutput):
+        values: Any = output.values()
+    elif isinstance(output, tuple):
+        values = output
+    else:
+        return None
+    return next((v for v in values if isinstance(v, transformers.Cache)), None)
 
 
 _INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
