@@ -7,7 +7,8 @@ Results files (``examples/<task>/results/<name>.json``)::
     rows [{model, setting, metric, seeds: [one value per seed]}], params {model: n},
     seconds
 
-Every README number of the "Images and video" section is rendered from one of
+Every number of the "Images and video" section of the experiments guide
+(docs/guides/experiments.md) is rendered from one of
 these by :func:`render_readme` (blocks ``<!-- vision-results: NAME -->`` ...
 ``<!-- /vision-results -->``), so the committed text always equals the
 committed results (``tests/test_examples_vision.py`` checks it).
@@ -47,7 +48,8 @@ __all__ = ["make_deterministic", "commit_info", "environment", "mean_std", "md_t
            "pyplot", "save_figure", "scales", "TINY", "FULL"]
 
 ROOT = Path(__file__).resolve().parents[1]
-README = ROOT / "README.md"
+#: The page whose ``vision-results`` blocks :func:`render_readme` renders (the experiments guide).
+README = ROOT / "docs" / "guides" / "experiments.md"
 #: Paths whose uncommitted changes can change a run's numbers.
 TRACKED = ("examples/image", "examples/video", "examples/vision_common.py", "tmcore", "backends",
            "adapters")

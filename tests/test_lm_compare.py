@@ -124,4 +124,4 @@ def test_committed_results_match_the_readme_and_table():
     text = compare.markdown(result, "compare")
     assert (results / "compare.md").read_text() == text  # else: python -m examples.lm render
     table = "\n".join(line for line in text.splitlines() if line.startswith("|"))
-    assert table in (root / "README.md").read_text()
+    assert table in (root / "docs" / "guides" / "experiments.md").read_text()

@@ -1,4 +1,5 @@
-"""The README's Python examples run as written (those whose framework is installed)."""
+"""The Python examples of the README and the guides run as written (those whose framework
+is installed)."""
 
 from __future__ import annotations
 
@@ -8,24 +9,28 @@ from pathlib import Path
 
 import pytest
 
-README = Path(__file__).resolve().parents[1] / "README.md"
-BLOCKS = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+PAGES = [README, *sorted((ROOT / "docs" / "guides").glob("*.md")), ROOT / "docs" / "LAYER.md"]
+BLOCKS = [(page, index, block) for page in PAGES if page.exists()
+          for index, block in enumerate(re.findall(r"```python\n(.*?)```", page.read_text(),
+                                                   flags=re.S))]
 
 
 def _needs(block: str) -> list[str]:
-    return [m for m in ("torch", "jax", "flax", "cupy") if re.search(rf"^\s*(import|from) {m}\b",
-                                                                 block, flags=re.M)]
+    return [m for m in ("torch", "jax", "flax", "cupy", "transformers")
+            if re.search(rf"^\s*(import|from) {m}\b", block, flags=re.M)]
 
 
-@pytest.mark.parametrize("index", range(len(BLOCKS)))
-def test_readme_block_runs(index: int) -> None:
-    block = BLOCKS[index]
+@pytest.mark.parametrize(("page", "index", "block"), BLOCKS,
+                         ids=[f"{p.relative_to(ROOT)}[{i}]" for p, i, _ in BLOCKS])
+def test_python_block_runs(page: Path, index: int, block: str) -> None:
     for module in _needs(block):
         if importlib.util.find_spec(module) is None:
-            pytest.skip(f"README block {index} needs {module}, which is not installed")
+            pytest.skip(f"{page.name} block {index} needs {module}, which is not installed")
     namespace: dict = {}
-    exec(compile(block, f"README.md[python block {index}]", "exec"), namespace)
+    exec(compile(block, f"{page.relative_to(ROOT)}[python block {index}]", "exec"), namespace)
 
 
 def test_readme_has_examples() -> None:
-    assert BLOCKS, "README lost its runnable examples"
+    assert any(page == README for page, _, _ in BLOCKS), "README lost its runnable examples"

@@ -1,4 +1,5 @@
-"""Render the README tables from the committed results files.
+"""Render the results tables of the suite's README and the experiments guide from the
+committed results files.
 
 ``python -m examples.diagnostics render`` rewrites every block
 
@@ -18,14 +19,14 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from examples.diagnostics.report import gate_reach, table, title
+from examples.diagnostics.report import cost_table, gate_reach, table, title
 from examples.diagnostics.results import RESULTS_DIR, load_results
 from examples.reporting import md_table
 
 __all__ = ["markdown", "render_text", "render_files", "READMES"]
 
 _ROOT = Path(__file__).resolve().parents[2]
-READMES = (Path(__file__).with_name("README.md"), _ROOT / "README.md")
+READMES = (Path(__file__).with_name("README.md"), _ROOT / "docs" / "guides" / "experiments.md")
 _BLOCK = re.compile(r"(<!-- results: (?P<name>[\w.-]+) -->\n)(?P<body>.*?)(<!-- /results -->)",
                     re.DOTALL)
 
@@ -51,13 +52,46 @@ def markdown(name: str, result: dict) -> str:
                 f"{result['config']['train']['steps']} steps, scored on the held-out tuning "
                 f"split.*")
         return "\n\n".join([head, md_table(header, rows), _source(result, name)]) + "\n"
+    if result.get("kind") == "estimate":
+        return _estimate_markdown(name, result)
     header, rows = table(result)
     parts = [f"*{title(result)}*", md_table(header, rows), _source(result, name)]
     if any(r[-1] not in ("-", "") for r in rows):
         reach = gate_reach(result["config"]["train"])
         parts[-1] += (f" A gate logit can move at most about ±{reach:.1f} from its initial 0 "
                       f"in this schedule (Adam: ≤ ~lr per step).")
+    cost = cost_table(result)
+    if cost is not None:
+        env = result.get("environment", {})
+        parts.append(f"*Cost ({result['scale']} scale, {env.get('threads', '?')} torch "
+                     f"thread(s) per job on {env.get('cpu', 'an unrecorded CPU')}): ms per "
+                     f"training step, mean over seeds.*")
+        parts.append(md_table(*cost))
     return "\n\n".join(parts) + "\n"
+
+
+def _estimate_markdown(name: str, result: dict) -> str:
+    """The cost estimate of the full-size sweep (``sweep --estimate``)."""
+    header = ["part", "model", "setting", "ms / step", "steps", "jobs", "CPU hours"]
+    rows = [[r["part"], r["model"], r["setting"], f"{r['ms_per_step']:,.0f}",
+             f"{r['steps']:,}", str(r["jobs"]), f"{r['cpu_hours']:.2f}"]
+            for r in result["rows"]]
+    totals = ", ".join(f"{k} {v:.1f} h" for k, v in result["cpu_hours"].items())
+    env = result.get("environment", {})
+    load = result.get("load_average_at_start")
+    head = (f"*Estimated cost of the full-size sweep ({result['scale']} scale, seeds "
+            f"{result['seeds']}): {result['timed_steps']} timed training steps per row and "
+            f"length after one warm-up, {env.get('threads', '?')} torch thread(s) on "
+            f"{env.get('cpu', 'an unrecorded CPU')}"
+            + (f", load average {load:.1f} when timing began" if load is not None else "")
+            + ". Evaluation is not counted.*")
+    total = (f"CPU hours by part: {totals}; total {result['cpu_hours_total']:.1f} h "
+             f"(one core per job).")
+    commit = (result.get("commit") or "unknown")[:10]
+    source = (f"Source: `examples/diagnostics/results/{name}.json`, made by "
+              f"`{result['command']}` at commit {commit}"
+              + (" + uncommitted changes" if result.get("dirty") else "") + ".")
+    return "\n\n".join([head, md_table(header, rows), total, source]) + "\n"
 
 
 def render_text(text: str, results: dict[str, dict]) -> str:
