@@ -23,7 +23,7 @@ DOCS = ROOT / "docs"
 
 #: Modules whose docstring Examples run here (as doctests).
 DOCTEST_MODULES = ("tmcore.sampling", "tmcore.splat", "tmcore.scan", "tmcore.conv",
-                   "tmcore.cell", "tmcore.addressing")
+                   "tmcore.cell", "tmcore.addressing", "tmcore.testing.finite_diff")
 
 
 def _missing(*modules: str) -> list[str]:

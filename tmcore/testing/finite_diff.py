@@ -30,21 +30,46 @@ def central_difference_vjp(
     wrt: Sequence[int],
     step: float = 1e-6,
 ) -> list[np.ndarray]:
-    """Gradients of ``L(args) = sum(f(*args) * g)`` with respect to ``args[i]``, ``i in wrt``.
+    """Give the gradients of ``L(args) = sum(f(*args) * g)`` by central differences.
 
-    Args:
-        f: a function of ``len(args)`` arrays returning one array or a tuple of arrays.
-        args: the inputs (anything ``np.asarray`` accepts; used as float64 copies).
-            Non-array arguments (ints, tuples, None) are passed through untouched
-            and must not be listed in ``wrt``.
-        g: the cotangent, shaped like ``f``'s output (a tuple of arrays if ``f``
-            returns a tuple).
-        wrt: indices of the arguments to differentiate.
-        step: the perturbation ``h``; entry ``j`` of the gradient is
-            ``(L(x + h e_j) - L(x - h e_j)) / (2 h)``.
+    Entry ``j`` of the gradient for ``args[i]`` is ``(L(x + h e_j) - L(x - h e_j))
+    / (2 h)``, computed in float64 on copies of the arguments.
 
-    Returns:
+    Parameters
+    ----------
+    f : callable
+        A function of ``len(args)`` arrays returning one array or a tuple of
+        arrays.
+    args : sequence
+        The inputs (NumPy arrays are used as float64 copies). Non-array arguments
+        (ints, tuples, None) are passed through untouched and must not be listed
+        in ``wrt``.
+    g : numpy.ndarray or tuple of numpy.ndarray
+        The cotangent, shaped like ``f``'s output (a tuple of arrays if ``f``
+        returns a tuple).
+    wrt : sequence of int
+        The indices of the arguments to differentiate.
+    step : float, default 1e-6
+        The perturbation ``h``.
+
+    Returns
+    -------
+    list of numpy.ndarray
         One float64 array per index in ``wrt``, each shaped like ``args[i]``.
+
+    Raises
+    ------
+    TypeError
+        If an argument listed in ``wrt`` is not a NumPy array.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from tmcore.testing.finite_diff import central_difference_vjp
+    >>> x = np.array([1.0, 2.0])
+    >>> [grad] = central_difference_vjp(lambda a: a ** 2, [x], np.ones(2), wrt=[0])
+    >>> np.round(grad, 6)
+    array([2., 4.])
     """
     work = [
         np.array(a, dtype=np.float64, copy=True) if isinstance(a, np.ndarray) else a
@@ -69,15 +94,39 @@ def central_difference_vjp(
 
 
 def relative_error(a, b, floor: float = float(np.finfo(np.float64).tiny)) -> float:
-    """``max|a - b| / max(max|b|, floor)``: the worst error relative to ``b``'s scale.
+    """Give the worst error of ``a`` relative to ``b``'s scale: ``max|a - b| / max(max|b|, floor)``.
 
     ``b`` is the trusted value (the reference or the finite difference). The
     error is scaled by the largest magnitude in ``b``, not entry by entry, so
-    entries of ``b`` that are near zero do not blow it up. ``floor`` (by default
-    the smallest normal float64) guards against ``b == 0``: then the result is
-    ``max|a|`` divided by ``floor``, i.e. 0 only if ``a`` is also exactly 0. Pass a
-    larger ``floor`` (an absolute scale) when ``b`` may legitimately be ~0.
-    Empty arrays have error 0.
+    entries of ``b`` that are near zero do not blow it up. Empty arrays have
+    error 0.
+
+    Parameters
+    ----------
+    a : array_like
+        The value under test.
+    b : array_like
+        The trusted value, shaped like ``a``.
+    floor : float, default: the smallest normal float64
+        Guards against ``b == 0``: then the result is ``max|a|`` divided by
+        ``floor``, i.e. 0 only if ``a`` is also exactly 0. Pass a larger
+        ``floor`` (an absolute scale) when ``b`` may legitimately be about 0.
+
+    Returns
+    -------
+    float
+        The relative error.
+
+    Raises
+    ------
+    ValueError
+        If the shapes of ``a`` and ``b`` differ.
+
+    Examples
+    --------
+    >>> from tmcore.testing.finite_diff import relative_error
+    >>> relative_error([1.0, 2.0], [1.0, 2.5])
+    0.2
     """
     a = np.asarray(a, dtype=np.float64)
     b = np.asarray(b, dtype=np.float64)

@@ -50,9 +50,17 @@ def _f64(a) -> np.ndarray:
 
 
 def cell_centers(size: int) -> np.ndarray:
-    """Normalized cell-centre positions of one axis: ``linspace(-1, 1, size)``.
+    """Give the normalized cell-centre positions of one axis: ``linspace(-1, 1, size)``.
 
-    With ``size == 1`` the single centre is ``-1`` (NumPy's ``linspace``).
+    Parameters
+    ----------
+    size : int
+        The number of cells along the axis, >= 1.
+
+    Returns
+    -------
+    numpy.ndarray, shape ``(size,)``
+        The centres, float64; with ``size == 1`` the single centre is -1.
     """
     return np.linspace(-1.0, 1.0, size)
 
@@ -87,11 +95,23 @@ def _corner_setup(coord_row: np.ndarray, spatial: Sequence[int]):
 
 
 def ref_trilinear_sample(volume: np.ndarray, coords: np.ndarray) -> np.ndarray:
-    """Sample ``volume (B, C, *S)`` at ``coords (B, Q, n)``; returns ``(B, Q, C)``.
+    """Read ``volume`` at ``coords`` by n-linear interpolation, one query at a time.
 
     Border padding: the voxel position is clamped to ``[0, S_a - 1]``, then the
     ``2**n`` corners around it are blended with n-linear weights. A corner index
     past the end of an axis is skipped (its weight is exactly 0 after the clamp).
+
+    Parameters
+    ----------
+    volume : numpy.ndarray, shape ``(B, C, *S)``
+        The grid, 1 to 4 spatial axes.
+    coords : numpy.ndarray, shape ``(B, Q, n)``
+        Normalized query positions; ``coords[..., k]`` addresses axis ``n - 1 - k``.
+
+    Returns
+    -------
+    numpy.ndarray, shape ``(B, Q, C)``
+        The reads, float64.
     """
     volume = _f64(volume)
     coords = _f64(coords)
@@ -117,15 +137,7 @@ def ref_trilinear_sample(volume: np.ndarray, coords: np.ndarray) -> np.ndarray:
 def ref_trilinear_sample_vjp(
     volume: np.ndarray, coords: np.ndarray, g: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray]:
-    """VJP of :func:`ref_trilinear_sample` with exactly torch ``grid_sample`` semantics.
-
-    Args:
-        volume: ``(B, C, *S)``.
-        coords: ``(B, Q, n)``.
-        g: cotangent of the output, ``(B, Q, C)``.
-
-    Returns:
-        ``(d_volume (B, C, *S), d_coords (B, Q, n))``.
+    """Give the gradients of :func:`ref_trilinear_sample` with torch ``grid_sample``'s semantics.
 
     ``d_volume`` scatters ``g`` with the corner weights. ``d_coords`` is the
     derivative of the n-linear interpolant with respect to ``u_a`` at
@@ -134,6 +146,22 @@ def ref_trilinear_sample_vjp(
     value 0), times ``(S_a - 1) / 2``, times a mask that is 0 when the unclamped
     ``u_a <= 0`` or ``u_a >= S_a - 1`` (torch treats the borders themselves as
     out of bounds for the gradient; with ``S_a == 1`` it is always 0).
+
+    Parameters
+    ----------
+    volume : numpy.ndarray, shape ``(B, C, *S)``
+        The grid that was read.
+    coords : numpy.ndarray, shape ``(B, Q, n)``
+        The normalized query positions.
+    g : numpy.ndarray, shape ``(B, Q, C)``
+        The cotangent of the reads.
+
+    Returns
+    -------
+    d_volume : numpy.ndarray, shape ``(B, C, *S)``
+        The gradient for ``volume``.
+    d_coords : numpy.ndarray, shape ``(B, Q, n)``
+        The gradient for ``coords``.
     """
     volume = _f64(volume)
     coords = _f64(coords)
@@ -206,17 +234,30 @@ def ref_gaussian_splat(
     eps: float = 1e-6,
     radius: float | None = None,
 ) -> np.ndarray:
-    """Write ``K`` isotropic Gaussians into a zero volume; returns ``(B, C, *shape)``.
+    """Write ``K`` isotropic Gaussians into a zero volume, cell by cell.
 
-    Args:
-        content: ``(B, K, C)`` content vectors.
-        mu: ``(B, K, n)`` centres, grid_sample order.
-        sigma: ``(B, K)`` widths in normalized units.
-        shape: the spatial shape ``S`` (n ints).
-        eps: added to the denominator ``2 sigma^2 + eps``.
-        radius: optional box truncation in units of sigma (per axis).
+    ``volume[b, :, p] = sum_k content[b, k, :] * exp(-||p - mu_bk||^2 /
+    (2 sigma_bk^2 + eps))``.
 
-    ``volume[b, :, p] = sum_k content[b, k, :] * exp(-||p - mu_bk||^2 / (2 sigma_bk^2 + eps))``.
+    Parameters
+    ----------
+    content : numpy.ndarray, shape ``(B, K, C)``
+        The content vectors.
+    mu : numpy.ndarray, shape ``(B, K, n)``
+        The normalized centres, in grid_sample order.
+    sigma : numpy.ndarray, shape ``(B, K)``
+        The widths, in normalized units.
+    shape : sequence of int
+        The spatial shape ``S`` (``n`` ints).
+    eps : float, default 1e-6
+        Added to the denominator ``2 sigma^2 + eps``.
+    radius : float or None, default None
+        Box truncation per axis, in units of sigma.
+
+    Returns
+    -------
+    numpy.ndarray, shape ``(B, C, *shape)``
+        The written volume, float64.
     """
     content = _f64(content)
     mu = _f64(mu)
@@ -243,12 +284,37 @@ def ref_gaussian_splat_vjp(
     eps: float = 1e-6,
     radius: float | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """VJP of :func:`ref_gaussian_splat`; ``g`` is ``(B, C, *shape)``.
+    """Give the gradients of :func:`ref_gaussian_splat`.
 
-    Returns ``(d_content (B, K, C), d_mu (B, K, n), d_sigma (B, K))``. With
-    ``D = 2 sigma^2 + eps``: ``dw/dmu_a = w * 2 (p_a - mu_a) / D`` and
+    With ``D = 2 sigma^2 + eps``: ``dw/dmu_a = w * 2 (p_a - mu_a) / D`` and
     ``dw/dsigma = w * d2 * 4 sigma / D^2``. The truncation mask is treated as a
     constant (its derivative is 0 almost everywhere).
+
+    Parameters
+    ----------
+    content : numpy.ndarray, shape ``(B, K, C)``
+        The content vectors.
+    mu : numpy.ndarray, shape ``(B, K, n)``
+        The normalized centres.
+    sigma : numpy.ndarray, shape ``(B, K)``
+        The widths.
+    shape : sequence of int
+        The spatial shape ``S``.
+    g : numpy.ndarray, shape ``(B, C, *shape)``
+        The cotangent of the written volume.
+    eps : float, default 1e-6
+        As in :func:`ref_gaussian_splat`.
+    radius : float or None, default None
+        As in :func:`ref_gaussian_splat`.
+
+    Returns
+    -------
+    d_content : numpy.ndarray, shape ``(B, K, C)``
+        The gradient for ``content``.
+    d_mu : numpy.ndarray, shape ``(B, K, n)``
+        The gradient for ``mu``.
+    d_sigma : numpy.ndarray, shape ``(B, K)``
+        The gradient for ``sigma``.
     """
     content = _f64(content)
     mu = _f64(mu)
@@ -326,10 +392,28 @@ def ref_factorized_conv(
     pointwise_weight: np.ndarray,
     pointwise_bias: np.ndarray,
 ) -> np.ndarray:
-    """Factorized conv of ``x (B, Cin, *S)``; returns ``(B, Cout, *S)``.
+    """Apply the factorized conv, cell by cell.
 
     Depthwise 3-tap conv along spatial axis 0, then 1, ..., then ``n - 1`` (zero
     padding, per-channel bias), then ``z[b, :, p] = P @ y[b, :, p] + pb``.
+
+    Parameters
+    ----------
+    x : numpy.ndarray, shape ``(B, Cin, *S)``
+        The input.
+    depthwise_weight : numpy.ndarray, shape ``(n, Cin, 3)``
+        The taps (previous, centre, next) per axis and channel.
+    depthwise_bias : numpy.ndarray, shape ``(n, Cin)``
+        The bias of each depthwise pass.
+    pointwise_weight : numpy.ndarray, shape ``(Cout, Cin)``
+        The channel-mixing matrix ``P``.
+    pointwise_bias : numpy.ndarray, shape ``(Cout,)``
+        The mixing's bias ``pb``.
+
+    Returns
+    -------
+    numpy.ndarray, shape ``(B, Cout, *S)``
+        The output, float64.
     """
     x = _f64(x)
     dw, db = _f64(depthwise_weight), _f64(depthwise_bias)
@@ -352,10 +436,28 @@ def ref_factorized_conv_vjp(
     pointwise_bias: np.ndarray,
     g: np.ndarray,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """VJP of :func:`ref_factorized_conv`; ``g`` is ``(B, Cout, *S)``.
+    """Give the gradients of :func:`ref_factorized_conv`.
 
-    Returns ``(d_x, d_depthwise_weight, d_depthwise_bias, d_pointwise_weight,
-    d_pointwise_bias)`` with the shapes of the corresponding inputs.
+    Parameters
+    ----------
+    x : numpy.ndarray, shape ``(B, Cin, *S)``
+        The input.
+    depthwise_weight : numpy.ndarray, shape ``(n, Cin, 3)``
+        The taps.
+    depthwise_bias : numpy.ndarray, shape ``(n, Cin)``
+        The depthwise biases.
+    pointwise_weight : numpy.ndarray, shape ``(Cout, Cin)``
+        The channel-mixing matrix.
+    pointwise_bias : numpy.ndarray, shape ``(Cout,)``
+        The mixing's bias.
+    g : numpy.ndarray, shape ``(B, Cout, *S)``
+        The cotangent of the output.
+
+    Returns
+    -------
+    tuple of numpy.ndarray
+        ``(d_x, d_depthwise_weight, d_depthwise_bias, d_pointwise_weight,
+        d_pointwise_bias)``, each shaped like its input.
     """
     x = _f64(x)
     dw, db = _f64(depthwise_weight), _f64(depthwise_bias)
@@ -421,11 +523,34 @@ def ref_convlstm_step(
     pointwise_weight: np.ndarray,
     pointwise_bias: np.ndarray,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """One ConvLSTM step on ``x, h, c (B, C, *S)``; returns ``(h_new, c_new)``.
+    """Apply one ConvLSTM step.
 
-    Parameters: ``depthwise_weight (n, 2C, 3)``, ``depthwise_bias (n, 2C)``,
-    ``pointwise_weight (4C, 2C)``, ``pointwise_bias (4C,)``. ``z = conv([x, h])``
-    split into ``i, f, o, g``; ``c' = f c + i g``; ``h' = o tanh(c')``.
+    ``z = conv([x, h])`` is split into ``i, f, o, g``; ``c' = f c + i g``;
+    ``h' = o tanh(c')`` (``i, f, o`` through a sigmoid, ``g`` through tanh).
+
+    Parameters
+    ----------
+    x : numpy.ndarray, shape ``(B, C, *S)``
+        The written volume.
+    h : numpy.ndarray, shape ``(B, C, *S)``
+        The hidden state.
+    c : numpy.ndarray, shape ``(B, C, *S)``
+        The cell state.
+    depthwise_weight : numpy.ndarray, shape ``(n, 2C, 3)``
+        The gate conv's taps.
+    depthwise_bias : numpy.ndarray, shape ``(n, 2C)``
+        The gate conv's depthwise biases.
+    pointwise_weight : numpy.ndarray, shape ``(4C, 2C)``
+        The gate conv's mixing matrix.
+    pointwise_bias : numpy.ndarray, shape ``(4C,)``
+        The gate conv's mixing bias.
+
+    Returns
+    -------
+    h_new : numpy.ndarray, shape ``(B, C, *S)``
+        The new hidden state.
+    c_new : numpy.ndarray, shape ``(B, C, *S)``
+        The new cell state.
     """
     x, h, c = _f64(x), _f64(h), _f64(c)
     i, f, o, gg = _convlstm_gates(
@@ -448,10 +573,34 @@ def ref_convlstm_step_vjp(
     g_h: np.ndarray,
     g_c: np.ndarray,
 ) -> tuple[np.ndarray, ...]:
-    """VJP of :func:`ref_convlstm_step` for cotangents ``g_h, g_c (B, C, *S)``.
+    """Give the gradients of :func:`ref_convlstm_step`.
 
-    Returns ``(d_x, d_h, d_c, d_depthwise_weight, d_depthwise_bias,
-    d_pointwise_weight, d_pointwise_bias)``.
+    Parameters
+    ----------
+    x : numpy.ndarray, shape ``(B, C, *S)``
+        The written volume.
+    h : numpy.ndarray, shape ``(B, C, *S)``
+        The hidden state.
+    c : numpy.ndarray, shape ``(B, C, *S)``
+        The cell state.
+    depthwise_weight : numpy.ndarray, shape ``(n, 2C, 3)``
+        The gate conv's taps.
+    depthwise_bias : numpy.ndarray, shape ``(n, 2C)``
+        The gate conv's depthwise biases.
+    pointwise_weight : numpy.ndarray, shape ``(4C, 2C)``
+        The gate conv's mixing matrix.
+    pointwise_bias : numpy.ndarray, shape ``(4C,)``
+        The gate conv's mixing bias.
+    g_h : numpy.ndarray, shape ``(B, C, *S)``
+        The cotangent of the new hidden state.
+    g_c : numpy.ndarray, shape ``(B, C, *S)``
+        The cotangent of the new cell state.
+
+    Returns
+    -------
+    tuple of numpy.ndarray
+        ``(d_x, d_h, d_c, d_depthwise_weight, d_depthwise_bias,
+        d_pointwise_weight, d_pointwise_bias)``, each shaped like its input.
     """
     x, h, c = _f64(x), _f64(h), _f64(c)
     dw, db = _f64(depthwise_weight), _f64(depthwise_bias)
@@ -496,17 +645,47 @@ def ref_memory_scan(
     eps: float = 1e-6,
     radius: float | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Run ``T`` memory steps; returns ``(reads (B, T, C), h_T, c_T)``.
-
-    Args:
-        h0, c0: initial state ``(B, C, *S)``.
-        read_coords, write_coords: ``(B, T, n)``.
-        write_sigma: ``(B, T)``.
-        write_content: ``(B, T, C)``.
+    """Run ``T`` memory steps, one primitive at a time.
 
     Step ``t``: ``r_t = sample(h_{t-1}, read_coords[:, t])`` (read before the
     write), ``x = splat(write_content[:, t], write_coords[:, t], write_sigma[:, t])``,
     ``(h, c) = convlstm_step(x, h, c)``.
+
+    Parameters
+    ----------
+    h0 : numpy.ndarray, shape ``(B, C, *S)``
+        The initial hidden state.
+    c0 : numpy.ndarray, shape ``(B, C, *S)``
+        The initial cell state.
+    read_coords : numpy.ndarray, shape ``(B, T, n)``
+        The read position of each step.
+    write_coords : numpy.ndarray, shape ``(B, T, n)``
+        The write centre of each step.
+    write_sigma : numpy.ndarray, shape ``(B, T)``
+        The write spread of each step.
+    write_content : numpy.ndarray, shape ``(B, T, C)``
+        The content written by each step.
+    depthwise_weight : numpy.ndarray, shape ``(n, 2C, 3)``
+        The gate conv's taps.
+    depthwise_bias : numpy.ndarray, shape ``(n, 2C)``
+        The gate conv's depthwise biases.
+    pointwise_weight : numpy.ndarray, shape ``(4C, 2C)``
+        The gate conv's mixing matrix.
+    pointwise_bias : numpy.ndarray, shape ``(4C,)``
+        The gate conv's mixing bias.
+    eps : float, default 1e-6
+        As in :func:`ref_gaussian_splat`.
+    radius : float or None, default None
+        As in :func:`ref_gaussian_splat`.
+
+    Returns
+    -------
+    reads : numpy.ndarray, shape ``(B, T, C)``
+        What each step read.
+    h_T : numpy.ndarray, shape ``(B, C, *S)``
+        The final hidden state.
+    c_T : numpy.ndarray, shape ``(B, C, *S)``
+        The final cell state.
     """
     h, c = _f64(h0), _f64(c0)
     read_coords, write_coords = _f64(read_coords), _f64(write_coords)
@@ -543,11 +722,47 @@ def ref_memory_scan_vjp(
     eps: float = 1e-6,
     radius: float | None = None,
 ) -> tuple[np.ndarray, ...]:
-    """VJP of :func:`ref_memory_scan` by plain backpropagation through time.
+    """Give the gradients of :func:`ref_memory_scan` by plain backpropagation through time.
 
-    Cotangents: ``g_reads (B, T, C)``, ``g_h, g_c (B, C, *S)``. Returns
-    ``(d_h0, d_c0, d_read_coords, d_write_coords, d_write_sigma, d_write_content,
-    d_depthwise_weight, d_depthwise_bias, d_pointwise_weight, d_pointwise_bias)``.
+    Parameters
+    ----------
+    h0 : numpy.ndarray, shape ``(B, C, *S)``
+        The initial hidden state.
+    c0 : numpy.ndarray, shape ``(B, C, *S)``
+        The initial cell state.
+    read_coords : numpy.ndarray, shape ``(B, T, n)``
+        The read position of each step.
+    write_coords : numpy.ndarray, shape ``(B, T, n)``
+        The write centre of each step.
+    write_sigma : numpy.ndarray, shape ``(B, T)``
+        The write spread of each step.
+    write_content : numpy.ndarray, shape ``(B, T, C)``
+        The content written by each step.
+    depthwise_weight : numpy.ndarray, shape ``(n, 2C, 3)``
+        The gate conv's taps.
+    depthwise_bias : numpy.ndarray, shape ``(n, 2C)``
+        The gate conv's depthwise biases.
+    pointwise_weight : numpy.ndarray, shape ``(4C, 2C)``
+        The gate conv's mixing matrix.
+    pointwise_bias : numpy.ndarray, shape ``(4C,)``
+        The gate conv's mixing bias.
+    g_reads : numpy.ndarray, shape ``(B, T, C)``
+        The cotangent of the reads.
+    g_h : numpy.ndarray, shape ``(B, C, *S)``
+        The cotangent of the final hidden state.
+    g_c : numpy.ndarray, shape ``(B, C, *S)``
+        The cotangent of the final cell state.
+    eps : float, default 1e-6
+        As in :func:`ref_gaussian_splat`.
+    radius : float or None, default None
+        As in :func:`ref_gaussian_splat`.
+
+    Returns
+    -------
+    tuple of numpy.ndarray
+        ``(d_h0, d_c0, d_read_coords, d_write_coords, d_write_sigma,
+        d_write_content, d_depthwise_weight, d_depthwise_bias, d_pointwise_weight,
+        d_pointwise_bias)``, each shaped like its input.
     """
     h, c = _f64(h0), _f64(c0)
     read_coords, write_coords = _f64(read_coords), _f64(write_coords)
