@@ -380,10 +380,42 @@ def _scan_recompute(primals, statics):
     return _scan_forward(primals, statics)[3:]
 
 
+def _check_residuals(primals: Sequence[Tensor], residuals: Sequence[Tensor],
+                     checkpoint_every: int) -> None:
+    """The saved states the backward replays from must be exactly what the forward
+    returned: ``h_checkpoints`` / ``c_checkpoints`` contiguous tensors of shape
+    ``(ceil(T / k), B, C, *S)`` (``T`` from ``read_coords``, ``k = checkpoint_every``,
+    ``B, C, *S`` from ``h0``), floating, on ``h0``'s device. A wrong count (a missing
+    or an extra state), a transposed or expanded view, or another device would give
+    wrong gradients or an unclear failure deep in the replay; each is a ``TypeError``
+    / ``ValueError`` naming the residual."""
+    h0, steps = primals[0], primals[2].shape[1]
+    saved = -(-steps // checkpoint_every)
+    want = (saved, *h0.shape)
+    for name, value in zip(("h_checkpoints", "c_checkpoints"), residuals, strict=True):
+        if not isinstance(value, Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(value).__name__}")
+        if tuple(value.shape) != want:
+            raise ValueError(
+                f"{name}: expected shape (ceil(T / k), B, C, *S) = {want} (T = {steps} from "
+                f"read_coords, k = checkpoint_every = {checkpoint_every}, B, C, *S from h0: "
+                f"the {name} the forward returned), got {tuple(value.shape)}")
+        if not value.is_floating_point():
+            raise TypeError(f"{name}: expected a floating dtype, got {value.dtype}")
+        if value.device != h0.device:
+            raise ValueError(f"{name}: expected a tensor on h0's device {h0.device}, "
+                             f"got one on {value.device}")
+        if not value.is_contiguous():
+            raise ValueError(f"{name}: expected the contiguous tensor the forward returned, "
+                             f"got strides {tuple(value.stride())} for shape "
+                             f"{tuple(value.shape)} (a transposed or expanded view)")
+
+
 def _scan_backward(primals, residuals, cotangents, statics):
     eps, radius, checkpoint_every = statics
     validate_scan_inputs(*primals[:6], ConvParams(*primals[6:]), checkpoint_every, radius,
                          *cotangents, eps=eps)
+    _check_residuals(primals, residuals, checkpoint_every)
     grads = memory_scan_bwd(_XP, *primals[2:6], ConvParams(*primals[6:]), *residuals,
                             *cotangents, eps=eps, radius=radius,
                             checkpoint_every=checkpoint_every)

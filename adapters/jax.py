@@ -704,8 +704,75 @@ def _stored_grid(key: str, value: np.ndarray) -> StoredGrid:
     return StoredGrid(tuple(int(s) for s in value))
 
 
+def _leaf_bytes(value: Any, dtype: Any) -> int:
+    return int(np.prod(value.shape, dtype=np.int64)) * np.dtype(
+        value.dtype if dtype is None else dtype).itemsize
+
+
+def _check_layout(raw: Mapping[str, Any], names: Mapping[str, str], residual: bool,
+                  expected: Any) -> None:
+    """Every leaf's shape and dtype against the layer's layout (the one ``write_proj``,
+    ``out_proj`` and ``coord_net`` fix, or ``expected``'s), from shapes only: nothing
+    is copied before this passes. Errors name the state-dict key."""
+    layer = raw["memory"] if residual else raw
+    for name, key in names.items():
+        value = _lookup(raw, name)
+        if name.endswith(EXTRA_STATE):
+            continue
+        if not np.issubdtype(value.dtype, np.floating):
+            raise TypeError(f"sd[{key!r}]: expected a floating array, got dtype {value.dtype}")
+    try:
+        d, channels, n, length = tl.sizes_from_params(layer)
+        tl.check_params(layer, tl.LayerConfig(d, channels, (1,) * n, length))
+    except (ValueError, TypeError) as exc:  # name the key, not the pytree path
+        prefix = "memory." if residual else ""
+        message = str(exc)
+        for spec in tl.param_specs(tl.LayerConfig(1, 1, (1,), 1)):
+            message = message.replace(f"params.{spec.name}",
+                                      f"sd[{names[prefix + spec.name]!r}]")
+        raise type(exc)(message) from None
+    if residual:
+        for name, shape in (("norm.weight", (d,)), ("norm.bias", (d,))):
+            if tuple(_lookup(raw, name).shape) != shape:
+                raise ValueError(f"sd[{names[name]!r}]: expected shape (d,) = {shape} (d from "
+                                 f"out_proj.weight), got {tuple(_lookup(raw, name).shape)}")
+        if tuple(_lookup(raw, "gate").shape) not in ((), tl.GATE_SHAPE):
+            raise ValueError(f"sd[{names['gate']!r}]: expected shape {tl.GATE_SHAPE} or (), "
+                             f"got {tuple(_lookup(raw, 'gate').shape)}")
+    if expected is not None:
+        if not isinstance(expected, Mapping):
+            raise TypeError(f"expected: a parameter pytree (from init, residual_init or "
+                            f"params_from_module), got {type(expected).__name__}")
+        given = {k: v for k, v in raw.items() if k != EXTRA_STATE}
+        if residual:
+            given["memory"] = {k: v for k, v in given["memory"].items() if k != EXTRA_STATE}
+        want = {k: v for k, v in expected.items() if k != EXTRA_STATE}
+        if residual and isinstance(want.get("memory"), Mapping):
+            want["memory"] = {k: v for k, v in want["memory"].items() if k != EXTRA_STATE}
+        if residual and "gate" in want and "gate" in given \
+                and tuple(np.shape(given["gate"])) == ():
+            given["gate"] = np.reshape(given["gate"], tl.GATE_SHAPE)
+        problems = _mismatches(want, given, "")
+        if problems:
+            raise ValueError("sd: does not fit expected (nothing converted): "
+                             + "; ".join(problems))
+
+
+def _lookup(tree: Mapping[str, Any], name: str) -> Any:
+    node: Any = tree
+    for part in name.split("."):
+        node = node[part]
+    return node
+
+
+#: a broadcast (stride-0) leaf materializing to more than this is refused: a trained
+#: checkpoint never holds one, a hostile one claims gigabytes in a few bytes
+_BROADCAST_LIMIT = 64 << 20
+
+
 def params_from_state_dict(
-    sd: Mapping[str, Any], prefix: str | None = None, *, dtype: Any = None
+    sd: Mapping[str, Any], prefix: str | None = None, *, dtype: Any = None,
+    expected: Any = None,
 ) -> dict:
     """Parameter pytree from a (PyTorch adapter) state dict of NumPy arrays.
 
@@ -717,43 +784,81 @@ def params_from_state_dict(
     residual whose memory is ``memory``). Layouts are unchanged (torch's); a
     0-dim ``gate`` (older checkpoints) becomes ``(1,)``.
 
+    Every leaf's shape and dtype is checked BEFORE anything is converted, from
+    shapes only: against the layer's layout (the sizes ``write_proj.weight (d,
+    L*d)``, ``out_proj.weight (d, C)`` and ``coord_net.weight (n, d)`` fix), and,
+    with ``expected`` (a parameter pytree such as :func:`init` returns, e.g. of
+    the model the weights are for), against its shapes. Then the bytes the
+    ``jnp`` arrays will take are checked against the device (``MemoryError``),
+    and a broadcast (stride-0) leaf that would materialize to more than 64 MiB is
+    refused (``ValueError``; a trained checkpoint never holds one: materialize it
+    yourself with ``np.ascontiguousarray`` if you mean it).
+
     Raises ``KeyError`` for a missing parameter, ``ValueError`` for a key under
     ``prefix`` that is not one of the layer's (a typo, another module's
-    weights: pass ``prefix=``) and ``TypeError`` for a non-floating weight.
+    weights: pass ``prefix=``) or a misshapen leaf, and ``TypeError`` for a
+    non-floating weight or an ``sd`` that is not a mapping with str keys.
     Weights become ``jnp`` arrays of their own dtype (float64 needs x64
     enabled) or of ``dtype``. An ``_extra_state`` entry (the grid shape the
     PyTorch adapter stores) becomes a :class:`StoredGrid` node (no array leaf,
     so ``jax.grad`` and optax accept the pytree); :func:`apply` checks it
     against the grid and :func:`state_dict_from_params` writes it back.
     """
-    keys = [str(k) for k in sd]
+    if not isinstance(sd, Mapping):
+        raise TypeError(f"sd: expected a mapping of str keys to arrays (a state dict), "
+                        f"got {type(sd).__name__}")
+    bad = [key for key in sd if not isinstance(key, str)]
+    if bad:
+        raise TypeError(f"sd: expected str keys (a state dict), got the key {bad[0]!r} "
+                        f"({type(bad[0]).__name__})")
+    keys = list(sd)
     prefix = _find_prefix(keys) if prefix is None else prefix
     names = {key[len(prefix):]: key for key in keys if key.startswith(prefix)}
     if not names:
         raise ValueError(f"sd: no key starts with prefix {prefix!r}")
     residual = any(name.startswith("memory.") for name in names)
-    expected = _expected_names(residual)
-    unknown = sorted(f"{prefix}{name}" for name in names if name not in expected)
+    expected_names = _expected_names(residual)
+    unknown = sorted(f"{prefix}{name}" for name in names if name not in expected_names)
     if unknown:
         raise ValueError(f"sd: keys under prefix {prefix!r} that are not parameters of a "
                          f"Tensor Memory {'residual' if residual else 'layer'}: {unknown} "
                          f"(pass prefix= to select one module)")
-    missing = sorted(f"{prefix}{name}" for name in expected - set(names)
+    missing = sorted(f"{prefix}{name}" for name in expected_names - set(names)
                      if not name.endswith(EXTRA_STATE))
     if missing:
         raise KeyError(f"sd: missing {', '.join(missing)}")
-    params: dict = {}
+    raw: dict = {}  # NumPy views of the values (no copy), nested
     for name, key in names.items():
-        node = params
+        node = raw
         *path, leaf = name.split(".")
         for part in path:
             node = node.setdefault(part, {})
         value = np.asarray(sd[key])
-        if leaf == EXTRA_STATE:
-            node[leaf] = _stored_grid(key, value)
+        node[leaf] = _stored_grid(key, value) if leaf == EXTRA_STATE else value
+    _check_layout(raw, names, residual, expected)
+    total = 0
+    for name, key in names.items():
+        if name.endswith(EXTRA_STATE):
             continue
-        if not jnp.issubdtype(value.dtype, jnp.floating):
-            raise TypeError(f"sd[{key!r}]: expected a floating array, got dtype {value.dtype}")
+        value = _lookup(raw, name)
+        nbytes = _leaf_bytes(value, dtype)
+        total += nbytes
+        if nbytes > _BROADCAST_LIMIT and value.ndim and 0 in value.strides:
+            raise ValueError(f"sd[{key!r}]: a broadcast (stride-0) array of shape "
+                             f"{tuple(value.shape)} that would take {nbytes / 2**30:.1f} GiB "
+                             f"once materialized; a trained checkpoint never holds one "
+                             f"(materialize it with np.ascontiguousarray if you mean it)")
+    _sizes.check_bytes("sd", total, "the parameters as jnp arrays", jnp)
+    params: dict = {}
+    for name in names:
+        node, source = params, raw
+        *path, leaf = name.split(".")
+        for part in path:
+            node, source = node.setdefault(part, {}), source[part]
+        value = source[leaf]
+        if leaf == EXTRA_STATE:
+            node[leaf] = value
+            continue
         if name == "gate" and value.ndim == 0:
             value = np.reshape(value, tl.GATE_SHAPE)
         node[leaf] = jnp.asarray(value, dtype=dtype if dtype is not None else value.dtype)
