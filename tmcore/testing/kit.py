@@ -31,6 +31,7 @@ import array_api_compat
 import numpy as np
 from hypothesis import HealthCheck, given, settings
 
+from tmcore.testing import properties_local  # noqa: F401  (registers its properties)
 from tmcore.testing.properties import PROPERTIES
 from tmcore.testing.strategies import to_numpy
 
