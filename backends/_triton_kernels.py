@@ -8,7 +8,7 @@ Grid of every kernel: ``(B, G)``; program ``(b, g)`` handles batch element
 ``b`` and the cell tiles ``g, g + G, ...`` of ``BP`` cells, all ``C``
 channels at once (``CB`` = ``C`` rounded up to a power of two >= 16, masked).
 
-Math (README "Conventions", docs/LAYER.md; ``u = concat(x, h)``, ``x`` the written volume):
+Math (docs/guides/conventions.md, docs/LAYER.md; ``u = concat(x, h)``, ``x`` the written volume):
 
 - the ``n`` depthwise passes compose into one 3^n stencil per channel,
   ``y[p] = sum_d K[d] u[p + d] + Bias(p)`` with ``K[d] = prod_a taps_a[d_a]``

@@ -14,7 +14,7 @@ resident set during prefill + decode (``peak_rss_growth``).
     python -m benchmarks.generation --tiny     # seconds (smoke)
 
 Writes ``benchmarks/results/generation.json`` (``command``, ``commit``, ``config``,
-``machine``, ``rows``) and prints the Markdown table the README shows.
+``machine``, ``rows``) and prints the Markdown table docs/guides/streaming.md shows.
 """
 
 from __future__ import annotations
@@ -96,7 +96,7 @@ def _commit() -> str:
 
 
 def table(result: dict) -> str:
-    """The Markdown table of a results dict (README)."""
+    """The Markdown table of a results dict (docs/guides/streaming.md)."""
     lines = ["| model | context | decode tokens/s | prefill tokens/s | cache held | "
              "peak RSS growth |", "|---|---:|---:|---:|---:|---:|"]
     for r in result["rows"]:

@@ -293,7 +293,7 @@ def test_readme_tables_equal_the_committed_results():
         if not (folder / "results").is_dir():
             pytest.skip(f"no committed {name} results yet")
         assert f"<!-- vision-results: {name} -->" in text
-        assert render(check=True) is False, f"README {name} table is stale: run render"
+        assert render(check=True) is False, f"experiments guide {name} table is stale: run render"
 
 
 # --------------------------------------------------------------------------- shared code

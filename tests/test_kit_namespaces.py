@@ -4,7 +4,7 @@ Each runs only if its package is installed (the ``test`` extras install them)
 and is skipped with a reason otherwise. Budgets are small: marray (NumPy
 underneath) runs the whole suite; ndonnx and dask build graphs op by op, so
 they run the forward/VJP-vs-reference properties with one example each.
-The README's namespace table comes from ``python -m tmcore.testing`` with
+The namespace table of docs/guides/adding-a-backend.md comes from ``python -m tmcore.testing`` with
 larger budgets.
 
 marray and ndonnx arrays are not array-like to NumPy (``np.asarray`` gives a

@@ -7,7 +7,7 @@ Writes ``<out>/results/<name>.json`` (name ``masked``, ``masked-full``,
 ``masked-tiny`` or ``masked-<data folder>``), the metric plot and one picture
 per model (masked input / reconstruction / target) under ``<out>/figures/``.
 The default ``--out`` is this folder, so the command reproduces the committed files.
-``render`` rewrites the README's image table and the metric plot from the
+``render`` rewrites the experiments guide's image table and the metric plot from the
 committed results (``--check``: compare only, exit 1 if stale).
 """
 

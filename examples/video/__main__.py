@@ -8,7 +8,7 @@ wall-clock of a training step. Writes ``<out>/results/<name>.json`` (name
 ``actions``, ``actions-full``, ``actions-tiny`` or ``actions-<data folder>``), a
 plot and, for the procedural clips, one example clip per class under
 ``<out>/figures/``. The default ``--out`` is this folder, so the command
-reproduces the committed files. ``render`` rewrites the README's video table
+reproduces the committed files. ``render`` rewrites the experiments guide's video table
 and plot from the committed results (``--check``: compare only, exit 1 if stale).
 """
 

@@ -6,7 +6,7 @@ small per-cell vector operations over channels. These functions are the
 contract that every namespace and every fast path is tested against; they never
 import torch or jax and must stay simple enough to check by reading.
 
-Conventions (as in README "Conventions"):
+Conventions (as in docs/guides/conventions.md):
 
 * Layout is channels-first, batch-first: a volume is ``(B, C, *S)`` with
   ``n = len(S)`` spatial axes (1 to 4).
