@@ -1,0 +1,189 @@
+"""Warped dynamics (tmcore.warp): resampling the state at displaced cell centres.
+
+Fixed cases on n = 1..3: zero displacement is the identity bit for bit; a whole-cell
+shift is a roll with border clamping; values and VJPs equal tmcore.trilinear_sample at
+the displaced centres; finite differences in float64; the shift path equals the flow
+path with a zero flow. Plus the kit properties on every installed namespace, and errors.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import tmcore
+from tmcore.testing.finite_diff import central_difference_vjp
+from tmcore.testing.kit import load_namespace, run_property
+
+WARP_PROPERTIES = ["warp_matches_sampling", "warp_vjp_matches_sampling_and_central_differences"]
+SHAPES = [(6,), (4, 5), (3, 4, 3)]
+
+
+def _namespace(name: str):
+    if name == "jax.numpy":
+        jax = pytest.importorskip("jax", reason="jax is not installed")
+        jax.config.update("jax_enable_x64", True)
+    elif name != "numpy":
+        pytest.importorskip(name, reason=f"{name} is not installed")
+    xp = load_namespace(name)
+    if name == "array_api_strict":
+        xp.set_array_api_strict_flags(api_version="2023.12")
+    return xp
+
+
+# JAX compiles every op for every new shape eagerly (seconds per example): one example
+BUDGETS = {"numpy": 3, "array_api_strict": 3, "torch": 2, "jax.numpy": 1}
+
+
+@pytest.mark.parametrize("namespace", list(BUDGETS))
+@pytest.mark.parametrize("name", WARP_PROPERTIES)
+def test_kit_properties_on_namespace(namespace, name):
+    run_property(_namespace(namespace), name, max_examples=BUDGETS[namespace])
+
+
+def _state(shape, batch=2, channels=2, seed=0):
+    rng = np.random.default_rng(seed)
+    full = (batch, channels, *shape)
+    return rng, rng.standard_normal(full), rng.standard_normal(full)
+
+
+def _centres(shape):
+    n = len(shape)
+    grids = np.meshgrid(*[np.linspace(-1, 1, s) for s in shape], indexing="ij")
+    return np.stack([grids[n - 1 - k] for k in range(n)], axis=0)  # (n, *S), coordinate order
+
+
+def _sampled(volume, shift, flow):
+    """tmcore.trilinear_sample of ``volume`` at every centre plus its displacement."""
+    batch, n = shift.shape
+    shape = volume.shape[2:]
+    disp = shift.reshape(batch, n, *([1] * n)) + (0.0 if flow is None else flow)
+    queries = np.moveaxis((_centres(shape)[None] + disp).reshape(batch, n, -1), 1, 2)
+    return queries, np.moveaxis(tmcore.trilinear_sample(volume, queries), 1, 2).reshape(
+        volume.shape)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("namespace", ["numpy", "array_api_strict", "torch"])
+def test_zero_displacement_is_the_identity_bit_for_bit(shape, namespace):
+    xp = _namespace(namespace)
+    _, h, c = _state(shape, seed=1)
+    n = len(shape)
+    for flow in (None, np.zeros((2, n, *shape))):
+        got = tmcore.warp_state(xp.asarray(h), xp.asarray(c), xp.asarray(np.zeros((2, n))),
+                                None if flow is None else xp.asarray(flow))
+        assert np.array_equal(np.asarray(got[0]), h) and np.array_equal(np.asarray(got[1]), c)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_whole_cell_shift_is_a_roll_with_border_clamping(shape):
+    _, h, c = _state(shape, seed=2)
+    n = len(shape)
+    cells = np.asarray([[1, -2, 3][:n], [-1, 0, 2][:n]])  # per coordinate component
+    half = np.asarray([(shape[n - 1 - k] - 1) / 2 for k in range(n)])
+    for flow in (None, np.zeros((2, n, *shape))):
+        h_w, _ = tmcore.warp_state(h, c, cells / half, flow)
+        for b in range(2):
+            want = h[b]
+            for axis in range(n):
+                index = np.clip(np.arange(shape[axis]) + cells[b, n - 1 - axis], 0,
+                                shape[axis] - 1)
+                want = np.take(want, index, axis=axis + 1)
+            np.testing.assert_allclose(h_w[b], want, rtol=0, atol=1e-13)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("with_flow", [False, True])
+def test_equals_trilinear_sample_at_displaced_centres(shape, with_flow):
+    rng, h, c = _state(shape, seed=3)
+    n = len(shape)
+    shift = rng.uniform(-0.7, 0.7, (2, n))
+    flow = rng.uniform(-0.4, 0.4, (2, n, *shape)) if with_flow else None
+    g_h, g_c = rng.standard_normal(h.shape), rng.standard_normal(h.shape)
+    volume = np.concatenate([h, c], axis=1)
+    queries, want = _sampled(volume, shift, flow)
+    h_w, c_w = tmcore.warp_state(h, c, shift, flow)
+    np.testing.assert_allclose(np.concatenate([h_w, c_w], 1), want, rtol=0, atol=1e-13)
+    g = np.concatenate([g_h, g_c], axis=1)
+    d_volume, d_queries = tmcore.trilinear_sample_vjp(
+        volume, queries, np.moveaxis(g.reshape(2, 4, -1), 1, 2))
+    d_h, d_c, d_shift, d_flow = tmcore.warp_state_vjp(h, c, shift, flow, g_h, g_c)
+    np.testing.assert_allclose(np.concatenate([d_h, d_c], 1), d_volume, rtol=0, atol=1e-12)
+    per_cell = np.moveaxis(d_queries, 1, 2).reshape(2, n, *shape)
+    np.testing.assert_allclose(d_shift, per_cell.reshape(2, n, -1).sum(-1), rtol=0, atol=1e-12)
+    if with_flow:
+        np.testing.assert_allclose(d_flow, per_cell, rtol=0, atol=1e-12)
+    else:
+        assert d_flow is None
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_shift_path_equals_flow_path_with_zero_flow(shape):
+    rng, h, c = _state(shape, seed=4)
+    n = len(shape)
+    shift = rng.uniform(-1.3, 1.3, (2, n))
+    g_h, g_c = rng.standard_normal(h.shape), rng.standard_normal(h.shape)
+    a = tmcore.warp_state_vjp(h, c, shift, None, g_h, g_c)
+    b = tmcore.warp_state_vjp(h, c, shift, np.zeros((2, n, *shape)), g_h, g_c)
+    for x, y in zip(a[:3], b[:3], strict=True):
+        np.testing.assert_allclose(x, y, rtol=0, atol=1e-12)
+    for x, y in zip(tmcore.warp_state(h, c, shift), tmcore.warp_state(h, c, shift, b[3] * 0),
+                    strict=True):
+        np.testing.assert_allclose(x, y, rtol=0, atol=1e-13)
+
+
+def _off_kinks(shape, batch, rng, with_flow):
+    """Displacements whose every position is >= 0.1 cells from a centre or border."""
+    n = len(shape)
+    half = np.asarray([(shape[n - 1 - k] - 1) / 2 for k in range(n)])
+    shift_cells = rng.integers(-1, 2, (batch, n)) + rng.uniform(0.1, 0.9, (batch, n))
+    if not with_flow:
+        return shift_cells / half, None
+    view = (1, n, *([1] * n))
+    total = rng.integers(-1, 2, (batch, n, *shape)) + rng.uniform(0.1, 0.9, (batch, n, *shape))
+    return shift_cells / half, (total - shift_cells.reshape(batch, n, *([1] * n))) \
+        / half.reshape(view)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("with_flow", [False, True])
+def test_vjp_matches_central_differences(shape, with_flow):
+    rng, h, c = _state(shape, batch=1, channels=1, seed=5)
+    shift, flow = _off_kinks(shape, 1, rng, with_flow)
+    g_h, g_c = rng.standard_normal(h.shape), rng.standard_normal(h.shape)
+    grads = tmcore.warp_state_vjp(h, c, shift, flow, g_h, g_c)
+    args = [h, c, shift] + ([flow] if with_flow else [])
+    fd = central_difference_vjp(lambda *a: tmcore.warp_state(*a), args, (g_h, g_c),
+                                range(len(args)))
+    for got, want in zip(grads[:len(fd)], fd, strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-7, atol=1e-8)
+    assert np.any(grads[2] != 0)  # the displacement gradient is not trivially zero
+
+
+def test_large_and_non_finite_displacements_read_the_border():
+    _, h, c = _state((5, 4), seed=6)
+    far = tmcore.warp_state(h, c, np.asarray([[1e30, -np.inf], [np.inf, 3.0]]))[0]
+    np.testing.assert_array_equal(far[0], np.broadcast_to(h[0, :, :1, -1:], (2, 5, 4)))
+    np.testing.assert_array_equal(far[1], np.broadcast_to(h[1, :, -1:, -1:], (2, 5, 4)))
+    d = tmcore.warp_state_vjp(h, c, np.asarray([[1e30, -np.inf], [np.inf, 3.0]]), None, h, c)
+    np.testing.assert_array_equal(d[2], 0.0)
+    nan = tmcore.warp_state(h, c, np.asarray([[np.nan, 0.0], [0.0, 0.0]]))[0]
+    assert np.all(np.isnan(nan[0])) and np.array_equal(nan[1], h[1])
+
+
+def test_errors_name_the_argument():
+    _, h, c = _state((4, 5), seed=7)
+    with pytest.raises(ValueError, match="shift"):
+        tmcore.warp_state(h, c, np.zeros((2, 3)))
+    with pytest.raises(ValueError, match="shift"):
+        tmcore.warp_state(h, c, np.zeros((1, 2)))
+    with pytest.raises(ValueError, match="flow"):
+        tmcore.warp_state(h, c, np.zeros((2, 2)), np.zeros((2, 2, 4, 4)))
+    with pytest.raises(ValueError, match="c"):
+        tmcore.warp_state(h, c[:, :1], np.zeros((2, 2)))
+    with pytest.raises(ValueError, match="g_c"):
+        tmcore.warp_state_vjp(h, c, np.zeros((2, 2)), None, h, c[:1])
+    with pytest.raises(TypeError, match="g_h"):
+        tmcore.warp_state_vjp(h, c, np.zeros((2, 2)), None, None, c)
+    with pytest.raises(TypeError, match="shift"):
+        tmcore.warp_state(h, c, [[0.0, 0.0], [0.0, 0.0]])
