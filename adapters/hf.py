@@ -483,9 +483,10 @@ def attach_memory(
     model : a ``transformers.PreTrainedModel`` decoder (``LlamaForCausalLM``,
         ``GPT2LMHeadModel``, ``Qwen2ForCausalLM``, ...); its blocks are found by
         :func:`find_blocks` (``blocks=`` a dotted path overrides).
-    memory_channels, memory_shape, chunk_size, sigma_scale, checkpoint_every, radius,
-        eps, forget_bias : the layer's (:class:`tmcore.adapters.torch.TensorMemory`);
-        ``embed_dim`` defaults to the config's ``hidden_size``.
+    memory_channels, memory_shape, chunk_size : the layer's sizes ``C``, ``S``, ``L``
+        (:class:`tmcore.adapters.torch.TensorMemory`).
+    sigma_scale, checkpoint_every, radius, eps, forget_bias : the layer's options.
+    embed_dim : the token width ``d``; default the config's ``hidden_size``.
     zero_init : (default ``True``) the read-outs start at zero: the model's outputs
         are bit-identical to the original's until the memory trains, and the
         read-outs still get a gradient.

@@ -9,8 +9,9 @@ Quick start::
                           chunk_size=16)
     layer = MemoryResidual(memory, gate_init=0.0)    # x + sigmoid(gate) * memory(norm(x))
     x = torch.randn(8, 256, 128)                      # (B, N, d)
-    y, state = layer(x)                               # state = (h, c), each (B, C, *S)
+    y, state = layer(x)                               # a StreamState: h, c (B, C, *S), ...
     y2, state = layer(torch.randn(8, 256, 128), state)  # streaming: carry the state
+    y3, (h, c) = layer(x, stream=False)               # the reference: ragged chunk padded
 
 The layer itself (config checks, parameter plan, heads, chunking, reset, modes,
 stored-grid check) is :mod:`tmcore.layer`; this module only holds it in

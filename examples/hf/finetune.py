@@ -147,7 +147,7 @@ def pretrain(model: Any, data: torch.Tensor, config: Config, seed: int) -> list[
         opt.step()
         sched.step()
         opt.zero_grad()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     return losses
 
 
@@ -198,7 +198,9 @@ def run(config: Config, seeds: list[int], work: Path, log: Any = print) -> dict[
     from tmcore.adapters import hf
 
     torch.set_num_threads(1)
-    started = time.time()
+    started, cpu_started = time.time(), time.process_time()
+    commit = git("rev-parse", "HEAD")   # the code that runs (read before it runs)
+    dirty = git("status", "--porcelain", "--untracked-files=no")
     train_files, held_files, folder = corpus(config.max_files)
     g = torch.Generator().manual_seed(1234)
     pre_data = windows(train_files, config.pretrain_tokens,
@@ -238,8 +240,8 @@ def run(config: Config, seeds: list[int], work: Path, log: Any = print) -> dict[
         per_seed.append(row)
     return {
         "command": " ".join(["python -m examples.hf", *sys.argv[1:]]),
-        "commit": git("rev-parse", "HEAD"),
-        "dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
+        "commit": commit,
+        "dirty": sorted(line[3:] for line in (dirty or "").splitlines()),
         "cpu": cpu_model(), "threads": 1, "python": platform.python_version(),
         "torch": torch.__version__, "transformers": _version("transformers"),
         "corpus": {"folder": folder, "train_files": len(train_files),
@@ -249,6 +251,7 @@ def run(config: Config, seeds: list[int], work: Path, log: Any = print) -> dict[
         "pretrain": {"final_train_loss": pre_losses[-1], "heldout": pre_held},
         "seeds": per_seed,
         "seconds": round(time.time() - started, 1),
+        "cpu_seconds": round(time.process_time() - cpu_started, 1),
     }
 
 
