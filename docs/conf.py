@@ -61,6 +61,8 @@ numpydoc_validation_exclude = {
     r"^tmcore\.backends\.",
     r"^tmcore\.(Options|options|get_options|validation|validation_enabled|set_validation)$",
     r"^tmcore\.(local_|warp_)",
+    # Module constants: their one-line ``#:`` comments are their docs.
+    r"\.[A-Z][A-Z0-9_]+$",
 }
 
 

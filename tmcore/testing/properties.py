@@ -63,7 +63,22 @@ SCAN_GRAD_NAMES = ("h0", "c0", "read_coords", "write_coords", "write_sigma", "wr
 
 
 class Property(NamedTuple):
-    """One property: ``check(xp, case)`` over cases drawn from ``strategy``."""
+    """One property of the suite: ``check(xp, case)`` over cases drawn from ``strategy``.
+
+    Parameters
+    ----------
+    check : callable
+        ``check(xp, case)``: runs tmcore on the namespace ``xp`` with the case's
+        float64 NumPy arrays converted by ``xp.asarray``, and raises
+        ``AssertionError`` on a violation.
+    strategy : hypothesis.strategies.SearchStrategy
+        Draws the cases (dicts of float64 NumPy arrays and Python values).
+    max_examples : int
+        The default number of examples.
+    needs_float64 : bool, default True
+        Whether the check compares against the float64 references (the kit then
+        refuses a namespace without float64 up front).
+    """
 
     check: Callable[[ModuleType, dict], None]
     strategy: st.SearchStrategy

@@ -48,9 +48,27 @@ log_uniform_sigma = st.floats(-3.0, 1.0).map(lambda e: float(10.0**e))
 def grid_shapes(
     draw, min_ndim: int = 1, max_ndim: int = 4, max_size: int = 5, max_cells: int = 24
 ) -> tuple[int, ...]:
-    """A spatial shape with ``min_ndim..max_ndim`` axes of length ``1..max_size``.
+    """Draw a spatial grid shape with ``min_ndim`` to ``max_ndim`` axes.
 
-    The longest axes are shortened until the shape has at most ``max_cells`` cells.
+    The longest axes are shortened until the shape has at most ``max_cells``
+    cells.
+
+    Parameters
+    ----------
+    min_ndim : int, default 1
+        The fewest spatial axes.
+    max_ndim : int, default 4
+        The most spatial axes.
+    max_size : int, default 5
+        The longest axis.
+    max_cells : int, default 24
+        The most cells in all.
+
+    Returns
+    -------
+    hypothesis.strategies.SearchStrategy
+        A strategy (``st.composite``) drawing a tuple of int.
+        The shape ``S`` (each call of the strategy draws one).
     """
     n = draw(st.integers(min_ndim, max_ndim))
     sizes = draw(st.lists(st.integers(1, max_size), min_size=n, max_size=n))
@@ -91,7 +109,23 @@ def _smooth_coordinate(size: int) -> st.SearchStrategy[float]:
 
 @st.composite
 def coords_array(draw, batch: int, count: int, shape: tuple[int, ...]) -> np.ndarray:
-    """``(batch, count, n)`` coordinates, ``[..., k]`` addressing axis ``n - 1 - k``."""
+    """Draw normalized coordinates: inside, on cell centres, on and beyond the border.
+
+    Parameters
+    ----------
+    batch : int
+        ``B``.
+    count : int
+        The number of points per batch element (``Q``, ``K`` or ``T``).
+    shape : tuple of int
+        The spatial shape ``S``; component ``k`` addresses axis ``n - 1 - k``.
+
+    Returns
+    -------
+    hypothesis.strategies.SearchStrategy
+        A strategy (``st.composite``) drawing arrays of shape ``(batch, count, n)``.
+        The coordinates, float64, ``|x|`` up to 1.5.
+    """
     n = len(shape)
     values = [
         [[draw(_coordinate(shape[n - 1 - k])) for k in range(n)] for _ in range(count)]
@@ -102,7 +136,26 @@ def coords_array(draw, batch: int, count: int, shape: tuple[int, ...]) -> np.nda
 
 @st.composite
 def smooth_coords_array(draw, batch: int, count: int, shape: tuple[int, ...]) -> np.ndarray:
-    """Like :func:`coords_array` but away from every kink (for finite differences)."""
+    """Draw normalized coordinates away from every kink of the n-linear read.
+
+    Like :func:`coords_array`, but each voxel position keeps a margin from
+    integer positions and the border, so finite differences apply.
+
+    Parameters
+    ----------
+    batch : int
+        ``B``.
+    count : int
+        The number of points per batch element.
+    shape : tuple of int
+        The spatial shape ``S``.
+
+    Returns
+    -------
+    hypothesis.strategies.SearchStrategy
+        A strategy (``st.composite``) drawing arrays of shape ``(batch, count, n)``.
+        The coordinates, float64.
+    """
     n = len(shape)
     values = [
         [[draw(_smooth_coordinate(shape[n - 1 - k])) for k in range(n)] for _ in range(count)]
@@ -112,17 +165,46 @@ def smooth_coords_array(draw, batch: int, count: int, shape: tuple[int, ...]) ->
 
 
 def fd_step_for_sigma(sigma: np.ndarray, eps: float = 1e-6) -> float:
-    """A finite-difference step small against the narrowest Gaussian's width."""
+    """Give a finite-difference step small against the narrowest Gaussian's width.
+
+    Parameters
+    ----------
+    sigma : numpy.ndarray
+        The spreads of the writes, any shape.
+    eps : float, default 1e-6
+        The splat's ``eps``.
+
+    Returns
+    -------
+    float
+        ``min(1e-6, 1e-4 * width)`` with ``width = sqrt((2 min(sigma)^2 + eps) / 2)``.
+    """
     width = math.sqrt((2.0 * float(np.min(sigma)) ** 2 + eps) / 2.0)
     return min(1e-6, 1e-4 * width)
 
 
 def splat_margin_ok(shape: tuple[int, ...], mu: np.ndarray, sigma: np.ndarray,
                     radius: float | None) -> bool:
-    """True when no cell centre is within ``1e-4 sigma + 1e-5`` of a truncation edge.
+    """Tell whether no cell centre lies within ``1e-4 sigma + 1e-5`` of a truncation edge.
 
-    ``mu`` is ``(..., n)`` in grid_sample order and ``sigma`` is ``mu.shape[:-1]``.
-    Away from the edges the truncated splat is smooth, so finite differences apply.
+    Away from the edges the truncated splat is smooth, so finite differences
+    apply.
+
+    Parameters
+    ----------
+    shape : tuple of int
+        The spatial shape ``S`` of ``n`` axes.
+    mu : numpy.ndarray, shape ``(..., n)``
+        The write centres, in grid_sample order.
+    sigma : numpy.ndarray, shape ``mu.shape[:-1]``
+        The spreads.
+    radius : float or None
+        The truncation radius in sigmas; None is always fine.
+
+    Returns
+    -------
+    bool
+        True when every cell centre keeps the margin.
     """
     if radius is None:
         return True
@@ -190,11 +272,28 @@ def _plain_numpy(x: Any, _moved: bool = False) -> np.ndarray:
 
 
 def to_numpy(x: Any) -> np.ndarray:
-    """A NumPy copy of an array of any namespace (DLPack, ``unwrap_numpy`` or ``__array__``).
+    """Copy an array of any namespace to NumPy (DLPack, ``unwrap_numpy`` or ``__array__``).
 
     Masked arrays (marray) are read as their data with masked entries set to
     NaN, so an output that tmcore should never mask fails every comparison
-    instead of passing on stale data.
+    instead of passing on stale data. Arrays on an accelerator are moved to the
+    CPU first; ``np.asarray`` is the last resort and never accepted when it gives
+    a 0-d object array.
+
+    Parameters
+    ----------
+    x : array
+        An array of any namespace.
+
+    Returns
+    -------
+    numpy.ndarray
+        A copy, shaped like ``x``.
+
+    Raises
+    ------
+    TypeError
+        If ``x`` offers no way to read its values.
     """
     if _is_masked(x):
         data = np.array(_plain_numpy(x.data), copy=True)
@@ -208,7 +307,27 @@ def to_numpy(x: Any) -> np.ndarray:
 
 def assert_rel(actual: Any, expected: np.ndarray, tol: float, what: str,
                floor: float = 1e-30) -> None:
-    """Assert ``relative_error(actual, expected, floor) <= tol`` with a helpful message."""
+    """Assert ``relative_error(actual, expected, floor) <= tol`` with a helpful message.
+
+    Parameters
+    ----------
+    actual : array
+        The value under test, of any namespace (read with :func:`to_numpy`).
+    expected : numpy.ndarray
+        The trusted value.
+    tol : float
+        The largest relative error allowed.
+    what : str
+        What is compared, for the message.
+    floor : float, default 1e-30
+        As in :func:`tmcore.testing.finite_diff.relative_error`.
+
+    Raises
+    ------
+    AssertionError
+        If the shapes differ or the relative error exceeds ``tol``; the message
+        shows both arrays.
+    """
     actual = to_numpy(actual)
     expected = np.asarray(expected)
     assert actual.shape == expected.shape, f"{what}: shape {actual.shape} != {expected.shape}"
@@ -235,6 +354,21 @@ def _conv_params(rng: np.random.Generator, n: int, c_in: int, c_out: int) -> lis
 
 @st.composite
 def sample_cases(draw, smooth: bool = False, max_cells: int = 24) -> dict:
+    """Draw an input of the read: a volume, coordinates and a cotangent.
+
+    Parameters
+    ----------
+    smooth : bool, default False
+        Coordinates away from kinks (for finite differences).
+    max_cells : int, default 24
+        The most cells of the grid.
+
+    Returns
+    -------
+    hypothesis.strategies.SearchStrategy
+        A strategy (``st.composite``) drawing a dict.
+        ``volume (B, C, *S)``, ``coords (B, Q, n)``, ``g (B, Q, C)``, float64.
+    """
     shape = draw(grid_shapes(max_cells=max_cells))
     batch, channels, queries = draw(st.integers(1, 2)), draw(st.integers(1, 3)), draw(
         st.integers(1, 3))
@@ -249,6 +383,22 @@ def sample_cases(draw, smooth: bool = False, max_cells: int = 24) -> dict:
 
 @st.composite
 def splat_cases(draw, smooth: bool = False, max_cells: int = 24) -> dict:
+    """Draw an input of the write: contents, centres, spreads, a shape and a cotangent.
+
+    Parameters
+    ----------
+    smooth : bool, default False
+        Keep cell centres away from truncation edges (for finite differences).
+    max_cells : int, default 24
+        The most cells of the grid.
+
+    Returns
+    -------
+    hypothesis.strategies.SearchStrategy
+        A strategy (``st.composite``) drawing a dict.
+        ``content (B, K, C)``, ``mu (B, K, n)``, ``sigma (B, K)`` (1e-3 to 10),
+        ``shape``, ``radius`` (None or 1 to 3) and ``g (B, C, *shape)``.
+    """
     shape = draw(grid_shapes(max_cells=max_cells))
     batch, k, channels = draw(st.integers(1, 2)), draw(st.integers(1, 3)), draw(st.integers(1, 3))
     rng = np.random.default_rng(draw(seeds))
@@ -270,6 +420,20 @@ def splat_cases(draw, smooth: bool = False, max_cells: int = 24) -> dict:
 
 @st.composite
 def conv_cases(draw, max_cells: int = 24) -> dict:
+    """Draw an input of the factorized conv.
+
+    Parameters
+    ----------
+    max_cells : int, default 24
+        The most cells of the grid.
+
+    Returns
+    -------
+    hypothesis.strategies.SearchStrategy
+        A strategy (``st.composite``) drawing a dict.
+        ``x (B, C_in, *S)``, ``params`` (the four conv arrays) and
+        ``g (B, C_out, *S)``.
+    """
     shape = draw(grid_shapes(max_cells=max_cells))
     batch, c_in, c_out = draw(st.integers(1, 2)), draw(st.integers(1, 3)), draw(st.integers(1, 3))
     rng = np.random.default_rng(draw(seeds))
@@ -282,6 +446,22 @@ def conv_cases(draw, max_cells: int = 24) -> dict:
 
 @st.composite
 def lstm_cases(draw, max_cells: int = 24, max_channels: int = 3) -> dict:
+    """Draw an input of the ConvLSTM step.
+
+    Parameters
+    ----------
+    max_cells : int, default 24
+        The most cells of the grid.
+    max_channels : int, default 3
+        The most channels ``C``.
+
+    Returns
+    -------
+    hypothesis.strategies.SearchStrategy
+        A strategy (``st.composite``) drawing a dict.
+        ``x, h, c (B, C, *S)``, ``params`` (``C_in = 2C``, ``C_out = 4C``) and the
+        cotangents ``g_h, g_c (B, C, *S)``.
+    """
     shape = draw(grid_shapes(max_cells=max_cells))
     batch, channels = draw(st.integers(1, 2)), draw(st.integers(1, max_channels))
     rng = np.random.default_rng(draw(seeds))
@@ -299,6 +479,30 @@ def lstm_cases(draw, max_cells: int = 24, max_channels: int = 3) -> dict:
 @st.composite
 def scan_cases(draw, smooth: bool = False, max_cells: int = 16, max_steps: int = 4,
                max_channels: int = 3) -> dict:
+    """Draw an input of the scan and its VJP.
+
+    Parameters
+    ----------
+    smooth : bool, default False
+        Read coordinates away from kinks and cell centres away from truncation
+        edges (for finite differences).
+    max_cells : int, default 16
+        The most cells of the grid.
+    max_steps : int, default 4
+        The most steps ``T``.
+    max_channels : int, default 3
+        The most channels ``C``.
+
+    Returns
+    -------
+    hypothesis.strategies.SearchStrategy
+        A strategy (``st.composite``) drawing a dict.
+        The keys of :data:`SCAN_INPUTS` (``h0, c0 (B, C, *S)``,
+        ``read_coords, write_coords (B, T, n)``, ``write_sigma (B, T)``,
+        ``write_content (B, T, C)``), ``params``, the cotangents
+        ``g_reads (B, T, C)``, ``g_h, g_c (B, C, *S)``, ``radius`` and
+        ``checkpoint_every`` (1 to 3).
+    """
     shape = draw(grid_shapes(max_cells=max_cells))
     batch, channels = draw(st.integers(1, 2)), draw(st.integers(1, max_channels))
     steps = draw(st.integers(1, max_steps))
