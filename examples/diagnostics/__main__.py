@@ -1,7 +1,9 @@
 """``python -m examples.diagnostics <task> [--protocol paper|streaming] [--full] [...]``.
 
 Tasks: ``binding`` (both protocols), ``noharm``, ``mapping``, ``occlusion``,
-``ablations`` (streaming only); ``demo`` (binding under both protocols at CPU
+``ablations`` (streaming only), ``collapse`` (paper only: many writes x training
+budgets); ``sweep`` (the full-size sweep, or ``--estimate`` its cost; see
+:mod:`examples.diagnostics.sweep`); ``demo`` (binding under both protocols at CPU
 scale, seed 0: the ``make demo`` target); ``render`` (rewrite the README tables
 from the committed results files; ``--check`` to compare only).
 ``--tune`` runs the hyper-parameter search on the held-out tuning split
@@ -35,7 +37,7 @@ DEMO = (("binding", "paper"), ("binding", "streaming"))
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m examples.diagnostics", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("task", choices=[*TASKS, "demo", "render"])
+    p.add_argument("task", choices=[*TASKS, "demo", "render", "sweep"])
     p.add_argument("--protocol", choices=PROTOCOLS, default="streaming",
                    help="paper: the whole stream in one window, the authors' settings; "
                         "streaming: segments with carried state (default)")
@@ -72,6 +74,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="with --cache: assemble the results from the finished jobs only "
                         "(a row lists the seeds it has)")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bars")
+    p.add_argument("--authors-exact", action="store_true",
+                   help="paper protocol (binding, mapping, occlusion): the authors' own "
+                        "models (their embeddings, positions, blocks, slots, shared and "
+                        "threaded Tensor Memory, read-out); results <task>-paper-exact.json")
+    p.add_argument("--parts", nargs="+",
+                   help="sweep: only these parts (binding, binding-exact, collapse, "
+                        "mapping, occlusion)")
+    p.add_argument("--estimate", action="store_true",
+                   help="sweep: time a few steps of every row and estimate the CPU hours "
+                        "(writes <out>/sweep-estimate.json) instead of running it")
+    p.add_argument("--estimate-steps", type=int, default=2,
+                   help="sweep --estimate: timed steps per row and length (after 1 warm-up)")
     return p.parse_args(argv)
 
 
@@ -137,20 +151,37 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     set_implementation(args.impl)
     scale = "full" if args.full else "tiny" if args.tiny else "cpu"
+    command = "python -m examples.diagnostics " + " ".join(shlex.quote(a) for a in argv)
+    if args.task == "sweep":  # always the authors' sizes unless --tiny (smoke tests)
+        from examples.diagnostics import sweep
+
+        scale = "tiny" if args.tiny else "full"
+        seeds = tuple(args.seeds) if args.seeds else sweep.SEEDS
+        parts = tuple(args.parts) if args.parts else None
+        if args.estimate:
+            sweep.estimate_sweep(args.out, parts=parts, scale=scale, seeds=seeds,
+                                 steps=args.estimate_steps, threads=args.threads,
+                                 console=console, command=command)
+        else:
+            sweep.run_sweep(args.out, parts=parts, scale=scale, seeds=seeds, jobs=args.jobs,
+                            threads=args.threads, cache=args.cache,
+                            cached_only=args.cached_only, progress=not args.no_progress,
+                            console=console, command=command)
+        return 0
     if args.task == "demo":
         runs = DEMO
         seeds = tuple(args.seeds) if args.seeds else (0,)
     else:
         runs = ((args.task, args.protocol),)
         seeds = tuple(args.seeds) if args.seeds else None
-    command = "python -m examples.diagnostics " + " ".join(shlex.quote(a) for a in argv)
     console.print(f"[bold]tmcore diagnostics[/bold]: {', '.join(f'{t} ({p})' for t, p in runs)} "
                   f"at {scale} scale, Tensor Memory from {adapter_name()}, "
                   f"{args.jobs} job(s) x {args.threads} thread(s)")
     start = time.perf_counter()
     results = []
     for task, protocol in runs:
-        exp = make_experiment(task, scale, seeds, args.steps, protocol, args.segment)
+        exp = make_experiment(task, scale, seeds, args.steps, protocol, args.segment,
+                              authors_exact=args.authors_exact and args.task != "demo")
         if args.models:
             exp.entries = [e for e in exp.entries if e.label in args.models]
         if args.tune:

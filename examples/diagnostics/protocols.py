@@ -23,7 +23,8 @@ from dataclasses import replace
 
 from examples.diagnostics.config import MEMORY_KINDS, ModelConfig, TrainConfig
 
-__all__ = ["PROTOCOLS", "PAPER_CPU", "PAPER_FULL", "paper_binding", "paper_mapping",
+__all__ = ["PROTOCOLS", "PAPER_CPU", "PAPER_FULL", "COLLAPSE", "paper_binding",
+           "paper_collapse", "paper_mapping",
            "paper_occlusion", "streaming_binding", "streaming_mapping", "streaming_noharm",
            "streaming_occlusion", "tuning_grid"]
 
@@ -59,6 +60,24 @@ def paper_binding(scale: str) -> tuple[dict, TrainConfig, ModelConfig]:
                         write_init="default", sigma_scale=1.0, memory_first=False,
                         dropout=0.1)
     return task, train, model
+
+
+#: The collapse sweep (``collapse``): numbers of writes and training budgets (steps), for
+#: the plain transformer and Tensor Memory; at ``full`` the authors' binding sizes otherwise.
+COLLAPSE = {"full": {"writes": (20, 50, 100, 200), "budgets": (500, 2000, 4000),
+                     "seeds": (0, 1, 2)},
+            "cpu": {"writes": (10, 20, 50), "budgets": (150, 300, 600), "seeds": (0, 1, 2)}}
+
+
+def paper_collapse(scale: str) -> tuple[dict, TrainConfig, ModelConfig, tuple[int, ...]]:
+    """``(task kwargs, train config, model config, budgets)`` of the collapse sweep: the
+    paper protocol's binding (:func:`paper_binding` at ``scale``) at noise 0 and the writes
+    of :data:`COLLAPSE`; each row trains for one of its budgets (its ``train_overrides``)."""
+    sweep = COLLAPSE["full" if scale == "full" else "cpu"]
+    task, train, model = paper_binding(scale)
+    task = {**task, "writes": sweep["writes"], "noises": (0.0,)}
+    train = replace(train, seeds=sweep["seeds"], steps=max(sweep["budgets"]))
+    return task, train, model, sweep["budgets"]
 
 
 #: The authors' map-building and occlusion scripts (their defaults): 1500 steps x 64, lr 3e-4

@@ -30,8 +30,8 @@ from rich.table import Table  # noqa: E402
 
 from examples import reporting  # noqa: E402
 
-__all__ = ["table", "title", "print_table", "print_tuning", "plot_results", "USE_MARGIN",
-           "mean_std", "gate_reach"]
+__all__ = ["table", "title", "cost_table", "print_table", "print_tuning", "plot_results",
+           "USE_MARGIN", "mean_std", "gate_reach"]
 
 USE_MARGIN = 5.0
 
@@ -110,6 +110,40 @@ def table(result: dict) -> tuple[list[str], list[list[str]]]:
         if any(by[model, s]["reset"] for s in settings):
             rows.append([f"{model}, state reset every {reset}", "", "",
                          *[mean_std(by[model, s]["reset"]) for s in settings], "", ""])
+    return header, rows
+
+
+def cost_table(result: dict) -> tuple[list[str], list[list[str]]] | None:
+    """``(header, rows)`` of the training cost: ms per training step (mean over seeds) of
+    every row and setting, the row's total wall time (training and evaluation, all
+    seeds), and for every ``tensor_memory`` row whose ``transformer`` counterpart exists
+    (the same label with the model's name changed) the ratio of their ms per step.
+    ``None`` for a results file without cost records."""
+    cost = result.get("cost")
+    if not cost:
+        return None
+    settings = result["settings"]
+    header = ["model (ms per training step)", *settings, "wall time, all seeds"]
+    rows = []
+
+    def ms(model: str, setting: str) -> float | None:
+        values = cost.get(model, {}).get(setting, {}).get("ms_per_step", [])
+        return statistics.fmean(values) if values else None
+
+    for model, per in cost.items():
+        wall = sum(sum(c["seconds"]) for c in per.values())
+        rows.append([model, *[f"{v:,.0f}" if (v := ms(model, s)) is not None else "-"
+                              for s in settings], f"{wall / 3600:.2f} h" if wall >= 3600
+                     else f"{wall:,.0f} s"])
+    for model in cost:
+        base = model.replace("tensor_memory", "transformer", 1)
+        if "tensor_memory" not in model or base not in cost:
+            continue
+        ratios = []
+        for s in settings:
+            a, b = ms(model, s), ms(base, s)
+            ratios.append(f"{a / b:.1f}x" if a and b else "-")
+        rows.append([f"ratio {model} / {base}", *ratios, ""])
     return header, rows
 
 

@@ -8,7 +8,9 @@
     references {rule: {label: %}} (rules that need no model; may be empty),
     rows [{model, setting, seeds: [% per seed], reset: [% per seed]}],
     seeds [the seed of each position], params {model: n}, carried {model: n},
-    gates {model: [[per layer] per seed]}, runs [full per-run records], seconds
+    gates {model: [[per layer] per seed]}, runs [full per-run records], seconds,
+    cost {model: {setting: {seconds: [per seed], ms_per_step: [per seed]}}} (runs that
+    recorded their training time only)
 
 Accuracies in ``rows`` are percentages rounded to 0.01; ``reset`` is the
 accuracy with the carried state reset (``models.Backbone.forward(reset=...)``),
@@ -97,7 +99,23 @@ def build_results(*, task: str, protocol: str, scale: str, command: str, setting
         "gates": {m: [r["gate_curve"][-1][1] if r["gate_curve"] else [] for r in runs
                       if r["model"] == m] for m in models},
         "runs": runs, "seconds": round(seconds, 1),
+        **({"cost": _cost(runs, models, settings)} if runs and all(
+            r.get("steps") for r in runs) else {}),
     }
+
+
+def _cost(runs: list[dict], models: list[str], settings: list[str]) -> dict:
+    """``{model: {setting: {"seconds": [per seed], "ms_per_step": [per seed]}}}``: each
+    run's wall time (training and evaluation) and its training loop's ms per step."""
+    out: dict = {}
+    for model in models:
+        for setting in settings:
+            mine = [r for r in runs if r["model"] == model and setting in r["accuracy"]]
+            out.setdefault(model, {})[setting] = {
+                "seconds": [round(r["seconds"], 1) for r in mine],
+                "ms_per_step": [round(1000 * r["train_seconds"] / r["steps"], 1)
+                                for r in mine]}
+    return out
 
 
 def write_results(result: dict, path: Path) -> None:

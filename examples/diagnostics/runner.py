@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from rich.console import Console
 
-from examples.diagnostics import protocols, report, results
+from examples.diagnostics import authors, protocols, report, results
 from examples.diagnostics.config import (
     MEMORY_KINDS,
     MODEL_KINDS,
@@ -50,8 +50,8 @@ from examples.diagnostics.train import (
     train_and_evaluate,
 )
 
-__all__ = ["Entry", "Experiment", "EXPERIMENTS", "make_experiment", "run_experiment",
-           "run_tuning"]
+__all__ = ["Entry", "Experiment", "EXPERIMENTS", "AUTHORS_EXACT", "make_experiment",
+           "run_experiment", "run_tuning", "results_stem"]
 
 
 @dataclass(frozen=True)
@@ -64,6 +64,9 @@ class Entry:
     overrides: dict = field(default_factory=dict)
     #: task attributes this row changes (``Task.with_options``), e.g. the occlusion clock
     task_options: dict = field(default_factory=dict)
+    #: training-config changes of this row (``TrainConfig`` fields), e.g. the collapse
+    #: sweep's training budget
+    train_overrides: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -144,6 +147,20 @@ def _occlusion_streaming(scale: str) -> Experiment:
                       task_config=task_kw, tuning_from="binding")
 
 
+def _binding_collapse(scale: str) -> Experiment:
+    """Where (if anywhere) attention collapses: binding under the paper protocol at many
+    writes and three training budgets, for the plain transformer and Tensor Memory
+    (:func:`protocols.paper_collapse`); one row per (model, budget), one model per
+    number of writes, noise 0."""
+    task_kw, train, model, budgets = protocols.paper_collapse(scale)
+    task = CoordinateBinding(**task_kw)
+    task.eval_settings = [{"writes": w, "noise": 0.0} for w in task_kw["writes"]]
+    rows = [Entry(f"{kind}, {steps} steps", kind, train_overrides={"steps": steps})
+            for kind in ("transformer", "tensor_memory") for steps in budgets]
+    return Experiment(task, train, model, rows, protocol="paper", per_setting=True,
+                      task_config={**task_kw, "budgets": list(budgets)})
+
+
 def _ablations(scale: str) -> Experiment:
     base = {"write": "gaussian", "tied": True, "conv": "factorized"}  # forces the variant layer
 
@@ -179,6 +196,7 @@ EXPERIMENTS = {
                                                    protocols.paper_occlusion),
     ("occlusion", "streaming"): _occlusion_streaming,
     ("ablations", "streaming"): _ablations,
+    ("collapse", "paper"): _binding_collapse,
 }
 TASKS = tuple(dict.fromkeys(task for task, _ in EXPERIMENTS))
 
@@ -193,25 +211,48 @@ TINY_TASKS = {
                              if "frame_size" in kw else Occlusion(lengths=(1, 2), frame=4,
                                                                   visible=2)),
     "ablations": lambda kw: CoordinateBinding(writes=(2, 3), n_queries=2, noises=()),
+    "collapse": lambda kw: CoordinateBinding(writes=(2, 4), n_queries=2, noises=()),
 }
+#: ``--authors-exact``: the label of the paper protocol run with the authors' own models
+#: (:mod:`examples.diagnostics.authors`); results go to ``<task>-paper-exact[-full].json``
+AUTHORS_EXACT = "paper-exact"
+
+
+def _authors_rows() -> list[Entry]:
+    """The authors' four rows, plus their Tensor Memory with a causal state (every block
+    starts from the initial state instead of the previous block's final one)."""
+    rows = [Entry(kind, kind, {"authors_exact": True}) for kind in authors.KINDS]
+    return rows + [Entry("tensor_memory (causal)", "tensor_memory",
+                         {"authors_exact": True, "threaded": False})]
 
 
 def make_experiment(name: str, scale: str = "cpu", seeds: tuple[int, ...] | None = None,
                     steps: int | None = None, protocol: str = "streaming",
-                    segment: int | None = None) -> Experiment:
+                    segment: int | None = None, authors_exact: bool = False) -> Experiment:
     """The named experiment under ``protocol`` at a scale (``cpu`` default, ``full``,
-    ``tiny``); ``seeds`` / ``steps`` / ``segment`` override the protocol's."""
+    ``tiny``); ``seeds`` / ``steps`` / ``segment`` override the protocol's.
+    ``authors_exact`` (paper protocol, binding / mapping / occlusion): the same runs with
+    the authors' own models (:data:`AUTHORS_EXACT`)."""
     if protocol not in protocols.PROTOCOLS:
         raise ValueError(f"protocol: expected one of {protocols.PROTOCOLS}, got {protocol!r}")
     if (name, protocol) not in EXPERIMENTS:
         raise ValueError(f"{name!r} is not offered under the {protocol!r} protocol "
                          f"(offered: {sorted(EXPERIMENTS)})")
+    if authors_exact and (protocol != "paper" or name not in ("binding", "mapping",
+                                                              "occlusion")):
+        raise ValueError(f"authors_exact: offered for binding, mapping and occlusion under "
+                         f"the paper protocol, not {name!r} / {protocol!r}")
     exp = EXPERIMENTS[name, protocol](scale)
     exp.scale, exp.name = scale, name
+    if authors_exact:
+        exp.entries, exp.protocol = _authors_rows(), AUTHORS_EXACT
     if scale == "tiny":
         exp.task = TINY_TASKS[name](exp.task_config)
         exp.task_config = {"tiny": True}
         exp.train, exp.model = scaled(exp.train, exp.model, "tiny")
+        exp.entries = [replace(e, train_overrides={k: min(v, exp.train.steps) for k, v in
+                                                   e.train_overrides.items()})
+                       for e in exp.entries]
     elif scale == "full" and not exp.task_config:  # old-style tasks: the generic --full
         exp.train, exp.model = scaled(exp.train, exp.model, "full")
     if seeds:
@@ -264,12 +305,19 @@ def _run_job(job: Job) -> dict:
     evals = eval_batches(job.task, train.eval_examples,
                          **({"seed": job.eval_seed} if job.eval_seed is not None else {}))
     torch.manual_seed(job.seed)
-    model = build_model(job.entry.kind, job.task.in_features, job.task.n_classes, cfg,
-                        job.entry.variant)
+    variant = dict(job.entry.variant)
+    if variant.pop("authors_exact", False):  # the authors' model (``--authors-exact``)
+        model = authors.build_authors_model(job.entry.kind, job.task, cfg, **variant)
+        carried = model.carried_numbers()
+    else:
+        model = build_model(job.entry.kind, job.task.in_features, job.task.n_classes, cfg,
+                            variant)
+        carried = carried_numbers(model)
+    train = replace(train, **job.entry.train_overrides)
     run = train_and_evaluate(model, job.task, train, job.seed, job.entry.label, evals,
                              job.progress, reset=job.reset, data_seed=job.data_seed)
     run.hparams = dict(job.hparams)
-    out = {"run": asdict(run), "carried": carried_numbers(model)}
+    out = {"run": asdict(run), "carried": carried}
     if job.keep_state:
         out["state_dict"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
     return out
@@ -280,7 +328,8 @@ def _source_hash() -> str:
     job is reused only by the same code. (Tables, rendering and the CLI are left out.)"""
     digest = hashlib.sha1()
     root = Path(__file__).parent
-    numeric = ("config", "models", "slots", "recurrent", "memory", "variants", "train")
+    numeric = ("config", "models", "slots", "recurrent", "memory", "variants", "train",
+               "authors")
     for path in sorted([*(root / f"{n}.py" for n in numeric), *root.glob("tasks/*.py")]):
         digest.update(path.name.encode() + path.read_bytes())
     return digest.hexdigest()
@@ -478,15 +527,22 @@ def run_experiment(exp: Experiment, out_dir: Path, *, framework: str = "torch",
         environment=results.environment(threads),
         seconds=time.perf_counter() - start)
     result["cached_jobs_ran_at"] = [json.loads(r) for r in ran_at]
-    path = out / f"{name}-{exp.protocol}.json"
+    stem = results_stem(name, exp.protocol, exp.scale)
+    path = out / f"{stem}.json"
     results.write_results(result, path)
-    report.plot_results(result, out / f"{name}-{exp.protocol}.png")
+    report.plot_results(result, out / f"{stem}.png")
     picture = next((o for o in outputs if "state_dict" in o), None)
     if picture is not None:
-        _draw_memory(exp, model_cfg, picture, out / f"{name}-{exp.protocol}-memory.png")
+        _draw_memory(exp, model_cfg, picture, out / f"{stem}-memory.png")
     report.print_table(result, console)
     console.print(f"results: {path}")
     return result
+
+
+def results_stem(name: str, protocol: str, scale: str) -> str:
+    """``<name>-<protocol>``, with ``-full`` at the authors' sizes (``--full``), so that a
+    full-size run never overwrites the committed CPU-scale file of the same task."""
+    return f"{name}-{protocol}" + ("-full" if scale == "full" else "")
 
 
 def _draw_memory(exp: Experiment, model_cfg: ModelConfig, output: dict, path: Path) -> None:

@@ -67,6 +67,10 @@ class RunResult:
     reset: dict[str, float] = field(default_factory=dict)
     #: the hyper-parameters this run used (lr, retention bias, ...)
     hparams: dict = field(default_factory=dict)
+    #: training steps, and the seconds the training loop took (``seconds`` also counts the
+    #: evaluation): ``1000 * train_seconds / steps`` is the cost of one step in ms
+    steps: int = 0
+    train_seconds: float = 0.0
 
 
 def to_tensors(batch: Batch, device: torch.device | str = "cpu"
@@ -181,6 +185,7 @@ def train_and_evaluate(model: torch.nn.Module, task: Task, cfg: TrainConfig, see
             result.loss_curve.append((step, value))
             result.gate_curve.append((step, list(model.gate_values())))
             bar.set_postfix(loss=f"{running:.3f}", acc=f"{acc.item():.2f}")
+    result.steps, result.train_seconds = cfg.steps, time.perf_counter() - start
     result.accuracy = evaluate(model, eval_sets)
     if reset and carries_state(model):
         result.reset = evaluate(model, eval_sets, reset=reset)

@@ -1,0 +1,181 @@
+"""The full-size sweep as one command, and its cost estimate.
+
+``python -m examples.diagnostics sweep --cache diagnostics_out/.jobs --out
+examples/diagnostics/results [--jobs N] [--parts ...] [--cached-only]`` runs, at the
+authors' sizes (``--full``) and 3 seeds, every part of :data:`PARTS` in order:
+
+- ``binding``: the paper protocol's binding, the four rows, n = 5 / 10 / 20 / 50 writes x
+  query noise 0 / 0.05 / 0.1 (``binding-paper-full.json``);
+- ``binding-exact``: the same with the authors' own models (``--authors-exact``, plus
+  their Tensor Memory with a causal state; ``binding-paper-exact-full.json``);
+- ``collapse``: writes 20 / 50 / 100 / 200 x training budgets 500 / 2000 / 4000 steps,
+  transformer and Tensor Memory, noise 0 (``collapse-paper-full.json``);
+- ``mapping``, ``occlusion``: the authors' map building and occlusion at their sizes
+  (``mapping-paper-full.json``, ``occlusion-paper-full.json``).
+
+Every finished job goes to the job cache, so the sweep accumulates over sittings (a job
+still running when the machine stops is lost; finished ones are kept); ``--cached-only``
+assembles the results files from what has finished (each row lists its seeds). Every
+results file records the scale, and each run its wall time and ms per training step.
+
+``sweep --estimate`` times ``--estimate-steps`` training steps (after one warm-up step)
+of every distinct (row, number of tokens) of the sweep, in this process at one thread,
+and writes ``<out>/sweep-estimate.json``: ms per step of each row and the CPU hours of
+each part (ms per step x steps x seeds x settings; evaluation not counted).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+import torch
+from rich.console import Console
+
+from examples.diagnostics import authors, results
+from examples.diagnostics.models import build_model
+from examples.diagnostics.runner import (
+    Experiment,
+    _apply_hparams,
+    _groups,
+    make_experiment,
+    run_experiment,
+)
+from examples.diagnostics.train import make_deterministic, masked_loss, to_tensors
+
+__all__ = ["Part", "PARTS", "SEEDS", "sweep_experiments", "run_sweep", "estimate_sweep"]
+
+#: seeds of every part of the sweep
+SEEDS = (0, 1, 2)
+
+
+@dataclass(frozen=True)
+class Part:
+    """One results file of the sweep: an experiment under the paper protocol at full size."""
+
+    name: str
+    task: str
+    authors_exact: bool = False
+
+
+PARTS = (Part("binding", "binding"), Part("binding-exact", "binding", authors_exact=True),
+         Part("collapse", "collapse"), Part("mapping", "mapping"),
+         Part("occlusion", "occlusion"))
+
+
+def sweep_experiments(parts: tuple[str, ...] | None = None, scale: str = "full",
+                      seeds: tuple[int, ...] = SEEDS) -> list[tuple[Part, Experiment]]:
+    """The experiments of the named parts (all of :data:`PARTS` by default), in order."""
+    names = [p.name for p in PARTS]
+    unknown = sorted(set(parts or ()) - set(names))
+    if unknown:
+        raise ValueError(f"parts: expected some of {names}, got {unknown}")
+    return [(p, make_experiment(p.task, scale, seeds, protocol="paper",
+                                authors_exact=p.authors_exact))
+            for p in PARTS if parts is None or p.name in parts]
+
+
+def run_sweep(out_dir: Path, *, parts: tuple[str, ...] | None = None, scale: str = "full",
+              seeds: tuple[int, ...] = SEEDS, jobs: int = 1, threads: int = 1,
+              cache: Path | None = None, cached_only: bool = False, progress: bool = False,
+              console: Console | None = None, command: str = "") -> list[dict]:
+    """Run (or, ``cached_only``, assemble) every part; returns the results dictionaries."""
+    console = console or Console()
+    done = []
+    for part, exp in sweep_experiments(parts, scale, seeds):
+        console.rule(f"sweep: {part.name} ({scale} scale, seeds {list(seeds)})")
+        done.append(run_experiment(exp, out_dir, progress=progress, console=console,
+                                   jobs=jobs, threads=threads, command=command,
+                                   cache=cache, cached_only=cached_only))
+    return done
+
+
+def _shapes(exp: Experiment) -> list[tuple[object, object, int]]:
+    """``(entry, task group, jobs)`` per distinct (row, number of writes / horizon / L):
+    the noise level does not change a step's cost, so those groups share one timing;
+    ``jobs`` counts the groups (settings) it stands for."""
+    seen: dict[tuple[str, int], list] = {}
+    for entry in exp.entries:
+        for group in _groups(exp):
+            tokens = group.batch(np.random.default_rng(0), 1,
+                                 group.eval_settings[0]).inputs.shape[1]
+            key = (entry.label, tokens)
+            if key in seen:
+                seen[key][2] += 1
+            else:
+                seen[key] = [entry, group, 1]
+    return [tuple(v) for v in seen.values()]
+
+
+def _time_steps(exp: Experiment, entry, group, steps: int) -> float:
+    """ms per training step of one row on one task group (after one warm-up step)."""
+    model_cfg = replace(exp.model, max_len=max(exp.model.max_len, group.max_len()))
+    train, cfg = _apply_hparams(exp.train, replace(model_cfg, **entry.overrides), {})
+    torch.manual_seed(0)
+    variant = dict(entry.variant)
+    if variant.pop("authors_exact", False):
+        model = authors.build_authors_model(entry.kind, group, cfg, **variant)
+    else:
+        model = build_model(entry.kind, group.in_features, group.n_classes, cfg, variant)
+    opt = torch.optim.AdamW(model.parameters(), lr=train.lr, weight_decay=train.weight_decay)
+    rng = np.random.default_rng(0)
+    elapsed = 0.0
+    for step in range(steps + 1):
+        x, y, m = to_tensors(group.batch(rng, train.batch_size, group.train_setting(rng)))
+        start = time.perf_counter()
+        loss, _ = masked_loss(model(x), y, m)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), train.grad_clip)
+        opt.step()
+        if step:  # the first step warms up (allocations, kernel loading)
+            elapsed += time.perf_counter() - start
+    return 1000 * elapsed / steps
+
+
+def estimate_sweep(out_dir: Path, *, parts: tuple[str, ...] | None = None,
+                   scale: str = "full", seeds: tuple[int, ...] = SEEDS, steps: int = 2,
+                   threads: int = 1, console: Console | None = None,
+                   command: str = "") -> dict:
+    """Time a few steps of every distinct (row, length) of the sweep and estimate each
+    part's CPU hours; writes ``<out>/sweep-estimate.json`` and returns it."""
+    console = console or Console()
+    make_deterministic(threads)
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    rows, totals, timed = [], {}, {}
+    for part, exp in sweep_experiments(parts, scale, seeds):
+        hours = 0.0
+        for entry, group, settings in _shapes(exp):
+            # rows that differ only in their budget (the collapse sweep) or that recur in
+            # another part cost the same per step: timed once
+            key = (entry.kind, repr(entry.variant), repr(entry.overrides), repr(exp.model),
+                   exp.train.batch_size, group.label(group.eval_settings[0]).split(" ")[0],
+                   type(group).__name__)
+            if key not in timed:
+                timed[key] = _time_steps(exp, entry, group, steps)
+            ms = timed[key]
+            n_steps = entry.train_overrides.get("steps", exp.train.steps)
+            job_hours = ms * n_steps / 3.6e6
+            hours += job_hours * settings * len(seeds)
+            setting = group.label(group.eval_settings[0]).split(" noise")[0]
+            rows.append({"part": part.name, "model": entry.label, "setting": setting,
+                         "ms_per_step": round(ms, 1), "steps": n_steps,
+                         "jobs": settings * len(seeds),
+                         "cpu_hours": round(job_hours * settings * len(seeds), 2)})
+            console.print(f"  {part.name}: {entry.label} {setting}: {ms:,.0f} ms/step x "
+                          f"{n_steps} steps x {settings * len(seeds)} job(s) = "
+                          f"{job_hours * settings * len(seeds):.2f} h")
+        totals[part.name] = round(hours, 2)
+    result = {"kind": "estimate", "scale": scale, "command": command,
+              **results.commit_info(), "seeds": list(seeds), "timed_steps": steps,
+              "load_average_at_start": load, "environment": results.environment(threads),
+              "rows": rows, "cpu_hours": totals,
+              "cpu_hours_total": round(sum(totals.values()), 2)}
+    path = Path(out_dir) / "sweep-estimate.json"
+    results.write_results(result, path)
+    console.print(f"estimated CPU hours: {totals} (total {result['cpu_hours_total']}); "
+                  f"written to {path}")
+    return result
