@@ -171,14 +171,14 @@ class _BoxWrite(NamedTuple):
 
 
 def _box_write(xp: Any, write: StepInputs, geometry: Window, shape: tuple[int, ...],
-               eps: float, radius: float | None) -> tuple[Any, _BoxWrite]:
+               eps: float, radius: float | None, masks: list[Any]) -> tuple[Any, _BoxWrite]:
     """The written box ``(B, C, *box)``: the splat's own 1-D profiles (one per axis,
-    ``O(S_a)`` each) cut to the box and masked to the window."""
+    ``O(S_a)`` each) cut to the box and masked to the window (``masks``: the
+    per-axis :func:`_box_window_masks`)."""
     batch = write.write_content.shape[0]
     mu = write.write_coords[:, None, :]
     profiles, offsets, denom = gaussian_profiles(xp, mu, write.write_sigma[:, None], shape,
                                                  eps, radius)
-    masks = _box_window_masks(xp, geometry)
     box_profiles, box_offsets = [], []
     for axis, length in enumerate(geometry.box):
         first = geometry.box_start[:, axis]
@@ -244,9 +244,10 @@ def _fast_box(xp: Any, h: Any, c: Any, write: StepInputs, params: ConvParams, wi
     index = box_index(xp, geometry.box_start, geometry.box, h.shape[0], h.shape[1], shape)
     h_box = gather_box(xp, h, geometry.box_start, geometry.box, index)
     c_box = gather_box(xp, c, geometry.box_start, geometry.box, index)
-    x_box, _ = _box_write(xp, write, geometry, shape, eps, radius)
+    masks = _box_window_masks(xp, geometry)
+    x_box, _ = _box_write(xp, write, geometry, shape, eps, radius, masks)
     h_new, c_new, _ = cell_fwd(xp, x_box, h_box, c_box, params)
-    inside = _combine(xp, _box_window_masks(xp, geometry))
+    inside = _combine(xp, masks)
     return (geometry, index, h_box, c_box, xp.where(inside, h_new, h_box),
             xp.where(inside, c_new, c_box))
 
@@ -256,8 +257,9 @@ def _fast_step_bwd(xp: Any, h_box: Any, c_box: Any, write: StepInputs, geometry:
                    eps: float, radius: float | None):
     """VJP of one fast step on its box: ``(d_h box, d_c box, d_inputs, d_params)`` where the
     box cotangents already include the pass-through outside the window."""
-    x_box, parts = _box_write(xp, write, geometry, shape, eps, radius)
-    inside = _combine(xp, _box_window_masks(xp, geometry))
+    masks = _box_window_masks(xp, geometry)
+    x_box, parts = _box_write(xp, write, geometry, shape, eps, radius, masks)
+    inside = _combine(xp, masks)
     zero = _zero(xp, g_h_box)
     cache = cell_cache(xp, x_box, h_box, c_box, params)
     d_x, d_h, d_c, d_params = cell_bwd(xp, cache, params, xp.where(inside, g_h_box, zero),

@@ -1,0 +1,199 @@
+"""Local updates vs the dense step: ms per chunk step and peak memory, grid 8^3 to 64^3.
+
+One chunk step (read, write, ConvLSTM update) on torch CPU, float32, one thread, at a
+fixed window (``w = 4`` cells per axis, so the box is 6^3 at every grid), B = 4, C = 16:
+
+- ``dense``: the dense scan's own step (``tmcore.scan.step_fwd``): the write and the
+  update cover the whole grid;
+- ``local``: one step of ``tmcore.local_memory_scan(..., overwrite_state=True)`` (fast
+  path): read 2^3 cells, splat and update the 6^3 box, write it back in place;
+- ``local (copy)``: ``tmcore.local_update`` (fast path), which returns a new state and so
+  copies it once per call (a memory copy of ``2 B C prod(S)`` floats, no arithmetic).
+
+Each grid is measured in a fresh process (``run_isolated``): time per step is the
+minimum over repetitions after a warm-up (the median is kept too); peak memory is the
+growth of the resident set's high-water mark over the step (``peak_rss_growth``), the
+state itself allocated before. Writes ``benchmarks/results/local_update.json``
+(``command``, ``commit``, ``machine``, ``config``, ``rows``) and
+``benchmarks/results/local_update.md`` (the table)::
+
+    python -m benchmarks.local_update            # about 1 to 2 minutes
+    python -m benchmarks.local_update --tiny     # seconds, no files
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+METHODS = ("dense", "local", "local (copy)")
+
+__all__ = ["measure", "table", "main"]
+
+
+def _inputs(torch, batch: int, channels: int, grid: int, seed: int = 0):
+    import tmcore
+
+    g = torch.Generator().manual_seed(seed)
+    shape = (grid, grid, grid)
+    h = torch.randn(batch, channels, *shape, generator=g) * 0.5
+    c = torch.randn(batch, channels, *shape, generator=g) * 0.5
+    coords = torch.rand(batch, 2, 3, generator=g) * 1.8 - 0.9
+    sigma = torch.full((batch,), 2.0 / (grid - 1))  # one cell
+    content = torch.randn(batch, channels, generator=g)
+    params = tmcore.ConvParams(torch.randn(3, 2 * channels, 3, generator=g) * 0.5,
+                               torch.randn(3, 2 * channels, generator=g) * 0.1,
+                               torch.randn(4 * channels, 2 * channels, generator=g) * 0.2,
+                               torch.zeros(4 * channels))
+    return h, c, coords[:, 0], coords[:, 1], sigma, content, params
+
+
+def _timed(fn, min_seconds: float, max_reps: int) -> dict:
+    """Warm up once, then repeat until ``min_seconds`` have passed (3 to ``max_reps``)."""
+    fn()
+    times = []
+    start = time.perf_counter()
+    while len(times) < 3 or (time.perf_counter() - start < min_seconds
+                             and len(times) < max_reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    times.sort()
+    return {"ms_min": 1e3 * times[0], "ms_median": 1e3 * times[len(times) // 2],
+            "reps": len(times)}
+
+
+def measure(method: str, grid: int, batch: int, channels: int, window: int,
+            min_seconds: float) -> dict:
+    """One method at one grid, in this process: ``{"ms_min", "ms_median", "reps",
+    "peak_rss_growth_bytes"}``."""
+    import torch
+
+    import tmcore
+    from benchmarks.common import peak_rss_growth
+    from tmcore.scan import StepInputs, step_fwd
+
+    torch.set_num_threads(1)
+    h, c, read, write, sigma, content, params = _inputs(torch, batch, channels, grid)
+    xp = tmcore._validate.namespace_of(h=h)
+    if method == "dense":
+        inputs = StepInputs(read, write, sigma, content)
+
+        def step():
+            return step_fwd(xp, h, c, inputs, params, 1e-6, None)
+    elif method == "local":
+        reads, writes = read[:, None], write[:, None]
+        sigmas, contents = sigma[:, None], content[:, None]
+
+        def step():
+            return tmcore.local_memory_scan(h, c, reads, writes, sigmas, contents, params,
+                                            window=window, overwrite_state=True)
+    else:
+        def step():
+            return tmcore.local_update(h, c, write, sigma, content, params, window=window)
+    with torch.no_grad():
+        row = _timed(step, min_seconds, 200)
+        row["peak_rss_growth_bytes"] = peak_rss_growth(step)
+    return row
+
+
+def table(result: dict) -> str:
+    """The Markdown table of a results dict: ms per step and peak memory per grid."""
+    grids = result["config"]["grids"]
+    rows = {(r["method"], r["grid"]): r for r in result["rows"]}
+    head = ("| method | " + " | ".join(f"{g}^3" for g in grids)
+            + f" | {grids[-1]}^3 / {grids[0]}^3 |")
+    lines = ["**ms per chunk step** (min of repetitions; torch CPU, 1 thread, float32)", "",
+             head, "|---|" + "---:|" * (len(grids) + 1)]
+    for method in METHODS:
+        ms = [rows.get((method, g), {}).get("ms_min") for g in grids]
+        cells = [f"{v:.2f}" if v is not None else "error" for v in ms]
+        ratio = f"{ms[-1] / ms[0]:.2f}x" if None not in (ms[0], ms[-1]) else ""
+        lines.append(f"| {method} | " + " | ".join(cells) + f" | {ratio} |")
+    speed = []
+    for g in grids:
+        d, lo = rows.get(("dense", g), {}).get("ms_min"), rows.get(("local", g), {}).get("ms_min")
+        speed.append(f"{d / lo:.1f}x" if d and lo else "")
+    lines.append("| dense / local | " + " | ".join(speed) + " | |")
+    lines += ["", "**peak memory growth during one step** (resident set high-water mark)", "",
+              "| method | " + " | ".join(f"{g}^3" for g in grids) + " |",
+              "|---|" + "---:|" * len(grids)]
+    for method in METHODS:
+        cells = []
+        for g in grids:
+            peak = rows.get((method, g), {}).get("peak_rss_growth_bytes")
+            cells.append("error" if peak is None else f"{peak / 2**20:.1f} MiB")
+        lines.append(f"| {method} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                              cwd=RESULTS).stdout.strip() or "unknown"
+    except OSError:
+        return "unknown"
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--grids", type=int, nargs="+", default=[8, 16, 32, 64])
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--channels", type=int, default=16)
+    p.add_argument("--window", type=int, default=4)
+    p.add_argument("--min-seconds", type=float, default=2.0,
+                   help="time spent repeating each method at each grid (at least 3 reps)")
+    p.add_argument("--tiny", action="store_true", help="seconds: small sizes, no files")
+    p.add_argument("--out", default=RESULTS)
+    p.add_argument("--one", nargs=2, metavar=("METHOD", "GRID"), help=argparse.SUPPRESS)
+    return p
+
+
+def main(argv: list[str] | None = None) -> dict:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parser().parse_args(argv)
+    if args.tiny:
+        args.grids, args.batch, args.channels, args.min_seconds = [6, 10], 1, 2, 0.05
+    if args.one:
+        method = {m.replace(" ", "_"): m for m in METHODS}[args.one[0]]
+        row = measure(method, int(args.one[1]), args.batch, args.channels, args.window,
+                      args.min_seconds)
+        print(json.dumps(row))
+        return row
+    from benchmarks.common import machine_line, run_isolated
+
+    os.environ["OMP_NUM_THREADS"] = "1"  # the measuring processes inherit it
+    base = [a for a in argv if a != "--tiny"] if not args.tiny else argv
+    rows = []
+    for grid in args.grids:
+        for method in METHODS:
+            got = run_isolated("benchmarks.local_update",
+                               [*base, "--one", method.replace(" ", "_"), str(grid)])
+            rows.append({"method": method, "grid": grid, **got})
+            print(json.dumps(rows[-1]), file=sys.stderr)
+    config = {"grids": args.grids, "batch": args.batch, "channels": args.channels,
+              "window": args.window, "box": args.window + 2, "spatial_rank": 3,
+              "dtype": "float32", "threads": 1, "framework": "torch (CPU)",
+              "min_seconds": args.min_seconds, "sigma": "one cell", "radius": None}
+    result = {"command": " ".join(["python -m benchmarks.local_update", *argv]),
+              "commit": _commit(), "machine": machine_line(), "config": config, "rows": rows}
+    text = table(result)
+    if not args.tiny:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "local_update.json"), "w") as f:
+            json.dump(result, f, indent=1)
+            f.write("\n")
+        with open(os.path.join(args.out, "local_update.md"), "w") as f:
+            f.write(f"`{result['command']}` at {result['commit'][:10]}; "
+                    f"{result['machine']}\n\n{text}\n")
+    print(text)
+    return result
+
+
+if __name__ == "__main__":
+    main()
