@@ -74,8 +74,18 @@ _REGISTRY: list[tuple[Callable[[Any], bool], str, str]] = [
 
 
 def backend_name(xp: Any) -> str:
-    """Which backend serves namespace ``xp``: ``"torch"``, ``"jax"``, ``"numpy"``,
-    ``"cupy"`` or ``"generic"``."""
+    """Name the backend that serves a namespace.
+
+    Parameters
+    ----------
+    xp : namespace
+        An array namespace (``array_api_compat.array_namespace(x)``).
+
+    Returns
+    -------
+    str
+        ``"torch"``, ``"jax"``, ``"numpy"``, ``"cupy"`` or ``"generic"``.
+    """
     for is_namespace, framework, _ in _REGISTRY:
         if is_namespace(xp):
             return framework
@@ -83,11 +93,25 @@ def backend_name(xp: Any) -> str:
 
 
 def ops_for_namespace(xp: Any, generic: Ops, options: Options | None = None) -> Ops:
-    """Build the :class:`~tmcore._dispatch.Ops` table for ``xp`` under ``options``
-    (default: the current :func:`tmcore.get_options`; uncached, tmcore caches).
+    """Build the :class:`Ops` table for a namespace (uncached; tmcore caches it).
 
     Each backend module exposes ``make_ops(generic)`` or ``make_ops(generic,
-    options) -> Ops`` and may reuse any of ``generic``'s entries.
+    options) -> Ops`` and may reuse any of ``generic``'s entries. A backend is
+    imported only when its framework is already in ``sys.modules``.
+
+    Parameters
+    ----------
+    xp : namespace
+        The array namespace.
+    generic : Ops
+        The generic array-API table (:func:`generic_ops`).
+    options : tmcore.Options, optional
+        The options to build for (default: :func:`tmcore.get_options`).
+
+    Returns
+    -------
+    Ops
+        The backend's table, or ``generic`` for a namespace without one.
     """
     options = get_options() if options is None else options
     for is_namespace, framework, module in _REGISTRY:
@@ -102,7 +126,7 @@ def ops_for_namespace(xp: Any, generic: Ops, options: Options | None = None) -> 
 
 
 def native_kernels_active() -> bool:
-    """Whether the fused C kernels for the CPU run here.
+    """Tell whether the fused C kernels for the CPU run here.
 
     Returns
     -------
@@ -117,10 +141,25 @@ def native_kernels_active() -> bool:
 
 @contextlib.contextmanager
 def use_generic(enabled: bool = True) -> Iterator[None]:
-    """Context manager forcing (or, with ``enabled=False``, un-forcing) the generic path.
+    """Force (or, with ``enabled=False``, un-force) the generic path in a ``with`` block.
 
     The older name of ``tmcore.options(generic=enabled)``: local to the current
     thread / asyncio task; ``TMCORE_GENERIC=1`` makes forcing the default.
+
+    Parameters
+    ----------
+    enabled : bool, default True
+        Whether the generic path is forced inside the block.
+
+    Yields
+    ------
+    None
+        Inside the block the option is set; it is restored on exit.
+
+    Raises
+    ------
+    TypeError
+        If ``enabled`` is not a bool.
     """
     if not isinstance(enabled, bool):
         raise TypeError(f"enabled: expected True or False, got {enabled!r}")

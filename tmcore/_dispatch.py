@@ -57,7 +57,43 @@ ENV_VAR = ENV_VARS["generic"]
 
 
 class Ops(NamedTuple):
-    """One implementation of every primitive's forward and VJP (see the module docstring)."""
+    """One implementation of every primitive's forward and VJP.
+
+    The contract of each entry is in the module notes of ``tmcore._dispatch``;
+    the generic functions are the reference every backend's entries must agree
+    with.
+
+    Parameters
+    ----------
+    sample_fwd : callable
+        ``(xp, volume (B, C, *S), coords (B, Q, n)) -> (B, Q, C)``.
+    sample_bwd : callable
+        ``(xp, volume, coords, g (B, Q, C)) -> (d_volume, d_coords)``.
+    splat_fwd : callable
+        ``(xp, content (B, K, C), mu (B, K, n), sigma (B, K), shape, eps, radius)
+        -> (B, C, *shape)``.
+    splat_bwd : callable
+        ``(xp, content, mu, sigma, shape, g, eps, radius) -> (d_content, d_mu,
+        d_sigma)``.
+    conv_fwd : callable
+        ``(xp, x (B, C_in, *S), params) -> (z (B, C_out, *S), residuals)``.
+    conv_bwd : callable
+        ``(xp, residuals, params, g (B, C_out, *S)) -> (d_x, d_params)``.
+    gates_fwd : callable
+        ``(xp, z (B, 4C, *S), c (B, C, *S)) -> (h', c', residuals)``.
+    gates_bwd : callable
+        ``(xp, residuals, g_h, g_c) -> (d_z, d_c)``.
+    gates_residuals : callable
+        ``(xp, z, c) -> residuals``, for the backward's recomputation.
+    workspace : callable
+        ``(xp) -> context manager`` entered around the scan's loops.
+    scan_fwd : callable or None, default None
+        A fused whole-scan forward with the signature and results of
+        :func:`tmcore.memory_scan_fwd`; returns None to decline.
+    scan_bwd : callable or None, default None
+        A fused whole-scan backward like :func:`tmcore.memory_scan_bwd`; returns
+        None to decline.
+    """
 
     sample_fwd: Any
     sample_bwd: Any
@@ -82,7 +118,13 @@ _CACHE: dict[tuple[Any, Options], Ops] = {}  # (namespace module, options) -> ta
 
 
 def generic_ops() -> Ops:
-    """The generic array-API table (built once; imports are deferred to avoid cycles)."""
+    """Give the generic array-API table (built once).
+
+    Returns
+    -------
+    Ops
+        The reference implementation of every primitive.
+    """
     if not _GENERIC:
         from tmcore import cell, conv, sampling, splat
 
@@ -100,8 +142,22 @@ def _resolve(xp: Any, options: Options) -> Ops:
 
 
 def ops_for(xp: Any) -> Ops:
-    """The :class:`Ops` table for namespace ``xp`` under the current
-    :func:`tmcore.get_options` (generic when forced or not accelerated)."""
+    """Give the :class:`Ops` table for a namespace under the current options.
+
+    Tables are cached per namespace and :class:`tmcore.Options` value, so an
+    option changed between calls takes effect on the next one.
+
+    Parameters
+    ----------
+    xp : namespace
+        The array namespace.
+
+    Returns
+    -------
+    Ops
+        The generic table when ``generic`` is forced or no backend accelerates
+        ``xp``, else the backend's.
+    """
     options = get_options()
     if options.generic:
         return generic_ops()
