@@ -15,12 +15,14 @@ Fields (environment variable, default: meaning):
   are faster.
 - ``validate`` (``TMCORE_VALIDATE``, False): validate mode. Its scope is the
   INPUTS of tmcore's public functions: every array argument they receive must
-  be finite and every ``sigma`` > 0 (reads values back to the host). For the
-  layers that means the tokens, the state and the cell weights handed to the
-  scan, and the heads' outputs (coordinates, sigma, content) computed from the
-  linear weights; it does not inspect the layer's linear weights themselves
-  (a NaN there is reported as the head output it poisons, or, for
-  ``out_proj``, not at all), nor any output.
+  be finite and every ``sigma`` > 0 (reads values back to the host). In a layer
+  call that means the state and the cell weights the scan receives and the
+  heads' outputs (coordinates, sigma, content) computed from the tokens and the
+  linear weights, so a NaN token or head weight is reported as the head output
+  it poisons (``read_coords: expected finite values``); the JAX ``apply`` also
+  checks ``x`` and the state first. The layer's linear weights are not
+  inspected themselves (a NaN in ``out_proj`` is not reported at all), nor is
+  any output.
 - ``depthwise`` (``TMCORE_DEPTHWISE``, ``"auto"``): the depthwise-tap kernel of
   the torch and JAX backends; ``"auto"`` lets the backend choose (fused C
   kernels on the CPU, a grouped conv on accelerators), ``"grouped"`` forces the

@@ -45,6 +45,7 @@ __all__ = [
     "check_values",
     "check_positive",
     "require_array",
+    "check_namespace",
     "validation",
     "set_validation",
     "validation_enabled",
@@ -133,6 +134,34 @@ def check_positive(xp: Any, name: str, value: Any) -> None:
 
 
 # --------------------------------------------------------------------------- always
+
+
+def _kind(xp: Any) -> Any:
+    """The framework a namespace belongs to (``numpy`` and its compat wrapper are one)."""
+    for kind, test in (("numpy", array_api_compat.is_numpy_namespace),
+                       ("torch", array_api_compat.is_torch_namespace),
+                       ("jax", array_api_compat.is_jax_namespace),
+                       ("cupy", array_api_compat.is_cupy_namespace)):
+        if test(xp):
+            return kind
+    return xp
+
+
+def check_namespace(xp: Any, name: str, value: Any, what: str) -> None:
+    """``TypeError`` unless the array ``value`` belongs to namespace ``xp`` (e.g. a NumPy
+    mask handed to the torch layer): names ``name``, ``what`` was expected and the
+    type that came, instead of a dtype message that reads "expected bool, got bool"."""
+    try:
+        found = array_api_compat.array_namespace(value)
+    except TypeError:
+        found = None
+    if array_api_compat.is_jax_namespace(xp) and array_api_compat.is_numpy_array(value):
+        return  # JAX takes host (NumPy) arrays wherever it takes its own
+    if found is None or _kind(found) != _kind(xp):
+        kind = f"{type(value).__module__}.{type(value).__qualname__}"
+        raise TypeError(f"{name}: expected {what} of the same kind as the other inputs "
+                        f"({getattr(xp, '__name__', xp)}), got a {kind} (convert it first, "
+                        f"e.g. with torch.as_tensor or jnp.asarray)")
 
 
 def require_array(name: str, value: Any) -> None:

@@ -64,6 +64,7 @@ from tmcore._validate import (
     check_finite,
     check_grid_shape,
     check_int,
+    check_namespace,
     check_positive_scalar,
     check_radius,
 )
@@ -531,6 +532,7 @@ def _require_bool_array(xp: Any, value: Any, name: str, axes: str,
     expected = f"of shape {axes} = ({', '.join(map(str, shape))}{',' if len(shape) == 1 else ''})"
     if not array_api_compat.is_array_api_obj(value):
         raise TypeError(f"{name}: expected a bool array {expected}, got {type(value).__name__}")
+    check_namespace(xp, name, value, f"a bool array {expected}")
     if not xp.isdtype(value.dtype, "bool"):
         raise TypeError(f"{name}: expected a bool mask {expected}, got dtype {value.dtype}{hint}")
     if tuple(value.shape) != shape:
