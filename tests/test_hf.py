@@ -218,6 +218,10 @@ def test_cached_pieces_equal_one_call_and_the_state_rides_on_the_cache():
     # beam-style reordering follows the cache
     cache.reorder_cache(torch.tensor([1, 1]))
     assert torch.equal(memory.state_of(cache)[0].h[0], state[0].h[1])
+    cache.batch_repeat_interleave(2)  # (contrastive / assisted paths) followed too
+    assert memory.state_of(cache)[1].h.shape[0] == 4
+    cache.batch_select_indices(torch.tensor([0, 3]))
+    assert torch.equal(memory.state_of(cache)[1].pending, state[1].pending[[1, 1]])
     # cropping tokens cannot be followed: refused; crop(0) is fine
     cache.crop(0)
     with pytest.raises(RuntimeError, match="cannot be rolled back"):
@@ -272,6 +276,12 @@ def test_training_forwards_carry_nothing_unless_streaming(family):
     model.eval()               # evaluation never continues the training stream
     with torch.no_grad():
         assert torch.equal(model(long[:, 7:], use_cache=False).logits, fresh)
+        # and the same handle generates (old main: one handle could not serve both)
+        cached = model.generate(long[:1, :5], max_new_tokens=3, do_sample=False,
+                                pad_token_id=0)
+        uncached = model.generate(long[:1, :5], max_new_tokens=3, do_sample=False,
+                                  pad_token_id=0, use_cache=False)
+    assert torch.equal(cached, uncached)
 
 
 # --------------------------------------------------------------------------- save / load
