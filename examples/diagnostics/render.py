@@ -72,16 +72,19 @@ def markdown(name: str, result: dict) -> str:
 
 def _estimate_markdown(name: str, result: dict) -> str:
     """The cost estimate of the full-size sweep (``sweep --estimate``)."""
-    header = ["part", "model", "setting", "ms / step", "steps", "jobs", "CPU hours"]
+    header = ["part", "model", "setting", "CPU ms / step", "wall ms / step", "steps", "jobs",
+              "CPU hours"]
     rows = [[r["part"], r["model"], r["setting"], f"{r['ms_per_step']:,.0f}",
-             f"{r['steps']:,}", str(r["jobs"]), f"{r['cpu_hours']:.2f}"]
+             f"{r.get('wall_ms_per_step', 0):,.0f}", f"{r['steps']:,}", str(r["jobs"]),
+             f"{r['cpu_hours']:.2f}"]
             for r in result["rows"]]
     totals = ", ".join(f"{k} {v:.1f} h" for k, v in result["cpu_hours"].items())
     env = result.get("environment", {})
     load = result.get("load_average_at_start")
     head = (f"*Estimated cost of the full-size sweep ({result['scale']} scale, seeds "
-            f"{result['seeds']}): {result['timed_steps']} timed training steps per row and "
-            f"length after one warm-up, {env.get('threads', '?')} torch thread(s) on "
+            f"{result['seeds']}): {result['timed_steps']} timed training step(s) per row and "
+            f"length after one warm-up (CPU time of the timing process), "
+            f"{env.get('threads', '?')} torch thread(s) on "
             f"{env.get('cpu', 'an unrecorded CPU')}"
             + (f", load average {load:.1f} when timing began" if load is not None else "")
             + ". Evaluation is not counted.*")

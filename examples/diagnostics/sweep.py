@@ -20,8 +20,10 @@ results file records the scale, and each run its wall time and ms per training s
 
 ``sweep --estimate`` times ``--estimate-steps`` training steps (after one warm-up step)
 of every distinct (row, number of tokens) of the sweep, in this process at one thread,
-and writes ``<out>/sweep-estimate.json``: ms per step of each row and the CPU hours of
-each part (ms per step x steps x seeds x settings; evaluation not counted).
+and writes ``<out>/sweep-estimate.json``: the CPU ms per step of each row (this
+process's CPU time, which a loaded machine barely inflates; the wall ms is recorded too)
+and the CPU hours of each part (ms per step x steps x seeds x settings; evaluation not
+counted).
 """
 
 from __future__ import annotations
@@ -110,8 +112,10 @@ def _shapes(exp: Experiment) -> list[tuple[object, object, int]]:
     return [tuple(v) for v in seen.values()]
 
 
-def _time_steps(exp: Experiment, entry, group, steps: int) -> float:
-    """ms per training step of one row on one task group (after one warm-up step)."""
+def _time_steps(exp: Experiment, entry, group, steps: int) -> tuple[float, float]:
+    """``(CPU ms, wall ms)`` per training step of one row on one task group (after one
+    warm-up step). The CPU time of this process (one torch thread) is what a step costs a
+    core; the wall time also counts the waits on a machine shared with other work."""
     model_cfg = replace(exp.model, max_len=max(exp.model.max_len, group.max_len()))
     train, cfg = _apply_hparams(exp.train, replace(model_cfg, **entry.overrides), {})
     torch.manual_seed(0)
@@ -122,18 +126,19 @@ def _time_steps(exp: Experiment, entry, group, steps: int) -> float:
         model = build_model(entry.kind, group.in_features, group.n_classes, cfg, variant)
     opt = torch.optim.AdamW(model.parameters(), lr=train.lr, weight_decay=train.weight_decay)
     rng = np.random.default_rng(0)
-    elapsed = 0.0
+    cpu = wall = 0.0
     for step in range(steps + 1):
         x, y, m = to_tensors(group.batch(rng, train.batch_size, group.train_setting(rng)))
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         loss, _ = masked_loss(model(x), y, m)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), train.grad_clip)
         opt.step()
         if step:  # the first step warms up (allocations, kernel loading)
-            elapsed += time.perf_counter() - start
-    return 1000 * elapsed / steps
+            cpu += time.process_time() - start_cpu
+            wall += time.perf_counter() - start
+    return 1000 * cpu / steps, 1000 * wall / steps
 
 
 def estimate_sweep(out_dir: Path, *, parts: tuple[str, ...] | None = None,
@@ -156,16 +161,18 @@ def estimate_sweep(out_dir: Path, *, parts: tuple[str, ...] | None = None,
                    type(group).__name__)
             if key not in timed:
                 timed[key] = _time_steps(exp, entry, group, steps)
-            ms = timed[key]
+            ms, wall_ms = timed[key]
             n_steps = entry.train_overrides.get("steps", exp.train.steps)
             job_hours = ms * n_steps / 3.6e6
             hours += job_hours * settings * len(seeds)
             setting = group.label(group.eval_settings[0]).split(" noise")[0]
             rows.append({"part": part.name, "model": entry.label, "setting": setting,
-                         "ms_per_step": round(ms, 1), "steps": n_steps,
+                         "ms_per_step": round(ms, 1), "wall_ms_per_step": round(wall_ms, 1),
+                         "steps": n_steps,
                          "jobs": settings * len(seeds),
                          "cpu_hours": round(job_hours * settings * len(seeds), 2)})
-            console.print(f"  {part.name}: {entry.label} {setting}: {ms:,.0f} ms/step x "
+            console.print(f"  {part.name}: {entry.label} {setting}: {ms:,.0f} CPU ms/step "
+                          f"({wall_ms:,.0f} wall) x "
                           f"{n_steps} steps x {settings * len(seeds)} job(s) = "
                           f"{job_hours * settings * len(seeds):.2f} h")
         totals[part.name] = round(hours, 2)
