@@ -647,7 +647,13 @@ def _declare(lib: ctypes.CDLL) -> None:
         "gates_fwd": [ptr, ptr, ptr, ptr, i64, i64, i64],
         "gates_bwd": [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64],
     }
-    functions = [(getattr(lib, f"{k}_{s}"), k) for k in _KERNELS for s in ("f32", "f64")]
+    # the torch backend's fused CPU scan (float64 accumulators passed as pointers too)
+    argtypes["dw2_fwd"] = [ptr, i64, ptr, i64, i64, ptr, ptr, ptr, i64, i64, cint, shape]
+    argtypes["dw2_bwd"] = [ptr, i64, ptr, i64, i64, ptr, ptr, i64, ptr, i64, ptr, ptr, ptr,
+                           ptr, i64, i64, cint, shape]
+    argtypes["gates2_fwd"] = [ptr, ptr, ptr, ptr, ptr, i64, i64, i64]
+    argtypes["gates2_bwd"] = [ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64]
+    functions = [(getattr(lib, f"{k}_{s}"), k) for k in argtypes for s in ("f32", "f64")]
     for function, kernel in functions:  # all looked up first: a missing one changes nothing
         function.argtypes = argtypes[kernel]
         function.restype = cint  # 0, or nonzero when a scratch allocation failed

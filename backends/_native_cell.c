@@ -12,6 +12,18 @@
  *   gates_fwd z (B,4C,P), c (B,C,P) -> h', c' (i, f, o, g quarters of z).
  *   gates_bwd z, c, g_h, g_c -> dz (B,4C,P), dc: recomputes the gates.
  *
+ * and, for the torch backend's fused CPU scan, entries that read and write the
+ * halves of concat([x, h]) where they lie (no concatenated copy) and add the
+ * parameter gradients of a step into float64 accumulators:
+ *
+ *   dw2_fwd  input channels [0, Ca) from xa, the rest from xb, each part with its
+ *            own batch stride (elements); otherwise dw_fwd.
+ *   dw2_bwd  the same split for x and for dx; the tap / bias gradients are ADDED
+ *            to acc_taps (n,Cin,3) / acc_bias (n,Cin) (float64).
+ *   gates2_fwd / gates2_bwd  gates_fwd / gates_bwd with the pointwise bias zb (4C)
+ *            added to z in the kernel (NULL: none); gates2_bwd adds the bias
+ *            gradient sum_{b,p} dz to acc_zb (4C, float64; NULL: not wanted).
+ *
  * Every entry returns 0, or TM_ENOMEM when a scratch allocation failed (the
  * outputs are then undefined; the caller raises MemoryError). Callers check
  * shapes and contiguity before calling: the kernels trust them.
@@ -123,16 +135,65 @@ static void plane_geometry(const i64 *shape, int n, i64 *P, i64 *strides) {
     *P = s;
 }
 
+/* exp(x) for x <= 0 (NaN stays NaN): exp_f32 without the overflow side. */
+static inline float expneg_f32(float x) {
+    float small = -87.3365447504f;
+    float xc = x < small ? small : x;
+    float k = floorf(xc * 1.44269504088896341f + 0.5f);
+    float r = xc - k * 0.693359375f;
+    r = r + k * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    int32_t bits = ((int32_t)k + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    float result = p * scale;
+    return x < small ? 0.0f : result;
+}
+
+/* sigmoid(x) = num / den with e = exp(-|x|) in [0, 1]: no overflow, den in [1, 2]. */
+static inline void sigmoid_nd_f32(float x, float *num, float *den) {
+    float e = expneg_f32(-fabsf(x));
+    *num = x >= 0.0f ? 1.0f : e;  /* NaN: e is NaN */
+    *den = 1.0f + e;
+}
+
+/* tanh(x) = num / den: the odd polynomial of tanh_f32 below 0.625 (den 1), else
+ * sign(x) (1 - e) / (1 + e) with e = exp(-2|x|). */
+static inline void tanh_nd_f32(float x, float *num, float *den) {
+    float a = fabsf(x);
+    float z = x * x;
+    float p = -5.70498872745e-3f;
+    p = p * z + 2.06390887954e-2f;
+    p = p * z - 5.37397155531e-2f;
+    p = p * z + 1.33314422036e-1f;
+    p = p * z - 3.33332819422e-1f;
+    float small = x + x * z * p;
+    float e = expneg_f32(-2.0f * a);
+    int near0 = a < 0.625f;  /* NaN: false, and the large form is NaN */
+    *num = near0 ? small : copysignf(1.0f - e, x);
+    *den = near0 ? 1.0f : 1.0f + e;
+}
+
 #define TM_TEMPLATE
 #define T float
 #define NAME(x) x##_f32
 #define SIGMOID sigmoid_f32
 #define TANH tanh_f32
+#define TM_FRACTION_GATES
 #include __FILE__
 #undef T
 #undef NAME
 #undef SIGMOID
 #undef TANH
+#undef TM_FRACTION_GATES
+#undef TM_PLANE
+#undef TM_ZB
 #define T double
 #define NAME(x) x##_f64
 #define SIGMOID sigmoid_f64
@@ -232,8 +293,15 @@ static void NAME(pass_bwd)(const T *restrict x, const T *restrict g, T *restrict
     acc[3] += (double)ab + edge.bias;
 }
 
-int NAME(dw_fwd)(const T *x, T *y, const T *taps, const T *bias, i64 B, i64 Cin, int n,
-                 const i64 *shape) {
+/* Plane (b, ch) of an input split in two parts: channels [0, Ca) in xa, the others in
+ * xb, with batch strides xa_bs / xb_bs (elements). */
+#define TM_PLANE(xa, xa_bs, xb, xb_bs, Ca, P, b, ch) \
+    ((ch) < (Ca) ? (xa) + (b) * (xa_bs) + (ch) * (P) \
+                 : (xb) + (b) * (xb_bs) + ((ch) - (Ca)) * (P))
+
+static int NAME(dw_fwd_core)(const T *xa, i64 xa_bs, const T *xb, i64 xb_bs, i64 Ca, T *y,
+                             const T *taps, const T *bias, i64 B, i64 Cin, int n,
+                             const i64 *shape) {
     i64 P, strides[4];
     plane_geometry(shape, n, &P, strides);
     T *edges = NAME(edges)(shape, n);
@@ -245,8 +313,8 @@ int NAME(dw_fwd)(const T *x, T *y, const T *taps, const T *bias, i64 B, i64 Cin,
         if (!tm_team_alloc_failed(tmp, &failed)) {
 #pragma omp for schedule(static)
             for (i64 plane = 0; plane < B * Cin; ++plane) {
-                i64 ch = plane % Cin;
-                const T *src = x + plane * P;
+                i64 b = plane / Cin, ch = plane % Cin;
+                const T *src = TM_PLANE(xa, xa_bs, xb, xb_bs, Ca, P, b, ch);
                 T *out = y + plane * P;
                 /* ping-pong so that the last pass lands in out */
                 T *bufs[2] = {(n % 2) ? out : tmp, (n % 2) ? tmp : out};
@@ -265,10 +333,25 @@ int NAME(dw_fwd)(const T *x, T *y, const T *taps, const T *bias, i64 B, i64 Cin,
     return failed ? TM_ENOMEM : 0;
 }
 
+int NAME(dw_fwd)(const T *x, T *y, const T *taps, const T *bias, i64 B, i64 Cin, int n,
+                 const i64 *shape) {
+    i64 P, strides[4];
+    plane_geometry(shape, n, &P, strides);
+    return NAME(dw_fwd_core)(x, Cin * P, x, Cin * P, Cin, y, taps, bias, B, Cin, n, shape);
+}
+
+int NAME(dw2_fwd)(const T *xa, i64 xa_bs, const T *xb, i64 xb_bs, i64 Ca, T *y,
+                  const T *taps, const T *bias, i64 B, i64 Cin, int n, const i64 *shape) {
+    return NAME(dw_fwd_core)(xa, xa_bs, xb, xb_bs, Ca, y, taps, bias, B, Cin, n, shape);
+}
+
 /* Parallel over channels (each thread owns its channels' tap gradients); per plane
- * the stages 1..n-1 are recomputed into a scratch buffer, then undone in reverse. */
-int NAME(dw_bwd)(const T *x, const T *dy, T *dx, T *dtaps, T *dbias, const T *taps,
-                 const T *bias, i64 B, i64 Cin, int n, const i64 *shape) {
+ * the stages 1..n-1 are recomputed into a scratch buffer, then undone in reverse.
+ * The tap / bias gradients are added to acc_taps / acc_bias (float64). */
+static int NAME(dw_bwd_core)(const T *xa, i64 xa_bs, const T *xb, i64 xb_bs, i64 Ca,
+                             const T *dy, T *dxa, i64 dxa_bs, T *dxb, i64 dxb_bs,
+                             double *acc_taps, double *acc_bias, const T *taps,
+                             const T *bias, i64 B, i64 Cin, int n, const i64 *shape) {
     i64 P, strides[4];
     plane_geometry(shape, n, &P, strides);
     T *edges = NAME(edges)(shape, n);
@@ -283,7 +366,7 @@ int NAME(dw_bwd)(const T *x, const T *dy, T *dx, T *dtaps, T *dbias, const T *ta
                 double acc[4][4] = {{0}};
                 for (i64 b = 0; b < B; ++b) {
                     const T *stage[4];
-                    stage[0] = x + (b * Cin + ch) * P;
+                    stage[0] = TM_PLANE(xa, xa_bs, xb, xb_bs, Ca, P, b, ch);
                     for (int a = 1; a < n; ++a) {
                         T *dst = work + (size_t)(a - 1) * P;
                         NAME(pass_fwd)(stage[a - 1], dst, P, strides[a - 1],
@@ -294,9 +377,9 @@ int NAME(dw_bwd)(const T *x, const T *dy, T *dx, T *dtaps, T *dbias, const T *ta
                     }
                     T *g0 = work + (size_t)(n - 1) * P, *g1 = work + (size_t)n * P;
                     const T *grad = dy + (b * Cin + ch) * P;
+                    T *dx_plane = (T *)TM_PLANE(dxa, dxa_bs, dxb, dxb_bs, Ca, P, b, ch);
                     for (int a = n - 1; a >= 0; --a) {
-                        T *out = a == 0 ? dx + (b * Cin + ch) * P
-                                        : ((n - 1 - a) % 2 ? g1 : g0);
+                        T *out = a == 0 ? dx_plane : ((n - 1 - a) % 2 ? g1 : g0);
                         NAME(pass_bwd)(stage[a], grad, out, P, strides[a], edges + 2 * a * P,
                                        edges + (2 * a + 1) * P, taps + (a * Cin + ch) * 3,
                                        acc[a]);
@@ -304,8 +387,8 @@ int NAME(dw_bwd)(const T *x, const T *dy, T *dx, T *dtaps, T *dbias, const T *ta
                     }
                 }
                 for (int a = 0; a < n; ++a) {
-                    for (int k = 0; k < 3; ++k) dtaps[(a * Cin + ch) * 3 + k] = (T)acc[a][k];
-                    dbias[a * Cin + ch] = (T)acc[a][3];
+                    for (int k = 0; k < 3; ++k) acc_taps[(a * Cin + ch) * 3 + k] += acc[a][k];
+                    acc_bias[a * Cin + ch] += acc[a][3];
                 }
             }
         }
@@ -315,8 +398,32 @@ int NAME(dw_bwd)(const T *x, const T *dy, T *dx, T *dtaps, T *dbias, const T *ta
     return failed ? TM_ENOMEM : 0;
 }
 
-int NAME(gates_fwd)(const T *restrict z, const T *restrict c, T *restrict h_out,
-                    T *restrict c_out, i64 B, i64 C, i64 P) {
+int NAME(dw_bwd)(const T *x, const T *dy, T *dx, T *dtaps, T *dbias, const T *taps,
+                 const T *bias, i64 B, i64 Cin, int n, const i64 *shape) {
+    i64 P, strides[4];
+    plane_geometry(shape, n, &P, strides);
+    double *acc = (double *)calloc((size_t)(4 * n * Cin > 0 ? 4 * n * Cin : 1), sizeof(double));
+    if (acc == NULL) return TM_ENOMEM;
+    int status = NAME(dw_bwd_core)(x, Cin * P, x, Cin * P, Cin, dy, dx, Cin * P, dx, Cin * P,
+                                   acc, acc + 3 * n * Cin, taps, bias, B, Cin, n, shape);
+    for (i64 k = 0; k < 3 * n * Cin; ++k) dtaps[k] = (T)acc[k];
+    for (i64 k = 0; k < n * Cin; ++k) dbias[k] = (T)acc[3 * n * Cin + k];
+    free(acc);
+    return status;
+}
+
+int NAME(dw2_bwd)(const T *xa, i64 xa_bs, const T *xb, i64 xb_bs, i64 Ca, const T *dy,
+                  T *dxa, i64 dxa_bs, T *dxb, i64 dxb_bs, double *acc_taps, double *acc_bias,
+                  const T *taps, const T *bias, i64 B, i64 Cin, int n, const i64 *shape) {
+    return NAME(dw_bwd_core)(xa, xa_bs, xb, xb_bs, Ca, dy, dxa, dxa_bs, dxb, dxb_bs, acc_taps,
+                             acc_bias, taps, bias, B, Cin, n, shape);
+}
+
+/* The pointwise bias of quarter q (0: i, 1: f, 2: o, 3: g) of channel ch, or 0. */
+#define TM_ZB(zb, C, q, ch) ((zb) != NULL ? (zb)[(q) * (C) + (ch)] : (T)0)
+
+int NAME(gates2_fwd)(const T *restrict z, const T *restrict zb, const T *restrict c,
+                     T *restrict h_out, T *restrict c_out, i64 B, i64 C, i64 P) {
 #pragma omp parallel for schedule(static)
     for (i64 plane = 0; plane < B * C; ++plane) {
         i64 b = plane / C, ch = plane % C;
@@ -324,21 +431,46 @@ int NAME(gates_fwd)(const T *restrict z, const T *restrict c, T *restrict h_out,
         const T *zg = zo + C * P;
         const T *cp = c + plane * P;
         T *hp = h_out + plane * P, *cn = c_out + plane * P;
+        const T bi = TM_ZB(zb, C, 0, ch), bf = TM_ZB(zb, C, 1, ch);
+        const T bo = TM_ZB(zb, C, 2, ch), bg = TM_ZB(zb, C, 3, ch);
 #pragma omp simd
         for (i64 p = 0; p < P; ++p) {
-            T i = SIGMOID(zi[p]), f = SIGMOID(zf[p]), o = SIGMOID(zo[p]);
-            T g = TANH(zg[p]);
+#ifdef TM_FRACTION_GATES
+            /* each gate as numerator / denominator (denominators in [1, 2]), so that
+             * c' and h' take one division each instead of five in all */
+            T ni, di, nf, df, no, dO, ng, dg, nt, dt;
+            NAME(sigmoid_nd)(zi[p] + bi, &ni, &di);
+            NAME(sigmoid_nd)(zf[p] + bf, &nf, &df);
+            NAME(sigmoid_nd)(zo[p] + bo, &no, &dO);
+            NAME(tanh_nd)(zg[p] + bg, &ng, &dg);
+            T dig = di * dg;
+            T cnew = (nf * cp[p] * dig + ni * ng * df) / (df * dig);
+            cn[p] = cnew;
+            NAME(tanh_nd)(cnew, &nt, &dt);
+            hp[p] = (no * nt) / (dO * dt);
+#else
+            T i = SIGMOID(zi[p] + bi), f = SIGMOID(zf[p] + bf), o = SIGMOID(zo[p] + bo);
+            T g = TANH(zg[p] + bg);
             T cnew = f * cp[p] + i * g;
             cn[p] = cnew;
             hp[p] = o * TANH(cnew);
+#endif
         }
     }
     return 0;
 }
 
-int NAME(gates_bwd)(const T *restrict z, const T *restrict c, const T *restrict gh,
-                    const T *restrict gc, T *restrict dz, T *restrict dc, i64 B, i64 C,
-                    i64 P) {
+int NAME(gates_fwd)(const T *restrict z, const T *restrict c, T *restrict h_out,
+                    T *restrict c_out, i64 B, i64 C, i64 P) {
+    return NAME(gates2_fwd)(z, NULL, c, h_out, c_out, B, C, P);
+}
+
+int NAME(gates2_bwd)(const T *restrict z, const T *restrict zb, const T *restrict c,
+                     const T *restrict gh, const T *restrict gc, T *restrict dz,
+                     T *restrict dc, double *restrict acc_zb, i64 B, i64 C, i64 P) {
+    /* per-plane sums of dz (B, 4, C) for acc_zb, added in batch order after the loop */
+    double *sums = acc_zb != NULL ? (double *)tm_alloc(B * 4 * C, sizeof(double)) : NULL;
+    if (acc_zb != NULL && sums == NULL) return TM_ENOMEM;
 #pragma omp parallel for schedule(static)
     for (i64 plane = 0; plane < B * C; ++plane) {
         i64 b = plane / C, ch = plane % C;
@@ -347,10 +479,12 @@ int NAME(gates_bwd)(const T *restrict z, const T *restrict c, const T *restrict 
         T *di = dz + q, *df = di + C * P, *d_o = df + C * P, *dg = d_o + C * P;
         const T *cp = c + plane * P, *ghp = gh + plane * P, *gcp = gc + plane * P;
         T *dcp = dc + plane * P;
+        const T bi = TM_ZB(zb, C, 0, ch), bf = TM_ZB(zb, C, 1, ch);
+        const T bo = TM_ZB(zb, C, 2, ch), bg = TM_ZB(zb, C, 3, ch);
 #pragma omp simd
         for (i64 p = 0; p < P; ++p) {
-            T i = SIGMOID(zi[p]), f = SIGMOID(zf[p]), o = SIGMOID(zo[p]);
-            T g = TANH(zg[p]);
+            T i = SIGMOID(zi[p] + bi), f = SIGMOID(zf[p] + bf), o = SIGMOID(zo[p] + bo);
+            T g = TANH(zg[p] + bg);
             T cnew = f * cp[p] + i * g;
             T tc = TANH(cnew);
             T dcn = gcp[p] + ghp[p] * o * (1 - tc * tc);
@@ -360,8 +494,34 @@ int NAME(gates_bwd)(const T *restrict z, const T *restrict c, const T *restrict 
             dg[p] = dcn * i * (1 - g * g);
             dcp[p] = dcn * f;
         }
+        if (sums != NULL) {  /* a second pass over the rows just written (in cache) */
+            T si = 0, sf = 0, so = 0, sg = 0;
+#pragma omp simd reduction(+:si, sf, so, sg)
+            for (i64 p = 0; p < P; ++p) {
+                si += di[p];
+                sf += df[p];
+                so += d_o[p];
+                sg += dg[p];
+            }
+            double *row = sums + b * 4 * C + ch;
+            row[0] = si;
+            row[C] = sf;
+            row[2 * C] = so;
+            row[3 * C] = sg;
+        }
+    }
+    if (sums != NULL) {
+        for (i64 b = 0; b < B; ++b)
+            for (i64 k = 0; k < 4 * C; ++k) acc_zb[k] += sums[b * 4 * C + k];
+        free(sums);
     }
     return 0;
+}
+
+int NAME(gates_bwd)(const T *restrict z, const T *restrict c, const T *restrict gh,
+                    const T *restrict gc, T *restrict dz, T *restrict dc, i64 B, i64 C,
+                    i64 P) {
+    return NAME(gates2_bwd)(z, NULL, c, gh, gc, dz, dc, NULL, B, C, P);
 }
 
 #endif /* TM_TEMPLATE */
