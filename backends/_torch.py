@@ -520,13 +520,308 @@ def gates_bwd(xp: Any, residuals: tuple, g_h: torch.Tensor, g_c: torch.Tensor):
     return d_z, d_c_new * f
 
 
+# ------------------------------------------------------------- the fused CPU scan --
+#
+# On the CPU, where the fused kernels run, the whole scan loop lives here instead of in
+# tmcore.scan's generic loop (same arguments, results and checkpoint layout; it declines
+# with None elsewhere). Per step it makes no concatenated copy of [x, h] (the kernels
+# read the written volume and h where they lie), no bias copy (the gate kernels add the
+# pointwise bias), writes the new state straight into its checkpoint slot, and adds the
+# parameter gradients into float64 accumulators (the pointwise weight's into a (B, 4C,
+# 2C) buffer by an in-place baddbmm) instead of allocating and summing them per step.
+
+#: Steps whose write volumes are made, and differentiated, in one splat call.
+_WRITE_BLOCK = 16
+
+
+def _check_scan_shapes(h: torch.Tensor, read_coords: torch.Tensor, params: ConvParams,
+                       arrays: dict[str, tuple[torch.Tensor, tuple[int, ...], str]]) -> None:
+    """The shapes the fused scan's kernels index by (``ValueError`` naming the argument)."""
+    _check_state("h0", h)
+    batch, channels, *spatial = h.shape
+    n = len(spatial)
+    if read_coords.ndim != 3 or tuple(read_coords.shape[::2]) != (batch, n):
+        raise ValueError(f"read_coords: expected shape (B, T, n) = ({batch}, T, {n}), got "
+                         f"{tuple(read_coords.shape)}")
+    steps = read_coords.shape[1]
+    for name, (t, shape, layout) in arrays.items():
+        shape = tuple(steps if d == -1 else d for d in shape)
+        _expect_shape(name, t, shape, layout)
+    for name, t, shape, layout in (
+            ("params.depthwise_weight", params.depthwise_weight, (n, 2 * channels, 3),
+             "(n, 2C, 3)"),
+            ("params.depthwise_bias", params.depthwise_bias, (n, 2 * channels), "(n, 2C)"),
+            ("params.pointwise_weight", params.pointwise_weight, (4 * channels, 2 * channels),
+             "(4C, 2C)"),
+            ("params.pointwise_bias", params.pointwise_bias, (4 * channels,), "(4C,)")):
+        _expect_shape(name, t, shape, layout)
+
+
+def _scan_shapes(h: torch.Tensor) -> dict[str, tuple[tuple[int, ...], str]]:
+    batch, channels = h.shape[:2]
+    n = h.ndim - 2
+    return {"write_coords": ((batch, -1, n), "(B, T, n)"),
+            "write_sigma": ((batch, -1), "(B, T)"),
+            "write_content": ((batch, -1, channels), "(B, T, C)")}
+
+
+class _BlockWrites:
+    """The scan's write volumes, a block of steps per splat call, and their VJP.
+
+    :meth:`volume` gives step ``t``'s volume ``(B, C, *S)`` as a view into its block
+    ``(B, L, C, *S)`` with the block's batch stride (the two most recent blocks are
+    kept). :meth:`grad_slot` gives where step ``t``'s volume gradient goes (a view of
+    the block's gradient buffer); :meth:`grad_done` runs the block's splat VJP once
+    its first step's gradient is in (the backward runs in reverse).
+    """
+
+    def __init__(self, splat_fwd, splat_bwd, xp: Any, write_coords: torch.Tensor,
+                 write_sigma: torch.Tensor, write_content: torch.Tensor,
+                 shape: tuple[int, ...], eps: float, radius: float | None) -> None:
+        self.splat_fwd, self.splat_bwd, self.xp = splat_fwd, splat_bwd, xp
+        self.coords, self.sigma, self.content = write_coords, write_sigma, write_content
+        self.shape, self.eps, self.radius = shape, eps, radius
+        self.batch, self.steps = write_coords.shape[:2]
+        self.volumes: dict[int, torch.Tensor] = {}
+        self.grads: dict[int, torch.Tensor] = {}
+        self.d_coords = self.d_sigma = self.d_content = None
+
+    def _span(self, index: int) -> tuple[int, int]:
+        return index * _WRITE_BLOCK, min((index + 1) * _WRITE_BLOCK, self.steps)
+
+    def _inputs(self, index: int):
+        start, stop = self._span(index)
+        rows = self.batch * (stop - start)
+        return (self.content[:, start:stop].reshape(rows, 1, self.content.shape[2]),
+                self.coords[:, start:stop].reshape(rows, 1, self.coords.shape[2]),
+                self.sigma[:, start:stop].reshape(rows, 1))
+
+    def volume(self, t: int) -> torch.Tensor:
+        index = t // _WRITE_BLOCK
+        block = self.volumes.get(index)
+        if block is None:
+            if len(self.volumes) >= 2:
+                self.volumes.pop(next(iter(self.volumes)))
+            start, stop = self._span(index)
+            written = self.splat_fwd(self.xp, *self._inputs(index), self.shape, self.eps,
+                                     self.radius)
+            block = self.volumes[index] = _plain(written).reshape(
+                self.batch, stop - start, *written.shape[1:])
+        return block[:, t - index * _WRITE_BLOCK]
+
+    def grad_slot(self, t: int, like: torch.Tensor) -> torch.Tensor:
+        index = t // _WRITE_BLOCK
+        block = self.grads.get(index)
+        if block is None:
+            start, stop = self._span(index)
+            block = self.grads[index] = torch.empty(
+                (self.batch, stop - start, *like.shape[1:]), dtype=like.dtype)
+        return block[:, t - index * _WRITE_BLOCK]
+
+    def grad_done(self, t: int) -> None:
+        index = t // _WRITE_BLOCK
+        start, stop = self._span(index)
+        if t != start:
+            return
+        if self.d_coords is None:
+            self.d_coords = torch.empty_like(self.coords)
+            self.d_sigma = torch.empty_like(self.sigma)
+            self.d_content = torch.empty_like(self.content)
+        block = self.grads.pop(index)
+        g_rows = block.reshape(self.batch * (stop - start), *block.shape[2:])
+        d_content, d_mu, d_sigma = self.splat_bwd(self.xp, *self._inputs(index), self.shape,
+                                                  g_rows, self.eps, self.radius)
+        length = stop - start
+        self.d_coords[:, start:stop] = d_mu.reshape(self.batch, length, -1)
+        self.d_sigma[:, start:stop] = d_sigma.reshape(self.batch, length)
+        self.d_content[:, start:stop] = d_content.reshape(self.batch, length, -1)
+        self.volumes.pop(index, None)
+
+
+class _CpuCell:
+    """The fused kernels of one scan: shapes, parameters as plain memory, scratch."""
+
+    def __init__(self, kernels, state: torch.Tensor, params: ConvParams) -> None:
+        self.lib, self.suffix = kernels
+        self.batch, self.channels, *spatial = state.shape
+        self.spatial = tuple(spatial)
+        self.cells = math.prod(self.spatial)
+        self.dtype = state.dtype
+        self.shape_arg = _shape_arg(self.spatial)
+        self.taps = _plain(params.depthwise_weight)
+        self.biases = _plain(params.depthwise_bias)
+        self.weight = _plain(params.pointwise_weight)
+        self.zb = _plain(params.pointwise_bias)
+        b, c, p = self.batch, self.channels, self.cells
+        self.y = torch.empty((b, 2 * c, p), dtype=self.dtype)
+        self.z = torch.empty((b, 4 * c, p), dtype=self.dtype)
+        self.w_expanded = self.weight.expand(b, 4 * c, 2 * c)
+
+    def new_state(self) -> torch.Tensor:
+        return torch.empty((self.batch, self.channels, *self.spatial), dtype=self.dtype)
+
+    def pre_activations(self, x: torch.Tensor, h: torch.Tensor) -> None:
+        """``self.z = W dw(concat([x, h]))`` (no bias) and ``self.y = dw(...)``; ``x`` may
+        be a batch-strided view, ``h`` is contiguous."""
+        c, p = self.channels, self.cells
+        _call(self.lib, "dw2_fwd", self.suffix, _ptr(x), x.stride(0), _ptr(h), c * p, c,
+              _ptr(self.y), _ptr(self.taps), _ptr(self.biases), self.batch, 2 * c,
+              len(self.spatial), self.shape_arg)
+        torch.bmm(self.w_expanded, self.y, out=self.z)
+
+    def step(self, x: torch.Tensor, h: torch.Tensor, c: torch.Tensor, h_out: torch.Tensor,
+             c_out: torch.Tensor) -> None:
+        self.pre_activations(x, h)
+        _call(self.lib, "gates2_fwd", self.suffix, _ptr(self.z), _ptr(self.zb), _ptr(c),
+              _ptr(h_out), _ptr(c_out), self.batch, self.channels, self.cells)
+
+
+def _pick(buffers: list[torch.Tensor], busy: torch.Tensor) -> torch.Tensor:
+    return buffers[1] if buffers[0] is busy else buffers[0]
+
+
+def _cpu_scan_kernels(options: Options, *tensors: torch.Tensor):
+    if options.depthwise != "auto":  # a forced depthwise kernel: the per-step ops
+        return None
+    kernels = _native_kernels(*tensors)
+    if kernels is None or not 3 <= tensors[0].ndim <= 6:
+        return None
+    return kernels
+
+
+def _make_cpu_scan(generic: Ops, options: Options, sample_fwd, sample_bwd):
+    """``(scan_fwd, scan_bwd)``: the fused CPU scan, else the Triton one (each may
+    decline with ``None``; the generic loop of :mod:`tmcore.scan` then runs)."""
+
+    def scan_fwd(xp, h0, c0, read_coords, write_coords, write_sigma, write_content, params,
+                 eps, radius, checkpoint_every):
+        params = ConvParams(*params)
+        kernels = _cpu_scan_kernels(options, h0, c0, read_coords, write_coords, write_sigma,
+                                    write_content, *params)
+        if kernels is None:
+            return _triton.scan_fwd(xp, h0, c0, read_coords, write_coords, write_sigma,
+                                    write_content, params, eps, radius, checkpoint_every)
+        shapes = _scan_shapes(h0)
+        _check_scan_shapes(h0, read_coords, params, {
+            "c0": (c0, tuple(h0.shape), "(B, C, *S) like h0"),
+            **{k: (v, *shapes[k]) for k, v in (("write_coords", write_coords),
+                                               ("write_sigma", write_sigma),
+                                               ("write_content", write_content))}})
+        cell = _CpuCell(kernels, h0, params)
+        steps = read_coords.shape[1]
+        saved = -(-steps // checkpoint_every)
+        h_ck = torch.empty((saved, *h0.shape), dtype=h0.dtype)
+        c_ck = torch.empty((saved, *h0.shape), dtype=h0.dtype)
+        h_ck[0], c_ck[0] = h0, c0
+        reads = torch.empty((cell.batch, steps, cell.channels), dtype=h0.dtype)
+        writes = _BlockWrites(generic.splat_fwd, generic.splat_bwd, xp, write_coords,
+                              write_sigma, write_content, cell.spatial, eps, radius)
+        work_h = [cell.new_state(), cell.new_state()] if checkpoint_every > 1 else None
+        work_c = [cell.new_state(), cell.new_state()] if checkpoint_every > 1 else None
+        h, c = h_ck[0], c_ck[0]
+        for t in range(steps):
+            reads[:, t] = sample_fwd(xp, h, read_coords[:, t : t + 1])[:, 0]
+            if t == steps - 1:
+                h_new, c_new = cell.new_state(), cell.new_state()
+            elif (t + 1) % checkpoint_every == 0:
+                h_new, c_new = h_ck[(t + 1) // checkpoint_every], c_ck[(t + 1) // checkpoint_every]
+            else:
+                h_new, c_new = _pick(work_h, h), _pick(work_c, c)
+            cell.step(writes.volume(t), h, c, h_new, c_new)
+            h, c = h_new, c_new
+        return reads, h, c, h_ck, c_ck
+
+    def scan_bwd(xp, read_coords, write_coords, write_sigma, write_content, params,
+                 h_checkpoints, c_checkpoints, g_reads, g_h, g_c, eps, radius,
+                 checkpoint_every):
+        from tmcore.scan import ScanGrads
+
+        params = ConvParams(*params)
+        kernels = _cpu_scan_kernels(options, g_h, g_c, g_reads, h_checkpoints, c_checkpoints,
+                                    read_coords, write_coords, write_sigma, write_content,
+                                    *params)
+        if kernels is None:
+            return _triton.scan_bwd(xp, read_coords, write_coords, write_sigma, write_content,
+                                    params, h_checkpoints, c_checkpoints, g_reads, g_h, g_c,
+                                    eps, radius, checkpoint_every)
+        steps = read_coords.shape[1]
+        saved = -(-steps // checkpoint_every)
+        shapes = _scan_shapes(g_h)
+        batch, channels = g_h.shape[:2]
+        _check_scan_shapes(g_h, read_coords, params, {
+            "g_c": (g_c, tuple(g_h.shape), "(B, C, *S) like g_h"),
+            "g_reads": (g_reads, (batch, steps, channels), "(B, T, C)"),
+            "h_checkpoints": (h_checkpoints, (saved, *g_h.shape),
+                              "(ceil(T / checkpoint_every), B, C, *S)"),
+            "c_checkpoints": (c_checkpoints, (saved, *g_h.shape),
+                              "(ceil(T / checkpoint_every), B, C, *S)"),
+            **{k: (v, *shapes[k]) for k, v in (("write_coords", write_coords),
+                                               ("write_sigma", write_sigma),
+                                               ("write_content", write_content))}})
+        cell = _CpuCell(kernels, g_h, params)
+        h_checkpoints, c_checkpoints = _plain(h_checkpoints), _plain(c_checkpoints)
+        b, c_, p, n = cell.batch, cell.channels, cell.cells, len(cell.spatial)
+        f64 = torch.float64
+        acc_taps = torch.zeros((n, 2 * c_, 3), dtype=f64)
+        acc_biases = torch.zeros((n, 2 * c_), dtype=f64)
+        acc_zb = torch.zeros((4 * c_,), dtype=f64)
+        d_weight = torch.zeros((b, 4 * c_, 2 * c_), dtype=cell.dtype)
+        d_z = torch.empty((b, 4 * c_, p), dtype=cell.dtype)
+        d_y = torch.empty((b, 2 * c_, p), dtype=cell.dtype)
+        w_t = cell.weight.T.expand(b, 2 * c_, 4 * c_)
+        d_read_coords = torch.empty_like(read_coords)
+        writes = _BlockWrites(generic.splat_fwd, generic.splat_bwd, xp, write_coords,
+                              write_sigma, write_content, cell.spatial, eps, radius)
+        bufs_h = [cell.new_state(), cell.new_state()]
+        bufs_c = [cell.new_state(), cell.new_state()]
+        g_h, g_c = _plain(g_h), _plain(g_c)
+        replay = [cell.new_state() for _ in range(2 * (min(checkpoint_every, steps) - 1))]
+        lib, suffix = kernels
+        for segment in reversed(range(saved)):
+            start = segment * checkpoint_every
+            stop = min(start + checkpoint_every, steps)
+            states = [(h_checkpoints[segment], c_checkpoints[segment])]
+            for t in range(start, stop - 1):  # replay the segment from its checkpoint
+                k = 2 * (t - start)
+                cell.step(writes.volume(t), *states[-1], replay[k], replay[k + 1])
+                states.append((replay[k], replay[k + 1]))
+            for t in reversed(range(start, stop)):
+                h, c = states[t - start]
+                x = writes.volume(t)
+                cell.pre_activations(x, h)
+                g_c_new = _pick(bufs_c, g_c)
+                _call(lib, "gates2_bwd", suffix, _ptr(cell.z), _ptr(cell.zb), _ptr(c),
+                      _ptr(g_h), _ptr(g_c), _ptr(d_z), _ptr(g_c_new), _ptr(acc_zb), b, c_, p)
+                d_weight.baddbmm_(d_z, cell.y.transpose(1, 2))
+                torch.bmm(w_t, d_z, out=d_y)
+                g_h_new = _pick(bufs_h, g_h)
+                d_x = writes.grad_slot(t, g_h)
+                _call(lib, "dw2_bwd", suffix, _ptr(x), x.stride(0), _ptr(h), c_ * p, c_,
+                      _ptr(d_y), _ptr(d_x), d_x.stride(0), _ptr(g_h_new), c_ * p,
+                      _ptr(acc_taps), _ptr(acc_biases), _ptr(cell.taps), _ptr(cell.biases), b,
+                      2 * c_, n, cell.shape_arg)
+                d_h_read, d_coords = sample_bwd(xp, h, read_coords[:, t : t + 1],
+                                                g_reads[:, t : t + 1])
+                g_h_new.add_(d_h_read)
+                d_read_coords[:, t] = d_coords[:, 0]
+                writes.grad_done(t)
+                g_h, g_c = g_h_new, g_c_new
+        d_params = ConvParams(acc_taps.to(cell.dtype), acc_biases.to(cell.dtype),
+                              d_weight.sum(0), acc_zb.to(cell.dtype))
+        return ScanGrads(g_h, g_c, d_read_coords, writes.d_coords, writes.d_sigma,
+                         writes.d_content, d_params)
+
+    return scan_fwd, scan_bwd
+
+
 def make_ops(generic: Ops, options: Options) -> Ops:
     """The torch table: fast read, conv and gates, generic splat, float32 compute for
     halves; the depthwise kernel is ``options.depthwise`` (tables are cached per options)."""
     sample_fwd, sample_bwd = _make_sample(generic)
     conv = functools.partial(conv_fwd, kernel=options.depthwise)
     conv_vjp = functools.partial(conv_bwd, kernel=options.depthwise)
+    scan_fwd, scan_bwd = _make_cpu_scan(generic, options, sample_fwd, sample_bwd)
     fast = Ops(sample_fwd, sample_bwd, generic.splat_fwd, generic.splat_bwd, conv, conv_vjp,
                gates_fwd, gates_bwd, gates_residuals, workspace,
-               _triton.scan_fwd, _triton.scan_bwd)  # fused scan (declines where it can't run)
+               scan_fwd, scan_bwd)  # fused scans: CPU kernels or Triton (each may decline)
     return with_float32_compute(fast)
