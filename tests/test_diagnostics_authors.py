@@ -199,3 +199,25 @@ def test_sweep_parts_and_estimate(tmp_path):
     assert {r["model"] for r in est["rows"]} >= {"transformer", "tensor_memory (causal)"}
     assert est["cpu_hours_total"] >= 0 and all(r["ms_per_step"] > 0 for r in est["rows"])
     assert "CPU hours by part" in markdown("sweep-estimate", est)
+
+
+def test_collapse_verdict_names_the_smallest_budget_beyond_the_seed_spread():
+    from examples.diagnostics.report import collapse_verdict
+
+    def row(model, setting, seeds):
+        return {"model": model, "setting": setting, "seeds": seeds, "reset": []}
+
+    result = {"config": {"task": {"budgets": [500, 2000]}}, "settings": ["W=20", "W=50"],
+              "rows": [row("transformer, 500 steps", "W=20", [50.0, 52.0, 54.0]),
+                       row("tensor_memory, 500 steps", "W=20", [51.0, 53.0, 55.0]),
+                       row("transformer, 2000 steps", "W=20", [60.0, 61.0, 62.0]),
+                       row("tensor_memory, 2000 steps", "W=20", [70.0, 71.0, 72.0]),
+                       row("transformer, 500 steps", "W=50", [10.0, 30.0, 50.0]),
+                       row("tensor_memory, 500 steps", "W=50", [40.0, 40.0, 40.0]),
+                       row("transformer, 2000 steps", "W=50", [90.0, 90.0, 90.0]),
+                       row("tensor_memory, 2000 steps", "W=50", [80.0, 80.0, 80.0])]}
+    lines = collapse_verdict(result)
+    assert lines[0].startswith("W=20: Tensor Memory ahead") and "2000 steps (+10.0" in lines[0]
+    assert lines[1].startswith("W=50: Tensor Memory is never ahead")  # +10 < spread 20
+    assert lines[2] == "smallest such setting: W=20 at 2000 steps"
+    assert collapse_verdict({"config": {"task": {}}, "rows": [], "settings": []}) == []

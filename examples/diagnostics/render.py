@@ -19,7 +19,13 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from examples.diagnostics.report import cost_table, gate_reach, table, title
+from examples.diagnostics.report import (
+    collapse_verdict,
+    cost_table,
+    gate_reach,
+    table,
+    title,
+)
 from examples.diagnostics.results import RESULTS_DIR, load_results
 from examples.reporting import md_table
 
@@ -60,6 +66,9 @@ def markdown(name: str, result: dict) -> str:
         reach = gate_reach(result["config"]["train"])
         parts[-1] += (f" A gate logit can move at most about ±{reach:.1f} from its initial 0 "
                       f"in this schedule (Adam: ≤ ~lr per step).")
+    verdict = collapse_verdict(result)
+    if verdict:
+        parts.append("Collapse sweep, per number of writes: " + "; ".join(verdict) + ".")
     cost = cost_table(result)
     if cost is not None:
         env = result.get("environment", {})

@@ -30,8 +30,8 @@ from rich.table import Table  # noqa: E402
 
 from examples import reporting  # noqa: E402
 
-__all__ = ["table", "title", "cost_table", "print_table", "print_tuning", "plot_results",
-           "USE_MARGIN", "mean_std", "gate_reach"]
+__all__ = ["table", "title", "cost_table", "collapse_verdict", "print_table", "print_tuning",
+           "plot_results", "USE_MARGIN", "mean_std", "gate_reach"]
 
 USE_MARGIN = 5.0
 
@@ -145,6 +145,40 @@ def cost_table(result: dict) -> tuple[list[str], list[list[str]]] | None:
             ratios.append(f"{a / b:.1f}x" if a and b else "-")
         rows.append([f"ratio {model} / {base}", *ratios, ""])
     return header, rows
+
+
+def collapse_verdict(result: dict) -> list[str]:
+    """The collapse sweep's answer (a results file whose task config has ``budgets``):
+    per number of writes, the smallest training budget at which the mean of the
+    ``tensor_memory, <b> steps`` row exceeds the ``transformer, <b> steps`` row's by more
+    than the larger of the two seed spreads (sample std; needs >= 2 seeds in both), then
+    the smallest such setting overall. Empty for other results files."""
+    budgets = result.get("config", {}).get("task", {}).get("budgets")
+    if not budgets:
+        return []
+    by = {(r["model"], r["setting"]): r["seeds"] for r in result["rows"]}
+    lines, first = [], None
+    for setting in result["settings"]:
+        found = None
+        for budget in sorted(budgets):
+            tm = by.get((f"tensor_memory, {budget} steps", setting), [])
+            tf = by.get((f"transformer, {budget} steps", setting), [])
+            if len(tm) < 2 or len(tf) < 2:
+                continue
+            gap = statistics.fmean(tm) - statistics.fmean(tf)
+            if gap > max(statistics.stdev(tm), statistics.stdev(tf)):
+                found = (budget, gap)
+                break
+        if found is None:
+            lines.append(f"{setting}: Tensor Memory is never ahead by more than the seed "
+                         f"spread at these budgets")
+        else:
+            lines.append(f"{setting}: Tensor Memory ahead by more than the seed spread first "
+                         f"at {found[0]} steps (+{found[1]:.1f} points)")
+            first = first or (setting, found[0])
+    lines.append("smallest such setting: " + (f"{first[0]} at {first[1]} steps" if first
+                                                else "none"))
+    return lines
 
 
 def print_table(result: dict, console: Console | None = None) -> Table:
