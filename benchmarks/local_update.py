@@ -10,10 +10,13 @@ fixed window (``w = 4`` cells per axis, so the box is 6^3 at every grid), B = 4,
 - ``local (copy)``: ``tmcore.local_update`` (fast path), which returns a new state and so
   copies it once per call (a memory copy of ``2 B C prod(S)`` floats, no arithmetic).
 
-Each grid is measured in a fresh process (``run_isolated``): time per step is the
-minimum over repetitions after a warm-up (the median is kept too); peak memory is the
-growth of the resident set's high-water mark over the step (``peak_rss_growth``), the
-state itself allocated before. Writes ``benchmarks/results/local_update.json``
+Each grid is measured in a fresh process (``run_isolated``); peak memory is, per method,
+the growth of the resident set's high-water mark over one step after a warm-up
+(``peak_rss_growth``), the state itself allocated before. Time per step is the minimum
+over repetitions after a warm-up (the median is kept too): ``dense`` and ``local (copy)``
+in those processes, ``local`` (a few ms) in one process over all grids in turn, so that
+the load of a shared machine falls on every grid alike. Writes
+``benchmarks/results/local_update.json``
 (``command``, ``commit``, ``machine``, ``config``, ``rows``) and
 ``benchmarks/results/local_update.md`` (the table)::
 
@@ -32,6 +35,9 @@ import time
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 METHODS = ("dense", "local", "local (copy)")
+#: timed in one process over all grids in turn (cheap steps, where a busy machine's noise
+#: would otherwise decide the ratio between grids); the others each in a process per grid
+INTERLEAVED = ("local",)
 
 __all__ = ["measure", "table", "main"]
 
@@ -68,17 +74,13 @@ def _timed(fn, min_seconds: float, max_reps: int) -> dict:
             "reps": len(times)}
 
 
-def measure(method: str, grid: int, batch: int, channels: int, window: int,
-            min_seconds: float) -> dict:
-    """One method at one grid, in this process: ``{"ms_min", "ms_median", "reps",
-    "peak_rss_growth_bytes"}``."""
+def _step(method: str, grid: int, batch: int, channels: int, window: int):
+    """The chunk step of ``method`` at ``grid`` as a closure over fresh inputs."""
     import torch
 
     import tmcore
-    from benchmarks.common import peak_rss_growth
     from tmcore.scan import StepInputs, step_fwd
 
-    torch.set_num_threads(1)
     h, c, read, write, sigma, content, params = _inputs(torch, batch, channels, grid)
     xp = tmcore._validate.namespace_of(h=h)
     if method == "dense":
@@ -96,10 +98,51 @@ def measure(method: str, grid: int, batch: int, channels: int, window: int,
     else:
         def step():
             return tmcore.local_update(h, c, write, sigma, content, params, window=window)
+    return step
+
+
+def measure(method: str, grid: int, batch: int, channels: int, window: int,
+            min_seconds: float, timing: bool = True) -> dict:
+    """One method at one grid, in this process: ``{"ms_min", "ms_median", "reps",
+    "peak_rss_growth_bytes"}`` (without the timing keys when ``timing`` is false)."""
+    import torch
+
+    from benchmarks.common import peak_rss_growth
+
+    torch.set_num_threads(1)
+    step = _step(method, grid, batch, channels, window)
     with torch.no_grad():
-        row = _timed(step, min_seconds, 200)
+        row = _timed(step, min_seconds, 200) if timing else {}
+        step()  # warm-up before the memory measurement
         row["peak_rss_growth_bytes"] = peak_rss_growth(step)
     return row
+
+
+def measure_interleaved(method: str, grids: list[int], batch: int, channels: int,
+                        window: int, min_seconds: float) -> dict:
+    """Time ``method`` at every grid in one process, one step per grid in turn, so that
+    a busy machine slows every grid alike; ``{grid: {"ms_min", "ms_median", "reps"}}``."""
+    import torch
+
+    torch.set_num_threads(1)
+    steps = {g: _step(method, g, batch, channels, window) for g in grids}
+    times: dict[int, list[float]] = {g: [] for g in grids}
+    with torch.no_grad():
+        for step in steps.values():
+            step()
+        start = time.perf_counter()
+        while (min(len(t) for t in times.values()) < 3
+               or time.perf_counter() - start < min_seconds * len(grids)) \
+                and len(times[grids[0]]) < 1000:
+            for g, step in steps.items():
+                t0 = time.perf_counter()
+                step()
+                times[g].append(time.perf_counter() - t0)
+    out = {}
+    for g, t in times.items():
+        t.sort()
+        out[g] = {"ms_min": 1e3 * t[0], "ms_median": 1e3 * t[len(t) // 2], "reps": len(t)}
+    return out
 
 
 def table(result: dict) -> str:
@@ -150,7 +193,8 @@ def parser() -> argparse.ArgumentParser:
                    help="time spent repeating each method at each grid (at least 3 reps)")
     p.add_argument("--tiny", action="store_true", help="seconds: small sizes, no files")
     p.add_argument("--out", default=RESULTS)
-    p.add_argument("--one", nargs=2, metavar=("METHOD", "GRID"), help=argparse.SUPPRESS)
+    p.add_argument("--one", metavar="GRID", help=argparse.SUPPRESS)
+    p.add_argument("--interleaved", metavar="METHOD", help=argparse.SUPPRESS)
     return p
 
 
@@ -159,27 +203,41 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser().parse_args(argv)
     if args.tiny:
         args.grids, args.batch, args.channels, args.min_seconds = [6, 10], 1, 2, 0.05
+    names = {m.replace(" ", "_"): m for m in METHODS}
     if args.one:
-        method = {m.replace(" ", "_"): m for m in METHODS}[args.one[0]]
-        row = measure(method, int(args.one[1]), args.batch, args.channels, args.window,
-                      args.min_seconds)
-        print(json.dumps(row))
-        return row
+        got = {method: measure(method, int(args.one), args.batch, args.channels, args.window,
+                               args.min_seconds, timing=method not in INTERLEAVED)
+               for method in METHODS}
+        print(json.dumps(got))
+        return got
+    if args.interleaved:
+        got = measure_interleaved(names[args.interleaved], args.grids, args.batch,
+                                  args.channels, args.window, args.min_seconds)
+        print(json.dumps({str(g): v for g, v in got.items()}))
+        return got
     from benchmarks.common import machine_line, run_isolated
 
     os.environ["OMP_NUM_THREADS"] = "1"  # the measuring processes inherit it
     base = [a for a in argv if a != "--tiny"] if not args.tiny else argv
     rows = []
     for grid in args.grids:
+        got = run_isolated("benchmarks.local_update", [*base, "--one", str(grid)])
         for method in METHODS:
-            got = run_isolated("benchmarks.local_update",
-                               [*base, "--one", method.replace(" ", "_"), str(grid)])
-            rows.append({"method": method, "grid": grid, **got})
+            rows.append({"method": method, "grid": grid,
+                         **got.get(method, {"error": got.get("error")})})
             print(json.dumps(rows[-1]), file=sys.stderr)
+    for method in INTERLEAVED:
+        got = run_isolated("benchmarks.local_update",
+                           [*base, "--interleaved", method.replace(" ", "_")])
+        for row in rows:
+            if row["method"] == method:
+                row.update(got.get(str(row["grid"]), {"error": got.get("error")}))
+        print(json.dumps(got), file=sys.stderr)
     config = {"grids": args.grids, "batch": args.batch, "channels": args.channels,
               "window": args.window, "box": args.window + 2, "spatial_rank": 3,
               "dtype": "float32", "threads": 1, "framework": "torch (CPU)",
-              "min_seconds": args.min_seconds, "sigma": "one cell", "radius": None}
+              "min_seconds": args.min_seconds, "interleaved": list(INTERLEAVED),
+              "sigma": "one cell", "radius": None}
     result = {"command": " ".join(["python -m benchmarks.local_update", *argv]),
               "commit": _commit(), "machine": machine_line(), "config": config, "rows": rows}
     text = table(result)

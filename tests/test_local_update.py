@@ -327,3 +327,18 @@ def test_errors_name_the_argument():
     with pytest.raises(ValueError, match="method"):
         tmcore.local_memory_scan(*_scan_args(scan), window=2, method="dense")
 
+
+
+def test_benchmark_measures_and_renders_a_tiny_grid():
+    """benchmarks/local_update.py at a tiny size, in this process (no timing asserted)."""
+    pytest.importorskip("torch", reason="the benchmark needs torch")
+    from benchmarks import local_update as bench
+
+    rows = []
+    for grid in (4, 6):
+        for method in bench.METHODS:
+            row = bench.measure(method, grid, batch=1, channels=2, window=2, min_seconds=0.01)
+            assert row["ms_min"] > 0 and row["reps"] >= 3
+            rows.append({"method": method, "grid": grid, **row})
+    text = bench.table({"config": {"grids": [4, 6]}, "rows": rows})
+    assert "| dense / local |" in text and "6^3 / 4^3" in text and "MiB" in text
