@@ -651,6 +651,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     argtypes["dw2_fwd"] = [ptr, i64, ptr, i64, i64, ptr, ptr, ptr, i64, i64, cint, shape]
     argtypes["dw2_bwd"] = [ptr, i64, ptr, i64, i64, ptr, ptr, i64, ptr, i64, ptr, ptr, ptr,
                            ptr, i64, i64, cint, shape]
+    argtypes["read_fwd"] = [ptr, ptr, i64, ptr, i64, i64, i64, cint, shape]
+    argtypes["read_bwd"] = [ptr, ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64, cint, shape]
     argtypes["gates2_fwd"] = [ptr, ptr, ptr, ptr, ptr, i64, i64, i64]
     argtypes["gates2_bwd"] = [ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64]
     functions = [(getattr(lib, f"{k}_{s}"), k) for k in argtypes for s in ("f32", "f64")]

@@ -20,6 +20,13 @@
  *            own batch stride (elements); otherwise dw_fwd.
  *   dw2_bwd  the same split for x and for dx; the tap / bias gradients are ADDED
  *            to acc_taps (n,Cin,3) / acc_bias (n,Cin) (float64).
+ *   read_fwd one n-linear read per batch element (grid_sample bilinear, border
+ *            padding, align_corners: the 2^n corners of the cell it falls in), h
+ *            (B,C,P), coords (B,n) and out (B,C) at given batch strides.
+ *   read_bwd its VJP: ADDS g x weight to dh (B,C,P) and writes dcoords (B,n)
+ *            (zero at and beyond the border, right-sided at interior integers; a
+ *            NaN coordinate makes its read, coordinate gradient and the whole dh
+ *            of its batch element NaN, as the torch fast path does).
  *   gates2_fwd / gates2_bwd  gates_fwd / gates_bwd with the pointwise bias zb (4C)
  *            added to z in the kernel (NULL: none); gates2_bwd adds the bias
  *            gradient sum_{b,p} dz to acc_zb (4C, float64; NULL: not wanted).
@@ -417,6 +424,109 @@ int NAME(dw2_bwd)(const T *xa, i64 xa_bs, const T *xb, i64 xb_bs, i64 Ca, const 
                   const T *taps, const T *bias, i64 B, i64 Cin, int n, const i64 *shape) {
     return NAME(dw_bwd_core)(xa, xa_bs, xb, xb_bs, Ca, dy, dxa, dxa_bs, dxb, dxb_bs, acc_taps,
                              acc_bias, taps, bias, B, Cin, n, shape);
+}
+
+/* Per-axis corner geometry of one read: lower index, weights of the lower / upper
+ * corner, whether the upper corner exists, d(upper weight)/d(coordinate) (the lower
+ * one's is its negative); returns whether a coordinate is NaN. Mirrors the generic
+ * tent profiles: clip the coordinate, u = (x + 1) (S - 1) / 2 clamped to [0, S - 1],
+ * lower = floor(u), slope (S - 1) / 2 strictly inside (0, S - 1), else 0. */
+static int NAME(read_geometry)(const T *coords, int n, const i64 *shape, i64 *lo, T *w0,
+                               T *w1, int *has_hi, T *slope) {
+    int nan = 0;
+    for (int a = 0; a < n; ++a) {
+        T x = coords[n - 1 - a];  /* component k addresses axis n - 1 - k */
+        if (x != x) nan = 1;
+        T half = (T)(shape[a] - 1) / 2;
+        T xc = x < -1 ? (T)-1 : (x > 1 ? (T)1 : x);
+        T u = (xc + 1) * half;
+        T top = (T)(shape[a] - 1);
+        T cl = u < 0 ? (T)0 : (u > top ? top : u);
+        T lower = nan ? (T)0 : floor(cl);
+        T frac = cl - lower;
+        lo[a] = (i64)lower;
+        w0[a] = 1 - frac;
+        w1[a] = frac;
+        has_hi[a] = lo[a] + 1 < shape[a];
+        slope[a] = (u > 0 && u < top) ? half : (T)0;
+    }
+    return nan;
+}
+
+int NAME(read_fwd)(const T *h, const T *coords, i64 cs, T *out, i64 os, i64 B, i64 C, int n,
+                   const i64 *shape) {
+    i64 P, strides[4];
+    plane_geometry(shape, n, &P, strides);
+    for (i64 b = 0; b < B; ++b) {
+        i64 lo[4];
+        T w0[4], w1[4], slope[4];
+        int has_hi[4];
+        int nan = NAME(read_geometry)(coords + b * cs, n, shape, lo, w0, w1, has_hi, slope);
+        T *o = out + b * os;
+        const T *hb = h + b * C * P;
+        for (i64 ch = 0; ch < C; ++ch) o[ch] = nan ? (T)NAN : (T)0;
+        if (nan) continue;
+        for (int corner = 0; corner < (1 << n); ++corner) {
+            T w = 1;
+            i64 off = 0;
+            int skip = 0;
+            for (int a = 0; a < n; ++a) {
+                int up = (corner >> a) & 1;
+                if (up && !has_hi[a]) skip = 1;
+                w *= up ? w1[a] : w0[a];
+                off += (lo[a] + up) * strides[a];
+            }
+            if (skip) continue;
+            for (i64 ch = 0; ch < C; ++ch) o[ch] += w * hb[ch * P + off];
+        }
+    }
+    return 0;
+}
+
+int NAME(read_bwd)(const T *h, const T *coords, i64 cs, const T *g, i64 gs, T *dh,
+                   T *dcoords, i64 dcs, i64 B, i64 C, int n, const i64 *shape) {
+    i64 P, strides[4];
+    plane_geometry(shape, n, &P, strides);
+    for (i64 b = 0; b < B; ++b) {
+        i64 lo[4];
+        T w0[4], w1[4], slope[4], dsum[4] = {0, 0, 0, 0};
+        int has_hi[4];
+        int nan = NAME(read_geometry)(coords + b * cs, n, shape, lo, w0, w1, has_hi, slope);
+        const T *hb = h + b * C * P, *gb = g + b * gs;
+        T *dhb = dh + b * C * P, *dc = dcoords + b * dcs;
+        if (nan) {
+            for (i64 k = 0; k < C * P; ++k) dhb[k] = (T)NAN;
+            for (int a = 0; a < n; ++a) dc[a] = (T)NAN;
+            continue;
+        }
+        for (int corner = 0; corner < (1 << n); ++corner) {
+            T w = 1, dw[4];
+            i64 off = 0;
+            int skip = 0;
+            for (int a = 0; a < n; ++a) {
+                int up = (corner >> a) & 1;
+                if (up && !has_hi[a]) skip = 1;
+                off += (lo[a] + up) * strides[a];
+            }
+            if (skip) continue;
+            for (int a = 0; a < n; ++a) {
+                int up = (corner >> a) & 1;
+                w *= up ? w1[a] : w0[a];
+                T d = up ? slope[a] : -slope[a];
+                for (int a2 = 0; a2 < n; ++a2)
+                    if (a2 != a) d *= ((corner >> a2) & 1) ? w1[a2] : w0[a2];
+                dw[a] = d;
+            }
+            T gv = 0;
+            for (i64 ch = 0; ch < C; ++ch) {
+                dhb[ch * P + off] += gb[ch] * w;
+                gv += gb[ch] * hb[ch * P + off];
+            }
+            for (int a = 0; a < n; ++a) dsum[a] += gv * dw[a];
+        }
+        for (int a = 0; a < n; ++a) dc[n - 1 - a] = dsum[a];
+    }
+    return 0;
 }
 
 /* The pointwise bias of quarter q (0: i, 1: f, 2: o, 3: g) of channel ch, or 0. */
