@@ -241,7 +241,7 @@ def run(config: Config, seeds: list[int], work: Path, log: Any = print) -> dict[
     return {
         "command": " ".join(["python -m examples.hf", *sys.argv[1:]]),
         "commit": commit,
-        "dirty": sorted(line[3:] for line in (dirty or "").splitlines()),
+        "dirty": sorted(line[2:].strip() for line in (dirty or "").splitlines()),
         "cpu": cpu_model(), "threads": 1, "python": platform.python_version(),
         "torch": torch.__version__, "transformers": _version("transformers"),
         "corpus": {"folder": folder, "train_files": len(train_files),
