@@ -10,9 +10,9 @@ Everything the JAX adapter differentiates goes through here:
   the same blocks, :func:`tmcore.scan.step_fwd` / :func:`tmcore.scan.step_bwd`).
   Its per-step inputs come from a ``prepare(theta, xs_t) -> StepInputs`` and its
   per-step output is ``finish(theta, read_t)``, two differentiable functions:
-  :func:`tmcore.adapters.jax.memory_scan` passes identities, the layer its
-  linear heads and ``out_proj`` (so the heads run inside the loop, with the
-  same shapes at every step, and pieces of a stream equal one call bit for bit).
+  :func:`tmcore.adapters.jax.memory_scan` passes identities (the layer computes
+  its heads and ``out_proj`` over all chunks at once, outside the scan); a variant
+  may run per-step maps inside the loop, differentiated with the step.
 
 Compiled functions are keyed by :func:`tmcore.get_options` (``native``,
 ``generic``, ...), so an option changed after a first call, or set differently

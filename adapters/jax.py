@@ -24,10 +24,13 @@ Three levels, each a thin layer over the one below:
    :func:`load_params` convert.
 
 The layer itself (configuration checks, parameter plan, heads, chunking,
-reset, modes, stored-grid check) is :mod:`tmcore.layer`, shared with the
-PyTorch adapter; this module adds JAX's side: the scan registered with
-``custom_vjp`` (the heads and ``out_proj`` run inside it, per chunk), pytrees,
-dtype promotion and sharding-friendly zero states.
+reset, modes, stored-grid check, streaming) is :mod:`tmcore.layer` /
+:mod:`tmcore.stream`, shared with the PyTorch adapter: :func:`apply` calls
+``Layer.forward`` (``stream=False``) or ``Layer.forward_stream`` (the default)
+with :func:`memory_scan` as the scan, as the torch adapter does; the heads and
+``out_proj`` run once over all chunks, so the compiled program does not grow
+with the number of chunks. This module adds JAX's side: the scan registered
+with ``custom_vjp``, pytrees, dtype promotion and sharding-friendly zero states.
 """
 
 from __future__ import annotations
@@ -250,7 +253,7 @@ StreamState = tl.StreamState
 
 def detach_state(state: Any) -> Any:
     """``lax.stop_gradient`` on every array: cut backprop between streamed segments (a
-    :class:`StreamState`'s ``count`` stays Python ints)."""
+    :class:`StreamState`'s integer ``count`` passes through unchanged)."""
     def cut(s: Any) -> Any:
         if isinstance(s, tl.StreamState):
             return s._replace(h=lax.stop_gradient(s.h), c=lax.stop_gradient(s.c),
@@ -388,27 +391,6 @@ def reset_state(state: Any, reset: jax.Array) -> Any:
     return tuple(reset_state(s, reset) for s in state)
 
 
-class _Heads(NamedTuple):
-    """``prepare`` of the layer's scan: one chunk ``(B, L, d)`` -> its :class:`StepInputs`
-    by ``layer.heads`` (hashable by value: it keys the compiled scan)."""
-
-    layer: type
-    config: tl.LayerConfig
-
-    def __call__(self, params: Mapping[str, Any], chunk: jax.Array) -> StepInputs:
-        return self.layer(self.config).heads(jnp, params, chunk)
-
-
-class _ReadOut(NamedTuple):
-    """``finish`` of the layer's scan: ``layer.read_out`` on one chunk's read ``(B, C)``."""
-
-    layer: type
-    config: tl.LayerConfig
-
-    def __call__(self, params: Mapping[str, Any], read: jax.Array) -> jax.Array:
-        return self.layer(self.config).read_out(jnp, params, read)
-
-
 def _compute_dtype(params: Mapping[str, Any], x: jax.Array, state: Any) -> Any:
     """The dtype the layer computes and keeps its state in: JAX's promotion of ``x``,
     the parameters and a given state (float32 params with a bfloat16 ``x`` -> float32)."""
@@ -441,7 +423,8 @@ def apply(
     ----------
     params : pytree from :func:`init` or :func:`params_from_state_dict`.
     x : ``(B, N, d)`` tokens; ``N`` need not be a multiple of the chunk size.
-    state : ``(h, c)`` from a previous call (streaming), or ``None`` for zeros.
+    state : the :class:`StreamState` (or ``(h, c)`` pair) a previous call
+        returned, or ``None`` for zeros.
     chunk_size : checked against ``write_proj.weight (d, L*d)``, which fixes it.
     memory_shape : grid shape; needed when ``state`` is ``None``.
     sigma_scale : multiplies the write spread.
@@ -452,19 +435,26 @@ def apply(
         states for one extra forward pass; results do not depend on ``k``.
     layer : a :class:`tmcore.layer.Layer` subclass overriding ``heads`` or
         ``read_out`` (a variant of the layer); the default is the layer.
-    stream : return a :class:`StreamState` (``(h, c)`` at the last chunk
-        boundary plus the unfinished chunk), so that pieces of ANY lengths, one
-        token at a time included, equal one long call
-        (:meth:`tmcore.layer.Layer.forward_stream`); ``None`` (default): stream
-        when ``state`` is a :class:`StreamState` or ``doc_starts`` is given.
-        The chunk grid is planned on the host: a streaming call runs eagerly
-        (``jax.grad`` works; under ``jit`` the state's ``count`` and
-        ``doc_starts`` must be concrete, e.g. closed over), and its scans are
-        the compiled :func:`memory_scan`.
+    stream : ``True`` (the default; ``None`` means the same): return a
+        :class:`StreamState` (``(h, c)`` at the last chunk boundary plus the
+        unfinished chunk, its ``count`` an int32 array ``(B,)``), so that
+        feeding a sequence back in pieces of ANY lengths, one token at a time
+        included, equals one long call
+        (:meth:`tmcore.layer.Layer.forward_stream`). The state is data: a
+        streaming call works under ``jax.jit``, ``lax.scan``, ``fori_loop``,
+        ``vmap`` and ``grad`` (a one-token step compiles once for every
+        token); called eagerly it runs one compiled function per input
+        structure and ``N``. ``False``: the non-streaming call, which pads
+        the ragged last chunk with zeros and writes it into the state, and
+        returns a :class:`MemoryState` ``(h, c)``; pieces fed back with it equal
+        one call only when their lengths are multiples of the chunk size.
     doc_starts : optional ``(B, N)`` bool, True at each token that starts a
         document (packed documents, :func:`doc_starts_from_offsets`): the state
         and the unfinished chunk are dropped there and the chunk grid restarts,
-        so each document's outputs equal running it alone.
+        so each document's outputs equal running it alone. The grid is then
+        planned on the host: ``doc_starts`` (and ``reset``, ``valid``, the
+        state's ``count``) must be concrete; traced under ``jit`` it is a
+        ``TypeError`` saying so.
     valid : optional ``(B, N)`` bool, False at tokens to skip (padding, left or
         right): they never enter the state nor the chunk grid and their outputs
         are zeros; each row streams its valid tokens only. Implies streaming.
@@ -485,22 +475,21 @@ def apply(
     Returns
     -------
     ``out (B, N, d)`` -- ``out_proj(read_t)`` on every token of chunk ``t`` --
-    and the final :class:`MemoryState`. Pass the state to the next call to
-    stream a long sequence; wrap it in :func:`detach_state` to truncate
-    backprop. Pieces whose lengths are multiples of the chunk size give the
-    same result as one call, bit for bit; with ``stream=True`` (a
-    :class:`StreamState`) pieces of any lengths do.
+    and the final state: a :class:`StreamState` (default) or, with
+    ``stream=False``, a :class:`MemoryState`. Pass the state to the next call
+    to stream a long sequence; wrap it in :func:`detach_state` to truncate
+    backprop. Streamed pieces equal one call to rounding (<= 1e-5 in float32).
     """
-    if stream is None:
-        stream = (isinstance(state, tl.StreamState) or doc_starts is not None
-                  or valid is not None)
+    stream = True if stream is None else stream
+    if not isinstance(stream, bool):
+        raise TypeError(f"stream: expected True or False, got {stream!r}")
     if valid is not None and not stream:
-        raise ValueError("valid: skipping tokens needs stream=True (or None)")
+        raise ValueError("valid: skipping tokens needs stream=True (the default)")
     if isinstance(state, tl.StreamState) and not stream:
         raise ValueError("state: a StreamState continues a stream; pass stream=True "
-                         "(or leave stream=None)")
+                         "(the default)")
     if doc_starts is not None and not stream:
-        raise ValueError("doc_starts: packed documents need stream=True (or None)")
+        raise ValueError("doc_starts: packed documents need stream=True (the default)")
     pair = (state.h, state.c) if isinstance(state, tl.StreamState) else state
     config = _layer_config(params, x, pair, chunk_size=chunk_size,
                            memory_shape=memory_shape, sigma_scale=sigma_scale, eps=eps,
@@ -526,53 +515,81 @@ def apply(
     _check_values_eagerly({"x": x, "state.h": state.h, "state.c": state.c})
     if batch == 0 or tokens == 0:  # nothing to scan; shapes as for any other input
         return jnp.zeros((batch, tokens, d), dtype), state
-    length = config.chunk_size
-    steps = tl.num_chunks(tokens, length)
-    # jnp.pad rather than a concatenated zero block: it keeps x's sharding on every mesh
-    padded = jnp.pad(x, ((0, 0), (0, steps * length - tokens), (0, 0)))
-    chunks = jnp.moveaxis(jnp.reshape(padded, (batch, steps, length, d)), 1, 0)  # [T, B, L, d]
     theta = {group: {leaf: value.astype(dtype) for leaf, value in params[group].items()}
              for group in tl.GROUPS if group != "cell"}
     cell = ConvParams(*(a.astype(dtype) for a in conv_params(params["cell"])))
-    static = _scan_mod.ScanStatic(_Heads(layer, config), _ReadOut(layer, config), config.eps,
-                                  config.radius, config.checkpoint_every,
-                                  _scan_mod.options_key())
-    per_chunk, h, c = forward_mode_guard("apply", lambda: _scan_mod.checkpoint_scan(
-        static, theta, cell, chunks, state.h, state.c))  # per_chunk [T, B, d]
-    return tl.unchunk(jnp, _batch_major(per_chunk), tokens, length), MemoryState(h, c)
+    out, (h, c) = forward_mode_guard("apply", lambda: layer(config).forward(
+        jnp, theta, x, tuple(state), scan=_layer_scan(config, cell)))
+    return out, MemoryState(h, c)
+
+
+def _layer_scan(config: tl.LayerConfig, cell: ConvParams) -> tl.Scan:
+    """The layer's ``scan`` callable: :func:`memory_scan` (one checkpointing ``lax.scan``
+    with tmcore's VJP) with the layer's cell parameters and options."""
+    def scan(h: jax.Array, c: jax.Array, inputs: StepInputs) -> tuple[Any, Any, Any]:
+        return memory_scan(h, c, *inputs, cell, eps=config.eps, radius=config.radius,
+                           checkpoint_every=config.checkpoint_every)
+    return scan
 
 
 def _apply_stream(params: Mapping[str, Any], x: jax.Array, state: Any,
                   config: tl.LayerConfig, layer: type[tl.Layer], reset: Any,
                   doc_starts: Any, valid: Any = None) -> tuple[jax.Array, tl.StreamState]:
     """:func:`apply` with ``stream=True``: the shared layer's ``forward_stream`` with
-    :func:`memory_scan` (compiled, custom VJP) as its scan."""
+    :func:`memory_scan` (compiled, custom VJP) as its scan, in one ``jax.jit`` keyed by
+    the layer, its config and the options (eager calls then run one compiled function;
+    under an outer trace it is inlined). With ``doc_starts`` the grid is planned on the
+    host, so that call is not wrapped."""
     if EXTRA_STATE in params:
         error = tl.stored_grid_error(_stored(params[EXTRA_STATE]), config.memory_shape,
                                      f"params[{EXTRA_STATE!r}]")
         if error is not None:
             raise ValueError(error)
     if isinstance(state, tl.StreamState):
-        state = tl.stream_state(jnp, state, x, config)  # checks (count must be concrete)
+        state = tl.stream_state(jnp, state, x, config)  # checks; count as an int32 array
     dtype = _compute_dtype(params, x, None if state is None else (state[0], state[1]))
     x = x.astype(dtype)
     if isinstance(state, tl.StreamState):
         state = state._replace(h=state.h.astype(dtype), c=state.c.astype(dtype),
                                pending=state.pending.astype(dtype),
                                read=state.read.astype(dtype))
+        _check_values_eagerly({"state.h": state.h, "state.c": state.c,
+                               "state.pending": state.pending, "state.read": state.read})
     elif state is not None:
         state = MemoryState(*(s.astype(dtype) for s in tl.check_state(
             jnp, state, x.shape[0], config)))
+        _check_values_eagerly({"state.h": state.h, "state.c": state.c})
+    else:  # a pair: the count is known to be 0 (a chunk boundary), and x's sharding
+        state = _zero_state_like(x, config)
+    _check_values_eagerly({"x": x})
     theta = {group: {leaf: value.astype(dtype) for leaf, value in params[group].items()}
              for group in tl.GROUPS if group != "cell"}
     cell = ConvParams(*(a.astype(dtype) for a in conv_params(params["cell"])))
+    static = _StreamStatic(layer, config, _scan_mod.options_key())
+    if doc_starts is not None:
+        return forward_mode_guard("apply", lambda: _stream_call(
+            static, theta, cell, x, state, reset, valid, doc_starts))
+    return forward_mode_guard("apply", lambda: _stream_jit(static, theta, cell, x, state,
+                                                           reset, valid))
 
-    def scan(h: jax.Array, c: jax.Array, inputs: StepInputs) -> tuple[Any, Any, Any]:
-        return memory_scan(h, c, *inputs, cell, eps=config.eps, radius=config.radius,
-                           checkpoint_every=config.checkpoint_every)
 
-    return layer(config).forward_stream(jnp, theta, x, state, scan=scan, reset=reset,
-                                        doc_starts=doc_starts, valid=valid)
+class _StreamStatic(NamedTuple):
+    """What a compiled stream call depends on besides its arrays (hashable)."""
+
+    layer: type
+    config: tl.LayerConfig
+    options: Any
+
+
+def _stream_call(static: _StreamStatic, theta: Any, cell: ConvParams, x: jax.Array,
+                 state: Any, reset: Any, valid: Any, doc_starts: Any = None
+                 ) -> tuple[jax.Array, tl.StreamState]:
+    return static.layer(static.config).forward_stream(
+        jnp, theta, x, state, scan=_layer_scan(static.config, cell), reset=reset,
+        doc_starts=doc_starts, valid=valid)
+
+
+_stream_jit = jax.jit(_stream_call, static_argnums=(0,))
 
 
 # --------------------------------------------------------------------------- residual, stack
@@ -656,9 +673,13 @@ def stack_apply(
     ``reset`` zeroes the incoming state of the flagged sequences (every layer's).
     """
     tl.check_mode(mode)
-    if mode == "threaded" and (kwargs.get("stream") or kwargs.get("doc_starts") is not None):
-        raise ValueError("stream / doc_starts: streaming across chunk boundaries and packed "
-                         "documents need mode='causal'")
+    if mode == "threaded":
+        if kwargs.get("stream") or kwargs.get("doc_starts") is not None \
+                or kwargs.get("valid") is not None:
+            raise ValueError("stream / doc_starts / valid: streaming across chunk "
+                             "boundaries, packed documents and skipped tokens need "
+                             "mode='causal'")
+        kwargs["stream"] = False
     if blocks is not None and len(blocks) != len(layers):
         raise ValueError(f"blocks: expected {len(layers)} callables (one per layer), "
                          f"got {len(blocks)}")
@@ -893,6 +914,22 @@ def params_from_module(module: nnx.Module) -> dict:
     return nnx.to_pure_dict(nnx.state(module, nnx.Param))
 
 
+def _raw(variable: Any) -> Any:
+    """A variable's array (``get_raw_value``: no per-read hooks, ~2 us instead of ~25)."""
+    get = getattr(variable, "get_raw_value", None)
+    return get() if get is not None else variable.value
+
+
+def _layer_params(module: TensorMemory) -> dict:
+    """:func:`params_from_module` of a :class:`TensorMemory`, read from its attributes
+    (the layer's fixed names) instead of through ``nnx.state``: the per-call cost of the
+    modules' ``__call__`` is a few dozen microseconds, not a millisecond."""
+    out: dict = {}
+    for group, leaf in LAYER_KEYS:
+        out.setdefault(group, {})[leaf] = _raw(getattr(module, group)[leaf])
+    return out
+
+
 def _without_extra_state(module: Any, params: Mapping[str, Any], path: str) -> dict:
     """``params`` less its ``_extra_state`` entries, each checked (when concrete) against
     the ``memory_shape`` of the submodule at its place."""
@@ -997,7 +1034,7 @@ class TensorMemory(nnx.Module):
     def __call__(self, x: jax.Array, state: Any = None, *, reset: jax.Array | None = None,
                  stream: bool | None = None, doc_starts: Any = None, valid: Any = None
                  ) -> tuple[jax.Array, Any]:
-        return apply(params_from_module(self), x, state, chunk_size=self.chunk_size,
+        return apply(_layer_params(self), x, state, chunk_size=self.chunk_size,
                      memory_shape=self.memory_shape, sigma_scale=self.sigma_scale,
                      reset=reset, eps=self.eps, radius=self.radius,
                      checkpoint_every=self.checkpoint_every, stream=stream,
@@ -1024,7 +1061,10 @@ class GatedMemoryResidual(nnx.Module):
                  stream: bool | None = None, doc_starts: Any = None, valid: Any = None
                  ) -> tuple[jax.Array, Any]:
         m = self.memory
-        return residual_apply(params_from_module(self), x, state, chunk_size=m.chunk_size,
+        params = {"norm": {"weight": _raw(self.norm["weight"]),
+                           "bias": _raw(self.norm["bias"])},
+                  "memory": _layer_params(m), "gate": _raw(self.gate)}
+        return residual_apply(params, x, state, chunk_size=m.chunk_size,
                               memory_shape=m.memory_shape, sigma_scale=m.sigma_scale,
                               reset=reset, eps=m.eps, radius=m.radius,
                               checkpoint_every=m.checkpoint_every, stream=stream,

@@ -411,6 +411,26 @@ def native_conv_bwd(xp: Any, residuals: _NativeConvResiduals, params: ConvParams
     return d_x, ConvParams(d_taps, d_biases, d_pointwise, jnp.sum(g_flat, axis=(0, 2)))
 
 
+_FORWARD_MODE = (
+    "tmcore on JAX arrays: forward-mode differentiation (jax.jvp, jax.jacfwd, jax.hessian, "
+    "jax.linearize) cannot go through the fused CPU kernels, which register reverse-mode "
+    "rules only (jax.custom_vjp). For forward mode turn them off: "
+    "tmcore.options(native=False) or TMCORE_NATIVE=0 (JAX then differentiates the generic "
+    "math itself); else use jax.grad / jax.vjp / jax.jacrev.")
+
+
+def _guard_forward_mode(call: Callable[[], Any]) -> Any:
+    """``call()`` (a fused kernel), with JAX's bare custom_vjp forward-mode error turned
+    into one that says what to do."""
+    try:
+        return call()
+    except TypeError as error:
+        text = str(error)
+        if "custom_vjp" in text and ("forward-mode" in text or "jvp" in text):
+            raise TypeError(_FORWARD_MODE) from error
+        raise
+
+
 def make_ops(generic: Ops, options: Options) -> Ops:
     """The JAX table: lax conv (option ``depthwise``), generic read and write, float32
     compute for halves."""
@@ -418,7 +438,7 @@ def make_ops(generic: Ops, options: Options) -> Ops:
 
     def conv_fwd_auto(xp, x, params):
         if kernel == "auto" and _native_suffix(x, *params) is not None:
-            return native_conv_fwd(xp, x, params)
+            return _guard_forward_mode(lambda: native_conv_fwd(xp, x, params))
         return (conv_fwd if _use_lax(kernel) else generic.conv_fwd)(xp, x, params)
 
     def conv_bwd_auto(xp, residuals, params, g):
@@ -429,7 +449,7 @@ def make_ops(generic: Ops, options: Options) -> Ops:
 
     def gates_fwd(xp, z, c):
         if _native_suffix(z, c) is not None:
-            h_new, c_new = _native_gates(z, c)
+            h_new, c_new = _guard_forward_mode(lambda: _native_gates(z, c))
             return h_new, c_new, _NativeGateResiduals(z, c)
         return generic.gates_fwd(xp, z, c)
 

@@ -36,8 +36,10 @@ def test_config_accepts_python_and_numpy_integers():
                              checkpoint_every=np.int64(2))
     assert config.embed_dim == 4 and type(config.embed_dim) is int
     assert config.memory_shape == (3, 2) and config.checkpoint_every == 2
-    assert tl.layer_config(4, 2, 5, 2).memory_shape == (5,)  # one int: a 1-D grid
-    assert tl.layer_config(4, 2, np.int64(5), 2).memory_shape == (5,)
+    for bare in (5, np.int64(5)):  # a bare int is ambiguous ((5,) or (5, 5, 5)): refused
+        with pytest.raises(TypeError, match=r"memory_shape.*\(5,\)"):
+            tl.layer_config(4, 2, bare, 2)
+    assert tl.layer_config(4, 2, (np.int64(5),), 2).memory_shape == (5,)
 
 
 @pytest.mark.parametrize("kwargs, error, fragment", [

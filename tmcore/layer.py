@@ -132,12 +132,12 @@ def _size(name: str, value: Any) -> int:
 
 
 def _grid(value: Any) -> tuple[int, ...]:
-    """``memory_shape``: 1 to 4 positive ints, or one int for a 1-D grid."""
-    if not isinstance(value, bool):
-        try:
-            return check_grid_shape("memory_shape", (operator.index(value),))
-        except TypeError:
-            pass
+    """``memory_shape``: a sequence of 1 to 4 positive ints (a bare int is refused: ``4``
+    could mean ``(4,)`` or ``(4, 4, 4)``)."""
+    if not isinstance(value, bool) and hasattr(value, "__index__"):
+        raise TypeError(f"memory_shape: expected a sequence of 1 to 4 ints, e.g. ({value},) "
+                        f"for a 1-D grid or ({value}, {value}, {value}) for a 3-D one, got "
+                        f"the bare int {value!r}")
     return check_grid_shape("memory_shape", value)
 
 
@@ -176,7 +176,7 @@ def layer_config(
     Sizes (``embed_dim``, ``memory_channels``, ``chunk_size``,
     ``checkpoint_every``, the entries of ``memory_shape``) are ints >= 1
     (Python or NumPy; bool and float are a ``TypeError``, < 1 a ``ValueError``);
-    ``memory_shape`` is 1 to 4 of them (or one int: a 1-D grid);
+    ``memory_shape`` is a sequence of 1 to 4 of them (a bare int is a ``TypeError``);
     ``sigma_scale`` a finite number > 0; ``radius`` ``None`` or > 0; ``eps`` a
     finite number >= 0; ``forget_bias`` finite; ``zero_init`` a bool: the
     read-out ``out_proj`` starts at zero (weight and bias), so the layer's output

@@ -356,6 +356,8 @@ def _array_stream(layer: Layer, xp: Any, params: Params, x: Any, st: StreamState
             tuple(0 if r else k for r, k in zip(flags, known, strict=True)))
     if tokens == 0 or batch == 0:
         return xp.zeros_like(x), StreamState(h, c, pending, xp.astype(count, xp.int32), read)
+    if known is not None and not any(known) and valid is None:
+        return _boundary_stream(layer, xp, params, x, h, c, scan)
     # per row: the new tokens, compacted (valid ones first, in order), and how many
     rows = xp.arange(batch, dtype=index, device=device)[:, None]
     if valid is None:
@@ -431,6 +433,34 @@ def _array_stream(layer: Layer, xp: Any, params: Params, x: Any, st: StreamState
     slots = m[:, None] * length + xp.arange(length, dtype=index, device=device)[None, :]
     pending = xp.reshape(xp.take(table, source(slots), axis=0), (batch, length, d))
     return out, StreamState(h, c, pending, xp.astype(left, xp.int32), read)
+
+
+def _boundary_stream(layer: Layer, xp: Any, params: Params, x: Any, h: Any, c: Any,
+                     scan: Scan) -> tuple[Any, StreamState]:
+    """:func:`_array_stream` from a chunk boundary (every count 0, no ``valid``): the chunk
+    grid is the one of :meth:`Layer.forward` (slices and zero padding, nothing gathered
+    across rows), the scan cut after the ``N // L`` complete chunks when the last one is
+    ragged; the ragged chunk is kept as the unfinished one."""
+    config = layer.config
+    batch, tokens, d = x.shape
+    length = config.chunk_size
+    full, left = divmod(tokens, length)
+    inputs = layer.heads(xp, params, chunk(xp, x, length))      # (B, T, ...) each
+    if full:
+        reads, h, c = scan(h, c, StepInputs(*(v[:, :full, ...] for v in inputs)))
+    if left:
+        last, _, _ = scan(h, c, StepInputs(*(v[:, full:, ...] for v in inputs)))
+        reads = xp.concat([reads, last], axis=1) if full else last
+        pending = xp.concat([x[:, full * length:, :],
+                             xp.broadcast_to(xp.zeros_like(x[:, :1, :]),
+                                             (batch, length - left, d))], axis=1)
+        read = last[:, 0, :]
+    else:
+        pending = xp.broadcast_to(xp.zeros_like(x[:, :1, :]), (batch, length, d))
+        read = xp.zeros_like(reads[:, 0, :])
+    count = xp.full((batch,), left, dtype=getattr(xp, COUNT_DTYPE), device=_device(x))
+    out = unchunk(xp, layer.read_out(xp, params, reads), tokens, length)
+    return out, StreamState(h, c, pending, count, read)
 
 
 def _host_stream(layer: Layer, xp: Any, params: Params, x: Any, st: StreamState,
@@ -547,6 +577,8 @@ from tmcore.layer import (  # noqa: E402
     _require_bool_array,
     check_state,
     check_tokens,
+    chunk,
     reset_state,
+    unchunk,
     zero_state,
 )
