@@ -310,10 +310,11 @@ def init(
 
     Returns
     -------
-    ``{"write_proj": {"weight" (d, L*d), "bias" (d,)}, "content_net": {(C, d), (C,)},
-    "sigma_net": {(1, d), (1,)}, "coord_net": {(n, d), (n,)}, "cell":
-    {"depthwise_weight" (n, 2C, 3), "depthwise_bias" (n, 2C), "pointwise_weight"
-    (4C, 2C), "pointwise_bias" (4C,)}, "out_proj": {(d, C), (d,)}}``.
+    dict
+        ``{"write_proj": {"weight" (d, L*d), "bias" (d,)}, "content_net": {(C, d), (C,)},
+        "sigma_net": {(1, d), (1,)}, "coord_net": {(n, d), (n,)}, "cell":
+        {"depthwise_weight" (n, 2C, 3), "depthwise_bias" (n, 2C), "pointwise_weight"
+        (4C, 2C), "pointwise_bias" (4C,)}, "out_proj": {(d, C), (d,)}}``.
     """
     config = tl.layer_config(embed_dim, memory_channels, memory_shape, chunk_size, sigma_scale,
                              forget_bias=forget_bias)
