@@ -167,6 +167,9 @@ def test_a_symlink_swapped_in_another_users_folder_never_runs_its_object(
                 assert not marker.exists(), f"the planted constructor ran (load {loads})"
                 assert lib is not None
                 loads += 1
+                # unmapped again, so that every load maps afresh (the dynamic loader would
+                # otherwise hand back the first object it mapped under that name)
+                native._unload(lib)
     finally:
         _stop(attacker)
     assert not marker.exists(), "the planted constructor ran"
