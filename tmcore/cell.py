@@ -152,8 +152,9 @@ def convlstm_step(x: Any, h: Any, c: Any, params: ConvParams) -> tuple[Any, Any]
         arrays mix namespaces.
     ValueError
         If ``h`` does not have 1 to 4 spatial axes, ``x`` or ``c`` is not shaped
-        like ``h``, or a field of ``params`` does not fit ``C_in = 2C``,
-        ``C_out = 4C``.
+        like ``h``, a field of ``params`` does not fit ``C_in = 2C``,
+        ``C_out = 4C``, the arrays lie on different devices, or (validate mode
+        only) an array holds NaN or inf.
     """
     xp, params = _validate(x, h, c, params)
     h_new, c_new, _ = cell_fwd(xp, x, h, c, params)

@@ -309,8 +309,9 @@ def factorized_conv(x: Any, params: ConvParams) -> Any:
         If ``params`` is not a 4-tuple, an argument is not an array, the arrays
         mix namespaces, or a field's dtype differs from ``x``'s.
     ValueError
-        If ``x`` does not have 1 to 4 spatial axes or has a zero-size axis, or
-        a field of ``params`` does not have the shape above.
+        If ``x`` does not have 1 to 4 spatial axes or has a zero-size axis, a
+        field of ``params`` does not have the shape above, the arrays lie on
+        different devices, or (validate mode only) an array holds NaN or inf.
     """
     xp = _validate(x, params)
     return ops_for(xp).conv_fwd(xp, x, ConvParams(*params))[0]

@@ -149,7 +149,8 @@ def trilinear_sample(volume: Any, coords: Any) -> Any:
     ValueError
         If ``volume`` does not have 1 to 4 spatial axes or has a zero-size
         axis, if ``coords`` is not ``(B, Q, n)`` with ``volume``'s ``B`` and
-        ``n``, or if the arrays lie on different devices.
+        ``n``, if the arrays lie on different devices, or (validate mode only)
+        if an array holds NaN or inf.
 
     See Also
     --------
