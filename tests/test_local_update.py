@@ -20,7 +20,7 @@ from tmcore.testing.properties_local import ref_local_update, ref_window_mask
 LOCAL_PROPERTIES = ["local_update_matches_definition",
                     "local_update_vjp_matches_central_differences",
                     "local_scan_matches_reference", "local_scan_vjp_matches_central_differences",
-                    "local_and_warp_float32_in_float32_out"]
+                    "local_and_warp_keep_single_precision"]
 
 
 def _namespace(name: str):

@@ -414,7 +414,8 @@ def warp_vjp_matches_sampling_and_central_differences(xp: ModuleType, case: dict
 
 
 @_property(1, st.just({}), needs_float64=False)
-def local_and_warp_float32_in_float32_out(xp: ModuleType, case: dict) -> None:
+def local_and_warp_keep_single_precision(xp: ModuleType, case: dict) -> None:
+    """Every local and warp function keeps float32 (and the namespace) and stays finite."""
     rng = np.random.default_rng(0)
     batch, channels, steps, shape = 2, 2, 3, (4, 3, 5)
 
