@@ -178,7 +178,8 @@ def _link_problem(path: Path) -> str | None:
     check and a load. Links only this user (or root) controls are followed.
     """
     uid = os.geteuid()
-    parts = list(Path(os.path.abspath(path)).parts)
+    given = Path(path)  # not normalized: ".." after a link is resolved physically, below
+    parts = list((given if given.is_absolute() else Path.cwd() / given).parts)
     current = Path(parts.pop(0))
     hops = 0
     while parts:
