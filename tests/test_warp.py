@@ -187,3 +187,27 @@ def test_errors_name_the_argument():
         tmcore.warp_state_vjp(h, c, np.zeros((2, 2)), None, None, c)
     with pytest.raises(TypeError, match="shift"):
         tmcore.warp_state(h, c, [[0.0, 0.0], [0.0, 0.0]])
+
+
+def test_jax_under_jit_matches_numpy():
+    jax = pytest.importorskip("jax", reason="jax is not installed")
+    import jax.numpy as jnp
+
+    with jax.enable_x64(True):
+        rng, h, c = _state((4, 3), batch=1, channels=1, seed=8)
+        shift = rng.uniform(-0.5, 0.5, (1, 2))
+        flow = rng.uniform(-0.3, 0.3, (1, 2, 4, 3))
+        for fl in (None, flow):
+            want = tmcore.warp_state_vjp(h, c, shift, fl, h, c)
+
+            def run(h_, c_, s_, f_):
+                return tmcore.warp_state_vjp(h_, c_, s_, f_, h_, c_)
+
+            args = [jnp.asarray(a) for a in (h, c, shift)] + [None if fl is None
+                                                              else jnp.asarray(fl)]
+            got = jax.jit(run)(*args)
+            for a, b in zip(got, want, strict=True):
+                if b is None:
+                    assert a is None
+                else:
+                    np.testing.assert_allclose(np.asarray(a), b, rtol=0, atol=1e-12)
