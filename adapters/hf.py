@@ -46,7 +46,8 @@ and loads its weights, checking each stored value. A plain
 ``AutoModelForCausalLM.from_pretrained`` of such a checkpoint returns the model
 WITHOUT memory (and reports the memory weights as unexpected).
 
-Also: ``gradient_checkpointing_enable()`` recomputes the memory inside a
+Also: activation checkpointing (``activation_checkpointing_enable()``, formerly
+``gradient_checkpointing_enable()``) recomputes the memory inside a
 checkpoint (exact gradients); ``torch.compile(model, fullgraph=True)`` traces
 through the memory; ``output_hidden_states`` includes the memory's
 contribution; DDP, FSDP1 (flat parameters) and FSDP2 wrap the model.

@@ -9,7 +9,8 @@ whole batch, for a model with memories attached to its blocks:
 - FSDP1 with its defaults (flat parameters, ``use_orig_params=False``): the layer reads
   its parameters by attribute (issue 22: ``KeyError: 'weight'`` through
   ``named_parameters``, which FSDP1 empties); flat gradients are read back through one
-  SGD step (``lr = 1``) and the unflattened parameters;
+  SGD step (``lr = 1``) and the unflattened parameters; the same for a tiny Hugging Face
+  Llama with memory from ``tmcore.adapters.hf`` (where transformers is installed);
 - FSDP2 (``fully_shard``) per block and at the root, with ``streaming=True``
   over two calls and one backward (old main: "setStorage ... out of bounds").
 
@@ -70,6 +71,30 @@ def _build(streaming: bool):
     return model, handle
 
 
+def _build_hf():
+    """A tiny random Llama with memory (tmcore.adapters.hf), float64."""
+    import transformers
+
+    from tmcore.adapters import hf
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=32, hidden_size=D, intermediate_size=16,
+                                      num_hidden_layers=2, num_attention_heads=2,
+                                      num_key_value_heads=1, max_position_embeddings=32)
+    model = transformers.LlamaForCausalLM(config).double()
+    hf.attach_memory(model, memory_channels=2, memory_shape=(3, 2), chunk_size=4,
+                     zero_init=False, gate_init=-1.0)
+    return model
+
+
+def _hf_ids():
+    return torch.randint(0, 32, (BATCH, TOKENS), generator=torch.Generator().manual_seed(2))
+
+
+def _hf_loss(model, ids):
+    return model(ids, labels=ids, use_cache=False).loss
+
+
 def _inputs():
     return torch.randn(BATCH, TOKENS, D, dtype=torch.float64,
                        generator=torch.Generator().manual_seed(1))
@@ -89,7 +114,11 @@ def _clean(name: str) -> str:
     return name
 
 
-def _reference(streaming: bool) -> dict[str, list]:
+def _reference(streaming: bool, variant: str = "") -> dict[str, list]:
+    if variant == "hf-fsdp1-flat":
+        model = _build_hf()
+        _hf_loss(model, _hf_ids()).backward()
+        return {name: p.grad.reshape(-1).tolist() for name, p in model.named_parameters()}
     model, _ = _build(streaming)
     _loss(model, _inputs(), streaming).backward()
     return {name: p.grad.reshape(-1).tolist() for name, p in model.named_parameters()}
@@ -97,6 +126,21 @@ def _reference(streaming: bool) -> dict[str, list]:
 
 def _run_variant(variant: str, rank: int) -> dict[str, list]:
     streaming = variant == "fsdp2-streaming"
+    if variant == "hf-fsdp1-flat":
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        model = _build_hf()
+        ids = _hf_ids()[rank * BATCH // WORLD:(rank + 1) * BATCH // WORLD]
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        layers = model.model.layers
+        for index, block in enumerate(layers):
+            layers[index] = FSDP(block, device_id=CPU)
+        wrapped = FSDP(model, device_id=CPU)
+        _hf_loss(wrapped, ids).backward()
+        torch.optim.SGD(wrapped.parameters(), lr=1.0).step()
+        with FSDP.summon_full_params(wrapped):
+            return {_clean(n): (before[_clean(n)] - p.detach()).reshape(-1).tolist()
+                    for n, p in wrapped.named_parameters()}
     model, _ = _build(streaming)
     x = _inputs()[rank * BATCH // WORLD:(rank + 1) * BATCH // WORLD]
     if variant == "ddp":
@@ -138,6 +182,12 @@ def _run_variant(variant: str, rank: int) -> dict[str, list]:
 
 
 VARIANTS = ("ddp", "fsdp1", "fsdp1-flat", "fsdp2", "fsdp2-streaming")
+try:
+    import transformers  # noqa: F401
+
+    VARIANTS += ("hf-fsdp1-flat",)
+except ImportError:  # the HF variant needs transformers (tests/test_hf.py skips likewise)
+    pass
 
 
 def _worker(rank: int, store: str, out: str) -> None:
@@ -174,13 +224,13 @@ def distributed(tmp_path_factory):
 def test_two_processes_equal_one(distributed, variant):
     assert variant not in distributed["errors"], distributed["errors"].get(variant)
     got = distributed["results"][variant]
-    expected = _reference(streaming=variant == "fsdp2-streaming")
+    expected = _reference(streaming=variant == "fsdp2-streaming", variant=variant)
     assert sorted(got) == sorted(expected)
     assert any("tensor_memory" in name for name in got)
     for name, values in expected.items():
         want = torch.tensor(values, dtype=torch.float64)
         have = torch.tensor(got[name], dtype=torch.float64)
         # (the flat variant reads p - (p - grad): exact to the parameters' rounding)
-        tol = 1e-12 if variant != "fsdp1-flat" else 1e-9
+        tol = 1e-12 if "flat" not in variant else 1e-9
         torch.testing.assert_close(have, want, rtol=1e-10 if tol < 1e-9 else 1e-7, atol=tol,
                                    msg=name)

@@ -328,6 +328,21 @@ def test_save_and_load_with_the_memory_config(family, tmp_path):
 # --------------------------------------------------------------------------- training machinery
 
 
+def _checkpointing(model, on, reentrant=False):
+    """transformers' activation checkpointing (its newer name where it has one)."""
+    if on:
+        if hasattr(model, "activation_checkpointing_enable"):
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={
+                "use_reentrant": reentrant})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={
+                "use_reentrant": reentrant})
+    elif hasattr(model, "activation_checkpointing_disable"):
+        model.activation_checkpointing_disable()
+    else:
+        model.gradient_checkpointing_disable()
+
+
 def _grads(model, x):
     model.zero_grad()
     model(x, labels=x).loss.backward()
@@ -340,8 +355,7 @@ def test_gradient_checkpointing_recomputes_the_memory_with_exact_gradients(reent
     model.double().train()
     x = ids(2, 9)
     expected = _grads(model, x)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={
-        "use_reentrant": reentrant})
+    _checkpointing(model, True, reentrant)
     got = _grads(model, x)
     assert sorted(got) == sorted(expected)
     for name, g in expected.items():
@@ -362,13 +376,12 @@ def test_gradient_checkpointing_recomputes_the_memory_with_exact_gradients(reent
         return total[0]
 
     with_ckpt = saved_bytes(model)
-    model.gradient_checkpointing_disable()
+    _checkpointing(model, False)
     without_ckpt = saved_bytes(model)
     handle_state = model.config.tensor_memory
     hf.detach_memory(model)
     base_plain = saved_bytes(model)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={
-        "use_reentrant": reentrant})
+    _checkpointing(model, True, reentrant)
     base_ckpt = saved_bytes(model)
     assert handle_state["chunk_size"] == 3
     assert with_ckpt - base_ckpt < 0.25 * (without_ckpt - base_plain)
