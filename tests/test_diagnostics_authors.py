@@ -115,7 +115,7 @@ def test_authors_tensor_memory_is_one_shared_layer_with_a_gate_per_block():
     assert model.gate_values() == [0.5, 0.5]
     names = [n for n, _ in model.named_parameters()]
     assert sum(n.endswith("sigma_net.bias") for n in names) == 1  # listed once
-    assert float(shared.sigma_net.bias) == 1.0
+    assert float(shared.sigma_net.bias.detach()) == 1.0
     c = CFG.memory_channels
     assert torch.all(shared.cell.pointwise_bias[c:2 * c] == 0)  # forget bias 0
     assert model.carried_numbers() == 2 * c * 27
@@ -193,6 +193,10 @@ def test_sweep_parts_and_estimate(tmp_path):
                                                                                   200]
     with pytest.raises(ValueError, match="parts"):
         sweep_experiments(("nope",))
+    picked = sweep_experiments(("binding-exact", "collapse"), models=("transformer",))
+    assert [[e.label for e in exp.entries] for _, exp in picked] == [
+        ["transformer"], ["transformer, 500 steps", "transformer, 2000 steps",
+                          "transformer, 4000 steps"]]
     est = estimate_sweep(tmp_path, parts=("binding-exact",), scale="tiny", seeds=(0,),
                          steps=1)
     assert (tmp_path / "sweep-estimate.json").exists()
@@ -221,3 +225,16 @@ def test_collapse_verdict_names_the_smallest_budget_beyond_the_seed_spread():
     assert lines[1].startswith("W=50: Tensor Memory is never ahead")  # +10 < spread 20
     assert lines[2] == "smallest such setting: W=20 at 2000 steps"
     assert collapse_verdict({"config": {"task": {}}, "rows": [], "settings": []}) == []
+
+
+@pytest.mark.parametrize("name", ["mapping", "occlusion"])
+def test_authors_exact_runs_the_other_paper_tasks(name, tmp_path):
+    exp = make_experiment(name, "tiny", seeds=(0,), steps=3, protocol="paper",
+                          authors_exact=True)
+    exp.entries = [e for e in exp.entries if e.label in ("transformer", "tensor_memory")]
+    exp.task.eval_settings = exp.task.eval_settings[:1]
+    result = run_experiment(exp, tmp_path, progress=False)
+    assert (tmp_path / f"{name}-paper-exact.json").exists()
+    assert {r["model"] for r in result["rows"]} == {"transformer", "tensor_memory"}
+    tm = next(r for r in result["rows"] if r["model"] == "tensor_memory")
+    assert tm["reset"] and result["carried"]["tensor_memory"] > 0

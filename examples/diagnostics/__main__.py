@@ -163,7 +163,8 @@ def main(argv: list[str] | None = None) -> int:
                                  steps=args.estimate_steps, threads=args.threads,
                                  console=console, command=command)
         else:
-            sweep.run_sweep(args.out, parts=parts, scale=scale, seeds=seeds, jobs=args.jobs,
+            sweep.run_sweep(args.out, parts=parts, scale=scale, seeds=seeds,
+                            models=tuple(args.models) if args.models else None, jobs=args.jobs,
                             threads=args.threads, cache=args.cache,
                             cached_only=args.cached_only, progress=not args.no_progress,
                             console=console, command=command)

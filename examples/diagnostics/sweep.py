@@ -69,25 +69,38 @@ PARTS = (Part("binding", "binding"), Part("binding-exact", "binding", authors_ex
 
 
 def sweep_experiments(parts: tuple[str, ...] | None = None, scale: str = "full",
-                      seeds: tuple[int, ...] = SEEDS) -> list[tuple[Part, Experiment]]:
-    """The experiments of the named parts (all of :data:`PARTS` by default), in order."""
+                      seeds: tuple[int, ...] = SEEDS, models: tuple[str, ...] | None = None
+                      ) -> list[tuple[Part, Experiment]]:
+    """The experiments of the named parts (all of :data:`PARTS` by default), in order;
+    ``models``: only the rows whose label or kind is named (the collapse rows are
+    ``"<kind>, <budget> steps"``), parts left with no row are dropped."""
     names = [p.name for p in PARTS]
     unknown = sorted(set(parts or ()) - set(names))
     if unknown:
         raise ValueError(f"parts: expected some of {names}, got {unknown}")
-    return [(p, make_experiment(p.task, scale, seeds, protocol="paper",
-                                authors_exact=p.authors_exact))
-            for p in PARTS if parts is None or p.name in parts]
+    out = []
+    for part in PARTS:
+        if parts is not None and part.name not in parts:
+            continue
+        exp = make_experiment(part.task, scale, seeds, protocol="paper",
+                              authors_exact=part.authors_exact)
+        if models is not None:
+            exp.entries = [e for e in exp.entries
+                           if e.label in models or (e.kind in models and e.train_overrides)]
+        if exp.entries:
+            out.append((part, exp))
+    return out
 
 
 def run_sweep(out_dir: Path, *, parts: tuple[str, ...] | None = None, scale: str = "full",
-              seeds: tuple[int, ...] = SEEDS, jobs: int = 1, threads: int = 1,
+              seeds: tuple[int, ...] = SEEDS, models: tuple[str, ...] | None = None,
+              jobs: int = 1, threads: int = 1,
               cache: Path | None = None, cached_only: bool = False, progress: bool = False,
               console: Console | None = None, command: str = "") -> list[dict]:
     """Run (or, ``cached_only``, assemble) every part; returns the results dictionaries."""
     console = console or Console()
     done = []
-    for part, exp in sweep_experiments(parts, scale, seeds):
+    for part, exp in sweep_experiments(parts, scale, seeds, models):
         console.rule(f"sweep: {part.name} ({scale} scale, seeds {list(seeds)})")
         done.append(run_experiment(exp, out_dir, progress=progress, console=console,
                                    jobs=jobs, threads=threads, command=command,
