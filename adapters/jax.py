@@ -333,9 +333,35 @@ def conv_params(cell: Mapping[str, jax.Array]) -> ConvParams:
     return tl.cell_params({"cell": cell})
 
 
-def _layer_config(params: Mapping[str, Any], x: Any, state: Any, *, chunk_size: Any,
-                  memory_shape: Any, sigma_scale: Any, eps: Any, radius: Any,
-                  checkpoint_every: Any) -> tl.LayerConfig:
+_CONFIGS: dict = {}  # the checked configs of earlier calls, by what decided them
+
+
+def _layer_config(params: Mapping[str, Any], x: Any, state: Any, **kwargs: Any
+                  ) -> tl.LayerConfig:
+    """:func:`_checked_config`, remembered by the parameters' shapes and dtypes, the state's
+    grid and the keywords: an eager decode loop checks its layer once, not per token."""
+    try:
+        leaves = tuple((group, leaf, tuple(params[group][leaf].shape),
+                        str(params[group][leaf].dtype)) for group, leaf in LAYER_KEYS)
+        h = state[0] if isinstance(state, (tuple, list)) and len(state) == 2 else None
+        grid = tuple(h.shape) if hasattr(h, "shape") else type(state).__name__
+        key = (leaves, grid, tuple(sorted(
+            (k, tuple(v) if isinstance(v, list) else v) for k, v in kwargs.items())))
+        config = _CONFIGS.get(key)
+    except Exception:  # a malformed or unhashable argument: the checks below name it
+        key = config = None
+    if config is None:
+        config = _checked_config(params, x, state, **kwargs)
+        if key is not None:
+            if len(_CONFIGS) > 256:
+                _CONFIGS.clear()
+            _CONFIGS[key] = config
+    return config
+
+
+def _checked_config(params: Mapping[str, Any], x: Any, state: Any, *, chunk_size: Any,
+                    memory_shape: Any, sigma_scale: Any, eps: Any, radius: Any,
+                    checkpoint_every: Any) -> tl.LayerConfig:
     """The layer's config from its parameters (``d, C, n, L``) and the call's arguments;
     the grid from ``memory_shape``, else from the state."""
     d, channels, n, length = tl.sizes_from_params(params)
@@ -516,12 +542,22 @@ def apply(
     _check_values_eagerly({"x": x, "state.h": state.h, "state.c": state.c})
     if batch == 0 or tokens == 0:  # nothing to scan; shapes as for any other input
         return jnp.zeros((batch, tokens, d), dtype), state
-    theta = {group: {leaf: value.astype(dtype) for leaf, value in params[group].items()}
-             for group in tl.GROUPS if group != "cell"}
-    cell = ConvParams(*(a.astype(dtype) for a in conv_params(params["cell"])))
+    theta, cell = _cast_params(params, dtype)
     out, (h, c) = forward_mode_guard("apply", lambda: layer(config).forward(
         jnp, theta, x, tuple(state), scan=_layer_scan(config, cell)))
     return out, MemoryState(h, c)
+
+
+def _cast(value: Any, dtype: Any) -> Any:
+    return value if getattr(value, "dtype", None) == dtype else value.astype(dtype)
+
+
+def _cast_params(params: Mapping[str, Any], dtype: Any) -> tuple[dict, ConvParams]:
+    """The head parameters ``{group: {leaf: array}}`` and the cell's :class:`ConvParams`
+    in the compute ``dtype`` (leaves already in it are not copied)."""
+    theta = {group: {leaf: _cast(value, dtype) for leaf, value in params[group].items()}
+             for group in tl.GROUPS if group != "cell"}
+    return theta, ConvParams(*(_cast(a, dtype) for a in conv_params(params["cell"])))
 
 
 def _layer_scan(config: tl.LayerConfig, cell: ConvParams) -> tl.Scan:
@@ -563,9 +599,7 @@ def _apply_stream(params: Mapping[str, Any], x: jax.Array, state: Any,
     else:  # a pair: the count is known to be 0 (a chunk boundary), and x's sharding
         state = _zero_state_like(x, config)
     _check_values_eagerly({"x": x})
-    theta = {group: {leaf: value.astype(dtype) for leaf, value in params[group].items()}
-             for group in tl.GROUPS if group != "cell"}
-    cell = ConvParams(*(a.astype(dtype) for a in conv_params(params["cell"])))
+    theta, cell = _cast_params(params, dtype)
     static = _StreamStatic(layer, config, _scan_mod.options_key())
     if doc_starts is not None:
         return forward_mode_guard("apply", lambda: _stream_call(
@@ -630,6 +664,15 @@ def _layer_norm(p: Mapping[str, jax.Array], x: jax.Array) -> jax.Array:
     return (x - mean) * lax.rsqrt(var + _LAYER_NORM_EPS) * p["weight"] + p["bias"]
 
 
+def _gated(x: jax.Array, gate: jax.Array, out: jax.Array) -> jax.Array:
+    return x + jax.nn.sigmoid(gate) * out
+
+
+# one dispatch each when called eagerly (inlined under an outer trace)
+_norm_jit = jax.jit(_layer_norm)
+_gated_jit = jax.jit(_gated)
+
+
 def residual_apply(
     params: Mapping[str, Any], x: jax.Array, state: Any = None, **kwargs: Any
 ) -> tuple[jax.Array, MemoryState]:
@@ -638,8 +681,8 @@ def residual_apply(
     ``kwargs`` are :func:`apply`'s keywords (``memory_shape``, ``sigma_scale``,
     ``reset``, ``checkpoint_every``, ...). The gate may be ``(1,)`` or 0-dim.
     """
-    out, state = apply(params["memory"], _layer_norm(params["norm"], x), state, **kwargs)
-    return x + jax.nn.sigmoid(params["gate"]) * out, state
+    out, state = apply(params["memory"], _norm_jit(params["norm"], x), state, **kwargs)
+    return _gated_jit(x, params["gate"], out), state
 
 
 def stack_apply(

@@ -85,8 +85,10 @@ def _stream_state(xp: Any, state: Any, x: Any,
     reading an array (``None``, a pair, Python-int counts), else ``None``."""
     batch = x.shape[0]
     device = _device(x)
-    empty = xp.zeros((batch, config.chunk_size, config.embed_dim), dtype=x.dtype, device=device)
     zeros = (0,) * batch
+    if not isinstance(state, StreamState):
+        empty = xp.zeros((batch, config.chunk_size, config.embed_dim), dtype=x.dtype,
+                         device=device)
     if state is None:
         h, c = zero_state(xp, config, batch, dtype=x.dtype, device=device)
         return StreamState(h, c, empty, _count_array(xp, zeros, device),
