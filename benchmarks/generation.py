@@ -13,6 +13,14 @@ resident set during prefill + decode (``peak_rss_growth``).
     python -m benchmarks.generation            # CPU, ~1-2 minutes
     python -m benchmarks.generation --tiny     # seconds (smoke)
 
+JAX rows (``--jax``, on by default; examples/jax_lm's NNX model: full attention with a
+fixed-size KV cache, with and without memory) measure per-token decode latency three ways:
+``eager`` (the model called op by op; the memory's stream step is one compiled call),
+``jit step`` (one ``nnx.jit`` step, compiled once for every token) and ``scan`` (the whole
+decode as one ``lax.scan``, time / tokens); the prompt is one jitted prefill.
+``--jax-only`` runs only those rows and writes ``benchmarks/results/generation-jax.json``
+(rendered in docs/guides/jax-generation.md).
+
 Writes ``benchmarks/results/generation.json`` (``command``, ``commit``, ``config``,
 ``machine``, ``rows``) and prints the Markdown table docs/guides/streaming.md shows.
 """
@@ -32,8 +40,11 @@ KINDS = {  # name -> (window, memory)
     "window": (64, False),
     "window+memory": (64, True),
 }
+JAX_KINDS = {"jax attention": False, "jax attention+memory": True}  # name -> memory
+JAX_MODES = ("eager", "jit step", "scan")
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                        "generation.json")
+RESULTS_JAX = os.path.join(os.path.dirname(RESULTS), "generation-jax.json")
 
 
 def _config(args: argparse.Namespace, kind: str):
@@ -87,6 +98,65 @@ def measure(args: argparse.Namespace, kind: str, context: int) -> dict:
             "params": sum(p.numel() for p in model.parameters())}
 
 
+def measure_jax(args: argparse.Namespace, kind: str, context: int) -> list[dict]:
+    """The rows of one JAX (model, context), one per decode mode, in this process (one
+    XLA thread)."""
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                               " --xla_cpu_multi_thread_eigen=false"
+                               " intra_op_parallelism_threads=1").strip()
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from benchmarks.common import peak_rss_growth
+    from examples.jax_lm.model import JaxLM, LMConfig, _decode, prefill, step
+
+    jax.config.update("jax_platforms", "cpu")
+    config = LMConfig(width=args.width, layers=args.layers, heads=args.heads,
+                      memory=JAX_KINDS[kind], memory_channels=args.channels,
+                      memory_shape=tuple(args.grid), chunk_size=args.chunk)
+    model = JaxLM(config, rngs=nnx.Rngs(0))
+    prompt = jax.random.randint(jax.random.key(1), (1, context), 0, 256, jnp.int32)
+    total = context + (args.passes + 1) * args.decode + 1
+    graph, state = nnx.split(model)
+    rows, times = [], {}
+
+    def run():
+        start = time.perf_counter()
+        logits, cache = prefill(model, prompt, model.init_cache(1, total))
+        token = jnp.argmax(logits[:, -1:], axis=-1).block_until_ready()
+        times["prefill_s"] = time.perf_counter() - start   # includes compiling
+        for mode in JAX_MODES:
+            def decode(token, cache, mode=mode):
+                if mode == "scan":
+                    out = _decode(graph, state, token[:, 0], cache, args.decode)
+                    return out[:, -1:], cache
+                for _ in range(args.decode):
+                    logits, cache = (model(token, cache) if mode == "eager"
+                                     else step(model, token, cache))
+                    token = jnp.argmax(logits[:, -1:], axis=-1)
+                return token.block_until_ready(), cache
+            decode(token, cache)                              # compile / warm up
+            passes = []
+            for _ in range(args.passes):
+                start = time.perf_counter()
+                decode(token, cache)
+                passes.append(time.perf_counter() - start)
+            times[mode] = min(passes)
+        times["cache_bytes"] = sum(a.nbytes for a in jax.tree.leaves(cache))
+        return cache
+
+    peak = peak_rss_growth(run)
+    for mode in JAX_MODES:
+        rows.append({"model": f"{kind} ({mode})", "context": context,
+                     "decode_tokens_per_s": args.decode / times[mode],
+                     "ms_per_token": 1e3 * times[mode] / args.decode,
+                     "prefill_tokens_per_s": context / times["prefill_s"],
+                     "cache_bytes": times["cache_bytes"], "peak_rss_growth_bytes": peak,
+                     "params": sum(a.size for a in jax.tree.leaves(state))})
+    return rows
+
+
 def _commit() -> str:
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
@@ -100,12 +170,30 @@ def table(result: dict) -> str:
     lines = ["| model | context | decode tokens/s | prefill tokens/s | cache held | "
              "peak RSS growth |", "|---|---:|---:|---:|---:|---:|"]
     for r in result["rows"]:
+        if str(r.get("model", "")).startswith("jax"):
+            continue
         if "error" in r:
             lines.append(f"| {r['model']} | {r['context']} | error | | | |")
             continue
         lines.append(f"| {r['model']} | {r['context']} | {r['decode_tokens_per_s']:.0f} | "
                      f"{r['prefill_tokens_per_s']:.0f} | {r['cache_bytes'] / 2**10:.0f} KiB | "
                      f"{r['peak_rss_growth_bytes'] / 2**20:.1f} MiB |")
+    return "\n".join(lines)
+
+
+def jax_table(result: dict) -> str:
+    """The Markdown table of the JAX rows (per-token latency by decode mode)."""
+    lines = ["| model (decode) | context | ms / token | decode tokens/s | prefill tokens/s "
+             "(with compile) | cache held |", "|---|---:|---:|---:|---:|---:|"]
+    for r in result["rows"]:
+        if not str(r.get("model", "")).startswith("jax"):
+            continue
+        if "error" in r:
+            lines.append(f"| {r['model']} | {r['context']} | error | | | |")
+            continue
+        lines.append(f"| {r['model']} | {r['context']} | {r['ms_per_token']:.2f} | "
+                     f"{r['decode_tokens_per_s']:.0f} | {r['prefill_tokens_per_s']:.0f} | "
+                     f"{r['cache_bytes'] / 2**10:.0f} KiB |")
     return "\n".join(lines)
 
 
@@ -123,7 +211,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--grid", type=int, nargs="+", default=[8, 8, 8])
     p.add_argument("--chunk", type=int, default=16)
     p.add_argument("--tiny", action="store_true", help="a few seconds: small sizes, no file")
-    p.add_argument("--out", default=RESULTS)
+    p.add_argument("--jax-only", action="store_true",
+                   help=f"only the JAX rows, written to {os.path.basename(RESULTS_JAX)}")
+    p.add_argument("--out", default=None, help="results file (default: by the rows run)")
+    p.add_argument("--jax", action=argparse.BooleanOptionalAction, default=True,
+                   help="add the JAX rows (examples/jax_lm; needs jax and flax)")
     p.add_argument("--one", nargs=2, metavar=("KIND", "CONTEXT"), help=argparse.SUPPRESS)
     return p
 
@@ -136,7 +228,10 @@ def main(argv: list[str] | None = None) -> dict:
         args.passes = 1
         args.grid, args.channels, args.chunk, args.piece = [3, 3, 3], 4, 4, 16
     if args.one:
-        row = measure(args, args.one[0], int(args.one[1]))
+        if args.one[0] in JAX_KINDS:
+            row = {"rows": measure_jax(args, args.one[0], int(args.one[1]))}
+        else:
+            row = measure(args, args.one[0], int(args.one[1]))
         print(json.dumps(row))
         return row
     from benchmarks.common import machine_line, run_isolated
@@ -144,12 +239,17 @@ def main(argv: list[str] | None = None) -> dict:
     base = [a for a in argv if a != "--tiny"] if not args.tiny else argv
     rows = []
     for context in args.contexts:
-        for kind in args.kinds:
+        for kind in ([] if args.jax_only else args.kinds):
             row = run_isolated("benchmarks.generation", [*base, "--one", kind, str(context)])
             row.setdefault("model", kind)
             row.setdefault("context", context)
             rows.append(row)
             print(json.dumps(row), file=sys.stderr)
+        for kind in (JAX_KINDS if (args.jax or args.jax_only) and _has_jax() else ()):
+            got = run_isolated("benchmarks.generation", [*base, "--one", kind, str(context)])
+            for row in got.get("rows", [{"model": kind, "context": context, **got}]):
+                rows.append(row)
+                print(json.dumps(row), file=sys.stderr)
     config = {k: getattr(args, k) for k in ("contexts", "kinds", "decode", "passes", "piece",
                                             "width", "layers", "heads", "channels", "grid",
                                             "chunk")}
@@ -157,14 +257,28 @@ def main(argv: list[str] | None = None) -> dict:
     config["batch"] = 1
     config["dtype"] = "float32"
     config["threads"] = 1
+    config["jax"] = bool((args.jax or args.jax_only) and _has_jax())
+    if args.jax_only:
+        config["kinds"] = list(JAX_KINDS)
     result = {"command": " ".join(["python -m benchmarks.generation", *argv]),
               "commit": _commit(), "machine": machine_line(), "config": config, "rows": rows}
+    out = args.out or (RESULTS_JAX if args.jax_only else RESULTS)
     if not args.tiny:
-        with open(args.out, "w") as f:
+        with open(out, "w") as f:
             json.dump(result, f, indent=1)
             f.write("\n")
-    print(table(result))
+    if not args.jax_only:
+        print(table(result))
+    if config["jax"]:
+        print()
+        print(jax_table(result))
     return result
+
+
+def _has_jax() -> bool:
+    import importlib.util
+
+    return all(importlib.util.find_spec(m) is not None for m in ("jax", "flax"))
 
 
 if __name__ == "__main__":
