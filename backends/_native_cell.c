@@ -232,22 +232,26 @@ static inline T NAME(fwd_at)(T x, T x_left, T x_right, int left, int right, T t0
     return ((bias + t1 * x) + l) + r;
 }
 
+/* The regions of a pass: [0, r1) has no left neighbour in the plane, [r2, P) no right
+ * one (r1 = min(st, P), r2 = max(P - st, 0)); where a neighbour lies in the plane, the
+ * load is safe and the edge masks decide, so every region is a plain vector loop. */
 static void NAME(pass_fwd)(const T *restrict x, T *restrict y, i64 P, i64 st,
                            const T *restrict hl, const T *restrict hr, const T *taps, T bias) {
     const T t0 = taps[0], t1 = taps[1], t2 = taps[2];
-    i64 lo = st < P ? st : P, hi = P - st > lo ? P - st : lo;
-    for (i64 m = 0; m < lo; ++m) {
-        int right = m + st < P && hr[m] != 0;
-        y[m] = NAME(fwd_at)(x[m], 0, right ? x[m + st] : 0, 0, right, t0, t1, t2, bias);
-    }
+    i64 r1 = st < P ? st : P, r2 = P - st > 0 ? P - st : 0;
+    i64 a_end = r1 < r2 ? r1 : r2, c_start = r1 > r2 ? r1 : r2;
 #pragma omp simd
-    for (i64 m = lo; m < hi; ++m)
+    for (i64 m = 0; m < a_end; ++m)  /* right neighbour only */
+        y[m] = NAME(fwd_at)(x[m], 0, x[m + st], 0, hr[m] != 0, t0, t1, t2, bias);
+#pragma omp simd
+    for (i64 m = r1; m < r2; ++m)    /* both */
         y[m] = NAME(fwd_at)(x[m], x[m - st], x[m + st], hl[m] != 0, hr[m] != 0, t0, t1, t2,
                             bias);
-    for (i64 m = hi; m < P; ++m) {
-        int left = m >= st && hl[m] != 0;
-        y[m] = NAME(fwd_at)(x[m], left ? x[m - st] : 0, 0, left, 0, t0, t1, t2, bias);
-    }
+    for (i64 m = r2; m < r1; ++m)    /* neither (an axis of size 1) */
+        y[m] = NAME(fwd_at)(x[m], 0, 0, 0, 0, t0, t1, t2, bias);
+#pragma omp simd
+    for (i64 m = c_start; m < P; ++m)  /* left neighbour only */
+        y[m] = NAME(fwd_at)(x[m], x[m - st], 0, hl[m] != 0, 0, t0, t1, t2, bias);
 }
 
 /* Backward of one pass at m: din = (t1 g + t2 g[-1]) + t0 g[+1] (the flipped taps, in
@@ -271,33 +275,28 @@ static void NAME(pass_bwd)(const T *restrict x, const T *restrict g, T *restrict
                            i64 st, const T *restrict hl, const T *restrict hr, const T *taps,
                            double *acc) {
     const T t0 = taps[0], t1 = taps[1], t2 = taps[2];
-    i64 lo = st < P ? st : P, hi = P - st > lo ? P - st : lo;
-    NAME(tap_sums) edge = {0, 0, 0, 0};
+    i64 r1 = st < P ? st : P, r2 = P - st > 0 ? P - st : 0;
+    i64 a_end = r1 < r2 ? r1 : r2, c_start = r1 > r2 ? r1 : r2;
     T a0 = 0, a1 = 0, a2 = 0, ab = 0;
-    for (i64 m = 0; m < lo; ++m) {
-        int right = m + st < P && hr[m] != 0;
-        din[m] = NAME(bwd_at)(g[m], 0, right ? g[m + st] : 0, x[m], 0,
-                              right ? x[m + st] : 0, 0, right, t0, t1, t2, &edge);
+#define TM_BWD_REGION(lo, hi, GL, GR, XL, XR, L, R)                                       \
+    _Pragma("omp simd reduction(+:a0, a1, a2, ab)")                                      \
+    for (i64 m = (lo); m < (hi); ++m) {                                                  \
+        NAME(tap_sums) s = {0, 0, 0, 0};                                                 \
+        din[m] = NAME(bwd_at)(g[m], GL, GR, x[m], XL, XR, L, R, t0, t1, t2, &s);          \
+        a0 += s.t0;                                                                      \
+        a1 += s.t1;                                                                      \
+        a2 += s.t2;                                                                      \
+        ab += s.bias;                                                                    \
     }
-#pragma omp simd reduction(+:a0, a1, a2, ab)
-    for (i64 m = lo; m < hi; ++m) {
-        NAME(tap_sums) s = {0, 0, 0, 0};
-        din[m] = NAME(bwd_at)(g[m], g[m - st], g[m + st], x[m], x[m - st], x[m + st],
-                              hl[m] != 0, hr[m] != 0, t0, t1, t2, &s);
-        a0 += s.t0;
-        a1 += s.t1;
-        a2 += s.t2;
-        ab += s.bias;
-    }
-    for (i64 m = hi; m < P; ++m) {
-        int left = m >= st && hl[m] != 0;
-        din[m] = NAME(bwd_at)(g[m], left ? g[m - st] : 0, 0, x[m], left ? x[m - st] : 0, 0,
-                              left, 0, t0, t1, t2, &edge);
-    }
-    acc[0] += (double)a0 + edge.t0;
-    acc[1] += (double)a1 + edge.t1;
-    acc[2] += (double)a2 + edge.t2;
-    acc[3] += (double)ab + edge.bias;
+    TM_BWD_REGION(0, a_end, 0, g[m + st], 0, x[m + st], 0, hr[m] != 0)
+    TM_BWD_REGION(r1, r2, g[m - st], g[m + st], x[m - st], x[m + st], hl[m] != 0, hr[m] != 0)
+    TM_BWD_REGION(r2, r1, 0, 0, 0, 0, 0, 0)
+    TM_BWD_REGION(c_start, P, g[m - st], 0, x[m - st], 0, hl[m] != 0, 0)
+#undef TM_BWD_REGION
+    acc[0] += (double)a0;
+    acc[1] += (double)a1;
+    acc[2] += (double)a2;
+    acc[3] += (double)ab;
 }
 
 /* Plane (b, ch) of an input split in two parts: channels [0, Ca) in xa, the others in
