@@ -92,23 +92,28 @@ class Window(NamedTuple):
     box: tuple[int, ...]
 
 
+def _per_axis(xp: Any, values: list[float], like: Any) -> Any:
+    """A ``(n,)`` array of ``values`` in ``like``'s dtype and device (uncommitted in JAX)."""
+    kw: dict[str, Any] = {"dtype": like.dtype}
+    if not array_api_compat.is_jax_array(like):
+        kw["device"] = array_api_compat.device(like)
+    return xp.asarray(values, **kw)
+
+
 def window_geometry(xp: Any, coords: Any, shape: tuple[int, ...], window: int) -> Window:
     """The :class:`Window` of writes at ``coords (B, n)`` (normalized, coordinate order)."""
-    n = len(shape)
     dtype = index_dtype(xp, array_api_compat.device(coords))
-    starts, box_starts, sizes, boxes = [], [], [], []
-    for axis in range(n):
-        s = shape[axis]
-        size, box = min(window, s), min(window + 2, s)
-        u = (coords[:, axis_of_component(axis, n)] + 1.0) * ((s - 1) / 2.0)
-        u = xp.clip(u, 0.0, float(s - 1))
-        start = xp.clip(xp.round(u) - float(size // 2), 0.0, float(s - size))
-        starts.append(start)
-        box_starts.append(xp.clip(start - 1.0, 0.0, float(s - box)))
-        sizes.append(size)
-        boxes.append(box)
-    return Window(to_index(xp, xp.stack(starts, axis=1), dtype), tuple(sizes),
-                  to_index(xp, xp.stack(box_starts, axis=1), dtype), tuple(boxes))
+    sizes = tuple(min(window, s) for s in shape)
+    boxes = tuple(min(window + 2, s) for s in shape)
+    u = (xp.flip(coords, axis=1) + 1.0) * _per_axis(xp, [(s - 1) / 2.0 for s in shape], coords)
+    u = xp.clip(u, 0.0, _per_axis(xp, [float(s - 1) for s in shape], coords))
+    start = xp.clip(xp.round(u) - _per_axis(xp, [float(w // 2) for w in sizes], coords), 0.0,
+                    _per_axis(xp, [float(s - w) for s, w in zip(shape, sizes, strict=True)],
+                              coords))
+    box_start = xp.clip(start - 1.0, 0.0,
+                        _per_axis(xp, [float(s - b) for s, b in zip(shape, boxes, strict=True)],
+                                  coords))
+    return Window(to_index(xp, start, dtype), sizes, to_index(xp, box_start, dtype), boxes)
 
 
 def _axis_masks(xp: Any, first: Any, size: tuple[int, ...], extent: tuple[int, ...]) -> list[Any]:
@@ -144,14 +149,19 @@ def _box_window_masks(xp: Any, geometry: Window) -> list[Any]:
     return _axis_masks(xp, geometry.start - geometry.box_start, geometry.size, geometry.box)
 
 
-def _take_rows(xp: Any, rows: Any, first: Any, length: int) -> Any:
-    """``rows (B, L)`` -> ``(B, length)``: ``rows[b, first[b] + j]``."""
+def _take_rows(xp: Any, rows: Any, columns: list[int], firsts: list[Any],
+               lengths: tuple[int, ...]) -> Any:
+    """Pieces of ``rows (B, L)`` in one ``take``: piece ``k`` is
+    ``rows[b, columns[k] + firsts[k][b] + j]`` for ``j < lengths[k]``; ``(B, sum(lengths))``."""
     batch, extent = rows.shape
-    device = array_api_compat.device(first)
-    base = xp.arange(batch, dtype=first.dtype, device=device)[:, None] * extent
-    index = base + first[:, None] + xp.arange(length, dtype=first.dtype, device=device)[None, :]
-    return xp.reshape(xp.take(xp.reshape(rows, (-1,)), xp.reshape(index, (-1,))),
-                      (batch, length))
+    dtype = firsts[0].dtype
+    device = array_api_compat.device(firsts[0])
+    pieces = [xp.reshape(first, (batch, 1)) + (xp.arange(length, dtype=dtype, device=device)
+                                                 + column)[None, :]
+              for column, first, length in zip(columns, firsts, lengths, strict=True)]
+    base = xp.arange(batch, dtype=dtype, device=device)[:, None] * extent
+    index = xp.reshape(xp.concat(pieces, axis=1) + base, (-1,))
+    return xp.reshape(xp.take(xp.reshape(rows, (-1,)), index), (batch, sum(lengths)))
 
 
 def _zero(xp: Any, x: Any) -> Any:
@@ -179,13 +189,22 @@ def _box_write(xp: Any, write: StepInputs, geometry: Window, shape: tuple[int, .
     mu = write.write_coords[:, None, :]
     profiles, offsets, denom = gaussian_profiles(xp, mu, write.write_sigma[:, None], shape,
                                                  eps, radius)
-    box_profiles, box_offsets = [], []
+    n = len(shape)
+    rows = xp.concat([p[:, 0, :] for p in profiles] + [o[:, 0, :] for o in offsets], axis=1)
+    columns, firsts, at = [], [], 0
+    for _ in range(2):  # the profiles, then the offsets
+        for axis in range(n):
+            columns.append(at)
+            firsts.append(geometry.box_start[:, axis])
+            at += shape[axis]
+    cut = _take_rows(xp, rows, columns, firsts, geometry.box * 2)
+    box_profiles, box_offsets, at = [], [], 0
     for axis, length in enumerate(geometry.box):
-        first = geometry.box_start[:, axis]
-        profile = _take_rows(xp, profiles[axis][:, 0, :], first, length)
-        profile = xp.where(masks[axis], profile, _zero(xp, profile))
-        box_profiles.append(profile[:, None, :])
-        box_offsets.append(_take_rows(xp, offsets[axis][:, 0, :], first, length)[:, None, :])
+        profile = cut[:, at : at + length]
+        box_profiles.append(xp.where(masks[axis], profile, _zero(xp, profile))[:, None, :])
+        start = sum(geometry.box) + at
+        box_offsets.append(cut[:, start : start + length][:, None, :])
+        at += length
     dense = outer_product(xp, box_profiles)  # (B, 1, prod(box))
     volume = write.write_content[:, :, None] * dense
     box = xp.reshape(volume, (batch, volume.shape[1], *geometry.box))
@@ -421,29 +440,23 @@ def _corners(xp: Any, coords: Any, shape: tuple[int, ...]):
     addressing that axis; the conventions of :func:`tmcore.sampling.tent_profiles`
     (border clamping, right-sided derivative at cell centres, zero at the border).
     """
-    n = len(shape)
     dtype = index_dtype(xp, array_api_compat.device(coords))
-    starts, sizes, weights, slopes = [], [], [], []
-    for axis in range(n):
-        s = shape[axis]
-        half = (s - 1) / 2.0
-        u = (xp.clip(coords[:, axis_of_component(axis, n)], -1.0, 1.0) + 1.0) * half
-        clamped = xp.clip(u, 0.0, float(s - 1))
-        inside = xp.astype((u > 0.0) & (u < float(s - 1)), coords.dtype) + u * 0.0
-        if s == 1:
-            starts.append(xp.zeros_like(u))
-            sizes.append(1)
-            weights.append(xp.ones_like(u)[:, None, None] + u[:, None, None] * 0.0)
-            slopes.append(xp.zeros_like(u)[:, None, None] * inside[:, None, None])
-            continue
-        lower = xp.clip(xp.floor(clamped), 0.0, float(s - 2))
-        frac = clamped - lower
-        starts.append(lower)
-        sizes.append(2)
-        weights.append(xp.stack([1.0 - frac, frac], axis=-1)[:, None, :])
-        step = inside * half
-        slopes.append(xp.stack([-step, step], axis=-1)[:, None, :])
-    return to_index(xp, xp.stack(starts, axis=1), dtype), tuple(sizes), weights, slopes
+    half = _per_axis(xp, [(s - 1) / 2.0 for s in shape], coords)
+    top = _per_axis(xp, [float(s - 1) for s in shape], coords)
+    u = (xp.clip(xp.flip(coords, axis=1), -1.0, 1.0) + 1.0) * half  # spatial-axis order
+    clamped = xp.clip(u, 0.0, top)
+    # u * 0: NaN for a NaN coordinate (so its gradient is NaN too), else 0
+    inside = xp.astype((u > 0.0) & (u < top), coords.dtype) + u * 0.0
+    lower = xp.clip(xp.floor(clamped), 0.0,
+                    _per_axis(xp, [float(max(s - 2, 0)) for s in shape], coords))
+    frac = clamped - lower  # 0 on a 1-cell axis (its one weight is 1 - 0)
+    step = inside * half
+    weights = xp.stack([1.0 - frac, frac], axis=-1)  # (B, n, 2)
+    slopes = xp.stack([-step, step], axis=-1)
+    sizes = tuple(1 if s == 1 else 2 for s in shape)
+    return (to_index(xp, lower, dtype), sizes,
+            [weights[:, a : a + 1, :k] for a, k in enumerate(sizes)],
+            [slopes[:, a : a + 1, :k] for a, k in enumerate(sizes)])
 
 
 def _read_box(xp: Any, h: Any, coords: Any):
