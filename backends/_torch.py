@@ -64,6 +64,7 @@ from tmcore._options import Options, get_options
 from tmcore._separable import outer_product
 from tmcore.conv import ConvParams
 from tmcore.sampling import tent_profiles
+from tmcore.splat import gaussian_profiles
 
 from . import _native, _triton
 from ._mixed import with_float32_compute
@@ -624,6 +625,10 @@ class _BlockWrites:
         self.batch, self.steps = write_coords.shape[:2]
         self.volumes: dict[int, torch.Tensor] = {}
         self.grads: dict[int, torch.Tensor] = {}
+        self.volume_buffers: dict[int, torch.Tensor] = {}  # block -> its pool buffer
+        self.grad_buffers: dict[int, torch.Tensor] = {}
+        self.free_volumes: list[torch.Tensor] = []
+        self.free_grads: list[torch.Tensor] = []
         self.d_coords = self.d_sigma = self.d_content = None
 
     def _span(self, index: int) -> tuple[int, int]:
@@ -636,26 +641,53 @@ class _BlockWrites:
                 self.coords[:, start:stop].reshape(rows, 1, self.coords.shape[2]),
                 self.sigma[:, start:stop].reshape(rows, 1))
 
+    def _buffer(self, pool: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+        """A full block's ``(B L, C, *S)`` buffer from ``pool`` (or a new one): the scan
+        reuses its few block buffers instead of faulting in MBs per block."""
+        if pool:
+            return pool.pop()
+        full = self.batch * min(_WRITE_BLOCK, self.steps)
+        return _empty_huge((full, self.content.shape[2], *self.shape), like.dtype)
+
     def volume(self, t: int) -> torch.Tensor:
         index = t // _WRITE_BLOCK
         block = self.volumes.get(index)
         if block is None:
             if len(self.volumes) >= 2:
-                self.volumes.pop(next(iter(self.volumes)))
+                self._free_volume(next(iter(self.volumes)))
             start, stop = self._span(index)
-            written = self.splat_fwd(self.xp, *self._inputs(index), self.shape, self.eps,
-                                     self.radius)
-            block = self.volumes[index] = _plain(written).reshape(
-                self.batch, stop - start, *written.shape[1:])
+            content, mu, sigma = self._inputs(index)
+            if content.dtype == mu.dtype == sigma.dtype:
+                # the generic splat of one write per row (splat_fwd's K = 1 case: the
+                # outer product content x weights), into a reused buffer
+                profiles, _, _ = gaussian_profiles(self.xp, mu, sigma, self.shape, self.eps,
+                                                   self.radius)
+                dense = outer_product(self.xp, profiles)  # (rows, 1, P)
+                rows = content.shape[0]
+                buffer = self.volume_buffers[index] = self._buffer(self.free_volumes, content)
+                out = buffer[:rows]
+                torch.mul(content[:, 0, :, None], dense,
+                          out=out.reshape(rows, content.shape[2], -1))
+            else:
+                out = _plain(self.splat_fwd(self.xp, content, mu, sigma, self.shape, self.eps,
+                                            self.radius))
+            block = self.volumes[index] = out.reshape(self.batch, stop - start, *out.shape[1:])
         return block[:, t - index * _WRITE_BLOCK]
+
+    def _free_volume(self, index: int) -> None:
+        self.volumes.pop(index, None)
+        buffer = self.volume_buffers.pop(index, None)
+        if buffer is not None:
+            self.free_volumes.append(buffer)
 
     def grad_slot(self, t: int, like: torch.Tensor) -> torch.Tensor:
         index = t // _WRITE_BLOCK
         block = self.grads.get(index)
         if block is None:
             start, stop = self._span(index)
-            block = self.grads[index] = _empty_huge(
-                (self.batch, stop - start, *like.shape[1:]), like.dtype)
+            buffer = self.grad_buffers[index] = self._buffer(self.free_grads, like)
+            block = self.grads[index] = buffer[: self.batch * (stop - start)].reshape(
+                self.batch, stop - start, *like.shape[1:])
         return block[:, t - index * _WRITE_BLOCK]
 
     def grad_done(self, t: int) -> None:
@@ -675,7 +707,8 @@ class _BlockWrites:
         self.d_coords[:, start:stop] = d_mu.reshape(self.batch, length, -1)
         self.d_sigma[:, start:stop] = d_sigma.reshape(self.batch, length)
         self.d_content[:, start:stop] = d_content.reshape(self.batch, length, -1)
-        self.volumes.pop(index, None)
+        self.free_grads.append(self.grad_buffers.pop(index))
+        self._free_volume(index)
 
 
 class _CpuCell:
