@@ -1,0 +1,140 @@
+"""The torch backend's fused CPU scan (``backends/_torch.py``: the whole chunk loop over
+the C kernels of ``backends/_native_cell.c``) against the generic per-step loop.
+
+Every spatial rank (1 to 4, axes of size 1), float32 and float64, checkpoint
+intervals that do and do not divide ``T``, write blocks of several steps, a
+truncation radius, read coordinates on cell centres, on and beyond the borders,
+infinite and NaN; and where it must step aside (native kernels off, a forced
+depthwise kernel, autograd recording).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="torch is not installed")
+
+import tmcore  # noqa: E402
+import tmcore.backends._native as native  # noqa: E402
+import tmcore.backends._torch as bt  # noqa: E402
+from tmcore.conv import ConvParams  # noqa: E402
+from tmcore.scan import memory_scan, memory_scan_vjp  # noqa: E402
+
+pytestmark = pytest.mark.skipif(native.library() is None,
+                                reason="the fused kernels cannot be built here (no C compiler)")
+
+_VALUES = [-1.0, -0.5, 0.0, 0.5, 1.0, 1.5, -2.0, float("inf"), -float("inf"), 0.25]
+
+
+def _inputs(shape, dtype, batch=2, channels=3, steps=7, edges=False, seed=0):
+    n = len(shape)
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(*s):
+        return torch.randn(*s, generator=gen, dtype=dtype)
+
+    h0, c0 = rand(batch, channels, *shape) * 0.5, rand(batch, channels, *shape) * 0.5
+    if edges:  # cell centres (size-5 axes), borders, beyond, +-inf
+        pick = torch.randint(0, len(_VALUES), (batch, steps, n), generator=gen)
+        read_coords = torch.tensor(_VALUES, dtype=dtype)[pick]
+    else:
+        read_coords = torch.tanh(rand(batch, steps, n))
+    write_coords = torch.tanh(rand(batch, steps, n))
+    write_sigma = torch.rand(batch, steps, generator=gen, dtype=dtype) * 0.4 + 0.1
+    content = rand(batch, steps, channels)
+    params = ConvParams(rand(n, 2 * channels, 3) * 0.4, rand(n, 2 * channels) * 0.1,
+                        rand(4 * channels, 2 * channels) * 0.3, rand(4 * channels) * 0.1)
+    cotangents = (rand(batch, steps, channels), rand(batch, channels, *shape),
+                  rand(batch, channels, *shape))
+    return (h0, c0, read_coords, write_coords, write_sigma, content, params), cotangents
+
+
+def _flat(values):
+    for v in values:
+        if isinstance(v, tuple):
+            yield from _flat(v)
+        else:
+            yield v
+
+
+def _both(args, cotangents, **kw):
+    fused = (*memory_scan(*args, **kw), *memory_scan_vjp(*args, *cotangents, **kw))
+    with tmcore.options(generic=True):
+        generic = (*memory_scan(*args, **kw), *memory_scan_vjp(*args, *cotangents, **kw))
+    return list(_flat(fused)), list(_flat(generic))
+
+
+def _assert_agree(fused, generic, rtol):
+    for a, b in zip(fused, generic, strict=True):
+        assert a.shape == b.shape and a.dtype == b.dtype
+        assert torch.equal(torch.isnan(a), torch.isnan(b))
+        a, b = torch.nan_to_num(a), torch.nan_to_num(b)
+        scale = float(b.abs().max()) + 1e-30
+        assert float((a - b).abs().max()) <= rtol * scale
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    """The number of fused-scan cell steps taken."""
+    calls = []
+    step = bt._CpuCell.step
+    monkeypatch.setattr(bt._CpuCell, "step", lambda self, *a: (calls.append(1), step(self, *a)))
+    return calls
+
+
+@pytest.mark.parametrize("shape", [(4, 3, 5), (6,), (2, 5), (3, 1, 4), (2, 3, 1, 2)])
+@pytest.mark.parametrize("every", [1, 3])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_fused_scan_matches_the_generic_loop(shape, every, dtype, counted):
+    args, cotangents = _inputs(shape, dtype)
+    fused, generic = _both(args, cotangents, checkpoint_every=every)
+    assert counted, "the fused CPU scan did not run"
+    _assert_agree(fused, generic, 1e-12 if dtype == torch.float64 else 2e-5)
+
+
+@pytest.mark.parametrize("shape", [(5, 5, 5), (5,), (1, 5), (5, 1, 2), (2, 5, 1, 3)])
+def test_fused_read_on_centres_borders_infinities_and_nan(shape, counted):
+    args, cotangents = _inputs(shape, torch.float64, batch=3, steps=6, edges=True, seed=1)
+    fused, generic = _both(args, cotangents)
+    _assert_agree(fused, generic, 1e-12)
+    args[2][1, 2, 0] = float("nan")  # NaN read: its read, gradients and batch's state NaN
+    fused, generic = _both(args, cotangents)
+    assert any(bool(torch.isnan(t).any()) for t in fused)
+    _assert_agree(fused, generic, 1e-12)
+
+
+def test_fused_scan_with_blocks_segments_and_a_radius(counted):
+    # 40 steps: write blocks of 16 (the last ragged), segments of 7 crossing blocks
+    args, cotangents = _inputs((3, 3), torch.float64, steps=40, seed=2)
+    for every in (7, 40):
+        _assert_agree(*_both(args, cotangents, checkpoint_every=every), 1e-12)
+    _assert_agree(*_both(args, cotangents, radius=1.5), 1e-12)
+    assert counted
+
+
+def test_fused_scan_steps_aside(counted):
+    args, cotangents = _inputs((3, 3), torch.float64, seed=3)
+    with tmcore.options(native=False):
+        memory_scan(*args)
+    with tmcore.options(depthwise="shifts"):
+        memory_scan(*args)
+    assert not counted
+    with torch.enable_grad():
+        h0 = args[0].clone().requires_grad_(True)
+        reads, _, _ = memory_scan(h0, *args[1:])
+        assert reads.grad_fn is not None  # autograd saw the generic ops
+    assert not counted
+
+
+def test_fused_scan_rejects_malformed_shapes():
+    args, _ = _inputs((3, 3), torch.float64, seed=4)
+    fused = tmcore._dispatch.ops_for(_namespace()).scan_fwd
+    bad = args[3][:, :, :1]  # write_coords (B, T, 1), expected (B, T, 2)
+    with pytest.raises(ValueError, match="write_coords"):
+        fused(_namespace(), args[0], args[1], args[2], bad, *args[4:], 1e-6, None, 1)
+
+
+def _namespace():
+    import array_api_compat
+
+    return array_api_compat.array_namespace(torch.empty(0))
