@@ -16,8 +16,9 @@ resident set during prefill + decode (``peak_rss_growth``).
 JAX rows (``--jax``, on by default; examples/jax_lm's NNX model: full attention with a
 fixed-size KV cache, with and without memory) measure per-token decode latency three ways:
 ``eager`` (the model called op by op; the memory's stream step is one compiled call),
-``jit step`` (one ``nnx.jit`` step, compiled once for every token) and ``scan`` (the whole
-decode as one ``lax.scan``, time / tokens); the prompt is one jitted prefill.
+``jit step`` (one ``jax.jit`` step over the split model, compiled once for every token)
+and ``scan`` (the whole decode as one ``lax.scan``, time / tokens); the prompt is one
+jitted prefill.
 ``--jax-only`` runs only those rows and writes ``benchmarks/results/generation-jax.json``
 (rendered in docs/guides/jax-generation.md).
 
@@ -109,7 +110,7 @@ def measure_jax(args: argparse.Namespace, kind: str, context: int) -> list[dict]
     from flax import nnx
 
     from benchmarks.common import peak_rss_growth
-    from examples.jax_lm.model import JaxLM, LMConfig, _decode, prefill, step
+    from examples.jax_lm.model import Decoder, JaxLM, LMConfig, decode
 
     jax.config.update("jax_platforms", "cpu")
     config = LMConfig(width=args.width, layers=args.layers, heads=args.heads,
@@ -118,29 +119,28 @@ def measure_jax(args: argparse.Namespace, kind: str, context: int) -> list[dict]
     model = JaxLM(config, rngs=nnx.Rngs(0))
     prompt = jax.random.randint(jax.random.key(1), (1, context), 0, 256, jnp.int32)
     total = context + (args.passes + 1) * args.decode + 1
-    graph, state = nnx.split(model)
+    decoder = Decoder(model)
     rows, times = [], {}
 
     def run():
         start = time.perf_counter()
-        logits, cache = prefill(model, prompt, model.init_cache(1, total))
+        logits, cache = decoder(prompt, model.init_cache(1, total))
         token = jnp.argmax(logits[:, -1:], axis=-1).block_until_ready()
         times["prefill_s"] = time.perf_counter() - start   # includes compiling
         for mode in JAX_MODES:
-            def decode(token, cache, mode=mode):
+            def run_mode(token, cache, mode=mode):
                 if mode == "scan":
-                    out = _decode(graph, state, token[:, 0], cache, args.decode)
-                    return out[:, -1:], cache
+                    return decode(decoder, token[:, 0], cache, args.decode).block_until_ready()
+                call = model if mode == "eager" else decoder
                 for _ in range(args.decode):
-                    logits, cache = (model(token, cache) if mode == "eager"
-                                     else step(model, token, cache))
+                    logits, cache = call(token, cache)
                     token = jnp.argmax(logits[:, -1:], axis=-1)
-                return token.block_until_ready(), cache
-            decode(token, cache)                              # compile / warm up
+                return token.block_until_ready()
+            run_mode(token, cache)                            # compile / warm up
             passes = []
             for _ in range(args.passes):
                 start = time.perf_counter()
-                decode(token, cache)
+                run_mode(token, cache)
                 passes.append(time.perf_counter() - start)
             times[mode] = min(passes)
         times["cache_bytes"] = sum(a.nbytes for a in jax.tree.leaves(cache))
@@ -153,7 +153,7 @@ def measure_jax(args: argparse.Namespace, kind: str, context: int) -> list[dict]
                      "ms_per_token": 1e3 * times[mode] / args.decode,
                      "prefill_tokens_per_s": context / times["prefill_s"],
                      "cache_bytes": times["cache_bytes"], "peak_rss_growth_bytes": peak,
-                     "params": sum(a.size for a in jax.tree.leaves(state))})
+                     "params": sum(a.size for a in jax.tree.leaves(decoder.state))})
     return rows
 
 

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from .model import JaxLM, LMConfig, generate, prefill, step
+from .model import Decoder, JaxLM, LMConfig, generate
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -28,20 +28,22 @@ def main(argv: list[str] | None = None) -> dict:
     scanned = np.asarray(generate(model, prompt, args.steps, total))
     scan_s = time.perf_counter() - start            # includes compiling prefill and decode
 
+    decoder = Decoder(model)
+
     def loop(call):
-        logits, cache = prefill(model, prompt, model.init_cache(1, total))
+        logits, cache = decoder(prompt, model.init_cache(1, total))
         token = jnp.argmax(logits[:, -1:], axis=-1)
         out, times = [], []
         for _ in range(args.steps):
             out.append(int(token[0, 0]))
             t = time.perf_counter()
-            logits, cache = call(model, token, cache)
+            logits, cache = call(token, cache)
             token = jnp.argmax(logits[:, -1:], axis=-1).block_until_ready()
             times.append(time.perf_counter() - t)
         return out, times
 
-    stepped, step_times = loop(step)
-    eager, eager_times = loop(lambda m, t, c: m(t, c))
+    stepped, step_times = loop(decoder)
+    eager, eager_times = loop(model)
     # teacher forcing: one call over prompt + generated tokens predicts the same tokens
     text = jnp.concatenate([prompt, jnp.asarray(scanned, jnp.int32)], axis=1)
     logits, _ = model(text, model.init_cache(1, total))

@@ -128,27 +128,39 @@ class JaxLM(nnx.Module):
         return self.head(self.norm(x)), Cache(cache.pos + tokens.shape[1], tuple(layers))
 
 
-@nnx.jit
-def prefill(model: JaxLM, prompt: jax.Array, cache: Cache) -> tuple[jax.Array, Cache]:
-    """The prompt ``(B, P)`` in one jitted call."""
-    return model(prompt, cache)
+class Decoder:
+    """The model as one jitted function of its parameters, ``decoder(tokens, cache) ->
+    (logits, cache)``: a prefill ``(B, P)`` compiles once per prompt length, a decode step
+    ``(B, 1)`` once for every token. The model is split once (``nnx.split``); a call is
+    a plain ``jax.jit`` dispatch (``nnx.jit`` would walk the module graph on every call,
+    ~10 ms here). Rebuild it after training changes the parameters."""
+
+    def __init__(self, model: JaxLM) -> None:
+        self.graph, self.state = nnx.split(model)
+        self.init_cache = model.init_cache
+
+    def __call__(self, tokens: jax.Array, cache: Cache) -> tuple[jax.Array, Cache]:
+        return _call(self.graph, self.state, tokens, cache)
 
 
-@nnx.jit
-def step(model: JaxLM, token: jax.Array, cache: Cache) -> tuple[jax.Array, Cache]:
-    """One token ``(B, 1)``: the jitted decode step (compiled once for every token)."""
-    return model(token, cache)
+@partial(jax.jit, static_argnums=(0,))
+def _call(graph: Any, state: Any, tokens: jax.Array, cache: Cache) -> tuple[jax.Array, Cache]:
+    return nnx.merge(graph, state)(tokens, cache)
 
 
 def generate(model: JaxLM, prompt: jax.Array, steps: int, max_len: int | None = None
              ) -> jax.Array:
     """Greedy decoding: the jitted prefill of ``prompt (B, P)``, then ``steps`` tokens by
     one ``lax.scan`` over the decode step (one compiled program); returns ``(B, steps)``."""
+    decoder = Decoder(model)
     batch, length = prompt.shape
-    cache = model.init_cache(batch, max_len or length + steps)
-    logits, cache = prefill(model, prompt, cache)
-    graph, state = nnx.split(model)
-    return _decode(graph, state, jnp.argmax(logits[:, -1], axis=-1), cache, steps)
+    logits, cache = decoder(prompt, model.init_cache(batch, max_len or length + steps))
+    return decode(decoder, jnp.argmax(logits[:, -1], axis=-1), cache, steps)
+
+
+def decode(decoder: Decoder, first: jax.Array, cache: Cache, steps: int) -> jax.Array:
+    """``steps`` greedy tokens ``(B, steps)`` from ``first (B,)`` as one ``lax.scan``."""
+    return _decode(decoder.graph, decoder.state, first, cache, steps)
 
 
 @partial(jax.jit, static_argnums=(0, 4))
