@@ -327,7 +327,7 @@ class HFMemory:
         if not isinstance(tokens, Tensor) or tokens.dim() < 2:
             raise ValueError("input_ids: expected input_ids (B, N) or inputs_embeds (B, N, d)")
         batch, count = int(tokens.shape[0]), int(tokens.shape[1])
-        start = None
+        start, past = None, 0
         if cache is None:
             if self.streaming and module.training and self._train_state is not None:
                 if _state_batch(self._train_state) != batch:
@@ -339,10 +339,11 @@ class HFMemory:
                 start = self._train_state
         else:
             start = self._cache_start(name, cache, compiling)
+            past = 0 if compiling else cache.get_seq_length()
         self.handle.state = start  # a detached training state, a cache's (no grad) or None
         self.handle._state_cut = True
         self.handle._valid = _valid_mask(self._arg(args, kwargs, "attention_mask"), batch,
-                                         count, compiling)
+                                         count, compiling, past)
 
     def _cache_start(self, name: str, cache: Any, compiling: bool) -> list[Any] | None:
         transformers = _transformers()
@@ -432,11 +433,35 @@ def _cache_in(output: Any) -> Any:
 _INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 
 
-def _valid_mask(mask: Any, batch: int, tokens: int, compiling: bool) -> Tensor | None:
-    """The new tokens' bool ``(B, N)`` validity from ``attention_mask (B, past + N)``
-    (``None`` when there is no mask or no padding)."""
+def _valid_from_4d(mask: Tensor, batch: int, tokens: int, past: int, compiling: bool
+                   ) -> Tensor | None:
+    """Validity from a prepared 4-D mask ``(B, H, N, K)`` (``generate`` passes one with
+    static caches; bool True = may attend, or additive float 0 = may attend): a real
+    token attends to itself, a padding token's row is masked out, so new token ``j`` is
+    valid where its own key (index ``past + j``) is allowed in its row."""
+    if tokens == 1:  # a decoding step: generated tokens are real (the 2-D mask gets a 1)
+        return None
+    if mask.shape[0] != batch or mask.shape[2] != tokens or mask.shape[3] < past + tokens:
+        raise ValueError(f"attention_mask: a 4-D mask must be (B, heads, N, keys) with "
+                         f"B = {batch}, N = {tokens}, keys >= {past + tokens}, "
+                         f"got {tuple(mask.shape)}")
+    allowed = mask[:, 0] if mask.dtype == torch.bool else mask[:, 0] == 0
+    index = torch.arange(tokens, device=mask.device)
+    valid = allowed[:, index, index + past]
+    if compiling:
+        return valid
+    return None if bool(valid.all()) else valid
+
+
+def _valid_mask(mask: Any, batch: int, tokens: int, compiling: bool, past: int = 0
+                ) -> Tensor | None:
+    """The new tokens' bool ``(B, N)`` validity from ``attention_mask (B, past + N)``, or
+    from a prepared 4-D mask (:func:`_valid_from_4d`); ``None`` when there is no mask or
+    no padding."""
     if mask is None:
         return None
+    if isinstance(mask, Tensor) and mask.dim() == 4:
+        return _valid_from_4d(mask, batch, tokens, past, compiling)
     if not isinstance(mask, Tensor):
         raise TypeError(f"attention_mask: expected a tensor of shape (B, past + N) of 0/1 "
                         f"ints or bools, got {type(mask).__name__}")
@@ -446,8 +471,8 @@ def _valid_mask(mask: Any, batch: int, tokens: int, compiling: bool) -> Tensor |
                         f"convert with mask.long())")
     if mask.dim() != 2 or mask.shape[0] != batch or mask.shape[1] < tokens:
         raise ValueError(f"attention_mask: expected shape (B, past + N) with B = {batch}, "
-                         f"N = {tokens} (a 2-D padding mask; 4-D attention masks cannot "
-                         f"tell tmcore which tokens are padding), got {tuple(mask.shape)}")
+                         f"N = {tokens} (a 2-D padding mask, or a prepared 4-D mask "
+                         f"(B, heads, N, keys)), got {tuple(mask.shape)}")
     valid = mask[:, mask.shape[1] - tokens:]
     if valid.dtype != torch.bool:
         if not compiling and bool(((valid != 0) & (valid != 1)).any()):

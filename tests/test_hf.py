@@ -163,6 +163,15 @@ def test_generations_are_independent_and_batch_size_may_change():
         again = model.generate(x, max_new_tokens=4, do_sample=False, pad_token_id=0)
     assert torch.equal(first, again)
     assert torch.equal(alone[0], first[1])
+    # a static cache (reused and reset by generate, 4-D masks while decoding), left padding
+    mask = torch.ones_like(x)
+    mask[0, :2] = 0
+    with torch.no_grad():
+        runs = [model.generate(x, attention_mask=mask, max_new_tokens=4, do_sample=False,
+                               pad_token_id=0, **kw)
+                for kw in ({"cache_implementation": "static"},
+                           {"cache_implementation": "static"}, {"use_cache": False})]
+    assert torch.equal(runs[0], runs[2]) and torch.equal(runs[1], runs[2])
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -199,6 +208,14 @@ def test_bool_and_int_masks_agree_and_bad_masks_are_refused():
             model(x, attention_mask=mask.float())
         with pytest.raises(ValueError, match="attention_mask"):
             model(x, attention_mask=mask * 2)
+        with pytest.raises(ValueError, match="attention_mask"):  # 4-D of another shape
+            model(x, attention_mask=torch.ones(2, 1, 5, 6, dtype=torch.bool))
+        # a prepared 4-D mask (causal, pads masked out) says the same as the 2-D one
+        keys = torch.ones(6, 6, dtype=torch.bool).tril()[None] & mask.bool()[:, None, :]
+        four = keys & mask.bool()[:, :, None]
+        c = model(x, attention_mask=four[:, None]).logits
+        valid = mask.bool()
+        assert (c[valid] - a[valid]).abs().max() <= 1e-5
 
 
 # --------------------------------------------------------------------------- the cache
