@@ -36,6 +36,12 @@ def make_model(family: str, seed: int = 0, layers: int = 2) -> nn.Module:
                                          resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
                                          **common)
         model = transformers.GPT2LMHeadModel(config)
+    elif family == "mistral":  # a sliding window shorter than the prompt
+        config = transformers.MistralConfig(hidden_size=16, intermediate_size=32,
+                                            num_hidden_layers=layers, num_attention_heads=2,
+                                            num_key_value_heads=1, max_position_embeddings=64,
+                                            sliding_window=4, **common)
+        model = transformers.MistralForCausalLM(config)
     else:
         config = transformers.Qwen2Config(hidden_size=16, intermediate_size=32,
                                           num_hidden_layers=layers, num_attention_heads=2,
@@ -150,6 +156,22 @@ def test_generate_equals_the_uncached_reference(family, strategy):
                            ).logits
         for k, step in enumerate(cached.logits):
             assert (step - logits[:, x.shape[1] - 1 + k]).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("kw", [{}, {"num_beams": 2}, {"cache_implementation": "static"}])
+def test_sliding_window_generation_equals_the_uncached_reference(kw):
+    """A fourth family (Mistral) whose cache layers slide: the memory still follows."""
+    model, _ = with_memory("mistral")
+    x = ids(2, 7)
+    mask = torch.ones_like(x)
+    mask[0, :2] = 0
+    uncached = {k: v for k, v in kw.items() if k != "cache_implementation"}
+    with torch.no_grad():
+        cached = model.generate(x, attention_mask=mask, max_new_tokens=6, do_sample=False,
+                                pad_token_id=0, **kw)
+        reference = model.generate(x, attention_mask=mask, max_new_tokens=6, do_sample=False,
+                                   pad_token_id=0, use_cache=False, **uncached)
+    assert torch.equal(cached, reference)
 
 
 def test_generations_are_independent_and_batch_size_may_change():
