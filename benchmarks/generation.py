@@ -110,7 +110,7 @@ def measure_jax(args: argparse.Namespace, kind: str, context: int) -> list[dict]
     from flax import nnx
 
     from benchmarks.common import peak_rss_growth
-    from examples.jax_lm.model import Decoder, JaxLM, LMConfig, decode
+    from examples.jax_lm.model import Decoder, JaxLM, LMConfig
 
     jax.config.update("jax_platforms", "cpu")
     config = LMConfig(width=args.width, layers=args.layers, heads=args.heads,
@@ -130,7 +130,7 @@ def measure_jax(args: argparse.Namespace, kind: str, context: int) -> list[dict]
         for mode in JAX_MODES:
             def run_mode(token, cache, mode=mode):
                 if mode == "scan":
-                    return decode(decoder, token[:, 0], cache, args.decode).block_until_ready()
+                    return decoder.decode(token[:, 0], cache, args.decode).block_until_ready()
                 call = model if mode == "eager" else decoder
                 for _ in range(args.decode):
                     logits, cache = call(token, cache)
@@ -153,7 +153,7 @@ def measure_jax(args: argparse.Namespace, kind: str, context: int) -> list[dict]
                      "ms_per_token": 1e3 * times[mode] / args.decode,
                      "prefill_tokens_per_s": context / times["prefill_s"],
                      "cache_bytes": times["cache_bytes"], "peak_rss_growth_bytes": peak,
-                     "params": sum(a.size for a in jax.tree.leaves(decoder.state))})
+                     "params": sum(a.size for a in decoder.leaves)})
     return rows
 
 

@@ -15,7 +15,6 @@ No positional embedding (causal attention infers order), as in examples/lm.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import partial
 from typing import Any, NamedTuple
 
 import jax
@@ -131,21 +130,44 @@ class JaxLM(nnx.Module):
 class Decoder:
     """The model as one jitted function of its parameters, ``decoder(tokens, cache) ->
     (logits, cache)``: a prefill ``(B, P)`` compiles once per prompt length, a decode step
-    ``(B, 1)`` once for every token. The model is split once (``nnx.split``); a call is
-    a plain ``jax.jit`` dispatch (``nnx.jit`` would walk the module graph on every call,
-    ~10 ms here). Rebuild it after training changes the parameters."""
+    ``(B, 1)`` once for every token; :meth:`decode` runs ``steps`` greedy tokens as one
+    ``lax.scan``. The model is split once (``nnx.split``) and its parameters kept as a
+    flat list of arrays, so a call is a plain ``jax.jit`` dispatch (``nnx.jit``, or a
+    ``GraphDef`` as a static argument, would walk or hash the module graph on every
+    call: milliseconds per token here). Rebuild it after training changes the
+    parameters."""
 
     def __init__(self, model: JaxLM) -> None:
-        self.graph, self.state = nnx.split(model)
+        graph, self.state = nnx.split(model)
+        self.leaves, treedef = jax.tree.flatten(self.state)
         self.init_cache = model.init_cache
 
+        def merged(leaves: list) -> JaxLM:
+            return nnx.merge(graph, jax.tree.unflatten(treedef, leaves))
+
+        def call(leaves: list, tokens: jax.Array, cache: Cache) -> tuple[jax.Array, Cache]:
+            return merged(leaves)(tokens, cache)
+
+        def decode(leaves: list, first: jax.Array, cache: Cache, steps: int) -> jax.Array:
+            model = merged(leaves)
+
+            def body(carry, _):
+                token, cache = carry
+                logits, cache = model(token[:, None], cache)
+                return (jnp.argmax(logits[:, -1], axis=-1).astype(token.dtype), cache), token
+
+            _, tokens = lax.scan(body, (first.astype(jnp.int32), cache), None, length=steps)
+            return jnp.moveaxis(tokens, 0, 1)
+
+        self._call = jax.jit(call)
+        self._decode = jax.jit(decode, static_argnums=(3,))
+
     def __call__(self, tokens: jax.Array, cache: Cache) -> tuple[jax.Array, Cache]:
-        return _call(self.graph, self.state, tokens, cache)
+        return self._call(self.leaves, tokens, cache)
 
-
-@partial(jax.jit, static_argnums=(0,))
-def _call(graph: Any, state: Any, tokens: jax.Array, cache: Cache) -> tuple[jax.Array, Cache]:
-    return nnx.merge(graph, state)(tokens, cache)
+    def decode(self, first: jax.Array, cache: Cache, steps: int) -> jax.Array:
+        """``steps`` greedy tokens ``(B, steps)`` from ``first (B,)`` as one ``lax.scan``."""
+        return self._decode(self.leaves, first, cache, steps)
 
 
 def generate(model: JaxLM, prompt: jax.Array, steps: int, max_len: int | None = None
@@ -155,22 +177,4 @@ def generate(model: JaxLM, prompt: jax.Array, steps: int, max_len: int | None = 
     decoder = Decoder(model)
     batch, length = prompt.shape
     logits, cache = decoder(prompt, model.init_cache(batch, max_len or length + steps))
-    return decode(decoder, jnp.argmax(logits[:, -1], axis=-1), cache, steps)
-
-
-def decode(decoder: Decoder, first: jax.Array, cache: Cache, steps: int) -> jax.Array:
-    """``steps`` greedy tokens ``(B, steps)`` from ``first (B,)`` as one ``lax.scan``."""
-    return _decode(decoder.graph, decoder.state, first, cache, steps)
-
-
-@partial(jax.jit, static_argnums=(0, 4))
-def _decode(graph: Any, state: Any, first: jax.Array, cache: Cache, steps: int) -> jax.Array:
-    model = nnx.merge(graph, state)
-
-    def body(carry, _):
-        token, cache = carry
-        logits, cache = model(token[:, None], cache)
-        return (jnp.argmax(logits[:, -1], axis=-1).astype(token.dtype), cache), token
-
-    _, tokens = lax.scan(body, (first.astype(jnp.int32), cache), None, length=steps)
-    return jnp.moveaxis(tokens, 0, 1)
+    return decoder.decode(jnp.argmax(logits[:, -1], axis=-1), cache, steps)
