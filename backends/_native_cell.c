@@ -38,7 +38,9 @@
  * The pointwise 2C -> 4C matrix product stays in torch (BLAS), between dw and
  * gates. Operation order follows the torch path (bias + t1 x, then + t0 x[-1],
  * then + t2 x[+1]) so both round alike. float32 gates use a polynomial exp
- * that vectorizes (about 2 ulp); float64 uses libm. NaN propagates.
+ * that vectorizes (about 2 ulp) and takes each gate as a fraction (numerator /
+ * denominator, e = exp(-|x|) so nothing overflows), so that a step needs two divisions
+ * instead of five; float64 uses libm and the plain formulas. NaN propagates.
  *
  * Threads: OpenMP. Loaded after torch, the soname libgomp.so.1 resolves to the
  * copy torch already holds, so both share one thread pool.
@@ -592,10 +594,24 @@ int NAME(gates2_bwd)(const T *restrict z, const T *restrict zb, const T *restric
         const T bo = TM_ZB(zb, C, 2, ch), bg = TM_ZB(zb, C, 3, ch);
 #pragma omp simd
         for (i64 p = 0; p < P; ++p) {
+#ifdef TM_FRACTION_GATES  /* the gates as fractions again: two divisions, not five */
+            T ni, di_, nf, df_, no, do_, ng, dg_, nt, dt;
+            NAME(sigmoid_nd)(zi[p] + bi, &ni, &di_);
+            NAME(sigmoid_nd)(zf[p] + bf, &nf, &df_);
+            NAME(sigmoid_nd)(zo[p] + bo, &no, &do_);
+            NAME(tanh_nd)(zg[p] + bg, &ng, &dg_);
+            T r1 = 1 / (di_ * df_ * dg_);
+            T i = ni * (df_ * dg_) * r1, f = nf * (di_ * dg_) * r1, g = ng * (di_ * df_) * r1;
+            T cnew = f * cp[p] + i * g;
+            NAME(tanh_nd)(cnew, &nt, &dt);
+            T r2 = 1 / (do_ * dt);
+            T o = no * dt * r2, tc = nt * do_ * r2;
+#else
             T i = SIGMOID(zi[p] + bi), f = SIGMOID(zf[p] + bf), o = SIGMOID(zo[p] + bo);
             T g = TANH(zg[p] + bg);
             T cnew = f * cp[p] + i * g;
             T tc = TANH(cnew);
+#endif
             T dcn = gcp[p] + ghp[p] * o * (1 - tc * tc);
             di[p] = dcn * g * (i - i * i);
             df[p] = dcn * cp[p] * (f - f * f);
