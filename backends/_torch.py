@@ -38,6 +38,17 @@ Imported only when torch tensors reach tmcore (torch is then in ``sys.modules``)
   hands them plain contiguous memory (negative / conjugate views resolved,
   ZeroTensors materialized) and turns a failed scratch allocation into
   ``MemoryError``.
+- Fused CPU scan (``scan_fwd`` / ``scan_bwd`` of the table, tried before the Triton
+  ones): where the fused kernels run (and ``depthwise`` is ``"auto"``), the whole
+  chunk loop runs here over C kernels and two ``bmm`` per step: the read and its VJP
+  in C, the depthwise passes reading the written volume and ``h`` in place (no
+  ``concat([x, h])``), the pointwise bias added in the gate kernels, the new state
+  written straight into its checkpoint slot (checkpoints in transparent huge pages
+  where Linux allows), write volumes and their gradients in a few reused block
+  buffers, and the parameter gradients accumulated in place (taps and biases in
+  float64). Same arguments, results and checkpoint layout as
+  :func:`tmcore.scan.memory_scan_fwd` / ``memory_scan_bwd``; it agrees with the
+  generic loop to rounding.
 - Read coordinates reach ``grid_sampler`` clamped to ``[-1, 1]`` with NaN as 0
   (its backward reads out of bounds on NaN, and on inf along a size-1 axis);
   the results are the same, and NaN queries are made NaN afterwards as on the
