@@ -43,8 +43,9 @@ class TorchShim:
         t = self.torch
         state = None if state is None else tuple(t.as_tensor(s) for s in state)
         with t.no_grad():
-            out, (h, c) = model(t.as_tensor(x), state,
-                                reset=None if reset is None else t.as_tensor(reset))
+            out, (h, c) = model(t.as_tensor(x), state,  # the pair-state (non-streaming) call
+                                reset=None if reset is None else t.as_tensor(reset),
+                                stream=False)
         return out.numpy(), (h.numpy(), c.numpy())
 
     def stack(self, x, mode):
@@ -94,7 +95,7 @@ class JaxShim:
         out, (h, c) = self.tmj.apply(model["params"], jnp.asarray(x),
                                      None if state is None else tuple(map(jnp.asarray, state)),
                                      reset=None if reset is None else jnp.asarray(reset),
-                                     **kwargs)
+                                     stream=False, **kwargs)
         return np.asarray(out), (np.asarray(h), np.asarray(c))
 
     def stack(self, x, mode):

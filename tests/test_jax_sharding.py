@@ -46,7 +46,7 @@ def _checks() -> dict:  # runs in the 2-device subprocess
     c0 = jnp.asarray(0.3 * rng.normal(size=(B, C, *S)))
 
     def loss(p, x_, state=None):
-        out, (h, c) = tmj.apply(p, x_, state, memory_shape=S, checkpoint_every=2)
+        out, (h, c, *_) = tmj.apply(p, x_, state, memory_shape=S, checkpoint_every=2)
         return jnp.sum(out ** 2) + jnp.sum(h * c)
 
     grad = jax.value_and_grad(loss, argnums=(0, 1))
