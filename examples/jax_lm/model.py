@@ -106,17 +106,21 @@ class JaxLM(nnx.Module):
         self.head = nnx.Linear(config.width, VOCAB, rngs=rngs)
 
     def init_cache(self, batch: int, max_len: int) -> Cache:
+        """An empty cache for ``max_len`` positions (its own arrays per block)."""
         c = self.config
         shape = (batch, c.heads, max_len, c.width // c.heads)
-        memory = None
-        if c.memory:
-            pair = tmj.init_state(batch, c.memory_channels, c.memory_shape)
-            memory = tmj.StreamState(pair.h, pair.c,
-                                     jnp.zeros((batch, c.chunk_size, c.width)),
-                                     jnp.zeros((batch,), jnp.int32),
-                                     jnp.zeros((batch, c.memory_channels)))
-        layer = LayerCache(jnp.zeros(shape), jnp.zeros(shape), memory)
-        return Cache(jnp.zeros((), jnp.int32), (layer,) * c.layers)
+
+        def layer() -> LayerCache:
+            memory = None
+            if c.memory:
+                pair = tmj.init_state(batch, c.memory_channels, c.memory_shape)
+                memory = tmj.StreamState(pair.h, jnp.zeros_like(pair.c),
+                                         jnp.zeros((batch, c.chunk_size, c.width)),
+                                         jnp.zeros((batch,), jnp.int32),
+                                         jnp.zeros((batch, c.memory_channels)))
+            return LayerCache(jnp.zeros(shape), jnp.zeros(shape), memory)
+
+        return Cache(jnp.zeros((), jnp.int32), tuple(layer() for _ in range(c.layers)))
 
     def __call__(self, tokens: jax.Array, cache: Cache) -> tuple[jax.Array, Cache]:
         x = self.embed(tokens)
@@ -134,8 +138,8 @@ class Decoder:
     ``lax.scan``. The model is split once (``nnx.split``) and its parameters kept as a
     flat list of arrays, so a call is a plain ``jax.jit`` dispatch (``nnx.jit``, or a
     ``GraphDef`` as a static argument, would walk or hash the module graph on every
-    call: milliseconds per token here). Rebuild it after training changes the
-    parameters."""
+    call: milliseconds per token here). The cache passed in is donated (consumed: use the
+    returned one). Rebuild it after training changes the parameters."""
 
     def __init__(self, model: JaxLM) -> None:
         graph, self.state = nnx.split(model)
@@ -159,8 +163,10 @@ class Decoder:
             _, tokens = lax.scan(body, (first.astype(jnp.int32), cache), None, length=steps)
             return jnp.moveaxis(tokens, 0, 1)
 
-        self._call = jax.jit(call)
-        self._decode = jax.jit(decode, static_argnums=(3,))
+        # the cache is donated: the step updates the KV cache in place instead of copying
+        # all of it (K positions) for every token
+        self._call = jax.jit(call, donate_argnums=(2,))
+        self._decode = jax.jit(decode, static_argnums=(3,), donate_argnums=(2,))
 
     def __call__(self, tokens: jax.Array, cache: Cache) -> tuple[jax.Array, Cache]:
         return self._call(self.leaves, tokens, cache)
