@@ -585,15 +585,15 @@ def _apply_stream(params: Mapping[str, Any], x: jax.Array, state: Any,
     if isinstance(state, tl.StreamState):
         state = tl.stream_state(jnp, state, x, config)  # checks; count as an int32 array
     dtype = _compute_dtype(params, x, None if state is None else (state[0], state[1]))
-    x = x.astype(dtype)
+    x = _cast(x, dtype)
     if isinstance(state, tl.StreamState):
-        state = state._replace(h=state.h.astype(dtype), c=state.c.astype(dtype),
-                               pending=state.pending.astype(dtype),
-                               read=state.read.astype(dtype))
+        state = state._replace(h=_cast(state.h, dtype), c=_cast(state.c, dtype),
+                               pending=_cast(state.pending, dtype),
+                               read=_cast(state.read, dtype))
         _check_values_eagerly({"state.h": state.h, "state.c": state.c,
                                "state.pending": state.pending, "state.read": state.read})
     elif state is not None:
-        state = MemoryState(*(s.astype(dtype) for s in tl.check_state(
+        state = MemoryState(*(_cast(s, dtype) for s in tl.check_state(
             jnp, state, x.shape[0], config)))
         _check_values_eagerly({"state.h": state.h, "state.c": state.c})
     else:  # a pair: the count is known to be 0 (a chunk boundary), and x's sharding
