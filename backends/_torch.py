@@ -767,6 +767,8 @@ def _pick(buffers: list[torch.Tensor], busy: torch.Tensor) -> torch.Tensor:
 def _cpu_scan_kernels(options: Options, *tensors: torch.Tensor):
     if options.depthwise != "auto":  # a forced depthwise kernel: the per-step ops
         return None
+    if options.triton is True:  # Triton forced (CPU tensors under TRITON_INTERPRET=1)
+        return None
     kernels = _native_kernels(*tensors)
     if kernels is None or not 3 <= tensors[0].ndim <= 6:
         return None

@@ -134,8 +134,8 @@ def test_torch_functional_scan_validates(ta, torch):
 def _outputs(memory, torch, seed=1):
     torch.manual_seed(seed)
     x = torch.randn(2, 11, D)  # ragged last chunk
-    out, (h, c) = memory(x)
-    return [t.detach() for t in (out, h, c)]
+    out, state = memory(x)  # a StreamState: (h, c) and the unfinished chunk
+    return [t.detach() for t in (out, state.h, state.c, state.pending, state.read)]
 
 
 def test_torch_state_dict_round_trip_safetensors(ta, torch, tmp_path):

@@ -237,7 +237,7 @@ def test_kernel_torch_layer_with_and_without(monkeypatch):
     def run():
         layer.zero_grad(set_to_none=True)
         x.grad = None
-        out, _ = layer(x)
+        out, _ = layer(x, stream=False)  # one scan: the ragged chunk padded and written
         out.square().sum().backward()
         return [out.detach(), x.grad, *(p.grad for p in layer.parameters())]
 
@@ -251,8 +251,8 @@ def test_kernel_torch_layer_with_and_without(monkeypatch):
 
 def test_gpu_benchmark_helpers_on_cpu():
     """``benchmarks/gpu.py``'s fused-path helpers run on the CPU: the agreement check
-    (0 there: the fused path is off on CPU tensors by default), no launch count off
-    CUDA, and the switch reported off."""
+    (on the CPU it compares the fused CPU scan with the per-step path: float32
+    rounding), no launch count off CUDA, and the Triton switch reported off."""
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir))
     from benchmarks import gpu
     from benchmarks.common import TINY
@@ -261,7 +261,8 @@ def test_gpu_benchmark_helpers_on_cpu():
     params = reference_params(TINY)
     assert gpu.fused_active("cpu") is False
     agreement = gpu.fused_agreement(TINY, params, "cpu")
-    assert agreement == {"output": 0.0, "grads": 0.0}
+    assert set(agreement) == {"output", "grads"}
+    assert agreement["output"] <= 1e-5 and agreement["grads"] <= 1e-5, agreement
     _, train = gpu._torch_steps(TINY, params, "cpu", "torch", triton=False)
     assert gpu.launches_per_step(train, TINY, "cpu") is None
     assert gpu.prewarm([TINY], "cpu", print) == {}
@@ -339,13 +340,14 @@ def test_failing_kernels_fall_back_with_one_warning(monkeypatch):
     monkeypatch.setattr(_triton, "usable", lambda *tensors: True)
     monkeypatch.setattr(_triton, "_forward_loop", fail)
     inputs, params, _ = _case(1, 2, (3,), 2, torch.float64)
-    with pytest.warns(RuntimeWarning, match="fused Triton scan failed"):
-        got = tmcore.memory_scan(*inputs.values(), params)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # no second warning
-        again = tmcore.memory_scan(*inputs.values(), params)
-    with tmcore.options(triton=False):
+    with tmcore.options(triton=True):  # forced: the fused CPU scan steps aside for Triton
+        with pytest.warns(RuntimeWarning, match="fused Triton scan failed"):
+            got = tmcore.memory_scan(*inputs.values(), params)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no second warning
+            again = tmcore.memory_scan(*inputs.values(), params)
+    with tmcore.options(triton=False):  # the fused CPU scan: equal to rounding
         want = tmcore.memory_scan(*inputs.values(), params)
-    _close(got, want, 0, 0)
-    _close(again, want, 0, 0)
+    _close(got, want, 1e-12, 1e-12)
+    _close(again, want, 1e-12, 1e-12)
     assert len(_triton._BROKEN) == 1
