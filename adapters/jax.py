@@ -560,13 +560,28 @@ def _cast_params(params: Mapping[str, Any], dtype: Any) -> tuple[dict, ConvParam
     return theta, ConvParams(*(_cast(a, dtype) for a in conv_params(params["cell"])))
 
 
-def _layer_scan(config: tl.LayerConfig, cell: ConvParams) -> tl.Scan:
+class _LayerScan(NamedTuple):
     """The layer's ``scan`` callable: :func:`memory_scan` (one checkpointing ``lax.scan``
-    with tmcore's VJP) with the layer's cell parameters and options."""
-    def scan(h: jax.Array, c: jax.Array, inputs: StepInputs) -> tuple[Any, Any, Any]:
-        return memory_scan(h, c, *inputs, cell, eps=config.eps, radius=config.radius,
+    with tmcore's VJP) with the layer's cell parameters and options. Its ``cond`` lets
+    :mod:`tmcore.stream` skip a decode step's grid update when no row completes a chunk
+    (``lax.cond``: under ``jit`` only the taken branch runs)."""
+
+    config: tl.LayerConfig
+    cell: ConvParams
+
+    def __call__(self, h: jax.Array, c: jax.Array, inputs: StepInputs) -> tuple[Any, Any, Any]:
+        config = self.config
+        return memory_scan(h, c, *inputs, self.cell, eps=config.eps, radius=config.radius,
                            checkpoint_every=config.checkpoint_every)
-    return scan
+
+    @staticmethod
+    def cond(pred: Any, true_fn: Callable[[], Any], false_fn: Callable[[], Any]) -> Any:
+        return lax.cond(pred, true_fn, false_fn)
+
+
+def _layer_scan(config: tl.LayerConfig, cell: ConvParams) -> tl.Scan:
+    """See :class:`_LayerScan`."""
+    return _LayerScan(config, cell)
 
 
 def _apply_stream(params: Mapping[str, Any], x: jax.Array, state: Any,

@@ -248,3 +248,24 @@ def test_raw_functions_under_forward_mode_carry_the_hint():
             assert "tmcore" in str(error) and "native=False" in str(error)
     with tmcore.options(native=False):        # forward mode through the generic math
         jax.jit(lambda h: jax.jvp(f, (h,), (h,)))(h)
+
+
+def test_gradients_through_one_token_steps_equal_one_call():
+    """The decode step skips the grid update of tokens that complete no chunk
+    (``lax.cond``); gradients through such steps equal the one-call gradients."""
+    with jax.enable_x64(True):
+        params, x = _setup(jnp.float64)
+
+        def loss(p, pieces):
+            state, outs, i = None, [], 0
+            for n in pieces:
+                out, state = _apply(p, x[:, i:i + n], state)
+                outs.append(out)
+                i += n
+            out = jnp.concatenate(outs, axis=1)
+            return jnp.sum(out ** 2) + jnp.sum(state.h * state.c) + jnp.sum(state.read)
+
+        one = jax.jit(jax.grad(lambda p: loss(p, [12])))(params)
+        steps = jax.jit(jax.grad(lambda p: loss(p, [PROMPT] + [1] * STEPS)))(params)
+        errors = jax.tree.map(lambda a, b: float(jnp.max(jnp.abs(a - b))), one, steps)
+        assert max(jax.tree.leaves(errors)) <= 1e-12

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 from tmcore._validate import validation_enabled
+from tmcore.sampling import trilinear_sample
 from tmcore.scan import StepInputs
 
 __all__ = ["StreamState", "check_doc_starts", "doc_starts_from_offsets", "forward_stream",
@@ -339,8 +340,11 @@ def _array_stream(layer: Layer, xp: Any, params: Params, x: Any, st: StreamState
     ``T = ceil((max count + N) / L)`` chunks for every row; a row's returned state is
     the one after its ``m[b] = (count[b] + new[b]) // L`` complete chunks, so the scan is
     cut at every value ``m`` can take (two neighbouring values without ``valid``) and
-    each row selects its own. Every read is the one of the state entering its chunk
-    (chunks ``<= m[b]`` all advance the state), so the outputs are exact."""
+    each row selects its own. A ``scan`` with a ``cond(pred, true_fn, false_fn)``
+    attribute (JAX: ``lax.cond``) skips the update of a one-step segment whose state no
+    row keeps (a decode step that completes no chunk): only its read is computed.
+    Every read is the one of the state entering its chunk (chunks ``<= m[b]`` all
+    advance the state), so the outputs are exact."""
     config = layer.config
     batch, tokens, d = x.shape
     length, channels = config.chunk_size, config.memory_channels
@@ -403,8 +407,22 @@ def _array_stream(layer: Layer, xp: Any, params: Params, x: Any, st: StreamState
         cuts = sorted({0, steps, *range(m_lo, min(m_hi, steps) + 1)})
         states = {0: (h, c)}
         parts = []
+        cond = getattr(scan, "cond", None)
         for t0, t1 in zip(cuts, cuts[1:], strict=False):
-            part, h, c = scan(h, c, StepInputs(*(v[:, t0:t1, ...] for v in inputs)))
+            segment = StepInputs(*(v[:, t0:t1, ...] for v in inputs))
+            if cond is not None and t1 == t0 + 1 and t1 > m_lo:
+                # the state after this one step serves only rows with m >= t1: where no
+                # row has one (a decode step that completes no chunk), skip the update
+                # and read the state as it is (a framework's lax.cond-like `scan.cond`)
+                def update(h=h, c=c, segment=segment):
+                    return scan(h, c, segment)
+
+                def read_only(h=h, c=c, segment=segment):
+                    return trilinear_sample(h, segment.read_coords), h, c
+
+                part, h, c = cond(xp.any(m >= t1), update, read_only)
+            else:
+                part, h, c = scan(h, c, segment)
             parts.append(part)
             states[t1] = (h, c)
         reads = parts[0] if len(parts) == 1 else xp.concat(parts, axis=1)   # (B, T, C)
