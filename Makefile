@@ -13,9 +13,12 @@ $(STAMP): pyproject.toml constraints-dev.txt
 	$(PY) -m pip install -q -c constraints-dev.txt -e ".[all]"
 	touch $(STAMP)
 
+# Two worker processes of one thread each (one per core of a 2-core machine), a test file
+# per worker at a time (its module fixtures are built once); TEST_WORKERS=0 runs serially.
+TEST_WORKERS ?= 2
 test: $(STAMP)
 	$(PY) -m ruff check tmcore backends adapters tests examples benchmarks
-	$(PY) -m pytest -q
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 
 # Binding under the paper protocol and the streaming one, seed 0, two worker processes of one
 # thread each (deterministic: a rerun prints the same table; compared with the committed results).

@@ -42,3 +42,20 @@ def test_harness_tiny_run(tmp_path):
     assert "Time per chunk step" in text and "floor" in text
     for impl in impls:
         assert results["timings"]["tiny"]["impls"][impl]["train"]["ms_per_step"] > 0, impl
+
+
+def test_cpu_speed_and_memory_scripts_run(tmp_path):
+    """benchmarks/cpu_speed.py (the side-by-side CPU ratios) and the long no_grad scan of
+    benchmarks/memory.py run at a tiny size and report what their tables read."""
+    import json
+
+    from benchmarks import cpu_speed
+    from benchmarks.memory import measure_long_scan
+
+    out = tmp_path / "cpu_speed.json"
+    cpu_speed.main(["--configs", "tiny", "--rounds", "1", "--out", str(out)])
+    result = json.loads(out.read_text())
+    assert result["command"].startswith("python -m benchmarks.cpu_speed")
+    assert "tiny" in json.dumps(result["configs"])
+    scan = measure_long_scan(200)
+    assert scan["steps"] == 200 and scan["output_bytes"] == 2 * 200 * 64 * 4
