@@ -768,3 +768,18 @@ def test_backward_allocates_nothing_the_size_of_the_checkpoints():
     assert recorder.shapes, "the recorder saw no ops"
     assert [s for s in recorder.shapes if s[1] == checkpoints] == []
     assert x.grad is not None and x.grad.abs().sum() > 0
+
+
+def test_fullgraph_compile_continues_a_stream_state():
+    """A compiled one-token step that continues a StreamState traces without a graph break
+    (no options ContextVar, no scalar promotion in the stream path) and equals eager."""
+    torch.manual_seed(0)
+    m = tmt.TensorMemory(16, 4, (3, 3, 3), 4)
+    _, state = m(torch.randn(2, 6, 16))
+    step = torch.compile(lambda x, st: m(x, st), fullgraph=True)
+    x = torch.randn(2, 1, 16)
+    got, got_state = step(x, state)
+    want, want_state = m(x, state)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    for a, b in zip(got_state, want_state, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

@@ -208,7 +208,7 @@ def itemsize(xp: Any, dtype: Any) -> int:
         return 4
 
 
-def _compiling() -> bool:
+def compiling() -> bool:
     """Whether torch.compile is tracing (then the checks ran eagerly, or run in the
     ops' fake implementations; a file read here would break the graph)."""
     torch = sys.modules.get("torch")
@@ -224,7 +224,7 @@ def check_bytes(name: str, nbytes: int, what: str, xp: Any, device: Any = None) 
     if nbytes > INT64_MAX:
         raise ValueError(f"{name}: {what} would need {nbytes:.3e} bytes, more than int64 "
                          f"can address")
-    if nbytes < _SMALL or _compiling():
+    if nbytes < _SMALL or compiling():
         return
     budget = memory_budget(xp, device)
     if budget is not None and nbytes > budget[0]:
@@ -266,7 +266,7 @@ def check_state(xp: Any, config: Any, batch: int, dtype: Any = None, device: Any
     :func:`scan_bytes` for one step) fits the device (``ValueError`` / ``MemoryError``
     naming ``memory_shape``). Both layer paths (plain and streaming) and both
     adapters' ``init_state`` make their zero state here."""
-    if _compiling():
+    if compiling():
         return
     shape = _state_shape(config, int(batch))
     count = check_count("memory_shape", shape, "(B, C, *S)", "the state h (and c)")
@@ -278,7 +278,7 @@ def check_state(xp: Any, config: Any, batch: int, dtype: Any = None, device: Any
 def check_forward(xp: Any, config: Any, x: Any) -> None:
     """Before a layer call on ``x (B, N, d)`` allocates: the state and the call's
     working set fit (``ValueError`` / ``MemoryError`` naming ``memory_shape``)."""
-    if _compiling():
+    if compiling():
         return
     batch, tokens = int(x.shape[0]), int(x.shape[1])
     shape = _state_shape(config, batch)

@@ -20,6 +20,7 @@ import operator
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
+from tmcore import _sizes
 from tmcore._validate import validation_enabled
 from tmcore.sampling import trilinear_sample
 from tmcore.scan import StepInputs
@@ -128,7 +129,7 @@ def _check_count(xp: Any, count: Any, batch: int, length: int,
         if not xp.isdtype(count.dtype, "integral"):
             raise TypeError(f"state.count: expected an integer array ({expected}), got "
                             f"dtype {count.dtype}")
-        if validation_enabled() and not _is_traced(count):
+        if not _is_traced(count) and not _sizes.compiling() and validation_enabled():
             values = [int(v) for v in _host_list(count, "state.count", "")]
             if not all(0 <= k < length for k in values):
                 raise ValueError(f"state.count: expected {expected}, got {values}")
@@ -444,7 +445,8 @@ def _array_stream(layer: Layer, xp: Any, params: Params, x: Any, st: StreamState
         out = xp.reshape(xp.take(out_table, xp.reshape(at, (-1,)), axis=0), (batch, tokens, d))
         read_table = xp.concat([xp.reshape(reads, (batch * steps, channels)),
                                 xp.zeros_like(read[:1, :])], axis=0)
-        pick = xp.where(left > 0, rows[:, 0] * steps + xp.minimum(m, steps - 1),
+        last = xp.full_like(m, steps - 1)  # (not minimum(m, int): torch.compile traces this)
+        pick = xp.where(left > 0, rows[:, 0] * steps + xp.where(m < last, m, last),
                         xp.full_like(m, batch * steps))
         read = xp.take(read_table, pick, axis=0)
     else:  # no row has a token (all padding) nor an unfinished chunk
