@@ -109,16 +109,17 @@ class JaxLM(nnx.Module):
         """An empty cache for ``max_len`` positions (its own arrays per block)."""
         c = self.config
         shape = (batch, c.heads, max_len, c.width // c.heads)
+        dtype = self.head.kernel.value.dtype  # the parameters' (not the x64 default)
 
         def layer() -> LayerCache:
             memory = None
             if c.memory:
-                pair = tmj.init_state(batch, c.memory_channels, c.memory_shape)
+                pair = tmj.init_state(batch, c.memory_channels, c.memory_shape, dtype=dtype)
                 memory = tmj.StreamState(pair.h, jnp.zeros_like(pair.c),
-                                         jnp.zeros((batch, c.chunk_size, c.width)),
+                                         jnp.zeros((batch, c.chunk_size, c.width), dtype),
                                          jnp.zeros((batch,), jnp.int32),
-                                         jnp.zeros((batch, c.memory_channels)))
-            return LayerCache(jnp.zeros(shape), jnp.zeros(shape), memory)
+                                         jnp.zeros((batch, c.memory_channels), dtype))
+            return LayerCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), memory)
 
         return Cache(jnp.zeros((), jnp.int32), tuple(layer() for _ in range(c.layers)))
 
