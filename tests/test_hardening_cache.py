@@ -36,55 +36,12 @@ pytestmark = [
 RACE_SECONDS = 3.0
 
 
-@pytest.fixture
-def fresh(monkeypatch):
-    """A loader with nothing loaded, no fallback folder yet and the real compiler."""
-    monkeypatch.setattr(native, "_STATE", {})
-    monkeypatch.setattr(native, "_FALLBACK", {})
-    monkeypatch.setenv("CC", CC)
-    monkeypatch.delenv(native.TIMEOUT_ENV_VAR, raising=False)
-    monkeypatch.delenv(native.ENV_VAR, raising=False)
+# the loader fixtures (``fresh``, ``seed``) and build helpers of the cache tests, defined
+# once there
+import test_native_cache as _cache_tests  # noqa: E402
 
-    def use(folder: Path) -> Path:
-        monkeypatch.setenv("TMCORE_CACHE_DIR", str(folder))
-        return folder
-
-    return use
-
-
-@pytest.fixture(scope="module")
-def seed(tmp_path_factory) -> Path:
-    """One real build (the .so, its digest, the compiler table, the pointer)."""
-    folder = tmp_path_factory.mktemp("seed")
-    saved = dict(native._STATE), dict(native._FALLBACK)
-    old = {k: os.environ.get(k) for k in ("TMCORE_CACHE_DIR", "CC")}
-    os.environ["TMCORE_CACHE_DIR"], os.environ["CC"] = str(folder), CC
-    native._STATE.clear()
-    try:
-        assert native.library() is not None
-    finally:
-        native._STATE.clear()
-        native._STATE.update(saved[0])
-        native._FALLBACK.update(saved[1])
-        for key, value in old.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-    return folder
-
-
-def _so(folder: Path) -> Path:
-    (path,) = folder.glob("tmcore_cell-*.so")
-    return path
-
-
-def _copy_seed(seed: Path, folder: Path) -> Path:
-    folder.mkdir(mode=0o700, exist_ok=True)
-    for path in seed.iterdir():
-        if path.suffix in (".so", ".sha256", ".latest") or path.name == "compilers.json":
-            shutil.copy2(path, folder / path.name)
-    return _so(folder)
+fresh, seed = _cache_tests.fresh, _cache_tests.seed
+_so, _copy_seed = _cache_tests._so, _cache_tests._copy_seed
 
 
 def _planted(tmp_path: Path, marker: Path) -> Path:
