@@ -58,7 +58,6 @@ numpydoc_validation_exclude = {
     r"^tmcore\.layer\.",
     r"^tmcore\.stream\.",
     r"^tmcore\.adapters\.",
-    r"^tmcore\.(Options|options|get_options|validation|validation_enabled|set_validation)$",
     r"^tmcore\.(local_|warp_)",
     # Module constants: their one-line ``#:`` comments are their docs.
     r"\.[A-Z][A-Z0-9_]+$",

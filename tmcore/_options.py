@@ -75,7 +75,33 @@ _DEPTHWISE = ("auto", "grouped", "shifts")
 
 @dataclasses.dataclass(frozen=True)
 class Options:
-    """The effective value of every switch (hashable: usable as a cache key)."""
+    """The effective value of every switch (hashable: usable as a cache key).
+
+    :func:`get_options` returns one; :func:`options` changes them. Each field's
+    default comes from its environment variable (``TMCORE_<NAME>``), else the
+    value below.
+
+    Parameters
+    ----------
+    native : bool, default True
+        Use the fused C kernels for the CPU cell (torch, JAX).
+    triton : bool or ``"auto"``, default ``"auto"``
+        Triton kernels for torch: ``"auto"`` lets the backend decide (CUDA
+        tensors, Triton installed), True forces them wherever they can run
+        (CPU under ``TRITON_INTERPRET=1``), False turns them off.
+    generic : bool, default False
+        Force the generic array-API path everywhere (no backend fast path).
+    deterministic : bool, default True
+        Allow no kernel whose result depends on thread timing (atomic adds on
+        CUDA); False allows them where they are faster.
+    validate : bool, default False
+        Validate mode: every array argument of a public function must be finite
+        and every ``sigma`` > 0 (reads values back to the host).
+    depthwise : {"auto", "grouped", "shifts"}, default ``"auto"``
+        The depthwise-tap kernel of the torch and JAX backends: ``"auto"`` lets
+        the backend choose, ``"grouped"`` forces the grouped conv, ``"shifts"``
+        the shifted-slice products.
+    """
 
     native: bool = True
     triton: TritonMode = "auto"
@@ -191,8 +217,19 @@ else:  # pragma: no cover - non-CPython environ
 
 
 def get_options() -> Options:
-    """The options in effect here: :func:`options` overrides, else process-wide, else
-    the environment variables, else the defaults."""
+    """The options in effect in the current thread / asyncio task.
+
+    Each field is the innermost :func:`options` override, else the process-wide
+    setting (:func:`tmcore.set_validation`), else its environment variable,
+    else the default. The environment is read at every call (a few dict
+    lookups), so a variable changed through ``os.environ`` counts at once.
+
+    Returns
+    -------
+    Options
+        The effective value of every switch (hashable; the JAX adapter keys its
+        compiled functions by it).
+    """
     local = _LOCAL.get()
     env = _env_key()
     last = _LAST[0]  # the previous answer: most calls ask again under the same settings
@@ -235,10 +272,26 @@ class options:  # noqa: N801  (a function-like name: it is called, rarely instan
     See the module docstring for the fields. ``with tmcore.options() as opts``
     binds the effective :class:`Options`.
 
-    Every value is checked first (exactly ``True``, ``False``, ``None``, or for
-    ``triton`` the string ``"auto"``; anything else is a ``TypeError`` naming the
-    field), so a refused call changes nothing.
+    Parameters
+    ----------
+    **changes : bool, str or None
+        Fields of :class:`Options` and their new values: exactly ``True``,
+        ``False`` or ``None`` (``triton`` also ``"auto"``; ``depthwise`` one of
+        ``"auto"``, ``"grouped"``, ``"shifts"`` or ``None``). Every value is
+        checked before anything changes, so a refused call changes nothing.
 
+    Raises
+    ------
+    TypeError
+        If a keyword is not a field of :class:`Options`, or a value is not of
+        an accepted type (``1``, ``"yes"``, a NumPy ``bool_`` or array).
+    ValueError
+        If ``depthwise`` is a string other than its three kernels.
+    RuntimeError
+        On exiting a block that is not open in this thread / task.
+
+    Notes
+    -----
     As a context manager the block's setting is applied by ``__enter__`` (it
     replaces the immediate application of the call, so a ``with`` leaves nothing
     behind) and undone if entering fails; ``__exit__`` removes exactly this

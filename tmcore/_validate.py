@@ -68,15 +68,34 @@ OPTIONAL_ARRAYS = frozenset({"g", "g_reads", "g_h", "g_c"})
 
 
 def validation_enabled() -> bool:
-    """Whether validate mode is on (``tmcore.get_options().validate``): the innermost
-    :func:`tmcore.options` / :func:`validation`, else :func:`set_validation`, else the
-    environment variable ``TMCORE_VALIDATE``."""
+    """Whether validate mode is on (``tmcore.get_options().validate``).
+
+    Returns
+    -------
+    bool
+        The innermost :func:`tmcore.options` / :func:`validation` setting, else
+        :func:`set_validation`'s, else the environment variable
+        ``TMCORE_VALIDATE``, else False.
+    """
     return get_options().validate
 
 
 def set_validation(enabled: bool | None) -> None:
-    """Switch validate mode on or off for the whole process (``None``: back to the
-    environment variable). A :func:`validation` context overrides it locally."""
+    """Switch validate mode on or off for the whole process.
+
+    A :func:`validation` or :func:`tmcore.options` block overrides it locally.
+
+    Parameters
+    ----------
+    enabled : bool or None
+        True or False for validate mode in every thread; ``None`` returns to
+        the environment variable ``TMCORE_VALIDATE`` (else off).
+
+    Raises
+    ------
+    TypeError
+        If ``enabled`` is not exactly True, False or None.
+    """
     if enabled is not None and not isinstance(enabled, bool):
         raise TypeError(f"enabled: expected True, False or None, got {enabled!r}")
     set_process_option("validate", enabled)
@@ -90,6 +109,22 @@ def validation(enabled: bool = True) -> Iterator[None]:
     thread / asyncio task. In validate mode every public function also checks
     that its array arguments are finite (no NaN or inf) and that ``sigma`` is
     > 0; each check reads the values back to the host.
+
+    Parameters
+    ----------
+    enabled : bool, default True
+        Validate mode inside the block.
+
+    Yields
+    ------
+    None
+        Control, with validate mode set, until the block exits (the previous
+        setting is restored then).
+
+    Raises
+    ------
+    TypeError
+        If ``enabled`` is not exactly True or False.
     """
     if not isinstance(enabled, bool):
         raise TypeError(f"enabled: expected True or False, got {enabled!r}")
