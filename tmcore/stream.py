@@ -32,21 +32,26 @@ __all__ = ["StreamState", "check_doc_starts", "doc_starts_from_offsets", "forwar
 class StreamState(NamedTuple):
     """A layer's state between streamed calls, valid at ANY token (not only at chunk ends).
 
-    - ``h``, ``c`` ``(B, C, *S)``: the state entering the unfinished chunk (after the
-      last complete chunk);
-    - ``pending`` ``(B, L, d)``: the unfinished chunk's tokens so far (its head inputs;
-      the write needs all ``L`` of them), zeros after ``count[b]``;
-    - ``count`` ``(B,)`` int32 array: per row, how many tokens the unfinished chunk
-      holds (``0 .. L-1``). An array, not Python ints, so that the state is data: it
-      passes through ``jax.jit``, ``lax.scan``, ``vmap`` and ``tree.map`` like the
-      other fields;
-    - ``read`` ``(B, C)``: the unfinished chunk's read (fixed by its first token and
-      ``h``: the read happens before the chunk's write), zeros where ``count`` is 0.
-
     Feeding a sequence in pieces of any lengths, carrying this state, equals one long
     call (:meth:`Layer.forward_stream`). A plain ``(h, c)`` pair is the state at a
     chunk boundary (``count`` all 0) and is accepted wherever a ``StreamState`` is, and
     so is a ``count`` of Python ints.
+
+    Parameters
+    ----------
+    h, c : array, shape ``(B, C, *S)``
+        The state entering the unfinished chunk (after the last complete chunk).
+    pending : array, shape ``(B, L, d)``
+        The unfinished chunk's tokens so far (its head inputs; the write needs
+        all ``L`` of them), zeros after ``count[b]``.
+    count : int32 array, shape ``(B,)``
+        Per row, how many tokens the unfinished chunk holds (``0 .. L-1``). An
+        array, not Python ints, so that the state is data: it passes through
+        ``jax.jit``, ``lax.scan``, ``vmap`` and ``tree.map`` like the other
+        fields.
+    read : array, shape ``(B, C)``
+        The unfinished chunk's read (fixed by its first token and ``h``: the
+        read happens before the chunk's write), zeros where ``count`` is 0.
     """
 
     h: Any
@@ -75,9 +80,38 @@ def _trace_error(error: BaseException) -> bool:
 
 
 def stream_state(xp: Any, state: Any, x: Any, config: LayerConfig) -> StreamState:
-    """``state`` (``None``, an ``(h, c)`` pair or a :class:`StreamState`) for tokens
-    ``x (B, N, d)`` as a checked :class:`StreamState` with an array ``count`` (zeros /
-    an empty unfinished chunk where the state does not say otherwise)."""
+    """Check a streamed call's ``state`` and complete it to a :class:`StreamState`.
+
+    Parameters
+    ----------
+    xp : namespace
+        The array namespace of ``x``.
+    state : None, pair of arrays or StreamState
+        ``None`` (zeros), an ``(h, c)`` pair of shape ``(B, C, *S)`` each (a
+        chunk boundary) or a :class:`StreamState`.
+    x : array, shape ``(B, N, d)``
+        The call's tokens (they fix ``B``, the dtype and the device of what is
+        filled in).
+    config : LayerConfig
+        The layer's sizes (``C``, ``S``, ``L``, ``d``).
+
+    Returns
+    -------
+    StreamState
+        The checked state, with ``count`` an int32 array ``(B,)``; what ``state``
+        leaves out is zeros (an empty unfinished chunk).
+
+    Raises
+    ------
+    ValueError
+        If ``h``, ``c``, ``pending`` or ``read`` does not have its shape, or
+        ``count`` is not ``B`` ints in ``[0, L)`` (an array's values are checked
+        in validate mode only).
+    TypeError
+        If a field is not an array, has a dtype that is not real floating
+        (``count``: not integral), or ``count`` is traced where its values must
+        be read.
+    """
     return _stream_state(xp, state, x, config)[0]
 
 
@@ -178,8 +212,31 @@ _PACKED_WHY = ("; packed documents (doc_starts) are planned on the host: pass do
 
 
 def check_doc_starts(xp: Any, doc_starts: Any, batch: int, tokens: int) -> list[list[bool]]:
-    """``doc_starts``: a bool array ``(B, N)``, True at every token that starts a new
-    document (the layer forgets everything before it); returned as host lists."""
+    """Check a packing mask and read it on the host.
+
+    Parameters
+    ----------
+    xp : namespace
+        The array namespace of the layer's call.
+    doc_starts : bool array, shape ``(B, N)``
+        True at every token that starts a new document (the layer forgets
+        everything before it).
+    batch, tokens : int
+        The expected ``B`` and ``N``.
+
+    Returns
+    -------
+    list of list of bool
+        ``doc_starts``' values, ``B`` rows of ``N``.
+
+    Raises
+    ------
+    TypeError
+        If ``doc_starts`` is not a bool array of ``xp``, or is traced (e.g.
+        under ``jax.jit``: packed documents are planned on the host).
+    ValueError
+        If its shape is not ``(B, N)``.
+    """
     _require_bool_array(xp, doc_starts, "doc_starts", "(B, N)", (batch, tokens))
     return [[bool(v) for v in row] for row in _host_bools(doc_starts, "doc_starts",
                                                           _PACKED_WHY)]
@@ -189,9 +246,28 @@ def doc_starts_from_offsets(xp: Any, offsets: Sequence[Any], tokens: int, *,
                             device: Any = None) -> Any:
     """``cu_seqlens``-style offsets to the per-token mask :meth:`Layer.forward_stream` takes.
 
-    ``offsets``: for one row, the increasing start offsets of its documents (e.g.
-    ``[0, 5, 12]``, optionally ending with ``tokens``); or one such list per row.
-    Returns a bool array ``(B, tokens)``, True at each document start.
+    Parameters
+    ----------
+    xp : namespace
+        The array namespace to create the mask in.
+    offsets : sequence of int, or sequence of sequences of int
+        For one row, the increasing start offsets of its documents (e.g.
+        ``[0, 5, 12]``, optionally ending with ``tokens``); or one such list per
+        row.
+    tokens : int
+        ``N``, the tokens per row.
+    device : device, optional
+        Where to create the mask (default: the namespace's default device).
+
+    Returns
+    -------
+    bool array, shape ``(B, tokens)``
+        True at each document start (``B = 1`` for a single row of offsets).
+
+    Raises
+    ------
+    ValueError
+        If a row's offsets are not strictly increasing or not in ``[0, tokens]``.
     """
     rows = offsets if offsets and isinstance(offsets[0], (list, tuple)) else [offsets]
     mask = []
@@ -293,8 +369,27 @@ def forward_stream(layer: Layer, xp: Any, params: Params, x: Any, state: Any, *,
     """:meth:`tmcore.layer.Layer.forward_stream` (see there) of ``layer``.
 
     Without ``doc_starts`` the chunk grid is computed from the arrays (``count``,
-    ``valid``, ``reset`` may be traced: :func:`_array_stream`); with ``doc_starts`` it is
-    planned on the host (:func:`_host_stream`), which reads the masks and the counts.
+    ``valid``, ``reset`` may be traced: ``_array_stream``); with ``doc_starts`` it is
+    planned on the host (``_host_stream``), which reads the masks and the counts.
+
+    Parameters
+    ----------
+    layer : Layer
+        The layer whose configuration, heads and read-out run.
+    xp, params, x, state, scan, reset, doc_starts, valid : see Layer.forward_stream
+        The arguments of :meth:`Layer.forward_stream`.
+
+    Returns
+    -------
+    out : array, shape ``(B, N, d)``
+        The outputs (zeros at tokens where ``valid`` is False).
+    state : StreamState
+        The state after the last token.
+
+    Raises
+    ------
+    TypeError, ValueError
+        As :meth:`Layer.forward_stream`, for the argument they name.
     """
     config = layer.config
     check_tokens(xp, x, config)
