@@ -70,13 +70,17 @@ from tmcore._validate import (
 )
 from tmcore.addressing import MIN_SIGMA
 from tmcore.conv import ConvParams, xavier_uniform_bound
+from tmcore.dynamics import WarpInputs
 from tmcore.scan import StepInputs
 from tmcore.splat import DEFAULT_EPS
 
 __all__ = [
     "GATE_SHAPE",
     "GROUPS",
+    "DYNAMICS",
     "MODES",
+    "UPDATES",
+    "WARP_GROUP",
     "Layer",
     "LayerConfig",
     "ParamSpec",
@@ -95,6 +99,7 @@ __all__ = [
     "layer_config",
     "linear",
     "num_chunks",
+    "param_groups",
     "param_specs",
     "read_out",
     "reset_state",
@@ -114,6 +119,9 @@ MODES = ("causal", "threaded")
 
 #: Parameter groups of one layer, in state-dict order.
 GROUPS = ("write_proj", "content_net", "sigma_net", "coord_net", "cell", "out_proj")
+
+#: The group ``dynamics="warp"`` adds after :data:`GROUPS` (:func:`param_groups`).
+WARP_GROUP = "warp_net"
 
 #: Shape of the gated residual's gate logit (1-D so that FSDP can shard it; a
 #: checkpoint with a 0-dim gate converts with ``reshape(GATE_SHAPE)``).
@@ -155,6 +163,14 @@ class LayerConfig:
     eps: float = DEFAULT_EPS
     forget_bias: float = 0.0
     zero_init: bool = False
+    #: ``"dense"`` (the paper's step) or ``"local"`` (write and update only a window of
+    #: ``window`` cells per axis around the write, :mod:`tmcore.local`; experimental)
+    update: str = "dense"
+    window: int | None = None
+    #: ``"none"`` or ``"warp"`` (the state is resampled at the cell centres plus a
+    #: per-chunk shift predicted by ``warp_net`` before each update,
+    #: :mod:`tmcore.dynamics`; experimental)
+    dynamics: str = "none"
 
     @property
     def ndim(self) -> int:
@@ -170,6 +186,7 @@ def layer_config(
     embed_dim: Any, memory_channels: Any, memory_shape: Any, chunk_size: Any,
     sigma_scale: Any = 1.0, *, checkpoint_every: Any = 1, radius: Any = None,
     eps: Any = DEFAULT_EPS, forget_bias: Any = 0.0, zero_init: Any = False,
+    update: Any = "dense", window: Any = None, dynamics: Any = "none",
 ) -> LayerConfig:
     """Validate the layer's arguments once; returns a frozen :class:`LayerConfig`.
 
@@ -182,6 +199,12 @@ def layer_config(
     read-out ``out_proj`` starts at zero (weight and bias), so the layer's output
     is exactly 0 at initialization while ``out_proj`` still gets a gradient (an
     attached memory is then an exact identity that trains).
+
+    Options beyond the paper (experimental, docs/guides/local-and-warp.md):
+    ``update`` is ``"dense"`` (default) or ``"local"``; ``"local"`` needs ``window``,
+    an int in ``[1, max(memory_shape)]`` (cells per axis; the whole axis on a shorter
+    one), and ``window`` is refused with ``"dense"``. ``dynamics`` is ``"none"``
+    (default) or ``"warp"``, which adds the zero-initialized ``warp_net`` group.
     """
     check_positive_scalar("sigma_scale", sigma_scale)
     if array_api_compat.is_array_api_obj(sigma_scale):
@@ -198,7 +221,38 @@ def layer_config(
         eps=check_eps(eps),
         forget_bias=check_finite("forget_bias", forget_bias),
         zero_init=_flag("zero_init", zero_init),
+        update=_choice("update", update, UPDATES),
+        window=_window(update, window, memory_shape),
+        dynamics=_choice("dynamics", dynamics, DYNAMICS),
     ))
+
+
+#: The ``update`` options of :func:`layer_config`.
+UPDATES = ("dense", "local")
+#: The ``dynamics`` options of :func:`layer_config`.
+DYNAMICS = ("none", "warp")
+
+
+def _choice(name: str, value: Any, options: tuple[str, ...]) -> str:
+    """One of ``options`` (a non-string is a ``TypeError``, another string a ``ValueError``)."""
+    if not isinstance(value, str):
+        raise TypeError(f"{name}: expected one of {options}, got {value!r}")
+    if value not in options:
+        raise ValueError(f"{name}: expected one of {options}, got {value!r}")
+    return value
+
+
+def _window(update: Any, window: Any, memory_shape: Any) -> int | None:
+    """``window``: ``None`` unless ``update="local"``, then an int in ``[1, max(S)]``."""
+    if update != "local":
+        if window is not None:
+            raise ValueError(f"window: only used with update='local', got window={window!r} "
+                             f"with update={update!r}")
+        return None
+    if window is None:
+        raise ValueError("window: update='local' needs window, the cells per axis of the "
+                         "updated window (an int >= 1)")
+    return check_int("window", window, 1, max(_grid(memory_shape)))
 
 
 def _flag(name: str, value: Any) -> bool:
@@ -264,20 +318,32 @@ def param_specs(config: LayerConfig) -> tuple[ParamSpec, ...]:
                   value=config.forget_bias),
         *(_zero_specs("out_proj", d, c) if config.zero_init
           else _linear_specs("out_proj", d, c, "d", "C")),
+        # dynamics="warp" only (so the default's names and order are untouched): the
+        # per-chunk shift (B, T, n) from the write summary, zero at init (no motion)
+        *(_zero_specs(WARP_GROUP, n, d, "n", "d") if config.dynamics == "warp" else ()),
     )
 
 
-def _zero_specs(group: str, out_features: int, in_features: int) -> list[ParamSpec]:
-    """A linear map that starts at exactly zero (``zero_init``)."""
-    return [ParamSpec(group, "weight", (out_features, in_features), "(d, C)", "constant"),
-            ParamSpec(group, "bias", (out_features,), "(d,)", "constant")]
+def param_groups(config: LayerConfig) -> tuple[str, ...]:
+    """The parameter groups of ``config``'s layer, in state-dict order: :data:`GROUPS`,
+    plus ``"warp_net"`` with ``dynamics="warp"``."""
+    return GROUPS + ((WARP_GROUP,) if config.dynamics == "warp" else ())
+
+
+def _zero_specs(group: str, out_features: int, in_features: int, out: str = "d",
+                inp: str = "C") -> list[ParamSpec]:
+    """A linear map that starts at exactly zero (``zero_init``, ``warp_net``)."""
+    return [ParamSpec(group, "weight", (out_features, in_features), f"({out}, {inp})",
+                      "constant"),
+            ParamSpec(group, "bias", (out_features,), f"({out},)", "constant")]
 
 
 def init_params(
     xp: Any, config: LayerConfig, uniform: Callable[[ParamSpec], Any], *, dtype: Any = None,
-    device: Any = None, groups: Sequence[str] = GROUPS,
+    device: Any = None, groups: Sequence[str] | None = None,
 ) -> dict[str, dict[str, Any]]:
-    """Realize :func:`param_specs` as ``{group: {leaf: array}}`` (only ``groups``).
+    """Realize :func:`param_specs` as ``{group: {leaf: array}}`` (only ``groups``;
+    default every group of the config, :func:`param_groups`).
 
     ``uniform(spec)`` draws an array of ``spec.shape`` uniformly in
     ``[-spec.bound, spec.bound]`` with the caller's RNG (in ``dtype`` on
@@ -285,6 +351,7 @@ def init_params(
     """
     kw = {"dtype": dtype, "device": device}
     params: dict[str, dict[str, Any]] = {}
+    groups = param_groups(config) if groups is None else groups
     for spec in param_specs(config):
         if spec.group not in groups:
             continue
@@ -308,14 +375,53 @@ def init_params(
 
 
 def cell_params(params: Params) -> ConvParams:
-    """The ``"cell"`` group as :class:`tmcore.ConvParams` (the scan's gate parameters)."""
+    """The ``"cell"`` group as :class:`tmcore.ConvParams` (the scan's gate parameters).
+
+    Parameters
+    ----------
+    params : dict of dict of array
+        A layer's parameter pytree ``{group: {leaf: array}}``.
+
+    Returns
+    -------
+    ConvParams
+        ``params["cell"]``'s four leaves, in :class:`tmcore.ConvParams`' field
+        order (the arrays themselves, not copies).
+
+    Raises
+    ------
+    KeyError
+        If the ``cell`` group or one of its leaves is missing.
+    """
     return ConvParams(*(params["cell"][field] for field in ConvParams._fields))
 
 
 def sizes_from_params(params: Any) -> tuple[int, int, int, int]:
-    """``(d, C, n, L)`` as the parameters fix them (``out_proj.weight (d, C)``,
-    ``coord_net.weight (n, d)``, ``write_proj.weight (d, L*d)``); raises like
-    :func:`check_params` for a malformed pytree."""
+    """The layer sizes a parameter pytree fixes.
+
+    Parameters
+    ----------
+    params : dict of dict of array
+        A layer's parameter pytree ``{group: {leaf: array}}``; read are
+        ``out_proj.weight (d, C)``, ``coord_net.weight (n, d)`` and
+        ``write_proj.weight (d, L*d)``.
+
+    Returns
+    -------
+    tuple of int
+        ``(d, C, n, L)``: ``embed_dim``, ``memory_channels``, the number of
+        spatial axes and ``chunk_size``.
+
+    Raises
+    ------
+    TypeError
+        If ``params`` is not a mapping or a leaf is not an array.
+    KeyError
+        If a leaf is missing.
+    ValueError
+        If one of the three weights is not a matrix of the shape above (``n``
+        must be 1 to 4).
+    """
     _require_leaves(params)
 
     def shape(group: str, leaf: str) -> tuple[int, ...]:
@@ -352,9 +458,26 @@ def _require_leaves(params: Any) -> None:
 
 
 def check_params(params: Any, config: LayerConfig) -> None:
-    """Every parameter present with the shape :func:`param_specs` gives, and a real
-    floating dtype: ``KeyError`` for a missing leaf, ``ValueError`` for a wrong
-    shape, ``TypeError`` for a non-array or non-floating leaf, each naming it."""
+    """Check that every parameter is present, with its shape and a real floating dtype.
+
+    Parameters
+    ----------
+    params : dict of dict of array
+        A layer's parameter pytree ``{group: {leaf: array}}`` (the torch
+        state-dict names split at the dot).
+    config : LayerConfig
+        The layer whose :func:`param_specs` give the expected leaves and shapes.
+
+    Raises
+    ------
+    KeyError
+        If a leaf is missing.
+    ValueError
+        If a leaf's shape is not the one :func:`param_specs` gives.
+    TypeError
+        If ``params`` is not a mapping, or a leaf is not an array or not of a
+        real floating dtype; each error names the leaf.
+    """
     _require_leaves(params)
     for spec in param_specs(config):
         value = params[spec.group][spec.leaf]
@@ -374,7 +497,22 @@ def _check_floating(name: str, value: Any) -> None:
 
 
 def linear(xp: Any, p: Mapping[str, Any], x: Any) -> Any:
-    """``x @ weight.T + bias`` (torch's layout: ``weight (out, in)``); ``x (..., in)``."""
+    """``x @ weight.T + bias``, a linear map in torch's layout.
+
+    Parameters
+    ----------
+    xp : namespace
+        The array namespace of the arrays.
+    p : dict of array
+        ``{"weight": (out, in), "bias": (out,)}``.
+    x : array, shape ``(..., in)``
+        The inputs.
+
+    Returns
+    -------
+    array, shape ``(..., out)``
+        The mapped inputs.
+    """
     return xp.matmul(x, xp.matrix_transpose(p["weight"])) + p["bias"]
 
 
@@ -416,12 +554,15 @@ def heads(xp: Any, params: Params, chunk: Any, config: LayerConfig, *,
     rows = xp.stack([chunk[..., 0, :], summary], axis=-2)               # (..., 2, d)
     out = linear(xp, fused, rows)                                       # (..., 2, n + C + 1)
     coords = xp.tanh(out[..., :n])                                      # (..., 2, n)
-    return StepInputs(
+    inputs = StepInputs(
         read_coords=coords[..., 0, :],
         write_coords=coords[..., 1, :],
         write_sigma=(softplus(xp, out[..., 1, n + c]) + MIN_SIGMA) * config.sigma_scale,
         write_content=out[..., 1, n:n + c],
     )
+    if config.dynamics == "warp":  # + the shift (..., n) from the summary (tmcore.dynamics)
+        return WarpInputs(*inputs, shift=linear(xp, params[WARP_GROUP], summary))
+    return inputs
 
 
 def read_out(xp: Any, params: Params, reads: Any, *, linear: Linear = linear) -> Any:
@@ -433,7 +574,20 @@ def read_out(xp: Any, params: Params, reads: Any, *, linear: Linear = linear) ->
 
 
 def num_chunks(tokens: int, chunk_size: int) -> int:
-    """``T = ceil(N / L)``."""
+    """The number of chunks of a sequence, ``T = ceil(N / L)``.
+
+    Parameters
+    ----------
+    tokens : int
+        ``N``, the sequence length.
+    chunk_size : int
+        ``L``, the tokens per chunk.
+
+    Returns
+    -------
+    int
+        ``T``; a ragged last chunk counts.
+    """
     return -(-tokens // chunk_size)
 
 
@@ -473,7 +627,32 @@ def _device(x: Any) -> Any:
 
 def zero_state(xp: Any, config: LayerConfig, batch: int, *, dtype: Any = None,
                device: Any = None) -> State:
-    """Zeros ``(h, c)``, each ``(B, C, *S)``."""
+    """The zero state of a layer.
+
+    Parameters
+    ----------
+    xp : namespace
+        The array namespace to create the state in.
+    config : LayerConfig
+        The layer's sizes (``C`` and ``S``).
+    batch : int
+        ``B``, the number of sequences.
+    dtype : dtype, optional
+        The state's dtype (default: the namespace's default floating dtype).
+    device : device, optional
+        Where to create the state (default: the namespace's default device).
+
+    Returns
+    -------
+    h, c : array, shape ``(B, C, *S)``
+        Two zero arrays.
+
+    Raises
+    ------
+    ValueError, MemoryError
+        If the state (and one scan step over it) cannot be indexed or does not
+        fit the device; the error names ``memory_shape``.
+    """
     _sizes.check_state(xp, config, batch, dtype, device)  # sizes before allocating
     shape = config.state_shape(batch)
     return xp.zeros(shape, dtype=dtype, device=device), xp.zeros(shape, dtype=dtype,
@@ -494,7 +673,32 @@ def check_tokens(xp: Any, x: Any, config: LayerConfig) -> None:
 
 
 def check_state(xp: Any, state: Any, batch: int, config: LayerConfig) -> State:
-    """``state``: a pair ``(h, c)`` of real floating arrays ``(B, C, *S)``; returned as a tuple."""
+    """Check a layer state ``(h, c)``.
+
+    Parameters
+    ----------
+    xp : namespace
+        The array namespace of the layer's call.
+    state : pair of arrays
+        ``(h, c)``, each of shape ``(B, C, *S)`` and a real floating dtype (a
+        tuple or a list).
+    batch : int
+        The expected ``B``.
+    config : LayerConfig
+        The layer's sizes (``C`` and ``S``).
+
+    Returns
+    -------
+    h, c : array, shape ``(B, C, *S)``
+        The state as a tuple.
+
+    Raises
+    ------
+    ValueError
+        If ``state`` is not a pair, or ``h`` or ``c`` has another shape.
+    TypeError
+        If ``h`` or ``c`` is not an array or not of a real floating dtype.
+    """
     expected = config.state_shape(batch)
     if not isinstance(state, (tuple, list)) or len(state) != 2:
         raise ValueError(f"state: expected a pair (h, c) of shape (B, C, *S) = {expected} "
@@ -514,8 +718,28 @@ def check_state(xp: Any, state: Any, batch: int, config: LayerConfig) -> State:
 def reset_state(xp: Any, state: State, mask: Any) -> State:
     """Zero ``(h, c)`` of the sequences where the bool ``mask (B,)`` is True.
 
-    A non-bool mask is a ``TypeError`` (a float mask would silently mean
-    "anything non-zero"); compare explicitly, e.g. ``mask > 0.5``.
+    Parameters
+    ----------
+    xp : namespace
+        The array namespace of the state.
+    state : pair of arrays, shape ``(B, C, *S)`` each
+        The state ``(h, c)``.
+    mask : bool array, shape ``(B,)``
+        True for the sequences to reset (named ``reset`` in errors).
+
+    Returns
+    -------
+    h, c : array, shape ``(B, C, *S)``
+        The state with the masked rows zeroed.
+
+    Raises
+    ------
+    TypeError
+        If ``mask`` is not an array of ``xp``'s kind or not of dtype bool (a
+        float mask would silently mean "anything non-zero"; compare
+        explicitly, e.g. ``mask > 0.5``).
+    ValueError
+        If ``mask`` does not have shape ``(B,)``.
     """
     h, c = state
     batch = h.shape[0]
@@ -543,7 +767,23 @@ def _require_bool_array(xp: Any, value: Any, name: str, axes: str,
 
 
 def check_mode(mode: Any) -> str:
-    """``mode`` in :data:`MODES`, else ``ValueError``."""
+    """Check a multi-layer mode.
+
+    Parameters
+    ----------
+    mode : str
+        One of :data:`MODES`.
+
+    Returns
+    -------
+    str
+        ``mode``.
+
+    Raises
+    ------
+    ValueError
+        If ``mode`` is not in :data:`MODES`.
+    """
     if mode not in MODES:
         raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
     return mode
@@ -560,10 +800,29 @@ def _is_pair(state: Any) -> bool:
 def segment_states(mode: str, state: Any, layers: int) -> Any:
     """The state a stack of ``layers`` starts a segment from, normalized.
 
-    ``"causal"``: a list of per-layer states (``None`` entries: zeros); ``state``
-    may be ``None``, one ``(h, c)`` pair (used for every layer) or a sequence of
-    ``layers`` pairs. ``"threaded"``: one pair or ``None``; a per-layer
-    sequence (as a causal stack returns) gives its last layer's state.
+    Parameters
+    ----------
+    mode : {"causal", "threaded"}
+        The stack's mode (:data:`MODES`).
+    state : None, a state or a sequence of states
+        ``None``, one layer state (an ``(h, c)`` pair or a
+        :class:`StreamState`) or a sequence of per-layer states.
+    layers : int
+        The number of layers of the stack.
+
+    Returns
+    -------
+    list or state or None
+        ``"causal"``: a list of ``layers`` per-layer states (``None`` entries:
+        zeros; one given state is used for every layer). ``"threaded"``: one
+        state or ``None``; a per-layer sequence (as a causal stack returns)
+        gives its last layer's state.
+
+    Raises
+    ------
+    ValueError
+        If ``mode`` is not in :data:`MODES`, or a causal ``state`` sequence does
+        not hold ``layers`` states.
     """
     check_mode(mode)
     if mode == "threaded":
@@ -581,12 +840,29 @@ def segment_states(mode: str, state: Any, layers: int) -> Any:
 
 
 def start_state(mode: str, layer: int, segment: Any, previous: State | None) -> tuple[Any, bool]:
-    """Where layer ``layer`` starts: ``(state or None, whether the reset mask applies)``.
+    """Where layer ``layer`` of a stack starts.
 
-    ``segment`` is :func:`segment_states`' result; ``previous`` the state layer
-    ``layer - 1`` reached in this segment. Causal: the layer's own segment state,
-    reset applies. Threaded: layer 0 the segment state (reset applies), every
-    later layer the previous layer's final state (already reset upstream).
+    Causal: the layer's own segment state, and the reset mask applies.
+    Threaded: layer 0 the segment state (reset applies), every later layer the
+    previous layer's final state (already reset upstream).
+
+    Parameters
+    ----------
+    mode : {"causal", "threaded"}
+        The stack's mode (checked by :func:`segment_states`).
+    layer : int
+        The layer's index in the stack.
+    segment : list or state or None
+        :func:`segment_states`' result.
+    previous : pair of arrays or None
+        The state layer ``layer - 1`` reached in this segment.
+
+    Returns
+    -------
+    state : state or None
+        The state the layer starts from (``None``: zeros).
+    reset : bool
+        Whether the call's reset mask applies to it.
     """
     if mode == "causal":
         return segment[layer], True
@@ -596,7 +872,20 @@ def start_state(mode: str, layer: int, segment: Any, previous: State | None) -> 
 
 
 def final_state(mode: str, finals: Sequence[State]) -> Any:
-    """What a stack returns: per-layer states (causal, a tuple) or the last one (threaded)."""
+    """The state a stack of layers returns.
+
+    Parameters
+    ----------
+    mode : {"causal", "threaded"}
+        The stack's mode.
+    finals : sequence of states
+        Each layer's state at the end of the segment, first layer first.
+
+    Returns
+    -------
+    tuple of states or state
+        Causal: the per-layer states as a tuple; threaded: the last one.
+    """
     return tuple(finals) if mode == "causal" else finals[-1]
 
 
@@ -604,9 +893,24 @@ def final_state(mode: str, finals: Sequence[State]) -> Any:
 
 
 def stored_grid_error(stored: Any, memory_shape: Sequence[int], where: str) -> str | None:
-    """Why a stored grid shape (1-D ints, e.g. torch's ``_extra_state``) does not fit
-    ``memory_shape``, or ``None`` (it fits, or its values cannot be read: a tracer,
-    a meta tensor)."""
+    """Why a grid shape stored with the parameters does not fit ``memory_shape``.
+
+    Parameters
+    ----------
+    stored : array or sequence of int
+        The stored grid shape: a 1-D integer array (e.g. torch's
+        ``_extra_state``) or a sequence of 1 to 4 ints.
+    memory_shape : sequence of int
+        The grid shape of the model loading it.
+    where : str
+        Where ``stored`` came from, for the message (e.g. a state-dict key).
+
+    Returns
+    -------
+    str or None
+        The error message (a malformed ``stored``, or another grid), or ``None``
+        when it fits or its values cannot be read (a tracer, a meta tensor).
+    """
     malformed = (f"memory_shape: {where} should hold a grid shape (a 1-D int array of "
                  f"1 to 4 sizes), got {stored!r}")
     if array_api_compat.is_array_api_obj(stored):
@@ -646,6 +950,16 @@ class Layer:
     ``scan(h0, c0, inputs) -> (reads (B, T, C), h_T, c_T)`` with ``inputs`` a
     :class:`tmcore.StepInputs` of ``(B, T, ...)`` arrays (the adapter's
     differentiable :func:`tmcore.memory_scan`, or any variant of it).
+
+    Parameters
+    ----------
+    config : LayerConfig
+        The layer's hyperparameters (from :func:`layer_config`).
+
+    Raises
+    ------
+    TypeError
+        If ``config`` is not a :class:`LayerConfig`.
     """
 
     #: the linear map of every head (see :func:`heads`); a subclass may replace it

@@ -23,7 +23,6 @@ from typing import Any, NamedTuple
 from tmcore import _sizes
 from tmcore._validate import validation_enabled
 from tmcore.sampling import trilinear_sample
-from tmcore.scan import StepInputs
 
 __all__ = ["StreamState", "check_doc_starts", "doc_starts_from_offsets", "forward_stream",
            "stream_state"]
@@ -505,7 +504,7 @@ def _array_stream(layer: Layer, xp: Any, params: Params, x: Any, st: StreamState
         parts = []
         cond = getattr(scan, "cond", None)
         for t0, t1 in zip(cuts, cuts[1:], strict=False):
-            segment = StepInputs(*(v[:, t0:t1, ...] for v in inputs))
+            segment = type(inputs)(*(v[:, t0:t1, ...] for v in inputs))
             if cond is not None and t1 == t0 + 1 and t1 > m_lo:
                 # the state after this one step serves only rows with m >= t1: where no
                 # row has one (a decode step that completes no chunk), skip the update
@@ -564,9 +563,9 @@ def _boundary_stream(layer: Layer, xp: Any, params: Params, x: Any, h: Any, c: A
     full, left = divmod(tokens, length)
     inputs = layer.heads(xp, params, chunk(xp, x, length))      # (B, T, ...) each
     if full:
-        reads, h, c = scan(h, c, StepInputs(*(v[:, :full, ...] for v in inputs)))
+        reads, h, c = scan(h, c, type(inputs)(*(v[:, :full, ...] for v in inputs)))
     if left:
-        last, _, _ = scan(h, c, StepInputs(*(v[:, full:, ...] for v in inputs)))
+        last, _, _ = scan(h, c, type(inputs)(*(v[:, full:, ...] for v in inputs)))
         reads = xp.concat([reads, last], axis=1) if full else last
         pending = xp.concat([x[:, full * length:, :],
                              xp.broadcast_to(xp.zeros_like(x[:, :1, :]),
@@ -678,7 +677,7 @@ def _segmented_scan(layer: Layer, xp: Any, params: Params, chunks: Any, st: Stre
             final_c = c if final_c is None else _where_rows(xp, taken, c, final_c)
         if t1 is None:
             break
-        part, h, c = scan(h, c, StepInputs(*(v[:, t0:t1, ...] for v in inputs)))
+        part, h, c = scan(h, c, type(inputs)(*(v[:, t0:t1, ...] for v in inputs)))
         reads.append(part)
     return xp.concat(reads, axis=1), final_h, final_c
 
