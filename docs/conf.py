@@ -56,7 +56,6 @@ numpydoc_validation_exclude = {
     # options and validation, the local update and the warp); validated once their
     # docstrings are numpydoc.
     r"^tmcore\.layer\.",
-    r"^tmcore\.stream\.",
     r"^tmcore\.adapters\.",
     r"^tmcore\.(local_|warp_)",
     # Module constants: their one-line ``#:`` comments are their docs.

@@ -23,7 +23,20 @@ def sigmoid(xp: Any, x: Any) -> Any:
 
 
 def softplus(xp: Any, x: Any) -> Any:
-    """``log(1 + exp(x))`` as ``max(x, 0) + log1p(exp(-|x|))``."""
+    """``log(1 + exp(x))`` as ``max(x, 0) + log1p(exp(-|x|))`` (no overflow).
+
+    Parameters
+    ----------
+    xp : namespace
+        The array namespace of ``x``.
+    x : array
+        Any shape, a real floating dtype.
+
+    Returns
+    -------
+    array
+        The softplus of ``x``, elementwise (same shape and dtype).
+    """
     return xp.maximum(x, xp.zeros_like(x)) + xp.log1p(xp.exp(-xp.abs(x)))
 
 
