@@ -292,12 +292,9 @@ def ref_gaussian_splat_vjp(
 
     Parameters
     ----------
-    content : numpy.ndarray, shape ``(B, K, C)``
-        The content vectors.
-    mu : numpy.ndarray, shape ``(B, K, n)``
-        The normalized centres.
-    sigma : numpy.ndarray, shape ``(B, K)``
-        The widths.
+    content, mu, sigma : numpy.ndarray
+        The content vectors, normalized centres and widths, shaped as in
+        :func:`ref_gaussian_splat` (``(B, K, C)``, ``(B, K, n)``, ``(B, K)``).
     shape : sequence of int
         The spatial shape ``S``.
     g : numpy.ndarray, shape ``(B, C, *shape)``
@@ -440,16 +437,10 @@ def ref_factorized_conv_vjp(
 
     Parameters
     ----------
-    x : numpy.ndarray, shape ``(B, Cin, *S)``
-        The input.
-    depthwise_weight : numpy.ndarray, shape ``(n, Cin, 3)``
-        The taps.
-    depthwise_bias : numpy.ndarray, shape ``(n, Cin)``
-        The depthwise biases.
-    pointwise_weight : numpy.ndarray, shape ``(Cout, Cin)``
-        The channel-mixing matrix.
-    pointwise_bias : numpy.ndarray, shape ``(Cout,)``
-        The mixing's bias.
+    x, depthwise_weight, depthwise_bias, pointwise_weight, pointwise_bias : numpy.ndarray
+        The input and the conv's parameters, shaped as in
+        :func:`ref_factorized_conv` (``(B, Cin, *S)``, ``(n, Cin, 3)``,
+        ``(n, Cin)``, ``(Cout, Cin)``, ``(Cout,)``).
     g : numpy.ndarray, shape ``(B, Cout, *S)``
         The cotangent of the output.
 
@@ -577,24 +568,13 @@ def ref_convlstm_step_vjp(
 
     Parameters
     ----------
-    x : numpy.ndarray, shape ``(B, C, *S)``
-        The written volume.
-    h : numpy.ndarray, shape ``(B, C, *S)``
-        The hidden state.
-    c : numpy.ndarray, shape ``(B, C, *S)``
-        The cell state.
-    depthwise_weight : numpy.ndarray, shape ``(n, 2C, 3)``
-        The gate conv's taps.
-    depthwise_bias : numpy.ndarray, shape ``(n, 2C)``
-        The gate conv's depthwise biases.
-    pointwise_weight : numpy.ndarray, shape ``(4C, 2C)``
-        The gate conv's mixing matrix.
-    pointwise_bias : numpy.ndarray, shape ``(4C,)``
-        The gate conv's mixing bias.
-    g_h : numpy.ndarray, shape ``(B, C, *S)``
-        The cotangent of the new hidden state.
-    g_c : numpy.ndarray, shape ``(B, C, *S)``
-        The cotangent of the new cell state.
+    x, h, c : numpy.ndarray, shape ``(B, C, *S)``
+        The written volume, the hidden and the cell state.
+    depthwise_weight, depthwise_bias, pointwise_weight, pointwise_bias : numpy.ndarray
+        The gate conv's parameters, shaped as in :func:`ref_convlstm_step`
+        (``(n, 2C, 3)``, ``(n, 2C)``, ``(4C, 2C)``, ``(4C,)``).
+    g_h, g_c : numpy.ndarray, shape ``(B, C, *S)``
+        The cotangents of the new hidden and cell state.
 
     Returns
     -------
@@ -665,14 +645,9 @@ def ref_memory_scan(
         The write spread of each step.
     write_content : numpy.ndarray, shape ``(B, T, C)``
         The content written by each step.
-    depthwise_weight : numpy.ndarray, shape ``(n, 2C, 3)``
-        The gate conv's taps.
-    depthwise_bias : numpy.ndarray, shape ``(n, 2C)``
-        The gate conv's depthwise biases.
-    pointwise_weight : numpy.ndarray, shape ``(4C, 2C)``
-        The gate conv's mixing matrix.
-    pointwise_bias : numpy.ndarray, shape ``(4C,)``
-        The gate conv's mixing bias.
+    depthwise_weight, depthwise_bias, pointwise_weight, pointwise_bias : numpy.ndarray
+        The gate conv's parameters, as in :func:`ref_convlstm_step`: shapes
+        ``(n, 2C, 3)``, ``(n, 2C)``, ``(4C, 2C)`` and ``(4C,)``.
     eps : float, default 1e-6
         As in :func:`ref_gaussian_splat`.
     radius : float or None, default None
@@ -726,36 +701,22 @@ def ref_memory_scan_vjp(
 
     Parameters
     ----------
-    h0 : numpy.ndarray, shape ``(B, C, *S)``
-        The initial hidden state.
-    c0 : numpy.ndarray, shape ``(B, C, *S)``
-        The initial cell state.
-    read_coords : numpy.ndarray, shape ``(B, T, n)``
-        The read position of each step.
-    write_coords : numpy.ndarray, shape ``(B, T, n)``
-        The write centre of each step.
-    write_sigma : numpy.ndarray, shape ``(B, T)``
-        The write spread of each step.
-    write_content : numpy.ndarray, shape ``(B, T, C)``
-        The content written by each step.
-    depthwise_weight : numpy.ndarray, shape ``(n, 2C, 3)``
-        The gate conv's taps.
-    depthwise_bias : numpy.ndarray, shape ``(n, 2C)``
-        The gate conv's depthwise biases.
-    pointwise_weight : numpy.ndarray, shape ``(4C, 2C)``
-        The gate conv's mixing matrix.
-    pointwise_bias : numpy.ndarray, shape ``(4C,)``
-        The gate conv's mixing bias.
+    h0, c0 : numpy.ndarray, shape ``(B, C, *S)``
+        The initial hidden and cell state.
+    read_coords, write_coords, write_sigma, write_content : numpy.ndarray
+        Each step's addressing and content, shaped as in :func:`ref_memory_scan`
+        (``(B, T, n)``, ``(B, T, n)``, ``(B, T)``, ``(B, T, C)``).
+    depthwise_weight, depthwise_bias, pointwise_weight, pointwise_bias : numpy.ndarray
+        The gate conv's parameters (``(n, 2C, 3)``, ``(n, 2C)``, ``(4C, 2C)``,
+        ``(4C,)``).
     g_reads : numpy.ndarray, shape ``(B, T, C)``
         The cotangent of the reads.
-    g_h : numpy.ndarray, shape ``(B, C, *S)``
-        The cotangent of the final hidden state.
-    g_c : numpy.ndarray, shape ``(B, C, *S)``
-        The cotangent of the final cell state.
+    g_h, g_c : numpy.ndarray, shape ``(B, C, *S)``
+        The cotangents of the final hidden and cell state.
     eps : float, default 1e-6
-        As in :func:`ref_gaussian_splat`.
+        The splat's ``eps``, as in :func:`ref_memory_scan`.
     radius : float or None, default None
-        As in :func:`ref_gaussian_splat`.
+        The splat's truncation radius, as in :func:`ref_memory_scan`.
 
     Returns
     -------

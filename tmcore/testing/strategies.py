@@ -349,6 +349,20 @@ def _conv_params(rng: np.random.Generator, n: int, c_in: int, c_out: int) -> lis
     ]
 
 
+def _draw_writes(draw: Any, batch: int, count: int, shape: tuple[int, ...],
+                 smooth: bool) -> tuple[np.ndarray, np.ndarray, float | None]:
+    """Draw ``count`` writes per batch element: centres ``(B, K, n)``, spreads ``(B, K)``
+    and a truncation radius; with ``smooth``, only writes whose cell centres keep away
+    from the truncation edges (:func:`splat_margin_ok`)."""
+    mu = draw(coords_array(batch, count, shape))
+    sigma = np.asarray(draw(st.lists(log_uniform_sigma, min_size=batch * count,
+                                     max_size=batch * count))).reshape(batch, count)
+    radius = draw(radii)
+    if smooth:
+        assume(splat_margin_ok(shape, mu, sigma, radius))
+    return mu, sigma, radius
+
+
 # ----------------------------------------------------------------------------- strategies
 
 
@@ -365,8 +379,7 @@ def sample_cases(draw, smooth: bool = False, max_cells: int = 24) -> dict:
 
     Returns
     -------
-    hypothesis.strategies.SearchStrategy
-        A strategy (``st.composite``) drawing a dict.
+    SearchStrategy of dict
         ``volume (B, C, *S)``, ``coords (B, Q, n)``, ``g (B, Q, C)``, float64.
     """
     shape = draw(grid_shapes(max_cells=max_cells))
@@ -394,20 +407,14 @@ def splat_cases(draw, smooth: bool = False, max_cells: int = 24) -> dict:
 
     Returns
     -------
-    hypothesis.strategies.SearchStrategy
-        A strategy (``st.composite``) drawing a dict.
+    SearchStrategy of dict
         ``content (B, K, C)``, ``mu (B, K, n)``, ``sigma (B, K)`` (1e-3 to 10),
         ``shape``, ``radius`` (None or 1 to 3) and ``g (B, C, *shape)``.
     """
     shape = draw(grid_shapes(max_cells=max_cells))
     batch, k, channels = draw(st.integers(1, 2)), draw(st.integers(1, 3)), draw(st.integers(1, 3))
     rng = np.random.default_rng(draw(seeds))
-    mu = draw(coords_array(batch, k, shape))
-    sigma = np.asarray(draw(st.lists(log_uniform_sigma, min_size=batch * k,
-                                     max_size=batch * k))).reshape(batch, k)
-    radius = draw(radii)
-    if smooth:
-        assume(splat_margin_ok(shape, mu, sigma, radius))
+    mu, sigma, radius = _draw_writes(draw, batch, k, shape, smooth)
     return dict(
         content=rng.standard_normal((batch, k, channels)),
         mu=mu,
@@ -429,8 +436,7 @@ def conv_cases(draw, max_cells: int = 24) -> dict:
 
     Returns
     -------
-    hypothesis.strategies.SearchStrategy
-        A strategy (``st.composite``) drawing a dict.
+    SearchStrategy of dict
         ``x (B, C_in, *S)``, ``params`` (the four conv arrays) and
         ``g (B, C_out, *S)``.
     """
@@ -457,8 +463,7 @@ def lstm_cases(draw, max_cells: int = 24, max_channels: int = 3) -> dict:
 
     Returns
     -------
-    hypothesis.strategies.SearchStrategy
-        A strategy (``st.composite``) drawing a dict.
+    SearchStrategy of dict
         ``x, h, c (B, C, *S)``, ``params`` (``C_in = 2C``, ``C_out = 4C``) and the
         cotangents ``g_h, g_c (B, C, *S)``.
     """
@@ -495,8 +500,7 @@ def scan_cases(draw, smooth: bool = False, max_cells: int = 16, max_steps: int =
 
     Returns
     -------
-    hypothesis.strategies.SearchStrategy
-        A strategy (``st.composite``) drawing a dict.
+    SearchStrategy of dict
         The keys of :data:`SCAN_INPUTS` (``h0, c0 (B, C, *S)``,
         ``read_coords, write_coords (B, T, n)``, ``write_sigma (B, T)``,
         ``write_content (B, T, C)``), ``params``, the cotangents
@@ -508,12 +512,7 @@ def scan_cases(draw, smooth: bool = False, max_cells: int = 16, max_steps: int =
     steps = draw(st.integers(1, max_steps))
     rng = np.random.default_rng(draw(seeds))
     make = smooth_coords_array if smooth else coords_array
-    write_coords = draw(coords_array(batch, steps, shape))
-    write_sigma = np.asarray(draw(st.lists(log_uniform_sigma, min_size=batch * steps,
-                                           max_size=batch * steps))).reshape(batch, steps)
-    radius = draw(radii)
-    if smooth:
-        assume(splat_margin_ok(shape, write_coords, write_sigma, radius))
+    write_coords, write_sigma, radius = _draw_writes(draw, batch, steps, shape, smooth)
     state_shape = (batch, channels, *shape)
     return dict(
         h0=rng.standard_normal(state_shape) * 0.5,
