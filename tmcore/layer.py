@@ -522,9 +522,7 @@ Linear = Callable[[Any, Mapping[str, Any], Any], Any]
 def heads(xp: Any, params: Params, chunk: Any, config: LayerConfig, *,
           linear: Linear = linear, softplus: Callable[[Any, Any], Any] = softplus
           ) -> StepInputs:
-    """The layer's linear heads on ``chunk (..., L, d)`` -> :class:`tmcore.StepInputs`
-    with ``read_coords (..., n)``, ``write_coords (..., n)``, ``write_sigma (...)``,
-    ``write_content (..., C)``.
+    """The layer's linear heads: chunks of tokens to the scan's step inputs.
 
     ``...`` is ``(B,)`` for one chunk or ``(B, T)`` for all of them; the layer
     calls it once on all ``(B, T)`` chunks, so the number of operations does not
@@ -543,6 +541,31 @@ def heads(xp: Any, params: Params, chunk: Any, config: LayerConfig, *,
     adapter may pass its framework's fused kernel, e.g. torch's ``F.linear``,
     which also follows autocast); ``softplus(xp, x)`` likewise (default the
     overflow-free :func:`tmcore._math.softplus`).
+
+    Parameters
+    ----------
+    xp : namespace
+        The array namespace of the arrays.
+    params : dict of dict of array
+        The layer's parameter pytree ``{group: {leaf: array}}`` (the heads read
+        ``write_proj``, ``coord_net``, ``content_net``, ``sigma_net`` and, with
+        ``dynamics="warp"``, ``warp_net``).
+    chunk : array, shape ``(..., L, d)``
+        One chunk per batch element ``(B, L, d)``, or all of them ``(B, T, L, d)``.
+    config : LayerConfig
+        The layer's sizes, ``sigma_scale`` and ``dynamics``.
+    linear : callable, default :func:`linear`
+        ``linear(xp, p, x)``, every linear map.
+    softplus : callable, default :func:`tmcore._math.softplus`
+        ``softplus(xp, x)``, the sigma head's softplus.
+
+    Returns
+    -------
+    StepInputs
+        ``read_coords (..., n)`` and ``write_coords (..., n)`` in ``(-1, 1)``,
+        ``write_sigma (...)`` > 0 and ``write_content (..., C)``; with
+        ``dynamics="warp"`` a :class:`tmcore.dynamics.WarpInputs`, which adds
+        the warp's ``shift (..., n)``.
     """
     lead = tuple(chunk.shape[:-2])
     length, d = chunk.shape[-2:]
@@ -566,7 +589,24 @@ def heads(xp: Any, params: Params, chunk: Any, config: LayerConfig, *,
 
 
 def read_out(xp: Any, params: Params, reads: Any, *, linear: Linear = linear) -> Any:
-    """``out_proj`` on reads ``(..., C)`` -> ``(..., d)``."""
+    """The read-out: ``out_proj`` on the reads.
+
+    Parameters
+    ----------
+    xp : namespace
+        The array namespace of the arrays.
+    params : dict of dict of array
+        The layer's parameter pytree (its ``out_proj`` group is read).
+    reads : array, shape ``(..., C)``
+        What the scan read, e.g. ``(B, T, C)``.
+    linear : callable, default :func:`linear`
+        ``linear(xp, p, x)``, the linear map.
+
+    Returns
+    -------
+    array, shape ``(..., d)``
+        The layer's output per read.
+    """
     return linear(xp, params["out_proj"], reads)
 
 
@@ -592,7 +632,22 @@ def num_chunks(tokens: int, chunk_size: int) -> int:
 
 
 def chunk(xp: Any, x: Any, chunk_size: int) -> Any:
-    """``x (B, N, d)`` -> ``(B, T, L, d)``, the last chunk zero-padded on the right."""
+    """Split tokens into chunks of ``L``.
+
+    Parameters
+    ----------
+    xp : namespace
+        The array namespace of ``x``.
+    x : array, shape ``(B, N, d)``
+        The tokens.
+    chunk_size : int
+        ``L``, the tokens per chunk.
+
+    Returns
+    -------
+    array, shape ``(B, T, L, d)``
+        ``T = ceil(N / L)`` chunks, the last one zero-padded on the right.
+    """
     batch, tokens, d = x.shape
     steps = num_chunks(tokens, chunk_size)
     pad = steps * chunk_size - tokens
@@ -605,8 +660,24 @@ def chunk(xp: Any, x: Any, chunk_size: int) -> Any:
 
 
 def unchunk(xp: Any, per_chunk: Any, tokens: int, chunk_size: int) -> Any:
-    """``per_chunk (B, T, d)`` -> ``(B, N, d)``: chunk ``t``'s row on each of its tokens,
-    trimmed to the ``N = tokens`` real ones."""
+    """Spread one row per chunk back over the chunk's tokens.
+
+    Parameters
+    ----------
+    xp : namespace
+        The array namespace of ``per_chunk``.
+    per_chunk : array, shape ``(B, T, d)``
+        One row per chunk.
+    tokens : int
+        ``N``, the number of real tokens (at most ``T * L``).
+    chunk_size : int
+        ``L``, the tokens per chunk.
+
+    Returns
+    -------
+    array, shape ``(B, N, d)``
+        Chunk ``t``'s row on each of its tokens, trimmed to the first ``N``.
+    """
     batch, steps, d = per_chunk.shape
     out = xp.broadcast_to(per_chunk[:, :, None, :], (batch, steps, chunk_size, d))
     return xp.reshape(out, (batch, steps * chunk_size, d))[:, :tokens, :]
@@ -660,7 +731,24 @@ def zero_state(xp: Any, config: LayerConfig, batch: int, *, dtype: Any = None,
 
 
 def check_tokens(xp: Any, x: Any, config: LayerConfig) -> None:
-    """``x``: a real floating array of shape ``(B, N, d)`` with ``d = embed_dim``."""
+    """Check a layer's tokens.
+
+    Parameters
+    ----------
+    xp : namespace
+        The array namespace of the layer's call.
+    x : array, shape ``(B, N, d)``
+        The tokens: a real floating array with ``d = embed_dim``.
+    config : LayerConfig
+        The layer (its ``embed_dim``).
+
+    Raises
+    ------
+    TypeError
+        If ``x`` is not an array or not of a real floating dtype.
+    ValueError
+        If ``x`` is not 3-D or its last axis is not ``embed_dim``.
+    """
     if not (hasattr(x, "shape") and hasattr(x, "dtype")):
         raise TypeError(f"x: expected an array of shape (B, N, d), got {type(x).__name__}")
     if x.ndim != 3:
@@ -974,22 +1062,79 @@ class Layer:
         self.config = config
 
     def heads(self, xp: Any, params: Params, chunk: Any) -> StepInputs:
-        """See :func:`heads`."""
+        """The layer's heads (:func:`heads` with this layer's config, linear and softplus).
+
+        Parameters
+        ----------
+        xp, params, chunk : see heads
+            As in :func:`heads`: the namespace, the parameter pytree and the
+            chunks ``(..., L, d)``.
+
+        Returns
+        -------
+        StepInputs
+            The step inputs of the chunks (leading axes ``...``), as
+            :func:`heads` gives them.
+        """
         return heads(xp, params, chunk, self.config, linear=self.linear,
                      softplus=self.softplus)
 
     def read_out(self, xp: Any, params: Params, reads: Any) -> Any:
-        """See :func:`read_out`."""
+        """The layer's read-out (:func:`read_out` with this layer's linear map).
+
+        Parameters
+        ----------
+        xp, params, reads : see read_out
+            As in :func:`read_out`: the namespace, the parameter pytree and the
+            reads ``(..., C)``.
+
+        Returns
+        -------
+        array, shape ``(..., d)``
+            The layer's output per read.
+        """
         return read_out(xp, params, reads, linear=self.linear)
 
     def forward(self, xp: Any, params: Params, x: Any, state: State | None, *, scan: Scan,
                 reset: Any = None) -> tuple[Any, State]:
-        """``x (B, N, d)``, ``state (h, c)`` or ``None`` (zeros) -> ``(out (B, N, d), (h, c))``.
+        """The layer on a whole sequence: ``x (B, N, d)`` -> ``(out (B, N, d), (h, c))``.
 
         Checks ``x``, ``state`` and ``reset`` (:func:`check_tokens`,
         :func:`check_state`, :func:`reset_state`); the heads and the read-out
         run once over all chunks (``(B, T, ...)``), the scan steps through them.
+        A ragged last chunk is zero-padded and written.
         ``N = 0`` or ``B = 0`` returns zeros and the (reset) state.
+
+        Parameters
+        ----------
+        xp : namespace
+            The array namespace of the arrays.
+        params : dict of dict of array
+            The layer's parameter pytree ``{group: {leaf: array}}``.
+        x : array, shape ``(B, N, d)``
+            The tokens.
+        state : pair of arrays, shape ``(B, C, *S)`` each, or None
+            The state ``(h, c)`` entering the sequence; ``None``: zeros.
+        scan : callable
+            ``scan(h0, c0, inputs) -> (reads (B, T, C), h_T, c_T)``, e.g. the
+            adapter's differentiable :func:`tmcore.memory_scan`.
+        reset : bool array, shape ``(B,)``, optional
+            True for the rows whose state is zeroed first.
+
+        Returns
+        -------
+        out : array, shape ``(B, N, d)``
+            Each token's output: its chunk's read, read out.
+        state : pair of arrays, shape ``(B, C, *S)`` each
+            ``(h, c)`` after the last chunk.
+
+        Raises
+        ------
+        TypeError
+            If ``x``, ``state`` or ``reset`` is not an array of the right kind
+            or dtype (each error names the argument).
+        ValueError
+            If ``x``, ``state`` or ``reset`` has the wrong shape.
         """
         config = self.config
         check_tokens(xp, x, config)
@@ -1033,6 +1178,45 @@ class Layer:
         Hugging Face attention mask, left or right): they never enter the state nor the
         chunk grid, their outputs are zeros, and each row's stream is its valid tokens
         only (the returned state is the one running them alone gives).
+
+        Parameters
+        ----------
+        xp : namespace
+            The array namespace of the arrays.
+        params : dict of dict of array
+            The layer's parameter pytree ``{group: {leaf: array}}``.
+        x : array, shape ``(B, N, d)``
+            The next piece of each row's stream (``N`` may be 0).
+        state : None, pair of arrays or StreamState
+            ``None`` (zeros), an ``(h, c)`` pair ``(B, C, *S)`` or the
+            :class:`StreamState` a previous call returned.
+        scan : callable
+            ``scan(h0, c0, inputs) -> (reads (B, T, C), h_T, c_T)``; one with a
+            ``cond(pred, true_fn, false_fn)`` attribute (JAX: ``lax.cond``) lets
+            a step that completes no chunk skip the update.
+        reset : bool array, shape ``(B,)``, optional
+            A document start at the first token of the marked rows.
+        doc_starts : bool array, shape ``(B, N)``, optional
+            True where a new document starts (read on the host).
+        valid : bool array, shape ``(B, N)``, optional
+            False at tokens to skip.
+
+        Returns
+        -------
+        out : array, shape ``(B, N, d)``
+            Each token's output (zeros where ``valid`` is False).
+        state : StreamState
+            The state after the last token, to pass to the next call.
+
+        Raises
+        ------
+        TypeError
+            If an argument is not an array of the right kind or dtype, or
+            ``doc_starts`` (or, with it, ``state.count``, ``reset`` or ``valid``)
+            is traced: packed documents are planned on the host.
+        ValueError
+            If an argument has the wrong shape, or ``state.count`` is not ``B``
+            ints in ``[0, L)``.
         """
         return forward_stream(self, xp, params, x, state, scan=scan, reset=reset,
                               doc_starts=doc_starts, valid=valid)
