@@ -151,7 +151,19 @@ def _grid(value: Any) -> tuple[int, ...]:
 
 @dataclasses.dataclass(frozen=True)
 class LayerConfig:
-    """The layer's hyperparameters, validated (build with :func:`layer_config`)."""
+    """The layer's hyperparameters, validated (build with :func:`layer_config`).
+
+    Parameters
+    ----------
+    embed_dim, memory_channels, memory_shape, chunk_size : int, int, tuple of int, int
+        The sizes ``d``, ``C``, ``S`` and ``L``.
+    sigma_scale, checkpoint_every, radius, eps, forget_bias, zero_init : see layer_config
+        The write spread's scale, the backward's checkpoint interval, the splat's
+        truncation and offset, the initial forget-gate bias and the zero read-out,
+        as :func:`layer_config` checks them.
+    update, window, dynamics : see layer_config
+        The experimental options beyond the paper.
+    """
 
     embed_dim: int
     memory_channels: int
@@ -178,7 +190,18 @@ class LayerConfig:
         return len(self.memory_shape)
 
     def state_shape(self, batch: int) -> tuple[int, ...]:
-        """``(B, C, *S)``."""
+        """The shape of ``h`` (and ``c``) for a batch.
+
+        Parameters
+        ----------
+        batch : int
+            ``B``.
+
+        Returns
+        -------
+        tuple of int
+            ``(B, C, *S)``.
+        """
         return (batch, self.memory_channels, *self.memory_shape)
 
 
@@ -190,21 +213,62 @@ def layer_config(
 ) -> LayerConfig:
     """Validate the layer's arguments once; returns a frozen :class:`LayerConfig`.
 
-    Sizes (``embed_dim``, ``memory_channels``, ``chunk_size``,
-    ``checkpoint_every``, the entries of ``memory_shape``) are ints >= 1
-    (Python or NumPy; bool and float are a ``TypeError``, < 1 a ``ValueError``);
-    ``memory_shape`` is a sequence of 1 to 4 of them (a bare int is a ``TypeError``);
-    ``sigma_scale`` a finite number > 0; ``radius`` ``None`` or > 0; ``eps`` a
-    finite number >= 0; ``forget_bias`` finite; ``zero_init`` a bool: the
-    read-out ``out_proj`` starts at zero (weight and bias), so the layer's output
-    is exactly 0 at initialization while ``out_proj`` still gets a gradient (an
-    attached memory is then an exact identity that trains).
+    Sizes are ints >= 1, Python or NumPy (bool and float are a ``TypeError``,
+    < 1 a ``ValueError``).
 
-    Options beyond the paper (experimental, docs/guides/local-and-warp.md):
-    ``update`` is ``"dense"`` (default) or ``"local"``; ``"local"`` needs ``window``,
-    an int in ``[1, max(memory_shape)]`` (cells per axis; the whole axis on a shorter
-    one), and ``window`` is refused with ``"dense"``. ``dynamics`` is ``"none"``
-    (default) or ``"warp"``, which adds the zero-initialized ``warp_net`` group.
+    Parameters
+    ----------
+    embed_dim : int
+        ``d``, the width of the tokens.
+    memory_channels : int
+        ``C``, the channels of the state.
+    memory_shape : sequence of int
+        ``S``, the grid: 1 to 4 sizes (a bare int is a ``TypeError``: ``4``
+        could mean ``(4,)`` or ``(4, 4, 4)``).
+    chunk_size : int
+        ``L``, the tokens per chunk (one read and one write each).
+    sigma_scale : float, default 1.0
+        A finite number > 0 multiplying every write spread.
+    checkpoint_every : int, default 1
+        The backward keeps the state entering every ``checkpoint_every``-th
+        chunk and replays the rest.
+    radius : float or None, default None
+        The splat's truncation radius in sigmas (> 0; ``None``: no truncation).
+    eps : float, default 1e-6
+        A finite number >= 0 added to the splat's ``2 sigma^2``.
+    forget_bias : float, default 0.0
+        The initial bias of the forget gate (a finite number).
+    zero_init : bool, default False
+        The read-out ``out_proj`` starts at zero (weight and bias), so the
+        layer's output is exactly 0 at initialization while ``out_proj`` still
+        gets a gradient (an attached memory is then an exact identity that
+        trains).
+    update : {"dense", "local"}, default "dense"
+        Experimental (docs/guides/local-and-warp.md): ``"local"`` writes and
+        updates only a window of cells around the write.
+    window : int or None, default None
+        With ``update="local"`` (and only then), the window's cells per axis:
+        an int in ``[1, max(memory_shape)]`` (the whole axis on a shorter one).
+    dynamics : {"none", "warp"}, default "none"
+        Experimental: ``"warp"`` resamples the state by a per-chunk shift
+        before each update and adds the zero-initialized ``warp_net`` group.
+
+    Returns
+    -------
+    LayerConfig
+        The validated hyperparameters (frozen, hashable).
+
+    Raises
+    ------
+    TypeError
+        If an argument has the wrong kind of value (a float, a bool or a string
+        where an int belongs; a non-string ``update`` or ``dynamics``; an array
+        ``sigma_scale``); each error names the argument.
+    ValueError
+        If a value is out of range, ``update`` or ``dynamics`` is not one of its
+        options, ``window`` is missing with ``"local"`` or given with
+        ``"dense"``, or the state or ``write_proj`` would have more elements
+        than int64 indexes.
     """
     check_positive_scalar("sigma_scale", sigma_scale)
     if array_api_compat.is_array_api_obj(sigma_scale):
@@ -268,15 +332,29 @@ def _flag(name: str, value: Any) -> bool:
 class ParamSpec(NamedTuple):
     """One parameter: ``group.leaf`` (the torch state-dict name), its shape and its init.
 
-    ``init`` is one of
+    Parameters
+    ----------
+    group, leaf : str
+        The parameter's group (one of :func:`param_groups`) and its name in it.
+    shape : tuple of int
+        Its shape for the config that made it.
+    layout : str
+        The shape in symbols, e.g. ``"(4C, 2C)"``.
+    init : str
+        How it starts:
 
-    - ``"uniform"``: uniform in ``[-bound, bound]`` (``torch.nn.Linear``'s default,
-      ``bound = 1 / sqrt(fan_in)``);
-    - ``"xavier_uniform"``: uniform in ``[-bound, bound]``, ``bound =
-      sqrt(6 / (fan_in + fan_out))``;
-    - ``"constant"``: every entry ``value``;
-    - ``"identity_taps"``: depthwise taps ``(0, 1, 0)`` on the last axis;
-    - ``"forget_bias"``: zeros except the forget-gate quarter ``[C:2C]`` = ``value``.
+        - ``"uniform"``: uniform in ``[-bound, bound]`` (``torch.nn.Linear``'s
+          default, ``bound = 1 / sqrt(fan_in)``);
+        - ``"xavier_uniform"``: uniform in ``[-bound, bound]``, ``bound =
+          sqrt(6 / (fan_in + fan_out))``;
+        - ``"constant"``: every entry ``value``;
+        - ``"identity_taps"``: depthwise taps ``(0, 1, 0)`` on the last axis;
+        - ``"forget_bias"``: zeros except the forget-gate quarter ``[C:2C]`` =
+          ``value``.
+    bound : float, default 0.0
+        The half-width of the uniform inits.
+    value : float, default 0.0
+        The value of the constant and forget-bias inits.
     """
 
     group: str
@@ -303,7 +381,19 @@ def _linear_specs(group: str, out_features: int, in_features: int, out: str, inp
 
 
 def param_specs(config: LayerConfig) -> tuple[ParamSpec, ...]:
-    """Every parameter of one layer, in state-dict order (the plan in docs/LAYER.md)."""
+    """Every parameter of one layer, in state-dict order (the plan in docs/LAYER.md).
+
+    Parameters
+    ----------
+    config : LayerConfig
+        The layer.
+
+    Returns
+    -------
+    tuple of ParamSpec
+        One per leaf of :func:`param_groups`' groups (``warp_net`` only with
+        ``dynamics="warp"``).
+    """
     d, c, n, length = config.embed_dim, config.memory_channels, config.ndim, config.chunk_size
     return (
         *_linear_specs("write_proj", d, length * d, "d", "L*d"),
@@ -325,8 +415,18 @@ def param_specs(config: LayerConfig) -> tuple[ParamSpec, ...]:
 
 
 def param_groups(config: LayerConfig) -> tuple[str, ...]:
-    """The parameter groups of ``config``'s layer, in state-dict order: :data:`GROUPS`,
-    plus ``"warp_net"`` with ``dynamics="warp"``."""
+    """The parameter groups of a layer, in state-dict order.
+
+    Parameters
+    ----------
+    config : LayerConfig
+        The layer.
+
+    Returns
+    -------
+    tuple of str
+        :data:`GROUPS`, plus ``"warp_net"`` with ``dynamics="warp"``.
+    """
     return GROUPS + ((WARP_GROUP,) if config.dynamics == "warp" else ())
 
 
@@ -342,12 +442,31 @@ def init_params(
     xp: Any, config: LayerConfig, uniform: Callable[[ParamSpec], Any], *, dtype: Any = None,
     device: Any = None, groups: Sequence[str] | None = None,
 ) -> dict[str, dict[str, Any]]:
-    """Realize :func:`param_specs` as ``{group: {leaf: array}}`` (only ``groups``;
-    default every group of the config, :func:`param_groups`).
+    """Realize :func:`param_specs` as a parameter pytree ``{group: {leaf: array}}``.
 
-    ``uniform(spec)`` draws an array of ``spec.shape`` uniformly in
-    ``[-spec.bound, spec.bound]`` with the caller's RNG (in ``dtype`` on
-    ``device``); it is called in state-dict order, once per random parameter.
+    Parameters
+    ----------
+    xp : namespace
+        The array namespace to create the constant parameters in.
+    config : LayerConfig
+        The layer.
+    uniform : callable
+        ``uniform(spec)`` draws an array of ``spec.shape`` uniformly in
+        ``[-spec.bound, spec.bound]`` with the caller's RNG (in ``dtype`` on
+        ``device``); it is called in state-dict order, once per random
+        parameter.
+    dtype : dtype, optional
+        The constant parameters' dtype (default: the namespace's default).
+    device : device, optional
+        Where to create the constant parameters.
+    groups : sequence of str, optional
+        The groups to make (default: every group of the config,
+        :func:`param_groups`).
+
+    Returns
+    -------
+    dict of dict of array
+        ``{group: {leaf: array}}`` for the groups asked for.
     """
     kw = {"dtype": dtype, "device": device}
     params: dict[str, dict[str, Any]] = {}
