@@ -49,11 +49,13 @@ from tmcore import _sizes
 from tmcore import layer as tl
 from tmcore._validate import check_finite, check_int, check_values, validation_enabled
 from tmcore.conv import ConvParams
+from tmcore.dynamics import scan_options
 from tmcore.sampling import _validate as sample_validate
 from tmcore.scan import StepInputs, validate_scan_inputs
 from tmcore.splat import DEFAULT_EPS
 from tmcore.splat import _validate as splat_validate
 
+from . import _jax_local
 from . import _jax_scan as _scan_mod
 from ._jax_scan import forward_mode_guard
 
@@ -280,6 +282,7 @@ def init(
     *,
     forget_bias: float = 0.0,
     dtype: Any = jnp.float32,
+    dynamics: str = "none",
 ) -> dict:
     """Parameters of one Tensor Memory layer, initialized like the PyTorch adapter.
 
@@ -303,6 +306,9 @@ def init(
     forget_bias : initial bias of the ConvLSTM forget gate (default 0; e.g. 3
         starts the memory keeping 95 % of its state per chunk).
     dtype : parameter dtype.
+    dynamics : ``"warp"`` adds the zero-initialized ``warp_net`` group (``{"weight"
+        (n, d), "bias" (n,)}``) that :func:`apply` with ``dynamics="warp"`` needs
+        (experimental; docs/guides/local-and-warp.md).
 
     Sizes must be ints (a float or bool is a ``TypeError``, never truncated;
     NumPy ints are fine); a size < 1 is a ``ValueError``
@@ -317,7 +323,7 @@ def init(
         (4C, 2C), "pointwise_bias" (4C,)}, "out_proj": {(d, C), (d,)}}``.
     """
     config = tl.layer_config(embed_dim, memory_channels, memory_shape, chunk_size, sigma_scale,
-                             forget_bias=forget_bias)
+                             forget_bias=forget_bias, dynamics=dynamics)
     _sizes.check_params(jnp, config, dtype)  # before any parameter is made
     random = [s for s in tl.param_specs(config) if s.init in ("uniform", "xavier_uniform")]
     keys = iter(jax.random.split(key, len(random)))
@@ -356,12 +362,14 @@ def _layer_config(params: Mapping[str, Any], x: Any, state: Any, **kwargs: Any
             if len(_CONFIGS) > 256:
                 _CONFIGS.clear()
             _CONFIGS[key] = config
+    if config.dynamics != "none":  # the warp_net group (not in the remembered key)
+        tl.check_params(params, config)
     return config
 
 
 def _checked_config(params: Mapping[str, Any], x: Any, state: Any, *, chunk_size: Any,
                     memory_shape: Any, sigma_scale: Any, eps: Any, radius: Any,
-                    checkpoint_every: Any) -> tl.LayerConfig:
+                    checkpoint_every: Any, **options: Any) -> tl.LayerConfig:
     """The layer's config from its parameters (``d, C, n, L``) and the call's arguments;
     the grid from ``memory_shape``, else from the state."""
     d, channels, n, length = tl.sizes_from_params(params)
@@ -389,7 +397,8 @@ def _checked_config(params: Mapping[str, Any], x: Any, state: Any, *, chunk_size
             raise ValueError(f"state: expected h of shape (B, C, *S) with no zero-size axis, "
                              f"got {tuple(h.shape)}")
     return tl.layer_config(d, channels, grid, length, sigma_scale,
-                           checkpoint_every=checkpoint_every, radius=radius, eps=eps)
+                           checkpoint_every=checkpoint_every, radius=radius, eps=eps,
+                           **options)  # update / window / dynamics (experimental)
 
 
 def _zero_state_like(x: jax.Array, config: tl.LayerConfig) -> MemoryState:
@@ -443,6 +452,9 @@ def apply(
     stream: bool | None = None,
     doc_starts: Any = None,  # [B, N] bool
     valid: Any = None,  # [B, N] bool
+    update: str = "dense",
+    window: int | None = None,
+    dynamics: str = "none",
 ) -> tuple[jax.Array, Any]:  # out [B, N, d], state
     """Run one Tensor Memory layer over ``x``; returns ``(out, state)``.
 
@@ -485,6 +497,11 @@ def apply(
     valid : optional ``(B, N)`` bool, False at tokens to skip (padding, left or
         right): they never enter the state nor the chunk grid and their outputs
         are zeros; each row streams its valid tokens only. Implies streaming.
+    update, window, dynamics : experimental options beyond the paper
+        (:func:`tmcore.layer.layer_config`, docs/guides/local-and-warp.md):
+        ``update="local"`` with ``window`` cells per axis; ``dynamics="warp"``
+        (needs the ``warp_net`` group, :func:`init` with ``dynamics="warp"``).
+        Their scan is :mod:`tmcore.adapters._jax_local`.
 
     Every argument is checked statically (shapes, dtypes, Python scalars; fine
     under ``jit``; :mod:`tmcore.layer`): a missing parameter is a ``KeyError``,
@@ -520,7 +537,8 @@ def apply(
     pair = (state.h, state.c) if isinstance(state, tl.StreamState) else state
     config = _layer_config(params, x, pair, chunk_size=chunk_size,
                            memory_shape=memory_shape, sigma_scale=sigma_scale, eps=eps,
-                           radius=radius, checkpoint_every=checkpoint_every)
+                           radius=radius, checkpoint_every=checkpoint_every,
+                           update=update, window=window, dynamics=dynamics)
     tl.check_tokens(jnp, x, config)
     _sizes.check_forward(jnp, config, x)  # the state and the call fit, before allocating
     if stream:
@@ -555,8 +573,9 @@ def _cast(value: Any, dtype: Any) -> Any:
 def _cast_params(params: Mapping[str, Any], dtype: Any) -> tuple[dict, ConvParams]:
     """The head parameters ``{group: {leaf: array}}`` and the cell's :class:`ConvParams`
     in the compute ``dtype`` (leaves already in it are not copied)."""
+    groups = tl.GROUPS + ((tl.WARP_GROUP,) if tl.WARP_GROUP in params else ())
     theta = {group: {leaf: _cast(value, dtype) for leaf, value in params[group].items()}
-             for group in tl.GROUPS if group != "cell"}
+             for group in groups if group != "cell"}
     return theta, ConvParams(*(_cast(a, dtype) for a in conv_params(params["cell"])))
 
 
@@ -580,7 +599,9 @@ class _LayerScan(NamedTuple):
 
 
 def _layer_scan(config: tl.LayerConfig, cell: ConvParams) -> tl.Scan:
-    """See :class:`_LayerScan`."""
+    """See :class:`_LayerScan` (the local / warp options: :class:`_jax_local.LayerScan`)."""
+    if config.update != "dense" or config.dynamics != "none":
+        return _jax_local.LayerScan(scan_options(config), cell)
     return _LayerScan(config, cell)
 
 

@@ -55,8 +55,9 @@ from torch import Tensor, nn
 from tmcore import layer as tl
 from tmcore import sampling, splat
 from tmcore._validate import check_finite, check_int
-from tmcore.adapters import _torch_ops
+from tmcore.adapters import _torch_local, _torch_ops
 from tmcore.conv import ConvParams, as_conv_params
+from tmcore.dynamics import scan_options
 from tmcore.scan import validate_scan_inputs
 from tmcore.splat import DEFAULT_EPS
 
@@ -293,6 +294,11 @@ class TensorMemory(nn.Module):
     carries the unfinished chunk, so feeding a sequence back in pieces of any
     lengths with the returned state equals one long call. ``stream=False`` pads
     the ragged last chunk with zeros and writes it into the state (a plain
+    update, window, dynamics : experimental options beyond the paper
+        (:func:`tmcore.layer.layer_config`; docs/guides/local-and-warp.md):
+        ``update="local"`` with ``window`` cells per axis, ``dynamics="warp"`` (adds
+        the zero-initialized ``warp_net``); eager autograd only
+        (:mod:`tmcore.adapters._torch_local`).
     ``(h, c)``; the paper's reference behaviour).
     """
 
@@ -302,13 +308,15 @@ class TensorMemory(nn.Module):
         self, embed_dim: int, memory_channels: int, memory_shape: Sequence[int],
         chunk_size: int, sigma_scale: float = 1.0, *, checkpoint_every: int = 1,
         radius: float | None = None, eps: float = DEFAULT_EPS, forget_bias: float = 0.0,
-        zero_init: bool = False, device: Any = None, dtype: Any = None,
+        zero_init: bool = False, update: str = "dense", window: int | None = None,
+        dynamics: str = "none", device: Any = None, dtype: Any = None,
     ):
         super().__init__()
         config = tl.layer_config(embed_dim, memory_channels, memory_shape, chunk_size,
                                  sigma_scale, checkpoint_every=checkpoint_every,
                                  radius=radius, eps=eps, forget_bias=forget_bias,
-                                 zero_init=zero_init)
+                                 zero_init=zero_init, update=update, window=window,
+                                 dynamics=dynamics)
         self.config = config
         self.layer = self.layer_class(config)
         d, c, n = config.embed_dim, config.memory_channels, config.ndim
@@ -324,6 +332,8 @@ class TensorMemory(nn.Module):
     # config fields as attributes (read-only views of self.config)
     embed_dim = property(lambda self: self.config.embed_dim)
     memory_channels = property(lambda self: self.config.memory_channels)
+        if config.dynamics == "warp":  # the shift head (tmcore.dynamics), zero at init
+            self.warp_net = nn.Linear(d, n, **kw)
     memory_shape = property(lambda self: self.config.memory_shape)
     chunk_size = property(lambda self: self.config.chunk_size)
     sigma_scale = property(lambda self: self.config.sigma_scale)
@@ -335,7 +345,8 @@ class TensorMemory(nn.Module):
 
     def reset_parameters(self) -> None:
         """Initialize every parameter by the plan of :func:`tmcore.layer.param_specs`."""
-        _init_from_plan(dict(self.named_parameters()), self.config, tl.GROUPS)
+        _init_from_plan(dict(self.named_parameters()), self.config,
+                        tl.param_groups(self.config))
 
     def zero_read_out_(self) -> None:
         """Zero ``out_proj`` (weight and bias) and keep ``zero_init=True`` in the config
@@ -352,7 +363,10 @@ class TensorMemory(nn.Module):
                 f"memory_shape={self.memory_shape}, chunk_size={self.chunk_size}, "
                 f"sigma_scale={self.sigma_scale}, checkpoint_every={self.checkpoint_every}, "
                 f"radius={self.radius}, forget_bias={self.cell.forget_bias}"
-                + (", zero_init=True" if self.zero_init else ""))
+                + (", zero_init=True" if self.zero_init else "")
+                + (f", update='local', window={self.config.window}"
+                   if self.config.update == "local" else "")
+                + (", dynamics='warp'" if self.config.dynamics == "warp" else ""))
 
     def params(self) -> dict[str, dict[str, Tensor]]:
         """The parameters as tmcore.layer's pytree ``{group: {leaf: tensor}}``.
@@ -448,6 +462,9 @@ class TensorMemory(nn.Module):
 
     def forward(
         self, x: Tensor, state: Any = None, *, reset: Tensor | None = None,
+        if config.update != "dense" or config.dynamics != "none":  # local / warp options
+            return _torch_local.layer_scan(scan_options(config), h0, c0, inputs,
+                                           self.cell.params())
         doc_starts: Tensor | None = None, valid: Tensor | None = None, stream: bool = True,
     ) -> tuple[Tensor, Any]:
         """Run the memory over ``x (B, N, d)``.

@@ -600,6 +600,8 @@ def check_params(params: Any, config: LayerConfig) -> None:
     _require_leaves(params)
     for spec in param_specs(config):
         value = params[spec.group][spec.leaf]
+        if not isinstance(params.get(spec.group), Mapping) or spec.leaf not in params[spec.group]:
+            raise KeyError(f"params: missing {spec.name}")  # (warp_net: dynamics="warp")
         if tuple(value.shape) != spec.shape:
             raise ValueError(f"params.{spec.name}: expected shape {spec.layout} = {spec.shape}, "
                              f"got {tuple(value.shape)}")

@@ -252,6 +252,8 @@ def _owned(xp: Any, x: Any) -> Any:
     """A copy the caller may update in place (JAX updates are functional: no copy)."""
     if array_api_compat.is_jax_namespace(xp):
         return x
+    if array_api_compat.is_torch_array(x):  # (torch.asarray(copy=True) warns about grad)
+        return x.clone()
     return xp.asarray(x, copy=True)
 
 
