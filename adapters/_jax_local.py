@@ -1,0 +1,70 @@
+"""JAX ``custom_vjp`` for the layer's scan with local updates and / or warped dynamics.
+
+:func:`dynamic_scan` runs :func:`tmcore.dynamics.scan_fwd` on JAX arrays (the local
+scan's box fast path writes its boxes back with ``.at[].set``, :mod:`tmcore._gather`)
+and registers :func:`tmcore.dynamics.scan_bwd` as its VJP. :class:`LayerScan` is the
+layer's ``scan`` callable that :func:`tmcore.adapters.jax.apply` uses when the config
+asks for ``update="local"`` or ``dynamics="warp"``.
+
+The chunk loop is a Python loop (unrolled under ``jit``: compile time grows with the
+number of chunks of one call; a streaming decode step compiles one chunk). Reverse mode
+only; no checkpointing (the residuals are the local scan's undo log, or every step's
+state with a warp). Experimental, like the options.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from tmcore import dynamics
+from tmcore.conv import ConvParams
+
+__all__ = ["LayerScan", "dynamic_scan"]
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0,))
+def dynamic_scan(options: dynamics.ScanOptions, h0: jax.Array, c0: jax.Array, inputs: Any,
+                 params: ConvParams) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """:func:`tmcore.dynamics.scan_fwd` with tmcore's VJP: ``(reads (B, T, C), h_T, c_T)``.
+
+    ``inputs``: :class:`tmcore.StepInputs` or :class:`tmcore.dynamics.WarpInputs` of
+    ``(B, T, ...)`` arrays; ``options`` static (:func:`tmcore.dynamics.scan_options`).
+    """
+    reads, h, c, _ = dynamics.scan_fwd(jnp, h0, c0, inputs, params, options, keep=False)
+    return reads, h, c
+
+
+def _fwd(options, h0, c0, inputs, params):
+    reads, h, c, residuals = dynamics.scan_fwd(jnp, h0, c0, inputs, params, options)
+    return (reads, h, c), (residuals, inputs, params)
+
+
+def _bwd(options, saved, cotangents):
+    residuals, inputs, params = saved
+    g_reads, g_h, g_c = cotangents
+    return dynamics.scan_bwd(jnp, residuals, inputs, params, options, g_reads, g_h, g_c)
+
+
+dynamic_scan.defvjp(_fwd, _bwd)
+
+
+class LayerScan(NamedTuple):
+    """The layer's ``scan`` callable for the local / warp options (the config's
+    :class:`tmcore.dynamics.ScanOptions`, the cell's parameters); its ``cond`` lets
+    :mod:`tmcore.stream` skip a decode step's update (``lax.cond``)."""
+
+    options: dynamics.ScanOptions
+    cell: ConvParams
+
+    def __call__(self, h: jax.Array, c: jax.Array, inputs: Any) -> tuple[Any, Any, Any]:
+        return dynamic_scan(self.options, h, c, inputs, self.cell)
+
+    @staticmethod
+    def cond(pred: Any, true_fn: Callable[[], Any], false_fn: Callable[[], Any]) -> Any:
+        return lax.cond(pred, true_fn, false_fn)

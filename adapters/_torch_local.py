@@ -1,0 +1,78 @@
+"""PyTorch autograd for the layer's scan with local updates and / or warped dynamics.
+
+:class:`DynamicScanFunction` runs :func:`tmcore.dynamics.scan_fwd` (tmcore's array-API
+code on torch tensors: the local scan's box fast path, the warp) and registers
+:func:`tmcore.dynamics.scan_bwd` as its backward. :func:`layer_scan` is what
+:class:`tmcore.adapters.torch.TensorMemory` calls when its config asks for
+``update="local"`` or ``dynamics="warp"``; the default layer keeps its custom-op scan.
+
+Eager autograd only (first order): no ``torch.compile`` custom op, no double backward,
+no ``torch.func`` transforms, no native or Triton kernels (the generic path on any
+device). Experimental, like the options.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from tmcore import dynamics
+from tmcore.conv import ConvParams
+from tmcore.scan import StepInputs
+
+from ._torch_ops import _XP
+
+__all__ = ["DynamicScanFunction", "layer_scan"]
+
+
+def _own(t: Tensor) -> Tensor:
+    """``t``, or a copy when it is a view (outputs of the Function own their storage)."""
+    return t if t._base is None else t.clone()
+
+
+class DynamicScanFunction(torch.autograd.Function):
+    """``apply(options, keep, h0, c0, read_coords, write_coords, write_sigma, write_content,
+    shift or None, *params) -> (reads (B, T, C), h_T, c_T)``; ``keep``: store the
+    residuals for a backward."""
+
+    @staticmethod
+    def forward(ctx: Any, options: dynamics.ScanOptions, keep: bool, h0: Tensor, c0: Tensor,
+                read_coords: Tensor, write_coords: Tensor, write_sigma: Tensor,
+                write_content: Tensor, shift: Tensor | None, *params: Tensor):
+        fields = (read_coords, write_coords, write_sigma, write_content)
+        inputs = StepInputs(*fields) if shift is None else dynamics.WarpInputs(*fields, shift)
+        reads, h, c, residuals = dynamics.scan_fwd(_XP, h0, c0, inputs, ConvParams(*params),
+                                                   options, keep=keep)
+        ctx.options, ctx.residuals, ctx.has_shift = options, residuals, shift is not None
+        ctx.save_for_backward(*fields, *((shift,) if shift is not None else ()), *params)
+        return _own(reads), _own(h), _own(c)
+
+    @staticmethod
+    def backward(ctx: Any, g_reads: Tensor, g_h: Tensor, g_c: Tensor):
+        if ctx.residuals is None:
+            raise RuntimeError("tmcore: this local / warp scan ran without residuals "
+                               "(no input required grad when it ran)")
+        saved = ctx.saved_tensors
+        split = 5 if ctx.has_shift else 4
+        fields, params = saved[:split], ConvParams(*saved[split:])
+        inputs = dynamics.WarpInputs(*fields) if ctx.has_shift else StepInputs(*fields)
+        d_h, d_c, d_inputs, d_params = dynamics.scan_bwd(
+            _XP, ctx.residuals, inputs, params, ctx.options, g_reads.contiguous(),
+            g_h.contiguous(), g_c.contiguous())
+        d_shift = d_inputs.shift if ctx.has_shift else None
+        return (None, None, d_h, d_c, *d_inputs[:4], d_shift, *d_params)
+
+
+def layer_scan(options: dynamics.ScanOptions, h0: Tensor, c0: Tensor, inputs: Any,
+               params: ConvParams) -> tuple[Tensor, Tensor, Tensor]:
+    """The layer's ``scan(h0, c0, inputs)`` with ``options``
+    (:func:`tmcore.dynamics.scan_options` of the layer's config) and autograd.
+
+    ``inputs``: :class:`tmcore.StepInputs` or :class:`tmcore.dynamics.WarpInputs` of
+    ``(B, T, ...)`` tensors (from :func:`tmcore.layer.heads`)."""
+    shift = getattr(inputs, "shift", None)
+    tensors = (h0, c0, *inputs[:4], shift, *params)
+    keep = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+    return DynamicScanFunction.apply(options, keep, *tensors)
