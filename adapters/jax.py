@@ -306,9 +306,9 @@ def init(
     forget_bias : initial bias of the ConvLSTM forget gate (default 0; e.g. 3
         starts the memory keeping 95 % of its state per chunk).
     dtype : parameter dtype.
-    dynamics : ``"warp"`` adds the zero-initialized ``warp_net`` group (``{"weight"
-        (n, d), "bias" (n,)}``) that :func:`apply` with ``dynamics="warp"`` needs
-        (experimental; docs/guides/local-and-warp.md).
+    dynamics : ``"warp"`` adds the zero-initialized ``warp_net`` group
+        (``{"weight" (n, d), "bias" (n,)}``) that :func:`apply` with
+        ``dynamics="warp"`` needs (experimental; docs/guides/local-and-warp.md).
 
     Sizes must be ints (a float or bool is a ``TypeError``, never truncated;
     NumPy ints are fine); a size < 1 is a ``ValueError``
