@@ -374,18 +374,41 @@ def local_update(h: Any, c: Any, write_coords: Any, write_sigma: Any, write_cont
 
     Parameters
     ----------
-    h, c : ``(B, C, *S)`` state.
-    write_coords : ``(B, n)`` normalized write centre (coordinate order).
-    write_sigma : ``(B,)`` write spread (> 0).
-    write_content : ``(B, C)`` content vector.
-    params : :class:`ConvParams` of the gates (``C_in = 2C, C_out = 4C``).
-    window : cells per axis, ``w >= 1`` (``min(w, S_a)`` on each axis).
-    eps, radius : as in :func:`tmcore.gaussian_splat`.
-    method : ``"fast"`` (box gather / write-back) or ``"masked"`` (dense definition).
+    h, c : array, shape ``(B, C, *S)``
+        The state, with 1 to 4 spatial axes.
+    write_coords : array, shape ``(B, n)``
+        The normalized write centre (coordinate order).
+    write_sigma : array, shape ``(B,)``
+        The write spread (> 0).
+    write_content : array, shape ``(B, C)``
+        The content vector.
+    params : ConvParams
+        The gates' factorized conv (``C_in = 2C``, ``C_out = 4C``).
+    window : int
+        Cells per axis, ``w >= 1`` (``min(w, S_a)`` on each axis).
+    eps : float, default 1e-6
+        As in :func:`tmcore.gaussian_splat`.
+    radius : float or None, default None
+        As in :func:`tmcore.gaussian_splat`.
+    method : {"fast", "masked"}, default "fast"
+        ``"fast"`` gathers the window's box and writes it back; ``"masked"``
+        computes the dense definition.
 
     Returns
     -------
-    ``(h', c')``, each ``(B, C, *S)``: equal to ``h, c`` bit for bit outside the window.
+    h_new, c_new : array, shape ``(B, C, *S)``
+        The updated state, equal to ``h, c`` bit for bit outside the window.
+
+    Raises
+    ------
+    TypeError
+        If an argument is not an array (or ``params`` not four arrays), the
+        arrays mix namespaces, a dtype is not real floating, or ``window`` is
+        not an int.
+    ValueError
+        If a shape does not match ``h``'s ``B``, ``C`` and ``n``, ``window`` is
+        < 1, ``eps`` or ``radius`` is out of range, ``method`` is unknown, or
+        (validate mode only) an array holds NaN or inf or ``write_sigma`` <= 0.
     """
     xp, params = _validate_step(h, c, write_coords, write_sigma, write_content, params,
                                 window, eps, radius, method)
@@ -404,9 +427,32 @@ def local_update_vjp(h: Any, c: Any, write_coords: Any, write_sigma: Any, write_
                      method: str = "fast") -> tuple[Any, Any, Any, Any, Any, ConvParams]:
     """VJP of :func:`local_update` for ``g_h, g_c (B, C, *S)``.
 
-    Returns ``(d_h, d_c, d_write_coords (B, n), d_write_sigma (B,), d_write_content (B, C),
-    d_params)``; outside the window ``d_h = g_h`` and ``d_c = g_c`` except on the 1-cell
-    halo the gates read.
+    Outside the window ``d_h = g_h`` and ``d_c = g_c``, except on the 1-cell halo
+    the gates read.
+
+    Parameters
+    ----------
+    h, c, write_coords, write_sigma, write_content : array
+        The step's state and write, shaped as in :func:`local_update`
+        (``(B, C, *S)`` twice, ``(B, n)``, ``(B,)``, ``(B, C)``).
+    params : ConvParams
+        The gates' factorized conv.
+    g_h, g_c : array, shape ``(B, C, *S)``
+        The cotangents of the updated state.
+    window, eps, radius, method : see local_update
+        The options of the forward step.
+
+    Returns
+    -------
+    tuple
+        ``(d_h, d_c, d_write_coords (B, n), d_write_sigma (B,), d_write_content
+        (B, C), d_params)``, ``d_params`` a :class:`ConvParams`.
+
+    Raises
+    ------
+    TypeError, ValueError
+        As :func:`local_update`; ``g_h`` and ``g_c`` are required arrays of the
+        shape of ``h``.
     """
     require_array("g_h", g_h)
     require_array("g_c", g_c)
@@ -616,14 +662,41 @@ def local_memory_scan(h0: Any, c0: Any, read_coords: Any, write_coords: Any, wri
     """The chunk recurrence of :func:`tmcore.memory_scan` with local updates.
 
     Per step: read ``h`` at ``read_coords[:, t]`` (n-linear, border), then
-    :func:`local_update` with the step's write. Arguments as in
-    :func:`tmcore.memory_scan`, plus ``window`` and ``method`` as in
-    :func:`local_update`; ``overwrite_state=True`` lets the fast path update ``h0, c0``
-    in place (NumPy, PyTorch, CuPy, ...) instead of copying them once.
+    :func:`local_update` with the step's write.
+
+    Parameters
+    ----------
+    h0, c0 : array, shape ``(B, C, *S)``
+        The initial state.
+    read_coords, write_coords : array, shape ``(B, T, n)``
+        Each step's read position and write centre (normalized).
+    write_sigma : array, shape ``(B, T)``
+        Each step's write spread (> 0).
+    write_content : array, shape ``(B, T, C)``
+        Each step's content vector.
+    params : ConvParams
+        The gates' factorized conv (``C_in = 2C``, ``C_out = 4C``).
+    window, eps, radius, method : see local_update
+        The options of every step.
+    overwrite_state : bool, default False
+        Let the fast path update ``h0, c0`` in place (NumPy, PyTorch, CuPy,
+        ...) instead of copying them once.
 
     Returns
     -------
-    ``(reads (B, T, C), h_T, c_T)``.
+    reads : array, shape ``(B, T, C)``
+        What each step read (before its write).
+    h_T, c_T : array, shape ``(B, C, *S)``
+        The final state.
+
+    Raises
+    ------
+    TypeError
+        As :func:`tmcore.memory_scan` for the arrays; also if
+        ``overwrite_state`` is not a bool.
+    ValueError
+        As :func:`tmcore.memory_scan` for the arrays; also if ``window`` is
+        < 1 or ``method`` is unknown.
     """
     xp, params = _validate_scan(h0, c0, read_coords, write_coords, write_sigma, write_content,
                                 params, window, radius, eps, method)
@@ -643,7 +716,28 @@ def local_memory_scan_vjp(h0: Any, c0: Any, read_coords: Any, write_coords: Any,
                           method: str = "fast") -> ScanGrads:
     """VJP of :func:`local_memory_scan` (``g_h, g_c = None`` mean zero).
 
-    Returns :class:`~tmcore.scan.ScanGrads` shaped like the inputs.
+    Parameters
+    ----------
+    h0, c0, read_coords, write_coords, write_sigma, write_content : array
+        The scan's inputs, shaped as in :func:`local_memory_scan`.
+    params : ConvParams
+        The gates' factorized conv.
+    g_reads : array, shape ``(B, T, C)``
+        The cotangent of the reads.
+    g_h, g_c : array, shape ``(B, C, *S)``, or None
+        The cotangents of the final state (``None``: zero).
+    window, eps, radius, method : see local_update
+        The options of the forward scan.
+
+    Returns
+    -------
+    ScanGrads
+        The gradients for every input, shaped like it.
+
+    Raises
+    ------
+    TypeError, ValueError
+        As :func:`local_memory_scan`; ``g_reads`` is a required array.
     """
     require_array("g_reads", g_reads)
     xp, params = _validate_scan(h0, c0, read_coords, write_coords, write_sigma, write_content,

@@ -255,15 +255,34 @@ def _validate(h, c, shift, flow, g_h=None, g_c=None):
 def warp_state(h: Any, c: Any, shift: Any, flow: Any = None) -> tuple[Any, Any]:
     """Resample the state at the cell centres plus a displacement.
 
+    ``h_w(p) = h(p + d(p))`` and likewise ``c``, read n-linearly with border
+    padding (the semantics of :func:`tmcore.trilinear_sample`).
+
     Parameters
     ----------
-    h, c : ``(B, C, *S)`` state.
-    shift : ``(B, n)`` global displacement (normalized units, coordinate order).
-    flow : optional ``(B, n, *S)`` per-cell displacement added to ``shift``.
+    h, c : array, shape ``(B, C, *S)``
+        The state, with 1 to 4 spatial axes.
+    shift : array, shape ``(B, n)``
+        One displacement per batch element, in normalized units; component
+        ``k`` moves along spatial axis ``n - 1 - k`` (coordinate order).
+    flow : array, shape ``(B, n, *S)``, optional
+        A per-cell displacement added to ``shift``.
 
     Returns
     -------
-    ``(h_w, c_w)``, each ``(B, C, *S)``; exactly ``(h, c)`` for a zero displacement.
+    h_w, c_w : array, shape ``(B, C, *S)``
+        The warped state; exactly ``(h, c)`` for a zero displacement.
+
+    Raises
+    ------
+    TypeError
+        If an argument is not an array, the arrays mix namespaces, or a dtype
+        is not real floating.
+    ValueError
+        If ``h`` and ``c`` differ in shape or do not have 1 to 4 spatial axes,
+        ``shift`` is not ``(B, n)`` or ``flow`` not ``(B, n, *S)``, the arrays
+        lie on different devices, or (validate mode only) an array holds NaN
+        or inf.
     """
     xp = _validate(h, c, shift, flow)
     channels = h.shape[1]
@@ -275,7 +294,28 @@ def warp_state_vjp(h: Any, c: Any, shift: Any, flow: Any, g_h: Any,
                    g_c: Any) -> tuple[Any, Any, Any, Any]:
     """VJP of :func:`warp_state` for ``g_h, g_c (B, C, *S)`` (``flow`` may be ``None``).
 
-    Returns ``(d_h, d_c, d_shift (B, n), d_flow (B, n, *S) or None)``.
+    Parameters
+    ----------
+    h, c, shift, flow : array or None
+        The arguments of :func:`warp_state` (``(B, C, *S)`` twice, ``(B, n)``,
+        ``(B, n, *S)`` or ``None``).
+    g_h, g_c : array, shape ``(B, C, *S)``
+        The cotangents of the warped state.
+
+    Returns
+    -------
+    d_h, d_c : array, shape ``(B, C, *S)``
+        The gradients for the state.
+    d_shift : array, shape ``(B, n)``
+        The gradient for ``shift``.
+    d_flow : array, shape ``(B, n, *S)``, or None
+        The gradient for ``flow`` (``None`` without a flow).
+
+    Raises
+    ------
+    TypeError, ValueError
+        As :func:`warp_state`; ``g_h`` and ``g_c`` are required arrays of the
+        shape of ``h``.
     """
     require_array("g_h", g_h)
     require_array("g_c", g_c)
