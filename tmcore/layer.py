@@ -386,7 +386,8 @@ def param_specs(config: LayerConfig) -> tuple[ParamSpec, ...]:
     Parameters
     ----------
     config : LayerConfig
-        The layer.
+        The layer whose parameters are planned (its sizes, ``forget_bias``,
+        ``zero_init`` and ``dynamics`` decide them).
 
     Returns
     -------
@@ -420,7 +421,7 @@ def param_groups(config: LayerConfig) -> tuple[str, ...]:
     Parameters
     ----------
     config : LayerConfig
-        The layer.
+        The layer (only its ``dynamics`` matters).
 
     Returns
     -------
@@ -1302,10 +1303,9 @@ class Layer:
 
         Parameters
         ----------
-        xp : namespace
-            The array namespace of the arrays.
-        params : dict of dict of array
-            The layer's parameter pytree ``{group: {leaf: array}}``.
+        xp, params : namespace, dict of dict of array
+            The array namespace and the layer's parameter pytree, as in
+            :meth:`forward`.
         x : array, shape ``(B, N, d)``
             The next piece of each row's stream (``N`` may be 0).
         state : None, pair of arrays or StreamState
