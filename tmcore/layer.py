@@ -1257,6 +1257,9 @@ class Layer:
             or dtype (each error names the argument).
         ValueError
             If ``x``, ``state`` or ``reset`` has the wrong shape.
+        ValueError or MemoryError
+            With ``state=None``, if the zero state cannot be indexed or does not
+            fit the device (:func:`zero_state`).
         """
         config = self.config
         check_tokens(xp, x, config)

@@ -103,13 +103,13 @@ def stream_state(xp: Any, state: Any, x: Any, config: LayerConfig) -> StreamStat
     Raises
     ------
     ValueError
-        If ``h``, ``c``, ``pending`` or ``read`` does not have its shape, or
-        ``count`` is not ``B`` ints in ``[0, L)`` (an array's values are checked
-        in validate mode only).
+        If ``state`` is not ``None``, a pair or a :class:`StreamState`; if ``h``,
+        ``c``, ``pending`` or ``read`` does not have its shape (``pending`` and
+        ``read``: or is not an array); or if ``count`` is not ``B`` ints in
+        ``[0, L)`` (an array's values are checked in validate mode only).
     TypeError
-        If a field is not an array, has a dtype that is not real floating
-        (``count``: not integral), or ``count`` is traced where its values must
-        be read.
+        If ``h`` or ``c`` is not an array, a field's dtype is not real floating,
+        or an array ``count`` is not of an integer dtype.
     """
     return _stream_state(xp, state, x, config)[0]
 
