@@ -314,8 +314,8 @@ def warp_state_vjp(h: Any, c: Any, shift: Any, flow: Any, g_h: Any,
     Raises
     ------
     TypeError, ValueError
-        As :func:`warp_state`; ``g_h`` and ``g_c`` are required arrays of the
-        shape of ``h``.
+        As :func:`warp_state`, for the cotangents too (both must be arrays
+        shaped like ``h``).
     """
     require_array("g_h", g_h)
     require_array("g_c", g_c)
