@@ -560,7 +560,7 @@ def apply(
     _check_values_eagerly({"x": x, "state.h": state.h, "state.c": state.c})
     if batch == 0 or tokens == 0:  # nothing to scan; shapes as for any other input
         return jnp.zeros((batch, tokens, d), dtype), state
-    theta, cell = _cast_params(params, dtype)
+    theta, cell = _on_mesh_of(x, _cast_params(params, dtype))
     out, (h, c) = forward_mode_guard("apply", lambda: layer(config).forward(
         jnp, theta, x, tuple(state), scan=_layer_scan(config, cell)))
     return out, MemoryState(h, c)
@@ -577,6 +577,36 @@ def _cast_params(params: Mapping[str, Any], dtype: Any) -> tuple[dict, ConvParam
     theta = {group: {leaf: _cast(value, dtype) for leaf, value in params[group].items()}
              for group in groups if group != "cell"}
     return theta, ConvParams(*(_cast(a, dtype) for a in conv_params(params["cell"])))
+
+
+def _on_mesh_of(x: Any, tree: Any) -> Any:
+    """``tree``'s arrays replicated on ``x``'s mesh when that mesh has an ``Explicit``
+    axis and an array has no mesh of its own; otherwise ``tree`` unchanged.
+
+    Parameters made by :func:`init` are uncommitted: outside ``jax.set_mesh`` their
+    type names no mesh. The heads and ``out_proj`` run once over all ``B*T`` chunk
+    rows, so their weight gradients contract over ``x``'s batch axis, and on an
+    explicit mesh JAX types that product by the weight's sharding -- with no mesh
+    it refuses (``ShardingTypeError: Contracting dimensions are sharded``).
+    Replicated on ``x``'s mesh, the weights say where the product goes (a sum over
+    the batch, replicated), as under ``jax.set_mesh``. Values are unchanged.
+    """
+    mesh = jax.typeof(x).sharding.mesh
+    if mesh.empty or jax.sharding.AxisType.Explicit not in mesh.axis_types:
+        return tree  # no mesh, an Auto mesh (the partitioner decides), or shard_map
+    concrete = not isinstance(x, jax.core.Tracer) and isinstance(
+        getattr(x, "sharding", None), jax.sharding.NamedSharding)
+    replicated = jax.sharding.NamedSharding(x.sharding.mesh if concrete else mesh,
+                                            jax.sharding.PartitionSpec())
+
+    def place(a: Any) -> Any:
+        if not hasattr(a, "shape") or not jax.typeof(a).sharding.mesh.empty:
+            return a
+        if concrete and not isinstance(a, jax.core.Tracer):
+            return jax.device_put(a, replicated)
+        return jax.sharding.reshard(a, replicated)
+
+    return jax.tree.map(place, tree)
 
 
 class _LayerScan(NamedTuple):
@@ -635,7 +665,7 @@ def _apply_stream(params: Mapping[str, Any], x: jax.Array, state: Any,
     else:  # a pair: the count is known to be 0 (a chunk boundary), and x's sharding
         state = _zero_state_like(x, config)
     _check_values_eagerly({"x": x})
-    theta, cell = _cast_params(params, dtype)
+    theta, cell = _on_mesh_of(x, _cast_params(params, dtype))
     static = _StreamStatic(layer, config, _scan_mod.options_key())
     if doc_starts is not None:
         return forward_mode_guard("apply", lambda: _stream_call(
@@ -717,8 +747,9 @@ def residual_apply(
     ``kwargs`` are :func:`apply`'s keywords (``memory_shape``, ``sigma_scale``,
     ``reset``, ``checkpoint_every``, ...). The gate may be ``(1,)`` or 0-dim.
     """
-    out, state = apply(params["memory"], _norm_jit(params["norm"], x), state, **kwargs)
-    return _gated_jit(x, params["gate"], out), state
+    norm, gate = _on_mesh_of(x, (params["norm"], params["gate"]))
+    out, state = apply(params["memory"], _norm_jit(norm, x), state, **kwargs)
+    return _gated_jit(x, gate, out), state
 
 
 def stack_apply(

@@ -49,6 +49,10 @@ def _checks() -> dict:  # runs in the 2-device subprocess
         out, (h, c, *_) = tmj.apply(p, x_, state, memory_shape=S, checkpoint_every=2)
         return jnp.sum(out ** 2) + jnp.sum(h * c)
 
+    def loss_nostream(p, x_):
+        out, (h, c) = tmj.apply(p, x_, memory_shape=S, stream=False)
+        return jnp.mean(out ** 2) + jnp.mean(h * c)
+
     grad = jax.value_and_grad(loss, argnums=(0, 1))
     grad_state = jax.value_and_grad(loss, argnums=(0, 1, 2))
     single = jax.jit(grad)(params, x)
@@ -124,6 +128,24 @@ def _checks() -> dict:  # runs in the 2-device subprocess
         with tmcore.options(native=False):  # the generic path on the same mesh
             results["explicit_generic"] = err(jax.jit(grad)(params, xs), single)
 
+    # explicit mesh WITHOUT jax.set_mesh (x sharded, the parameters uncommitted, so their
+    # type names no mesh): the heads' and read-out's weight gradients contract over the
+    # sharded B*T rows, which JAX types only when the weights are on x's mesh
+    bare = jax.device_put(x, NamedSharding(mesh, data))
+    results["bare_explicit_stream"] = err(jax.jit(grad)(params, bare), single)
+    no_stream = jax.value_and_grad(loss_nostream)
+    results["bare_explicit_nostream"] = err(jax.jit(no_stream)(params, bare),
+                                            jax.jit(no_stream)(params, x))
+    res32 = tmj.residual_init(jax.random.key(2), D, C, S, L)  # float32, as by default
+    x32 = x.astype(jnp.float32)
+    res_grad = jax.value_and_grad(  # norm and gate too
+        lambda p, a: jnp.mean(tmj.residual_apply(p, a, memory_shape=S)[0] ** 2))
+    results["bare_explicit_f32"] = err(
+        jax.jit(res_grad)(res32, jax.device_put(x32, NamedSharding(mesh, data))),
+        jax.jit(res_grad)(res32, x32))
+    results["bare_explicit_f32_dtype"] = str(jax.tree.leaves(
+        jax.jit(res_grad)(res32, jax.device_put(x32, NamedSharding(mesh, data))))[0].dtype)
+
     # auto mesh (jit with batch-sharded inputs): the kernels are split, not gathered
     xa, _ = data_parallel("auto", auto)
     # vmap of the partitioned kernels (an ensemble of two parameter sets)
@@ -169,6 +191,19 @@ def test_explicit_mesh_keeps_the_batch_sharding(results):
                                          "P('data', None, None, None, None)",
                                          "P('data', None, None, None, None)"], results
     assert results["explicit_none_gathers"] == results["explicit_state_gathers"] == 0, results
+
+
+@pytest.mark.parametrize("name", ["bare_explicit_stream", "bare_explicit_nostream"])
+def test_explicit_mesh_gradient_without_set_mesh(results, name):
+    """A jitted gradient on a batch-sharded ``x`` of an Explicit mesh (``jax.make_mesh``'s
+    default), outside ``jax.set_mesh``, equals one device (float64)."""
+    assert results[name] < TOL, results
+
+
+def test_explicit_mesh_float32_gradient_without_set_mesh(results):
+    """The gated residual's jitted gradient in float32 on the same mesh: within 1e-6."""
+    assert results["bare_explicit_f32_dtype"] == "float32", results
+    assert results["bare_explicit_f32"] < 1e-6, results
 
 
 @pytest.mark.parametrize("name", ["auto_none", "auto_state", "vmap"])

@@ -250,9 +250,12 @@ def namespace_of(**arrays: Any) -> Any:
 def _device_or_none(x: Any) -> Any:
     """The array's device, or ``None`` where it has none to compare (a JAX tracer)."""
     try:
-        return array_api_compat.device(x)
+        device = array_api_compat.device(x)
     except Exception:  # an abstract array without a device
         return None
+    # a sharded JAX array's "device" is its sharding: arrays on the same devices are
+    # together whatever their partition specs
+    return getattr(device, "device_set", device)
 
 
 def check_floating(xp: Any, name: str, x: Any) -> None:
