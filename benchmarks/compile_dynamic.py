@@ -15,10 +15,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
 import sys
 import time
 from collections.abc import Sequence
 from typing import Any
+
+from benchmarks.common import machine_line
 
 __all__ = ["torch_dynamic", "jax_compile", "main"]
 
@@ -81,18 +85,33 @@ def jax_compile(chunk_counts: Sequence[int]) -> list[dict[str, Any]]:
     return rows
 
 
+def _commit() -> str:
+    """``git rev-parse --short HEAD`` of the checkout, ``+dirty`` with tracked edits."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short=10", "HEAD"], cwd=root, check=True,
+                              capture_output=True, text=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                               cwd=root, capture_output=True, text=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head + ("+dirty" if dirty else "")
+
+
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[256, 1024, 4096])
-    parser.add_argument("--chunks", type=int, nargs="+", default=[16, 64, 256])
+    parser.add_argument("--chunks", type=int, nargs="+", default=[64, 256, 1024],
+                        help="JAX chunk counts (chunk size 4: 256 to 4096 tokens)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     import torch
 
     torch.set_num_threads(1)
-    result = {"command": "python -m benchmarks.compile_dynamic "
+    result = {"command": "OMP_NUM_THREADS=1 python -m benchmarks.compile_dynamic "
                          + " ".join(sys.argv[1:] if argv is None else argv),
-              "config": {**SIZES, "batch": 2},
+              "commit": _commit(), "machine": machine_line(),
+              "config": {**SIZES, "batch": 2, "torch_threads": 1},
               "torch": [torch_dynamic(args.lengths, stream=s) for s in (False, True)],
               "jax": jax_compile(args.chunks)}
     print(json.dumps(result, indent=1))
