@@ -19,7 +19,7 @@ Three levels, each a thin layer over the one below:
    ``"causal"`` and ``"threaded"``), streaming (state in, state out,
    :func:`detach_state`, a per-sequence bool ``reset`` mask), and
    :func:`params_from_state_dict` / :func:`state_dict_from_params`.
-3. **Flax NNX** -- :class:`TensorMemory` and :class:`GatedMemoryResidual`
+3. **Flax NNX** -- :class:`TensorMemory` and :class:`MemoryResidual`
    hold the same pytree as ``nnx.Param`` leaves; :func:`params_from_module` /
    :func:`load_params` convert.
 
@@ -63,6 +63,7 @@ __all__ = [
     "MODES",
     "MemoryState",
     "GatedMemoryResidual",
+    "MemoryResidual",
     "StoredGrid",
     "StreamState",
     "TensorMemory",
@@ -1021,7 +1022,7 @@ def _to_variables(tree: Mapping[str, Any]) -> nnx.Dict:
 
 
 def params_from_module(module: nnx.Module) -> dict:
-    """The pure parameter pytree of a :class:`TensorMemory` or :class:`GatedMemoryResidual`."""
+    """The pure parameter pytree of a :class:`TensorMemory` or :class:`MemoryResidual`."""
     return nnx.to_pure_dict(nnx.state(module, nnx.Param))
 
 
@@ -1152,8 +1153,12 @@ class TensorMemory(nnx.Module):
                      doc_starts=doc_starts, valid=valid)
 
 
-class GatedMemoryResidual(nnx.Module):
-    """Flax NNX ``x + sigmoid(gate) * memory(norm(x))`` (:func:`residual_apply`)."""
+class MemoryResidual(nnx.Module):
+    """Flax NNX ``x + sigmoid(gate) * memory(norm(x))`` (:func:`residual_apply`).
+
+    The torch adapter's ``MemoryResidual``; :class:`GatedMemoryResidual` is the same
+    class under its earlier name.
+    """
 
     def __init__(self, embed_dim: int, memory_channels: int, memory_shape: Sequence[int],
                  chunk_size: int, sigma_scale: float = 1.0, *, gate_init: float = 0.0,
@@ -1180,3 +1185,7 @@ class GatedMemoryResidual(nnx.Module):
                               reset=reset, eps=m.eps, radius=m.radius,
                               checkpoint_every=m.checkpoint_every, stream=stream,
                               doc_starts=doc_starts, valid=valid)
+
+
+#: The earlier name of :class:`MemoryResidual` (kept: the same class).
+GatedMemoryResidual = MemoryResidual

@@ -768,3 +768,10 @@ def test_float_sizes_are_type_errors():
     p = tmj.init(jax.random.key(0), np.int64(EMBED), np.int32(CHANNELS), SHAPE, CHUNK)
     assert p["out_proj"]["weight"].shape == (EMBED, CHANNELS)
 
+
+
+def test_memory_residual_is_the_torch_name_and_the_old_name_is_kept():
+    """``MemoryResidual`` (the torch adapter's name) and ``GatedMemoryResidual`` (0.1's)
+    are one exported class."""
+    assert tmj.MemoryResidual is tmj.GatedMemoryResidual
+    assert {"MemoryResidual", "GatedMemoryResidual"} <= set(tmj.__all__)
