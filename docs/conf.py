@@ -59,10 +59,10 @@ numpydoc_validation_exclude = {
     # Module constants: their one-line ``#:`` comments are their docs.
     r"\.[A-Z][A-Z0-9_]+$",
     # Class attributes documented by a ``#:`` comment: the Layer's replaceable head
-    # functions (the functions themselves are validated as tmcore.layer.linear and
-    # tmcore.layer.split) and LayerConfig's experimental fields (described in
-    # LayerConfig's Parameters).
-    r"^tmcore\.layer\.Layer\.(linear|softplus|split)$",
+    # functions and switches (the functions themselves are validated as
+    # tmcore.layer.linear and tmcore.layer.split) and LayerConfig's experimental fields
+    # (described in LayerConfig's Parameters).
+    r"^tmcore\.layer\.Layer\.(linear|softplus|split|flat_rows)$",
     r"^tmcore\.layer\.LayerConfig\.(update|dynamics)$",
 }
 
