@@ -570,12 +570,22 @@ def _madvise():
     return madvise
 
 
+def _uninitialized(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A contiguous CPU tensor on fresh, unfilled memory: ``torch.empty`` without the NaN
+    fill that ``torch.use_deterministic_algorithms(True)`` adds to every ``empty`` (the
+    diagnostics train so; at their paper sizes the fills of the scan's checkpoints and
+    block buffers measured ~140 ms of a ~900 ms step). Only for buffers the scan writes
+    whole before it reads them (every one below), so the fill never shows in a result."""
+    storage = torch.UntypedStorage(math.prod(shape) * dtype.itemsize)
+    return torch.empty(0, dtype=dtype).set_(storage, 0, tuple(shape))
+
+
 def _empty_huge(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """``torch.empty`` whose untouched memory is marked for transparent huge pages: the
+    """:func:`_uninitialized` memory marked for transparent huge pages: the
     scan writes its checkpoints (MBs per step) into fresh memory, and faulting that in
     4 KiB pages measured ~0.9 ms per lm-1024 step (~0.2 ms with 2 MiB pages). A hint
     only: where it is refused or unsupported nothing changes."""
-    t = torch.empty(shape, dtype=dtype)
+    t = _uninitialized(shape, dtype)
     madvise = _madvise()
     size = t.numel() * t.element_size()
     if madvise is not None and size >= 2 * _HUGE:
@@ -584,6 +594,86 @@ def _empty_huge(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         if stop > start:
             madvise(start, stop - start, _MADV_HUGEPAGE)
     return t
+
+
+_storage_use_count = getattr(torch._C, "_storage_Use_Count", None)
+
+#: A pooled block not handed out in this many scan calls is dropped from the pool.
+_POOL_AGE = 16
+
+
+class _Pool(threading.local):
+    """The fused scan's big buffers, kept from one call to the next (per thread).
+
+    Fresh memory is faulted in page by page on first touch, and a training step of the
+    diagnostics at their paper sizes (B = 128, C = 16, 6^3, T = 24) touched ~250 MB of
+    it per step (checkpoints, block buffers) at ~4 us per 4 KiB page: ~250 ms of a
+    ~900 ms step. The pool keeps those blocks (``torch.UntypedStorage``) and hands one
+    out again only once nothing but the pool refers to it (its storage use count is 1:
+    every tensor or view of it, autograd's saved checkpoints included, holds one), so a
+    block is never shared with a live tensor. Every pooled buffer is written whole by
+    the scan before it is read, so what a previous call left in it never shows.
+
+    Bounds: a block serves requests of ``nbytes`` in ``[n/2, n]``; blocks not handed out
+    in the last ``_POOL_AGE`` calls are dropped, and the free blocks are trimmed (oldest
+    first) to twice the most any recent call took. Without ``torch._C._storage_Use_Count``
+    (another torch) nothing is pooled.
+    """
+
+    def __init__(self) -> None:
+        self.blocks: list[list] = []  # [storage, nbytes, call that last took it]
+        self.calls = 0
+        self.taken: list[int] = []  # bytes taken by each of the recent calls
+
+    def begin(self) -> None:
+        """Start a scan call: age out old blocks, trim the free ones."""
+        self.calls += 1
+        self.taken = [*self.taken[-(_POOL_AGE - 1):], 0] if _POOL_AGE > 1 else [0]
+        self.blocks = [b for b in self.blocks if b[2] > self.calls - _POOL_AGE]
+        budget = 2 * max(self.taken)
+        free = [b for b in self.blocks if self._free(b)]
+        total = sum(b[1] for b in free)
+        for block in sorted(free, key=lambda b: b[2]):
+            if total <= budget:
+                break
+            self.blocks.remove(block)
+            total -= block[1]
+
+    @staticmethod
+    def _free(block: list) -> bool:
+        return _storage_use_count(block[0]._cdata) == 1
+
+    def take(self, shape: tuple[int, ...], dtype: torch.dtype, huge: bool = False
+             ) -> torch.Tensor:
+        """An uninitialized contiguous ``shape`` tensor on a free pooled block (the
+        smallest that fits), else on a new one (marked for huge pages if ``huge``)."""
+        nbytes = math.prod(shape) * dtype.itemsize
+        if _storage_use_count is None or nbytes == 0:
+            return _empty_huge(shape, dtype) if huge else _uninitialized(shape, dtype)
+        if self.taken:
+            self.taken[-1] += nbytes
+        fits = [b for b in self.blocks if nbytes <= b[1] <= 2 * nbytes and self._free(b)]
+        if fits:
+            block = min(fits, key=lambda b: b[1])
+        else:
+            t = _empty_huge(shape, dtype) if huge else _uninitialized(shape, dtype)
+            block = [t.untyped_storage(), nbytes, 0]
+            self.blocks.append(block)
+        block[2] = self.calls
+        return torch.empty(0, dtype=dtype).set_(block[0], 0, tuple(shape))
+
+    def clear(self) -> None:
+        self.blocks = []
+        self.taken = []
+
+
+_POOL = _Pool()
+
+
+def release_scan_buffers() -> None:
+    """Drop this thread's pooled scan buffers (their memory is freed once no tensor
+    holds it)."""
+    _POOL.clear()
 
 
 def _check_scan_shapes(h: torch.Tensor, read_coords: torch.Tensor, params: ConvParams,
@@ -658,7 +748,7 @@ class _BlockWrites:
         if pool:
             return pool.pop()
         full = self.batch * min(_WRITE_BLOCK, self.steps)
-        return _empty_huge((full, self.content.shape[2], *self.shape), like.dtype)
+        return _POOL.take((full, self.content.shape[2], *self.shape), like.dtype, huge=True)
 
     def volume(self, t: int) -> torch.Tensor:
         index = t // _WRITE_BLOCK
@@ -707,9 +797,9 @@ class _BlockWrites:
         if t != start:
             return
         if self.d_coords is None:
-            self.d_coords = torch.empty_like(self.coords)
-            self.d_sigma = torch.empty_like(self.sigma)
-            self.d_content = torch.empty_like(self.content)
+            self.d_coords = _uninitialized(tuple(self.coords.shape), self.coords.dtype)
+            self.d_sigma = _uninitialized(tuple(self.sigma.shape), self.sigma.dtype)
+            self.d_content = _uninitialized(tuple(self.content.shape), self.content.dtype)
         block = self.grads.pop(index)
         g_rows = block.reshape(self.batch * (stop - start), *block.shape[2:])
         d_content, d_mu, d_sigma = self.splat_bwd(self.xp, *self._inputs(index), self.shape,
@@ -737,12 +827,15 @@ class _CpuCell:
         self.weight = _plain(params.pointwise_weight)
         self.zb = _plain(params.pointwise_bias)
         b, c, p = self.batch, self.channels, self.cells
-        self.y = torch.empty((b, 2 * c, p), dtype=self.dtype)
-        self.z = torch.empty((b, 4 * c, p), dtype=self.dtype)
+        self.y = _POOL.take((b, 2 * c, p), self.dtype)
+        self.z = _POOL.take((b, 4 * c, p), self.dtype)
         self.w_expanded = self.weight.expand(b, 4 * c, 2 * c)
 
-    def new_state(self) -> torch.Tensor:
-        return torch.empty((self.batch, self.channels, *self.spatial), dtype=self.dtype)
+    def new_state(self, pooled: bool = False) -> torch.Tensor:
+        """An uninitialized ``(B, C, *S)`` state: fresh (it may be returned), or from
+        the pool (``pooled``: scratch of this call)."""
+        shape = (self.batch, self.channels, *self.spatial)
+        return _POOL.take(shape, self.dtype) if pooled else _uninitialized(shape, self.dtype)
 
     def pre_activations(self, x: torch.Tensor, h: torch.Tensor) -> None:
         """``self.z = W dw(concat([x, h]))`` (no bias) and ``self.y = dw(...)``; ``x`` may
@@ -793,17 +886,18 @@ def _make_cpu_scan(generic: Ops, options: Options):
             **{k: (v, *shapes[k]) for k, v in (("write_coords", write_coords),
                                                ("write_sigma", write_sigma),
                                                ("write_content", write_content))}})
+        _POOL.begin()
         cell = _CpuCell(kernels, h0, params)
         steps = read_coords.shape[1]
         saved = -(-steps // checkpoint_every)
-        h_ck = _empty_huge((saved, *h0.shape), h0.dtype)
-        c_ck = _empty_huge((saved, *h0.shape), h0.dtype)
+        h_ck = _POOL.take((saved, *h0.shape), h0.dtype, huge=True)
+        c_ck = _POOL.take((saved, *h0.shape), h0.dtype, huge=True)
         h_ck[0], c_ck[0] = h0, c0
-        reads = torch.empty((cell.batch, steps, cell.channels), dtype=h0.dtype)
+        reads = _uninitialized((cell.batch, steps, cell.channels), h0.dtype)
         writes = _BlockWrites(generic.splat_fwd, generic.splat_bwd, xp, write_coords,
                               write_sigma, write_content, cell.spatial, eps, radius)
-        work_h = [cell.new_state(), cell.new_state()] if checkpoint_every > 1 else None
-        work_c = [cell.new_state(), cell.new_state()] if checkpoint_every > 1 else None
+        work_h = [cell.new_state(True), cell.new_state(True)] if checkpoint_every > 1 else None
+        work_c = [cell.new_state(True), cell.new_state(True)] if checkpoint_every > 1 else None
         h, c = h_ck[0], c_ck[0]
         coords = _plain(read_coords)
         n = len(cell.spatial)
@@ -848,6 +942,7 @@ def _make_cpu_scan(generic: Ops, options: Options):
             **{k: (v, *shapes[k]) for k, v in (("write_coords", write_coords),
                                                ("write_sigma", write_sigma),
                                                ("write_content", write_content))}})
+        _POOL.begin()
         cell = _CpuCell(kernels, g_h, params)
         h_checkpoints, c_checkpoints = _plain(h_checkpoints), _plain(c_checkpoints)
         b, c_, p, n = cell.batch, cell.channels, cell.cells, len(cell.spatial)
@@ -855,18 +950,18 @@ def _make_cpu_scan(generic: Ops, options: Options):
         acc_taps = torch.zeros((n, 2 * c_, 3), dtype=f64)
         acc_biases = torch.zeros((n, 2 * c_), dtype=f64)
         acc_zb = torch.zeros((4 * c_,), dtype=f64)
-        d_weight = torch.zeros((b, 4 * c_, 2 * c_), dtype=cell.dtype)
-        d_z = torch.empty((b, 4 * c_, p), dtype=cell.dtype)
-        d_y = torch.empty((b, 2 * c_, p), dtype=cell.dtype)
+        d_weight = _POOL.take((b, 4 * c_, 2 * c_), cell.dtype).zero_()
+        d_z = _POOL.take((b, 4 * c_, p), cell.dtype)
+        d_y = _POOL.take((b, 2 * c_, p), cell.dtype)
         w_t = cell.weight.T.expand(b, 2 * c_, 4 * c_)
         coords, g_reads = _plain(read_coords), _plain(g_reads)
-        d_read_coords = torch.empty_like(coords)
+        d_read_coords = _uninitialized(tuple(coords.shape), coords.dtype)
         writes = _BlockWrites(generic.splat_fwd, generic.splat_bwd, xp, write_coords,
                               write_sigma, write_content, cell.spatial, eps, radius)
         bufs_h = [cell.new_state(), cell.new_state()]
         bufs_c = [cell.new_state(), cell.new_state()]
         g_h, g_c = _plain(g_h), _plain(g_c)
-        replay = [cell.new_state() for _ in range(2 * (min(checkpoint_every, steps) - 1))]
+        replay = [cell.new_state(True) for _ in range(2 * (min(checkpoint_every, steps) - 1))]
         lib, suffix = kernels
         for segment in reversed(range(saved)):
             start = segment * checkpoint_every
