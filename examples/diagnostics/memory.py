@@ -3,7 +3,8 @@
 The PyTorch adapter ``tmcore.adapters.torch.TensorMemory`` by default;
 :class:`~examples.diagnostics.variants.VariantTensorMemory` (the adapter's layer
 with ablation switches) when a switch is set or ``set_implementation("variant")``
-asks for it.
+asks for it. The layer options beyond the paper (:data:`LAYER_OPTIONS`: local updates,
+warped dynamics) go to either.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from torch import nn
 from examples.diagnostics.variants import VariantTensorMemory
 
 __all__ = ["make_tensor_memory", "adapter_name", "set_implementation", "init_write_proj",
-           "init_forget_bias"]
+           "init_forget_bias", "LAYER_OPTIONS"]
 
 _IMPL = {"name": "adapter"}
 
@@ -80,22 +81,32 @@ def init_forget_bias(memory: nn.Module, value: float) -> nn.Module:
     return memory
 
 
+#: The layer options beyond the paper (``tmcore.layer.layer_config``) a row may set in its
+#: ``variant``: ``update`` (``"dense"`` / ``"local"``), ``window`` (cells per axis of a local
+#: update) and ``dynamics`` (``"none"`` / ``"warp"``). They are arguments of the adapter's
+#: layer itself, so unlike the ablation switches they do not select the variant layer.
+LAYER_OPTIONS = ("update", "window", "dynamics")
+
+
 def make_tensor_memory(embed_dim: int, memory_channels: int, memory_shape: tuple[int, ...],
                        chunk_size: int, sigma_scale: float = 1.0, write_init: str = "first_token",
                        forget_bias: float = 0.0, **variant: object) -> nn.Module:
     """A Tensor Memory layer; ``variant`` switches (``write``, ``tied``, ``conv``) select
-    :class:`VariantTensorMemory`, as does ``set_implementation("variant")``. ``write_init``:
+    :class:`VariantTensorMemory`, as does ``set_implementation("variant")``; the
+    :data:`LAYER_OPTIONS` in ``variant`` go to whichever layer is built. ``write_init``:
     ``"first_token"`` (:func:`init_write_proj`) or ``"default"`` (the layer's own);
     ``forget_bias``: see :func:`init_forget_bias` (0: the layer's own)."""
     if write_init not in ("first_token", "default"):
         raise ValueError(f"write_init: expected 'first_token' or 'default', got {write_init!r}")
+    options = {k: variant[k] for k in LAYER_OPTIONS if k in variant}
+    switches = {k: v for k, v in variant.items() if k not in options}
     cls = _adapter_class()
-    if variant or cls is None:
+    if switches or cls is None:
         memory = VariantTensorMemory(embed_dim, memory_channels, tuple(memory_shape),
-                                     chunk_size, sigma_scale, **variant)
+                                     chunk_size, sigma_scale, **switches, **options)
     else:
         memory = cls(embed_dim, memory_channels, tuple(memory_shape), chunk_size,
-                     sigma_scale=sigma_scale)
+                     sigma_scale=sigma_scale, **options)
     if forget_bias:
         init_forget_bias(memory, forget_bias)
     return init_write_proj(memory) if write_init == "first_token" else memory

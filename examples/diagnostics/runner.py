@@ -184,6 +184,50 @@ def _ablations(scale: str) -> Experiment:
                       ModelConfig(memory_shape=(4, 4, 4)), entries)
 
 
+#: The layer options' rows (``tmcore.layer.layer_config``): warped dynamics, and local updates
+#: of a window of cells around the write (``memory.LAYER_OPTIONS``).
+WARP = {"dynamics": "warp"}
+OCCLUSION_WINDOW = 2  # half the occlusion's 4^3 grid per axis
+ABLATION_WINDOW = 4  # fixed while the grid grows: the step's cost should follow the window
+
+
+def _local(window: int) -> dict:
+    return {"update": "local", "window": window}
+
+
+def _occlusion_options(scale: str) -> Experiment:
+    """Tensor Memory with the layer options on the harder occlusion (streaming): the base
+    row again, with warped dynamics, and with both the warp and local updates. The same
+    task, sizes, seeds and hyper-parameters as ``occlusion-streaming`` (the options' rows
+    use Tensor Memory's chosen point; none was searched for them), so its other rows
+    compare."""
+    exp = _occlusion_streaming(scale)
+    exp.entries = [Entry("tensor_memory", "tensor_memory"),
+                   Entry("tensor_memory +warp", "tensor_memory", WARP),
+                   Entry(f"tensor_memory +warp +local w={OCCLUSION_WINDOW}", "tensor_memory",
+                         {**WARP, **_local(OCCLUSION_WINDOW)})]
+    exp.tuning_from = "occlusion"
+    return exp
+
+
+def _ablations_options(scale: str) -> Experiment:
+    """The streaming ablations' binding with local updates (window
+    :data:`ABLATION_WINDOW`) as the grid grows, next to the dense base and dense grids:
+    the same task, sizes, seeds and Tensor Memory point as ``ablations``. Declared rows
+    may be left out of a run by cost (``--models``; the README says which)."""
+    exp = _ablations(scale)
+    base = exp.entries[0]
+
+    def row(size: int, **options: object) -> Entry:
+        label = f"grid {size}^3" + (f", local w={options['window']}" if options else "")
+        return replace(base, label=label, variant={**base.variant, **options},
+                       overrides={"memory_shape": (size,) * 3})
+
+    exp.entries = [base, row(8), *(row(size, **_local(ABLATION_WINDOW)) for size in (8, 16, 32)),
+                   row(16)]
+    return exp
+
+
 #: ``(task, protocol) -> builder(scale)``. The Tensor Memory ablations exist in the streaming
 #: setting only (not redone under the new protocols: see the README).
 EXPERIMENTS = {
@@ -196,6 +240,8 @@ EXPERIMENTS = {
                                                    protocols.paper_occlusion),
     ("occlusion", "streaming"): _occlusion_streaming,
     ("ablations", "streaming"): _ablations,
+    ("occlusion-options", "streaming"): _occlusion_options,
+    ("ablations-options", "streaming"): _ablations_options,
     ("collapse", "paper"): _binding_collapse,
 }
 TASKS = tuple(dict.fromkeys(task for task, _ in EXPERIMENTS))
@@ -211,6 +257,8 @@ TINY_TASKS = {
                              if "frame_size" in kw else Occlusion(lengths=(1, 2), frame=4,
                                                                   visible=2)),
     "ablations": lambda kw: CoordinateBinding(writes=(2, 3), n_queries=2, noises=()),
+    "occlusion-options": lambda kw: Occlusion(lengths=(1, 2), frame=4, visible=2),
+    "ablations-options": lambda kw: CoordinateBinding(writes=(2, 3), n_queries=2, noises=()),
     "collapse": lambda kw: CoordinateBinding(writes=(2, 4), n_queries=2, noises=()),
 }
 #: ``--authors-exact``: the label of the paper protocol run with the authors' own models
@@ -264,6 +312,10 @@ def make_experiment(name: str, scale: str = "cpu", seeds: tuple[int, ...] | None
     if scale == "tiny":  # tiny grids keep the smoke test fast; ablated grids shrink too
         exp.entries = [replace(e, overrides={**e.overrides, "memory_shape": (3, 3, 3)})
                        if "memory_shape" in e.overrides else e for e in exp.entries]
+        # and a local update's window to fit them
+        exp.entries = [replace(e, variant={**e.variant, "window": min(
+            e.variant["window"], *e.overrides.get("memory_shape", exp.model.memory_shape))})
+            if "window" in e.variant else e for e in exp.entries]
     return exp
 
 

@@ -18,7 +18,11 @@ layer) or the ``scan`` callable the layer runs.
   ``cell.depthwise_*``, which then receive no gradient.
 
 With the default switches the module is the adapter's layer (its scan, its
-state dict); ``tests/test_diagnostics_smoke.py`` checks that.
+state dict); ``tests/test_diagnostics_smoke.py`` checks that. The adapter's
+layer options (``update="local"`` with ``window``, ``dynamics="warp"``) pass
+through: the scan is then the adapter's options scan
+(``tmcore.adapters._torch_local.layer_scan``) over the switched gate
+parameters (the Gaussian write only).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import tmcore
+from tmcore.adapters import _torch_local
 from tmcore.adapters.torch import (
     TensorMemory,
     gaussian_splat,
@@ -38,6 +43,7 @@ from tmcore.adapters.torch import (
     trilinear_sample,
 )
 from tmcore.conv import ConvParams
+from tmcore.dynamics import scan_options
 from tmcore.scan import StepInputs
 
 __all__ = ["VariantTensorMemory"]
@@ -116,8 +122,8 @@ class VariantTensorMemory(TensorMemory):
     ----------
     embed_dim, memory_channels, memory_shape, chunk_size, sigma_scale, and the
         keyword arguments of ``tmcore.adapters.torch.TensorMemory``
-        (``checkpoint_every``, ``radius``, ``eps``, ``forget_bias``, ``device``,
-        ``dtype``).
+        (``checkpoint_every``, ``radius``, ``eps``, ``forget_bias``, ``update``,
+        ``window``, ``dynamics``, ``device``, ``dtype``).
     write : ``"gaussian"`` (default) or ``"hard"`` (nearest cell, one-hot).
     tied : one shared coordinate head for reads and writes (default) or two
         (``False``: adds ``write_coord_net``).
@@ -135,6 +141,10 @@ class VariantTensorMemory(TensorMemory):
             raise ValueError(f"conv: expected one of {CONVS}, got {conv!r}")
         if not isinstance(tied, bool):
             raise TypeError(f"tied: expected a bool, got {type(tied).__name__}")
+        if write == "hard" and (kwargs.get("update", "dense") != "dense"
+                                or kwargs.get("dynamics", "none") != "none"):
+            raise ValueError("write='hard' runs its own stepwise scan, which has no local "
+                             "update nor warp: use update='dense', dynamics='none' with it")
         super().__init__(embed_dim, memory_channels, memory_shape, chunk_size, sigma_scale,
                          **kwargs)
         self.write_mode, self.tied, self.conv_mode = write, tied, conv
@@ -169,6 +179,8 @@ class VariantTensorMemory(TensorMemory):
 
     def _scan(self, h0: Tensor, c0: Tensor, inputs: Any) -> tuple[Tensor, Tensor, Tensor]:
         config, params = self.config, self._cell_params()
+        if config.update != "dense" or config.dynamics != "none":  # the layer options' scan
+            return _torch_local.layer_scan(scan_options(config), h0, c0, inputs, params)
         if self.write_mode == "gaussian":  # the adapter's scan (hand-written VJP)
             return memory_scan(h0, c0, *inputs, params, eps=config.eps, radius=config.radius,
                                checkpoint_every=config.checkpoint_every)
