@@ -36,19 +36,30 @@ def dynamic_scan(options: dynamics.ScanOptions, h0: jax.Array, c0: jax.Array, in
     ``inputs``: :class:`tmcore.StepInputs` or :class:`tmcore.dynamics.WarpInputs` of
     ``(B, T, ...)`` arrays; ``options`` static (:func:`tmcore.dynamics.scan_options`).
     """
-    reads, h, c, _ = dynamics.scan_fwd(jnp, h0, c0, inputs, params, options, keep=False)
+    reads, h, c, _ = _scan_fwd(options, False, h0, c0, inputs, params)
     return reads, h, c
 
 
+# jitted (inlined under an outer trace): called eagerly, one compiled function per shape
+# instead of one dispatch (and one small compilation) per array operation of the loop
+@partial(jax.jit, static_argnums=(0, 1))
+def _scan_fwd(options, keep, h0, c0, inputs, params):
+    return dynamics.scan_fwd(jnp, h0, c0, inputs, params, options, keep=keep)
+
+
+@partial(jax.jit, static_argnums=(0,))
+def _scan_bwd(options, residuals, inputs, params, g_reads, g_h, g_c):
+    return dynamics.scan_bwd(jnp, residuals, inputs, params, options, g_reads, g_h, g_c)
+
+
 def _fwd(options, h0, c0, inputs, params):
-    reads, h, c, residuals = dynamics.scan_fwd(jnp, h0, c0, inputs, params, options)
+    reads, h, c, residuals = _scan_fwd(options, True, h0, c0, inputs, params)
     return (reads, h, c), (residuals, inputs, params)
 
 
 def _bwd(options, saved, cotangents):
     residuals, inputs, params = saved
-    g_reads, g_h, g_c = cotangents
-    return dynamics.scan_bwd(jnp, residuals, inputs, params, options, g_reads, g_h, g_c)
+    return _scan_bwd(options, residuals, inputs, params, *cotangents)
 
 
 dynamic_scan.defvjp(_fwd, _bwd)

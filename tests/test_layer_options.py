@@ -1,0 +1,456 @@
+"""The layer's options beyond the paper: ``update="local"`` and ``dynamics="warp"``.
+
+Contract (tmcore.layer, tmcore.dynamics, both adapters): the default config is untouched
+(same parameters, same scan); a local layer equals the dense masked definition of the
+local update (values and gradients, float64, <= 1e-12) and keeps every cell outside the
+window bit for bit; a zero-initialized warp layer equals the default layer; the shift's
+VJP matches finite differences; streaming pieces equal one call and packed documents
+equal running each document alone, with either option, in NumPy, torch and JAX.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import tmcore
+from tmcore import dynamics as dy
+from tmcore import layer as tl
+from tmcore.local import window_geometry, window_mask
+from tmcore.scan import StepInputs
+
+D, C, L = 5, 2, 2
+OPTIONS = {
+    "local": {"update": "local", "window": 2},
+    "warp": {"dynamics": "warp"},
+    "local+warp": {"update": "local", "window": 2, "dynamics": "warp"},
+}
+
+
+def _close(a, b, tol=1e-12):
+    a, b = np.asarray(a), np.asarray(b)
+    assert a.shape == b.shape
+    assert np.max(np.abs(a - b), initial=0.0) <= tol
+
+
+# --------------------------------------------------------------------------- config
+
+
+def test_default_config_has_exactly_the_former_parameters():
+    config = tl.layer_config(D, C, (3, 4), L)
+    assert (config.update, config.window, config.dynamics) == ("dense", None, "none")
+    assert config == tl.layer_config(D, C, (3, 4), L, update="dense", dynamics="none")
+    specs = [(s.name, s.shape) for s in tl.param_specs(config)]
+    assert specs == [
+        ("write_proj.weight", (D, L * D)), ("write_proj.bias", (D,)),
+        ("content_net.weight", (C, D)), ("content_net.bias", (C,)),
+        ("sigma_net.weight", (1, D)), ("sigma_net.bias", (1,)),
+        ("coord_net.weight", (2, D)), ("coord_net.bias", (2,)),
+        ("cell.depthwise_weight", (2, 2 * C, 3)), ("cell.depthwise_bias", (2, 2 * C)),
+        ("cell.pointwise_weight", (4 * C, 2 * C)), ("cell.pointwise_bias", (4 * C,)),
+        ("out_proj.weight", (D, C)), ("out_proj.bias", (D,)),
+    ]
+    assert tl.param_groups(config) == tl.GROUPS
+    # the local update adds no parameter; the warp adds warp_net (zeros) at the end
+    local = tl.layer_config(D, C, (3, 4), L, update="local", window=2)
+    assert tl.param_specs(local) == tl.param_specs(config)
+    warp = tl.param_specs(tl.layer_config(D, C, (3, 4), L, dynamics="warp"))
+    assert warp[:-2] == tl.param_specs(config)
+    assert [(s.name, s.shape, s.init, s.value) for s in warp[-2:]] == [
+        ("warp_net.weight", (2, D), "constant", 0.0), ("warp_net.bias", (2,), "constant", 0.0)]
+
+
+@pytest.mark.parametrize("kwargs, error, words", [
+    ({"update": "sparse"}, ValueError, "update"),
+    ({"update": 1}, TypeError, "update"),
+    ({"update": "local"}, ValueError, "window"),
+    ({"update": "local", "window": 5}, ValueError, "window"),
+    ({"update": "local", "window": 0}, ValueError, "window"),
+    ({"update": "local", "window": 2.0}, TypeError, "window"),
+    ({"update": "local", "window": True}, TypeError, "window"),
+    ({"window": 2}, ValueError, "window"),
+    ({"dynamics": "flow"}, ValueError, "dynamics"),
+    ({"dynamics": None}, TypeError, "dynamics"),
+])
+def test_bad_options_are_named(kwargs, error, words):
+    with pytest.raises(error, match=words):
+        tl.layer_config(D, C, (3, 4), L, **kwargs)
+
+
+def test_window_up_to_the_largest_axis():
+    assert tl.layer_config(D, C, (3, 4), L, update="local", window=4).window == 4
+
+
+# --------------------------------------------------------------------------- algebra
+
+
+def _scan_args(shape, steps=3, batch=2, channels=C, seed=0):
+    rng = np.random.default_rng(seed)
+    n = len(shape)
+    h0 = rng.standard_normal((batch, channels, *shape))
+    c0 = rng.standard_normal((batch, channels, *shape))
+    inputs = StepInputs(rng.uniform(-0.9, 0.9, (batch, steps, n)),
+                        rng.uniform(-0.9, 0.9, (batch, steps, n)),
+                        rng.uniform(0.2, 0.5, (batch, steps)),
+                        rng.standard_normal((batch, steps, channels)))
+    params = tmcore.ConvParams(rng.standard_normal((n, 2 * channels, 3)) * 0.5,
+                               rng.standard_normal((n, 2 * channels)) * 0.1,
+                               rng.standard_normal((4 * channels, 2 * channels)) * 0.5,
+                               rng.standard_normal((4 * channels,)) * 0.1)
+    shift = rng.uniform(-0.3, 0.3, (batch, steps, n))
+    cot = (rng.standard_normal((batch, steps, channels)), rng.standard_normal(h0.shape),
+           rng.standard_normal(h0.shape))
+    return h0, c0, inputs, params, shift, cot
+
+
+def _flat(grads):
+    d_h, d_c, d_inputs, d_params = grads
+    return [d_h, d_c, *d_inputs, *d_params]
+
+
+@pytest.mark.parametrize("shape", [(6,), (5, 4), (4, 3, 3)])
+@pytest.mark.parametrize("warp", [False, True])
+def test_fast_local_scan_equals_masked_definition(shape, warp):
+    h0, c0, inputs, params, shift, cot = _scan_args(shape)
+    if warp:
+        inputs = dy.WarpInputs(*inputs, shift)
+    kw = {"update": "local", "window": 2}
+    for a, b in zip(dy.dynamic_memory_scan(h0, c0, inputs, params, **kw),
+                    dy.dynamic_memory_scan(h0, c0, inputs, params, method="masked", **kw),
+                    strict=True):
+        _close(a, b)
+    fast = dy.dynamic_memory_scan_vjp(h0, c0, inputs, params, *cot, **kw)
+    masked = dy.dynamic_memory_scan_vjp(h0, c0, inputs, params, *cot, method="masked", **kw)
+    assert type(fast[2]) is type(inputs)
+    for a, b in zip(_flat(fast), _flat(masked), strict=True):
+        _close(a, b)
+
+
+@pytest.mark.parametrize("shape", [(6,), (5, 4), (4, 3, 3)])
+def test_cells_outside_the_window_are_unchanged_bit_for_bit(shape):
+    h0, c0, inputs, params, _, _ = _scan_args(shape, steps=1)
+    _, h, c = dy.dynamic_memory_scan(h0, c0, inputs, params, update="local", window=2)
+    geometry = window_geometry(np, inputs.write_coords[:, 0], shape, 2)
+    outside = np.broadcast_to(~window_mask(np, geometry, shape), h0.shape)
+    assert outside.any() and (~outside).any()
+    assert np.array_equal(h[outside], h0[outside]) and np.array_equal(c[outside], c0[outside])
+    assert not np.array_equal(h[~outside], h0[~outside])
+
+
+@pytest.mark.parametrize("shape", [(6,), (5, 4)])
+def test_zero_shift_is_the_dense_scan(shape):
+    h0, c0, inputs, params, shift, cot = _scan_args(shape)
+    warped = dy.WarpInputs(*inputs, np.zeros_like(shift))
+    for a, b in zip(dy.dynamic_memory_scan(h0, c0, warped, params),
+                    tmcore.memory_scan(h0, c0, *inputs, params), strict=True):
+        _close(a, b)
+    d_h, d_c, d_inputs, d_params = dy.dynamic_memory_scan_vjp(h0, c0, warped, params, *cot)
+    ref = tmcore.memory_scan_vjp(h0, c0, *inputs, params, *cot)
+    for a, b in zip([d_h, d_c, *d_inputs[:4], *d_params], [*ref[:6], *ref.params], strict=True):
+        _close(a, b)
+
+
+@pytest.mark.parametrize("shape", [(6,), (5, 4), (4, 3, 3)])
+@pytest.mark.parametrize("update", ["dense", "local"])
+def test_warp_scan_vjp_matches_central_differences(shape, update):
+    h0, c0, inputs, params, shift, (g_reads, g_h, g_c) = _scan_args(shape, steps=2, seed=1)
+    kw = {"update": update, "window": 2 if update == "local" else None}
+
+    def loss(shift_=shift, h=h0, content=inputs.write_content):
+        args = dy.WarpInputs(*inputs[:3], content, shift_)
+        reads, h_t, c_t = dy.dynamic_memory_scan(h, c0, args, params, **kw)
+        return np.sum(reads * g_reads) + np.sum(h_t * g_h) + np.sum(c_t * g_c)
+
+    d_h, _, d_inputs, _ = dy.dynamic_memory_scan_vjp(
+        h0, c0, dy.WarpInputs(*inputs, shift), params, g_reads, g_h, g_c, **kw)
+    rng = np.random.default_rng(3)
+    e = 1e-6
+    for value, grad, make in ((shift, d_inputs.shift, lambda v: {"shift_": v}),
+                              (h0, d_h, lambda v: {"h": v}),
+                              (inputs.write_content, d_inputs.write_content,
+                               lambda v: {"content": v})):
+        v = rng.standard_normal(value.shape)
+        fd = (loss(**make(value + e * v)) - loss(**make(value - e * v))) / (2 * e)
+        assert abs(fd - np.sum(grad * v)) <= 1e-6 * max(1.0, abs(fd))
+
+
+# --------------------------------------------------------------------------- NumPy layer
+
+
+def _np_layer(options, grid=(4, 3), seed=0, warp_scale=0.0, method="fast"):
+    config = tl.layer_config(D, C, grid, L, **options)
+    rng = np.random.default_rng(seed)
+    params = tl.init_params(np, config, lambda s: rng.uniform(-s.bound, s.bound, s.shape))
+    if config.dynamics == "warp":
+        params[tl.WARP_GROUP]["weight"] = warp_scale * rng.standard_normal((len(grid), D))
+    options = dy.scan_options(config, method)
+
+    def scan(h, c, inputs):
+        return dy.dynamic_memory_scan(h, c, inputs, tl.cell_params(params),
+                                      update=options.update, window=options.window)
+
+    return tl.Layer(config), params, scan
+
+
+@pytest.mark.parametrize("name", sorted(OPTIONS))
+def test_numpy_layer_pieces_equal_one_call_and_packed_docs_equal_alone(name):
+    layer, params, scan = _np_layer(OPTIONS[name], warp_scale=0.3)
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((2, 9, D))
+    out, state = layer.forward_stream(np, params, x, None, scan=scan)
+    s, pieces = None, []
+    for a, b in ((0, 3), (3, 4), (4, 9)):
+        o, s = layer.forward_stream(np, params, x[:, a:b], s, scan=scan)
+        pieces.append(o)
+    _close(np.concatenate(pieces, axis=1), out, 1e-10)
+    _close(s.h, state.h, 1e-10)
+    starts = np.zeros((2, 9), dtype=bool)
+    starts[0, 5] = starts[1, 3] = True
+    packed, _ = layer.forward_stream(np, params, x, None, scan=scan, doc_starts=starts)
+    for row, cut in ((0, 5), (1, 3)):
+        first, _ = layer.forward_stream(np, params, x[row:row + 1, :cut], None, scan=scan)
+        second, _ = layer.forward_stream(np, params, x[row:row + 1, cut:], None, scan=scan)
+        _close(packed[row, :cut], first[0], 1e-10)
+        _close(packed[row, cut:], second[0], 1e-10)
+
+
+# --------------------------------------------------------------------------- torch
+
+
+def _torch():
+    return pytest.importorskip("torch", reason="torch is not installed")
+
+
+def _torch_pair(options, seed=0, grid=(4, 3)):
+    """A default TensorMemory and one with ``options`` holding the same parameters."""
+    torch = _torch()
+    from tmcore.adapters.torch import TensorMemory
+
+    torch.manual_seed(seed)
+    kw = {"embed_dim": D, "memory_channels": C, "memory_shape": grid, "chunk_size": L,
+          "dtype": torch.float64}
+    base = TensorMemory(**kw)
+    other = TensorMemory(**kw, **options)
+    missing, unexpected = other.load_state_dict(base.state_dict(), strict=False)
+    assert not unexpected
+    assert sorted(missing) == (["warp_net.bias", "warp_net.weight"]
+                               if options.get("dynamics") == "warp" else [])
+    return base, other
+
+
+def _grads(torch, module, x):
+    module.zero_grad()
+    out, _ = module(x, stream=False)
+    weights = torch.linspace(-1, 1, out.numel(), dtype=out.dtype).reshape(out.shape)
+    (out * weights).sum().backward()
+    return out.detach(), {k: p.grad.clone() for k, p in module.named_parameters()}
+
+
+def _masked(module):
+    """Use the masked (dense) definition of the local update as the module's scan."""
+    from tmcore.adapters import _torch_local
+
+    options = dy.scan_options(module.config, "masked")
+    module._scan = lambda h0, c0, inputs: _torch_local.layer_scan(
+        options, h0, c0, inputs, module.cell.params())
+    return module
+
+
+@pytest.mark.parametrize("name", ["local", "local+warp"])
+def test_torch_local_layer_equals_the_masked_definition(name):
+    torch = _torch()
+    _, local = _torch_pair(OPTIONS[name])
+    _, masked = _torch_pair(OPTIONS[name])
+    masked.load_state_dict(local.state_dict())
+    if name == "local+warp":
+        with torch.no_grad():
+            for m in (local, masked):
+                m.warp_net.weight.copy_(0.3 * torch.randn(2, D, generator=torch.Generator()
+                                                          .manual_seed(5), dtype=torch.float64))
+    _masked(masked)
+    x = torch.randn(2, 7, D, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    out, grads = _grads(torch, local, x)
+    ref, ref_grads = _grads(torch, masked, x)
+    _close(out, ref)
+    assert grads.keys() == ref_grads.keys()
+    for key in grads:
+        _close(grads[key], ref_grads[key])
+
+
+def test_torch_full_window_and_zero_warp_equal_the_default_layer():
+    torch = _torch()
+    x = torch.randn(2, 7, D, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    for options in ({"update": "local", "window": 4}, {"dynamics": "warp"},
+                    {"update": "local", "window": 4, "dynamics": "warp"}):
+        base, other = _torch_pair(options)
+        ref, ref_grads = _grads(torch, base, x)
+        out, grads = _grads(torch, other, x)
+        _close(out, ref)
+        for key, value in ref_grads.items():
+            _close(grads[key], value)
+        if "dynamics" in options:  # the shift head gets a gradient at zero
+            assert grads["warp_net.weight"].abs().sum() > 0
+
+
+def test_torch_default_layer_keeps_its_scan(monkeypatch):
+    torch = _torch()
+    from tmcore.adapters import _torch_local
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the default layer must not use the local/warp scan")
+
+    monkeypatch.setattr(_torch_local, "layer_scan", refuse)
+    base, _ = _torch_pair({})
+    base(torch.randn(1, 4, D, dtype=torch.float64))
+
+
+def test_torch_scan_function_passes_gradcheck():
+    torch = _torch()
+    from tmcore.adapters._torch_local import DynamicScanFunction
+
+    h0, c0, inputs, params, shift, _ = _scan_args((4, 3), steps=2, batch=1, channels=1)
+    values = (h0, c0, *inputs, shift, *params)
+    # the state, the write centre, the shift and the gates' matrix: every path of the VJP
+    checked = {0, 3, 6, 9}
+    tensors = [torch.tensor(a, requires_grad=i in checked) for i, a in enumerate(values)]
+    options = dy.ScanOptions("local", 2)
+    assert torch.autograd.gradcheck(
+        lambda *t: DynamicScanFunction.apply(options, True, *t), tensors, eps=1e-6, atol=1e-6)
+
+
+def test_torch_shift_head_gradient_matches_finite_differences():
+    torch = _torch()
+    _, warp = _torch_pair({"dynamics": "warp", "update": "local", "window": 2})
+    with torch.no_grad():
+        warp.warp_net.weight.copy_(0.3 * torch.randn(2, D, dtype=torch.float64,
+                                                     generator=torch.Generator().manual_seed(6)))
+    x = torch.randn(2, 6, D, dtype=torch.float64, generator=torch.Generator().manual_seed(7))
+
+    def loss():
+        out, _ = warp(x, stream=False)
+        return (out * torch.cos(torch.arange(out.numel(), dtype=out.dtype))
+                .reshape(out.shape)).sum()
+
+    warp.zero_grad()
+    loss().backward()
+    grad = warp.warp_net.weight.grad.clone()
+    e = 1e-6
+    with torch.no_grad():
+        for index in [(0, 0), (1, 3), (0, 4)]:
+            weight = warp.warp_net.weight
+            weight[index] += e
+            up = loss().item()
+            weight[index] -= 2 * e
+            down = loss().item()
+            weight[index] += e
+            assert abs((up - down) / (2 * e) - grad[index].item()) <= 1e-7
+
+
+@pytest.mark.parametrize("name", sorted(OPTIONS))
+def test_torch_streaming_and_packed_documents(name):
+    torch = _torch()
+    _, m = _torch_pair(OPTIONS[name])
+    if "dynamics" in OPTIONS[name]:
+        with torch.no_grad():
+            m.warp_net.weight.copy_(0.3 * torch.randn(2, D, dtype=torch.float64,
+                                                      generator=torch.Generator().manual_seed(8)))
+    x = torch.randn(2, 9, D, dtype=torch.float64, generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        out, state = m(x)
+        s, pieces = None, []
+        for a, b in ((0, 1), (1, 4), (4, 9)):
+            o, s = m(x[:, a:b], s)
+            pieces.append(o)
+        _close(torch.cat(pieces, dim=1), out, 1e-10)
+        _close(s.h, state.h, 1e-10)
+        starts = torch.zeros(2, 9, dtype=torch.bool)
+        starts[0, 5] = starts[1, 3] = True
+        packed, _ = m(x, doc_starts=starts)
+        for row, cut in ((0, 5), (1, 3)):
+            _close(packed[row, :cut], m(x[row:row + 1, :cut])[0][0], 1e-10)
+            _close(packed[row, cut:], m(x[row:row + 1, cut:])[0][0], 1e-10)
+        reset, _ = m(x, state, reset=torch.tensor([True, False]))
+        _close(reset[0], out[0], 1e-10)
+
+
+# --------------------------------------------------------------------------- JAX
+
+
+def _jax():
+    jax = pytest.importorskip("jax", reason="jax is not installed")
+    pytest.importorskip("flax", reason="the JAX adapter needs flax")
+    return jax
+
+
+@pytest.mark.parametrize("name", [pytest.param("local", marks=pytest.mark.slow),
+                                  pytest.param("warp", marks=pytest.mark.slow), "local+warp"])
+def test_jax_equals_torch_with_each_option(name):
+    jax = _jax()
+    torch = _torch()
+    from tmcore.adapters import jax as tj
+
+    _, m = _torch_pair(OPTIONS[name])
+    if "dynamics" in OPTIONS[name]:
+        with torch.no_grad():
+            m.warp_net.weight.copy_(0.3 * torch.randn(2, D, dtype=torch.float64,
+                                                      generator=torch.Generator()
+                                                      .manual_seed(10)))
+    x = torch.randn(2, 5, D, dtype=torch.float64, generator=torch.Generator().manual_seed(11))
+    out, grads = _grads(torch, m, x)
+    with jax.enable_x64(True):
+        import jax.numpy as jnp
+
+        params = {g: {k: jnp.asarray(v.detach().numpy()) for k, v in leaves.items()}
+                  for g, leaves in m.params().items()}
+        xj = jnp.asarray(x.numpy())
+        weights = jnp.linspace(-1, 1, out.numel(), dtype=jnp.float64).reshape(out.shape)
+
+        def loss(p):
+            y, _ = tj.apply(p, xj, memory_shape=(4, 3), stream=False, **OPTIONS[name])
+            return jnp.sum(y * weights), y
+
+        (_, y), g = jax.value_and_grad(loss, has_aux=True)(params)
+        _close(y, out.numpy(), 1e-10)
+        for key, value in grads.items():
+            group, leaf = key.split(".")
+            _close(g[group][leaf], value.numpy(), 1e-10)
+
+
+def test_jax_streaming_and_packed_documents_with_both_options():
+    jax = _jax()
+    from tmcore.adapters import jax as tj
+
+    options = OPTIONS["local+warp"]
+    with jax.enable_x64(True):
+        import jax.numpy as jnp
+
+        params = tj.init(jax.random.PRNGKey(0), D, C, (4, 3), L, dtype=jnp.float64,
+                         dynamics="warp")
+        params[tl.WARP_GROUP]["weight"] = 0.3 * jax.random.normal(
+            jax.random.PRNGKey(1), (2, D), jnp.float64)
+        x = jax.random.normal(jax.random.PRNGKey(2), (2, 4, D), jnp.float64)
+        full, state = tj.apply(params, x, memory_shape=(4, 3), **options)
+        first, s = tj.apply(params, x[:, :1], memory_shape=(4, 3), **options)
+        second, s = tj.apply(params, x[:, 1:], s, memory_shape=(4, 3), **options)
+        _close(jnp.concatenate([first, second], axis=1), full, 1e-10)
+        _close(s.h, state.h, 1e-10)
+        starts = np.zeros((2, 4), dtype=bool)
+        starts[:, 1] = True
+        packed, _ = tj.apply(params, x, memory_shape=(4, 3), doc_starts=jnp.asarray(starts),
+                             **options)
+        alone, _ = tj.apply(params, x[:, 1:], memory_shape=(4, 3), **options)
+        _close(packed[:, :1], first, 1e-10)
+        _close(packed[:, 1:], alone, 1e-10)
+
+
+def test_jax_warp_needs_its_parameters_and_init_makes_them():
+    jax = _jax()
+    from tmcore.adapters import jax as tj
+
+    warp = tj.init(jax.random.PRNGKey(0), D, C, (4, 3), L, dynamics="warp")
+    assert warp[tl.WARP_GROUP]["weight"].shape == (2, D)
+    assert not np.any(np.asarray(warp[tl.WARP_GROUP]["weight"]))
+    assert not np.any(np.asarray(warp[tl.WARP_GROUP]["bias"]))
+    plain = {group: leaves for group, leaves in warp.items() if group != tl.WARP_GROUP}
+    with pytest.raises(KeyError, match="warp_net"):
+        tj.apply(plain, jax.numpy.ones((1, 4, D)), memory_shape=(4, 3), dynamics="warp")
