@@ -39,9 +39,12 @@ def commit_info() -> dict:
     counts uncommitted source changes under :data:`TRACKED_PATHS` only (other files and
     docs cannot change a run)."""
     head = git("rev-parse", "HEAD")
-    status = git("status", "--porcelain", "--", *TRACKED_PATHS)
-    paths = sorted(line[3:] for line in (status or "").splitlines()
-                   if line[3:].endswith((".py", ".c", ".cc", ".h")))  # code, not docs
+    # names only (``git status --porcelain`` lines lose their first column to the
+    # stripping of the output): changed tracked files, then untracked ones
+    changed = git("diff", "--name-only", "HEAD", "--", *TRACKED_PATHS) or ""
+    untracked = git("ls-files", "--others", "--exclude-standard", "--", *TRACKED_PATHS) or ""
+    paths = sorted({name for name in (changed + "\n" + untracked).splitlines()
+                    if name.endswith((".py", ".c", ".cc", ".h"))})  # code, not docs
     return {"commit": head, "dirty": bool(paths), "dirty_paths": paths[:50]}
 
 
