@@ -115,11 +115,35 @@ def _resolve(root: nn.Module, path: str) -> Any:
 
 def find_blocks(model: nn.Module, blocks: str | None = None) -> tuple[str, nn.Module,
                                                                          nn.ModuleList]:
-    """``(path, owner, blocks)`` of a decoder: the dotted path of its ``nn.ModuleList`` of
-    blocks (``blocks`` if given, else the first of :data:`BLOCK_PATHS` that is one, of
-    ``config.num_hidden_layers`` blocks when the config says), the module that owns it
-    (the base model, whose forward receives the cache and the attention mask), and the
-    list. ``ValueError`` naming ``model`` / ``blocks`` when there is none."""
+    """The decoder blocks of a Hugging Face model: where they are, who owns them, the list.
+
+    Parameters
+    ----------
+    model : transformers.PreTrainedModel
+        A decoder-only model (``LlamaForCausalLM``, ``GPT2LMHeadModel``, ...).
+    blocks : str or None, default None
+        The dotted path of its ``nn.ModuleList`` of blocks (e.g. ``"model.layers"``);
+        ``None``: the first of :data:`BLOCK_PATHS` that is a non-empty one, of
+        ``config.num_hidden_layers`` blocks when the config says.
+
+    Returns
+    -------
+    path : str
+        The dotted path of the blocks.
+    owner : torch.nn.Module
+        The module that owns the list (the base model, whose forward receives the
+        cache and the attention mask).
+    blocks : torch.nn.ModuleList
+        The blocks.
+
+    Raises
+    ------
+    TypeError
+        If ``model`` is not a ``PreTrainedModel`` or ``blocks`` is not a str.
+    ValueError
+        Naming ``model`` / ``blocks``: an encoder-decoder model, a path that is
+        not a non-empty ``nn.ModuleList``, or no blocks found.
+    """
     transformers = _transformers()
     if not isinstance(model, transformers.PreTrainedModel):
         raise TypeError(f"model: expected a transformers PreTrainedModel, "
@@ -251,7 +275,21 @@ class HFMemory:
     ``memories`` / ``parameters()`` as :class:`tmcore.adapters.torch.MemoryHandle`'s;
     ``spec`` the stored configuration (``model.config.tensor_memory``);
     :meth:`state_of` the per-layer state a cache carries; :meth:`remove` undoes the
-    attach exactly.
+    attach exactly. Made by :func:`attach_memory` and :func:`from_pretrained`, not
+    by hand.
+
+    Parameters
+    ----------
+    model : transformers.PreTrainedModel
+        The model the memories are attached to.
+    path : str
+        The dotted path of its blocks (:func:`find_blocks`).
+    owner : torch.nn.Module
+        The module owning the blocks; its forward hooks carry the memory state.
+    handle : tmcore.adapters.torch.MemoryHandle
+        The attached memories (one per block).
+    spec : dict
+        The memory configuration stored in ``model.config.tensor_memory``.
     """
 
     def __init__(self, model: nn.Module, path: str, owner: nn.Module, handle: MemoryHandle,
@@ -282,13 +320,27 @@ class HFMemory:
         return self.handle.parameters()
 
     def state_of(self, cache: Any) -> list[Any] | None:
-        """The per-layer memory state ``cache`` carries (``None``: none, a fresh start)."""
+        """The per-layer memory state a generation cache carries.
+
+        Parameters
+        ----------
+        cache : transformers.Cache or None
+            The ``past_key_values`` of a forward or ``generate`` call.
+
+        Returns
+        -------
+        list or None
+            One state per memory layer (:class:`tmcore.adapters.torch.StreamState`),
+            or ``None`` when the cache carries none (a fresh start).
+        """
         entry = getattr(cache, "__dict__", {}).get(_CACHE_ATTR)
         return None if entry is None else entry.state
 
     def reset_state(self) -> None:
-        """Forget the streaming-training state (``streaming=True``): the next uncached
-        training forward starts fresh (a document boundary)."""
+        """Forget the streaming-training state (``streaming=True``).
+
+        The next uncached training forward starts fresh (a document boundary).
+        """
         self._train_state = None
 
     def remove(self) -> None:
@@ -487,7 +539,19 @@ def _valid_mask(mask: Any, batch: int, tokens: int, compiling: bool, past: int =
 
 
 def memory_of(model: nn.Module) -> HFMemory | None:
-    """The :class:`HFMemory` attached to ``model`` (``None`` if none)."""
+    """The :class:`HFMemory` attached to ``model``.
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+        A model :func:`attach_memory` or :func:`from_pretrained` may have
+        given a memory.
+
+    Returns
+    -------
+    HFMemory or None
+        Its memory, or ``None`` if it has none.
+    """
     return getattr(model, "_tmcore_hf_memory", None)
 
 
@@ -508,26 +572,57 @@ def attach_memory(
 
     Parameters
     ----------
-    model : a ``transformers.PreTrainedModel`` decoder (``LlamaForCausalLM``,
-        ``GPT2LMHeadModel``, ``Qwen2ForCausalLM``, ...); its blocks are found by
-        :func:`find_blocks` (``blocks=`` a dotted path overrides).
-    memory_channels, memory_shape, chunk_size : the layer's sizes ``C``, ``S``, ``L``
-        (:class:`tmcore.adapters.torch.TensorMemory`).
-    sigma_scale, checkpoint_every, radius, eps, forget_bias : the layer's options.
-    embed_dim : the token width ``d``; default the config's ``hidden_size``.
-    zero_init : (default ``True``) the read-outs start at zero: the model's outputs
-        are bit-identical to the original's until the memory trains, and the
-        read-outs still get a gradient.
-    gate_init : the residual gate's initial logit. ``norm``: ``"layernorm"`` (the
-        default, a LayerNorm before the memory) or ``"identity"``.
-    streaming : streaming training: uncached forwards in training mode continue,
-        detached, from the previous one (truncated backprop); default ``False``:
-        every uncached forward starts fresh. Cached calls always follow the cache.
+    model : transformers.PreTrainedModel
+        A decoder (``LlamaForCausalLM``, ``GPT2LMHeadModel``,
+        ``Qwen2ForCausalLM``, ...); its blocks are found by :func:`find_blocks`.
+    memory_channels : int
+        The grid channels ``C`` (:class:`tmcore.adapters.torch.TensorMemory`).
+    memory_shape : sequence of int
+        The grid shape ``S`` (1 to 4 positive ints).
+    chunk_size : int
+        The tokens per chunk ``L``.
+    sigma_scale : float, default 1.0
+        Multiplies the write spread.
+    zero_init : bool, default True
+        The read-outs start at zero: the model's outputs are bit-identical to
+        the original's until the memory trains, and the read-outs still get a
+        gradient.
+    gate_init : float, default 0.0
+        The residual gate's initial logit.
+    norm : {"layernorm", "identity"}, default "layernorm"
+        What the memory reads: a LayerNorm of the block's output, or the output.
+    blocks : str or None, default None
+        A dotted path to the blocks' ``nn.ModuleList``; overrides the search.
+    streaming : bool, default False
+        Streaming training: uncached forwards in training mode continue,
+        detached, from the previous one (truncated backprop); ``False``: every
+        uncached forward starts fresh. Cached calls always follow the cache.
+    checkpoint_every : int, default 1
+        As in :class:`tmcore.adapters.torch.TensorMemory`.
+    radius : float or None, default None
+        As in :func:`tmcore.gaussian_splat`.
+    eps : float, default 1e-6
+        As in :func:`tmcore.gaussian_splat`.
+    forget_bias : float, default 0.0
+        The ConvLSTM forget gate's initial bias.
+    embed_dim : int or None, default None
+        The token width ``d``; default the config's ``hidden_size``.
 
     Returns
     -------
-    :class:`HFMemory`; :func:`detach_memory` (or ``.remove()``) undoes it exactly. The
-    configuration is stored in ``model.config.tensor_memory``.
+    HFMemory
+        The attached memories; :func:`detach_memory` (or ``.remove()``) undoes
+        the attach exactly. The configuration is stored in
+        ``model.config.tensor_memory``.
+
+    Raises
+    ------
+    TypeError
+        If ``model`` is not a ``PreTrainedModel``, ``streaming`` is not a bool
+        or a size is not an int.
+    ValueError
+        If ``model`` already has a memory, its blocks are not found, ``norm`` is
+        unknown or a size or option is out of range (the layer's checks).
     """
     if memory_of(model) is not None:
         raise ValueError("model: already has a Tensor Memory attached; detach_memory first")
@@ -570,7 +665,18 @@ def _attach_spec(model: nn.Module, spec: dict[str, Any]) -> HFMemory:
 
 
 def detach_memory(model: nn.Module) -> None:
-    """Remove the memory :func:`attach_memory` added (the model is exactly as before)."""
+    """Remove the memory :func:`attach_memory` added (the model is exactly as before).
+
+    Parameters
+    ----------
+    model : transformers.PreTrainedModel
+        A model with a memory attached.
+
+    Raises
+    ------
+    ValueError
+        If ``model`` has no memory attached.
+    """
     memory = memory_of(model)
     if memory is None:
         raise ValueError("model: has no Tensor Memory attached")
@@ -651,14 +757,33 @@ def from_pretrained(path: str | os.PathLike, model_class: Any = None, **kwargs: 
                     ) -> nn.Module:
     """Load a model saved with its memory (``save_pretrained``) and its memory, in one call.
 
-    ``path``: a local folder written by ``save_pretrained`` of a model with memory;
-    ``model_class``: the class to load with (default ``AutoModelForCausalLM``; an
-    ``Auto*`` class or a concrete one); ``kwargs`` go to its ``from_pretrained``
-    (``torch_dtype``, ...). The memory configuration is read from ``config.json``
-    (``tensor_memory``) and checked (:func:`check_spec`); the memory weights are
-    loaded strictly (every memory tensor present, none unknown, shapes and the grid
-    checked), so the result equals the saved model bit for bit. ``ValueError`` when
-    the checkpoint has no memory configuration.
+    The memory configuration is read from ``config.json`` (``tensor_memory``) and
+    checked (:func:`check_spec`); the memory weights are loaded strictly (every
+    memory tensor present, none unknown, shapes and the grid checked), so the
+    result equals the saved model bit for bit.
+
+    Parameters
+    ----------
+    path : str or os.PathLike
+        A local folder written by ``save_pretrained`` of a model with memory.
+    model_class : type, optional
+        The class to load with (default ``AutoModelForCausalLM``; an ``Auto*``
+        class or a concrete one).
+    **kwargs
+        Passed to its ``from_pretrained`` (``torch_dtype``, ...).
+
+    Returns
+    -------
+    transformers.PreTrainedModel
+        The model with its memory attached (:func:`memory_of` gives it).
+
+    Raises
+    ------
+    ValueError
+        If ``path`` is not a folder, its config has no memory configuration
+        or an invalid one, or the memory weights do not fit it.
+    TypeError
+        If a stored configuration value is of the wrong kind (:func:`check_spec`).
     """
     transformers = _transformers()
     path = os.fspath(path)

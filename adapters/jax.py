@@ -36,6 +36,7 @@ with ``custom_vjp``, pytrees, dtype promotion and sharding-friendly zero states.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -102,11 +103,18 @@ EXTRA_STATE = "_extra_state"
 @jax.tree_util.register_static
 @dataclasses.dataclass(frozen=True)
 class StoredGrid:
-    """The grid shape a PyTorch checkpoint stores (its ``_extra_state``), kept in a
-    parameter pytree as a static node: it has no array leaf, so ``jax.grad``,
+    """The grid shape a PyTorch checkpoint stores (its ``_extra_state``), as a pytree node.
+
+    A static node of a parameter pytree: it has no array leaf, so ``jax.grad``,
     ``optax`` and ``jax.tree.map`` see only the floating parameters, while
     :func:`apply` / :func:`load_params` check it and :func:`state_dict_from_params`
-    writes it back."""
+    writes it back.
+
+    Parameters
+    ----------
+    shape : tuple of int
+        The grid shape ``S`` the checkpoint was trained with.
+    """
 
     shape: tuple[int, ...]
 
@@ -138,8 +146,30 @@ def trilinear_sample(
 ) -> jax.Array:  # [B, Q, C]
     """:func:`tmcore.trilinear_sample` with tmcore's VJP registered with JAX.
 
-    Arguments are checked like :func:`tmcore.trilinear_sample` (validate mode
-    included, for concrete arrays).
+    Works under ``jit``, ``vmap``, ``grad`` and ``shard_map``; forward mode
+    (``jvp``) is refused with a ``TypeError`` saying what to use instead.
+
+    Parameters
+    ----------
+    volume : jax.Array, shape ``(B, C, *S)``
+        The grid to read, with 1 to 4 spatial axes ``S``.
+    coords : jax.Array, shape ``(B, Q, n)``
+        ``Q`` query positions per batch element in ``[-1, 1]``;
+        ``coords[..., k]`` addresses spatial axis ``n - 1 - k``.
+
+    Returns
+    -------
+    jax.Array, shape ``(B, Q, C)``
+        The n-linear interpolation of ``volume`` at ``coords`` (border padding).
+
+    Raises
+    ------
+    TypeError
+        If an argument is not an array or not real floating, or under forward
+        mode differentiation.
+    ValueError
+        If the shapes do not match the layouts above, or (validate mode, concrete
+        arrays) an array holds NaN or inf.
     """
     volume, coords = jnp.asarray(volume), jnp.asarray(coords)
     sample_validate(volume, coords)
@@ -162,9 +192,36 @@ def gaussian_splat(
 ) -> jax.Array:  # [B, C, *shape]
     """:func:`tmcore.gaussian_splat` with tmcore's VJP registered with JAX.
 
-    ``shape``, ``eps`` and ``radius`` are static (Python values, not traced).
-    Arguments are checked like :func:`tmcore.gaussian_splat` (in validate mode
-    also finite values and ``sigma > 0``, for concrete arrays).
+    Parameters
+    ----------
+    content : jax.Array, shape ``(B, K, C)``
+        ``K`` content vectors per batch element.
+    mu : jax.Array, shape ``(B, K, n)``
+        Their normalized centres in ``[-1, 1]`` (``mu[..., k]`` addresses
+        spatial axis ``n - 1 - k``).
+    sigma : jax.Array, shape ``(B, K)``
+        Their spreads in normalized units, > 0.
+    shape : sequence of int
+        The grid shape ``S`` (``n = len(S)``, 1 to 4 axes); static.
+    eps : float, default 1e-6
+        Added to ``2 sigma^2`` in the Gaussian's denominator; static.
+    radius : float or None, default None
+        Truncation radius in units of sigma (``None``: the whole grid); static.
+
+    Returns
+    -------
+    jax.Array, shape ``(B, C, *shape)``
+        The written volume, ``sum_k content[b, k] * w_bk(p)`` at every cell ``p``.
+
+    Raises
+    ------
+    TypeError
+        If an array argument is not an array or not real floating, or under
+        forward mode differentiation.
+    ValueError
+        If the shapes do not match the layouts above, ``eps`` or ``radius`` is
+        out of range, or (validate mode, concrete arrays) a value is not finite
+        or a sigma is not > 0.
     """
     content, mu, sigma = map(jnp.asarray, (content, mu, sigma))
     _, dims = splat_validate(content, mu, sigma, shape, radius=radius, eps=eps)
@@ -208,9 +265,51 @@ def memory_scan(
     The backward keeps the state entering every ``checkpoint_every``-th step
     (``ceil(T / k)`` states of shape ``(B, C, *S)`` for ``h`` and for ``c``) and
     replays each segment before differentiating it step by step with
-    ``tmcore.scan.step_bwd``; the gradients do not depend on ``k``. ``params``
-    is a :class:`tmcore.ConvParams` (``C_in = 2C``, ``C_out = 4C``). Mixed
+    ``tmcore.scan.step_bwd``; the gradients do not depend on ``k``. Mixed
     floating dtypes are promoted to a common one (JAX's rules).
+
+    Parameters
+    ----------
+    h0 : jax.Array, shape ``(B, C, *S)``
+        The initial hidden state, with 1 to 4 spatial axes.
+    c0 : jax.Array, shape ``(B, C, *S)``
+        The initial cell state.
+    read_coords : jax.Array, shape ``(B, T, n)``
+        The normalized read position of each step.
+    write_coords : jax.Array, shape ``(B, T, n)``
+        The normalized write centre of each step.
+    write_sigma : jax.Array, shape ``(B, T)``
+        The write spread of each step, > 0.
+    write_content : jax.Array, shape ``(B, T, C)``
+        The content vector each step writes.
+    params : tmcore.ConvParams
+        The ConvLSTM's gate conv (``C_in = 2C``, ``C_out = 4C``; :func:`conv_params`).
+    eps : float, default 1e-6
+        As in :func:`gaussian_splat`.
+    radius : float or None, default None
+        As in :func:`gaussian_splat`.
+    checkpoint_every : int, default 1
+        ``k``: the backward stores every ``k``-th state and recomputes the rest.
+
+    Returns
+    -------
+    reads : jax.Array, shape ``(B, T, C)``
+        What each step read (before its write).
+    h_T : jax.Array, shape ``(B, C, *S)``
+        The final hidden state.
+    c_T : jax.Array, shape ``(B, C, *S)``
+        The final cell state.
+
+    Raises
+    ------
+    TypeError
+        If an argument is not an array, the arrays are not floating,
+        ``params`` is not a 4-tuple or ``checkpoint_every`` is not an int, or
+        under forward mode differentiation.
+    ValueError
+        If a shape does not match the layouts above, ``T`` is 0,
+        ``checkpoint_every < 1``, ``eps`` or ``radius`` is out of range, or
+        (validate mode, concrete arrays) a value is not finite.
     """
     arrays = [jnp.asarray(a) for a in (h0, c0, read_coords, write_coords, write_sigma,
                                        write_content, *params)]
@@ -236,7 +335,15 @@ def memory_scan(
 
 
 class MemoryState(NamedTuple):
-    """The recurrent state ``(h, c)``, each ``(B, C, *S)`` (a pytree)."""
+    """The recurrent state ``(h, c)`` at a chunk boundary (a pytree).
+
+    Parameters
+    ----------
+    h : jax.Array, shape ``(B, C, *S)``
+        The hidden state.
+    c : jax.Array, shape ``(B, C, *S)``
+        The cell state.
+    """
 
     h: jax.Array
     c: jax.Array
@@ -244,19 +351,56 @@ class MemoryState(NamedTuple):
 
 def init_state(batch: int, memory_channels: int, memory_shape: Sequence[int],
                dtype: Any = jnp.float32) -> MemoryState:
-    """Zero state ``(h, c)`` of shape ``(batch, memory_channels, *memory_shape)``."""
+    """A zero :class:`MemoryState`.
+
+    Parameters
+    ----------
+    batch : int
+        ``B`` (>= 0).
+    memory_channels : int
+        ``C``.
+    memory_shape : sequence of int
+        The grid shape ``S`` (1 to 4 positive ints).
+    dtype : dtype, default float32
+        The state's dtype.
+
+    Returns
+    -------
+    MemoryState
+        ``h`` and ``c`` of zeros, each ``(batch, memory_channels, *memory_shape)``.
+
+    Raises
+    ------
+    TypeError
+        If a size is not an int.
+    ValueError
+        If a size is out of range.
+    """
     config = tl.layer_config(1, memory_channels, memory_shape, 1)
     return MemoryState(*tl.zero_state(jnp, config, check_int("batch", batch, 0), dtype=dtype))
 
 
-#: The state between streamed calls (:class:`tmcore.layer.StreamState`): ``(h, c)`` at
-#: the last chunk boundary plus the unfinished chunk's tokens, their count and its read.
+# The state between streamed calls (tmcore.layer.StreamState): (h, c) at the last chunk
+# boundary plus the unfinished chunk's tokens, their count and its read. A plain comment,
+# not a doc comment: the docs show the class (its page), not a constant of that name.
 StreamState = tl.StreamState
 
 
 def detach_state(state: Any) -> Any:
-    """``lax.stop_gradient`` on every array: cut backprop between streamed segments (a
-    :class:`StreamState`'s integer ``count`` passes through unchanged)."""
+    """Cut backprop between streamed segments (``lax.stop_gradient`` on every array).
+
+    Parameters
+    ----------
+    state : StreamState, MemoryState or pytree
+        A state :func:`apply` or :func:`stack_apply` returned (a tuple of
+        per-layer states included).
+
+    Returns
+    -------
+    pytree
+        The same structure and values, without gradient paths (a
+        :class:`StreamState`'s integer ``count`` passes through unchanged).
+    """
     def cut(s: Any) -> Any:
         if isinstance(s, tl.StreamState):
             return s._replace(h=lax.stop_gradient(s.h), c=lax.stop_gradient(s.c),
@@ -267,9 +411,27 @@ def detach_state(state: Any) -> Any:
 
 
 def doc_starts_from_offsets(offsets: Sequence[Any], tokens: int) -> jax.Array:
-    """``cu_seqlens``-style document offsets (one row, or one list per row) to the bool
-    ``(B, tokens)`` mask :func:`apply` takes as ``doc_starts``
-    (:func:`tmcore.layer.doc_starts_from_offsets`)."""
+    """``cu_seqlens``-style document offsets to the mask :func:`apply` takes as ``doc_starts``.
+
+    Parameters
+    ----------
+    offsets : sequence of int, or sequence of sequences of int
+        For one row, the increasing start offsets of its documents (e.g.
+        ``[0, 5, 12]``, optionally ending with ``tokens``); or one such list per
+        row.
+    tokens : int
+        ``N``, the tokens per row.
+
+    Returns
+    -------
+    jax.Array of bool, shape ``(B, tokens)``
+        True at each document start (``B = 1`` for a single row of offsets).
+
+    Raises
+    ------
+    ValueError
+        If a row's offsets are not strictly increasing or not in ``[0, tokens]``.
+    """
     return tl.doc_starts_from_offsets(jnp, offsets, tokens)
 
 
@@ -297,23 +459,28 @@ def init(
 
     Parameters
     ----------
-    key : a ``jax.random`` key.
-    embed_dim : token width ``d``.
-    memory_channels : grid channels ``C``.
-    memory_shape : grid shape ``S`` (1 to 4 positive ints; ``n = len(S)``).
-    chunk_size : tokens per chunk ``L``.
-    sigma_scale : not a parameter; accepted for signature parity with the
-        PyTorch constructor and checked (> 0). Pass it to :func:`apply`.
-    forget_bias : initial bias of the ConvLSTM forget gate (default 0; e.g. 3
-        starts the memory keeping 95 % of its state per chunk).
-    dtype : parameter dtype.
-    dynamics : ``"warp"`` adds the zero-initialized ``warp_net`` group
+    key : jax.Array
+        A ``jax.random`` key.
+    embed_dim : int
+        The token width ``d``.
+    memory_channels : int
+        The grid channels ``C``.
+    memory_shape : sequence of int
+        The grid shape ``S`` (1 to 4 positive ints; ``n = len(S)``).
+    chunk_size : int
+        The tokens per chunk ``L``.
+    sigma_scale : float, default 1.0
+        Not a parameter; accepted for signature parity with the PyTorch
+        constructor and checked (> 0). Pass it to :func:`apply`.
+    forget_bias : float, default 0.0
+        The initial bias of the ConvLSTM forget gate (e.g. 3 starts the memory
+        keeping 95 % of its state per chunk).
+    dtype : dtype, default float32
+        The parameters' dtype.
+    dynamics : {"none", "warp"}, default "none"
+        ``"warp"`` adds the zero-initialized ``warp_net`` group
         (``{"weight" (n, d), "bias" (n,)}``) that :func:`apply` with
         ``dynamics="warp"`` needs (experimental; docs/guides/local-and-warp.md).
-
-    Sizes must be ints (a float or bool is a ``TypeError``, never truncated;
-    NumPy ints are fine); a size < 1 is a ``ValueError``
-    (:func:`tmcore.layer.layer_config`).
 
     Returns
     -------
@@ -322,6 +489,17 @@ def init(
         "sigma_net": {(1, d), (1,)}, "coord_net": {(n, d), (n,)}, "cell":
         {"depthwise_weight" (n, 2C, 3), "depthwise_bias" (n, 2C), "pointwise_weight"
         (4C, 2C), "pointwise_bias" (4C,)}, "out_proj": {(d, C), (d,)}}``.
+
+    Raises
+    ------
+    TypeError
+        If a size is not an int (a float or bool is refused, never truncated;
+        NumPy ints are fine).
+    ValueError
+        If a size is < 1, ``memory_shape`` has not 1 to 4 axes, ``sigma_scale``
+        is not > 0 or ``dynamics`` is unknown (:func:`tmcore.layer.layer_config`).
+    MemoryError
+        If the parameters would not fit in the device's memory.
     """
     config = tl.layer_config(embed_dim, memory_channels, memory_shape, chunk_size, sigma_scale,
                              forget_bias=forget_bias, dynamics=dynamics)
@@ -336,7 +514,19 @@ def init(
 
 
 def conv_params(cell: Mapping[str, jax.Array]) -> ConvParams:
-    """The ``"cell"`` group of a parameter pytree as :class:`tmcore.ConvParams`."""
+    """The ``"cell"`` group of a parameter pytree as :class:`tmcore.ConvParams`.
+
+    Parameters
+    ----------
+    cell : dict of jax.Array
+        ``params["cell"]``: ``depthwise_weight (n, 2C, 3)``, ``depthwise_bias
+        (n, 2C)``, ``pointwise_weight (4C, 2C)``, ``pointwise_bias (4C,)``.
+
+    Returns
+    -------
+    tmcore.ConvParams
+        The same arrays in the order :func:`memory_scan` takes them.
+    """
     return tl.cell_params({"cell": cell})
 
 
@@ -418,10 +608,27 @@ def _is_pair(state: Any) -> bool:
 
 
 def reset_state(state: Any, reset: jax.Array) -> Any:
-    """Zero the state of the sequences where the bool ``reset (B,)`` is True (document
-    boundaries); ``state`` is one ``(h, c)`` or a sequence of them (a causal stack's).
+    """Zero the state of the sequences where ``reset`` is True (document boundaries).
 
-    A non-bool mask is a ``TypeError`` (:func:`tmcore.layer.reset_state`).
+    Parameters
+    ----------
+    state : MemoryState or sequence of MemoryState
+        One ``(h, c)`` pair, each ``(B, C, *S)``, or a sequence of them (a causal
+        stack's per-layer states).
+    reset : jax.Array of bool, shape ``(B,)``
+        True for the sequences whose state starts again from zeros.
+
+    Returns
+    -------
+    MemoryState or tuple of MemoryState
+        ``state`` with the flagged rows zeroed, in the same structure.
+
+    Raises
+    ------
+    TypeError
+        If ``reset`` is not a bool array (compare explicitly, e.g. ``mask > 0.5``).
+    ValueError
+        If ``reset`` does not have shape ``(B,)``.
     """
     if _is_pair(state):
         return MemoryState(*tl.reset_state(jnp, tuple(state), jnp.asarray(reset)))
@@ -461,21 +668,34 @@ def apply(
 
     Parameters
     ----------
-    params : pytree from :func:`init` or :func:`params_from_state_dict`.
-    x : ``(B, N, d)`` tokens; ``N`` need not be a multiple of the chunk size.
-    state : the :class:`StreamState` (or ``(h, c)`` pair) a previous call
-        returned, or ``None`` for zeros.
-    chunk_size : checked against ``write_proj.weight (d, L*d)``, which fixes it.
-    memory_shape : grid shape; needed when ``state`` is ``None``.
-    sigma_scale : multiplies the write spread.
-    reset : optional ``(B,)`` bool; those sequences start from the zero state.
-    eps, radius : as in :func:`tmcore.gaussian_splat`.
-    checkpoint_every : the backward keeps the state entering every k-th chunk
+    params : dict
+        The parameter pytree from :func:`init` or :func:`params_from_state_dict`.
+    x : jax.Array, shape ``(B, N, d)``
+        The tokens; ``N`` need not be a multiple of the chunk size.
+    state : StreamState, MemoryState, (h, c) or None, optional
+        The state a previous call returned (``h``, ``c`` each ``(B, C, *S)``),
+        or ``None`` for zeros.
+    chunk_size : int, optional
+        Checked against ``write_proj.weight (d, L*d)``, which fixes it.
+    memory_shape : sequence of int, optional
+        The grid shape ``S``; needed when ``state`` is ``None``.
+    sigma_scale : float, default 1.0
+        Multiplies the write spread.
+    reset : jax.Array of bool, shape ``(B,)``, optional
+        Those sequences start from the zero state.
+    eps : float, default 1e-6
+        As in :func:`tmcore.gaussian_splat`.
+    radius : float or None, default None
+        As in :func:`tmcore.gaussian_splat`.
+    checkpoint_every : int, default 1
+        The backward keeps the state entering every k-th chunk
         (``ceil(T / k)`` states) and recomputes the rest: memory ``O(T/k + k)``
         states for one extra forward pass; results do not depend on ``k``.
-    layer : a :class:`tmcore.layer.Layer` subclass overriding ``heads`` or
-        ``read_out`` (a variant of the layer); the default is the layer.
-    stream : ``True`` (the default; ``None`` means the same): return a
+    layer : type, default :class:`tmcore.layer.Layer`
+        A :class:`tmcore.layer.Layer` subclass overriding ``heads`` or
+        ``read_out`` (a variant of the layer).
+    stream : bool or None, default None
+        ``True`` (the default; ``None`` means the same): return a
         :class:`StreamState` (``(h, c)`` at the last chunk boundary plus the
         unfinished chunk, its ``count`` an int32 array ``(B,)``), so that
         feeding a sequence back in pieces of ANY lengths, one token at a time
@@ -488,42 +708,63 @@ def apply(
         the ragged last chunk with zeros and writes it into the state, and
         returns a :class:`MemoryState` ``(h, c)``; pieces fed back with it equal
         one call only when their lengths are multiples of the chunk size.
-    doc_starts : optional ``(B, N)`` bool, True at each token that starts a
+    doc_starts : jax.Array of bool, shape ``(B, N)``, optional
+        True at each token that starts a
         document (packed documents, :func:`doc_starts_from_offsets`): the state
         and the unfinished chunk are dropped there and the chunk grid restarts,
         so each document's outputs equal running it alone. The grid is then
         planned on the host: ``doc_starts`` (and ``reset``, ``valid``, the
         state's ``count``) must be concrete; traced under ``jit`` it is a
         ``TypeError`` saying so.
-    valid : optional ``(B, N)`` bool, False at tokens to skip (padding, left or
+    valid : jax.Array of bool, shape ``(B, N)``, optional
+        False at tokens to skip (padding, left or
         right): they never enter the state nor the chunk grid and their outputs
         are zeros; each row streams its valid tokens only. Implies streaming.
-    update, window, dynamics : experimental options beyond the paper
-        (:func:`tmcore.layer.layer_config`, docs/guides/local-and-warp.md):
-        ``update="local"`` with ``window`` cells per axis; ``dynamics="warp"``
-        (needs the ``warp_net`` group, :func:`init` with ``dynamics="warp"``).
-        Their scan is :mod:`tmcore.adapters._jax_local`.
+    update : {"dense", "local"}, default "dense"
+        Experimental (:func:`tmcore.layer.layer_config`,
+        docs/guides/local-and-warp.md): ``"local"`` writes and updates only a
+        window around each write; its scan is :mod:`tmcore.adapters._jax_local`.
+    window : int or None, default None
+        The window's cells per axis with ``update="local"``.
+    dynamics : {"none", "warp"}, default "none"
+        Experimental: ``"warp"`` resamples the state at displaced cell centres
+        before each update (needs the ``warp_net`` group, :func:`init` with
+        ``dynamics="warp"``).
 
+    Returns
+    -------
+    out : jax.Array, shape ``(B, N, d)``
+        ``out_proj(read_t)`` on every token of chunk ``t``.
+    state : StreamState or MemoryState
+        The final state: a :class:`StreamState` (default) or, with
+        ``stream=False``, a :class:`MemoryState`. Pass it to the next call to
+        stream a long sequence; wrap it in :func:`detach_state` to truncate
+        backprop. Streamed pieces equal one call to rounding (<= 1e-5 in
+        float32).
+
+    Raises
+    ------
+    KeyError
+        If a parameter is missing.
+    TypeError
+        If ``x`` or a parameter is not floating, a mask is not bool, ``stream``
+        is not a bool, or ``doc_starts`` is traced (it is planned on the host).
+    ValueError
+        If a parameter, ``x`` or the state is misshapen, ``memory_shape``,
+        ``eps``, ``radius`` or ``sigma_scale`` is out of range, an
+        ``_extra_state`` entry (the grid shape a PyTorch checkpoint stores)
+        does not match the grid, ``stream=False`` meets a :class:`StreamState`,
+        ``doc_starts`` or ``valid``, or (validate mode, :func:`tmcore.options`)
+        a concrete ``x`` or state holds NaN or inf.
+
+    Notes
+    -----
     Every argument is checked statically (shapes, dtypes, Python scalars; fine
-    under ``jit``; :mod:`tmcore.layer`): a missing parameter is a ``KeyError``,
-    a misshapen one, a bad ``memory_shape`` / ``eps`` / ``radius`` /
-    ``sigma_scale`` or state a ``ValueError``, a non-floating ``x`` or
-    parameter a ``TypeError``, each naming the argument. An ``_extra_state``
-    entry (the grid shape a PyTorch checkpoint stores) must match the grid. In
-    validate mode (:func:`tmcore.options`) concrete ``x`` and state must also
-    be finite.
+    under ``jit``; :mod:`tmcore.layer`), each error naming the argument.
 
     Mixed precision: the layer computes in JAX's promotion of ``x``, the
     parameters and the state (float32 parameters with a bfloat16 ``x``:
     float32); the output and the returned state have that dtype.
-
-    Returns
-    -------
-    ``out (B, N, d)`` -- ``out_proj(read_t)`` on every token of chunk ``t`` --
-    and the final state: a :class:`StreamState` (default) or, with
-    ``stream=False``, a :class:`MemoryState`. Pass the state to the next call
-    to stream a long sequence; wrap it in :func:`detach_state` to truncate
-    backprop. Streamed pieces equal one call to rounding (<= 1e-5 in float32).
     """
     stream = True if stream is None else stream
     if not isinstance(stream, bool):
@@ -709,11 +950,42 @@ def residual_init(
     forget_bias: float = 0.0,
     dtype: Any = jnp.float32,
 ) -> dict:
-    """Parameters of ``x + sigmoid(gate) * memory(norm(x))``.
+    """Parameters of the gated residual ``x + sigmoid(gate) * memory(norm(x))``.
 
-    ``{"norm": {"weight" (d,), "bias" (d,)}, "memory": init(...), "gate" (1,)}``;
-    ``norm`` is a LayerNorm (ones, zeros, eps 1e-5 as in torch); ``gate_init``
-    0.0 (half open) and -2.0 (mostly closed) are the paper's two choices.
+    Parameters
+    ----------
+    key : jax.Array
+        A ``jax.random`` key.
+    embed_dim : int
+        The token width ``d``.
+    memory_channels : int
+        The grid channels ``C``.
+    memory_shape : sequence of int
+        The grid shape ``S`` (1 to 4 positive ints).
+    chunk_size : int
+        The tokens per chunk ``L``.
+    sigma_scale : float, default 1.0
+        Checked (> 0) and otherwise unused, as in :func:`init`.
+    gate_init : float, default 0.0
+        The gate's initial value: 0.0 (half open) and -2.0 (mostly closed) are
+        the paper's two choices.
+    forget_bias : float, default 0.0
+        As in :func:`init`.
+    dtype : dtype, default float32
+        The parameters' dtype.
+
+    Returns
+    -------
+    dict
+        ``{"norm": {"weight" (d,), "bias" (d,)}, "memory": init(...), "gate"
+        (1,)}``; ``norm`` is a LayerNorm (ones, zeros, eps 1e-5 as in torch).
+
+    Raises
+    ------
+    TypeError
+        If a size is not an int.
+    ValueError
+        If a size or ``sigma_scale`` is out of range, or ``gate_init`` is not finite.
     """
     memory = init(key, embed_dim, memory_channels, memory_shape, chunk_size, sigma_scale,
                   forget_bias=forget_bias, dtype=dtype)
@@ -743,10 +1015,34 @@ _gated_jit = jax.jit(_gated)
 def residual_apply(
     params: Mapping[str, Any], x: jax.Array, state: Any = None, **kwargs: Any
 ) -> tuple[jax.Array, MemoryState]:
-    """``x + sigmoid(gate) * apply(memory, layer_norm(x), state)``; returns ``(out, state)``.
+    """The gated residual ``x + sigmoid(gate) * apply(memory, layer_norm(x), state)``.
 
-    ``kwargs`` are :func:`apply`'s keywords (``memory_shape``, ``sigma_scale``,
-    ``reset``, ``checkpoint_every``, ...). The gate may be ``(1,)`` or 0-dim.
+    Parameters
+    ----------
+    params : dict
+        From :func:`residual_init` (or :func:`params_from_state_dict` of a
+        torch ``MemoryResidual``); the gate may be ``(1,)`` or 0-dim.
+    x : jax.Array, shape ``(B, N, d)``
+        The tokens.
+    state : StreamState, MemoryState or None, optional
+        As in :func:`apply`.
+    **kwargs
+        :func:`apply`'s keywords (``memory_shape``, ``sigma_scale``, ``reset``,
+        ``checkpoint_every``, ``stream``, ...).
+
+    Returns
+    -------
+    out : jax.Array, shape ``(B, N, d)``
+        ``x`` plus the gated memory read.
+    state : StreamState or MemoryState
+        The memory's final state, as :func:`apply` returns it.
+
+    Raises
+    ------
+    KeyError
+        If ``params`` lacks ``norm``, ``memory`` or ``gate`` or a memory parameter.
+    TypeError, ValueError
+        As :func:`apply` raises them.
     """
     norm, gate = _on_mesh_of(x, (params["norm"], params["gate"]))
     out, state = apply(params["memory"], _norm_jit(norm, x), state, **kwargs)
@@ -769,20 +1065,47 @@ def stack_apply(
     ``x = residual_apply(layers[l], x, ...)``. Repeat one parameter pytree in
     ``layers`` to share a memory between blocks.
 
-    Modes (:mod:`tmcore.layer`)
-    ---------------------------
-    ``"threaded"`` (the paper's): one state threaded through the layers --
+    Parameters
+    ----------
+    layers : sequence of dict
+        One :func:`residual_init` pytree per layer.
+    x : jax.Array, shape ``(B, N, d)``
+        The tokens.
+    state : MemoryState, tuple of states or None, optional
+        ``"threaded"``: one :class:`MemoryState`; ``"causal"``: a tuple of
+        per-layer states (a single state is used for every layer); ``None``:
+        zeros.
+    mode : {"threaded", "causal"}
+        ``"threaded"`` (the paper's): one state threaded through the layers --
         layer ``l`` starts from the state layer ``l - 1`` reached after the
         WHOLE segment, so every position sees later tokens of the segment. Not
         causal; right for bidirectional inputs (images, clip classification).
-        ``state`` is one :class:`MemoryState`.
-    ``"causal"``: every layer scans from its own state at the start of the
+        ``"causal"``: every layer scans from its own state at the start of the
         segment, so a read at chunk ``t`` depends only on earlier chunks and
-        chunk ``t``'s first token. Right for language modelling. ``state`` is
-        a tuple of per-layer states (a single state is used for every layer),
-        and a tuple is returned, so streaming is exact.
+        chunk ``t``'s first token. Right for language modelling; streaming is
+        exact (:mod:`tmcore.layer`).
+    blocks : sequence of callable, optional
+        ``blocks[l](x) -> x``, run before memory layer ``l``; one per layer.
+    reset : jax.Array of bool, shape ``(B,)``, optional
+        Zeroes the incoming state of the flagged sequences (every layer's).
+    **kwargs
+        :func:`apply`'s keywords (``memory_shape``, ``checkpoint_every``, ...).
 
-    ``reset`` zeroes the incoming state of the flagged sequences (every layer's).
+    Returns
+    -------
+    out : jax.Array, shape ``(B, N, d)``
+        The last layer's output.
+    state : MemoryState or tuple
+        ``"threaded"``: the last layer's :class:`MemoryState`; ``"causal"``: a
+        tuple of per-layer states (:class:`StreamState` by default).
+
+    Raises
+    ------
+    ValueError
+        If ``mode`` is unknown, ``blocks`` has not one callable per layer,
+        ``"threaded"`` is asked to stream (``stream``, ``doc_starts``,
+        ``valid``), or the state has not one entry per layer; else as
+        :func:`apply` raises.
     """
     tl.check_mode(mode)
     if mode == "threaded":
@@ -907,7 +1230,7 @@ def params_from_state_dict(
     sd: Mapping[str, Any], prefix: str | None = None, *, dtype: Any = None,
     expected: Any = None,
 ) -> dict:
-    """Parameter pytree from a (PyTorch adapter) state dict of NumPy arrays.
+    """A parameter pytree from a (PyTorch adapter) state dict of NumPy arrays.
 
     Dotted names become nested dicts: ``"write_proj.weight"`` ->
     ``params["write_proj"]["weight"]``, ``"memory.cell.pointwise_bias"`` ->
@@ -927,15 +1250,41 @@ def params_from_state_dict(
     refused (``ValueError``; a trained checkpoint never holds one: materialize it
     yourself with ``np.ascontiguousarray`` if you mean it).
 
-    Raises ``KeyError`` for a missing parameter, ``ValueError`` for a key under
-    ``prefix`` that is not one of the layer's (a typo, another module's
-    weights: pass ``prefix=``) or a misshapen leaf, and ``TypeError`` for a
-    non-floating weight or an ``sd`` that is not a mapping with str keys.
-    Weights become ``jnp`` arrays of their own dtype (float64 needs x64
-    enabled) or of ``dtype``. An ``_extra_state`` entry (the grid shape the
-    PyTorch adapter stores) becomes a :class:`StoredGrid` node (no array leaf,
-    so ``jax.grad`` and optax accept the pytree); :func:`apply` checks it
-    against the grid and :func:`state_dict_from_params` writes it back.
+    Parameters
+    ----------
+    sd : mapping of str to numpy.ndarray
+        The state dict (``{k: v.numpy() for k, v in module.state_dict().items()}``).
+    prefix : str or None, default None
+        Only keys starting with it are taken, with it removed; ``None`` infers
+        it (see above).
+    dtype : dtype, optional
+        The weights' dtype; default their own (float64 needs x64 enabled).
+    expected : dict, optional
+        A parameter pytree (e.g. :func:`init` of the model the weights are for)
+        whose shapes every leaf must have.
+
+    Returns
+    -------
+    dict
+        The nested pytree of ``jnp`` arrays. An ``_extra_state`` entry (the grid
+        shape the PyTorch adapter stores) becomes a :class:`StoredGrid` node (no
+        array leaf, so ``jax.grad`` and optax accept the pytree); :func:`apply`
+        checks it against the grid and :func:`state_dict_from_params` writes it
+        back.
+
+    Raises
+    ------
+    KeyError
+        If a parameter is missing.
+    ValueError
+        If a key under ``prefix`` is not one of the layer's (a typo, another
+        module's weights: pass ``prefix=``), a leaf is misshapen or differs from
+        ``expected``, the prefix cannot be inferred, or a broadcast leaf would
+        materialize to more than 64 MiB.
+    TypeError
+        If a weight is not floating or ``sd`` is not a mapping with str keys.
+    MemoryError
+        If the arrays would not fit in the device's memory.
     """
     if not isinstance(sd, Mapping):
         raise TypeError(f"sd: expected a mapping of str keys to arrays (a state dict), "
@@ -999,7 +1348,21 @@ def params_from_state_dict(
 
 
 def state_dict_from_params(params: Mapping[str, Any], prefix: str = "") -> dict:
-    """Inverse of :func:`params_from_state_dict`: flat ``{dotted name: np.ndarray}``."""
+    """A parameter pytree as a flat state dict (the inverse of :func:`params_from_state_dict`).
+
+    Parameters
+    ----------
+    params : dict
+        A nested parameter pytree (:func:`init`, :func:`residual_init`, ...).
+    prefix : str, default ""
+        Prepended to every name (e.g. ``"blocks.0.memory."``).
+
+    Returns
+    -------
+    dict of str to numpy.ndarray
+        ``{dotted name: array}`` in the torch adapter's layouts; a
+        :class:`StoredGrid` node becomes its ``_extra_state`` entry.
+    """
     out: dict = {}
 
     def walk(node: Any, name: str) -> None:
@@ -1022,7 +1385,19 @@ def _to_variables(tree: Mapping[str, Any]) -> nnx.Dict:
 
 
 def params_from_module(module: nnx.Module) -> dict:
-    """The pure parameter pytree of a :class:`TensorMemory` or :class:`MemoryResidual`."""
+    """The pure parameter pytree of a :class:`TensorMemory` or :class:`MemoryResidual`.
+
+    Parameters
+    ----------
+    module : flax.nnx.Module
+        The module (or any module holding them).
+
+    Returns
+    -------
+    dict
+        Its ``nnx.Param`` arrays as nested dicts, the names of :func:`init` /
+        :func:`residual_init`.
+    """
     return nnx.to_pure_dict(nnx.state(module, nnx.Param))
 
 
@@ -1089,13 +1464,25 @@ def _mismatches(expected: Mapping[str, Any], given: Any, path: str) -> list[str]
 def load_params(module: nnx.Module, params: Mapping[str, Any]) -> None:
     """Overwrite ``module``'s parameters in place with a pure pytree of the same structure.
 
-    Raises ``ValueError`` naming the leaf when ``params`` misses one of the
-    module's parameters, has one it does not, has one of another shape or a
-    non-floating one (then nothing is changed). Values are cast to the dtype of
-    the parameter they replace (like ``torch``'s ``load_state_dict``).
-    ``_extra_state`` entries (the grid shape of a PyTorch checkpoint, see
-    :func:`params_from_state_dict`) are checked against the module's
-    ``memory_shape`` and not loaded.
+    Values are cast to the dtype of the parameter they replace (like
+    ``torch``'s ``load_state_dict``). ``_extra_state`` entries (the grid shape
+    of a PyTorch checkpoint, see :func:`params_from_state_dict`) are checked
+    against the module's ``memory_shape`` and not loaded.
+
+    Parameters
+    ----------
+    module : flax.nnx.Module
+        A :class:`TensorMemory`, :class:`MemoryResidual` or a module holding them.
+    params : dict
+        A pytree like :func:`params_from_module` of ``module`` returns.
+
+    Raises
+    ------
+    ValueError
+        Naming the leaf, when ``params`` misses one of the module's
+        parameters, has one it does not, has one of another shape or a
+        non-floating one, or a stored grid differs from the module's (then
+        nothing is changed).
     """
     state = nnx.state(module, nnx.Param)
     current = nnx.to_pure_dict(state)
@@ -1111,13 +1498,45 @@ def load_params(module: nnx.Module, params: Mapping[str, Any]) -> None:
 
 
 class TensorMemory(nnx.Module):
-    """Flax NNX Tensor Memory layer; ``__call__(x, state=None, *, reset=None) -> (out, state)``.
+    """Flax NNX Tensor Memory layer; ``module(x, state=None, *, reset=None) -> (out, state)``.
 
     Its ``nnx.Param`` leaves carry the names of :func:`init`'s pytree
     (``module.write_proj["weight"]``, ``module.cell["pointwise_weight"]``, ...);
-    :func:`params_from_module` and :func:`load_params` convert. Mixed
-    precision as in :func:`apply` (float32 parameters with a bfloat16 ``x``
-    compute and keep the state in float32).
+    :func:`params_from_module` and :func:`load_params` convert. Calling it is
+    :func:`apply` with its parameters and settings (``x (B, N, d)`` to ``out
+    (B, N, d)`` and the state; keywords ``reset``, ``stream``, ``doc_starts``,
+    ``valid``). Mixed precision as in :func:`apply` (float32 parameters with a
+    bfloat16 ``x`` compute and keep the state in float32).
+
+    Parameters
+    ----------
+    embed_dim : int
+        The token width ``d``.
+    memory_channels : int
+        The grid channels ``C``.
+    memory_shape : sequence of int
+        The grid shape ``S`` (1 to 4 positive ints).
+    chunk_size : int
+        The tokens per chunk ``L``.
+    sigma_scale : float, default 1.0
+        Multiplies the write spread.
+    rngs : flax.nnx.Rngs
+        Where the initialization draws from (its ``params`` stream).
+    dtype : dtype, default float32
+        The parameters' dtype.
+    eps : float, default 1e-6
+        As in :func:`tmcore.gaussian_splat`.
+    radius : float or None, default None
+        As in :func:`tmcore.gaussian_splat`.
+    forget_bias : float, default 0.0
+        As in :func:`init`.
+    checkpoint_every : int, default 1
+        As in :func:`apply`.
+
+    Raises
+    ------
+    TypeError, ValueError
+        As :func:`tmcore.layer.layer_config` and :func:`init` raise them.
     """
 
     def __init__(self, embed_dim: int, memory_channels: int, memory_shape: Sequence[int],
@@ -1154,10 +1573,46 @@ class TensorMemory(nnx.Module):
 
 
 class MemoryResidual(nnx.Module):
-    """Flax NNX ``x + sigmoid(gate) * memory(norm(x))`` (:func:`residual_apply`).
+    """Flax NNX gated residual ``x + sigmoid(gate) * memory(norm(x))`` (:func:`residual_apply`).
 
     The torch adapter's ``MemoryResidual``; :class:`GatedMemoryResidual` is the same
-    class under its earlier name.
+    class under its earlier name. ``module(x, state=None, *, reset=None) -> (out,
+    state)`` with ``x`` and ``out`` of shape ``(B, N, d)``; ``module.memory`` is its
+    :class:`TensorMemory`, ``module.norm`` the LayerNorm's ``weight`` / ``bias``
+    ``(d,)``, ``module.gate`` ``(1,)``.
+
+    Parameters
+    ----------
+    embed_dim : int
+        The token width ``d``.
+    memory_channels : int
+        The grid channels ``C``.
+    memory_shape : sequence of int
+        The grid shape ``S`` (1 to 4 positive ints).
+    chunk_size : int
+        The tokens per chunk ``L``.
+    sigma_scale : float, default 1.0
+        Multiplies the write spread.
+    gate_init : float, default 0.0
+        As in :func:`residual_init`.
+    rngs : flax.nnx.Rngs
+        Where the initialization draws from.
+    dtype : dtype, default float32
+        The parameters' dtype.
+    eps : float, default 1e-6
+        As in :func:`tmcore.gaussian_splat`.
+    radius : float or None, default None
+        As in :func:`tmcore.gaussian_splat`.
+    forget_bias : float, default 0.0
+        As in :func:`init`.
+    checkpoint_every : int, default 1
+        As in :func:`apply`.
+
+    Raises
+    ------
+    TypeError, ValueError
+        As :class:`TensorMemory` raises them; ``ValueError`` for a non-finite
+        ``gate_init``.
     """
 
     def __init__(self, embed_dim: int, memory_channels: int, memory_shape: Sequence[int],
@@ -1187,5 +1642,18 @@ class MemoryResidual(nnx.Module):
                               doc_starts=doc_starts, valid=valid)
 
 
-#: The earlier name of :class:`MemoryResidual` (kept: the same class).
+def _constructor_signature(cls: type) -> None:
+    """Give an NNX module class its ``__init__``'s signature (less ``self``): NNX's
+    metaclass makes ``inspect.signature(cls)`` ``(*args, **kwargs)``, which the docs and
+    their numpydoc check would read."""
+    init_sig = inspect.signature(cls.__init__)
+    cls.__signature__ = init_sig.replace(  # type: ignore[attr-defined]
+        parameters=list(init_sig.parameters.values())[1:],
+        return_annotation=inspect.Signature.empty)
+
+
+_constructor_signature(TensorMemory)
+_constructor_signature(MemoryResidual)
+
+# The earlier name of MemoryResidual (kept: the same class; the docs show its page).
 GatedMemoryResidual = MemoryResidual
