@@ -289,16 +289,16 @@ class TensorMemory(nn.Module):
     zero_init : start the read-out ``out_proj`` at zero (weight and bias): the
         layer's output is exactly 0 at initialization (an attached memory is an
         exact identity) while ``out_proj`` still gets a gradient.
-
-    Streaming by default: :meth:`forward` returns a :class:`StreamState` that
-    carries the unfinished chunk, so feeding a sequence back in pieces of any
-    lengths with the returned state equals one long call. ``stream=False`` pads
-    the ragged last chunk with zeros and writes it into the state (a plain
     update, window, dynamics : experimental options beyond the paper
         (:func:`tmcore.layer.layer_config`; docs/guides/local-and-warp.md):
         ``update="local"`` with ``window`` cells per axis, ``dynamics="warp"`` (adds
         the zero-initialized ``warp_net``); eager autograd only
         (:mod:`tmcore.adapters._torch_local`).
+
+    Streaming by default: :meth:`forward` returns a :class:`StreamState` that
+    carries the unfinished chunk, so feeding a sequence back in pieces of any
+    lengths with the returned state equals one long call. ``stream=False`` pads
+    the ragged last chunk with zeros and writes it into the state (a plain
     ``(h, c)``; the paper's reference behaviour).
     """
 
@@ -327,13 +327,13 @@ class TensorMemory(nn.Module):
         self.coord_net = nn.Linear(d, n, **kw)
         self.cell = ConvLSTMCell(c, n, forget_bias=config.forget_bias, **kw)
         self.out_proj = nn.Linear(c, d, **kw)
+        if config.dynamics == "warp":  # the shift head (tmcore.dynamics), zero at init
+            self.warp_net = nn.Linear(d, n, **kw)
         self.reset_parameters()
 
     # config fields as attributes (read-only views of self.config)
     embed_dim = property(lambda self: self.config.embed_dim)
     memory_channels = property(lambda self: self.config.memory_channels)
-        if config.dynamics == "warp":  # the shift head (tmcore.dynamics), zero at init
-            self.warp_net = nn.Linear(d, n, **kw)
     memory_shape = property(lambda self: self.config.memory_shape)
     chunk_size = property(lambda self: self.config.chunk_size)
     sigma_scale = property(lambda self: self.config.sigma_scale)
@@ -457,14 +457,14 @@ class TensorMemory(nn.Module):
 
     def _scan(self, h0: Tensor, c0: Tensor, inputs: Any) -> tuple[Tensor, Tensor, Tensor]:
         config = self.config
+        if config.update != "dense" or config.dynamics != "none":  # local / warp options
+            return _torch_local.layer_scan(scan_options(config), h0, c0, inputs,
+                                           self.cell.params())
         return memory_scan(h0, c0, *inputs, self.cell.params(), eps=config.eps,
                            radius=config.radius, checkpoint_every=config.checkpoint_every)
 
     def forward(
         self, x: Tensor, state: Any = None, *, reset: Tensor | None = None,
-        if config.update != "dense" or config.dynamics != "none":  # local / warp options
-            return _torch_local.layer_scan(scan_options(config), h0, c0, inputs,
-                                           self.cell.params())
         doc_starts: Tensor | None = None, valid: Tensor | None = None, stream: bool = True,
     ) -> tuple[Tensor, Any]:
         """Run the memory over ``x (B, N, d)``.
