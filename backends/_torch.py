@@ -46,7 +46,11 @@ Imported only when torch tensors reach tmcore (torch is then in ``sys.modules``)
   written straight into its checkpoint slot (checkpoints in transparent huge pages
   where Linux allows), write volumes and their gradients in a few reused block
   buffers, and the parameter gradients accumulated in place (taps and biases in
-  float64). Same arguments, results and checkpoint layout as
+  float64). Its big buffers (checkpoints, block buffers, states, scratch) come from a
+  per-thread pool that hands a block out again once no tensor refers to it (no page
+  faults on fresh memory each call, and no NaN fill under
+  ``torch.use_deterministic_algorithms``; every buffer is written before it is read).
+  Same arguments, results and checkpoint layout as
   :func:`tmcore.scan.memory_scan_fwd` / ``memory_scan_bwd``; it agrees with the
   generic loop to rounding.
 - Read coordinates reach ``grid_sampler`` clamped to ``[-1, 1]`` with NaN as 0
@@ -614,7 +618,9 @@ class _Pool(threading.local):
     block is never shared with a live tensor. Every pooled buffer is written whole by
     the scan before it is read, so what a previous call left in it never shows.
 
-    Bounds: a block serves requests of ``nbytes`` in ``[n/2, n]``; blocks not handed out
+    Bounds: a block of ``n`` bytes serves requests of ``[n/2, n]`` bytes (states, which
+    the scan may return, only of ``n``: a returned tensor's storage is its own size;
+    a tensor moved to shared memory is never handed out again); blocks not handed out
     in the last ``_POOL_AGE`` calls are dropped, and the free blocks are trimmed (oldest
     first) to twice the most any recent call took. Without ``torch._C._storage_Use_Count``
     (another torch) nothing is pooled.
@@ -641,18 +647,22 @@ class _Pool(threading.local):
 
     @staticmethod
     def _free(block: list) -> bool:
-        return _storage_use_count(block[0]._cdata) == 1
+        """Only the pool refers to it (and it was not moved to shared memory, which
+        another process may still map)."""
+        return _storage_use_count(block[0]._cdata) == 1 and not block[0].is_shared()
 
-    def take(self, shape: tuple[int, ...], dtype: torch.dtype, huge: bool = False
-             ) -> torch.Tensor:
+    def take(self, shape: tuple[int, ...], dtype: torch.dtype, huge: bool = False,
+             exact: bool = False) -> torch.Tensor:
         """An uninitialized contiguous ``shape`` tensor on a free pooled block (the
-        smallest that fits), else on a new one (marked for huge pages if ``huge``)."""
+        smallest that fits; ``exact``: of exactly its size, for a tensor the caller
+        returns), else on a new one (marked for huge pages if ``huge``)."""
         nbytes = math.prod(shape) * dtype.itemsize
         if _storage_use_count is None or nbytes == 0:
             return _empty_huge(shape, dtype) if huge else _uninitialized(shape, dtype)
         if self.taken:
             self.taken[-1] += nbytes
-        fits = [b for b in self.blocks if nbytes <= b[1] <= 2 * nbytes and self._free(b)]
+        top = nbytes if exact else 2 * nbytes
+        fits = [b for b in self.blocks if nbytes <= b[1] <= top and self._free(b)]
         if fits:
             block = min(fits, key=lambda b: b[1])
         else:
@@ -831,11 +841,10 @@ class _CpuCell:
         self.z = _POOL.take((b, 4 * c, p), self.dtype)
         self.w_expanded = self.weight.expand(b, 4 * c, 2 * c)
 
-    def new_state(self, pooled: bool = False) -> torch.Tensor:
-        """An uninitialized ``(B, C, *S)`` state: fresh (it may be returned), or from
-        the pool (``pooled``: scratch of this call)."""
-        shape = (self.batch, self.channels, *self.spatial)
-        return _POOL.take(shape, self.dtype) if pooled else _uninitialized(shape, self.dtype)
+    def new_state(self) -> torch.Tensor:
+        """An uninitialized ``(B, C, *S)`` state from the pool, of exactly its size (the
+        scan may return it)."""
+        return _POOL.take((self.batch, self.channels, *self.spatial), self.dtype, exact=True)
 
     def pre_activations(self, x: torch.Tensor, h: torch.Tensor) -> None:
         """``self.z = W dw(concat([x, h]))`` (no bias) and ``self.y = dw(...)``; ``x`` may
@@ -896,8 +905,8 @@ def _make_cpu_scan(generic: Ops, options: Options):
         reads = _uninitialized((cell.batch, steps, cell.channels), h0.dtype)
         writes = _BlockWrites(generic.splat_fwd, generic.splat_bwd, xp, write_coords,
                               write_sigma, write_content, cell.spatial, eps, radius)
-        work_h = [cell.new_state(True), cell.new_state(True)] if checkpoint_every > 1 else None
-        work_c = [cell.new_state(True), cell.new_state(True)] if checkpoint_every > 1 else None
+        work_h = [cell.new_state(), cell.new_state()] if checkpoint_every > 1 else None
+        work_c = [cell.new_state(), cell.new_state()] if checkpoint_every > 1 else None
         h, c = h_ck[0], c_ck[0]
         coords = _plain(read_coords)
         n = len(cell.spatial)
@@ -961,7 +970,7 @@ def _make_cpu_scan(generic: Ops, options: Options):
         bufs_h = [cell.new_state(), cell.new_state()]
         bufs_c = [cell.new_state(), cell.new_state()]
         g_h, g_c = _plain(g_h), _plain(g_c)
-        replay = [cell.new_state(True) for _ in range(2 * (min(checkpoint_every, steps) - 1))]
+        replay = [cell.new_state() for _ in range(2 * (min(checkpoint_every, steps) - 1))]
         lib, suffix = kernels
         for segment in reversed(range(saved)):
             start = segment * checkpoint_every
