@@ -24,6 +24,14 @@ have passed; the minimum over the steps is reported (the median is kept too). Wr
 
     python -m benchmarks.local_update            # about 1 to 2 minutes
     python -m benchmarks.local_update --tiny     # seconds, no files
+
+``--layer`` measures the layer's options instead (:mod:`tmcore.dynamics`): the layer's
+scan over ``--steps`` chunks (read, [warp by a shift of 0.1], write, update;
+``tmcore.memory_scan`` for the default) per option, forward and forward + backward, per
+chunk step, same sizes, every option timed at every grid in turn in one process;
+writes ``benchmarks/results/layer_options.json`` and ``.md``::
+
+    python -m benchmarks.local_update --layer --grids 8 16 32 --min-seconds 0.5
 """
 
 from __future__ import annotations
@@ -174,6 +182,125 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
+#: The layer's options timed by ``--layer``: ``(name, update, window?, warp)``.
+LAYER_OPTIONS = (("dense (default)", "dense", False), ("local", "local", False),
+                 ("warp", "dense", True), ("local + warp", "local", True))
+
+
+def _layer_step(update: str, warp: bool, grid: int, batch: int, channels: int, window: int,
+                backward: bool, steps: int):
+    """A scan of ``steps`` chunks of the layer with these options, as a closure."""
+    import torch
+
+    import tmcore
+    from tmcore import dynamics
+    from tmcore.scan import StepInputs
+
+    h, c, read, write, sigma, content, params = _inputs(torch, batch, channels, grid)
+    xp = tmcore._validate.namespace_of(h=h)
+    g = torch.Generator().manual_seed(1)
+    chunks = (batch, steps)
+    inputs = StepInputs(torch.rand(*chunks, 3, generator=g) * 1.8 - 0.9,
+                        torch.rand(*chunks, 3, generator=g) * 1.8 - 0.9,
+                        sigma[:, None].expand(chunks).contiguous(),
+                        torch.randn(*chunks, channels, generator=g))
+    if warp:
+        inputs = dynamics.WarpInputs(*inputs, torch.full((*chunks, 3), 0.1))
+    options = dynamics.ScanOptions(update, window if update == "local" else None)
+    g_reads = torch.ones(batch, steps, channels)
+    g_h, g_c = torch.ones_like(h), torch.ones_like(c)
+    if update == "dense" and not warp:
+        def step():
+            if not backward:
+                return tmcore.memory_scan(h, c, *inputs, params)
+            return tmcore.memory_scan_vjp(h, c, *inputs, params, g_reads, g_h, g_c)
+        return step
+
+    def step():
+        reads, h_t, c_t, residuals = dynamics.scan_fwd(xp, h, c, inputs, params, options,
+                                                       keep=backward)
+        if backward:
+            return dynamics.scan_bwd(xp, residuals, inputs, params, options, g_reads, g_h,
+                                     g_c)
+        return reads, h_t, c_t
+    return step
+
+
+def measure_layer_options(grids: list[int], batch: int, channels: int, window: int,
+                          min_seconds: float, steps: int = 8) -> list[dict]:
+    """ms per chunk step of every :data:`LAYER_OPTIONS` entry at every grid, forward and
+    forward + backward: a scan of ``steps`` chunks (one call per grid and option in
+    turn) divided by ``steps``, so the once-per-call copies of the state count as they
+    do in the layer; min and median."""
+    import torch
+
+    torch.set_num_threads(1)
+    rows = []
+    for backward in (False, True):
+        calls = {(name, g): _layer_step(update, warp, g, batch, channels, window, backward,
+                                        steps)
+                 for name, update, warp in LAYER_OPTIONS for g in grids}
+        times: dict = {key: [] for key in calls}
+        with torch.no_grad():
+            for step in calls.values():
+                step()
+            start = time.perf_counter()
+            while (min(len(t) for t in times.values()) < 3
+                   or time.perf_counter() - start < min_seconds * len(calls)) \
+                    and len(next(iter(times.values()))) < 200:
+                for key, step in calls.items():
+                    t0 = time.perf_counter()
+                    step()
+                    times[key].append(time.perf_counter() - t0)
+        for (name, g), t in times.items():
+            t.sort()
+            rows.append({"option": name, "grid": g, "pass": "fwd+bwd" if backward else "fwd",
+                         "ms_min": 1e3 * t[0] / steps,
+                         "ms_median": 1e3 * t[len(t) // 2] / steps, "reps": len(t)})
+    return rows
+
+
+def layer_table(result: dict) -> str:
+    """The Markdown table of ``--layer``'s results."""
+    grids = result["config"]["grids"]
+    rows = {(r["option"], r["pass"], r["grid"]): r["ms_min"] for r in result["rows"]}
+    lines = [f"**ms per chunk step of the layer's scan** (a scan of "
+             f"{result['config']['steps']} chunks / {result['config']['steps']}; min of "
+             f"repetitions; torch CPU, 1 thread, float32)", "",
+             "| option | pass | " + " | ".join(f"{g}^3" for g in grids)
+             + f" | {grids[-1]}^3 / {grids[0]}^3 |", "|---|---|" + "---:|" * (len(grids) + 1)]
+    for pass_ in ("fwd", "fwd+bwd"):
+        for name, _, _ in LAYER_OPTIONS:
+            ms = [rows[(name, pass_, g)] for g in grids]
+            lines.append(f"| {name} | {pass_} | " + " | ".join(f"{v:.2f}" for v in ms)
+                         + f" | {ms[-1] / ms[0]:.1f}x |")
+    return "\n".join(lines)
+
+
+def _layer_main(args: argparse.Namespace, argv: list[str]) -> dict:
+    from benchmarks.common import machine_line
+
+    rows = measure_layer_options(args.grids, args.batch, args.channels, args.window,
+                                 args.min_seconds, args.steps)
+    config = {"grids": args.grids, "batch": args.batch, "channels": args.channels,
+              "window": args.window, "spatial_rank": 3, "dtype": "float32", "threads": 1,
+              "framework": "torch (CPU)", "min_seconds": args.min_seconds,
+              "shift": 0.1, "sigma": "one cell", "steps": args.steps}
+    result = {"command": " ".join(["python -m benchmarks.local_update", *argv]),
+              "commit": _commit(), "machine": machine_line(), "config": config, "rows": rows}
+    text = layer_table(result)
+    if not args.tiny:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "layer_options.json"), "w") as f:
+            json.dump(result, f, indent=1)
+            f.write("\n")
+        with open(os.path.join(args.out, "layer_options.md"), "w") as f:
+            f.write(f"`{result['command']}` at {result['commit'][:10]}; "
+                    f"{result['machine']}\n\n{text}\n")
+    print(text)
+    return result
+
+
 def _run_plain(args: list[str]) -> dict:
     """``python -m benchmarks.local_update *args`` in a fresh process with this process's
     environment (``run_isolated`` pins glibc's mmap and trim thresholds, which the memory
@@ -205,6 +332,9 @@ def parser() -> argparse.ArgumentParser:
                    help="time spent repeating each method at each grid (at least 3 reps)")
     p.add_argument("--tiny", action="store_true", help="seconds: small sizes, no files")
     p.add_argument("--out", default=RESULTS)
+    p.add_argument("--steps", type=int, default=8, help="--layer: chunks per scan call")
+    p.add_argument("--layer", action="store_true",
+                   help="time the layer's options (local, warp) instead; see the docstring")
     p.add_argument("--one", metavar="GRID", help=argparse.SUPPRESS)
     p.add_argument("--interleaved", metavar="METHOD", help=argparse.SUPPRESS)
     return p
@@ -216,6 +346,9 @@ def main(argv: list[str] | None = None) -> dict:
     if args.tiny:
         args.grids, args.batch, args.channels, args.min_seconds = [6, 10], 1, 2, 0.05
     names = {m.replace(" ", "_"): m for m in METHODS}
+    if args.layer:
+        os.environ["OMP_NUM_THREADS"] = "1"
+        return _layer_main(args, argv)
     if args.one:
         got = {method: measure(method, int(args.one), args.batch, args.channels, args.window,
                                args.min_seconds, timing=False)

@@ -454,3 +454,15 @@ def test_jax_warp_needs_its_parameters_and_init_makes_them():
     plain = {group: leaves for group, leaves in warp.items() if group != tl.WARP_GROUP}
     with pytest.raises(KeyError, match="warp_net"):
         tj.apply(plain, jax.numpy.ones((1, 4, D)), memory_shape=(4, 3), dynamics="warp")
+
+
+def test_layer_options_benchmark_measures_and_renders_a_tiny_grid():
+    _torch()
+    from benchmarks import local_update
+
+    rows = local_update.measure_layer_options([4], 1, 1, 2, 0.0, steps=2)
+    assert {(r["option"], r["pass"]) for r in rows} == {
+        (name, p) for name, _, _ in local_update.LAYER_OPTIONS for p in ("fwd", "fwd+bwd")}
+    assert all(r["ms_min"] > 0 and r["reps"] >= 3 for r in rows)
+    text = local_update.layer_table({"config": {"grids": [4], "steps": 2}, "rows": rows})
+    assert "| local + warp | fwd+bwd |" in text

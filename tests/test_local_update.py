@@ -20,6 +20,7 @@ from tmcore.testing.properties_local import ref_local_update, ref_window_mask
 LOCAL_PROPERTIES = ["local_update_matches_definition",
                     "local_update_vjp_matches_central_differences",
                     "local_scan_matches_reference", "local_scan_vjp_matches_central_differences",
+                    "warped_layer_scan_matches_reference",
                     "local_and_warp_keep_single_precision"]
 
 

@@ -14,6 +14,9 @@ on every namespace like the others:
   a zero displacement returns the state bit for bit, an integer shift of a whole number
   of cells is a roll with border clamping, and its VJP equals the reference sampler's
   VJP and central differences away from kinks;
+- the layer's warped scan (:mod:`tmcore.dynamics`, dense and local updates) equals a
+  reference loop of reads, reference warps and steps; its local fast VJP equals the
+  masked one;
 - float32 in, float32 out.
 """
 
@@ -61,7 +64,7 @@ from tmcore.testing.strategies import (
 )
 
 __all__ = ["local_cases", "warp_cases", "ref_window_mask", "ref_local_update",
-           "ref_local_scan"]
+           "ref_local_scan", "ref_warped_scan"]
 
 METHODS = ("fast", "masked")
 STEP_GRADS = ("d_h", "d_c", "d_write_coords", "d_write_sigma", "d_write_content",
@@ -411,6 +414,57 @@ def warp_vjp_matches_sampling_and_central_differences(xp: ModuleType, case: dict
 
 
 # ----------------------------------------------------------------------------- dtype
+
+
+# ----------------------------------------------------------------------------- layer scan
+
+
+def ref_warped_scan(h0, c0, read_coords, write_coords, write_sigma, write_content, shift,
+                    params, window, radius=None, eps=1e-6):
+    """The layer's warped scan from the references: per step read, warp (the reference
+    sampler at the displaced centres), then :func:`ref_local_update` (``window=None``:
+    the dense step). ``(reads, h_T, c_T)``."""
+    h, c = np.array(h0, dtype=np.float64), np.array(c0, dtype=np.float64)
+    shape = tuple(h.shape[2:])
+    reads = []
+    for t in range(read_coords.shape[1]):
+        reads.append(ref_trilinear_sample(h, read_coords[:, t : t + 1])[:, 0])
+        queries = _displaced_queries(shape, shift[:, t], None)
+        h, c = (np.moveaxis(ref_trilinear_sample(v, queries), 1, 2).reshape(v.shape)
+                for v in (h, c))
+        h, c = ref_local_update(h, c, write_coords[:, t], write_sigma[:, t],
+                                write_content[:, t], params,
+                                max(shape) if window is None else window, radius, eps)
+    return np.stack(reads, axis=1), h, c
+
+
+@_property(6, local_cases(steps=3, max_cells=12))
+def warped_layer_scan_matches_reference(xp: ModuleType, case: dict) -> None:
+    """:func:`tmcore.dynamics.dynamic_memory_scan` with a shift equals the reference loop
+    (dense and local updates); the local fast path's VJP equals the masked one's."""
+    from tmcore import dynamics
+
+    rng = np.random.default_rng(int(case["h0"].size))
+    shift = rng.uniform(-0.4, 0.4, case["read_coords"].shape)
+    arrays = [_asx(xp, case[k]) for k in _SCAN_KEYS]
+    inputs = dynamics.WarpInputs(*arrays[2:], _asx(xp, shift))
+    params = _params_x(xp, case["params"])
+    grads = {}
+    for update, method in (("dense", "fast"), ("local", "fast"), ("local", "masked")):
+        window = case["window"] if update == "local" else None
+        want = ref_warped_scan(*(case[k] for k in _SCAN_KEYS), shift, case["params"], window,
+                               case["radius"])
+        kw = dict(update=update, window=window, radius=case["radius"], method=method)
+        out = dynamics.dynamic_memory_scan(arrays[0], arrays[1], inputs, params, **kw)
+        _assert_namespace(xp, *out)
+        for name, got, ref in zip(("reads", "h_T", "c_T"), out, want, strict=True):
+            assert_rel(got, ref, FWD_TOL, f"{name} ({update}, {method})")
+        d_h, d_c, d_inputs, d_params = dynamics.dynamic_memory_scan_vjp(
+            arrays[0], arrays[1], inputs, params, _asx(xp, case["g_reads"]),
+            _asx(xp, case["g_h"]), _asx(xp, case["g_c"]), **kw)
+        grads[(update, method)] = [d_h, d_c, *d_inputs, *d_params]
+    for got, masked in zip(grads[("local", "fast")], grads[("local", "masked")], strict=True):
+        assert_rel(got, to_numpy(masked), VJP_TOL, "warped local scan VJP (fast vs masked)")
 
 
 @_property(1, st.just({}), needs_float64=False)
