@@ -1,9 +1,11 @@
 """What a compiler pays for the layer as the sequence grows.
 
 - torch: one ``torch.compile(..., dynamic=True)`` of a training step of the torch
-  layer, called at several sequence lengths: compile time of the first call, how many
-  graphs Dynamo made in all (one: a new length does not recompile), and the largest
-  difference from eager.
+  layer, called at several sequence lengths: the time of each length's first compiled
+  step (the compile, at the first length) next to the eager step, the graphs Dynamo
+  made for it (none after the first length: a new length does not recompile), and the
+  largest difference from eager (checked under ``no_grad``, which compiles its own
+  inference graph once).
 - JAX: ``jax.jit`` of a training step (value and gradient) of the JAX layer at several
   numbers of chunks: compile time and the size of the optimized HLO text (both flat:
   the chunk loop is a ``lax.scan``, not unrolled).
@@ -45,18 +47,33 @@ def torch_dynamic(lengths: Sequence[int], *, stream: bool = False) -> dict[str, 
         return layer(x, stream=stream)[0].square().mean()
 
     compiled = torch.compile(loss, dynamic=True)
+
+    def graphs() -> int:
+        return int(counters["stats"]["unique_graphs"])
+
     rows = []
     for n in lengths:
         x = torch.randn(2, n, SIZES["embed_dim"], requires_grad=True)
+        before = graphs()
         start = time.perf_counter()
         compiled(x).backward()
         seconds = time.perf_counter() - start
-        eager = loss(x.detach())
+        made = graphs() - before  # 0 after the first length: no recompile
+        start = time.perf_counter()
+        loss(x).backward()
+        eager_seconds = time.perf_counter() - start
+        with torch.no_grad():  # the check compiles its own (inference) graph once
+            before = graphs()
+            diff = float((compiled(x) - loss(x)).abs())
+            check_graphs = graphs() - before
         rows.append({"tokens": n, "seconds": round(seconds, 3),
-                     "graphs_so_far": int(counters["stats"]["unique_graphs"]),
-                     "max_abs_diff": float((compiled(x.detach()) - eager).abs())})
+                     "eager_seconds": round(eager_seconds, 3), "new_graphs": made,
+                     "check_graphs": check_graphs, "graphs_so_far": graphs(),
+                     "max_abs_diff": diff})
     return {"stream": stream, "rows": rows,
-            "graph_breaks": {str(k): v for k, v in counters["graph_break"].items()}}
+            "graph_breaks": {str(k): v for k, v in counters["graph_break"].items()},
+            "recompiles": {str(k): v for k, v in counters["recompiles"].items()},
+            "dynamo_stats": {str(k): v for k, v in counters["stats"].items()}}
 
 
 def jax_compile(chunk_counts: Sequence[int]) -> list[dict[str, Any]]:
