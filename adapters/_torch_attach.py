@@ -1,8 +1,9 @@
 """Attach a gated Tensor Memory to every block of an existing torch model, and remove it.
 
-:func:`attach_memory` registers one :class:`~tmcore.adapters.torch.MemoryResidual`
-per block as a submodule of that block (``block.tensor_memory``) and a forward
-hook on the block that applies it. Because the memories live inside the
+:class:`MemoryHandle` (made by :func:`tmcore.adapters.torch.attach_memory`)
+registers one :class:`~tmcore.adapters.torch.MemoryResidual` per block as a
+submodule of that block (``block.tensor_memory``) and a forward hook on the
+block that applies it. Because the memories live inside the
 model, ``model.parameters()``, ``state_dict()``, ``zero_grad()``,
 ``clip_grad_norm_``, ``.to()`` / ``.double()``, ``copy.deepcopy`` (and so
 ``torch.optim.swa_utils.AveragedModel``), pickling / ``torch.save`` and
@@ -39,6 +40,10 @@ either ``use_reentrant``.
 Under ``torch.compile`` the per-call bookkeeping is a plain object (no thread
 local, no lock, no records for recomputation), so the hooks trace without a
 graph break.
+
+Imports go one way: :mod:`tmcore.adapters.torch` builds on this module (and
+re-exports :class:`MemoryHandle` and :func:`detach_state`), which needs nothing
+from it: the memories arrive built.
 """
 
 from __future__ import annotations
@@ -53,7 +58,7 @@ from torch import Tensor, nn
 
 from tmcore import layer as tl
 
-__all__ = ["ATTRIBUTE", "MemoryHandle", "attach_memory", "detach_memory"]
+__all__ = ["ATTRIBUTE", "MemoryHandle", "blocks_of", "detach_state"]
 
 #: Name of the memory submodule attach_memory adds to each block.
 ATTRIBUTE = "tensor_memory"
@@ -66,11 +71,31 @@ State = tuple[Tensor, Tensor]
 _AMBIGUOUS: Any = object()  # a record key two live calls shared
 
 
-def _detach(state: Any) -> Any:
-    """A layer's state (``(h, c)`` or a :class:`tmcore.layer.StreamState`), detached."""
-    from tmcore.adapters.torch import detach_state
+def detach_state(state: Any) -> Any:
+    """Detach a layer's state from the autograd graph (truncated backprop between calls).
 
-    return detach_state(state)
+    Parameters
+    ----------
+    state : None, Tensor, pair of Tensor, StreamState or sequence of them
+        ``None``, a tensor, a state ``(h, c)`` (each ``(B, C, *S)``), a
+        :class:`tmcore.layer.StreamState`, or a (nested) tuple or list of them
+        (a stack's per-layer states).
+
+    Returns
+    -------
+    None, Tensor, tuple, list or StreamState
+        The same structure with every tensor detached (not copied); non-tensor
+        fields (a stream state's ``count`` of Python ints) are kept.
+    """
+    if state is None:
+        return None
+    if isinstance(state, Tensor):
+        return state.detach()
+    if isinstance(state, tl.StreamState):
+        return tl.StreamState(state.h.detach(), state.c.detach(), state.pending.detach(),
+                              state.count, state.read.detach())
+    return type(state)(detach_state(s) for s in state) if isinstance(state, tuple) \
+        else [detach_state(s) for s in state]
 
 
 def _compiling() -> bool:
@@ -86,7 +111,29 @@ def _in_backward() -> bool:
     return task is not None and task() != -1
 
 
-def _blocks_of(blocks: Any) -> tuple[list[nn.Module], bool | None]:
+def blocks_of(blocks: Any) -> tuple[list[nn.Module], bool | None]:
+    """The blocks of a model to attach memories to, and their layout if they tell it.
+
+    Parameters
+    ----------
+    blocks : nn.ModuleList, nn.Sequential, nn.TransformerEncoder or list of nn.Module
+        The blocks (a ``TransformerEncoder``: its ``layers``).
+
+    Returns
+    -------
+    layers : list of nn.Module
+        The blocks, in order.
+    batch_first : bool or None
+        ``layers[0].self_attn.batch_first`` where the first block has one, else
+        ``None``.
+
+    Raises
+    ------
+    TypeError
+        If ``blocks`` is none of the above.
+    ValueError
+        If there is no block, or one is not an ``nn.Module``.
+    """
     if isinstance(blocks, nn.TransformerEncoder):
         layers = list(blocks.layers)
     elif isinstance(blocks, (nn.ModuleList, nn.Sequential)) or (
@@ -215,7 +262,7 @@ class MemoryHandle:
         for key in ("_local", "_compiled_local", "_records", "_lock"):
             state.pop(key)
         if self.state is not None:  # a copy carries the streaming state, not its graph
-            state["state"] = [_detach(s) for s in self.state]
+            state["state"] = [detach_state(s) for s in self.state]
         return state
 
     def __setstate__(self, state: dict) -> None:
@@ -403,7 +450,7 @@ class MemoryHandle:
     def detach_state(self) -> None:
         """Cut the graph to the previous calls (truncated backprop through time)."""
         if self.state is not None:
-            self.state = [_detach(s) for s in self.state]
+            self.state = [detach_state(s) for s in self.state]
         self._state_cut = True
 
     def set_state(self, state: Sequence[State] | None) -> None:
@@ -433,56 +480,3 @@ class MemoryHandle:
 
     def __exit__(self, *exc: object) -> None:
         self.remove()
-
-
-def attach_memory(
-    blocks: Any, mode: str = "causal", *, gate_init: float = 0.0, norm: Any = None,
-    zero_init: bool = False, streaming: bool = False, batch_first: bool | None = None,
-    **memory_kwargs: Any,
-) -> MemoryHandle:
-    """Add a gated Tensor Memory after every block of an existing model.
-
-    Parameters
-    ----------
-    blocks : an ``nn.ModuleList`` / ``nn.Sequential`` / list of blocks, or an
-        ``nn.TransformerEncoder`` (its ``layers``). Each block gets a submodule
-        ``tensor_memory`` (a :class:`MemoryResidual`) and a forward hook; its
-        code is not edited. The block's output ``y`` (or ``y[0]`` if it returns
-        a tuple) becomes ``y + sigmoid(gate_l) * memory_l(norm_l(y))``.
-    mode : ``"causal"`` (every layer scans from the segment's initial state;
-        causal) or ``"threaded"`` (the paper's reference: layer ``l`` starts from
-        the state layer ``l-1`` reached after the whole sequence; NOT causal).
-    gate_init, norm, zero_init : as in :class:`MemoryResidual` (``zero_init=True``: the
-        memories' read-outs start at zero, so the model is exactly unchanged until
-        they train).
-    streaming : carry ``handle.state`` from one model call to the next. In ``causal``
-        mode each layer's state is a :class:`tmcore.layer.StreamState` (it carries
-        the unfinished chunk), so calls of any lengths (one token at a time:
-        generation) equal one long call.
-    batch_first : layout of the block outputs; ``None`` reads it from
-        ``block.self_attn.batch_first`` when present, else assumes True.
-    **memory_kwargs : :class:`TensorMemory` arguments (``embed_dim``, ...);
-        device and dtype default to the blocks' parameters.
-
-    Returns
-    -------
-    :class:`MemoryHandle`; ``handle.remove()`` (or :func:`detach_memory`) undoes it.
-    """
-    from tmcore.adapters.torch import MemoryResidual, TensorMemory
-
-    tl.check_mode(mode)
-    layers, detected = _blocks_of(blocks)
-    if batch_first is None:
-        batch_first = True if detected is None else bool(detected)
-    ref = next((p for b in layers for p in b.parameters()), None)
-    if ref is not None:
-        memory_kwargs.setdefault("device", ref.device)
-        memory_kwargs.setdefault("dtype", ref.dtype)
-    memories = [MemoryResidual(TensorMemory(zero_init=zero_init, **memory_kwargs), norm=norm,
-                               gate_init=gate_init) for _ in layers]
-    return MemoryHandle(layers, memories, mode, streaming, batch_first)
-
-
-def detach_memory(handle: MemoryHandle) -> None:
-    """Same as ``handle.remove()``."""
-    handle.remove()

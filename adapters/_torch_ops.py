@@ -28,10 +28,13 @@ through a ``torch.compile``-d model, forward mode (``torch.func.jvp``,
 vmap: the rules loop over the mapped dimension (correct for any ``in_dims``,
 including batched parameters, e.g. per-sample gradients; one call per slice).
 
-Op namespace ``tmcore``::
+Op namespace ``tmcore`` (the cell step backs :meth:`ConvLSTMCell.forward
+<tmcore.adapters.torch.ConvLSTMCell.forward>`)::
 
     torch.ops.tmcore.trilinear_sample(volume, coords) -> out
     torch.ops.tmcore.gaussian_splat(content, mu, sigma, shape, eps, radius) -> volume
+    torch.ops.tmcore.convlstm_step(x, h, c, depthwise_weight, depthwise_bias,
+        pointwise_weight, pointwise_bias) -> (h_new, c_new)
     torch.ops.tmcore.memory_scan(h0, c0, read_coords, write_coords, write_sigma,
         write_content, depthwise_weight, depthwise_bias, pointwise_weight,
         pointwise_bias, eps, radius, checkpoint_every)
@@ -42,6 +45,7 @@ plus one ``*_backward`` op each.
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -52,23 +56,32 @@ from torch import Tensor
 
 from tmcore._dispatch import ops_for
 from tmcore._options import get_options, options
+from tmcore.cell import convlstm_step, convlstm_step_vjp
 from tmcore.conv import ConvParams
 from tmcore.sampling import validate_sample_inputs
 from tmcore.scan import memory_scan_bwd, memory_scan_fwd, validate_scan_inputs
 from tmcore.splat import validate_splat_inputs
 
 __all__ = [
+    "ConvLSTMStepFunction",
     "GaussianSplatFunction",
     "MemoryScanFunction",
     "OpSpec",
     "TrilinearSampleFunction",
     "call",
+    "convlstm_step_op",
     "gaussian_splat_op",
     "memory_scan_op",
     "trilinear_sample_op",
 ]
 
 _XP = array_api_compat.array_namespace(torch.empty(0))
+
+#: set while an adapter function that has just validated its arguments runs its op, so
+#: that the op's eager forward (a public entry of its own: ``torch.ops.tmcore.*``, which
+#: validates when called directly) does not validate them a second time
+_VALIDATED: contextvars.ContextVar[bool] = contextvars.ContextVar("tmcore_validated",
+                                                                  default=False)
 
 
 # --------------------------------------------------------------------------- the factory
@@ -182,11 +195,14 @@ def _in_forward_mode() -> bool:
     return interpreter is not None and interpreter.key().name == "Jvp"
 
 
-def call(function: type[_Function], op: Callable[..., Any], *args: Any) -> Any:
+def call(function: type[_Function], op: Callable[..., Any], *args: Any,
+         validated: bool = False) -> Any:
     """Run an op through its Function twin in eager mode (``torch.func``-safe), or call
     the custom op itself while ``torch.compile`` traces: the op carries the same
     registered autograd, and Dynamo cannot trace the Function when no input
-    requires grad (``no_grad`` inference of a compiled model)."""
+    requires grad (``no_grad`` inference of a compiled model). ``validated``: the
+    caller has just run the op's input checks, which its eager forward then skips
+    (one validation per call)."""
     if torch.compiler.is_compiling():
         return op(*args)
     if _in_forward_mode():
@@ -195,7 +211,13 @@ def call(function: type[_Function], op: Callable[..., Any], *args: Any) -> Any:
             f"(torch.func.jvp, jacfwd, hessian via jacfwd): tmcore registers reverse-mode "
             f"VJPs only. Use reverse mode "
             f"(torch.func.grad / vjp / jacrev, or torch.autograd.grad twice)")
-    return function.apply(*args)
+    if not validated:
+        return function.apply(*args)
+    token = _VALIDATED.set(True)
+    try:
+        return function.apply(*args)
+    finally:
+        _VALIDATED.reset(token)
 
 
 @dataclasses.dataclass
@@ -261,9 +283,17 @@ def _make_op(spec: OpSpec) -> MadeOp:
     def grad(ctx, *cotangents):
         saved = ctx.saved_tensors
         primals, residuals = saved[:n_primals], saved[n_primals:]
-        filled = [torch.zeros(shape, dtype=dtype, device=device) if g is None else g.contiguous()
-                  for g, (shape, dtype, device) in zip(cotangents[:differentiable], ctx.out_like,
-                                                       strict=True)]
+        # unused outputs (a scan's h_T and c_T when the loss reads only the reads) get zeros;
+        # outputs of one shape share one zero tensor (the backward only reads its inputs)
+        # (eager only: traced shapes are symbolic, compared by guards)
+        zeros: dict[Any, Tensor] = {}
+        filled = []
+        for i, (g, like) in enumerate(zip(cotangents[:differentiable], ctx.out_like,
+                                          strict=True)):
+            key = i if torch.compiler.is_compiling() else like
+            if g is None and key not in zeros:
+                zeros[key] = torch.zeros(like[0], dtype=like[1], device=like[2])
+            filled.append(zeros[key] if g is None else g.contiguous())
         with options(**dataclasses.asdict(ctx.tm_options)):
             if torch.compiler.is_compiling():
                 grads = backward_op(*primals, *residuals, *filled, *ctx.statics)
@@ -317,7 +347,7 @@ def _make_op(spec: OpSpec) -> MadeOp:
     return MadeOp(op, backward_op, function, backward_function)
 
 
-# --------------------------------------------------------------------------- the three ops
+# --------------------------------------------------------------------------- the four ops
 
 
 def _sample_forward(primals, statics):
@@ -370,8 +400,9 @@ _SCAN_PRIMALS = ("h0", "c0", "read_coords", "write_coords", "write_sigma", "writ
 
 def _scan_forward(primals, statics):
     eps, radius, checkpoint_every = statics
-    validate_scan_inputs(*primals[:6], ConvParams(*primals[6:]), checkpoint_every, radius,
-                         eps=eps)  # eager calls of the op: the public checks
+    if not _VALIDATED.get():  # eager calls of the op: the public checks (once per call)
+        validate_scan_inputs(*primals[:6], ConvParams(*primals[6:]), checkpoint_every, radius,
+                             eps=eps)
     return memory_scan_fwd(_XP, *primals[:6], ConvParams(*primals[6:]), eps=eps, radius=radius,
                            checkpoint_every=checkpoint_every)
 
@@ -445,9 +476,36 @@ _SCAN = _make_op(OpSpec(
     forward=_scan_forward, backward=_scan_backward, fake=_scan_fake,
     recompute=_scan_recompute))
 
+_CELL_PRIMALS = ("x", "h", "c", "depthwise_weight", "depthwise_bias", "pointwise_weight",
+                 "pointwise_bias")
+
+
+def _cell_forward(primals, statics):
+    x, h, c, *conv = primals
+    return convlstm_step(x, h, c, ConvParams(*conv))  # checks its inputs (a public entry)
+
+
+def _cell_backward(primals, residuals, cotangents, statics):
+    x, h, c, *conv = primals
+    d_x, d_h, d_c, d_conv = convlstm_step_vjp(x, h, c, ConvParams(*conv), *cotangents)
+    return (d_x, d_h, d_c, *d_conv)
+
+
+def _cell_fake(primals, statics):
+    # shapes are checked when the op runs (convlstm_step), also in a compiled graph
+    h = primals[1]
+    return torch.empty_like(h), torch.empty_like(h)
+
+
+_CELL = _make_op(OpSpec(
+    name="convlstm_step", primals=_CELL_PRIMALS, statics=(), outputs=("h_new", "c_new"),
+    forward=_cell_forward, backward=_cell_backward, fake=_cell_fake))
+
 trilinear_sample_op = _SAMPLE.op
 gaussian_splat_op = _SPLAT.op
 memory_scan_op = _SCAN.op
 TrilinearSampleFunction = _SAMPLE.function
 GaussianSplatFunction = _SPLAT.function
 MemoryScanFunction = _SCAN.function
+convlstm_step_op = _CELL.op
+ConvLSTMStepFunction = _CELL.function

@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -56,6 +56,7 @@ from tmcore import layer as tl
 from tmcore import sampling, splat
 from tmcore._validate import check_finite, check_int
 from tmcore.adapters import _torch_local, _torch_ops
+from tmcore.adapters._torch_attach import MemoryHandle, blocks_of, detach_state
 from tmcore.conv import ConvParams, as_conv_params
 from tmcore.dynamics import scan_options
 from tmcore.scan import validate_scan_inputs
@@ -63,6 +64,7 @@ from tmcore.splat import DEFAULT_EPS
 
 __all__ = [
     "ConvLSTMCell",
+    "GatedMemoryResidual",
     "MemoryHandle",
     "MemoryResidual",
     "StreamState",
@@ -155,22 +157,9 @@ def memory_scan(
     reads, h, c, _, _ = _torch_ops.call(
         _torch_ops.MemoryScanFunction, _torch_ops.memory_scan_op, *tensors,
         float(eps), None if radius is None else float(radius), int(checkpoint_every),
+        validated=True,  # checked above (the op's eager forward would check them again)
     )
     return reads, h, c
-
-
-def detach_state(state: Any) -> Any:
-    """Detach a state ``(h, c)``, a :class:`StreamState` or a sequence of them (truncated
-    backprop between calls); non-tensor fields (a stream state's ``count``) are kept."""
-    if state is None:
-        return None
-    if isinstance(state, Tensor):
-        return state.detach()
-    if isinstance(state, tl.StreamState):
-        return tl.StreamState(state.h.detach(), state.c.detach(), state.pending.detach(),
-                              state.count, state.read.detach())
-    return type(state)(detach_state(s) for s in state) if isinstance(state, tuple) \
-        else [detach_state(s) for s in state]
 
 
 def doc_starts_from_offsets(offsets: Sequence[Any], tokens: int, *, device: Any = None
@@ -218,13 +207,36 @@ def _cell_config(channels: int, ndim: int, forget_bias: float) -> tl.LayerConfig
 
 
 class ConvLSTMCell(nn.Module):
-    """The four :class:`tmcore.ConvParams` tensors of the ConvLSTM gates.
+    """The ConvLSTM update of the memory grid: its gate conv's parameters and one step.
 
-    ``depthwise_weight (n, 2C, 3)``, ``depthwise_bias (n, 2C)``,
-    ``pointwise_weight (4C, 2C)``, ``pointwise_bias (4C,)``, initialized by the
-    plan of :func:`tmcore.layer.param_specs` (identity taps, zero biases, a
-    Xavier-uniform pointwise matrix, the forget-gate quarter of the pointwise
-    bias (gate order ``i, f, o, g``) set to ``forget_bias``).
+    The four :class:`tmcore.ConvParams` tensors ``depthwise_weight (n, 2C, 3)``,
+    ``depthwise_bias (n, 2C)``, ``pointwise_weight (4C, 2C)``, ``pointwise_bias
+    (4C,)`` are initialized by the plan of :func:`tmcore.layer.param_specs`
+    (identity taps, zero biases, a Xavier-uniform pointwise matrix, the
+    forget-gate quarter of the pointwise bias (gate order ``i, f, o, g``) set to
+    ``forget_bias``). :meth:`forward` is one :func:`tmcore.convlstm_step` with
+    its hand-written VJP registered with autograd.
+
+    Parameters
+    ----------
+    channels : int
+        ``C``, the channels of the state ``(h, c)``.
+    ndim : int
+        ``n``, the spatial axes of the grid (1 to 4).
+    forget_bias : float, default 0.0
+        The initial bias of the forget gate.
+    device : torch.device, str or None, optional
+        Where the parameters live.
+    dtype : torch.dtype or None, optional
+        The parameters' dtype.
+
+    Raises
+    ------
+    TypeError
+        If ``channels`` or ``ndim`` is not an int.
+    ValueError
+        If ``channels < 1``, ``ndim`` is not 1 to 4, or ``forget_bias`` is not
+        finite.
     """
 
     def __init__(self, channels: int, ndim: int, *, forget_bias: float = 0.0,
@@ -240,16 +252,112 @@ class ConvLSTMCell(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
+        """Initialize the parameters by the plan of :func:`tmcore.layer.param_specs`."""
         _init_from_plan({f"cell.{k}": v for k, v in self.named_parameters()}, self._config,
                         ("cell",))
 
     def params(self) -> ConvParams:
+        """The gate conv's parameters as the scan takes them.
+
+        Returns
+        -------
+        ConvParams
+            ``(depthwise_weight, depthwise_bias, pointwise_weight,
+            pointwise_bias)``, the module's parameters themselves (not copies).
+        """
         return ConvParams(self.depthwise_weight, self.depthwise_bias, self.pointwise_weight,
                           self.pointwise_bias)
+
+    def forward(self, x: Tensor, state: tuple[Tensor, Tensor] | None = None
+                ) -> tuple[Tensor, Tensor]:
+        """One ConvLSTM step of the state ``(h, c)`` by a written volume ``x``.
+
+        ``z = conv(concat([x, h], channel axis))`` split into the gates ``(i, f, o,
+        g)``; ``c' = sigmoid(f) c + sigmoid(i) tanh(g)``, ``h' = sigmoid(o)
+        tanh(c')`` (:func:`tmcore.convlstm_step`, with its VJP as the gradient).
+
+        Parameters
+        ----------
+        x : Tensor, shape ``(B, C, *S)``
+            The written volume (e.g. :func:`gaussian_splat`'s output), ``n =
+            len(S)`` spatial axes.
+        state : pair of Tensor, shape ``(B, C, *S)`` each, optional
+            ``(h, c)`` entering the step; ``None``: zeros like ``x``.
+
+        Returns
+        -------
+        h : Tensor, shape ``(B, C, *S)``
+            The new hidden state.
+        c : Tensor, shape ``(B, C, *S)``
+            The new cell state.
+
+        Raises
+        ------
+        TypeError
+            If ``x`` or a state field is not a tensor or not in the parameters'
+            dtype.
+        ValueError
+            If ``x``, ``h`` and ``c`` are not one shape ``(B, C, *S)`` with this
+            cell's ``C`` and ``n``, or lie on another device than the parameters.
+        """
+        if state is None:
+            h = c = torch.zeros_like(x) if isinstance(x, Tensor) else x
+        elif isinstance(state, (tuple, list)) and len(state) == 2:
+            h, c = state
+        else:
+            raise TypeError(f"state: expected a pair (h, c) of tensors (B, C, *S) or None, "
+                            f"got {type(state).__name__}")
+        expected = f"(B, C, *S) with C = {self.channels} and {self.ndim} spatial axes"
+        ref = self.pointwise_weight
+        for name, value in (("x", x), ("state: h", h), ("state: c", c)):
+            if not isinstance(value, Tensor):
+                raise TypeError(f"{name}: expected a torch.Tensor of shape {expected}, "
+                                f"got {type(value).__name__}")
+            if value.dim() != 2 + self.ndim or value.shape[1] != self.channels \
+                    or value.shape != x.shape:
+                raise ValueError(f"{name}: expected shape {expected}"
+                                 + ("" if name == "x" else f" like x {tuple(x.shape)}")
+                                 + f", got {tuple(value.shape)}")
+            _check_like_params(name, value, ref, check_dtype=True)
+        return _torch_ops.call(_torch_ops.ConvLSTMStepFunction, _torch_ops.convlstm_step_op,
+                               x, h, c, *self.params())
+
+
+class _TorchChecks(NamedTuple):
+    """The torch-side checks of a layer call's state and masks (``check=`` of
+    :meth:`tmcore.layer.Layer.forward` / ``forward_stream``), run after the layer's
+    generic checks of ``x`` and the state: devices (and dtypes, unless ``check_dtype``
+    is off under autocast) against the parameters' ``ref``."""
+
+    ref: Tensor
+    check_dtype: bool
+
+    def __call__(self, x: Tensor, state: Any, *, reset: Any = None, doc_starts: Any = None,
+                 valid: Any = None) -> None:
+        ref, check_dtype = self.ref, self.check_dtype
+        if isinstance(state, tl.StreamState):
+            _check_like_params("state: pending", state.pending, ref, check_dtype)
+            _check_like_params("state: read", state.read, ref, check_dtype)
+        if state is not None:
+            _check_like_params("state: h", state[0], ref, check_dtype)
+            _check_like_params("state: c", state[1], ref, check_dtype)
+        for name, mask in (("reset", reset), ("doc_starts", doc_starts), ("valid", valid)):
+            if isinstance(mask, Tensor) and mask.device != x.device:
+                raise ValueError(f"{name}: expected a mask on x's device {x.device}, "
+                                 f"got one on {mask.device}")
 
 
 class _TorchLayer(tl.Layer):
     """tmcore's layer with torch's fused ``F.linear`` for the heads (follows autocast)."""
+
+    def heads(self, xp: Any, params: Mapping[str, Any], chunk: Tensor) -> Any:
+        # 2-D operands for the products (flat_rows) where F.linear would flatten the
+        # chunks to the same addmm itself (contiguous tokens): the same bits without its
+        # reshapes (dispatches); a non-contiguous view F.linear multiplies by matmul and
+        # then adds the bias to, so it keeps the N-D operands (and those bits)
+        return tl.heads(xp, params, chunk, self.config, linear=self.linear,
+                        softplus=self.softplus, split=self.split,
+                        flat_rows=chunk.is_contiguous())
 
     @staticmethod
     def linear(xp: Any, p: Mapping[str, Tensor], x: Tensor) -> Tensor:
@@ -261,6 +369,11 @@ class _TorchLayer(tl.Layer):
         # above the threshold torch returns x, whose error exp(-x) / x is below half an
         # ulp there (float64: exp(-40) / 40 ~ 1e-19), so the two agree to rounding
         return F.softplus(x, threshold=40.0 if x.dtype == torch.float64 else 20.0)
+
+    @staticmethod
+    def split(xp: Any, x: Tensor, sizes: Sequence[int]) -> tuple[Tensor, ...]:
+        # one op (views) instead of a slice per piece; its backward is one op too
+        return torch.split(x, list(sizes), dim=-1)
 
 
 class TensorMemory(nn.Module):
@@ -430,9 +543,12 @@ class TensorMemory(nn.Module):
                              dtype=ref.dtype if dtype is None else dtype,
                              device=ref.device if device is None else device)
 
-    def _check(self, x: Tensor, state: State | None, reset: Tensor | None) -> None:
-        """The torch-side checks :class:`tmcore.layer.Layer` cannot make: device and dtype
-        against the parameters (autocast allows lower-precision tokens)."""
+    def _check(self, x: Tensor, state: Any, reset: Tensor | None) -> _TorchChecks:
+        """The torch-side checks :class:`tmcore.layer.Layer` cannot make, of ``x`` (a
+        tensor, on the parameters' device, in their dtype: autocast allows
+        lower-precision tokens); those of the state and the masks run inside the layer's
+        call, after its generic checks of ``x`` and the state (:class:`_TorchChecks`), so
+        that every input is checked once per call."""
         if not isinstance(x, Tensor):
             raise TypeError(f"x: expected a tensor of shape (B, N, d), got {type(x).__name__}")
         _require_torch(state, reset)  # NumPy state / mask: a TypeError naming the field
@@ -441,19 +557,7 @@ class TensorMemory(nn.Module):
         check_dtype = not (torch.amp.is_autocast_available(device_type)
                            and torch.is_autocast_enabled(device_type))
         _check_like_params("x", x, ref, check_dtype)
-        tl.check_tokens(_XP, x, self.config)
-        if isinstance(state, tl.StreamState):
-            state = tl.stream_state(_XP, state, x, self.config)
-            _check_like_params("state: pending", state.pending, ref, check_dtype)
-            _check_like_params("state: read", state.read, ref, check_dtype)
-            state = (state.h, state.c)
-        if state is not None:
-            h, c = tl.check_state(_XP, state, x.shape[0], self.config)
-            _check_like_params("state: h", h, ref, check_dtype)
-            _check_like_params("state: c", c, ref, check_dtype)
-        if isinstance(reset, Tensor) and reset.device != x.device:
-            raise ValueError(f"reset: expected a mask on x's device {x.device}, "
-                             f"got one on {reset.device}")
+        return _TorchChecks(ref, check_dtype)
 
     def _scan(self, h0: Tensor, c0: Tensor, inputs: Any) -> tuple[Tensor, Tensor, Tensor]:
         config = self.config
@@ -492,22 +596,19 @@ class TensorMemory(nn.Module):
         Returns ``(out (B, N, d), state)``: a :class:`StreamState`, or ``(h, c)``
         with ``stream=False``.
         """
-        self._check(x, state, reset)
+        check = self._check(x, state, reset)
         if stream:
-            for name, mask in (("doc_starts", doc_starts), ("valid", valid)):
-                if isinstance(mask, Tensor) and mask.device != x.device:
-                    raise ValueError(f"{name}: expected a mask on x's device {x.device}, "
-                                     f"got one on {mask.device}")
-            extra = {} if valid is None else {"valid": valid}
             return self.layer.forward_stream(_XP, self.params(), x, state, scan=self._scan,
-                                             reset=reset, doc_starts=doc_starts, **extra)
+                                             reset=reset, doc_starts=doc_starts, valid=valid,
+                                             check=check)
         if isinstance(state, tl.StreamState):
             raise ValueError("state: a StreamState continues a stream; leave stream=True")
         if doc_starts is not None:
             raise ValueError("doc_starts: packed documents need stream=True (the default)")
         if valid is not None:
             raise ValueError("valid: a padding mask needs stream=True (the default)")
-        return self.layer.forward(_XP, self.params(), x, state, scan=self._scan, reset=reset)
+        return self.layer.forward(_XP, self.params(), x, state, scan=self._scan, reset=reset,
+                                  check=check)
 
 
 class MemoryResidual(nn.Module):
@@ -574,13 +675,93 @@ class MemoryResidual(nn.Module):
         return x + torch.sigmoid(self.gate) * out, state
 
 
-# --------------------------------------------------------------------------- attach / detach
+#: The same class under the JAX adapter's older name (both adapters have both names).
+GatedMemoryResidual = MemoryResidual
 
-from tmcore.adapters._torch_attach import (  # noqa: E402  (builds on the classes above)
-    MemoryHandle,
-    attach_memory,
-    detach_memory,
-)
+
+# --------------------------------------------------------------------------- attach / detach
+# (the hooks and the per-call bookkeeping: tmcore.adapters._torch_attach)
+
+
+def attach_memory(
+    blocks: Any, mode: str = "causal", *, gate_init: float = 0.0, norm: Any = None,
+    zero_init: bool = False, streaming: bool = False, batch_first: bool | None = None,
+    **memory_kwargs: Any,
+) -> MemoryHandle:
+    """Add a gated Tensor Memory after every block of an existing model.
+
+    Each block gets a submodule ``tensor_memory`` (a :class:`MemoryResidual`) and a
+    forward hook; its code is not edited. The block's output ``y`` (or ``y[0]`` if
+    it returns a tuple) becomes ``y + sigmoid(gate_l) * memory_l(norm_l(y))``.
+
+    Parameters
+    ----------
+    blocks : nn.ModuleList, nn.Sequential, nn.TransformerEncoder or list of nn.Module
+        The blocks (a ``TransformerEncoder``: its ``layers``); their outputs are
+        ``(B, N, d)`` (or ``(N, B, d)`` with ``batch_first=False``).
+    mode : {"causal", "threaded"}, default "causal"
+        ``"causal"``: every layer scans from the segment's initial state (a read
+        at chunk ``t`` sees only earlier tokens and the chunk's first one);
+        ``"threaded"``: the paper's reference, layer ``l`` starts from the state
+        layer ``l-1`` reached after the whole sequence (NOT causal).
+    gate_init : float, default 0.0
+        The gates' initial logit (:class:`MemoryResidual`).
+    norm : nn.Module, type or None, default None
+        Each memory's input norm (:class:`MemoryResidual`; ``None``: a
+        ``LayerNorm``).
+    zero_init : bool, default False
+        Start the memories' read-outs at zero, so the model is exactly unchanged
+        until they train.
+    streaming : bool, default False
+        Carry ``handle.state`` from one model call to the next. In ``"causal"``
+        mode each layer's state is a :class:`StreamState` (it carries the
+        unfinished chunk), so calls of any lengths (one token at a time:
+        generation) equal one long call.
+    batch_first : bool or None, default None
+        Layout of the block outputs; ``None`` reads it from
+        ``block.self_attn.batch_first`` when present, else assumes True.
+    **memory_kwargs
+        :class:`TensorMemory` arguments (``embed_dim``, ...); ``device`` and
+        ``dtype`` default to the blocks' parameters'.
+
+    Returns
+    -------
+    MemoryHandle
+        ``handle.remove()`` (or :func:`detach_memory`) undoes the attachment;
+        ``handle.memories[l]`` is block ``l``'s :class:`MemoryResidual`.
+
+    Raises
+    ------
+    TypeError
+        If ``blocks`` is not a list or container of modules, or a
+        :class:`TensorMemory` argument has the wrong type.
+    ValueError
+        If there is no block, ``mode`` is unknown, or a :class:`TensorMemory`
+        argument has a bad value.
+    """
+    tl.check_mode(mode)
+    layers, detected = blocks_of(blocks)
+    if batch_first is None:
+        batch_first = True if detected is None else bool(detected)
+    ref = next((p for b in layers for p in b.parameters()), None)
+    if ref is not None:
+        memory_kwargs.setdefault("device", ref.device)
+        memory_kwargs.setdefault("dtype", ref.dtype)
+    memories = [MemoryResidual(TensorMemory(zero_init=zero_init, **memory_kwargs), norm=norm,
+                               gate_init=gate_init) for _ in layers]
+    return MemoryHandle(layers, memories, mode, streaming, batch_first)
+
+
+def detach_memory(handle: MemoryHandle) -> None:
+    """Remove the memories :func:`attach_memory` added (same as ``handle.remove()``).
+
+    Parameters
+    ----------
+    handle : MemoryHandle
+        What :func:`attach_memory` returned; the blocks are then exactly what
+        they were before.
+    """
+    handle.remove()
 
 # --------------------------------------------------------------------------- reference weights
 

@@ -61,11 +61,11 @@ def _layer_and_input(batch: int, embed_dim: int, channels: int, shape: Sequence[
     return layer, x
 
 
-def _step(layer: Any, x: torch.Tensor, stream: bool = True) -> None:
+def _step(layer: Any, x: torch.Tensor, grad: torch.Tensor, stream: bool = True) -> None:
     out, _ = layer(x, stream=stream)
     # backward from a given output gradient (made before counting): no loss ops are
     # counted, only the layer's
-    out.backward(x.detach())
+    out.backward(grad)
 
 
 def count_step_ops(tokens: int, *, batch: int = 8, embed_dim: int = 128, channels: int = 32,
@@ -76,12 +76,13 @@ def count_step_ops(tokens: int, *, batch: int = 8, embed_dim: int = 128, channel
     ``stream``: the layer's default streaming call (it returns a state that continues
     at any token), or ``stream=False`` (the ragged last chunk padded and written)."""
     layer, x = _layer_and_input(batch, embed_dim, channels, shape, chunk, tokens, device)
-    _step(layer, x, stream)  # warm-up: kernel builds, caches
+    grad = torch.ones_like(x)
+    _step(layer, x, grad, stream)  # warm-up: kernel builds, caches
     layer.zero_grad(set_to_none=True)
     x.grad = None
     counter = _Counter()
     with counter:
-        _step(layer, x, stream)
+        _step(layer, x, grad, stream)
     total = sum(counter.ops.values())
     scan = sum(n for name, n in counter.ops.items() if name in _SCAN_OPS)
     views = sum(n for name, n in counter.ops.items() if name in _VIEW_OPS)
@@ -97,10 +98,11 @@ def count_cuda_kernels(tokens: int, **sizes: Any) -> int:
 
     layer, x = _layer_and_input(tokens=tokens, device="cuda", **{
         "batch": 8, "embed_dim": 128, "channels": 32, "shape": (8, 8, 8), "chunk": 16, **sizes})
-    _step(layer, x)
+    grad = torch.ones_like(x)
+    _step(layer, x, grad)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        _step(layer, x)
+        _step(layer, x, grad)
         torch.cuda.synchronize()
     return sum(e.count for e in prof.key_averages() if e.device_type.name == "CUDA")
 

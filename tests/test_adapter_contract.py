@@ -235,3 +235,15 @@ def test_frameworks_agree_on_the_same_parameters():
     back = torch_shim.from_state_dict(jax_shim.state_dict(jax_shim.from_state_dict(sd)),
                                       sigma_scale=0.7)
     np.testing.assert_array_equal(torch_shim.run(back, x)[0], a)
+
+
+# --------------------------------------------------------------------------- one vocabulary
+
+@pytest.mark.parametrize("module", ["torch", "jax"])
+def test_both_adapters_name_the_gated_residual_both_ways(module):
+    # the torch adapter's MemoryResidual and the JAX adapter's GatedMemoryResidual are
+    # one noun: each adapter exports both names, for one class
+    pytest.importorskip(module, reason=f"{module} is not installed")
+    adapter = pytest.importorskip(f"tmcore.adapters.{module}")
+    assert {"MemoryResidual", "GatedMemoryResidual"} <= set(adapter.__all__)
+    assert adapter.GatedMemoryResidual is adapter.MemoryResidual

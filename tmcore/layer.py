@@ -105,6 +105,7 @@ __all__ = [
     "reset_state",
     "segment_states",
     "sizes_from_params",
+    "split",
     "start_state",
     "stored_grid_error",
     "stream_state",
@@ -641,9 +642,35 @@ def linear(xp: Any, p: Mapping[str, Any], x: Any) -> Any:
 Linear = Callable[[Any, Mapping[str, Any], Any], Any]
 
 
+def split(xp: Any, x: Any, sizes: Sequence[int]) -> tuple[Any, ...]:
+    """Cut an array along its last axis into consecutive pieces.
+
+    Parameters
+    ----------
+    xp : namespace
+        The array namespace of ``x``.
+    x : array, shape ``(..., sum(sizes))``
+        The array to cut.
+    sizes : sequence of int
+        The width of each piece, in order.
+
+    Returns
+    -------
+    tuple of array
+        One slice ``(..., size)`` per entry of ``sizes`` (an adapter may pass one
+        op that makes all of them instead, e.g. ``torch.split``).
+    """
+    pieces, start = [], 0
+    for size in sizes:
+        pieces.append(x[..., start:start + size])
+        start += size
+    return tuple(pieces)
+
+
 def heads(xp: Any, params: Params, chunk: Any, config: LayerConfig, *,
-          linear: Linear = linear, softplus: Callable[[Any, Any], Any] = softplus
-          ) -> StepInputs:
+          linear: Linear = linear, softplus: Callable[[Any, Any], Any] = softplus,
+          split: Callable[[Any, Any, Sequence[int]], tuple[Any, ...]] = split,
+          flat_rows: bool = False) -> StepInputs:
     """The layer's linear heads: chunks of tokens to the scan's step inputs.
 
     ``...`` is ``(B,)`` for one chunk or ``(B, T)`` for all of them; the layer
@@ -680,6 +707,17 @@ def heads(xp: Any, params: Params, chunk: Any, config: LayerConfig, *,
         ``linear(xp, p, x)``, every linear map.
     softplus : callable, default :func:`tmcore._math.softplus`
         ``softplus(xp, x)``, the sigma head's softplus.
+    split : callable, default :func:`split`
+        ``split(xp, x, sizes)``, the cut of the fused product's output
+        ``(..., 2 (n + C + 1))`` into the four heads' outputs (one op instead of
+        one slice per head: the backward then has one op for them, too).
+    flat_rows : bool, default False
+        Give the products 2-D operands (one row per chunk, ``M = prod(...)``)
+        instead of ``(..., L*d)`` and ``(..., 2, d)`` ones: the same products
+        where the framework's linear map flattens the leading axes itself (torch's
+        ``F.linear``), without a reshape around each. Off by default: XLA sums the
+        bias gradients over the leading axes in another order when they are
+        flattened (equal to rounding, not bit for bit).
 
     Returns
     -------
@@ -693,20 +731,32 @@ def heads(xp: Any, params: Params, chunk: Any, config: LayerConfig, *,
     length, d = chunk.shape[-2:]
     n = config.ndim
     c = config.memory_channels
-    summary = linear(xp, params["write_proj"], xp.reshape(chunk, (*lead, length * d)))
+    k = n + c + 1
     fused = {key: xp.concat([params[g][key] for g in ("coord_net", "content_net", "sigma_net")],
                             axis=0) for key in ("weight", "bias")}
-    rows = xp.stack([chunk[..., 0, :], summary], axis=-2)               # (..., 2, d)
-    out = linear(xp, fused, rows)                                       # (..., 2, n + C + 1)
-    coords = xp.tanh(out[..., :n])                                      # (..., 2, n)
-    inputs = StepInputs(
-        read_coords=coords[..., 0, :],
-        write_coords=coords[..., 1, :],
-        write_sigma=(softplus(xp, out[..., 1, n + c]) + MIN_SIGMA) * config.sigma_scale,
-        write_content=out[..., 1, n:n + c],
-    )
+    # the rows [first token, summary] of every chunk go through one product; its output
+    # is cut into the four heads' outputs by one split (same values, fewer dispatches)
+    if flat_rows:  # 2-D operands, one row per chunk: no reshape around each product
+        rows = math.prod(lead)
+        flat = xp.reshape(chunk, (rows, length * d))                    # (M, L*d)
+        summary = linear(xp, params["write_proj"], flat)                # (M, d)
+        pairs = xp.reshape(xp.stack([flat[:, :d], summary], axis=1), (2 * rows, d))
+    else:
+        summary = linear(xp, params["write_proj"], xp.reshape(chunk, (*lead, length * d)))
+        pairs = xp.stack([chunk[..., 0, :], summary], axis=-2)          # (..., 2, d)
+    out = xp.reshape(linear(xp, fused, pairs), (*lead, 2 * k))          # (..., 2 (n + C + 1))
+    # the first k + n columns: the read coordinates, the first-token row's unused content
+    # and sigma columns (their tanh is never used: a zero gradient), the write coordinates
+    coords, content, sigma = split(xp, out, (k + n, c, 1))
+    read_coords, _, write_coords = split(xp, xp.tanh(coords), (n, k - n, n))
+    sigma = softplus(xp, xp.reshape(sigma, lead)) + MIN_SIGMA
+    if config.sigma_scale != 1.0:  # (a product by 1.0 is exact: skipped, same bits)
+        sigma = sigma * config.sigma_scale
+    inputs = StepInputs(read_coords=read_coords, write_coords=write_coords,
+                        write_sigma=sigma, write_content=content)
     if config.dynamics == "warp":  # + the shift (..., n) from the summary (tmcore.dynamics)
-        return WarpInputs(*inputs, shift=linear(xp, params[WARP_GROUP], summary))
+        shift = linear(xp, params[WARP_GROUP], summary)                 # (M or ..., n)
+        return WarpInputs(*inputs, shift=xp.reshape(shift, (*lead, n)))
     return inputs
 
 
@@ -802,7 +852,8 @@ def unchunk(xp: Any, per_chunk: Any, tokens: int, chunk_size: int) -> Any:
     """
     batch, steps, d = per_chunk.shape
     out = xp.broadcast_to(per_chunk[:, :, None, :], (batch, steps, chunk_size, d))
-    return xp.reshape(out, (batch, steps * chunk_size, d))[:, :tokens, :]
+    out = xp.reshape(out, (batch, steps * chunk_size, d))
+    return out if tokens == steps * chunk_size else out[:, :tokens, :]
 
 
 # --------------------------------------------------------------------------- state
@@ -1176,6 +1227,10 @@ class Layer:
     linear: Linear = staticmethod(linear)
     #: the sigma head's softplus (see :func:`heads`); a subclass may replace it
     softplus: Callable[[Any, Any], Any] = staticmethod(softplus)
+    #: the cut of the fused heads' output (see :func:`heads`); a subclass may replace it
+    split: Callable[[Any, Any, Sequence[int]], tuple[Any, ...]] = staticmethod(split)
+    #: whether the heads' products take 2-D operands (see :func:`heads`)
+    flat_rows: bool = False
 
     def __init__(self, config: LayerConfig):
         if not isinstance(config, LayerConfig):
@@ -1199,7 +1254,7 @@ class Layer:
             :func:`heads` gives them.
         """
         return heads(xp, params, chunk, self.config, linear=self.linear,
-                     softplus=self.softplus)
+                     softplus=self.softplus, split=self.split, flat_rows=self.flat_rows)
 
     def read_out(self, xp: Any, params: Params, reads: Any) -> Any:
         """The layer's read-out (:func:`read_out` with this layer's linear map).
@@ -1218,7 +1273,8 @@ class Layer:
         return read_out(xp, params, reads, linear=self.linear)
 
     def forward(self, xp: Any, params: Params, x: Any, state: State | None, *, scan: Scan,
-                reset: Any = None) -> tuple[Any, State]:
+                reset: Any = None, check: Callable[..., None] | None = None
+                ) -> tuple[Any, State]:
         """The layer on a whole sequence: ``x (B, N, d)`` -> ``(out (B, N, d), (h, c))``.
 
         Checks ``x``, ``state`` and ``reset`` (:func:`check_tokens`,
@@ -1242,6 +1298,11 @@ class Layer:
             adapter's differentiable :func:`tmcore.memory_scan`.
         reset : bool array, shape ``(B,)``, optional
             True for the rows whose state is zeroed first.
+        check : callable, optional
+            An adapter's own checks (devices, dtypes against the parameters),
+            called as ``check(x, state, reset=reset)`` once ``x`` and ``state``
+            passed the generic ones (``state``: the checked pair, or ``None``)
+            and before ``reset``'s, so that every input is checked once per call.
 
         Returns
         -------
@@ -1264,10 +1325,12 @@ class Layer:
         config = self.config
         check_tokens(xp, x, config)
         batch, tokens, d = x.shape
+        if state is not None:
+            state = check_state(xp, state, batch, config)
+        if check is not None:
+            check(x, state, reset=reset)
         if state is None:
             state = zero_state(xp, config, batch, dtype=x.dtype, device=_device(x))
-        else:
-            state = check_state(xp, state, batch, config)
         if reset is not None:
             state = reset_state(xp, state, reset)
         if tokens == 0 or batch == 0:  # nothing to scan (the scan refuses empty arrays)
@@ -1280,8 +1343,8 @@ class Layer:
         return unchunk(xp, out, tokens, config.chunk_size), (h, c)
 
     def forward_stream(self, xp: Any, params: Params, x: Any, state: Any, *, scan: Scan,
-                       reset: Any = None, doc_starts: Any = None,
-                       valid: Any = None) -> tuple[Any, StreamState]:
+                       reset: Any = None, doc_starts: Any = None, valid: Any = None,
+                       check: Callable[..., None] | None = None) -> tuple[Any, StreamState]:
         """Streaming and packed documents: ``x (B, N, d)`` -> ``(out (B, N, d), StreamState)``.
 
         ``state``: ``None`` (zeros), an ``(h, c)`` pair (a chunk boundary) or the
@@ -1324,6 +1387,11 @@ class Layer:
             True where a new document starts (read on the host).
         valid : bool array, shape ``(B, N)``, optional
             False at tokens to skip.
+        check : callable, optional
+            An adapter's own checks, called as ``check(x, state, reset=reset,
+            doc_starts=doc_starts, valid=valid)`` once ``x`` and ``state`` passed
+            the generic ones (``state``: ``None``, the checked pair or the checked
+            :class:`StreamState`, as given) and before the masks'.
 
         Returns
         -------
@@ -1343,7 +1411,7 @@ class Layer:
             ints in ``[0, L)``.
         """
         return forward_stream(self, xp, params, x, state, scan=scan, reset=reset,
-                              doc_starts=doc_starts, valid=valid)
+                              doc_starts=doc_starts, valid=valid, check=check)
 
 
 # the streaming half of the layer lives in tmcore.stream (imported last: it builds on

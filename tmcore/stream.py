@@ -17,7 +17,7 @@ running it alone.
 from __future__ import annotations
 
 import operator
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 from tmcore import _sizes
@@ -363,8 +363,8 @@ def _where_rows(xp: Any, rows: list[bool], a: Any, b: Any) -> Any:
 
 
 def forward_stream(layer: Layer, xp: Any, params: Params, x: Any, state: Any, *, scan: Scan,
-                   reset: Any = None, doc_starts: Any = None,
-                   valid: Any = None) -> tuple[Any, StreamState]:
+                   reset: Any = None, doc_starts: Any = None, valid: Any = None,
+                   check: Callable[..., None] | None = None) -> tuple[Any, StreamState]:
     """:meth:`tmcore.layer.Layer.forward_stream` (see there) of ``layer``.
 
     Without ``doc_starts`` the chunk grid is computed from the arrays (``count``,
@@ -375,7 +375,7 @@ def forward_stream(layer: Layer, xp: Any, params: Params, x: Any, state: Any, *,
     ----------
     layer : Layer
         The layer whose configuration, heads and read-out run.
-    xp, params, x, state, scan, reset, doc_starts, valid : see Layer.forward_stream
+    xp, params, x, state, scan, reset, doc_starts, valid, check : see Layer.forward_stream
         The arguments of :meth:`Layer.forward_stream`.
 
     Returns
@@ -393,7 +393,22 @@ def forward_stream(layer: Layer, xp: Any, params: Params, x: Any, state: Any, *,
     config = layer.config
     check_tokens(xp, x, config)
     batch, tokens, _ = x.shape
+    if doc_starts is None and valid is None and tokens and batch \
+            and not isinstance(state, StreamState):
+        # from a chunk boundary (no state, or a pair): the chunk grid of Layer.forward,
+        # without first building an empty unfinished chunk (the same outputs and state)
+        pair = None if state is None else check_state(xp, state, batch, config)
+        if check is not None:
+            check(x, pair, reset=reset)
+        h, c = (zero_state(xp, config, batch, dtype=x.dtype, device=_device(x))
+                if pair is None else pair)
+        if reset is not None:
+            h, c = reset_state(xp, (h, c), reset)
+        return _boundary_stream(layer, xp, params, x, h, c, scan)
     st, known = _stream_state(xp, state, x, config)
+    if check is not None:
+        check(x, None if state is None else st if isinstance(state, StreamState)
+              else (st.h, st.c), reset=reset, doc_starts=doc_starts, valid=valid)
     if valid is not None:
         _require_bool_array(xp, valid, "valid", "(B, N)", (batch, tokens))
     if reset is not None:
@@ -561,20 +576,22 @@ def _boundary_stream(layer: Layer, xp: Any, params: Params, x: Any, h: Any, c: A
     batch, tokens, d = x.shape
     length = config.chunk_size
     full, left = divmod(tokens, length)
+    device = _device(x)
     inputs = layer.heads(xp, params, chunk(xp, x, length))      # (B, T, ...) each
     if full:
-        reads, h, c = scan(h, c, type(inputs)(*(v[:, :full, ...] for v in inputs)))
+        reads, h, c = scan(h, c, type(inputs)(*(v[:, :full, ...] for v in inputs))
+                           if left else inputs)
     if left:
         last, _, _ = scan(h, c, type(inputs)(*(v[:, full:, ...] for v in inputs)))
         reads = xp.concat([reads, last], axis=1) if full else last
         pending = xp.concat([x[:, full * length:, :],
-                             xp.broadcast_to(xp.zeros_like(x[:, :1, :]),
-                                             (batch, length - left, d))], axis=1)
+                             xp.zeros((batch, length - left, d), dtype=x.dtype,
+                                      device=device)], axis=1)
         read = last[:, 0, :]
     else:
-        pending = xp.broadcast_to(xp.zeros_like(x[:, :1, :]), (batch, length, d))
-        read = xp.zeros_like(reads[:, 0, :])
-    count = xp.full((batch,), left, dtype=getattr(xp, COUNT_DTYPE), device=_device(x))
+        pending = xp.zeros((batch, length, d), dtype=x.dtype, device=device)
+        read = xp.zeros((batch, config.memory_channels), dtype=reads.dtype, device=device)
+    count = xp.full((batch,), left, dtype=getattr(xp, COUNT_DTYPE), device=device)
     out = unchunk(xp, layer.read_out(xp, params, reads), tokens, length)
     return out, StreamState(h, c, pending, count, read)
 

@@ -1,0 +1,81 @@
+"""One validation per call (the torch layer checks its tokens and the scan's inputs once
+per forward, the backward its cotangents once), and imports that go one way between the
+torch adapter's modules."""
+
+from __future__ import annotations
+
+import ast
+import collections
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="torch is not installed")
+
+import tmcore.adapters._torch_attach as torch_attach  # noqa: E402
+import tmcore.adapters._torch_ops as torch_ops  # noqa: E402
+import tmcore.adapters.torch as tmt  # noqa: E402
+import tmcore.layer as tl  # noqa: E402
+import tmcore.stream as ts  # noqa: E402
+
+CHECKS = [(tmt, "validate_scan_inputs"), (torch_ops, "validate_scan_inputs"),
+          (tl, "check_tokens"), (ts, "check_tokens"), (tl, "check_state"),
+          (ts, "check_state"), (ts, "_stream_state")]
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    counts: collections.Counter[str] = collections.Counter()
+    for module, name in CHECKS:
+        original = getattr(module, name)
+
+        def counted(*args, _original=original, _name=name, **kwargs):
+            counts[_name] += 1
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, counted)
+    return counts
+
+
+@pytest.mark.parametrize("stream, state", [(False, None), (True, None), (False, "pair"),
+                                           (True, "pair"), (True, "stream")])
+def test_each_check_runs_once_per_call(calls, stream, state):
+    torch.manual_seed(0)
+    memory = tmt.TensorMemory(8, 2, (3, 3), 4)
+    x = torch.randn(2, 16, 8, requires_grad=True)  # 4 chunks
+    given = {None: None, "pair": memory.init_state(2),  # (detached: one call's graph)
+             "stream": tmt.detach_state(memory(torch.randn(2, 3, 8))[1])}[state]
+    # one scan call, or two: a stream cut where the rows' states are taken
+    scans = 2 if state == "stream" else 1
+    calls.clear()
+    out, _ = memory(x, given, stream=stream)
+    assert calls["check_tokens"] == 1
+    assert calls["validate_scan_inputs"] == scans  # once per scan (not again in the op)
+    # the state: checked once (a StreamState's h and c inside its own check)
+    assert (calls["check_state"], calls["_stream_state"]) == {
+        None: (0, 0), "pair": (1, 0), "stream": (1, 1)}[state]
+    calls.clear()
+    out.sum().backward()
+    assert calls["validate_scan_inputs"] == scans  # the backward's, with the cotangents
+
+
+def test_the_op_called_directly_still_validates():
+    # torch.ops.tmcore.memory_scan is a public entry of its own: outside the adapter's
+    # memory_scan (which validates first) its eager forward checks its inputs
+    h0 = torch.zeros(1, 1, 2, 2)
+    params = tmt.ConvLSTMCell(1, 2).params()
+    coords = torch.zeros(1, 3, 2)
+    with pytest.raises(ValueError, match="write_sigma"):
+        torch.ops.tmcore.memory_scan(h0, h0, coords, coords, torch.ones(1, 4), torch.ones(1, 3, 1),
+                                     *params, 1e-6, None, 1)
+
+
+def test_torch_attach_does_not_import_the_torch_adapter():
+    # tmcore.adapters.torch builds on _torch_attach (and re-exports from it), never the
+    # other way round: no import cycle
+    tree = ast.parse(open(torch_attach.__file__).read())
+    imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    imported |= {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import)
+                 for alias in node.names}
+    assert "tmcore.adapters.torch" not in imported, imported
+    assert tmt.attach_memory.__module__ == "tmcore.adapters.torch"
+    assert tmt.detach_state is torch_attach.detach_state
