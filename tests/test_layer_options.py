@@ -292,6 +292,28 @@ def test_torch_full_window_and_zero_warp_equal_the_default_layer():
             assert grads["warp_net.weight"].abs().sum() > 0
 
 
+def test_torch_local_layer_keeps_the_state_outside_the_window_bit_for_bit():
+    torch = _torch()
+    _, m = _torch_pair(OPTIONS["local"], grid=(5, 4))
+    g = torch.Generator().manual_seed(12)
+    h0, c0 = (torch.randn(2, C, 5, 4, dtype=torch.float64, generator=g) for _ in range(2))
+    x = torch.randn(2, L, D, dtype=torch.float64, generator=g)  # one chunk
+    with torch.no_grad():
+        _, (h, c) = m(x, (h0, c0), stream=False)
+        write = m.layer.heads(tl_xp(), m.params(), x[:, None]).write_coords[:, 0]
+    outside = ~window_mask(np, window_geometry(np, write.numpy(), (5, 4), 2), (5, 4))
+    outside = torch.from_numpy(np.broadcast_to(outside, h0.shape).copy())
+    assert outside.any() and (~outside).any()
+    assert torch.equal(h[outside], h0[outside]) and torch.equal(c[outside], c0[outside])
+    assert not torch.equal(h[~outside], h0[~outside])
+
+
+def tl_xp():
+    from tmcore.adapters import _torch_ops
+
+    return _torch_ops._XP
+
+
 def test_torch_default_layer_keeps_its_scan(monkeypatch):
     torch = _torch()
     from tmcore.adapters import _torch_local
