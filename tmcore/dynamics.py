@@ -34,7 +34,7 @@ from tmcore._dispatch import ops_for
 from tmcore._gather import box_index, gather_box, set_box
 from tmcore._validate import check_dim, check_int, check_rank, require_array
 from tmcore.cell import cell_bwd, cell_cache, cell_fwd
-from tmcore.conv import ConvParams
+from tmcore.conv import ConvParams, as_conv_params, validate_conv_params
 from tmcore.local import (
     LocalScanResiduals,
     _check_method,
@@ -107,11 +107,15 @@ def _shift_of(inputs: Any) -> Any:
     return getattr(inputs, "shift", None)
 
 
-def _warp(xp: Any, h: Any, c: Any, shift: Any):
-    """``(h_w, c_w, residuals)``: both halves of the state warped by ``shift (B, n)``."""
+def _warp(xp: Any, h: Any, c: Any, shift: Any, flow_params: ConvParams | None = None):
+    """``(h_w, c_w, residuals, flow stages)``: both halves of the state warped by
+    ``shift (B, n)`` plus, with ``flow_params``, the flow ``conv(h) (B, n, *S)``."""
     channels = h.shape[1]
-    out, residuals = warp_fwd(xp, xp.concat([h, c], axis=1), shift)
-    return out[:, :channels, ...], out[:, channels:, ...], residuals
+    flow = stages = None
+    if flow_params is not None:
+        flow, stages = ops_for(xp).conv_fwd(xp, h, flow_params)
+    out, residuals = warp_fwd(xp, xp.concat([h, c], axis=1), shift, flow)
+    return out[:, :channels, ...], out[:, channels:, ...], residuals, stages
 
 
 def _update_fwd(xp: Any, h: Any, c: Any, write: StepInputs, params: ConvParams,
@@ -171,13 +175,15 @@ def _update_bwd(xp: Any, h: Any, c: Any, write: StepInputs, params: ConvParams,
 
 
 def scan_fwd(xp: Any, h0: Any, c0: Any, inputs: Any, params: ConvParams,
-             options: ScanOptions, *, keep: bool = True
+             options: ScanOptions, *, keep: bool = True, flow_params: ConvParams | None = None
              ) -> tuple[Any, Any, Any, DynamicResiduals | None]:
     """The scan without validation: ``(reads (B, T, C), h_T, c_T, residuals)``.
 
     ``inputs``: :class:`tmcore.StepInputs` or :class:`WarpInputs` of ``(B, T, ...)``
     arrays (a warp when it has a ``shift (B, T, n)``). ``keep=False``: no residuals
     (``None``; no gradient will be asked for). ``h0, c0`` are never modified.
+    ``flow_params`` (with a warp): the :class:`tmcore.ConvParams` (``C_in = C``,
+    ``C_out = n``) of the per-cell flow ``conv(h)`` added to each step's shift.
     """
     shift = _shift_of(inputs)
     if shift is None and options.update == "local":
@@ -195,18 +201,19 @@ def scan_fwd(xp: Any, h0: Any, c0: Any, inputs: Any, params: ConvParams,
             c_saved.append(c)
         reads.append(sample(xp, h, step.read_coords[:, None, :])[:, 0, :])
         if shift is not None:
-            h, c, _ = _warp(xp, h, c, shift[:, t, ...])
+            h, c, _, _ = _warp(xp, h, c, shift[:, t, ...], flow_params)
         h, c = _update_fwd(xp, h, c, step, params, options, owned=shift is not None)
     residuals = DynamicResiduals(None, xp.stack(h_saved), xp.stack(c_saved)) if keep else None
     return xp.stack(reads, axis=1), h, c, residuals
 
 
 def scan_bwd(xp: Any, residuals: DynamicResiduals, inputs: Any, params: ConvParams,
-             options: ScanOptions, g_reads: Any, g_h: Any, g_c: Any
-             ) -> tuple[Any, Any, Any, ConvParams]:
+             options: ScanOptions, g_reads: Any, g_h: Any, g_c: Any, *,
+             flow_params: ConvParams | None = None) -> tuple[Any, ...]:
     """VJP of :func:`scan_fwd` from its residuals: ``(d_h0, d_c0, d_inputs, d_params)``,
-    ``d_inputs`` of the type of ``inputs`` (with ``shift`` for a warp). No validation;
-    ``g_h, g_c`` are not modified."""
+    ``d_inputs`` of the type of ``inputs`` (with ``shift`` for a warp), plus
+    ``d_flow_params`` when ``flow_params`` is given. No validation; ``g_h, g_c`` are
+    not modified."""
     shift = _shift_of(inputs)
     if residuals.local is not None:
         grads = local_scan_bwd(xp, residuals.local, *inputs[:4], params, g_reads, g_h, g_c,
@@ -219,20 +226,27 @@ def scan_bwd(xp: Any, residuals: DynamicResiduals, inputs: Any, params: ConvPara
     channels = g_h.shape[1]
     sample_bwd = ops_for(xp).sample_bwd
     d_read, d_mu, d_sigma, d_content, d_shift = ([None] * steps for _ in range(5))
-    d_params = None
+    d_params = d_flow_params = None
     for t in reversed(range(steps)):
         step = _step(inputs, t)
         h, c = residuals.h_states[t, ...], residuals.c_states[t, ...]
         if shift is not None:
-            h_w, c_w, warp_residuals = _warp(xp, h, c, shift[:, t, ...])
+            h_w, c_w, warp_residuals, flow_stages = _warp(xp, h, c, shift[:, t, ...],
+                                                          flow_params)
         else:
             h_w, c_w = h, c
         d_h, d_c, grads, step_params = _update_bwd(xp, h_w, c_w, step, params, options, g_h,
                                                    g_c)
         if shift is not None:
-            d_volume, d_shift[t], _ = warp_bwd(xp, warp_residuals,
-                                               xp.concat([d_h, d_c], axis=1))
+            d_volume, d_shift[t], d_flow = warp_bwd(xp, warp_residuals,
+                                                    xp.concat([d_h, d_c], axis=1))
             d_h, d_c = d_volume[:, :channels, ...], d_volume[:, channels:, ...]
+            if flow_params is not None:  # the flow conv(h) reads the step's input state
+                d_h_flow, step_flow = ops_for(xp).conv_bwd(xp, flow_stages, flow_params,
+                                                           d_flow)
+                d_h = d_h + d_h_flow
+                d_flow_params = step_flow if d_flow_params is None else add_params(
+                    d_flow_params, step_flow)
         d_volume, d_coords = sample_bwd(xp, h, step.read_coords[:, None, :],
                                         g_reads[:, t, None, :])
         g_h, g_c = d_h + d_volume, d_c
@@ -242,6 +256,8 @@ def scan_bwd(xp: Any, residuals: DynamicResiduals, inputs: Any, params: ConvPara
     fields = [xp.stack(d, axis=1) for d in (d_read, d_mu, d_sigma, d_content)]
     d_inputs = StepInputs(*fields) if shift is None else WarpInputs(*fields,
                                                                      xp.stack(d_shift, axis=1))
+    if flow_params is not None:
+        return g_h, g_c, d_inputs, d_params, d_flow_params
     return g_h, g_c, d_inputs, d_params
 
 
@@ -249,7 +265,7 @@ def scan_bwd(xp: Any, residuals: DynamicResiduals, inputs: Any, params: ConvPara
 
 
 def _validate(h0, c0, inputs, params, update, window, eps, radius, method, g_reads=None,
-              g_h=None, g_c=None):
+              g_h=None, g_c=None, flow_params=None):
     if not isinstance(inputs, (StepInputs, WarpInputs)):
         raise TypeError(f"inputs: expected a StepInputs or WarpInputs of (B, T, ...) arrays, "
                         f"got {type(inputs).__name__}")
@@ -263,19 +279,31 @@ def _validate(h0, c0, inputs, params, update, window, eps, radius, method, g_rea
         check_dim("inputs.shift", shift, 0, batch, "(B, T, n)", "B = h0.shape[0]")
         check_dim("inputs.shift", shift, 1, steps, "(B, T, n)", "T = read_coords.shape[1]")
         check_dim("inputs.shift", shift, 2, n, "(B, T, n)", "n = number of spatial axes")
+    if flow_params is not None:
+        if shift is None:
+            raise ValueError("flow_params: a flow needs a warp (inputs with a shift, "
+                             "WarpInputs)")
+        flow_params = as_conv_params(flow_params)
+        validate_conv_params(flow_params, h0.ndim - 2, h0.shape[1])
+        n = h0.ndim - 2
+        if tuple(flow_params.pointwise_weight.shape) != (n, h0.shape[1]):
+            raise ValueError(f"flow_params.pointwise_weight: expected shape (n, C) = "
+                             f"{(n, h0.shape[1])}, got "
+                             f"{tuple(flow_params.pointwise_weight.shape)}")
     if update not in ("dense", "local"):
         raise ValueError(f"update: expected 'dense' or 'local', got {update!r}")
     if update == "local":
         check_int("window", window, 1)
     _check_method(method)
-    return xp, params, ScanOptions(update, window if update == "local" else None, eps,
-                                   radius, method)
+    return xp, params, flow_params, ScanOptions(update, window if update == "local" else None,
+                                                eps, radius, method)
 
 
 def dynamic_memory_scan(h0: Any, c0: Any, inputs: Any, params: ConvParams, *,
                         update: str = "dense", window: int | None = None,
                         eps: float = DEFAULT_EPS, radius: float | None = None,
-                        method: str = "fast") -> tuple[Any, Any, Any]:
+                        method: str = "fast", flow_params: ConvParams | None = None
+                        ) -> tuple[Any, Any, Any]:
     """The chunk recurrence with the layer's options (see the module docstring).
 
     Parameters
@@ -287,31 +315,39 @@ def dynamic_memory_scan(h0: Any, c0: Any, inputs: Any, params: ConvParams, *,
     update : ``"dense"`` or ``"local"`` (then ``window``, cells per axis).
     eps, radius : as in :func:`tmcore.gaussian_splat`.
     method : the local update's path, ``"fast"`` or ``"masked"`` (:mod:`tmcore.local`).
+    flow_params : with a warp, optional :class:`tmcore.ConvParams` (depthwise ``(n, C, 3)``,
+        ``(n, C)``, pointwise ``(n, C)``, ``(n,)``) of a per-cell flow ``conv(h_{t-1})``
+        ``(B, n, *S)`` added to each step's shift.
 
     Returns
     -------
     ``(reads (B, T, C), h_T, c_T)``.
     """
-    xp, params, options = _validate(h0, c0, inputs, params, update, window, eps, radius,
-                                    method)
-    reads, h, c, _ = scan_fwd(xp, h0, c0, inputs, params, options, keep=False)
+    xp, params, flow_params, options = _validate(h0, c0, inputs, params, update, window, eps,
+                                                 radius, method, flow_params=flow_params)
+    reads, h, c, _ = scan_fwd(xp, h0, c0, inputs, params, options, keep=False,
+                              flow_params=flow_params)
     return reads, h, c
 
 
 def dynamic_memory_scan_vjp(h0: Any, c0: Any, inputs: Any, params: ConvParams, g_reads: Any,
                             g_h: Any = None, g_c: Any = None, *, update: str = "dense",
                             window: int | None = None, eps: float = DEFAULT_EPS,
-                            radius: float | None = None, method: str = "fast"
-                            ) -> tuple[Any, Any, Any, ConvParams]:
+                            radius: float | None = None, method: str = "fast",
+                            flow_params: ConvParams | None = None) -> tuple[Any, ...]:
     """VJP of :func:`dynamic_memory_scan` for ``g_reads (B, T, C)`` and the final-state
     cotangents ``g_h, g_c (B, C, *S)`` (``None``: zero).
 
-    Returns ``(d_h0, d_c0, d_inputs, d_params)``, ``d_inputs`` of the type of ``inputs``.
+    Returns ``(d_h0, d_c0, d_inputs, d_params)``, ``d_inputs`` of the type of ``inputs``,
+    plus ``d_flow_params`` when ``flow_params`` is given.
     """
     require_array("g_reads", g_reads)
-    xp, params, options = _validate(h0, c0, inputs, params, update, window, eps, radius,
-                                    method, g_reads, g_h, g_c)
-    _, _, _, residuals = scan_fwd(xp, h0, c0, inputs, params, options)
+    xp, params, flow_params, options = _validate(h0, c0, inputs, params, update, window, eps,
+                                                 radius, method, g_reads, g_h, g_c,
+                                                 flow_params)
+    _, _, _, residuals = scan_fwd(xp, h0, c0, inputs, params, options,
+                                  flow_params=flow_params)
     g_h = xp.zeros_like(h0) if g_h is None else g_h
     g_c = xp.zeros_like(c0) if g_c is None else g_c
-    return scan_bwd(xp, residuals, inputs, params, options, g_reads, g_h, g_c)
+    return scan_bwd(xp, residuals, inputs, params, options, g_reads, g_h, g_c,
+                    flow_params=flow_params)

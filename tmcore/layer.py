@@ -78,6 +78,7 @@ __all__ = [
     "GATE_SHAPE",
     "GROUPS",
     "DYNAMICS",
+    "FLOW_GROUP",
     "MODES",
     "UPDATES",
     "WARP_GROUP",
@@ -123,6 +124,8 @@ GROUPS = ("write_proj", "content_net", "sigma_net", "coord_net", "cell", "out_pr
 
 #: The group ``dynamics="warp"`` adds after :data:`GROUPS` (:func:`param_groups`).
 WARP_GROUP = "warp_net"
+#: The group ``flow=True`` adds after it.
+FLOW_GROUP = "warp_flow"
 
 #: Shape of the gated residual's gate logit (1-D so that FSDP can shard it; a
 #: checkpoint with a 0-dim gate converts with ``reshape(GATE_SHAPE)``).
@@ -184,6 +187,9 @@ class LayerConfig:
     #: per-chunk shift predicted by ``warp_net`` before each update,
     #: :mod:`tmcore.dynamics`; experimental)
     dynamics: str = "none"
+    #: with ``dynamics="warp"``: add a per-cell flow ``(B, n, *S)`` from a factorized
+    #: depthwise conv of ``h`` (group ``warp_flow``, zero at init) to the shift
+    flow: bool = False
 
     @property
     def ndim(self) -> int:
@@ -210,7 +216,7 @@ def layer_config(
     embed_dim: Any, memory_channels: Any, memory_shape: Any, chunk_size: Any,
     sigma_scale: Any = 1.0, *, checkpoint_every: Any = 1, radius: Any = None,
     eps: Any = DEFAULT_EPS, forget_bias: Any = 0.0, zero_init: Any = False,
-    update: Any = "dense", window: Any = None, dynamics: Any = "none",
+    update: Any = "dense", window: Any = None, dynamics: Any = "none", flow: Any = False,
 ) -> LayerConfig:
     """Validate the layer's arguments once; returns a frozen :class:`LayerConfig`.
 
@@ -253,6 +259,10 @@ def layer_config(
     dynamics : {"none", "warp"}, default "none"
         Experimental: ``"warp"`` resamples the state by a per-chunk shift
         before each update and adds the zero-initialized ``warp_net`` group.
+    flow : bool, default False
+        With ``dynamics="warp"`` (and only then): add a per-cell flow, a
+        factorized depthwise conv of ``h`` to ``n`` components (group
+        ``warp_flow``, zero pointwise map at init), to the shift.
 
     Returns
     -------
@@ -289,7 +299,16 @@ def layer_config(
         update=_choice("update", update, UPDATES),
         window=_window(update, window, memory_shape),
         dynamics=_choice("dynamics", dynamics, DYNAMICS),
+        flow=_flow(flow, dynamics),
     ))
+
+
+def _flow(flow: Any, dynamics: Any) -> bool:
+    """``flow``: a bool, True only with ``dynamics="warp"``."""
+    if _flag("flow", flow) and dynamics != "warp":
+        raise ValueError(f"flow: a per-cell flow needs dynamics='warp', got "
+                         f"dynamics={dynamics!r}")
+    return bool(flow)
 
 
 #: The ``update`` options of :func:`layer_config`.
@@ -413,6 +432,13 @@ def param_specs(config: LayerConfig) -> tuple[ParamSpec, ...]:
         # dynamics="warp" only (so the default's names and order are untouched): the
         # per-chunk shift (B, T, n) from the write summary, zero at init (no motion)
         *(_zero_specs(WARP_GROUP, n, d, "n", "d") if config.dynamics == "warp" else ()),
+        # flow=True only: the per-cell flow (B, n, *S) = conv(h), a factorized conv like
+        # the cell's (depthwise taps identity) with a zero pointwise map (no flow at init)
+        *((ParamSpec(FLOW_GROUP, "depthwise_weight", (n, c, 3), "(n, C, 3)", "identity_taps"),
+           ParamSpec(FLOW_GROUP, "depthwise_bias", (n, c), "(n, C)", "constant"),
+           ParamSpec(FLOW_GROUP, "pointwise_weight", (n, c), "(n, C)", "constant"),
+           ParamSpec(FLOW_GROUP, "pointwise_bias", (n,), "(n,)", "constant"))
+          if config.flow else ()),
     )
 
 
@@ -422,14 +448,16 @@ def param_groups(config: LayerConfig) -> tuple[str, ...]:
     Parameters
     ----------
     config : LayerConfig
-        The layer (only its ``dynamics`` matters).
+        The layer (only its ``dynamics`` and ``flow`` matter).
 
     Returns
     -------
     tuple of str
-        :data:`GROUPS`, plus ``"warp_net"`` with ``dynamics="warp"``.
+        :data:`GROUPS`, plus ``"warp_net"`` with ``dynamics="warp"``, plus
+        ``"warp_flow"`` with ``flow=True``.
     """
-    return GROUPS + ((WARP_GROUP,) if config.dynamics == "warp" else ())
+    return (GROUPS + ((WARP_GROUP,) if config.dynamics == "warp" else ())
+            + ((FLOW_GROUP,) if config.flow else ()))
 
 
 def _zero_specs(group: str, out_features: int, in_features: int, out: str = "d",
@@ -601,9 +629,9 @@ def check_params(params: Any, config: LayerConfig) -> None:
     """
     _require_leaves(params)
     for spec in param_specs(config):
-        value = params[spec.group][spec.leaf]
         if not isinstance(params.get(spec.group), Mapping) or spec.leaf not in params[spec.group]:
             raise KeyError(f"params: missing {spec.name}")  # (warp_net: dynamics="warp")
+        value = params[spec.group][spec.leaf]
         if tuple(value.shape) != spec.shape:
             raise ValueError(f"params.{spec.name}: expected shape {spec.layout} = {spec.shape}, "
                              f"got {tuple(value.shape)}")
