@@ -62,7 +62,8 @@ from tmcore._dispatch import ENV_VAR, Ops, generic_ops, ops_for
 from tmcore._options import Options, get_options, options
 
 __all__ = ["use_generic", "ops_for_namespace", "backend_name", "native_kernels_active",
-           "ops_for", "generic_ops", "Ops", "ENV_VAR"]
+           "triton_kernels_active", "triton_graph_cache_bytes", "ops_for", "generic_ops",
+           "Ops", "ENV_VAR"]
 
 # (predicate on the namespace, framework that must already be imported, backend module)
 _REGISTRY: list[tuple[Callable[[Any], bool], str, str]] = [
@@ -137,6 +138,40 @@ def native_kernels_active() -> bool:
     from tmcore.backends import _native
 
     return bool(_native.enabled() and _native.library() is not None)
+
+
+def triton_kernels_active(x: Any) -> bool:
+    """Tell whether the fused Triton scan of the torch backend runs on tensors like ``x``.
+
+    Parameters
+    ----------
+    x : torch.Tensor
+        A state-like tensor ``(B, C, *S)`` on the device in question (its device,
+        dtype and channels decide), not requiring grad.
+
+    Returns
+    -------
+    bool
+        True when the ``triton`` option allows the kernels, Triton imports and
+        the kernels support ``x``'s device, dtype and size.
+    """
+    from tmcore.backends import _triton
+
+    return bool(_triton.usable(x))
+
+
+def triton_graph_cache_bytes() -> int:
+    """Count the bytes the fused Triton scan's cached CUDA graphs hold between calls.
+
+    Returns
+    -------
+    int
+        The bytes of the graphs' static inputs and outputs (memory a training
+        step's peak does not show); 0 when nothing is cached.
+    """
+    from tmcore.backends import _triton
+
+    return _triton.graph_cache_bytes()
 
 
 @contextlib.contextmanager

@@ -208,9 +208,9 @@ def warm_one(channels: int, shape: tuple[int, ...], device: str = "cuda") -> Non
 
 def fused_active(device: str) -> bool:
     """Whether tmcore's torch backend runs the fused Triton scan on ``device`` tensors."""
-    from tmcore.backends import _triton
+    from tmcore.backends import triton_kernels_active
 
-    return _triton.usable(torch.zeros(1, 1, 2, device=device))
+    return triton_kernels_active(torch.zeros(1, 1, 2, device=device))
 
 
 def _jax_steps(cfg: Config, params):
@@ -327,9 +327,9 @@ def run_config(cfg: Config, device: str, bw: float, reps: int, log,
             row[f"peak_{key}"] = _peak_torch(cfg, params, device, kind, triton)
         except Exception as exc:
             row[f"peak_{key}"] = f"{type(exc).__name__}: {exc}"[:120]
-    from tmcore.backends import _triton
+    from tmcore.backends import triton_graph_cache_bytes
 
-    row["graph_cache_bytes"] = _triton.graph_cache_bytes()  # held between calls, not in peaks
+    row["graph_cache_bytes"] = triton_graph_cache_bytes()  # held between calls, not in peaks
     peaks = {k: row.get(f"peak_{k}") for k in ("torch", "torch_per_step", "plain")}
     if all(isinstance(v, int) for v in peaks.values()):
         log(f"{cfg.name:8s} peak train memory: tmcore {peaks['torch'] / 2**20:.1f} MiB "

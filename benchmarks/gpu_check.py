@@ -94,6 +94,8 @@ def triton_compile(arch: int, shapes: list[str], dtype: str) -> int:
     import triton
     from triton.backends.compiler import GPUTarget
 
+    # (the one place a benchmark reads backend internals: this compiles the backend's own
+    # kernels, at the geometry its driver would launch them with; no public API is that)
     from tmcore.backends import _triton
     from tmcore.backends import _triton_kernels as k
 

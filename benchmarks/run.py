@@ -41,7 +41,7 @@ REPO = Path(__file__).resolve().parent.parent
 IMPLS = {
     "torch": "torch layer, eager",
     "torch-ops": "torch layer, eager, torch ops only (fused C kernels off, `TMCORE_NATIVE=0`)",
-    "torch-generic": "torch layer, eager, generic path (`use_generic()`)",
+    "torch-generic": "torch layer, eager, generic path (`tmcore.options(generic=True)`)",
     "torch-compile": "torch layer, `torch.compile`",
     "plain": "plain autograd baseline (eager)",
     "jax": "JAX layer, `jit`",
@@ -87,12 +87,10 @@ def _torch_fn(cfg, params, x, g, impl, train):
                 return inner()
         return torch_ops
     if impl == "torch-generic":
-        from tmcore.backends import use_generic
-
         inner = torch_step(torch_layer(cfg, params, "torch"), x, g, train)
 
         def generic():
-            with use_generic():
+            with tmcore.options(generic=True):
                 return inner()
         return generic
     kind = "plain" if impl == "plain" else "torch"
