@@ -131,3 +131,18 @@ def test_occlusion_options_run_at_tiny_scale(tmp_path):
     for run in result["runs"]:
         assert all(loss == loss and abs(loss) < 1e6 for _, loss in run["loss_curve"])
     assert set(result["cost"]) == {r["model"] for r in result["rows"]}
+
+
+def test_video_option_models_build_their_layers():
+    """The video example's ``memory_warp`` / ``memory_warp_local`` rows are its ``memory``
+    row with the options on every attached memory; ``memory`` keeps the paper's layer."""
+    from examples.video.train import SCALES, ClipClassifier
+
+    config = SCALES["tiny"]
+    layers = {kind: [m.memory.config for m in ClipClassifier(kind, config, 1, 3)
+                     .backbone.handle.memories]
+              for kind in ("memory", "memory_warp", "memory_warp_local")}
+    assert {(c.update, c.dynamics) for c in layers["memory"]} == {("dense", "none")}
+    assert {(c.update, c.dynamics) for c in layers["memory_warp"]} == {("dense", "warp")}
+    assert {(c.update, c.window, c.dynamics) for c in layers["memory_warp_local"]} == {
+        ("local", 2, "warp")}

@@ -46,6 +46,9 @@ class BackboneConfig:
     memory_channels: int = 16
     forget_bias: float = 3.0
     gate_init: float = 0.0
+    #: ``memory``: the layer options beyond the paper, as ``(name, value)`` pairs of
+    #: ``TensorMemory`` arguments (``update``, ``window``, ``dynamics``); none by default
+    memory_options: tuple[tuple[str, object], ...] = ()
 
     @property
     def tokens(self) -> int:
@@ -88,7 +91,8 @@ class Backbone(nn.Module):
             self.handle = attach_memory(
                 self.blocks, "threaded", gate_init=config.gate_init, embed_dim=d,
                 memory_channels=config.memory_channels, memory_shape=tuple(config.grid),
-                chunk_size=math.prod(config.grid[1:]), forget_bias=config.forget_bias)
+                chunk_size=math.prod(config.grid[1:]), forget_bias=config.forget_bias,
+                **dict(config.memory_options))
 
     def forward(self, x: Tensor) -> Tensor:
         if x.dim() != 3 or x.shape[1:] != (self.config.tokens, self.config.width):

@@ -4,7 +4,8 @@ Trains a joint space-time transformer, the same with register tokens and the
 same with Tensor Memory (equal depth and width) to recognise actions in
 procedurally generated clips (``--data``: extracted frames in the UCF-101
 layout), ``--seeds`` seeds each; reports top-1 / top-5 on held-out clips and the
-wall-clock of a training step. Writes ``<out>/results/<name>.json`` (name
+wall-clock of a training step (``--models ... memory_warp memory_warp_local``: Tensor
+Memory with the layer options beyond the paper too, see ``train.OPTION_MODELS``). Writes ``<out>/results/<name>.json`` (name
 ``actions``, ``actions-full``, ``actions-tiny`` or ``actions-<data folder>``), a
 plot and, for the procedural clips, one example clip per class under
 ``<out>/figures/``. The default ``--out`` is this folder, so the command
@@ -21,7 +22,7 @@ from pathlib import Path
 
 from examples.video.report import build_results, markdown, plot_clips, plot_results, table
 from examples.video.runner import load, run_one
-from examples.video.train import MODELS
+from examples.video.train import CHOICES
 from examples.vision_common import Example, Run, md_table
 
 #: The help of the options whose meaning is this example's.
@@ -63,7 +64,7 @@ def _run(run: Run) -> dict:
     return result
 
 
-EXAMPLE = Example("examples.video", __doc__, "actions", MODELS, HELP, markdown, _plot, _run)
+EXAMPLE = Example("examples.video", __doc__, "actions", CHOICES, HELP, markdown, _plot, _run)
 HERE, COMMITTED, render, main = EXAMPLE.here, EXAMPLE.committed, EXAMPLE.render, EXAMPLE.main
 
 if __name__ == "__main__":

@@ -13,7 +13,10 @@ linear head:
   = the token grid ``(T/tube, H/p, W/p)``, one chunk per time step, ``threaded`` mode
   (the whole clip is given at once and classified as a whole, so nothing needs
   to be causal; the state a layer reaches after the last frame seeds the next
-  layer's pass, the paper's reference behaviour).
+  layer's pass, the paper's reference behaviour);
+- ``memory_warp`` / ``memory_warp_local`` (on request, ``--models``): ``memory``
+  with warped dynamics (a per-chunk shift of the state), and with local updates of
+  a 2-cell window too (:data:`OPTION_MODELS`).
 
 Top-1 / top-5 accuracy on the held-out clips, and the median wall-clock of one
 training step (forward, backward, optimizer).
@@ -21,7 +24,7 @@ training step (forward, backward, optimizer).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -38,11 +41,18 @@ from examples.vision_common import (
 )
 
 __all__ = ["VideoConfig", "SCALES", "ClipClassifier", "tubelets", "train_one", "topk",
-           "MODELS", "LABELS"]
+           "MODELS", "OPTION_MODELS", "CHOICES", "LABELS"]
 
 MODELS = ("base", "registers", "memory")
+#: Tensor Memory with the layer options beyond the paper (``tmcore.layer.layer_config``):
+#: not run by default (``--models ... memory_warp``); the other memory settings unchanged
+OPTION_MODELS = {"memory_warp": {"dynamics": "warp"},
+                 "memory_warp_local": {"dynamics": "warp", "update": "local", "window": 2}}
+#: The ``--models`` choices.
+CHOICES = MODELS + tuple(OPTION_MODELS)
 LABELS = {"base": "Joint space-time", "registers": "+ registers",
-          "memory": "+ Tensor Memory"}
+          "memory": "+ Tensor Memory", "memory_warp": "+ Tensor Memory, warp",
+          "memory_warp_local": "+ Tensor Memory, warp + local w=2"}
 
 
 @dataclass
@@ -92,7 +102,11 @@ class ClipClassifier(nn.Module):
         super().__init__()
         self.patch, self.tube = config.patch, config.tube
         self.embed = nn.Linear(config.tube * channels * config.patch ** 2, config.width)
-        self.backbone = Backbone(kind, config.backbone())
+        backbone = config.backbone()
+        if kind in OPTION_MODELS:
+            backbone = replace(backbone, memory_options=tuple(OPTION_MODELS[kind].items()))
+            kind = "memory"
+        self.backbone = Backbone(kind, backbone)
         self.head = nn.Linear(config.width, classes)
 
     def forward(self, clips: Tensor) -> Tensor:
