@@ -5,7 +5,8 @@ same with Tensor Memory (equal depth and width) to recognise actions in
 procedurally generated clips (``--data``: extracted frames in the UCF-101
 layout), ``--seeds`` seeds each; reports top-1 / top-5 on held-out clips and the
 wall-clock of a training step (``--models ... memory_warp memory_warp_local``: Tensor
-Memory with the layer options beyond the paper too, see ``train.OPTION_MODELS``). Writes ``<out>/results/<name>.json`` (name
+Memory with the layer options beyond the paper too, see ``train.OPTION_MODELS``).
+Writes ``<out>/results/<name>.json`` (name
 ``actions``, ``actions-full``, ``actions-tiny`` or ``actions-<data folder>``), a
 plot and, for the procedural clips, one example clip per class under
 ``<out>/figures/``. The default ``--out`` is this folder, so the command
