@@ -20,6 +20,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -121,14 +122,20 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--chunks", type=int, nargs="+", default=[64, 256, 1024],
                         help="JAX chunk counts (chunk size 4: 256 to 4096 tokens)")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--warm-cache", action="store_true",
+                        help="use Inductor's usual on-disk cache (default: a fresh empty one, "
+                             "so the first compile is timed cold)")
     args = parser.parse_args(argv)
+    if not args.warm_cache:  # before torch compiles anything
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="tmcore-inductor-")
     import torch
 
     torch.set_num_threads(1)
     result = {"command": "OMP_NUM_THREADS=1 python -m benchmarks.compile_dynamic "
                          + " ".join(sys.argv[1:] if argv is None else argv),
               "commit": _commit(), "machine": machine_line(),
-              "config": {**SIZES, "batch": 2, "torch_threads": 1},
+              "config": {**SIZES, "batch": 2, "torch_threads": 1,
+                         "inductor_cache": "warm" if args.warm_cache else "fresh (cold compile)"},
               "torch": [torch_dynamic(args.lengths, stream=s) for s in (False, True)],
               "jax": jax_compile(args.chunks)}
     print(json.dumps(result, indent=1))
