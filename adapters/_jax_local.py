@@ -30,36 +30,41 @@ __all__ = ["LayerScan", "dynamic_scan"]
 
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
 def dynamic_scan(options: dynamics.ScanOptions, h0: jax.Array, c0: jax.Array, inputs: Any,
-                 params: ConvParams) -> tuple[jax.Array, jax.Array, jax.Array]:
+                 params: ConvParams, flow: ConvParams | None = None
+                 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """:func:`tmcore.dynamics.scan_fwd` with tmcore's VJP: ``(reads (B, T, C), h_T, c_T)``.
 
     ``inputs``: :class:`tmcore.StepInputs` or :class:`tmcore.dynamics.WarpInputs` of
-    ``(B, T, ...)`` arrays; ``options`` static (:func:`tmcore.dynamics.scan_options`).
+    ``(B, T, ...)`` arrays; ``options`` static (:func:`tmcore.dynamics.scan_options`);
+    ``flow``: the per-cell flow's :class:`tmcore.ConvParams` (``flow=True``) or ``None``.
     """
-    reads, h, c, _ = _scan_fwd(options, False, h0, c0, inputs, params)
+    reads, h, c, _ = _scan_fwd(options, False, h0, c0, inputs, params, flow)
     return reads, h, c
 
 
 # jitted (inlined under an outer trace): called eagerly, one compiled function per shape
 # instead of one dispatch (and one small compilation) per array operation of the loop
 @partial(jax.jit, static_argnums=(0, 1))
-def _scan_fwd(options, keep, h0, c0, inputs, params):
-    return dynamics.scan_fwd(jnp, h0, c0, inputs, params, options, keep=keep)
+def _scan_fwd(options, keep, h0, c0, inputs, params, flow):
+    return dynamics.scan_fwd(jnp, h0, c0, inputs, params, options, keep=keep,
+                             flow_params=flow)
 
 
 @partial(jax.jit, static_argnums=(0,))
-def _scan_bwd(options, residuals, inputs, params, g_reads, g_h, g_c):
-    return dynamics.scan_bwd(jnp, residuals, inputs, params, options, g_reads, g_h, g_c)
+def _scan_bwd(options, residuals, inputs, params, flow, g_reads, g_h, g_c):
+    grads = dynamics.scan_bwd(jnp, residuals, inputs, params, options, g_reads, g_h, g_c,
+                              flow_params=flow)
+    return grads if flow is not None else (*grads, None)
 
 
-def _fwd(options, h0, c0, inputs, params):
-    reads, h, c, residuals = _scan_fwd(options, True, h0, c0, inputs, params)
-    return (reads, h, c), (residuals, inputs, params)
+def _fwd(options, h0, c0, inputs, params, flow):
+    reads, h, c, residuals = _scan_fwd(options, True, h0, c0, inputs, params, flow)
+    return (reads, h, c), (residuals, inputs, params, flow)
 
 
 def _bwd(options, saved, cotangents):
-    residuals, inputs, params = saved
-    return _scan_bwd(options, residuals, inputs, params, *cotangents)
+    residuals, inputs, params, flow = saved
+    return _scan_bwd(options, residuals, inputs, params, flow, *cotangents)
 
 
 dynamic_scan.defvjp(_fwd, _bwd)
@@ -72,9 +77,10 @@ class LayerScan(NamedTuple):
 
     options: dynamics.ScanOptions
     cell: ConvParams
+    flow: ConvParams | None = None
 
     def __call__(self, h: jax.Array, c: jax.Array, inputs: Any) -> tuple[Any, Any, Any]:
-        return dynamic_scan(self.options, h, c, inputs, self.cell)
+        return dynamic_scan(self.options, h, c, inputs, self.cell, self.flow)
 
     @staticmethod
     def cond(pred: Any, true_fn: Callable[[], Any], false_fn: Callable[[], Any]) -> Any:

@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from tmcore import dynamics
 from tmcore.conv import ConvParams
@@ -24,7 +24,25 @@ from tmcore.scan import StepInputs
 
 from ._torch_ops import _XP
 
-__all__ = ["DynamicScanFunction", "layer_scan"]
+__all__ = ["DynamicScanFunction", "WarpFlow", "layer_scan"]
+
+
+class WarpFlow(nn.Module):
+    """The ``warp_flow`` group (``flow=True``): the :class:`tmcore.ConvParams` of the
+    per-cell flow ``conv(h) (B, n, *S)``: ``depthwise_weight (n, C, 3)``,
+    ``depthwise_bias (n, C)``, ``pointwise_weight (n, C)``, ``pointwise_bias (n,)``
+    (initialized by :func:`tmcore.layer.param_specs`: identity taps, zeros)."""
+
+    def __init__(self, channels: int, ndim: int, **kw: Any):
+        super().__init__()
+        shapes = {"depthwise_weight": (ndim, channels, 3), "depthwise_bias": (ndim, channels),
+                  "pointwise_weight": (ndim, channels), "pointwise_bias": (ndim,)}
+        for name, shape in shapes.items():
+            self.register_parameter(name, nn.Parameter(torch.zeros(shape, **kw)))
+
+    def params(self) -> ConvParams:
+        return ConvParams(self.depthwise_weight, self.depthwise_bias, self.pointwise_weight,
+                          self.pointwise_bias)
 
 
 def _own(t: Tensor) -> Tensor:
@@ -34,19 +52,23 @@ def _own(t: Tensor) -> Tensor:
 
 class DynamicScanFunction(torch.autograd.Function):
     """``apply(options, keep, h0, c0, read_coords, write_coords, write_sigma, write_content,
-    shift or None, *params) -> (reads (B, T, C), h_T, c_T)``; ``keep``: store the
-    residuals for a backward."""
+    shift or None, *params, *flow_params) -> (reads (B, T, C), h_T, c_T)``; ``keep``: store
+    the residuals for a backward; ``flow_params``: none, or the four tensors of the
+    per-cell flow's :class:`tmcore.ConvParams` (with a shift)."""
 
     @staticmethod
     def forward(ctx: Any, options: dynamics.ScanOptions, keep: bool, h0: Tensor, c0: Tensor,
                 read_coords: Tensor, write_coords: Tensor, write_sigma: Tensor,
-                write_content: Tensor, shift: Tensor | None, *params: Tensor):
+                write_content: Tensor, shift: Tensor | None, *tensors: Tensor):
         fields = (read_coords, write_coords, write_sigma, write_content)
         inputs = StepInputs(*fields) if shift is None else dynamics.WarpInputs(*fields, shift)
-        reads, h, c, residuals = dynamics.scan_fwd(_XP, h0, c0, inputs, ConvParams(*params),
-                                                   options, keep=keep)
+        params = ConvParams(*tensors[:4])
+        flow = ConvParams(*tensors[4:]) if len(tensors) > 4 else None
+        reads, h, c, residuals = dynamics.scan_fwd(_XP, h0, c0, inputs, params, options,
+                                                   keep=keep, flow_params=flow)
         ctx.options, ctx.residuals, ctx.has_shift = options, residuals, shift is not None
-        ctx.save_for_backward(*fields, *((shift,) if shift is not None else ()), *params)
+        ctx.has_flow = flow is not None
+        ctx.save_for_backward(*fields, *((shift,) if shift is not None else ()), *tensors)
         return _own(reads), _own(h), _own(c)
 
     @staticmethod
@@ -56,23 +78,27 @@ class DynamicScanFunction(torch.autograd.Function):
                                "(no input required grad when it ran)")
         saved = ctx.saved_tensors
         split = 5 if ctx.has_shift else 4
-        fields, params = saved[:split], ConvParams(*saved[split:])
+        fields, params = saved[:split], ConvParams(*saved[split:split + 4])
+        flow = ConvParams(*saved[split + 4:]) if ctx.has_flow else None
         inputs = dynamics.WarpInputs(*fields) if ctx.has_shift else StepInputs(*fields)
-        d_h, d_c, d_inputs, d_params = dynamics.scan_bwd(
+        d_h, d_c, d_inputs, d_params, *d_flow = dynamics.scan_bwd(
             _XP, ctx.residuals, inputs, params, ctx.options, g_reads.contiguous(),
-            g_h.contiguous(), g_c.contiguous())
+            g_h.contiguous(), g_c.contiguous(), flow_params=flow)
         d_shift = d_inputs.shift if ctx.has_shift else None
-        return (None, None, d_h, d_c, *d_inputs[:4], d_shift, *d_params)
+        return (None, None, d_h, d_c, *d_inputs[:4], d_shift, *d_params,
+                *(d_flow[0] if d_flow else ()))
 
 
 def layer_scan(options: dynamics.ScanOptions, h0: Tensor, c0: Tensor, inputs: Any,
-               params: ConvParams) -> tuple[Tensor, Tensor, Tensor]:
+               params: ConvParams, flow_params: ConvParams | None = None
+               ) -> tuple[Tensor, Tensor, Tensor]:
     """The layer's ``scan(h0, c0, inputs)`` with ``options``
     (:func:`tmcore.dynamics.scan_options` of the layer's config) and autograd.
 
     ``inputs``: :class:`tmcore.StepInputs` or :class:`tmcore.dynamics.WarpInputs` of
-    ``(B, T, ...)`` tensors (from :func:`tmcore.layer.heads`)."""
+    ``(B, T, ...)`` tensors (from :func:`tmcore.layer.heads`); ``flow_params``: the
+    ``warp_flow`` group's :class:`tmcore.ConvParams` (``flow=True``)."""
     shift = getattr(inputs, "shift", None)
-    tensors = (h0, c0, *inputs[:4], shift, *params)
+    tensors = (h0, c0, *inputs[:4], shift, *params, *(flow_params or ()))
     keep = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
     return DynamicScanFunction.apply(options, keep, *tensors)

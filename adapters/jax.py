@@ -446,6 +446,7 @@ def init(
     forget_bias: float = 0.0,
     dtype: Any = jnp.float32,
     dynamics: str = "none",
+    flow: bool = False,
 ) -> dict:
     """Parameters of one Tensor Memory layer, initialized like the PyTorch adapter.
 
@@ -481,6 +482,9 @@ def init(
         ``"warp"`` adds the zero-initialized ``warp_net`` group
         (``{"weight" (n, d), "bias" (n,)}``) that :func:`apply` with
         ``dynamics="warp"`` needs (experimental; docs/guides/local-and-warp.md).
+    flow : bool, default False
+        With ``dynamics="warp"``: adds the ``warp_flow`` group (a per-cell flow
+        from a conv of ``h``, zero pointwise map at init).
 
     Returns
     -------
@@ -502,7 +506,7 @@ def init(
         If the parameters would not fit in the device's memory.
     """
     config = tl.layer_config(embed_dim, memory_channels, memory_shape, chunk_size, sigma_scale,
-                             forget_bias=forget_bias, dynamics=dynamics)
+                             forget_bias=forget_bias, dynamics=dynamics, flow=flow)
     _sizes.check_params(jnp, config, dtype)  # before any parameter is made
     random = [s for s in tl.param_specs(config) if s.init in ("uniform", "xavier_uniform")]
     keys = iter(jax.random.split(key, len(random)))
@@ -663,6 +667,7 @@ def apply(
     update: str = "dense",
     window: int | None = None,
     dynamics: str = "none",
+    flow: bool = False,
 ) -> tuple[jax.Array, Any]:  # out [B, N, d], state
     """Run one Tensor Memory layer over ``x``; returns ``(out, state)``.
 
@@ -730,6 +735,9 @@ def apply(
         Experimental: ``"warp"`` resamples the state at displaced cell centres
         before each update (needs the ``warp_net`` group, :func:`init` with
         ``dynamics="warp"``).
+    flow : bool, default False
+        With ``dynamics="warp"``: a per-cell flow from a conv of ``h`` too
+        (needs the ``warp_flow`` group, :func:`init` with ``flow=True``).
 
     Returns
     -------
@@ -780,7 +788,7 @@ def apply(
     config = _layer_config(params, x, pair, chunk_size=chunk_size,
                            memory_shape=memory_shape, sigma_scale=sigma_scale, eps=eps,
                            radius=radius, checkpoint_every=checkpoint_every,
-                           update=update, window=window, dynamics=dynamics)
+                           update=update, window=window, dynamics=dynamics, flow=flow)
     tl.check_tokens(jnp, x, config)
     _sizes.check_forward(jnp, config, x)  # the state and the call fit, before allocating
     if stream:
@@ -804,7 +812,7 @@ def apply(
         return jnp.zeros((batch, tokens, d), dtype), state
     theta, cell = _on_mesh_of(x, _cast_params(params, dtype))
     out, (h, c) = forward_mode_guard("apply", lambda: layer(config).forward(
-        jnp, theta, x, tuple(state), scan=_layer_scan(config, cell)))
+        jnp, theta, x, tuple(state), scan=_layer_scan(config, cell, theta)))
     return out, MemoryState(h, c)
 
 
@@ -815,7 +823,7 @@ def _cast(value: Any, dtype: Any) -> Any:
 def _cast_params(params: Mapping[str, Any], dtype: Any) -> tuple[dict, ConvParams]:
     """The head parameters ``{group: {leaf: array}}`` and the cell's :class:`ConvParams`
     in the compute ``dtype`` (leaves already in it are not copied)."""
-    groups = tl.GROUPS + ((tl.WARP_GROUP,) if tl.WARP_GROUP in params else ())
+    groups = tl.GROUPS + tuple(g for g in (tl.WARP_GROUP, tl.FLOW_GROUP) if g in params)
     theta = {group: {leaf: _cast(value, dtype) for leaf, value in params[group].items()}
              for group in groups if group != "cell"}
     return theta, ConvParams(*(_cast(a, dtype) for a in conv_params(params["cell"])))
@@ -870,10 +878,12 @@ class _LayerScan(NamedTuple):
         return lax.cond(pred, true_fn, false_fn)
 
 
-def _layer_scan(config: tl.LayerConfig, cell: ConvParams) -> tl.Scan:
-    """See :class:`_LayerScan` (the local / warp options: :class:`_jax_local.LayerScan`)."""
+def _layer_scan(config: tl.LayerConfig, cell: ConvParams, theta: Any = None) -> tl.Scan:
+    """See :class:`_LayerScan` (the local / warp options: :class:`_jax_local.LayerScan`,
+    with ``theta``'s ``warp_flow`` group for ``flow=True``)."""
     if config.update != "dense" or config.dynamics != "none":
-        return _jax_local.LayerScan(scan_options(config), cell)
+        flow = tl.cell_params({"cell": theta[tl.FLOW_GROUP]}) if config.flow else None
+        return _jax_local.LayerScan(scan_options(config), cell, flow)
     return _LayerScan(config, cell)
 
 
@@ -928,7 +938,7 @@ def _stream_call(static: _StreamStatic, theta: Any, cell: ConvParams, x: jax.Arr
                  state: Any, reset: Any, valid: Any, doc_starts: Any = None
                  ) -> tuple[jax.Array, tl.StreamState]:
     return static.layer(static.config).forward_stream(
-        jnp, theta, x, state, scan=_layer_scan(static.config, cell), reset=reset,
+        jnp, theta, x, state, scan=_layer_scan(static.config, cell, theta), reset=reset,
         doc_starts=doc_starts, valid=valid)
 
 

@@ -422,14 +422,14 @@ class TensorMemory(nn.Module):
         chunk_size: int, sigma_scale: float = 1.0, *, checkpoint_every: int = 1,
         radius: float | None = None, eps: float = DEFAULT_EPS, forget_bias: float = 0.0,
         zero_init: bool = False, update: str = "dense", window: int | None = None,
-        dynamics: str = "none", device: Any = None, dtype: Any = None,
+        dynamics: str = "none", flow: bool = False, device: Any = None, dtype: Any = None,
     ):
         super().__init__()
         config = tl.layer_config(embed_dim, memory_channels, memory_shape, chunk_size,
                                  sigma_scale, checkpoint_every=checkpoint_every,
                                  radius=radius, eps=eps, forget_bias=forget_bias,
                                  zero_init=zero_init, update=update, window=window,
-                                 dynamics=dynamics)
+                                 dynamics=dynamics, flow=flow)
         self.config = config
         self.layer = self.layer_class(config)
         d, c, n = config.embed_dim, config.memory_channels, config.ndim
@@ -442,6 +442,8 @@ class TensorMemory(nn.Module):
         self.out_proj = nn.Linear(c, d, **kw)
         if config.dynamics == "warp":  # the shift head (tmcore.dynamics), zero at init
             self.warp_net = nn.Linear(d, n, **kw)
+        if config.flow:  # the per-cell flow conv(h) (tmcore.dynamics), zero at init
+            self.warp_flow = _torch_local.WarpFlow(c, n, **kw)
         self.reset_parameters()
 
     # config fields as attributes (read-only views of self.config)
@@ -562,8 +564,9 @@ class TensorMemory(nn.Module):
     def _scan(self, h0: Tensor, c0: Tensor, inputs: Any) -> tuple[Tensor, Tensor, Tensor]:
         config = self.config
         if config.update != "dense" or config.dynamics != "none":  # local / warp options
-            return _torch_local.layer_scan(scan_options(config), h0, c0, inputs,
-                                           self.cell.params())
+            return _torch_local.layer_scan(
+                scan_options(config), h0, c0, inputs, self.cell.params(),
+                self.warp_flow.params() if config.flow else None)
         return memory_scan(h0, c0, *inputs, self.cell.params(), eps=config.eps,
                            radius=config.radius, checkpoint_every=config.checkpoint_every)
 

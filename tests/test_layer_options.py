@@ -24,7 +24,10 @@ OPTIONS = {
     "local": {"update": "local", "window": 2},
     "warp": {"dynamics": "warp"},
     "local+warp": {"update": "local", "window": 2, "dynamics": "warp"},
+    "local+flow": {"update": "local", "window": 2, "dynamics": "warp", "flow": True},
 }
+FLOW_KEYS = [f"warp_flow.{k}" for k in ("depthwise_bias", "depthwise_weight",
+                                         "pointwise_bias", "pointwise_weight")]
 
 
 def _close(a, b, tol=1e-12):
@@ -71,6 +74,8 @@ def test_default_config_has_exactly_the_former_parameters():
     ({"window": 2}, ValueError, "window"),
     ({"dynamics": "flow"}, ValueError, "dynamics"),
     ({"dynamics": None}, TypeError, "dynamics"),
+    ({"flow": True}, ValueError, "flow"),
+    ({"dynamics": "warp", "flow": 1}, TypeError, "flow"),
 ])
 def test_bad_options_are_named(kwargs, error, words):
     with pytest.raises(error, match=words):
@@ -174,6 +179,41 @@ def test_warp_scan_vjp_matches_central_differences(shape, update):
         assert abs(fd - np.sum(grad * v)) <= 1e-6 * max(1.0, abs(fd))
 
 
+@pytest.mark.parametrize("update", ["dense", "local"])
+def test_flow_vjp_matches_central_differences_and_zero_flow_is_the_shift(update):
+    h0, c0, inputs, params, shift, (g_reads, g_h, g_c) = _scan_args((4, 3), steps=2, seed=2)
+    rng = np.random.default_rng(4)
+    n = 2
+    flow = tmcore.ConvParams(rng.standard_normal((n, C, 3)) * 0.5,
+                             rng.standard_normal((n, C)) * 0.1,
+                             rng.standard_normal((n, C)) * 0.1, rng.standard_normal(n) * 0.05)
+    warped = dy.WarpInputs(*inputs, shift)
+    kw = {"update": update, "window": 2 if update == "local" else None}
+    zero = tmcore.ConvParams(flow[0], flow[1], np.zeros((n, C)), np.zeros(n))
+    for a, b in zip(dy.dynamic_memory_scan(h0, c0, warped, params, flow_params=zero, **kw),
+                    dy.dynamic_memory_scan(h0, c0, warped, params, **kw), strict=True):
+        _close(a, b)
+
+    def loss(fp=flow, h=h0):
+        reads, h_t, c_t = dy.dynamic_memory_scan(h, c0, warped, params, flow_params=fp, **kw)
+        return np.sum(reads * g_reads) + np.sum(h_t * g_h) + np.sum(c_t * g_c)
+
+    d_h, *_, d_flow = dy.dynamic_memory_scan_vjp(h0, c0, warped, params, g_reads, g_h, g_c,
+                                                 flow_params=flow, **kw)
+    e = 1e-6
+    for k in range(4):
+        v = rng.standard_normal(flow[k].shape)
+        up, down = list(flow), list(flow)
+        up[k], down[k] = flow[k] + e * v, flow[k] - e * v
+        fd = (loss(tmcore.ConvParams(*up)) - loss(tmcore.ConvParams(*down))) / (2 * e)
+        assert abs(fd - np.sum(d_flow[k] * v)) <= 1e-6 * max(1.0, abs(fd))
+    v = rng.standard_normal(h0.shape)
+    fd = (loss(h=h0 + e * v) - loss(h=h0 - e * v)) / (2 * e)
+    assert abs(fd - np.sum(d_h * v)) <= 1e-6 * max(1.0, abs(fd))
+    with pytest.raises(ValueError, match="flow_params"):
+        dy.dynamic_memory_scan(h0, c0, inputs, params, flow_params=flow)
+
+
 # --------------------------------------------------------------------------- NumPy layer
 
 
@@ -183,11 +223,17 @@ def _np_layer(options, grid=(4, 3), seed=0, warp_scale=0.0, method="fast"):
     params = tl.init_params(np, config, lambda s: rng.uniform(-s.bound, s.bound, s.shape))
     if config.dynamics == "warp":
         params[tl.WARP_GROUP]["weight"] = warp_scale * rng.standard_normal((len(grid), D))
+    flow = None
+    if config.flow:
+        params[tl.FLOW_GROUP]["pointwise_weight"] = warp_scale * rng.standard_normal(
+            (len(grid), C))
+        flow = tl.cell_params({"cell": params[tl.FLOW_GROUP]})
     options = dy.scan_options(config, method)
 
     def scan(h, c, inputs):
         return dy.dynamic_memory_scan(h, c, inputs, tl.cell_params(params),
-                                      update=options.update, window=options.window)
+                                      update=options.update, window=options.window,
+                                      flow_params=flow)
 
     return tl.Layer(config), params, scan
 
@@ -233,9 +279,22 @@ def _torch_pair(options, seed=0, grid=(4, 3)):
     other = TensorMemory(**kw, **options)
     missing, unexpected = other.load_state_dict(base.state_dict(), strict=False)
     assert not unexpected
-    assert sorted(missing) == (["warp_net.bias", "warp_net.weight"]
-                               if options.get("dynamics") == "warp" else [])
+    expected = (["warp_net.bias", "warp_net.weight"] if options.get("dynamics") == "warp"
+                else []) + (FLOW_KEYS if options.get("flow") else [])
+    assert sorted(missing) == sorted(expected)
     return base, other
+
+
+def _perturb_warp(torch, module, seed):
+    """Non-zero shift (and flow) heads, so the warp moves the state."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        if hasattr(module, "warp_net"):
+            module.warp_net.weight.copy_(0.3 * torch.randn(2, D, dtype=torch.float64,
+                                                           generator=g))
+        if hasattr(module, "warp_flow"):
+            module.warp_flow.pointwise_weight.copy_(
+                0.2 * torch.randn(2, C, dtype=torch.float64, generator=g))
 
 
 def _grads(torch, module, x):
@@ -252,21 +311,19 @@ def _masked(module):
 
     options = dy.scan_options(module.config, "masked")
     module._scan = lambda h0, c0, inputs: _torch_local.layer_scan(
-        options, h0, c0, inputs, module.cell.params())
+        options, h0, c0, inputs, module.cell.params(),
+        module.warp_flow.params() if module.config.flow else None)
     return module
 
 
-@pytest.mark.parametrize("name", ["local", "local+warp"])
+@pytest.mark.parametrize("name", ["local", "local+warp", "local+flow"])
 def test_torch_local_layer_equals_the_masked_definition(name):
     torch = _torch()
     _, local = _torch_pair(OPTIONS[name])
     _, masked = _torch_pair(OPTIONS[name])
     masked.load_state_dict(local.state_dict())
-    if name == "local+warp":
-        with torch.no_grad():
-            for m in (local, masked):
-                m.warp_net.weight.copy_(0.3 * torch.randn(2, D, generator=torch.Generator()
-                                                          .manual_seed(5), dtype=torch.float64))
+    for m in (local, masked):
+        _perturb_warp(torch, m, 5)
     _masked(masked)
     x = torch.randn(2, 7, D, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     out, grads = _grads(torch, local, x)
@@ -281,15 +338,18 @@ def test_torch_full_window_and_zero_warp_equal_the_default_layer():
     torch = _torch()
     x = torch.randn(2, 7, D, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
     for options in ({"update": "local", "window": 4}, {"dynamics": "warp"},
-                    {"update": "local", "window": 4, "dynamics": "warp"}):
+                    {"update": "local", "window": 4, "dynamics": "warp"},
+                    {"dynamics": "warp", "flow": True}):
         base, other = _torch_pair(options)
         ref, ref_grads = _grads(torch, base, x)
         out, grads = _grads(torch, other, x)
         _close(out, ref)
         for key, value in ref_grads.items():
             _close(grads[key], value)
-        if "dynamics" in options:  # the shift head gets a gradient at zero
+        if "dynamics" in options:  # the shift (and flow) heads get a gradient at zero
             assert grads["warp_net.weight"].abs().sum() > 0
+        if options.get("flow"):
+            assert grads["warp_flow.pointwise_weight"].abs().sum() > 0
 
 
 def test_torch_local_layer_keeps_the_state_outside_the_window_bit_for_bit():
@@ -372,10 +432,7 @@ def test_torch_shift_head_gradient_matches_finite_differences():
 def test_torch_streaming_and_packed_documents(name):
     torch = _torch()
     _, m = _torch_pair(OPTIONS[name])
-    if "dynamics" in OPTIONS[name]:
-        with torch.no_grad():
-            m.warp_net.weight.copy_(0.3 * torch.randn(2, D, dtype=torch.float64,
-                                                      generator=torch.Generator().manual_seed(8)))
+    _perturb_warp(torch, m, 8)
     x = torch.randn(2, 9, D, dtype=torch.float64, generator=torch.Generator().manual_seed(9))
     with torch.no_grad():
         out, state = m(x)
@@ -405,18 +462,16 @@ def _jax():
 
 
 @pytest.mark.parametrize("name", [pytest.param("local", marks=pytest.mark.slow),
-                                  pytest.param("warp", marks=pytest.mark.slow), "local+warp"])
+                                  pytest.param("warp", marks=pytest.mark.slow),
+                                  pytest.param("local+warp", marks=pytest.mark.slow),
+                                  "local+flow"])
 def test_jax_equals_torch_with_each_option(name):
     jax = _jax()
     torch = _torch()
     from tmcore.adapters import jax as tj
 
     _, m = _torch_pair(OPTIONS[name])
-    if "dynamics" in OPTIONS[name]:
-        with torch.no_grad():
-            m.warp_net.weight.copy_(0.3 * torch.randn(2, D, dtype=torch.float64,
-                                                      generator=torch.Generator()
-                                                      .manual_seed(10)))
+    _perturb_warp(torch, m, 10)
     x = torch.randn(2, 5, D, dtype=torch.float64, generator=torch.Generator().manual_seed(11))
     out, grads = _grads(torch, m, x)
     with jax.enable_x64(True):
