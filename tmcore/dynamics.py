@@ -18,12 +18,15 @@ array API (every namespace; the adapters register it with their autodiff):
 
   The shift is the layer's ``warp_net`` head on the chunk's write summary
   (:class:`WarpInputs`), zero at initialization, so the layer starts as the default.
+  With ``flow_params`` (the layer's ``flow=True``, group ``warp_flow``) a per-cell flow
+  ``conv(h_{t-1}) (B, n, *S)`` (a factorized conv, ``C -> n``) is added to the shift.
   The backward keeps every step's input state (``T`` states, no checkpoints: the warp
   moves every cell, so no undo log applies) and recomputes each step's warp and gates.
 
 Cost per step: the local update's work is the window's (:mod:`tmcore.local`); the
 warp's is the grid's, ``O(B C P sum(S_a))`` for a shift (``P`` cells), forward and
-backward, so a warped local step is no longer independent of the grid.
+backward, so a warped local step is no longer independent of the grid; with a flow the
+state's VJP through the warp is ``O(B C P^2)`` on the generic path (:mod:`tmcore.warp`).
 """
 
 from __future__ import annotations
