@@ -228,7 +228,26 @@ class MemoryHandle:
     in ``causal`` mode). With ``streaming=True`` the next call starts from it
     (per layer in ``causal`` mode; from the last layer's state in ``threaded``
     mode), else every call starts from zeros. The hooks assume the blocks run in
-    order, once each, per model call.
+    order, once each, per model call. Made by
+    :func:`tmcore.adapters.torch.attach_memory`.
+
+    Parameters
+    ----------
+    blocks : list of nn.Module
+        The blocks, in order; each gets the submodule ``tensor_memory`` and a hook.
+    memories : list of nn.Module
+        One :class:`~tmcore.adapters.torch.MemoryResidual` per block.
+    mode : {"causal", "threaded"}
+        The multi-layer mode (:data:`tmcore.layer.MODES`).
+    streaming : bool
+        Carry ``state`` from one model call to the next.
+    batch_first : bool
+        Whether the block outputs are ``(B, N, d)`` (else ``(N, B, d)``).
+
+    Raises
+    ------
+    ValueError
+        If ``mode`` is unknown or a block already has a memory attached.
     """
 
     def __init__(self, blocks: list[nn.Module], memories: list[nn.Module], mode: str,
@@ -286,7 +305,16 @@ class MemoryHandle:
         return [getattr(block, ATTRIBUTE) for block in self._blocks] if self.attached else []
 
     def parameters(self) -> Iterator[nn.Parameter]:
-        """The memories' parameters (each once); ``model.parameters()`` includes them."""
+        """Iterate over the memories' parameters (each once).
+
+        ``model.parameters()`` includes them too; this is for, e.g., a separate
+        optimizer group.
+
+        Yields
+        ------
+        nn.Parameter
+            Each parameter of the memories, once.
+        """
         seen: set[int] = set()
         for memory in self.memories:
             for p in memory.parameters():
@@ -406,8 +434,19 @@ class MemoryHandle:
     # ----------------------------------------------------------------- state
 
     def reset_state(self, mask: Tensor | None = None) -> None:
-        """Forget the state (``mask=None``), or start the sequences where the
-        ``(B,)`` bool ``mask`` is True from zeros at the next call."""
+        """Forget the state, or start some sequences from zeros at the next call.
+
+        Parameters
+        ----------
+        mask : Tensor, shape ``(B,)``, bool, optional
+            The sequences to start from zeros (masks of several calls combine);
+            ``None``: forget the whole state (and the pending masks).
+
+        Raises
+        ------
+        TypeError
+            If ``mask`` is not a bool tensor.
+        """
         if mask is None:
             self.state, self._reset, self._doc_starts, self._valid = None, None, None, None
             return
@@ -417,10 +456,24 @@ class MemoryHandle:
         self._reset = mask if self._reset is None else (self._reset | mask)
 
     def start_documents(self, doc_starts: Tensor) -> None:
-        """Packed documents in the next call (``causal`` mode): a ``(B, N)`` bool mask,
-        True at each token that starts a document; every layer forgets its state there
-        and restarts its chunk grid, so each document's outputs equal running it alone
-        (:meth:`TensorMemory.forward`'s ``doc_starts``)."""
+        """Mark packed documents for the next call (``causal`` mode).
+
+        Every layer forgets its state at each document start and restarts its
+        chunk grid there, so each document's outputs equal running it alone
+        (:meth:`~tmcore.adapters.torch.TensorMemory.forward`'s ``doc_starts``).
+
+        Parameters
+        ----------
+        doc_starts : Tensor, shape ``(B, N)``, bool
+            True at each token that starts a document.
+
+        Raises
+        ------
+        TypeError
+            If ``doc_starts`` is not a bool tensor.
+        ValueError
+            If the handle's mode is not ``"causal"``.
+        """
         if self.mode != "causal":
             raise ValueError(f"doc_starts: packed documents need mode='causal', "
                              f"this handle is {self.mode!r}")
@@ -431,10 +484,24 @@ class MemoryHandle:
         self._doc_starts = doc_starts
 
     def set_valid(self, valid: Tensor | None) -> None:
-        """Padding in the next call (``causal`` mode): a ``(B, N)`` bool mask, False at
-        padding tokens. They never enter any layer's state nor its chunk grid, and the
-        memory adds nothing to them, so every row equals running its valid tokens alone
-        (:meth:`TensorMemory.forward`'s ``valid``). ``None`` clears it."""
+        """Mark the padding of the next call (``causal`` mode).
+
+        Padding tokens never enter any layer's state nor its chunk grid, and the
+        memory adds nothing to them, so every row equals running its valid tokens
+        alone (:meth:`~tmcore.adapters.torch.TensorMemory.forward`'s ``valid``).
+
+        Parameters
+        ----------
+        valid : Tensor, shape ``(B, N)``, bool, or None
+            False at padding tokens; ``None`` clears the mask.
+
+        Raises
+        ------
+        TypeError
+            If ``valid`` is not a 2-D bool tensor.
+        ValueError
+            If the handle's mode is not ``"causal"``.
+        """
         if valid is None:
             self._valid = None
             return
@@ -454,7 +521,19 @@ class MemoryHandle:
         self._state_cut = True
 
     def set_state(self, state: Sequence[State] | None) -> None:
-        """Replace the per-layer state (``None``: zeros at the next call)."""
+        """Replace the per-layer state.
+
+        Parameters
+        ----------
+        state : sequence of (pair of Tensor or StreamState), or None
+            One state per block (``(h, c)`` or a
+            :class:`~tmcore.layer.StreamState`); ``None``: zeros at the next call.
+
+        Raises
+        ------
+        ValueError
+            If there is not one state per block.
+        """
         if state is not None and len(state) != len(self._blocks):
             raise ValueError(f"state: expected {len(self._blocks)} per-layer (h, c) pairs, "
                              f"got {len(state)}")

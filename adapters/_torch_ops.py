@@ -352,7 +352,8 @@ def _make_op(spec: OpSpec) -> MadeOp:
 
 def _sample_forward(primals, statics):
     volume, coords = primals
-    validate_sample_inputs(volume, coords)  # eager calls of the op: the public checks
+    if not _VALIDATED.get():  # eager calls of the op: the public checks (once per call)
+        validate_sample_inputs(volume, coords)
     return (ops_for(_XP).sample_fwd(_XP, volume, coords),)
 
 
@@ -374,7 +375,8 @@ _SAMPLE = _make_op(OpSpec(
 
 def _splat_forward(primals, statics):
     shape, eps, radius = statics
-    validate_splat_inputs(*primals, shape, radius=radius, eps=eps)
+    if not _VALIDATED.get():  # eager calls of the op: the public checks (once per call)
+        validate_splat_inputs(*primals, shape, radius=radius, eps=eps)
     return (ops_for(_XP).splat_fwd(_XP, *primals, tuple(shape), eps, radius),)
 
 

@@ -53,14 +53,14 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tmcore import layer as tl
-from tmcore import sampling, splat
 from tmcore._validate import check_finite, check_int
 from tmcore.adapters import _torch_local, _torch_ops
 from tmcore.adapters._torch_attach import MemoryHandle, blocks_of, detach_state
 from tmcore.conv import ConvParams, as_conv_params
 from tmcore.dynamics import scan_options
+from tmcore.sampling import validate_sample_inputs
 from tmcore.scan import validate_scan_inputs
-from tmcore.splat import DEFAULT_EPS
+from tmcore.splat import DEFAULT_EPS, validate_splat_inputs
 
 __all__ = [
     "ConvLSTMCell",
@@ -83,8 +83,8 @@ __all__ = [
 
 MODES = tl.MODES
 State = tuple[Tensor, Tensor]
-#: The state between streamed calls (:class:`tmcore.layer.StreamState`): ``(h, c)`` at
-#: the last chunk boundary plus the unfinished chunk's tokens, their count and its read.
+# The state between streamed calls (tmcore.layer.StreamState, documented there): (h, c) at
+# the last chunk boundary plus the unfinished chunk's tokens, their count and its read.
 StreamState = tl.StreamState
 _XP = _torch_ops._XP
 
@@ -93,34 +93,82 @@ _XP = _torch_ops._XP
 
 
 def trilinear_sample(volume: Tensor, coords: Tensor) -> Tensor:
-    """``tmcore.trilinear_sample`` with autograd: ``(B, C, *S), (B, Q, n) -> (B, Q, C)``.
+    """Sample a volume at coordinates, with autograd (tmcore.trilinear_sample).
 
     Same checks (and validate mode), dispatch and float16 / bfloat16 rule as
-    ``tmcore.trilinear_sample``.
+    :func:`tmcore.trilinear_sample`; the gradient is its hand-written VJP.
+
+    Parameters
+    ----------
+    volume : Tensor, shape ``(B, C, *S)``
+        The volume, ``n = len(S)`` spatial axes (1 to 4).
+    coords : Tensor, shape ``(B, Q, n)``
+        Coordinates in ``[-1, 1]``, ``coords[..., k]`` addressing spatial axis
+        ``n - 1 - k`` (``grid_sample``'s order); clamped to the border.
+
+    Returns
+    -------
+    Tensor, shape ``(B, Q, C)``
+        The n-linear interpolation of ``volume`` at each coordinate.
+
+    Raises
+    ------
+    TypeError
+        If an argument is not a floating tensor.
+    ValueError
+        If the shapes do not fit, or (validate mode) a value is not finite.
     """
-    if not torch.compiler.is_compiling():  # Dynamo cannot trace the validator's ContextVar
-        sampling._validate(volume, coords)
+    validated = not torch.compiler.is_compiling()  # (Dynamo cannot trace the validator)
+    if validated:
+        validate_sample_inputs(volume, coords)
     return _torch_ops.call(_torch_ops.TrilinearSampleFunction, _torch_ops.trilinear_sample_op,
-                          volume, coords)
+                          volume, coords, validated=validated)
 
 
 def gaussian_splat(
     content: Tensor, mu: Tensor, sigma: Tensor, shape: Sequence[int], *,
     eps: float = DEFAULT_EPS, radius: float | None = None,
 ) -> Tensor:
-    """``tmcore.gaussian_splat`` with autograd.
+    """Write contents as Gaussians into a volume, with autograd (tmcore.gaussian_splat).
 
-    ``content (B, K, C)``, ``mu (B, K, n)``, ``sigma (B, K)`` -> ``(B, C, *shape)``.
     Same checks (and validate mode), dispatch and float16 / bfloat16 rule as
-    ``tmcore.gaussian_splat``.
+    :func:`tmcore.gaussian_splat`; the gradient is its hand-written VJP.
+
+    Parameters
+    ----------
+    content : Tensor, shape ``(B, K, C)``
+        What each of the ``K`` writes adds.
+    mu : Tensor, shape ``(B, K, n)``
+        The writes' centres in ``[-1, 1]`` (``grid_sample``'s axis order).
+    sigma : Tensor, shape ``(B, K)``
+        The writes' spreads (> 0, normalized units).
+    shape : sequence of int
+        The grid ``S`` (``n`` = its length, 1 to 4).
+    eps : float, default 1e-6
+        Added to ``2 sigma^2`` in the exponent's denominator (>= 0).
+    radius : float or None, default None
+        Truncate each write at ``radius * sigma`` (None: dense).
+
+    Returns
+    -------
+    Tensor, shape ``(B, C, *shape)``
+        ``sum_k content[b, k] * exp(-|p - mu_bk|^2 / (2 sigma_bk^2 + eps))`` at every
+        cell centre ``p``.
+
+    Raises
+    ------
+    TypeError
+        If an argument is not a floating tensor, or ``shape`` not ints.
+    ValueError
+        If the shapes do not fit, ``radius`` or ``eps`` is out of range, or
+        (validate mode) a value is not finite or ``sigma <= 0``.
     """
-    if torch.compiler.is_compiling():
-        dims = tuple(shape)
-    else:
-        _, dims = splat._validate(content, mu, sigma, shape, radius=radius, eps=eps)
+    validated = not torch.compiler.is_compiling()  # (Dynamo cannot trace the validator)
+    dims = validate_splat_inputs(content, mu, sigma, shape, radius=radius, eps=eps)[1] \
+        if validated else tuple(shape)
     return _torch_ops.call(_torch_ops.GaussianSplatFunction, _torch_ops.gaussian_splat_op,
                           content, mu, sigma, list(dims), float(eps),
-                          None if radius is None else float(radius))
+                          None if radius is None else float(radius), validated=validated)
 
 
 def _needs_grad(*tensors: Tensor) -> bool:
@@ -132,20 +180,56 @@ def memory_scan(
     write_content: Tensor, params: ConvParams, *, eps: float = DEFAULT_EPS,
     radius: float | None = None, checkpoint_every: int = 1,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """``tmcore.memory_scan`` with autograd (the hand-written scan VJP).
+    """Run the chunk recurrence (read, write, update) with autograd (tmcore.memory_scan).
 
-    ``h0, c0 (B, C, *S)``, ``read_coords, write_coords (B, T, n)``,
-    ``write_sigma (B, T)``, ``write_content (B, T, C)``, ``params``: a
-    :class:`tmcore.ConvParams` of tensors. Returns ``(reads (B, T, C), h_T, c_T)``.
-    ``checkpoint_every = k`` keeps ``ceil(T / k)`` states for the backward; when
-    no gradient is needed (``no_grad``, or no input requires grad) only the
-    initial state is kept, so inference memory does not grow with ``T``.
+    The gradient is tmcore's hand-written scan VJP. ``checkpoint_every = k``
+    keeps ``ceil(T / k)`` states for the backward; when no gradient is needed
+    (``no_grad``, or no input requires grad) only the initial state is kept, so
+    inference memory does not grow with ``T``. The arguments are checked by
+    :func:`tmcore.scan.validate_scan_inputs` (once: the op does not check them
+    again); under ``torch.compile`` the same shape checks run once, at trace
+    time, in the op's fake implementation (values of fake tensors are never read).
 
-    The arguments are checked by :func:`tmcore.scan.validate_scan_inputs`
-    (``TypeError`` / ``ValueError`` naming the argument; in tmcore's validate
-    mode also finite values and ``write_sigma > 0``). Under ``torch.compile``
-    the same shape checks run once, at trace time, in the op's fake
-    implementation (values of fake tensors are never read).
+    Parameters
+    ----------
+    h0 : Tensor, shape ``(B, C, *S)``
+        The hidden state entering the first step.
+    c0 : Tensor, shape ``(B, C, *S)``
+        The cell state entering the first step.
+    read_coords : Tensor, shape ``(B, T, n)``
+        Each step's read position, ``[-1, 1]``.
+    write_coords : Tensor, shape ``(B, T, n)``
+        Each step's write centre.
+    write_sigma : Tensor, shape ``(B, T)``
+        Each step's write spread (> 0).
+    write_content : Tensor, shape ``(B, T, C)``
+        Each step's written content.
+    params : ConvParams
+        The gate conv's tensors (:meth:`ConvLSTMCell.params`).
+    eps : float, default 1e-6
+        As in :func:`gaussian_splat`.
+    radius : float or None, default None
+        As in :func:`gaussian_splat`.
+    checkpoint_every : int, default 1
+        Keep every ``k``-th state for the backward and recompute the rest.
+
+    Returns
+    -------
+    reads : Tensor, shape ``(B, T, C)``
+        Step ``t``'s read, of the state before its write.
+    h : Tensor, shape ``(B, C, *S)``
+        The final hidden state.
+    c : Tensor, shape ``(B, C, *S)``
+        The final cell state.
+
+    Raises
+    ------
+    TypeError
+        If an argument is not a tensor of a floating dtype, or ``params`` is
+        not a 4-tuple (each error names the argument).
+    ValueError
+        If the shapes do not fit, a size option is out of range, or (validate
+        mode) a value is not finite or ``write_sigma <= 0``.
     """
     params = as_conv_params(params)
     if not torch.compiler.is_compiling():  # Dynamo cannot trace the validator's ContextVar
@@ -164,9 +248,29 @@ def memory_scan(
 
 def doc_starts_from_offsets(offsets: Sequence[Any], tokens: int, *, device: Any = None
                             ) -> Tensor:
-    """``cu_seqlens``-style document offsets (one row, or one list per row) to the bool
-    ``(B, tokens)`` mask :meth:`TensorMemory.forward` takes as ``doc_starts``
-    (:func:`tmcore.layer.doc_starts_from_offsets`)."""
+    """Turn ``cu_seqlens``-style document offsets into a per-token document-start mask.
+
+    Parameters
+    ----------
+    offsets : sequence of int, or sequence of sequences of int
+        For one row, the increasing start offsets of its documents (e.g. ``[0, 5,
+        12]``, optionally ending with ``tokens``); or one such list per row.
+    tokens : int
+        ``N``, the tokens per row.
+    device : torch.device, str or None, optional
+        Where the mask is made.
+
+    Returns
+    -------
+    Tensor, shape ``(B, tokens)``, bool
+        True at each document start: :meth:`TensorMemory.forward`'s
+        ``doc_starts`` (:func:`tmcore.layer.doc_starts_from_offsets`).
+
+    Raises
+    ------
+    ValueError
+        If the offsets of a row are not increasing or not in ``[0, tokens]``.
+    """
     return tl.doc_starts_from_offsets(_XP, offsets, tokens, device=device)
 
 
@@ -348,7 +452,16 @@ class _TorchChecks(NamedTuple):
 
 
 class _TorchLayer(tl.Layer):
-    """tmcore's layer with torch's fused ``F.linear`` for the heads (follows autocast)."""
+    """The layer of :mod:`tmcore.layer` with torch's fused kernels for the heads.
+
+    ``F.linear`` (follows autocast), ``F.softplus`` and ``torch.split``: the same
+    math as the generic heads, in fewer dispatched ops.
+
+    Parameters
+    ----------
+    config : LayerConfig
+        The layer's hyperparameters (:func:`tmcore.layer.layer_config`).
+    """
 
     def heads(self, xp: Any, params: Mapping[str, Any], chunk: Tensor) -> Any:
         # 2-D operands for the products (flat_rows) where F.linear would flatten the
@@ -379,40 +492,68 @@ class _TorchLayer(tl.Layer):
 class TensorMemory(nn.Module):
     """Tensor Memory layer: chunked read / write / ConvLSTM update of a voxel state.
 
-    Parameters
-    ----------
-    embed_dim : token width ``d``.
-    memory_channels : ``C``, channels of the state ``(h, c)``.
-    memory_shape : spatial grid ``S``, 1 to 4 positive ints (3 in the paper).
-    chunk_size : ``L`` tokens per chunk (one read and one write per chunk).
-    sigma_scale : multiplies the predicted write spread.
-    checkpoint_every : the backward keeps every k-th state and recomputes the rest.
-    radius : optional truncation of the Gaussian write, in units of sigma.
-    eps : added to ``2 sigma^2`` in the Gaussian (>= 0).
-    forget_bias : initial bias of the ConvLSTM forget gate (default 0, the layer's
-        init: the cell starts keeping ``sigmoid(0) = 1/2`` of its state per chunk).
-        A positive value (e.g. 3: ``sigmoid(3) = 0.95``) starts the memory
-        remembering across many chunks, which long-range tasks need to discover
-        it at all (see examples/diagnostics/README.md).
-
     Every argument is checked once by :func:`tmcore.layer.layer_config` (sizes
     are ints, Python or NumPy: a float or bool is a ``TypeError``, a size < 1 a
     ``ValueError``). The math per chunk is :class:`tmcore.layer.Layer`'s
-    (``layer_class``; a variant subclasses it).
-    zero_init : start the read-out ``out_proj`` at zero (weight and bias): the
-        layer's output is exactly 0 at initialization (an attached memory is an
-        exact identity) while ``out_proj`` still gets a gradient.
-    update, window, dynamics : experimental options beyond the paper
-        (:func:`tmcore.layer.layer_config`; docs/guides/local-and-warp.md):
-        ``update="local"`` with ``window`` cells per axis, ``dynamics="warp"`` (adds
-        the zero-initialized ``warp_net``); eager autograd only
-        (:mod:`tmcore.adapters._torch_local`).
+    (``layer_class``; a variant subclasses it). Streaming by default:
+    :meth:`forward` returns a :class:`StreamState` that carries the unfinished
+    chunk, so feeding a sequence back in pieces of any lengths with the returned
+    state equals one long call; ``stream=False`` pads the ragged last chunk with
+    zeros and writes it into the state (a plain ``(h, c)``; the paper's reference
+    behaviour).
 
-    Streaming by default: :meth:`forward` returns a :class:`StreamState` that
-    carries the unfinished chunk, so feeding a sequence back in pieces of any
-    lengths with the returned state equals one long call. ``stream=False`` pads
-    the ragged last chunk with zeros and writes it into the state (a plain
-    ``(h, c)``; the paper's reference behaviour).
+    Parameters
+    ----------
+    embed_dim : int
+        ``d``, the token width.
+    memory_channels : int
+        ``C``, the channels of the state ``(h, c)``.
+    memory_shape : sequence of int
+        The spatial grid ``S``, 1 to 4 positive ints (3 in the paper).
+    chunk_size : int
+        ``L``, tokens per chunk (one read and one write per chunk).
+    sigma_scale : float, default 1.0
+        Multiplies the predicted write spread.
+    checkpoint_every : int, default 1
+        The backward keeps every k-th state and recomputes the rest.
+    radius : float or None, default None
+        Optional truncation of the Gaussian write, in units of sigma.
+    eps : float, default 1e-6
+        Added to ``2 sigma^2`` in the Gaussian (>= 0).
+    forget_bias : float, default 0.0
+        Initial bias of the ConvLSTM forget gate (the layer's init: the cell
+        starts keeping ``sigmoid(0) = 1/2`` of its state per chunk). A positive
+        value (e.g. 3: ``sigmoid(3) = 0.95``) starts the memory remembering
+        across many chunks, which long-range tasks need to discover it at all.
+    zero_init : bool, default False
+        Start the read-out ``out_proj`` at zero (weight and bias): the layer's
+        output is exactly 0 at initialization (an attached memory is an exact
+        identity) while ``out_proj`` still gets a gradient.
+    update : {"dense", "local"}, default "dense"
+        Experimental (:func:`tmcore.layer.layer_config`): ``"local"`` updates
+        only a window of ``window`` cells per axis around the write.
+    window : int or None, default None
+        The window's cells per axis with ``update="local"``.
+    dynamics : {"none", "warp"}, default "none"
+        Experimental: ``"warp"`` resamples the state at displaced cell centres
+        before each update (adds the zero-initialized ``warp_net``).
+    flow : bool, default False
+        With ``dynamics="warp"``, also ``warp_flow``, a per-cell flow from a conv
+        of ``h``. The experimental options run in eager autograd only
+        (:mod:`tmcore.adapters._torch_local`).
+    device : torch.device, str or None, optional
+        Where the parameters live.
+    dtype : torch.dtype or None, optional
+        The parameters' dtype.
+
+    Raises
+    ------
+    TypeError
+        If a size is not an int (a float, a bool) or another argument has the
+        wrong type.
+    ValueError
+        If a size is < 1, ``memory_shape`` does not have 1 to 4 axes, or a
+        number is out of range (each error names the argument).
     """
 
     layer_class: type[tl.Layer] = _TorchLayer
@@ -464,9 +605,11 @@ class TensorMemory(nn.Module):
                         tl.param_groups(self.config))
 
     def zero_read_out_(self) -> None:
-        """Zero ``out_proj`` (weight and bias) and keep ``zero_init=True`` in the config
-        (so :meth:`reset_parameters` keeps it): the output is exactly 0 from here on
-        until ``out_proj`` trains."""
+        """Zero the read-out ``out_proj`` (weight and bias), and keep it zero on reset.
+
+        ``zero_init=True`` goes into the config (so :meth:`reset_parameters` keeps
+        it): the output is exactly 0 from here on until ``out_proj`` trains.
+        """
         self.config = dataclasses.replace(self.config, zero_init=True)
         self.layer.config = self.config
         with torch.no_grad():
@@ -474,6 +617,13 @@ class TensorMemory(nn.Module):
             self.out_proj.bias.zero_()
 
     def extra_repr(self) -> str:
+        """Describe the configuration in the module's ``repr``.
+
+        Returns
+        -------
+        str
+            ``"embed_dim=..., memory_channels=..., ..."``.
+        """
         return (f"embed_dim={self.embed_dim}, memory_channels={self.memory_channels}, "
                 f"memory_shape={self.memory_shape}, chunk_size={self.chunk_size}, "
                 f"sigma_scale={self.sigma_scale}, checkpoint_every={self.checkpoint_every}, "
@@ -481,14 +631,22 @@ class TensorMemory(nn.Module):
                 + (", zero_init=True" if self.zero_init else "")
                 + (f", update='local', window={self.config.window}"
                    if self.config.update == "local" else "")
-                + (", dynamics='warp'" if self.config.dynamics == "warp" else ""))
+                + (", dynamics='warp'" if self.config.dynamics == "warp" else "")
+                + (", flow=True" if self.config.flow else ""))
 
     def params(self) -> dict[str, dict[str, Tensor]]:
-        """The parameters as tmcore.layer's pytree ``{group: {leaf: tensor}}``.
+        """The parameters as :mod:`tmcore.layer`'s pytree.
 
         Read by attribute (``self.write_proj.weight``, ...), not through
         ``named_parameters()``: FSDP1 with flat parameters (its default) unregisters
-        the parameters and sets each attribute to a view of the flat one."""
+        the parameters and sets each attribute to a view of the flat one.
+
+        Returns
+        -------
+        dict of dict of Tensor
+            ``{group: {leaf: tensor}}`` (the state-dict names split at the dot),
+            the module's parameters themselves.
+        """
         params: dict[str, dict[str, Tensor]] = {}
         for spec in tl.param_specs(self.config):
             params.setdefault(spec.group, {})[spec.leaf] = getattr(getattr(self, spec.group),
@@ -498,11 +656,16 @@ class TensorMemory(nn.Module):
     # ----------------------------------------------------------------- checkpoints
 
     def get_extra_state(self) -> Tensor:
-        """The grid shape ``memory_shape`` as an int32 tensor (state-dict key ``_extra_state``).
+        """Store the grid shape in the state dict (key ``_extra_state``).
 
         The parameters do not show the grid (only its number of axes), so the
         state dict carries it, and loading refuses a checkpoint of another grid.
         A tensor, so that safetensors and ``torch.load(weights_only=True)`` keep it.
+
+        Returns
+        -------
+        Tensor, shape ``(n,)``, int32
+            ``memory_shape``.
         """
         return torch.tensor(self.memory_shape, dtype=torch.int32)
 
@@ -515,7 +678,18 @@ class TensorMemory(nn.Module):
         return tl.stored_grid_error(value, self.memory_shape, key)
 
     def set_extra_state(self, state: Any) -> None:
-        """Check a stored grid shape (see :meth:`get_extra_state`); ``ValueError`` on mismatch."""
+        """Check a stored grid shape against this model's (see :meth:`get_extra_state`).
+
+        Parameters
+        ----------
+        state : Tensor or sequence of int
+            The stored ``_extra_state``, a 1-D int tensor ``(n,)``.
+
+        Raises
+        ------
+        ValueError
+            If it is malformed or another grid than ``memory_shape``.
+        """
         error = self._grid_error(state, "_extra_state")
         if error is not None:
             raise ValueError(error)
@@ -539,7 +713,29 @@ class TensorMemory(nn.Module):
     # ----------------------------------------------------------------- forward
 
     def init_state(self, batch: int, device: Any = None, dtype: Any = None) -> State:
-        """Zero state ``(h, c)``, each ``(batch, C, *S)`` (defaults: the parameters')."""
+        """Make the zero state ``(h, c)``.
+
+        Parameters
+        ----------
+        batch : int
+            ``B`` (>= 0).
+        device : torch.device, str or None, optional
+            Default: the parameters'.
+        dtype : torch.dtype or None, optional
+            Default: the parameters'.
+
+        Returns
+        -------
+        h, c : Tensor, shape ``(batch, C, *S)`` each
+            Zeros.
+
+        Raises
+        ------
+        TypeError
+            If ``batch`` is not an int.
+        ValueError
+            If ``batch < 0`` or the state would not fit the device.
+        """
         ref = self.out_proj.weight
         return tl.zero_state(_XP, self.config, check_int("batch", batch, 0),
                              dtype=ref.dtype if dtype is None else dtype,
@@ -574,30 +770,53 @@ class TensorMemory(nn.Module):
         self, x: Tensor, state: Any = None, *, reset: Tensor | None = None,
         doc_starts: Tensor | None = None, valid: Tensor | None = None, stream: bool = True,
     ) -> tuple[Tensor, Any]:
-        """Run the memory over ``x (B, N, d)``.
+        """Run the memory over a sequence of tokens.
 
-        ``state``: ``(h, c)`` or a :class:`StreamState` from a previous call
-        (``None``: zeros). ``reset``: optional ``(B,)`` bool mask (a float mask is
-        a ``TypeError``); those sequences start from zeros (document boundaries
-        when streaming).
+        By default the call streams (:meth:`tmcore.layer.Layer.forward_stream`):
+        the returned :class:`StreamState` holds ``(h, c)`` at the last chunk
+        boundary plus the unfinished chunk, so feeding a sequence back in pieces
+        of any lengths (one token at a time included) with the returned state
+        equals one long call. ``stream=False`` is the paper's reference: the
+        ragged last chunk is zero-padded and written, and continuing from the
+        plain ``(h, c)`` is NOT one long call unless every piece is a multiple of
+        ``chunk_size``.
 
-        ``stream`` (default ``True``): return a :class:`StreamState` (``(h, c)`` at
-        the last chunk boundary plus the unfinished chunk), so that feeding a
-        sequence back in pieces of any lengths (one token at a time included) with
-        the returned state equals one long call
-        (:meth:`tmcore.layer.Layer.forward_stream`). ``stream=False`` pads the
-        ragged last chunk with zeros and writes it into the state, which is then a
-        plain ``(h, c)`` (the paper's reference; continuing from it is NOT the
-        same as one long call unless every piece is a multiple of ``chunk_size``).
-        ``doc_starts``: optional ``(B, N)`` bool mask of document starts (packed
-        documents; each document's outputs equal running it alone; see
-        :func:`tmcore.layer.doc_starts_from_offsets`). ``valid``: optional
-        ``(B, N)`` bool mask, False at padding: those tokens never enter the
-        state nor the chunk grid and their outputs are zeros, so every row equals
-        running its valid tokens alone.
+        Parameters
+        ----------
+        x : Tensor, shape ``(B, N, d)``
+            The tokens, on the parameters' device, in their dtype (autocast allows
+            a lower precision).
+        state : None, pair of Tensor or StreamState, optional
+            ``(h, c)`` (each ``(B, C, *S)``) or the :class:`StreamState` a previous
+            call returned; ``None``: zeros.
+        reset : Tensor, shape ``(B,)``, bool, optional
+            Those rows start from zeros (a float mask is a ``TypeError``).
+        doc_starts : Tensor, shape ``(B, N)``, bool, optional
+            True at document starts (packed documents, each equal to running it
+            alone; :func:`doc_starts_from_offsets`); needs ``stream=True``.
+        valid : Tensor, shape ``(B, N)``, bool, optional
+            False at padding: those tokens never enter the state nor the chunk
+            grid and their outputs are zeros; needs ``stream=True``.
+        stream : bool, default True
+            Return a :class:`StreamState`, so that pieces of any lengths equal one
+            call; ``False``: pad the ragged last chunk with zeros, write it, and
+            return ``(h, c)``.
 
-        Returns ``(out (B, N, d), state)``: a :class:`StreamState`, or ``(h, c)``
-        with ``stream=False``.
+        Returns
+        -------
+        out : Tensor, shape ``(B, N, d)``
+            Each token's output: its chunk's read, read out.
+        state : StreamState or pair of Tensor
+            A :class:`StreamState`, or ``(h, c)`` with ``stream=False``.
+
+        Raises
+        ------
+        TypeError
+            If an argument is not a tensor of the right kind or dtype (each error
+            names it).
+        ValueError
+            If an argument has the wrong shape or device, or a stream-only
+            argument comes with ``stream=False``.
         """
         check = self._check(x, state, reset)
         if stream:
@@ -615,16 +834,32 @@ class TensorMemory(nn.Module):
 
 
 class MemoryResidual(nn.Module):
-    """Gated residual ``x + sigmoid(gate) * memory(norm(x))``.
+    """Gated residual ``x + sigmoid(gate) * memory(norm(x))`` around a Tensor Memory.
 
-    ``norm``: a module, a class called as ``norm(embed_dim)``, or ``None`` for
-    ``nn.LayerNorm(embed_dim)`` (pass ``nn.Identity()`` for none). ``gate_init``
-    is the initial logit (the paper uses 0.0 and -2.0; a finite value that the
-    parameters' dtype can hold, else ``ValueError``). The gate is stored with
-    shape ``(1,)`` (FSDP shards no 0-dim parameter); checkpoints saved with the
-    older 0-dim gate still load. ``zero_init=True`` zeroes the memory's read-out
-    ``out_proj`` (see :class:`TensorMemory`): the residual is then exactly ``x`` at
-    initialization, and the memory still trains.
+    The gate is stored with shape ``(1,)`` (FSDP shards no 0-dim parameter);
+    checkpoints saved with the older 0-dim gate still load.
+    :class:`GatedMemoryResidual` is the same class (the JAX adapter's name).
+
+    Parameters
+    ----------
+    memory : TensorMemory
+        The memory (its ``embed_dim``, device and dtype size the norm and gate).
+    norm : nn.Module, type or None, default None
+        A module, a class called as ``norm(embed_dim)``, or ``None`` for
+        ``nn.LayerNorm(embed_dim)`` (pass ``nn.Identity()`` for none).
+    gate_init : float, default 0.0
+        The initial gate logit (the paper uses 0.0 and -2.0).
+    zero_init : bool, default False
+        Zero the memory's read-out ``out_proj`` (see :class:`TensorMemory`): the
+        residual is then exactly ``x`` at initialization, and the memory still
+        trains.
+
+    Raises
+    ------
+    TypeError
+        If ``memory`` is not a :class:`TensorMemory`, or ``zero_init`` not a bool.
+    ValueError
+        If ``gate_init`` is not finite or the parameters' dtype cannot hold it.
     """
 
     def __init__(self, memory: TensorMemory, norm: Any = None, gate_init: float = 0.0, *,
@@ -662,23 +897,54 @@ class MemoryResidual(nn.Module):
         self, x: Tensor, state: Any = None, *, reset: Tensor | None = None,
         doc_starts: Tensor | None = None, valid: Tensor | None = None, stream: bool = True,
     ) -> tuple[Tensor, Any]:
-        """``x (B, N, d)`` -> ``(x + sigmoid(gate) * memory(norm(x), state), new state)``.
+        """Add the gated memory read to the tokens: ``x + sigmoid(gate) * memory(norm(x))``.
 
-        ``state``, ``reset``, ``doc_starts``, ``valid`` and ``stream`` are
-        :meth:`TensorMemory.forward`'s: ``(h, c)`` or a :class:`StreamState` from the
-        previous call (``None``: zeros), an optional ``(B,)`` bool mask of sequences
-        that start from zeros, optional ``(B, N)`` masks of document starts and of
-        valid (non-padding) tokens; by default a :class:`StreamState` is returned
-        (pieces of any lengths equal one call), ``stream=False`` returns ``(h, c)``
-        with the ragged last chunk zero-padded and written into it. The state
-        returned is the memory's.
+        The arguments are :meth:`TensorMemory.forward`'s; the state returned is the
+        memory's.
+
+        Parameters
+        ----------
+        x : Tensor, shape ``(B, N, d)``
+            The tokens, on the parameters' device, in their dtype (autocast allows
+            a lower precision).
+        state : None, pair of Tensor or StreamState, optional
+            ``(h, c)`` (each ``(B, C, *S)``) or the :class:`StreamState` a previous
+            call returned; ``None``: zeros.
+        reset : Tensor, shape ``(B,)``, bool, optional
+            Those rows start from zeros (a float mask is a ``TypeError``).
+        doc_starts : Tensor, shape ``(B, N)``, bool, optional
+            True at document starts (packed documents, each equal to running it
+            alone; :func:`doc_starts_from_offsets`); needs ``stream=True``.
+        valid : Tensor, shape ``(B, N)``, bool, optional
+            False at padding: those tokens never enter the state nor the chunk
+            grid and their outputs are zeros; needs ``stream=True``.
+        stream : bool, default True
+            Return a :class:`StreamState`, so that pieces of any lengths equal one
+            call; ``False``: pad the ragged last chunk with zeros, write it, and
+            return ``(h, c)``.
+
+        Returns
+        -------
+        out : Tensor, shape ``(B, N, d)``
+            ``x + sigmoid(gate) * memory(norm(x), state)``.
+        state : StreamState or pair of Tensor
+            The memory's new state.
+
+        Raises
+        ------
+        TypeError
+            If an argument is not a tensor of the right kind or dtype (each error
+            names it).
+        ValueError
+            If an argument has the wrong shape or device, or a stream-only
+            argument comes with ``stream=False``.
         """
         out, state = self.memory(self.norm(x), state, reset=reset, doc_starts=doc_starts,
                                  valid=valid, stream=stream)
         return x + torch.sigmoid(self.gate) * out, state
 
 
-#: The same class under the JAX adapter's older name (both adapters have both names).
+# The same class under the JAX adapter's older name (both adapters have both names).
 GatedMemoryResidual = MemoryResidual
 
 
@@ -892,10 +1158,31 @@ def convert_reference_state_dict(
     bytes, and its size mismatch with a target is refused before any
     allocation. Clone the result if you mean to modify it and keep ``sd``.
 
-    Raises ``TypeError`` for an ``sd`` that is not a mapping with str keys, a
-    value that is not a floating tensor (NumPy arrays and lists included:
-    convert with ``torch.as_tensor``), or a dtype other than the target's;
-    ``ValueError`` on missing, unknown or misshapen entries, each naming the key.
+    Parameters
+    ----------
+    sd : mapping of str to Tensor
+        The reference's state dict (or a model's holding it under ``prefix``).
+    prefix : str, default ""
+        Only keys starting with it are read (e.g. ``"layers.0.memory."``).
+    target : TensorMemory, mapping of str to Tensor, or None, optional
+        The model (or its state dict) the result is for: shapes, dtypes and
+        the grid are checked against it.
+
+    Returns
+    -------
+    dict of str to Tensor
+        :class:`TensorMemory`'s state dict (views of ``sd``'s tensors where
+        possible), ``_extra_state`` the grid ``(D, H, W)`` when ``sd`` has
+        ``grid_cache``.
+
+    Raises
+    ------
+    TypeError
+        For an ``sd`` that is not a mapping with str keys, a value that is not a
+        floating tensor (NumPy arrays and lists included: convert with
+        ``torch.as_tensor``), or a dtype other than the target's.
+    ValueError
+        On missing, unknown or misshapen entries, each naming the key.
     """
     if not isinstance(sd, Mapping):
         raise TypeError(f"sd: expected a mapping of str keys to tensors (a state dict), "
@@ -984,16 +1271,31 @@ _STATE_FIELDS = ("h", "c", "pending", "count", "read")
 
 
 def state_to_dict(state: Any) -> dict[str, Any]:
-    """A :class:`StreamState` (or an ``(h, c)`` pair) as a plain dict of tensors, which
-    ``torch.save`` writes and ``torch.load(..., weights_only=True)`` reads back with
-    nothing registered; :func:`state_from_dict` restores it.
+    """Turn a stream state into a plain dict of tensors, for ``torch.save``.
 
-    ``{"h", "c" (B, C, *S), "pending" (B, L, d), "count" (B,) int64, "read" (B, C),
-    "count_kind"}`` (``"count_kind"``: ``"tuple"`` or ``"tensor"``, the form ``count``
-    had), or ``{"h", "c"}`` for a pair. Tensors are detached, not copied. (Importing
-    this module also registers :class:`StreamState` with
-    ``torch.serialization.add_safe_globals``, so a saved ``StreamState`` itself loads
-    with ``weights_only=True`` in a process that imported ``tmcore.adapters.torch``.)
+    ``torch.load(..., weights_only=True)`` reads it back with nothing registered;
+    :func:`state_from_dict` restores it. (Importing this module also registers
+    :class:`StreamState` with ``torch.serialization.add_safe_globals``, so a saved
+    ``StreamState`` itself loads with ``weights_only=True`` in a process that
+    imported ``tmcore.adapters.torch``.)
+
+    Parameters
+    ----------
+    state : StreamState or pair of Tensor
+        A :class:`StreamState`, or an ``(h, c)`` pair.
+
+    Returns
+    -------
+    dict
+        ``{"h", "c" (B, C, *S), "pending" (B, L, d), "count" (B,) int64, "read"
+        (B, C), "count_kind"}`` (``"count_kind"``: ``"tuple"`` or ``"tensor"``, the
+        form ``count`` had), or ``{"h", "c"}`` for a pair. Tensors are detached,
+        not copied.
+
+    Raises
+    ------
+    TypeError
+        If ``state`` is neither, or a field is not a tensor.
     """
     if isinstance(state, tl.StreamState):
         count = state.count
@@ -1016,9 +1318,27 @@ def state_to_dict(state: Any) -> dict[str, Any]:
 
 
 def state_from_dict(data: Mapping[str, Any]) -> Any:
-    """Inverse of :func:`state_to_dict`: a :class:`StreamState` (``count`` in the form it
-    was saved in), or an ``(h, c)`` tuple. ``TypeError`` / ``ValueError`` naming the
-    field for anything else."""
+    """Restore the stream state :func:`state_to_dict` made.
+
+    Parameters
+    ----------
+    data : dict
+        What :func:`state_to_dict` returned (e.g. after ``torch.load``).
+
+    Returns
+    -------
+    StreamState or tuple of Tensor
+        A :class:`StreamState` (``count`` in the form it was saved in), or an
+        ``(h, c)`` tuple.
+
+    Raises
+    ------
+    TypeError
+        If ``data`` is not a mapping or a field is not a tensor.
+    ValueError
+        If the keys, ``count`` or ``count_kind`` are not what
+        :func:`state_to_dict` writes.
+    """
     if not isinstance(data, Mapping):
         raise TypeError(f"data: expected the dict state_to_dict made, got {type(data).__name__}")
     keys = set(data)

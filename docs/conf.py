@@ -53,9 +53,6 @@ numpydoc_xref_param_type = False
 # as everywhere in this code base).
 numpydoc_validation_checks = {"all", "GL01", "ES01", "SA01", "EX01", "SS05", "RT02"}
 numpydoc_validation_exclude = {
-    # The torch adapter: being rewritten by its owner in this round; validated once its
-    # docstrings are numpydoc (the JAX and Hugging Face adapters are validated).
-    r"^tmcore\.adapters\.torch\.",
     # Module constants: their one-line ``#:`` comments are their docs.
     r"\.[A-Z][A-Z0-9_]+$",
     # Class attributes documented by a ``#:`` comment: the Layer's replaceable head
