@@ -146,3 +146,16 @@ def test_video_option_models_build_their_layers():
     assert {(c.update, c.dynamics) for c in layers["memory_warp"]} == {("dense", "warp")}
     assert {(c.update, c.window, c.dynamics) for c in layers["memory_warp_local"]} == {
         ("local", 2, "warp")}
+
+
+def test_cost_table_counts_a_one_model_run_once():
+    """A row trained once for every setting lists its seconds under each setting; its wall
+    time is those seconds once (one model per setting: the sum over settings)."""
+    from examples.diagnostics.report import cost_table
+
+    cost = {"tensor_memory": {s: {"seconds": [100.0, 200.0], "ms_per_step": [10.0, 20.0]}
+                              for s in ("L=2", "L=4")}}
+    result = {"settings": ["L=2", "L=4"], "cost": cost, "config": {"per_setting": False}}
+    assert cost_table(result)[1][0] == ["tensor_memory", "15", "15", "300 s"]
+    result["config"]["per_setting"] = True
+    assert cost_table(result)[1][0][-1] == "600 s"

@@ -130,8 +130,11 @@ def cost_table(result: dict) -> tuple[list[str], list[list[str]]] | None:
         values = cost.get(model, {}).get(setting, {}).get("ms_per_step", [])
         return statistics.fmean(values) if values else None
 
+    # one model per row covers every setting: its seconds are listed under each setting
+    per_setting = result.get("config", {}).get("per_setting", True)
     for model, per in cost.items():
-        wall = sum(sum(c["seconds"]) for c in per.values())
+        wall = (sum(sum(c["seconds"]) for c in per.values()) if per_setting
+                else sum(next(iter(per.values()))["seconds"]))
         rows.append([model, *[f"{v:,.0f}" if (v := ms(model, s)) is not None else "-"
                               for s in settings], f"{wall / 3600:.2f} h" if wall >= 3600
                      else f"{wall:,.0f} s"])
