@@ -775,3 +775,15 @@ def test_memory_residual_is_the_torch_name_and_the_old_name_is_kept():
     are one exported class."""
     assert tmj.MemoryResidual is tmj.GatedMemoryResidual
     assert {"MemoryResidual", "GatedMemoryResidual"} <= set(tmj.__all__)
+
+
+def test_jitted_training_step_does_not_grow_with_the_chunks():
+    """``benchmarks/compile_dynamic.py``'s JAX half at 2 and 16 chunks: the optimized HLO
+    of a jitted value-and-grad step has the same size (the chunk loop is a ``lax.scan``;
+    only printed shapes differ), so compile cost does not grow with the sequence."""
+    from benchmarks.compile_dynamic import jax_compile  # (torch only in its torch half)
+
+    rows = jax_compile([2, 16])
+    sizes = [row["hlo_chars"] for row in rows]
+    assert [row["chunks"] for row in rows] == [2, 16]
+    assert max(sizes) < 1.02 * min(sizes), sizes
