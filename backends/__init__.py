@@ -62,7 +62,8 @@ from tmcore._dispatch import ENV_VAR, Ops, generic_ops, ops_for
 from tmcore._options import Options, get_options, options
 
 __all__ = ["use_generic", "ops_for_namespace", "backend_name", "native_kernels_active",
-           "triton_kernels_active", "triton_graph_cache_bytes", "ops_for", "generic_ops",
+           "triton_kernels_active", "triton_graph_cache_bytes", "release_scan_buffers",
+           "ops_for", "generic_ops",
            "Ops", "ENV_VAR"]
 
 # (predicate on the namespace, framework that must already be imported, backend module)
@@ -200,3 +201,25 @@ def use_generic(enabled: bool = True) -> Iterator[None]:
         raise TypeError(f"enabled: expected True or False, got {enabled!r}")
     with options(generic=enabled):
         yield
+
+
+def release_scan_buffers() -> None:
+    """Free the buffers the fused CPU scan of the torch backend keeps between calls.
+
+    The fused scan keeps its big buffers (checkpoints, per-step blocks, states) in a
+    per-thread pool, so that a training loop does not page-fault fresh memory every
+    step; the pool holds about one call's buffers and drops blocks unused for 16
+    calls. Call this after the last scan of a phase (e.g. before evaluation on other
+    shapes) to return them; a buffer still referenced by a tensor is freed once that
+    tensor goes. It does nothing when torch was never used.
+
+    Returns
+    -------
+    None
+        The calling thread's pool is emptied.
+    """
+    import sys
+
+    backend = sys.modules.get("tmcore.backends._torch")
+    if backend is not None:
+        backend.release_scan_buffers()

@@ -229,3 +229,12 @@ def test_the_pool_stays_bounded():
     assert sum(b[1] for b in pool.blocks) < held
     bt.release_scan_buffers()
     assert pool.blocks == []
+
+
+def test_the_public_release_empties_the_pool_and_changes_no_result():
+    inputs = _inputs(batch=2, steps=4)
+    first = _run(inputs)
+    assert bt._POOL.blocks  # the scan kept its buffers for the next call
+    tmcore.backends.release_scan_buffers()
+    assert bt._POOL.blocks == []
+    assert _equal(_run(inputs), first)  # fresh buffers, the same bits
