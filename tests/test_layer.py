@@ -97,12 +97,16 @@ def test_param_plan_shapes_and_init():
 
 
 def test_layer_md_table_matches_the_plan():
-    """docs/LAYER.md's parameter table lists every ParamSpec with its layout and init."""
+    """docs/LAYER.md's parameter table lists every ParamSpec with its layout and init
+    (the default plan and the warp_net / warp_flow groups of dynamics="warp", flow=True)."""
     from pathlib import Path
 
     text = (Path(__file__).resolve().parents[1] / "docs" / "LAYER.md").read_text()
     rows = [line for line in text.splitlines() if line.startswith("| `")]
-    for spec in tl.param_specs(CONFIG):
+    warp = tl.layer_config(6, 2, (3, 4), 3, dynamics="warp", flow=True)
+    specs = tl.param_specs(CONFIG) + tl.param_specs(warp)
+    assert {s.group for s in specs} >= {tl.WARP_GROUP, tl.FLOW_GROUP}
+    for spec in specs:
         row = next((r for r in rows if f"`{spec.group}.{spec.leaf}`" in r
                     or (spec.leaf == "bias" and f"`{spec.group}.weight`, `.bias`" in r)), None)
         assert row is not None, spec.name
@@ -111,6 +115,8 @@ def test_layer_md_table_matches_the_plan():
                 "forget_bias": "forget_bias"}.get(spec.init)
         if word is not None:
             assert word in row, (spec.name, row)
+        if spec.init == "constant" and spec.value == 0.0 and spec.leaf != "bias":
+            assert "| 0" in row, (spec.name, row)  # zero-initialized weights say so
 
 
 def test_check_params_names_the_leaf():
