@@ -1155,8 +1155,28 @@ def _find_prefix(keys: Sequence[str]) -> str:
     return anchor
 
 
-def _expected_names(residual: bool) -> set[str]:
-    layer = {f"{group}.{leaf}" for group, leaf in LAYER_KEYS} | {EXTRA_STATE}
+def _options_of(names: Any, residual: bool) -> dict:
+    """The parameter options (``dynamics``, ``flow``) a state dict's names hold: a
+    ``warp_flow`` entry means ``flow=True`` (with ``dynamics="warp"``), a ``warp_net`` one
+    ``dynamics="warp"``; neither, the default layer."""
+    prefix = "memory." if residual else ""
+    if any(name.startswith(f"{prefix}{tl.FLOW_GROUP}.") for name in names):
+        return {"dynamics": "warp", "flow": True}
+    if any(name.startswith(f"{prefix}{tl.WARP_GROUP}.") for name in names):
+        return {"dynamics": "warp"}
+    return {}
+
+
+def _option_config(d: int, channels: int, n: int, length: int, options: Mapping[str, Any]
+                   ) -> tl.LayerConfig:
+    """The sizes and parameter options as a config (a unit grid: no parameter depends
+    on the grid's sizes)."""
+    return dataclasses.replace(tl.LayerConfig(d, channels, (1,) * n, length), **options)
+
+
+def _expected_names(residual: bool, options: Mapping[str, Any]) -> set[str]:
+    layer = {spec.name for spec in tl.param_specs(_option_config(1, 1, 1, 1, options))}
+    layer |= {EXTRA_STATE}
     if not residual:
         return layer
     return {f"memory.{name}" for name in layer} | {"norm.weight", "norm.bias", "gate"}
@@ -1176,7 +1196,7 @@ def _leaf_bytes(value: Any, dtype: Any) -> int:
 
 
 def _check_layout(raw: Mapping[str, Any], names: Mapping[str, str], residual: bool,
-                  expected: Any) -> None:
+                  expected: Any, options: Mapping[str, Any]) -> None:
     """Every leaf's shape and dtype against the layer's layout (the one ``write_proj``,
     ``out_proj`` and ``coord_net`` fix, or ``expected``'s), from shapes only: nothing
     is copied before this passes. Errors name the state-dict key."""
@@ -1189,11 +1209,11 @@ def _check_layout(raw: Mapping[str, Any], names: Mapping[str, str], residual: bo
             raise TypeError(f"sd[{key!r}]: expected a floating array, got dtype {value.dtype}")
     try:
         d, channels, n, length = tl.sizes_from_params(layer)
-        tl.check_params(layer, tl.LayerConfig(d, channels, (1,) * n, length))
+        tl.check_params(layer, _option_config(d, channels, n, length, options))
     except (ValueError, TypeError) as exc:  # name the key, not the pytree path
         prefix = "memory." if residual else ""
         message = str(exc)
-        for spec in tl.param_specs(tl.LayerConfig(1, 1, (1,), 1)):
+        for spec in tl.param_specs(_option_config(1, 1, 1, 1, options)):
             message = message.replace(f"params.{spec.name}",
                                       f"sd[{names[prefix + spec.name]!r}]")
         raise type(exc)(message) from None
@@ -1248,7 +1268,11 @@ def params_from_state_dict(
     ``prefix`` are taken, with it removed; ``prefix=None`` infers it from the
     single key ending in ``write_proj.weight`` (a memory layer, or a gated
     residual whose memory is ``memory``). Layouts are unchanged (torch's); a
-    0-dim ``gate`` (older checkpoints) becomes ``(1,)``.
+    0-dim ``gate`` (older checkpoints) becomes ``(1,)``. The ``warp_net`` group
+    of a layer with ``dynamics="warp"`` (``(n, d)``, ``(n,)``) and the
+    ``warp_flow`` group of one with ``flow=True`` (``(n, C, 3)``, ``(n, C)``,
+    ``(n, C)``, ``(n,)``; it needs ``warp_net``) are carried when present, checked
+    like the others; pass the same options to :func:`apply`.
 
     Every leaf's shape and dtype is checked BEFORE anything is converted, from
     shapes only: against the layer's layout (the sizes ``write_proj.weight (d,
@@ -1309,7 +1333,8 @@ def params_from_state_dict(
     if not names:
         raise ValueError(f"sd: no key starts with prefix {prefix!r}")
     residual = any(name.startswith("memory.") for name in names)
-    expected_names = _expected_names(residual)
+    options = _options_of(names, residual)  # warp_net / warp_flow present: those layers
+    expected_names = _expected_names(residual, options)
     unknown = sorted(f"{prefix}{name}" for name in names if name not in expected_names)
     if unknown:
         raise ValueError(f"sd: keys under prefix {prefix!r} that are not parameters of a "
@@ -1327,7 +1352,7 @@ def params_from_state_dict(
             node = node.setdefault(part, {})
         value = np.asarray(sd[key])
         node[leaf] = _stored_grid(key, value) if leaf == EXTRA_STATE else value
-    _check_layout(raw, names, residual, expected)
+    _check_layout(raw, names, residual, expected, options)
     total = 0
     for name, key in names.items():
         if name.endswith(EXTRA_STATE):
@@ -1422,9 +1447,20 @@ def _layer_params(module: TensorMemory) -> dict:
     (the layer's fixed names) instead of through ``nnx.state``: the per-call cost of the
     modules' ``__call__`` is a few dozen microseconds, not a millisecond."""
     out: dict = {}
-    for group, leaf in LAYER_KEYS:
+    for group, leaf in module.param_keys:
         out.setdefault(group, {})[leaf] = _raw(getattr(module, group)[leaf])
     return out
+
+
+def _options(module: TensorMemory) -> dict:
+    """The experimental options of a :class:`TensorMemory` as :func:`apply`'s keywords
+    (none on the default layer, so its call is unchanged)."""
+    options = {"update": module.update, "window": module.window,
+               "dynamics": module.dynamics, "flow": module.flow}
+    return {k: v for k, v in options.items() if v != _DEFAULT_OPTIONS[k]}
+
+
+_DEFAULT_OPTIONS = {"update": "dense", "window": None, "dynamics": "none", "flow": False}
 
 
 def _without_extra_state(module: Any, params: Mapping[str, Any], path: str) -> dict:
@@ -1542,6 +1578,15 @@ class TensorMemory(nnx.Module):
         As in :func:`init`.
     checkpoint_every : int, default 1
         As in :func:`apply`.
+    update : {"dense", "local"}, default "dense"
+        As in :func:`apply` (experimental).
+    window : int or None, default None
+        As in :func:`apply` (with ``update="local"``).
+    dynamics : {"none", "warp"}, default "none"
+        As in :func:`init` and :func:`apply`: ``"warp"`` adds the ``warp_net``
+        parameters (zero at init).
+    flow : bool, default False
+        As in :func:`init` and :func:`apply`: adds the ``warp_flow`` parameters.
 
     Raises
     ------
@@ -1553,12 +1598,15 @@ class TensorMemory(nnx.Module):
                  chunk_size: int, sigma_scale: float = 1.0, *, rngs: nnx.Rngs,
                  dtype: Any = jnp.float32, eps: float = DEFAULT_EPS,
                  radius: float | None = None, forget_bias: float = 0.0,
-                 checkpoint_every: int = 1) -> None:
+                 checkpoint_every: int = 1, update: str = "dense", window: int | None = None,
+                 dynamics: str = "none", flow: bool = False) -> None:
         config = tl.layer_config(embed_dim, memory_channels, memory_shape, chunk_size,
                                  sigma_scale, checkpoint_every=checkpoint_every, radius=radius,
-                                 eps=eps, forget_bias=forget_bias)
+                                 eps=eps, forget_bias=forget_bias, update=update,
+                                 window=window, dynamics=dynamics, flow=flow)
         params = init(rngs.params(), embed_dim, memory_channels, memory_shape, chunk_size,
-                      sigma_scale, forget_bias=forget_bias, dtype=dtype)
+                      sigma_scale, forget_bias=forget_bias, dtype=dtype, dynamics=dynamics,
+                      flow=flow)
         for name, group in params.items():
             setattr(self, name, _to_variables(group))
         self.memory_channels = config.memory_channels
@@ -1568,6 +1616,12 @@ class TensorMemory(nnx.Module):
         self.eps = config.eps
         self.radius = config.radius
         self.checkpoint_every = config.checkpoint_every
+        self.update = config.update
+        self.window = config.window
+        self.dynamics = config.dynamics
+        self.flow = config.flow
+        #: ``(group, leaf)`` of every parameter (LAYER_KEYS, plus warp_net / warp_flow)
+        self.param_keys = tuple((spec.group, spec.leaf) for spec in tl.param_specs(config))
 
     def init_state(self, batch: int, dtype: Any = jnp.float32) -> MemoryState:
         return init_state(batch, self.memory_channels, self.memory_shape, dtype)
@@ -1579,7 +1633,7 @@ class TensorMemory(nnx.Module):
                      memory_shape=self.memory_shape, sigma_scale=self.sigma_scale,
                      reset=reset, eps=self.eps, radius=self.radius,
                      checkpoint_every=self.checkpoint_every, stream=stream,
-                     doc_starts=doc_starts, valid=valid)
+                     doc_starts=doc_starts, valid=valid, **_options(self))
 
 
 class MemoryResidual(nnx.Module):
@@ -1617,6 +1671,15 @@ class MemoryResidual(nnx.Module):
         As in :func:`init`.
     checkpoint_every : int, default 1
         As in :func:`apply`.
+    update : {"dense", "local"}, default "dense"
+        As in :func:`apply` (experimental).
+    window : int or None, default None
+        As in :func:`apply` (with ``update="local"``).
+    dynamics : {"none", "warp"}, default "none"
+        As in :func:`init` and :func:`apply`: ``"warp"`` adds the ``warp_net``
+        parameters (zero at init).
+    flow : bool, default False
+        As in :func:`init` and :func:`apply`: adds the ``warp_flow`` parameters.
 
     Raises
     ------
@@ -1629,10 +1692,12 @@ class MemoryResidual(nnx.Module):
                  chunk_size: int, sigma_scale: float = 1.0, *, gate_init: float = 0.0,
                  rngs: nnx.Rngs, dtype: Any = jnp.float32, eps: float = DEFAULT_EPS,
                  radius: float | None = None, forget_bias: float = 0.0,
-                 checkpoint_every: int = 1) -> None:
+                 checkpoint_every: int = 1, update: str = "dense", window: int | None = None,
+                 dynamics: str = "none", flow: bool = False) -> None:
         self.memory = TensorMemory(embed_dim, memory_channels, memory_shape, chunk_size,
                                    sigma_scale, rngs=rngs, dtype=dtype, eps=eps, radius=radius,
-                                   forget_bias=forget_bias, checkpoint_every=checkpoint_every)
+                                   forget_bias=forget_bias, checkpoint_every=checkpoint_every,
+                                   update=update, window=window, dynamics=dynamics, flow=flow)
         self.norm = _to_variables({"weight": jnp.ones((embed_dim,), dtype),
                                    "bias": jnp.zeros((embed_dim,), dtype)})
         self.gate = nnx.Param(jnp.full(tl.GATE_SHAPE, check_finite("gate_init", gate_init),
@@ -1649,7 +1714,7 @@ class MemoryResidual(nnx.Module):
                               memory_shape=m.memory_shape, sigma_scale=m.sigma_scale,
                               reset=reset, eps=m.eps, radius=m.radius,
                               checkpoint_every=m.checkpoint_every, stream=stream,
-                              doc_starts=doc_starts, valid=valid)
+                              doc_starts=doc_starts, valid=valid, **_options(m))
 
 
 def _constructor_signature(cls: type) -> None:

@@ -543,3 +543,126 @@ def test_layer_options_benchmark_measures_and_renders_a_tiny_grid():
     assert all(r["ms_min"] > 0 and r["reps"] >= 3 for r in rows)
     text = local_update.layer_table({"config": {"grids": [4], "steps": 2}, "rows": rows})
     assert "| local + warp | fwd+bwd |" in text
+
+
+@pytest.mark.parametrize("name", [pytest.param("local", marks=pytest.mark.slow),
+                                  pytest.param("warp", marks=pytest.mark.slow),
+                                  pytest.param("local+warp", marks=pytest.mark.slow),
+                                  "local+flow"])
+def test_jax_nnx_modules_with_each_option_equal_apply(name):
+    """The NNX TensorMemory / MemoryResidual take the options, make warp_net / warp_flow
+    like init, and compute what apply / residual_apply do with their parameters."""
+    jax = _jax()
+    from flax import nnx
+
+    from tmcore.adapters import jax as tj
+
+    options = OPTIONS[name]
+    import jax.numpy as jnp
+
+    module = tj.TensorMemory(D, C, (4, 3), L, rngs=nnx.Rngs(0), **options)
+    params = tj.params_from_module(module)
+    want = tl.param_specs(tl.layer_config(D, C, (4, 3), L, **options))
+    assert sorted((g, k) for g, leaves in params.items() for k in leaves) == sorted(
+        (s.group, s.leaf) for s in want)
+    reference = tj.init(jax.random.PRNGKey(0), D, C, (4, 3), L,
+                        **{k: v for k, v in options.items() if k in ("dynamics", "flow")})
+    for spec in want:  # the option groups start as init makes them (zeros, identity taps)
+        if spec.group in (tl.WARP_GROUP, tl.FLOW_GROUP):
+            np.testing.assert_array_equal(params[spec.group][spec.leaf],
+                                          reference[spec.group][spec.leaf])
+    if tl.WARP_GROUP in params:  # a shift (and flow) that moves the state
+        params[tl.WARP_GROUP]["weight"] = 0.3 * jax.random.normal(jax.random.PRNGKey(1),
+                                                                  (2, D))
+    if tl.FLOW_GROUP in params:
+        params[tl.FLOW_GROUP]["pointwise_weight"] = 0.2 * jax.random.normal(
+            jax.random.PRNGKey(2), (2, C))
+    tj.load_params(module, params)
+    x = jax.random.normal(jax.random.PRNGKey(3), (2, 5, D))
+    out, state = module(x)
+    expected, expected_state = tj.apply(params, x, memory_shape=(4, 3), **options)
+    np.testing.assert_array_equal(out, expected)
+    np.testing.assert_array_equal(state.h, expected_state.h)
+    plain, _ = tj.apply(params, x, memory_shape=(4, 3))  # the options matter here
+    assert np.max(np.abs(np.asarray(plain) - np.asarray(out))) > 1e-6
+    residual = tj.MemoryResidual(D, C, (4, 3), L, gate_init=1.0, rngs=nnx.Rngs(0), **options)
+    rparams = tj.params_from_module(residual)
+    rparams["memory"] = params
+    tj.load_params(residual, rparams)
+    out, _ = residual(x)
+    expected, _ = tj.residual_apply(rparams, x, memory_shape=(4, 3), **options)
+    np.testing.assert_array_equal(out, expected)
+    assert jnp.issubdtype(out.dtype, jnp.floating)
+
+
+def test_jax_nnx_default_module_keeps_its_parameters():
+    _jax()
+    from flax import nnx
+
+    from tmcore.adapters import jax as tj
+
+    module = tj.TensorMemory(D, C, (4, 3), L, rngs=nnx.Rngs(0))
+    assert module.param_keys == tj.LAYER_KEYS
+    assert set(tj.params_from_module(module)) == set(tl.GROUPS)
+    assert (module.update, module.window, module.dynamics, module.flow) == (
+        "dense", None, "none", False)
+    with pytest.raises(ValueError, match="window"):
+        tj.TensorMemory(D, C, (4, 3), L, rngs=nnx.Rngs(0), update="local")
+
+
+@pytest.mark.parametrize("precision", ["float32", pytest.param("float64",
+                                                                marks=pytest.mark.slow)])
+def test_state_dict_round_trip_torch_jax_torch_with_warp_flow_local(precision):
+    """params_from_state_dict carries warp_net / warp_flow (shapes checked like the other
+    groups) and state_dict_from_params writes them back: torch -> JAX -> torch of a local
+    warp+flow layer loads strictly and every output agrees."""
+    jax = _jax()
+    torch = _torch()
+    from tmcore.adapters import jax as tj
+    from tmcore.adapters.torch import TensorMemory
+
+    options = OPTIONS["local+flow"]
+    tdtype = getattr(torch, precision)
+    tol = 1e-6 if precision == "float32" else 1e-12
+    torch.manual_seed(0)
+    kw = {"embed_dim": D, "memory_channels": C, "memory_shape": (4, 3), "chunk_size": L,
+          "dtype": tdtype, **options}
+    m = TensorMemory(**kw)
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        m.warp_net.weight.copy_(0.3 * torch.randn(2, D, dtype=tdtype, generator=g))
+        m.warp_flow.pointwise_weight.copy_(0.2 * torch.randn(2, C, dtype=tdtype, generator=g))
+    x = torch.randn(2, 5, D, dtype=tdtype, generator=g)
+    with torch.no_grad():
+        out, _ = m(x, stream=False)
+    sd = {k: v.detach().numpy() for k, v in m.state_dict().items()}
+    assert {k for k in sd if k.startswith(("warp_net.", "warp_flow."))} == {
+        "warp_net.weight", "warp_net.bias", *FLOW_KEYS}
+    with jax.enable_x64(precision == "float64"):
+        params = tj.params_from_state_dict(sd)
+        assert set(params[tl.FLOW_GROUP]) == {k.split(".")[1] for k in FLOW_KEYS}
+        y, _ = tj.apply(params, jax.numpy.asarray(x.numpy()), memory_shape=(4, 3),
+                        stream=False, **options)
+        _close(y, out.numpy(), tol)
+        back = tj.state_dict_from_params(params)
+    assert set(back) == set(sd)
+    again = TensorMemory(**kw)
+    again.load_state_dict({k: torch.from_numpy(np.array(v)) for k, v in back.items()},
+                          strict=True)
+    with torch.no_grad():
+        out2, _ = again(x, stream=False)
+    _close(out2.numpy(), out.numpy(), tol)
+    # the option groups are validated like the others, naming the key
+    bad = dict(sd, **{"warp_flow.pointwise_weight": np.zeros((2, C + 1), sd["warp_net.bias"]
+                                                             .dtype)})
+    with pytest.raises(ValueError, match=r"sd\['warp_flow.pointwise_weight'\]: expected shape"):
+        tj.params_from_state_dict(bad)
+    no_shift = {k: v for k, v in sd.items() if not k.startswith("warp_net.")}
+    with pytest.raises(KeyError, match="warp_net.weight"):
+        tj.params_from_state_dict(no_shift)
+    with pytest.raises(ValueError, match="not parameters"):
+        tj.params_from_state_dict(dict(sd, **{"warp_net.scale": sd["warp_net.bias"]}))
+    # a warp-only layer converts too (no warp_flow), the default one keeps its names
+    plain = tj.params_from_state_dict({k: v for k, v in sd.items()
+                                       if not k.startswith("warp_flow.")})
+    assert tl.WARP_GROUP in plain and tl.FLOW_GROUP not in plain
