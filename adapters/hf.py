@@ -86,8 +86,12 @@ BLOCK_PATHS = ("model.layers", "transformer.h", "model.decoder.layers", "gpt_neo
 _NORMS = ("layernorm", "identity")
 _CACHE_ATTR = "_tmcore_memory"
 _CACHE_NAMES = ("cache", "past_key_values")
+#: The layer's experimental options (docs/guides/local-and-warp.md) and their defaults: a
+#: configuration saved before they existed lacks them and loads as the default layer.
+_OPTION_DEFAULTS = {"update": "dense", "window": None, "dynamics": "none", "flow": False}
 _LAYER_KEYS = ("embed_dim", "memory_channels", "memory_shape", "chunk_size", "sigma_scale",
-               "checkpoint_every", "radius", "eps", "forget_bias", "zero_init")
+               "checkpoint_every", "radius", "eps", "forget_bias", "zero_init",
+               *_OPTION_DEFAULTS)
 _SPEC_KEYS = ("format", "blocks", "num_blocks", "mode", "gate_init", "norm", "streaming",
               *_LAYER_KEYS)
 
@@ -566,7 +570,8 @@ def attach_memory(
     sigma_scale: float = 1.0, zero_init: bool = True, gate_init: float = 0.0,
     norm: str = "layernorm", blocks: str | None = None, streaming: bool = False,
     checkpoint_every: int = 1, radius: float | None = None, eps: float = 1e-6,
-    forget_bias: float = 0.0, embed_dim: int | None = None,
+    forget_bias: float = 0.0, embed_dim: int | None = None, update: str = "dense",
+    window: int | None = None, dynamics: str = "none", flow: bool = False,
 ) -> HFMemory:
     """Add a gated Tensor Memory after every decoder block of ``model`` (one call).
 
@@ -607,6 +612,16 @@ def attach_memory(
         The ConvLSTM forget gate's initial bias.
     embed_dim : int or None, default None
         The token width ``d``; default the config's ``hidden_size``.
+    update : {"dense", "local"}, default "dense"
+        Experimental (as in :class:`tmcore.adapters.torch.TensorMemory`):
+        ``"local"`` writes and updates only a window around each write.
+    window : int or None, default None
+        The window's cells per axis with ``update="local"``.
+    dynamics : {"none", "warp"}, default "none"
+        Experimental: ``"warp"`` resamples the state by a per-chunk shift
+        before each update (adds the zero-initialized ``warp_net``).
+    flow : bool, default False
+        With ``dynamics="warp"``: a per-cell flow too (adds ``warp_flow``).
 
     Returns
     -------
@@ -633,7 +648,8 @@ def attach_memory(
         raise TypeError(f"streaming: expected True or False, got {streaming!r}")
     config = tl.layer_config(embed_dim, memory_channels, memory_shape, chunk_size, sigma_scale,
                              checkpoint_every=checkpoint_every, radius=radius, eps=eps,
-                             forget_bias=forget_bias, zero_init=zero_init)
+                             forget_bias=forget_bias, zero_init=zero_init, update=update,
+                             window=window, dynamics=dynamics, flow=flow)
     spec: dict[str, Any] = {
         "format": FORMAT, "blocks": path, "num_blocks": len(found), "mode": "causal",
         "gate_init": float(gate_init), "norm": norm, "streaming": streaming,
@@ -641,7 +657,8 @@ def attach_memory(
         "memory_shape": list(config.memory_shape), "chunk_size": config.chunk_size,
         "sigma_scale": config.sigma_scale, "checkpoint_every": config.checkpoint_every,
         "radius": config.radius, "eps": config.eps, "forget_bias": config.forget_bias,
-        "zero_init": config.zero_init,
+        "zero_init": config.zero_init, "update": config.update, "window": config.window,
+        "dynamics": config.dynamics, "flow": config.flow,
     }
     return _attach_spec(model, spec)
 
@@ -657,7 +674,8 @@ def _attach_spec(model: nn.Module, spec: dict[str, Any]) -> HFMemory:
         embed_dim=spec["embed_dim"], memory_channels=spec["memory_channels"],
         memory_shape=tuple(spec["memory_shape"]), chunk_size=spec["chunk_size"],
         sigma_scale=spec["sigma_scale"], checkpoint_every=spec["checkpoint_every"],
-        radius=spec["radius"], eps=spec["eps"], forget_bias=spec["forget_bias"])
+        radius=spec["radius"], eps=spec["eps"], forget_bias=spec["forget_bias"],
+        **{k: spec[k] for k in _OPTION_DEFAULTS if spec[k] != _OPTION_DEFAULTS[k]})
     memory = HFMemory(model, path, owner, handle, spec)
     model._tmcore_hf_memory = memory
     setattr(model.config, CONFIG_KEY, dict(spec))
@@ -689,10 +707,13 @@ def detach_memory(model: nn.Module) -> None:
 def check_spec(spec: Any) -> dict[str, Any]:
     """A stored configuration (``config.tensor_memory``), checked: every key present and
     known, each value of the right kind (the layer's checks); ``ValueError`` /
-    ``TypeError`` naming ``tensor_memory.<key>``."""
+    ``TypeError`` naming ``tensor_memory.<key>``. The layer options (``update``,
+    ``window``, ``dynamics``, ``flow``) may be absent (a configuration saved before
+    them): their defaults then."""
     if not isinstance(spec, dict):
         raise TypeError(f"{CONFIG_KEY}: expected a dict in the model config, "
                         f"got {type(spec).__name__}")
+    spec = {**_OPTION_DEFAULTS, **spec}
     missing = sorted(set(_SPEC_KEYS) - set(spec))
     unknown = sorted(set(spec) - set(_SPEC_KEYS))
     if missing or unknown:
@@ -719,7 +740,8 @@ def check_spec(spec: Any) -> dict[str, Any]:
             spec["embed_dim"], spec["memory_channels"], spec["memory_shape"],
             spec["chunk_size"], spec["sigma_scale"], checkpoint_every=spec["checkpoint_every"],
             radius=spec["radius"], eps=spec["eps"], forget_bias=spec["forget_bias"],
-            zero_init=spec["zero_init"])
+            zero_init=spec["zero_init"], update=spec["update"], window=spec["window"],
+            dynamics=spec["dynamics"], flow=spec["flow"])
     except (TypeError, ValueError) as error:
         raise type(error)(f"{CONFIG_KEY}: {error}") from error
     stored = {k: spec[k] for k in _LAYER_KEYS}

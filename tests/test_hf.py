@@ -364,6 +364,64 @@ def test_save_and_load_with_the_memory_config(family, tmp_path):
         hf.from_pretrained(tmp_path / "plain")
 
 
+def test_save_and_load_with_the_layer_options(tmp_path):
+    """update="local" / window / dynamics="warp" (and flow) are stored in config.json, checked
+    on load and rebuilt: from_pretrained gives the same logits bit for bit."""
+    model, memory = with_memory("llama", update="local", window=2, dynamics="warp", flow=True)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():  # shift and flow heads that move the state (zero at init)
+        for m in memory.memories:
+            m.memory.warp_net.weight.copy_(0.3 * torch.randn(m.memory.warp_net.weight.shape,
+                                                             generator=g))
+            m.memory.warp_flow.pointwise_weight.copy_(
+                0.2 * torch.randn(m.memory.warp_flow.pointwise_weight.shape, generator=g))
+    x = ids(2, 7)
+    with torch.no_grad():
+        expected = model(x).logits
+    model.save_pretrained(tmp_path)
+    stored = json.loads((tmp_path / "config.json").read_text())["tensor_memory"]
+    assert (stored["update"], stored["window"], stored["dynamics"], stored["flow"]) == (
+        "local", 2, "warp", True)
+    loaded = hf.from_pretrained(tmp_path)
+    options = hf.memory_of(loaded).memories[0].memory.config
+    assert (options.update, options.window, options.dynamics, options.flow) == (
+        "local", 2, "warp", True)
+    with torch.no_grad():
+        assert torch.equal(loaded(x).logits, expected)
+        plain = make_model("llama")
+        hf.attach_memory(plain, memory_channels=2, memory_shape=(2, 3, 2), chunk_size=3,
+                         zero_init=False, gate_init=1.0)
+        plain.load_state_dict({k: v for k, v in loaded.state_dict().items()
+                               if ".warp_" not in k})
+        assert not torch.equal(plain(x).logits, expected)  # the options matter here
+    for key, value, error in (("window", 0, ValueError), ("dynamics", "spin", ValueError),
+                              ("flow", 1, TypeError), ("update", "dense", ValueError)):
+        config = json.loads((tmp_path / "config.json").read_text())
+        config["tensor_memory"][key] = value
+        bad = tmp_path / f"bad-{key}"
+        bad.mkdir()
+        (bad / "config.json").write_text(json.dumps(config))
+        (bad / "model.safetensors").symlink_to(tmp_path / "model.safetensors")
+        with pytest.raises(error, match=f"tensor_memory.*{key}"):
+            hf.from_pretrained(bad)
+
+
+def test_a_config_saved_without_the_layer_options_loads_as_the_default_layer(tmp_path):
+    model, _ = with_memory("gpt2")
+    x = ids(1, 5)
+    with torch.no_grad():
+        expected = model(x).logits
+    model.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    for key in ("update", "window", "dynamics", "flow"):
+        del config["tensor_memory"][key]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    loaded = hf.from_pretrained(tmp_path)
+    assert loaded.config.tensor_memory["update"] == "dense"
+    with torch.no_grad():
+        assert torch.equal(loaded(x).logits, expected)
+
+
 # --------------------------------------------------------------------------- training machinery
 
 
