@@ -584,9 +584,11 @@ def _boundary_stream(layer: Layer, xp: Any, params: Params, x: Any, h: Any, c: A
     if left:
         last, _, _ = scan(h, c, type(inputs)(*(v[:, full:, ...] for v in inputs)))
         reads = xp.concat([reads, last], axis=1) if full else last
+        # the padding derived from x keeps x's sharding (a JAX Explicit mesh refuses
+        # to concatenate a batch-sharded array with a fresh, replicated one)
         pending = xp.concat([x[:, full * length:, :],
-                             xp.zeros((batch, length - left, d), dtype=x.dtype,
-                                      device=device)], axis=1)
+                             xp.broadcast_to(xp.zeros_like(x[:, :1, :]),
+                                             (batch, length - left, d))], axis=1)
         read = last[:, 0, :]
     else:
         pending = xp.zeros((batch, length, d), dtype=x.dtype, device=device)
