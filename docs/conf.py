@@ -60,7 +60,7 @@ numpydoc_validation_exclude = {
     # tmcore.layer.linear and tmcore.layer.split) and LayerConfig's experimental fields
     # (described in LayerConfig's Parameters).
     r"^tmcore\.layer\.Layer\.(linear|softplus|split|flat_rows)$",
-    r"^tmcore\.layer\.LayerConfig\.(update|dynamics)$",
+    r"^tmcore\.layer\.LayerConfig\.(update|dynamics|flow)$",
 }
 
 

@@ -165,7 +165,7 @@ class LayerConfig:
         The write spread's scale, the backward's checkpoint interval, the splat's
         truncation and offset, the initial forget-gate bias and the zero read-out,
         as :func:`layer_config` checks them.
-    update, window, dynamics : see layer_config
+    update, window, dynamics, flow : see layer_config
         The experimental options beyond the paper.
     """
 
