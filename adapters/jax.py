@@ -1620,7 +1620,7 @@ class TensorMemory(nnx.Module):
         self.window = config.window
         self.dynamics = config.dynamics
         self.flow = config.flow
-        #: ``(group, leaf)`` of every parameter (LAYER_KEYS, plus warp_net / warp_flow)
+        # ``(group, leaf)`` of every parameter (LAYER_KEYS, plus warp_net / warp_flow)
         self.param_keys = tuple((spec.group, spec.leaf) for spec in tl.param_specs(config))
 
     def init_state(self, batch: int, dtype: Any = jnp.float32) -> MemoryState:
