@@ -171,6 +171,11 @@ def gaussian_splat(
                           None if radius is None else float(radius), validated=validated)
 
 
+#: ``checkpoint_every`` of a scan that needs no backward: larger than any ``T``, so only
+#: the initial state is kept (``ceil(T / k) = 1``)
+_NO_GRAD_CHECKPOINT_EVERY = 2**31 - 1
+
+
 def _needs_grad(*tensors: Tensor) -> bool:
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
@@ -237,7 +242,9 @@ def memory_scan(
                              params, checkpoint_every, radius, eps=eps)
     tensors = (h0, c0, read_coords, write_coords, write_sigma, write_content, *params)
     if not _needs_grad(*tensors):
-        checkpoint_every = max(int(read_coords.shape[1]), 1)  # one checkpoint: h0, c0
+        # one checkpoint (h0, c0) whatever T: a constant, not T itself, so that a compiled
+        # no_grad call does not specialize on (and recompile for) each sequence length
+        checkpoint_every = _NO_GRAD_CHECKPOINT_EVERY
     reads, h, c, _, _ = _torch_ops.call(
         _torch_ops.MemoryScanFunction, _torch_ops.memory_scan_op, *tensors,
         float(eps), None if radius is None else float(radius), int(checkpoint_every),

@@ -783,3 +783,39 @@ def test_fullgraph_compile_continues_a_stream_state():
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     for a, b in zip(got_state, want_state, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_no_grad_scan_passes_one_checkpoint_interval_for_every_length(monkeypatch):
+    """Under no_grad the scan keeps only h0, c0 with an interval that does not depend on
+    T (an interval equal to T made a compiled no_grad call recompile per length)."""
+    seen = []
+    call = _torch_ops.call
+
+    def spy(function, op, *args, **kwargs):
+        seen.append(args[-1])  # the checkpoint interval, the op's last static
+        return call(function, op, *args, **kwargs)
+
+    monkeypatch.setattr(_torch_ops, "call", spy)
+    for steps in (3, 7):
+        args = scan_args(steps=steps)
+        with torch.no_grad():
+            reads, h, c = _scan(*args)
+        seen_reads, seen_h, _ = _scan(*args)  # with grad: checkpoint_every=2
+        assert torch.equal(reads, seen_reads.detach()) and torch.equal(h, seen_h.detach())
+    assert seen[0] == seen[2] and seen[0] >= 7 and seen[1] == seen[3] == 2
+
+
+@pytest.mark.slow
+def test_compiled_no_grad_call_serves_every_length_with_one_graph():
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    memory = tmt.TensorMemory(8, memory_channels=2, memory_shape=(3, 3, 3), chunk_size=4)
+    compiled = torch.compile(lambda x: memory(x, stream=False)[0], dynamic=True)
+    with torch.no_grad():
+        for tokens in (16, 32, 64):
+            x = torch.randn(2, tokens, 8)
+            assert torch.allclose(compiled(x), memory(x, stream=False)[0], atol=1e-6)
+    assert counters["stats"]["unique_graphs"] == 1
