@@ -65,6 +65,7 @@ from tmcore.splat import DEFAULT_EPS, validate_splat_inputs
 __all__ = [
     "ConvLSTMCell",
     "GatedMemoryResidual",
+    "MODES",
     "MemoryHandle",
     "MemoryResidual",
     "StreamState",
@@ -81,6 +82,7 @@ __all__ = [
     "trilinear_sample",
 ]
 
+#: Multi-layer modes of :func:`attach_memory` (:data:`tmcore.layer.MODES`).
 MODES = tl.MODES
 State = tuple[Tensor, Tensor]
 # The state between streamed calls (tmcore.layer.StreamState, documented there): (h, c) at
