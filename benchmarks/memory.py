@@ -3,7 +3,8 @@
 ``python -m benchmarks.memory --impl torch|plain|jax|numpy --config lm-4096``
 prints one JSON line ``{"impl", "config", "peak_bytes"}``: the rise of the
 resident set's high-water mark over the resident set before the step, for the
-second training step (the first one warms up allocators and thread pools).
+second training step (the first one warms up allocators and thread pools; the torch
+layer's pooled scan buffers are released in between, so the step's own buffers count).
 :func:`benchmarks.common.run_isolated` runs it in a fresh process.
 
 ``python -m benchmarks.memory --long-scan 20000`` instead measures a long
@@ -48,6 +49,10 @@ def measure(impl: str, config_name: str) -> int:
     else:
         raise ValueError(f"impl: expected torch, plain, jax or numpy, got {impl!r}")
     step()
+    if impl == "torch":  # the fused CPU scan keeps its buffers for the next call: let the
+        import tmcore.backends  # measured step allocate them, as a first step would
+
+        tmcore.backends.release_scan_buffers()
     return peak_rss_growth(step)
 
 
