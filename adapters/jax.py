@@ -1661,25 +1661,11 @@ class MemoryResidual(nnx.Module):
         As in :func:`residual_init`.
     rngs : flax.nnx.Rngs
         Where the initialization draws from.
-    dtype : dtype, default float32
-        The parameters' dtype.
-    eps : float, default 1e-6
-        As in :func:`tmcore.gaussian_splat`.
-    radius : float or None, default None
-        As in :func:`tmcore.gaussian_splat`.
-    forget_bias : float, default 0.0
-        As in :func:`init`.
-    checkpoint_every : int, default 1
-        As in :func:`apply`.
-    update : {"dense", "local"}, default "dense"
-        As in :func:`apply` (experimental).
-    window : int or None, default None
-        As in :func:`apply` (with ``update="local"``).
-    dynamics : {"none", "warp"}, default "none"
-        As in :func:`init` and :func:`apply`: ``"warp"`` adds the ``warp_net``
-        parameters (zero at init).
-    flow : bool, default False
-        As in :func:`init` and :func:`apply`: adds the ``warp_flow`` parameters.
+    dtype, eps, radius, forget_bias, checkpoint_every : see TensorMemory
+        As for :class:`TensorMemory` (the parameters' dtype, the splat's offset
+        and truncation, the forget-gate bias, the checkpoint interval).
+    update, window, dynamics, flow : see TensorMemory
+        The experimental layer options, as for :class:`TensorMemory`.
 
     Raises
     ------

@@ -908,29 +908,15 @@ class MemoryResidual(nn.Module):
     ) -> tuple[Tensor, Any]:
         """Add the gated memory read to the tokens: ``x + sigmoid(gate) * memory(norm(x))``.
 
-        The arguments are :meth:`TensorMemory.forward`'s; the state returned is the
-        memory's.
+        The state returned is the memory's.
 
         Parameters
         ----------
         x : Tensor, shape ``(B, N, d)``
-            The tokens, on the parameters' device, in their dtype (autocast allows
-            a lower precision).
-        state : None, pair of Tensor or StreamState, optional
-            ``(h, c)`` (each ``(B, C, *S)``) or the :class:`StreamState` a previous
-            call returned; ``None``: zeros.
-        reset : Tensor, shape ``(B,)``, bool, optional
-            Those rows start from zeros (a float mask is a ``TypeError``).
-        doc_starts : Tensor, shape ``(B, N)``, bool, optional
-            True at document starts (packed documents, each equal to running it
-            alone; :func:`doc_starts_from_offsets`); needs ``stream=True``.
-        valid : Tensor, shape ``(B, N)``, bool, optional
-            False at padding: those tokens never enter the state nor the chunk
-            grid and their outputs are zeros; needs ``stream=True``.
-        stream : bool, default True
-            Return a :class:`StreamState`, so that pieces of any lengths equal one
-            call; ``False``: pad the ragged last chunk with zeros, write it, and
-            return ``(h, c)``.
+            The tokens, as in :meth:`TensorMemory.forward`.
+        state, reset, doc_starts, valid, stream : see TensorMemory.forward
+            Passed to the memory unchanged (the state, row resets, document starts,
+            the padding mask and the streaming switch).
 
         Returns
         -------
