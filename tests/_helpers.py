@@ -4,7 +4,7 @@ random state dict in the paper's reference layout."""
 from tmcore.testing.strategies import *  # noqa: F403
 from tmcore.testing.strategies import __all__ as _strategies
 
-__all__ = [*_strategies, "reference_state_dict"]
+__all__ = [*_strategies, "reference_state_dict", "torch_scan_inputs", "EDGE_COORDS"]
 
 
 def reference_state_dict(torch, d: int, c: int, length: int, grid=(3, 4, 5), seed: int = 0,
@@ -34,3 +34,35 @@ def reference_state_dict(torch, d: int, c: int, length: int, grid=(3, 4, 5), see
     zz, yy, xx = torch.meshgrid(*axes, indexing="ij")
     sd["grid_cache"] = torch.stack([xx, yy, zz])[None]
     return sd
+
+
+#: Read coordinates at cell centres (size-5 axes), the borders, beyond them and +-inf.
+EDGE_COORDS = [-1.0, -0.5, 0.0, 0.5, 1.0, 1.5, -2.0, float("inf"), -float("inf"), 0.25]
+
+
+def torch_scan_inputs(torch, shape, dtype, batch=2, channels=3, steps=7, edges=False, seed=0):
+    """Random torch scan inputs and cotangents: ``((h0, c0, read_coords, write_coords,
+    write_sigma, write_content, ConvParams), (g_reads, g_h, g_c))`` for a ``(B, C, *shape)``
+    state; ``edges``: read coordinates drawn from :data:`EDGE_COORDS`."""
+    from tmcore.conv import ConvParams
+
+    n = len(shape)
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(*s):
+        return torch.randn(*s, generator=gen, dtype=dtype)
+
+    h0, c0 = rand(batch, channels, *shape) * 0.5, rand(batch, channels, *shape) * 0.5
+    if edges:
+        pick = torch.randint(0, len(EDGE_COORDS), (batch, steps, n), generator=gen)
+        read_coords = torch.tensor(EDGE_COORDS, dtype=dtype)[pick]
+    else:
+        read_coords = torch.tanh(rand(batch, steps, n))
+    write_coords = torch.tanh(rand(batch, steps, n))
+    write_sigma = torch.rand(batch, steps, generator=gen, dtype=dtype) * 0.4 + 0.1
+    content = rand(batch, steps, channels)
+    params = ConvParams(rand(n, 2 * channels, 3) * 0.4, rand(n, 2 * channels) * 0.1,
+                        rand(4 * channels, 2 * channels) * 0.3, rand(4 * channels) * 0.1)
+    cotangents = (rand(batch, steps, channels), rand(batch, channels, *shape),
+                  rand(batch, channels, *shape))
+    return (h0, c0, read_coords, write_coords, write_sigma, content, params), cotangents

@@ -14,39 +14,19 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="torch is not installed")
 
+from _helpers import torch_scan_inputs  # noqa: E402
+
 import tmcore  # noqa: E402
 import tmcore.backends._native as native  # noqa: E402
 import tmcore.backends._torch as bt  # noqa: E402
-from tmcore.conv import ConvParams  # noqa: E402
 from tmcore.scan import memory_scan, memory_scan_vjp  # noqa: E402
 
 pytestmark = pytest.mark.skipif(native.library() is None,
                                 reason="the fused kernels cannot be built here (no C compiler)")
 
-_VALUES = [-1.0, -0.5, 0.0, 0.5, 1.0, 1.5, -2.0, float("inf"), -float("inf"), 0.25]
-
 
 def _inputs(shape, dtype, batch=2, channels=3, steps=7, edges=False, seed=0):
-    n = len(shape)
-    gen = torch.Generator().manual_seed(seed)
-
-    def rand(*s):
-        return torch.randn(*s, generator=gen, dtype=dtype)
-
-    h0, c0 = rand(batch, channels, *shape) * 0.5, rand(batch, channels, *shape) * 0.5
-    if edges:  # cell centres (size-5 axes), borders, beyond, +-inf
-        pick = torch.randint(0, len(_VALUES), (batch, steps, n), generator=gen)
-        read_coords = torch.tensor(_VALUES, dtype=dtype)[pick]
-    else:
-        read_coords = torch.tanh(rand(batch, steps, n))
-    write_coords = torch.tanh(rand(batch, steps, n))
-    write_sigma = torch.rand(batch, steps, generator=gen, dtype=dtype) * 0.4 + 0.1
-    content = rand(batch, steps, channels)
-    params = ConvParams(rand(n, 2 * channels, 3) * 0.4, rand(n, 2 * channels) * 0.1,
-                        rand(4 * channels, 2 * channels) * 0.3, rand(4 * channels) * 0.1)
-    cotangents = (rand(batch, steps, channels), rand(batch, channels, *shape),
-                  rand(batch, channels, *shape))
-    return (h0, c0, read_coords, write_coords, write_sigma, content, params), cotangents
+    return torch_scan_inputs(torch, shape, dtype, batch, channels, steps, edges, seed)
 
 
 def _flat(values):

@@ -13,11 +13,11 @@ import pytest
 torch = pytest.importorskip("torch", reason="torch is not installed")
 
 import array_api_compat  # noqa: E402
+from _helpers import torch_scan_inputs  # noqa: E402
 
 import tmcore  # noqa: E402
 import tmcore.backends._native as native  # noqa: E402
 import tmcore.backends._torch as bt  # noqa: E402
-from tmcore.conv import ConvParams  # noqa: E402
 from tmcore.scan import memory_scan_bwd, memory_scan_fwd  # noqa: E402
 
 pytestmark = pytest.mark.skipif(native.library() is None,
@@ -27,22 +27,7 @@ _XP = array_api_compat.array_namespace(torch.empty(0))
 
 
 def _inputs(shape=(3, 4, 2), dtype=torch.float64, batch=2, channels=3, steps=5, seed=0):
-    n = len(shape)
-    gen = torch.Generator().manual_seed(seed)
-
-    def rand(*s):
-        return torch.randn(*s, generator=gen, dtype=dtype)
-
-    h0, c0 = rand(batch, channels, *shape) * 0.5, rand(batch, channels, *shape) * 0.5
-    read_coords = torch.tanh(rand(batch, steps, n))
-    write_coords = torch.tanh(rand(batch, steps, n))
-    write_sigma = torch.rand(batch, steps, generator=gen, dtype=dtype) * 0.4 + 0.1
-    content = rand(batch, steps, channels)
-    params = ConvParams(rand(n, 2 * channels, 3) * 0.4, rand(n, 2 * channels) * 0.1,
-                        rand(4 * channels, 2 * channels) * 0.3, rand(4 * channels) * 0.1)
-    cotangents = (rand(batch, steps, channels), rand(batch, channels, *shape),
-                  rand(batch, channels, *shape))
-    return (h0, c0, read_coords, write_coords, write_sigma, content, params), cotangents
+    return torch_scan_inputs(torch, shape, dtype, batch, channels, steps, seed=seed)
 
 
 def _run(inputs, every=1, generic=False):
