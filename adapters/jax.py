@@ -959,8 +959,14 @@ def residual_init(
     gate_init: float = 0.0,
     forget_bias: float = 0.0,
     dtype: Any = jnp.float32,
+    dynamics: str = "none",
+    flow: bool = False,
 ) -> dict:
     """Parameters of the gated residual ``x + sigmoid(gate) * memory(norm(x))``.
+
+    The memory's parameters are :func:`init`'s with the same key and options, so
+    with the same key they equal :class:`MemoryResidual`'s (``nnx.Rngs(seed)``'s
+    first ``params`` key) for every option.
 
     Parameters
     ----------
@@ -983,6 +989,16 @@ def residual_init(
         As in :func:`init`.
     dtype : dtype, default float32
         The parameters' dtype.
+    dynamics : {"none", "warp"}, default "none"
+        As in :func:`init`: ``"warp"`` adds the memory's ``warp_net`` group
+        (``{"weight" (n, d), "bias" (n,)}``, zeros: no displacement at init);
+        pass ``dynamics="warp"`` to :func:`residual_apply` too (experimental).
+    flow : bool, default False
+        As in :func:`init` (with ``dynamics="warp"``): adds the memory's
+        ``warp_flow`` group (``depthwise_weight (n, C, 3)`` identity taps,
+        ``depthwise_bias (n, C)``, ``pointwise_weight (n, C)``,
+        ``pointwise_bias (n,)``, zeros). ``update`` / ``window`` add no
+        parameter: they are :func:`residual_apply` keywords only.
 
     Returns
     -------
@@ -993,12 +1009,15 @@ def residual_init(
     Raises
     ------
     TypeError
-        If a size is not an int.
+        If a size is not an int, ``dynamics`` is not a string or ``flow`` not
+        a bool (:func:`tmcore.layer.layer_config`; each error names the argument).
     ValueError
-        If a size or ``sigma_scale`` is out of range, or ``gate_init`` is not finite.
+        If a size or ``sigma_scale`` is out of range, ``gate_init`` is not
+        finite, ``dynamics`` is unknown or ``flow=True`` comes without
+        ``dynamics="warp"``.
     """
     memory = init(key, embed_dim, memory_channels, memory_shape, chunk_size, sigma_scale,
-                  forget_bias=forget_bias, dtype=dtype)
+                  forget_bias=forget_bias, dtype=dtype, dynamics=dynamics, flow=flow)
     d = memory["out_proj"]["bias"].shape[0]
     return {
         "norm": {"weight": jnp.ones((d,), dtype), "bias": jnp.zeros((d,), dtype)},
@@ -1038,7 +1057,12 @@ def residual_apply(
         As in :func:`apply`.
     **kwargs
         :func:`apply`'s keywords (``memory_shape``, ``sigma_scale``, ``reset``,
-        ``checkpoint_every``, ``stream``, ...).
+        ``checkpoint_every``, ``stream``, ...), the layer options included:
+        ``update`` / ``window`` and ``dynamics`` / ``flow`` (experimental; the
+        last two need the groups :func:`residual_init` makes with the same
+        options). They go to the memory's :func:`apply` unchanged, so the
+        residual is differentiable and jittable with them as :func:`apply` is
+        (its ``update`` / ``window`` / ``dynamics`` / ``flow`` static).
 
     Returns
     -------
@@ -1050,9 +1074,10 @@ def residual_apply(
     Raises
     ------
     KeyError
-        If ``params`` lacks ``norm``, ``memory`` or ``gate`` or a memory parameter.
+        If ``params`` lacks ``norm``, ``memory`` or ``gate`` or a memory parameter
+        (e.g. ``warp_net`` with ``dynamics="warp"``).
     TypeError, ValueError
-        As :func:`apply` raises them.
+        As :func:`apply` raises them (a bad option names it).
     """
     norm, gate = _on_mesh_of(x, (params["norm"], params["gate"]))
     out, state = apply(params["memory"], _norm_jit(norm, x), state, **kwargs)
