@@ -431,6 +431,11 @@ def _guard_forward_mode(call: Callable[[], Any]) -> Any:
         raise
 
 
+def scatter_add(xp: Any, out: Any, index: Any, values: Any) -> Any:
+    """``out (N,)`` with ``values (M,)`` summed in at ``index (M,)`` (``.at[].add``)."""
+    return out.at[index].add(values)
+
+
 def make_ops(generic: Ops, options: Options) -> Ops:
     """The JAX table: lax conv (option ``depthwise``), generic read and write, float32
     compute for halves."""
@@ -464,5 +469,8 @@ def make_ops(generic: Ops, options: Options) -> Ops:
         return generic.gates_residuals(xp, z, c)
 
     fast = generic._replace(conv_fwd=conv_fwd_auto, conv_bwd=conv_bwd_auto, gates_fwd=gates_fwd,
-                            gates_bwd=gates_bwd, gates_residuals=gates_residuals)
+                            gates_bwd=gates_bwd, gates_residuals=gates_residuals,
+                            # XLA:CPU scatters in order; elsewhere it adds atomically
+                            scatter_add=scatter_add if jax.default_backend() == "cpu"
+                            or not options.deterministic else None)
     return with_float32_compute(fast)

@@ -266,6 +266,17 @@ def _may_hold_true(mask: torch.Tensor) -> bool:
         return True
 
 
+def scatter_add(xp: Any, out: torch.Tensor, index: torch.Tensor,
+                values: torch.Tensor) -> torch.Tensor:
+    """``out (N,)`` with ``values (M,)`` summed in at ``index (M,)``, in place (no
+    autograd graph). ``index_add_`` on the CPU (sequential); on CUDA it adds atomically,
+    so there the deterministic default takes ``index_put_(accumulate=True)`` (sorted)."""
+    if out.is_cuda and (get_options().deterministic
+                        or torch.are_deterministic_algorithms_enabled()):
+        return out.index_put_((index,), values, accumulate=True)
+    return out.index_add_(0, index, values)
+
+
 def _make_sample(generic: Ops) -> tuple[Any, Any]:
     def sample_fwd(xp, volume, coords):
         if volume.ndim > 5 or volume.dtype != coords.dtype:
@@ -1018,5 +1029,6 @@ def make_ops(generic: Ops, options: Options) -> Ops:
     scan_fwd, scan_bwd = _make_cpu_scan(generic, options)
     fast = Ops(sample_fwd, sample_bwd, generic.splat_fwd, generic.splat_bwd, conv, conv_vjp,
                gates_fwd, gates_bwd, gates_residuals, workspace,
-               scan_fwd, scan_bwd)  # fused scans: CPU kernels or Triton (each may decline)
+               scan_fwd, scan_bwd,  # fused scans: CPU kernels or Triton (each may decline)
+               scatter_add)
     return with_float32_compute(fast)

@@ -30,6 +30,12 @@ Contract of each entry (the generic functions are the reference):
   :func:`tmcore.scan.memory_scan_fwd` / ``memory_scan_bwd`` (positional, after
   ``xp``: the arrays, then ``eps, radius, checkpoint_every``); it returns
   ``None`` to decline, and the scan then runs its per-step loop
+- ``scatter_add`` (optional, default ``None``): ``(xp, out (N,), index (M,) integers,
+  values (M,)) -> (N,)``, ``out`` with every ``values[i]`` added at ``index[i]``
+  (repeated indices sum; ``out`` may be updated in place: pass a buffer the caller
+  owns and use the result). The array API has no scatter-add, so the generic table
+  has none; :mod:`tmcore.warp`'s flow VJP uses it when present (``O(2^n B C P)``
+  instead of its generic ``O(B C P^2)`` tile contraction)
 
 ``residuals`` are opaque: only the ``*_bwd`` of the same table consumes them
 (the generic conv's are the list of stage inputs ``[x, after axis 0, ...]``).
@@ -93,6 +99,10 @@ class Ops(NamedTuple):
     scan_bwd : callable or None, default None
         A fused whole-scan backward like :func:`tmcore.memory_scan_bwd`; returns
         None to decline.
+    scatter_add : callable or None, default None
+        ``(xp, out (N,), index (M,), values (M,)) -> (N,)``: ``values`` summed
+        into ``out`` at ``index`` (may update ``out`` in place); None where the
+        namespace has no scatter-add.
     """
 
     sample_fwd: Any
@@ -107,6 +117,7 @@ class Ops(NamedTuple):
     workspace: Any
     scan_fwd: Any = None  # optional fused memory_scan_fwd (tmcore.scan); None: per-step loop
     scan_bwd: Any = None  # optional fused memory_scan_bwd; either may return None to decline
+    scatter_add: Any = None  # optional flat scatter-add (the flow warp's VJP); None: none
 
 
 def _no_workspace(xp: Any) -> contextlib.AbstractContextManager:

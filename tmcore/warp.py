@@ -25,10 +25,12 @@ path to add). The VJP w.r.t. the displacement is ``O(2^n B K P)``.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any, NamedTuple
 
 import array_api_compat
 
+from tmcore._dispatch import ops_for
 from tmcore._gather import index_dtype, to_index
 from tmcore._separable import grid_size, outer_product
 from tmcore._validate import check_dim, check_rank, namespace_of, require_array
@@ -108,9 +110,10 @@ def _displacement(xp: Any, shift: Any, flow: Any, component: int, n: int) -> Any
     return xp.reshape(shift[:, component], (shift.shape[0], *([1] * n))) + flow[:, component, ...]
 
 
-def _corner_gathers(xp: Any, volume: Any, axes: list[tuple[Any, Any, Any]]):
-    """Per corner ``c`` in ``{0, 1}^n``: ``(bits, values (B, K, *S))``, ``values`` the
-    volume at the corner ``lower + c`` of every cell's position."""
+def _corner_indices(xp: Any, volume: Any, axes: list[tuple[Any, Any, Any]]):
+    """Yield per corner ``c`` in ``{0, 1}^n``: ``(bits, index (B * K * P,))``, the flat index
+    into ``volume (B, K, *S)`` of the corner ``lower + c`` of every cell's position
+    (C order over ``(B, K, *S)``)."""
     batch, channels = volume.shape[:2]
     shape = tuple(volume.shape[2:])
     n = len(shape)
@@ -122,17 +125,24 @@ def _corner_gathers(xp: Any, volume: Any, axes: list[tuple[Any, Any, Any]]):
     strides = [grid_size(shape[a + 1:]) for a in range(n)]
     rows = xp.reshape(xp.arange(batch * channels, dtype=dtype, device=device) * cells,
                       (batch, channels, *([1] * n)))
-    flat = xp.reshape(volume, (-1,))
-    out = []
     for corner in range(1 << n):
         bits = [(corner >> (n - 1 - a)) & 1 for a in range(n)]
         cell = None
         for a in range(n):
             term = (highs[a] if bits[a] else lows[a]) * strides[a]
             cell = term if cell is None else cell + term
-        index = xp.reshape(rows + cell[:, None, ...], (-1,))
-        out.append((bits, xp.reshape(xp.take(flat, index), volume.shape)))
-    return out
+        yield bits, xp.reshape(rows + cell[:, None, ...], (-1,))
+
+
+def _corner_gathers(xp: Any, volume: Any, axes: list[tuple[Any, Any, Any]],
+                    corners: Iterable[tuple[list[int], Any]] | None = None):
+    """Per corner ``c`` in ``{0, 1}^n``: ``(bits, values (B, K, *S))``, ``values`` the
+    volume at the corner ``lower + c`` of every cell's position (``corners``: the
+    :func:`_corner_indices` of the same volume and axes, if already made)."""
+    if corners is None:
+        corners = _corner_indices(xp, volume, axes)
+    flat = xp.reshape(volume, (-1,))
+    return [(bits, xp.reshape(xp.take(flat, index), volume.shape)) for bits, index in corners]
 
 
 def _corner_weight(axes: list[tuple[Any, Any, Any]], bits: list[int],
@@ -204,6 +214,30 @@ def _flow_volume_grad(xp: Any, residuals: WarpResiduals, g: Any) -> Any:
     return xp.reshape(total, volume.shape)
 
 
+def _flow_volume_scatter(xp: Any, residuals: WarpResiduals, g: Any,
+                         corners: list[tuple[list[int], Any]], scatter_add: Any) -> Any:
+    """``d volume`` of the flow warp as what it is, the transpose of the corner gather:
+    per corner, ``weight * g`` scatter-added into the corner cells (``O(2^n B K P)``;
+    ``scatter_add`` is the namespace's, :class:`tmcore._dispatch.Ops`)."""
+    volume = residuals.volume
+    batch = volume.shape[0]
+    n = volume.ndim - 2
+    total = xp.zeros((grid_size(tuple(volume.shape)),), dtype=g.dtype,
+                     device=array_api_compat.device(g))
+    for bits, index in corners:
+        values = _corner_weight(residuals.axes, bits)[:, None, ...] * g
+        total = scatter_add(xp, total, index, xp.reshape(values, (-1,)))
+    total = xp.reshape(total, volume.shape)
+    # A NaN displacement makes its batch element's gradient NaN, as the dense
+    # contraction does (its NaN weight meets every cell there); no host sync.
+    bad = None
+    for _, frac, _ in residuals.axes:
+        bad = xp.isnan(frac) if bad is None else bad | xp.isnan(frac)
+    bad = xp.any(xp.reshape(xp.broadcast_to(bad, (batch, *volume.shape[2:])), (batch, -1)),
+                 axis=1)
+    return xp.where(xp.reshape(bad, (batch, *([1] * (n + 1)))), xp.nan, total)
+
+
 def warp_bwd(xp: Any, residuals: WarpResiduals, g: Any) -> tuple[Any, Any, Any]:
     """VJP of :func:`warp_fwd` for ``g (B, K, *S)``: ``(d_volume, d_shift (B, n), d_flow)``
     (``d_flow (B, n, *S)``, or ``None`` without a flow)."""
@@ -219,7 +253,8 @@ def warp_bwd(xp: Any, residuals: WarpResiduals, g: Any) -> tuple[Any, Any, Any]:
             d_disp[axis_of_component(axis, n)] = xp.sum(g * moved, axis=(1, *range(2, 2 + n)))
             g = _apply(xp, g, weights, axis, transpose=True)
         return g, xp.stack(d_disp, axis=1), None
-    corners = _corner_gathers(xp, volume, residuals.axes)
+    indices = list(_corner_indices(xp, volume, residuals.axes))
+    corners = _corner_gathers(xp, volume, residuals.axes, indices)
     for axis in range(n):
         d_u = None
         for bits, values in corners:
@@ -230,7 +265,10 @@ def warp_bwd(xp: Any, residuals: WarpResiduals, g: Any) -> tuple[Any, Any, Any]:
         d_disp[axis_of_component(axis, n)] = d_u * residuals.axes[axis][2]
     d_flow = xp.stack(d_disp, axis=1)
     d_shift = xp.stack([xp.sum(d, axis=spatial) for d in d_disp], axis=1)
-    return _flow_volume_grad(xp, residuals, g), d_shift, d_flow
+    scatter_add = ops_for(xp).scatter_add
+    if scatter_add is None:
+        return _flow_volume_grad(xp, residuals, g), d_shift, d_flow
+    return _flow_volume_scatter(xp, residuals, g, indices, scatter_add), d_shift, d_flow
 
 
 def _validate(h, c, shift, flow, g_h=None, g_c=None):
