@@ -211,3 +211,120 @@ def test_jax_under_jit_matches_numpy():
                     assert a is None
                 else:
                     np.testing.assert_allclose(np.asarray(a), b, rtol=0, atol=1e-12)
+
+
+# -- the flow VJP's scatter-add fast path (torch, JAX) against the generic tile contraction --
+
+FAST_SHAPES = [(7,), (5, 3), (3, 5, 3)]  # odd sizes, n = 1..3
+
+
+def _fast_namespace(name: str):
+    """``(xp, asarray, context)``: the namespace with a scatter-add, float64 on JAX."""
+    import contextlib
+
+    if name == "torch":
+        torch = pytest.importorskip("torch", reason="torch is not installed")
+        import array_api_compat.torch as xp
+
+        return xp, lambda a: torch.asarray(a, dtype=torch.float64), contextlib.nullcontext()
+    jax = pytest.importorskip("jax", reason="jax is not installed")
+    import jax.numpy as jnp
+
+    if not hasattr(jax, "enable_x64"):
+        pytest.skip("this jax has no enable_x64 context (float64 needed for the 1e-12 check)")
+    return jnp, lambda a: jnp.asarray(a, dtype=jnp.float64), jax.enable_x64(True)
+
+
+def _flow_case(shape, seed, channels=3):
+    """B = 2, ``(B, channels, *S)``; shift + flow reach past the border (and past +-2,
+    clipped)."""
+    rng = np.random.default_rng(seed)
+    n = len(shape)
+    volume = rng.standard_normal((2, channels, *shape))
+    shift = rng.uniform(-0.8, 0.8, (2, n))
+    flow = rng.uniform(-2.5, 2.5, (2, n, *shape))
+    return volume, shift, flow, rng.standard_normal(volume.shape)
+
+
+@pytest.mark.parametrize("shape", FAST_SHAPES)
+@pytest.mark.parametrize("namespace", ["torch", "jax"])
+def test_flow_scatter_equals_the_generic_tile_contraction(shape, namespace):
+    from tmcore import warp
+    from tmcore._dispatch import ops_for
+
+    xp, asarray, x64 = _fast_namespace(namespace)
+    volume, shift, flow, g = _flow_case(shape, seed=9 + len(shape))
+    with x64:
+        volume, shift, flow, g = (asarray(a) for a in (volume, shift, flow, g))
+        _, residuals = warp.warp_fwd(xp, volume, shift, flow)
+        slopes = [np.asarray(slope) for _, _, slope in residuals.axes]
+        # some positions clamp at a border (zero slope there), some do not
+        assert any(np.any(s == 0) for s in slopes) and any(np.any(s != 0) for s in slopes)
+        scatter_add = ops_for(xp).scatter_add
+        assert scatter_add is not None
+        corners = list(warp._corner_indices(xp, volume, residuals.axes))
+        fast = warp._flow_volume_scatter(xp, residuals, g, corners, scatter_add)
+        generic = warp._flow_volume_grad(xp, residuals, g)
+        assert fast.dtype == generic.dtype == volume.dtype
+        np.testing.assert_allclose(np.asarray(fast), np.asarray(generic), rtol=0, atol=1e-12)
+        assert np.max(np.abs(np.asarray(generic))) > 0.1  # not trivially zero
+        # the public VJP: default dispatch vs the generic table, every output
+        d_fast = warp.warp_bwd(xp, residuals, g)
+        with tmcore.options(generic=True):
+            d_generic = warp.warp_bwd(xp, residuals, g)
+        for a, b in zip(d_fast, d_generic, strict=True):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-12)
+
+
+class _Counter:
+    def __init__(self, fn):
+        self.fn, self.calls = fn, 0
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        return self.fn(*args, **kwargs)
+
+
+@pytest.mark.parametrize("namespace", ["torch", "jax", "numpy"])
+def test_default_dispatch_takes_the_scatter_path_where_there_is_one(namespace, monkeypatch):
+    from tmcore import warp
+
+    if namespace == "numpy":
+        import contextlib
+
+        xp_name, asarray, x64 = "numpy", np.asarray, contextlib.nullcontext()
+    else:
+        _, asarray, x64 = _fast_namespace(namespace)
+        xp_name = namespace
+    scatter = _Counter(warp._flow_volume_scatter)
+    tiles = _Counter(warp._flow_volume_grad)
+    monkeypatch.setattr(warp, "_flow_volume_scatter", scatter)
+    monkeypatch.setattr(warp, "_flow_volume_grad", tiles)
+    volume, shift, flow, g = _flow_case((3, 4), seed=20, channels=6)  # h, c: C = 3
+    with x64:
+        h, c, shift, flow, g_h, g_c = (asarray(a) for a in (
+            volume[:, :3], volume[:, 3:], shift, flow, g[:, :3], g[:, 3:]))
+        want = "tiles" if xp_name == "numpy" else "scatter"
+        tmcore.warp_state_vjp(h, c, shift, flow, g_h, g_c)
+        assert (scatter.calls, tiles.calls) == ((1, 0) if want == "scatter" else (0, 1))
+        tmcore.warp_state_vjp(h, c, shift, None, g_h, g_c)  # no flow: neither
+        assert scatter.calls + tiles.calls == 1
+        with tmcore.options(generic=True):
+            tmcore.warp_state_vjp(h, c, shift, flow, g_h, g_c)
+        assert tiles.calls == (1 if want == "scatter" else 2)
+
+
+@pytest.mark.parametrize("namespace", ["torch", "jax"])
+def test_flow_scatter_makes_a_nan_displacement_nan_like_the_generic_path(namespace):
+    xp, asarray, x64 = _fast_namespace(namespace)
+    volume, shift, flow, g = _flow_case((4, 3), seed=21, channels=6)
+    flow[0, 1, 2, 1] = np.nan
+    with x64:
+        args = [asarray(a) for a in (volume[:, :3], volume[:, 3:], shift, flow, g[:, :3],
+                                     g[:, 3:])]
+        fast = tmcore.warp_state_vjp(*args)
+        with tmcore.options(generic=True):
+            generic = tmcore.warp_state_vjp(*args)
+    for a, b in zip(fast, generic, strict=True):
+        np.testing.assert_array_equal(np.isnan(np.asarray(a)), np.isnan(np.asarray(b)))
+    assert np.all(np.isnan(np.asarray(fast[0])[0])) and not np.any(np.isnan(np.asarray(fast[0])[1]))
