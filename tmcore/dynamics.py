@@ -25,8 +25,12 @@ array API (every namespace; the adapters register it with their autodiff):
 
 Cost per step: the local update's work is the window's (:mod:`tmcore.local`); the
 warp's is the grid's, ``O(B C P sum(S_a))`` for a shift (``P`` cells), forward and
-backward, so a warped local step is no longer independent of the grid; with a flow the
-state's VJP through the warp is ``O(B C P^2)`` on the generic path (:mod:`tmcore.warp`).
+backward, so a warped local step is no longer independent of the grid. With a flow the
+warp gathers ``2^n`` corners per cell, ``O(2^n B C P)``, and the state's VJP through it
+is their scatter-add, ``O(2^n B C P)``, on PyTorch and JAX (the table's
+``scatter_add``; JAX off the CPU only with ``deterministic=False``); the generic path
+(NumPy, array-api-strict, any other namespace, ``generic=True``) keeps its
+``O(B C P^2)`` contraction over tiles of cells (:mod:`tmcore.warp`).
 """
 
 from __future__ import annotations

@@ -14,13 +14,24 @@ Positions are computed in voxel units (``u = i + d (S_a - 1) / 2``), so a zero
 displacement returns the state exactly, bit for bit (weight 1 on the cell itself).
 Displacements beyond ``+-2`` (the whole grid) are clipped to it, which changes no value.
 
-Cost (generic path): a shift alone is separable, one ``(S_a, S_a)`` interpolation matrix
-per axis and batch element: ``O(B K P sum(S_a))`` forward and VJP (``P`` cells, ``K``
-channels). With a flow the forward gathers the ``2^n`` corners of every cell
-(``O(2^n B K P)``); its VJP w.r.t. the state is the transpose of that gather, a
-scatter-add, which the array API lacks, so the generic path computes it as dense
-contractions over tiles of cells (``O(B K P^2)``; a namespace's scatter-add is the fast
-path to add). The VJP w.r.t. the displacement is ``O(2^n B K P)``.
+Cost: a shift alone is separable, one ``(S_a, S_a)`` interpolation matrix per axis and
+batch element: ``O(B K P sum(S_a))`` forward and VJP (``P`` cells, ``K`` channels), on
+every namespace. With a flow the forward gathers the ``2^n`` corners of every cell
+(``O(2^n B K P)``, ``take``), and the VJP w.r.t. the displacement is ``O(2^n B K P)``
+too. The VJP w.r.t. the state is the transpose of that gather, a scatter-add of
+``weight * g`` into the ``2^n`` corner cells:
+
+- where the dispatch table has one (:class:`tmcore._dispatch.Ops` ``scatter_add``):
+  ``O(2^n B K P)``. PyTorch: ``index_add_`` (on CUDA, under the default
+  ``deterministic=True``, the sorted ``index_put_(accumulate=True)``); JAX:
+  ``.at[].add`` on the CPU, and off it only with ``deterministic=False`` (XLA's GPU
+  scatter adds atomically);
+- elsewhere (NumPy, array-api-strict, any other namespace, JAX on an accelerator by
+  default, and ``tmcore.options(generic=True)``): the array API has no scatter-add, so
+  the generic path computes it as dense products over tiles of cells, ``O(B K P^2)``.
+
+Both agree to rounding (float64: within 1e-12, tested), NaN displacements included
+(the batch element's state gradient is NaN on both).
 """
 
 from __future__ import annotations
@@ -186,8 +197,9 @@ def warp_fwd(xp: Any, volume: Any, shift: Any, flow: Any = None) -> tuple[Any, W
 
 
 def _flow_volume_grad(xp: Any, residuals: WarpResiduals, g: Any) -> Any:
-    """``d volume`` of the flow warp: the transpose of the corner gather, as dense
-    products of one-hot interpolation rows over tiles of output cells."""
+    """``d volume`` of the flow warp on the generic path (no scatter-add): the transpose of
+    the corner gather, as dense products of one-hot interpolation rows over tiles of
+    output cells, ``O(B K P^2)``."""
     volume = residuals.volume
     batch, channels = volume.shape[:2]
     shape = tuple(volume.shape[2:])
@@ -240,7 +252,11 @@ def _flow_volume_scatter(xp: Any, residuals: WarpResiduals, g: Any,
 
 def warp_bwd(xp: Any, residuals: WarpResiduals, g: Any) -> tuple[Any, Any, Any]:
     """VJP of :func:`warp_fwd` for ``g (B, K, *S)``: ``(d_volume, d_shift (B, n), d_flow)``
-    (``d_flow (B, n, *S)``, or ``None`` without a flow)."""
+    (``d_flow (B, n, *S)``, or ``None`` without a flow).
+
+    With a flow, ``d_volume`` is the namespace's scatter-add (``O(2^n B K P)``) where
+    ``ops_for(xp).scatter_add`` exists, else the generic tile contraction
+    (``O(B K P^2)``); see the module notes."""
     volume = residuals.volume
     shape = tuple(volume.shape[2:])
     n = len(shape)
