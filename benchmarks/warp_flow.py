@@ -122,7 +122,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--channels", type=int, default=8)
     p.add_argument("--reps", type=int, default=5)
-    p.add_argument("--min-seconds", type=float, default=1.0)
+    p.add_argument("--min-seconds", type=float, default=3.0)
     p.add_argument("--tiny", action="store_true", help="grid 4^3, one rep, no file")
     p.add_argument("--out", default=RESULTS)
     return p
