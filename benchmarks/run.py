@@ -354,7 +354,7 @@ def git_state() -> dict:
     def git(*args: str) -> str:
         try:
             return subprocess.run(["git", *args], capture_output=True, text=True, timeout=30,
-                                  check=True, cwd=Path(__file__).parent).stdout
+                                  check=True, cwd=REPO).stdout
         except (OSError, subprocess.SubprocessError):
             return ""
 
