@@ -8,8 +8,10 @@ asks for ``update="local"`` or ``dynamics="warp"``.
 
 The chunk loop is a Python loop (unrolled under ``jit``: compile time grows with the
 number of chunks of one call; a streaming decode step compiles one chunk). Reverse mode
-only; no checkpointing (the residuals are the local scan's undo log, or every step's
-state with a warp). Experimental, like the options.
+only. The residuals are the local scan's undo log, or with a warp the state entering
+every ``options.checkpoint_every``-th chunk (the layer's ``checkpoint_every``,
+``ceil(T / k)`` states of ``h`` and ``c``; the backward replays each segment).
+Experimental, like the options.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ def dynamic_scan(options: dynamics.ScanOptions, h0: jax.Array, c0: jax.Array, in
 # instead of one dispatch (and one small compilation) per array operation of the loop
 @partial(jax.jit, static_argnums=(0, 1))
 def _scan_fwd(options, keep, h0, c0, inputs, params, flow):
+    options = dynamics.check_options(options)  # (at trace time: options are static)
     return dynamics.scan_fwd(jnp, h0, c0, inputs, params, options, keep=keep,
                              flow_params=flow)
 

@@ -6,6 +6,11 @@ code on torch tensors: the local scan's box fast path, the warp) and registers
 :class:`tmcore.adapters.torch.TensorMemory` calls when its config asks for
 ``update="local"`` or ``dynamics="warp"``; the default layer keeps its custom-op scan.
 
+The backward's residuals are those of :func:`tmcore.dynamics.scan_fwd`: with a warp,
+the state entering every ``options.checkpoint_every``-th chunk (the layer's
+``checkpoint_every``), ``ceil(T / k)`` states of ``h`` and ``c``, each segment replayed
+in the backward; without warp, the local scan's undo log.
+
 Eager autograd only (first order): no ``torch.compile`` custom op, no double backward,
 no ``torch.func`` transforms, no native or Triton kernels (the generic path on any
 device). Experimental, like the options.
@@ -53,8 +58,10 @@ def _own(t: Tensor) -> Tensor:
 class DynamicScanFunction(torch.autograd.Function):
     """``apply(options, keep, h0, c0, read_coords, write_coords, write_sigma, write_content,
     shift or None, *params, *flow_params) -> (reads (B, T, C), h_T, c_T)``; ``keep``: store
-    the residuals for a backward; ``flow_params``: none, or the four tensors of the
-    per-cell flow's :class:`tmcore.ConvParams` (with a shift)."""
+    the residuals for a backward (``ctx.residuals``, a
+    :class:`tmcore.dynamics.DynamicResiduals`: with a shift, the ``ceil(T / k)``
+    checkpoint states, ``k = options.checkpoint_every``); ``flow_params``: none, or the
+    four tensors of the per-cell flow's :class:`tmcore.ConvParams` (with a shift)."""
 
     @staticmethod
     def forward(ctx: Any, options: dynamics.ScanOptions, keep: bool, h0: Tensor, c0: Tensor,
@@ -64,6 +71,7 @@ class DynamicScanFunction(torch.autograd.Function):
         inputs = StepInputs(*fields) if shift is None else dynamics.WarpInputs(*fields, shift)
         params = ConvParams(*tensors[:4])
         flow = ConvParams(*tensors[4:]) if len(tensors) > 4 else None
+        options = dynamics.check_options(options)
         reads, h, c, residuals = dynamics.scan_fwd(_XP, h0, c0, inputs, params, options,
                                                    keep=keep, flow_params=flow)
         ctx.options, ctx.residuals, ctx.has_shift = options, residuals, shift is not None

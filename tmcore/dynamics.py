@@ -20,8 +20,11 @@ array API (every namespace; the adapters register it with their autodiff):
   (:class:`WarpInputs`), zero at initialization, so the layer starts as the default.
   With ``flow_params`` (the layer's ``flow=True``, group ``warp_flow``) a per-cell flow
   ``conv(h_{t-1}) (B, n, *S)`` (a factorized conv, ``C -> n``) is added to the shift.
-  The backward keeps every step's input state (``T`` states, no checkpoints: the warp
-  moves every cell, so no undo log applies) and recomputes each step's warp and gates.
+  The backward keeps the state entering every ``checkpoint_every``-th step
+  (:class:`ScanOptions`, the layer's ``checkpoint_every``; ``ceil(T / k)`` states, as
+  the default scan: the warp moves every cell, so no undo log applies), replays each
+  segment forward from its checkpoint and recomputes each step's warp and gates; the
+  values and gradients are those of ``k = 1``, bit for bit.
 
 Cost per step: the local update's work is the window's (:mod:`tmcore.local`); the
 warp's is the grid's, ``O(B C P sum(S_a))`` for a shift (``P`` cells), forward and
@@ -67,6 +70,7 @@ __all__ = [
     "scan_fwd",
     "scan_bwd",
     "scan_options",
+    "check_options",
 ]
 
 
@@ -82,23 +86,38 @@ class WarpInputs(NamedTuple):
 
 
 class ScanOptions(NamedTuple):
-    """The static options of :func:`scan_fwd` (hashable)."""
+    """The static options of :func:`scan_fwd` (hashable). ``checkpoint_every = k`` (an
+    int >= 1, as in :func:`tmcore.memory_scan`): the per-step loop (a warp) keeps the
+    state entering steps ``0, k, 2k, ...`` for the backward, which replays each segment
+    (``k >= T``: only the initial state); the local scan without warp ignores it."""
 
     update: str = "dense"
     window: int | None = None
     eps: float = DEFAULT_EPS
     radius: float | None = None
     method: str = "fast"
+    checkpoint_every: int = 1
 
 
 def scan_options(config: Any, method: str = "fast") -> ScanOptions:
-    """The :class:`ScanOptions` of a :class:`tmcore.layer.LayerConfig`."""
-    return ScanOptions(config.update, config.window, config.eps, config.radius, method)
+    """The :class:`ScanOptions` of a :class:`tmcore.layer.LayerConfig` (its ``update``,
+    ``window``, ``eps``, ``radius`` and ``checkpoint_every``)."""
+    return ScanOptions(config.update, config.window, config.eps, config.radius, method,
+                       check_int("checkpoint_every", config.checkpoint_every, 1))
+
+
+def check_options(options: ScanOptions) -> ScanOptions:
+    """``options`` with its ``checkpoint_every`` checked (an int >= 1, a named error);
+    the adapters call it once per scan (the other fields come from a validated config)."""
+    every = check_int("checkpoint_every", options.checkpoint_every, 1)
+    return options if every == options.checkpoint_every else options._replace(
+        checkpoint_every=every)
 
 
 class DynamicResiduals(NamedTuple):
     """What :func:`scan_bwd` needs: the local scan's undo log (``update="local"`` without
-    warp), or every step's input state ``(T, B, C, *S)`` (with warp)."""
+    warp), or the states entering steps ``0, k, 2k, ...`` (``k`` the options'
+    ``checkpoint_every``): ``h_states, c_states (ceil(T / k), B, C, *S)`` (with warp)."""
 
     local: LocalScanResiduals | None
     h_states: Any
@@ -149,6 +168,16 @@ def _update_fwd(xp: Any, h: Any, c: Any, write: StepInputs, params: ConvParams,
             set_box(xp, c, geometry.box_start, c_box, index))
 
 
+def _advance(xp: Any, h: Any, c: Any, step: StepInputs, shift: Any, params: ConvParams,
+             options: ScanOptions, flow_params: ConvParams | None) -> tuple[Any, Any]:
+    """The state after one step from the state before it (the warp, when ``shift (B, n)``
+    is given, then the update; the read is not part of it): the forward's step and the
+    backward's replay, the same operations."""
+    if shift is not None:
+        h, c, _, _ = _warp(xp, h, c, shift, flow_params)
+    return _update_fwd(xp, h, c, step, params, options, owned=shift is not None)
+
+
 def _update_bwd(xp: Any, h: Any, c: Any, write: StepInputs, params: ConvParams,
                 options: ScanOptions, g_h: Any, g_c: Any):
     """VJP of :func:`_update_fwd`: ``(d_h, d_c, (d_mu, d_sigma, d_content), d_params)``."""
@@ -190,7 +219,9 @@ def scan_fwd(xp: Any, h0: Any, c0: Any, inputs: Any, params: ConvParams,
     arrays (a warp when it has a ``shift (B, T, n)``). ``keep=False``: no residuals
     (``None``; no gradient will be asked for). ``h0, c0`` are never modified.
     ``flow_params`` (with a warp): the :class:`tmcore.ConvParams` (``C_in = C``,
-    ``C_out = n``) of the per-cell flow ``conv(h)`` added to each step's shift.
+    ``C_out = n``) of the per-cell flow ``conv(h)`` added to each step's shift. The
+    residuals of the per-step loop are the states entering every
+    ``options.checkpoint_every``-th step, ``(ceil(T / k), B, C, *S)`` each.
     """
     shift = _shift_of(inputs)
     if shift is None and options.update == "local":
@@ -199,17 +230,17 @@ def scan_fwd(xp: Any, h0: Any, c0: Any, inputs: Any, params: ConvParams,
             radius=options.radius, method=options.method)
         return reads, h, c, DynamicResiduals(residuals, None, None) if keep else None
     sample = ops_for(xp).sample_fwd
+    every = options.checkpoint_every
     h, c = h0, c0
     reads, h_saved, c_saved = [], [], []
     for t in range(inputs.read_coords.shape[1]):
         step = _step(inputs, t)
-        if keep:
+        if keep and t % every == 0:
             h_saved.append(h)
             c_saved.append(c)
         reads.append(sample(xp, h, step.read_coords[:, None, :])[:, 0, :])
-        if shift is not None:
-            h, c, _, _ = _warp(xp, h, c, shift[:, t, ...], flow_params)
-        h, c = _update_fwd(xp, h, c, step, params, options, owned=shift is not None)
+        h, c = _advance(xp, h, c, step, None if shift is None else shift[:, t, ...], params,
+                        options, flow_params)
     residuals = DynamicResiduals(None, xp.stack(h_saved), xp.stack(c_saved)) if keep else None
     return xp.stack(reads, axis=1), h, c, residuals
 
@@ -220,7 +251,10 @@ def scan_bwd(xp: Any, residuals: DynamicResiduals, inputs: Any, params: ConvPara
     """VJP of :func:`scan_fwd` from its residuals: ``(d_h0, d_c0, d_inputs, d_params)``,
     ``d_inputs`` of the type of ``inputs`` (with ``shift`` for a warp), plus
     ``d_flow_params`` when ``flow_params`` is given. No validation; ``g_h, g_c`` are
-    not modified."""
+    not modified. The per-step loop goes back segment by segment: it replays the
+    segment's ``checkpoint_every`` steps forward from its checkpoint (the forward's
+    operations, so the same bits), then runs each step's VJP in reverse, holding at most
+    ``checkpoint_every`` states at a time."""
     shift = _shift_of(inputs)
     if residuals.local is not None:
         grads = local_scan_bwd(xp, residuals.local, *inputs[:4], params, g_reads, g_h, g_c,
@@ -234,9 +268,19 @@ def scan_bwd(xp: Any, residuals: DynamicResiduals, inputs: Any, params: ConvPara
     sample_bwd = ops_for(xp).sample_bwd
     d_read, d_mu, d_sigma, d_content, d_shift = ([None] * steps for _ in range(5))
     d_params = d_flow_params = None
+    every = options.checkpoint_every
+    states: list[Any] = []
     for t in reversed(range(steps)):
         step = _step(inputs, t)
-        h, c = residuals.h_states[t, ...], residuals.c_states[t, ...]
+        if not states:  # the segment of t: replay it from its checkpoint
+            start = t - t % every
+            states = [(residuals.h_states[start // every, ...],
+                       residuals.c_states[start // every, ...])]
+            for u in range(start, t):
+                states.append(_advance(xp, *states[-1], _step(inputs, u),
+                                       None if shift is None else shift[:, u, ...], params,
+                                       options, flow_params))
+        h, c = states.pop()
         if shift is not None:
             h_w, c_w, warp_residuals, flow_stages = _warp(xp, h, c, shift[:, t, ...],
                                                           flow_params)
@@ -271,8 +315,8 @@ def scan_bwd(xp: Any, residuals: DynamicResiduals, inputs: Any, params: ConvPara
 # ----------------------------------------------------------------------------- public
 
 
-def _validate(h0, c0, inputs, params, update, window, eps, radius, method, g_reads=None,
-              g_h=None, g_c=None, flow_params=None):
+def _validate(h0, c0, inputs, params, update, window, eps, radius, method, checkpoint_every,
+              g_reads=None, g_h=None, g_c=None, flow_params=None):
     if not isinstance(inputs, (StepInputs, WarpInputs)):
         raise TypeError(f"inputs: expected a StepInputs or WarpInputs of (B, T, ...) arrays, "
                         f"got {type(inputs).__name__}")
@@ -302,15 +346,16 @@ def _validate(h0, c0, inputs, params, update, window, eps, radius, method, g_rea
     if update == "local":
         check_int("window", window, 1)
     _check_method(method)
+    every = check_int("checkpoint_every", checkpoint_every, 1)
     return xp, params, flow_params, ScanOptions(update, window if update == "local" else None,
-                                                eps, radius, method)
+                                                eps, radius, method, every)
 
 
 def dynamic_memory_scan(h0: Any, c0: Any, inputs: Any, params: ConvParams, *,
                         update: str = "dense", window: int | None = None,
                         eps: float = DEFAULT_EPS, radius: float | None = None,
-                        method: str = "fast", flow_params: ConvParams | None = None
-                        ) -> tuple[Any, Any, Any]:
+                        method: str = "fast", flow_params: ConvParams | None = None,
+                        checkpoint_every: int = 1) -> tuple[Any, Any, Any]:
     """The chunk recurrence with the layer's options (see the module docstring).
 
     Parameters
@@ -325,13 +370,17 @@ def dynamic_memory_scan(h0: Any, c0: Any, inputs: Any, params: ConvParams, *,
     flow_params : with a warp, optional :class:`tmcore.ConvParams` (depthwise ``(n, C, 3)``,
         ``(n, C)``, pointwise ``(n, C)``, ``(n,)``) of a per-cell flow ``conv(h_{t-1})``
         ``(B, n, *S)`` added to each step's shift.
+    checkpoint_every : the backward's checkpoint interval ``k`` (an int >= 1, as in
+        :func:`tmcore.memory_scan`; used by :func:`dynamic_memory_scan_vjp` with a warp):
+        the state entering every ``k``-th step is kept and each segment replayed.
 
     Returns
     -------
     ``(reads (B, T, C), h_T, c_T)``.
     """
     xp, params, flow_params, options = _validate(h0, c0, inputs, params, update, window, eps,
-                                                 radius, method, flow_params=flow_params)
+                                                 radius, method, checkpoint_every,
+                                                 flow_params=flow_params)
     reads, h, c, _ = scan_fwd(xp, h0, c0, inputs, params, options, keep=False,
                               flow_params=flow_params)
     return reads, h, c
@@ -341,17 +390,20 @@ def dynamic_memory_scan_vjp(h0: Any, c0: Any, inputs: Any, params: ConvParams, g
                             g_h: Any = None, g_c: Any = None, *, update: str = "dense",
                             window: int | None = None, eps: float = DEFAULT_EPS,
                             radius: float | None = None, method: str = "fast",
-                            flow_params: ConvParams | None = None) -> tuple[Any, ...]:
+                            flow_params: ConvParams | None = None, checkpoint_every: int = 1
+                            ) -> tuple[Any, ...]:
     """VJP of :func:`dynamic_memory_scan` for ``g_reads (B, T, C)`` and the final-state
     cotangents ``g_h, g_c (B, C, *S)`` (``None``: zero).
 
     Returns ``(d_h0, d_c0, d_inputs, d_params)``, ``d_inputs`` of the type of ``inputs``,
-    plus ``d_flow_params`` when ``flow_params`` is given.
+    plus ``d_flow_params`` when ``flow_params`` is given. With a warp the backward keeps
+    ``ceil(T / checkpoint_every)`` states and replays the segments (the same values as
+    ``checkpoint_every=1``, bit for bit).
     """
     require_array("g_reads", g_reads)
     xp, params, flow_params, options = _validate(h0, c0, inputs, params, update, window, eps,
-                                                 radius, method, g_reads, g_h, g_c,
-                                                 flow_params)
+                                                 radius, method, checkpoint_every, g_reads,
+                                                 g_h, g_c, flow_params)
     _, _, _, residuals = scan_fwd(xp, h0, c0, inputs, params, options,
                                   flow_params=flow_params)
     g_h = xp.zeros_like(h0) if g_h is None else g_h
