@@ -24,7 +24,9 @@ array API (every namespace; the adapters register it with their autodiff):
   (:class:`ScanOptions`, the layer's ``checkpoint_every``; ``ceil(T / k)`` states, as
   the default scan: the warp moves every cell, so no undo log applies), replays each
   segment forward from its checkpoint and recomputes each step's warp and gates; the
-  values and gradients are those of ``k = 1``, bit for bit.
+  replay repeats the forward's operations, so the values and gradients are those of
+  ``k = 1``, bit for bit (NumPy, PyTorch; a compiler such as XLA may round the replayed
+  program differently).
 
 Cost per step: the local update's work is the window's (:mod:`tmcore.local`); the
 warp's is the grid's, ``O(B C P sum(S_a))`` for a shift (``P`` cells), forward and
@@ -397,8 +399,8 @@ def dynamic_memory_scan_vjp(h0: Any, c0: Any, inputs: Any, params: ConvParams, g
 
     Returns ``(d_h0, d_c0, d_inputs, d_params)``, ``d_inputs`` of the type of ``inputs``,
     plus ``d_flow_params`` when ``flow_params`` is given. With a warp the backward keeps
-    ``ceil(T / checkpoint_every)`` states and replays the segments (the same values as
-    ``checkpoint_every=1``, bit for bit).
+    ``ceil(T / checkpoint_every)`` states and replays the segments (the same operations
+    as ``checkpoint_every=1``, so the same values).
     """
     require_array("g_reads", g_reads)
     xp, params, flow_params, options = _validate(h0, c0, inputs, params, update, window, eps,
