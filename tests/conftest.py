@@ -2,6 +2,12 @@
 
 The "ci" profile (derandomized, no deadline) is loaded by default; set
 ``HYPOTHESIS_PROFILE=dev`` for fresh random examples on every run.
+
+XLA compiles the suite's JAX programs with its cheap settings (:data:`TEST_XLA_FLAGS`):
+with tiny shapes, compiling is most of a JAX test's time, and these settings halve it
+(the same programs, compiled with fewer optimization passes). They are appended to ``XLA_FLAGS`` before
+JAX is imported (subprocess tests inherit them); ``TMCORE_TEST_XLA_DEFAULTS=1`` runs
+the suite with XLA's default pipeline instead.
 """
 
 from __future__ import annotations
@@ -13,6 +19,13 @@ from types import ModuleType
 
 import pytest
 from hypothesis import HealthCheck, settings
+
+#: XLA CPU settings for the tests: no LLVM optimization passes and the classic loop
+#: emitters (compile time of the small programs here drops by about 2x).
+TEST_XLA_FLAGS = ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true",
+                  "--xla_cpu_use_fusion_emitters=false")
+if os.environ.get("TMCORE_TEST_XLA_DEFAULTS", "") in ("", "0"):
+    os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), *TEST_XLA_FLAGS]).strip()
 
 settings.register_profile(
     "ci",

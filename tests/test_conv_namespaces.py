@@ -151,8 +151,8 @@ def test_jax_generic_conv_under_an_explicit_mesh():
     jax = pytest.importorskip("jax", reason="jax is not installed")
     if not hasattr(jax, "set_mesh") or not hasattr(jax.sharding, "AxisType"):
         pytest.skip("this JAX has no explicit-sharding meshes (jax.set_mesh, AxisType)")
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
-               JAX_PLATFORMS="cpu")
+    flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
+    env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
     result = subprocess.run([sys.executable, "-c", _MESH_SCRIPT], capture_output=True,
                             text=True, cwd=REPO, env=env, timeout=300, check=False)
     assert result.returncode == 0 and "MESH_OK" in result.stdout, (

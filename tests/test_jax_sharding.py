@@ -167,7 +167,8 @@ def _checks() -> dict:  # runs in the 2-device subprocess
 
 @pytest.fixture(scope="module")
 def results() -> dict:
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+    flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
+    env = {**os.environ, "XLA_FLAGS": flags,
            "JAX_ENABLE_X64": "1", "JAX_PLATFORMS": "cpu"}
     run = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True,
                          timeout=900)
