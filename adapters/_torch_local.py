@@ -27,6 +27,7 @@ from tmcore import dynamics
 from tmcore.conv import ConvParams
 from tmcore.scan import StepInputs
 
+from . import _torch_local_op
 from ._torch_ops import _XP
 
 __all__ = ["DynamicScanFunction", "WarpFlow", "layer_scan"]
@@ -81,6 +82,8 @@ class DynamicScanFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, g_reads: Tensor, g_h: Tensor, g_c: Tensor):
+        if torch.is_grad_enabled():  # create_graph=True: refused, not silently first order
+            raise RuntimeError(_torch_local_op.DOUBLE_BACKWARD)
         if ctx.residuals is None:
             raise RuntimeError("tmcore: this local / warp scan ran without residuals "
                                "(no input required grad when it ran)")

@@ -54,7 +54,7 @@ from torch import Tensor, nn
 
 from tmcore import layer as tl
 from tmcore._validate import check_finite, check_int
-from tmcore.adapters import _torch_local, _torch_ops
+from tmcore.adapters import _torch_local, _torch_local_op, _torch_ops
 from tmcore.adapters._torch_attach import MemoryHandle, blocks_of, detach_state
 from tmcore.conv import ConvParams, as_conv_params
 from tmcore.dynamics import scan_options
@@ -769,7 +769,11 @@ class TensorMemory(nn.Module):
     def _scan(self, h0: Tensor, c0: Tensor, inputs: Any) -> tuple[Tensor, Tensor, Tensor]:
         config = self.config
         if config.update != "dense" or config.dynamics != "none":  # local / warp options
-            return _torch_local.layer_scan(
+            # eager: the autograd.Function; traced by torch.compile: the same scan as one
+            # opaque custom op (tmcore::dynamic_scan, its backward recomputes the forward)
+            scan = (_torch_local_op.layer_scan if torch.compiler.is_compiling()
+                    else _torch_local.layer_scan)
+            return scan(
                 scan_options(config), h0, c0, inputs, self.cell.params(),
                 self.warp_flow.params() if config.flow else None)
         return memory_scan(h0, c0, *inputs, self.cell.params(), eps=config.eps,
