@@ -11,9 +11,11 @@ the state entering every ``options.checkpoint_every``-th chunk (the layer's
 ``checkpoint_every``), ``ceil(T / k)`` states of ``h`` and ``c``, each segment replayed
 in the backward; without warp, the local scan's undo log.
 
-Eager autograd only (first order): no ``torch.compile`` custom op, no double backward,
-no ``torch.func`` transforms, no native or Triton kernels (the generic path on any
-device). Experimental, like the options.
+Eager autograd, first order: a double backward raises a ``RuntimeError``. While
+``torch.compile`` traces, the module calls the custom op of
+:mod:`tmcore.adapters._torch_local_op` instead. No ``torch.func`` transforms, no native
+or Triton kernels (the generic path on any device, the backend's fast ops inside it).
+Experimental, like the options.
 """
 
 from __future__ import annotations
