@@ -59,3 +59,19 @@ def test_cpu_speed_and_memory_scripts_run(tmp_path):
     assert "tiny" in json.dumps(result["configs"])
     scan = measure_long_scan(200)
     assert scan["steps"] == 200 and scan["output_bytes"] == 2 * 200 * 64 * 4
+
+
+def test_suite_time_records_the_summary_and_cpu_time():
+    import sys
+
+    from benchmarks.run import REPO
+    from benchmarks.suite_time import time_suite
+
+    if not (REPO / ".venv" / ".tmcore-installed").exists():
+        pytest.skip("suite_time needs the environment make test builds (.venv)")
+    script = "sum(range(3_000_000)); print('===== 3 passed, 1 skipped in 0.1s =====')"
+    result = time_suite((sys.executable, "-c", script))
+    assert result["returncode"] == 0
+    assert result["pytest_summary"] == "3 passed, 1 skipped in 0.1s"
+    assert result["user_cpu_s"] >= 0 and result["wall_s"] > 0
+    assert result["commit"] and "cores" in result["machine"]
