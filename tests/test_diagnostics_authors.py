@@ -223,8 +223,15 @@ def test_collapse_verdict_names_the_smallest_budget_beyond_the_seed_spread():
     lines = collapse_verdict(result)
     assert lines[0].startswith("W=20: Tensor Memory ahead") and "2000 steps (+10.0" in lines[0]
     assert lines[1].startswith("W=50: Tensor Memory is never ahead")  # +10 < spread 20
+    assert lines[1].endswith("at the budgets compared (500, 2000 steps)")
     assert lines[2] == "smallest such setting: W=20 at 2000 steps"
     assert collapse_verdict({"config": {"task": {}}, "rows": [], "settings": []}) == []
+    # a partial sweep: a setting whose rows have not both run is named as not compared
+    partial = {**result, "settings": ["W=20", "W=100"],
+               "rows": [*result["rows"][:4],
+                        row("transformer, 500 steps", "W=100", [6.0, 16.0, 15.0])]}
+    lines = collapse_verdict(partial)
+    assert lines[1] == "W=100: not compared yet (no budget has >= 2 seeds of both rows)"
 
 
 @pytest.mark.parametrize("name", ["mapping", "occlusion"])

@@ -162,19 +162,23 @@ def collapse_verdict(result: dict) -> list[str]:
     by = {(r["model"], r["setting"]): r["seeds"] for r in result["rows"]}
     lines, first = [], None
     for setting in result["settings"]:
-        found = None
+        found, compared = None, []
         for budget in sorted(budgets):
             tm = by.get((f"tensor_memory, {budget} steps", setting), [])
             tf = by.get((f"transformer, {budget} steps", setting), [])
             if len(tm) < 2 or len(tf) < 2:
                 continue
+            compared.append(budget)
             gap = statistics.fmean(tm) - statistics.fmean(tf)
             if gap > max(statistics.stdev(tm), statistics.stdev(tf)):
                 found = (budget, gap)
                 break
-        if found is None:
+        if found is None and not compared:
+            lines.append(f"{setting}: not compared yet (no budget has >= 2 seeds of both rows)")
+        elif found is None:
             lines.append(f"{setting}: Tensor Memory is never ahead by more than the seed "
-                         f"spread at these budgets")
+                         f"spread at the budgets compared "
+                         f"({', '.join(map(str, compared))} steps)")
         else:
             lines.append(f"{setting}: Tensor Memory ahead by more than the seed spread first "
                          f"at {found[0]} steps (+{found[1]:.1f} points)")
