@@ -231,10 +231,13 @@ def plot_results(result: dict, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(6.5, 3.8))
     xs = range(len(settings))
     for model in models:
-        means = [statistics.fmean(by[model, s]["seeds"]) for s in settings]
-        stds = [statistics.stdev(by[model, s]["seeds"]) if len(by[model, s]["seeds"]) > 1
-                else 0.0 for s in settings]
-        ax.errorbar(xs, means, yerr=stds, marker="o", capsize=3, label=model)
+        # a partial sweep (``--cached-only``) may lack a model's runs at some settings
+        seeds = [by[model, s]["seeds"] if (model, s) in by else [] for s in settings]
+        points = [(x, v) for x, v in zip(xs, seeds, strict=True) if v]
+        means = [statistics.fmean(v) for _, v in points]
+        stds = [statistics.stdev(v) if len(v) > 1 else 0.0 for _, v in points]
+        ax.errorbar([x for x, _ in points], means, yerr=stds, marker="o", capsize=3,
+                    label=model)
     ax.plot(xs, [result["window_ceiling"][s] for s in settings], "k--", label="window ceiling")
     ax.set_xticks(list(xs), settings)
     ax.set(title=f"{result['task']} ({result['protocol']} protocol, {result['scale']} scale)",
