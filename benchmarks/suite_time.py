@@ -47,6 +47,7 @@ def time_suite(command: tuple[str, ...] = COMMAND) -> dict:
             "system_cpu_s": round(after.ru_stime - before.ru_stime, 1),
             "load_average_before": round(load, 2),
             "pytest_summary": summary[-1].strip("= ") if summary else None,
+            **({"output_tail": (done.stdout + done.stderr)[-3000:]} if done.returncode else {}),
             "workers": os.environ.get("TEST_WORKERS", "2"),
             **git_state(), "machine": machine_line()}
 

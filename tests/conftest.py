@@ -5,9 +5,9 @@ The "ci" profile (derandomized, no deadline) is loaded by default; set
 
 XLA compiles the suite's JAX programs with its cheap settings (:data:`TEST_XLA_FLAGS`):
 with tiny shapes, compiling is most of a JAX test's time, and these settings halve it
-(the same programs, compiled with fewer optimization passes). They are appended to ``XLA_FLAGS`` before
-JAX is imported (subprocess tests inherit them); ``TMCORE_TEST_XLA_DEFAULTS=1`` runs
-the suite with XLA's default pipeline instead.
+(the same programs, compiled with fewer optimization passes). They are appended to
+``XLA_FLAGS`` before JAX is imported (subprocess tests inherit them);
+``TMCORE_TEST_XLA_DEFAULTS=1`` runs the suite with XLA's default pipeline instead.
 """
 
 from __future__ import annotations
