@@ -1020,6 +1020,25 @@ def _make_cpu_scan(generic: Ops, options: Options):
     return scan_fwd, scan_bwd
 
 
+def _make_local_scan(options: Options):
+    """``(local_scan_fwd, local_scan_bwd)``: the fused CPU local scan, else the Triton one
+    (each may decline with ``None``; tmcore's local loop then runs)."""
+
+    def local_scan_fwd(xp, *args):
+        from . import _cpu_local, _triton_local
+
+        out = _cpu_local.scan_fwd(xp, *args, options=options)
+        return _triton_local.scan_fwd(xp, *args, options=options) if out is None else out
+
+    def local_scan_bwd(xp, *args):
+        from . import _cpu_local, _triton_local
+
+        out = _cpu_local.scan_bwd(xp, *args, options=options)
+        return _triton_local.scan_bwd(xp, *args, options=options) if out is None else out
+
+    return local_scan_fwd, local_scan_bwd
+
+
 def make_ops(generic: Ops, options: Options) -> Ops:
     """The torch table: fast read, conv and gates, generic splat, float32 compute for
     halves; the depthwise kernel is ``options.depthwise`` (tables are cached per options)."""
@@ -1030,5 +1049,5 @@ def make_ops(generic: Ops, options: Options) -> Ops:
     fast = Ops(sample_fwd, sample_bwd, generic.splat_fwd, generic.splat_bwd, conv, conv_vjp,
                gates_fwd, gates_bwd, gates_residuals, workspace,
                scan_fwd, scan_bwd,  # fused scans: CPU kernels or Triton (each may decline)
-               scatter_add)
+               scatter_add, *_make_local_scan(options))
     return with_float32_compute(fast)

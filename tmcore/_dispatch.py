@@ -36,6 +36,12 @@ Contract of each entry (the generic functions are the reference):
   owns and use the result). The array API has no scatter-add, so the generic table
   has none; :mod:`tmcore.warp`'s flow VJP uses it when present (``O(2^n B C P)``
   instead of its generic ``O(B C P^2)`` tile contraction)
+- ``local_scan_fwd`` / ``local_scan_bwd`` (optional, default ``None``): a fused local
+  scan (``update="local"``, the fast method) with the signature and results of
+  :func:`tmcore.local.local_scan_fwd` / ``local_scan_bwd`` (positional, after ``xp``:
+  the arrays, then ``window, eps, radius``, and for the forward ``overwrite_state``),
+  the same undo-log residuals (:class:`tmcore.local.LocalScanResiduals`), so a forward
+  on one path and a backward on the other agree; ``None`` declines
 
 ``residuals`` are opaque: only the ``*_bwd`` of the same table consumes them
 (the generic conv's are the list of stage inputs ``[x, after axis 0, ...]``).
@@ -103,6 +109,12 @@ class Ops(NamedTuple):
         ``(xp, out (N,), index (M,), values (M,)) -> (N,)``: ``values`` summed
         into ``out`` at ``index`` (may update ``out`` in place); None where the
         namespace has no scatter-add.
+    local_scan_fwd : callable or None, default None
+        A fused local scan like :func:`tmcore.local.local_scan_fwd` (fast
+        method); returns None to decline.
+    local_scan_bwd : callable or None, default None
+        Its backward, like :func:`tmcore.local.local_scan_bwd`; returns None to
+        decline.
     """
 
     sample_fwd: Any
@@ -118,6 +130,8 @@ class Ops(NamedTuple):
     scan_fwd: Any = None  # optional fused memory_scan_fwd (tmcore.scan); None: per-step loop
     scan_bwd: Any = None  # optional fused memory_scan_bwd; either may return None to decline
     scatter_add: Any = None  # optional flat scatter-add (the flow warp's VJP); None: none
+    local_scan_fwd: Any = None  # optional fused local scan (tmcore.local); None: the loop
+    local_scan_bwd: Any = None  # its backward; either may return None to decline
 
 
 def _no_workspace(xp: Any) -> contextlib.AbstractContextManager:

@@ -61,8 +61,11 @@ from tmcore.splat import DEFAULT_EPS, gaussian_profiles
 
 __all__ = [
     "METHODS",
+    "BoxWrites",
     "LocalScanResiduals",
     "Window",
+    "box_writes",
+    "box_writes_bwd",
     "local_update",
     "local_update_vjp",
     "local_memory_scan",
@@ -535,6 +538,65 @@ def _read_box_bwd(xp: Any, box: Any, weights: list[Any], slopes: list[Any],
 # ----------------------------------------------------------------------------- scan
 
 
+class BoxWrites(NamedTuple):
+    """Every step's window and written box at once, time-major (row ``t * B + b``):
+    what a fused local scan needs from the writes, which do not depend on the state.
+
+    geometry : :class:`Window` of ``(T * B, n)`` arrays.
+    inside : ``(T * B, 1, *box)`` bool, the window's cells within the box.
+    volumes : ``(T * B, C, *box)``, the written boxes (the splat restricted to the window).
+    parts : what :func:`box_writes_bwd` needs.
+    """
+
+    geometry: Window
+    inside: Any
+    volumes: Any
+    parts: Any
+
+
+def _time_major(xp: Any, x: Any) -> Any:
+    """``(B, T, ...) -> (T * B, ...)``."""
+    batch, steps = x.shape[:2]
+    order = (1, 0, *range(2, x.ndim))
+    return xp.reshape(xp.permute_dims(x, order), (steps * batch, *x.shape[2:]))
+
+
+def _batch_major(xp: Any, x: Any, batch: int) -> Any:
+    """``(T * B, ...) -> (B, T, ...)``."""
+    steps = x.shape[0] // batch
+    x = xp.reshape(x, (steps, batch, *x.shape[1:]))
+    return xp.permute_dims(x, (1, 0, *range(2, x.ndim)))
+
+
+def box_writes(xp: Any, write_coords: Any, write_sigma: Any, write_content: Any,
+               shape: tuple[int, ...], window: int, eps: float = DEFAULT_EPS,
+               radius: float | None = None) -> BoxWrites:
+    """The windows and written boxes of all ``T`` steps in one pass (no validation).
+
+    ``write_coords (B, T, n)``, ``write_sigma (B, T)``, ``write_content (B, T, C)``;
+    ``shape`` the grid. The values are those of the fast path's per-step write.
+    """
+    write = StepInputs(None, _time_major(xp, write_coords), _time_major(xp, write_sigma),
+                       _time_major(xp, write_content))
+    geometry = window_geometry(xp, write.write_coords, shape, window)
+    masks = _box_window_masks(xp, geometry)
+    volumes, parts = _box_write(xp, write, geometry, shape, eps, radius, masks)
+    return BoxWrites(geometry, _combine(xp, masks), volumes, parts)
+
+
+def box_writes_bwd(xp: Any, writes: BoxWrites, write_coords: Any, write_sigma: Any,
+                   write_content: Any, g: Any) -> tuple[Any, Any, Any]:
+    """VJP of :func:`box_writes` for ``g (T * B, C, *box)`` (time-major, the cotangents
+    of ``writes.volumes``): ``(d_write_coords (B, T, n), d_write_sigma (B, T),
+    d_write_content (B, T, C))``."""
+    batch = write_sigma.shape[0]
+    write = StepInputs(None, _time_major(xp, write_coords), _time_major(xp, write_sigma),
+                       _time_major(xp, write_content))
+    d_content, d_mu, d_sigma = _box_write_bwd(xp, write, writes.parts, g, write.write_sigma)
+    return (_batch_major(xp, d_mu, batch), _batch_major(xp, d_sigma, batch),
+            _batch_major(xp, d_content, batch))
+
+
 class LocalScanResiduals(NamedTuple):
     """What :func:`local_scan_bwd` needs from :func:`local_scan_fwd`.
 
@@ -576,6 +638,12 @@ def local_scan_fwd(xp: Any, h0: Any, c0: Any, read_coords: Any, write_coords: An
             h, c, _, _ = _masked_step(xp, h, c, step, params, window, eps, radius)
         return (xp.stack(reads, axis=1), h, c,
                 LocalScanResiduals(xp.stack(h_saved), xp.stack(c_saved), None))
+    fused = ops_for(xp).local_scan_fwd
+    if fused is not None:
+        out = fused(xp, h0, c0, read_coords, write_coords, write_sigma, write_content, params,
+                    window, eps, radius, overwrite_state)
+        if out is not None:
+            return out
     h = h0 if overwrite_state else _owned(xp, h0)
     c = c0 if overwrite_state else _owned(xp, c0)
     with ops_for(xp).workspace(xp):
@@ -610,6 +678,12 @@ def local_scan_bwd(xp: Any, residuals: LocalScanResiduals, read_coords: Any, wri
     d_params = None
     masked = method == "masked"
     if not masked:
+        fused = ops_for(xp).local_scan_bwd
+        if fused is not None:
+            out = fused(xp, residuals, read_coords, write_coords, write_sigma, write_content,
+                        params, g_reads, g_h, g_c, window, eps, radius)
+            if out is not None:
+                return out
         g_h, g_c = _owned(xp, g_h), _owned(xp, g_c)
     with ops_for(xp).workspace(xp):
         for t in reversed(range(steps)):
