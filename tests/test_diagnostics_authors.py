@@ -197,6 +197,14 @@ def test_sweep_parts_and_estimate(tmp_path):
     assert [[e.label for e in exp.entries] for _, exp in picked] == [
         ["transformer"], ["transformer, 500 steps", "transformer, 2000 steps",
                           "transformer, 4000 steps"]]
+    noise0 = dict((p.name, e) for p, e in sweep_experiments(("binding-exact", "collapse"),
+                                                           noises=(0.0,)))
+    assert {s["noise"] for s in noise0["binding-exact"].task.eval_settings} == {0.0}
+    assert [s["writes"] for s in noise0["binding-exact"].task.eval_settings] == [5, 10, 20, 50]
+    assert (noise0["collapse"].task.eval_settings
+            == full["collapse"].task.eval_settings)  # a part without noise settings: as is
+    with pytest.raises(ValueError, match="noises"):
+        sweep_experiments(("binding",), noises=(0.3,))
     est = estimate_sweep(tmp_path, parts=("binding-exact",), scale="tiny", seeds=(0,),
                          steps=1)
     assert (tmp_path / "sweep-estimate.json").exists()

@@ -32,6 +32,12 @@ Its backward keeps, per step, the overwritten boxes of ``h, c`` and the ``2^n`` 
 the read (the *undo log*, ``O(T B C (w + 2)^n)`` numbers, no dense state per step) and
 replays no step: the gates are recomputed from the stored boxes. The masked scan keeps
 every step's dense input state instead.
+
+A backend may fuse the fast scan (the ``local_scan_fwd`` / ``local_scan_bwd`` entries of
+its :class:`tmcore._dispatch.Ops` table, tried first, declining with ``None``): the same
+results and the same undo log, so either direction may run on either path. Its writes do
+not depend on the state, so :func:`box_writes` makes every step's window and written box
+in one pass before the loop, and :func:`box_writes_bwd` is their VJP after it.
 """
 
 from __future__ import annotations

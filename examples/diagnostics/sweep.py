@@ -68,12 +68,24 @@ PARTS = (Part("binding", "binding"), Part("binding-exact", "binding", authors_ex
          Part("occlusion", "occlusion"))
 
 
+def _only_noises(exp: Experiment, noises: tuple[float, ...]) -> None:
+    """Keep the binding settings whose query noise is in ``noises`` (the jobs of the
+    others are not run; the ones kept have the cache keys of the full part)."""
+    settings = [s for s in exp.task.eval_settings if s.get("noise", 0.0) in noises]
+    if not settings:
+        have = sorted({s.get("noise", 0.0) for s in exp.task.eval_settings})
+        raise ValueError(f"noises: expected some of {have}, got {list(noises)}")
+    exp.task.eval_settings = settings
+
+
 def sweep_experiments(parts: tuple[str, ...] | None = None, scale: str = "full",
-                      seeds: tuple[int, ...] = SEEDS, models: tuple[str, ...] | None = None
+                      seeds: tuple[int, ...] = SEEDS, models: tuple[str, ...] | None = None,
+                      noises: tuple[float, ...] | None = None
                       ) -> list[tuple[Part, Experiment]]:
     """The experiments of the named parts (all of :data:`PARTS` by default), in order;
     ``models``: only the rows whose label or kind is named (the collapse rows are
-    ``"<kind>, <budget> steps"``), parts left with no row are dropped."""
+    ``"<kind>, <budget> steps"``), parts left with no row are dropped; ``noises``: the
+    binding parts' settings with these query noises only (the other parts have none)."""
     names = [p.name for p in PARTS]
     unknown = sorted(set(parts or ()) - set(names))
     if unknown:
@@ -87,6 +99,8 @@ def sweep_experiments(parts: tuple[str, ...] | None = None, scale: str = "full",
         if models is not None:
             exp.entries = [e for e in exp.entries
                            if e.label in models or (e.kind in models and e.train_overrides)]
+        if noises is not None and part.task == "binding":
+            _only_noises(exp, noises)
         if exp.entries:
             out.append((part, exp))
     return out
@@ -94,13 +108,13 @@ def sweep_experiments(parts: tuple[str, ...] | None = None, scale: str = "full",
 
 def run_sweep(out_dir: Path, *, parts: tuple[str, ...] | None = None, scale: str = "full",
               seeds: tuple[int, ...] = SEEDS, models: tuple[str, ...] | None = None,
-              jobs: int = 1, threads: int = 1,
+              noises: tuple[float, ...] | None = None, jobs: int = 1, threads: int = 1,
               cache: Path | None = None, cached_only: bool = False, progress: bool = False,
               console: Console | None = None, command: str = "") -> list[dict]:
     """Run (or, ``cached_only``, assemble) every part; returns the results dictionaries."""
     console = console or Console()
     done = []
-    for part, exp in sweep_experiments(parts, scale, seeds, models):
+    for part, exp in sweep_experiments(parts, scale, seeds, models, noises):
         console.rule(f"sweep: {part.name} ({scale} scale, seeds {list(seeds)})")
         done.append(run_experiment(exp, out_dir, progress=progress, console=console,
                                    jobs=jobs, threads=threads, command=command,
