@@ -656,6 +656,11 @@ def _declare(lib: ctypes.CDLL) -> None:
     argtypes["read_bwd"] = [ptr, ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64, cint, shape]
     argtypes["gates2_fwd"] = [ptr, ptr, ptr, ptr, ptr, i64, i64, i64]
     argtypes["gates2_bwd"] = [ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64]
+    # the fused CPU local scan (backends/_cpu_local.py): boxes of the grid
+    argtypes["box_op"] = [ptr, shape, ptr, ptr, shape, ptr, shape, ptr, shape, cint, i64, i64,
+                          cint]
+    argtypes["corner_read_bwd"] = [ptr, shape, ptr, shape, ptr, ptr, ptr, ptr, i64, ptr, i64,
+                                   i64, i64, cint]
     functions = [(getattr(lib, f"{k}_{s}"), k) for k in argtypes for s in ("f32", "f64")]
     for function, kernel in functions:  # all looked up first: a missing one changes nothing
         function.argtypes = argtypes[kernel]

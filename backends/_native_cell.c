@@ -649,4 +649,130 @@ int NAME(gates_bwd)(const T *restrict z, const T *restrict c, const T *restrict 
     return NAME(gates2_bwd)(z, NULL, c, gh, gc, dz, dc, NULL, B, C, P);
 }
 
+/* ------------------------------------------- the fused CPU local scan -- */
+/*
+ * Boxes of (B, C, *shape) grids for the torch backend's fused local scan
+ * (update="local"): one box per batch element, of `size` cells per axis, at a
+ * per-element start (B, n) int64 (NULL: 0). Every entry checks that each box it
+ * reads or writes lies inside its grid (and 1 <= n <= 4) before touching memory,
+ * and returns TM_EINDEX (nothing written) otherwise.
+ *
+ *   box_op   mode 0: dst box = src box; mode 1: dst box = src box inside the
+ *            window, 0 elsewhere; mode 2: dst box = (inside the window ? 0 : dst box)
+ *            + src box. The window of element b: box cells win_off[b] + [0, win_size)
+ *            in the box's own coordinates (modes 1, 2; no memory is indexed by it).
+ *   corner_read_bwd  the VJP of the 2^n-corner read from its corner box (B, C, K):
+ *            ADDS g (B, C) x dense (B, K) into dh's corner box and writes
+ *            dcoords[b, n - 1 - a] = sum_k (sum_c g box)[k] sdense[b, a, k].
+ */
+#ifndef TM_LOCAL_ONCE
+#define TM_LOCAL_ONCE
+#define TM_EINDEX 2
+
+/* Whether every box of `size` at start (B, n) (NULL: 0) lies inside `shape`. */
+static int tm_boxes_fit(const i64 *start, i64 B, int n, const i64 *shape, const i64 *size) {
+    for (int a = 0; a < n; ++a)
+        if (size[a] < 0 || shape[a] < 0 || size[a] > shape[a]) return 0;
+    if (start == NULL) return 1;
+    for (i64 b = 0; b < B; ++b)
+        for (int a = 0; a < n; ++a) {
+            i64 s = start[b * n + a];
+            if (s < 0 || s > shape[a] - size[a]) return 0;
+        }
+    return 1;
+}
+
+/* shape / start padded in front to 4 axes (size 1, start 0); row-major strides. */
+static void tm_pad4(int n, const i64 *v, i64 fill, i64 *out) {
+    for (int a = 0; a < 4; ++a) out[a] = a < 4 - n ? fill : v[a - (4 - n)];
+}
+
+static void tm_strides4(const i64 *shape4, i64 *strides4, i64 *cells) {
+    i64 s = 1;
+    for (int a = 3; a >= 0; --a) { strides4[a] = s; s *= shape4[a]; }
+    *cells = s;
+}
+#endif
+
+int NAME(box_op)(const T *src, const i64 *src_shape, const i64 *src_start, T *dst,
+                 const i64 *dst_shape, const i64 *dst_start, const i64 *size,
+                 const i64 *win_off, const i64 *win_size, int mode, i64 B, i64 C, int n) {
+    if (n < 1 || n > 4 || B < 0 || C < 0 || mode < 0 || mode > 2) return TM_EINDEX;
+    if ((mode != 0) && (win_off == NULL || win_size == NULL)) return TM_EINDEX;
+    if (!tm_boxes_fit(src_start, B, n, src_shape, size)
+        || !tm_boxes_fit(dst_start, B, n, dst_shape, size)) return TM_EINDEX;
+    i64 ss[4], ds[4], sz[4], sst[4], dst_st[4], sp, dp;
+    tm_pad4(n, src_shape, 1, ss);
+    tm_pad4(n, dst_shape, 1, ds);
+    tm_pad4(n, size, 1, sz);
+    tm_strides4(ss, sst, &sp);
+    tm_strides4(ds, dst_st, &dp);
+    for (i64 b = 0; b < B; ++b) {
+        i64 s0[4], d0[4], wo[4] = {0, 0, 0, 0}, ws[4];
+        i64 zero[4] = {0, 0, 0, 0};
+        tm_pad4(n, src_start ? src_start + b * n : zero, 0, s0);
+        tm_pad4(n, dst_start ? dst_start + b * n : zero, 0, d0);
+        if (mode != 0) {
+            tm_pad4(n, win_off + b * n, 0, wo);
+            tm_pad4(n, win_size, 1, ws);
+        }
+        for (i64 ch = 0; ch < C; ++ch) {
+            const T *sb = src + (b * C + ch) * sp;
+            T *db = dst + (b * C + ch) * dp;
+            for (i64 j0 = 0; j0 < sz[0]; ++j0)
+                for (i64 j1 = 0; j1 < sz[1]; ++j1)
+                    for (i64 j2 = 0; j2 < sz[2]; ++j2) {
+                        const T *s = sb + (s0[0] + j0) * sst[0] + (s0[1] + j1) * sst[1]
+                                     + (s0[2] + j2) * sst[2] + s0[3];
+                        T *d = db + (d0[0] + j0) * dst_st[0] + (d0[1] + j1) * dst_st[1]
+                               + (d0[2] + j2) * dst_st[2] + d0[3];
+                        if (mode == 0) {
+                            for (i64 j3 = 0; j3 < sz[3]; ++j3) d[j3] = s[j3];
+                            continue;
+                        }
+                        int row = j0 >= wo[0] && j0 < wo[0] + ws[0] && j1 >= wo[1]
+                                  && j1 < wo[1] + ws[1] && j2 >= wo[2] && j2 < wo[2] + ws[2];
+                        for (i64 j3 = 0; j3 < sz[3]; ++j3) {
+                            int in = row && j3 >= wo[3] && j3 < wo[3] + ws[3];
+                            if (mode == 1) d[j3] = in ? s[j3] : (T)0;
+                            else d[j3] = (in ? (T)0 : d[j3]) + s[j3];
+                        }
+                    }
+        }
+    }
+    return 0;
+}
+
+int NAME(corner_read_bwd)(T *dh, const i64 *shape, const i64 *start, const i64 *corners,
+                          const T *dense, const T *sdense, const T *box, const T *g, i64 gs,
+                          T *dcoords, i64 dcs, i64 B, i64 C, int n) {
+    if (n < 1 || n > 4 || B < 0 || C < 0) return TM_EINDEX;
+    for (int a = 0; a < n; ++a)
+        if (corners[a] < 1 || corners[a] > 2) return TM_EINDEX;
+    if (!tm_boxes_fit(start, B, n, shape, corners)) return TM_EINDEX;
+    i64 strides[4], P = 1, K = 1;
+    for (int a = n - 1; a >= 0; --a) { strides[a] = P; P *= shape[a]; K *= corners[a]; }
+    for (i64 b = 0; b < B; ++b) {
+        const i64 *st = start + b * n;
+        const T *dn = dense + b * K, *sd = sdense + b * n * K, *bx = box + b * C * K;
+        const T *gb = g + b * gs;
+        T *dhb = dh + b * C * P, dsum[4] = {0, 0, 0, 0};
+        for (i64 k = 0; k < K; ++k) {
+            i64 off = 0, rest = k;
+            for (int a = n - 1; a >= 0; --a) {  /* C order: the last axis fastest */
+                off += (st[a] + rest % corners[a]) * strides[a];
+                rest /= corners[a];
+            }
+            T gv = 0;
+            for (i64 ch = 0; ch < C; ++ch) {
+                dhb[ch * P + off] += gb[ch] * dn[k];
+                gv += gb[ch] * bx[ch * K + k];
+            }
+            for (int a = 0; a < n; ++a) dsum[a] += gv * sd[a * K + k];
+        }
+        for (int a = 0; a < n; ++a) dcoords[b * dcs + (n - 1 - a)] = dsum[a];
+    }
+    return 0;
+}
+
 #endif /* TM_TEMPLATE */
