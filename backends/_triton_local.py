@@ -2,26 +2,242 @@
 
 Entries ``local_scan_fwd`` / ``local_scan_bwd`` of the torch backend's
 :class:`~tmcore._dispatch.Ops` table (contract: :func:`tmcore.local.local_scan_fwd` /
-``local_scan_bwd``, the same undo-log residuals). They return ``None`` whenever the
-fused path does not apply, and tmcore's loop then runs.
+``local_scan_bwd``, the same undo-log residuals, so a fused forward and the generic
+backward, or the reverse, agree). They return ``None`` whenever the fused path does
+not apply, and tmcore's loop then runs. The kernels are in
+:mod:`tmcore.backends._triton_local_kernels`.
+
+Per chunk step: forward 1 launch, backward 1 launch (:func:`launches_per_step`),
+grid ``(B,)``: one program per batch row works on its box (window + halo) only,
+so a step's cost does not depend on the grid size. What does not depend on the
+state is made once per scan with torch ops: every step's window and written box
+(:func:`tmcore.local.box_writes`) before the loop, the write gradients
+(:func:`tmcore.local.box_writes_bwd` on the per-step box cotangents) and the
+parameter gradients (per-row partial sums, no atomics) after it.
+
+When it runs: as the dense fused scan (:func:`tmcore.backends._triton.usable`: the
+``triton`` option, CUDA tensors or CPU tensors under ``TRITON_INTERPRET=1`` with
+the option forced, float32 / float64, ``n <= 3``, ``C <=`` ``MAX_CHANNELS``, not
+recorded by autograd). A shape whose kernels fail to compile or launch warns once
+(``RuntimeWarning``) and declines from then on.
 """
 
 from __future__ import annotations
 
+import contextlib
+import importlib
+import math
+import warnings
 from typing import Any
 
-__all__ = ["scan_fwd", "scan_bwd"]
+import torch
+
+from tmcore.conv import ConvParams
+
+from . import _triton
+
+__all__ = ["scan_fwd", "scan_bwd", "launches_per_step"]
+
+_KERNELS: list[Any] = []
+
+
+def _kernels():
+    if not _KERNELS:
+        try:
+            _KERNELS.append(importlib.import_module("tmcore.backends._triton_local_kernels"))
+        except ImportError:
+            _KERNELS.append(None)
+    return _KERNELS[0]
+
+
+def launches_per_step() -> int:
+    """Kernel launches per chunk step, forward + backward (the generic fast path runs
+    about 300 torch ops per step forward and 440 backward)."""
+    return 1 + 1
+
+
+#: Keys whose kernels failed (compile or launch): the generic loop runs for them.
+_BROKEN: set = set()
+
+
+def _broken(key: tuple, err: Exception) -> None:
+    _BROKEN.add(key)
+    warnings.warn(f"tmcore: the fused Triton local scan failed for {key[:5]} "
+                  f"({type(err).__name__}: {str(err)[:300]}); using the per-step path",
+                  RuntimeWarning, stacklevel=3)
+
+
+def _on_device(t: torch.Tensor):
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+
+
+class _Geometry:
+    """Launch constants of a local scan on a state ``(B, C, *S)`` with window ``w``."""
+
+    def __init__(self, state: torch.Tensor, window: int) -> None:
+        self.batch, self.channels = state.shape[:2]
+        self.spatial = tuple(int(s) for s in state.shape[2:])
+        self.n = len(self.spatial)
+        pad = (1,) * (3 - self.n)
+        self.box = tuple(min(window + 2, s) for s in self.spatial)
+        self.size = tuple(min(window, s) for s in self.spatial)
+        self.corners = tuple(1 if s == 1 else 2 for s in self.spatial)
+        self.g3, self.s3, self.w3 = pad + self.spatial, pad + self.box, pad + self.size
+        cells = math.prod(self.box)
+        self.cb = max(16, 1 << (self.channels - 1).bit_length())
+        self.bp = max(16, min(32 if self.cb <= 16 else 16, 1 << (cells - 1).bit_length()))
+        self.num_warps = 4 if self.cb <= 16 else 8
+
+    def constexprs(self, precision: str) -> dict:
+        (g0, g1, g2), (s0, s1, s2), (w0, w1, w2) = self.g3, self.s3, self.w3
+        kw = {"N": self.n, "G0": g0, "G1": g1, "G2": g2, "S0": s0, "S1": s1, "S2": s2,
+              "W0": w0, "W1": w1, "W2": w2, "CB": self.cb, "BP": self.bp,
+              "PRECISION": precision}
+        if not _triton._interpreting():
+            kw["num_warps"] = self.num_warps
+        return kw
+
+
+def _writes(xp, geo: _Geometry, wc, ws, wcont, window, eps, radius):
+    """``(BoxWrites, geo (T * B, 6) int32, volumes (T * B, C, prod(box)))``."""
+    from tmcore.local import box_writes
+
+    writes = box_writes(xp, wc, ws, wcont, geo.spatial, window, eps, radius)
+    start = writes.geometry.box_start
+    offset = writes.geometry.start - start
+    zeros = torch.zeros((start.shape[0], 3 - geo.n), dtype=start.dtype, device=start.device)
+    table = torch.cat([zeros, start, zeros, offset], dim=1).to(torch.int32).contiguous()
+    volumes = writes.volumes.reshape(start.shape[0], geo.channels, -1).contiguous()
+    return writes, table, volumes
+
+
+def _check(state, rc, arrays: dict, params: ConvParams, window) -> None:
+    if rc.ndim != 3 or rc.shape[2] != state.ndim - 2:
+        raise ValueError(f"read_coords: expected shape (B, T, n) with n = {state.ndim - 2}, "
+                         f"got {tuple(rc.shape)}")
+    _triton.check_shapes(state, rc, arrays, params)
+    if not isinstance(window, int) or window < 1:
+        raise ValueError(f"window: expected an int >= 1, got {window!r}")
+
+
+def _key(kind, state, rc, window, eps, radius) -> tuple:
+    return (kind, tuple(state.shape), rc.shape[1], window, state.dtype, state.device,
+            float(eps), radius)
 
 
 def scan_fwd(xp: Any, h0, c0, read_coords, write_coords, write_sigma, write_content, params,
              window: int, eps: float, radius: float | None, overwrite_state: bool, *,
              options: Any):
-    """The fused forward, or ``None`` to decline."""
-    return None
+    """The fused forward ``(reads (B, T, C), h_T, c_T, LocalScanResiduals)``, or ``None``
+    to decline."""
+    params = ConvParams(*params)
+    tensors = (h0, c0, read_coords, write_coords, write_sigma, write_content, *params)
+    if not _triton.usable(*tensors) or _kernels() is None:
+        return None
+    _check(h0, read_coords, {"c0": c0, "write_coords": write_coords,
+                             "write_sigma": write_sigma, "write_content": write_content},
+           params, window)
+    key = _key("fwd", h0, read_coords, window, eps, radius)
+    if key in _BROKEN:
+        return None
+    try:
+        with _on_device(h0):
+            return _forward(xp, h0, c0, read_coords, write_coords, write_sigma, write_content,
+                            params, window, eps, radius, overwrite_state)
+    except Exception as err:  # noqa: BLE001 - e.g. a Triton too old to compile them
+        return _broken(key, err)
+
+
+def _own(x: torch.Tensor, overwrite: bool) -> torch.Tensor:
+    return x if overwrite and x.is_contiguous() else x.clone(memory_format=torch.contiguous_format)
+
+
+def _forward(xp, h0, c0, rc, wc, ws, wcont, params, window, eps, radius, overwrite):
+    from tmcore.local import LocalScanResiduals
+
+    k = _kernels()
+    geo = _Geometry(h0, window)
+    batch, channels, steps = geo.batch, geo.channels, rc.shape[1]
+    _, table, volumes = _writes(xp, geo, wc, ws, wcont, window, eps, radius)
+    h, c = _own(h0, overwrite), _own(c0, overwrite)
+    like = {"dtype": h0.dtype, "device": h0.device}
+    h_boxes = torch.empty((steps, batch, channels, *geo.box), **like)
+    c_boxes = torch.empty_like(h_boxes)
+    read_boxes = torch.empty((steps, batch, channels, *geo.corners), **like)
+    reads = torch.empty((batch, steps, channels), **like)
+    rc = rc.contiguous()
+    dw, db, pw, pb = (p.contiguous() for p in params)
+    consts = geo.constexprs(_triton._precision(h0))
+    for t in range(steps):
+        k.local_fwd_kernel[(batch,)](
+            h, c, h_boxes, c_boxes, read_boxes, reads, volumes, table, rc, dw, db, pw, pb,
+            t, batch, steps, channels, **consts)
+    return reads, h, c, LocalScanResiduals(h_boxes, c_boxes, read_boxes)
 
 
 def scan_bwd(xp: Any, residuals, read_coords, write_coords, write_sigma, write_content,
              params, g_reads, g_h, g_c, window: int, eps: float, radius: float | None, *,
              options: Any):
-    """The fused backward, or ``None`` to decline."""
-    return None
+    """The fused backward (a :class:`tmcore.scan.ScanGrads`), or ``None`` to decline."""
+    params = ConvParams(*params)
+    if residuals.read_boxes is None:
+        return None
+    tensors = (g_h, g_c, g_reads, *residuals, read_coords, write_coords, write_sigma,
+               write_content, *params)
+    if not _triton.usable(*tensors) or _kernels() is None:
+        return None
+    _check(g_h, read_coords, {"g_c": g_c, "g_reads": g_reads, "write_coords": write_coords,
+                              "write_sigma": write_sigma, "write_content": write_content},
+           params, window)
+    geo = _Geometry(g_h, window)
+    steps = read_coords.shape[1]
+    lead = (steps, geo.batch, geo.channels)
+    for name, value, want in (("residuals.h_boxes", residuals.h_boxes, (*lead, *geo.box)),
+                              ("residuals.c_boxes", residuals.c_boxes, (*lead, *geo.box)),
+                              ("residuals.read_boxes", residuals.read_boxes,
+                               (*lead, *geo.corners))):
+        if tuple(value.shape) != want:
+            raise ValueError(f"{name}: expected shape {want} (T, B, C and the box of window "
+                             f"{window} in {geo.spatial}), got {tuple(value.shape)}")
+    key = _key("bwd", g_h, read_coords, window, eps, radius)
+    if key in _BROKEN:
+        return None
+    try:
+        with _on_device(g_h):
+            return _backward(xp, geo, residuals, read_coords, write_coords, write_sigma,
+                             write_content, params, g_reads, g_h, g_c, window, eps, radius)
+    except Exception as err:  # noqa: BLE001 - e.g. a Triton too old to compile them
+        return _broken(key, err)
+
+
+def _backward(xp, geo, residuals, rc, wc, ws, wcont, params, g_reads, g_h, g_c, window, eps,
+              radius):
+    from tmcore.local import box_writes_bwd
+    from tmcore.scan import ScanGrads
+
+    k = _kernels()
+    batch, channels, steps = geo.batch, geo.channels, rc.shape[1]
+    writes, table, volumes = _writes(xp, geo, wc, ws, wcont, window, eps, radius)
+    like = {"dtype": g_h.dtype, "device": g_h.device}
+    g_h, g_c = _own(g_h, False), _own(g_c, False)  # updated in place, step by step
+    cells = math.prod(geo.box)
+    d_y = torch.empty((batch, 2 * channels, cells), **like)
+    d_x = torch.empty((steps * batch, channels, *geo.box), **like)
+    d_pw = torch.zeros((batch, 4 * channels, 2 * channels), **like)
+    d_pb = torch.zeros((batch, 4 * channels), **like)
+    e_sums = torch.zeros((batch, 2 * channels, 27), **like)
+    corr = torch.zeros((batch, 2 * channels, 27), **like)
+    d_rc = torch.empty((batch, steps, geo.n), **like)
+    h_boxes, c_boxes, read_boxes = (r.contiguous() for r in residuals)
+    rc, g_reads = rc.contiguous(), g_reads.contiguous()
+    dw, db, pw, pb = (p.contiguous() for p in params)
+    consts = geo.constexprs(_triton._precision(g_h))
+    for t in reversed(range(steps)):
+        k.local_bwd_kernel[(batch,)](
+            g_h, g_c, h_boxes, c_boxes, read_boxes, volumes, table, rc, g_reads, d_y, d_x,
+            dw, db, pw, pb, d_pw, d_pb, e_sums, corr, d_rc, t, batch, steps, channels,
+            **consts)
+    d_wc, d_ws, d_wcont = box_writes_bwd(xp, writes, wc, ws, wcont, d_x)
+    d_taps, d_biases = _triton._depthwise_grads(dw, db, corr.sum(0), e_sums.sum(0), geo.s3)
+    d_params = ConvParams(d_taps, d_biases, d_pw.sum(0), d_pb.sum(0))
+    return ScanGrads(g_h, g_c, d_rc, d_wc, d_ws, d_wcont, d_params)

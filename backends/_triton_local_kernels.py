@@ -1,0 +1,434 @@
+"""Triton kernels of the fused local scan (``update="local"``): one launch per step each way.
+
+Imported only by :mod:`tmcore.backends._triton_local` (and only when ``triton``
+imports). Grid of both kernels: ``(B,)``; program ``b`` owns batch row ``b`` of
+the state and of every buffer, all ``C`` channels at once (``CB`` = ``C``
+rounded up to a power of two >= 16, masked), and loops over the box's cells in
+tiles of ``BP``.
+
+Frame: the step's *box* (the window plus its 1-cell halo, inside the grid; sizes
+``S0 x S1 x S2``, the grid ``G0 x G1 x G2`` and the window ``W0 x W1 x W2``, all
+padded to three axes with 1). A window cell's conv neighbours all lie in the box
+or outside the grid, and a window cell is on the box's border only where the box
+is on the grid's, so the box's own zero padding and bias field (the dense
+kernels' helpers with ``S`` = the box) are the grid's for the window cells; the
+halo cells' values are computed and dropped. ``geo (T * B, 6)`` int32 holds per
+row ``t * B + b`` the box start in the grid and the window start in the box.
+The written volume is not made on the fly: it is the precomputed
+:func:`tmcore.local.box_writes` box (zero outside the window), whose 3^n
+stencil is gathered like ``h``'s.
+
+- forward: copy the box of ``h, c`` into the undo log; the read of the state
+  entering the step (and its ``2^n`` corner cells into the residuals); barrier;
+  the gates on the box from the undo-log copy, stored into the window cells of
+  the state (in place: no program reads another's row).
+- backward: A) gate VJP on the window (``d_c`` over ``g_c`` in the box, ``d_y``
+  into a per-row scratch, pointwise and bias-class partial sums); barrier;
+  B) the transposed stencil: ``d_h`` (pass-through outside the window) over
+  ``g_h``, ``d_x`` into the per-step box buffer, the stencil correlations;
+  barrier; C) the read's VJP: ``g_h`` at the corners and ``d_read_coords``
+  from the stored corner cells.
+
+Partial sums live in per-row slots (``b``) and steps are sequential launches:
+no atomics, deterministic.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ._triton_kernels import (
+    _add_b,
+    _add_w,
+    _bias_field,
+    _cells,
+    _coord,
+    _mix,
+    _sigmoid,
+    _tanh,
+    _weight,
+)
+
+__all__ = ["local_fwd_kernel", "local_bwd_kernel"]
+
+
+@triton.jit
+def _box_conv(h_row, x_row, dw_ptr, db_ptr, offs_c, mask_c, i0, i1, i2, offs_p, C,
+              N: tl.constexpr, S0: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr,
+              CB: tl.constexpr, BP: tl.constexpr):
+    """The depthwise output ``(y_x, y_h)``, each ``(CB, BP)``, at the box cells ``offs_p``.
+
+    ``h_row`` / ``x_row`` point at channel 0 of the box ``(C, P)`` of ``h`` / ``x``.
+    """
+    C2 = 2 * C
+    P: tl.constexpr = S0 * S1 * S2
+    LO0: tl.constexpr = 0 if S0 > 1 else 1
+    HI0: tl.constexpr = 3 if S0 > 1 else 2
+    LO1: tl.constexpr = 0 if S1 > 1 else 1
+    HI1: tl.constexpr = 3 if S1 > 1 else 2
+    LO2: tl.constexpr = 0 if S2 > 1 else 1
+    HI2: tl.constexpr = 3 if S2 > 1 else 2
+    y_x = tl.zeros((CB, BP), dtype=h_row.dtype.element_ty)
+    y_h = tl.zeros((CB, BP), dtype=h_row.dtype.element_ty)
+    one = (offs_c * 0 + 1).to(y_x.dtype)
+    for d0 in range(LO0, HI0):
+        if N >= 3:
+            kx0 = tl.load(dw_ptr + offs_c * 3 + d0, mask=mask_c, other=0.0)
+            kh0 = tl.load(dw_ptr + (C + offs_c) * 3 + d0, mask=mask_c, other=0.0)
+        else:
+            kx0 = one
+            kh0 = one
+        for d1 in range(LO1, HI1):
+            if N >= 2:
+                at1 = dw_ptr + ((N - 2) * C2 + offs_c) * 3 + d1
+                kx01 = kx0 * tl.load(at1, mask=mask_c, other=0.0)
+                kh01 = kh0 * tl.load(at1 + 3 * C, mask=mask_c, other=0.0)
+            else:
+                kx01 = kx0
+                kh01 = kh0
+            for d2 in range(LO2, HI2):
+                at2 = dw_ptr + ((N - 1) * C2 + offs_c) * 3 + d2
+                k_x = kx01 * tl.load(at2, mask=mask_c, other=0.0)
+                k_h = kh01 * tl.load(at2 + 3 * C, mask=mask_c, other=0.0)
+                j0 = i0 + (d0 - 1)
+                j1 = i1 + (d1 - 1)
+                j2 = i2 + (d2 - 1)
+                valid = ((j0 >= 0) & (j0 < S0) & (j1 >= 0) & (j1 < S1) & (j2 >= 0)
+                         & (j2 < S2) & (offs_p < P))
+                q = offs_p + ((d0 - 1) * (S1 * S2) + (d1 - 1) * S2 + (d2 - 1))
+                m = mask_c[:, None] & valid[None, :]
+                at = offs_c[:, None] * P + q[None, :]
+                y_x += k_x[:, None] * tl.load(x_row + at, mask=m, other=0.0)
+                y_h += k_h[:, None] * tl.load(h_row + at, mask=m, other=0.0)
+    y_x += _bias_field(dw_ptr, db_ptr, 0, i0, i1, i2, offs_c, mask_c, C2, N, S0, S1, S2)
+    y_h += _bias_field(dw_ptr, db_ptr, C, i0, i1, i2, offs_c, mask_c, C2, N, S0, S1, S2)
+    row_ok = mask_c[:, None] & (offs_p < P)[None, :]
+    return tl.where(row_ok, y_x, 0.0), tl.where(row_ok, y_h, 0.0)
+
+
+@triton.jit
+def _local_tent(x, G: tl.constexpr):
+    """The read's interpolation along one grid axis, the conventions of the local scan's
+    corner box: ``(lower index, frac, slope)``, the lower corner clamped to ``G - 2``."""
+    xc = tl.where(x < -1.0, x * 0.0 - 1.0, tl.where(x > 1.0, x * 0.0 + 1.0, x))
+    xc = tl.where(x == x, xc, x)  # NaN stays NaN
+    u = (xc + 1.0) * ((G - 1) * 0.5)
+    top = u * 0.0 + (G - 1)
+    clamped = tl.where(u < 0.0, u * 0.0, tl.where(u > top, top, u))
+    LAST: tl.constexpr = G - 2 if G > 1 else 0
+    lower = tl.floor(clamped)
+    lower = tl.where(lower > LAST, lower * 0.0 + LAST, lower)
+    frac = clamped - lower
+    lower_i = tl.where(lower == lower, lower, 0.0).to(tl.int32)
+    slope = ((u > 0.0) & (u < top)).to(x.dtype) * ((G - 1) * 0.5) + u * 0.0
+    return lower_i, frac, slope
+
+
+@triton.jit
+def _corner(e: tl.constexpr, frac, slope):
+    """Weight and slope of corner ``e`` (0 lower, 1 upper) along one axis."""
+    if e == 0:
+        w = 1.0 - frac
+        s = -slope
+    else:
+        w = frac
+        s = slope
+    return w, s
+
+
+@triton.jit
+def _box_cells(geo_ptr, tb, i0, i1, i2, G1: tl.constexpr, G2: tl.constexpr):
+    """Grid cell index of box cells ``(i0, i1, i2)`` and their window mask (BP,)."""
+    bs0 = tl.load(geo_ptr + tb * 6)
+    bs1 = tl.load(geo_ptr + tb * 6 + 1)
+    bs2 = tl.load(geo_ptr + tb * 6 + 2)
+    cell = (bs0 + i0) * (G1 * G2) + (bs1 + i1) * G2 + (bs2 + i2)
+    return cell
+
+
+@triton.jit
+def _in_window(geo_ptr, tb, i0, i1, i2, mask_p, W0: tl.constexpr, W1: tl.constexpr,
+               W2: tl.constexpr):
+    o0 = tl.load(geo_ptr + tb * 6 + 3)
+    o1 = tl.load(geo_ptr + tb * 6 + 4)
+    o2 = tl.load(geo_ptr + tb * 6 + 5)
+    return ((i0 >= o0) & (i0 < o0 + W0) & (i1 >= o1) & (i1 < o1 + W1) & (i2 >= o2)
+            & (i2 < o2 + W2) & mask_p)
+
+
+@triton.jit(do_not_specialize=["t", "B", "T", "C"])
+def local_fwd_kernel(
+    h_ptr, c_ptr, hbox_ptr, cbox_ptr, rbox_ptr, reads_ptr, vol_ptr, geo_ptr, rc_ptr,
+    dw_ptr, db_ptr, pw_ptr, pb_ptr, t, B, T, C,
+    N: tl.constexpr, G0: tl.constexpr, G1: tl.constexpr, G2: tl.constexpr,
+    S0: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr,
+    W0: tl.constexpr, W1: tl.constexpr, W2: tl.constexpr,
+    CB: tl.constexpr, BP: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Step ``t`` forward for row ``b``: undo log ``hbox, cbox (T, B, C, P)``, corner box
+    ``rbox (T, B, C, K)``, ``reads (B, T, C)``; ``h, c (B, C, G)`` updated in place."""
+    b = tl.program_id(0)
+    P: tl.constexpr = S0 * S1 * S2
+    GP: tl.constexpr = G0 * G1 * G2
+    TILES: tl.constexpr = (P + BP - 1) // BP
+    K1: tl.constexpr = 2 if G1 > 1 else 1
+    K2: tl.constexpr = 2 if G2 > 1 else 1
+    K: tl.constexpr = (2 if G0 > 1 else 1) * K1 * K2
+    offs_c = tl.arange(0, CB)
+    mask_c = offs_c < C
+    tb = t * B + b
+    bt = b * T + t
+    row = b * C * GP
+    brow = tb * C * P
+    # ---- the undo log: the box of h, c before the update
+    for tile in range(0, TILES):
+        offs_p, i0, i1, i2 = _cells(tile, BP, S1, S2)
+        mask_p = offs_p < P
+        cell = _box_cells(geo_ptr, tb, i0, i1, i2, G1, G2)
+        m = mask_c[:, None] & mask_p[None, :]
+        src = row + offs_c[:, None] * GP + cell[None, :]
+        dst = brow + offs_c[:, None] * P + offs_p[None, :]
+        tl.store(hbox_ptr + dst, tl.load(h_ptr + src, mask=m, other=0.0), mask=m)
+        tl.store(cbox_ptr + dst, tl.load(c_ptr + src, mask=m, other=0.0), mask=m)
+    # ---- the read of the state entering the step, and its corner cells
+    l0, f0, s0 = _local_tent(_coord(rc_ptr + bt * N, 0, N), G0)
+    l1, f1, s1 = _local_tent(_coord(rc_ptr + bt * N, 1, N), G1)
+    l2, f2, s2 = _local_tent(_coord(rc_ptr + bt * N, 2, N), G2)
+    acc = (offs_c * 0).to(f2.dtype)
+    for e0 in tl.static_range(2):
+        for e1 in tl.static_range(2):
+            for e2 in tl.static_range(2):
+                if (e0 == 0 or G0 > 1) and (e1 == 0 or G1 > 1) and (e2 == 0 or G2 > 1):
+                    w0, _ = _corner(e0, f0, s0)
+                    w1, _ = _corner(e1, f1, s1)
+                    w2, _ = _corner(e2, f2, s2)
+                    cell = (l0 + e0) * (G1 * G2) + (l1 + e1) * G2 + (l2 + e2)
+                    hv = tl.load(h_ptr + row + offs_c * GP + cell, mask=mask_c, other=0.0)
+                    tl.store(rbox_ptr + (tb * C + offs_c) * K + (e0 * K1 * K2 + e1 * K2 + e2),
+                             hv, mask=mask_c)
+                    acc += w0 * w1 * w2 * hv
+    tl.store(reads_ptr + bt * C + offs_c, acc, mask=mask_c)
+    tl.debug_barrier()  # every load of this row's state before its first store
+    # ---- the gates on the box (from the undo log), stored into the window cells
+    for tile in range(0, TILES):
+        offs_p, i0, i1, i2 = _cells(tile, BP, S1, S2)
+        mask_p = offs_p < P
+        y_x, y_h = _box_conv(hbox_ptr + brow, vol_ptr + brow, dw_ptr, db_ptr, offs_c, mask_c,
+                             i0, i1, i2, offs_p, C, N, S0, S1, S2, CB, BP)
+        m = mask_c[:, None] & mask_p[None, :]
+        c_old = tl.load(cbox_ptr + brow + offs_c[:, None] * P + offs_p[None, :], mask=m,
+                        other=0.0)
+        c_new = _sigmoid(_mix(y_x, y_h, pw_ptr, pb_ptr, 1, offs_c, mask_c, C, PRECISION)) \
+            * c_old
+        c_new += _sigmoid(_mix(y_x, y_h, pw_ptr, pb_ptr, 0, offs_c, mask_c, C, PRECISION)) \
+            * _tanh(_mix(y_x, y_h, pw_ptr, pb_ptr, 3, offs_c, mask_c, C, PRECISION))
+        h_new = _sigmoid(_mix(y_x, y_h, pw_ptr, pb_ptr, 2, offs_c, mask_c, C, PRECISION)) \
+            * _tanh(c_new)
+        inside = _in_window(geo_ptr, tb, i0, i1, i2, mask_p, W0, W1, W2)
+        cell = _box_cells(geo_ptr, tb, i0, i1, i2, G1, G2)
+        at = row + offs_c[:, None] * GP + cell[None, :]
+        mi = mask_c[:, None] & inside[None, :]
+        tl.store(c_ptr + at, c_new, mask=mi)
+        tl.store(h_ptr + at, h_new, mask=mi)
+
+
+@triton.jit(do_not_specialize=["t", "B", "T", "C"])
+def local_bwd_kernel(
+    gh_ptr, gc_ptr, hbox_ptr, cbox_ptr, rbox_ptr, vol_ptr, geo_ptr, rc_ptr, g_reads,
+    dy_ptr, dx_ptr, dw_ptr, db_ptr, pw_ptr, pb_ptr, dpw_part, dpb_part, e_part, corr_part,
+    d_rc, t, B, T, C,
+    N: tl.constexpr, G0: tl.constexpr, G1: tl.constexpr, G2: tl.constexpr,
+    S0: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr,
+    W0: tl.constexpr, W1: tl.constexpr, W2: tl.constexpr,
+    CB: tl.constexpr, BP: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Step ``t`` backward for row ``b``: ``g_h, g_c (B, C, G)`` (cotangents of the state
+    after the step) become those of the state before it, in place; ``dx (T * B, C, P)``
+    gets the step's written-box cotangent, ``d_rc (B, T, n)`` the read's coordinate
+    gradient; row ``b``'s slots of ``dpw (B, 4C, 2C)``, ``dpb (B, 4C)``, ``e (B, 2C,
+    27)`` and ``corr (B, 2C, 27)`` accumulate the parameter sums. ``dy (B, 2C, P)``:
+    scratch."""
+    b = tl.program_id(0)
+    P: tl.constexpr = S0 * S1 * S2
+    GP: tl.constexpr = G0 * G1 * G2
+    TILES: tl.constexpr = (P + BP - 1) // BP
+    K1: tl.constexpr = 2 if G1 > 1 else 1
+    K2: tl.constexpr = 2 if G2 > 1 else 1
+    K: tl.constexpr = (2 if G0 > 1 else 1) * K1 * K2
+    # bias classes per axis (0 first, 1 interior, 2 last): S = 1 has only 0, S = 2 only 0, 2
+    MH0: tl.constexpr = 1 if S0 == 1 else 3
+    MS0: tl.constexpr = 2 if S0 == 2 else 1
+    MH1: tl.constexpr = 1 if S1 == 1 else 3
+    MS1: tl.constexpr = 2 if S1 == 2 else 1
+    MH2: tl.constexpr = 1 if S2 == 1 else 3
+    MS2: tl.constexpr = 2 if S2 == 2 else 1
+    LO0: tl.constexpr = 0 if S0 > 1 else 1
+    HI0: tl.constexpr = 3 if S0 > 1 else 2
+    LO1: tl.constexpr = 0 if S1 > 1 else 1
+    HI1: tl.constexpr = 3 if S1 > 1 else 2
+    LO2: tl.constexpr = 0 if S2 > 1 else 1
+    HI2: tl.constexpr = 3 if S2 > 1 else 2
+    offs_c = tl.arange(0, CB)
+    mask_c = offs_c < C
+    C2 = 2 * C
+    tb = t * B + b
+    bt = b * T + t
+    row = b * C * GP
+    brow = tb * C * P
+    dy_row = b * C2 * P
+    # ---- A: gate VJP on the window cells; d_c over g_c on the box
+    for tile in range(0, TILES):
+        offs_p, i0, i1, i2 = _cells(tile, BP, S1, S2)
+        mask_p = offs_p < P
+        y_x, y_h = _box_conv(hbox_ptr + brow, vol_ptr + brow, dw_ptr, db_ptr, offs_c, mask_c,
+                             i0, i1, i2, offs_p, C, N, S0, S1, S2, CB, BP)
+        s_i = _sigmoid(_mix(y_x, y_h, pw_ptr, pb_ptr, 0, offs_c, mask_c, C, PRECISION))
+        s_f = _sigmoid(_mix(y_x, y_h, pw_ptr, pb_ptr, 1, offs_c, mask_c, C, PRECISION))
+        s_o = _sigmoid(_mix(y_x, y_h, pw_ptr, pb_ptr, 2, offs_c, mask_c, C, PRECISION))
+        t_g = _tanh(_mix(y_x, y_h, pw_ptr, pb_ptr, 3, offs_c, mask_c, C, PRECISION))
+        m = mask_c[:, None] & mask_p[None, :]
+        inside = _in_window(geo_ptr, tb, i0, i1, i2, mask_p, W0, W1, W2)
+        mi = mask_c[:, None] & inside[None, :]
+        cell = _box_cells(geo_ptr, tb, i0, i1, i2, G1, G2)
+        at = row + offs_c[:, None] * GP + cell[None, :]
+        c = tl.load(cbox_ptr + brow + offs_c[:, None] * P + offs_p[None, :], mask=m, other=0.0)
+        g_c_all = tl.load(gc_ptr + at, mask=m, other=0.0)
+        g_h = tl.load(gh_ptr + at, mask=mi, other=0.0)
+        g_c = tl.where(mi, g_c_all, 0.0)
+        tanh_c = _tanh(s_f * c + s_i * t_g)
+        d_cn = g_c + g_h * s_o * (1.0 - tanh_c * tanh_c)
+        dz_i = tl.where(mi, d_cn * t_g * (s_i - s_i * s_i), 0.0)
+        dz_f = tl.where(mi, d_cn * c * (s_f - s_f * s_f), 0.0)
+        dz_o = tl.where(mi, g_h * tanh_c * (s_o - s_o * s_o), 0.0)
+        dz_g = tl.where(mi, d_cn * s_i * (1.0 - t_g * t_g), 0.0)
+        tl.store(gc_ptr + at, tl.where(mi, d_cn * s_f, g_c_all), mask=m)
+        dy_x = tl.dot(tl.trans(_weight(pw_ptr, 0, 0, offs_c, mask_c, C)), dz_i,
+                      input_precision=PRECISION)
+        dy_x += tl.dot(tl.trans(_weight(pw_ptr, 1, 0, offs_c, mask_c, C)), dz_f,
+                       input_precision=PRECISION)
+        dy_x += tl.dot(tl.trans(_weight(pw_ptr, 2, 0, offs_c, mask_c, C)), dz_o,
+                       input_precision=PRECISION)
+        dy_x += tl.dot(tl.trans(_weight(pw_ptr, 3, 0, offs_c, mask_c, C)), dz_g,
+                       input_precision=PRECISION)
+        dy_h = tl.dot(tl.trans(_weight(pw_ptr, 0, 1, offs_c, mask_c, C)), dz_i,
+                      input_precision=PRECISION)
+        dy_h += tl.dot(tl.trans(_weight(pw_ptr, 1, 1, offs_c, mask_c, C)), dz_f,
+                       input_precision=PRECISION)
+        dy_h += tl.dot(tl.trans(_weight(pw_ptr, 2, 1, offs_c, mask_c, C)), dz_o,
+                       input_precision=PRECISION)
+        dy_h += tl.dot(tl.trans(_weight(pw_ptr, 3, 1, offs_c, mask_c, C)), dz_g,
+                       input_precision=PRECISION)
+        dy_x = tl.where(mi, dy_x, 0.0)
+        dy_h = tl.where(mi, dy_h, 0.0)
+        dy_at = dy_row + offs_c[:, None] * P + offs_p[None, :]
+        tl.store(dy_ptr + dy_at, dy_x, mask=m)
+        tl.store(dy_ptr + dy_at + C * P, dy_h, mask=m)
+        _add_w(dpw_part, b, 0, dz_i, y_x, y_h, offs_c, mask_c, C, PRECISION)
+        _add_w(dpw_part, b, 1, dz_f, y_x, y_h, offs_c, mask_c, C, PRECISION)
+        _add_w(dpw_part, b, 2, dz_o, y_x, y_h, offs_c, mask_c, C, PRECISION)
+        _add_w(dpw_part, b, 3, dz_g, y_x, y_h, offs_c, mask_c, C, PRECISION)
+        k0 = tl.where(i0 == 0, 0, tl.where(i0 == S0 - 1, 2, 1))
+        k1 = tl.where(i1 == 0, 0, tl.where(i1 == S1 - 1, 2, 1))
+        k2 = tl.where(i2 == 0, 0, tl.where(i2 == S2 - 1, 2, 1))
+        for m0 in range(0, MH0, MS0):
+            for m1 in range(0, MH1, MS1):
+                for m2 in range(0, MH2, MS2):
+                    sel = ((k0 == m0) & (k1 == m1) & (k2 == m2)).to(y_x.dtype)
+                    e_at = e_part + (b * C2 + offs_c) * 27 + (m0 * 9 + m1 * 3 + m2)
+                    ex = tl.load(e_at, mask=mask_c, other=0.0)
+                    tl.store(e_at, ex + tl.sum(dy_x * sel[None, :], axis=1), mask=mask_c)
+                    eh = tl.load(e_at + C * 27, mask=mask_c, other=0.0)
+                    tl.store(e_at + C * 27, eh + tl.sum(dy_h * sel[None, :], axis=1),
+                             mask=mask_c)
+        _add_b(dpb_part, b, 0, tl.sum(dz_i, axis=1), offs_c, mask_c, C)
+        _add_b(dpb_part, b, 1, tl.sum(dz_f, axis=1), offs_c, mask_c, C)
+        _add_b(dpb_part, b, 2, tl.sum(dz_o, axis=1), offs_c, mask_c, C)
+        _add_b(dpb_part, b, 3, tl.sum(dz_g, axis=1), offs_c, mask_c, C)
+    tl.debug_barrier()  # d_y of the whole box before the transposed stencil
+    # ---- B: transposed stencil; d_h over g_h on the box, d_x into the step's buffer
+    one = (offs_c * 0 + 1).to(rc_ptr.dtype.element_ty)
+    for tile in range(0, TILES):
+        offs_p, i0, i1, i2 = _cells(tile, BP, S1, S2)
+        mask_p = offs_p < P
+        m = mask_c[:, None] & mask_p[None, :]
+        own = brow + offs_c[:, None] * P + offs_p[None, :]
+        h_own = tl.load(hbox_ptr + own, mask=m, other=0.0)
+        x_own = tl.load(vol_ptr + own, mask=m, other=0.0)
+        d_h = tl.zeros((CB, BP), dtype=h_own.dtype)
+        d_x = tl.zeros((CB, BP), dtype=h_own.dtype)
+        for d0 in range(LO0, HI0):
+            if N >= 3:
+                kh0 = tl.load(dw_ptr + (C + offs_c) * 3 + d0, mask=mask_c, other=0.0)
+                kx0 = tl.load(dw_ptr + offs_c * 3 + d0, mask=mask_c, other=0.0)
+            else:
+                kh0 = one
+                kx0 = one
+            for d1 in range(LO1, HI1):
+                if N >= 2:
+                    at1 = dw_ptr + ((N - 2) * C2 + offs_c) * 3 + d1
+                    kh01 = kh0 * tl.load(at1 + 3 * C, mask=mask_c, other=0.0)
+                    kx01 = kx0 * tl.load(at1, mask=mask_c, other=0.0)
+                else:
+                    kh01 = kh0
+                    kx01 = kx0
+                for d2 in range(LO2, HI2):
+                    at2 = dw_ptr + ((N - 1) * C2 + offs_c) * 3 + d2
+                    k_h = kh01 * tl.load(at2 + 3 * C, mask=mask_c, other=0.0)
+                    k_x = kx01 * tl.load(at2, mask=mask_c, other=0.0)
+                    j0 = i0 - (d0 - 1)
+                    j1 = i1 - (d1 - 1)
+                    j2 = i2 - (d2 - 1)
+                    valid = ((j0 >= 0) & (j0 < S0) & (j1 >= 0) & (j1 < S1) & (j2 >= 0)
+                             & (j2 < S2) & mask_p)
+                    src = offs_p - ((d0 - 1) * (S1 * S2) + (d1 - 1) * S2 + (d2 - 1))
+                    mv = mask_c[:, None] & valid[None, :]
+                    g_x = tl.load(dy_ptr + dy_row + offs_c[:, None] * P + src[None, :],
+                                  mask=mv, other=0.0)
+                    g_hh = tl.load(dy_ptr + dy_row + (C + offs_c[:, None]) * P + src[None, :],
+                                   mask=mv, other=0.0)
+                    d_h += k_h[:, None] * g_hh
+                    d_x += k_x[:, None] * g_x
+                    c_at = corr_part + (b * C2 + offs_c) * 27 + (d0 * 9 + d1 * 3 + d2)
+                    cx = tl.load(c_at, mask=mask_c, other=0.0)
+                    tl.store(c_at, cx + tl.sum(g_x * x_own, axis=1), mask=mask_c)
+                    ch = tl.load(c_at + C * 27, mask=mask_c, other=0.0)
+                    tl.store(c_at + C * 27, ch + tl.sum(g_hh * h_own, axis=1), mask=mask_c)
+        inside = _in_window(geo_ptr, tb, i0, i1, i2, mask_p, W0, W1, W2)
+        cell = _box_cells(geo_ptr, tb, i0, i1, i2, G1, G2)
+        at = row + offs_c[:, None] * GP + cell[None, :]
+        g_h = tl.load(gh_ptr + at, mask=m, other=0.0)
+        tl.store(gh_ptr + at, tl.where(inside[None, :], 0.0, g_h) + d_h, mask=m)
+        tl.store(dx_ptr + own, d_x, mask=m)
+    tl.debug_barrier()  # the box of g_h stored before the read adds to its corners
+    # ---- C: the read's VJP (the corner cells stored by the forward)
+    g_read = tl.load(g_reads + bt * C + offs_c, mask=mask_c, other=0.0)
+    l0, f0, s0 = _local_tent(_coord(rc_ptr + bt * N, 0, N), G0)
+    l1, f1, s1 = _local_tent(_coord(rc_ptr + bt * N, 1, N), G1)
+    l2, f2, s2 = _local_tent(_coord(rc_ptr + bt * N, 2, N), G2)
+    a0 = tl.sum(g_read * 0.0, axis=0)
+    a1 = a0
+    a2 = a0
+    for e0 in tl.static_range(2):
+        for e1 in tl.static_range(2):
+            for e2 in tl.static_range(2):
+                if (e0 == 0 or G0 > 1) and (e1 == 0 or G1 > 1) and (e2 == 0 or G2 > 1):
+                    w0, q0 = _corner(e0, f0, s0)
+                    w1, q1 = _corner(e1, f1, s1)
+                    w2, q2 = _corner(e2, f2, s2)
+                    cell = (l0 + e0) * (G1 * G2) + (l1 + e1) * G2 + (l2 + e2)
+                    at = gh_ptr + row + offs_c * GP + cell
+                    tl.store(at, tl.load(at, mask=mask_c, other=0.0) + g_read * (w0 * w1 * w2),
+                             mask=mask_c)
+                    hv = tl.load(rbox_ptr + (tb * C + offs_c) * K + (e0 * K1 * K2 + e1 * K2
+                                                                     + e2),
+                                 mask=mask_c, other=0.0)
+                    gh = tl.sum(g_read * hv, axis=0)
+                    a0 += gh * q0 * w1 * w2
+                    a1 += gh * w0 * q1 * w2
+                    a2 += gh * w0 * w1 * q2
+    tl.store(d_rc + bt * N, a2)  # component 0 addresses the last axis
+    if N >= 2:
+        tl.store(d_rc + bt * N + 1, a1)
+    if N >= 3:
+        tl.store(d_rc + bt * N + 2, a0)
