@@ -13,7 +13,10 @@ so a step's cost does not depend on the grid size. What does not depend on the
 state is made once per scan with torch ops: every step's window and written box
 (:func:`tmcore.local.box_writes`) before the loop, the write gradients
 (:func:`tmcore.local.box_writes_bwd` on the per-step box cotangents) and the
-parameter gradients (per-row partial sums, no atomics) after it.
+parameter gradients (per-row partial sums, no atomics) after it. On CUDA each
+scan's launch loop is captured once per shape / options as a CUDA graph and
+replayed (the dense scan's mechanism, :func:`tmcore.backends._triton._replay`:
+``TMCORE_CUDA_GRAPHS=0`` turns it off, a failed capture runs eagerly).
 
 When it runs: as the dense fused scan (:func:`tmcore.backends._triton.usable`: the
 ``triton`` option, CUDA tensors or CPU tensors under ``TRITON_INTERPRET=1`` with
@@ -25,6 +28,7 @@ recorded by autograd). A shape whose kernels fail to compile or launch warns onc
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import math
 import warnings
@@ -90,9 +94,12 @@ class _Geometry:
 
     def constexprs(self, precision: str) -> dict:
         (g0, g1, g2), (s0, s1, s2), (w0, w1, w2) = self.g3, self.s3, self.w3
-        kw = {"N": self.n, "G0": g0, "G1": g1, "G2": g2, "S0": s0, "S1": s1, "S2": s2,
-              "W0": w0, "W1": w1, "W2": w2, "CB": self.cb, "BP": self.bp,
-              "PRECISION": precision}
+        k0, k1, k2 = (1 if g == 1 else 2 for g in self.g3)
+        # the grid's sizes are not specialized on: every grid with the same box and
+        # window (all grids >= w + 2 cells per axis) shares one compiled kernel
+        kw = {"G0": g0, "G1": g1, "G2": g2, "N": self.n, "K0": k0, "K1": k1, "K2": k2,
+              "S0": s0, "S1": s1, "S2": s2, "W0": w0, "W1": w1, "W2": w2, "CB": self.cb,
+              "BP": self.bp, "PRECISION": precision}
         if not _triton._interpreting():
             kw["num_warps"] = self.num_warps
         return kw
@@ -138,7 +145,7 @@ def scan_fwd(xp: Any, h0, c0, read_coords, write_coords, write_sigma, write_cont
                              "write_sigma": write_sigma, "write_content": write_content},
            params, window)
     key = _key("fwd", h0, read_coords, window, eps, radius)
-    if key in _BROKEN:
+    if key in _BROKEN or read_coords.shape[1] == 0:
         return None
     try:
         with _on_device(h0):
@@ -155,24 +162,34 @@ def _own(x: torch.Tensor, overwrite: bool) -> torch.Tensor:
 def _forward(xp, h0, c0, rc, wc, ws, wcont, params, window, eps, radius, overwrite):
     from tmcore.local import LocalScanResiduals
 
-    k = _kernels()
     geo = _Geometry(h0, window)
-    batch, channels, steps = geo.batch, geo.channels, rc.shape[1]
     _, table, volumes = _writes(xp, geo, wc, ws, wcont, window, eps, radius)
+    inputs = (h0 if h0.is_contiguous() else h0.contiguous(),
+              c0 if c0.is_contiguous() else c0.contiguous(), volumes, table, rc.contiguous(),
+              *(p.contiguous() for p in params))
+    key = ("local_fwd", *_key("", h0, rc, window, eps, radius)[1:], overwrite,
+           _triton._precision(h0))
+    reads, h, c, h_boxes, c_boxes, read_boxes = _triton._replay(
+        key, functools.partial(_forward_loop, geo=geo, overwrite=overwrite), inputs)
+    return reads, h, c, LocalScanResiduals(h_boxes, c_boxes, read_boxes)
+
+
+def _forward_loop(h0, c0, volumes, table, rc, dw, db, pw, pb, *, geo, overwrite):
+    """The forward launches: ``(reads, h_T, c_T, h_boxes, c_boxes, read_boxes)``."""
+    k = _kernels()
+    batch, channels, steps = geo.batch, geo.channels, rc.shape[1]
     h, c = _own(h0, overwrite), _own(c0, overwrite)
     like = {"dtype": h0.dtype, "device": h0.device}
     h_boxes = torch.empty((steps, batch, channels, *geo.box), **like)
     c_boxes = torch.empty_like(h_boxes)
     read_boxes = torch.empty((steps, batch, channels, *geo.corners), **like)
     reads = torch.empty((batch, steps, channels), **like)
-    rc = rc.contiguous()
-    dw, db, pw, pb = (p.contiguous() for p in params)
     consts = geo.constexprs(_triton._precision(h0))
     for t in range(steps):
         k.local_fwd_kernel[(batch,)](
             h, c, h_boxes, c_boxes, read_boxes, reads, volumes, table, rc, dw, db, pw, pb,
             t, batch, steps, channels, **consts)
-    return reads, h, c, LocalScanResiduals(h_boxes, c_boxes, read_boxes)
+    return reads, h, c, h_boxes, c_boxes, read_boxes
 
 
 def scan_bwd(xp: Any, residuals, read_coords, write_coords, write_sigma, write_content,
@@ -200,7 +217,7 @@ def scan_bwd(xp: Any, residuals, read_coords, write_coords, write_sigma, write_c
             raise ValueError(f"{name}: expected shape {want} (T, B, C and the box of window "
                              f"{window} in {geo.spatial}), got {tuple(value.shape)}")
     key = _key("bwd", g_h, read_coords, window, eps, radius)
-    if key in _BROKEN:
+    if key in _BROKEN or steps == 0:
         return None
     try:
         with _on_device(g_h):
@@ -215,29 +232,38 @@ def _backward(xp, geo, residuals, rc, wc, ws, wcont, params, g_reads, g_h, g_c, 
     from tmcore.local import box_writes_bwd
     from tmcore.scan import ScanGrads
 
+    writes, table, volumes = _writes(xp, geo, wc, ws, wcont, window, eps, radius)
+    dw, db, pw, pb = (p.contiguous() for p in params)
+    inputs = (g_h.contiguous(), g_c.contiguous(), *(r.contiguous() for r in residuals),
+              volumes, table, rc.contiguous(), g_reads.contiguous(), dw, db, pw, pb)
+    key = ("local_bwd", *_key("", g_h, rc, window, eps, radius)[1:], _triton._precision(g_h))
+    d_h, d_c, d_x, d_rc, d_pw, d_pb, e_sums, corr = _triton._replay(
+        key, functools.partial(_backward_loop, geo=geo), inputs)
+    d_wc, d_ws, d_wcont = box_writes_bwd(xp, writes, wc, ws, wcont, d_x)
+    d_taps, d_biases = _triton._depthwise_grads(dw, db, corr.sum(0), e_sums.sum(0), geo.s3)
+    d_params = ConvParams(d_taps, d_biases, d_pw.sum(0), d_pb.sum(0))
+    return ScanGrads(d_h, d_c, d_rc, d_wc, d_ws, d_wcont, d_params)
+
+
+def _backward_loop(g_h, g_c, h_boxes, c_boxes, read_boxes, volumes, table, rc, g_reads, dw, db,
+                   pw, pb, *, geo):
+    """The backward launches: ``(d_h0, d_c0, d_x (T * B, C, *box), d_read_coords, d_pw
+    partials (B, 4C, 2C), d_pb partials (B, 4C), bias-class sums, stencil sums)``."""
     k = _kernels()
     batch, channels, steps = geo.batch, geo.channels, rc.shape[1]
-    writes, table, volumes = _writes(xp, geo, wc, ws, wcont, window, eps, radius)
     like = {"dtype": g_h.dtype, "device": g_h.device}
     g_h, g_c = _own(g_h, False), _own(g_c, False)  # updated in place, step by step
-    cells = math.prod(geo.box)
-    d_y = torch.empty((batch, 2 * channels, cells), **like)
+    d_y = torch.empty((batch, 2 * channels, math.prod(geo.box)), **like)
     d_x = torch.empty((steps * batch, channels, *geo.box), **like)
     d_pw = torch.zeros((batch, 4 * channels, 2 * channels), **like)
     d_pb = torch.zeros((batch, 4 * channels), **like)
     e_sums = torch.zeros((batch, 2 * channels, 27), **like)
     corr = torch.zeros((batch, 2 * channels, 27), **like)
     d_rc = torch.empty((batch, steps, geo.n), **like)
-    h_boxes, c_boxes, read_boxes = (r.contiguous() for r in residuals)
-    rc, g_reads = rc.contiguous(), g_reads.contiguous()
-    dw, db, pw, pb = (p.contiguous() for p in params)
     consts = geo.constexprs(_triton._precision(g_h))
     for t in reversed(range(steps)):
         k.local_bwd_kernel[(batch,)](
             g_h, g_c, h_boxes, c_boxes, read_boxes, volumes, table, rc, g_reads, d_y, d_x,
             dw, db, pw, pb, d_pw, d_pb, e_sums, corr, d_rc, t, batch, steps, channels,
             **consts)
-    d_wc, d_ws, d_wcont = box_writes_bwd(xp, writes, wc, ws, wcont, d_x)
-    d_taps, d_biases = _triton._depthwise_grads(dw, db, corr.sum(0), e_sums.sum(0), geo.s3)
-    d_params = ConvParams(d_taps, d_biases, d_pw.sum(0), d_pb.sum(0))
-    return ScanGrads(g_h, g_c, d_rc, d_wc, d_ws, d_wcont, d_params)
+    return g_h, g_c, d_x, d_rc, d_pw, d_pb, e_sums, corr

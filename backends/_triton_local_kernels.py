@@ -12,7 +12,10 @@ padded to three axes with 1). A window cell's conv neighbours all lie in the box
 or outside the grid, and a window cell is on the box's border only where the box
 is on the grid's, so the box's own zero padding and bias field (the dense
 kernels' helpers with ``S`` = the box) are the grid's for the window cells; the
-halo cells' values are computed and dropped. ``geo (T * B, 6)`` int32 holds per
+halo cells' values are computed and dropped. The box and window sizes are
+compile-time constants, the grid's sizes are not (one kernel serves every grid
+of at least ``w + 2`` cells per axis); ``K0, K1, K2`` are the corner counts of
+the read (1 on a 1-cell axis, else 2). ``geo (T * B, 6)`` int32 holds per
 row ``t * B + b`` the box start in the grid and the window start in the box.
 The written volume is not made on the fly: it is the precomputed
 :func:`tmcore.local.box_writes` box (zero outside the window), whose 3^n
@@ -108,20 +111,22 @@ def _box_conv(h_row, x_row, dw_ptr, db_ptr, offs_c, mask_c, i0, i1, i2, offs_p, 
 
 
 @triton.jit
-def _local_tent(x, G: tl.constexpr):
-    """The read's interpolation along one grid axis, the conventions of the local scan's
-    corner box: ``(lower index, frac, slope)``, the lower corner clamped to ``G - 2``."""
+def _local_tent(x, G):
+    """The read's interpolation along one grid axis of ``G`` cells, the conventions of the
+    local scan's corner box: ``(lower index, frac, slope)``, the lower corner clamped to
+    ``max(G - 2, 0)``."""
     xc = tl.where(x < -1.0, x * 0.0 - 1.0, tl.where(x > 1.0, x * 0.0 + 1.0, x))
     xc = tl.where(x == x, xc, x)  # NaN stays NaN
-    u = (xc + 1.0) * ((G - 1) * 0.5)
+    half = (G - 1) * 0.5
+    u = (xc + 1.0) * half
     top = u * 0.0 + (G - 1)
     clamped = tl.where(u < 0.0, u * 0.0, tl.where(u > top, top, u))
-    LAST: tl.constexpr = G - 2 if G > 1 else 0
     lower = tl.floor(clamped)
-    lower = tl.where(lower > LAST, lower * 0.0 + LAST, lower)
+    lower = tl.where(lower > top - 1.0, top - 1.0, lower)
+    lower = tl.where(lower < 0.0, lower * 0.0, lower)
     frac = clamped - lower
     lower_i = tl.where(lower == lower, lower, 0.0).to(tl.int32)
-    slope = ((u > 0.0) & (u < top)).to(x.dtype) * ((G - 1) * 0.5) + u * 0.0
+    slope = ((u > 0.0) & (u < top)).to(x.dtype) * half + u * 0.0
     return lower_i, frac, slope
 
 
@@ -138,7 +143,7 @@ def _corner(e: tl.constexpr, frac, slope):
 
 
 @triton.jit
-def _box_cells(geo_ptr, tb, i0, i1, i2, G1: tl.constexpr, G2: tl.constexpr):
+def _box_cells(geo_ptr, tb, i0, i1, i2, G1, G2):
     """Grid cell index of box cells ``(i0, i1, i2)`` and their window mask (BP,)."""
     bs0 = tl.load(geo_ptr + tb * 6)
     bs1 = tl.load(geo_ptr + tb * 6 + 1)
@@ -157,11 +162,11 @@ def _in_window(geo_ptr, tb, i0, i1, i2, mask_p, W0: tl.constexpr, W1: tl.constex
             & (i2 < o2 + W2) & mask_p)
 
 
-@triton.jit(do_not_specialize=["t", "B", "T", "C"])
+@triton.jit(do_not_specialize=["t", "B", "T", "C", "G0", "G1", "G2"])
 def local_fwd_kernel(
     h_ptr, c_ptr, hbox_ptr, cbox_ptr, rbox_ptr, reads_ptr, vol_ptr, geo_ptr, rc_ptr,
     dw_ptr, db_ptr, pw_ptr, pb_ptr, t, B, T, C,
-    N: tl.constexpr, G0: tl.constexpr, G1: tl.constexpr, G2: tl.constexpr,
+    G0, G1, G2, N: tl.constexpr, K0: tl.constexpr, K1: tl.constexpr, K2: tl.constexpr,
     S0: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr,
     W0: tl.constexpr, W1: tl.constexpr, W2: tl.constexpr,
     CB: tl.constexpr, BP: tl.constexpr, PRECISION: tl.constexpr,
@@ -170,11 +175,9 @@ def local_fwd_kernel(
     ``rbox (T, B, C, K)``, ``reads (B, T, C)``; ``h, c (B, C, G)`` updated in place."""
     b = tl.program_id(0)
     P: tl.constexpr = S0 * S1 * S2
-    GP: tl.constexpr = G0 * G1 * G2
+    GP = G0 * G1 * G2
     TILES: tl.constexpr = (P + BP - 1) // BP
-    K1: tl.constexpr = 2 if G1 > 1 else 1
-    K2: tl.constexpr = 2 if G2 > 1 else 1
-    K: tl.constexpr = (2 if G0 > 1 else 1) * K1 * K2
+    K: tl.constexpr = K0 * K1 * K2
     offs_c = tl.arange(0, CB)
     mask_c = offs_c < C
     tb = t * B + b
@@ -199,7 +202,7 @@ def local_fwd_kernel(
     for e0 in tl.static_range(2):
         for e1 in tl.static_range(2):
             for e2 in tl.static_range(2):
-                if (e0 == 0 or G0 > 1) and (e1 == 0 or G1 > 1) and (e2 == 0 or G2 > 1):
+                if (e0 < K0) and (e1 < K1) and (e2 < K2):
                     w0, _ = _corner(e0, f0, s0)
                     w1, _ = _corner(e1, f1, s1)
                     w2, _ = _corner(e2, f2, s2)
@@ -233,12 +236,12 @@ def local_fwd_kernel(
         tl.store(h_ptr + at, h_new, mask=mi)
 
 
-@triton.jit(do_not_specialize=["t", "B", "T", "C"])
+@triton.jit(do_not_specialize=["t", "B", "T", "C", "G0", "G1", "G2"])
 def local_bwd_kernel(
     gh_ptr, gc_ptr, hbox_ptr, cbox_ptr, rbox_ptr, vol_ptr, geo_ptr, rc_ptr, g_reads,
     dy_ptr, dx_ptr, dw_ptr, db_ptr, pw_ptr, pb_ptr, dpw_part, dpb_part, e_part, corr_part,
     d_rc, t, B, T, C,
-    N: tl.constexpr, G0: tl.constexpr, G1: tl.constexpr, G2: tl.constexpr,
+    G0, G1, G2, N: tl.constexpr, K0: tl.constexpr, K1: tl.constexpr, K2: tl.constexpr,
     S0: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr,
     W0: tl.constexpr, W1: tl.constexpr, W2: tl.constexpr,
     CB: tl.constexpr, BP: tl.constexpr, PRECISION: tl.constexpr,
@@ -251,11 +254,9 @@ def local_bwd_kernel(
     scratch."""
     b = tl.program_id(0)
     P: tl.constexpr = S0 * S1 * S2
-    GP: tl.constexpr = G0 * G1 * G2
+    GP = G0 * G1 * G2
     TILES: tl.constexpr = (P + BP - 1) // BP
-    K1: tl.constexpr = 2 if G1 > 1 else 1
-    K2: tl.constexpr = 2 if G2 > 1 else 1
-    K: tl.constexpr = (2 if G0 > 1 else 1) * K1 * K2
+    K: tl.constexpr = K0 * K1 * K2
     # bias classes per axis (0 first, 1 interior, 2 last): S = 1 has only 0, S = 2 only 0, 2
     MH0: tl.constexpr = 1 if S0 == 1 else 3
     MS0: tl.constexpr = 2 if S0 == 2 else 1
@@ -412,7 +413,7 @@ def local_bwd_kernel(
     for e0 in tl.static_range(2):
         for e1 in tl.static_range(2):
             for e2 in tl.static_range(2):
-                if (e0 == 0 or G0 > 1) and (e1 == 0 or G1 > 1) and (e2 == 0 or G2 > 1):
+                if (e0 < K0) and (e1 < K1) and (e2 < K2):
                     w0, q0 = _corner(e0, f0, s0)
                     w1, q1 = _corner(e1, f1, s1)
                     w2, q2 = _corner(e2, f2, s2)
