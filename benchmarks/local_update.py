@@ -5,11 +5,24 @@ fixed window (``w = 4`` cells per axis, so the box is 6^3 at every grid), B = 4,
 
 - ``dense``: the dense scan's own step (``tmcore.scan.step_fwd``): the write and the
   update cover the whole grid;
-- ``local``: one step of ``tmcore.local_memory_scan(..., overwrite_state=True)`` (fast
-  path): read 2^3 cells, splat and update the 6^3 box, write it back in place;
+- ``local (generic)``: one step of ``tmcore.local_memory_scan(..., overwrite_state=True)``
+  (fast method) on tmcore's generic loop, under ``tmcore.options(native=False)`` (the
+  torch ops per step, ~350 of them): read 2^3 cells, splat and update the 6^3 box, write
+  it back in place;
+- ``local (fused)``: the same call with the default options, which on the CPU takes the
+  torch backend's fused local scan (``backends/_cpu_local.py``: C kernels per step, one
+  torch op);
 - ``local (copy)``: ``tmcore.local_update`` (fast path; the write and update, no read),
   which returns a new state and so copies it once per call (a memory copy of
-  ``2 B C prod(S)`` floats, no arithmetic).
+  ``2 B C prod(S)`` floats, no arithmetic);
+- ``local vjp (generic)`` / ``local vjp (fused)``: ``tmcore.local_memory_scan_vjp`` over
+  a chunk scan of 8 steps (its forward for the residuals, then the backward), per step
+  (the call / 8), with the options of the two rows above; the call copies the state
+  and the two state cotangents once.
+
+Torch ops per step (``ops_per_step`` in the JSON; a ``TorchDispatchMode`` counter, the
+ops of a 6-step scan minus a 2-step one, / 4, at the smallest grid), forward
+(``local_memory_scan``'s) and backward (``local_scan_bwd``), generic and fused.
 
 Peak memory: per grid a fresh process (``run_isolated``, glibc's mmap threshold pinned so
 freed buffers go back to the system) measures, per method, the growth of the resident
@@ -44,7 +57,10 @@ import sys
 import time
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-METHODS = ("dense", "local", "local (copy)")
+METHODS = ("dense", "local (generic)", "local (fused)", "local (copy)", "local vjp (generic)",
+           "local vjp (fused)")
+#: Steps per call of the ``vjp`` rows (their times are per step: the call / this).
+VJP_STEPS = 8
 
 __all__ = ["measure", "table", "main"]
 
@@ -66,6 +82,60 @@ def _inputs(torch, batch: int, channels: int, grid: int, seed: int = 0):
     return h, c, coords[:, 0], coords[:, 1], sigma, content, params
 
 
+def _scan_inputs(torch, h, c, sigma, params, steps: int, seed: int = 1):
+    """A chunk scan of ``steps`` steps on the state ``h, c``: ``(args, (g_reads, g_h,
+    g_c))`` for ``tmcore.local_memory_scan_vjp``."""
+    g = torch.Generator().manual_seed(seed)
+    batch, channels = h.shape[:2]
+    lead = (batch, steps)
+    args = (h, c, torch.rand(*lead, 3, generator=g) * 1.8 - 0.9,
+            torch.rand(*lead, 3, generator=g) * 1.8 - 0.9,
+            sigma[:, None].expand(lead).contiguous(),
+            torch.randn(*lead, channels, generator=g), params)
+    return args, (torch.randn(*lead, channels, generator=g), torch.ones_like(h),
+                  torch.ones_like(c))
+
+
+def count_ops(grid: int, batch: int, channels: int, window: int) -> dict:
+    """Torch ops per chunk step of the local scan, generic (``native=False``) and fused:
+    ``{"generic": {"fwd", "bwd"}, "fused": {...}}``, the ops of a 6-step scan minus a
+    2-step one, / 4 (the once-per-call setup cancels)."""
+    import contextlib
+
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import tmcore
+    from tmcore import local
+
+    class Count(TorchDispatchMode):
+        ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    h, c, _, _, sigma, _, params = _inputs(torch, batch, channels, grid)
+    xp = tmcore._validate.namespace_of(h=h)
+
+    def ops(steps: int, generic: bool) -> tuple[int, int]:
+        args, cotangents = _scan_inputs(torch, h, c, sigma, params, steps)
+        with tmcore.options(native=False) if generic else contextlib.nullcontext():
+            local.local_scan_fwd(xp, *args, window=window)  # warm-up (builds, caches)
+            with Count() as fwd:
+                out = local.local_scan_fwd(xp, *args, window=window)
+            with Count() as bwd:
+                local.local_scan_bwd(xp, out[3], *args[2:], *cotangents, window=window)
+        return fwd.ops, bwd.ops
+
+    result = {}
+    with torch.no_grad():
+        for name, generic in (("generic", True), ("fused", False)):
+            few, many = ops(2, generic), ops(6, generic)
+            result[name] = {"fwd": (many[0] - few[0]) / 4, "bwd": (many[1] - few[1]) / 4}
+    return result
+
+
 def _timed(fn, min_seconds: float, max_reps: int) -> dict:
     """Warm up once, then repeat until ``min_seconds`` have passed (3 to ``max_reps``)."""
     fn()
@@ -81,8 +151,15 @@ def _timed(fn, min_seconds: float, max_reps: int) -> dict:
             "reps": len(times)}
 
 
+def _steps_per_call(method: str) -> int:
+    return VJP_STEPS if method.startswith("local vjp") else 1
+
+
 def _step(method: str, grid: int, batch: int, channels: int, window: int):
-    """The chunk step of ``method`` at ``grid`` as a closure over fresh inputs."""
+    """The chunk step of ``method`` at ``grid`` as a closure over fresh inputs (the ``vjp``
+    rows: a call of :data:`VJP_STEPS` steps)."""
+    import contextlib
+
     import torch
 
     import tmcore
@@ -90,18 +167,27 @@ def _step(method: str, grid: int, batch: int, channels: int, window: int):
 
     h, c, read, write, sigma, content, params = _inputs(torch, batch, channels, grid)
     xp = tmcore._validate.namespace_of(h=h)
+    options = ((lambda: tmcore.options(native=False)) if method.endswith("(generic)")
+               else contextlib.nullcontext)
     if method == "dense":
         inputs = StepInputs(read, write, sigma, content)
 
         def step():
             return step_fwd(xp, h, c, inputs, params, 1e-6, None)
-    elif method == "local":
+    elif method in ("local (generic)", "local (fused)"):
         reads, writes = read[:, None], write[:, None]
         sigmas, contents = sigma[:, None], content[:, None]
 
         def step():
-            return tmcore.local_memory_scan(h, c, reads, writes, sigmas, contents, params,
-                                            window=window, overwrite_state=True)
+            with options():
+                return tmcore.local_memory_scan(h, c, reads, writes, sigmas, contents, params,
+                                                window=window, overwrite_state=True)
+    elif method.startswith("local vjp"):
+        args, cotangents = _scan_inputs(torch, h, c, sigma, params, VJP_STEPS)
+
+        def step():
+            with options():
+                return tmcore.local_memory_scan_vjp(*args, *cotangents, window=window)
     else:
         def step():
             return tmcore.local_update(h, c, write, sigma, content, params, window=window)
@@ -120,6 +206,10 @@ def measure(method: str, grid: int, batch: int, channels: int, window: int,
     step = _step(method, grid, batch, channels, window)
     with torch.no_grad():
         row = _timed(step, min_seconds, 200) if timing else {}
+        per = _steps_per_call(method)
+        for key in ("ms_min", "ms_median"):
+            if key in row:
+                row[key] /= per
         step()  # warm-up before the memory measurement
         row["peak_rss_growth_bytes"] = peak_rss_growth(step)
     return row
@@ -146,9 +236,11 @@ def measure_interleaved(method: str, grids: list[int], batch: int, channels: int
                 step()
                 times[g].append(time.perf_counter() - t0)
     out = {}
+    per = _steps_per_call(method)
     for g, t in times.items():
         t.sort()
-        out[g] = {"ms_min": 1e3 * t[0], "ms_median": 1e3 * t[len(t) // 2], "reps": len(t)}
+        out[g] = {"ms_min": 1e3 * t[0] / per, "ms_median": 1e3 * t[len(t) // 2] / per,
+                  "reps": len(t)}
     return out
 
 
@@ -165,12 +257,26 @@ def table(result: dict) -> str:
         cells = [f"{v:.2f}" if v is not None else "error" for v in ms]
         ratio = f"{ms[-1] / ms[0]:.2f}x" if None not in (ms[0], ms[-1]) else ""
         lines.append(f"| {method} | " + " | ".join(cells) + f" | {ratio} |")
-    speed = []
-    for g in grids:
-        d, lo = rows.get(("dense", g), {}).get("ms_min"), rows.get(("local", g), {}).get("ms_min")
-        speed.append(f"{d / lo:.1f}x" if d and lo else "")
-    lines.append("| dense / local | " + " | ".join(speed) + " | |")
-    lines += ["", "**peak memory growth during one step** (resident set high-water mark)", "",
+    for name, (num, den) in (("dense / local (fused)", ("dense", "local (fused)")),
+                             ("local generic / fused", ("local (generic)", "local (fused)")),
+                             ("vjp generic / fused", ("local vjp (generic)",
+                                                      "local vjp (fused)"))):
+        speed = []
+        for g in grids:
+            a, b = rows.get((num, g), {}).get("ms_min"), rows.get((den, g), {}).get("ms_min")
+            speed.append(f"{a / b:.1f}x" if a and b else "")
+        lines.append(f"| {name} | " + " | ".join(speed) + " | |")
+    lines += ["", f"(the `vjp` rows: forward + backward of a {VJP_STEPS}-step scan per call, "
+              f"/ {VJP_STEPS}; `generic`: `tmcore.options(native=False)`)"]
+    ops = result.get("ops_per_step")
+    if ops:
+        lines += ["", f"**torch ops per chunk step** (a `TorchDispatchMode` count, "
+                  f"{grids[0]}^3; the setup once per call excluded)", "",
+                  "| path | forward | backward |", "|---|---:|---:|"]
+        for name in ("generic", "fused"):
+            lines.append(f"| {name} | {ops[name]['fwd']:g} | {ops[name]['bwd']:g} |")
+    lines += ["", "**peak memory growth during one step** (resident set high-water mark; "
+              f"the `vjp` rows: during one call of {VJP_STEPS} steps)", "",
               "| method | " + " | ".join(f"{g}^3" for g in grids) + " |",
               "|---|" + "---:|" * len(grids)]
     for method in METHODS:
@@ -381,9 +487,13 @@ def main(argv: list[str] | None = None) -> dict:
               "window": args.window, "box": args.window + 2, "spatial_rank": 3,
               "dtype": "float32", "threads": 1, "framework": "torch (CPU)",
               "min_seconds": args.min_seconds,
-              "sigma": "one cell", "radius": None}
+              "sigma": "one cell", "radius": None, "vjp_steps": VJP_STEPS,
+              "generic": "tmcore.options(native=False)"}
+    ops = count_ops(args.grids[0], args.batch, args.channels, args.window)
+    print(json.dumps({"ops_per_step": ops}), file=sys.stderr)
     result = {"command": " ".join(["python -m benchmarks.local_update", *argv]),
-              "commit": _commit(), "machine": machine_line(), "config": config, "rows": rows}
+              "commit": _commit(), "machine": machine_line(), "config": config, "rows": rows,
+              "ops_per_step": ops}
     text = table(result)
     if not args.tiny:
         os.makedirs(args.out, exist_ok=True)
