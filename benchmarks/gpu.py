@@ -11,7 +11,9 @@ its framework imports; kernel launches per chunk step of a torch training step
 (``torch.profiler``, CUDA only); the max |fused - per-step| of the layer's
 outputs and gradients; peak GPU memory of a torch training step (fused,
 per-step, plain);
-the truncated write at 8^3..32^3; a short streaming run. The **floor** here is
+the truncated write at 8^3..32^3; the local update (``update="local"``, w = 4) at
+8^3..64^3, dense fused vs local generic vs local fused (:func:`local_scan`); a
+short streaming run. The **floor** here is
 the pointwise matmuls of one step on the GPU plus the bytes of state one step
 must move (read ``h, c``, write ``h', c'``: ``4 B C prod(S)`` floats) over the
 measured device-to-device copy bandwidth.
@@ -359,6 +361,108 @@ def truncated_write(device: str, tiny: bool) -> dict:
     return out
 
 
+#: Grids (per axis, 3-D) of the local-update section, and its sizes.
+LOCAL_GRIDS = (8, 16, 32, 64)
+LOCAL_SIZES = {"batch": 4, "channels": 16, "window": 4, "steps": 16}
+LOCAL_TINY = {"batch": 1, "channels": 2, "window": 2, "steps": 2}
+
+
+def _kernels_per_step(fn, steps: int, device: str) -> float | None:
+    """CUDA kernels one call of ``fn`` launches, per chunk step; ``None`` off CUDA."""
+    if not device.startswith("cuda"):
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return len(kernels) / steps
+
+
+def _local_inputs(grid: int, sizes: dict, device: str):
+    """``(scan args, (g_reads, g_h, g_c))`` of a 3-D grid, float32."""
+    from tmcore.conv import ConvParams
+
+    g = torch.Generator().manual_seed(0)
+    batch, channels, steps = sizes["batch"], sizes["channels"], sizes["steps"]
+
+    def r(*s, scale=1.0):
+        return (torch.randn(*s, generator=g) * scale).to(device)
+
+    def u(*s, lo, hi):
+        return (torch.rand(*s, generator=g) * (hi - lo) + lo).to(device)
+
+    state = (batch, channels, grid, grid, grid)
+    params = ConvParams(r(3, 2 * channels, 3, scale=0.5), r(3, 2 * channels, scale=0.1),
+                        r(4 * channels, 2 * channels, scale=0.2), r(4 * channels, scale=0.1))
+    args = (r(*state, scale=0.5), r(*state, scale=0.5), u(batch, steps, 3, lo=-0.9, hi=0.9),
+            u(batch, steps, 3, lo=-0.9, hi=0.9),
+            torch.full((batch, steps), 2.0 / (grid - 1), device=device),  # one cell
+            r(batch, steps, channels), params)
+    return args, (r(batch, steps, channels), r(*state), r(*state))
+
+
+def local_scan(device: str, tiny: bool, reps: int = 3) -> dict:
+    """ms per chunk step of ``update="local"`` scans vs the dense fused scan, 8^3..64^3.
+
+    Rows per grid: ``dense`` (``tmcore.memory_scan`` / ``memory_scan_vjp``: the fused
+    Triton scan on CUDA), ``local-generic`` (``tmcore.local_memory_scan`` under
+    ``tmcore.options(generic=True)``: the array-API fast path, ~740 ops per step
+    forward + backward), ``local-fused`` (the same call with the default options: the
+    fused Triton local scan on CUDA, the C kernels on the CPU); ``fwd`` and ``train``
+    (forward + backward, the VJP's own forward included) per chunk step, CUDA kernels
+    per chunk step of ``train`` (``torch.profiler``), and the max |local-fused -
+    local-generic| of the reads and every gradient.
+    """
+    import tmcore
+    from tmcore.backends import _triton_local
+
+    sizes = LOCAL_TINY if tiny else LOCAL_SIZES
+    window, steps = sizes["window"], sizes["steps"]
+    out = {"sizes": sizes, "launches_per_step_fused": _triton_local.launches_per_step(),
+           "grids": {}}
+    for grid in ((4, 6) if tiny else LOCAL_GRIDS):
+        args, cot = _local_inputs(grid, sizes, device)
+        rows: dict = {}
+        calls = {"dense": ({}, tmcore.memory_scan, tmcore.memory_scan_vjp, {}),
+                 "local-generic": ({"generic": True}, tmcore.local_memory_scan,
+                                   tmcore.local_memory_scan_vjp, {"window": window}),
+                 "local-fused": ({}, tmcore.local_memory_scan, tmcore.local_memory_scan_vjp,
+                                 {"window": window})}
+        results = {}
+        for name, (opts, fwd, vjp, kw) in calls.items():
+            def run(fn, extra=(), opts=opts, kw=kw, args=args):
+                with tmcore.options(**opts):
+                    return fn(*args, *extra, **kw)
+
+            def forward(run=run, fwd=fwd):
+                return run(fwd)
+
+            def train(run=run, vjp=vjp, cot=cot):
+                return run(vjp, cot)
+            try:
+                rows[name] = {"fwd_ms": _time(forward, device, reps) / steps * 1e3,
+                              "train_ms": _time(train, device, reps) / steps * 1e3,
+                              "kernels_per_step": _kernels_per_step(train, steps, device)}
+                if name != "dense":
+                    grads = train()
+                    results[name] = [*forward(), *grads[:6], *grads.params]
+            except Exception as exc:  # a failing path is reported, the others still run
+                rows[name] = {"error": f"{type(exc).__name__}: {exc}"[:160]}
+        if len(results) == 2:
+            rows["fused_vs_generic"] = max(
+                (a - b).abs().max().item()
+                for a, b in zip(results["local-fused"], results["local-generic"], strict=True))
+        log = ", ".join(f"{k} {v['fwd_ms']:.3f} / {v['train_ms']:.3f} ms"
+                        for k, v in rows.items() if isinstance(v, dict) and "fwd_ms" in v)
+        print(f"local {grid}^3 (fwd / fwd+bwd per step): {log}", flush=True)
+        out["grids"][grid] = rows
+    return out
+
+
 def streaming(device: str, tokens: int) -> dict:
     from benchmarks.streaming import SEGMENT, _MemoryModel
 
@@ -389,8 +493,8 @@ def main(argv: list[str] | None = None) -> dict:
                                                                      / "results")))
     parser.add_argument("--impls", nargs="+", default=None,
                         help="rows to time (default: all), e.g. torch torch-per-step")
-    parser.add_argument("--sections", nargs="*", default=["truncated", "streaming"],
-                        help="extra sections to run (default: truncated streaming)")
+    parser.add_argument("--sections", nargs="*", default=["truncated", "local", "streaming"],
+                        help="extra sections to run (default: truncated local streaming)")
     parser.add_argument("--no-prewarm", action="store_true",
                         help="do not compile the Triton kernels in parallel first")
     args = parser.parse_args(argv)
@@ -418,6 +522,7 @@ def main(argv: list[str] | None = None) -> dict:
         reps = 1 if args.tiny else (2 if cfg.steps >= 256 else 3)
         results["configs"][cfg.name] = run_config(cfg, device, bw, reps, log, args.impls)
     for name, fn in (("truncated", lambda: truncated_write(device, args.tiny)),
+                     ("local", lambda: local_scan(device, args.tiny, 1 if args.tiny else 3)),
                      ("streaming", lambda: streaming(device, 3 * 8192 if args.tiny
                                                      else 1_000_000))):
         if name not in args.sections:

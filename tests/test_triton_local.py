@@ -272,3 +272,19 @@ def test_kernel_torch_layer_local_update(monkeypatch):
         default = run()
     assert calls.bwd == 1
     _close(fused, default, 2e-5)
+
+
+def test_gpu_benchmark_local_section_on_cpu():
+    """``benchmarks/gpu.py``'s local-update section runs on the CPU at its tiny size (the
+    fused row is the C kernels there): every row timed, the fused row equal to the
+    generic one to float32 rounding, no kernel counts off CUDA."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir))
+    from benchmarks import gpu
+
+    out = gpu.local_scan("cpu", tiny=True, reps=1)
+    assert out["launches_per_step_fused"] == 2
+    for rows in out["grids"].values():
+        for name in ("dense", "local-generic", "local-fused"):
+            assert rows[name]["fwd_ms"] > 0 and rows[name]["train_ms"] > 0, rows
+            assert rows[name]["kernels_per_step"] is None
+        assert rows["fused_vs_generic"] <= 1e-5, rows
