@@ -206,8 +206,8 @@ def local_fwd_kernel(
                     w0, _ = _corner(e0, f0, s0)
                     w1, _ = _corner(e1, f1, s1)
                     w2, _ = _corner(e2, f2, s2)
-                    cell = (l0 + e0) * (G1 * G2) + (l1 + e1) * G2 + (l2 + e2)
-                    hv = tl.load(h_ptr + row + offs_c * GP + cell, mask=mask_c, other=0.0)
+                    corner = (l0 + e0) * (G1 * G2) + (l1 + e1) * G2 + (l2 + e2)
+                    hv = tl.load(h_ptr + row + offs_c * GP + corner, mask=mask_c, other=0.0)
                     tl.store(rbox_ptr + (tb * C + offs_c) * K + (e0 * K1 * K2 + e1 * K2 + e2),
                              hv, mask=mask_c)
                     acc += w0 * w1 * w2 * hv
@@ -417,8 +417,8 @@ def local_bwd_kernel(
                     w0, q0 = _corner(e0, f0, s0)
                     w1, q1 = _corner(e1, f1, s1)
                     w2, q2 = _corner(e2, f2, s2)
-                    cell = (l0 + e0) * (G1 * G2) + (l1 + e1) * G2 + (l2 + e2)
-                    at = gh_ptr + row + offs_c * GP + cell
+                    corner = (l0 + e0) * (G1 * G2) + (l1 + e1) * G2 + (l2 + e2)
+                    at = gh_ptr + row + offs_c * GP + corner
                     tl.store(at, tl.load(at, mask=mask_c, other=0.0) + g_read * (w0 * w1 * w2),
                              mask=mask_c)
                     hv = tl.load(rbox_ptr + (tb * C + offs_c) * K + (e0 * K1 * K2 + e1 * K2
