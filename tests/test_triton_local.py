@@ -288,3 +288,33 @@ def test_gpu_benchmark_local_section_on_cpu():
             assert rows[name]["fwd_ms"] > 0 and rows[name]["train_ms"] > 0, rows
             assert rows[name]["kernels_per_step"] is None
         assert rows["fused_vs_generic"] <= 1e-5, rows
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (pip install triton)")
+@pytest.mark.skipif(INTERPRETING, reason="the interpreter replaces the compiler")
+@pytest.mark.parametrize("shape,channels,window", [((9,), 4, 3), ((6, 6, 6), 16, 4)])
+def test_kernels_build_for_sm90(shape, channels, window):
+    """Both kernels compile for sm_90 with Triton's own LLVM and ptxas (no GPU needed): the
+    interpreter does not check what only the compiler rejects (loop-carried types, ...)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    from tmcore.backends import _triton_local
+    from tmcore.backends import _triton_local_kernels as k
+
+    class _Shape:  # the geometry reads the shape only
+        def __init__(self, shape):
+            self.shape = shape
+
+    geo = _triton_local._Geometry(_Shape((2, channels, *shape)), window)
+    runtime = {"t", "B", "T", "C", "G0", "G1", "G2"}
+    for fn in (k.local_fwd_kernel, k.local_bwd_kernel):
+        consts = {a: v for a, v in geo.constexprs("ieee").items()
+                  if a not in runtime and a != "num_warps"}
+        signature = {a: ("constexpr" if a in consts else "i32" if a in runtime
+                         else "*i32" if a == "geo_ptr" else "*fp32") for a in fn.arg_names}
+        compiled = triton.compile(
+            triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=consts),
+            target=GPUTarget("cuda", 90, 32), options={"num_warps": geo.num_warps})
+        assert compiled.asm["ptx"]
