@@ -232,6 +232,26 @@ def test_kernel_float32_and_deterministic(monkeypatch):
 
 
 @inner
+def test_kernel_nan_coordinates(monkeypatch):
+    """A NaN write centre (its window at 0) and a NaN read coordinate give the generic
+    path's NaNs, in the same places, forward and backward."""
+    inputs, params, cot = _case(2, 2, (6,), 2, torch.float64, seed=3)
+    inputs[3][1, 0, 0] = float("nan")
+    inputs[2][0, 1, 0] = float("nan")
+    with tmcore.options(generic=True):
+        want = local_scan_fwd(XP, *inputs, params, window=2)
+        want_grads = local_scan_bwd(XP, want[3], *inputs[2:], params, *cot, window=2)
+    calls = _Calls(monkeypatch)
+    got = local_scan_fwd(XP, *inputs, params, window=2)
+    grads = local_scan_bwd(XP, got[3], *inputs[2:], params, *cot, window=2)
+    assert (calls.fwd, calls.bwd) == (1, 1)
+    for a, b in zip([*got[:3], *got[3], *_flat(grads)], [*want[:3], *want[3], *_flat(want_grads)],
+                    strict=True):
+        assert torch.equal(a.isnan(), b.isnan())
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, equal_nan=True)
+
+
+@inner
 def test_kernel_declines(monkeypatch):
     """n = 4, float16, autograd-recorded inputs and ``triton=False`` take the generic loop;
     nothing reaches the kernels."""
