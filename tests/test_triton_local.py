@@ -140,14 +140,37 @@ def _case(batch, channels, shape, steps, dtype, seed=0):
     return inputs, params, cot
 
 
+class _Launches:
+    """The kernels module, counting the launches of each kernel."""
+
+    def __init__(self, kernels):
+        self.counts = {"local_fwd_kernel": 0, "local_bwd_kernel": 0}
+        self._kernels = kernels
+
+    def __getattr__(self, name):
+        kernel = getattr(self._kernels, name)
+        counts = self.counts
+
+        class _Counted:
+            def __getitem__(self, grid):
+                counts[name] += 1
+                return kernel[grid]
+        return _Counted()
+
+
 class _Calls:
-    """Counts the fused loops that really ran (the entries may decline)."""
+    """Counts the fused loops that really ran (the entries may decline) and the kernel
+    launches (``launches``: per kernel name)."""
 
     def __init__(self, monkeypatch):
         from tmcore.backends import _triton_local
 
         self.fwd = self.bwd = 0
         fwd, bwd = _triton_local._forward, _triton_local._backward
+        if INTERPRETING:
+            kernels = _Launches(_triton_local._kernels())
+            monkeypatch.setattr(_triton_local, "_kernels", lambda: kernels)
+            self.launches = kernels.counts
 
         def count_fwd(*a, **k):
             self.fwd += 1
@@ -210,6 +233,8 @@ def test_kernel_local_scan_float64(monkeypatch, batch, channels, shape, window, 
     with tmcore.options(generic=True):  # the fused forward's residuals, generic backward
         mixed = local_scan_bwd(XP, got[3], *inputs[2:], params, *cot, **kw)
     _close(_flat(mixed), _flat(want_grads), 1e-12)
+    # one launch per step each way (the generic fast path: ~740 torch ops per step)
+    assert calls.launches == {"local_fwd_kernel": steps, "local_bwd_kernel": steps}
 
 
 @inner
