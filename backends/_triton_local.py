@@ -18,6 +18,12 @@ scan's launch loop is captured once per shape / options as a CUDA graph and
 replayed (the dense scan's mechanism, :func:`tmcore.backends._triton._replay`:
 ``TMCORE_CUDA_GRAPHS=0`` turns it off, a failed capture runs eagerly).
 
+Not yet run on a GPU: tested under Triton's interpreter (tests/test_triton_local.py)
+and built for sm_90 without a device (Triton 3.9; at C = 32, w = 4 ptxas reports
+255 registers and ~0.7 / 1.6 KB of spills per thread forward / backward). One
+program per batch row means ``B`` thread blocks per launch: the step is meant to
+be launch-bound (a few hundred box cells), not to fill the GPU.
+
 When it runs: as the dense fused scan (:func:`tmcore.backends._triton.usable`: the
 ``triton`` option, CUDA tensors or CPU tensors under ``TRITON_INTERPRET=1`` with
 the option forced, float32 / float64, ``n <= 3``, ``C <=`` ``MAX_CHANNELS``, not
