@@ -44,7 +44,7 @@ from typing import Any
 import torch
 
 from tmcore.conv import ConvParams
-from tmcore.local import LocalScanResiduals, _corners, box_writes, box_writes_bwd
+from tmcore.local import LocalScanResiduals
 from tmcore.scan import ScanGrads
 
 from . import _torch as bt
@@ -70,49 +70,69 @@ def _ptr_at(t: torch.Tensor, elements: int) -> ctypes.c_void_p:
     return bt._offset(t, elements)
 
 
-def _rows(x: torch.Tensor) -> torch.Tensor:
-    """``(B, T, ...) -> (T * B, ...)`` (time-major), contiguous."""
-    return x.transpose(0, 1).reshape(x.shape[0] * x.shape[1], *x.shape[2:]).contiguous()
-
-
 class _Geometry:
-    """Every step's window, box, written box and read corners (time-major rows), with
-    the index arrays as contiguous int64 and the shapes as ctypes arrays."""
+    """Every step's window, box, written box and read corners (time-major rows ``t B +
+    b``) in one C call (``local_geometry``): the formulas of
+    :func:`tmcore.local.box_writes` and of the read's corners, in their operation order
+    and on the same cell centres (``torch.linspace``), so the same values to within an
+    ulp of ``exp``; the generic functions take ~250 torch ops for it, the setup of a
+    short scan. ``slopes``: also the corner weights' derivatives (the backward).
+    :meth:`write_bwd` is the VJP of the written boxes (``box_write_bwd``)."""
 
-    def __init__(self, xp: Any, read_coords: torch.Tensor, write_coords: torch.Tensor,
+    def __init__(self, kernels, read_coords: torch.Tensor, write_coords: torch.Tensor,
                  write_sigma: torch.Tensor, write_content: torch.Tensor,
-                 shape: tuple[int, ...], window: int, eps: float, radius: float | None):
-        from tmcore._separable import outer_product
-
-        self.writes = box_writes(xp, write_coords, write_sigma, write_content, shape, window,
-                                 eps, radius)
-        geometry = self.writes.geometry
-        self.box = tuple(int(b) for b in geometry.box)
-        self.size = tuple(int(s) for s in geometry.size)
+                 shape: tuple[int, ...], window: int, eps: float, radius: float | None,
+                 slopes: bool = False):
+        self.kernels = kernels
+        lib, suffix = kernels
+        batch, steps, channels = write_content.shape
+        n = len(shape)
+        dtype = write_content.dtype
+        self.size = tuple(min(window, s) for s in shape)
+        self.box = tuple(min(window + 2, s) for s in shape)
+        self.corners = tuple(1 if s == 1 else 2 for s in shape)
+        self.box_cells = math.prod(self.box)
+        self.corner_cells = math.prod(self.corners)
+        rows = steps * batch
         index = torch.int64
-        self.box_start = geometry.box_start.to(index).contiguous()
-        self.win_start = geometry.start.to(index).contiguous()
-        self.win_off = (self.win_start - self.box_start).contiguous()
-        self.volumes = bt._plain(self.writes.volumes)
-        start, corners, weights, slopes = _corners(xp, _rows(read_coords), shape)
-        self.corner_start = start.to(index).contiguous()
-        self.corners = tuple(int(k) for k in corners)
-        self.weights, self.slopes = weights, slopes
-        self.dense = outer_product(xp, weights)  # (T B, 1, K)
+        self.win_start = torch.empty((rows, n), dtype=index)
+        self.box_start = torch.empty((rows, n), dtype=index)
+        self.win_off = torch.empty((rows, n), dtype=index)
+        self.corner_start = torch.empty((rows, n), dtype=index)
+        self.dense = torch.empty((rows, 1, self.corner_cells), dtype=dtype)
+        self.volumes = bt._uninitialized((rows, channels, *self.box), dtype)
+        self.slope_dense = (torch.empty((rows, n, self.corner_cells), dtype=dtype) if slopes
+                            else None)
+        centres = torch.cat([torch.linspace(-1.0, 1.0, s, dtype=dtype) for s in shape])
         self.shape_arg = bt._shape_arg(shape)
         self.box_arg = bt._shape_arg(self.box)
         self.size_arg = bt._shape_arg(self.size)
         self.corners_arg = bt._shape_arg(self.corners)
-        self.box_cells = math.prod(self.box)
-        self.corner_cells = math.prod(self.corners)
+        inputs = [bt._plain(t) for t in (read_coords, write_coords, write_sigma, write_content)]
+        self._args = (inputs, centres, batch, steps, channels, n, window, float(eps),
+                      -1.0 if radius is None else float(radius))
+        _run(lib, "local_geometry", suffix, *(bt._ptr(t) for t in inputs), bt._ptr(centres),
+             batch, steps, channels, n, self.shape_arg, window, self.size_arg, self.box_arg,
+             self.corners_arg, float(eps), self._args[-1], bt._ptr(self.win_start),
+             bt._ptr(self.box_start), bt._ptr(self.win_off), bt._ptr(self.corner_start),
+             bt._ptr(self.dense), bt._ptr(self.volumes),
+             None if self.slope_dense is None else bt._ptr(self.slope_dense))
 
-    def slope_dense(self, xp: Any) -> torch.Tensor:
-        """``(T B, n, K)``: per spatial axis the outer product with that axis's slope."""
-        from tmcore._separable import outer_product
-
-        n = len(self.weights)
-        return torch.cat([outer_product(xp, self.weights, replace={a: self.slopes[a]})
-                          for a in range(n)], dim=1).contiguous()
+    def write_bwd(self, d_volumes: torch.Tensor):
+        """``(d_write_coords (B, T, n), d_write_sigma (B, T), d_write_content (B, T, C))``
+        for the cotangents ``d_volumes (T B, C, *box)`` of :attr:`volumes`."""
+        lib, suffix = self.kernels
+        inputs, centres, batch, steps, channels, n, window, eps, radius = self._args
+        _, write_coords, write_sigma, write_content = inputs
+        bt._expect_shape("d_volumes", d_volumes, tuple(self.volumes.shape), "(T B, C, *box)")
+        d_coords = torch.empty_like(write_coords)
+        d_sigma = torch.empty_like(write_sigma)
+        d_content = torch.empty_like(write_content)
+        _run(lib, "box_write_bwd", suffix, bt._ptr(write_coords), bt._ptr(write_sigma),
+             bt._ptr(write_content), bt._ptr(centres), batch, steps, channels, n,
+             self.shape_arg, window, self.size_arg, self.box_arg, eps, radius,
+             bt._ptr(d_volumes), bt._ptr(d_coords), bt._ptr(d_sigma), bt._ptr(d_content))
+        return d_coords, d_sigma, d_content
 
 
 def _check_common(h: torch.Tensor, read_coords: torch.Tensor, params: ConvParams,
@@ -147,8 +167,8 @@ def scan_fwd(xp: Any, h0, c0, read_coords, write_coords, write_sigma, write_cont
     batch, channels, *spatial = h0.shape
     shape = tuple(spatial)
     n, steps = len(shape), read_coords.shape[1]
-    geo = _Geometry(xp, read_coords, write_coords, write_sigma, write_content, shape, window,
-                    eps, radius)
+    geo = _Geometry(kernels, read_coords, write_coords, write_sigma, write_content,
+                           shape, window, eps, radius)
     taps, biases, weight, zb = _params_plain(params)
     h = bt._plain(h0)
     c = bt._plain(c0)
@@ -221,10 +241,9 @@ def scan_bwd(xp: Any, residuals, read_coords, write_coords, write_sigma, write_c
         "residuals.read_boxes": (read_boxes, (steps, batch, channels, *corners),
                                  "(T, B, C, *corners)")})
     lib, suffix = kernels
-    geo = _Geometry(xp, read_coords, write_coords, write_sigma, write_content, shape, window,
-                    eps, radius)
-    dense = geo.dense.reshape(steps * batch, geo.corner_cells).contiguous()
-    slope_dense = geo.slope_dense(xp)
+    geo = _Geometry(kernels, read_coords, write_coords, write_sigma, write_content, shape,
+                    window, eps, radius, slopes=True)
+    dense, slope_dense = geo.dense, geo.slope_dense
     taps, biases, weight, zb = _params_plain(params)
     h_boxes, c_boxes, read_boxes = (bt._plain(r) for r in (h_boxes, c_boxes, read_boxes))
     g_reads = bt._plain(g_reads)
@@ -282,8 +301,7 @@ def scan_bwd(xp: Any, residuals, read_coords, write_coords, write_sigma, write_c
              _ptr_at(dense, t * batch * k), _ptr_at(slope_dense, t * batch * n * k),
              _ptr_at(read_boxes, t * batch * channels * k), _ptr_at(g_reads, t * channels),
              steps * channels, _ptr_at(d_read_coords, t * n), steps * n, batch, channels, n)
-    d_coords, d_sigma, d_content = box_writes_bwd(xp, geo.writes, write_coords, write_sigma,
-                                                  write_content, d_volumes)
+    d_coords, d_sigma, d_content = geo.write_bwd(d_volumes)
     d_params = ConvParams(acc_taps.to(dtype), acc_biases.to(dtype), d_weight.sum(0),
                           acc_zb.to(dtype))
     return ScanGrads(g_h, g_c, d_read_coords, d_coords, d_sigma, d_content, d_params)

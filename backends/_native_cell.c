@@ -775,4 +775,230 @@ int NAME(corner_read_bwd)(T *dh, const i64 *shape, const i64 *start, const i64 *
     return 0;
 }
 
+/* local_geometry: what the fused local forward needs from the writes and reads of
+ * all T steps, per time-major row r = t B + b (the inputs are batch-major (B, T, ...)):
+ * the window start, box start and window offset in the box (R, n) int64, the read's
+ * corner start (R, n) int64 and weights (R, K) (the outer product of the per-axis
+ * n-linear weights, axis 0 slowest), and the written box (R, C, *box): the Gaussian
+ * profiles (centres: the grid's cell centres per axis, concatenated) restricted to
+ * the window, times the content. The formulas of tmcore.local (window_geometry,
+ * _corners, _box_write) and tmcore.splat.gaussian_profiles, in the same operation
+ * order (exp from libm). radius < 0: no truncation. The box / window / corner sizes
+ * the caller allocated for are checked against the formulas (TM_EINDEX). */
+int NAME(local_geometry)(const T *read_coords, const T *write_coords, const T *sigma,
+                         const T *content, const T *centres, i64 B, i64 Tn, i64 C, int n,
+                         const i64 *shape, i64 window, const i64 *size, const i64 *box,
+                         const i64 *corners, double eps, double radius, i64 *win_start,
+                         i64 *box_start, i64 *win_off, i64 *corner_start, T *dense,
+                         T *volumes, T *sdense) {
+    if (n < 1 || n > 4 || B < 0 || Tn < 0 || C < 0 || window < 1) return TM_EINDEX;
+    i64 Pb = 1, K = 1, first[4], pfirst[4], at = 0, pat = 0;
+    for (int a = 0; a < n; ++a) {
+        i64 s = shape[a];
+        if (s < 1 || size[a] != (window < s ? window : s)
+            || box[a] != (window + 2 < s ? window + 2 : s) || corners[a] != (s == 1 ? 1 : 2))
+            return TM_EINDEX;
+        Pb *= box[a];
+        K *= corners[a];
+        first[a] = at;
+        at += s;
+        pfirst[a] = pat;
+        pat += box[a];
+    }
+    T *prof_buf = (T *)tm_alloc(pat, sizeof(T));
+    if (prof_buf == NULL) return TM_ENOMEM;
+    for (i64 t = 0; t < Tn; ++t)
+        for (i64 b = 0; b < B; ++b) {
+            i64 r = t * B + b, src = b * Tn + t;
+            const T *wc = write_coords + src * n, *rc = read_coords + src * n;
+            T s = sigma[src];
+            T denom = (T)2 * s * s + (T)eps;
+            T *prof[4];
+            for (int a = 0; a < n; ++a) prof[a] = prof_buf + pfirst[a];
+            /* window and box (a NaN coordinate puts them at 0) */
+            for (int a = 0; a < n; ++a) {
+                T half = (T)(shape[a] - 1) / 2, top = (T)(shape[a] - 1);
+                T x = wc[n - 1 - a];
+                T u = (x + 1) * half;
+                u = u < 0 ? (T)0 : (u > top ? top : u);
+                T st = nearbyint(u) - (T)(size[a] / 2);
+                T hi = (T)(shape[a] - size[a]);
+                st = st < 0 ? (T)0 : (st > hi ? hi : st);
+                T bs = st - 1, bhi = (T)(shape[a] - box[a]);
+                bs = bs < 0 ? (T)0 : (bs > bhi ? bhi : bs);
+                win_start[r * n + a] = st == st ? (i64)st : 0;
+                box_start[r * n + a] = bs == bs ? (i64)bs : 0;
+            }
+            for (int a = 0; a < n; ++a) {
+                i64 ws = win_start[r * n + a], bs = box_start[r * n + a];
+                win_off[r * n + a] = ws - bs;
+                T mu = wc[n - 1 - a];
+                for (i64 j = 0; j < box[a]; ++j) {
+                    i64 idx = bs + j;
+                    T p = 0;
+                    if (idx >= ws && idx < ws + size[a]) {
+                        T offset = centres[first[a] + idx] - mu;
+                        T square = offset * offset;
+                        if (denom == 0) p = exp(-(square > 0 ? (T)INFINITY : square));
+                        else p = exp(-square / denom);
+                        if (radius >= 0) {
+                            T off_abs = offset < 0 ? -offset : offset;
+                            p = off_abs <= (T)radius * s ? p : p * 0;
+                        }
+                    }
+                    prof[a][j] = p;
+                }
+            }
+            /* the written box: content x the outer product (axis 0 slowest) */
+            T *vol = volumes + r * C * Pb;
+            for (i64 m = 0; m < Pb; ++m) {
+                i64 rest = m;
+                i64 jj[4];
+                for (int a = n - 1; a >= 0; --a) { jj[a] = rest % box[a]; rest /= box[a]; }
+                T w = prof[0][jj[0]];
+                for (int a = 1; a < n; ++a) w = w * prof[a][jj[a]];
+                vol[m] = w;  /* the weight, scaled per channel below */
+            }
+            const T *cv = content + src * C;
+            for (i64 ch = C - 1; ch >= 0; --ch)
+                for (i64 m = 0; m < Pb; ++m) vol[ch * Pb + m] = cv[ch] * vol[m];
+            /* the read's corners */
+            T wt[4][2], sl[4][2];
+            for (int a = 0; a < n; ++a) {
+                T half = (T)(shape[a] - 1) / 2, top = (T)(shape[a] - 1);
+                T x = rc[n - 1 - a];
+                x = x < -1 ? (T)-1 : (x > 1 ? (T)1 : x);
+                T u = (x + 1) * half;
+                T cl = u < 0 ? (T)0 : (u > top ? top : u);
+                T lhi = (T)(shape[a] - 2 > 0 ? shape[a] - 2 : 0);
+                T lo = floor(cl);
+                lo = lo < 0 ? (T)0 : (lo > lhi ? lhi : lo);
+                T frac = cl - lo;
+                corner_start[r * n + a] = lo == lo ? (i64)lo : 0;
+                wt[a][0] = 1 - frac;
+                wt[a][1] = frac;
+                T step = ((u > 0 && u < top) ? (T)1 : (T)0) + u * 0;  /* NaN for a NaN u */
+                step = step * half;
+                sl[a][0] = -step;
+                sl[a][1] = step;
+            }
+            T *dn = dense + r * K;
+            for (i64 k = 0; k < K; ++k) {
+                i64 rest = k, kk[4];
+                for (int a = n - 1; a >= 0; --a) { kk[a] = rest % corners[a]; rest /= corners[a]; }
+                T w = wt[0][kk[0]];
+                for (int a = 1; a < n; ++a) w = w * wt[a][kk[a]];
+                dn[k] = w;
+                if (sdense == NULL) continue;
+                for (int a = 0; a < n; ++a) {  /* axis a's weight replaced by its slope */
+                    T d = a == 0 ? sl[0][kk[0]] : wt[0][kk[0]];
+                    for (int a2 = 1; a2 < n; ++a2) d = d * (a2 == a ? sl[a2][kk[a2]] : wt[a2][kk[a2]]);
+                    sdense[(r * n + a) * K + k] = d;
+                }
+            }
+        }
+    free(prof_buf);
+    return 0;
+}
+
+/* box_write_bwd: the VJP of local_geometry's written boxes for g (R, C, *box)
+ * (time-major rows): d_coords (B, T, n), d_sigma (B, T), d_content (B, T, C), by the
+ * rules of tmcore.local's _box_write_bwd (the splat's VJP for one write, on the box;
+ * the window's position a constant). Same arguments and checks as local_geometry. */
+int NAME(box_write_bwd)(const T *write_coords, const T *sigma, const T *content,
+                        const T *centres, i64 B, i64 Tn, i64 C, int n, const i64 *shape,
+                        i64 window, const i64 *size, const i64 *box, double eps,
+                        double radius, const T *g, T *d_coords, T *d_sigma, T *d_content) {
+    if (n < 1 || n > 4 || B < 0 || Tn < 0 || C < 0 || window < 1) return TM_EINDEX;
+    i64 Pb = 1, first[4], pfirst[4], at = 0, pat = 0;
+    for (int a = 0; a < n; ++a) {
+        i64 s = shape[a];
+        if (s < 1 || size[a] != (window < s ? window : s)
+            || box[a] != (window + 2 < s ? window + 2 : s))
+            return TM_EINDEX;
+        Pb *= box[a];
+        first[a] = at;
+        at += s;
+        pfirst[a] = pat;
+        pat += box[a];
+    }
+    T *buf = (T *)tm_alloc(2 * pat + 2 * Pb, sizeof(T));  /* sizes of a real grid's box */
+    if (buf == NULL) return TM_ENOMEM;
+    T *dense = buf + 2 * pat, *weighted = dense + Pb;
+    for (i64 t = 0; t < Tn; ++t)
+        for (i64 b = 0; b < B; ++b) {
+            i64 r = t * B + b, src = b * Tn + t;
+            const T *wc = write_coords + src * n;
+            T s = sigma[src];
+            T denom = (T)2 * s * s + (T)eps;
+            T *prof[4], *offs[4];
+            for (int a = 0; a < n; ++a) {
+                prof[a] = buf + pfirst[a];
+                offs[a] = buf + pat + pfirst[a];
+                T half = (T)(shape[a] - 1) / 2, top = (T)(shape[a] - 1);
+                T mu = wc[n - 1 - a];
+                T u = (mu + 1) * half;
+                u = u < 0 ? (T)0 : (u > top ? top : u);
+                T st = nearbyint(u) - (T)(size[a] / 2);
+                T hi = (T)(shape[a] - size[a]);
+                st = st < 0 ? (T)0 : (st > hi ? hi : st);
+                T bs = st - 1, bhi = (T)(shape[a] - box[a]);
+                bs = bs < 0 ? (T)0 : (bs > bhi ? bhi : bs);
+                i64 ws = st == st ? (i64)st : 0, b0 = bs == bs ? (i64)bs : 0;
+                for (i64 j = 0; j < box[a]; ++j) {
+                    i64 idx = b0 + j;
+                    T offset = centres[first[a] + idx] - mu;
+                    T p = 0;
+                    if (idx >= ws && idx < ws + size[a]) {
+                        T square = offset * offset;
+                        if (denom == 0) p = exp(-(square > 0 ? (T)INFINITY : square));
+                        else p = exp(-square / denom);
+                        if (radius >= 0) {
+                            T off_abs = offset < 0 ? -offset : offset;
+                            p = off_abs <= (T)radius * s ? p : p * 0;
+                        }
+                    }
+                    prof[a][j] = p;
+                    offs[a][j] = offset;
+                }
+            }
+            const T *gr = g + r * C * Pb, *cv = content + src * C;
+            for (i64 m = 0; m < Pb; ++m) {
+                i64 rest = m, jj[4];
+                for (int a = n - 1; a >= 0; --a) { jj[a] = rest % box[a]; rest /= box[a]; }
+                T w = prof[0][jj[0]];
+                for (int a = 1; a < n; ++a) w = w * prof[a][jj[a]];
+                dense[m] = w;
+                T cg = 0;
+                for (i64 ch = 0; ch < C; ++ch) cg += cv[ch] * gr[ch * Pb + m];
+                weighted[m] = cg * w;
+            }
+            T *dct = d_content + src * C;
+            for (i64 ch = 0; ch < C; ++ch) {
+                T acc = 0;
+                for (i64 m = 0; m < Pb; ++m) acc += dense[m] * gr[ch * Pb + m];
+                dct[ch] = acc;
+            }
+            T moment2 = 0, dmu[4];
+            for (int a = 0; a < n; ++a) {
+                T sm = 0, sq = 0;
+                for (i64 m = 0; m < Pb; ++m) {
+                    i64 rest = m, j = 0;
+                    for (int a2 = n - 1; a2 >= a; --a2) { j = rest % box[a2]; rest /= box[a2]; }
+                    T o = offs[a][j];
+                    sm += weighted[m] * o;
+                    sq += weighted[m] * (prof[a][j] == 0 ? (T)0 : o * o);
+                }
+                dmu[a] = sm;
+                moment2 = a == 0 ? sq : moment2 + sq;
+            }
+            T mu_scale = denom == 0 ? (T)0 : (T)2 / denom;
+            T sig_scale = denom == 0 ? (T)0 : (T)4 * s / (denom * denom);
+            for (int a = 0; a < n; ++a) d_coords[src * n + (n - 1 - a)] = dmu[a] * mu_scale;
+            d_sigma[src] = moment2 * sig_scale;
+        }
+    free(buf);
+    return 0;
+}
+
 #endif /* TM_TEMPLATE */
