@@ -15,10 +15,11 @@ fixed window (``w = 4`` cells per axis, so the box is 6^3 at every grid), B = 4,
 - ``local (copy)``: ``tmcore.local_update`` (fast path; the write and update, no read),
   which returns a new state and so copies it once per call (a memory copy of
   ``2 B C prod(S)`` floats, no arithmetic);
-- ``local vjp (generic)`` / ``local vjp (fused)``: ``tmcore.local_memory_scan_vjp`` over
-  a chunk scan of 8 steps (its forward for the residuals, then the backward), per step
-  (the call / 8), with the options of the two rows above; the call copies the state
-  and the two state cotangents once.
+- ``local vjp (generic)`` / ``local vjp (fused)``: a chunk scan of 8 steps forward
+  (``tmcore.local.local_scan_fwd``, the undo-log residuals) and backward
+  (``local_scan_bwd``), as the layer runs them, per step (the call / 8), with the
+  options of the two rows above; per call the forward copies the state and the
+  backward the two state cotangents once (``O(B C prod(S))``, no arithmetic).
 
 Torch ops per step (``ops_per_step`` in the JSON; a ``TorchDispatchMode`` counter, the
 ops of a 6-step scan minus a 2-step one, / 4, at the smallest grid), forward
@@ -163,6 +164,7 @@ def _step(method: str, grid: int, batch: int, channels: int, window: int):
     import torch
 
     import tmcore
+    from tmcore import local
     from tmcore.scan import StepInputs, step_fwd
 
     h, c, read, write, sigma, content, params = _inputs(torch, batch, channels, grid)
@@ -187,7 +189,9 @@ def _step(method: str, grid: int, batch: int, channels: int, window: int):
 
         def step():
             with options():
-                return tmcore.local_memory_scan_vjp(*args, *cotangents, window=window)
+                *_, residuals = local.local_scan_fwd(xp, *args, window=window)
+                return local.local_scan_bwd(xp, residuals, *args[2:], *cotangents,
+                                            window=window)
     else:
         def step():
             return tmcore.local_update(h, c, write, sigma, content, params, window=window)

@@ -3,7 +3,8 @@ generic loop of :mod:`tmcore.local` (the fast method, ``native=False``).
 
 Reads, final state, the undo-log residuals and every gradient, float64 and float32;
 1 to 4 spatial axes, odd sizes, axes of size 1, windows larger than an axis, writes on
-and beyond the border, NaN coordinates, T = 1 and 4; ``overwrite_state``; a forward on
+and beyond the border, NaN coordinates, the Gaussian's ``eps`` / ``radius`` and a zero
+spread, T = 1 and 4; ``overwrite_state``; a forward on
 one path and the backward on the other; that the table takes the fused path and how
 few torch ops a step dispatches there; where it declines; bad calls.
 """
@@ -215,11 +216,13 @@ def _ops(steps, native_on):
 
 def test_op_count_per_step(taken):
     """The torch ops a step adds (T = 6 minus T = 2, over 4 steps): the fused scan
-    dispatches one per forward step (the pointwise bmm) and three per backward step."""
+    dispatches one per forward step (the pointwise bmm) and three per backward step;
+    its setup once per call stays small too (the geometry is one C call)."""
     fused = [b - a for a, b in zip(_ops(2, True), _ops(6, True), strict=True)]
     assert taken == {"fwd": 2, "bwd": 2}
     generic = [b - a for a, b in zip(_ops(2, False), _ops(6, False), strict=True)]
     assert fused[0] <= 4 * 2 and fused[1] <= 4 * 4
+    assert max(_ops(2, True)) <= 100
     assert generic[0] >= 4 * 100 and generic[1] >= 4 * 100
 
 
@@ -275,3 +278,22 @@ def test_box_kernel_checks_its_starts():
         with pytest.raises(ValueError, match="outside its grid"):
             box_op(torch.tensor(start))
         assert not dst.any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize(("eps", "radius"), [(0.0, None), (0.0, 1.0), (1e-6, 0.7)])
+def test_eps_radius_and_a_degenerate_write(taken, dtype, eps, radius):
+    """The Gaussian's options in the C write and its VJP: truncation, ``eps = 0`` with a
+    zero spread (the limit: weight 1 on a centre hit exactly, 0 elsewhere)."""
+    args, cotangents = _case((5, 6, 7), dtype, steps=3)
+    args[4][0, 1] = 0.0
+    args[3][0, 1] = torch.tensor([0.0, 0.2, -1.0 / 3.0], dtype=dtype)
+    kw = dict(eps=eps, radius=radius)
+    out = local.local_scan_fwd(XP, *args, window=3, **kw)
+    grads = local.local_scan_bwd(XP, out[3], *args[2:], *cotangents, window=3, **kw)
+    assert taken == {"fwd": 1, "bwd": 1}
+    with tmcore.options(native=False):
+        ref = local.local_scan_fwd(XP, *args, window=3, **kw)
+        ref_grads = local.local_scan_bwd(XP, ref[3], *args[2:], *cotangents, window=3, **kw)
+    _assert_agree(out, ref, dtype)
+    _assert_agree(grads, ref_grads, dtype)
