@@ -261,7 +261,7 @@ def table(result: dict) -> str:
         cells = [f"{v:.2f}" if v is not None else "error" for v in ms]
         ratio = f"{ms[-1] / ms[0]:.2f}x" if None not in (ms[0], ms[-1]) else ""
         lines.append(f"| {method} | " + " | ".join(cells) + f" | {ratio} |")
-    for name, (num, den) in (("dense / local (fused)", ("dense", "local (fused)")),
+    for name, (num, den) in (("dense / local", ("dense", "local (fused)")),
                              ("local generic / fused", ("local (generic)", "local (fused)")),
                              ("vjp generic / fused", ("local vjp (generic)",
                                                       "local vjp (fused)"))):
@@ -270,8 +270,9 @@ def table(result: dict) -> str:
             a, b = rows.get((num, g), {}).get("ms_min"), rows.get((den, g), {}).get("ms_min")
             speed.append(f"{a / b:.1f}x" if a and b else "")
         lines.append(f"| {name} | " + " | ".join(speed) + " | |")
-    lines += ["", f"(the `vjp` rows: forward + backward of a {VJP_STEPS}-step scan per call, "
-              f"/ {VJP_STEPS}; `generic`: `tmcore.options(native=False)`)"]
+    lines += ["", f"(`dense / local`: dense over `local (fused)`; the `vjp` rows: forward + "
+              f"backward of a {VJP_STEPS}-step scan per call, / {VJP_STEPS}; `generic`: "
+              f"`tmcore.options(native=False)`)"]
     ops = result.get("ops_per_step")
     if ops:
         lines += ["", f"**torch ops per chunk step** (a `TorchDispatchMode` count, "
