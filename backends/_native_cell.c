@@ -664,6 +664,8 @@ int NAME(gates_bwd)(const T *restrict z, const T *restrict c, const T *restrict 
  *   corner_read_bwd  the VJP of the 2^n-corner read from its corner box (B, C, K):
  *            ADDS g (B, C) x dense (B, K) into dh's corner box and writes
  *            dcoords[b, n - 1 - a] = sum_k (sum_c g box)[k] sdense[b, a, k].
+ *   local_geometry / box_write_bwd  (below) every step's window, box, written box
+ *            and read corners at once, and the written boxes' VJP.
  */
 #ifndef TM_LOCAL_ONCE
 #define TM_LOCAL_ONCE
