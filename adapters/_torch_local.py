@@ -13,9 +13,10 @@ in the backward; without warp, the local scan's undo log.
 
 Eager autograd, first order: a double backward raises a ``RuntimeError``. While
 ``torch.compile`` traces, the module calls the custom op of
-:mod:`tmcore.adapters._torch_local_op` instead. No ``torch.func`` transforms, no native
-or Triton kernels (the generic path on any device, the backend's fast ops inside it).
-Experimental, like the options.
+:mod:`tmcore.adapters._torch_local_op` instead. No ``torch.func`` transforms. The local
+scan without warp runs the backend's fused local scan where it applies (C kernels on
+the CPU, Triton on CUDA); the warp is the generic path on any device, with the
+backend's fast ops inside it. Experimental, like the options.
 """
 
 from __future__ import annotations

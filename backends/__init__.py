@@ -14,8 +14,11 @@ PyTorch            ``grid_sample`` read and its ``grid_sampler`` backward
                    on the CPU fused C kernels for the depthwise passes and
                    the gates (:mod:`tmcore.backends._native`, built on
                    first use; ``tmcore.options(native=False)`` or
-                   ``TMCORE_NATIVE=0`` turns them off); on CUDA the whole
-                   scan as fused Triton kernels (:mod:`tmcore.backends._triton`);
+                   ``TMCORE_NATIVE=0`` turns them off) and the local scan
+                   on them (:mod:`tmcore.backends._cpu_local`); on CUDA the
+                   whole scan as fused Triton kernels
+                   (:mod:`tmcore.backends._triton`), the local one too
+                   (:mod:`tmcore.backends._triton_local`);
                    float16 / bfloat16 computed in float32
 JAX                on the CPU the fused C kernels as XLA custom calls
                    (``jax.ffi``); off-CPU ``lax.conv_general_dilated``
