@@ -505,6 +505,63 @@ def _add_b(part, slot, q: tl.constexpr, d, offs_c, mask_c, C):
     tl.store(at, tl.load(at, mask=mask_c, other=0.0) + d, mask=mask_c)
 
 
+@triton.jit
+def _stencil_vjp(dy_ptr, dy_row, dw_ptr, corr_ptr, slot, x_own, h_own, offs_c, mask_c,
+                 offs_p, mask_p, i0, i1, i2, C, C2, P, N: tl.constexpr, S0: tl.constexpr,
+                 S1: tl.constexpr, S2: tl.constexpr):
+    """The transposed depthwise stencil at a tile of cells: ``(d_h, d_x)`` (CB, BP) from
+    ``d_y`` (the stencil's output cotangent, rows ``dy_row + [0, 2C)`` of ``dy_ptr``), and
+    the tap correlations of the tile added into ``corr_ptr``'s row ``slot`` (27 per
+    channel of ``concat(x, h)``, the input ``x_own, h_own`` at the tile)."""
+    LO0: tl.constexpr = 0 if S0 > 1 else 1
+    HI0: tl.constexpr = 3 if S0 > 1 else 2
+    LO1: tl.constexpr = 0 if S1 > 1 else 1
+    HI1: tl.constexpr = 3 if S1 > 1 else 2
+    LO2: tl.constexpr = 0 if S2 > 1 else 1
+    HI2: tl.constexpr = 3 if S2 > 1 else 2
+    one = (offs_c * 0 + 1).to(h_own.dtype)
+    d_h = tl.zeros_like(h_own)
+    d_x = tl.zeros_like(h_own)
+    for d0 in range(LO0, HI0):
+        if N >= 3:
+            kh0 = tl.load(dw_ptr + (C + offs_c) * 3 + d0, mask=mask_c, other=0.0)
+            kx0 = tl.load(dw_ptr + offs_c * 3 + d0, mask=mask_c, other=0.0)
+        else:
+            kh0 = one
+            kx0 = one
+        for d1 in range(LO1, HI1):
+            if N >= 2:
+                at1 = dw_ptr + ((N - 2) * C2 + offs_c) * 3 + d1
+                kh01 = kh0 * tl.load(at1 + 3 * C, mask=mask_c, other=0.0)
+                kx01 = kx0 * tl.load(at1, mask=mask_c, other=0.0)
+            else:
+                kh01 = kh0
+                kx01 = kx0
+            for d2 in range(LO2, HI2):
+                at2 = dw_ptr + ((N - 1) * C2 + offs_c) * 3 + d2
+                k_h = kh01 * tl.load(at2 + 3 * C, mask=mask_c, other=0.0)
+                k_x = kx01 * tl.load(at2, mask=mask_c, other=0.0)
+                j0 = i0 - (d0 - 1)
+                j1 = i1 - (d1 - 1)
+                j2 = i2 - (d2 - 1)
+                valid = ((j0 >= 0) & (j0 < S0) & (j1 >= 0) & (j1 < S1) & (j2 >= 0)
+                         & (j2 < S2) & mask_p)
+                src = offs_p - ((d0 - 1) * (S1 * S2) + (d1 - 1) * S2 + (d2 - 1))
+                m = mask_c[:, None] & valid[None, :]
+                g_x = tl.load(dy_ptr + dy_row + offs_c[:, None] * P + src[None, :],
+                              mask=m, other=0.0)
+                g_hh = tl.load(dy_ptr + dy_row + (C + offs_c[:, None]) * P + src[None, :],
+                               mask=m, other=0.0)
+                d_h += k_h[:, None] * g_hh
+                d_x += k_x[:, None] * g_x
+                c_at = corr_ptr + (slot * C2 + offs_c) * 27 + (d0 * 9 + d1 * 3 + d2)
+                cx = tl.load(c_at, mask=mask_c, other=0.0)
+                tl.store(c_at, cx + tl.sum(g_x * x_own, axis=1), mask=mask_c)
+                ch = tl.load(c_at + C * 27, mask=mask_c, other=0.0)
+                tl.store(c_at + C * 27, ch + tl.sum(g_hh * h_own, axis=1), mask=mask_c)
+    return d_h, d_x
+
+
 @triton.jit(do_not_specialize=["t", "T", "C"])
 def step_bwd_b_kernel(
     h_ptr, gh_ptr, dy_ptr, g_reads, rc_ptr, wcont_ptr, wc_ptr, ws_ptr, dw_ptr,
@@ -540,13 +597,6 @@ def step_bwd_b_kernel(
     li0, low0, fr0, in0 = _tent(x0, S0)
     li1, low1, fr1, in1 = _tent(x1, S1)
     li2, low2, fr2, in2 = _tent(x2, S2)
-    LO0: tl.constexpr = 0 if S0 > 1 else 1
-    HI0: tl.constexpr = 3 if S0 > 1 else 2
-    LO1: tl.constexpr = 0 if S1 > 1 else 1
-    HI1: tl.constexpr = 3 if S1 > 1 else 2
-    LO2: tl.constexpr = 0 if S2 > 1 else 1
-    HI2: tl.constexpr = 3 if S2 > 1 else 2
-    one = (offs_c * 0 + 1).to(content.dtype)
     zero_c = tl.zeros((CB,), dtype=content.dtype)
     d_content = zero_c
     s_mu0 = tl.sum(zero_c, axis=0)
@@ -562,45 +612,9 @@ def step_bwd_b_kernel(
         w = _write_profile(i0, i1, i2, mu0, mu1, mu2, denom, rs, N, S0, S1, S2, HAS_RADIUS)
         w = tl.where(mask_p, w, 0.0)
         x_own = content[:, None] * w[None, :]
-        d_h = tl.zeros_like(h_own)
-        d_x = tl.zeros_like(h_own)
-        for d0 in range(LO0, HI0):
-            if N >= 3:
-                kh0 = tl.load(dw_ptr + (C + offs_c) * 3 + d0, mask=mask_c, other=0.0)
-                kx0 = tl.load(dw_ptr + offs_c * 3 + d0, mask=mask_c, other=0.0)
-            else:
-                kh0 = one
-                kx0 = one
-            for d1 in range(LO1, HI1):
-                if N >= 2:
-                    at1 = dw_ptr + ((N - 2) * C2 + offs_c) * 3 + d1
-                    kh01 = kh0 * tl.load(at1 + 3 * C, mask=mask_c, other=0.0)
-                    kx01 = kx0 * tl.load(at1, mask=mask_c, other=0.0)
-                else:
-                    kh01 = kh0
-                    kx01 = kx0
-                for d2 in range(LO2, HI2):
-                    at2 = dw_ptr + ((N - 1) * C2 + offs_c) * 3 + d2
-                    k_h = kh01 * tl.load(at2 + 3 * C, mask=mask_c, other=0.0)
-                    k_x = kx01 * tl.load(at2, mask=mask_c, other=0.0)
-                    j0 = i0 - (d0 - 1)
-                    j1 = i1 - (d1 - 1)
-                    j2 = i2 - (d2 - 1)
-                    valid = ((j0 >= 0) & (j0 < S0) & (j1 >= 0) & (j1 < S1) & (j2 >= 0)
-                             & (j2 < S2) & mask_p)
-                    src = offs_p - ((d0 - 1) * (S1 * S2) + (d1 - 1) * S2 + (d2 - 1))
-                    m = mask_c[:, None] & valid[None, :]
-                    g_x = tl.load(dy_ptr + dy_row + offs_c[:, None] * P + src[None, :],
-                                  mask=m, other=0.0)
-                    g_hh = tl.load(dy_ptr + dy_row + (C + offs_c[:, None]) * P + src[None, :],
-                                   mask=m, other=0.0)
-                    d_h += k_h[:, None] * g_hh
-                    d_x += k_x[:, None] * g_x
-                    c_at = corr_part + (slot * C2 + offs_c) * 27 + (d0 * 9 + d1 * 3 + d2)
-                    cx = tl.load(c_at, mask=mask_c, other=0.0)
-                    tl.store(c_at, cx + tl.sum(g_x * x_own, axis=1), mask=mask_c)
-                    ch = tl.load(c_at + C * 27, mask=mask_c, other=0.0)
-                    tl.store(c_at + C * 27, ch + tl.sum(g_hh * h_own, axis=1), mask=mask_c)
+        d_h, d_x = _stencil_vjp(dy_ptr, dy_row, dw_ptr, corr_part, slot, x_own, h_own,
+                                offs_c, mask_c, offs_p, mask_p, i0, i1, i2, C, C2, P, N,
+                                S0, S1, S2)
         # the read's volume gradient: g_read (x) interpolation weights
         w_read = _tent_weight(i2, low2, fr2)
         if N >= 2:

@@ -49,6 +49,7 @@ from ._triton_kernels import (
     _coord,
     _mix,
     _sigmoid,
+    _stencil_vjp,
     _tanh,
     _weight,
 )
@@ -264,12 +265,6 @@ def local_bwd_kernel(
     MS1: tl.constexpr = 2 if S1 == 2 else 1
     MH2: tl.constexpr = 1 if S2 == 1 else 3
     MS2: tl.constexpr = 2 if S2 == 2 else 1
-    LO0: tl.constexpr = 0 if S0 > 1 else 1
-    HI0: tl.constexpr = 3 if S0 > 1 else 2
-    LO1: tl.constexpr = 0 if S1 > 1 else 1
-    HI1: tl.constexpr = 3 if S1 > 1 else 2
-    LO2: tl.constexpr = 0 if S2 > 1 else 1
-    HI2: tl.constexpr = 3 if S2 > 1 else 2
     offs_c = tl.arange(0, CB)
     mask_c = offs_c < C
     C2 = 2 * C
@@ -348,7 +343,6 @@ def local_bwd_kernel(
         _add_b(dpb_part, b, 3, tl.sum(dz_g, axis=1), offs_c, mask_c, C)
     tl.debug_barrier()  # d_y of the whole box before the transposed stencil
     # ---- B: transposed stencil; d_h over g_h on the box, d_x into the step's buffer
-    one = (offs_c * 0 + 1).to(rc_ptr.dtype.element_ty)
     for tile in range(0, TILES):
         offs_p, i0, i1, i2 = _cells(tile, BP, S1, S2)
         mask_p = offs_p < P
@@ -356,45 +350,8 @@ def local_bwd_kernel(
         own = brow + offs_c[:, None] * P + offs_p[None, :]
         h_own = tl.load(hbox_ptr + own, mask=m, other=0.0)
         x_own = tl.load(vol_ptr + own, mask=m, other=0.0)
-        d_h = tl.zeros((CB, BP), dtype=h_own.dtype)
-        d_x = tl.zeros((CB, BP), dtype=h_own.dtype)
-        for d0 in range(LO0, HI0):
-            if N >= 3:
-                kh0 = tl.load(dw_ptr + (C + offs_c) * 3 + d0, mask=mask_c, other=0.0)
-                kx0 = tl.load(dw_ptr + offs_c * 3 + d0, mask=mask_c, other=0.0)
-            else:
-                kh0 = one
-                kx0 = one
-            for d1 in range(LO1, HI1):
-                if N >= 2:
-                    at1 = dw_ptr + ((N - 2) * C2 + offs_c) * 3 + d1
-                    kh01 = kh0 * tl.load(at1 + 3 * C, mask=mask_c, other=0.0)
-                    kx01 = kx0 * tl.load(at1, mask=mask_c, other=0.0)
-                else:
-                    kh01 = kh0
-                    kx01 = kx0
-                for d2 in range(LO2, HI2):
-                    at2 = dw_ptr + ((N - 1) * C2 + offs_c) * 3 + d2
-                    k_h = kh01 * tl.load(at2 + 3 * C, mask=mask_c, other=0.0)
-                    k_x = kx01 * tl.load(at2, mask=mask_c, other=0.0)
-                    j0 = i0 - (d0 - 1)
-                    j1 = i1 - (d1 - 1)
-                    j2 = i2 - (d2 - 1)
-                    valid = ((j0 >= 0) & (j0 < S0) & (j1 >= 0) & (j1 < S1) & (j2 >= 0)
-                             & (j2 < S2) & mask_p)
-                    src = offs_p - ((d0 - 1) * (S1 * S2) + (d1 - 1) * S2 + (d2 - 1))
-                    mv = mask_c[:, None] & valid[None, :]
-                    g_x = tl.load(dy_ptr + dy_row + offs_c[:, None] * P + src[None, :],
-                                  mask=mv, other=0.0)
-                    g_hh = tl.load(dy_ptr + dy_row + (C + offs_c[:, None]) * P + src[None, :],
-                                   mask=mv, other=0.0)
-                    d_h += k_h[:, None] * g_hh
-                    d_x += k_x[:, None] * g_x
-                    c_at = corr_part + (b * C2 + offs_c) * 27 + (d0 * 9 + d1 * 3 + d2)
-                    cx = tl.load(c_at, mask=mask_c, other=0.0)
-                    tl.store(c_at, cx + tl.sum(g_x * x_own, axis=1), mask=mask_c)
-                    ch = tl.load(c_at + C * 27, mask=mask_c, other=0.0)
-                    tl.store(c_at + C * 27, ch + tl.sum(g_hh * h_own, axis=1), mask=mask_c)
+        d_h, d_x = _stencil_vjp(dy_ptr, dy_row, dw_ptr, corr_part, b, x_own, h_own, offs_c,
+                                mask_c, offs_p, mask_p, i0, i1, i2, C, C2, P, N, S0, S1, S2)
         inside = _in_window(geo_ptr, tb, i0, i1, i2, mask_p, W0, W1, W2)
         cell = _box_cells(geo_ptr, tb, i0, i1, i2, G1, G2)
         at = row + offs_c[:, None] * GP + cell[None, :]
