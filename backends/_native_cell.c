@@ -787,6 +787,22 @@ int NAME(corner_read_bwd)(T *dh, const i64 *shape, const i64 *start, const i64 *
  * _corners, _box_write) and tmcore.splat.gaussian_profiles, in the same operation
  * order (exp from libm). radius < 0: no truncation. The box / window / corner sizes
  * the caller allocated for are checked against the formulas (TM_EINDEX). */
+/* The window start and the box start on one axis for a write at the normalized
+ * coordinate x (tmcore.local.window_geometry's formulas; a NaN coordinate gives 0). */
+static inline void NAME(window_axis)(T x, i64 shape, i64 size, i64 box, i64 *win_start,
+                                     i64 *box_start) {
+    T half = (T)(shape - 1) / 2, top = (T)(shape - 1);
+    T u = (x + 1) * half;
+    u = u < 0 ? (T)0 : (u > top ? top : u);
+    T st = nearbyint(u) - (T)(size / 2);
+    T hi = (T)(shape - size);
+    st = st < 0 ? (T)0 : (st > hi ? hi : st);
+    T bs = st - 1, bhi = (T)(shape - box);
+    bs = bs < 0 ? (T)0 : (bs > bhi ? bhi : bs);
+    *win_start = st == st ? (i64)st : 0;
+    *box_start = bs == bs ? (i64)bs : 0;
+}
+
 int NAME(local_geometry)(const T *read_coords, const T *write_coords, const T *sigma,
                          const T *content, const T *centres, i64 B, i64 Tn, i64 C, int n,
                          const i64 *shape, i64 window, const i64 *size, const i64 *box,
@@ -818,19 +834,9 @@ int NAME(local_geometry)(const T *read_coords, const T *write_coords, const T *s
             T *prof[4];
             for (int a = 0; a < n; ++a) prof[a] = prof_buf + pfirst[a];
             /* window and box (a NaN coordinate puts them at 0) */
-            for (int a = 0; a < n; ++a) {
-                T half = (T)(shape[a] - 1) / 2, top = (T)(shape[a] - 1);
-                T x = wc[n - 1 - a];
-                T u = (x + 1) * half;
-                u = u < 0 ? (T)0 : (u > top ? top : u);
-                T st = nearbyint(u) - (T)(size[a] / 2);
-                T hi = (T)(shape[a] - size[a]);
-                st = st < 0 ? (T)0 : (st > hi ? hi : st);
-                T bs = st - 1, bhi = (T)(shape[a] - box[a]);
-                bs = bs < 0 ? (T)0 : (bs > bhi ? bhi : bs);
-                win_start[r * n + a] = st == st ? (i64)st : 0;
-                box_start[r * n + a] = bs == bs ? (i64)bs : 0;
-            }
+            for (int a = 0; a < n; ++a)
+                NAME(window_axis)(wc[n - 1 - a], shape[a], size[a], box[a],
+                                  &win_start[r * n + a], &box_start[r * n + a]);
             for (int a = 0; a < n; ++a) {
                 i64 ws = win_start[r * n + a], bs = box_start[r * n + a];
                 win_off[r * n + a] = ws - bs;
@@ -937,16 +943,9 @@ int NAME(box_write_bwd)(const T *write_coords, const T *sigma, const T *content,
             for (int a = 0; a < n; ++a) {
                 prof[a] = buf + pfirst[a];
                 offs[a] = buf + pat + pfirst[a];
-                T half = (T)(shape[a] - 1) / 2, top = (T)(shape[a] - 1);
                 T mu = wc[n - 1 - a];
-                T u = (mu + 1) * half;
-                u = u < 0 ? (T)0 : (u > top ? top : u);
-                T st = nearbyint(u) - (T)(size[a] / 2);
-                T hi = (T)(shape[a] - size[a]);
-                st = st < 0 ? (T)0 : (st > hi ? hi : st);
-                T bs = st - 1, bhi = (T)(shape[a] - box[a]);
-                bs = bs < 0 ? (T)0 : (bs > bhi ? bhi : bs);
-                i64 ws = st == st ? (i64)st : 0, b0 = bs == bs ? (i64)bs : 0;
+                i64 ws, b0;
+                NAME(window_axis)(mu, shape[a], size[a], box[a], &ws, &b0);
                 for (i64 j = 0; j < box[a]; ++j) {
                     i64 idx = b0 + j;
                     T offset = centres[first[a] + idx] - mu;
