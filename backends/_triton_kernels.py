@@ -380,6 +380,30 @@ def _read(h_row, rc, out, offs_c, mask_c, N: tl.constexpr, S0: tl.constexpr,
     tl.store(out + offs_c, acc, mask=mask_c)
 
 
+@triton.jit
+def _pointwise_vjp(pw_ptr, dz_i, dz_f, dz_o, dz_g, offs_c, mask_c, C,
+                   PRECISION: tl.constexpr):
+    """``d_y = W^T d_z`` per half: ``(dy_x, dy_h)`` (CB, BP) from the four gates'
+    pre-activation cotangents (CB, BP) and the pointwise weight ``(4C, 2C)``."""
+    dy_x = tl.dot(tl.trans(_weight(pw_ptr, 0, 0, offs_c, mask_c, C)), dz_i,
+                  input_precision=PRECISION)
+    dy_x += tl.dot(tl.trans(_weight(pw_ptr, 1, 0, offs_c, mask_c, C)), dz_f,
+                   input_precision=PRECISION)
+    dy_x += tl.dot(tl.trans(_weight(pw_ptr, 2, 0, offs_c, mask_c, C)), dz_o,
+                   input_precision=PRECISION)
+    dy_x += tl.dot(tl.trans(_weight(pw_ptr, 3, 0, offs_c, mask_c, C)), dz_g,
+                   input_precision=PRECISION)
+    dy_h = tl.dot(tl.trans(_weight(pw_ptr, 0, 1, offs_c, mask_c, C)), dz_i,
+                  input_precision=PRECISION)
+    dy_h += tl.dot(tl.trans(_weight(pw_ptr, 1, 1, offs_c, mask_c, C)), dz_f,
+                   input_precision=PRECISION)
+    dy_h += tl.dot(tl.trans(_weight(pw_ptr, 2, 1, offs_c, mask_c, C)), dz_o,
+                   input_precision=PRECISION)
+    dy_h += tl.dot(tl.trans(_weight(pw_ptr, 3, 1, offs_c, mask_c, C)), dz_g,
+                   input_precision=PRECISION)
+    return dy_x, dy_h
+
+
 @triton.jit(do_not_specialize=["t", "T", "C"])
 def step_bwd_a_kernel(
     h_ptr, c_ptr, gh_ptr, gc_ptr, dy_ptr, wcont_ptr, wc_ptr, ws_ptr,
@@ -437,22 +461,8 @@ def step_bwd_a_kernel(
         dz_g = tl.where(mask, d_cn * s_i * (1.0 - t_g * t_g), 0.0)
         tl.store(gc_ptr + at, d_cn * s_f, mask=mask)
         # d_y = W^T d_z, per half
-        dy_x = tl.dot(tl.trans(_weight(pw_ptr, 0, 0, offs_c, mask_c, C)), dz_i,
-                      input_precision=PRECISION)
-        dy_x += tl.dot(tl.trans(_weight(pw_ptr, 1, 0, offs_c, mask_c, C)), dz_f,
-                       input_precision=PRECISION)
-        dy_x += tl.dot(tl.trans(_weight(pw_ptr, 2, 0, offs_c, mask_c, C)), dz_o,
-                       input_precision=PRECISION)
-        dy_x += tl.dot(tl.trans(_weight(pw_ptr, 3, 0, offs_c, mask_c, C)), dz_g,
-                       input_precision=PRECISION)
-        dy_h = tl.dot(tl.trans(_weight(pw_ptr, 0, 1, offs_c, mask_c, C)), dz_i,
-                      input_precision=PRECISION)
-        dy_h += tl.dot(tl.trans(_weight(pw_ptr, 1, 1, offs_c, mask_c, C)), dz_f,
-                       input_precision=PRECISION)
-        dy_h += tl.dot(tl.trans(_weight(pw_ptr, 2, 1, offs_c, mask_c, C)), dz_o,
-                       input_precision=PRECISION)
-        dy_h += tl.dot(tl.trans(_weight(pw_ptr, 3, 1, offs_c, mask_c, C)), dz_g,
-                       input_precision=PRECISION)
+        dy_x, dy_h = _pointwise_vjp(pw_ptr, dz_i, dz_f, dz_o, dz_g, offs_c, mask_c, C,
+                                    PRECISION)
         dy_at = b * 2 * C * P + offs_c[:, None] * P + offs_p[None, :]
         tl.store(dy_ptr + dy_at, dy_x, mask=mask)
         tl.store(dy_ptr + dy_at + C * P, dy_h, mask=mask)

@@ -48,10 +48,10 @@ from ._triton_kernels import (
     _cells,
     _coord,
     _mix,
+    _pointwise_vjp,
     _sigmoid,
     _stencil_vjp,
     _tanh,
-    _weight,
 )
 
 __all__ = ["local_fwd_kernel", "local_bwd_kernel"]
@@ -299,22 +299,8 @@ def local_bwd_kernel(
         dz_o = tl.where(mi, g_h * tanh_c * (s_o - s_o * s_o), 0.0)
         dz_g = tl.where(mi, d_cn * s_i * (1.0 - t_g * t_g), 0.0)
         tl.store(gc_ptr + at, tl.where(mi, d_cn * s_f, g_c_all), mask=m)
-        dy_x = tl.dot(tl.trans(_weight(pw_ptr, 0, 0, offs_c, mask_c, C)), dz_i,
-                      input_precision=PRECISION)
-        dy_x += tl.dot(tl.trans(_weight(pw_ptr, 1, 0, offs_c, mask_c, C)), dz_f,
-                       input_precision=PRECISION)
-        dy_x += tl.dot(tl.trans(_weight(pw_ptr, 2, 0, offs_c, mask_c, C)), dz_o,
-                       input_precision=PRECISION)
-        dy_x += tl.dot(tl.trans(_weight(pw_ptr, 3, 0, offs_c, mask_c, C)), dz_g,
-                       input_precision=PRECISION)
-        dy_h = tl.dot(tl.trans(_weight(pw_ptr, 0, 1, offs_c, mask_c, C)), dz_i,
-                      input_precision=PRECISION)
-        dy_h += tl.dot(tl.trans(_weight(pw_ptr, 1, 1, offs_c, mask_c, C)), dz_f,
-                       input_precision=PRECISION)
-        dy_h += tl.dot(tl.trans(_weight(pw_ptr, 2, 1, offs_c, mask_c, C)), dz_o,
-                       input_precision=PRECISION)
-        dy_h += tl.dot(tl.trans(_weight(pw_ptr, 3, 1, offs_c, mask_c, C)), dz_g,
-                       input_precision=PRECISION)
+        dy_x, dy_h = _pointwise_vjp(pw_ptr, dz_i, dz_f, dz_o, dz_g, offs_c, mask_c, C,
+                                    PRECISION)
         dy_x = tl.where(mi, dy_x, 0.0)
         dy_h = tl.where(mi, dy_h, 0.0)
         dy_at = dy_row + offs_c[:, None] * P + offs_p[None, :]
