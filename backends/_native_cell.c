@@ -803,6 +803,19 @@ static inline void NAME(window_axis)(T x, i64 shape, i64 size, i64 box, i64 *win
     *box_start = bs == bs ? (i64)bs : 0;
 }
 
+/* One cell's unnormalized Gaussian weight at `offset` from the write centre
+ * (tmcore.splat.gaussian_profiles: exp(-offset^2 / denom); denom 0 keeps only the
+ * centre; radius >= 0 truncates at radius * sigma). */
+static inline T NAME(gauss_weight)(T offset, T denom, double radius, T sigma) {
+    T square = offset * offset;
+    T p = denom == 0 ? exp(-(square > 0 ? (T)INFINITY : square)) : exp(-square / denom);
+    if (radius >= 0) {
+        T off_abs = offset < 0 ? -offset : offset;
+        p = off_abs <= (T)radius * sigma ? p : p * 0;
+    }
+    return p;
+}
+
 int NAME(local_geometry)(const T *read_coords, const T *write_coords, const T *sigma,
                          const T *content, const T *centres, i64 B, i64 Tn, i64 C, int n,
                          const i64 *shape, i64 window, const i64 *size, const i64 *box,
@@ -844,16 +857,8 @@ int NAME(local_geometry)(const T *read_coords, const T *write_coords, const T *s
                 for (i64 j = 0; j < box[a]; ++j) {
                     i64 idx = bs + j;
                     T p = 0;
-                    if (idx >= ws && idx < ws + size[a]) {
-                        T offset = centres[first[a] + idx] - mu;
-                        T square = offset * offset;
-                        if (denom == 0) p = exp(-(square > 0 ? (T)INFINITY : square));
-                        else p = exp(-square / denom);
-                        if (radius >= 0) {
-                            T off_abs = offset < 0 ? -offset : offset;
-                            p = off_abs <= (T)radius * s ? p : p * 0;
-                        }
-                    }
+                    if (idx >= ws && idx < ws + size[a])
+                        p = NAME(gauss_weight)(centres[first[a] + idx] - mu, denom, radius, s);
                     prof[a][j] = p;
                 }
             }
@@ -950,15 +955,8 @@ int NAME(box_write_bwd)(const T *write_coords, const T *sigma, const T *content,
                     i64 idx = b0 + j;
                     T offset = centres[first[a] + idx] - mu;
                     T p = 0;
-                    if (idx >= ws && idx < ws + size[a]) {
-                        T square = offset * offset;
-                        if (denom == 0) p = exp(-(square > 0 ? (T)INFINITY : square));
-                        else p = exp(-square / denom);
-                        if (radius >= 0) {
-                            T off_abs = offset < 0 ? -offset : offset;
-                            p = off_abs <= (T)radius * s ? p : p * 0;
-                        }
-                    }
+                    if (idx >= ws && idx < ws + size[a])
+                        p = NAME(gauss_weight)(offset, denom, radius, s);
                     prof[a][j] = p;
                     offs[a][j] = offset;
                 }

@@ -381,6 +381,30 @@ def _read(h_row, rc, out, offs_c, mask_c, N: tl.constexpr, S0: tl.constexpr,
 
 
 @triton.jit
+def _add_bias_classes(e_part, slot, dy_x, dy_h, k0, k1, k2, offs_c, mask_c, C,
+                      S0: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr):
+    """Add the tile's ``d_y`` (CB, BP) per border class (``k_a``: 0 first cell, 2 last,
+    1 inside, per axis) into ``e_part``'s row ``slot`` (27 per channel of
+    ``concat(x, h)``): what the depthwise biases' gradients are made of."""
+    MH0: tl.constexpr = 1 if S0 == 1 else 3
+    MS0: tl.constexpr = 2 if S0 == 2 else 1
+    MH1: tl.constexpr = 1 if S1 == 1 else 3
+    MS1: tl.constexpr = 2 if S1 == 2 else 1
+    MH2: tl.constexpr = 1 if S2 == 1 else 3
+    MS2: tl.constexpr = 2 if S2 == 2 else 1
+    for m0 in range(0, MH0, MS0):
+        for m1 in range(0, MH1, MS1):
+            for m2 in range(0, MH2, MS2):
+                sel = ((k0 == m0) & (k1 == m1) & (k2 == m2)).to(dy_x.dtype)
+                e_at = e_part + (slot * 2 * C + offs_c) * 27 + (m0 * 9 + m1 * 3 + m2)
+                ex = tl.load(e_at, mask=mask_c, other=0.0)
+                tl.store(e_at, ex + tl.sum(dy_x * sel[None, :], axis=1), mask=mask_c)
+                eh = tl.load(e_at + C * 27, mask=mask_c, other=0.0)
+                tl.store(e_at + C * 27, eh + tl.sum(dy_h * sel[None, :], axis=1),
+                         mask=mask_c)
+
+
+@triton.jit
 def _pointwise_vjp(pw_ptr, dz_i, dz_f, dz_o, dz_g, offs_c, mask_c, C,
                    PRECISION: tl.constexpr):
     """``d_y = W^T d_z`` per half: ``(dy_x, dy_h)`` (CB, BP) from the four gates'
@@ -424,12 +448,6 @@ def step_bwd_a_kernel(
     P: tl.constexpr = S0 * S1 * S2
     TILES: tl.constexpr = (P + BP - 1) // BP
     # bias classes per axis (0 first, 1 interior, 2 last): S = 1 has only 0, S = 2 only 0, 2
-    MH0: tl.constexpr = 1 if S0 == 1 else 3
-    MS0: tl.constexpr = 2 if S0 == 2 else 1
-    MH1: tl.constexpr = 1 if S1 == 1 else 3
-    MS1: tl.constexpr = 2 if S1 == 2 else 1
-    MH2: tl.constexpr = 1 if S2 == 1 else 3
-    MS2: tl.constexpr = 2 if S2 == 2 else 1
     offs_c = tl.arange(0, CB)
     mask_c = offs_c < C
     row = b * C * P
@@ -478,16 +496,7 @@ def step_bwd_a_kernel(
         k0 = tl.where(i0 == 0, 0, tl.where(i0 == S0 - 1, 2, 1))
         k1 = tl.where(i1 == 0, 0, tl.where(i1 == S1 - 1, 2, 1))
         k2 = tl.where(i2 == 0, 0, tl.where(i2 == S2 - 1, 2, 1))
-        for m0 in range(0, MH0, MS0):
-            for m1 in range(0, MH1, MS1):
-                for m2 in range(0, MH2, MS2):
-                    sel = ((k0 == m0) & (k1 == m1) & (k2 == m2)).to(y_x.dtype)
-                    e_at = e_part + (slot * 2 * C + offs_c) * 27 + (m0 * 9 + m1 * 3 + m2)
-                    ex = tl.load(e_at, mask=mask_c, other=0.0)
-                    tl.store(e_at, ex + tl.sum(dy_x * sel[None, :], axis=1), mask=mask_c)
-                    eh = tl.load(e_at + C * 27, mask=mask_c, other=0.0)
-                    tl.store(e_at + C * 27, eh + tl.sum(dy_h * sel[None, :], axis=1),
-                             mask=mask_c)
+        _add_bias_classes(e_part, slot, dy_x, dy_h, k0, k1, k2, offs_c, mask_c, C, S0, S1, S2)
         _add_b(dpb_part, slot, 0, tl.sum(dz_i, axis=1), offs_c, mask_c, C)
         _add_b(dpb_part, slot, 1, tl.sum(dz_f, axis=1), offs_c, mask_c, C)
         _add_b(dpb_part, slot, 2, tl.sum(dz_o, axis=1), offs_c, mask_c, C)

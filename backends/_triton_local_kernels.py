@@ -43,6 +43,7 @@ import triton.language as tl
 
 from ._triton_kernels import (
     _add_b,
+    _add_bias_classes,
     _add_w,
     _bias_field,
     _cells,
@@ -259,12 +260,6 @@ def local_bwd_kernel(
     TILES: tl.constexpr = (P + BP - 1) // BP
     K: tl.constexpr = K0 * K1 * K2
     # bias classes per axis (0 first, 1 interior, 2 last): S = 1 has only 0, S = 2 only 0, 2
-    MH0: tl.constexpr = 1 if S0 == 1 else 3
-    MS0: tl.constexpr = 2 if S0 == 2 else 1
-    MH1: tl.constexpr = 1 if S1 == 1 else 3
-    MS1: tl.constexpr = 2 if S1 == 2 else 1
-    MH2: tl.constexpr = 1 if S2 == 1 else 3
-    MS2: tl.constexpr = 2 if S2 == 2 else 1
     offs_c = tl.arange(0, CB)
     mask_c = offs_c < C
     C2 = 2 * C
@@ -313,16 +308,7 @@ def local_bwd_kernel(
         k0 = tl.where(i0 == 0, 0, tl.where(i0 == S0 - 1, 2, 1))
         k1 = tl.where(i1 == 0, 0, tl.where(i1 == S1 - 1, 2, 1))
         k2 = tl.where(i2 == 0, 0, tl.where(i2 == S2 - 1, 2, 1))
-        for m0 in range(0, MH0, MS0):
-            for m1 in range(0, MH1, MS1):
-                for m2 in range(0, MH2, MS2):
-                    sel = ((k0 == m0) & (k1 == m1) & (k2 == m2)).to(y_x.dtype)
-                    e_at = e_part + (b * C2 + offs_c) * 27 + (m0 * 9 + m1 * 3 + m2)
-                    ex = tl.load(e_at, mask=mask_c, other=0.0)
-                    tl.store(e_at, ex + tl.sum(dy_x * sel[None, :], axis=1), mask=mask_c)
-                    eh = tl.load(e_at + C * 27, mask=mask_c, other=0.0)
-                    tl.store(e_at + C * 27, eh + tl.sum(dy_h * sel[None, :], axis=1),
-                             mask=mask_c)
+        _add_bias_classes(e_part, b, dy_x, dy_h, k0, k1, k2, offs_c, mask_c, C, S0, S1, S2)
         _add_b(dpb_part, b, 0, tl.sum(dz_i, axis=1), offs_c, mask_c, C)
         _add_b(dpb_part, b, 1, tl.sum(dz_f, axis=1), offs_c, mask_c, C)
         _add_b(dpb_part, b, 2, tl.sum(dz_o, axis=1), offs_c, mask_c, C)
