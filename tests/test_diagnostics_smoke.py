@@ -131,6 +131,23 @@ def test_same_seed_same_numbers(tmp_path):
     assert resumed["rows"] == first["rows"] and curves(resumed) == curves(first)
 
 
+def test_jobs_start_setting_major():
+    """Jobs are listed seed-major but started every seed of one (row, setting) first, so
+    a sweep stopped part-way leaves complete settings (results stay in job order)."""
+    from types import SimpleNamespace
+
+    from examples.diagnostics.runner import _setting_major
+
+    def job(seed: int, row: str, writes: int):
+        return SimpleNamespace(seed=seed, entry=SimpleNamespace(label=row),
+                               task=SimpleNamespace(eval_settings=[{"writes": writes}]))
+
+    jobs = [job(s, r, n) for s in (0, 1, 2) for r in ("a", "b") for n in (5, 50)]
+    started = [(jobs[i].entry.label, jobs[i].task.eval_settings[0]["writes"], jobs[i].seed)
+               for i in _setting_major(jobs)]
+    assert started == [(r, n, s) for r in ("a", "b") for n in (5, 50) for s in (0, 1, 2)]
+
+
 def test_committed_readme_tables_equal_the_results_files():
     """Item 4: every README results block is the rendering of its committed results file."""
     from examples.diagnostics.render import READMES, render_files

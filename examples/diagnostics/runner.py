@@ -439,10 +439,23 @@ class _Cache:
         tmp.replace(self.folder / f"{_job_key(job)}.json")
 
 
+def _setting_major(jobs: list[Job]) -> list[int]:
+    """The order to start ``jobs`` in: every seed of one (row, setting) before the next,
+    so a sweep stopped part-way leaves complete settings rather than one seed of each."""
+    def setting(job: Job) -> tuple[str, str]:
+        return job.entry.label, json.dumps(job.task.eval_settings, sort_keys=True)
+
+    first_seen: dict[tuple[str, str], int] = {}
+    for job in jobs:
+        first_seen.setdefault(setting(job), len(first_seen))
+    return sorted(range(len(jobs)), key=lambda i: (first_seen[setting(jobs[i])], i))
+
+
 def _execute(jobs: list[Job], n_workers: int, console: Console, label: str,
              cache: Path | None = None, cached_only: bool = False) -> list[dict]:
     """Run ``jobs`` inline (``n_workers <= 1``) or in spawned worker processes; results in
-    job order either way. ``cache``: a folder of finished jobs to reuse and extend."""
+    job order either way, started setting-major (:func:`_setting_major`). ``cache``: a
+    folder of finished jobs to reuse and extend."""
     store = _Cache(cache)
     cached = [store.get(job) for job in jobs]
     if cached_only:  # assemble what has finished; the missing jobs are left out
@@ -451,11 +464,13 @@ def _execute(jobs: list[Job], n_workers: int, console: Console, label: str,
             console.print(f"  [yellow]{label}: {missing} job(s) not in the cache, left "
                           f"out[/yellow]")
         return [hit for hit in cached if hit is not None]
-    todo = [job for job, hit in zip(jobs, cached, strict=True) if hit is None]
+    todo = [i for i in _setting_major(jobs) if cached[i] is None]
     if len(todo) < len(jobs):
         console.print(f"  [dim]{label}: {len(jobs) - len(todo)} job(s) from the cache[/dim]")
-    fresh = iter(_run_all(todo, n_workers, console, label, store))
-    return [hit if hit is not None else next(fresh) for hit in cached]
+    for i, res in zip(todo, _run_all([jobs[i] for i in todo], n_workers, console, label,
+                                     store), strict=True):
+        cached[i] = res
+    return cached
 
 
 def _run_all(jobs: list[Job], n_workers: int, console: Console, label: str,
