@@ -405,26 +405,30 @@ def _add_bias_classes(e_part, slot, dy_x, dy_h, k0, k1, k2, offs_c, mask_c, C,
 
 
 @triton.jit
+def _pointwise_half_vjp(pw_ptr, half: tl.constexpr, dz_i, dz_f, dz_o, dz_g, offs_c, mask_c,
+                        C, PRECISION: tl.constexpr):
+    """One half (``half`` 0: ``x``, 1: ``h``) of ``d_y = W^T d_z``: ``(CB, BP)``, summed
+    over the four gate quarters of the pointwise weight ``(4C, 2C)``."""
+    d_y = tl.dot(tl.trans(_weight(pw_ptr, 0, half, offs_c, mask_c, C)), dz_i,
+                 input_precision=PRECISION)
+    d_y += tl.dot(tl.trans(_weight(pw_ptr, 1, half, offs_c, mask_c, C)), dz_f,
+                  input_precision=PRECISION)
+    d_y += tl.dot(tl.trans(_weight(pw_ptr, 2, half, offs_c, mask_c, C)), dz_o,
+                  input_precision=PRECISION)
+    d_y += tl.dot(tl.trans(_weight(pw_ptr, 3, half, offs_c, mask_c, C)), dz_g,
+                  input_precision=PRECISION)
+    return d_y
+
+
+@triton.jit
 def _pointwise_vjp(pw_ptr, dz_i, dz_f, dz_o, dz_g, offs_c, mask_c, C,
                    PRECISION: tl.constexpr):
     """``d_y = W^T d_z`` per half: ``(dy_x, dy_h)`` (CB, BP) from the four gates'
     pre-activation cotangents (CB, BP) and the pointwise weight ``(4C, 2C)``."""
-    dy_x = tl.dot(tl.trans(_weight(pw_ptr, 0, 0, offs_c, mask_c, C)), dz_i,
-                  input_precision=PRECISION)
-    dy_x += tl.dot(tl.trans(_weight(pw_ptr, 1, 0, offs_c, mask_c, C)), dz_f,
-                   input_precision=PRECISION)
-    dy_x += tl.dot(tl.trans(_weight(pw_ptr, 2, 0, offs_c, mask_c, C)), dz_o,
-                   input_precision=PRECISION)
-    dy_x += tl.dot(tl.trans(_weight(pw_ptr, 3, 0, offs_c, mask_c, C)), dz_g,
-                   input_precision=PRECISION)
-    dy_h = tl.dot(tl.trans(_weight(pw_ptr, 0, 1, offs_c, mask_c, C)), dz_i,
-                  input_precision=PRECISION)
-    dy_h += tl.dot(tl.trans(_weight(pw_ptr, 1, 1, offs_c, mask_c, C)), dz_f,
-                   input_precision=PRECISION)
-    dy_h += tl.dot(tl.trans(_weight(pw_ptr, 2, 1, offs_c, mask_c, C)), dz_o,
-                   input_precision=PRECISION)
-    dy_h += tl.dot(tl.trans(_weight(pw_ptr, 3, 1, offs_c, mask_c, C)), dz_g,
-                   input_precision=PRECISION)
+    dy_x = _pointwise_half_vjp(pw_ptr, 0, dz_i, dz_f, dz_o, dz_g, offs_c, mask_c, C,
+                               PRECISION)
+    dy_h = _pointwise_half_vjp(pw_ptr, 1, dz_i, dz_f, dz_o, dz_g, offs_c, mask_c, C,
+                               PRECISION)
     return dy_x, dy_h
 
 
