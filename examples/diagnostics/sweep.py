@@ -1,6 +1,6 @@
 """The full-size sweep as one command, and its cost estimate.
 
-``python -m examples.diagnostics sweep --cache diagnostics_out/.jobs --out
+``python -m examples.diagnostics sweep --cache diagnostics_out/.jobs-full --out
 examples/diagnostics/results [--jobs N] [--parts ...] [--cached-only]`` runs, at the
 authors' sizes (``--full``) and 3 seeds, every part of :data:`PARTS` in order:
 
