@@ -205,6 +205,11 @@ def test_sweep_parts_and_estimate(tmp_path):
             == full["collapse"].task.eval_settings)  # a part without noise settings: as is
     with pytest.raises(ValueError, match="noises"):
         sweep_experiments(("binding",), noises=(0.3,))
+    l6 = sweep_experiments(("occlusion", "mapping"), settings=("L=6",))
+    assert l6[1][1].task.eval_settings == [{"occluded": 6}]
+    assert len(l6[0][1].task.eval_settings) == 3  # mapping has no L=6: kept as is
+    with pytest.raises(ValueError, match="settings"):
+        sweep_experiments(("occlusion",), settings=("L=7",))
     est = estimate_sweep(tmp_path, parts=("binding-exact",), scale="tiny", seeds=(0,),
                          steps=1)
     assert (tmp_path / "sweep-estimate.json").exists()

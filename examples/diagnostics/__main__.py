@@ -84,6 +84,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--noises", type=float, nargs="+",
                    help="sweep: the binding parts' settings with these query noises only "
                         "(e.g. 0)")
+    p.add_argument("--settings", nargs="+",
+                   help="sweep: only the settings with these column labels (e.g. L=6 or "
+                        "T=32), in the parts that have them")
     p.add_argument("--estimate", action="store_true",
                    help="sweep: time a few steps of every row and estimate the CPU hours "
                         "(writes <out>/sweep-estimate.json) instead of running it")
@@ -168,7 +171,9 @@ def main(argv: list[str] | None = None) -> int:
         else:
             sweep.run_sweep(args.out, parts=parts, scale=scale, seeds=seeds,
                             models=tuple(args.models) if args.models else None,
-                            noises=tuple(args.noises) if args.noises else None, jobs=args.jobs,
+                            noises=tuple(args.noises) if args.noises else None,
+                            settings=tuple(args.settings) if args.settings else None,
+                            jobs=args.jobs,
                             threads=args.threads, cache=args.cache,
                             cached_only=args.cached_only, progress=not args.no_progress,
                             console=console, command=command)

@@ -78,14 +78,32 @@ def _only_noises(exp: Experiment, noises: tuple[float, ...]) -> None:
     exp.task.eval_settings = settings
 
 
+def _only_settings(exp: Experiment, labels: tuple[str, ...]) -> None:
+    """Keep the settings whose column label is in ``labels`` (e.g. ``L=6``); a part with
+    none of them keeps all (the jobs kept have the cache keys of the full part)."""
+    settings = [s for s in exp.task.eval_settings if exp.task.label(s) in labels]
+    if settings:
+        exp.task.eval_settings = settings
+
+
 def sweep_experiments(parts: tuple[str, ...] | None = None, scale: str = "full",
                       seeds: tuple[int, ...] = SEEDS, models: tuple[str, ...] | None = None,
-                      noises: tuple[float, ...] | None = None
+                      noises: tuple[float, ...] | None = None,
+                      settings: tuple[str, ...] | None = None
                       ) -> list[tuple[Part, Experiment]]:
     """The experiments of the named parts (all of :data:`PARTS` by default), in order;
     ``models``: only the rows whose label or kind is named (the collapse rows are
     ``"<kind>, <budget> steps"``), parts left with no row are dropped; ``noises``: the
-    binding parts' settings with these query noises only (the other parts have none)."""
+    binding parts' settings with these query noises only (the other parts have none);
+    ``settings``: only the settings with these column labels (e.g. ``L=6``), in the parts
+    that have any of them; a label no part has raises."""
+    if settings is not None:
+        known = {e.task.label(s) for _, e in sweep_experiments(parts, scale, seeds)
+                 for s in e.task.eval_settings}
+        unknown = sorted(set(settings) - known)
+        if unknown:
+            raise ValueError(f"settings: expected column labels such as "
+                             f"{sorted(known)[:6]}, got {unknown}")
     names = [p.name for p in PARTS]
     unknown = sorted(set(parts or ()) - set(names))
     if unknown:
@@ -101,6 +119,8 @@ def sweep_experiments(parts: tuple[str, ...] | None = None, scale: str = "full",
                            if e.label in models or (e.kind in models and e.train_overrides)]
         if noises is not None and part.task == "binding":
             _only_noises(exp, noises)
+        if settings is not None:
+            _only_settings(exp, settings)
         if exp.entries:
             out.append((part, exp))
     return out
@@ -108,13 +128,14 @@ def sweep_experiments(parts: tuple[str, ...] | None = None, scale: str = "full",
 
 def run_sweep(out_dir: Path, *, parts: tuple[str, ...] | None = None, scale: str = "full",
               seeds: tuple[int, ...] = SEEDS, models: tuple[str, ...] | None = None,
-              noises: tuple[float, ...] | None = None, jobs: int = 1, threads: int = 1,
+              noises: tuple[float, ...] | None = None,
+              settings: tuple[str, ...] | None = None, jobs: int = 1, threads: int = 1,
               cache: Path | None = None, cached_only: bool = False, progress: bool = False,
               console: Console | None = None, command: str = "") -> list[dict]:
     """Run (or, ``cached_only``, assemble) every part; returns the results dictionaries."""
     console = console or Console()
     done = []
-    for part, exp in sweep_experiments(parts, scale, seeds, models, noises):
+    for part, exp in sweep_experiments(parts, scale, seeds, models, noises, settings):
         console.rule(f"sweep: {part.name} ({scale} scale, seeds {list(seeds)})")
         done.append(run_experiment(exp, out_dir, progress=progress, console=console,
                                    jobs=jobs, threads=threads, command=command,
