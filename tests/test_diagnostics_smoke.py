@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -129,6 +130,64 @@ def test_same_seed_same_numbers(tmp_path):
     assert len(list((tmp_path / "cache").glob("*.json"))) == 3
     resumed = run(1, tmp_path / "d", tmp_path / "cache")
     assert resumed["rows"] == first["rows"] and curves(resumed) == curves(first)
+
+
+def test_results_file_is_a_job_store(tmp_path, monkeypatch):
+    """A run records each job's key; ``resume`` reuses the jobs of the results file it
+    replaces (the store that survives a fresh checkout) and trains only the others, and
+    ``cached_only`` assembles the file's jobs without a cache folder."""
+    from examples.diagnostics import runner
+    from examples.diagnostics.jobstore import job_key
+
+    def experiment():
+        exp = make_experiment("binding", "tiny", seeds=(0, 1), steps=6, protocol="paper")
+        exp.entries = [e for e in exp.entries if e.kind in ("transformer", "tensor_memory")]
+        return exp
+
+    first = run_experiment(experiment(), tmp_path, progress=False)
+    path = tmp_path / "binding-paper.json"
+    keys = [r["job"] for r in first["runs"]]
+    assert len(set(keys)) == len(keys) == 2 * 2 * len(first["settings"])
+    assert all(r["ran_at"]["commit"] == first["commit"] for r in first["runs"])
+    # drop one finished job from the file: only that one is trained again
+    stored = json.loads(path.read_text())
+    dropped = stored["runs"].pop(3)
+    path.write_text(json.dumps(stored))
+    trained = []
+    real = runner._run_job
+    monkeypatch.setattr(runner, "_run_job", lambda job: trained.append(job) or real(job))
+    resumed = run_experiment(experiment(), tmp_path, progress=False, resume=True)
+    assert [job_key(j) for j in trained] == [dropped["job"]]
+    assert resumed["rows"] == first["rows"]
+    def curves(result: dict) -> list:  # as JSON (a reused run comes back from JSON)
+        return json.loads(json.dumps([r["loss_curve"] for r in result["runs"]]))
+
+    assert curves(resumed) == curves(first)
+    # assembling from the file alone: every job is there, nothing is trained
+    trained.clear()
+    again = run_experiment(experiment(), tmp_path, progress=False, resume=True,
+                           cached_only=True)
+    assert not trained and again["rows"] == first["rows"]
+    # without resume the file is not read: a rerun trains every job
+    run_experiment(experiment(), tmp_path, progress=False)
+    assert len(trained) == len(keys)
+
+
+def test_job_key_ignores_the_runs_seed_list():
+    """A job finished by a one-seed run (``--seeds 1``) is the same job in a run over all
+    the seeds; the key still tells seeds, settings and configs apart."""
+    from examples.diagnostics.jobstore import job_key
+    from examples.diagnostics.runner import Job
+
+    exp = make_experiment("binding", "tiny", seeds=(0, 1, 2), steps=6)
+    task = exp.task.fixed_to(exp.task.eval_settings[0])
+
+    def key(seed: int, seeds: tuple[int, ...], steps: int = 6) -> str:
+        train = replace(exp.train, seeds=seeds, steps=steps)
+        return job_key(Job(exp.entries[0], seed, task, train, exp.model, {}, "token"))
+
+    assert key(1, (0, 1, 2)) == key(1, (1,)) == key(1, (1, 2))
+    assert len({key(0, (0, 1, 2)), key(1, (0, 1, 2)), key(1, (1,), steps=7)}) == 3
 
 
 def test_jobs_start_setting_major():

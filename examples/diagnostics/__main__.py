@@ -72,7 +72,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "interrupted run; jobs are deterministic)")
     p.add_argument("--cached-only", action="store_true",
                    help="with --cache: assemble the results from the finished jobs only "
-                        "(a row lists the seeds it has)")
+                        "(a row lists the seeds it has); sweep: the finished jobs of the "
+                        "cache and of the results files at --out")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bars")
     p.add_argument("--authors-exact", action="store_true",
                    help="paper protocol (binding, mapping, occlusion): the authors' own "

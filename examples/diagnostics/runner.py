@@ -12,7 +12,6 @@ trace them.
 from __future__ import annotations
 
 import concurrent.futures
-import hashlib
 import json
 import multiprocessing
 import time
@@ -32,6 +31,7 @@ from examples.diagnostics.config import (
     TrainConfig,
     scaled,
 )
+from examples.diagnostics.jobstore import JobStore, job_key, ran_at_of
 from examples.diagnostics.memory import adapter_name, set_implementation
 from examples.diagnostics.models import build_model, carried_numbers
 from examples.diagnostics.tasks import (
@@ -375,70 +375,6 @@ def _run_job(job: Job) -> dict:
     return out
 
 
-def _source_hash() -> str:
-    """Hash of the sources that decide a job's numbers (models, training, tasks): a cached
-    job is reused only by the same code. (Tables, rendering and the CLI are left out.)"""
-    digest = hashlib.sha1()
-    root = Path(__file__).parent
-    numeric = ("config", "models", "slots", "recurrent", "memory", "variants", "train",
-               "authors")
-    for path in sorted([*(root / f"{n}.py" for n in numeric), *root.glob("tasks/*.py")]):
-        digest.update(path.name.encode() + path.read_bytes())
-    return digest.hexdigest()
-
-
-def _job_key(job: Job) -> str:
-    data = {"entry": asdict(job.entry), "seed": job.seed, "task": type(job.task).__name__,
-            "task_params": vars(job.task), "train": asdict(job.train),
-            "model": asdict(job.model), "hparams": job.hparams, "reset": job.reset,
-            "impl": job.impl, "threads": job.threads, "eval_seed": job.eval_seed,
-            "data_seed": job.data_seed, "source": _source_hash()}
-    text = json.dumps(data, sort_keys=True, default=str)
-    return hashlib.sha1(text.encode()).hexdigest()
-
-
-class _Cache:
-    """Finished jobs as ``<dir>/<key>.json`` (``--cache``): an interrupted run resumes where
-    it stopped. Jobs are deterministic, so a cached job's numbers are the ones a rerun
-    would give (the key holds the config and a hash of this package's sources; each
-    record keeps the commit it ran at)."""
-
-    def __init__(self, folder: Path | None) -> None:
-        self.folder = Path(folder) if folder else None
-
-    def get(self, job: Job) -> dict | None:
-        if self.folder is None:
-            return None
-        # the key holds the run's seed list too: a job finished by a one-seed run
-        # (``--seeds 1``) is the same job as in a run over every seed
-        alone = replace(job, train=replace(job.train, seeds=(job.seed,)))
-        for key in dict.fromkeys((_job_key(job), _job_key(alone))):
-            path, weights = self.folder / f"{key}.json", self.folder / f"{key}.pt"
-            if path.exists() and (weights.exists() or not job.keep_state):
-                break
-        else:
-            return None
-        record = json.loads(path.read_text())
-        output = {**record["output"], "ran_at": {k: record.get(k) for k in ("commit", "dirty")}}
-        if job.keep_state:
-            output["state_dict"] = torch.load(weights, weights_only=True)
-        return output
-
-    def put(self, job: Job, output: dict) -> None:
-        if self.folder is None:
-            return
-        self.folder.mkdir(parents=True, exist_ok=True)
-        key = _job_key(job)
-        if "state_dict" in output:  # the trained weights of the pictured model
-            torch.save(output["state_dict"], self.folder / f".{key}.pt.tmp")
-            (self.folder / f".{key}.pt.tmp").replace(self.folder / f"{key}.pt")
-            output = {k: v for k, v in output.items() if k != "state_dict"}
-        record = {"output": output, **results.commit_info()}
-        tmp = self.folder / f".{_job_key(job)}.tmp"
-        tmp.write_text(json.dumps(record))
-        tmp.replace(self.folder / f"{_job_key(job)}.json")
-
-
 def _setting_major(jobs: list[Job]) -> list[int]:
     """The order to start ``jobs`` in: every seed of one (row, setting) before the next,
     so a sweep stopped part-way leaves complete settings rather than one seed of each."""
@@ -452,29 +388,40 @@ def _setting_major(jobs: list[Job]) -> list[int]:
 
 
 def _execute(jobs: list[Job], n_workers: int, console: Console, label: str,
-             cache: Path | None = None, cached_only: bool = False) -> list[dict]:
+             store: JobStore, cached_only: bool = False) -> list[dict]:
     """Run ``jobs`` inline (``n_workers <= 1``) or in spawned worker processes; results in
-    job order either way, started setting-major (:func:`_setting_major`). ``cache``: a
-    folder of finished jobs to reuse and extend."""
-    store = _Cache(cache)
-    cached = [store.get(job) for job in jobs]
+    job order either way, started setting-major (:func:`_setting_major`). The jobs
+    ``store`` has finished are reused, and each job run is added to its cache. Every
+    output's run records its job key (``run["job"]``) and the commit(s) it ran at
+    (``run["ran_at"]``), so its results file can serve a later run as a store."""
+    found = [store.get(job) for job in jobs]
     if cached_only:  # assemble what has finished; the missing jobs are left out
-        missing = sum(hit is None for hit in cached)
+        missing = sum(hit is None for hit in found)
         if missing:
-            console.print(f"  [yellow]{label}: {missing} job(s) not in the cache, left "
-                          f"out[/yellow]")
-        return [hit for hit in cached if hit is not None]
-    todo = [i for i in _setting_major(jobs) if cached[i] is None]
-    if len(todo) < len(jobs):
-        console.print(f"  [dim]{label}: {len(jobs) - len(todo)} job(s) from the cache[/dim]")
-    for i, res in zip(todo, _run_all([jobs[i] for i in todo], n_workers, console, label,
-                                     store), strict=True):
-        cached[i] = res
-    return cached
+            console.print(f"  [yellow]{label}: {missing} job(s) not finished (not in the "
+                          f"cache or the results file), left out[/yellow]")
+    else:
+        todo = [i for i in _setting_major(jobs) if found[i] is None]
+        if len(todo) < len(jobs):
+            console.print(f"  [dim]{label}: {len(jobs) - len(todo)} job(s) already "
+                          f"finished (cache or results file)[/dim]")
+        now = {k: v for k, v in results.commit_info().items() if k in ("commit", "dirty")}
+        for i, res in zip(todo, _run_all([jobs[i] for i in todo], n_workers, console, label,
+                                         store), strict=True):
+            found[i] = {**res, "ran_at": now}
+    kept = []
+    for job, output in zip(jobs, found, strict=True):
+        if output is None:
+            continue
+        at = ran_at_of(output)
+        output["run"] = {**output["run"], "job": job_key(job),
+                         "ran_at": at[0] if len(at) == 1 else at}
+        kept.append(output)
+    return kept
 
 
 def _run_all(jobs: list[Job], n_workers: int, console: Console, label: str,
-             store: _Cache) -> list[dict]:
+             store: JobStore) -> list[dict]:
     def note(job: Job, res: dict) -> None:
         store.put(job, res)
         acc = " ".join(f"{100 * v:.1f}" for v in res["run"]["accuracy"].values())
@@ -525,12 +472,14 @@ def run_experiment(exp: Experiment, out_dir: Path, *, framework: str = "torch",
                    device: str = "cpu", jobs: int = 1, threads: int = 1,
                    command: str = "", hparams: dict | None = None,
                    hparams_from: str | None = None, cache: Path | None = None,
-                   cached_only: bool = False) -> dict:
+                   cached_only: bool = False, resume: bool = False) -> dict:
     """Train every row for every seed, evaluate, print the table, write the results file.
 
     ``hparams``: ``{row label: {"lr": ..., "forget_bias": ...}}`` (from a tuning
-    file), applied per row. Returns the results dictionary (also written to
-    ``out_dir/<task>-<protocol>.json``).
+    file), applied per row. ``cache``: a folder of finished jobs to reuse and extend;
+    ``resume``: also reuse the jobs recorded in the results file this run replaces
+    (``jobstore``); ``cached_only``: train nothing, assemble the finished jobs. Returns
+    the results dictionary (also written to ``out_dir/<task>-<protocol>.json``).
     """
     console = console or Console()
     task = exp.task
@@ -542,6 +491,7 @@ def run_experiment(exp: Experiment, out_dir: Path, *, framework: str = "torch",
     start = time.perf_counter()
     groups = _groups(exp)
     impl = "variant" if adapter_name() == "VariantTensorMemory" else "adapter"
+    stem = results_stem(name, exp.protocol, exp.scale)
     outputs: list[dict] = []
     if framework == "jax":
         from examples.diagnostics.jax_binding import train_and_evaluate_jax
@@ -558,20 +508,16 @@ def run_experiment(exp: Experiment, out_dir: Path, *, framework: str = "torch",
                                                  entry.label + " (jax)", evals, progress)
                     outputs.append({"run": asdict(run), "carried": model_cfg.state_numbers()})
     else:
-        job_list = [
-            Job(entry, seed, group.with_options(**entry.task_options), exp.train, model_cfg,
-                row_hparams(hparams, entry),
-                _reset_mode(exp), impl, threads, progress and jobs <= 1,
-                keep_state=(entry.label == exp.picture and seed == exp.train.seeds[0]
-                            and device == "cpu"))
-            for seed in exp.train.seeds for entry in exp.entries for group in groups]
+        job_list = experiment_jobs(exp, hparams=hparams, impl=impl, threads=threads,
+                                   progress=progress and jobs <= 1, picture=device == "cpu")
         if device != "cpu":
             raise SystemExit("this runner trains on the CPU (each job pins its threads)")
-        outputs = _execute(job_list, jobs, console, f"{name}/{exp.protocol}", cache,
+        store = JobStore(cache, out / f"{stem}.json" if resume else None)
+        outputs = _execute(job_list, jobs, console, f"{name}/{exp.protocol}", store,
                            cached_only)
     runs = [o["run"] for o in outputs]
-    # the commits the jobs ran at (jobs from the cache may predate this run's commit)
-    ran_at = sorted({json.dumps(o["ran_at"], sort_keys=True) for o in outputs if "ran_at" in o})
+    # the commits the jobs ran at (reused jobs may predate this run's commit)
+    ran_at = sorted({json.dumps(at, sort_keys=True) for o in outputs for at in ran_at_of(o)})
     carried = {}
     for o in outputs:
         carried.setdefault(o["run"]["model"], o["carried"])
@@ -594,7 +540,6 @@ def run_experiment(exp: Experiment, out_dir: Path, *, framework: str = "torch",
         environment=results.environment(threads),
         seconds=time.perf_counter() - start)
     result["cached_jobs_ran_at"] = [json.loads(r) for r in ran_at]
-    stem = results_stem(name, exp.protocol, exp.scale)
     path = out / f"{stem}.json"
     results.write_results(result, path)
     report.plot_results(result, out / f"{stem}.png")
@@ -604,6 +549,20 @@ def run_experiment(exp: Experiment, out_dir: Path, *, framework: str = "torch",
     report.print_table(result, console)
     console.print(f"results: {path}")
     return result
+
+
+def experiment_jobs(exp: Experiment, *, hparams: dict | None = None, impl: str = "adapter",
+                    threads: int = 1, progress: bool = False, picture: bool = True
+                    ) -> list[Job]:
+    """The jobs of ``exp`` in order (seed, row, setting group): what :func:`run_experiment`
+    trains. ``picture``: the pictured row's first seed keeps its weights."""
+    model_cfg = replace(exp.model, max_len=max(exp.model.max_len, exp.task.max_len()))
+    groups = _groups(exp)
+    return [Job(entry, seed, group.with_options(**entry.task_options), exp.train, model_cfg,
+                row_hparams(hparams or {}, entry), _reset_mode(exp), impl, threads, progress,
+                keep_state=(picture and entry.label == exp.picture
+                            and seed == exp.train.seeds[0]))
+            for seed in exp.train.seeds for entry in exp.entries for group in groups]
 
 
 def results_stem(name: str, protocol: str, scale: str) -> str:
@@ -652,7 +611,8 @@ def run_tuning(exp: Experiment, out_dir: Path, *, console: Console | None = None
                 for point in protocols.tuning_grid(entry.kind, train, model_cfg)]
     start = time.perf_counter()
     name = exp.name or exp.task.name
-    outputs = _execute(job_list, jobs, console, f"tune {name}/{exp.protocol}", cache)
+    outputs = _execute(job_list, jobs, console, f"tune {name}/{exp.protocol}",
+                       JobStore(cache))
     rows, chosen = [], {}
     for entry in exp.entries:
         points = [(o["run"]["hparams"], o["run"]["accuracy"]) for o in outputs

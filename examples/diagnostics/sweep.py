@@ -13,10 +13,15 @@ authors' sizes (``--full``) and 3 seeds, every part of :data:`PARTS` in order:
 - ``mapping``, ``occlusion``: the authors' map building and occlusion at their sizes
   (``mapping-paper-full.json``, ``occlusion-paper-full.json``).
 
-Every finished job goes to the job cache, so the sweep accumulates over sittings (a job
-still running when the machine stops is lost; finished ones are kept); ``--cached-only``
-assembles the results files from what has finished (each row lists its seeds). Every
-results file records the scale, and each run its wall time and ms per training step.
+Every finished job goes to the job cache, and every run of a results file records its
+job key, so the sweep accumulates over sittings: a part's jobs already in the cache or
+in the part's results file at ``--out`` are not run again (a job still running when the
+machine stops is lost; finished ones are kept). The cache lives in the checkout; the
+committed results files survive a fresh one, so assemble and commit what has finished
+before a sitting ends. ``--cached-only`` assembles each results file from what has
+finished (the cache and the file it replaces; each row lists its seeds). Every results
+file records the scale, and each run its wall time, ms per training step, job key and
+commit.
 
 ``sweep --estimate`` times ``--estimate-steps`` training steps (after one warm-up step)
 of every distinct (row, number of tokens) of the sweep, in this process at one thread,
@@ -139,7 +144,7 @@ def run_sweep(out_dir: Path, *, parts: tuple[str, ...] | None = None, scale: str
         console.rule(f"sweep: {part.name} ({scale} scale, seeds {list(seeds)})")
         done.append(run_experiment(exp, out_dir, progress=progress, console=console,
                                    jobs=jobs, threads=threads, command=command,
-                                   cache=cache, cached_only=cached_only))
+                                   cache=cache, cached_only=cached_only, resume=True))
     return done
 
 
