@@ -3,13 +3,14 @@ over seeds and markdown tables (no framework imports)."""
 
 from __future__ import annotations
 
+import hashlib
 import platform
 import statistics
 import subprocess
 from collections.abc import Sequence
 from pathlib import Path
 
-__all__ = ["git", "cpu_model", "mean_std", "md_table", "ROOT"]
+__all__ = ["git", "cpu_model", "cpu_features", "mean_std", "md_table", "ROOT"]
 
 #: The repository root (git runs here).
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,6 +36,33 @@ def cpu_model() -> str:
     except OSError:
         pass
     return platform.processor()
+
+
+def cpu_features(cpuinfo: str | None = None) -> dict[str, str]:
+    """``{"cpu_vector": widest SIMD unit, "cpu_flags": hash of the feature flags}`` of
+    this CPU (or of the text ``cpuinfo``, in ``/proc/cpuinfo``'s format).
+
+    Two CPUs with one model name can differ in both (virtual machines often hide the
+    name), and both change float32 results: the math libraries pick their kernels by
+    vector width (AVX2 and AVX-512 sum in other orders) and compiled-here kernels
+    (``-march=native``) use every flag.
+    """
+    flags = ""
+    try:
+        text = Path("/proc/cpuinfo").read_text() if cpuinfo is None else cpuinfo
+    except OSError:
+        text = ""
+    for line in text.splitlines():
+        if line.startswith(("flags", "Features")):
+            flags = line.split(":", 1)[1]
+            break
+    names = set(flags.split())
+    widths = (("avx512f", "AVX-512"), ("avx2", "AVX2"), ("avx", "AVX"), ("sse2", "SSE2"),
+              ("sve", "SVE"), ("asimd", "NEON"))
+    vector = next((label for flag, label in widths if flag in names),
+                  platform.machine() or "unknown")
+    digest = hashlib.sha1(" ".join(sorted(names)).encode()).hexdigest()[:12]
+    return {"cpu_vector": vector, "cpu_flags": digest if names else "unknown"}
 
 
 def mean_std(values: Sequence[float], digits: int = 2) -> str:

@@ -138,6 +138,7 @@ def test_results_file_is_a_job_store(tmp_path, monkeypatch):
     ``cached_only`` assembles the file's jobs without a cache folder."""
     from examples.diagnostics import runner
     from examples.diagnostics.jobstore import job_key
+    from examples.reporting import cpu_features
 
     def experiment():
         exp = make_experiment("binding", "tiny", seeds=(0, 1), steps=6, protocol="paper")
@@ -148,7 +149,8 @@ def test_results_file_is_a_job_store(tmp_path, monkeypatch):
     path = tmp_path / "binding-paper.json"
     keys = [r["job"] for r in first["runs"]]
     assert len(set(keys)) == len(keys) == 2 * 2 * len(first["settings"])
-    assert all(r["ran_at"]["commit"] == first["commit"] for r in first["runs"])
+    assert all(r["ran_at"] == {"commit": first["commit"], "dirty": first["dirty"],
+                               **cpu_features()} for r in first["runs"])
     # drop one finished job from the file: only that one is trained again
     stored = json.loads(path.read_text())
     dropped = stored["runs"].pop(3)
@@ -171,6 +173,22 @@ def test_results_file_is_a_job_store(tmp_path, monkeypatch):
     # without resume the file is not read: a rerun trains every job
     run_experiment(experiment(), tmp_path, progress=False)
     assert len(trained) == len(keys)
+
+
+def test_cpu_features_name_the_vector_unit():
+    """Results record the CPU's widest vector unit and a hash of its flags: AVX2 and
+    AVX-512 machines give different float32 numbers under one model name."""
+    from examples.diagnostics.results import environment
+    from examples.reporting import cpu_features
+
+    avx2 = cpu_features("model name : AMD EPYC\nflags : fpu sse2 avx avx2 fma\n")
+    avx512 = cpu_features("flags\t\t: fpu sse2 avx avx2 fma avx512f avx512bw\n")
+    assert avx2["cpu_vector"] == "AVX2" and avx512["cpu_vector"] == "AVX-512"
+    assert avx2["cpu_flags"] != avx512["cpu_flags"] and len(avx2["cpu_flags"]) == 12
+    assert cpu_features("Features : fp asimd sve\n")["cpu_vector"] == "SVE"
+    assert cpu_features("")["cpu_flags"] == "unknown"
+    here = cpu_features()
+    assert {k: environment(1)[k] for k in here} == here
 
 
 def test_job_key_ignores_the_runs_seed_list():
@@ -625,3 +643,9 @@ def test_demo_compares_its_seed_0_with_the_committed_results(capsys):
     _compare_with_committed(demo, console)
     out = capsys.readouterr().out
     assert "identical" in out and "different" in out
+    assert "environment differs" not in out
+    # another vector unit: the message names what differs (numbers may then differ too)
+    demo["environment"] = {**demo["environment"], "cpu_vector": "SVE"}
+    _compare_with_committed(demo, console)
+    out = capsys.readouterr().out
+    assert "cpu_vector" in out and "SVE here" in out and "vector unit" in out

@@ -135,11 +135,15 @@ def _compare_with_committed(result: dict, console: Console) -> None:
     mine = {(r["model"], r["setting"]): r["seeds"][0] for r in result["rows"]}
     theirs = {(r["model"], r["setting"]): r["seeds"][0] for r in committed["rows"]}
     same = all(theirs.get(k) == v for k, v in mine.items())
-    env_same = committed["environment"] == result["environment"]
+    env_mine, env_theirs = result["environment"], committed["environment"]
+    differs = [f"{k} {env_theirs.get(k, 'not recorded')} there, {env_mine.get(k)} here"
+               for k in sorted(set(env_mine) | set(env_theirs))
+               if env_mine.get(k) != env_theirs.get(k)]
     console.print(f"seed 0 vs committed {path.name}: "
                   + ("[green]identical[/green]" if same else "[red]different[/red]")
-                  + ("" if env_same else " (recorded environment differs: "
-                     "threads / kernels / CPU / versions)"))
+                  + (f" (the recorded environment differs: {'; '.join(differs)}; float32 "
+                     "results depend on the CPU's vector unit, thread count and versions)"
+                     if differs else ""))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,7 +11,10 @@ both. A job whose key is known is not trained again but taken from
   checkout, so a sweep spread over sittings resumes from what the last sitting
   committed (``JobStore(..., results_file=...)``; the sweep passes its part's file).
 
-Either way a reused job comes with the commit it ran at (``"ran_at"``).
+Either way a reused job comes with the commit and the CPU it ran on (``"ran_at"``): the
+numbers are the same for the same job on the same kind of CPU, and float32 rounding
+differs between vector units (AVX2 / AVX-512), so a results file assembled over
+sittings on different machines says which run came from which.
 """
 
 from __future__ import annotations
@@ -25,8 +28,12 @@ from typing import Any
 import torch
 
 from examples.diagnostics import results
+from examples.reporting import cpu_features
 
-__all__ = ["source_hash", "job_key", "JobStore", "ran_at_of"]
+__all__ = ["source_hash", "job_key", "JobStore", "ran_at", "ran_at_of"]
+
+#: what a record says about where its job ran
+RAN_AT = ("commit", "dirty", "cpu_vector", "cpu_flags")
 
 #: the modules (besides ``tasks/``) that decide a job's numbers; tables, rendering, the
 #: CLI and the job bookkeeping are left out, so editing them keeps every key
@@ -61,8 +68,16 @@ def job_key(job: Any) -> str:
     return _key(replace(job, train=replace(job.train, seeds=(job.seed,))))
 
 
+def ran_at() -> dict:
+    """Where a job runs now: ``{"commit", "dirty", "cpu_vector", "cpu_flags"}`` (the CPU's
+    vector unit and flags change float32 results, see ``reporting.cpu_features``)."""
+    info = results.commit_info()
+    return {"commit": info["commit"], "dirty": info["dirty"], **cpu_features()}
+
+
 def ran_at_of(output: dict) -> list[dict]:
-    """The commits (``{"commit", "dirty"}``) a reused job's output records it ran at."""
+    """Where a reused job's output records it ran (:func:`ran_at`; older records have the
+    commit only)."""
     at = output.get("ran_at")
     return at if isinstance(at, list) else [at] if at else []
 
@@ -99,7 +114,7 @@ class JobStore:
         else:
             return None
         record = json.loads(path.read_text())
-        output = {**record["output"], "ran_at": {k: record.get(k) for k in ("commit", "dirty")}}
+        output = {**record["output"], "ran_at": {k: record[k] for k in RAN_AT if k in record}}
         if job.keep_state:
             output["state_dict"] = torch.load(weights, weights_only=True)
         return output
@@ -114,7 +129,7 @@ class JobStore:
             torch.save(output["state_dict"], self.folder / f".{key}.pt.tmp")
             (self.folder / f".{key}.pt.tmp").replace(self.folder / f"{key}.pt")
             output = {k: v for k, v in output.items() if k != "state_dict"}
-        record = {"output": output, **results.commit_info()}
+        record = {"output": output, **results.commit_info(), **cpu_features()}
         tmp = self.folder / f".{key}.tmp"
         tmp.write_text(json.dumps(record))
         tmp.replace(self.folder / f"{key}.json")

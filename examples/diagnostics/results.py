@@ -24,7 +24,7 @@ import os
 import platform
 from pathlib import Path
 
-from examples.reporting import cpu_model, git
+from examples.reporting import cpu_features, cpu_model, git
 
 __all__ = ["build_results", "write_results", "load_results", "commit_info", "environment",
            "RESULTS_DIR", "TRACKED_PATHS"]
@@ -56,7 +56,7 @@ def environment(threads: int) -> dict:
 
     env = {"python": platform.python_version(), "torch": torch.__version__,
            "numpy": numpy.__version__, "machine": platform.machine(), "threads": threads,
-           "cpu": cpu_model(), "native_kernels": None}
+           "cpu": cpu_model(), **cpu_features(), "native_kernels": None}
     try:
         from tmcore.backends import native_kernels_active
 

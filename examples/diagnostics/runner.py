@@ -31,7 +31,7 @@ from examples.diagnostics.config import (
     TrainConfig,
     scaled,
 )
-from examples.diagnostics.jobstore import JobStore, job_key, ran_at_of
+from examples.diagnostics.jobstore import JobStore, job_key, ran_at, ran_at_of
 from examples.diagnostics.memory import adapter_name, set_implementation
 from examples.diagnostics.models import build_model, carried_numbers
 from examples.diagnostics.tasks import (
@@ -392,8 +392,8 @@ def _execute(jobs: list[Job], n_workers: int, console: Console, label: str,
     """Run ``jobs`` inline (``n_workers <= 1``) or in spawned worker processes; results in
     job order either way, started setting-major (:func:`_setting_major`). The jobs
     ``store`` has finished are reused, and each job run is added to its cache. Every
-    output's run records its job key (``run["job"]``) and the commit(s) it ran at
-    (``run["ran_at"]``), so its results file can serve a later run as a store."""
+    output's run records its job key (``run["job"]``) and where it ran (``run["ran_at"]``:
+    commit and CPU), so its results file can serve a later run as a store."""
     found = [store.get(job) for job in jobs]
     if cached_only:  # assemble what has finished; the missing jobs are left out
         missing = sum(hit is None for hit in found)
@@ -405,7 +405,7 @@ def _execute(jobs: list[Job], n_workers: int, console: Console, label: str,
         if len(todo) < len(jobs):
             console.print(f"  [dim]{label}: {len(jobs) - len(todo)} job(s) already "
                           f"finished (cache or results file)[/dim]")
-        now = {k: v for k, v in results.commit_info().items() if k in ("commit", "dirty")}
+        now = ran_at()
         for i, res in zip(todo, _run_all([jobs[i] for i in todo], n_workers, console, label,
                                          store), strict=True):
             found[i] = {**res, "ran_at": now}
@@ -517,7 +517,7 @@ def run_experiment(exp: Experiment, out_dir: Path, *, framework: str = "torch",
                            cached_only)
     runs = [o["run"] for o in outputs]
     # the commits the jobs ran at (reused jobs may predate this run's commit)
-    ran_at = sorted({json.dumps(at, sort_keys=True) for o in outputs for at in ran_at_of(o)})
+    places = sorted({json.dumps(at, sort_keys=True) for o in outputs for at in ran_at_of(o)})
     carried = {}
     for o in outputs:
         carried.setdefault(o["run"]["model"], o["carried"])
@@ -539,7 +539,7 @@ def run_experiment(exp: Experiment, out_dir: Path, *, framework: str = "torch",
                 "hparams": hparams, "hparams_from": hparams_from},
         environment=results.environment(threads),
         seconds=time.perf_counter() - start)
-    result["cached_jobs_ran_at"] = [json.loads(r) for r in ran_at]
+    result["cached_jobs_ran_at"] = [json.loads(r) for r in places]
     path = out / f"{stem}.json"
     results.write_results(result, path)
     report.plot_results(result, out / f"{stem}.png")
