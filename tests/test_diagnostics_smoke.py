@@ -649,3 +649,24 @@ def test_demo_compares_its_seed_0_with_the_committed_results(capsys):
     _compare_with_committed(demo, console)
     out = capsys.readouterr().out
     assert "cpu_vector" in out and "SVE here" in out and "vector unit" in out
+
+
+def test_partial_assembly_marks_the_seeds_of_each_cell():
+    """A file assembled from finished jobs says which seeds each number has: one set for
+    the whole row goes with the row's name, else each partial cell names its seeds."""
+    from examples.diagnostics.report import table
+    from examples.diagnostics.results import build_results
+
+    def run(model: str, seed: int, setting: str) -> dict:
+        return {"model": model, "seed": seed, "params": 10, "accuracy": {setting: 0.5},
+                "gate_curve": [], "reset": {}}
+
+    runs = [run("a", s, "L=6") for s in (0, 1, 2)] + [run("a", 0, "L=0")]
+    runs += [run("b", s, w) for s in (0, 1) for w in ("L=0", "L=6")]
+    result = build_results(task="t", protocol="paper", scale="full", command="", runs=runs,
+                           settings=["L=0", "L=6"], ceilings={"L=0": 1.0, "L=6": 1.0},
+                           carried={}, config={}, environment={}, seconds=0.0)
+    _, rows = table(result)
+    a, b = rows[0], rows[1]
+    assert a[0] == "a" and a[3] == "50.0 (seed 0)" and a[4] == "50.0 ± 0.0"
+    assert b[0] == "b (seeds 0, 1 only)" and b[3] == b[4] == "50.0 ± 0.0"

@@ -93,13 +93,20 @@ def table(result: dict) -> tuple[list[str], list[list[str]]]:
     models = list(dict.fromkeys(r["model"] for r in result["rows"]))
     rows = []
     for model in models:
-        have = by[model, settings[0]].get("seed_ids")
-        rows.append([model + (f" (seeds {', '.join(map(str, have))} only)" if have else ""),
+        # an assembly of finished jobs (``--cached-only``) may lack seeds: one set for the
+        # whole row goes with its name, else each cell says which seeds it has
+        have = [by[model, s].get("seed_ids") for s in settings]
+        uniform = all(h == have[0] for h in have) and have[0]
+        cells = [mean_std(by[model, s]["seeds"])
+                 + (f" (seed{'s' * (len(h) > 1)} {', '.join(map(str, h))})"
+                    if h and not uniform else "")
+                 for s, h in zip(settings, have, strict=True)]
+        rows.append([model + (f" (seeds {', '.join(map(str, have[0]))} only)" if uniform
+                              else ""),
                      f"{result['params'][model]:,}",
                      f"{result['carried'].get(model, 0):,}" if result["carried"].get(model)
                      else "0",
-                     *[mean_std(by[model, s]["seeds"]) for s in settings],
-                     _uses_state(result, model), _gate(result, model)])
+                     *cells, _uses_state(result, model), _gate(result, model)])
     rows.append(["window ceiling", "", "",
                  *[f"{result['window_ceiling'][s]:.1f}" for s in settings], "", ""])
     for name, values in result.get("references", {}).items():
