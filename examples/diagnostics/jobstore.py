@@ -19,6 +19,7 @@ sittings on different machines says which run came from which.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from dataclasses import asdict, replace
@@ -41,8 +42,11 @@ NUMERIC_MODULES = ("config", "models", "slots", "recurrent", "memory", "variants
                    "authors")
 
 
+@functools.cache
 def source_hash() -> str:
-    """Hash of the sources that decide a job's numbers (models, training, tasks)."""
+    """Hash of the sources that decide a job's numbers (models, training, tasks), read
+    once per process: the code this process runs, even if the files change under a long
+    sweep."""
     digest = hashlib.sha1()
     root = Path(__file__).parent
     paths = [*(root / f"{n}.py" for n in NUMERIC_MODULES), *root.glob("tasks/*.py")]
