@@ -15,6 +15,10 @@ Either way a reused job comes with the commit and the CPU it ran on (``"ran_at"`
 numbers are the same for the same job on the same kind of CPU, and float32 rounding
 differs between vector units (AVX2 / AVX-512), so a results file assembled over
 sittings on different machines says which run came from which.
+
+The library (``tmcore``, its backends and adapters) is not hashed: it changes often in
+paths the jobs do not take, and ``make demo`` checks the path they do take against the
+committed CPU-scale results; ``ran_at["commit"]`` names the code each job ran.
 """
 
 from __future__ import annotations
