@@ -138,7 +138,7 @@ def test_results_file_is_a_job_store(tmp_path, monkeypatch):
     ``cached_only`` assembles the file's jobs without a cache folder."""
     from examples.diagnostics import runner
     from examples.diagnostics.jobstore import job_key
-    from examples.reporting import cpu_features
+    from examples.reporting import cpu_features, cpu_model
 
     def experiment():
         exp = make_experiment("binding", "tiny", seeds=(0, 1), steps=6, protocol="paper")
@@ -150,7 +150,7 @@ def test_results_file_is_a_job_store(tmp_path, monkeypatch):
     keys = [r["job"] for r in first["runs"]]
     assert len(set(keys)) == len(keys) == 2 * 2 * len(first["settings"])
     assert all(r["ran_at"] == {"commit": first["commit"], "dirty": first["dirty"],
-                               **cpu_features()} for r in first["runs"])
+                               "cpu": cpu_model(), **cpu_features()} for r in first["runs"])
     # drop one finished job from the file: only that one is trained again
     stored = json.loads(path.read_text())
     dropped = stored["runs"].pop(3)
@@ -173,6 +173,37 @@ def test_results_file_is_a_job_store(tmp_path, monkeypatch):
     # without resume the file is not read: a rerun trains every job
     run_experiment(experiment(), tmp_path, progress=False)
     assert len(trained) == len(keys)
+
+
+def test_reused_runs_keep_the_cpu_they_ran_on():
+    """A file assembled on another machine keeps where its older runs ran: a run whose
+    ``ran_at`` does not name the CPU takes the environment of the file it came from, and
+    the cost table's caption counts the runs per CPU."""
+    from examples.diagnostics.jobstore import _archived_outputs
+    from examples.diagnostics.render import runs_cpus
+
+    old_env = {"cpu": "AMD EPYC", "cpu_vector": "AVX2", "cpu_flags": "aaaa", "threads": 1}
+    new_place = {"commit": "c2", "dirty": False, "cpu": "Intel Xeon", "cpu_vector": "AVX-512",
+                 "cpu_flags": "bbbb"}
+    archived = {"environment": old_env, "carried": {"transformer": 0},
+                "cached_jobs_ran_at": [{"commit": "c0", "dirty": False}],
+                "runs": [{"model": "transformer", "seed": 0, "job": "k0"},
+                         {"model": "transformer", "seed": 1, "job": "k1",
+                          "ran_at": {"commit": "c1", "dirty": False}},
+                         {"model": "transformer", "seed": 2, "job": "k2", "ran_at": new_place},
+                         {"model": "transformer", "seed": 3}]}
+    outputs = _archived_outputs(archived)
+    assert sorted(outputs) == ["k0", "k1", "k2"]  # a run without a key is not a job
+    assert outputs["k0"]["ran_at"] == {"commit": "c0", "dirty": False, "cpu": "AMD EPYC",
+                                       "cpu_vector": "AVX2", "cpu_flags": "aaaa"}
+    assert outputs["k1"]["ran_at"]["cpu"] == "AMD EPYC"
+    assert outputs["k2"]["ran_at"] == new_place  # a run that names its CPU keeps it
+    assembled = {"environment": {"cpu": "Intel Xeon"},
+                 "runs": [{**o["run"], "ran_at": o["ran_at"]} for o in outputs.values()]}
+    assert runs_cpus(assembled) == "AMD EPYC (AVX2) for 2 runs, Intel Xeon (AVX-512) for 1 run"
+    assert runs_cpus({"environment": {"cpu": "Intel Xeon"}, "runs": [{}]}) == "Intel Xeon"
+    single = {"runs": [{"ran_at": new_place}] * 2}
+    assert runs_cpus(single) == "Intel Xeon (AVX-512)"
 
 
 def test_cpu_features_name_the_vector_unit():

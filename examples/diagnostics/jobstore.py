@@ -33,12 +33,12 @@ from typing import Any
 import torch
 
 from examples.diagnostics import results
-from examples.reporting import cpu_features
+from examples.reporting import cpu_features, cpu_model
 
 __all__ = ["source_hash", "job_key", "JobStore", "ran_at", "ran_at_of"]
 
 #: what a record says about where its job ran
-RAN_AT = ("commit", "dirty", "cpu_vector", "cpu_flags")
+RAN_AT = ("commit", "dirty", "cpu", "cpu_vector", "cpu_flags")
 
 #: the modules (besides ``tasks/``) that decide a job's numbers; tables, rendering, the
 #: CLI and the job bookkeeping are left out, so editing them keeps every key
@@ -77,10 +77,15 @@ def job_key(job: Any) -> str:
 
 
 def ran_at() -> dict:
-    """Where a job runs now: ``{"commit", "dirty", "cpu_vector", "cpu_flags"}`` (the CPU's
-    vector unit and flags change float32 results, see ``reporting.cpu_features``)."""
+    """Where a job runs now: ``{"commit", "dirty", "cpu", "cpu_vector", "cpu_flags"}`` (the
+    CPU's model name, and its vector unit and flags, which change float32 results, see
+    ``reporting.cpu_features``)."""
     info = results.commit_info()
-    return {"commit": info["commit"], "dirty": info["dirty"], **cpu_features()}
+    return {"commit": info["commit"], "dirty": info["dirty"], **_this_cpu()}
+
+
+def _this_cpu() -> dict[str, str]:
+    return {"cpu": cpu_model(), **cpu_features()}
 
 
 def ran_at_of(output: dict) -> list[dict]:
@@ -122,7 +127,10 @@ class JobStore:
         else:
             return None
         record = json.loads(path.read_text())
-        output = {**record["output"], "ran_at": {k: record[k] for k in RAN_AT if k in record}}
+        at = {k: record[k] for k in RAN_AT if k in record}
+        if "cpu" not in at and at.get("cpu_flags") == cpu_features()["cpu_flags"]:
+            at["cpu"] = cpu_model()  # written before records named the CPU: same flags here
+        output = {**record["output"], "ran_at": at}
         if job.keep_state:
             output["state_dict"] = torch.load(weights, weights_only=True)
         return output
@@ -137,7 +145,7 @@ class JobStore:
             torch.save(output["state_dict"], self.folder / f".{key}.pt.tmp")
             (self.folder / f".{key}.pt.tmp").replace(self.folder / f"{key}.pt")
             output = {k: v for k, v in output.items() if k != "state_dict"}
-        record = {"output": output, **results.commit_info(), **cpu_features()}
+        record = {"output": output, **results.commit_info(), **_this_cpu()}
         tmp = self.folder / f".{key}.tmp"
         tmp.write_text(json.dumps(record))
         tmp.replace(self.folder / f"{key}.json")
@@ -146,15 +154,23 @@ class JobStore:
 def _archived_outputs(result: dict) -> dict[str, dict]:
     """``{key: output}`` of a results file's runs that record their job key. A run
     without its own ``ran_at`` was keyed after it ran: it gets every commit the file's
-    jobs ran at."""
+    jobs ran at. A ``ran_at`` that does not name the CPU (written before it did) gets the
+    file's recorded environment: the machine the file was assembled on, which for every
+    file assembled so far is where those runs ran."""
     fallback = result.get("cached_jobs_ran_at") or [
         {"commit": result.get("commit"), "dirty": result.get("dirty")}]
+    env = result.get("environment", {})
+    cpu = {k: env[k] for k in ("cpu", "cpu_vector", "cpu_flags") if env.get(k) is not None}
     out = {}
     for run in result.get("runs", []):
         if "job" not in run:
             continue
         run = dict(run)
         key, at = run.pop("job"), run.pop("ran_at", None)
+        places = [dict(a) for a in ran_at_of({"ran_at": at or fallback})]
+        for place in places:
+            if "cpu" not in place:
+                place.update({k: v for k, v in cpu.items() if k not in place})
         out[key] = {"run": run, "carried": result["carried"][run["model"]],
-                    "ran_at": at or fallback}
+                    "ran_at": places[0] if len(places) == 1 else places}
     return out

@@ -73,10 +73,37 @@ def markdown(name: str, result: dict) -> str:
     if cost is not None:
         env = result.get("environment", {})
         parts.append(f"*Cost ({result['scale']} scale, {env.get('threads', '?')} torch "
-                     f"thread(s) per job on {env.get('cpu', 'an unrecorded CPU')}): ms per "
+                     f"thread(s) per job on {runs_cpus(result)}): ms per "
                      f"training step, mean over seeds.*")
         parts.append(md_table(*cost))
     return "\n\n".join(parts) + "\n"
+
+
+def runs_cpus(result: dict) -> str:
+    """The CPUs a results file's runs ran on, from each run's ``ran_at`` (model name and
+    vector unit, e.g. ``"AMD EPYC (AVX2) for 9 runs, Intel Xeon (AVX-512) for 3"``), else
+    the file's environment: a file assembled over sittings can mix machines, whose wall
+    times are not comparable."""
+    def name(place: dict) -> str | None:
+        if not place.get("cpu"):
+            return None
+        vector = place.get("cpu_vector")
+        return place["cpu"] + (f" ({vector})" if vector else "")
+
+    counts: dict[str, int] = {}
+    for run in result.get("runs", []):
+        places = run.get("ran_at") or []
+        places = places if isinstance(places, list) else [places]
+        names = sorted({n for n in map(name, places) if n})
+        if names:
+            key = " or ".join(names)
+            counts[key] = counts.get(key, 0) + 1
+    if not counts:
+        return result.get("environment", {}).get("cpu", "an unrecorded CPU")
+    if len(counts) == 1:
+        return next(iter(counts))
+    ordered = sorted(counts.items(), key=lambda kv: -kv[1])
+    return ", ".join(f"{cpu} for {n} run{'s' if n > 1 else ''}" for cpu, n in ordered)
 
 
 def _estimate_markdown(name: str, result: dict) -> str:
