@@ -701,3 +701,22 @@ def test_partial_assembly_marks_the_seeds_of_each_cell():
     a, b = rows[0], rows[1]
     assert a[0] == "a" and a[3] == "50.0 (seed 0)" and a[4] == "50.0 ± 0.0"
     assert b[0] == "b (seeds 0, 1 only)" and b[3] == b[4] == "50.0 ± 0.0"
+
+
+def test_uses_state_pairs_partial_cells_by_seed():
+    """"uses state" counts seeds, each averaged over the settings it has run: a cell with
+    seed 2 only is paired with seed 2 of the others, not with the cells' first seed."""
+    from examples.diagnostics.report import table
+    from examples.diagnostics.results import build_results
+
+    def run(seed: int, setting: str, acc: float, reset: float) -> dict:
+        return {"model": "m", "seed": seed, "params": 10, "accuracy": {setting: acc},
+                "gate_curve": [], "reset": {setting: reset}}
+
+    # seed 0 and 1 lean on the state at L=6; seed 2 has run only at L=0, where it does not
+    runs = [run(0, "L=6", 1.0, 0.4), run(1, "L=6", 1.0, 0.5), run(2, "L=0", 1.0, 0.99)]
+    result = build_results(task="t", protocol="paper", scale="full", command="", runs=runs,
+                           settings=["L=0", "L=6"], ceilings={"L=0": 1.0, "L=6": 1.0},
+                           carried={}, config={}, environment={}, seconds=0.0)
+    _, rows = table(result)
+    assert rows[0][-2] == "2/3"

@@ -65,12 +65,20 @@ def _gate(result: dict, model: str) -> str:
 
 
 def _uses_state(result: dict, model: str) -> str:
-    rows = [r for r in result["rows"] if r["model"] == model and r["reset"]]
-    if not rows:
+    """``"used/seeds"``: per seed, the drop on reset averaged over the settings that seed
+    has run (an assembly of finished jobs may lack some: cells pair by seed id, not by
+    position)."""
+    drops: dict[int, list[float]] = {}
+    for r in result["rows"]:
+        if r["model"] != model or len(r["reset"]) != len(r["seeds"]) or not r["reset"]:
+            continue
+        for seed, acc, reset in zip(r.get("seed_ids", result["seeds"]), r["seeds"],
+                                    r["reset"], strict=True):
+            drops.setdefault(seed, []).append(acc - reset)
+    if not drops:
         return "-"
-    n = min(len(r["reset"]) for r in rows)
-    drops = [statistics.fmean(r["seeds"][i] - r["reset"][i] for r in rows) for i in range(n)]
-    return f"{sum(d >= USE_MARGIN for d in drops)}/{n}"
+    used = sum(statistics.fmean(d) >= USE_MARGIN for d in drops.values())
+    return f"{used}/{len(drops)}"
 
 
 def title(result: dict) -> str:
