@@ -72,8 +72,8 @@ def _uses_state(result: dict, model: str) -> str:
     for r in result["rows"]:
         if r["model"] != model or len(r["reset"]) != len(r["seeds"]) or not r["reset"]:
             continue
-        for seed, acc, reset in zip(r.get("seed_ids", result["seeds"]), r["seeds"],
-                                    r["reset"], strict=True):
+        ids = r.get("seed_ids", result.get("seeds", range(len(r["seeds"]))))
+        for seed, acc, reset in zip(ids, r["seeds"], r["reset"], strict=True):
             drops.setdefault(seed, []).append(acc - reset)
     if not drops:
         return "-"
