@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from examples.diagnostics import results
+from examples.diagnostics.results import ran_at_of
 from examples.reporting import cpu_features, cpu_model
 
 __all__ = ["source_hash", "job_key", "JobStore", "ran_at", "ran_at_of"]
@@ -84,15 +85,10 @@ def ran_at() -> dict:
     return {"commit": info["commit"], "dirty": info["dirty"], **_this_cpu()}
 
 
+@functools.cache
 def _this_cpu() -> dict[str, str]:
+    """This machine's CPU (model name, vector unit, flags hash), read once per process."""
     return {"cpu": cpu_model(), **cpu_features()}
-
-
-def ran_at_of(output: dict) -> list[dict]:
-    """Where a reused job's output records it ran (:func:`ran_at`; older records have the
-    commit only)."""
-    at = output.get("ran_at")
-    return at if isinstance(at, list) else [at] if at else []
 
 
 class JobStore:
@@ -128,8 +124,8 @@ class JobStore:
             return None
         record = json.loads(path.read_text())
         at = {k: record[k] for k in RAN_AT if k in record}
-        if "cpu" not in at and at.get("cpu_flags") == cpu_features()["cpu_flags"]:
-            at["cpu"] = cpu_model()  # written before records named the CPU: same flags here
+        if "cpu" not in at and at.get("cpu_flags") == _this_cpu()["cpu_flags"]:
+            at["cpu"] = _this_cpu()["cpu"]  # written before records named the CPU: same flags
         output = {**record["output"], "ran_at": at}
         if job.keep_state:
             output["state_dict"] = torch.load(weights, weights_only=True)

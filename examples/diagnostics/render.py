@@ -26,7 +26,7 @@ from examples.diagnostics.report import (
     table,
     title,
 )
-from examples.diagnostics.results import RESULTS_DIR, load_results
+from examples.diagnostics.results import RESULTS_DIR, load_results, ran_at_of
 from examples.reporting import md_table
 
 __all__ = ["markdown", "render_text", "render_files", "READMES"]
@@ -92,9 +92,7 @@ def runs_cpus(result: dict) -> str:
 
     counts: dict[str, int] = {}
     for run in result.get("runs", []):
-        places = run.get("ran_at") or []
-        places = places if isinstance(places, list) else [places]
-        names = sorted({n for n in map(name, places) if n})
+        names = sorted({n for n in map(name, ran_at_of(run)) if n})
         if names:
             key = " or ".join(names)
             counts[key] = counts.get(key, 0) + 1

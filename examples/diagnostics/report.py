@@ -70,7 +70,7 @@ def _uses_state(result: dict, model: str) -> str:
     position)."""
     drops: dict[int, list[float]] = {}
     for r in result["rows"]:
-        if r["model"] != model or len(r["reset"]) != len(r["seeds"]) or not r["reset"]:
+        if r["model"] != model or not r["reset"] or len(r["reset"]) != len(r["seeds"]):
             continue
         ids = r.get("seed_ids", result.get("seeds", range(len(r["seeds"]))))
         for seed, acc, reset in zip(ids, r["seeds"], r["reset"], strict=True):

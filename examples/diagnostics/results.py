@@ -48,6 +48,13 @@ def commit_info() -> dict:
     return {"commit": head, "dirty": bool(paths), "dirty_paths": paths[:50]}
 
 
+def ran_at_of(output: dict) -> list[dict]:
+    """Where a job's output or a results file's run records it ran (``jobstore.ran_at``;
+    one place, a list of them, or none: older records have the commit only)."""
+    at = output.get("ran_at")
+    return at if isinstance(at, list) else [at] if at else []
+
+
 def environment(threads: int) -> dict:
     """What a bitwise rerun must match: versions, CPU, threads, whether the fused kernels
     ran (they round float32 differently from the torch ops and are built per CPU)."""
