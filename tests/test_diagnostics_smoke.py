@@ -684,13 +684,14 @@ def test_demo_compares_its_seed_0_with_the_committed_results(capsys):
 
 def test_partial_assembly_marks_the_seeds_of_each_cell():
     """A file assembled from finished jobs says which seeds each number has: one set for
-    the whole row goes with the row's name, else each partial cell names its seeds."""
+    the whole row goes with the row's name, else each partial cell names its seeds; the
+    row of accuracies after a reset carries the same marks as its model's row."""
     from examples.diagnostics.report import table
     from examples.diagnostics.results import build_results
 
     def run(model: str, seed: int, setting: str) -> dict:
         return {"model": model, "seed": seed, "params": 10, "accuracy": {setting: 0.5},
-                "gate_curve": [], "reset": {}}
+                "gate_curve": [], "reset": {setting: 0.25}}
 
     runs = [run("a", s, "L=6") for s in (0, 1, 2)] + [run("a", 0, "L=0")]
     runs += [run("b", s, w) for s in (0, 1) for w in ("L=0", "L=6")]
@@ -701,6 +702,12 @@ def test_partial_assembly_marks_the_seeds_of_each_cell():
     a, b = rows[0], rows[1]
     assert a[0] == "a" and a[3] == "50.0 (seed 0)" and a[4] == "50.0 ± 0.0"
     assert b[0] == "b (seeds 0, 1 only)" and b[3] == b[4] == "50.0 ± 0.0"
+    reset_a, reset_b = (next(r for r in rows if r[0].startswith(f"{m}") and "reset" in r[0])
+                        for m in ("a", "b"))
+    assert reset_a[0] == "a, state reset every segment"
+    assert reset_a[3] == "25.0 (seed 0)" and reset_a[4] == "25.0 ± 0.0"
+    assert reset_b[0] == "b (seeds 0, 1 only), state reset every segment"
+    assert reset_b[3] == reset_b[4] == "25.0 ± 0.0"
 
 
 def test_uses_state_pairs_partial_cells_by_seed():

@@ -81,6 +81,18 @@ def _uses_state(result: dict, model: str) -> str:
     return f"{used}/{len(drops)}"
 
 
+def _seed_marks(have: list[list[int] | None]) -> tuple[str, list[str]]:
+    """``(name mark, cell marks)`` for a row whose cells hold the seeds ``have`` (one id
+    list per setting, ``None`` where the file does not say): an assembly of finished jobs
+    (``--cached-only``) may lack seeds, so one set shared by the whole row goes with its
+    name (``" (seeds 0, 2 only)"``), else each partial cell says which seeds it has."""
+    uniform = bool(have[0]) and all(h == have[0] for h in have)
+    if uniform:
+        return f" (seeds {', '.join(map(str, have[0]))} only)", [""] * len(have)
+    return "", [f" (seed{'s' * (len(h) > 1)} {', '.join(map(str, h))})" if h else ""
+                for h in have]
+
+
 def title(result: dict) -> str:
     """One line naming the task, protocol, scale, seeds and context."""
     model = result["config"]["model"]
@@ -100,17 +112,13 @@ def table(result: dict) -> tuple[list[str], list[list[str]]]:
     by = {(r["model"], r["setting"]): r for r in result["rows"]}
     models = list(dict.fromkeys(r["model"] for r in result["rows"]))
     rows = []
+    marks = {model: _seed_marks([by[model, s].get("seed_ids") for s in settings])
+             for model in models}
     for model in models:
-        # an assembly of finished jobs (``--cached-only``) may lack seeds: one set for the
-        # whole row goes with its name, else each cell says which seeds it has
-        have = [by[model, s].get("seed_ids") for s in settings]
-        uniform = all(h == have[0] for h in have) and have[0]
-        cells = [mean_std(by[model, s]["seeds"])
-                 + (f" (seed{'s' * (len(h) > 1)} {', '.join(map(str, h))})"
-                    if h and not uniform else "")
-                 for s, h in zip(settings, have, strict=True)]
-        rows.append([model + (f" (seeds {', '.join(map(str, have[0]))} only)" if uniform
-                              else ""),
+        name_mark, cell_marks = marks[model]
+        cells = [mean_std(by[model, s]["seeds"]) + mark
+                 for s, mark in zip(settings, cell_marks, strict=True)]
+        rows.append([model + name_mark,
                      f"{result['params'][model]:,}",
                      f"{result['carried'].get(model, 0):,}" if result["carried"].get(model)
                      else "0",
@@ -123,8 +131,10 @@ def table(result: dict) -> tuple[list[str], list[list[str]]]:
     reset = result["config"].get("reset", "segment")
     for model in models:
         if any(by[model, s]["reset"] for s in settings):
-            rows.append([f"{model}, state reset every {reset}", "", "",
-                         *[mean_std(by[model, s]["reset"]) for s in settings], "", ""])
+            name_mark, cell_marks = marks[model]
+            rows.append([f"{model}{name_mark}, state reset every {reset}", "", "",
+                         *[mean_std(by[model, s]["reset"]) + mark
+                           for s, mark in zip(settings, cell_marks, strict=True)], "", ""])
     return header, rows
 
 
