@@ -200,10 +200,42 @@ def test_reused_runs_keep_the_cpu_they_ran_on():
     assert outputs["k2"]["ran_at"] == new_place  # a run that names its CPU keeps it
     assembled = {"environment": {"cpu": "Intel Xeon"},
                  "runs": [{**o["run"], "ran_at": o["ran_at"]} for o in outputs.values()]}
-    assert runs_cpus(assembled) == "AMD EPYC (AVX2) for 2 runs, Intel Xeon (AVX-512) for 1 run"
+    assert runs_cpus(assembled) == ("AMD EPYC (AVX2) for 2 runs (A), "
+                                    "Intel Xeon (AVX-512) for 1 run (B)")
     assert runs_cpus({"environment": {"cpu": "Intel Xeon"}, "runs": [{}]}) == "Intel Xeon"
     single = {"runs": [{"ran_at": new_place}] * 2}
     assert runs_cpus(single) == "Intel Xeon (AVX-512)"
+
+
+def test_cost_table_marks_where_each_number_ran():
+    """A results file from two CPUs marks every cost number with the CPUs its seeds ran
+    on, and a ratio of numbers from different CPUs says so; a file from one CPU has no
+    marks."""
+    from examples.diagnostics.render import cost_marks, runs_cpus
+    from examples.diagnostics.report import cost_table
+
+    epyc = {"commit": "c", "cpu": "AMD EPYC", "cpu_vector": "AVX2"}
+    xeon = {"commit": "c", "cpu": "Intel Xeon", "cpu_vector": "AVX-512"}
+
+    def run(model: str, seed: int, setting: str, place: dict) -> dict:
+        return {"model": model, "seed": seed, "accuracy": {setting: 0.5}, "ran_at": place}
+
+    runs = [run("transformer", s, w, epyc) for s in (0, 1) for w in ("W=5", "W=50")]
+    runs += [run("tensor_memory", 0, "W=5", epyc), run("tensor_memory", 0, "W=50", epyc),
+             run("tensor_memory", 1, "W=5", epyc), run("tensor_memory", 1, "W=50", xeon)]
+    cost = {m: {w: {"seconds": [1.0, 1.0], "ms_per_step": [k, k]} for w in ("W=5", "W=50")}
+            for m, k in (("transformer", 10.0), ("tensor_memory", 40.0))}
+    result = {"settings": ["W=5", "W=50"], "cost": cost, "config": {"per_setting": True},
+              "runs": runs}
+    marks = cost_marks(result)
+    assert runs_cpus(result) == "AMD EPYC (AVX2) for 7 runs (A), Intel Xeon (AVX-512) for 1 run (B)"
+    _, rows = cost_table(result, marks)
+    assert rows[0][1:3] == ["10 (A)", "10 (A)"]
+    assert rows[1][1:3] == ["40 (A)", "40 (A, B)"]
+    assert rows[2][1:3] == ["4.0x", "4.0x (A, B / A)"]
+    one_cpu = {**result, "runs": [dict(r, ran_at=epyc) for r in runs]}
+    assert cost_marks(one_cpu) == {}
+    assert cost_table(one_cpu, cost_marks(one_cpu))[1][2][1:3] == ["4.0x", "4.0x"]
 
 
 def test_cpu_features_name_the_vector_unit():

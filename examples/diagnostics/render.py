@@ -69,39 +69,82 @@ def markdown(name: str, result: dict) -> str:
     verdict = collapse_verdict(result)
     if verdict:
         parts.append("Collapse sweep, per number of writes: " + "; ".join(verdict) + ".")
-    cost = cost_table(result)
+    marks = cost_marks(result)
+    cost = cost_table(result, marks)
     if cost is not None:
         env = result.get("environment", {})
+        where = ("; a number's letters say where its seeds ran, and numbers from "
+                 "different CPUs do not compare" if marks else "")
         parts.append(f"*Cost ({result['scale']} scale, {env.get('threads', '?')} torch "
-                     f"thread(s) per job on {runs_cpus(result)}): ms per "
+                     f"thread(s) per job on {runs_cpus(result)}{where}): ms per "
                      f"training step, mean over seeds.*")
         parts.append(md_table(*cost))
     return "\n\n".join(parts) + "\n"
 
 
-def runs_cpus(result: dict) -> str:
-    """The CPUs a results file's runs ran on, from each run's ``ran_at`` (model name and
-    vector unit, e.g. ``"AMD EPYC (AVX2) for 9 runs, Intel Xeon (AVX-512) for 3"``), else
-    the file's environment: a file assembled over sittings can mix machines, whose wall
-    times are not comparable."""
-    def name(place: dict) -> str | None:
-        if not place.get("cpu"):
-            return None
-        vector = place.get("cpu_vector")
-        return place["cpu"] + (f" ({vector})" if vector else "")
+def _place_name(place: dict) -> str | None:
+    """A CPU's model name and vector unit (``"Intel Xeon (AVX-512)"``), else ``None``."""
+    if not place.get("cpu"):
+        return None
+    vector = place.get("cpu_vector")
+    return place["cpu"] + (f" ({vector})" if vector else "")
 
+
+def _run_cpu(run: dict) -> str | None:
+    """Where one run ran (``"A or B"`` for a run whose record lists several places)."""
+    names = sorted({n for n in map(_place_name, ran_at_of(run)) if n})
+    return " or ".join(names) if names else None
+
+
+def _cpu_counts(result: dict) -> list[tuple[str, int]]:
+    """``[(cpu, runs)]`` over a results file's runs, the most frequent first."""
     counts: dict[str, int] = {}
     for run in result.get("runs", []):
-        names = sorted({n for n in map(name, ran_at_of(run)) if n})
-        if names:
-            key = " or ".join(names)
-            counts[key] = counts.get(key, 0) + 1
+        if (cpu := _run_cpu(run)) is not None:
+            counts[cpu] = counts.get(cpu, 0) + 1
+    return sorted(counts.items(), key=lambda kv: -kv[1])
+
+
+def cpu_letters(result: dict) -> dict[str, str]:
+    """``{cpu: "A" | "B" | ...}`` for a file whose runs ran on more than one CPU (the
+    most frequent is A), else ``{}``: the cost table marks each number with where its
+    seeds ran, since wall times from different machines are not comparable."""
+    counts = _cpu_counts(result)
+    if len(counts) < 2:
+        return {}
+    return {cpu: chr(ord("A") + i) if i < 26 else str(i) for i, (cpu, _) in
+            enumerate(counts)}
+
+
+def cost_marks(result: dict) -> dict[tuple[str, str], str]:
+    """``{(model, setting): " (A)"}``: the CPUs (:func:`cpu_letters`) of the runs behind
+    each cost-table number (``" (A, B)"`` where its seeds ran on two); empty for a file
+    from one CPU."""
+    letters = cpu_letters(result)
+    if not letters:
+        return {}
+    cells: dict[tuple[str, str], set[str]] = {}
+    for run in result.get("runs", []):
+        cpu = _run_cpu(run)
+        for setting in run.get("accuracy", {}):
+            cells.setdefault((run["model"], setting), set()).add(
+                letters[cpu] if cpu is not None else "?")
+    return {cell: f" ({', '.join(sorted(marks))})" for cell, marks in cells.items()}
+
+
+def runs_cpus(result: dict) -> str:
+    """The CPUs a results file's runs ran on, from each run's ``ran_at`` (model name and
+    vector unit, e.g. ``"AMD EPYC (AVX2) for 9 runs (A), Intel Xeon (AVX-512) for 3 (B)"``,
+    the letters those of :func:`cpu_letters`), else the file's environment: a file
+    assembled over sittings can mix machines, whose wall times are not comparable."""
+    counts = _cpu_counts(result)
     if not counts:
         return result.get("environment", {}).get("cpu", "an unrecorded CPU")
     if len(counts) == 1:
-        return next(iter(counts))
-    ordered = sorted(counts.items(), key=lambda kv: -kv[1])
-    return ", ".join(f"{cpu} for {n} run{'s' if n > 1 else ''}" for cpu, n in ordered)
+        return counts[0][0]
+    letters = cpu_letters(result)
+    return ", ".join(f"{cpu} for {n} run{'s' if n > 1 else ''} ({letters[cpu]})"
+                     for cpu, n in counts)
 
 
 def _estimate_markdown(name: str, result: dict) -> str:

@@ -138,12 +138,14 @@ def table(result: dict) -> tuple[list[str], list[list[str]]]:
     return header, rows
 
 
-def cost_table(result: dict) -> tuple[list[str], list[list[str]]] | None:
+def cost_table(result: dict, marks: dict[tuple[str, str], str] | None = None
+               ) -> tuple[list[str], list[list[str]]] | None:
     """``(header, rows)`` of the training cost: ms per training step (mean over seeds) of
     every row and setting, the row's total wall time (training and evaluation, all
     seeds), and for every ``tensor_memory`` row whose ``transformer`` counterpart exists
     (the same label with the model's name changed) the ratio of their ms per step.
-    ``None`` for a results file without cost records."""
+    ``marks``: a suffix per ``(model, setting)`` number (``render.cost_marks``: where
+    its seeds ran). ``None`` for a results file without cost records."""
     cost = result.get("cost")
     if not cost:
         return None
@@ -160,7 +162,8 @@ def cost_table(result: dict) -> tuple[list[str], list[list[str]]] | None:
     for model, per in cost.items():
         wall = (sum(sum(c["seconds"]) for c in per.values()) if per_setting
                 else sum(next(iter(per.values()))["seconds"]))
-        rows.append([model, *[f"{v:,.0f}" if (v := ms(model, s)) is not None else "-"
+        rows.append([model, *[f"{v:,.0f}{(marks or {}).get((model, s), '')}"
+                              if (v := ms(model, s)) is not None else "-"
                               for s in settings], f"{wall / 3600:.2f} h" if wall >= 3600
                      else f"{wall:,.0f} s"])
     for model in cost:
@@ -170,7 +173,10 @@ def cost_table(result: dict) -> tuple[list[str], list[list[str]]] | None:
         ratios = []
         for s in settings:
             a, b = ms(model, s), ms(base, s)
-            ratios.append(f"{a / b:.1f}x" if a and b else "-")
+            where_a, where_b = ((marks or {}).get((m, s), "").strip(" ()") for m in (model, base))
+            # a ratio of numbers from different CPUs says so (they do not compare)
+            mixed = f" ({where_a} / {where_b})" if where_a != where_b else ""
+            ratios.append(f"{a / b:.1f}x{mixed}" if a and b else "-")
         rows.append([f"ratio {model} / {base}", *ratios, ""])
     return header, rows
 
