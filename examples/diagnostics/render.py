@@ -118,8 +118,8 @@ def cpu_letters(result: dict) -> dict[str, str]:
 
 def cost_marks(result: dict) -> dict[tuple[str, str], str]:
     """``{(model, setting): " (A)"}``: the CPUs (:func:`cpu_letters`) of the runs behind
-    each cost-table number (``" (A, B)"`` where its seeds ran on two); empty for a file
-    from one CPU."""
+    each cost-table number (``" (A, B)"`` where its seeds ran on two, ``?`` for a run
+    whose record names no CPU); empty for a file from one CPU."""
     letters = cpu_letters(result)
     if not letters:
         return {}
