@@ -149,7 +149,7 @@ def cost_table(result: dict, marks: dict[tuple[str, str], str] | None = None
     cost = result.get("cost")
     if not cost:
         return None
-    settings = result["settings"]
+    settings, marks = result["settings"], marks or {}
     header = ["model (ms per training step)", *settings, "wall time, all seeds"]
     rows = []
 
@@ -162,7 +162,7 @@ def cost_table(result: dict, marks: dict[tuple[str, str], str] | None = None
     for model, per in cost.items():
         wall = (sum(sum(c["seconds"]) for c in per.values()) if per_setting
                 else sum(next(iter(per.values()))["seconds"]))
-        rows.append([model, *[f"{v:,.0f}{(marks or {}).get((model, s), '')}"
+        rows.append([model, *[f"{v:,.0f}{marks.get((model, s), '')}"
                               if (v := ms(model, s)) is not None else "-"
                               for s in settings], f"{wall / 3600:.2f} h" if wall >= 3600
                      else f"{wall:,.0f} s"])
@@ -173,7 +173,7 @@ def cost_table(result: dict, marks: dict[tuple[str, str], str] | None = None
         ratios = []
         for s in settings:
             a, b = ms(model, s), ms(base, s)
-            where_a, where_b = ((marks or {}).get((m, s), "").strip(" ()") for m in (model, base))
+            where_a, where_b = (marks.get((m, s), "").strip(" ()") for m in (model, base))
             # a ratio of numbers from different CPUs says so (they do not compare)
             mixed = f" ({where_a} / {where_b})" if where_a != where_b else ""
             ratios.append(f"{a / b:.1f}x{mixed}" if a and b else "-")
