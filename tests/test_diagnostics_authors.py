@@ -258,3 +258,27 @@ def test_authors_exact_runs_the_other_paper_tasks(name, tmp_path):
     assert {r["model"] for r in result["rows"]} == {"transformer", "tensor_memory"}
     tm = next(r for r in result["rows"] if r["model"] == "tensor_memory")
     assert tm["reset"] and result["carried"]["tensor_memory"] > 0
+
+
+@pytest.mark.parametrize(("part", "selection"), [
+    ("collapse", {"settings": ("W=50",)}),  # a shorter stream than the part's longest
+    ("collapse", {"settings": ("W=20", "W=100"), "models": ("tensor_memory, 500 steps",)}),
+    ("binding", {"noises": (0.0,), "models": ("transformer",)}),
+    ("occlusion", {"settings": ("L=2",)}),
+])
+def test_a_sweep_selection_runs_jobs_of_the_whole_part(part, selection):
+    """``--settings`` / ``--noises`` / ``--models`` only select: each job they run has the
+    key (and so the model, positional table included) of the same job in the whole part,
+    so a later run or assembly without them reuses it."""
+    from examples.diagnostics.jobstore import job_key
+    from examples.diagnostics.runner import experiment_jobs
+    from examples.diagnostics.sweep import sweep_experiments
+
+    def keys(**kw):
+        (_, exp), = sweep_experiments((part,), seeds=(0,), **kw)
+        return {job_key(job): job.model.max_len for job in experiment_jobs(exp)}
+
+    whole, picked = keys(), keys(**selection)
+    assert picked and len(picked) < len(whole)
+    assert set(picked) <= set(whole), (
+        f"max_len {set(picked.values())} vs the part's {set(whole.values())}")

@@ -119,6 +119,10 @@ def sweep_experiments(parts: tuple[str, ...] | None = None, scale: str = "full",
             continue
         exp = make_experiment(part.task, scale, seeds, protocol="paper",
                               authors_exact=part.authors_exact)
+        # the models are sized for the part's longest stream (their positional table):
+        # pinned before the settings are narrowed, so a selection trains the part's models
+        # and its jobs keep the part's keys
+        exp.model = replace(exp.model, max_len=max(exp.model.max_len, exp.task.max_len()))
         if models is not None:
             exp.entries = [e for e in exp.entries
                            if e.label in models or (e.kind in models and e.train_overrides)]
