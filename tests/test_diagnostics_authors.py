@@ -221,20 +221,23 @@ def test_sweep_parts_and_estimate(tmp_path):
 def test_collapse_verdict_names_the_smallest_budget_beyond_the_seed_spread():
     from examples.diagnostics.report import collapse_verdict
 
-    def row(model, setting, seeds):
-        return {"model": model, "setting": setting, "seeds": seeds, "reset": []}
+    def row(model, setting, seeds, reset=()):
+        return {"model": model, "setting": setting, "seeds": seeds, "reset": list(reset)}
 
     result = {"config": {"task": {"budgets": [500, 2000]}}, "settings": ["W=20", "W=50"],
               "rows": [row("transformer, 500 steps", "W=20", [50.0, 52.0, 54.0]),
                        row("tensor_memory, 500 steps", "W=20", [51.0, 53.0, 55.0]),
                        row("transformer, 2000 steps", "W=20", [60.0, 61.0, 62.0]),
-                       row("tensor_memory, 2000 steps", "W=20", [70.0, 71.0, 72.0]),
+                       row("tensor_memory, 2000 steps", "W=20", [70.0, 71.0, 72.0],
+                           reset=[69.0, 70.0, 71.0]),
                        row("transformer, 500 steps", "W=50", [10.0, 30.0, 50.0]),
                        row("tensor_memory, 500 steps", "W=50", [40.0, 40.0, 40.0]),
                        row("transformer, 2000 steps", "W=50", [90.0, 90.0, 90.0]),
                        row("tensor_memory, 2000 steps", "W=50", [80.0, 80.0, 80.0])]}
     lines = collapse_verdict(result)
     assert lines[0].startswith("W=20: Tensor Memory ahead") and "2000 steps (+10.0" in lines[0]
+    # the lead that is left with the state reset: here most of it, so not the memory's
+    assert lines[0].endswith("(+10.0 points; +9.0 with its state reset every token)")
     assert lines[1].startswith("W=50: Tensor Memory is never ahead")  # +10 < spread 20
     assert lines[1].endswith("at the budgets compared (500, 2000 steps)")
     assert lines[2] == "smallest such setting: W=20 at 2000 steps"

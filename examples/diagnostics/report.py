@@ -186,11 +186,14 @@ def collapse_verdict(result: dict) -> list[str]:
     per number of writes, the smallest training budget at which the mean of the
     ``tensor_memory, <b> steps`` row exceeds the ``transformer, <b> steps`` row's by more
     than the larger of the two seed spreads (sample std; needs >= 2 seeds in both), then
-    the smallest such setting overall. Empty for other results files."""
+    the smallest such setting overall. Where Tensor Memory's row was also scored with its
+    state reset at every token, the lead says what is left of it then: a lead that
+    survives the reset is not the memory's. Empty for other results files."""
     budgets = result.get("config", {}).get("task", {}).get("budgets")
     if not budgets:
         return []
     by = {(r["model"], r["setting"]): r["seeds"] for r in result["rows"]}
+    reset = {(r["model"], r["setting"]): r.get("reset") or [] for r in result["rows"]}
     lines, first = [], None
     for setting in result["settings"]:
         found, compared = None, []
@@ -202,7 +205,9 @@ def collapse_verdict(result: dict) -> list[str]:
             compared.append(budget)
             gap = statistics.fmean(tm) - statistics.fmean(tf)
             if gap > max(statistics.stdev(tm), statistics.stdev(tf)):
-                found = (budget, gap)
+                tm_reset = reset.get((f"tensor_memory, {budget} steps", setting), [])
+                found = (budget, gap, statistics.fmean(tm_reset) - statistics.fmean(tf)
+                         if tm_reset else None)
                 break
         if found is None and not compared:
             lines.append(f"{setting}: not compared yet (no budget has >= 2 seeds of both rows)")
@@ -211,8 +216,10 @@ def collapse_verdict(result: dict) -> list[str]:
                          f"spread at the budgets compared "
                          f"({', '.join(map(str, compared))} steps)")
         else:
+            after_reset = ("" if found[2] is None else
+                           f"; {found[2]:+.1f} with its state reset every token")
             lines.append(f"{setting}: Tensor Memory ahead by more than the seed spread first "
-                         f"at {found[0]} steps (+{found[1]:.1f} points)")
+                         f"at {found[0]} steps (+{found[1]:.1f} points{after_reset})")
             first = first or (setting, found[0])
     lines.append("smallest such setting: " + (f"{first[0]} at {first[1]} steps" if first
                                                 else "none"))
