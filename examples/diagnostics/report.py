@@ -278,6 +278,10 @@ def plot_results(result: dict, path: Path) -> None:
                     label=model)
     ax.plot(xs, [result["window_ceiling"][s] for s in settings], "k--", label="window ceiling")
     ax.set_xticks(list(xs), settings)
+    if len(settings) > 6:  # long labels ("W=20 noise=0.05") overlap when flat
+        ax.tick_params(axis="x", labelrotation=35, labelsize=7)
+        for label in ax.get_xticklabels():
+            label.set_horizontalalignment("right")
     ax.set(title=f"{result['task']} ({result['protocol']} protocol, {result['scale']} scale)",
            ylabel="accuracy %", ylim=(0, 102))
     ax.grid(alpha=0.3)
