@@ -1,8 +1,8 @@
 """JAX ``custom_vjp`` for the layer's scan with local updates and / or warped dynamics.
 
-:func:`dynamic_scan` runs :func:`tmcore.dynamics.scan_fwd` on JAX arrays (the local
-scan's box fast path writes its boxes back with ``.at[].set``, :mod:`tmcore._gather`)
-and registers :func:`tmcore.dynamics.scan_bwd` as its VJP. :class:`LayerScan` is the
+:func:`dynamic_scan` runs :func:`tmcore.scan.warped.scan_fwd` on JAX arrays (the local
+scan's box fast path writes its boxes back with ``.at[].set``, :mod:`tmcore.ops.gather`)
+and registers :func:`tmcore.scan.warped.scan_bwd` as its VJP. :class:`LayerScan` is the
 layer's ``scan`` callable that :func:`tmcore.adapters.jax.apply` uses when the config
 asks for ``update="local"`` or ``dynamics="warp"``.
 
@@ -24,8 +24,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from tmcore import dynamics
-from tmcore.conv import ConvParams
+from tmcore.ops.conv import ConvParams
+from tmcore.scan import warped as dynamics
 
 __all__ = ["LayerScan", "dynamic_scan"]
 
@@ -34,10 +34,10 @@ __all__ = ["LayerScan", "dynamic_scan"]
 def dynamic_scan(options: dynamics.ScanOptions, h0: jax.Array, c0: jax.Array, inputs: Any,
                  params: ConvParams, flow: ConvParams | None = None
                  ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """:func:`tmcore.dynamics.scan_fwd` with tmcore's VJP: ``(reads (B, T, C), h_T, c_T)``.
+    """:func:`tmcore.scan.warped.scan_fwd` with tmcore's VJP: ``(reads (B, T, C), h_T, c_T)``.
 
-    ``inputs``: :class:`tmcore.StepInputs` or :class:`tmcore.dynamics.WarpInputs` of
-    ``(B, T, ...)`` arrays; ``options`` static (:func:`tmcore.dynamics.scan_options`);
+    ``inputs``: :class:`tmcore.StepInputs` or :class:`tmcore.scan.warped.WarpInputs` of
+    ``(B, T, ...)`` arrays; ``options`` static (:func:`tmcore.scan.warped.scan_options`);
     ``flow``: the per-cell flow's :class:`tmcore.ConvParams` (``flow=True``) or ``None``.
     """
     reads, h, c, _ = _scan_fwd(options, False, h0, c0, inputs, params, flow)
@@ -75,8 +75,8 @@ dynamic_scan.defvjp(_fwd, _bwd)
 
 class LayerScan(NamedTuple):
     """The layer's ``scan`` callable for the local / warp options (the config's
-    :class:`tmcore.dynamics.ScanOptions`, the cell's parameters); its ``cond`` lets
-    :mod:`tmcore.stream` skip a decode step's update (``lax.cond``)."""
+    :class:`tmcore.scan.warped.ScanOptions`, the cell's parameters); its ``cond`` lets
+    :mod:`tmcore.layer.stream` skip a decode step's update (``lax.cond``)."""
 
     options: dynamics.ScanOptions
     cell: ConvParams

@@ -35,10 +35,10 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from tmcore._dispatch import ops_for
-from tmcore._options import Options, get_options
-from tmcore.conv import ConvParams
-from tmcore.scan import StepInputs, add_params, step_bwd, step_fwd
+from tmcore.ops.conv import ConvParams
+from tmcore.runtime.dispatch import ops_for
+from tmcore.runtime.options import Options, get_options
+from tmcore.scan.dense import StepInputs, add_params, step_bwd, step_fwd
 
 __all__ = ["ScanStatic", "checkpoint_scan", "forward_mode_guard", "identity_finish",
            "identity_prepare", "match_vma", "options_key", "sample", "splat"]

@@ -1,12 +1,12 @@
 """PyTorch autograd for the layer's scan with local updates and / or warped dynamics.
 
-:class:`DynamicScanFunction` runs :func:`tmcore.dynamics.scan_fwd` (tmcore's array-API
+:class:`DynamicScanFunction` runs :func:`tmcore.scan.warped.scan_fwd` (tmcore's array-API
 code on torch tensors: the local scan's box fast path, the warp) and registers
-:func:`tmcore.dynamics.scan_bwd` as its backward. :func:`layer_scan` is what
+:func:`tmcore.scan.warped.scan_bwd` as its backward. :func:`layer_scan` is what
 :class:`tmcore.adapters.torch.TensorMemory` calls when its config asks for
 ``update="local"`` or ``dynamics="warp"``; the default layer keeps its custom-op scan.
 
-The backward's residuals are those of :func:`tmcore.dynamics.scan_fwd`: with a warp,
+The backward's residuals are those of :func:`tmcore.scan.warped.scan_fwd`: with a warp,
 the state entering every ``options.checkpoint_every``-th chunk (the layer's
 ``checkpoint_every``), ``ceil(T / k)`` states of ``h`` and ``c``, each segment replayed
 in the backward; without warp, the local scan's undo log.
@@ -26,9 +26,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from tmcore import dynamics
-from tmcore.conv import ConvParams
-from tmcore.scan import StepInputs
+from tmcore.ops.conv import ConvParams
+from tmcore.scan import warped as dynamics
+from tmcore.scan.dense import StepInputs
 
 from . import _torch_local_op
 from ._torch_ops import _XP
@@ -63,7 +63,7 @@ class DynamicScanFunction(torch.autograd.Function):
     """``apply(options, keep, h0, c0, read_coords, write_coords, write_sigma, write_content,
     shift or None, *params, *flow_params) -> (reads (B, T, C), h_T, c_T)``; ``keep``: store
     the residuals for a backward (``ctx.residuals``, a
-    :class:`tmcore.dynamics.DynamicResiduals`: with a shift, the ``ceil(T / k)``
+    :class:`tmcore.scan.warped.DynamicResiduals`: with a shift, the ``ceil(T / k)``
     checkpoint states, ``k = options.checkpoint_every``); ``flow_params``: none, or the
     four tensors of the per-cell flow's :class:`tmcore.ConvParams` (with a shift)."""
 
@@ -107,9 +107,9 @@ def layer_scan(options: dynamics.ScanOptions, h0: Tensor, c0: Tensor, inputs: An
                params: ConvParams, flow_params: ConvParams | None = None
                ) -> tuple[Tensor, Tensor, Tensor]:
     """The layer's ``scan(h0, c0, inputs)`` with ``options``
-    (:func:`tmcore.dynamics.scan_options` of the layer's config) and autograd.
+    (:func:`tmcore.scan.warped.scan_options` of the layer's config) and autograd.
 
-    ``inputs``: :class:`tmcore.StepInputs` or :class:`tmcore.dynamics.WarpInputs` of
+    ``inputs``: :class:`tmcore.StepInputs` or :class:`tmcore.scan.warped.WarpInputs` of
     ``(B, T, ...)`` tensors (from :func:`tmcore.layer.heads`); ``flow_params``: the
     ``warp_flow`` group's :class:`tmcore.ConvParams` (``flow=True``)."""
     shift = getattr(inputs, "shift", None)

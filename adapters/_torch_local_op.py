@@ -9,15 +9,15 @@ fake implementation (the output shapes) and a registered autograd rule:
 
 - ``tmcore::dynamic_scan(h0, c0, read_coords, write_coords, write_sigma, write_content,
   shift?, params[], options_id) -> (reads (B, T, C), h_T, c_T)`` runs
-  :func:`tmcore.dynamics.scan_fwd` without residuals;
+  :func:`tmcore.scan.warped.scan_fwd` without residuals;
 - ``tmcore::dynamic_scan_backward(..., g_reads, g_h, g_c, options_id) -> grads[]``
-  recomputes the forward with residuals, then runs :func:`tmcore.dynamics.scan_bwd`:
+  recomputes the forward with residuals, then runs :func:`tmcore.scan.warped.scan_bwd`:
   the eager Function's values and gradients, bit for bit, for one extra forward pass
   in the backward.
 
 ``params``: the cell's four :class:`tmcore.ConvParams` tensors, then (``flow=True``) the
 flow's four. ``options_id``: the index of the call's
-:class:`tmcore.dynamics.ScanOptions` in this process's table (a custom op takes no
+:class:`tmcore.scan.warped.ScanOptions` in this process's table (a custom op takes no
 NamedTuple; the table keeps the schema independent of the options' fields).
 
 First order only: the backward op has no autograd rule, so a double backward through
@@ -32,9 +32,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from tmcore import dynamics
-from tmcore.conv import ConvParams
-from tmcore.scan import StepInputs
+from tmcore.ops.conv import ConvParams
+from tmcore.scan import warped as dynamics
+from tmcore.scan.dense import StepInputs
 
 from ._torch_ops import _XP
 
@@ -160,7 +160,7 @@ def layer_scan(options: dynamics.ScanOptions, h0: Tensor, c0: Tensor, inputs: An
                ) -> tuple[Tensor, Tensor, Tensor]:
     """:func:`tmcore.adapters._torch_local.layer_scan` as the custom op ``tmcore::dynamic_scan``
     (what ``torch.compile`` traces): ``inputs`` a :class:`tmcore.StepInputs` or
-    :class:`tmcore.dynamics.WarpInputs` of ``(B, T, ...)`` tensors, ``h0, c0 (B, C, *S)``;
+    :class:`tmcore.scan.warped.WarpInputs` of ``(B, T, ...)`` tensors, ``h0, c0 (B, C, *S)``;
     returns ``reads (B, T, C), h_T, c_T``."""
     shift = getattr(inputs, "shift", None)
     return _scan_op(h0, c0, *inputs[:4], shift, [*params, *(flow_params or ())],

@@ -14,7 +14,7 @@ arguments, its outputs, and its forward / backward written with tmcore's
   raises under ``torch.func.grad`` in torch 2.13, the Function does not); the
   adapter's public functions call the twins (:func:`call`).
 
-Every forward and backward goes through :func:`tmcore._dispatch.ops_for`, so
+Every forward and backward goes through :func:`tmcore.runtime.dispatch.ops_for`, so
 backend fast paths, the float16 / bfloat16 float32-compute rule and
 :func:`tmcore.options` apply exactly as for ``tmcore.*``. The options in force
 at the forward are also in force in the backward (saved on the autograd
@@ -54,13 +54,13 @@ import array_api_compat
 import torch
 from torch import Tensor
 
-from tmcore._dispatch import ops_for
-from tmcore._options import get_options, options
-from tmcore.cell import convlstm_step, convlstm_step_vjp
-from tmcore.conv import ConvParams
-from tmcore.sampling import validate_sample_inputs
-from tmcore.scan import memory_scan_bwd, memory_scan_fwd, validate_scan_inputs
-from tmcore.splat import validate_splat_inputs
+from tmcore.ops.cell import convlstm_step, convlstm_step_vjp
+from tmcore.ops.conv import ConvParams
+from tmcore.ops.sample import validate_sample_inputs
+from tmcore.ops.splat import validate_splat_inputs
+from tmcore.runtime.dispatch import ops_for
+from tmcore.runtime.options import get_options, options
+from tmcore.scan.dense import memory_scan_bwd, memory_scan_fwd, validate_scan_inputs
 
 __all__ = [
     "ConvLSTMStepFunction",

@@ -25,7 +25,7 @@ Three levels, each a thin layer over the one below:
 
 The layer itself (configuration checks, parameter plan, heads, chunking,
 reset, modes, stored-grid check, streaming) is :mod:`tmcore.layer` /
-:mod:`tmcore.stream`, shared with the PyTorch adapter: :func:`apply` calls
+:mod:`tmcore.layer.stream`, shared with the PyTorch adapter: :func:`apply` calls
 ``Layer.forward`` (``stream=False``) or ``Layer.forward_stream`` (the default)
 with :func:`memory_scan` as the scan, as the torch adapter does; the heads and
 ``out_proj`` run once over all chunks, so the compiled program does not grow
@@ -46,15 +46,15 @@ import numpy as np
 from flax import nnx
 from jax import lax
 
-from tmcore import _sizes
 from tmcore import layer as tl
-from tmcore._validate import check_finite, check_int, check_values, validation_enabled
-from tmcore.conv import ConvParams
-from tmcore.dynamics import scan_options
-from tmcore.sampling import _validate as sample_validate
-from tmcore.scan import StepInputs, validate_scan_inputs
-from tmcore.splat import DEFAULT_EPS
-from tmcore.splat import _validate as splat_validate
+from tmcore.layer import sizes as layer_sizes
+from tmcore.ops.conv import ConvParams
+from tmcore.ops.sample import validate_sample_inputs
+from tmcore.ops.splat import DEFAULT_EPS, validate_splat_inputs
+from tmcore.runtime import sizes as _sizes
+from tmcore.runtime.validate import check_finite, check_int, check_values, validation_enabled
+from tmcore.scan.dense import StepInputs, validate_scan_inputs
+from tmcore.scan.warped import scan_options
 
 from . import _jax_local
 from . import _jax_scan as _scan_mod
@@ -172,7 +172,7 @@ def trilinear_sample(
         arrays) an array holds NaN or inf.
     """
     volume, coords = jnp.asarray(volume), jnp.asarray(coords)
-    sample_validate(volume, coords)
+    validate_sample_inputs(volume, coords)
     _check_values_eagerly({"volume": volume, "coords": coords})
     return forward_mode_guard("trilinear_sample", lambda: _scan_mod.sample(volume, coords))
 
@@ -224,7 +224,7 @@ def gaussian_splat(
         or a sigma is not > 0.
     """
     content, mu, sigma = map(jnp.asarray, (content, mu, sigma))
-    _, dims = splat_validate(content, mu, sigma, shape, radius=radius, eps=eps)
+    _, dims = validate_splat_inputs(content, mu, sigma, shape, radius=radius, eps=eps)
     _check_values_eagerly({"content": content, "mu": mu, "sigma": sigma})
     return forward_mode_guard("gaussian_splat", lambda: _scan_mod.splat(
         content, mu, sigma, tuple(dims), float(eps), _static_radius(radius)))
@@ -507,7 +507,7 @@ def init(
     """
     config = tl.layer_config(embed_dim, memory_channels, memory_shape, chunk_size, sigma_scale,
                              forget_bias=forget_bias, dynamics=dynamics, flow=flow)
-    _sizes.check_params(jnp, config, dtype)  # before any parameter is made
+    tl.check_param_bytes(jnp, config, dtype)  # before any parameter is made
     random = [s for s in tl.param_specs(config) if s.init in ("uniform", "xavier_uniform")]
     keys = iter(jax.random.split(key, len(random)))
 
@@ -790,7 +790,7 @@ def apply(
                            radius=radius, checkpoint_every=checkpoint_every,
                            update=update, window=window, dynamics=dynamics, flow=flow)
     tl.check_tokens(jnp, x, config)
-    _sizes.check_forward(jnp, config, x)  # the state and the call fit, before allocating
+    layer_sizes.check_forward(jnp, config, x)  # the state and the call fit, before allocating
     if stream:
         return _apply_stream(params, x, state, config, layer, reset, doc_starts, valid)
     batch, tokens, d = x.shape
@@ -862,7 +862,7 @@ def _on_mesh_of(x: Any, tree: Any) -> Any:
 class _LayerScan(NamedTuple):
     """The layer's ``scan`` callable: :func:`memory_scan` (one checkpointing ``lax.scan``
     with tmcore's VJP) with the layer's cell parameters and options. Its ``cond`` lets
-    :mod:`tmcore.stream` skip a decode step's grid update when no row completes a chunk
+    :mod:`tmcore.layer.stream` skip a decode step's grid update when no row completes a chunk
     (``lax.cond``: under ``jit`` only the taken branch runs)."""
 
     config: tl.LayerConfig

@@ -53,14 +53,14 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tmcore import layer as tl
-from tmcore._validate import check_finite, check_int
 from tmcore.adapters import _torch_local, _torch_local_op, _torch_ops
 from tmcore.adapters._torch_attach import MemoryHandle, blocks_of, detach_state
-from tmcore.conv import ConvParams, as_conv_params
-from tmcore.dynamics import scan_options
-from tmcore.sampling import validate_sample_inputs
-from tmcore.scan import validate_scan_inputs
-from tmcore.splat import DEFAULT_EPS, validate_splat_inputs
+from tmcore.ops.conv import ConvParams, as_conv_params
+from tmcore.ops.sample import validate_sample_inputs
+from tmcore.ops.splat import DEFAULT_EPS, validate_splat_inputs
+from tmcore.runtime.validate import check_finite, check_flag, check_int
+from tmcore.scan.dense import validate_scan_inputs
+from tmcore.scan.warped import scan_options
 
 __all__ = [
     "ConvLSTMCell",
@@ -590,9 +590,9 @@ class TensorMemory(nn.Module):
         self.coord_net = nn.Linear(d, n, **kw)
         self.cell = ConvLSTMCell(c, n, forget_bias=config.forget_bias, **kw)
         self.out_proj = nn.Linear(c, d, **kw)
-        if config.dynamics == "warp":  # the shift head (tmcore.dynamics), zero at init
+        if config.dynamics == "warp":  # the shift head (tmcore.scan.warped), zero at init
             self.warp_net = nn.Linear(d, n, **kw)
-        if config.flow:  # the per-cell flow conv(h) (tmcore.dynamics), zero at init
+        if config.flow:  # the per-cell flow conv(h) (tmcore.scan.warped), zero at init
             self.warp_flow = _torch_local.WarpFlow(c, n, **kw)
         self.reset_parameters()
 
@@ -886,7 +886,7 @@ class MemoryResidual(nn.Module):
         if abs(gate_init) > limit:
             raise ValueError(f"gate_init: expected a finite logit that {ref.dtype} can hold "
                              f"(|gate_init| <= {limit:.4g}), got {gate_init!r}")
-        if tl._flag("zero_init", zero_init) and not memory.zero_init:
+        if check_flag("zero_init", zero_init) and not memory.zero_init:
             memory.zero_read_out_()
         self.memory = memory
         kw = {"device": ref.device, "dtype": ref.dtype}

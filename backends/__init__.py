@@ -1,6 +1,6 @@
 """Optional fast paths per array namespace, chosen at call time from the arrays.
 
-tmcore's public functions (and the scan step) call ``tmcore._dispatch.ops_for(xp)``,
+tmcore's public functions (and the scan step) call ``tmcore.runtime.dispatch.ops_for(xp)``,
 which asks :func:`ops_for_namespace` once per namespace and caches the answer.
 A backend module is imported only when arrays of its namespace arrive, and only
 if its framework is already in ``sys.modules`` (holding its array means it was
@@ -61,8 +61,8 @@ from typing import Any
 
 import array_api_compat
 
-from tmcore._dispatch import ENV_VAR, Ops, generic_ops, ops_for
-from tmcore._options import Options, get_options, options
+from tmcore.runtime.dispatch import ENV_VAR, Ops, generic_ops, ops_for
+from tmcore.runtime.options import Options, get_options, options
 
 __all__ = ["use_generic", "ops_for_namespace", "backend_name", "native_kernels_active",
            "triton_kernels_active", "triton_graph_cache_bytes", "release_scan_buffers",

@@ -1,7 +1,7 @@
 """The fused CPU local scan for torch tensors (``update="local"``): C kernels per step.
 
 Entries ``local_scan_fwd`` / ``local_scan_bwd`` of the torch backend's
-:class:`~tmcore._dispatch.Ops` table (contract: :func:`tmcore.local.local_scan_fwd` /
+:class:`~tmcore.runtime.dispatch.Ops` table (contract: :func:`tmcore.scan.local.local_scan_fwd` /
 ``local_scan_bwd``, the same undo-log residuals). They return ``None`` whenever the
 fused path does not apply (where the dense fused CPU scan would not run either:
 not plain CPU float32 / float64 tensors of one dtype, autograd recording, native
@@ -10,7 +10,7 @@ kernels off, a forced depthwise kernel or Triton, not 1 to 4 spatial axes, or
 
 Once per call, what does not depend on the state is one C call (``local_geometry``):
 every step's window, box and written box (the values of
-:func:`tmcore.local.box_writes`, time-major rows ``t * B + b``) and every read's corner
+:func:`tmcore.scan.local.box_writes`, time-major rows ``t * B + b``) and every read's corner
 geometry (the n-linear weights of the ``2^n`` cells, the backward also their slopes).
 Per step, the forward then makes the C calls
 
@@ -32,7 +32,7 @@ depthwise taps / biases added into float64 accumulators, as is the pointwise bia
 ``gates2_bwd``), the box cotangents written back (``box_op`` mode 2: the window's
 cells replaced, the others passed through plus the conv's halo term), then the read's
 VJP (``corner_read_bwd``). The write gradients are one C call at the end
-(``box_write_bwd``, the rules of :func:`tmcore.local.box_writes_bwd`). Three torch ops
+(``box_write_bwd``, the rules of :func:`tmcore.scan.local.box_writes_bwd`). Three torch ops
 per step; about 40 once per call.
 
 The state (forward, unless ``overwrite_state``) and the two state cotangents
@@ -49,9 +49,9 @@ from typing import Any
 
 import torch
 
-from tmcore.conv import ConvParams
-from tmcore.local import LocalScanResiduals
-from tmcore.scan import ScanGrads
+from tmcore.ops.conv import ConvParams
+from tmcore.scan.dense import ScanGrads
+from tmcore.scan.local import LocalScanResiduals
 
 from . import _torch as bt
 
@@ -79,7 +79,7 @@ def _ptr_at(t: torch.Tensor, elements: int) -> ctypes.c_void_p:
 class _Geometry:
     """Every step's window, box, written box and read corners (time-major rows ``t B +
     b``) in one C call (``local_geometry``): the formulas of
-    :func:`tmcore.local.box_writes` and of the read's corners, in their operation order
+    :func:`tmcore.scan.local.box_writes` and of the read's corners, in their operation order
     and on the same cell centres (``torch.linspace``), so the same values to within an
     ulp of ``exp``; the generic functions take ~250 torch ops for it, the setup of a
     short scan. ``slopes``: also the corner weights' derivatives (the backward).

@@ -50,10 +50,10 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from tmcore._dispatch import Ops
-from tmcore._options import Options
-from tmcore.cell import gates_fwd as generic_gates_fwd
-from tmcore.conv import ConvParams, depthwise_axis
+from tmcore.ops.cell import gates_fwd as generic_gates_fwd
+from tmcore.ops.conv import ConvParams, depthwise_axis
+from tmcore.runtime.dispatch import Ops
+from tmcore.runtime.options import Options
 
 from . import _native
 from ._mixed import with_float32_compute

@@ -68,7 +68,6 @@ import ctypes
 import errno
 import hashlib
 import json
-import math
 import os
 import platform
 import re
@@ -83,14 +82,18 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
-from tmcore._options import get_options
+from tmcore.runtime.options import (
+    TIMEOUT_ENV_VAR,
+    cache_dir,
+    compile_timeout,
+    environment,
+    get_options,
+)
 
 __all__ = ["ENV_VAR", "TIMEOUT_ENV_VAR", "library", "jax_library", "enabled", "cache_dir",
            "compile_timeout", "SOURCE"]
 
 ENV_VAR = "TMCORE_NATIVE"
-TIMEOUT_ENV_VAR = "TMCORE_COMPILE_TIMEOUT"
-DEFAULT_TIMEOUT = 120.0
 SOURCE = Path(__file__).with_name("_native_cell.c")
 JAX_SOURCE = Path(__file__).with_name("_native_jax.cc")
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno",
@@ -106,44 +109,6 @@ def enabled() -> bool:
     whose default is ``TMCORE_NATIVE``). The one place that answers "are the native
     kernels on?" for both backends."""
     return get_options().native
-
-
-def cache_dir() -> Path:
-    """The configured cache folder (``TMCORE_CACHE_DIR``, else the user's cache folder).
-    Builds go elsewhere when it is not safe to use (see the module notes)."""
-    if os.environ.get("TMCORE_CACHE_DIR"):
-        return Path(os.environ["TMCORE_CACHE_DIR"])
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "tmcore"
-
-
-def compile_timeout() -> float | None:
-    """Seconds one compiler run may take (``TMCORE_COMPILE_TIMEOUT``, default 120);
-    ``None`` (no limit) for ``inf`` or ``none``. A value that is not a number of
-    seconds > 0 (text, 0, negative, NaN) is refused by name with a warning (once per
-    value), and the default applies."""
-    raw = os.environ.get(TIMEOUT_ENV_VAR, "").strip()
-    if raw == "":
-        return DEFAULT_TIMEOUT
-    if raw.lower() in ("none", "inf", "+inf", "infinity"):
-        return None
-    try:
-        value = float(raw)
-    except ValueError:
-        value = math.nan
-    if math.isinf(value) and value > 0:
-        return None
-    if not value > 0:  # NaN, negative, -inf
-        if raw not in _WARNED_TIMEOUTS:
-            _WARNED_TIMEOUTS.add(raw)
-            warnings.warn(f"tmcore: {TIMEOUT_ENV_VAR}={raw!r} is not a number of seconds > 0 "
-                          f"(or inf / none for no limit); using {DEFAULT_TIMEOUT:g} s",
-                          RuntimeWarning, stacklevel=2)
-        return DEFAULT_TIMEOUT
-    return value
-
-
-_WARNED_TIMEOUTS: set[str] = set()
 
 
 # --------------------------------------------------------------------------- safe paths
@@ -433,7 +398,7 @@ def _cpu_flags() -> str:
 
 
 def _tool(env: str, default: str) -> str | None:
-    return shutil.which(os.environ.get(env, default))
+    return shutil.which(environment(env, default))
 
 
 def _run(command: Sequence[str], timeout: float | None) -> str:

@@ -12,8 +12,8 @@ BLAS contractions in the generic path.
 
 from __future__ import annotations
 
-from tmcore._dispatch import Ops
 from tmcore.backends._mixed import with_float32_compute
+from tmcore.runtime.dispatch import Ops
 
 __all__ = ["make_ops"]
 

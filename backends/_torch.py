@@ -74,12 +74,12 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from tmcore._dispatch import Ops
-from tmcore._options import Options, get_options
-from tmcore._separable import outer_product
-from tmcore.conv import ConvParams
-from tmcore.sampling import tent_profiles
-from tmcore.splat import gaussian_profiles
+from tmcore.ops.conv import ConvParams
+from tmcore.ops.sample import tent_profiles
+from tmcore.ops.separable import outer_product
+from tmcore.ops.splat import gaussian_profiles
+from tmcore.runtime.dispatch import Ops
+from tmcore.runtime.options import Options, get_options
 
 from . import _native, _triton
 from ._mixed import with_float32_compute
@@ -939,7 +939,7 @@ def _make_cpu_scan(generic: Ops, options: Options):
     def scan_bwd(xp, read_coords, write_coords, write_sigma, write_content, params,
                  h_checkpoints, c_checkpoints, g_reads, g_h, g_c, eps, radius,
                  checkpoint_every):
-        from tmcore.scan import ScanGrads
+        from tmcore.scan.dense import ScanGrads
 
         params = ConvParams(*params)
         kernels = _cpu_scan_kernels(options, g_h, g_c, g_reads, h_checkpoints, c_checkpoints,

@@ -1,6 +1,6 @@
 """The fused Triton scan for torch tensors: three launches per chunk step, no Python on replay.
 
-Entries ``scan_fwd`` / ``scan_bwd`` of the torch backend's :class:`~tmcore._dispatch.Ops`
+Entries ``scan_fwd`` / ``scan_bwd`` of the torch backend's :class:`~tmcore.runtime.dispatch.Ops`
 table (contract: :func:`tmcore.scan.memory_scan_fwd` / ``memory_scan_bwd``, same
 checkpoint layout, so a forward on one path and a backward on the other agree).
 They return ``None`` whenever the fused path does not apply, and tmcore's scan
@@ -24,11 +24,11 @@ When it runs (:func:`usable`):
   path, which computes halves in float32), not recorded by autograd, no
   functorch wrapper; ``n <= 3`` spatial axes (``n = 4``: the generic path);
   ``C <=`` :data:`MAX_CHANNELS`.
-- float32 products use ``input_precision="ieee"`` (no TF32); :data:`ALLOW_TF32`
-  or ``TMCORE_TRITON_TF32=1`` opts in on CUDA.
+- float32 products use ``input_precision="ieee"`` (no TF32); the option
+  ``triton_tf32`` (``TMCORE_TRITON_TF32=1``) opts in on CUDA.
 - On CUDA each scan loop (forward; backward without the final reductions) is
   captured once per shape / dtype / options as a CUDA graph and replayed
-  (:data:`USE_CUDA_GRAPHS`, ``TMCORE_CUDA_GRAPHS=0`` turns it off); a capture
+  (the option ``cuda_graphs``, ``TMCORE_CUDA_GRAPHS=0`` turns it off); a capture
   that fails falls back to the eager launches for that key, silently.
 - Transparent fallback: if the kernels fail to compile or launch for a shape
   (e.g. an older Triton), a ``RuntimeWarning`` says so once and the per-step
@@ -42,27 +42,22 @@ import contextlib
 import functools
 import importlib
 import math
-import os
 import threading
 import warnings
 from typing import Any
 
 import torch
 
-from tmcore._options import get_options
-from tmcore.conv import ConvParams
+from tmcore.ops.conv import ConvParams
+from tmcore.runtime.options import environment, get_options
 
 __all__ = ["scan_fwd", "scan_bwd", "usable", "available", "ENV_VAR", "MAX_CHANNELS",
-           "ALLOW_TF32", "USE_CUDA_GRAPHS", "launches_per_step", "check_shapes",
+           "launches_per_step", "check_shapes",
            "graph_cache_bytes"]
 
 ENV_VAR = "TMCORE_TRITON"
 #: Widest memory the kernels take (register tiles are ``C x C``); wider: the generic loop.
 MAX_CHANNELS = 128
-#: TF32 products for float32 on CUDA (faster, ~1e-3 relative error); off by default.
-ALLOW_TF32 = os.environ.get("TMCORE_TRITON_TF32", "") not in ("", "0")
-#: Capture the scan loops as CUDA graphs (CUDA only).
-USE_CUDA_GRAPHS = os.environ.get("TMCORE_CUDA_GRAPHS", "1") != "0"
 #: Programs per batch row on CUDA at most (each loops over its cell tiles).
 MAX_PROGRAMS_PER_ROW = 64
 
@@ -94,7 +89,7 @@ def _setting() -> bool | None:
 
 
 def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "") not in ("", "0")
+    return environment("TRITON_INTERPRET", "") not in ("", "0")
 
 
 def usable(*tensors: torch.Tensor) -> bool:
@@ -160,7 +155,8 @@ class _Geometry:
 
 
 def _precision(t: torch.Tensor) -> str:
-    return "tf32" if ALLOW_TF32 and t.is_cuda and t.dtype == torch.float32 else "ieee"
+    tf32 = get_options().triton_tf32 and t.is_cuda and t.dtype == torch.float32
+    return "tf32" if tf32 else "ieee"
 
 
 def _launch_kw(geo: _Geometry, forward: bool = False) -> dict:
@@ -374,7 +370,7 @@ def scan_bwd(xp: Any, read_coords, write_coords, write_sigma, write_content,
              params: ConvParams, h_checkpoints, c_checkpoints, g_reads, g_h, g_c, eps: float,
              radius: float | None, checkpoint_every: int):
     """Fused :func:`tmcore.scan.memory_scan_bwd`, or ``None`` where it does not apply."""
-    from tmcore.scan import ScanGrads
+    from tmcore.scan.dense import ScanGrads
 
     prepared = _prepare(g_h, read_coords, write_coords, write_sigma, write_content, params,
                         eps, radius)
@@ -431,7 +427,7 @@ def _replay(key: tuple, fn, inputs: tuple[torch.Tensor, ...]) -> tuple:
     eager for good. Not used while a stream is already capturing (the caller's own
     graph records the launches).
     """
-    if (not USE_CUDA_GRAPHS or not inputs[0].is_cuda or key in _FAILED
+    if (not get_options().cuda_graphs or not inputs[0].is_cuda or key in _FAILED
             or torch.cuda.is_current_stream_capturing()):
         return fn(*inputs)
     with _GRAPH_LOCK:

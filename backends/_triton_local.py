@@ -1,7 +1,7 @@
 """The fused Triton local scan for torch tensors (``update="local"``), CUDA or the interpreter.
 
 Entries ``local_scan_fwd`` / ``local_scan_bwd`` of the torch backend's
-:class:`~tmcore._dispatch.Ops` table (contract: :func:`tmcore.local.local_scan_fwd` /
+:class:`~tmcore.runtime.dispatch.Ops` table (contract: :func:`tmcore.scan.local.local_scan_fwd` /
 ``local_scan_bwd``, the same undo-log residuals, so a fused forward and the generic
 backward, or the reverse, agree). They return ``None`` whenever the fused path does
 not apply, and tmcore's loop then runs. The kernels are in
@@ -11,8 +11,8 @@ Per chunk step: forward 1 launch, backward 1 launch (:func:`launches_per_step`),
 grid ``(B,)``: one program per batch row works on its box (window + halo) only,
 so a step's cost does not depend on the grid size. What does not depend on the
 state is made once per scan with torch ops: every step's window and written box
-(:func:`tmcore.local.box_writes`) before the loop, the write gradients
-(:func:`tmcore.local.box_writes_bwd` on the per-step box cotangents) and the
+(:func:`tmcore.scan.local.box_writes`) before the loop, the write gradients
+(:func:`tmcore.scan.local.box_writes_bwd` on the per-step box cotangents) and the
 parameter gradients (per-row partial sums, no atomics) after it. On CUDA each
 scan's launch loop is captured once per shape / options as a CUDA graph and
 replayed (the dense scan's mechanism, :func:`tmcore.backends._triton._replay`:
@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from tmcore.conv import ConvParams
+from tmcore.ops.conv import ConvParams
 
 from . import _triton
 
@@ -113,7 +113,7 @@ class _Geometry:
 
 def _writes(xp, geo: _Geometry, wc, ws, wcont, window, eps, radius):
     """``(BoxWrites, geo (T * B, 6) int32, volumes (T * B, C, prod(box)))``."""
-    from tmcore.local import box_writes
+    from tmcore.scan.local import box_writes
 
     writes = box_writes(xp, wc, ws, wcont, geo.spatial, window, eps, radius)
     start = writes.geometry.box_start
@@ -166,7 +166,7 @@ def _own(x: torch.Tensor, overwrite: bool) -> torch.Tensor:
 
 
 def _forward(xp, h0, c0, rc, wc, ws, wcont, params, window, eps, radius, overwrite):
-    from tmcore.local import LocalScanResiduals
+    from tmcore.scan.local import LocalScanResiduals
 
     geo = _Geometry(h0, window)
     _, table, volumes = _writes(xp, geo, wc, ws, wcont, window, eps, radius)
@@ -235,8 +235,8 @@ def scan_bwd(xp: Any, residuals, read_coords, write_coords, write_sigma, write_c
 
 def _backward(xp, geo, residuals, rc, wc, ws, wcont, params, g_reads, g_h, g_c, window, eps,
               radius):
-    from tmcore.local import box_writes_bwd
-    from tmcore.scan import ScanGrads
+    from tmcore.scan.dense import ScanGrads
+    from tmcore.scan.local import box_writes_bwd
 
     writes, table, volumes = _writes(xp, geo, wc, ws, wcont, window, eps, radius)
     dw, db, pw, pb = (p.contiguous() for p in params)

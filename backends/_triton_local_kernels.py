@@ -18,7 +18,7 @@ of at least ``w + 2`` cells per axis); ``K0, K1, K2`` are the corner counts of
 the read (1 on a 1-cell axis, else 2). ``geo (T * B, 6)`` int32 holds per
 row ``t * B + b`` the box start in the grid and the window start in the box.
 The written volume is not made on the fly: it is the precomputed
-:func:`tmcore.local.box_writes` box (zero outside the window), whose 3^n
+:func:`tmcore.scan.local.box_writes` box (zero outside the window), whose 3^n
 stencil is gathered like ``h``'s.
 
 - forward: copy the box of ``h, c`` into the undo log; the read of the state

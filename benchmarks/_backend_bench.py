@@ -76,7 +76,7 @@ def make_inputs(batch: int, channels: int, grid: tuple[int, ...], seed: int = 0)
 def case_fns(fw: Framework) -> dict[str, Callable[[dict], Any]]:
     """One-argument callables over converted inputs ``a`` (arrays of one namespace)."""
     import tmcore as tm
-    from tmcore.conv import ConvParams
+    from tmcore.ops.conv import ConvParams
     from tmcore.scan import StepInputs, step_bwd, step_fwd
 
     def grid(a):

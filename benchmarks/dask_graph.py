@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 import tmcore
-import tmcore.conv
+import tmcore.ops.conv
 
 __all__ = ["main", "measure"]
 
@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-vjp", action="store_true", help="forward only")
     args = parser.parse_args(argv)
     if args.per_cell_blocks:
-        tmcore.conv.neighbours = _neighbours_per_cell_blocks
+        tmcore.ops.conv.neighbours = _neighbours_per_cell_blocks
     label = "per-cell blocks (before)" if args.per_cell_blocks else "one block per axis"
     print(f"dask, state (2, 4, 6, 6, 6) float64, {label}")
     for vjp in (False,) if args.no_vjp else (False, True):

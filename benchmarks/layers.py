@@ -47,7 +47,7 @@ class _Scan(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, h0, c0, rc, wc, ws, content, dw, db, pw, pb, every):
-        from tmcore.conv import ConvParams
+        from tmcore.ops.conv import ConvParams
         from tmcore.scan import memory_scan_fwd
 
         params = ConvParams(dw, db, pw, pb)
@@ -59,7 +59,7 @@ class _Scan(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_reads, g_h, g_c):
-        from tmcore.conv import ConvParams
+        from tmcore.ops.conv import ConvParams
         from tmcore.scan import memory_scan_bwd
 
         rc, wc, ws, content, dw, db, pw, pb, hk, ck = ctx.saved_tensors
@@ -208,7 +208,7 @@ def scan_inputs(cfg: Config, seed: int = 2) -> dict[str, np.ndarray]:
 def numpy_step(cfg: Config, params: dict, train: bool,
                checkpoint_every: int = 1) -> Callable[[], Any]:
     """tmcore's scan on NumPy arrays: forward, or forward then backward."""
-    from tmcore.conv import ConvParams
+    from tmcore.ops.conv import ConvParams
     from tmcore.scan import memory_scan_bwd, memory_scan_fwd
 
     inputs = scan_inputs(cfg)

@@ -16,7 +16,7 @@ fixed window (``w = 4`` cells per axis, so the box is 6^3 at every grid), B = 4,
   which returns a new state and so copies it once per call (a memory copy of
   ``2 B C prod(S)`` floats, no arithmetic);
 - ``local vjp (generic)`` / ``local vjp (fused)``: a chunk scan of 8 steps forward
-  (``tmcore.local.local_scan_fwd``, the undo-log residuals) and backward
+  (``tmcore.scan.local.local_scan_fwd``, the undo-log residuals) and backward
   (``local_scan_bwd``), as the layer runs them, per step (the call / 8), with the
   options of the two rows above; per call the forward copies the state and the
   backward the two state cotangents once (``O(B C prod(S))``, no arithmetic).
@@ -39,7 +39,7 @@ have passed; the minimum over the steps is reported (the median is kept too). Wr
     python -m benchmarks.local_update            # about 1 to 2 minutes
     python -m benchmarks.local_update --tiny     # seconds, no files
 
-``--layer`` measures the layer's options instead (:mod:`tmcore.dynamics`): the layer's
+``--layer`` measures the layer's options instead (:mod:`tmcore.scan.warped`): the layer's
 scan over ``--steps`` chunks (read, [warp by a shift of 0.1], write, update;
 ``tmcore.memory_scan`` for the default) per option, forward and forward + backward, per
 chunk step, same sizes, every option timed at every grid in turn in one process;
@@ -107,7 +107,7 @@ def count_ops(grid: int, batch: int, channels: int, window: int) -> dict:
     from torch.utils._python_dispatch import TorchDispatchMode
 
     import tmcore
-    from tmcore import local
+    from tmcore.scan import local as local
 
     class Count(TorchDispatchMode):
         ops = 0
@@ -117,7 +117,7 @@ def count_ops(grid: int, batch: int, channels: int, window: int) -> dict:
             return func(*args, **(kwargs or {}))
 
     h, c, _, _, sigma, _, params = _inputs(torch, batch, channels, grid)
-    xp = tmcore._validate.namespace_of(h=h)
+    xp = tmcore.runtime.validate.namespace_of(h=h)
 
     def ops(steps: int, generic: bool) -> tuple[int, int]:
         args, cotangents = _scan_inputs(torch, h, c, sigma, params, steps)
@@ -166,11 +166,11 @@ def _step(method: str, grid: int, batch: int, channels: int, window: int):
     import torch
 
     import tmcore
-    from tmcore import local
     from tmcore.scan import StepInputs, step_fwd
+    from tmcore.scan import local as local
 
     h, c, read, write, sigma, content, params = _inputs(torch, batch, channels, grid)
-    xp = tmcore._validate.namespace_of(h=h)
+    xp = tmcore.runtime.validate.namespace_of(h=h)
     options = ((lambda: tmcore.options(native=False)) if method.endswith("(generic)")
                else contextlib.nullcontext)
     if method == "dense":
@@ -306,11 +306,11 @@ def _layer_step(update: str, warp: bool, grid: int, batch: int, channels: int, w
     import torch
 
     import tmcore
-    from tmcore import dynamics
     from tmcore.scan import StepInputs
+    from tmcore.scan import warped as dynamics
 
     h, c, read, write, sigma, content, params = _inputs(torch, batch, channels, grid)
-    xp = tmcore._validate.namespace_of(h=h)
+    xp = tmcore.runtime.validate.namespace_of(h=h)
     g = torch.Generator().manual_seed(1)
     chunks = (batch, steps)
     inputs = StepInputs(torch.rand(*chunks, 3, generator=g) * 1.8 - 0.9,

@@ -1,6 +1,6 @@
 """The flow warp's VJP: the generic tile contraction vs the scatter-add fast path.
 
-``tmcore.warp.warp_bwd`` with a per-cell flow, torch CPU, one thread, float32, B = 2,
+``tmcore.ops.warp.warp_bwd`` with a per-cell flow, torch CPU, one thread, float32, B = 2,
 C = 8, n = 3, at grids 8^3 and 16^3, every method timed at every grid in turn in one
 process (so the load of a shared machine falls on all alike):
 
@@ -38,7 +38,7 @@ def _case(torch, batch: int, channels: int, grid: int, seed: int = 0):
     """``(xp, residuals, g)`` of one flow warp of a ``(B, C, grid^3)`` volume."""
     import array_api_compat.torch as xp
 
-    from tmcore.warp import warp_fwd
+    from tmcore.ops.warp import warp_fwd
 
     gen = torch.Generator().manual_seed(seed)
     shape = (grid, grid, grid)
@@ -52,8 +52,8 @@ def _case(torch, batch: int, channels: int, grid: int, seed: int = 0):
 
 def _calls(torch, batch: int, channels: int, grid: int):
     import tmcore
-    from tmcore import warp
-    from tmcore._dispatch import ops_for
+    from tmcore.ops import warp as warp
+    from tmcore.runtime.dispatch import ops_for
 
     xp, residuals, g = _case(torch, batch, channels, grid)
     scatter_add = ops_for(xp).scatter_add

@@ -81,7 +81,7 @@ def _isolated_process_settings():
     pin torch's thread count; without this, those settings would leak into every
     later test of the session (and hide what the environment variables set).
     """
-    from tmcore import _options
+    from tmcore.runtime import options as _options
 
     token = _options._LOCAL.set(_options._LOCAL.get())
     torch = importlib.import_module("torch") if "torch" in sys.modules else None
@@ -98,3 +98,13 @@ def _isolated_process_settings():
                 torch.use_deterministic_algorithms(saved[1])
             else:
                 torch.use_deterministic_algorithms(False)
+
+
+@pytest.fixture(autouse=True)
+def _reload_environment_after_test():
+    """tmcore reads its switches' environment variables once (and on
+    ``reload_environment()``): after a test that changed them (``monkeypatch.setenv``,
+    undone before this teardown), read them again."""
+    yield
+    if "tmcore.runtime.options" in sys.modules:
+        sys.modules["tmcore.runtime.options"].reload_environment()

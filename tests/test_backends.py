@@ -27,8 +27,8 @@ from hypothesis import strategies as st
 
 import tmcore
 import tmcore.backends as backends
-from tmcore._dispatch import generic_ops, ops_for
-from tmcore.conv import ConvParams
+from tmcore.ops.conv import ConvParams
+from tmcore.runtime.dispatch import generic_ops, ops_for
 from tmcore.testing import reference as ref
 
 BACKENDS = ["numpy", "array_api_strict", "torch", "jax", "cupy"]

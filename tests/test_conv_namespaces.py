@@ -119,7 +119,7 @@ _MESH_SCRIPT = textwrap.dedent("""
     import jax, jax.numpy as jnp, numpy as np
     from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
     import tmcore
-    from tmcore.conv import conv_bwd, conv_fwd
+    from tmcore.ops.conv import conv_bwd, conv_fwd
 
     mesh = jax.make_mesh((2,), ("data",), axis_types=(AxisType.Explicit,))
     rng = np.random.default_rng(0)
@@ -160,7 +160,7 @@ def test_jax_generic_conv_under_an_explicit_mesh():
 
 
 def test_numpy_neighbours_are_exact_shifts():
-    from tmcore.conv import neighbours
+    from tmcore.ops.conv import neighbours
 
     x = np.arange(1.0, 1.0 + math.prod((2, 3, 4))).reshape(2, 3, 4)
     prev, nxt = neighbours(np, x, 2)

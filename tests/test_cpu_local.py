@@ -1,5 +1,5 @@
 """The torch backend's fused CPU local scan (``backends/_cpu_local.py``) against the
-generic loop of :mod:`tmcore.local` (the fast method, ``native=False``).
+generic loop of :mod:`tmcore.scan.local` (the fast method, ``native=False``).
 
 Reads, final state, the undo-log residuals and every gradient, float64 and float32;
 1 to 4 spatial axes, odd sizes, axes of size 1, windows larger than an axis, writes on
@@ -18,14 +18,14 @@ torch = pytest.importorskip("torch", reason="torch is not installed")
 import tmcore  # noqa: E402
 import tmcore.backends._cpu_local as cpu_local  # noqa: E402
 import tmcore.backends._native as native  # noqa: E402
-from tmcore import local  # noqa: E402
-from tmcore.local import LocalScanResiduals  # noqa: E402
+from tmcore.scan import local as local  # noqa: E402
+from tmcore.scan.local import LocalScanResiduals  # noqa: E402
 
 pytestmark = pytest.mark.skipif(native.library() is None,
                                 reason="the fused kernels cannot be built here (no C compiler)")
 
 TOL = {torch.float64: 1e-12, torch.float32: 1e-5}
-XP = tmcore._validate.namespace_of(h=torch.zeros(1))
+XP = tmcore.runtime.validate.namespace_of(h=torch.zeros(1))
 
 
 def _case(shape, dtype=torch.float64, batch=2, channels=3, steps=4, seed=0, span=1.3):
@@ -235,7 +235,7 @@ def test_declines(taken):
     with tmcore.options(depthwise="shifts"):
         _fwd(args, 2)
     assert taken["fwd"] == 0
-    options = tmcore._options.get_options()
+    options = tmcore.runtime.options.get_options()
     recorded = [a.clone().requires_grad_() if i == 0 else a for i, a in enumerate(args)]
     assert cpu_local.scan_fwd(XP, *recorded, 2, 1e-6, None, False, options=options) is None
     half = [a.half() if isinstance(a, torch.Tensor) else a for a in args]
@@ -247,7 +247,7 @@ def test_declines(taken):
 
 def test_bad_shapes_raise():
     args, cotangents = _case((4, 5), steps=2)
-    options = tmcore._options.get_options()
+    options = tmcore.runtime.options.get_options()
     out = cpu_local.scan_fwd(XP, *args, 2, 1e-6, None, False, options=options)
     h_boxes, c_boxes, read_boxes = out[3]
     bad = LocalScanResiduals(h_boxes[:, :, :, :-1], c_boxes, read_boxes)

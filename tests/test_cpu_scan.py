@@ -108,7 +108,7 @@ def test_fused_scan_steps_aside(counted):
 
 def test_fused_scan_rejects_malformed_shapes():
     args, _ = _inputs((3, 3), torch.float64, seed=4)
-    fused = tmcore._dispatch.ops_for(_namespace()).scan_fwd
+    fused = tmcore.runtime.dispatch.ops_for(_namespace()).scan_fwd
     bad = args[3][:, :, :1]  # write_coords (B, T, 1), expected (B, T, 2)
     with pytest.raises(ValueError, match="write_coords"):
         fused(_namespace(), args[0], args[1], args[2], bad, *args[4:], 1e-6, None, 1)

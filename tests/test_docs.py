@@ -22,8 +22,8 @@ ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 
 #: Modules whose docstring Examples run here (as doctests).
-DOCTEST_MODULES = ("tmcore.sampling", "tmcore.splat", "tmcore.scan", "tmcore.conv",
-                   "tmcore.cell", "tmcore.addressing", "tmcore.testing.finite_diff")
+DOCTEST_MODULES = ("tmcore.ops.sample", "tmcore.ops.splat", "tmcore.scan", "tmcore.ops.conv",
+                   "tmcore.ops.cell", "tmcore.ops.addressing", "tmcore.testing.finite_diff")
 
 
 def _missing(*modules: str) -> list[str]:

@@ -1,8 +1,8 @@
-"""The warp scan's checkpoints (``checkpoint_every``, :mod:`tmcore.dynamics`).
+"""The warp scan's checkpoints (``checkpoint_every``, :mod:`tmcore.scan.warped`).
 
-Contract: with a warp, :func:`tmcore.dynamics.scan_fwd` keeps only the states entering
+Contract: with a warp, :func:`tmcore.scan.warped.scan_fwd` keeps only the states entering
 steps ``0, k, 2k, ...`` (``ceil(T / k)`` of each of ``h, c``; ``k >= T``: the initial
-state only) and :func:`tmcore.dynamics.scan_bwd` replays each segment, so the values and
+state only) and :func:`tmcore.scan.warped.scan_bwd` replays each segment, so the values and
 gradients are those of ``k = 1`` bit for bit (NumPy, torch, JAX); the torch Function and
 the JAX ``custom_vjp`` keep only those checkpoints; the layer's ``checkpoint_every``
 reaches the options' scan; a bad ``checkpoint_every`` is a named error.
@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 
 import tmcore
-from tmcore import dynamics as dy
 from tmcore import layer as tl
 from tmcore.scan import StepInputs
+from tmcore.scan import warped as dy
 
 B, C, GRID = 2, 2, (3, 3, 3)
 N = len(GRID)

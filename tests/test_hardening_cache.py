@@ -25,6 +25,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="torch is not installed")
 
 import tmcore.backends._native as native  # noqa: E402
+import tmcore.runtime.options  # noqa: E402
 
 CC = shutil.which(os.environ.get("CC", "cc"))
 pytestmark = [
@@ -256,8 +257,8 @@ def test_an_infinite_compile_timeout_means_no_limit(fresh, tmp_path, monkeypatch
 @pytest.mark.parametrize("raw", ["abc", "0", "-5", "nan", "-inf"])
 def test_a_bad_compile_timeout_is_refused_by_name(monkeypatch, raw):
     monkeypatch.setenv(native.TIMEOUT_ENV_VAR, raw)
-    monkeypatch.setattr(native, "_WARNED_TIMEOUTS", set())
+    monkeypatch.setattr(tmcore.runtime.options, "_WARNED_TIMEOUTS", set())
     with pytest.warns(RuntimeWarning, match=f"{native.TIMEOUT_ENV_VAR}=.*using 120 s"):
-        assert native.compile_timeout() == native.DEFAULT_TIMEOUT
+        assert native.compile_timeout() == tmcore.runtime.options.DEFAULT_TIMEOUT
     monkeypatch.setenv(native.TIMEOUT_ENV_VAR, "2.5")
     assert native.compile_timeout() == 2.5

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import tmcore
-from tmcore import _options
+from tmcore.runtime import options as _options
 
 FIELDS = ("native", "triton", "generic", "deterministic", "validate", "depthwise")
 

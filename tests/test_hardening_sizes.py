@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 
 import tmcore
-from tmcore import _sizes
 from tmcore import layer as tl
+from tmcore.runtime import sizes as _sizes
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux",
                                 reason="RLIMIT_AS and /proc are Linux's; tested there")

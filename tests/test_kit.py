@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import tmcore.cell
+import tmcore.ops.cell
 from tmcore.testing import PROPERTIES, check_namespace, require_float64, run_property
 from tmcore.testing.strategies import assert_rel, to_numpy
 
@@ -29,8 +29,8 @@ def test_kit_passes_on_array_api_strict():
 
 def test_kit_reports_the_violated_property_with_a_minimal_example(monkeypatch):
     """A subtly wrong sigmoid in the ConvLSTM must be caught, named and shrunk."""
-    real_sigmoid = tmcore.cell.sigmoid
-    monkeypatch.setattr(tmcore.cell, "sigmoid", lambda xp, x: real_sigmoid(xp, x) * 1.0001)
+    real_sigmoid = tmcore.ops.cell.sigmoid
+    monkeypatch.setattr(tmcore.ops.cell, "sigmoid", lambda xp, x: real_sigmoid(xp, x) * 1.0001)
     report = check_namespace("numpy", properties=["convlstm_matches_reference",
                                                   "trilinear_matches_reference"],
                              max_examples=20)
@@ -244,8 +244,8 @@ def test_max_examples_is_the_number_of_examples_run():
 
 
 def test_a_failure_is_still_shrunk_when_the_budget_is_spent(monkeypatch):
-    real_sigmoid = tmcore.cell.sigmoid
-    monkeypatch.setattr(tmcore.cell, "sigmoid", lambda xp, x: real_sigmoid(xp, x) * 1.0001)
+    real_sigmoid = tmcore.ops.cell.sigmoid
+    monkeypatch.setattr(tmcore.ops.cell, "sigmoid", lambda xp, x: real_sigmoid(xp, x) * 1.0001)
     report = check_namespace("numpy", properties=["convlstm_matches_reference"],
                              max_examples=50, time_budget=1e-3)
     [failure] = report.failures

@@ -1,6 +1,6 @@
 """The layer's options beyond the paper: ``update="local"`` and ``dynamics="warp"``.
 
-Contract (tmcore.layer, tmcore.dynamics, both adapters): the default config is untouched
+Contract (tmcore.layer, tmcore.scan.warped, both adapters): the default config is untouched
 (same parameters, same scan); a local layer equals the dense masked definition of the
 local update (values and gradients, float64, <= 1e-12) and keeps every cell outside the
 window bit for bit; a zero-initialized warp layer equals the default layer; the shift's
@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 
 import tmcore
-from tmcore import dynamics as dy
 from tmcore import layer as tl
-from tmcore.local import window_geometry, window_mask
+from tmcore.ops.window import window_geometry, window_mask
 from tmcore.scan import StepInputs
+from tmcore.scan import warped as dy
 
 D, C, L = 5, 2, 2
 OPTIONS = {

@@ -1,4 +1,4 @@
-"""Local updates (tmcore.local): the window, the two paths, their VJPs, the local scan.
+"""Local updates (tmcore.scan.local): the window, the two paths, their VJPs, the local scan.
 
 The kit properties (tmcore.testing.properties_local) check the definition, fast ==
 masked and finite differences on drawn cases; here: the same on every installed
@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 import tmcore
-from tmcore import local
+from tmcore.ops import window as window_ops
+from tmcore.scan import local as local
 from tmcore.testing.finite_diff import central_difference_vjp
 from tmcore.testing.kit import load_namespace, run_property
 from tmcore.testing.properties_local import ref_local_update, ref_window_mask
@@ -88,7 +89,7 @@ def test_window_geometry_at_the_borders_and_inside():
     # coordinate order: component 0 -> last axis (3 cells), 2 -> first axis (8 cells)
     coords = np.asarray([[-1.0, -1.0, -1.0], [1.0, 1.0, 1.0], [0.0, 0.0, 0.0],
                          [5.0, -7.0, 0.2]])
-    g = local.window_geometry(np, coords, shape, 4)
+    g = window_ops.window_geometry(np, coords, shape, 4)
     assert g.size == (4, 4, 3) and g.box == (6, 5, 3)
     # axis 0 (8 cells, u = 3.5 at 0.0 rounds to 4 (half to even) -> 4 - 2 = 2)
     np.testing.assert_array_equal(g.start[:, 0], [0, 4, 2, 2])
@@ -97,18 +98,18 @@ def test_window_geometry_at_the_borders_and_inside():
     np.testing.assert_array_equal(g.start[:, 1], [0, 1, 0, 0])
     np.testing.assert_array_equal(g.start[:, 2], [0, 0, 0, 0])
     np.testing.assert_array_equal(g.box_start[:, 1:], 0)
-    mask = local.window_mask(np, g, shape)
+    mask = window_ops.window_mask(np, g, shape)
     np.testing.assert_array_equal(mask, ref_window_mask(coords, shape, 4))
     assert mask.sum(axis=(1, 2, 3, 4)).tolist() == [48, 48, 48, 48]
 
 
 def test_nan_write_coordinate_puts_the_window_at_zero():
-    g = local.window_geometry(np, np.asarray([[np.nan, 0.5]]), (6, 6), 2)
+    g = window_ops.window_geometry(np, np.asarray([[np.nan, 0.5]]), (6, 6), 2)
     assert g.start[0].tolist() == [3, 0]  # u = 3.75 -> 4 - 1 on axis 0; NaN -> 0 on axis 1
 
 
 @pytest.mark.parametrize("shape", [(9,), (6, 7), (5, 4, 6)])
-@pytest.mark.parametrize("method", local.METHODS)
+@pytest.mark.parametrize("method", window_ops.METHODS)
 def test_matches_definition_and_keeps_outside_bit_for_bit(shape, method):
     for seed in range(3):
         case = _case(shape, seed=seed)
@@ -129,7 +130,7 @@ def test_window_covering_the_grid_is_the_dense_step(shape):
     written = tmcore.gaussian_splat(case["write_content"][:, None], case["write_coords"][:, None],
                                     case["write_sigma"][:, None], shape)
     want = tmcore.convlstm_step(written, case["h"], case["c"], case["params"])
-    for method in local.METHODS:
+    for method in window_ops.METHODS:
         got = tmcore.local_update(*_step_args(case), window=max(shape), method=method)
         for a, b in zip(got, want, strict=True):
             np.testing.assert_allclose(a, b, rtol=0, atol=1e-13)
@@ -140,13 +141,13 @@ def test_fast_path_works_on_the_box_only(monkeypatch):
     shape, window = (40, 40, 40), 4
     case = _case(shape, batch=1, channels=1, seed=5)
     seen = []
-    real_cell_fwd = local.cell_fwd
+    real_cell_fwd = window_ops.cell_fwd
 
     def cell_fwd(xp, x, h, c, params):
         seen.append(tuple(h.shape))
         return real_cell_fwd(xp, x, h, c, params)
 
-    monkeypatch.setattr(local, "cell_fwd", cell_fwd)
+    monkeypatch.setattr(window_ops, "cell_fwd", cell_fwd)
     h_new, _ = tmcore.local_update(*_step_args(case), window=window)
     assert seen == [(1, 1, 6, 6, 6)]
     changed = np.argwhere(h_new != case["h"])
@@ -222,7 +223,7 @@ def test_scan_without_final_cotangents_and_dense_scan_at_full_window():
     case = _case(shape, steps=3, seed=8)
     dense = tmcore.memory_scan(*_scan_args(case))
     dense_g = tmcore.memory_scan_vjp(*_scan_args(case), case["g_reads"])
-    for method in local.METHODS:
+    for method in window_ops.METHODS:
         out = tmcore.local_memory_scan(*_scan_args(case), window=5, method=method)
         for a, b in zip(out, dense, strict=True):
             np.testing.assert_allclose(a, b, rtol=0, atol=1e-12)

@@ -30,7 +30,8 @@ torch = pytest.importorskip("torch", reason="torch is not installed")
 import tmcore  # noqa: E402
 import tmcore.backends._native as native  # noqa: E402
 import tmcore.backends._torch as bt  # noqa: E402
-from tmcore.conv import ConvParams  # noqa: E402
+from tmcore.ops.conv import ConvParams  # noqa: E402
+from tmcore.runtime.options import reload_environment  # noqa: E402
 from tmcore.scan import StepInputs, add_params, memory_scan_vjp, step_bwd, step_fwd  # noqa: E402
 
 pytestmark = pytest.mark.skipif(native.library() is None,
@@ -149,8 +150,10 @@ def test_the_fused_path_steps_aside_for_autograd_and_other_dtypes():
 
 def test_switches_and_a_failed_build(monkeypatch, tmp_path):
     monkeypatch.setenv(native.ENV_VAR, "0")
+    reload_environment()
     assert native.library() is None
     monkeypatch.delenv(native.ENV_VAR)
+    reload_environment()
     assert native.library() is not None
     # a machine without a usable compiler: one warning, then the torch ops
     monkeypatch.setattr(native, "_STATE", {})
@@ -307,6 +310,7 @@ def test_jax_kernels_switch_off(jax_native, monkeypatch):
     with tmcore.options(native=False):
         assert jb._native_suffix(x) is None
     monkeypatch.setenv(native.ENV_VAR, "0")
+    reload_environment()
     assert jb._native_suffix(x) is None
 
 
@@ -428,7 +432,7 @@ _OOM_SCRIPT = r"""
 import resource, sys
 import torch, tmcore
 import tmcore.backends._native as native
-from tmcore.conv import ConvParams
+from tmcore.ops.conv import ConvParams
 assert native.library() is not None
 params = ConvParams(torch.zeros(4, 1, 3), torch.zeros(4, 1), torch.ones(1, 1), torch.zeros(1))
 tmcore.factorized_conv(torch.zeros(1, 1, 2, 2, 2, 2), params)  # threads and arenas exist
@@ -473,7 +477,7 @@ _JAX_OOM_SCRIPT = r"""
 import resource, sys
 import jax, jax.numpy as jnp, tmcore
 import tmcore.backends._native as native
-from tmcore.conv import ConvParams
+from tmcore.ops.conv import ConvParams
 if native.jax_library() is None:
     sys.exit(4)
 params = ConvParams(jnp.zeros((4, 1, 3)), jnp.zeros((4, 1)), jnp.ones((1, 1)), jnp.zeros(1))

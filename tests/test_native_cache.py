@@ -26,7 +26,7 @@ torch = pytest.importorskip("torch", reason="torch is not installed")
 import tmcore  # noqa: E402
 import tmcore.backends._native as native  # noqa: E402
 import tmcore.backends._torch as bt  # noqa: E402
-from tmcore.conv import ConvParams  # noqa: E402
+from tmcore.ops.conv import ConvParams  # noqa: E402
 
 CC = shutil.which(os.environ.get("CC", "cc"))
 pytestmark = [

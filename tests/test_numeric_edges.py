@@ -24,8 +24,8 @@ import numpy as np
 import pytest
 
 import tmcore
-from tmcore._dispatch import ops_for
 from tmcore.backends import use_generic
+from tmcore.runtime.dispatch import ops_for
 
 INF = float("inf")
 
@@ -109,7 +109,7 @@ def test_float32_gates_saturate_exactly_on_every_path():
     z, c = _gates_case()
 
     def gates(z_, c_):
-        xp = tmcore._validate.namespace_of(z=z_, c=c_)
+        xp = tmcore.runtime.validate.namespace_of(z=z_, c=c_)
         h, c_new, residuals = ops_for(xp).gates_fwd(xp, z_, c_)
         d_z, d_c = ops_for(xp).gates_bwd(xp, residuals, c_ * 0.0 + 1.0, c_ * 0.0 + 1.0)
         return h, c_new, d_z, d_c

@@ -11,8 +11,9 @@ import pytest
 
 import tmcore
 from tmcore import backends
-from tmcore._dispatch import generic_ops, ops_for
 from tmcore.backends import _native
+from tmcore.runtime.dispatch import generic_ops, ops_for
+from tmcore.runtime.options import reload_environment
 
 FIELDS = ("native", "triton", "generic", "deterministic", "validate")
 
@@ -21,6 +22,7 @@ FIELDS = ("native", "triton", "generic", "deterministic", "validate")
 def _clean_env(monkeypatch):
     for name in FIELDS:
         monkeypatch.delenv(f"TMCORE_{name.upper()}", raising=False)
+        reload_environment()
 
 
 def test_defaults_and_fields():
@@ -83,6 +85,7 @@ def test_bad_values_are_refused():
 def test_environment_sets_defaults(monkeypatch, raw, expected):
     for name in ("native", "generic", "deterministic", "validate"):
         monkeypatch.setenv(f"TMCORE_{name.upper()}", raw)
+        reload_environment()
         default = getattr(tmcore.Options(), name)
         assert getattr(tmcore.get_options(), name) is (default if expected is None else expected)
         # an explicit option wins over the environment
@@ -90,6 +93,7 @@ def test_environment_sets_defaults(monkeypatch, raw, expected):
             assert getattr(tmcore.get_options(), name) is not (
                 default if expected is None else expected)
     monkeypatch.setenv("TMCORE_TRITON", "auto")
+    reload_environment()
     assert tmcore.get_options().triton == "auto"
 
 
@@ -159,6 +163,8 @@ def test_depthwise_kernel_option(monkeypatch):
     with pytest.raises(ValueError, match="depthwise: expected 'auto', 'grouped', 'shifts'"):
         tmcore.options(depthwise="conv")
     monkeypatch.setenv("TMCORE_DEPTHWISE", "grouped")
+    reload_environment()
     assert tmcore.get_options().depthwise == "grouped"
     monkeypatch.setenv("TMCORE_DEPTHWISE", "nonsense")  # ignored: the default stays
+    reload_environment()
     assert tmcore.get_options().depthwise == "auto"

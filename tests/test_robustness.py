@@ -2,7 +2,7 @@
 determinism, and fuzzing with valid and invalid arguments.
 
 What is checked always, what only in validate mode and what not at all is
-listed in docs/guides/errors-and-numerics.md and in ``tmcore._validate``.
+listed in docs/guides/errors-and-numerics.md and in ``tmcore.runtime.validate``.
 The long-scan length on NumPy is ``TMCORE_LONG_SCAN_STEPS`` (default 2,000;
 100,000 takes about 5 minutes on one core); the 100,000-step run
 itself is done by JAX's ``lax.scan`` over the same ``tmcore.scan.step_fwd``.
@@ -22,6 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import tmcore
+from tmcore.runtime.options import reload_environment
 
 RNG = np.random.default_rng(20240607)
 
@@ -342,14 +343,17 @@ def test_device_mixing_names_the_argument():
 
 def test_validation_switches(monkeypatch):
     monkeypatch.delenv(tmcore.VALIDATE_ENV_VAR, raising=False)
+    reload_environment()
     assert not tmcore.validation_enabled()
     with tmcore.validation():
         assert tmcore.validation_enabled()
         with tmcore.validation(False):
             assert not tmcore.validation_enabled()
     monkeypatch.setenv(tmcore.VALIDATE_ENV_VAR, "1")
+    reload_environment()
     assert tmcore.validation_enabled()
     monkeypatch.setenv(tmcore.VALIDATE_ENV_VAR, "0")
+    reload_environment()
     assert not tmcore.validation_enabled()
     try:
         tmcore.set_validation(True)
@@ -397,6 +401,7 @@ VALUE_CALLS = [
                          ids=[c[0] for c in VALUE_CALLS])
 def test_validate_mode_rejects_nonfinite_and_nonpositive_sigma(call, fragments, monkeypatch):
     monkeypatch.delenv(tmcore.VALIDATE_ENV_VAR, raising=False)
+    reload_environment()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         call()  # off by default: no exception, no sync
@@ -408,6 +413,7 @@ def test_validate_mode_rejects_nonfinite_and_nonpositive_sigma(call, fragments, 
 
 def test_validate_mode_from_environment(monkeypatch):
     monkeypatch.setenv(tmcore.VALIDATE_ENV_VAR, "1")
+    reload_environment()
     with pytest.raises(ValueError, match="coords: expected finite values"):
         tmcore.trilinear_sample(VOL, _nan_at(COORDS))
 
@@ -912,7 +918,7 @@ def test_checkpoints_are_collected_in_place_and_fall_back_to_stack(name):
     """The scan's checkpoint store writes into one preallocated array where the namespace
     allows item assignment, and falls back to ``stack`` (with its dtype promotion) when a
     state of another dtype arrives."""
-    from tmcore.scan import _CheckpointStore
+    from tmcore.scan.dense import _CheckpointStore
 
     xp = pytest.importorskip(name)
     if name == "numpy":

@@ -1,4 +1,4 @@
-"""Per-token ``valid`` masks in :func:`tmcore.stream.forward_stream` (padding skipped).
+"""Per-token ``valid`` masks in :func:`tmcore.layer.stream.forward_stream` (padding skipped).
 
 Contract: tokens where ``valid`` is False never enter the state nor the chunk grid, their
 outputs are zeros, and each row (outputs and returned state) equals that row's valid

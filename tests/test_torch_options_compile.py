@@ -20,7 +20,7 @@ from tmcore import layer as tl  # noqa: E402
 from tmcore.adapters import _torch_local, _torch_local_op  # noqa: E402
 from tmcore.adapters._torch_ops import _XP  # noqa: E402
 from tmcore.adapters.torch import MemoryResidual, TensorMemory  # noqa: E402
-from tmcore.dynamics import scan_options  # noqa: E402
+from tmcore.scan.warped import scan_options  # noqa: E402
 
 D, C, S, L = 5, 2, (4, 3), 2
 OPTIONS = {

@@ -23,7 +23,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import tmcore  # noqa: E402
-from tmcore.conv import ConvParams  # noqa: E402
+from tmcore.ops.conv import ConvParams  # noqa: E402
 
 # a kernel failure would fall back to the per-step path with a warning: fail instead
 pytestmark = pytest.mark.filterwarnings("error:tmcore. the fused Triton scan failed")
@@ -274,8 +274,8 @@ def test_gpu_benchmark_helpers_on_cpu():
 
 def test_cupy_table_has_the_bridged_scan():
     """The CuPy table's whole-scan entries are the DLPack bridge to the Triton kernels."""
-    from tmcore._dispatch import generic_ops
     from tmcore.backends import _cupy
+    from tmcore.runtime.dispatch import generic_ops
 
     ops = _cupy.make_ops(generic_ops())
     assert ops.scan_fwd is _cupy.bridged_scan_fwd and ops.scan_bwd is _cupy.bridged_scan_bwd

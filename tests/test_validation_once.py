@@ -14,8 +14,8 @@ torch = pytest.importorskip("torch", reason="torch is not installed")
 import tmcore.adapters._torch_attach as torch_attach  # noqa: E402
 import tmcore.adapters._torch_ops as torch_ops  # noqa: E402
 import tmcore.adapters.torch as tmt  # noqa: E402
-import tmcore.layer as tl  # noqa: E402
-import tmcore.stream as ts  # noqa: E402
+import tmcore.layer.layer as tl  # noqa: E402
+import tmcore.layer.stream as ts  # noqa: E402
 
 CHECKS = [(tmt, "validate_scan_inputs"), (torch_ops, "validate_scan_inputs"),
           (tl, "check_tokens"), (ts, "check_tokens"), (tl, "check_state"),

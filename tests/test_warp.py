@@ -1,4 +1,4 @@
-"""Warped dynamics (tmcore.warp): resampling the state at displaced cell centres.
+"""Warped dynamics (tmcore.ops.warp): resampling the state at displaced cell centres.
 
 Fixed cases on n = 1..3: zero displacement is the identity bit for bit; a whole-cell
 shift is a roll with border clamping; values and VJPs equal tmcore.trilinear_sample at
@@ -249,8 +249,8 @@ def _flow_case(shape, seed, channels=3):
 @pytest.mark.parametrize("shape", FAST_SHAPES)
 @pytest.mark.parametrize("namespace", ["torch", "jax"])
 def test_flow_scatter_equals_the_generic_tile_contraction(shape, namespace):
-    from tmcore import warp
-    from tmcore._dispatch import ops_for
+    from tmcore.ops import warp as warp
+    from tmcore.runtime.dispatch import ops_for
 
     xp, asarray, x64 = _fast_namespace(namespace)
     volume, shift, flow, g = _flow_case(shape, seed=9 + len(shape))
@@ -287,7 +287,7 @@ class _Counter:
 
 @pytest.mark.parametrize("namespace", ["torch", "jax", "numpy"])
 def test_default_dispatch_takes_the_scatter_path_where_there_is_one(namespace, monkeypatch):
-    from tmcore import warp
+    from tmcore.ops import warp as warp
 
     if namespace == "numpy":
         import contextlib

@@ -11,14 +11,7 @@ generic path, determinism, validate mode) is one of :func:`tmcore.options`.
 """
 
 from tmcore import _installed  # noqa: F401  (refuses a checkout that is not installed)
-from tmcore._options import Options, get_options, options
-from tmcore._validate import (
-    VALIDATE_ENV_VAR,
-    set_validation,
-    validation,
-    validation_enabled,
-)
-from tmcore.addressing import (
+from tmcore.ops.addressing import (
     cell_centers,
     normalized_to_voxel,
     sigma_from_logit,
@@ -27,17 +20,26 @@ from tmcore.addressing import (
     squash_coords_vjp,
     voxel_to_normalized,
 )
-from tmcore.cell import convlstm_step, convlstm_step_vjp
-from tmcore.conv import (
+from tmcore.ops.cell import convlstm_step, convlstm_step_vjp
+from tmcore.ops.conv import (
     ConvParams,
     conv_params_from_pointwise,
     factorized_conv,
     factorized_conv_vjp,
     xavier_uniform_bound,
 )
-from tmcore.local import local_memory_scan, local_memory_scan_vjp, local_update, local_update_vjp
-from tmcore.sampling import trilinear_sample, trilinear_sample_vjp
-from tmcore.scan import (
+from tmcore.ops.sample import trilinear_sample, trilinear_sample_vjp
+from tmcore.ops.splat import gaussian_splat, gaussian_splat_vjp
+from tmcore.ops.warp import warp_state, warp_state_vjp
+from tmcore.ops.window import local_update, local_update_vjp
+from tmcore.runtime.options import Options, get_options, options
+from tmcore.runtime.validate import (
+    VALIDATE_ENV_VAR,
+    set_validation,
+    validation,
+    validation_enabled,
+)
+from tmcore.scan.dense import (
     ScanGrads,
     StepInputs,
     memory_scan,
@@ -45,10 +47,9 @@ from tmcore.scan import (
     memory_scan_fwd,
     memory_scan_vjp,
 )
-from tmcore.splat import gaussian_splat, gaussian_splat_vjp
-from tmcore.warp import warp_state, warp_state_vjp
+from tmcore.scan.local import local_memory_scan, local_memory_scan_vjp
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "VALIDATE_ENV_VAR",

@@ -42,9 +42,9 @@ from tmcore.adapters.torch import (
     memory_scan,
     trilinear_sample,
 )
-from tmcore.conv import ConvParams
-from tmcore.dynamics import scan_options
+from tmcore.ops.conv import ConvParams
 from tmcore.scan import StepInputs
+from tmcore.scan.warped import scan_options
 
 __all__ = ["VariantTensorMemory"]
 

@@ -1,4 +1,4 @@
-"""Properties of the local update (:mod:`tmcore.local`) and the warp (:mod:`tmcore.warp`).
+"""Properties of the local update (:mod:`tmcore.scan.local`) and the warp (:mod:`tmcore.ops.warp`).
 
 Registered into :data:`tmcore.testing.properties.PROPERTIES` on import (the kit imports
 this module), so :func:`tmcore.testing.check_namespace` and the pytest plugin run them
@@ -14,7 +14,7 @@ on every namespace like the others:
   a zero displacement returns the state bit for bit, an integer shift of a whole number
   of cells is a roll with border clamping, and its VJP equals the reference sampler's
   VJP and central differences away from kinks;
-- the layer's warped scan (:mod:`tmcore.dynamics`, dense and local updates) equals a
+- the layer's warped scan (:mod:`tmcore.scan.warped`, dense and local updates) equals a
   reference loop of reads, reference warps and steps; its local fast VJP equals the
   masked one;
 - float32 in, float32 out.
@@ -440,9 +440,9 @@ def ref_warped_scan(h0, c0, read_coords, write_coords, write_sigma, write_conten
 
 @_property(6, local_cases(steps=3, max_cells=12))
 def warped_layer_scan_matches_reference(xp: ModuleType, case: dict) -> None:
-    """:func:`tmcore.dynamics.dynamic_memory_scan` with a shift equals the reference loop
+    """:func:`tmcore.scan.warped.dynamic_memory_scan` with a shift equals the reference loop
     (dense and local updates); the local fast path's VJP equals the masked one's."""
-    from tmcore import dynamics
+    from tmcore.scan import warped as dynamics
 
     rng = np.random.default_rng(int(case["h0"].size))
     shift = rng.uniform(-0.4, 0.4, case["read_coords"].shape)

@@ -8,7 +8,7 @@ step and recomputes the rest (and every step's gates) on the way back, so it
 stores at most ``T + 1`` states, never per-step gate tensors.
 
 A backend may run the whole loop in fused kernels instead: the optional
-``scan_fwd`` / ``scan_bwd`` entries of its :class:`~tmcore._dispatch.Ops` table
+``scan_fwd`` / ``scan_bwd`` entries of its :class:`~tmcore.runtime.dispatch.Ops` table
 (torch on CUDA: the Triton kernels of ``tmcore.backends._triton``; CuPy: the
 same kernels through DLPack) are tried first, with the same arguments, results
 and checkpoint layout, and return ``None`` to leave the loop below to run.
@@ -20,9 +20,12 @@ from typing import Any, NamedTuple
 
 import array_api_compat
 
-from tmcore import _sizes
-from tmcore._dispatch import ops_for
-from tmcore._validate import (
+from tmcore.ops.cell import cell_bwd, cell_cache, cell_fwd, validate_state
+from tmcore.ops.conv import ConvParams, as_conv_params, validate_conv_params
+from tmcore.ops.splat import DEFAULT_EPS
+from tmcore.runtime import sizes as _sizes
+from tmcore.runtime.dispatch import ops_for
+from tmcore.runtime.validate import (
     check_eps,
     check_int,
     check_positive,
@@ -31,9 +34,6 @@ from tmcore._validate import (
     namespace_of,
     require_array,
 )
-from tmcore.cell import cell_bwd, cell_cache, cell_fwd, validate_state
-from tmcore.conv import ConvParams, as_conv_params, validate_conv_params
-from tmcore.splat import DEFAULT_EPS
 
 __all__ = [
     "StepInputs",

@@ -22,7 +22,7 @@ from typing import Any
 
 import array_api_compat
 
-from tmcore._separable import grid_size
+from tmcore.ops.separable import grid_size
 
 __all__ = ["index_dtype", "box_index", "gather_box", "set_box", "to_index"]
 

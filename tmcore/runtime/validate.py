@@ -29,7 +29,7 @@ from typing import Any
 
 import array_api_compat
 
-from tmcore._options import ENV_VARS, get_options, options, set_process_option
+from tmcore.runtime.options import ENV_VARS, get_options, options, set_process_option
 
 __all__ = [
     "namespace_of",
@@ -40,6 +40,7 @@ __all__ = [
     "check_grid_shape",
     "check_int",
     "check_eps",
+    "check_flag",
     "check_radius",
     "check_positive_scalar",
     "check_values",
@@ -372,3 +373,10 @@ def check_positive_scalar(name: str, value: Any) -> None:
     number = _real(name, value, "a finite number > 0")
     if not (math.isfinite(number) and number > 0.0):
         raise ValueError(f"{name}: expected a finite number > 0, got {value!r}")
+
+
+def check_flag(name: str, value: Any) -> bool:
+    """A Python or NumPy bool (an int or a string is a ``TypeError`` naming ``name``)."""
+    if isinstance(value, bool) or type(value).__name__ == "bool_":
+        return bool(value)
+    raise TypeError(f"{name}: expected True or False, got {value!r}")

@@ -38,17 +38,15 @@ from typing import Any
 
 __all__ = [
     "INT64_MAX",
+    "SMALL",
     "check_count",
-    "check_config",
     "check_bytes",
-    "check_state",
-    "check_forward",
     "check_scan",
-    "check_params",
     "check_array",
+    "compiling",
+    "device_of",
     "memory_budget",
     "scan_bytes",
-    "forward_bytes",
     "itemsize",
 ]
 
@@ -56,7 +54,7 @@ INT64_MAX = 2**63 - 1
 #: the widest element any array here may have (float64 / int64), in bytes
 _WIDEST = 8
 #: below this estimate no budget is looked up (a call that small always fits)
-_SMALL = 64 << 20
+SMALL = 64 << 20
 #: the per-step working set of the scan, in states ``(B, C, *S)``: the written volume
 #: (1), the gate pre-activations (4C: 4), the new ``h, c`` (2); a lower bound
 _STEP_STATES = 7
@@ -77,17 +75,6 @@ def check_count(name: str, shape: Sequence[int], layout: str, what: str) -> int:
             f"elements, more than int64 can address (at most 2**63 - 1 bytes, "
             f"{INT64_MAX // _WIDEST:.3e} elements of 8 bytes)")
     return count
-
-
-def check_config(config: Any) -> Any:
-    """``config`` (a :class:`tmcore.layer.LayerConfig`) if one row of its state ``(C, *S)``
-    and its largest parameter ``write_proj (d, L*d)`` have int64-addressable sizes;
-    else ``ValueError`` naming the argument."""
-    check_count("memory_shape", (config.memory_channels, *config.memory_shape), "(C, *S)",
-                "the state of one sequence")
-    check_count("embed_dim", (config.embed_dim, config.chunk_size * config.embed_dim),
-                "(d, L*d)", "write_proj.weight")
-    return config
 
 
 # --------------------------------------------------------------------------- budgets
@@ -154,7 +141,7 @@ def _host_budget() -> tuple[int, str] | None:
     return min(found) if found else None
 
 
-def _device_of(array: Any) -> Any:
+def device_of(array: Any) -> Any:
     try:
         device = array.device
     except Exception:  # no single device
@@ -224,7 +211,7 @@ def check_bytes(name: str, nbytes: int, what: str, xp: Any, device: Any = None) 
     if nbytes > INT64_MAX:
         raise ValueError(f"{name}: {what} would need {nbytes:.3e} bytes, more than int64 "
                          f"can address")
-    if nbytes < _SMALL or compiling():
+    if nbytes < SMALL or compiling():
         return
     budget = memory_budget(xp, device)
     if budget is not None and nbytes > budget[0]:
@@ -245,51 +232,6 @@ def scan_bytes(state: int, batch: int, channels: int, steps: int, checkpoints: i
     return item * (state * (4 + _STEP_STATES + 2 * checkpoints) + batch * steps * channels)
 
 
-def forward_bytes(config: Any, batch: int, tokens: int, item: int) -> int:
-    """Bytes one layer call on ``(B, N, d)`` tokens certainly holds (no checkpoints):
-    :func:`scan_bytes` plus the output ``(B, N, d)`` and the padded chunks."""
-    state = batch * config.memory_channels * math.prod(config.memory_shape)
-    steps = -(-tokens // config.chunk_size)
-    padded = batch * steps * config.chunk_size * config.embed_dim
-    return scan_bytes(state, batch, config.memory_channels, steps, 0, item) \
-        + item * (batch * tokens * config.embed_dim + padded)
-
-
-def _state_shape(config: Any, batch: int) -> tuple[int, ...]:
-    return (batch, config.memory_channels, *config.memory_shape)
-
-
-def check_state(xp: Any, config: Any, batch: int, dtype: Any = None, device: Any = None
-                ) -> None:
-    """Before a zero state ``(h, c)`` of ``(B, C, *S)`` is made: its count fits int64, and
-    the state with one scan step over it (the least any layer call on it needs:
-    :func:`scan_bytes` for one step) fits the device (``ValueError`` / ``MemoryError``
-    naming ``memory_shape``). Both layer paths (plain and streaming) and both
-    adapters' ``init_state`` make their zero state here."""
-    if compiling():
-        return
-    shape = _state_shape(config, int(batch))
-    count = check_count("memory_shape", shape, "(B, C, *S)", "the state h (and c)")
-    check_bytes("memory_shape", scan_bytes(count, shape[0], shape[1], 1, 0, itemsize(xp, dtype)),
-                f"the state (h, c) of shape (B, C, *S) = {shape} and one scan step over it",
-                xp, device)
-
-
-def check_forward(xp: Any, config: Any, x: Any) -> None:
-    """Before a layer call on ``x (B, N, d)`` allocates: the state and the call's
-    working set fit (``ValueError`` / ``MemoryError`` naming ``memory_shape``)."""
-    if compiling():
-        return
-    batch, tokens = int(x.shape[0]), int(x.shape[1])
-    shape = _state_shape(config, batch)
-    check_count("memory_shape", shape, "(B, C, *S)", "the state h (and c)")
-    nbytes = forward_bytes(config, batch, tokens, itemsize(xp, x.dtype))
-    if nbytes >= _SMALL:
-        check_bytes("memory_shape", nbytes,
-                    f"a layer call on x {tuple(x.shape)} with a state (B, C, *S) = {shape}",
-                    xp, _device_of(x))
-
-
 def check_scan(xp: Any, h0: Any, steps: int, checkpoint_every: int, backward: bool) -> None:
     """Before a scan allocates: the checkpoints' count fits int64, and the bytes the scan
     needs (:func:`scan_bytes`; ``ceil(T / k)`` checkpoints for a backward, one for a
@@ -300,10 +242,10 @@ def check_scan(xp: Any, h0: Any, steps: int, checkpoint_every: int, backward: bo
     check_count("checkpoint_every", (saved, *shape), "(ceil(T / k), B, C, *S)",
                 "the saved states")
     nbytes = scan_bytes(state, shape[0], shape[1], steps, saved, itemsize(xp, h0.dtype))
-    if nbytes >= _SMALL:
+    if nbytes >= SMALL:
         kind = f"a backward over T = {steps} steps keeping {saved} states" if backward \
             else f"a scan over T = {steps} steps"
-        check_bytes("h0", nbytes, f"{kind} of shape (B, C, *S) = {shape}", xp, _device_of(h0))
+        check_bytes("h0", nbytes, f"{kind} of shape (B, C, *S) = {shape}", xp, device_of(h0))
 
 
 def check_array(xp: Any, name: str, shape: Sequence[int], layout: str, what: str,
@@ -312,18 +254,6 @@ def check_array(xp: Any, name: str, shape: Sequence[int], layout: str, what: str
     its count fits int64 and its bytes fit the device (``ValueError`` /
     ``MemoryError`` naming ``name``)."""
     count = check_count(name, shape, layout, what)
-    if count * _WIDEST >= _SMALL:
+    if count * _WIDEST >= SMALL:
         check_bytes(name, count * itemsize(xp, like.dtype),
-                    f"{what} {layout} = {tuple(int(s) for s in shape)}", xp, _device_of(like))
-
-
-def check_params(xp: Any, config: Any, dtype: Any = None, device: Any = None) -> None:
-    """Before a layer's parameters are made: their bytes fit the device (``MemoryError``
-    naming ``embed_dim``)."""
-    from tmcore.layer import param_specs  # the layer builds on this module
-
-    count = sum(math.prod(spec.shape) for spec in param_specs(config))
-    d, length = config.embed_dim, config.chunk_size
-    check_bytes("embed_dim", count * itemsize(xp, dtype),
-                f"the parameters (write_proj.weight (d, L*d) = ({d}, {length * d}) and "
-                f"the rest)", xp, device)
+                    f"{what} {layout} = {tuple(int(s) for s in shape)}", xp, device_of(like))

@@ -28,6 +28,10 @@ Fields (environment variable, default: meaning):
   kernels on the CPU, a grouped conv on accelerators), ``"grouped"`` forces the
   grouped conv (torch ``conv3d``, ``lax.conv_general_dilated``), ``"shifts"``
   the shifted-slice products; both forced kernels skip the fused C conv.
+- ``triton_tf32`` (``TMCORE_TRITON_TF32``, False): TF32 products for float32 in the
+  Triton kernels on CUDA (faster, about 1e-3 relative error).
+- ``cuda_graphs`` (``TMCORE_CUDA_GRAPHS``, True): capture the Triton scan loops as
+  CUDA graphs (CUDA only; a failed capture runs the launches eagerly).
 
 Values are exactly ``True``, ``False`` or ``None`` (``triton`` also the string
 ``"auto"``; ``depthwise`` one of its strings or ``None``); anything else (``1``,
@@ -46,12 +50,18 @@ Three layers, innermost first:
    compatibility).
 3. The environment variables: ``0``, ``false``, ``no``, ``off`` (any case) mean
    False, any other non-empty value True (``TMCORE_TRITON`` also takes
-   ``auto``); unset or empty means the default above. They are read from
-   ``os.environ`` when :func:`get_options` is called (a few dict lookups), so
-   a variable set before the first tmcore call, or changed later through
-   ``os.environ`` (a test's ``monkeypatch.setenv``), counts.
+   ``auto``); unset or empty means the default above. They are read once, when
+   tmcore is imported (every dispatch asks for the options, so they must cost a few
+   dict lookups); after changing one in a running process, call
+   :func:`reload_environment`.
 
-Where a choice is made: ``generic`` and ``triton`` when :func:`tmcore._dispatch.ops_for`
+Process settings that are not switches are read from the environment here too, when
+they are used (rarely: building the C kernels): :func:`cache_dir`
+(``TMCORE_CACHE_DIR``), :func:`compile_timeout` (``TMCORE_COMPILE_TIMEOUT``) and
+:func:`environment` for the variables of other tools (``CC``, ``TRITON_INTERPRET``,
+``XDG_CACHE_HOME``). No other module of tmcore reads the environment.
+
+Where a choice is made: ``generic`` and ``triton`` when :func:`tmcore.runtime.dispatch.ops_for`
 picks a table (its cache is keyed by the options, so a change takes effect on
 the next call); ``native`` and ``validate`` at every call. Under ``jax.jit`` they
 are read while tracing: a function traced under one setting keeps it (the JAX
@@ -62,11 +72,15 @@ from __future__ import annotations
 
 import contextvars
 import dataclasses
+import math
 import os
 import warnings
+from pathlib import Path
 from typing import Any, Literal, NamedTuple
 
-__all__ = ["Options", "options", "get_options", "ENV_VARS"]
+__all__ = ["Options", "options", "get_options", "ENV_VARS", "TIMEOUT_ENV_VAR",
+           "DEFAULT_TIMEOUT", "cache_dir", "compile_timeout", "environment",
+           "reload_environment"]
 
 TritonMode = bool | Literal["auto"]
 DepthwiseKernel = Literal["auto", "grouped", "shifts"]
@@ -101,6 +115,10 @@ class Options:
         The depthwise-tap kernel of the torch and JAX backends: ``"auto"`` lets
         the backend choose, ``"grouped"`` forces the grouped conv, ``"shifts"``
         the shifted-slice products.
+    triton_tf32 : bool, default False
+        TF32 products for float32 in the Triton kernels on CUDA.
+    cuda_graphs : bool, default True
+        Capture the Triton scan loops as CUDA graphs (CUDA only).
     """
 
     native: bool = True
@@ -109,6 +127,8 @@ class Options:
     deterministic: bool = True
     validate: bool = False
     depthwise: DepthwiseKernel = "auto"
+    triton_tf32: bool = False
+    cuda_graphs: bool = True
 
 
 _FIELDS = tuple(f.name for f in dataclasses.fields(Options))
@@ -193,27 +213,26 @@ def _check(name: Any, value: Any) -> Any:
                     f"(of type {type(value).__module__}.{type(value).__qualname__})")
 
 
-# The raw values are read from os.environ's own dict (CPython's ``os._Environ._data``,
-# what ``os.environ[...] = ...`` and ``putenv`` through it update): one dict lookup per
-# variable. The public ``os.environ.get`` costs about 2 us per UNSET variable (it raises
-# and catches a KeyError inside), 25x this whole function, which every dispatch calls.
-# Where ``_data`` is absent or not a dict (another Python), the public mapping is used.
-_ENV_DATA = getattr(os.environ, "_data", None)
-_ENCODE = getattr(os.environ, "encodekey", None)
-if isinstance(_ENV_DATA, dict) and _ENCODE is not None:
-    _K0, _K1, _K2, _K3, _K4, _K5 = (_ENCODE(ENV_VARS[name]) for name in _FIELDS)
+# The switches' environment variables are read once, at import, and again by
+# reload_environment(): get_options() runs at every dispatch and must cost a few dict
+# lookups (reading os.environ costs about 0.7 us per UNSET variable, 20x this function).
+_ENV: list[tuple] = [()]
 
-    def _env_key(get: Any = _ENV_DATA.get) -> tuple:
-        return (get(_K0), get(_K1), get(_K2), get(_K3), get(_K4), get(_K5))
 
-    def _decode(raw: Any) -> str | None:
-        return None if raw is None else os.environ.decodevalue(raw)
-else:  # pragma: no cover - non-CPython environ
-    def _env_key() -> tuple:
-        return tuple(os.environ.get(ENV_VARS[name]) for name in _FIELDS)
+def reload_environment() -> Options:
+    """Read the switches' environment variables again (they are read once, at import).
 
-    def _decode(raw: Any) -> str | None:
-        return raw
+    Call it after changing ``TMCORE_*`` variables in a running process (a test's
+    ``monkeypatch.setenv``); a variable set before the process starts needs nothing.
+
+    Returns
+    -------
+    Options
+        The options now in effect in this thread / task.
+    """
+    _ENV[0] = tuple(os.environ.get(ENV_VARS[name]) for name in _FIELDS)
+    _warn_bad_env()
+    return get_options()
 
 
 def get_options() -> Options:
@@ -231,7 +250,7 @@ def get_options() -> Options:
         compiled functions by it).
     """
     local = _LOCAL.get()
-    env = _env_key()
+    env = _ENV[0]
     last = _LAST[0]  # the previous answer: most calls ask again under the same settings
     if last[0] == env and last[1] is _PROCESS_KEY[0] and last[2] is local:
         return last[3]
@@ -240,7 +259,7 @@ def get_options() -> Options:
     if found is None:
         values: dict[str, Any] = {}
         for name, raw in zip(_FIELDS, env, strict=True):
-            parsed = _parse_env(name, _decode(raw))
+            parsed = _parse_env(name, raw)
             if parsed is not None:
                 values[name] = parsed
         values.update(_PROCESS)
@@ -374,8 +393,7 @@ def set_process_option(name: str, value: Any) -> None:
 
 def _warn_bad_env() -> None:
     """Warn once per variable about a value that will be read as True by accident."""
-    for name in _FIELDS:
-        raw = os.environ.get(ENV_VARS[name])
+    for name, raw in zip(_FIELDS, _ENV[0], strict=True):
         if raw is None or raw.strip() == "":
             continue
         text = raw.strip().lower()
@@ -390,4 +408,55 @@ def _warn_bad_env() -> None:
                           stacklevel=2)
 
 
-_warn_bad_env()
+reload_environment()
+
+
+# --------------------------------------------------------------------------- settings
+
+#: The variable bounding one compiler run (seconds; ``inf`` or ``none``: no bound).
+TIMEOUT_ENV_VAR = "TMCORE_COMPILE_TIMEOUT"
+#: Seconds one compiler run may take by default.
+DEFAULT_TIMEOUT = 120.0
+_WARNED_TIMEOUTS: set[str] = set()
+
+
+def environment(name: str, default: str | None = None) -> str | None:
+    """The value of another tool's environment variable (``CC``, ``TRITON_INTERPRET``,
+    ...), read now; ``default`` when it is unset."""
+    return os.environ.get(name, default)
+
+
+def cache_dir() -> Path:
+    """The configured folder of the built kernels: ``TMCORE_CACHE_DIR``, else
+    ``$XDG_CACHE_HOME/tmcore``, else ``~/.cache/tmcore`` (read now; the backend builds
+    elsewhere when it is not safe to use)."""
+    if os.environ.get("TMCORE_CACHE_DIR"):
+        return Path(os.environ["TMCORE_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "tmcore"
+
+
+def compile_timeout() -> float | None:
+    """Seconds one compiler run may take (``TMCORE_COMPILE_TIMEOUT``, default 120, read
+    now); ``None`` (no limit) for ``inf`` or ``none``. A value that is not a number of
+    seconds > 0 (text, 0, negative, NaN) is refused by name with a warning (once per
+    value), and the default applies."""
+    raw = os.environ.get(TIMEOUT_ENV_VAR, "").strip()
+    if raw == "":
+        return DEFAULT_TIMEOUT
+    if raw.lower() in ("none", "inf", "+inf", "infinity"):
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if math.isinf(value) and value > 0:
+        return None
+    if not value > 0:  # NaN, negative, -inf
+        if raw not in _WARNED_TIMEOUTS:
+            _WARNED_TIMEOUTS.add(raw)
+            warnings.warn(f"tmcore: {TIMEOUT_ENV_VAR}={raw!r} is not a number of seconds > 0 "
+                          f"(or inf / none for no limit); using {DEFAULT_TIMEOUT:g} s",
+                          RuntimeWarning, stacklevel=2)
+        return DEFAULT_TIMEOUT
+    return value

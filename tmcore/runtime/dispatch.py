@@ -34,13 +34,13 @@ Contract of each entry (the generic functions are the reference):
   values (M,)) -> (N,)``, ``out`` with every ``values[i]`` added at ``index[i]``
   (repeated indices sum; ``out`` may be updated in place: pass a buffer the caller
   owns and use the result). The array API has no scatter-add, so the generic table
-  has none; :mod:`tmcore.warp`'s flow VJP uses it when present (``O(2^n B C P)``
+  has none; :mod:`tmcore.ops.warp`'s flow VJP uses it when present (``O(2^n B C P)``
   instead of its generic ``O(B C P^2)`` tile contraction)
 - ``local_scan_fwd`` / ``local_scan_bwd`` (optional, default ``None``): a fused local
   scan (``update="local"``, the fast method) with the signature and results of
-  :func:`tmcore.local.local_scan_fwd` / ``local_scan_bwd`` (positional, after ``xp``:
+  :func:`tmcore.scan.local.local_scan_fwd` / ``local_scan_bwd`` (positional, after ``xp``:
   the arrays, then ``window, eps, radius``, and for the forward ``overwrite_state``),
-  the same undo-log residuals (:class:`tmcore.local.LocalScanResiduals`), so a forward
+  the same undo-log residuals (:class:`tmcore.scan.local.LocalScanResiduals`), so a forward
   on one path and a backward on the other agree; ``None`` declines
 
 ``residuals`` are opaque: only the ``*_bwd`` of the same table consumes them
@@ -50,7 +50,7 @@ Forcing the generic path (for comparison and debugging): ``with
 tmcore.options(generic=True): ...`` (local to the thread / task), or the
 environment variable ``TMCORE_GENERIC=1``; ``tmcore.backends.use_generic()`` is
 the same switch under its older name. Tables are cached per namespace and per
-:class:`tmcore._options.Options` value, so changing an option takes effect on
+:class:`tmcore.runtime.options.Options` value, so changing an option takes effect on
 the next call. Under ``jax.jit`` the choice is made while tracing.
 """
 
@@ -60,9 +60,9 @@ import contextlib
 import importlib
 from typing import Any, NamedTuple
 
-from tmcore._options import ENV_VARS, Options, get_options
+from tmcore.runtime.options import ENV_VARS, Options, get_options
 
-__all__ = ["Ops", "ops_for", "generic_ops", "ENV_VAR"]
+__all__ = ["Ops", "ops_for", "generic_ops", "register_generic", "no_workspace", "ENV_VAR"]
 
 #: The environment variable forcing the generic path (the ``generic`` option's default).
 ENV_VAR = ENV_VARS["generic"]
@@ -71,7 +71,7 @@ ENV_VAR = ENV_VARS["generic"]
 class Ops(NamedTuple):
     """One implementation of every primitive's forward and VJP.
 
-    The contract of each entry is in the module notes of ``tmcore._dispatch``;
+    The contract of each entry is in the module notes of ``tmcore.runtime.dispatch``;
     the generic functions are the reference every backend's entries must agree
     with.
 
@@ -110,10 +110,10 @@ class Ops(NamedTuple):
         into ``out`` at ``index`` (may update ``out`` in place); None where the
         namespace has no scatter-add.
     local_scan_fwd : callable or None, default None
-        A fused local scan like :func:`tmcore.local.local_scan_fwd` (fast
+        A fused local scan like :func:`tmcore.scan.local.local_scan_fwd` (fast
         method); returns None to decline.
     local_scan_bwd : callable or None, default None
-        Its backward, like :func:`tmcore.local.local_scan_bwd`; returns None to
+        Its backward, like :func:`tmcore.scan.local.local_scan_bwd`; returns None to
         decline.
     """
 
@@ -130,11 +130,12 @@ class Ops(NamedTuple):
     scan_fwd: Any = None  # optional fused memory_scan_fwd (tmcore.scan); None: per-step loop
     scan_bwd: Any = None  # optional fused memory_scan_bwd; either may return None to decline
     scatter_add: Any = None  # optional flat scatter-add (the flow warp's VJP); None: none
-    local_scan_fwd: Any = None  # optional fused local scan (tmcore.local); None: the loop
+    local_scan_fwd: Any = None  # optional fused local scan (tmcore.scan.local); None: the loop
     local_scan_bwd: Any = None  # its backward; either may return None to decline
 
 
-def _no_workspace(xp: Any) -> contextlib.AbstractContextManager:
+def no_workspace(xp: Any) -> contextlib.AbstractContextManager:
+    """The generic ``workspace`` entry: nothing to reuse."""
     return contextlib.nullcontext()
 
 
@@ -143,20 +144,21 @@ _CACHE: dict[tuple[Any, Options], Ops] = {}  # (namespace module, options) -> ta
 
 
 def generic_ops() -> Ops:
-    """Give the generic array-API table (built once).
+    """Give the generic array-API table (:data:`tmcore.ops.GENERIC`).
 
     Returns
     -------
     Ops
         The reference implementation of every primitive.
     """
-    if not _GENERIC:
-        from tmcore import cell, conv, sampling, splat
-
-        _GENERIC.append(Ops(sampling.sample_fwd, sampling.sample_bwd, splat.splat_fwd,
-                            splat.splat_bwd, conv.conv_fwd, conv.conv_bwd, cell.gates_fwd,
-                            cell.gates_bwd, cell.gates_residuals, _no_workspace))
+    if not _GENERIC:  # tmcore.ops registers it on import; found by name (no import cycle)
+        importlib.import_module("tmcore.ops")
     return _GENERIC[0]
+
+
+def register_generic(table: Ops) -> None:
+    """Set the generic table (called once, by :mod:`tmcore.ops`)."""
+    _GENERIC[:] = [table]
 
 
 def _resolve(xp: Any, options: Options) -> Ops:

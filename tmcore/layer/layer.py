@@ -1,0 +1,278 @@
+"""The Tensor Memory layer, defined once against the array API (no framework).
+
+The PyTorch and JAX adapters instantiate what is here and add only what their
+framework needs (parameters as framework objects, the scan registered with
+autograd / ``custom_vjp``, modules). A variant of the layer (an ablation, a
+diagnostic) subclasses :class:`Layer` and overrides :meth:`Layer.heads` or
+:meth:`Layer.read_out` instead of copying the layer.
+
+Sizes: ``d`` = embed_dim, ``C`` = memory_channels, ``S`` = memory_shape
+(``n = len(S)``, 1 to 4 axes), ``L`` = chunk_size, ``B`` batch, ``N`` tokens,
+``T = ceil(N / L)`` chunks.
+
+What lives here
+---------------
+- :class:`LayerConfig` / :func:`layer_config` -- every hyperparameter,
+  validated once (``TypeError`` for the wrong kind of value: a float, a bool or
+  a string where an int belongs; ``ValueError`` for a bad value; NumPy
+  integers are accepted as sizes).
+- :func:`param_specs` -- the parameters' names, shapes and initialization
+  plan as data (:class:`ParamSpec`; the table in docs/LAYER.md), and
+  :func:`init_params`, which realizes the plan with the caller's RNG.
+  :func:`check_params` / :func:`sizes_from_params` check a parameter pytree
+  ``{group: {leaf: array}}`` (the torch state-dict names split at the dot);
+  :func:`cell_params` gives its ``cell`` group as :class:`tmcore.ConvParams`.
+- :func:`heads` -- one chunk (or a stack of chunks) ``(..., L, d)`` to the
+  scan's :class:`tmcore.StepInputs`; :func:`read_out` -- reads ``(..., C)`` to
+  ``(..., d)``.
+- :func:`chunk` / :func:`unchunk` -- tokens ``(B, N, d)`` to chunks
+  ``(B, T, L, d)`` (a ragged last chunk zero-padded on the right) and
+  per-chunk outputs ``(B, T, d)`` back to ``(B, N, d)`` (broadcast to the
+  chunk's tokens, trimmed to ``N``).
+- :func:`zero_state`, :func:`reset_state` -- the initial state and the
+  per-sequence reset by a bool mask; :func:`check_tokens`,
+  :func:`check_state`.
+- The multi-layer modes :data:`MODES`: :func:`check_mode`,
+  :func:`segment_states`, :func:`start_state`, :func:`final_state`.
+- :func:`stored_grid_error` -- the check of a grid shape stored with the
+  parameters (the torch ``_extra_state``).
+- :class:`Layer` -- the forward of one layer given a ``scan`` callable
+  (the adapter's differentiable :func:`tmcore.memory_scan`).
+
+Per chunk ``t`` (docs/LAYER.md, "Per-chunk math"): ``read_coord = tanh(coord_net(first token))``;
+``summary = write_proj(the chunk's L tokens, position-major)``;
+``write_coord = tanh(coord_net(summary))`` (tied head); ``content =
+content_net(summary)``; ``sigma = (softplus(sigma_net(summary)) + 1e-4) *
+sigma_scale``; the scan reads the state before the chunk's write;
+``out_proj(read_t)`` is broadcast to every token of chunk ``t``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from tmcore.layer.config import LayerConfig
+from tmcore.layer.heads import Linear, chunk, heads, linear, read_out, split, unchunk
+from tmcore.layer.params import Params
+from tmcore.layer.state import State, check_state, check_tokens, device_of, reset_state, zero_state
+from tmcore.layer.stream import StreamState, forward_stream
+from tmcore.ops.activations import softplus
+from tmcore.scan.dense import StepInputs
+
+__all__ = ["Layer", "Scan"]
+
+
+Scan = Callable[[Any, Any, StepInputs], tuple[Any, Any, Any]]
+
+
+class Layer:
+    """One Tensor Memory layer over a parameter pytree ``{group: {leaf: array}}``.
+
+    Adapters build one per module; a variant overrides :meth:`heads` (e.g. untied
+    coordinate heads) or :meth:`read_out`. :meth:`forward` needs a ``scan``:
+    ``scan(h0, c0, inputs) -> (reads (B, T, C), h_T, c_T)`` with ``inputs`` a
+    :class:`tmcore.StepInputs` of ``(B, T, ...)`` arrays (the adapter's
+    differentiable :func:`tmcore.memory_scan`, or any variant of it).
+
+    Parameters
+    ----------
+    config : LayerConfig
+        The layer's hyperparameters (from :func:`layer_config`).
+
+    Raises
+    ------
+    TypeError
+        If ``config`` is not a :class:`LayerConfig`.
+    """
+
+    #: the linear map of every head (see :func:`heads`); a subclass may replace it
+    linear: Linear = staticmethod(linear)
+    #: the sigma head's softplus (see :func:`heads`); a subclass may replace it
+    softplus: Callable[[Any, Any], Any] = staticmethod(softplus)
+    #: the cut of the fused heads' output (see :func:`heads`); a subclass may replace it
+    split: Callable[[Any, Any, Sequence[int]], tuple[Any, ...]] = staticmethod(split)
+    #: whether the heads' products take 2-D operands (see :func:`heads`)
+    flat_rows: bool = False
+
+    def __init__(self, config: LayerConfig):
+        if not isinstance(config, LayerConfig):
+            raise TypeError(f"config: expected a LayerConfig (from layer_config), "
+                            f"got {type(config).__name__}")
+        self.config = config
+
+    def heads(self, xp: Any, params: Params, chunk: Any) -> StepInputs:
+        """The layer's heads (:func:`heads` with this layer's config, linear and softplus).
+
+        Parameters
+        ----------
+        xp, params, chunk : see heads
+            As in :func:`heads`: the namespace, the parameter pytree and the
+            chunks ``(..., L, d)``.
+
+        Returns
+        -------
+        StepInputs
+            The step inputs of the chunks (leading axes ``...``), as
+            :func:`heads` gives them.
+        """
+        return heads(xp, params, chunk, self.config, linear=self.linear,
+                     softplus=self.softplus, split=self.split, flat_rows=self.flat_rows)
+
+    def read_out(self, xp: Any, params: Params, reads: Any) -> Any:
+        """The layer's read-out (:func:`read_out` with this layer's linear map).
+
+        Parameters
+        ----------
+        xp, params, reads : see read_out
+            As in :func:`read_out`: the namespace, the parameter pytree and the
+            reads ``(..., C)``.
+
+        Returns
+        -------
+        array, shape ``(..., d)``
+            The layer's output per read.
+        """
+        return read_out(xp, params, reads, linear=self.linear)
+
+    def forward(self, xp: Any, params: Params, x: Any, state: State | None, *, scan: Scan,
+                reset: Any = None, check: Callable[..., None] | None = None
+                ) -> tuple[Any, State]:
+        """The layer on a whole sequence: ``x (B, N, d)`` -> ``(out (B, N, d), (h, c))``.
+
+        Checks ``x``, ``state`` and ``reset`` (:func:`check_tokens`,
+        :func:`check_state`, :func:`reset_state`); the heads and the read-out
+        run once over all chunks (``(B, T, ...)``), the scan steps through them.
+        A ragged last chunk is zero-padded and written.
+        ``N = 0`` or ``B = 0`` returns zeros and the (reset) state.
+
+        Parameters
+        ----------
+        xp : namespace
+            The array namespace of the arrays.
+        params : dict of dict of array
+            The layer's parameter pytree ``{group: {leaf: array}}``.
+        x : array, shape ``(B, N, d)``
+            The tokens.
+        state : pair of arrays, shape ``(B, C, *S)`` each, or None
+            The state ``(h, c)`` entering the sequence; ``None``: zeros.
+        scan : callable
+            ``scan(h0, c0, inputs) -> (reads (B, T, C), h_T, c_T)``, e.g. the
+            adapter's differentiable :func:`tmcore.memory_scan`.
+        reset : bool array, shape ``(B,)``, optional
+            True for the rows whose state is zeroed first.
+        check : callable, optional
+            An adapter's own checks (devices, dtypes against the parameters),
+            called as ``check(x, state, reset=reset)`` once ``x`` and ``state``
+            passed the generic ones (``state``: the checked pair, or ``None``)
+            and before ``reset``'s, so that every input is checked once per call.
+
+        Returns
+        -------
+        out : array, shape ``(B, N, d)``
+            Each token's output: its chunk's read, read out.
+        state : pair of arrays, shape ``(B, C, *S)`` each
+            ``(h, c)`` after the last chunk.
+
+        Raises
+        ------
+        TypeError
+            If ``x``, ``state`` or ``reset`` is not an array of the right kind
+            or dtype (each error names the argument).
+        ValueError
+            If ``x``, ``state`` or ``reset`` has the wrong shape.
+        ValueError or MemoryError
+            With ``state=None``, if the zero state cannot be indexed or does not
+            fit the device (:func:`zero_state`).
+        """
+        config = self.config
+        check_tokens(xp, x, config)
+        batch, tokens, d = x.shape
+        if state is not None:
+            state = check_state(xp, state, batch, config)
+        if check is not None:
+            check(x, state, reset=reset)
+        if state is None:
+            state = zero_state(xp, config, batch, dtype=x.dtype, device=device_of(x))
+        if reset is not None:
+            state = reset_state(xp, state, reset)
+        if tokens == 0 or batch == 0:  # nothing to scan (the scan refuses empty arrays)
+            return xp.zeros_like(x), state
+        # the heads and the read-out run once over all B*T chunk rows: the operations a
+        # call dispatches do not grow with the sequence (only the scan steps through it)
+        inputs = self.heads(xp, params, chunk(xp, x, config.chunk_size))  # (B, T, ...) each
+        reads, h, c = scan(state[0], state[1], inputs)
+        out = self.read_out(xp, params, reads)                            # (B, T, d)
+        return unchunk(xp, out, tokens, config.chunk_size), (h, c)
+
+    def forward_stream(self, xp: Any, params: Params, x: Any, state: Any, *, scan: Scan,
+                       reset: Any = None, doc_starts: Any = None, valid: Any = None,
+                       check: Callable[..., None] | None = None) -> tuple[Any, StreamState]:
+        """Streaming and packed documents: ``x (B, N, d)`` -> ``(out (B, N, d), StreamState)``.
+
+        ``state``: ``None`` (zeros), an ``(h, c)`` pair (a chunk boundary) or the
+        :class:`StreamState` a previous call returned. The call continues each row's
+        unfinished chunk, so feeding a sequence in pieces of ANY lengths (one token at
+        a time included) gives the outputs and the state of one long call. A chunk's
+        output is known from its first token (its read); its write happens when its
+        ``L``-th token arrives.
+
+        ``doc_starts``: optional bool ``(B, N)``, True where a new document starts
+        (packed documents, see :func:`doc_starts_from_offsets`): the state and the
+        unfinished chunk are dropped there and the chunk grid restarts, so each
+        document's outputs equal running it alone. ``reset (B,)`` is a document start
+        at the first token of the row. The grid is decided on the host (the masks are
+        read there), and the scan is cut only where some row starts a document or
+        ends with an unfinished chunk.
+
+        ``valid``: optional bool ``(B, N)``, False at tokens to skip (padding, e.g. a
+        Hugging Face attention mask, left or right): they never enter the state nor the
+        chunk grid, their outputs are zeros, and each row's stream is its valid tokens
+        only (the returned state is the one running them alone gives).
+
+        Parameters
+        ----------
+        xp, params : namespace, dict of dict of array
+            The array namespace and the layer's parameter pytree, as in
+            :meth:`forward`.
+        x : array, shape ``(B, N, d)``
+            The next piece of each row's stream (``N`` may be 0).
+        state : None, pair of arrays or StreamState
+            ``None`` (zeros), an ``(h, c)`` pair ``(B, C, *S)`` or the
+            :class:`StreamState` a previous call returned.
+        scan : callable
+            ``scan(h0, c0, inputs) -> (reads (B, T, C), h_T, c_T)``; one with a
+            ``cond(pred, true_fn, false_fn)`` attribute (JAX: ``lax.cond``) lets
+            a step that completes no chunk skip the update.
+        reset : bool array, shape ``(B,)``, optional
+            A document start at the first token of the marked rows.
+        doc_starts : bool array, shape ``(B, N)``, optional
+            True where a new document starts (read on the host).
+        valid : bool array, shape ``(B, N)``, optional
+            False at tokens to skip.
+        check : callable, optional
+            An adapter's own checks, called as ``check(x, state, reset=reset,
+            doc_starts=doc_starts, valid=valid)`` once ``x`` and ``state`` passed
+            the generic ones (``state``: ``None``, the checked pair or the checked
+            :class:`StreamState`, as given) and before the masks'.
+
+        Returns
+        -------
+        out : array, shape ``(B, N, d)``
+            Each token's output (zeros where ``valid`` is False).
+        state : StreamState
+            The state after the last token, to pass to the next call.
+
+        Raises
+        ------
+        TypeError
+            If an argument is not an array of the right kind or dtype, or
+            ``doc_starts`` (or, with it, ``state.count``, ``reset`` or ``valid``)
+            is traced: packed documents are planned on the host.
+        ValueError
+            If an argument has the wrong shape, or ``state.count`` is not ``B``
+            ints in ``[0, L)``.
+        """
+        return forward_stream(self, xp, params, x, state, scan=scan, reset=reset,
+                              doc_starts=doc_starts, valid=valid, check=check)
+

@@ -1,0 +1,71 @@
+"""The layer's size gates: the checks a layer makes from its config before it allocates.
+
+Built on :mod:`tmcore.runtime.sizes` (element counts against int64, bytes against what
+the device can hold); each gate names the argument and the bytes.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from tmcore.runtime import sizes
+
+__all__ = ["check_config", "check_state", "check_forward", "forward_bytes"]
+
+
+def check_config(config: Any) -> Any:
+    """``config`` (a :class:`tmcore.layer.LayerConfig`) if one row of its state ``(C, *S)``
+    and its largest parameter ``write_proj (d, L*d)`` have int64-addressable sizes;
+    else ``ValueError`` naming the argument."""
+    sizes.check_count("memory_shape", (config.memory_channels, *config.memory_shape), "(C, *S)",
+                "the state of one sequence")
+    sizes.check_count("embed_dim", (config.embed_dim, config.chunk_size * config.embed_dim),
+                "(d, L*d)", "write_proj.weight")
+    return config
+
+
+def forward_bytes(config: Any, batch: int, tokens: int, item: int) -> int:
+    """Bytes one layer call on ``(B, N, d)`` tokens certainly holds (no checkpoints):
+    :func:`scan_bytes` plus the output ``(B, N, d)`` and the padded chunks."""
+    state = batch * config.memory_channels * math.prod(config.memory_shape)
+    steps = -(-tokens // config.chunk_size)
+    padded = batch * steps * config.chunk_size * config.embed_dim
+    return sizes.scan_bytes(state, batch, config.memory_channels, steps, 0, item) \
+        + item * (batch * tokens * config.embed_dim + padded)
+
+
+def _state_shape(config: Any, batch: int) -> tuple[int, ...]:
+    return (batch, config.memory_channels, *config.memory_shape)
+
+
+def check_state(xp: Any, config: Any, batch: int, dtype: Any = None, device: Any = None
+                ) -> None:
+    """Before a zero state ``(h, c)`` of ``(B, C, *S)`` is made: its count fits int64, and
+    the state with one scan step over it (the least any layer call on it needs:
+    :func:`scan_bytes` for one step) fits the device (``ValueError`` / ``MemoryError``
+    naming ``memory_shape``). Both layer paths (plain and streaming) and both
+    adapters' ``init_state`` make their zero state here."""
+    if sizes.compiling():
+        return
+    shape = _state_shape(config, int(batch))
+    count = sizes.check_count("memory_shape", shape, "(B, C, *S)", "the state h (and c)")
+    nbytes = sizes.scan_bytes(count, shape[0], shape[1], 1, 0, sizes.itemsize(xp, dtype))
+    sizes.check_bytes("memory_shape", nbytes,
+                f"the state (h, c) of shape (B, C, *S) = {shape} and one scan step over it",
+                xp, device)
+
+
+def check_forward(xp: Any, config: Any, x: Any) -> None:
+    """Before a layer call on ``x (B, N, d)`` allocates: the state and the call's
+    working set fit (``ValueError`` / ``MemoryError`` naming ``memory_shape``)."""
+    if sizes.compiling():
+        return
+    batch, tokens = int(x.shape[0]), int(x.shape[1])
+    shape = _state_shape(config, batch)
+    sizes.check_count("memory_shape", shape, "(B, C, *S)", "the state h (and c)")
+    nbytes = forward_bytes(config, batch, tokens, sizes.itemsize(xp, x.dtype))
+    if nbytes >= sizes.SMALL:
+        sizes.check_bytes("memory_shape", nbytes,
+                    f"a layer call on x {tuple(x.shape)} with a state (B, C, *S) = {shape}",
+                    xp, sizes.device_of(x))

@@ -1,0 +1,214 @@
+"""Trilinear (n-linear) sampling of the memory grid, and its VJP.
+
+Semantics are exactly ``torch.nn.functional.grid_sample(mode="bilinear",
+padding_mode="border", align_corners=True)``, in value and gradient:
+voxel positions are clamped to ``[0, S_a - 1]``; the coordinate gradient is
+zero at and beyond the borders (torch counts the border itself as outside);
+at an interior integer position the derivative is the right-sided one
+(``h[i + 1] - h[i]``), because the lower corner is ``floor(u)``.
+
+Non-finite coordinates: ``+-inf`` reads the border (finite value, zero
+coordinate gradient), like any coordinate beyond it; a NaN component makes
+that query's read and coordinate gradient NaN, and the volume gradient of its
+batch element NaN. Every backend follows this.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import array_api_compat
+
+from tmcore.ops.addressing import axis_of_component
+from tmcore.ops.separable import outer_product
+from tmcore.runtime.dispatch import ops_for
+from tmcore.runtime.validate import (
+    check_dim,
+    check_nonempty,
+    check_rank,
+    namespace_of,
+    require_array,
+)
+
+__all__ = ["trilinear_sample", "trilinear_sample_vjp", "tent_profiles",
+           "validate_sample_inputs"]
+
+
+def tent_profiles(xp: Any, coords: Any, shape: tuple[int, ...]) -> tuple[list[Any], list[Any]]:
+    """Per-axis interpolation weights and their derivatives.
+
+    Parameters
+    ----------
+    coords : ``(B, Q, n)`` normalized coordinates.
+    shape : spatial grid shape ``(S_0, ..., S_{n-1})``.
+
+    Returns
+    -------
+    weights : n arrays ``(B, Q, S_a)``; row sums are 1.
+    slopes : n arrays ``(B, Q, S_a)``: d weight / d coordinate component
+        addressing axis ``a`` (zero where the coordinate is clamped).
+    """
+    n = len(shape)
+    device = array_api_compat.device(coords)
+    weights, slopes = [], []
+    for axis in range(n):
+        size = shape[axis]
+        x = coords[..., axis_of_component(axis, n)]
+        half_extent = (size - 1) / 2.0
+        # Clamp the coordinate, not only the voxel position: an infinite coordinate
+        # then reads the border like any far one (on a size-1 axis inf * 0 would be
+        # NaN), as grid_sample does. NaN stays NaN.
+        u = (xp.clip(x, -1.0, 1.0) + 1.0) * half_extent
+        clamped = xp.clip(u, 0.0, float(size - 1))
+        lower = xp.floor(clamped)
+        frac = (clamped - lower)[..., None]
+        index = xp.arange(size, dtype=coords.dtype, device=device)
+        is_lower = xp.astype(index == lower[..., None], coords.dtype)
+        is_upper = xp.astype(index == (lower + 1.0)[..., None], coords.dtype)
+        weights.append(is_lower * (1.0 - frac) + is_upper * frac)
+        # u * 0: NaN for a NaN coordinate (so its gradient is NaN too), else 0
+        inside = xp.astype((u > 0.0) & (u < float(size - 1)), coords.dtype) + u * 0.0
+        slopes.append((is_upper - is_lower) * (inside * half_extent)[..., None])
+    return weights, slopes
+
+
+def _flatten_grid(xp: Any, volume: Any) -> Any:
+    """``(B, C, *S) -> (B, C, P)``."""
+    return xp.reshape(volume, (volume.shape[0], volume.shape[1], -1))
+
+
+def sample_fwd(xp: Any, volume: Any, coords: Any) -> Any:
+    """``(B, C, *S), (B, Q, n) -> (B, Q, C)`` without validation."""
+    weights, _ = tent_profiles(xp, coords, tuple(volume.shape[2:]))
+    dense = outer_product(xp, weights)  # (B, Q, P)
+    return xp.matmul(dense, xp.matrix_transpose(_flatten_grid(xp, volume)))
+
+
+def sample_bwd(xp: Any, volume: Any, coords: Any, g: Any) -> tuple[Any, Any]:
+    """VJP of :func:`sample_fwd` for cotangent ``g (B, Q, C)``; no validation."""
+    shape = tuple(volume.shape[2:])
+    n = len(shape)
+    weights, slopes = tent_profiles(xp, coords, shape)
+    dense = outer_product(xp, weights)
+    d_volume = xp.reshape(xp.matmul(xp.matrix_transpose(g), dense), volume.shape)
+    # g . volume at every cell: (B, Q, C) @ (B, C, P) -> (B, Q, P)
+    g_dot_volume = xp.matmul(g, _flatten_grid(xp, volume))
+    components = [None] * n
+    for axis in range(n):
+        slope_weight = outer_product(xp, weights, replace={axis: slopes[axis]})
+        components[axis_of_component(axis, n)] = xp.sum(g_dot_volume * slope_weight, axis=-1)
+    return d_volume, xp.stack(components, axis=-1)
+
+
+def validate_sample_inputs(volume: Any, coords: Any, g: Any = None) -> Any:
+    """The checks of :func:`trilinear_sample` / its VJP (shared with the torch custom
+    op, which runs them in eager mode). Returns the namespace."""
+    xp = namespace_of(volume=volume, coords=coords, g=g)
+    check_rank("volume", volume, (3, 4, 5, 6), "(B, C, *S) with 1 to 4 spatial axes")
+    check_nonempty("volume", volume, "(B, C, *S)")
+    n = volume.ndim - 2
+    check_rank("coords", coords, 3, "(B, Q, n)")
+    check_dim("coords", coords, 0, volume.shape[0], "(B, Q, n)", "B = volume.shape[0]")
+    check_dim("coords", coords, 2, n, "(B, Q, n)", "n = number of spatial axes of volume")
+    if g is not None:
+        expected = (volume.shape[0], coords.shape[1], volume.shape[1])
+        if tuple(g.shape) != expected:
+            raise ValueError(f"g: expected shape (B, Q, C) = {expected}, got {tuple(g.shape)}")
+    return xp
+
+
+
+
+def trilinear_sample(volume: Any, coords: Any) -> Any:
+    """Read ``volume`` at continuous coordinates by n-linear interpolation.
+
+    For ``n = 3`` spatial axes this is trilinear interpolation (the paper's
+    name, kept for the function), bilinear for ``n = 2``, linear for ``n = 1``
+    and quadrilinear for ``n = 4``. It equals ``torch.nn.functional.grid_sample
+    (mode="bilinear", padding_mode="border", align_corners=True)`` in value and
+    gradient: voxel positions are clamped to the border, and the coordinate
+    gradient is zero at and beyond it.
+
+    Parameters
+    ----------
+    volume : array, shape ``(B, C, *S)``
+        The grid to read, with 1 to 4 spatial axes ``S``, of a real floating
+        dtype.
+    coords : array, shape ``(B, Q, n)``
+        ``Q`` query positions per batch element, normalized to ``[-1, 1]``
+        (cell centres at ``linspace(-1, 1, S_a)``); ``coords[..., k]``
+        addresses spatial axis ``n - 1 - k`` (x is the last axis). Values
+        outside ``[-1, 1]``, infinities included, read the border.
+
+    Returns
+    -------
+    array, shape ``(B, Q, C)``
+        The interpolated values, in the namespace, device and dtype of the
+        inputs.
+
+    Raises
+    ------
+    TypeError
+        If an argument is not an array, the arrays belong to different
+        namespaces, or a dtype is not real floating.
+    ValueError
+        If ``volume`` does not have 1 to 4 spatial axes or has a zero-size
+        axis, if ``coords`` is not ``(B, Q, n)`` with ``volume``'s ``B`` and
+        ``n``, if the arrays lie on different devices, or (validate mode only)
+        if an array holds NaN or inf.
+
+    See Also
+    --------
+    trilinear_sample_vjp : The gradients of this read.
+
+    Examples
+    --------
+    A 1-D grid of three cells read at its centre and halfway to the right:
+
+    >>> import numpy as np
+    >>> import tmcore
+    >>> volume = np.array([0.0, 1.0, 4.0]).reshape(1, 1, 3)       # (B, C, S)
+    >>> coords = np.array([[[0.0], [0.5], [2.0]]])                # (B, Q, 1)
+    >>> tmcore.trilinear_sample(volume, coords)[..., 0]
+    array([[1. , 2.5, 4. ]])
+    """
+    xp = validate_sample_inputs(volume, coords)
+    return ops_for(xp).sample_fwd(xp, volume, coords)
+
+
+def trilinear_sample_vjp(volume: Any, coords: Any, g: Any) -> tuple[Any, Any]:
+    """Gradients of :func:`trilinear_sample` for the cotangent ``g``.
+
+    Parameters
+    ----------
+    volume : array, shape ``(B, C, *S)``
+        The grid that was read.
+    coords : array, shape ``(B, Q, n)``
+        The normalized query positions that were read.
+    g : array, shape ``(B, Q, C)``
+        The cotangent of the read.
+
+    Returns
+    -------
+    d_volume : array, shape ``(B, C, *S)``
+        The gradient for ``volume``, a dense contraction (no scatter, so it is
+        deterministic on every backend).
+    d_coords : array, shape ``(B, Q, n)``
+        The gradient for ``coords``; zero for a component at or beyond the
+        border.
+
+    Raises
+    ------
+    TypeError
+        If an argument is not an array (``g`` may not be None), or the arrays
+        mix namespaces or have a dtype that is not real floating.
+    ValueError
+        If a shape does not match the layouts above.
+
+    See Also
+    --------
+    trilinear_sample : The read itself.
+    """
+    require_array("g", g)
+    xp = validate_sample_inputs(volume, coords, g)
+    return ops_for(xp).sample_bwd(xp, volume, coords, g)
