@@ -1,18 +1,15 @@
-"""tmcore's primitives for JAX: ``custom_vjp`` wrappers and ONE checkpointing scan.
+"""tmcore's primitives for JAX: ``custom_vjp`` wrappers and ONE checkpointed scan.
 
 Everything the JAX adapter differentiates goes through here:
 
 - :func:`sample` / :func:`splat` -- ``jax.custom_vjp`` around tmcore's forward
   and hand-written VJP (``ops_for(jnp)``: a backend fast path or the generic one).
-- :func:`checkpoint_scan` -- the chunk recurrence as ``lax.scan`` with a
-  ``custom_vjp`` whose backward keeps only every ``checkpoint_every``-th state
-  and replays each segment, like :func:`tmcore.scan.memory_scan_bwd` (built from
-  the same blocks, :func:`tmcore.scan.step_fwd` / :func:`tmcore.scan.step_bwd`).
-  Its per-step inputs come from a ``prepare(theta, xs_t) -> StepInputs`` and its
-  per-step output is ``finish(theta, read_t)``, two differentiable functions:
-  :func:`tmcore.adapters.jax.memory_scan` passes identities (the layer computes
-  its heads and ``out_proj`` over all chunks at once, outside the scan); a variant
-  may run per-step maps inside the loop, differentiated with the step.
+- :func:`checkpoint_scan` -- the chunk recurrence of any
+  :class:`tmcore.scan.Step` (dense, local, warped) as ONE ``lax.scan`` with a
+  ``custom_vjp``: the JAX bridge of :mod:`tmcore.scan.base`. A ``"checkpoint"`` step
+  keeps every ``checkpoint_every``-th state and replays each segment in the backward;
+  a ``"log"`` step (the local update's undo log) keeps its per-step log. It compiles
+  once whatever the number of chunks (nothing is unrolled).
 
 Compiled functions are keyed by :func:`tmcore.get_options` (``native``,
 ``generic``, ...), so an option changed after a first call, or set differently
@@ -35,13 +32,13 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from tmcore.ops.conv import ConvParams
 from tmcore.runtime.dispatch import ops_for
 from tmcore.runtime.options import Options, get_options
-from tmcore.scan.dense import StepInputs, add_params, step_bwd, step_fwd
+from tmcore.runtime.validate import check_int, check_positive, check_values
+from tmcore.scan.base import Step
 
-__all__ = ["ScanStatic", "checkpoint_scan", "forward_mode_guard", "identity_finish",
-           "identity_prepare", "match_vma", "options_key", "sample", "splat"]
+__all__ = ["LayerScan", "ScanStatic", "checkpoint_scan", "forward_mode_guard", "match_vma",
+           "options_key", "sample", "splat"]
 
 
 def options_key() -> Options:
@@ -161,25 +158,40 @@ def splat(content: jax.Array, mu: jax.Array, sigma: jax.Array, shape: tuple[int,
 
 
 class ScanStatic(NamedTuple):
-    """The scan's static configuration (hashable: a ``jit`` / ``nondiff`` argument).
+    """The scan's static configuration (hashable: a ``jit`` / ``nondiff`` argument)."""
 
-    ``prepare(theta, xs_t) -> StepInputs`` and ``finish(theta, read (B, C)) -> y_t``
-    must hash by value (module-level functions, NamedTuples): they key the trace.
-    """
-
-    prepare: Callable[[Any, Any], StepInputs]
-    finish: Callable[[Any, Any], Any]
-    eps: float
-    radius: float | None
+    step: Step
     checkpoint_every: int
     options: Options
 
 
-def _step(static: ScanStatic, theta: Any, cell: ConvParams, carry: tuple, x_t: Any):
+def _zeros(tree: Any) -> Any:
+    return jax.tree.map(jnp.zeros_like, tree)
+
+
+def _add(a: Any, b: Any) -> Any:
+    return jax.tree.map(lambda x, y: x + y, a, b)
+
+
+def _forward_step(static: ScanStatic, params: Any, carry: tuple, x_t: Any):
     h, c = carry
-    inputs = static.prepare(theta, x_t)
-    read, h_new, c_new = step_fwd(jnp, h, c, inputs, cell, static.eps, static.radius)
-    return (h_new, c_new), static.finish(theta, read)
+    W = static.step.write(jnp, x_t, tuple(h.shape[2:]))
+    read, h, c, log = static.step.advance(jnp, params, h, c, x_t, W)
+    return (h, c), (read, log)
+
+
+def _vjp_step(static: ScanStatic, params: Any, carry: tuple, item: tuple):
+    """One step's VJP: ``carry = (g_h, g_c, d_params)``; ``item = (h, c, x_t, log, g_read)``
+    (``h, c`` None for a ``"log"`` step)."""
+    g_h, g_c, d_params = carry
+    h, c, x_t, log, g_read = item
+    step = static.step
+    W = step.write(jnp, x_t, tuple(g_h.shape[2:]))
+    g_h, g_c, d_read, d_extra, g_W, step_params = step.advance_vjp(jnp, params, h, c, x_t, W,
+                                                                   log, g_read, g_h, g_c)
+    d_x = type(x_t)(d_read, *step.write_vjp(jnp, x_t, W, g_W),
+                    *(() if d_extra is None else (d_extra,)))
+    return (g_h, g_c, _add(d_params, step_params)), d_x
 
 
 def _segments(steps: int, every: int) -> tuple[int, int, int]:
@@ -206,123 +218,102 @@ def _join(head: Any, tail: Any, tail_steps: int) -> Any:
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _scan(static: ScanStatic, theta, cell, xs, h0, c0):
-    (h, c), ys = lax.scan(partial(_step, static, theta, cell), (h0, c0), xs)
-    return ys, h, c
+def _scan(static: ScanStatic, params, xs, h0, c0):
+    (h, c), (reads, _) = lax.scan(partial(_forward_step, static, params), (h0, c0), xs)
+    return reads, h, c
 
 
-def _scan_fwd(static: ScanStatic, theta, cell, xs, h0, c0):
+def _scan_fwd(static: ScanStatic, params, xs, h0, c0):
+    step = partial(_forward_step, static, params)
+    if static.step.policy == "log":  # the per-step log is the residual
+        (h, c), (reads, logs) = lax.scan(step, (h0, c0), xs)
+        return (reads, h, c), (params, xs, logs, None)
     steps = jax.tree.leaves(xs)[0].shape[0]
     k, full, tail = _segments(steps, static.checkpoint_every)
-    step = partial(_step, static, theta, cell)
-
     if k == 1:  # every state is a checkpoint: one flat scan, no segments
         def keep(carry, x_t):
-            end, y = step(carry, x_t)
-            return end, (y, carry)
+            end, (read, _) = step(carry, x_t)
+            return end, (read, carry)
 
-        carry, (ys, checkpoints) = lax.scan(keep, (h0, c0), xs)
-        return (ys, *carry), (theta, cell, xs, checkpoints, None)
+        (h, c), (reads, states) = lax.scan(keep, (h0, c0), xs)
+        return (reads, h, c), (params, xs, states, None)
 
     def segment(carry, xs_segment):
-        end, ys = lax.scan(step, carry, xs_segment)
-        return end, (ys, carry)  # the checkpoint: the state entering the segment
+        end, (reads, _) = lax.scan(step, carry, xs_segment)
+        return end, (reads, carry)  # the checkpoint: the state entering the segment
 
     xs_head, xs_tail = _split(xs, full, k)
-    carry, (ys_head, checkpoints) = lax.scan(segment, (h0, c0), xs_head)
-    tail_start = carry
-    ys_tail = None
+    carry, (reads_head, checkpoints) = lax.scan(segment, (h0, c0), xs_head)
+    tail_start, reads_tail = carry, None
     if tail:
-        carry, ys_tail = lax.scan(step, carry, xs_tail)
-    ys = _join(ys_head, ys_tail, tail)
-    residuals = (theta, cell, xs, checkpoints, tail_start if tail else None)
-    return (ys, *carry), residuals
+        carry, (reads_tail, _) = lax.scan(step, carry, xs_tail)
+    reads = _join(reads_head, reads_tail, tail)
+    return (reads, *carry), (params, xs, checkpoints, tail_start if tail else None)
 
 
-def _segment_bwd(static: ScanStatic, theta, cell, start, xs_segment, g_ys, carry):
-    """Replay one segment from its checkpoint ``start``, then differentiate it backwards.
-
-    ``carry = (g_h, g_c, d_theta, d_cell)``; returns the updated carry and ``d_xs``.
-    """
+def _segment_bwd(static: ScanStatic, params, start, xs_segment, g_segment, carry):
+    """Replay one segment from its checkpoint ``start``, then differentiate it backwards."""
     length = jax.tree.leaves(xs_segment)[0].shape[0]
-    step = partial(_step, static, theta, cell)
     h0, c0 = start
     if length > 1:  # the states entering steps 1 .. length-1 (step 0's is the checkpoint)
-        _, (hs, cs) = lax.scan(lambda s, x: (step(s, x)[0],) * 2, start,
-                               jax.tree.map(lambda a: a[: length - 1], xs_segment))
+        _, (hs, cs) = lax.scan(lambda s, x: (_forward_step(static, params, s, x)[0],) * 2,
+                               start, jax.tree.map(lambda a: a[: length - 1], xs_segment))
         hs = jnp.concatenate([h0[None], hs], axis=0)
         cs = jnp.concatenate([c0[None], cs], axis=0)
     else:
         hs, cs = h0[None], c0[None]
-    return _steps_bwd(static, theta, cell, (hs, cs), xs_segment, g_ys, carry)
-
-
-def _steps_bwd(static: ScanStatic, theta, cell, states, xs, g_ys, carry):
-    """Reverse scan of the step VJP given the state entering every step ``states``."""
-
-    def body(carry, item):
-        g_h, g_c, d_theta, d_cell = carry
-        h, c, x_t, g_y = item
-        inputs, prepare_vjp = jax.vjp(static.prepare, theta, x_t)
-        read = ops_for(jnp).sample_fwd(jnp, h, inputs.read_coords[:, None, :])[:, 0, :]
-        _, finish_vjp = jax.vjp(static.finish, theta, read)
-        d_theta_finish, g_read = finish_vjp(g_y)
-        d_h, d_c, d_inputs, d_cell_step = step_bwd(jnp, h, c, inputs, cell, g_read, g_h, g_c,
-                                                    static.eps, static.radius)
-        d_theta_prepare, d_x = prepare_vjp(d_inputs)
-        d_theta = jax.tree.map(lambda a, b, e: a + b + e, d_theta, d_theta_prepare,
-                               d_theta_finish)
-        return (d_h, d_c, d_theta, add_params(d_cell, d_cell_step)), d_x
-
-    return lax.scan(body, carry, (*states, xs, g_ys), reverse=True)
+    return lax.scan(partial(_vjp_step, static, params), carry,
+                    (hs, cs, xs_segment, None, g_segment), reverse=True)
 
 
 def _scan_bwd(static: ScanStatic, residuals, cotangents):
-    theta, cell, xs, checkpoints, tail_start = residuals
-    g_ys, g_h, g_c = cotangents
-    g_ys = jax.tree.map(jnp.asarray, g_ys)
+    params, xs, kept, tail_start = residuals
+    g_reads, g_h, g_c = (jnp.asarray(g) for g in cotangents)
+    carry = match_vma((g_h, g_c, _zeros(params)), xs)[0]  # cotangents may come in unvarying
+    body = partial(_vjp_step, static, params)
+    if static.step.policy == "log":
+        (d_h0, d_c0, d_params), d_xs = lax.scan(body, carry, (None, None, xs, kept, g_reads),
+                                                reverse=True)
+        return d_params, d_xs, d_h0, d_c0
     steps = jax.tree.leaves(xs)[0].shape[0]
     k, full, tail = _segments(steps, static.checkpoint_every)
-    zeros = partial(jax.tree.map, jnp.zeros_like)
-    carry = (jnp.asarray(g_h), jnp.asarray(g_c), zeros(theta), zeros(cell))
-    carry = match_vma(carry, xs)[0]  # cotangents may come in unvarying
     if k == 1:
-        (d_h0, d_c0, d_theta, d_cell), d_xs = _steps_bwd(static, theta, cell, checkpoints, xs,
-                                                         g_ys, carry)
-        return d_theta, d_cell, d_xs, d_h0, d_c0
+        (d_h0, d_c0, d_params), d_xs = lax.scan(body, carry, (*kept, xs, None, g_reads),
+                                                reverse=True)
+        return d_params, d_xs, d_h0, d_c0
     xs_head, xs_tail = _split(xs, full, k)
-    g_head, g_tail = _split(g_ys, full, k)
+    g_head, g_tail = _split(g_reads, full, k)
     d_tail = None
     if tail:
-        carry, d_tail = _segment_bwd(static, theta, cell, tail_start, xs_tail, g_tail, carry)
+        carry, d_tail = _segment_bwd(static, params, tail_start, xs_tail, g_tail, carry)
 
     def segment(carry, item):
         h, c, xs_segment, g_segment = item
-        return _segment_bwd(static, theta, cell, (h, c), xs_segment, g_segment, carry)
+        return _segment_bwd(static, params, (h, c), xs_segment, g_segment, carry)
 
-    carry, d_head = lax.scan(segment, carry, (*checkpoints, xs_head, g_head), reverse=True)
-    d_h0, d_c0, d_theta, d_cell = carry
-    return d_theta, d_cell, _join(d_head, d_tail, tail), d_h0, d_c0
+    carry, d_head = lax.scan(segment, carry, (*kept, xs_head, g_head), reverse=True)
+    d_h0, d_c0, d_params = carry
+    return d_params, _join(d_head, d_tail, tail), d_h0, d_c0
 
 
 _scan.defvjp(_scan_fwd, _scan_bwd)
 _scan_jit = jax.jit(_scan, static_argnums=(0,))
 
 
-def checkpoint_scan(static: ScanStatic, theta: Any, cell: ConvParams, xs: Any,
-                    h0: jax.Array, c0: jax.Array) -> tuple[Any, jax.Array, jax.Array]:
-    """Run the recurrence over the leading (time) axis of ``xs``; no validation.
+def checkpoint_scan(static: ScanStatic, params: Any, xs: Any, h0: jax.Array, c0: jax.Array
+                    ) -> tuple[Any, jax.Array, jax.Array]:
+    """Run ``static.step`` over the leading (time) axis of ``xs``; no validation.
 
-    ``h0, c0 (B, C, *S)``; ``theta`` the parameters of ``prepare`` / ``finish``;
-    ``cell`` the ConvLSTM's :class:`tmcore.ConvParams`. Returns ``(ys [T, ...],
-    h_T, c_T)``. The backward stores ``ceil(T / checkpoint_every)`` states and
-    replays each segment (``checkpoint_every = 1``: every state, no replay).
+    ``h0, c0 (B, C, *S)``; ``params`` the step's parameters (the gates'
+    :class:`tmcore.ConvParams`, or a :class:`tmcore.scan.WarpParams`); ``xs`` the step
+    inputs, time-major ``(T, B, ...)``. Returns ``(reads (T, B, C), h_T, c_T)``.
     """
+    check_int("checkpoint_every", static.checkpoint_every, 1)
     axes = _explicit_batch_axes(h0)
     if axes is not None:
-        return _per_shard(static, axes, theta, cell, xs, h0, c0)
-    theta, cell, xs, h0, c0 = match_vma(theta, cell, xs, h0, c0)
-    return _scan_jit(static, theta, cell, xs, h0, c0)
+        return _per_shard(static, axes, params, xs, h0, c0)
+    params, xs, h0, c0 = match_vma(params, xs, h0, c0)
+    return _scan_jit(static, params, xs, h0, c0)
 
 
 def _explicit_batch_axes(state: jax.Array) -> tuple[str, ...] | None:
@@ -334,7 +325,7 @@ def _explicit_batch_axes(state: jax.Array) -> tuple[str, ...] | None:
     return tuple(axes) or None
 
 
-def _per_shard(static: ScanStatic, axes: tuple[str, ...], theta, cell, xs, h0, c0):
+def _per_shard(static: ScanStatic, axes: tuple[str, ...], params, xs, h0, c0):
     """The scan on an explicit mesh whose ``axes`` shard the batch: each device scans its
     rows (an internal ``shard_map``); the parameters are replicated and their
     gradients summed over ``axes`` (the transpose of the replication). Without it,
@@ -347,23 +338,37 @@ def _per_shard(static: ScanStatic, axes: tuple[str, ...], theta, cell, xs, h0, c
         return jax.reshard(leaf, replicated) if spec and any(s is not None for s in spec) \
             else leaf
 
-    theta, cell = jax.tree.map(replicate, (theta, cell))
+    params = jax.tree.map(replicate, params)
     batch, steps_batch = P(axes), P(None, axes)
 
-    def local(theta_, cell_, xs_, h_, c_):
-        return checkpoint_scan(static, theta_, cell_, xs_, h_, c_)
+    def local(params_, xs_, h_, c_):
+        return checkpoint_scan(static, params_, xs_, h_, c_)
 
-    return jax.shard_map(local, mesh=mesh,
-                         in_specs=(replicated, replicated, steps_batch, batch, batch),
+    return jax.shard_map(local, mesh=mesh, in_specs=(replicated, steps_batch, batch, batch),
                          out_specs=(steps_batch, batch, batch),
-                         axis_names=set(axes))(theta, cell, xs, h0, c0)
+                         axis_names=set(axes))(params, xs, h0, c0)
 
 
-def identity_prepare(theta: Any, x_t: StepInputs) -> StepInputs:
-    """``prepare`` of the bare scan: the step inputs are given."""
-    return x_t
+class LayerScan(NamedTuple):
+    """The layer's ``scan(h0, c0, inputs)`` callable over :func:`checkpoint_scan`: any
+    step, its parameters and checkpoint interval; ``inputs`` batch-major ``(B, T, ...)``.
+    Its ``cond`` lets the layer skip a decode step's update when no row completes a chunk
+    (``lax.cond``: under ``jit`` only the taken branch runs)."""
 
+    step: Step
+    params: Any
+    checkpoint_every: int = 1
 
-def identity_finish(theta: Any, read: jax.Array) -> jax.Array:
-    """``finish`` of the bare scan: the read itself."""
-    return read
+    def __call__(self, h: jax.Array, c: jax.Array, inputs: Any) -> tuple[Any, Any, Any]:
+        # validate mode: the heads' outputs, where concrete (a NaN token or head weight is
+        # reported as the output it poisons, as the torch layer's scan reports it)
+        check_values(jnp, inputs._asdict())
+        check_positive(jnp, "write_sigma", inputs.write_sigma)
+        xs = jax.tree.map(lambda a: jnp.moveaxis(a, 1, 0), inputs)
+        static = ScanStatic(self.step, self.checkpoint_every, options_key())
+        reads, h, c = checkpoint_scan(static, self.params, xs, h, c)
+        return jnp.moveaxis(reads, 0, 1), h, c
+
+    @staticmethod
+    def cond(pred: Any, true_fn: Callable[[], Any], false_fn: Callable[[], Any]) -> Any:
+        return lax.cond(pred, true_fn, false_fn)

@@ -60,7 +60,15 @@ from tmcore.ops.sample import validate_sample_inputs
 from tmcore.ops.splat import validate_splat_inputs
 from tmcore.runtime.dispatch import ops_for
 from tmcore.runtime.options import get_options, options
-from tmcore.scan.dense import memory_scan_bwd, memory_scan_fwd, validate_scan_inputs
+from tmcore.scan.base import Residuals, scan_backward, scan_forward
+from tmcore.scan.dense import (
+    StepInputs,
+    memory_scan_bwd,
+    memory_scan_fwd,
+    validate_scan_inputs,
+)
+from tmcore.scan.options import ScanOptions, check_options, step_for
+from tmcore.scan.warped import WarpInputs, WarpParams
 
 __all__ = [
     "ConvLSTMStepFunction",
@@ -111,10 +119,28 @@ class OpSpec:
     fake: Callable[[tuple, tuple], tuple]
     residuals: int = 0
     recompute: Callable[[tuple, tuple], tuple] = lambda primals, statics: ()
+    #: whether a double backward is supported (the local / warp scans: first order only)
+    second_order: bool = True
 
 
 def _contiguous(tensors: Sequence[Tensor]) -> tuple[Tensor, ...]:
     return tuple(t.contiguous() for t in tensors)
+
+
+def _fresh(outputs: Sequence[Tensor], inputs: Sequence[Tensor]) -> tuple[Tensor, ...]:
+    """``outputs`` contiguous and owning their storage: a custom op's outputs may not
+    share storage with its inputs nor with each other (a copy where one would)."""
+    seen = {t.untyped_storage().data_ptr() for t in inputs if isinstance(t, Tensor)}
+    fresh = []
+    for t in outputs:
+        t = t.contiguous()
+        pointer = t.untyped_storage().data_ptr()
+        if pointer in seen and t.numel():
+            t = t.clone()
+            pointer = t.untyped_storage().data_ptr()
+        seen.add(pointer)
+        fresh.append(t)
+    return tuple(fresh)
 
 
 def _schema(spec: OpSpec, backward: bool) -> str:
@@ -241,7 +267,7 @@ def _make_op(spec: OpSpec) -> MadeOp:
 
     def forward(*args):
         primals, statics = split(args)
-        out = _contiguous(spec.forward(primals, statics))
+        out = _fresh(spec.forward(primals, statics), primals)
         return out[0] if single else out
 
     def fake(*args):
@@ -308,6 +334,8 @@ def _make_op(spec: OpSpec) -> MadeOp:
         ctx.tm_options = get_options()
 
     def backward_grad(ctx, *g_grads):
+        if not spec.second_order:
+            raise RuntimeError(DOUBLE_BACKWARD)
         saved = ctx.saved_tensors
         statics = ctx.statics
         primals = saved[:n_primals]
@@ -511,3 +539,141 @@ GaussianSplatFunction = _SPLAT.function
 MemoryScanFunction = _SCAN.function
 convlstm_step_op = _CELL.op
 ConvLSTMStepFunction = _CELL.function
+
+
+# --------------------------------------------------------------------------- option scans
+
+#: The error of a double backward (``create_graph=True``) through the local / warp scan.
+DOUBLE_BACKWARD = (
+    "tmcore: double backward (create_graph=True) through the local / warp scan "
+    "(update='local' or dynamics='warp') is not supported: its backward is first order "
+    "only. Use the default layer for second-order gradients")
+
+#: The statics of the option scans: the :class:`tmcore.scan.ScanOptions` fields, then
+#: whether the residuals are kept (no backward will be asked for: none are made)
+_OPTION_STATICS = (("update", "str"), ("window", "int?"), ("eps", "float"),
+                   ("radius", "float?"), ("method", "str"), ("checkpoint_every", "int"),
+                   ("keep", "bool"))
+_RESIDUALS = ("residual_0", "residual_1", "residual_2")
+
+
+def _option_parts(primals: tuple, statics: tuple, warp: bool, flow: bool):
+    """``(step, params, xs, h0, c0, every, keep)`` of an option scan's arguments."""
+    options, keep = ScanOptions(*statics[:6]), statics[6]
+    h0, c0 = primals[:2]
+    xs = (WarpInputs(*primals[2:7]) if warp else StepInputs(*primals[2:6]))
+    cell = ConvParams(*primals[len(xs) + 2:len(xs) + 6])
+    params = WarpParams(cell, ConvParams(*primals[-4:]) if flow else None) if warp else cell
+    return step_for(options, warp), params, xs, h0, c0, options.checkpoint_every, keep
+
+
+def _pack(residuals: Any, like: Tensor) -> tuple[Tensor, ...]:
+    """The loop's :class:`tmcore.scan.Residuals` as three tensors (empty where unused)."""
+    parts = () if residuals is None else (
+        residuals.log if residuals.log is not None else (residuals.h, residuals.c))
+    return (*parts, *(like.new_empty((0,)) for _ in range(3 - len(parts))))
+
+
+def _unpack(step: Any, tensors: tuple) -> Residuals:
+    if step.policy == "log":
+        return Residuals(None, None, tuple(tensors))
+    return Residuals(tensors[0], tensors[1], None)
+
+
+def _option_shapes(step: Any, h0: Tensor, steps: int, every: int, keep: bool):
+    """The residuals' shapes of an option scan (for its fake implementation)."""
+    if not keep:
+        return [(0,)] * 3
+    batch, channels, *grid = h0.shape
+    if step.policy == "checkpoint":
+        return [(-(-steps // every), *h0.shape)] * 2 + [(0,)]
+    box = [min(step.window + 2, s) for s in grid]
+    corner = [1 if s == 1 else 2 for s in grid]
+    return [(steps, batch, channels, *box)] * 2 + [(steps, batch, channels, *corner)]
+
+
+def _make_option_scan(name: str, warp: bool, flow: bool) -> MadeOp:
+    """One option scan (``update="local"`` and / or ``dynamics="warp"``) as a custom op:
+    :func:`tmcore.scan.base.scan_forward` / ``scan_backward`` over the options' step."""
+    primals = ("h0", "c0", "read_coords", "write_coords", "write_sigma", "write_content",
+               *(("shift",) if warp else ()), *_SCAN_PRIMALS[6:],
+               *(tuple(f"flow_{f}" for f in ConvParams._fields) if flow else ()))
+
+    def forward(primals, statics):
+        step, params, xs, h0, c0, every, keep = _option_parts(primals, statics, warp, flow)
+        reads, h, c, residuals = scan_forward(_XP, step, params, h0, c0, xs,
+                                              checkpoint_every=every, keep=keep)
+        return (reads, h, c, *_pack(residuals, h))
+
+    def backward(primals, residuals, cotangents, statics):
+        step, params, xs, h0, c0, every, keep = _option_parts(primals, statics, warp, flow)
+        if not keep:
+            raise RuntimeError("tmcore: this local / warp scan ran without residuals "
+                               "(no input required grad when it ran)")
+        g_reads, g_h, g_c = cotangents
+        d_h, d_c, d_xs, d_params = scan_backward(_XP, step, params, _unpack(step, residuals),
+                                                 xs, g_reads, g_h, g_c, checkpoint_every=every)
+        cell, flows = (d_params.cell, d_params.flow or ()) if warp else (d_params, ())
+        return (d_h, d_c, *d_xs, *cell, *flows)
+
+    def fake(primals, statics):
+        step, _, xs, h0, c0, every, keep = _option_parts(primals, statics, warp, flow)
+        steps = xs.read_coords.shape[1]
+        reads = h0.new_empty((h0.shape[0], steps, h0.shape[1]))
+        return (reads, torch.empty_like(h0), torch.empty_like(c0),
+                *(h0.new_empty(shape) for shape in _option_shapes(step, h0, steps, every,
+                                                                    keep)))
+
+    return _make_op(OpSpec(name=name, primals=primals, statics=_OPTION_STATICS,
+                           outputs=("reads", "h", "c", *_RESIDUALS), residuals=3,
+                           forward=forward, backward=backward, fake=fake, second_order=False))
+
+
+_OPTION_SCANS = {(False, False): _make_option_scan("local_scan", False, False),
+                 (True, False): _make_option_scan("warp_scan", True, False),
+                 (True, True): _make_option_scan("warp_flow_scan", True, True)}
+
+
+def option_scan(options: ScanOptions, h0: Tensor, c0: Tensor, inputs: Any,
+                params: ConvParams, flow_params: ConvParams | None = None
+                ) -> tuple[Tensor, Tensor, Tensor]:
+    """Run the layer's scan with its options beyond the paper, with tmcore's VJP.
+
+    One custom op per kind (``tmcore::local_scan``, ``warp_scan`` or ``warp_flow_scan``),
+    made by the same factory as the other ops: the local and warped steps of
+    :mod:`tmcore.scan` in the one scan loop. First order only.
+
+    Parameters
+    ----------
+    options : ScanOptions
+        :func:`tmcore.scan.scan_options` of the layer's config.
+    h0, c0 : Tensor, shape ``(B, C, *S)``
+        The state entering the first chunk.
+    inputs : StepInputs or WarpInputs of ``(B, T, ...)`` tensors
+        The heads' outputs (a warp when they carry a ``shift``).
+    params : ConvParams
+        The gates' conv.
+    flow_params : ConvParams, optional
+        The per-cell flow's conv (``flow=True``).
+
+    Returns
+    -------
+    reads : Tensor, shape ``(B, T, C)``
+        What each chunk read, from the state before its write.
+    h_T : Tensor, shape ``(B, C, *S)``
+        The final hidden state.
+    c_T : Tensor, shape ``(B, C, *S)``
+        The final cell state.
+
+    Raises
+    ------
+    ValueError
+        If ``options.checkpoint_every`` is not an int >= 1.
+    """
+    options = check_options(options)
+    shift = getattr(inputs, "shift", None)
+    made = _OPTION_SCANS[(shift is not None, flow_params is not None)]
+    tensors = (h0, c0, *inputs, *params, *(flow_params or ()))
+    keep = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    out = call(made.function, made.op, *tensors, *options, keep)
+    return out[0], out[1], out[2]

@@ -53,10 +53,10 @@ from tmcore.ops.sample import validate_sample_inputs
 from tmcore.ops.splat import DEFAULT_EPS, validate_splat_inputs
 from tmcore.runtime import sizes as _sizes
 from tmcore.runtime.validate import check_finite, check_int, check_values, validation_enabled
-from tmcore.scan.dense import StepInputs, validate_scan_inputs
-from tmcore.scan.warped import scan_options
+from tmcore.scan.dense import DenseStep, StepInputs, validate_scan_inputs
+from tmcore.scan.options import scan_options, step_for
+from tmcore.scan.warped import WarpParams
 
-from . import _jax_local
 from . import _jax_scan as _scan_mod
 from ._jax_scan import forward_mode_guard
 
@@ -322,12 +322,11 @@ def memory_scan(
     _check_values_eagerly({"h0": h0, "c0": c0, "read_coords": read_coords,
                            "write_coords": write_coords, "write_sigma": write_sigma,
                            "write_content": write_content})
-    static = _scan_mod.ScanStatic(_scan_mod.identity_prepare, _scan_mod.identity_finish,
-                                  float(eps), _static_radius(radius), int(checkpoint_every),
-                                  _scan_mod.options_key())
+    static = _scan_mod.ScanStatic(DenseStep(float(eps), _static_radius(radius)),
+                                  int(checkpoint_every), _scan_mod.options_key())
     xs = StepInputs(*map(_time_major, (read_coords, write_coords, write_sigma, write_content)))
     reads, h, c = forward_mode_guard(
-        "memory_scan", lambda: _scan_mod.checkpoint_scan(static, (), params, xs, h0, c0))
+        "memory_scan", lambda: _scan_mod.checkpoint_scan(static, params, xs, h0, c0))
     return _batch_major(reads), h, c
 
 
@@ -728,7 +727,7 @@ def apply(
     update : {"dense", "local"}, default "dense"
         Experimental (:func:`tmcore.layer.layer_config`,
         docs/guides/local-and-warp.md): ``"local"`` writes and updates only a
-        window around each write; its scan is :mod:`tmcore.adapters._jax_local`.
+        window around each write.
     window : int or None, default None
         The window's cells per axis with ``update="local"``.
     dynamics : {"none", "warp"}, default "none"
@@ -859,32 +858,16 @@ def _on_mesh_of(x: Any, tree: Any) -> Any:
     return jax.tree.map(place, tree)
 
 
-class _LayerScan(NamedTuple):
-    """The layer's ``scan`` callable: :func:`memory_scan` (one checkpointing ``lax.scan``
-    with tmcore's VJP) with the layer's cell parameters and options. Its ``cond`` lets
-    :mod:`tmcore.layer.stream` skip a decode step's grid update when no row completes a chunk
-    (``lax.cond``: under ``jit`` only the taken branch runs)."""
-
-    config: tl.LayerConfig
-    cell: ConvParams
-
-    def __call__(self, h: jax.Array, c: jax.Array, inputs: StepInputs) -> tuple[Any, Any, Any]:
-        config = self.config
-        return memory_scan(h, c, *inputs, self.cell, eps=config.eps, radius=config.radius,
-                           checkpoint_every=config.checkpoint_every)
-
-    @staticmethod
-    def cond(pred: Any, true_fn: Callable[[], Any], false_fn: Callable[[], Any]) -> Any:
-        return lax.cond(pred, true_fn, false_fn)
-
-
 def _layer_scan(config: tl.LayerConfig, cell: ConvParams, theta: Any = None) -> tl.Scan:
-    """See :class:`_LayerScan` (the local / warp options: :class:`_jax_local.LayerScan`,
-    with ``theta``'s ``warp_flow`` group for ``flow=True``)."""
-    if config.update != "dense" or config.dynamics != "none":
+    """The layer's scan: its options' step (:func:`tmcore.scan.step_for`) in the one
+    checkpointed ``lax.scan`` (:class:`tmcore.adapters._jax_scan.LayerScan`), with the
+    ``warp_flow`` group of ``theta`` for ``flow=True``."""
+    warp = config.dynamics == "warp"
+    step = step_for(scan_options(config), warp)
+    if warp:
         flow = tl.cell_params({"cell": theta[tl.FLOW_GROUP]}) if config.flow else None
-        return _jax_local.LayerScan(scan_options(config), cell, flow)
-    return _LayerScan(config, cell)
+        return _scan_mod.LayerScan(step, WarpParams(cell, flow), config.checkpoint_every)
+    return _scan_mod.LayerScan(step, cell, config.checkpoint_every)
 
 
 def _apply_stream(params: Mapping[str, Any], x: jax.Array, state: Any,

@@ -53,14 +53,14 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tmcore import layer as tl
-from tmcore.adapters import _torch_local, _torch_local_op, _torch_ops
+from tmcore.adapters import _torch_ops
 from tmcore.adapters._torch_attach import MemoryHandle, blocks_of, detach_state
 from tmcore.ops.conv import ConvParams, as_conv_params
 from tmcore.ops.sample import validate_sample_inputs
 from tmcore.ops.splat import DEFAULT_EPS, validate_splat_inputs
 from tmcore.runtime.validate import check_finite, check_flag, check_int
 from tmcore.scan.dense import validate_scan_inputs
-from tmcore.scan.warped import scan_options
+from tmcore.scan.options import scan_options
 
 __all__ = [
     "ConvLSTMCell",
@@ -77,6 +77,7 @@ __all__ = [
     "doc_starts_from_offsets",
     "gaussian_splat",
     "memory_scan",
+    "option_scan",
     "state_from_dict",
     "state_to_dict",
     "trilinear_sample",
@@ -253,6 +254,11 @@ def memory_scan(
         validated=True,  # checked above (the op's eager forward would check them again)
     )
     return reads, h, c
+
+
+#: The layer's scan with its options beyond the paper (``update="local"``,
+#: ``dynamics="warp"``), with autograd (:func:`tmcore.adapters._torch_ops.option_scan`).
+option_scan = _torch_ops.option_scan
 
 
 def doc_starts_from_offsets(offsets: Sequence[Any], tokens: int, *, device: Any = None
@@ -436,6 +442,25 @@ class ConvLSTMCell(nn.Module):
                                x, h, c, *self.params())
 
 
+class WarpFlow(nn.Module):
+    """The ``warp_flow`` group (``flow=True``): the :class:`tmcore.ConvParams` of the
+    per-cell flow ``conv(h) (B, n, *S)``: ``depthwise_weight (n, C, 3)``,
+    ``depthwise_bias (n, C)``, ``pointwise_weight (n, C)``, ``pointwise_bias (n,)``
+    (initialized by :func:`tmcore.layer.param_specs`: identity taps, zeros)."""
+
+    def __init__(self, channels: int, ndim: int, **kw: Any):
+        super().__init__()
+        shapes = {"depthwise_weight": (ndim, channels, 3), "depthwise_bias": (ndim, channels),
+                  "pointwise_weight": (ndim, channels), "pointwise_bias": (ndim,)}
+        for name, shape in shapes.items():
+            self.register_parameter(name, nn.Parameter(torch.zeros(shape, **kw)))
+
+    def params(self) -> ConvParams:
+        """The four tensors as :class:`tmcore.ConvParams`."""
+        return ConvParams(self.depthwise_weight, self.depthwise_bias, self.pointwise_weight,
+                          self.pointwise_bias)
+
+
 class _TorchChecks(NamedTuple):
     """The torch-side checks of a layer call's state and masks (``check=`` of
     :meth:`tmcore.layer.Layer.forward` / ``forward_stream``), run after the layer's
@@ -548,8 +573,8 @@ class TensorMemory(nn.Module):
         before each update (adds the zero-initialized ``warp_net``).
     flow : bool, default False
         With ``dynamics="warp"``, also ``warp_flow``, a per-cell flow from a conv
-        of ``h``. The experimental options run in eager autograd only
-        (:mod:`tmcore.adapters._torch_local`).
+        of ``h``. The experimental options' scan is a custom op with a first-order
+        backward (eager, ``torch.compile``; a double backward is refused).
     device : torch.device, str or None, optional
         Where the parameters live.
     dtype : torch.dtype or None, optional
@@ -593,7 +618,7 @@ class TensorMemory(nn.Module):
         if config.dynamics == "warp":  # the shift head (tmcore.scan.warped), zero at init
             self.warp_net = nn.Linear(d, n, **kw)
         if config.flow:  # the per-cell flow conv(h) (tmcore.scan.warped), zero at init
-            self.warp_flow = _torch_local.WarpFlow(c, n, **kw)
+            self.warp_flow = WarpFlow(c, n, **kw)
         self.reset_parameters()
 
     # config fields as attributes (read-only views of self.config)
@@ -769,13 +794,9 @@ class TensorMemory(nn.Module):
     def _scan(self, h0: Tensor, c0: Tensor, inputs: Any) -> tuple[Tensor, Tensor, Tensor]:
         config = self.config
         if config.update != "dense" or config.dynamics != "none":  # local / warp options
-            # eager: the autograd.Function; traced by torch.compile: the same scan as one
-            # opaque custom op (tmcore::dynamic_scan, its backward recomputes the forward)
-            scan = (_torch_local_op.layer_scan if torch.compiler.is_compiling()
-                    else _torch_local.layer_scan)
-            return scan(
-                scan_options(config), h0, c0, inputs, self.cell.params(),
-                self.warp_flow.params() if config.flow else None)
+            return _torch_ops.option_scan(scan_options(config), h0, c0, inputs,
+                                          self.cell.params(),
+                                          self.warp_flow.params() if config.flow else None)
         return memory_scan(h0, c0, *inputs, self.cell.params(), eps=config.eps,
                            radius=config.radius, checkpoint_every=config.checkpoint_every)
 

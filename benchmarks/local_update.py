@@ -307,7 +307,8 @@ def _layer_step(update: str, warp: bool, grid: int, batch: int, channels: int, w
 
     import tmcore
     from tmcore.scan import StepInputs
-    from tmcore.scan import warped as dynamics
+    from tmcore.scan import WarpInputs
+    from tmcore.scan import options as dynamics
 
     h, c, read, write, sigma, content, params = _inputs(torch, batch, channels, grid)
     xp = tmcore.runtime.validate.namespace_of(h=h)
@@ -318,7 +319,7 @@ def _layer_step(update: str, warp: bool, grid: int, batch: int, channels: int, w
                         sigma[:, None].expand(chunks).contiguous(),
                         torch.randn(*chunks, channels, generator=g))
     if warp:
-        inputs = dynamics.WarpInputs(*inputs, torch.full((*chunks, 3), 0.1))
+        inputs = WarpInputs(*inputs, torch.full((*chunks, 3), 0.1))
     options = dynamics.ScanOptions(update, window if update == "local" else None)
     g_reads = torch.ones(batch, steps, channels)
     g_h, g_c = torch.ones_like(h), torch.ones_like(c)

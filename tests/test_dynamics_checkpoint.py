@@ -18,8 +18,8 @@ import pytest
 
 import tmcore
 from tmcore import layer as tl
-from tmcore.scan import StepInputs
-from tmcore.scan import warped as dy
+from tmcore.scan import StepInputs, WarpInputs
+from tmcore.scan import options as dy
 
 B, C, GRID = 2, 2, (3, 3, 3)
 N = len(GRID)
@@ -30,7 +30,7 @@ def _args(steps, seed=0):
     rng = np.random.default_rng(seed)
     h0 = rng.standard_normal((B, C, *GRID))
     c0 = rng.standard_normal((B, C, *GRID))
-    inputs = dy.WarpInputs(rng.uniform(-0.9, 0.9, (B, steps, N)),
+    inputs = WarpInputs(rng.uniform(-0.9, 0.9, (B, steps, N)),
                            rng.uniform(-0.9, 0.9, (B, steps, N)),
                            rng.uniform(0.2, 0.5, (B, steps)),
                            rng.standard_normal((B, steps, C)),
@@ -98,19 +98,19 @@ def test_scan_fwd_keeps_ceil_t_over_k_states(steps):
         reads, h, c, residuals = dy.scan_fwd(np, h0, c0, inputs, params, options,
                                              flow_params=flow_params)
         count = math.ceil(steps / every)
-        assert residuals.local is None
-        assert residuals.h_states.shape == (count, *h0.shape)
-        assert residuals.c_states.shape == (count, *c0.shape)
+        assert residuals.log is None
+        assert residuals.h.shape == (count, *h0.shape)
+        assert residuals.c.shape == (count, *c0.shape)
         # the checkpoints are the states entering steps 0, k, 2k, ...
-        assert np.array_equal(residuals.h_states[0], h0)
-        assert np.array_equal(residuals.c_states[0], c0)
+        assert np.array_equal(residuals.h[0], h0)
+        assert np.array_equal(residuals.c[0], c0)
         if count > 1:
-            _, h_k, c_k, _ = dy.scan_fwd(np, h0, c0, dy.WarpInputs(
+            _, h_k, c_k, _ = dy.scan_fwd(np, h0, c0, WarpInputs(
                 *(x[:, :every] for x in inputs)), params, options, keep=False,
                 flow_params=flow_params)
-            assert np.array_equal(residuals.h_states[1], h_k)
-            assert np.array_equal(residuals.c_states[1], c_k)
-        nbytes = sum(x.nbytes for x in (residuals.h_states, residuals.c_states))
+            assert np.array_equal(residuals.h[1], h_k)
+            assert np.array_equal(residuals.c[1], c_k)
+        nbytes = sum(x.nbytes for x in (residuals.h, residuals.c))
         assert nbytes == count * 2 * h0.nbytes
 
 
@@ -160,7 +160,8 @@ def _torch():
 @pytest.mark.parametrize("update", ["dense", "local"])
 def test_torch_function_saves_only_the_checkpoints_and_gives_the_same_bits(update, flow):
     torch = _torch()
-    from tmcore.adapters._torch_local import DynamicScanFunction
+    from tmcore.adapters._torch_ops import _OPTION_SCANS, option_scan
+    from tmcore.ops.conv import ConvParams
 
     steps = 7
     h0, c0, inputs, params, flow_params, cot = _args(steps, seed=5)
@@ -170,9 +171,11 @@ def test_torch_function_saves_only_the_checkpoints_and_gives_the_same_bits(updat
         tensors = [torch.tensor(a, requires_grad=True) for a in values]
         options = dy.ScanOptions(update, 2 if update == "local" else None,
                                  checkpoint_every=every)
-        reads, h, c = DynamicScanFunction.apply(options, True, *tensors)
-        residuals = reads.grad_fn.residuals
-        kept = [residuals.h_states, residuals.c_states]
+        # the op's residual outputs: what its backward keeps
+        kept = list(_OPTION_SCANS[(True, flow)].op(*tensors, *options, True)[3:5])
+        reads, h, c = option_scan(options, tensors[0], tensors[1], WarpInputs(*tensors[2:7]),
+                                  ConvParams(*tensors[7:11]),
+                                  ConvParams(*tensors[11:]) if flow else None)
         loss = sum((x * torch.tensor(g)).sum() for x, g in zip((reads, h, c), cot,
                                                                strict=True))
         loss.backward()
@@ -210,7 +213,7 @@ def test_torch_layer_passes_its_checkpoint_every_to_the_options_scan():
 
         def spy(h0, c0, inputs, scan=scan, kept=kept):
             reads, h, c = scan(h0, c0, inputs)
-            kept.append(reads.grad_fn.residuals.h_states.shape[0])
+            kept.append(reads.grad_fn.saved_tensors[-3].shape[0])  # the saved h states
             return reads, h, c
 
         module._scan = spy
@@ -225,12 +228,14 @@ def test_torch_layer_passes_its_checkpoint_every_to_the_options_scan():
 
 def test_torch_function_names_a_bad_checkpoint_every():
     torch = _torch()
-    from tmcore.adapters._torch_local import DynamicScanFunction
+    from tmcore.adapters.torch import option_scan
+    from tmcore.ops.conv import ConvParams
 
     h0, c0, inputs, params, _, _ = _args(2)
     tensors = [torch.tensor(a) for a in (h0, c0, *inputs, *params)]
     with pytest.raises(ValueError, match="checkpoint_every"):
-        DynamicScanFunction.apply(dy.ScanOptions(checkpoint_every=0), False, *tensors)
+        option_scan(dy.ScanOptions(checkpoint_every=0), tensors[0], tensors[1],
+                    WarpInputs(*tensors[2:7]), ConvParams(*tensors[7:]))
 
 
 # --------------------------------------------------------------------------- JAX
@@ -250,7 +255,9 @@ def _xla_default_pipeline() -> bool:
                                           pytest.param("local", True, marks=pytest.mark.slow)])
 def test_jax_custom_vjp_keeps_only_the_checkpoints_and_gives_the_same_values(update, flow):
     jax = _jax()
-    from tmcore.adapters import _jax_local
+    from tmcore.adapters import _jax_scan
+    from tmcore.ops.conv import ConvParams
+    from tmcore.scan import WarpParams
 
     steps = 3
     h0, c0, inputs, params, flow_params, cot = _args(steps, seed=6)
@@ -261,12 +268,25 @@ def test_jax_custom_vjp_keeps_only_the_checkpoints_and_gives_the_same_values(upd
                                                     flow_params if flow else None))
         cot = tuple(jnp.asarray(g) for g in cot)
 
+        def scan(options, h0, c0, inputs, params, flow):
+            step = dy.step_for(options, warp=True)
+            return _jax_scan.LayerScan(step, WarpParams(ConvParams(*params), flow),
+                                       options.checkpoint_every)(h0, c0, inputs)
+
         def run(every):
             options = dy.ScanOptions(update, 2 if update == "local" else None,
                                      checkpoint_every=every)
-            out, (residuals, *_) = _jax_local._fwd(options, *args)
-            kept = [residuals.h_states, residuals.c_states]
-            _, pullback = jax.vjp(lambda *a: _jax_local.dynamic_scan(options, *a), *args)
+            h, c, inputs, params, flow = args
+            static = _jax_scan.ScanStatic(dy.step_for(options, warp=True), every,
+                                          _jax_scan.options_key())
+            xs = jax.tree_util.tree_map(lambda a: jnp.moveaxis(a, 1, 0), inputs)
+            out, (_, _, checkpoints, tail) = _jax_scan._scan_fwd(
+                static, WarpParams(ConvParams(*params), flow), xs, h, c)
+            # the states kept: one per full segment, plus the tail segment's start
+            kept = [jnp.concatenate([s, *([] if tail is None else [t[None]])])
+                    for s, t in zip(checkpoints, tail or (None, None), strict=True)]
+            out = (jnp.moveaxis(out[0], 0, 1), *out[1:])
+            _, pullback = jax.vjp(lambda *a: scan(options, *a), *args)
             return out, jax.tree_util.tree_leaves(pullback(cot)), kept
 
         base_out, base_grads, base_kept = run(1)
@@ -282,7 +302,7 @@ def test_jax_custom_vjp_keeps_only_the_checkpoints_and_gives_the_same_values(upd
             else:  # XLA at optimization level 0 rounds the two programs differently
                 np.testing.assert_allclose(a, b, rtol=1e-13, atol=1e-15)
         with pytest.raises(ValueError, match="checkpoint_every"):
-            _jax_local.dynamic_scan(dy.ScanOptions(checkpoint_every=0), *args)
+            scan(dy.ScanOptions(checkpoint_every=0), *args)
 
 
 def test_jax_layer_scan_gets_the_configs_checkpoint_every():
@@ -291,5 +311,5 @@ def test_jax_layer_scan_gets_the_configs_checkpoint_every():
     from tmcore.adapters import jax as tj
 
     config = tl.layer_config(5, C, GRID, 2, dynamics="warp", checkpoint_every=3)
-    scan = tj._layer_scan(config, None, None)
-    assert scan.options.checkpoint_every == 3
+    scan = tj._layer_scan(config, None, {"warp_flow": None})
+    assert scan.checkpoint_every == 3

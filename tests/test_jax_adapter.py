@@ -571,13 +571,18 @@ def test_checkpoint_every_same_gradients_fewer_states(every):
     runs = [_jit_vjp(lambda *a, k=k: tmj.memory_scan(*a, cell, checkpoint_every=k),
                      (*state_scan, *inputs), cot) for k in (1, every)]
     assert _tree_rel(runs[0], runs[1]) < 1e-12
-    static = _jax_scan.ScanStatic(_jax_scan.identity_prepare, _jax_scan.identity_finish, 1e-6,
-                                  None, every, _jax_scan.options_key())
-    residuals = jax.eval_shape(lambda *a: _jax_scan._scan_fwd(static, (), *a)[1], cell,
+    static = _jax_scan.ScanStatic(DenseStep(1e-6, None), every, _jax_scan.options_key())
+    residuals = jax.eval_shape(lambda *a: _jax_scan._scan_fwd(static, *a)[1], cell,
                                tmcore_step_inputs(inputs), *state_scan)
     full, tail = divmod(7, every)
-    assert residuals[3][0].shape == (full, *state_scan[0].shape)  # h checkpoints
-    assert (residuals[4] is not None) == bool(tail)  # the ragged last segment's start
+    assert residuals[2][0].shape == (full, *state_scan[0].shape)  # h checkpoints
+    assert (residuals[3] is not None) == bool(tail)  # the ragged last segment's start
+
+
+def DenseStep(eps, radius):  # noqa: N802
+    from tmcore.scan.dense import DenseStep as step
+
+    return step(eps, radius)
 
 
 def tmcore_step_inputs(inputs):

@@ -16,8 +16,8 @@ import pytest
 import tmcore
 from tmcore import layer as tl
 from tmcore.ops.window import window_geometry, window_mask
-from tmcore.scan import StepInputs
-from tmcore.scan import warped as dy
+from tmcore.scan import StepInputs, WarpInputs
+from tmcore.scan import options as dy
 
 D, C, L = 5, 2, 2
 OPTIONS = {
@@ -118,7 +118,7 @@ def _flat(grads):
 def test_fast_local_scan_equals_masked_definition(shape, warp):
     h0, c0, inputs, params, shift, cot = _scan_args(shape)
     if warp:
-        inputs = dy.WarpInputs(*inputs, shift)
+        inputs = WarpInputs(*inputs, shift)
     kw = {"update": "local", "window": 2}
     for a, b in zip(dy.dynamic_memory_scan(h0, c0, inputs, params, **kw),
                     dy.dynamic_memory_scan(h0, c0, inputs, params, method="masked", **kw),
@@ -145,7 +145,7 @@ def test_cells_outside_the_window_are_unchanged_bit_for_bit(shape):
 @pytest.mark.parametrize("shape", [(6,), (5, 4)])
 def test_zero_shift_is_the_dense_scan(shape):
     h0, c0, inputs, params, shift, cot = _scan_args(shape)
-    warped = dy.WarpInputs(*inputs, np.zeros_like(shift))
+    warped = WarpInputs(*inputs, np.zeros_like(shift))
     for a, b in zip(dy.dynamic_memory_scan(h0, c0, warped, params),
                     tmcore.memory_scan(h0, c0, *inputs, params), strict=True):
         _close(a, b)
@@ -162,12 +162,12 @@ def test_warp_scan_vjp_matches_central_differences(shape, update):
     kw = {"update": update, "window": 2 if update == "local" else None}
 
     def loss(shift_=shift, h=h0, content=inputs.write_content):
-        args = dy.WarpInputs(*inputs[:3], content, shift_)
+        args = WarpInputs(*inputs[:3], content, shift_)
         reads, h_t, c_t = dy.dynamic_memory_scan(h, c0, args, params, **kw)
         return np.sum(reads * g_reads) + np.sum(h_t * g_h) + np.sum(c_t * g_c)
 
     d_h, _, d_inputs, _ = dy.dynamic_memory_scan_vjp(
-        h0, c0, dy.WarpInputs(*inputs, shift), params, g_reads, g_h, g_c, **kw)
+        h0, c0, WarpInputs(*inputs, shift), params, g_reads, g_h, g_c, **kw)
     rng = np.random.default_rng(3)
     e = 1e-6
     for value, grad, make in ((shift, d_inputs.shift, lambda v: {"shift_": v}),
@@ -187,7 +187,7 @@ def test_flow_vjp_matches_central_differences_and_zero_flow_is_the_shift(update)
     flow = tmcore.ConvParams(rng.standard_normal((n, C, 3)) * 0.5,
                              rng.standard_normal((n, C)) * 0.1,
                              rng.standard_normal((n, C)) * 0.1, rng.standard_normal(n) * 0.05)
-    warped = dy.WarpInputs(*inputs, shift)
+    warped = WarpInputs(*inputs, shift)
     kw = {"update": update, "window": 2 if update == "local" else None}
     zero = tmcore.ConvParams(flow[0], flow[1], np.zeros((n, C)), np.zeros(n))
     for a, b in zip(dy.dynamic_memory_scan(h0, c0, warped, params, flow_params=zero, **kw),
@@ -307,10 +307,10 @@ def _grads(torch, module, x):
 
 def _masked(module):
     """Use the masked (dense) definition of the local update as the module's scan."""
-    from tmcore.adapters import _torch_local
+    from tmcore.adapters.torch import option_scan
 
     options = dy.scan_options(module.config, "masked")
-    module._scan = lambda h0, c0, inputs: _torch_local.layer_scan(
+    module._scan = lambda h0, c0, inputs: option_scan(
         options, h0, c0, inputs, module.cell.params(),
         module.warp_flow.params() if module.config.flow else None)
     return module
@@ -376,19 +376,20 @@ def tl_xp():
 
 def test_torch_default_layer_keeps_its_scan(monkeypatch):
     torch = _torch()
-    from tmcore.adapters import _torch_local
+    from tmcore.adapters import _torch_ops
 
     def refuse(*args, **kwargs):
         raise AssertionError("the default layer must not use the local/warp scan")
 
-    monkeypatch.setattr(_torch_local, "layer_scan", refuse)
+    monkeypatch.setattr(_torch_ops, "option_scan", refuse)
     base, _ = _torch_pair({})
     base(torch.randn(1, 4, D, dtype=torch.float64))
 
 
 def test_torch_scan_function_passes_gradcheck():
     torch = _torch()
-    from tmcore.adapters._torch_local import DynamicScanFunction
+    from tmcore.adapters.torch import option_scan
+    from tmcore.ops.conv import ConvParams
 
     h0, c0, inputs, params, shift, _ = _scan_args((4, 3), steps=2, batch=1, channels=1)
     values = (h0, c0, *inputs, shift, *params)
@@ -397,7 +398,8 @@ def test_torch_scan_function_passes_gradcheck():
     tensors = [torch.tensor(a, requires_grad=i in checked) for i, a in enumerate(values)]
     options = dy.ScanOptions("local", 2)
     assert torch.autograd.gradcheck(
-        lambda *t: DynamicScanFunction.apply(options, True, *t), tensors, eps=1e-6, atol=1e-6)
+        lambda *t: option_scan(options, t[0], t[1], WarpInputs(*t[2:7]), ConvParams(*t[7:])),
+        tensors, eps=1e-6, atol=1e-6)
 
 
 def test_torch_shift_head_gradient_matches_finite_differences():

@@ -918,7 +918,7 @@ def test_checkpoints_are_collected_in_place_and_fall_back_to_stack(name):
     """The scan's checkpoint store writes into one preallocated array where the namespace
     allows item assignment, and falls back to ``stack`` (with its dtype promotion) when a
     state of another dtype arrives."""
-    from tmcore.scan.dense import _CheckpointStore
+    from tmcore.scan.base import _Stacker as _CheckpointStore
 
     xp = pytest.importorskip(name)
     if name == "numpy":

@@ -1,13 +1,14 @@
 """``torch.compile`` and double backward through the torch layer's options.
 
-Contract (tmcore.adapters.torch, ``_torch_local``, ``_torch_local_op``): eager calls of a
-``TensorMemory`` with ``update="local"`` / ``dynamics="warp"`` / ``flow=True`` run the
-scan's ``autograd.Function``; while ``torch.compile`` traces, the same scan is one opaque
-custom op ``tmcore::dynamic_scan`` (fake shapes, registered autograd, a backward op that
-recomputes the forward), so ``torch.compile(module)`` works with and without
-``fullgraph=True``, forward and backward, with the eager values (float64, <= 1e-12; the
-scan itself bit for bit). Double backward (``create_graph=True``) is not supported: it
-raises a ``RuntimeError`` instead of returning a silently first-order second derivative.
+Contract (tmcore.adapters.torch, ``_torch_ops.option_scan``): a ``TensorMemory`` with
+``update="local"`` / ``dynamics="warp"`` / ``flow=True`` scans with a custom op made by
+the adapter's one op factory (``tmcore::local_scan``, ``warp_scan``, ``warp_flow_scan``;
+fake shapes, registered autograd, a backward op); eager calls run its
+``autograd.Function`` twin, while ``torch.compile`` traces the op itself as one opaque
+node, so ``torch.compile(module)`` works with and without ``fullgraph=True``, forward and
+backward, with the eager values (float64, <= 1e-12; the scan itself bit for bit).
+Double backward (``create_graph=True``) is not supported: it raises a ``RuntimeError``
+instead of returning a silently first-order second derivative.
 """
 
 from __future__ import annotations
@@ -17,10 +18,10 @@ import pytest
 torch = pytest.importorskip("torch", reason="torch is not installed")
 
 from tmcore import layer as tl  # noqa: E402
-from tmcore.adapters import _torch_local, _torch_local_op  # noqa: E402
+from tmcore.adapters import _torch_ops  # noqa: E402
 from tmcore.adapters._torch_ops import _XP  # noqa: E402
 from tmcore.adapters.torch import MemoryResidual, TensorMemory  # noqa: E402
-from tmcore.scan.warped import scan_options  # noqa: E402
+from tmcore.scan.options import scan_options  # noqa: E402
 
 D, C, S, L = 5, 2, (4, 3), 2
 OPTIONS = {
@@ -81,10 +82,12 @@ def test_dynamic_scan_op_equals_the_function_bit_for_bit(name):
     c0 = torch.randn(2, C, *S, dtype=torch.float64, requires_grad=True)
     flow = memory.warp_flow.params() if memory.config.flow else None
     results = []
-    for scan in (_torch_local.layer_scan, _torch_local_op.layer_scan):
+    for compiling in (False, True):  # the Function twin, then the op itself
         inputs = memory.layer.heads(_XP, memory.params(), tl.chunk(_XP, x, L))
-        reads, h, c = scan(scan_options(memory.config), h0, c0, inputs,
-                           memory.cell.params(), flow)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(torch.compiler, "is_compiling", lambda compiling=compiling: compiling)
+            reads, h, c = _torch_ops.option_scan(scan_options(memory.config), h0, c0, inputs,
+                                                 memory.cell.params(), flow)
         loss = (reads ** 2).sum() + (h * c).sum()
         grads = torch.autograd.grad(loss, [h0, c0, *memory.parameters()], allow_unused=True,
                                     materialize_grads=True)
@@ -107,9 +110,9 @@ def test_dynamic_scan_op_passes_opcheck():
         return t.detach().clone().requires_grad_()
 
     params = [leaf(p) for p in (*memory.cell.params(), *memory.warp_flow.params())]
-    args = (leaf(h0), leaf(0.5 * h0), *(leaf(t) for t in inputs[:4]), leaf(inputs.shift),
-            params, _torch_local_op._options_id(*scan_options(memory.config)))
-    result = torch.library.opcheck(torch.ops.tmcore.dynamic_scan.default, args)
+    args = (leaf(h0), leaf(0.5 * h0), *(leaf(t) for t in inputs), *params,
+            *scan_options(memory.config), True)
+    result = torch.library.opcheck(torch.ops.tmcore.warp_flow_scan.default, args)
     assert set(result.values()) == {"SUCCESS"}, result
 
 
@@ -117,12 +120,12 @@ def test_dynamic_scan_op_passes_opcheck():
 
 
 def _graph_counter():
-    """A compile backend recording, per Dynamo graph, its ``tmcore::dynamic_scan`` calls."""
+    """A compile backend recording, per Dynamo graph, its calls of an option scan op."""
     graphs = []
 
     def backend(gm, example_inputs):
         graphs.append(sum(1 for node in gm.graph.nodes if node.op == "call_function"
-                          and "dynamic_scan" in str(node.target)))
+                          and "tmcore" in str(node.target) and "scan" in str(node.target)))
         return gm.forward
 
     return graphs, backend

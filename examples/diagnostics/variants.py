@@ -21,7 +21,7 @@ With the default switches the module is the adapter's layer (its scan, its
 state dict); ``tests/test_diagnostics_smoke.py`` checks that. The adapter's
 layer options (``update="local"`` with ``window``, ``dynamics="warp"``) pass
 through: the scan is then the adapter's options scan
-(``tmcore.adapters._torch_local.layer_scan``) over the switched gate
+(``tmcore.adapters.torch.option_scan``) over the switched gate
 parameters (the Gaussian write only).
 """
 
@@ -35,16 +35,16 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import tmcore
-from tmcore.adapters import _torch_local
 from tmcore.adapters.torch import (
     TensorMemory,
     gaussian_splat,
     memory_scan,
+    option_scan,
     trilinear_sample,
 )
 from tmcore.ops.conv import ConvParams
 from tmcore.scan import StepInputs
-from tmcore.scan.warped import scan_options
+from tmcore.scan.options import scan_options
 
 __all__ = ["VariantTensorMemory"]
 
@@ -180,7 +180,7 @@ class VariantTensorMemory(TensorMemory):
     def _scan(self, h0: Tensor, c0: Tensor, inputs: Any) -> tuple[Tensor, Tensor, Tensor]:
         config, params = self.config, self._cell_params()
         if config.update != "dense" or config.dynamics != "none":  # the layer options' scan
-            return _torch_local.layer_scan(scan_options(config), h0, c0, inputs, params)
+            return option_scan(scan_options(config), h0, c0, inputs, params)
         if self.write_mode == "gaussian":  # the adapter's scan (hand-written VJP)
             return memory_scan(h0, c0, *inputs, params, eps=config.eps, radius=config.radius,
                                checkpoint_every=config.checkpoint_every)

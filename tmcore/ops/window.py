@@ -260,8 +260,63 @@ def owned(xp: Any, x: Any) -> Any:
     return xp.asarray(x, copy=True)
 
 
+def box_update(xp: Any, params: ConvParams, h_box: Any, c_box: Any, volume: Any,
+               inside: Any) -> tuple[Any, Any]:
+    """The ConvLSTM on a box ``(B, C, *box)`` written with ``volume``, kept only at the
+    window's cells (``inside (B, 1, *box)``): ``(new h box, new c box)``."""
+    h_new, c_new, _ = cell_fwd(xp, volume, h_box, c_box, params)
+    return xp.where(inside, h_new, h_box), xp.where(inside, c_new, c_box)
+
+
+def box_update_vjp(xp: Any, params: ConvParams, h_box: Any, c_box: Any, volume: Any,
+                   inside: Any, g_h_box: Any, g_c_box: Any):
+    """VJP of :func:`box_update`: ``(d_h box, d_c box, d_volume, d_params)``, the box
+    cotangents with the pass-through outside the window (recomputes the gates)."""
+    zero = _zero(xp, g_h_box)
+    cache = cell_cache(xp, volume, h_box, c_box, params)
+    d_x, d_h, d_c, d_params = cell_bwd(xp, cache, params, xp.where(inside, g_h_box, zero),
+                                       xp.where(inside, g_c_box, zero))
+    return (xp.where(inside, zero, g_h_box) + d_h, xp.where(inside, zero, g_c_box) + d_c, d_x,
+            d_params)
+
+
+def masked_update(xp: Any, params: ConvParams, h: Any, c: Any, written: Any,
+                  mask: Any) -> tuple[Any, Any]:
+    """The definition, densely: the ConvLSTM on ``written (B, C, *S)`` (zero outside the
+    window), kept only where ``mask (B, 1, *S)``."""
+    h_new, c_new, _ = cell_fwd(xp, written, h, c, params)
+    return xp.where(mask, h_new, h), xp.where(mask, c_new, c)
+
+
+def masked_update_vjp(xp: Any, params: ConvParams, h: Any, c: Any, written: Any, mask: Any,
+                      g_h: Any, g_c: Any):
+    """VJP of :func:`masked_update`: ``(d_h, d_c, d_written (zero outside), d_params)``."""
+    d_h, d_c, d_x, d_params = box_update_vjp(xp, params, h, c, written, mask, g_h, g_c)
+    return d_h, d_c, xp.where(mask, d_x, _zero(xp, d_x)), d_params
+
+
+def masked_write(xp: Any, write: Any, shape: tuple[int, ...], window: int, eps: float,
+                 radius: float | None) -> tuple[Any, Any]:
+    """``(written (B, C, *S), mask (B, 1, *S))``: the splat restricted to the window."""
+    mask = window_mask(xp, window_geometry(xp, write.write_coords, shape, window), shape)
+    splat = ops_for(xp).splat_fwd(xp, write.write_content[:, None, :],
+                                  write.write_coords[:, None, :], write.write_sigma[:, None],
+                                  shape, eps, radius)
+    return xp.where(mask, splat, _zero(xp, splat)), mask
+
+
+def masked_write_vjp(xp: Any, write: Any, shape: tuple[int, ...], g: Any, eps: float,
+                     radius: float | None) -> tuple[Any, Any, Any]:
+    """VJP of :func:`masked_write` for ``g`` already zero outside the window:
+    ``(d_mu (B, n), d_sigma (B,), d_content (B, C))``."""
+    d_content, d_mu, d_sigma = ops_for(xp).splat_bwd(
+        xp, write.write_content[:, None, :], write.write_coords[:, None, :],
+        write.write_sigma[:, None], shape, g, eps, radius)
+    return d_mu[:, 0, :], d_sigma[:, 0], d_content[:, 0, :]
+
+
 def fast_box(xp: Any, h: Any, c: Any, write: Any, params: ConvParams, window: int,
-              eps: float, radius: float | None):
+             eps: float, radius: float | None):
     """Gather and update the box: ``(geometry, index, h box, c box, new h box, new c box)``."""
     shape = tuple(h.shape[2:])
     geometry = window_geometry(xp, write.write_coords, shape, window)
@@ -270,58 +325,37 @@ def fast_box(xp: Any, h: Any, c: Any, write: Any, params: ConvParams, window: in
     c_box = gather_box(xp, c, geometry.box_start, geometry.box, index)
     masks = box_window_masks(xp, geometry)
     x_box, _ = box_write(xp, write, geometry, shape, eps, radius, masks)
-    h_new, c_new, _ = cell_fwd(xp, x_box, h_box, c_box, params)
-    inside = combine(xp, masks)
-    return (geometry, index, h_box, c_box, xp.where(inside, h_new, h_box),
-            xp.where(inside, c_new, c_box))
+    return (geometry, index, h_box, c_box,
+            *box_update(xp, params, h_box, c_box, x_box, combine(xp, masks)))
 
 
 def fast_step_bwd(xp: Any, h_box: Any, c_box: Any, write: Any, geometry: Window,
-                   shape: tuple[int, ...], params: ConvParams, g_h_box: Any, g_c_box: Any,
-                   eps: float, radius: float | None):
+                  shape: tuple[int, ...], params: ConvParams, g_h_box: Any, g_c_box: Any,
+                  eps: float, radius: float | None):
     """VJP of one fast step on its box: ``(d_h box, d_c box, d_inputs, d_params)`` where the
     box cotangents already include the pass-through outside the window."""
     masks = box_window_masks(xp, geometry)
     x_box, parts = box_write(xp, write, geometry, shape, eps, radius, masks)
-    inside = combine(xp, masks)
-    zero = _zero(xp, g_h_box)
-    cache = cell_cache(xp, x_box, h_box, c_box, params)
-    d_x, d_h, d_c, d_params = cell_bwd(xp, cache, params, xp.where(inside, g_h_box, zero),
-                                       xp.where(inside, g_c_box, zero))
-    d_h = xp.where(inside, zero, g_h_box) + d_h
-    d_c = xp.where(inside, zero, g_c_box) + d_c
+    d_h, d_c, d_x, d_params = box_update_vjp(xp, params, h_box, c_box, x_box,
+                                             combine(xp, masks), g_h_box, g_c_box)
     d_content, d_mu, d_sigma = box_write_bwd(xp, write, parts, d_x, write.write_sigma)
     return d_h, d_c, (d_mu, d_sigma, d_content), d_params
 
 
 def masked_step(xp: Any, h: Any, c: Any, write: Any, params: ConvParams, window: int,
-                 eps: float, radius: float | None):
+                eps: float, radius: float | None):
     """The definition, densely: ``(h', c', mask (B, 1, *S), written (B, C, *S))``."""
-    shape = tuple(h.shape[2:])
-    mask = window_mask(xp, window_geometry(xp, write.write_coords, shape, window), shape)
-    splat = ops_for(xp).splat_fwd(xp, write.write_content[:, None, :],
-                                  write.write_coords[:, None, :], write.write_sigma[:, None],
-                                  shape, eps, radius)
-    written = xp.where(mask, splat, _zero(xp, splat))
-    h_new, c_new, _ = cell_fwd(xp, written, h, c, params)
-    return xp.where(mask, h_new, h), xp.where(mask, c_new, c), mask, written
+    written, mask = masked_write(xp, write, tuple(h.shape[2:]), window, eps, radius)
+    return (*masked_update(xp, params, h, c, written, mask), mask, written)
 
 
 def masked_step_bwd(xp: Any, h: Any, c: Any, write: Any, params: ConvParams,
-                     window: int, g_h: Any, g_c: Any, eps: float, radius: float | None):
+                    window: int, g_h: Any, g_c: Any, eps: float, radius: float | None):
     """VJP of :func:`masked_step`: ``(d_h, d_c, (d_mu, d_sigma, d_content), d_params)``."""
     shape = tuple(h.shape[2:])
-    _, _, mask, written = masked_step(xp, h, c, write, params, window, eps, radius)
-    zero = _zero(xp, g_h)
-    cache = cell_cache(xp, written, h, c, params)
-    d_x, d_h, d_c, d_params = cell_bwd(xp, cache, params, xp.where(mask, g_h, zero),
-                                       xp.where(mask, g_c, zero))
-    d_h = xp.where(mask, zero, g_h) + d_h
-    d_c = xp.where(mask, zero, g_c) + d_c
-    d_content, d_mu, d_sigma = ops_for(xp).splat_bwd(
-        xp, write.write_content[:, None, :], write.write_coords[:, None, :],
-        write.write_sigma[:, None], shape, xp.where(mask, d_x, _zero(xp, d_x)), eps, radius)
-    return d_h, d_c, (d_mu[:, 0, :], d_sigma[:, 0], d_content[:, 0, :]), d_params
+    written, mask = masked_write(xp, write, shape, window, eps, radius)
+    d_h, d_c, d_x, d_params = masked_update_vjp(xp, params, h, c, written, mask, g_h, g_c)
+    return d_h, d_c, masked_write_vjp(xp, write, shape, d_x, eps, radius), d_params
 
 
 # ----------------------------------------------------------------------------- validation

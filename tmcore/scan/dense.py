@@ -1,24 +1,23 @@
-"""The chunk recurrence: read, write, update, T times, with a lean backward.
+"""The paper's chunk step and its scan: read, write, update, T times, with a lean backward.
 
 Per step ``t`` (the layer's order, docs/LAYER.md): read ``h_{t-1}`` at ``read_coords[:, t]``
-BEFORE this step's write; splat ``write_content[:, t]`` around
-``write_coords[:, t]`` with ``write_sigma[:, t]``; update ``(h, c)`` with the
-ConvLSTM. The backward keeps only the states at every ``checkpoint_every``-th
-step and recomputes the rest (and every step's gates) on the way back, so it
-stores at most ``T + 1`` states, never per-step gate tensors.
+BEFORE this step's write; splat ``write_content[:, t]`` around ``write_coords[:, t]``
+with ``write_sigma[:, t]``; update ``(h, c)`` with the ConvLSTM. :class:`DenseStep` is
+that step for the one scan loop (:mod:`tmcore.scan.base`): the backward keeps the state
+entering every ``checkpoint_every``-th step and recomputes the rest (and every step's
+gates) on the way back, so it stores at most ``T + 1`` states, never per-step gate
+tensors.
 
-A backend may run the whole loop in fused kernels instead: the optional
-``scan_fwd`` / ``scan_bwd`` entries of its :class:`~tmcore.runtime.dispatch.Ops` table
-(torch on CUDA: the Triton kernels of ``tmcore.backends._triton``; CuPy: the
-same kernels through DLPack) are tried first, with the same arguments, results
-and checkpoint layout, and return ``None`` to leave the loop below to run.
+A backend may run the whole loop in fused kernels (the ``scan_fwd`` / ``scan_bwd``
+entries of its :class:`~tmcore.runtime.dispatch.Ops` table: torch's C kernels on the
+CPU, the Triton kernels on CUDA and for CuPy), with the same arguments, results and
+checkpoint layout, returning ``None`` to leave the loop to run.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple
-
-import array_api_compat
 
 from tmcore.ops.cell import cell_bwd, cell_cache, cell_fwd, validate_state
 from tmcore.ops.conv import ConvParams, as_conv_params, validate_conv_params
@@ -34,8 +33,10 @@ from tmcore.runtime.validate import (
     namespace_of,
     require_array,
 )
+from tmcore.scan.base import Residuals, scan_backward, scan_forward
 
 __all__ = [
+    "DenseStep",
     "StepInputs",
     "ScanGrads",
     "memory_scan",
@@ -105,6 +106,93 @@ def add_params(a: ConvParams, b: ConvParams) -> ConvParams:
     return ConvParams(*(x + y for x, y in zip(a, b, strict=True)))
 
 
+
+
+class DenseStep(NamedTuple):
+    """The paper's chunk step (:class:`tmcore.scan.base.Step`): read, Gaussian write over
+    the whole grid, ConvLSTM update. ``params``: the gate conv's :class:`ConvParams`;
+    ``W``: the written volume ``(M, C, *S)``. Hashable (a static ``jit`` argument).
+
+    Parameters
+    ----------
+    eps, radius : float, float or None
+        The splat's offset and truncation (:func:`tmcore.gaussian_splat`).
+    """
+
+    eps: float = DEFAULT_EPS
+    radius: float | None = None
+
+    policy = "checkpoint"
+    workspace = True
+
+    def write(self, xp: Any, x: Any, shape: tuple[int, ...]) -> Any:
+        return ops_for(xp).splat_fwd(xp, x.write_content[:, None, :], x.write_coords[:, None, :],
+                                     x.write_sigma[:, None], shape, self.eps, self.radius)
+
+    def write_vjp(self, xp: Any, x: Any, W: Any, g_W: Any) -> tuple[Any, Any, Any]:
+        d_content, d_mu, d_sigma = ops_for(xp).splat_bwd(
+            xp, x.write_content[:, None, :], x.write_coords[:, None, :],
+            x.write_sigma[:, None], tuple(W.shape[2:]), g_W, self.eps, self.radius)
+        return d_mu[:, 0, :], d_sigma[:, 0], d_content[:, 0, :]
+
+    def update(self, xp: Any, params: ConvParams, h: Any, c: Any, x: Any, W: Any
+               ) -> tuple[Any, Any]:
+        """The ConvLSTM update on the written volume ``W`` (no read)."""
+        h_new, c_new, _ = cell_fwd(xp, W, h, c, params)
+        return h_new, c_new
+
+    def update_vjp(self, xp: Any, params: ConvParams, h: Any, c: Any, x: Any, W: Any,
+                   g_h: Any, g_c: Any) -> tuple[Any, Any, Any, ConvParams]:
+        """VJP of :meth:`update`: ``(d_h, d_c, g_W, d_params)`` (recomputes the gates)."""
+        d_written, d_h, d_c, d_params = cell_bwd(xp, cell_cache(xp, W, h, c, params), params,
+                                                 g_h, g_c)
+        return d_h, d_c, d_written, d_params
+
+    def advance(self, xp: Any, params: ConvParams, h: Any, c: Any, x: Any, W: Any):
+        read = ops_for(xp).sample_fwd(xp, h, x.read_coords[:, None, :])[:, 0, :]
+        return (read, *self.update(xp, params, h, c, x, W), None)
+
+    def advance_vjp(self, xp: Any, params: ConvParams, h: Any, c: Any, x: Any, W: Any,
+                    log: Any, g_read: Any, g_h: Any, g_c: Any):
+        d_h, d_c, g_W, d_params = self.update_vjp(xp, params, h, c, x, W, g_h, g_c)
+        d_h_read, d_coords = ops_for(xp).sample_bwd(xp, h, x.read_coords[:, None, :],
+                                                    g_read[:, None, :])
+        return d_h + d_h_read, d_c, d_coords[:, 0, :], None, g_W, d_params
+
+    def own_state(self, xp: Any, h: Any, c: Any, overwrite: bool) -> tuple[Any, Any]:
+        return h, c
+
+    def own_cotangents(self, xp: Any, g_h: Any, g_c: Any) -> tuple[Any, Any]:
+        return g_h, g_c
+
+    def fused(self, xp: Any) -> tuple[Callable, Callable] | None:
+        ops = ops_for(xp)
+        if ops.scan_fwd is None and ops.scan_bwd is None:
+            return None
+        eps, radius = self.eps, self.radius
+
+        def forward(xp, params, h0, c0, xs, every, keep, overwrite):
+            if ops.scan_fwd is None:
+                return None
+            every = every if keep else xs.read_coords.shape[1]  # only h0 kept
+            out = ops.scan_fwd(xp, h0, c0, *xs, params, eps, radius, every)
+            if out is None:
+                return None
+            reads, h, c, h_saved, c_saved = out
+            return reads, h, c, Residuals(h_saved, c_saved, None) if keep else None
+
+        def backward(xp, params, residuals, xs, g_reads, g_h, g_c, every):
+            if ops.scan_bwd is None:
+                return None
+            out = ops.scan_bwd(xp, *xs, params, residuals.h, residuals.c, g_reads, g_h, g_c,
+                               eps, radius, every)
+            if out is None:
+                return None
+            return out.h0, out.c0, StepInputs(*out[2:6]), out.params
+
+        return forward, backward
+
+
 def step_fwd(
     xp: Any, h: Any, c: Any, inputs: StepInputs, params: ConvParams, eps: float,
     radius: float | None,
@@ -113,30 +201,10 @@ def step_fwd(
 
     Each primitive runs through ``ops_for(xp)`` (a backend fast path or the generic one).
     """
-    written = ops_for(xp).splat_fwd(
-        xp, inputs.write_content[:, None, :], inputs.write_coords[:, None, :],
-        inputs.write_sigma[:, None], tuple(h.shape[2:]), eps, radius,
-    )
-    return _advance(xp, h, c, inputs.read_coords, written, params)
-
-
-def _advance(xp: Any, h: Any, c: Any, read_coords: Any, written: Any,
-             params: ConvParams) -> tuple[Any, Any, Any]:
-    """A step given its written volume ``(B, C, *S)``: ``(read (B, C), h', c')``."""
-    read = ops_for(xp).sample_fwd(xp, h, read_coords[:, None, :])[:, 0, :]
-    h_new, c_new, _ = cell_fwd(xp, written, h, c, params)
-    return read, h_new, c_new
-
-
-def _advance_bwd(xp: Any, h: Any, c: Any, read_coords: Any, written: Any, params: ConvParams,
-                 g_read: Any, g_h: Any, g_c: Any) -> tuple[Any, Any, Any, Any, ConvParams]:
-    """VJP of :func:`_advance`: ``(d_h, d_c, d_read_coords (B, n), d_written, d_params)``."""
-    cache = cell_cache(xp, written, h, c, params)
-    d_written, d_h, d_c, d_params = cell_bwd(xp, cache, params, g_h, g_c)
-    d_h_read, d_read_coords = ops_for(xp).sample_bwd(
-        xp, h, read_coords[:, None, :], g_read[:, None, :]
-    )
-    return d_h + d_h_read, d_c, d_read_coords[:, 0, :], d_written, d_params
+    step = DenseStep(eps, radius)
+    read, h, c, _ = step.advance(xp, params, h, c, inputs, step.write(xp, inputs,
+                                                                      tuple(h.shape[2:])))
+    return read, h, c
 
 
 def step_bwd(
@@ -147,94 +215,12 @@ def step_bwd(
 
     Returns ``(d_h, d_c, d_inputs, d_params)``.
     """
-    ops = ops_for(xp)
-    shape = tuple(h.shape[2:])
-    content = inputs.write_content[:, None, :]
-    mu = inputs.write_coords[:, None, :]
-    sigma = inputs.write_sigma[:, None]
-    written = ops.splat_fwd(xp, content, mu, sigma, shape, eps, radius)
-    d_h, d_c, d_read_coords, d_written, d_params = _advance_bwd(
-        xp, h, c, inputs.read_coords, written, params, g_read, g_h, g_c)
-    d_content, d_mu, d_sigma = ops.splat_bwd(xp, content, mu, sigma, shape, d_written, eps, radius)
-    d_inputs = StepInputs(d_read_coords, d_mu[:, 0, :], d_sigma[:, 0], d_content[:, 0, :])
-    return d_h, d_c, d_inputs, d_params
-
-
-#: Steps whose write volumes are made, and differentiated, in one splat call. The
-#: writes depend on the inputs only, not on the state, so they need not wait for the
-#: recurrence; batching them saves ~20 small array calls per step. Memory: two
-#: blocks of ``(B, C, *S)`` volumes at a time.
-WRITE_BLOCK = 16
-
-
-class _Writes:
-    """The scan's write volumes, made a block of steps at a time, and their VJP.
-
-    ``volume(t)`` is step ``t``'s written volume ``(B, C, *S)`` (the block holding
-    ``t`` is made on demand; the two most recent blocks are kept). ``add_grad(t, g)``
-    takes its cotangent; once every step of a block has one, the block's splat VJP
-    runs in one call. :meth:`grads` returns ``(d_write_coords, d_write_sigma,
-    d_write_content)`` over all steps once every step has been given a cotangent.
-    """
-
-    def __init__(self, xp: Any, write_coords: Any, write_sigma: Any, write_content: Any,
-                 shape: tuple[int, ...], eps: float, radius: float | None,
-                 block: int = WRITE_BLOCK) -> None:
-        self.xp, self.shape, self.eps, self.radius, self.block = xp, shape, eps, radius, block
-        self.coords, self.sigma, self.content = write_coords, write_sigma, write_content
-        self.steps = write_coords.shape[1]
-        self.volumes: dict[int, Any] = {}
-        self.pending: dict[int, dict[int, Any]] = {}
-        self.done: dict[int, tuple[Any, Any, Any]] = {}
-
-    def _span(self, index: int) -> tuple[int, int]:
-        return index * self.block, min((index + 1) * self.block, self.steps)
-
-    def _inputs(self, index: int) -> tuple[Any, Any, Any]:
-        """The block's splat inputs with the steps folded into the batch: ``(B L, 1, .)``."""
-        xp = self.xp
-        start, stop = self._span(index)
-        rows = self.coords.shape[0] * (stop - start)
-        return (xp.reshape(self.content[:, start:stop, ...], (rows, 1, self.content.shape[2])),
-                xp.reshape(self.coords[:, start:stop, ...], (rows, 1, self.coords.shape[2])),
-                xp.reshape(self.sigma[:, start:stop], (rows, 1)))
-
-    def volume(self, t: int) -> Any:
-        index = t // self.block
-        if index not in self.volumes:
-            if len(self.volumes) >= 2:
-                self.volumes.pop(next(iter(self.volumes)))
-            start, stop = self._span(index)
-            written = ops_for(self.xp).splat_fwd(self.xp, *self._inputs(index), self.shape,
-                                                 self.eps, self.radius)
-            self.volumes[index] = self.xp.reshape(
-                written, (self.coords.shape[0], stop - start, *written.shape[1:]))
-        return self.volumes[index][:, t - index * self.block, ...]
-
-    def add_grad(self, t: int, g: Any) -> None:
-        index = t // self.block
-        grads = self.pending.setdefault(index, {})
-        grads[t] = g
-        start, stop = self._span(index)
-        if len(grads) < stop - start:
-            return
-        xp = self.xp
-        stacked = xp.stack([grads[k] for k in range(start, stop)], axis=1)  # (B, L, C, *S)
-        batch = stacked.shape[0]
-        g_rows = xp.reshape(stacked, (batch * (stop - start), *stacked.shape[2:]))
-        content, mu, sigma = self._inputs(index)
-        d_content, d_mu, d_sigma = ops_for(xp).splat_bwd(xp, content, mu, sigma, self.shape,
-                                                         g_rows, self.eps, self.radius)
-        length = stop - start
-        self.done[index] = (xp.reshape(d_mu, (batch, length, d_mu.shape[2])),
-                            xp.reshape(d_sigma, (batch, length)),
-                            xp.reshape(d_content, (batch, length, d_content.shape[2])))
-        del self.pending[index]
-        self.volumes.pop(index, None)
-
-    def grads(self) -> tuple[Any, Any, Any]:
-        blocks = [self.done[i] for i in sorted(self.done)]
-        return tuple(self.xp.concat([b[k] for b in blocks], axis=1) for k in range(3))
+    step = DenseStep(eps, radius)
+    written = step.write(xp, inputs, tuple(h.shape[2:]))
+    d_h, d_c, d_read_coords, _, g_W, d_params = step.advance_vjp(
+        xp, params, h, c, inputs, written, None, g_read, g_h, g_c)
+    d_mu, d_sigma, d_content = step.write_vjp(xp, inputs, written, g_W)
+    return d_h, d_c, StepInputs(d_read_coords, d_mu, d_sigma, d_content), d_params
 
 
 def memory_scan_fwd(
@@ -287,70 +273,11 @@ def memory_scan_fwd(
     c_checkpoints : array, shape ``(ceil(T / checkpoint_every), B, C, *S)``
         The cell states entering the same steps.
     """
-    fused = ops_for(xp).scan_fwd
-    if fused is not None:  # a backend's whole-scan kernels (may decline: None)
-        out = fused(xp, h0, c0, read_coords, write_coords, write_sigma, write_content, params,
-                    eps, radius, checkpoint_every)
-        if out is not None:
-            return out
-    steps = read_coords.shape[1]
-    writes = _Writes(xp, write_coords, write_sigma, write_content, tuple(h0.shape[2:]), eps,
-                     radius)
-    h_saved = _CheckpointStore(xp, h0, -(-steps // checkpoint_every))
-    c_saved = _CheckpointStore(xp, c0, -(-steps // checkpoint_every))
-    h, c = h0, c0
-    reads = None
-    with ops_for(xp).workspace(xp):
-        for t in range(steps):
-            if t % checkpoint_every == 0:
-                h_saved.append(h)
-                c_saved.append(c)
-            read, h, c = _advance(xp, h, c, read_coords[:, t, ...], writes.volume(t), params)
-            if reads is None:  # (B, T, C), preallocated once the reads' dtype is known
-                reads = _CheckpointStore(xp, read, steps, axis=1)
-            reads.append(read)
-    return reads.result(), h, c, h_saved.result(), c_saved.result()
-
-
-class _CheckpointStore:
-    """Collects ``count`` arrays shaped like ``like`` into one array, stacked along
-    ``axis``: the checkpoint states ``(B, C, *S)`` into ``(count, B, C, *S)``, the
-    reads ``(B, C)`` into ``(B, T, C)`` (``axis=1``).
-
-    Where arrays support item assignment (NumPy, PyTorch, CuPy, array-api-strict)
-    each array is copied into a preallocated one as it arrives, so nothing is held
-    twice; a list-then-``stack`` would hold every state in the list and in the
-    stacked copy at once (twice the scan's memory at the peak), and ``T`` small
-    reads interleaved with the steps' temporaries fragment the heap of a long
-    ``no_grad`` scan. Immutable arrays (JAX) fall back to ``stack``.
-    """
-
-    def __init__(self, xp: Any, like: Any, count: int, axis: int = 0) -> None:
-        self.xp, self.index, self.pending, self.axis = xp, 0, [], axis
-        self.buffer = None
-        if not array_api_compat.is_jax_namespace(xp):
-            shape = (*like.shape[:axis], count, *like.shape[axis:])
-            self.buffer = xp.empty(shape, dtype=like.dtype, device=array_api_compat.device(like))
-
-    def _at(self, index: int) -> tuple:
-        return (slice(None),) * self.axis + (index, ...)
-
-    def append(self, state: Any) -> None:
-        if self.buffer is not None and state.dtype == self.buffer.dtype:
-            try:
-                self.buffer[self._at(self.index)] = state
-                self.index += 1
-                return
-            except (TypeError, RuntimeError):  # immutable, or a transform (vmap) refusing it
-                pass
-        if self.buffer is not None:  # from here on: a list (dtypes promote as in stack)
-            self.pending = [self.buffer[self._at(i)] for i in range(self.index)]
-            self.buffer = None
-        self.pending.append(state)
-
-    def result(self) -> Any:
-        return self.buffer if self.buffer is not None else self.xp.stack(self.pending,
-                                                                         axis=self.axis)
+    reads, h, c, residuals = scan_forward(
+        xp, DenseStep(eps, radius), params, h0, c0,
+        StepInputs(read_coords, write_coords, write_sigma, write_content),
+        checkpoint_every=checkpoint_every)
+    return reads, h, c, residuals.h, residuals.c
 
 
 def memory_scan_bwd(
@@ -400,39 +327,11 @@ def memory_scan_bwd(
     ScanGrads
         The gradients for every input, shaped like it.
     """
-    fused = ops_for(xp).scan_bwd
-    if fused is not None:  # a backend's whole-scan kernels (may decline: None)
-        out = fused(xp, read_coords, write_coords, write_sigma, write_content, params,
-                    h_checkpoints, c_checkpoints, g_reads, g_h, g_c, eps, radius,
-                    checkpoint_every)
-        if out is not None:
-            return out
-    steps = read_coords.shape[1]
-    writes = _Writes(xp, write_coords, write_sigma, write_content, tuple(g_h.shape[2:]), eps,
-                     radius)
-    d_read_coords: list[Any] = [None] * steps
-    d_params = None
-    with ops_for(xp).workspace(xp):
-        for segment in reversed(range(h_checkpoints.shape[0])):
-            start = segment * checkpoint_every
-            stop = min(start + checkpoint_every, steps)
-            states = [(h_checkpoints[segment, ...], c_checkpoints[segment, ...])]
-            for t in range(start, stop - 1):
-                _, h, c = _advance(xp, *states[-1], read_coords[:, t, ...], writes.volume(t),
-                                   params)
-                states.append((h, c))
-            for t in reversed(range(start, stop)):
-                h, c = states[t - start]
-                g_h, g_c, d_read_coords[t], d_written, d_step_params = _advance_bwd(
-                    xp, h, c, read_coords[:, t, ...], writes.volume(t), params, g_reads[:, t, ...],
-                    g_h, g_c,
-                )
-                writes.add_grad(t, d_written)
-                d_params = (d_step_params if d_params is None
-                            else add_params(d_params, d_step_params))
-    d_write_coords, d_write_sigma, d_write_content = writes.grads()
-    return ScanGrads(g_h, g_c, xp.stack(d_read_coords, axis=1), d_write_coords, d_write_sigma,
-                     d_write_content, d_params)
+    d_h0, d_c0, d_xs, d_params = scan_backward(
+        xp, DenseStep(eps, radius), params, Residuals(h_checkpoints, c_checkpoints, None),
+        StepInputs(read_coords, write_coords, write_sigma, write_content), g_reads, g_h, g_c,
+        checkpoint_every=checkpoint_every)
+    return ScanGrads(d_h0, d_c0, *d_xs, d_params)
 
 
 def validate_scan_inputs(h0, c0, read_coords, write_coords, write_sigma, write_content, params,

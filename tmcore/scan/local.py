@@ -14,23 +14,27 @@ box in one pass before the loop, and :func:`box_writes_bwd` is their VJP after i
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from tmcore.ops.conv import ConvParams
 from tmcore.ops.gather import box_index, gather_box, set_box
 from tmcore.ops.splat import DEFAULT_EPS
 from tmcore.ops.window import (
+    BoxWrite,
     Window,
+    box_update,
+    box_update_vjp,
     box_window_masks,
     box_write,
     box_write_bwd,
     check_method,
     combine,
     corners,
-    fast_box,
-    fast_step_bwd,
-    masked_step,
-    masked_step_bwd,
+    masked_update,
+    masked_update_vjp,
+    masked_write,
+    masked_write_vjp,
     owned,
     read_corners,
     read_corners_bwd,
@@ -38,10 +42,12 @@ from tmcore.ops.window import (
 )
 from tmcore.runtime.dispatch import ops_for
 from tmcore.runtime.validate import check_int, require_array
-from tmcore.scan.dense import ScanGrads, StepInputs, add_params, validate_scan_inputs
+from tmcore.scan.base import Residuals, scan_backward, scan_forward
+from tmcore.scan.dense import ScanGrads, StepInputs, validate_scan_inputs
 
-__all__ = ["BoxWrites", "LocalScanResiduals", "box_writes", "box_writes_bwd",
-           "local_memory_scan", "local_memory_scan_vjp", "local_scan_fwd", "local_scan_bwd"]
+__all__ = ["BoxWrites", "LocalScanResiduals", "LocalStep", "LocalWrite", "MaskedWrite",
+           "box_writes", "box_writes_bwd", "local_memory_scan", "local_memory_scan_vjp",
+           "local_scan_fwd", "local_scan_bwd"]
 
 
 class BoxWrites(NamedTuple):
@@ -116,9 +122,179 @@ class LocalScanResiduals(NamedTuple):
     read_boxes: Any
 
 
-def _step_inputs(read_coords, write_coords, write_sigma, write_content, t: int) -> StepInputs:
-    return StepInputs(read_coords[:, t, ...], write_coords[:, t, ...], write_sigma[:, t],
-                      write_content[:, t, ...])
+class LocalWrite(NamedTuple):
+    """A fast local step's write product (arrays with leading ``M`` rows): the window's
+    and the box's starts ``(M, n)``, the window's cells in the box ``(M, 1, *box)``, the
+    written box ``(M, C, *box)`` and what the write's VJP needs."""
+
+    start: Any
+    box_start: Any
+    inside: Any
+    volume: Any
+    parts: BoxWrite
+
+
+class MaskedWrite(NamedTuple):
+    """A masked local step's write product: ``written (M, C, *S)`` (zero outside the
+    window) and the window ``mask (M, 1, *S)``."""
+
+    volume: Any
+    mask: Any
+
+
+class LocalStep(NamedTuple):
+    """The local chunk step (:class:`tmcore.scan.base.Step`): read, then the write and the
+    ConvLSTM update on a window of ``window`` cells per axis around the write
+    (:mod:`tmcore.ops.window`). Hashable (a static ``jit`` argument).
+
+    ``method="fast"`` updates a box in place and logs what it overwrote (policy
+    ``"log"``: the undo log, no replay); ``"masked"`` is the dense definition (policy
+    ``"checkpoint"``). Inside a warp (:class:`tmcore.scan.warped.WarpStep`) only
+    :meth:`update` / :meth:`update_vjp` run, on the dense warped state.
+    """
+
+    window: int
+    eps: float = DEFAULT_EPS
+    radius: float | None = None
+    method: str = "fast"
+
+    @property
+    def policy(self) -> str:
+        return "log" if self.method == "fast" else "checkpoint"
+
+    @property
+    def workspace(self) -> bool:
+        return self.method == "fast"
+
+    def _geometry(self, W: LocalWrite, shape: tuple[int, ...]) -> Window:
+        sizes = tuple(min(self.window, s) for s in shape)
+        boxes = tuple(min(self.window + 2, s) for s in shape)
+        return Window(W.start, sizes, W.box_start, boxes)
+
+    def write(self, xp: Any, x: Any, shape: tuple[int, ...]) -> Any:
+        if self.method == "masked":
+            return MaskedWrite(*masked_write(xp, x, shape, self.window, self.eps, self.radius))
+        geometry = window_geometry(xp, x.write_coords, shape, self.window)
+        masks = box_window_masks(xp, geometry)
+        volume, parts = box_write(xp, x, geometry, shape, self.eps, self.radius, masks)
+        return LocalWrite(geometry.start, geometry.box_start, combine(xp, masks), volume, parts)
+
+    def write_vjp(self, xp: Any, x: Any, W: Any, g_W: Any) -> tuple[Any, Any, Any]:
+        if self.method == "masked":
+            return masked_write_vjp(xp, x, tuple(W.volume.shape[2:]), g_W, self.eps,
+                                    self.radius)
+        d_content, d_mu, d_sigma = box_write_bwd(xp, x, W.parts, g_W, x.write_sigma)
+        return d_mu, d_sigma, d_content
+
+    def _box(self, xp: Any, W: LocalWrite, like: Any) -> tuple[Window, Any]:
+        shape = tuple(like.shape[2:])
+        geometry = self._geometry(W, shape)
+        return geometry, box_index(xp, geometry.box_start, geometry.box, like.shape[0],
+                                   like.shape[1], shape)
+
+    def update(self, xp: Any, params: ConvParams, h: Any, c: Any, x: Any, W: Any
+               ) -> tuple[Any, Any]:
+        """The write and update of a dense state that the step may update in place."""
+        if self.method == "masked":
+            return masked_update(xp, params, h, c, W.volume, W.mask)
+        geometry, index = self._box(xp, W, h)
+        h_box = gather_box(xp, h, geometry.box_start, geometry.box, index)
+        c_box = gather_box(xp, c, geometry.box_start, geometry.box, index)
+        h_new, c_new = box_update(xp, params, h_box, c_box, W.volume, W.inside)
+        return (set_box(xp, h, geometry.box_start, h_new, index),
+                set_box(xp, c, geometry.box_start, c_new, index))
+
+    def update_vjp(self, xp: Any, params: ConvParams, h: Any, c: Any, x: Any, W: Any,
+                   g_h: Any, g_c: Any) -> tuple[Any, Any, Any, ConvParams]:
+        """VJP of :meth:`update` from the dense state: ``(d_h, d_c, g_W, d_params)``
+        (``g_h, g_c`` are not modified)."""
+        if self.method == "masked":
+            return masked_update_vjp(xp, params, h, c, W.volume, W.mask, g_h, g_c)
+        geometry, index = self._box(xp, W, h)
+
+        def box(a: Any) -> Any:
+            return gather_box(xp, a, geometry.box_start, geometry.box, index)
+
+        d_h_box, d_c_box, g_W, d_params = box_update_vjp(xp, params, box(h), box(c),
+                                                         W.volume, W.inside, box(g_h), box(g_c))
+        return (set_box(xp, owned(xp, g_h), geometry.box_start, d_h_box, index),
+                set_box(xp, owned(xp, g_c), geometry.box_start, d_c_box, index), g_W, d_params)
+
+    def advance(self, xp: Any, params: ConvParams, h: Any, c: Any, x: Any, W: Any):
+        if self.method == "masked":
+            read = ops_for(xp).sample_fwd(xp, h, x.read_coords[:, None, :])[:, 0, :]
+            return (read, *self.update(xp, params, h, c, x, W), None)
+        read, read_box, *_ = read_corners(xp, h, x.read_coords)
+        geometry, index = self._box(xp, W, h)
+        h_box = gather_box(xp, h, geometry.box_start, geometry.box, index)
+        c_box = gather_box(xp, c, geometry.box_start, geometry.box, index)
+        h_new, c_new = box_update(xp, params, h_box, c_box, W.volume, W.inside)
+        h = set_box(xp, h, geometry.box_start, h_new, index)
+        c = set_box(xp, c, geometry.box_start, c_new, index)
+        return read, h, c, (h_box, c_box, read_box)
+
+    def advance_vjp(self, xp: Any, params: ConvParams, h: Any, c: Any, x: Any, W: Any,
+                    log: Any, g_read: Any, g_h: Any, g_c: Any):
+        if self.method == "masked":
+            g_h, g_c, g_W, d_params = self.update_vjp(xp, params, h, c, x, W, g_h, g_c)
+            d_volume, d_coords = ops_for(xp).sample_bwd(xp, h, x.read_coords[:, None, :],
+                                                        g_read[:, None, :])
+            return g_h + d_volume, g_c, d_coords[:, 0, :], None, g_W, d_params
+        h_box, c_box, read_box = log
+        geometry, index = self._box(xp, W, g_h)
+        g_h_box = gather_box(xp, g_h, geometry.box_start, geometry.box, index)
+        g_c_box = gather_box(xp, g_c, geometry.box_start, geometry.box, index)
+        d_h_box, d_c_box, g_W, d_params = box_update_vjp(xp, params, h_box, c_box, W.volume,
+                                                         W.inside, g_h_box, g_c_box)
+        g_h = set_box(xp, g_h, geometry.box_start, d_h_box, index)
+        g_c = set_box(xp, g_c, geometry.box_start, d_c_box, index)
+        start, size, weights, slopes = corners(xp, x.read_coords, tuple(g_h.shape[2:]))
+        d_box, d_read = read_corners_bwd(xp, read_box, weights, slopes, g_read)
+        corner = box_index(xp, start, size, g_h.shape[0], g_h.shape[1], tuple(g_h.shape[2:]))
+        g_h = set_box(xp, g_h, start, gather_box(xp, g_h, start, size, corner) + d_box, corner)
+        return g_h, g_c, d_read, None, g_W, d_params
+
+    def own_state(self, xp: Any, h: Any, c: Any, overwrite: bool) -> tuple[Any, Any]:
+        if self.method == "masked" or overwrite:
+            return h, c
+        return owned(xp, h), owned(xp, c)
+
+    def own_cotangents(self, xp: Any, g_h: Any, g_c: Any) -> tuple[Any, Any]:
+        return (g_h, g_c) if self.method == "masked" else (owned(xp, g_h), owned(xp, g_c))
+
+    def fused(self, xp: Any) -> tuple[Callable, Callable] | None:
+        ops = ops_for(xp)
+        if self.method != "fast" or (ops.local_scan_fwd is None and ops.local_scan_bwd is None):
+            return None
+        window, eps, radius = self.window, self.eps, self.radius
+
+        def forward(xp, params, h0, c0, xs, every, keep, overwrite):
+            if ops.local_scan_fwd is None:
+                return None
+            out = ops.local_scan_fwd(xp, h0, c0, *xs, params, window, eps, radius, overwrite)
+            if out is None:
+                return None
+            reads, h, c, log = out
+            return reads, h, c, Residuals(None, None, tuple(log)) if keep else None
+
+        def backward(xp, params, residuals, xs, g_reads, g_h, g_c, every):
+            if ops.local_scan_bwd is None:
+                return None
+            out = ops.local_scan_bwd(xp, LocalScanResiduals(*residuals.log), *xs, params,
+                                     g_reads, g_h, g_c, window, eps, radius)
+            if out is None:
+                return None
+            return out.h0, out.c0, StepInputs(*out[2:6]), out.params
+
+        return forward, backward
+
+
+def _residuals(residuals: Residuals) -> LocalScanResiduals:
+    """The loop's residuals as :class:`LocalScanResiduals` (the undo log, or the masked
+    path's dense states)."""
+    if residuals.log is not None:
+        return LocalScanResiduals(*residuals.log)
+    return LocalScanResiduals(residuals.h, residuals.c, None)
 
 
 def local_scan_fwd(xp: Any, h0: Any, c0: Any, read_coords: Any, write_coords: Any,
@@ -131,41 +307,11 @@ def local_scan_fwd(xp: Any, h0: Any, c0: Any, read_coords: Any, write_coords: An
     ``overwrite_state=True`` (fast path) lets the scan update ``h0, c0`` themselves in
     place where the namespace allows it, saving the one copy of the state.
     """
-    steps = read_coords.shape[1]
-    reads, h_saved, c_saved, read_saved = [], [], [], []
-    if method == "masked":
-        h, c = h0, c0
-        sample = ops_for(xp).sample_fwd
-        for t in range(steps):
-            step = _step_inputs(read_coords, write_coords, write_sigma, write_content, t)
-            h_saved.append(h)
-            c_saved.append(c)
-            reads.append(sample(xp, h, step.read_coords[:, None, :])[:, 0, :])
-            h, c, _, _ = masked_step(xp, h, c, step, params, window, eps, radius)
-        return (xp.stack(reads, axis=1), h, c,
-                LocalScanResiduals(xp.stack(h_saved), xp.stack(c_saved), None))
-    fused = ops_for(xp).local_scan_fwd
-    if fused is not None:
-        out = fused(xp, h0, c0, read_coords, write_coords, write_sigma, write_content, params,
-                    window, eps, radius, overwrite_state)
-        if out is not None:
-            return out
-    h = h0 if overwrite_state else owned(xp, h0)
-    c = c0 if overwrite_state else owned(xp, c0)
-    with ops_for(xp).workspace(xp):
-        for t in range(steps):
-            step = _step_inputs(read_coords, write_coords, write_sigma, write_content, t)
-            read, read_box, *_ = read_corners(xp, h, step.read_coords)
-            reads.append(read)
-            read_saved.append(read_box)
-            geometry, index, h_box, c_box, h_new, c_new = fast_box(xp, h, c, step, params,
-                                                                     window, eps, radius)
-            h_saved.append(h_box)
-            c_saved.append(c_box)
-            h = set_box(xp, h, geometry.box_start, h_new, index)
-            c = set_box(xp, c, geometry.box_start, c_new, index)
-    return (xp.stack(reads, axis=1), h, c,
-            LocalScanResiduals(xp.stack(h_saved), xp.stack(c_saved), xp.stack(read_saved)))
+    reads, h, c, residuals = scan_forward(
+        xp, LocalStep(window, eps, radius, method), params, h0, c0,
+        StepInputs(read_coords, write_coords, write_sigma, write_content),
+        overwrite_state=overwrite_state)
+    return reads, h, c, _residuals(residuals)
 
 
 def local_scan_bwd(xp: Any, residuals: LocalScanResiduals, read_coords: Any, write_coords: Any,
@@ -176,52 +322,12 @@ def local_scan_bwd(xp: Any, residuals: LocalScanResiduals, read_coords: Any, wri
 
     ``g_h, g_c (B, C, *S)`` are copied once (fast path) and updated in place per step.
     """
-    steps = read_coords.shape[1]
-    shape = tuple(g_h.shape[2:])
-    batch, channels = g_h.shape[:2]
-    d_read, d_mu, d_sigma, d_content = [None] * steps, [None] * steps, [None] * steps, \
-        [None] * steps
-    d_params = None
-    masked = method == "masked"
-    if not masked:
-        fused = ops_for(xp).local_scan_bwd
-        if fused is not None:
-            out = fused(xp, residuals, read_coords, write_coords, write_sigma, write_content,
-                        params, g_reads, g_h, g_c, window, eps, radius)
-            if out is not None:
-                return out
-        g_h, g_c = owned(xp, g_h), owned(xp, g_c)
-    with ops_for(xp).workspace(xp):
-        for t in reversed(range(steps)):
-            step = _step_inputs(read_coords, write_coords, write_sigma, write_content, t)
-            h_prev, c_prev = residuals.h_boxes[t, ...], residuals.c_boxes[t, ...]
-            if masked:
-                g_h, g_c, grads, step_params = masked_step_bwd(
-                    xp, h_prev, c_prev, step, params, window, g_h, g_c, eps, radius)
-                d_volume, d_coords = ops_for(xp).sample_bwd(
-                    xp, h_prev, step.read_coords[:, None, :], g_reads[:, t, None, :])
-                g_h = g_h + d_volume
-                d_read[t] = d_coords[:, 0, :]
-            else:
-                geometry = window_geometry(xp, step.write_coords, shape, window)
-                index = box_index(xp, geometry.box_start, geometry.box, batch, channels, shape)
-                g_h_box = gather_box(xp, g_h, geometry.box_start, geometry.box, index)
-                g_c_box = gather_box(xp, g_c, geometry.box_start, geometry.box, index)
-                d_h_box, d_c_box, grads, step_params = fast_step_bwd(
-                    xp, h_prev, c_prev, step, geometry, shape, params, g_h_box, g_c_box, eps,
-                    radius)
-                g_h = set_box(xp, g_h, geometry.box_start, d_h_box, index)
-                g_c = set_box(xp, g_c, geometry.box_start, d_c_box, index)
-                start, size, weights, slopes = corners(xp, step.read_coords, shape)
-                d_box, d_read[t] = read_corners_bwd(xp, residuals.read_boxes[t, ...], weights,
-                                                 slopes, g_reads[:, t, ...])
-                corner = box_index(xp, start, size, batch, channels, shape)
-                g_h = set_box(xp, g_h, start,
-                              gather_box(xp, g_h, start, size, corner) + d_box, corner)
-            d_mu[t], d_sigma[t], d_content[t] = grads
-            d_params = step_params if d_params is None else add_params(d_params, step_params)
-    return ScanGrads(g_h, g_c, xp.stack(d_read, axis=1), xp.stack(d_mu, axis=1),
-                     xp.stack(d_sigma, axis=1), xp.stack(d_content, axis=1), d_params)
+    kept = (Residuals(None, None, tuple(residuals)) if method == "fast"
+            else Residuals(residuals.h_boxes, residuals.c_boxes, None))
+    d_h0, d_c0, d_xs, d_params = scan_backward(
+        xp, LocalStep(window, eps, radius, method), params, kept,
+        StepInputs(read_coords, write_coords, write_sigma, write_content), g_reads, g_h, g_c)
+    return ScanGrads(d_h0, d_c0, *d_xs, d_params)
 
 
 def _validate_scan(h0, c0, read_coords, write_coords, write_sigma, write_content, params, window,

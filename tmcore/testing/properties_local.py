@@ -442,7 +442,7 @@ def ref_warped_scan(h0, c0, read_coords, write_coords, write_sigma, write_conten
 def warped_layer_scan_matches_reference(xp: ModuleType, case: dict) -> None:
     """:func:`tmcore.scan.warped.dynamic_memory_scan` with a shift equals the reference loop
     (dense and local updates); the local fast path's VJP equals the masked one's."""
-    from tmcore.scan import warped as dynamics
+    import tmcore.scan as dynamics
 
     rng = np.random.default_rng(int(case["h0"].size))
     shift = rng.uniform(-0.4, 0.4, case["read_coords"].shape)
