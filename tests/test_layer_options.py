@@ -668,3 +668,30 @@ def test_state_dict_round_trip_torch_jax_torch_with_warp_flow_local(precision):
     plain = tj.params_from_state_dict({k: v for k, v in sd.items()
                                        if not k.startswith("warp_flow.")})
     assert tl.WARP_GROUP in plain and tl.FLOW_GROUP not in plain
+
+
+@pytest.mark.parametrize("name", ["local", "local+flow"])
+def test_jax_option_scan_compiles_to_one_loop_whatever_the_length(name):
+    """The local / warp scan is one lax.scan (not a Python loop unrolled under jit): the
+    gradient's program is the same size for 8 and 128 chunks (an op count, not a time)."""
+    jax = _jax()
+    import jax.numpy as jnp
+
+    from tmcore.adapters import jax as tj
+
+    options = OPTIONS[name]
+    params = tj.init(jax.random.key(0), D, C, (4, 3), 1,
+                     **{k: v for k, v in options.items() if k in ("dynamics", "flow")})
+
+    def program_lines(tokens):
+        x = jnp.ones((2, tokens, D))
+
+        def loss(p):
+            return jnp.sum(tj.apply(p, x, memory_shape=(4, 3), stream=False, **options)[0])
+
+        return len(str(jax.make_jaxpr(jax.grad(loss))(params)).splitlines())
+
+    short, long = program_lines(8), program_lines(128)
+    # a few lines of chunk bookkeeping differ; an unrolled loop would add a step's
+    # hundreds of equations per chunk (120 more chunks)
+    assert abs(long - short) <= 32, (short, long)
