@@ -18,8 +18,8 @@ import tmcore.layer.layer as tl  # noqa: E402
 import tmcore.layer.stream as ts  # noqa: E402
 
 CHECKS = [(tmt, "validate_scan_inputs"), (torch_ops, "validate_scan_inputs"),
-          (tl, "check_tokens"), (ts, "check_tokens"), (tl, "check_state"),
-          (ts, "check_state"), (ts, "_stream_state")]
+          (tl, "check_tokens"), (tl, "check_state"), (ts, "check_state"),
+          (tl, "complete_state")]
 
 
 @pytest.fixture
@@ -51,7 +51,7 @@ def test_each_check_runs_once_per_call(calls, stream, state):
     assert calls["check_tokens"] == 1
     assert calls["validate_scan_inputs"] == scans  # once per scan (not again in the op)
     # the state: checked once (a StreamState's h and c inside its own check)
-    assert (calls["check_state"], calls["_stream_state"]) == {
+    assert (calls["check_state"], calls["complete_state"]) == {
         None: (0, 0), "pair": (1, 0), "stream": (1, 1)}[state]
     calls.clear()
     out.sum().backward()

@@ -43,7 +43,6 @@ from tmcore.layer.stream import (
     StreamState,
     check_doc_starts,
     doc_starts_from_offsets,
-    forward_stream,
     stream_state,
 )
 
@@ -52,7 +51,7 @@ __all__ = [
     "MODES", "ParamSpec", "Params", "Scan", "State", "StreamState", "UPDATES", "WARP_GROUP",
     "cell_params", "check_doc_starts", "check_mode", "check_param_bytes", "check_params",
     "check_state", "check_tokens", "chunk", "doc_starts_from_offsets", "final_state",
-    "forward_stream", "heads", "init_params", "layer_config", "linear", "num_chunks",
+    "heads", "init_params", "layer_config", "linear", "num_chunks",
     "param_groups", "param_specs", "read_out", "reset_state", "segment_states",
     "sizes_from_params", "split", "start_state", "stored_grid_error", "stream_state",
     "unchunk", "zero_state",

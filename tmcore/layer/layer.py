@@ -1,50 +1,22 @@
-"""The Tensor Memory layer, defined once against the array API (no framework).
+"""The Tensor Memory layer's ONE call: check once -> state -> plan -> heads -> scan -> read-out.
 
-The PyTorch and JAX adapters instantiate what is here and add only what their
-framework needs (parameters as framework objects, the scan registered with
-autograd / ``custom_vjp``, modules). A variant of the layer (an ablation, a
-diagnostic) subclasses :class:`Layer` and overrides :meth:`Layer.heads` or
-:meth:`Layer.read_out` instead of copying the layer.
+:class:`Layer` runs one layer over a parameter pytree ``{group: {leaf: array}}`` with
+a ``scan`` callable (the adapter's differentiable scan): :meth:`Layer.forward` (the
+non-streaming call: a ragged last chunk is zero-padded and written) and
+:meth:`Layer.forward_stream` (the default of both adapters: pieces of any lengths equal
+one long call; padding masks and packed documents) check their inputs once, complete
+the state, make the call's chunk grid (:mod:`tmcore.layer.plan`) and run it
+(:func:`tmcore.layer.plan.execute`). A variant of the layer subclasses :class:`Layer` and
+overrides :meth:`Layer.heads` or :meth:`Layer.read_out` instead of copying it.
 
-Sizes: ``d`` = embed_dim, ``C`` = memory_channels, ``S`` = memory_shape
-(``n = len(S)``, 1 to 4 axes), ``L`` = chunk_size, ``B`` batch, ``N`` tokens,
-``T = ceil(N / L)`` chunks.
+Sizes: ``d`` = embed_dim, ``C`` = memory_channels, ``S`` = memory_shape (``n = len(S)``,
+1 to 4 axes), ``L`` = chunk_size, ``B`` batch, ``N`` tokens, ``T = ceil(N / L)`` chunks.
 
-What lives here
----------------
-- :class:`LayerConfig` / :func:`layer_config` -- every hyperparameter,
-  validated once (``TypeError`` for the wrong kind of value: a float, a bool or
-  a string where an int belongs; ``ValueError`` for a bad value; NumPy
-  integers are accepted as sizes).
-- :func:`param_specs` -- the parameters' names, shapes and initialization
-  plan as data (:class:`ParamSpec`; the table in docs/LAYER.md), and
-  :func:`init_params`, which realizes the plan with the caller's RNG.
-  :func:`check_params` / :func:`sizes_from_params` check a parameter pytree
-  ``{group: {leaf: array}}`` (the torch state-dict names split at the dot);
-  :func:`cell_params` gives its ``cell`` group as :class:`tmcore.ConvParams`.
-- :func:`heads` -- one chunk (or a stack of chunks) ``(..., L, d)`` to the
-  scan's :class:`tmcore.StepInputs`; :func:`read_out` -- reads ``(..., C)`` to
-  ``(..., d)``.
-- :func:`chunk` / :func:`unchunk` -- tokens ``(B, N, d)`` to chunks
-  ``(B, T, L, d)`` (a ragged last chunk zero-padded on the right) and
-  per-chunk outputs ``(B, T, d)`` back to ``(B, N, d)`` (broadcast to the
-  chunk's tokens, trimmed to ``N``).
-- :func:`zero_state`, :func:`reset_state` -- the initial state and the
-  per-sequence reset by a bool mask; :func:`check_tokens`,
-  :func:`check_state`.
-- The multi-layer modes :data:`MODES`: :func:`check_mode`,
-  :func:`segment_states`, :func:`start_state`, :func:`final_state`.
-- :func:`stored_grid_error` -- the check of a grid shape stored with the
-  parameters (the torch ``_extra_state``).
-- :class:`Layer` -- the forward of one layer given a ``scan`` callable
-  (the adapter's differentiable :func:`tmcore.memory_scan`).
-
-Per chunk ``t`` (docs/LAYER.md, "Per-chunk math"): ``read_coord = tanh(coord_net(first token))``;
-``summary = write_proj(the chunk's L tokens, position-major)``;
-``write_coord = tanh(coord_net(summary))`` (tied head); ``content =
-content_net(summary)``; ``sigma = (softplus(sigma_net(summary)) + 1e-4) *
-sigma_scale``; the scan reads the state before the chunk's write;
-``out_proj(read_t)`` is broadcast to every token of chunk ``t``.
+Per chunk ``t`` (docs/LAYER.md, "Per-chunk math"): ``read_coord = tanh(coord_net(first
+token))``; ``summary = write_proj(the chunk's L tokens, position-major)``; ``write_coord
+= tanh(coord_net(summary))`` (tied head); ``content = content_net(summary)``; ``sigma =
+(softplus(sigma_net(summary)) + 1e-4) * sigma_scale``; the scan reads the state before
+the chunk's write; ``out_proj(read_t)`` is broadcast to every token of chunk ``t``.
 """
 
 from __future__ import annotations
@@ -53,10 +25,29 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from tmcore.layer.config import LayerConfig
-from tmcore.layer.heads import Linear, chunk, heads, linear, read_out, split, unchunk
+from tmcore.layer.heads import Linear, heads, linear, read_out, split
 from tmcore.layer.params import Params
-from tmcore.layer.state import State, check_state, check_tokens, device_of, reset_state, zero_state
-from tmcore.layer.stream import StreamState, forward_stream
+from tmcore.layer.plan import array_plan, contiguous_plan, execute, host_plan
+from tmcore.layer.state import (
+    State,
+    check_state,
+    check_tokens,
+    device_of,
+    require_bool_array,
+    reset_state,
+    zero_state,
+)
+from tmcore.layer.stream import (
+    PACKED_WHY,
+    StreamState,
+    check_doc_starts,
+    check_valid,
+    complete_state,
+    forget_row,
+    host_list,
+    maybe_host,
+    reset_stream,
+)
 from tmcore.ops.activations import softplus
 from tmcore.scan.dense import StepInputs
 
@@ -187,7 +178,7 @@ class Layer:
         """
         config = self.config
         check_tokens(xp, x, config)
-        batch, tokens, d = x.shape
+        batch, tokens, _ = x.shape
         if state is not None:
             state = check_state(xp, state, batch, config)
         if check is not None:
@@ -198,12 +189,8 @@ class Layer:
             state = reset_state(xp, state, reset)
         if tokens == 0 or batch == 0:  # nothing to scan (the scan refuses empty arrays)
             return xp.zeros_like(x), state
-        # the heads and the read-out run once over all B*T chunk rows: the operations a
-        # call dispatches do not grow with the sequence (only the scan steps through it)
-        inputs = self.heads(xp, params, chunk(xp, x, config.chunk_size))  # (B, T, ...) each
-        reads, h, c = scan(state[0], state[1], inputs)
-        out = self.read_out(xp, params, reads)                            # (B, T, d)
-        return unchunk(xp, out, tokens, config.chunk_size), (h, c)
+        return execute(self, xp, params, x, StreamState(*state, None, None, None),
+                       contiguous_plan(tokens, config.chunk_size, stream=False), scan)
 
     def forward_stream(self, xp: Any, params: Params, x: Any, state: Any, *, scan: Scan,
                        reset: Any = None, doc_starts: Any = None, valid: Any = None,
@@ -273,6 +260,63 @@ class Layer:
             If an argument has the wrong shape, or ``state.count`` is not ``B``
             ints in ``[0, L)``.
         """
-        return forward_stream(self, xp, params, x, state, scan=scan, reset=reset,
-                              doc_starts=doc_starts, valid=valid, check=check)
+        config = self.config
+        check_tokens(xp, x, config)
+        batch, tokens, _ = x.shape
+        if doc_starts is None and valid is None and tokens and batch \
+                and not isinstance(state, StreamState):
+            # from a chunk boundary (no state, or a pair): x chunked as it is, without
+            # first building an empty unfinished chunk (the same outputs and state)
+            pair = None if state is None else check_state(xp, state, batch, config)
+            if check is not None:
+                check(x, pair, reset=reset)
+            h, c = (zero_state(xp, config, batch, dtype=x.dtype, device=device_of(x))
+                    if pair is None else pair)
+            if reset is not None:
+                h, c = reset_state(xp, (h, c), reset)
+            return execute(self, xp, params, x, StreamState(h, c, None, None, None),
+                           contiguous_plan(tokens, config.chunk_size, stream=True), scan)
+        st, known = complete_state(xp, state, x, config)
+        if check is not None:
+            check(x, None if state is None else st if isinstance(state, StreamState)
+                  else (st.h, st.c), reset=reset, doc_starts=doc_starts, valid=valid)
+        if valid is not None:
+            require_bool_array(xp, valid, "valid", "(B, N)", (batch, tokens))
+        if reset is not None:
+            require_bool_array(xp, reset, "reset", "(B,)", (batch,),
+                               hint=" (compare explicitly, e.g. mask > 0.5)")
+        if doc_starts is not None:
+            return self._packed(xp, params, x, st, known, scan, reset, doc_starts, valid)
+        st, known = reset_stream(xp, st, known, reset)
+        if tokens == 0 or batch == 0:
+            return xp.zeros_like(x), st
+        if known is not None and not any(known) and valid is None:  # a chunk boundary
+            return execute(self, xp, params, x, st,
+                           contiguous_plan(tokens, config.chunk_size, stream=True), scan)
+        host = None if valid is None else maybe_host(valid)
+        valid_counts = None if host is None else (min(sum(r) for r in host),
+                                                  max(sum(r) for r in host))
+        plan = array_plan(xp, x, xp.astype(st.count, xp.asarray(0).dtype), known, valid,
+                          xp.astype(st.pending, x.dtype), config.chunk_size, valid_counts)
+        return execute(self, xp, params, x, st, plan, scan)
 
+    def _packed(self, xp: Any, params: Params, x: Any, st: StreamState,
+                known: tuple[int, ...] | None, scan: Scan, reset: Any, doc_starts: Any,
+                valid: Any) -> tuple[Any, StreamState]:
+        """Packed documents: the grid planned on the host (:func:`host_plan`)."""
+        batch, tokens, _ = x.shape
+        starts = check_doc_starts(xp, doc_starts, batch, tokens)
+        keep = check_valid(xp, valid, batch, tokens) if valid is not None else None
+        counts = list(known) if known is not None else [
+            int(k) for k in host_list(st.count, "state.count", PACKED_WHY)]
+        if reset is not None:
+            for b, r in enumerate(host_list(reset, "reset", PACKED_WHY)):
+                if r and tokens:
+                    starts[b][0] = True
+                elif r:  # no token to start at: forget the state now
+                    st, counts[b] = forget_row(xp, st, b), 0
+        if tokens == 0 or batch == 0:
+            return xp.zeros_like(x), st._replace(count=xp.asarray(
+                counts, dtype=xp.int32, device=device_of(x)))
+        plan = host_plan(xp, x, st.pending, counts, starts, self.config.chunk_size, keep)
+        return execute(self, xp, params, x, st, plan, scan)
