@@ -12,35 +12,26 @@ Once per call, what does not depend on the state is one C call (``local_geometry
 every step's window, box and written box (the values of
 :func:`tmcore.scan.local.box_writes`, time-major rows ``t * B + b``) and every read's corner
 geometry (the n-linear weights of the ``2^n`` cells, the backward also their slopes).
-Per step, the forward then makes the C calls
-
-- ``box_op`` (copy) x 3: the read's corner box and the ``h, c`` boxes into their
-  residual slots ``read_boxes[t], h_boxes[t], c_boxes[t]``;
-- ``dw2_fwd`` on (written box, ``h`` box) with the box as the grid (its zero padding
-  is the grid's where the box touches the border; its own edge cells, which see a
-  wrong padding, lie outside the window and are not kept), one ``bmm`` for the
-  pointwise conv, ``gates2_fwd`` (pointwise bias in the kernel);
-- ``box_op`` (copy) x 2: the window cells of the new ``h, c`` boxes into the state;
-
-and one torch op (the ``bmm``). The reads are one batched product over the saved
-corner boxes at the end. The backward runs the steps in reverse: the cotangent boxes
-masked to the window (``box_op`` mode 1), the gates recomputed from the saved boxes
-(``dw2_fwd``, ``bmm``), ``gates2_bwd``, the pointwise weight's gradient by an in-place
-``baddbmm`` into a ``(B, 4C, 2C)`` buffer, ``bmm`` for ``d_y``, ``dw2_bwd`` (the
-written box's gradient into a ``(T B, C, *box)`` buffer, the ``h`` box's, and the
-depthwise taps / biases added into float64 accumulators, as is the pointwise bias by
-``gates2_bwd``), the box cotangents written back (``box_op`` mode 2: the window's
-cells replaced, the others passed through plus the conv's halo term), then the read's
-VJP (``corner_read_bwd``). The write gradients are one C call at the end
-(``box_write_bwd``, the rules of :func:`tmcore.scan.local.box_writes_bwd`). Three torch ops
-per step; about 40 once per call.
+Per step, the forward copies the read's corner box and the ``h, c`` boxes into their
+residual slots (``box_op`` x 3), runs the dense fused scan's cell step on the box
+(:meth:`tmcore.backends.torch.scan.Cell.step`, the box as the grid: its zero padding
+is the grid's where the box touches the border, and its own edge cells, which see a
+wrong padding, lie outside the window and are not kept) and copies the window's cells
+of the new ``h, c`` into the state (``box_op`` x 2): one torch op (the ``bmm``). The
+reads are one batched product over the saved corner boxes at the end. The backward
+runs the steps in reverse: the cotangent boxes masked to the window (``box_op`` mode
+1), the cell's VJP on the box (:meth:`~tmcore.backends.torch.scan.Cell.backward_step`:
+the written box's gradient into a ``(T B, C, *box)`` buffer, the parameter gradients
+accumulated), the box cotangents written back (``box_op`` mode 2: the window's cells
+replaced, the others passed through plus the conv's halo term), then the read's VJP
+(``corner_read_bwd``). The write gradients are one C call at the end
+(``box_write_bwd``, the rules of :func:`tmcore.scan.local.box_writes_bwd`). Three torch
+ops per step; about 40 once per call.
 
 The state (forward, unless ``overwrite_state``) and the two state cotangents
 (backward) are copied once per call, as on the generic path; the scan never modifies
 its inputs otherwise. Shapes are checked before any kernel runs (``ValueError`` naming
-the argument), and every box kernel checks its own starts against its grid. The
-cell's step and its VJP are the dense fused scan's (:class:`tmcore.backends.torch.scan.Cell`
-on the box), its buffers from the same pool.
+the argument), and every box kernel checks its own starts against its grid.
 """
 
 from __future__ import annotations
