@@ -12,13 +12,12 @@ namespace          fast paths (everything else: the generic array-API path)
 PyTorch            ``grid_sample`` read and its ``grid_sampler`` backward
                    (n = 1, 2, 3), grouped ``conv3d`` depthwise taps (CUDA);
                    on the CPU fused C kernels for the depthwise passes and
-                   the gates (:mod:`tmcore.backends._native`, built on
+                   the gates (:mod:`tmcore.backends.native`, built on
                    first use; ``tmcore.options(native=False)`` or
-                   ``TMCORE_NATIVE=0`` turns them off) and the local scan
-                   on them (:mod:`tmcore.backends._cpu_local`); on CUDA the
-                   whole scan as fused Triton kernels
-                   (:mod:`tmcore.backends._triton`), the local one too
-                   (:mod:`tmcore.backends._triton_local`);
+                   ``TMCORE_NATIVE=0`` turns them off) and the whole scan,
+                   dense and local, on them (:mod:`tmcore.backends.torch`);
+                   on CUDA the whole scan as fused Triton kernels, the
+                   local one too (:mod:`tmcore.backends.triton`);
                    float16 / bfloat16 computed in float32
 JAX                on the CPU the fused C kernels as XLA custom calls
                    (``jax.ffi``); off-CPU ``lax.conv_general_dilated``
@@ -34,7 +33,7 @@ any other          the generic path
 Each fast path is measured against the generic one by
 ``benchmarks/backend_fastpaths.py`` and tested against it (and the float64
 reference) by ``tests/test_backends.py``. Gradients are deterministic by
-default everywhere (see :mod:`tmcore.backends._torch` for CUDA).
+default everywhere (see :mod:`tmcore.backends.torch.sample` for CUDA).
 
 Forcing the generic path, for comparison and debugging::
 
@@ -71,10 +70,10 @@ __all__ = ["use_generic", "ops_for_namespace", "backend_name", "native_kernels_a
 
 # (predicate on the namespace, framework that must already be imported, backend module)
 _REGISTRY: list[tuple[Callable[[Any], bool], str, str]] = [
-    (array_api_compat.is_torch_namespace, "torch", "tmcore.backends._torch"),
-    (array_api_compat.is_jax_namespace, "jax", "tmcore.backends._jax"),
-    (array_api_compat.is_numpy_namespace, "numpy", "tmcore.backends._numpy"),
-    (array_api_compat.is_cupy_namespace, "cupy", "tmcore.backends._cupy"),
+    (array_api_compat.is_torch_namespace, "torch", "tmcore.backends.torch"),
+    (array_api_compat.is_jax_namespace, "jax", "tmcore.backends.jax"),
+    (array_api_compat.is_numpy_namespace, "numpy", "tmcore.backends.numpy"),
+    (array_api_compat.is_cupy_namespace, "cupy", "tmcore.backends.cupy"),
 ]
 
 
@@ -139,9 +138,9 @@ def native_kernels_active() -> bool:
         True when the ``native`` option is on and the kernels are built (they are
         compiled on the first call that needs them, which this call may be).
     """
-    from tmcore.backends import _native
+    from tmcore.backends import native
 
-    return bool(_native.enabled() and _native.library() is not None)
+    return bool(native.enabled() and native.library() is not None)
 
 
 def triton_kernels_active(x: Any) -> bool:
@@ -159,9 +158,9 @@ def triton_kernels_active(x: Any) -> bool:
         True when the ``triton`` option allows the kernels, Triton imports and
         the kernels support ``x``'s device, dtype and size.
     """
-    from tmcore.backends import _triton
+    from tmcore.backends.triton import launch
 
-    return bool(_triton.usable(x))
+    return bool(launch.usable(x))
 
 
 def triton_graph_cache_bytes() -> int:
@@ -173,9 +172,9 @@ def triton_graph_cache_bytes() -> int:
         The bytes of the graphs' static inputs and outputs (memory a training
         step's peak does not show); 0 when nothing is cached.
     """
-    from tmcore.backends import _triton
+    from tmcore.backends.triton import launch
 
-    return _triton.graph_cache_bytes()
+    return launch.graph_cache_bytes()
 
 
 @contextlib.contextmanager
@@ -221,8 +220,6 @@ def release_scan_buffers() -> None:
     None
         The calling thread's pool is emptied.
     """
-    import sys
-
-    backend = sys.modules.get("tmcore.backends._torch")
-    if backend is not None:
-        backend.release_scan_buffers()
+    memory = sys.modules.get("tmcore.backends.torch.memory")
+    if memory is not None:
+        memory.release_scan_buffers()

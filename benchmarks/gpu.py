@@ -418,7 +418,7 @@ def local_scan(device: str, tiny: bool, reps: int = 3) -> dict:
     local-generic| of the reads and every gradient.
     """
     import tmcore
-    from tmcore.backends import _triton_local
+    from tmcore.backends.triton import local as _triton_local
 
     sizes = LOCAL_TINY if tiny else LOCAL_SIZES
     window, steps = sizes["window"], sizes["steps"]

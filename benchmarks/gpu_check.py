@@ -96,15 +96,15 @@ def triton_compile(arch: int, shapes: list[str], dtype: str) -> int:
 
     # (the one place a benchmark reads backend internals: this compiles the backend's own
     # kernels, at the geometry its driver would launch them with; no public API is that)
-    from tmcore.backends import _triton
-    from tmcore.backends import _triton_kernels as k
+    from tmcore.backends.triton import dense
+    from tmcore.backends.triton import dense_kernels as k
 
     failures = 0
     for name, s3, channels in COMPILE_SHAPES:
         if name not in shapes:
             continue
         n = sum(1 for size in s3 if size > 1) if name in ("2d", "1d") else 3
-        geo = _triton._Geometry(_FakeState((2, channels, *s3[3 - n:])))
+        geo = dense._Geometry(_FakeState((2, channels, *s3[3 - n:])))
         for fn, extra in ((k.step_fwd_kernel, {"WRITE_READ": True, "PRECISION": "ieee"}),
                           (k.step_bwd_a_kernel, {"PRECISION": "ieee"}),
                           (k.step_bwd_b_kernel, {})):

@@ -10,7 +10,7 @@ fixed window (``w = 4`` cells per axis, so the box is 6^3 at every grid), B = 4,
   torch ops per step, ~350 of them): read 2^3 cells, splat and update the 6^3 box, write
   it back in place;
 - ``local (fused)``: the same call with the default options, which on the CPU takes the
-  torch backend's fused local scan (``backends/_cpu_local.py``: C kernels per step, one
+  torch backend's fused local scan (``backends/torch/local.py``: C kernels per step, one
   torch op);
 - ``local (copy)``: ``tmcore.local_update`` (fast path; the write and update, no read),
   which returns a new state and so copies it once per call (a memory copy of

@@ -603,7 +603,7 @@ def _kernel_targets(fn) -> set[str]:
 
 
 def _require_kernels():
-    from tmcore.backends import _native
+    from tmcore.backends import native as _native
 
     if not _native.enabled() or _native.jax_library() is None:
         pytest.skip("the fused CPU kernels for JAX are not built here (no compiler)")

@@ -11,7 +11,7 @@ import pytest
 
 import tmcore
 from tmcore import backends
-from tmcore.backends import _native
+from tmcore.backends import native as _native
 from tmcore.runtime.dispatch import generic_ops, ops_for
 from tmcore.runtime.options import reload_environment
 
@@ -115,7 +115,7 @@ def test_generic_option_switches_the_dispatch_table():
 
 def test_native_option_turns_the_fused_kernels_off():
     torch = pytest.importorskip("torch", reason="torch is not installed")
-    from tmcore.backends import _torch as bt
+    from tmcore.backends.native import calls
 
     x = torch.randn(1, 2, 3, dtype=torch.float64)
     w = torch.randn(1, 2, 3, dtype=torch.float64)
@@ -123,7 +123,7 @@ def test_native_option_turns_the_fused_kernels_off():
                                torch.randn(4, 2, dtype=torch.float64),
                                torch.zeros(4, dtype=torch.float64))
     with tmcore.options(native=False):
-        assert bt._native_kernels(x) is None
+        assert calls.kernels_for(x) is None
         off = tmcore.factorized_conv(x, params)
     on = tmcore.factorized_conv(x, params)
     torch.testing.assert_close(on, off)

@@ -3,7 +3,7 @@
 The per-primitive math on CuPy is the generic array-API path (a few dense
 contractions, launched on CuPy's current stream; no single-primitive kernel
 measured to beat it). The whole scan, ``memory_scan_fwd`` / ``memory_scan_bwd``,
-runs the fused Triton kernels of :mod:`tmcore.backends._triton` when torch and
+runs the fused Triton kernels of :mod:`tmcore.backends.triton.dense` when torch and
 triton are installed and the ``triton`` option allows it: the CuPy arrays are
 handed to torch without a copy (``torch.from_dlpack``; the DLPack protocol
 orders the two libraries' streams), the same kernels as for torch CUDA tensors
@@ -24,7 +24,7 @@ import importlib.util
 import sys
 from typing import Any
 
-from tmcore.backends._mixed import with_float32_compute
+from tmcore.backends.mixed import with_float32_compute
 from tmcore.ops.conv import ConvParams
 from tmcore.runtime.dispatch import Ops
 from tmcore.runtime.options import get_options
@@ -33,7 +33,7 @@ __all__ = ["make_ops", "bridged_scan_fwd", "bridged_scan_bwd"]
 
 
 def _torch_side():
-    """``(torch, tmcore.backends._triton)`` when the fused scan can be reached, else None.
+    """``(torch, tmcore.backends.triton.dense)`` when the fused scan can be reached, else None.
 
     torch is imported here only if it is installed and the ``triton`` option is not
     off (a CuPy user without torch keeps the generic path, and pays no import).
@@ -45,10 +45,10 @@ def _torch_side():
     try:
         import torch  # noqa: F401
 
-        from tmcore.backends import _triton
+        from tmcore.backends.triton import dense
     except ImportError:
         return None
-    return sys.modules["torch"], _triton
+    return sys.modules["torch"], dense
 
 
 def _to_torch(torch, *arrays):

@@ -5,7 +5,7 @@ Entries ``local_scan_fwd`` / ``local_scan_bwd`` of the torch backend's
 ``local_scan_bwd``, the same undo-log residuals, so a fused forward and the generic
 backward, or the reverse, agree). They return ``None`` whenever the fused path does
 not apply, and tmcore's loop then runs. The kernels are in
-:mod:`tmcore.backends._triton_local_kernels`.
+:mod:`tmcore.backends.triton.local_kernels`.
 
 Per chunk step: forward 1 launch, backward 1 launch (:func:`launches_per_step`),
 grid ``(B,)``: one program per batch row works on its box (window + halo) only,
@@ -15,49 +15,36 @@ state is made once per scan with torch ops: every step's window and written box
 (:func:`tmcore.scan.local.box_writes_bwd` on the per-step box cotangents) and the
 parameter gradients (per-row partial sums, no atomics) after it. On CUDA each
 scan's launch loop is captured once per shape / options as a CUDA graph and
-replayed (the dense scan's mechanism, :func:`tmcore.backends._triton._replay`:
-``TMCORE_CUDA_GRAPHS=0`` turns it off, a failed capture runs eagerly).
+replayed (the dense scan's mechanism, :func:`tmcore.backends.triton.launch.replay`).
+When it runs, and the fallback for kernels that fail, are the dense scan's too
+(:mod:`tmcore.backends.triton.launch`).
 
-Not yet run on a GPU: tested under Triton's interpreter (tests/test_triton_local.py)
-and built for sm_90 without a device (Triton 3.9; at C = 32, w = 4 ptxas reports
-255 registers and ~0.7 / 1.6 KB of spills per thread forward / backward). One
-program per batch row means ``B`` thread blocks per launch: the step is meant to
-be launch-bound (a few hundred box cells), not to fill the GPU.
-
-When it runs: as the dense fused scan (:func:`tmcore.backends._triton.usable`: the
-``triton`` option, CUDA tensors or CPU tensors under ``TRITON_INTERPRET=1`` with
-the option forced, float32 / float64, ``n <= 3``, ``C <=`` ``MAX_CHANNELS``, not
-recorded by autograd). A shape whose kernels fail to compile or launch warns once
-(``RuntimeWarning``) and declines from then on.
+Not yet run on a GPU: tested under Triton's interpreter
+(tests/backends/test_triton_local.py) and built for sm_90 without a device (Triton
+3.9; at C = 32, w = 4 ptxas reports 255 registers and ~0.7 / 1.5 KB of spills per
+thread forward / backward). One program per batch row means ``B`` thread blocks per
+launch: the step is meant to be launch-bound (a few hundred box cells), not to fill
+the GPU.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import importlib
 import math
-import warnings
 from typing import Any
 
 import torch
 
+from tmcore.backends.fused import window_boxes
 from tmcore.ops.conv import ConvParams
 
-from . import _triton
+from . import launch
 
 __all__ = ["scan_fwd", "scan_bwd", "launches_per_step"]
 
-_KERNELS: list[Any] = []
 
-
-def _kernels():
-    if not _KERNELS:
-        try:
-            _KERNELS.append(importlib.import_module("tmcore.backends._triton_local_kernels"))
-        except ImportError:
-            _KERNELS.append(None)
-    return _KERNELS[0]
+def _kernels() -> Any:
+    return launch.kernels("local_kernels")
 
 
 def launches_per_step() -> int:
@@ -66,49 +53,24 @@ def launches_per_step() -> int:
     return 1 + 1
 
 
-#: Keys whose kernels failed (compile or launch): the generic loop runs for them.
-_BROKEN: set = set()
-
-
-def _broken(key: tuple, err: Exception) -> None:
-    _BROKEN.add(key)
-    warnings.warn(f"tmcore: the fused Triton local scan failed for {key[:5]} "
-                  f"({type(err).__name__}: {str(err)[:300]}); using the per-step path",
-                  RuntimeWarning, stacklevel=3)
-
-
-def _on_device(t: torch.Tensor):
-    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
-
-
-class _Geometry:
+class _Geometry(launch.Tiles):
     """Launch constants of a local scan on a state ``(B, C, *S)`` with window ``w``."""
 
-    def __init__(self, state: torch.Tensor, window: int) -> None:
-        self.batch, self.channels = state.shape[:2]
-        self.spatial = tuple(int(s) for s in state.shape[2:])
-        self.n = len(self.spatial)
+    def __init__(self, state: Any, window: int) -> None:
+        spatial = tuple(int(s) for s in state.shape[2:])
+        self.size, self.box, self.corners = window_boxes(spatial, window)
+        super().__init__(state, math.prod(self.box))
         pad = (1,) * (3 - self.n)
-        self.box = tuple(min(window + 2, s) for s in self.spatial)
-        self.size = tuple(min(window, s) for s in self.spatial)
-        self.corners = tuple(1 if s == 1 else 2 for s in self.spatial)
         self.g3, self.s3, self.w3 = pad + self.spatial, pad + self.box, pad + self.size
-        cells = math.prod(self.box)
-        self.cb = max(16, 1 << (self.channels - 1).bit_length())
-        self.bp = max(16, min(32 if self.cb <= 16 else 16, 1 << (cells - 1).bit_length()))
-        self.num_warps = 4 if self.cb <= 16 else 8
 
     def constexprs(self, precision: str) -> dict:
         (g0, g1, g2), (s0, s1, s2), (w0, w1, w2) = self.g3, self.s3, self.w3
         k0, k1, k2 = (1 if g == 1 else 2 for g in self.g3)
         # the grid's sizes are not specialized on: every grid with the same box and
         # window (all grids >= w + 2 cells per axis) shares one compiled kernel
-        kw = {"G0": g0, "G1": g1, "G2": g2, "N": self.n, "K0": k0, "K1": k1, "K2": k2,
-              "S0": s0, "S1": s1, "S2": s2, "W0": w0, "W1": w1, "W2": w2, "CB": self.cb,
-              "BP": self.bp, "PRECISION": precision}
-        if not _triton._interpreting():
-            kw["num_warps"] = self.num_warps
-        return kw
+        return {"G0": g0, "G1": g1, "G2": g2, "N": self.n, "K0": k0, "K1": k1, "K2": k2,
+                "S0": s0, "S1": s1, "S2": s2, "W0": w0, "W1": w1, "W2": w2, "CB": self.cb,
+                "BP": self.bp, "PRECISION": precision, **self.launch_kw()}
 
 
 def _writes(xp, geo: _Geometry, wc, ws, wcont, window, eps, radius):
@@ -125,12 +87,9 @@ def _writes(xp, geo: _Geometry, wc, ws, wcont, window, eps, radius):
 
 
 def _check(state, rc, arrays: dict, params: ConvParams, window) -> None:
-    if rc.ndim != 3 or rc.shape[2] != state.ndim - 2:
-        raise ValueError(f"read_coords: expected shape (B, T, n) with n = {state.ndim - 2}, "
-                         f"got {tuple(rc.shape)}")
-    _triton.check_shapes(state, rc, arrays, params)
     if not isinstance(window, int) or window < 1:
         raise ValueError(f"window: expected an int >= 1, got {window!r}")
+    launch.check_shapes(state, rc, arrays, params, window=window)
 
 
 def _key(kind, state, rc, window, eps, radius) -> tuple:
@@ -145,20 +104,17 @@ def scan_fwd(xp: Any, h0, c0, read_coords, write_coords, write_sigma, write_cont
     to decline."""
     params = ConvParams(*params)
     tensors = (h0, c0, read_coords, write_coords, write_sigma, write_content, *params)
-    if not _triton.usable(*tensors) or _kernels() is None:
+    if not launch.usable(*tensors) or _kernels() is None:
         return None
     _check(h0, read_coords, {"c0": c0, "write_coords": write_coords,
                              "write_sigma": write_sigma, "write_content": write_content},
            params, window)
-    key = _key("fwd", h0, read_coords, window, eps, radius)
-    if key in _BROKEN or read_coords.shape[1] == 0:
+    if read_coords.shape[1] == 0:
         return None
-    try:
-        with _on_device(h0):
-            return _forward(xp, h0, c0, read_coords, write_coords, write_sigma, write_content,
-                            params, window, eps, radius, overwrite_state)
-    except Exception as err:  # noqa: BLE001 - e.g. a Triton too old to compile them
-        return _broken(key, err)
+    return launch.guarded(
+        "local scan", _key("fwd", h0, read_coords, window, eps, radius), 5, h0,
+        lambda: _forward(xp, h0, c0, read_coords, write_coords, write_sigma, write_content,
+                         params, window, eps, radius, overwrite_state))
 
 
 def _own(x: torch.Tensor, overwrite: bool) -> torch.Tensor:
@@ -174,8 +130,8 @@ def _forward(xp, h0, c0, rc, wc, ws, wcont, params, window, eps, radius, overwri
               c0 if c0.is_contiguous() else c0.contiguous(), volumes, table, rc.contiguous(),
               *(p.contiguous() for p in params))
     key = ("local_fwd", *_key("", h0, rc, window, eps, radius)[1:], overwrite,
-           _triton._precision(h0))
-    reads, h, c, h_boxes, c_boxes, read_boxes = _triton._replay(
+           launch.precision(h0))
+    reads, h, c, h_boxes, c_boxes, read_boxes = launch.replay(
         key, functools.partial(_forward_loop, geo=geo, overwrite=overwrite), inputs)
     return reads, h, c, LocalScanResiduals(h_boxes, c_boxes, read_boxes)
 
@@ -190,13 +146,12 @@ def _forward_loop(h0, c0, volumes, table, rc, dw, db, pw, pb, *, geo, overwrite)
     c_boxes = torch.empty_like(h_boxes)
     read_boxes = torch.empty((steps, batch, channels, *geo.corners), **like)
     reads = torch.empty((batch, steps, channels), **like)
-    consts = geo.constexprs(_triton._precision(h0))
+    consts = geo.constexprs(launch.precision(h0))
     for t in range(steps):
         k.local_fwd_kernel[(batch,)](
             h, c, h_boxes, c_boxes, read_boxes, reads, volumes, table, rc, dw, db, pw, pb,
             t, batch, steps, channels, **consts)
     return reads, h, c, h_boxes, c_boxes, read_boxes
-
 
 def scan_bwd(xp: Any, residuals, read_coords, write_coords, write_sigma, write_content,
              params, g_reads, g_h, g_c, window: int, eps: float, radius: float | None, *,
@@ -207,30 +162,21 @@ def scan_bwd(xp: Any, residuals, read_coords, write_coords, write_sigma, write_c
         return None
     tensors = (g_h, g_c, g_reads, *residuals, read_coords, write_coords, write_sigma,
                write_content, *params)
-    if not _triton.usable(*tensors) or _kernels() is None:
+    if not launch.usable(*tensors) or _kernels() is None:
         return None
-    _check(g_h, read_coords, {"g_c": g_c, "g_reads": g_reads, "write_coords": write_coords,
-                              "write_sigma": write_sigma, "write_content": write_content},
-           params, window)
-    geo = _Geometry(g_h, window)
-    steps = read_coords.shape[1]
-    lead = (steps, geo.batch, geo.channels)
-    for name, value, want in (("residuals.h_boxes", residuals.h_boxes, (*lead, *geo.box)),
-                              ("residuals.c_boxes", residuals.c_boxes, (*lead, *geo.box)),
-                              ("residuals.read_boxes", residuals.read_boxes,
-                               (*lead, *geo.corners))):
-        if tuple(value.shape) != want:
-            raise ValueError(f"{name}: expected shape {want} (T, B, C and the box of window "
-                             f"{window} in {geo.spatial}), got {tuple(value.shape)}")
-    key = _key("bwd", g_h, read_coords, window, eps, radius)
-    if key in _BROKEN or steps == 0:
+    _check(g_h, read_coords, {"g_c": g_c, "g_reads": g_reads,
+                              "residuals.h_boxes": residuals.h_boxes,
+                              "residuals.c_boxes": residuals.c_boxes,
+                              "residuals.read_boxes": residuals.read_boxes,
+                              "write_coords": write_coords, "write_sigma": write_sigma,
+                              "write_content": write_content}, params, window)
+    if read_coords.shape[1] == 0:
         return None
-    try:
-        with _on_device(g_h):
-            return _backward(xp, geo, residuals, read_coords, write_coords, write_sigma,
-                             write_content, params, g_reads, g_h, g_c, window, eps, radius)
-    except Exception as err:  # noqa: BLE001 - e.g. a Triton too old to compile them
-        return _broken(key, err)
+    return launch.guarded(
+        "local scan", _key("bwd", g_h, read_coords, window, eps, radius), 5, g_h,
+        lambda: _backward(xp, _Geometry(g_h, window), residuals, read_coords, write_coords,
+                          write_sigma, write_content, params, g_reads, g_h, g_c, window, eps,
+                          radius))
 
 
 def _backward(xp, geo, residuals, rc, wc, ws, wcont, params, g_reads, g_h, g_c, window, eps,
@@ -242,11 +188,11 @@ def _backward(xp, geo, residuals, rc, wc, ws, wcont, params, g_reads, g_h, g_c, 
     dw, db, pw, pb = (p.contiguous() for p in params)
     inputs = (g_h.contiguous(), g_c.contiguous(), *(r.contiguous() for r in residuals),
               volumes, table, rc.contiguous(), g_reads.contiguous(), dw, db, pw, pb)
-    key = ("local_bwd", *_key("", g_h, rc, window, eps, radius)[1:], _triton._precision(g_h))
-    d_h, d_c, d_x, d_rc, d_pw, d_pb, e_sums, corr = _triton._replay(
+    key = ("local_bwd", *_key("", g_h, rc, window, eps, radius)[1:], launch.precision(g_h))
+    d_h, d_c, d_x, d_rc, d_pw, d_pb, e_sums, corr = launch.replay(
         key, functools.partial(_backward_loop, geo=geo), inputs)
     d_wc, d_ws, d_wcont = box_writes_bwd(xp, writes, wc, ws, wcont, d_x)
-    d_taps, d_biases = _triton._depthwise_grads(dw, db, corr.sum(0), e_sums.sum(0), geo.s3)
+    d_taps, d_biases = launch.depthwise_grads(dw, db, corr.sum(0), e_sums.sum(0), geo.s3)
     d_params = ConvParams(d_taps, d_biases, d_pw.sum(0), d_pb.sum(0))
     return ScanGrads(d_h, d_c, d_rc, d_wc, d_ws, d_wcont, d_params)
 
@@ -266,7 +212,7 @@ def _backward_loop(g_h, g_c, h_boxes, c_boxes, read_boxes, volumes, table, rc, g
     e_sums = torch.zeros((batch, 2 * channels, 27), **like)
     corr = torch.zeros((batch, 2 * channels, 27), **like)
     d_rc = torch.empty((batch, steps, geo.n), **like)
-    consts = geo.constexprs(_triton._precision(g_h))
+    consts = geo.constexprs(launch.precision(g_h))
     for t in reversed(range(steps)):
         k.local_bwd_kernel[(batch,)](
             g_h, g_c, h_boxes, c_boxes, read_boxes, volumes, table, rc, g_reads, d_y, d_x,

@@ -1,17 +1,17 @@
 """Triton kernels of the fused local scan (``update="local"``): one launch per step each way.
 
-Imported only by :mod:`tmcore.backends._triton_local` (and only when ``triton``
-imports). Grid of both kernels: ``(B,)``; program ``b`` owns batch row ``b`` of
-the state and of every buffer, all ``C`` channels at once (``CB`` = ``C``
-rounded up to a power of two >= 16, masked), and loops over the box's cells in
-tiles of ``BP``.
+Imported only by :mod:`tmcore.backends.triton.local` (and only when ``triton``
+imports); built from the parts of :mod:`tmcore.backends.triton.parts`. Grid of both
+kernels: ``(B,)``; program ``b`` owns batch row ``b`` of the state and of every
+buffer, all ``C`` channels at once (``CB`` = ``C`` rounded up to a power of two >=
+16, masked), and loops over the box's cells in tiles of ``BP``.
 
 Frame: the step's *box* (the window plus its 1-cell halo, inside the grid; sizes
 ``S0 x S1 x S2``, the grid ``G0 x G1 x G2`` and the window ``W0 x W1 x W2``, all
 padded to three axes with 1). A window cell's conv neighbours all lie in the box
 or outside the grid, and a window cell is on the box's border only where the box
-is on the grid's, so the box's own zero padding and bias field (the dense
-kernels' helpers with ``S`` = the box) are the grid's for the window cells; the
+is on the grid's, so the box's own zero padding and bias field (the shared
+parts with ``S`` = the box) are the grid's for the window cells; the
 halo cells' values are computed and dropped. The box and window sizes are
 compile-time constants, the grid's sizes are not (one kernel serves every grid
 of at least ``w + 2`` cells per axis); ``K0, K1, K2`` are the corner counts of
@@ -41,18 +41,19 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._triton_kernels import (
-    _add_b,
-    _add_bias_classes,
-    _add_w,
-    _bias_field,
-    _cells,
-    _coord,
-    _mix,
-    _pointwise_vjp,
-    _sigmoid,
-    _stencil_vjp,
-    _tanh,
+from .parts import (
+    add_param_sums,
+    bias_field,
+    cells,
+    coord,
+    corner,
+    gate_activations,
+    gate_vjp,
+    gates_fwd,
+    gather,
+    pointwise_vjp,
+    stencil_vjp,
+    store_coord_grad,
 )
 
 __all__ = ["local_fwd_kernel", "local_bwd_kernel"]
@@ -68,46 +69,11 @@ def _box_conv(h_row, x_row, dw_ptr, db_ptr, offs_c, mask_c, i0, i1, i2, offs_p, 
     """
     C2 = 2 * C
     P: tl.constexpr = S0 * S1 * S2
-    LO0: tl.constexpr = 0 if S0 > 1 else 1
-    HI0: tl.constexpr = 3 if S0 > 1 else 2
-    LO1: tl.constexpr = 0 if S1 > 1 else 1
-    HI1: tl.constexpr = 3 if S1 > 1 else 2
-    LO2: tl.constexpr = 0 if S2 > 1 else 1
-    HI2: tl.constexpr = 3 if S2 > 1 else 2
-    y_x = tl.zeros((CB, BP), dtype=h_row.dtype.element_ty)
-    y_h = tl.zeros((CB, BP), dtype=h_row.dtype.element_ty)
-    one = (offs_c * 0 + 1).to(y_x.dtype)
-    for d0 in range(LO0, HI0):
-        if N >= 3:
-            kx0 = tl.load(dw_ptr + offs_c * 3 + d0, mask=mask_c, other=0.0)
-            kh0 = tl.load(dw_ptr + (C + offs_c) * 3 + d0, mask=mask_c, other=0.0)
-        else:
-            kx0 = one
-            kh0 = one
-        for d1 in range(LO1, HI1):
-            if N >= 2:
-                at1 = dw_ptr + ((N - 2) * C2 + offs_c) * 3 + d1
-                kx01 = kx0 * tl.load(at1, mask=mask_c, other=0.0)
-                kh01 = kh0 * tl.load(at1 + 3 * C, mask=mask_c, other=0.0)
-            else:
-                kx01 = kx0
-                kh01 = kh0
-            for d2 in range(LO2, HI2):
-                at2 = dw_ptr + ((N - 1) * C2 + offs_c) * 3 + d2
-                k_x = kx01 * tl.load(at2, mask=mask_c, other=0.0)
-                k_h = kh01 * tl.load(at2 + 3 * C, mask=mask_c, other=0.0)
-                j0 = i0 + (d0 - 1)
-                j1 = i1 + (d1 - 1)
-                j2 = i2 + (d2 - 1)
-                valid = ((j0 >= 0) & (j0 < S0) & (j1 >= 0) & (j1 < S1) & (j2 >= 0)
-                         & (j2 < S2) & (offs_p < P))
-                q = offs_p + ((d0 - 1) * (S1 * S2) + (d1 - 1) * S2 + (d2 - 1))
-                m = mask_c[:, None] & valid[None, :]
-                at = offs_c[:, None] * P + q[None, :]
-                y_x += k_x[:, None] * tl.load(x_row + at, mask=m, other=0.0)
-                y_h += k_h[:, None] * tl.load(h_row + at, mask=m, other=0.0)
-    y_x += _bias_field(dw_ptr, db_ptr, 0, i0, i1, i2, offs_c, mask_c, C2, N, S0, S1, S2)
-    y_h += _bias_field(dw_ptr, db_ptr, C, i0, i1, i2, offs_c, mask_c, C2, N, S0, S1, S2)
+    zeros = tl.zeros((CB, BP), dtype=h_row.dtype.element_ty)
+    y_x = gather(x_row, dw_ptr, 0, offs_c, mask_c, i0, i1, i2, offs_p, zeros, C, N, S0, S1, S2)
+    y_h = gather(h_row, dw_ptr, C, offs_c, mask_c, i0, i1, i2, offs_p, zeros, C, N, S0, S1, S2)
+    y_x += bias_field(dw_ptr, db_ptr, 0, i0, i1, i2, offs_c, mask_c, C2, N, S0, S1, S2)
+    y_h += bias_field(dw_ptr, db_ptr, C, i0, i1, i2, offs_c, mask_c, C2, N, S0, S1, S2)
     row_ok = mask_c[:, None] & (offs_p < P)[None, :]
     return tl.where(row_ok, y_x, 0.0), tl.where(row_ok, y_h, 0.0)
 
@@ -133,15 +99,13 @@ def _local_tent(x, G):
 
 
 @triton.jit
-def _corner(e: tl.constexpr, frac, slope):
-    """Weight and slope of corner ``e`` (0 lower, 1 upper) along one axis."""
-    if e == 0:
-        w = 1.0 - frac
-        s = -slope
-    else:
-        w = frac
-        s = slope
-    return w, s
+def _read_corners(rc, N: tl.constexpr, G0, G1, G2):
+    """:func:`_local_tent` of a read's coordinates along the three padded axes:
+    ``(l0, f0, s0, l1, f1, s1, l2, f2, s2)``."""
+    l0, f0, s0 = _local_tent(coord(rc, 0, N), G0)
+    l1, f1, s1 = _local_tent(coord(rc, 1, N), G1)
+    l2, f2, s2 = _local_tent(coord(rc, 2, N), G2)
+    return l0, f0, s0, l1, f1, s1, l2, f2, s2
 
 
 @triton.jit
@@ -188,7 +152,7 @@ def local_fwd_kernel(
     brow = tb * C * P
     # ---- the undo log: the box of h, c before the update
     for tile in range(0, TILES):
-        offs_p, i0, i1, i2 = _cells(tile, BP, S1, S2)
+        offs_p, i0, i1, i2 = cells(tile, BP, S1, S2)
         mask_p = offs_p < P
         cell = _box_cells(geo_ptr, tb, i0, i1, i2, G1, G2)
         m = mask_c[:, None] & mask_p[None, :]
@@ -197,19 +161,17 @@ def local_fwd_kernel(
         tl.store(hbox_ptr + dst, tl.load(h_ptr + src, mask=m, other=0.0), mask=m)
         tl.store(cbox_ptr + dst, tl.load(c_ptr + src, mask=m, other=0.0), mask=m)
     # ---- the read of the state entering the step, and its corner cells
-    l0, f0, s0 = _local_tent(_coord(rc_ptr + bt * N, 0, N), G0)
-    l1, f1, s1 = _local_tent(_coord(rc_ptr + bt * N, 1, N), G1)
-    l2, f2, s2 = _local_tent(_coord(rc_ptr + bt * N, 2, N), G2)
+    l0, f0, s0, l1, f1, s1, l2, f2, s2 = _read_corners(rc_ptr + bt * N, N, G0, G1, G2)
     acc = (offs_c * 0).to(f2.dtype)
     for e0 in tl.static_range(2):
         for e1 in tl.static_range(2):
             for e2 in tl.static_range(2):
                 if (e0 < K0) and (e1 < K1) and (e2 < K2):
-                    w0, _ = _corner(e0, f0, s0)
-                    w1, _ = _corner(e1, f1, s1)
-                    w2, _ = _corner(e2, f2, s2)
-                    corner = (l0 + e0) * (G1 * G2) + (l1 + e1) * G2 + (l2 + e2)
-                    hv = tl.load(h_ptr + row + offs_c * GP + corner, mask=mask_c, other=0.0)
+                    w0, _ = corner(e0, f0, s0)
+                    w1, _ = corner(e1, f1, s1)
+                    w2, _ = corner(e2, f2, s2)
+                    spot = (l0 + e0) * (G1 * G2) + (l1 + e1) * G2 + (l2 + e2)
+                    hv = tl.load(h_ptr + row + offs_c * GP + spot, mask=mask_c, other=0.0)
                     tl.store(rbox_ptr + (tb * C + offs_c) * K + (e0 * K1 * K2 + e1 * K2 + e2),
                              hv, mask=mask_c)
                     acc += w0 * w1 * w2 * hv
@@ -217,19 +179,13 @@ def local_fwd_kernel(
     tl.debug_barrier()  # every load of this row's state before its first store
     # ---- the gates on the box (from the undo log), stored into the window cells
     for tile in range(0, TILES):
-        offs_p, i0, i1, i2 = _cells(tile, BP, S1, S2)
+        offs_p, i0, i1, i2 = cells(tile, BP, S1, S2)
         mask_p = offs_p < P
         y_x, y_h = _box_conv(hbox_ptr + brow, vol_ptr + brow, dw_ptr, db_ptr, offs_c, mask_c,
                              i0, i1, i2, offs_p, C, N, S0, S1, S2, CB, BP)
         m = mask_c[:, None] & mask_p[None, :]
-        c_old = tl.load(cbox_ptr + brow + offs_c[:, None] * P + offs_p[None, :], mask=m,
-                        other=0.0)
-        c_new = _sigmoid(_mix(y_x, y_h, pw_ptr, pb_ptr, 1, offs_c, mask_c, C, PRECISION)) \
-            * c_old
-        c_new += _sigmoid(_mix(y_x, y_h, pw_ptr, pb_ptr, 0, offs_c, mask_c, C, PRECISION)) \
-            * _tanh(_mix(y_x, y_h, pw_ptr, pb_ptr, 3, offs_c, mask_c, C, PRECISION))
-        h_new = _sigmoid(_mix(y_x, y_h, pw_ptr, pb_ptr, 2, offs_c, mask_c, C, PRECISION)) \
-            * _tanh(c_new)
+        h_new, c_new = gates_fwd(y_x, y_h, cbox_ptr + brow + offs_c[:, None] * P + offs_p[None, :],
+                                 m, pw_ptr, pb_ptr, offs_c, mask_c, C, PRECISION)
         inside = _in_window(geo_ptr, tb, i0, i1, i2, mask_p, W0, W1, W2)
         cell = _box_cells(geo_ptr, tb, i0, i1, i2, G1, G2)
         at = row + offs_c[:, None] * GP + cell[None, :]
@@ -259,7 +215,6 @@ def local_bwd_kernel(
     GP = G0 * G1 * G2
     TILES: tl.constexpr = (P + BP - 1) // BP
     K: tl.constexpr = K0 * K1 * K2
-    # bias classes per axis (0 first, 1 interior, 2 last): S = 1 has only 0, S = 2 only 0, 2
     offs_c = tl.arange(0, CB)
     mask_c = offs_c < C
     C2 = 2 * C
@@ -270,14 +225,12 @@ def local_bwd_kernel(
     dy_row = b * C2 * P
     # ---- A: gate VJP on the window cells; d_c over g_c on the box
     for tile in range(0, TILES):
-        offs_p, i0, i1, i2 = _cells(tile, BP, S1, S2)
+        offs_p, i0, i1, i2 = cells(tile, BP, S1, S2)
         mask_p = offs_p < P
         y_x, y_h = _box_conv(hbox_ptr + brow, vol_ptr + brow, dw_ptr, db_ptr, offs_c, mask_c,
                              i0, i1, i2, offs_p, C, N, S0, S1, S2, CB, BP)
-        s_i = _sigmoid(_mix(y_x, y_h, pw_ptr, pb_ptr, 0, offs_c, mask_c, C, PRECISION))
-        s_f = _sigmoid(_mix(y_x, y_h, pw_ptr, pb_ptr, 1, offs_c, mask_c, C, PRECISION))
-        s_o = _sigmoid(_mix(y_x, y_h, pw_ptr, pb_ptr, 2, offs_c, mask_c, C, PRECISION))
-        t_g = _tanh(_mix(y_x, y_h, pw_ptr, pb_ptr, 3, offs_c, mask_c, C, PRECISION))
+        s_i, s_f, s_o, t_g = gate_activations(y_x, y_h, pw_ptr, pb_ptr, offs_c, mask_c, C,
+                                              PRECISION)
         m = mask_c[:, None] & mask_p[None, :]
         inside = _in_window(geo_ptr, tb, i0, i1, i2, mask_p, W0, W1, W2)
         mi = mask_c[:, None] & inside[None, :]
@@ -287,42 +240,27 @@ def local_bwd_kernel(
         g_c_all = tl.load(gc_ptr + at, mask=m, other=0.0)
         g_h = tl.load(gh_ptr + at, mask=mi, other=0.0)
         g_c = tl.where(mi, g_c_all, 0.0)
-        tanh_c = _tanh(s_f * c + s_i * t_g)
-        d_cn = g_c + g_h * s_o * (1.0 - tanh_c * tanh_c)
-        dz_i = tl.where(mi, d_cn * t_g * (s_i - s_i * s_i), 0.0)
-        dz_f = tl.where(mi, d_cn * c * (s_f - s_f * s_f), 0.0)
-        dz_o = tl.where(mi, g_h * tanh_c * (s_o - s_o * s_o), 0.0)
-        dz_g = tl.where(mi, d_cn * s_i * (1.0 - t_g * t_g), 0.0)
-        tl.store(gc_ptr + at, tl.where(mi, d_cn * s_f, g_c_all), mask=m)
-        dy_x, dy_h = _pointwise_vjp(pw_ptr, dz_i, dz_f, dz_o, dz_g, offs_c, mask_c, C,
+        d_c, dz_i, dz_f, dz_o, dz_g = gate_vjp(s_i, s_f, s_o, t_g, c, g_h, g_c, mi)
+        tl.store(gc_ptr + at, tl.where(mi, d_c, g_c_all), mask=m)
+        dy_x, dy_h = pointwise_vjp(pw_ptr, dz_i, dz_f, dz_o, dz_g, offs_c, mask_c, C,
                                     PRECISION)
         dy_x = tl.where(mi, dy_x, 0.0)
         dy_h = tl.where(mi, dy_h, 0.0)
         dy_at = dy_row + offs_c[:, None] * P + offs_p[None, :]
         tl.store(dy_ptr + dy_at, dy_x, mask=m)
         tl.store(dy_ptr + dy_at + C * P, dy_h, mask=m)
-        _add_w(dpw_part, b, 0, dz_i, y_x, y_h, offs_c, mask_c, C, PRECISION)
-        _add_w(dpw_part, b, 1, dz_f, y_x, y_h, offs_c, mask_c, C, PRECISION)
-        _add_w(dpw_part, b, 2, dz_o, y_x, y_h, offs_c, mask_c, C, PRECISION)
-        _add_w(dpw_part, b, 3, dz_g, y_x, y_h, offs_c, mask_c, C, PRECISION)
-        k0 = tl.where(i0 == 0, 0, tl.where(i0 == S0 - 1, 2, 1))
-        k1 = tl.where(i1 == 0, 0, tl.where(i1 == S1 - 1, 2, 1))
-        k2 = tl.where(i2 == 0, 0, tl.where(i2 == S2 - 1, 2, 1))
-        _add_bias_classes(e_part, b, dy_x, dy_h, k0, k1, k2, offs_c, mask_c, C, S0, S1, S2)
-        _add_b(dpb_part, b, 0, tl.sum(dz_i, axis=1), offs_c, mask_c, C)
-        _add_b(dpb_part, b, 1, tl.sum(dz_f, axis=1), offs_c, mask_c, C)
-        _add_b(dpb_part, b, 2, tl.sum(dz_o, axis=1), offs_c, mask_c, C)
-        _add_b(dpb_part, b, 3, tl.sum(dz_g, axis=1), offs_c, mask_c, C)
+        add_param_sums(dpw_part, dpb_part, e_part, b, y_x, y_h, dz_i, dz_f, dz_o, dz_g, dy_x,
+                       dy_h, i0, i1, i2, offs_c, mask_c, C, S0, S1, S2, PRECISION)
     tl.debug_barrier()  # d_y of the whole box before the transposed stencil
     # ---- B: transposed stencil; d_h over g_h on the box, d_x into the step's buffer
     for tile in range(0, TILES):
-        offs_p, i0, i1, i2 = _cells(tile, BP, S1, S2)
+        offs_p, i0, i1, i2 = cells(tile, BP, S1, S2)
         mask_p = offs_p < P
         m = mask_c[:, None] & mask_p[None, :]
         own = brow + offs_c[:, None] * P + offs_p[None, :]
         h_own = tl.load(hbox_ptr + own, mask=m, other=0.0)
         x_own = tl.load(vol_ptr + own, mask=m, other=0.0)
-        d_h, d_x = _stencil_vjp(dy_ptr, dy_row, dw_ptr, corr_part, b, x_own, h_own, offs_c,
+        d_h, d_x = stencil_vjp(dy_ptr, dy_row, dw_ptr, corr_part, b, x_own, h_own, offs_c,
                                 mask_c, offs_p, mask_p, i0, i1, i2, C, C2, P, N, S0, S1, S2)
         inside = _in_window(geo_ptr, tb, i0, i1, i2, mask_p, W0, W1, W2)
         cell = _box_cells(geo_ptr, tb, i0, i1, i2, G1, G2)
@@ -333,9 +271,7 @@ def local_bwd_kernel(
     tl.debug_barrier()  # the box of g_h stored before the read adds to its corners
     # ---- C: the read's VJP (the corner cells stored by the forward)
     g_read = tl.load(g_reads + bt * C + offs_c, mask=mask_c, other=0.0)
-    l0, f0, s0 = _local_tent(_coord(rc_ptr + bt * N, 0, N), G0)
-    l1, f1, s1 = _local_tent(_coord(rc_ptr + bt * N, 1, N), G1)
-    l2, f2, s2 = _local_tent(_coord(rc_ptr + bt * N, 2, N), G2)
+    l0, f0, s0, l1, f1, s1, l2, f2, s2 = _read_corners(rc_ptr + bt * N, N, G0, G1, G2)
     a0 = tl.sum(g_read * 0.0, axis=0)
     a1 = a0
     a2 = a0
@@ -343,11 +279,11 @@ def local_bwd_kernel(
         for e1 in tl.static_range(2):
             for e2 in tl.static_range(2):
                 if (e0 < K0) and (e1 < K1) and (e2 < K2):
-                    w0, q0 = _corner(e0, f0, s0)
-                    w1, q1 = _corner(e1, f1, s1)
-                    w2, q2 = _corner(e2, f2, s2)
-                    corner = (l0 + e0) * (G1 * G2) + (l1 + e1) * G2 + (l2 + e2)
-                    at = gh_ptr + row + offs_c * GP + corner
+                    w0, q0 = corner(e0, f0, s0)
+                    w1, q1 = corner(e1, f1, s1)
+                    w2, q2 = corner(e2, f2, s2)
+                    spot = (l0 + e0) * (G1 * G2) + (l1 + e1) * G2 + (l2 + e2)
+                    at = gh_ptr + row + offs_c * GP + spot
                     tl.store(at, tl.load(at, mask=mask_c, other=0.0) + g_read * (w0 * w1 * w2),
                              mask=mask_c)
                     hv = tl.load(rbox_ptr + (tb * C + offs_c) * K + (e0 * K1 * K2 + e1 * K2
@@ -357,8 +293,4 @@ def local_bwd_kernel(
                     a0 += gh * q0 * w1 * w2
                     a1 += gh * w0 * q1 * w2
                     a2 += gh * w0 * w1 * q2
-    tl.store(d_rc + bt * N, a2)  # component 0 addresses the last axis
-    if N >= 2:
-        tl.store(d_rc + bt * N + 1, a1)
-    if N >= 3:
-        tl.store(d_rc + bt * N + 2, a0)
+    store_coord_grad(d_rc + bt * N, a0, a1, a2, N)

@@ -1,5 +1,5 @@
-"""The torch backend's fused CPU scan (``backends/_torch.py``: the whole chunk loop over
-the C kernels of ``backends/_native_cell.c``) against the generic per-step loop.
+"""The torch backend's fused CPU scan (``backends/torch/scan.py``: the whole chunk loop over
+the C kernels of ``backends/native/kernels.c``) against the generic per-step loop.
 
 Every spatial rank (1 to 4, axes of size 1), float32 and float64, checkpoint
 intervals that do and do not divide ``T``, write blocks of several steps, a
@@ -17,8 +17,8 @@ torch = pytest.importorskip("torch", reason="torch is not installed")
 from _helpers import torch_scan_inputs  # noqa: E402
 
 import tmcore  # noqa: E402
-import tmcore.backends._native as native  # noqa: E402
-import tmcore.backends._torch as bt  # noqa: E402
+import tmcore.backends.native as native  # noqa: E402
+from tmcore.backends.torch import scan  # noqa: E402
 from tmcore.scan import memory_scan, memory_scan_vjp  # noqa: E402
 
 pytestmark = pytest.mark.skipif(native.library() is None,
@@ -57,8 +57,8 @@ def _assert_agree(fused, generic, rtol):
 def counted(monkeypatch):
     """The number of fused-scan cell steps taken."""
     calls = []
-    step = bt._CpuCell.step
-    monkeypatch.setattr(bt._CpuCell, "step", lambda self, *a: (calls.append(1), step(self, *a)))
+    step = scan.Cell.step
+    monkeypatch.setattr(scan.Cell, "step", lambda self, *a: (calls.append(1), step(self, *a)))
     return calls
 
 

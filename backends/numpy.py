@@ -12,7 +12,7 @@ BLAS contractions in the generic path.
 
 from __future__ import annotations
 
-from tmcore.backends._mixed import with_float32_compute
+from tmcore.backends.mixed import with_float32_compute
 from tmcore.runtime.dispatch import Ops
 
 __all__ = ["make_ops"]

@@ -24,8 +24,9 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="torch is not installed")
 
-import tmcore.backends._native as native  # noqa: E402
+import tmcore.backends.native.build as native  # noqa: E402
 import tmcore.runtime.options  # noqa: E402
+from tmcore.backends.native import cache  # noqa: E402
 
 CC = shutil.which(os.environ.get("CC", "cc"))
 pytestmark = [
@@ -127,12 +128,12 @@ def test_a_symlink_swapped_in_another_users_folder_never_runs_its_object(
                 loads += 1
                 # unmapped again, so that every load maps afresh (the dynamic loader would
                 # otherwise hand back the first object it mapped under that name)
-                native._unload(lib)
+                cache.unload(lib)
     finally:
         _stop(attacker)
     assert not marker.exists(), "the planted constructor ran"
     assert any("is a symbolic link" in str(w.message) for w in caught)
-    assert Path(lib._name).parent == native._FALLBACK["dir"]  # built privately instead
+    assert Path(lib._name).parent == cache._FALLBACK["dir"]  # built privately instead
 
 
 def test_check_and_load_act_on_one_file_while_it_is_swapped(fresh, seed, tmp_path):
@@ -157,7 +158,7 @@ def test_check_and_load_act_on_one_file_while_it_is_swapped(fresh, seed, tmp_pat
         deadline = time.monotonic() + RACE_SECONDS
         while time.monotonic() < deadline or min(outcomes.values()) == 0:
             assert time.monotonic() < deadline + 30, outcomes
-            lib, problem = native._open(target, native._declare)
+            lib, problem = cache.open_build(target, native._declare)
             assert not marker.exists(), "the planted constructor ran"
             if lib is None:
                 assert "does not match its recorded SHA-256" in problem, problem
@@ -203,7 +204,7 @@ def test_a_link_others_could_swap_makes_the_folder_unsafe(fresh, seed, tmp_path,
     fresh(holder / "cache")
     with pytest.warns(RuntimeWarning, match="is a symbolic link (in|below)"):
         lib = native.library()
-    assert Path(lib._name).parent == native._FALLBACK["dir"]
+    assert Path(lib._name).parent == cache._FALLBACK["dir"]
 
 
 def test_a_link_owned_by_another_user_is_refused(fresh, seed, tmp_path):

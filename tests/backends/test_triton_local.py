@@ -1,6 +1,6 @@
-"""The fused Triton local scan (tmcore.backends._triton_local), on the CPU under the interpreter.
+"""The fused Triton local scan (tmcore.backends.triton.local), on the CPU under the interpreter.
 
-As in tests/test_triton.py, ``TRITON_INTERPRET=1`` must be set before ``triton``
+As in tests/backends/test_triton.py, ``TRITON_INTERPRET=1`` must be set before ``triton``
 is imported, so the kernel tests (``test_kernel_*``) run in a subprocess started
 by :func:`test_triton_local_interpreter_suite` with ``TRITON_INTERPRET=1
 TMCORE_TRITON=1``; in the main process they skip. Every result is compared with
@@ -56,14 +56,14 @@ def test_triton_local_interpreter_suite():
 
 
 def test_launch_count():
-    from tmcore.backends import _triton_local
+    from tmcore.backends.triton import local as _triton_local
 
     assert _triton_local.launches_per_step() == 2  # one forward, one backward
 
 
 def test_cpu_tensors_need_the_switch():
     """Automatic mode never takes CPU tensors (the generic or CPU-kernel loop runs)."""
-    from tmcore.backends import _triton_local
+    from tmcore.backends.triton import local as _triton_local
 
     inputs, params, _ = _case(1, 2, (3,), 1, torch.float64)
     with tmcore.options(triton="auto"):
@@ -78,13 +78,14 @@ def test_cpu_tensors_need_the_switch():
 def test_failing_kernels_fall_back_with_one_warning(monkeypatch):
     """A shape whose kernels fail warns once and declines from then on (the generic loop
     runs, same results)."""
-    from tmcore.backends import _triton, _triton_local
+    from tmcore.backends.triton import launch
+    from tmcore.backends.triton import local as _triton_local
 
     def fail(*args, **kwargs):
         raise RuntimeError("no kernels here")
 
-    monkeypatch.setattr(_triton_local, "_BROKEN", set())
-    monkeypatch.setattr(_triton, "usable", lambda *tensors: True)
+    monkeypatch.setattr(launch, "_BROKEN", set())
+    monkeypatch.setattr(launch, "usable", lambda *tensors: True)
     monkeypatch.setattr(_triton_local, "_kernels", lambda: object())
     monkeypatch.setattr(_triton_local, "_forward", fail)
     inputs, params, _ = _case(1, 2, (4,), 2, torch.float64)
@@ -94,14 +95,15 @@ def test_failing_kernels_fall_back_with_one_warning(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no second warning
         assert _triton_local.scan_fwd(*args, options=None) is None
-    assert len(_triton_local._BROKEN) == 1
+    assert len(launch._BROKEN) == 1
 
 
 def test_entry_checks_name_the_argument(monkeypatch):
     """Shapes are checked before anything is launched: a ValueError naming the argument."""
-    from tmcore.backends import _triton, _triton_local
+    from tmcore.backends.triton import launch
+    from tmcore.backends.triton import local as _triton_local
 
-    monkeypatch.setattr(_triton, "usable", lambda *tensors: True)
+    monkeypatch.setattr(launch, "usable", lambda *tensors: True)
     monkeypatch.setattr(_triton_local, "_kernels", lambda: object())
     inputs, params, cot = _case(1, 2, (4,), 2, torch.float64)
     bad = list(inputs)
@@ -163,7 +165,7 @@ class _Calls:
     launches (``launches``: per kernel name)."""
 
     def __init__(self, monkeypatch):
-        from tmcore.backends import _triton_local
+        from tmcore.backends.triton import local as _triton_local
 
         self.fwd = self.bwd = 0
         fwd, bwd = _triton_local._forward, _triton_local._backward
@@ -323,7 +325,7 @@ def test_gpu_benchmark_local_section_on_cpu():
     """``benchmarks/gpu.py``'s local-update section runs on the CPU at its tiny size (the
     fused row is the C kernels there): every row timed, the fused row equal to the
     generic one to float32 rounding, no kernel counts off CUDA."""
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir))
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, os.pardir))
     from benchmarks import gpu
 
     out = gpu.local_scan("cpu", tiny=True, reps=1)
@@ -345,8 +347,8 @@ def test_kernels_build_for_sm90(shape, channels, window):
     import triton
     from triton.backends.compiler import GPUTarget
 
-    from tmcore.backends import _triton_local
-    from tmcore.backends import _triton_local_kernels as k
+    from tmcore.backends.triton import local as _triton_local
+    from tmcore.backends.triton import local_kernels as k
 
     class _Shape:  # the geometry reads the shape only
         def __init__(self, shape):

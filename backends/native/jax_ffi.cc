@@ -1,6 +1,6 @@
-// XLA FFI handlers (JAX on the CPU) around the fused cell kernels of _native_cell.c.
+// XLA FFI handlers (JAX on the CPU) around the fused cell kernels of kernels.c.
 //
-// Built by backends/_native.py together with _native_cell.c against the XLA FFI
+// Built by tmcore.backends.native.build together with kernels.c against the XLA FFI
 // headers that jaxlib ships (jax.ffi.include_dir()); registered as the CPU
 // custom-call targets tmcore_{dw_fwd,dw_bwd,gates_fwd,gates_bwd}_{f32,f64}.
 // Shapes are read from the buffers: x (B, Cin, *S) with 1 to 4 spatial axes,

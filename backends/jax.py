@@ -7,7 +7,7 @@ slower there than the generic shifts.
 
 On the CPU (default backend ``cpu``, float32 / float64) the depthwise passes
 and the LSTM gates, forward and VJP, are the C kernels of the torch backend
-(:mod:`tmcore.backends._native`), called as XLA custom calls
+(:mod:`tmcore.backends.native`), called as XLA custom calls
 (``jax.ffi.ffi_call``, ``vmap_method="sequential"``); the pointwise product
 stays a ``jnp.matmul``. The depthwise passes and the gates are
 ``jax.custom_vjp`` functions whose backward is the fused VJP, itself a
@@ -55,8 +55,8 @@ from tmcore.ops.conv import ConvParams, depthwise_axis
 from tmcore.runtime.dispatch import Ops
 from tmcore.runtime.options import Options
 
-from . import _native
-from ._mixed import with_float32_compute
+from . import native
+from .mixed import with_float32_compute
 
 __all__ = ["make_ops"]
 
@@ -108,25 +108,33 @@ def conv_fwd(xp: Any, x: Any, params: ConvParams):
     for axis in range(x.ndim - 2):
         stages.append(_depthwise(stages[-1], params.depthwise_weight[axis],
                                  params.depthwise_bias[axis], axis))
-    y = stages[-1]
+    return _pointwise(stages[-1], params), stages
+
+
+def _pointwise(y: Any, params: ConvParams) -> Any:
+    """``z = W y + b`` per batch row: ``(B, C_out, *S)`` from ``y (B, C_in, *S)``."""
     batch = y.shape[0]
     z = jnp.matmul(params.pointwise_weight, jnp.reshape(y, (batch, y.shape[1], -1)),
                    precision=lax.Precision.HIGHEST)
     z = z + params.pointwise_bias[:, None]
-    return jnp.reshape(z, (batch, z.shape[1], *x.shape[2:])), stages
+    return jnp.reshape(z, (batch, z.shape[1], *y.shape[2:]))
+
+
+def _pointwise_bwd(y: Any, params: ConvParams, g: Any) -> tuple[Any, Any, Any]:
+    """``(d_y, d_pointwise_weight, d_pointwise_bias)`` of :func:`_pointwise` for ``g``."""
+    batch, c_in = y.shape[:2]
+    y_flat = jnp.reshape(y, (batch, c_in, -1))
+    g_flat = jnp.reshape(g, (batch, g.shape[1], -1))
+    d_y = jnp.matmul(params.pointwise_weight.T, g_flat, precision=lax.Precision.HIGHEST)
+    return (jnp.reshape(d_y, y.shape), _sum_over_batch(g_flat, y_flat),
+            jnp.sum(g_flat, axis=(0, 2)))
 
 
 def conv_bwd(xp: Any, stages: list[Any], params: ConvParams, g: Any):
     """VJP: flipped-tap grouped conv for the input, sliced products for the taps."""
     n = len(stages) - 1
     y = stages[-1]
-    batch, c_in = y.shape[:2]
-    y_flat = jnp.reshape(y, (batch, c_in, -1))
-    g_flat = jnp.reshape(g, (batch, g.shape[1], -1))
-    hi = lax.Precision.HIGHEST
-    d_pointwise = _sum_over_batch(g_flat, y_flat)
-    d_pointwise_bias = jnp.sum(g_flat, axis=(0, 2))
-    d_y = jnp.reshape(jnp.matmul(params.pointwise_weight.T, g_flat, precision=hi), y.shape)
+    d_y, d_pointwise, d_pointwise_bias = _pointwise_bwd(y, params, g)
     d_taps, d_biases = [None] * n, [None] * n
     dims = (0, 2, 3, 4)
     for axis in reversed(range(n)):
@@ -159,13 +167,13 @@ class _NativeGateResiduals(NamedTuple):
 def _native_suffix(*arrays: Any) -> str | None:
     """The kernels' dtype suffix when they may run on ``arrays`` (CPU default backend,
     one float32 / float64 dtype, the library built), else ``None``."""
-    if not _native.enabled() or jax.default_backend() != "cpu":
+    if not native.enabled() or jax.default_backend() != "cpu":
         return None
     dtype = arrays[0].dtype
     suffix = {jnp.dtype("float32"): "f32", jnp.dtype("float64"): "f64"}.get(jnp.dtype(dtype))
     if suffix is None or any(a.dtype != dtype for a in arrays):
         return None
-    return suffix if _native.jax_library() is not None else None
+    return suffix if native.jax_library() is not None else None
 
 
 def _varying(a: Any) -> frozenset:
@@ -384,14 +392,6 @@ _native_gates.defvjp(lambda z, c: (_native_gates(z, c), (z, c)),
                      lambda args, g: _native_gates_vjp(*args, *g))
 
 
-def _pointwise(y: Any, params: ConvParams) -> Any:
-    batch = y.shape[0]
-    z = jnp.matmul(params.pointwise_weight, jnp.reshape(y, (batch, y.shape[1], -1)),
-                   precision=lax.Precision.HIGHEST)
-    z = z + params.pointwise_bias[:, None]
-    return jnp.reshape(z, (batch, z.shape[1], *y.shape[2:]))
-
-
 def native_conv_fwd(xp: Any, x: Any, params: ConvParams):
     """Fused depthwise passes, then the pointwise ``matmul``."""
     y = _native_depthwise(x, params.depthwise_weight, params.depthwise_bias)
@@ -399,16 +399,12 @@ def native_conv_fwd(xp: Any, x: Any, params: ConvParams):
 
 
 def native_conv_bwd(xp: Any, residuals: _NativeConvResiduals, params: ConvParams, g: Any):
+    """VJP of :func:`native_conv_fwd`: the pointwise one, then the fused depthwise one."""
     x, y = residuals
-    batch, c_in = y.shape[:2]
-    y_flat = jnp.reshape(y, (batch, c_in, -1))
-    g_flat = jnp.reshape(g, (batch, g.shape[1], -1))
-    hi = lax.Precision.HIGHEST
-    d_pointwise = _sum_over_batch(g_flat, y_flat)
-    d_y = jnp.reshape(jnp.matmul(params.pointwise_weight.T, g_flat, precision=hi), y.shape)
+    d_y, d_pointwise, d_pointwise_bias = _pointwise_bwd(y, params, g)
     d_x, d_taps, d_biases = _native_depthwise_vjp(x, params.depthwise_weight,
                                                   params.depthwise_bias, d_y)
-    return d_x, ConvParams(d_taps, d_biases, d_pointwise, jnp.sum(g_flat, axis=(0, 2)))
+    return d_x, ConvParams(d_taps, d_biases, d_pointwise, d_pointwise_bias)
 
 
 _FORWARD_MODE = (

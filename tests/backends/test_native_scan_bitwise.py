@@ -1,4 +1,4 @@
-"""The fused CPU scan's buffer pool (``backends/_torch.py``: ``_Pool``) never changes a
+"""The fused CPU scan's buffer pool (``backends/torch/memory.py``: ``_Pool``) never changes a
 result: calls are bitwise reproducible whatever ran before them (other shapes and
 values, no-grad then grad, other ``B`` / ``T``), a pooled buffer is never handed out
 while a tensor still refers to it, every pooled buffer is written before it is read
@@ -16,8 +16,8 @@ import array_api_compat  # noqa: E402
 from _helpers import torch_scan_inputs  # noqa: E402
 
 import tmcore  # noqa: E402
-import tmcore.backends._native as native  # noqa: E402
-import tmcore.backends._torch as bt  # noqa: E402
+import tmcore.backends.native as native  # noqa: E402
+from tmcore.backends.torch import memory  # noqa: E402
 from tmcore.scan import memory_scan_bwd, memory_scan_fwd  # noqa: E402
 
 pytestmark = pytest.mark.skipif(native.library() is None,
@@ -49,16 +49,16 @@ def _equal(a, b):
 
 @pytest.fixture(autouse=True)
 def fresh_pool():
-    bt.release_scan_buffers()
+    memory.release_scan_buffers()
     yield
-    bt.release_scan_buffers()
+    memory.release_scan_buffers()
 
 
 def _poison_free_blocks():
     """NaN into every pooled block nothing refers to (what a later call may get)."""
     poisoned = 0
-    for block in bt._POOL.blocks:
-        if bt._POOL._free(block):
+    for block in memory._POOL.blocks:
+        if memory._POOL._free(block):
             storage = block[0]
             torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),)).fill_(255)
             poisoned += 1  # 0xFF... is a NaN in float32 and float64
@@ -68,15 +68,15 @@ def _poison_free_blocks():
 @pytest.fixture
 def poisoned(monkeypatch):
     """Every buffer the fused scan takes (pooled or fresh) starts as NaN."""
-    take, uninitialized = bt._POOL.take, bt._uninitialized
+    take, uninitialized = memory._POOL.take, memory.uninitialized
     count = []
 
     def nan(t):
         count.append(1)
         return t.fill_(float("nan"))
 
-    monkeypatch.setattr(bt._POOL, "take", lambda *a, **k: nan(take(*a, **k)))
-    monkeypatch.setattr(bt, "_uninitialized", lambda *a, **k: nan(uninitialized(*a, **k)))
+    monkeypatch.setattr(memory._POOL, "take", lambda *a, **k: nan(take(*a, **k)))
+    monkeypatch.setattr(memory, "uninitialized", lambda *a, **k: nan(uninitialized(*a, **k)))
     return count
 
 
@@ -90,7 +90,7 @@ def test_fused_scan_matches_generic_and_repeats_bitwise(dtype, every):
     for a, b in zip(first, generic, strict=True):
         assert a.shape == b.shape and a.dtype == b.dtype
         assert float((a - b).abs().max()) <= tol * (float(b.abs().max()) + 1e-30)
-    assert bt._POOL.blocks, "the fused scan took nothing from the pool"
+    assert memory._POOL.blocks, "the fused scan took nothing from the pool"
     for _ in range(2):
         assert _equal(_run(inputs, every), first)
 
@@ -118,7 +118,7 @@ def test_every_buffer_is_written_before_it_is_read(dtype, request):
     for every, ref in refs.items():
         assert _equal(_run(inputs, every), ref)
     assert count
-    bt.release_scan_buffers()
+    memory.release_scan_buffers()
     for every, ref in refs.items():  # also on fresh blocks
         assert _equal(_run(inputs, every), ref)
         _poison_free_blocks()
@@ -181,7 +181,7 @@ def test_no_grad_then_grad_through_the_torch_layer():
 def test_deterministic_mode_gives_the_same_bits():
     inputs = _inputs(batch=2, steps=5)
     ref = _run(inputs)
-    bt.release_scan_buffers()
+    memory.release_scan_buffers()
     was = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
     try:
@@ -194,32 +194,32 @@ def test_deterministic_mode_gives_the_same_bits():
 def test_without_storage_use_counts_nothing_is_pooled(monkeypatch):
     inputs = _inputs(batch=2, steps=5)
     ref = _run(inputs)
-    bt.release_scan_buffers()
-    monkeypatch.setattr(bt, "_storage_use_count", None)
+    memory.release_scan_buffers()
+    monkeypatch.setattr(memory, "_storage_use_count", None)
     assert _equal(_run(inputs), ref)
-    assert bt._POOL.blocks == []
+    assert memory._POOL.blocks == []
 
 
 def test_the_pool_stays_bounded():
     for steps in (3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20):
         _run(_inputs(batch=2, steps=steps))
-    pool = bt._POOL
+    pool = memory._POOL
     pool.begin()  # what the next call starts with: trimmed to twice the biggest recent call
     free = sum(b[1] for b in pool.blocks if pool._free(b))
     assert 0 < free <= 2 * max(pool.taken)
-    assert all(b[2] > pool.calls - bt._POOL_AGE for b in pool.blocks)
+    assert all(b[2] > pool.calls - memory._POOL_AGE for b in pool.blocks)
     held = sum(b[1] for b in pool.blocks)
-    for _ in range(bt._POOL_AGE + 1):  # small calls only: the big blocks age out
+    for _ in range(memory._POOL_AGE + 1):  # small calls only: the big blocks age out
         _run(_inputs(batch=1, steps=2))
     assert sum(b[1] for b in pool.blocks) < held
-    bt.release_scan_buffers()
+    memory.release_scan_buffers()
     assert pool.blocks == []
 
 
 def test_the_public_release_empties_the_pool_and_changes_no_result():
     inputs = _inputs(batch=2, steps=4)
     first = _run(inputs)
-    assert bt._POOL.blocks  # the scan kept its buffers for the next call
+    assert memory._POOL.blocks  # the scan kept its buffers for the next call
     tmcore.backends.release_scan_buffers()
-    assert bt._POOL.blocks == []
+    assert memory._POOL.blocks == []
     assert _equal(_run(inputs), first)  # fresh buffers, the same bits

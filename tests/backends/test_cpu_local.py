@@ -1,4 +1,4 @@
-"""The torch backend's fused CPU local scan (``backends/_cpu_local.py``) against the
+"""The torch backend's fused CPU local scan (``backends/torch/local.py``) against the
 generic loop of :mod:`tmcore.scan.local` (the fast method, ``native=False``).
 
 Reads, final state, the undo-log residuals and every gradient, float64 and float32;
@@ -16,8 +16,9 @@ import pytest
 torch = pytest.importorskip("torch", reason="torch is not installed")
 
 import tmcore  # noqa: E402
-import tmcore.backends._cpu_local as cpu_local  # noqa: E402
-import tmcore.backends._native as native  # noqa: E402
+import tmcore.backends.native as native  # noqa: E402
+from tmcore.backends.native import calls  # noqa: E402
+from tmcore.backends.torch import local as cpu_local  # noqa: E402
 from tmcore.scan import local as local  # noqa: E402
 from tmcore.scan.local import LocalScanResiduals  # noqa: E402
 
@@ -266,12 +267,11 @@ def test_box_kernel_checks_its_starts():
     lib = native.library()
     src = torch.arange(2 * 5 * 4, dtype=torch.float64).reshape(1, 2, 5, 4)
     dst = torch.zeros(1, 2, 3, 3, dtype=torch.float64)
-    import tmcore.backends._torch as bt
 
     def box_op(start):
-        cpu_local._run(lib, "box_op", "f64", bt._ptr(src), bt._shape_arg((5, 4)),
-                       bt._ptr(start), bt._ptr(dst), bt._shape_arg((3, 3)), None,
-                       bt._shape_arg((3, 3)), None, None, 0, 1, 2, 2)
+        calls.call((lib, "f64"), "box_op", calls.ptr(src), calls.shape_arg((5, 4)),
+                   calls.ptr(start), calls.ptr(dst), calls.shape_arg((3, 3)), None,
+                   calls.shape_arg((3, 3)), None, None, 0, 1, 2, 2)
 
     box_op(torch.tensor([[2, 1]]))
     assert torch.equal(dst, src[:, :, 2:5, 1:4])

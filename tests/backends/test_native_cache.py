@@ -1,5 +1,5 @@
-"""The fused kernels' build cache (``backends/_native.py``): nothing planted runs, a bad
-cache heals, compilers are bounded and not re-run at every start.
+"""The fused kernels' build cache (``backends/native/build.py``, ``cache.py``): nothing
+planted runs, a bad cache heals, compilers are bounded and not re-run at every start.
 
 Each test points ``TMCORE_CACHE_DIR`` at a folder of its own and forgets the
 loaded libraries first (a new process, as far as the loader can tell). Builds
@@ -24,8 +24,9 @@ import pytest
 torch = pytest.importorskip("torch", reason="torch is not installed")
 
 import tmcore  # noqa: E402
-import tmcore.backends._native as native  # noqa: E402
-import tmcore.backends._torch as bt  # noqa: E402
+import tmcore.backends.native.build as native  # noqa: E402
+from tmcore.backends.native import cache  # noqa: E402
+from tmcore.backends.torch import conv  # noqa: E402
 from tmcore.ops.conv import ConvParams  # noqa: E402
 
 CC = shutil.which(os.environ.get("CC", "cc"))
@@ -40,7 +41,7 @@ pytestmark = [
 def fresh(monkeypatch):
     """A loader with nothing loaded, no fallback folder yet and the real compiler."""
     monkeypatch.setattr(native, "_STATE", {})
-    monkeypatch.setattr(native, "_FALLBACK", {})
+    monkeypatch.setattr(cache, "_FALLBACK", {})
     monkeypatch.setenv("CC", CC)
     monkeypatch.delenv(native.TIMEOUT_ENV_VAR, raising=False)
     monkeypatch.delenv(native.ENV_VAR, raising=False)
@@ -56,7 +57,7 @@ def fresh(monkeypatch):
 def seed(tmp_path_factory) -> Path:
     """One real build (the .so, its digest, the compiler table), made by the loader."""
     folder = tmp_path_factory.mktemp("seed")
-    saved = dict(native._STATE), dict(native._FALLBACK)
+    saved = dict(native._STATE), dict(cache._FALLBACK)
     old = {k: os.environ.get(k) for k in ("TMCORE_CACHE_DIR", "CC")}
     os.environ["TMCORE_CACHE_DIR"], os.environ["CC"] = str(folder), CC
     native._STATE.clear()
@@ -65,7 +66,7 @@ def seed(tmp_path_factory) -> Path:
     finally:
         native._STATE.clear()
         native._STATE.update(saved[0])
-        native._FALLBACK.update(saved[1])
+        cache._FALLBACK.update(saved[1])
         for key, value in old.items():
             if value is None:
                 os.environ.pop(key, None)
@@ -95,9 +96,9 @@ def _works(lib) -> None:
     x = torch.randn(2, 3, 4, 5, generator=gen)
     params = ConvParams(torch.randn(2, 3, 3, generator=gen), torch.randn(2, 3, generator=gen),
                         torch.randn(6, 3, generator=gen), torch.randn(6, generator=gen))
-    z, residuals = bt.conv_fwd(None, x, params)
-    assert isinstance(residuals, bt._NativeConvResiduals)
-    torch.testing.assert_close(z, bt._pointwise(bt._depthwise_stages(x, params)[-1], params))
+    z, residuals = conv.conv_fwd(None, x, params)
+    assert isinstance(residuals, conv._NativeConvResiduals)
+    torch.testing.assert_close(z, conv._pointwise(conv._depthwise_stages(x, params)[-1], params))
 
 
 def _planted(tmp_path: Path, marker: Path) -> Path:
@@ -164,8 +165,8 @@ def test_a_planted_object_in_a_world_writable_cache_folder_never_runs(fresh, see
         lib = native.library()
     assert not marker.exists(), "the planted constructor ran"
     _works(lib)
-    assert Path(lib._name).parent == native._FALLBACK["dir"] != shared
-    assert stat.S_IMODE(native._FALLBACK["dir"].stat().st_mode) == 0o700
+    assert Path(lib._name).parent == cache._FALLBACK["dir"] != shared
+    assert stat.S_IMODE(cache._FALLBACK["dir"].stat().st_mode) == 0o700
     # warned once per process: a second library (JAX) or call does not warn again
     native._STATE.clear()
     with warnings.catch_warnings():
@@ -285,7 +286,7 @@ def test_a_build_that_never_loads_is_tried_once(fresh, tmp_path, monkeypatch):
     x = torch.randn(1, 2, 3)
     params = ConvParams(torch.randn(1, 2, 3), torch.zeros(1, 2), torch.randn(4, 2),
                         torch.zeros(4))
-    assert isinstance(bt.conv_fwd(None, x, params)[1], list)  # the torch ops
+    assert isinstance(conv.conv_fwd(None, x, params)[1], list)  # the torch ops
 
 
 # --------------------------------------------------------------------------- compilers
@@ -342,7 +343,7 @@ def test_a_verified_build_is_used_without_a_compiler(fresh, seed, tmp_path, monk
 
 
 def test_the_docs_say_where_the_cache_is_and_how_to_clear_it():
-    guide = (Path(__file__).parents[1] / "docs" / "guides" / "errors-and-cache.md").read_text()
+    guide = (Path(__file__).parents[2] / "docs" / "guides" / "errors-and-cache.md").read_text()
     paragraph = guide[guide.index("## The kernel cache"):]
     for needle in ("~/.cache/tmcore", "TMCORE_CACHE_DIR", "0700", "SHA-256", "rm -r",
                    "TMCORE_COMPILE_TIMEOUT"):

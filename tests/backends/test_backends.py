@@ -65,9 +65,9 @@ def path(request, backend):
         if name == "jax":
             import jax
 
-            from tmcore.backends import _native
+            from tmcore.backends import native
 
-            if jax.default_backend() == "cpu" and _native.jax_library() is None:
+            if jax.default_backend() == "cpu" and native.jax_library() is None:
                 pytest.skip("jax on CPU without the fused kernels: the default table runs the "
                             "generic math (its lax conv is tested by "
                             "test_jax_matches_autodiff_of_generic_under_jit)")
@@ -343,10 +343,10 @@ def test_torch_sample_matches_grid_sample_autograd(torch_mod, monkeypatch, n, de
     """Against ``F.grid_sample`` and its autograd; ``dense_volume_grad`` runs the CUDA
     default (deterministic dense volume gradient) on the CPU."""
     torch = torch_mod
-    from tmcore.backends import _torch as tb
+    from tmcore.backends.torch import sample
 
     if dense_volume_grad:
-        monkeypatch.setattr(tb, "_atomic_ok", lambda volume: False)
+        monkeypatch.setattr(sample, "_atomic_ok", lambda volume: False)
     gen = torch.Generator().manual_seed(n)
     shape = (4, 5, 3)[:n]
     volume = torch.randn(2, 3, *shape, dtype=torch.float64, generator=gen, requires_grad=True)
@@ -516,13 +516,14 @@ def test_backend_is_not_imported_without_its_framework():
     if "cupy" in sys.modules:
         pytest.skip("cupy is imported in this process")
     assert backends.ops_for_namespace(fake, generic_ops()) is generic_ops()
-    assert "tmcore.backends._cupy" not in sys.modules
+    assert "tmcore.backends.cupy" not in sys.modules
 
 
 def test_gpu_check_runs_on_cpu():
     """``benchmarks/gpu_check.py --device cpu`` on a tiny config: runs, checks, prints."""
     pytest.importorskip("torch", reason="torch is not installed")
-    script = os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks", "gpu_check.py")
+    script = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "benchmarks",
+                          "gpu_check.py")
     out = subprocess.run(
         [sys.executable, script, "--device", "cpu", "--configs", "tiny", "--budget", "0",
          "--frameworks", "numpy", "torch", "cupy", "--threads", "1"],

@@ -1,4 +1,4 @@
-"""The fused CPU cell kernels of the torch backend (``backends/_native_cell.c``).
+"""The fused CPU cell kernels of the torch backend (``backends/native/kernels.c``).
 
 Checked against the backend's own torch ops (the path they replace) and the
 generic float64 math: every depthwise shape class (1 to 4 axes, axes of size 1
@@ -28,8 +28,9 @@ from hypothesis import strategies as st
 torch = pytest.importorskip("torch", reason="torch is not installed")
 
 import tmcore  # noqa: E402
-import tmcore.backends._native as native  # noqa: E402
-import tmcore.backends._torch as bt  # noqa: E402
+import tmcore.backends.native.build as native  # noqa: E402
+from tmcore.backends.native import calls  # noqa: E402
+from tmcore.backends.torch import conv, gates  # noqa: E402
 from tmcore.ops.conv import ConvParams  # noqa: E402
 from tmcore.runtime.options import reload_environment  # noqa: E402
 from tmcore.scan import StepInputs, add_params, memory_scan_vjp, step_bwd, step_fwd  # noqa: E402
@@ -47,7 +48,7 @@ def _params(gen, n, c_in, c_out, dtype):
 
 def _both_paths(fn, *args):
     """``fn(*args)`` on the fused path and on the torch ops it replaces."""
-    assert bt._native_kernels(*[a for a in args if isinstance(a, torch.Tensor)]) is not None
+    assert calls.kernels_for(*[a for a in args if isinstance(a, torch.Tensor)]) is not None
     fused = fn(*args)
     with tmcore.options(native=False):
         plain = fn(*args)
@@ -81,19 +82,19 @@ def test_depthwise_and_pointwise_match_the_torch_ops(spatial, channels, batch, d
     x = torch.randn(batch, channels, *spatial, generator=gen, dtype=dtype)
     params = _params(gen, len(spatial), channels, 2 * channels, dtype)
     g = torch.randn(batch, 2 * channels, *spatial, generator=gen, dtype=dtype)
-    (z_fused, res), (z_plain, _) = _both_paths(bt.conv_fwd, None, x, params)
-    assert isinstance(res, bt._NativeConvResiduals)
-    fused = bt.conv_bwd(None, res, params, g)
-    plain = bt.conv_bwd(None, bt._depthwise_stages(x, params), params, g)
+    (z_fused, res), (z_plain, _) = _both_paths(conv.conv_fwd, None, x, params)
+    assert isinstance(res, conv._NativeConvResiduals)
+    fused = conv.conv_bwd(None, res, params, g)
+    plain = conv.conv_bwd(None, conv._depthwise_stages(x, params), params, g)
     fused, plain = (z_fused, fused[0], *fused[1]), (z_plain, plain[0], *plain[1])
     if double:
         _close(fused, plain, dtype)
         return
     x64, g64 = x.double(), g.double()
     p64 = ConvParams(*(t.double() for t in params))
-    stages = bt._depthwise_stages(x64, p64)
-    z64 = bt._pointwise(stages[-1], p64)
-    d64 = bt.conv_bwd(None, stages, p64, g64)
+    stages = conv._depthwise_stages(x64, p64)
+    z64 = conv._pointwise(stages[-1], p64)
+    d64 = conv.conv_bwd(None, stages, p64, g64)
     _no_worse(fused, plain, (z64, d64[0], *d64[1]))
 
 
@@ -106,8 +107,8 @@ def test_gates_match_the_torch_ops_with_nan_and_saturation(dtype):
     z[0, 0, 0, 0] = float("nan")
     z[1, 1, 1, 1], z[1, 2, 1, 1], z[1, 3, 1, 2], z[0, 3, 2, 4] = 100.0, -100.0, 1e-6, -3e-5
     c[1, 0, 2, 2] = float("inf")
-    (h_f, c_f, res), (h_p, c_p, res_p) = _both_paths(bt.gates_fwd, None, z, c)
-    assert isinstance(res, bt._NativeGateResiduals)
+    (h_f, c_f, res), (h_p, c_p, res_p) = _both_paths(gates.gates_fwd, None, z, c)
+    assert isinstance(res, gates._NativeGateResiduals)
     _close((h_f, c_f), (h_p, c_p), dtype)
     assert torch.isnan(h_f[0, 0, 0, 0]) and torch.isnan(c_f[0, 0, 0, 0])
     # near zero the float32 tanh keeps its relative accuracy (no 1 - 2/(e^2x + 1) cancellation)
@@ -115,12 +116,12 @@ def test_gates_match_the_torch_ops_with_nan_and_saturation(dtype):
     zz = torch.zeros(1, 4, tiny.numel(), dtype=dtype)
     zz[0, 3] = tiny
     zz[0, 0] = 30.0  # input gate ~1, so c' = tanh(tiny): h' = sigmoid(0) tanh(tanh(tiny))
-    h_tiny, _, _ = bt.gates_fwd(None, zz, torch.zeros(1, 1, tiny.numel(), dtype=dtype))
+    h_tiny, _, _ = gates.gates_fwd(None, zz, torch.zeros(1, 1, tiny.numel(), dtype=dtype))
     expected = 0.5 * torch.tanh(torch.tanh(tiny.double()))
     torch.testing.assert_close(h_tiny[0, 0].double(), expected, rtol=4e-7, atol=0)
     g_h, g_c = torch.randn_like(c), torch.randn_like(c)
-    fused = bt.gates_bwd(None, res, g_h, g_c)
-    plain = bt.gates_bwd(None, res_p, g_h, g_c)
+    fused = gates.gates_bwd(None, res, g_h, g_c)
+    plain = gates.gates_bwd(None, res_p, g_h, g_c)
     _close(fused, plain, dtype)
 
 
@@ -129,22 +130,22 @@ def test_the_fused_path_steps_aside_for_autograd_and_other_dtypes():
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(2, 3, 4, 4, generator=gen, dtype=torch.float64, requires_grad=True)
     params = _params(gen, 2, 3, 6, torch.float64)
-    z, res = bt.conv_fwd(None, x, params)
+    z, res = conv.conv_fwd(None, x, params)
     assert isinstance(res, list) and z.grad_fn is not None  # torch ops, recorded
     with torch.no_grad():
-        assert isinstance(bt.conv_fwd(None, x, params)[1], bt._NativeConvResiduals)
-    assert bt._native_kernels(x.detach().half()) is None
-    assert bt._native_kernels(x.detach(), x.detach().float()) is None  # mixed dtypes
+        assert isinstance(conv.conv_fwd(None, x, params)[1], conv._NativeConvResiduals)
+    assert calls.kernels_for(x.detach().half()) is None
+    assert calls.kernels_for(x.detach(), x.detach().float()) is None  # mixed dtypes
     # under a functorch transform the tensors are wrapped: torch ops again
     out = torch.func.vmap(lambda v: tmcore.factorized_conv(v, params))(x.detach()[:, None])
     torch.testing.assert_close(out[:, 0], tmcore.factorized_conv(x.detach(), params))
     # the residuals of the fused forward still work once autograd records the cotangent
     with torch.no_grad():
-        _, native_res = bt.conv_fwd(None, x.detach(), params)
+        _, native_res = conv.conv_fwd(None, x.detach(), params)
     g = torch.randn(2, 6, 4, 4, dtype=torch.float64, generator=gen, requires_grad=True)
-    d_x, _ = bt.conv_bwd(None, native_res, params, g)
+    d_x, _ = conv.conv_bwd(None, native_res, params, g)
     assert d_x.grad_fn is not None
-    torch.testing.assert_close(d_x, bt.conv_bwd(None, bt._depthwise_stages(x.detach(), params),
+    torch.testing.assert_close(d_x, conv.conv_bwd(None, conv._depthwise_stages(x.detach(), params),
                                                 params, g.detach())[0])
 
 
@@ -167,7 +168,7 @@ def test_switches_and_a_failed_build(monkeypatch, tmp_path):
     x = torch.randn(1, 2, 3)
     params = ConvParams(torch.randn(1, 2, 3), torch.zeros(1, 2), torch.randn(4, 2),
                         torch.zeros(4))
-    assert isinstance(bt.conv_fwd(None, x, params)[1], list)
+    assert isinstance(conv.conv_fwd(None, x, params)[1], list)
 
 
 def test_a_fresh_cache_builds_and_loads(monkeypatch, tmp_path):
@@ -256,7 +257,7 @@ def test_jax_kernels_match_the_generic_math_under_jit_grad_and_vmap(jax_native, 
     jax = jax_native
     import jax.numpy as jnp
 
-    from tmcore.backends import _jax as jb
+    from tmcore.backends import jax as jb
 
     rng = np.random.default_rng(7)
     with jax.enable_x64(x64):
@@ -302,7 +303,7 @@ def test_jax_kernels_match_the_generic_math_under_jit_grad_and_vmap(jax_native, 
 def test_jax_kernels_switch_off(jax_native, monkeypatch):
     import jax.numpy as jnp
 
-    from tmcore.backends import _jax as jb
+    from tmcore.backends import jax as jb
 
     x = jnp.ones((1, 2, 3), jnp.float32)
     assert jb._native_suffix(x) == "f32"
@@ -335,20 +336,20 @@ def test_every_native_entry_checks_the_shapes_it_indexes_by():
     with torch.no_grad():
         for bad, name in ((bad_taps, "depthwise_weight"), (bad_bias, "depthwise_bias")):
             with pytest.raises(ValueError, match=name):
-                bt.conv_fwd(None, x, bad)
-        _, residuals = bt.conv_fwd(None, x, params)
+                conv.conv_fwd(None, x, bad)
+        _, residuals = conv.conv_fwd(None, x, params)
         g = torch.randn(2, 12, 3, 4, dtype=torch.float64)
         with pytest.raises(ValueError, match="depthwise_weight"):
-            bt.conv_bwd(None, residuals, bad_taps, g)
+            conv.conv_bwd(None, residuals, bad_taps, g)
         with pytest.raises(ValueError, match="g: expected shape"):
-            bt.conv_bwd(None, residuals, params, g[..., :3])
+            conv.conv_bwd(None, residuals, params, g[..., :3])
         with pytest.raises(ValueError, match=r"z: expected shape \(B, 4C, \*S\)"):
-            bt.gates_fwd(None, z[:, :9], c)  # pointwise weights (3C, 2C)
+            gates.gates_fwd(None, z[:, :9], c)  # pointwise weights (3C, 2C)
         with pytest.raises(ValueError, match="z: expected"):
-            bt.gates_residuals(None, z[:, :9], c)
-        res = bt.gates_residuals(None, z, c)
+            gates.gates_residuals(None, z[:, :9], c)
+        res = gates.gates_residuals(None, z, c)
         with pytest.raises(ValueError, match="g_c: expected"):
-            bt.gates_bwd(None, res, torch.ones_like(c), torch.ones(2, 3, 3, 3,
+            gates.gates_bwd(None, res, torch.ones_like(c), torch.ones(2, 3, 3, 3,
                                                                   dtype=torch.float64))
 
 
@@ -403,23 +404,23 @@ def test_negative_views_and_zero_tensors_give_the_plain_results():
     g = torch.randn(2, 12, 3, 4, dtype=torch.float64)
     g_h, g_c = torch.randn_like(c), torch.randn_like(c)
     with torch.no_grad():
-        z_plain, res_plain = bt.conv_fwd(None, x, params)
+        z_plain, res_plain = conv.conv_fwd(None, x, params)
         neg_params = ConvParams(*(_neg(p) for p in params))
-        z_neg, res_neg = bt.conv_fwd(None, _neg(x), neg_params)
-        assert isinstance(res_neg, bt._NativeConvResiduals)
+        z_neg, res_neg = conv.conv_fwd(None, _neg(x), neg_params)
+        assert isinstance(res_neg, conv._NativeConvResiduals)
         torch.testing.assert_close(z_neg, z_plain, rtol=0, atol=0)
-        plain = bt.conv_bwd(None, res_plain, params, g)
+        plain = conv.conv_bwd(None, res_plain, params, g)
         _close((plain[0], *plain[1]), (lambda d: (d[0], *d[1]))(
-            bt.conv_bwd(None, res_neg, neg_params, _neg(g))), torch.float64)
-        zero = bt.conv_bwd(None, res_plain, params, _zero(g))
-        expected = bt.conv_bwd(None, res_plain, params, torch.zeros_like(g))
+            conv.conv_bwd(None, res_neg, neg_params, _neg(g))), torch.float64)
+        zero = conv.conv_bwd(None, res_plain, params, _zero(g))
+        expected = conv.conv_bwd(None, res_plain, params, torch.zeros_like(g))
         _close((zero[0], *zero[1]), (expected[0], *expected[1]), torch.float64)
-        fwd_plain = bt.gates_fwd(None, z, c)
-        fwd_neg = bt.gates_fwd(None, _neg(z), _neg(c))
+        fwd_plain = gates.gates_fwd(None, z, c)
+        fwd_neg = gates.gates_fwd(None, _neg(z), _neg(c))
         _close(fwd_neg[:2], fwd_plain[:2], torch.float64)
         for gh, gc in ((_neg(g_h), _neg(g_c)), (_zero(c), g_c), (g_h, _zero(c))):
-            want = bt.gates_bwd(None, fwd_plain[2], gh.clone(), gc.clone())
-            _close(bt.gates_bwd(None, fwd_neg[2], gh, gc), want, torch.float64)
+            want = gates.gates_bwd(None, fwd_plain[2], gh.clone(), gc.clone())
+            _close(gates.gates_bwd(None, fwd_neg[2], gh, gc), want, torch.float64)
     # through a public function: a ZeroTensor cotangent, as autograd may hand one
     h = torch.randn_like(c)
     got = tmcore.convlstm_step_vjp(h, h, c, params, _zero(c), g_c)
@@ -431,7 +432,7 @@ def test_negative_views_and_zero_tensors_give_the_plain_results():
 _OOM_SCRIPT = r"""
 import resource, sys
 import torch, tmcore
-import tmcore.backends._native as native
+import tmcore.backends.native as native
 from tmcore.ops.conv import ConvParams
 assert native.library() is not None
 params = ConvParams(torch.zeros(4, 1, 3), torch.zeros(4, 1), torch.ones(1, 1), torch.zeros(1))
@@ -476,7 +477,7 @@ def test_the_jax_handlers_refuse_buffers_of_the_wrong_size(jax_native):
 _JAX_OOM_SCRIPT = r"""
 import resource, sys
 import jax, jax.numpy as jnp, tmcore
-import tmcore.backends._native as native
+import tmcore.backends.native as native
 from tmcore.ops.conv import ConvParams
 if native.jax_library() is None:
     sys.exit(4)

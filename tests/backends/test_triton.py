@@ -1,4 +1,4 @@
-"""The fused Triton scan (tmcore.backends._triton), tested on the CPU with Triton's interpreter.
+"""The fused Triton scan (tmcore.backends.triton.dense), on the CPU under Triton's interpreter.
 
 ``TRITON_INTERPRET=1`` must be set before ``triton`` is imported, so the kernel
 tests (``test_kernel_*``) run in a subprocess started by
@@ -54,20 +54,20 @@ def test_triton_interpreter_suite():
 
 def test_cpu_tensors_need_the_switch():
     """Automatic mode never takes CPU tensors; ``triton=False`` never takes any."""
-    from tmcore.backends import _triton
+    from tmcore.backends.triton import launch
 
     x = torch.zeros(1, 2, 3)
     with tmcore.options(triton="auto"):
-        assert not _triton.usable(x)
+        assert not launch.usable(x)
     with tmcore.options(triton=False):
-        assert not _triton.usable(x)
+        assert not launch.usable(x)
 
 
 def test_launch_count():
-    from tmcore.backends import _triton
+    from tmcore.backends.triton import dense
 
-    assert _triton.launches_per_step(1) == 3
-    assert _triton.launches_per_step(4) == 3.75
+    assert dense.launches_per_step(1) == 3
+    assert dense.launches_per_step(4) == 3.75
 
 
 # --------------------------------------------------------------------------- kernels
@@ -101,10 +101,10 @@ class _Calls:
     """Counts the fused loops that really ran (the entries may decline)."""
 
     def __init__(self, monkeypatch):
-        from tmcore.backends import _triton
+        from tmcore.backends.triton import dense
 
         self.fwd = self.bwd = 0
-        fwd, bwd = _triton._forward_loop, _triton._backward_loop
+        fwd, bwd = dense._forward_loop, dense._backward_loop
 
         def count_fwd(*a, **k):
             self.fwd += 1
@@ -114,8 +114,8 @@ class _Calls:
             self.bwd += 1
             return bwd(*a, **k)
 
-        monkeypatch.setattr(_triton, "_forward_loop", count_fwd)
-        monkeypatch.setattr(_triton, "_backward_loop", count_bwd)
+        monkeypatch.setattr(dense, "_forward_loop", count_fwd)
+        monkeypatch.setattr(dense, "_backward_loop", count_bwd)
 
 
 def _flat(grads):
@@ -253,7 +253,7 @@ def test_gpu_benchmark_helpers_on_cpu():
     """``benchmarks/gpu.py``'s fused-path helpers run on the CPU: the agreement check
     (on the CPU it compares the fused CPU scan with the per-step path: float32
     rounding), no launch count off CUDA, and the Triton switch reported off."""
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir))
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, os.pardir))
     from benchmarks import gpu
     from benchmarks.common import TINY
     from benchmarks.layers import reference_params
@@ -267,14 +267,14 @@ def test_gpu_benchmark_helpers_on_cpu():
     assert gpu.launches_per_step(train, TINY, "cpu") is None
     assert gpu.prewarm([TINY], "cpu", print) == {}
     gpu.warm_one(2, (3,), "cpu")
-    from tmcore.backends import _triton
+    from tmcore.backends.triton import launch
 
-    assert _triton.graph_cache_bytes() == 0  # no graphs off CUDA
+    assert launch.graph_cache_bytes() == 0  # no graphs off CUDA
 
 
 def test_cupy_table_has_the_bridged_scan():
     """The CuPy table's whole-scan entries are the DLPack bridge to the Triton kernels."""
-    from tmcore.backends import _cupy
+    from tmcore.backends import cupy as _cupy
     from tmcore.runtime.dispatch import generic_ops
 
     ops = _cupy.make_ops(generic_ops())
@@ -289,7 +289,7 @@ def test_kernel_dlpack_bridge_on_numpy(monkeypatch):
     kernels, back): same forward and VJP as NumPy's generic scan."""
     import array_api_compat
 
-    from tmcore.backends import _cupy
+    from tmcore.backends import cupy as _cupy
     from tmcore.scan import memory_scan_bwd, memory_scan_fwd
 
     xp = array_api_compat.array_namespace(np.empty(0))
@@ -314,31 +314,31 @@ def test_kernel_dlpack_bridge_on_numpy(monkeypatch):
 def test_entry_checks_name_the_argument():
     """The kernels index by the shapes: a mismatch is a ValueError naming the argument
     (checked before anything is launched, so no interpreter is needed)."""
-    from tmcore.backends import _triton
+    from tmcore.backends.triton import launch
 
     inputs, params, cot = _case(1, 2, (3,), 2, torch.float32)
     bad = dict(inputs, write_content=inputs["write_content"][:, :, :1])
     with pytest.raises(ValueError, match="write_content"):
-        _triton.check_shapes(bad["h0"], bad["read_coords"],
+        launch.check_shapes(bad["h0"], bad["read_coords"],
                              {"write_content": bad["write_content"]}, params)
     with pytest.raises(ValueError, match="params.pointwise_weight"):
-        _triton.check_shapes(inputs["h0"], inputs["read_coords"], {},
+        launch.check_shapes(inputs["h0"], inputs["read_coords"], {},
                              params._replace(pointwise_weight=params.pointwise_weight.T))
-    _triton.check_shapes(inputs["h0"], inputs["read_coords"], {"g_c": cot["g_c"]}, params)
+    launch.check_shapes(inputs["h0"], inputs["read_coords"], {"g_c": cot["g_c"]}, params)
 
 
 @pytest.mark.filterwarnings("default")
 def test_failing_kernels_fall_back_with_one_warning(monkeypatch):
     """A shape whose kernels fail (e.g. a Triton too old to build them) warns once and
     runs the per-step path, with the same results, from then on."""
-    from tmcore.backends import _triton
+    from tmcore.backends.triton import dense, launch
 
     def fail(*args, **kwargs):
         raise RuntimeError("no kernels here")
 
-    monkeypatch.setattr(_triton, "_BROKEN", set())
-    monkeypatch.setattr(_triton, "usable", lambda *tensors: True)
-    monkeypatch.setattr(_triton, "_forward_loop", fail)
+    monkeypatch.setattr(launch, "_BROKEN", set())
+    monkeypatch.setattr(launch, "usable", lambda *tensors: True)
+    monkeypatch.setattr(dense, "_forward_loop", fail)
     inputs, params, _ = _case(1, 2, (3,), 2, torch.float64)
     with tmcore.options(triton=True):  # forced: the fused CPU scan steps aside for Triton
         with pytest.warns(RuntimeWarning, match="fused Triton scan failed"):
@@ -350,4 +350,4 @@ def test_failing_kernels_fall_back_with_one_warning(monkeypatch):
         want = tmcore.memory_scan(*inputs.values(), params)
     _close(got, want, 1e-12, 1e-12)
     _close(again, want, 1e-12, 1e-12)
-    assert len(_triton._BROKEN) == 1
+    assert len(launch._BROKEN) == 1

@@ -1,0 +1,411 @@
+"""The kernel cache: a private folder, files checked before use, the very file checked loaded.
+
+**The cache cannot be planted into, nor raced.** A shared object in the cache
+runs code in this process as soon as it is loaded, so nothing is loaded that
+another user could have written or swapped:
+
+- the folder is created private (``0700``); a folder that is not owned by this
+  user, or that group or others may write, or that lies below a folder others
+  may write without the sticky bit (``/tmp`` has it), is not used: tmcore warns
+  once and builds into a fresh private temporary folder for this process
+  (:func:`safe_dir`);
+- a symbolic link on the way to the folder is followed only if this user (or
+  root) owns it and it sits in a folder no other user may write (sticky bit or
+  not) nor swap from above; any other link makes the folder unsafe, as above.
+  The folder is then resolved once, and every later step uses the real path;
+- every build is written under a temporary name and renamed into place, and
+  the SHA-256 of the shared object is written (also atomically) beside it as
+  ``<name>.sha256`` (:func:`install`); to load, the build is opened ONCE
+  (``O_NOFOLLOW``: a link is refused, not followed), that descriptor is
+  ``fstat``-checked (a regular file owned by this user, not writable by others)
+  and hashed, and the loader maps that same descriptor (``/proc/self/fd/N``;
+  where ``/proc`` is absent, a private copy of the bytes that were hashed)
+  (:func:`open_build`). No check and load ever look at two different files. A
+  truncated file is never mapped, so it cannot raise SIGBUS.
+
+What is built, and when, is :mod:`tmcore.backends.native.build`'s.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import ctypes
+import errno
+import hashlib
+import os
+import re
+import shutil
+import stat
+import tempfile
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import NamedTuple
+
+from tmcore.runtime.options import cache_dir
+
+__all__ = ["safe_dir", "file_problem", "write_atomic", "install", "remove", "open_build",
+           "unload", "latest"]
+
+_FALLBACK: dict[str, Path] = {}  # "dir": this process's private folder, once one was needed
+
+
+def _writable_by_others(info: os.stat_result, uid: int) -> bool:
+    """Whether a user other than ``uid`` (and root) may change entries of this folder."""
+    return info.st_uid not in (uid, 0) or bool(info.st_mode & 0o022)
+
+
+def _ancestry_problem(folder: Path) -> str | None:
+    """Why a real (link-free) folder path could be swapped by another user: one of its
+    parents is owned by another user, or others may write it without the sticky bit."""
+    uid = os.geteuid()
+    for parent in folder.parents:
+        info = os.stat(parent)
+        if info.st_uid not in (uid, 0):
+            return f"{parent} is owned by another user (uid {info.st_uid})"
+        if info.st_mode & 0o022 and not info.st_mode & stat.S_ISVTX:
+            return f"others may write to {parent} (mode {stat.S_IMODE(info.st_mode):o})"
+    return None
+
+
+def _link_problem(path: Path) -> str | None:
+    """Why a symbolic link on the way to ``path`` could be re-pointed by another user,
+    or ``None``.
+
+    Walks the absolute path as given, one component at a time, following links as the
+    kernel does. A link is refused when another user owns it, or when the folder
+    holding it may be written by another user (even with the sticky bit), or lies
+    below one they may write without it: that user could swap the link between a
+    check and a load. Links only this user (or root) controls are followed.
+    """
+    uid = os.geteuid()
+    given = Path(path)  # not normalized: ".." after a link is resolved physically, below
+    parts = list((given if given.is_absolute() else Path.cwd() / given).parts)
+    current = Path(parts.pop(0))
+    hops = 0
+    while parts:
+        part = parts.pop(0)
+        if part in ("", "."):
+            continue
+        if part == "..":
+            current = current.parent
+            continue
+        candidate = current / part
+        try:
+            info = os.lstat(candidate)
+        except FileNotFoundError:
+            return None  # nothing to swap yet; mkdir creates real folders
+        if not stat.S_ISLNK(info.st_mode):
+            current = candidate
+            continue
+        hops += 1
+        if hops > 40:
+            return f"{path} has too many levels of symbolic links"
+        holder = os.stat(current)
+        if info.st_uid not in (uid, 0):
+            return (f"{candidate} is a symbolic link owned by another user "
+                    f"(uid {info.st_uid})")
+        if _writable_by_others(holder, uid):
+            return (f"{candidate} is a symbolic link in {current}, a folder another user "
+                    f"may write (owner uid {holder.st_uid}, mode "
+                    f"{stat.S_IMODE(holder.st_mode):o})")
+        problem = _ancestry_problem(current)
+        if problem is not None:
+            return f"{candidate} is a symbolic link below a folder others control ({problem})"
+        target = Path(os.readlink(candidate))
+        if target.is_absolute():
+            current = Path(target.parts[0])
+            parts = list(target.parts[1:]) + parts
+        else:
+            parts = list(target.parts) + parts
+    return None
+
+
+def _folder_problem(path: Path) -> str | None:
+    """Why the existing folder ``path`` may hold files another user wrote, or ``None``.
+
+    Checks the links on the way (:func:`_link_problem`), then the folder they lead to
+    and its parents. Callers use the resolved folder from then on, so no later step
+    goes through a link again."""
+    problem = _link_problem(path)
+    if problem is not None:
+        return problem
+    uid = os.geteuid()
+    resolved = path.resolve()
+    info = os.stat(resolved)
+    if not stat.S_ISDIR(info.st_mode):
+        return "it is not a folder"
+    if info.st_uid != uid:
+        return f"it is owned by uid {info.st_uid}, not by this user ({uid})"
+    if info.st_mode & 0o022:
+        return f"group or others may write to it (mode {stat.S_IMODE(info.st_mode):o})"
+    return _ancestry_problem(resolved)
+
+
+def _info_problem(info: os.stat_result) -> str | None:
+    """Why an opened file is not a regular file only this user may write, or ``None``."""
+    if not stat.S_ISREG(info.st_mode):
+        return "is not a regular file"
+    if info.st_uid != os.geteuid():
+        return f"is owned by uid {info.st_uid}"
+    if info.st_mode & 0o022:
+        return f"is writable by group or others (mode {stat.S_IMODE(info.st_mode):o})"
+    return None
+
+
+def file_problem(path: Path) -> str | None:
+    """Why ``path`` is not a regular file only this user may write, or ``None``
+    (``"is missing"`` when absent). Symbolic links are refused, not followed."""
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        return "is missing"
+    return _info_problem(info)
+
+
+#: open(2) flags for every file the loader trusts: never through a final symbolic link
+#: (ELOOP instead), not inherited by children, never blocking on a planted FIFO.
+_OPEN_FLAGS = (os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+               | getattr(os, "O_NONBLOCK", 0))
+
+
+class _Refused(Exception):
+    """A cached file that must not be used; the message says why (after its name)."""
+
+
+def _open_checked(path: Path) -> int:
+    """A descriptor of ``path``, opened once without following a link, whose ``fstat``
+    says it is a regular file of this user that nobody else may write. Every later
+    check (the digest) and the load act on this descriptor, never on the path again.
+    Raises :class:`_Refused` (``"is missing"`` when absent)."""
+    try:
+        fd = os.open(path, _OPEN_FLAGS)
+    except FileNotFoundError:
+        raise _Refused("is missing") from None
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.EMLINK):  # the last component is a link
+            raise _Refused("is not a regular file") from None
+        raise _Refused(f"cannot be read ({exc})") from None
+    try:
+        problem = _info_problem(os.fstat(fd))
+    except OSError as exc:
+        problem = f"cannot be read ({exc})"
+    if problem is not None:
+        os.close(fd)
+        raise _Refused(problem)
+    return fd
+
+
+def _read_fd(fd: int, limit: int | None = None) -> bytes:
+    """Everything ``fd`` holds from its start (at most ``limit`` bytes)."""
+    chunks, offset = [], 0
+    while limit is None or offset < limit:
+        block = os.pread(fd, 1 << 20 if limit is None else min(1 << 20, limit - offset),
+                         offset)
+        if not block:
+            break
+        chunks.append(block)
+        offset += len(block)
+    return b"".join(chunks)
+
+
+def _read_trusted(path: Path, limit: int = 1 << 16) -> str:
+    """The text of a small file of ours (a digest, a pointer), read through one checked
+    descriptor. Raises :class:`_Refused`."""
+    fd = _open_checked(path)
+    try:
+        return _read_fd(fd, limit).decode(errors="replace")
+    finally:
+        os.close(fd)
+
+
+def safe_dir() -> Path:
+    """The cache folder (resolved: no link on the way), created private; or, when it is
+    not safe (or cannot be made), a fresh private temporary folder for this process
+    (warned once)."""
+    wanted = cache_dir()
+    try:
+        wanted.mkdir(mode=0o700, parents=True, exist_ok=True)
+        problem = _folder_problem(wanted)
+    except OSError as exc:
+        problem = f"it cannot be created or read ({exc})"
+    if problem is None:
+        # Resolved once, after the checks: the links on the way are under this user's
+        # control (checked above), and every later step uses the real folder.
+        resolved = wanted.resolve()
+        if _folder_problem(resolved) is None:
+            return resolved
+        problem = f"it changed while being checked (now {resolved})"
+    if "dir" not in _FALLBACK:
+        fresh = Path(tempfile.mkdtemp(prefix="tmcore-native-")).resolve()  # 0700, ours
+        atexit.register(shutil.rmtree, fresh, ignore_errors=True)
+        _FALLBACK["dir"] = fresh
+        warnings.warn(
+            f"tmcore: not using the kernel cache folder {wanted}: {problem}. The fused "
+            f"CPU kernels are built into the private folder {fresh} for this process "
+            f"instead (set TMCORE_CACHE_DIR to a folder only you can write to keep "
+            f"builds between runs).", RuntimeWarning, stacklevel=5)
+    return _FALLBACK["dir"]
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` through a private temporary file and a rename."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def _digest(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _sidecar(target: Path) -> Path:
+    return target.with_name(target.name + ".sha256")
+
+
+class _Verified(NamedTuple):
+    """A build opened once and checked through that descriptor."""
+
+    fd: int  # open, read-only; the load goes through it
+    data: bytes  # what was hashed (for a private copy where /proc is absent)
+
+
+def _verify(target: Path) -> _Verified | str:
+    """``target`` opened once (no link followed), ``fstat``-checked (a regular file of
+    this user's, not writable by others) and hashed THROUGH THAT DESCRIPTOR against its
+    recorded SHA-256; else why not (``"<name> is missing"`` when absent)."""
+    try:
+        recorded = _read_trusted(_sidecar(target)).strip()
+    except _Refused as why:
+        return f"{_sidecar(target).name} {why}"
+    try:
+        fd = _open_checked(target)
+    except _Refused as why:
+        return f"{target.name} {why}"
+    try:
+        data = _read_fd(fd)
+    except OSError as exc:
+        os.close(fd)
+        return f"{target.name} cannot be read ({exc})"
+    if hashlib.sha256(data).hexdigest() != recorded:
+        os.close(fd)
+        return f"{target.name} does not match its recorded SHA-256 (truncated or replaced)"
+    return _Verified(fd, data)
+
+
+def remove(target: Path) -> None:
+    """Delete a build and its recorded digest (whichever exist)."""
+    for path in (target, _sidecar(target)):
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+
+
+def install(out: Path, target: Path) -> None:
+    """Rename the finished build ``out`` to ``target`` and record its SHA-256 beside it
+    (both atomic renames: no process ever sees half a file)."""
+    os.chmod(out, 0o700)
+    digest = _digest(out)
+    os.replace(out, target)
+    write_atomic(_sidecar(target), digest.encode())
+
+
+#: Descriptors of the loaded builds, by (device, inode), held open while the library
+#: is mapped: the loader knows each build by the name ``/proc/self/fd/N`` it was
+#: loaded through, and a number reused for another file would make it hand back the
+#: earlier library. The same build verified again reuses its descriptor.
+_HELD: dict[tuple[int, int], int] = {}
+_PROC_FD = Path("/proc/self/fd")
+
+
+def _dlopen(verified: _Verified, target: Path) -> ctypes.CDLL:
+    """Map exactly the file that was checked: through its descriptor
+    (``/proc/self/fd/N``), or where ``/proc`` is absent, through a private copy of the
+    bytes that were hashed. ``lib._name`` is the verified build's path."""
+    if not _PROC_FD.is_dir():
+        private = Path(tempfile.mkdtemp(prefix="tmcore-load-"))  # 0700, ours
+        try:
+            copy = private / target.name
+            with open(copy, "xb") as handle:
+                handle.write(verified.data)
+            lib = ctypes.CDLL(str(copy))
+        finally:
+            os.close(verified.fd)
+            shutil.rmtree(private, ignore_errors=True)  # the mapping outlives the file
+        lib._name = str(target)
+        return lib
+    info = os.fstat(verified.fd)
+    key = (info.st_dev, info.st_ino)
+    fd = _HELD.get(key)
+    if fd is not None:  # this very file is loaded already: the loader shares it
+        os.close(verified.fd)
+    else:
+        fd = verified.fd
+    try:
+        lib = ctypes.CDLL(str(_PROC_FD / str(fd)))
+    except OSError:
+        if fd not in _HELD.values():
+            os.close(fd)
+        raise
+    _HELD.setdefault(key, fd)
+    lib._name = str(target)
+    lib._tmcore_key = key
+    return lib
+
+
+def unload(lib: ctypes.CDLL) -> None:
+    """Drop a library that loaded but is unusable, so that a rebuild at the same path
+    is mapped afresh (the dynamic loader reuses a loaded object by name)."""
+    try:
+        import _ctypes
+
+        _ctypes.dlclose(lib._handle)
+    except (ImportError, AttributeError, OSError):
+        return
+    fd = _HELD.pop(getattr(lib, "_tmcore_key", None), None)
+    if fd is not None:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+
+
+def open_build(target: Path, finish: Callable[[ctypes.CDLL], None]
+               ) -> tuple[ctypes.CDLL | None, str | None]:
+    """Verify ``target`` and load the very file verified (:func:`_verify`, :func:`_dlopen`),
+    then finish it: ``(library, None)``, or ``(None, why not)``."""
+    verified = _verify(target)
+    if isinstance(verified, str):
+        return None, verified
+    try:
+        lib = _dlopen(verified, target)
+    except OSError:
+        return None, f"{target.name} fails to load"
+    try:
+        finish(lib)
+    except (AttributeError, OSError, TypeError, ValueError):
+        unload(lib)
+        return None, f"{target.name} fails to load"
+    return lib, None
+
+
+_NAME = re.compile(r"[A-Za-z0-9_]+-[0-9a-f]{20}\.so")
+
+
+def latest(pointer: Path) -> Path | None:
+    """The build a ``*.latest`` pointer names, if the pointer is safe and well-formed."""
+    try:
+        name = _read_trusted(pointer, 256).strip()
+    except _Refused:
+        return None
+    return pointer.with_name(name) if _NAME.fullmatch(name) else None

@@ -1,0 +1,352 @@
+"""The torch backend's fused CPU scan: the whole chunk loop over the C kernels.
+
+Entries ``scan_fwd`` / ``scan_bwd`` of the torch table, tried before the Triton ones
+(same arguments, results and checkpoint layout as :func:`tmcore.scan.memory_scan_fwd`
+/ ``memory_scan_bwd``; they return ``None`` to decline, and the generic loop runs).
+They run where the fused kernels do (:func:`scan_kernels`: plain untraced CPU float32
+/ float64 tensors, the ``native`` option on, ``depthwise`` ``"auto"``, Triton not
+forced) over C kernels and two ``bmm`` per step: the read and its VJP in C, the
+depthwise passes reading the written volume and ``h`` in place (no ``concat([x,
+h])``), the pointwise bias added in the gate kernels, the new state written straight
+into its checkpoint slot (checkpoints in transparent huge pages where Linux allows),
+write volumes and their gradients in a few reused block buffers (:class:`_BlockWrites`),
+and the parameter gradients accumulated in place (taps and biases in float64; the
+pointwise weight's into a ``(B, 4C, 2C)`` buffer by an in-place ``baddbmm``). Its big
+buffers come from the per-thread pool of :mod:`tmcore.backends.torch.memory` (no page
+faults on fresh memory each call, and no NaN fill under
+``torch.use_deterministic_algorithms``; every buffer is written before it is read). It
+agrees with the generic loop to rounding.
+
+:class:`Cell` (one step of the cell, forward and VJP, on a grid or a box) is shared
+with the fused local scan (:mod:`tmcore.backends.torch.local`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+from typing import Any
+
+import torch
+
+from tmcore.backends.fused import check_scan_shapes
+from tmcore.backends.native.calls import Kernels, call, kernels_for, offset, plain, ptr, shape_arg
+from tmcore.ops.conv import ConvParams
+from tmcore.ops.separable import outer_product
+from tmcore.ops.splat import gaussian_profiles
+from tmcore.runtime.dispatch import Ops
+from tmcore.runtime.options import Options
+
+from . import memory
+
+__all__ = ["Cell", "scan_kernels", "scan_fwd", "scan_bwd"]
+
+#: A kernel argument: the address of an array (``ptr`` / ``offset``).
+Address = ctypes.c_void_p
+
+#: Steps whose write volumes are made, and differentiated, in one splat call.
+_WRITE_BLOCK = 16
+
+
+def scan_kernels(options: Options, *tensors: torch.Tensor) -> Kernels | None:
+    """The kernels when a fused CPU scan may run on ``tensors`` (see the module notes),
+    else ``None``."""
+    if options.depthwise != "auto":  # a forced depthwise kernel: the per-step ops
+        return None
+    if options.triton is True:  # Triton forced (CPU tensors under TRITON_INTERPRET=1)
+        return None
+    kernels = kernels_for(*tensors)
+    if kernels is None or not 3 <= tensors[0].ndim <= 6:
+        return None
+    return kernels
+
+
+class Cell:
+    """One step of the cell on the fused kernels, forward and VJP, for a ``(B, C, *S)``
+    state on a grid (or a local scan's box) ``S``: the parameters as plain memory, the
+    step's buffers, and (after :meth:`start_backward`) the parameter gradients.
+
+    The step's arrays are passed by address (:func:`~tmcore.backends.native.calls.ptr`,
+    ``offset``: no torch op per step): ``(B, C, *S)`` blocks with contiguous batch rows,
+    except the written volume ``x`` and its cotangent ``d_x``, whose rows lie
+    ``x_stride`` / ``d_x_stride`` elements apart (a step of a block of steps).
+    """
+
+    def __init__(self, kernels: Kernels, batch: int, channels: int,
+                 spatial: tuple[int, ...], dtype: torch.dtype, params: ConvParams) -> None:
+        self.kernels = kernels
+        self.batch, self.channels, self.spatial = batch, channels, tuple(spatial)
+        self.cells = math.prod(self.spatial)
+        self.dtype = dtype
+        self.shape_arg = shape_arg(self.spatial)
+        self.taps, self.biases, self.weight, self.zb = (plain(p) for p in ConvParams(*params))
+        b, c, p = batch, channels, self.cells
+        self.y = memory.take((b, 2 * c, p), dtype)
+        self.z = memory.take((b, 4 * c, p), dtype)
+        self.w_expanded = self.weight.expand(b, 4 * c, 2 * c)
+
+    def new_state(self) -> torch.Tensor:
+        """An uninitialized ``(B, C, *S)`` state from the pool, of exactly its size (the
+        scan may return it)."""
+        return memory.take((self.batch, self.channels, *self.spatial), self.dtype, exact=True)
+
+    def pre_activations(self, x: Address, x_stride: int, h: Address) -> None:
+        """``self.y = dw(concat([x, h]))`` and ``self.z = W y`` (no bias)."""
+        c, p = self.channels, self.cells
+        call(self.kernels, "dw2_fwd", x, x_stride, h, c * p, c, ptr(self.y), ptr(self.taps),
+             ptr(self.biases), self.batch, 2 * c, len(self.spatial), self.shape_arg)
+        torch.bmm(self.w_expanded, self.y, out=self.z)
+
+    def step(self, x: Address, x_stride: int, h: Address, c: Address, h_out: Address,
+             c_out: Address) -> None:
+        """``(h_out, c_out)``: the cell on the written volume ``x`` and the state ``(h, c)``."""
+        self.pre_activations(x, x_stride, h)
+        call(self.kernels, "gates2_fwd", ptr(self.z), ptr(self.zb), c, h_out, c_out,
+             self.batch, self.channels, self.cells)
+
+    def start_backward(self) -> None:
+        """The gradient accumulators (taps, biases, pointwise bias in float64; the
+        pointwise weight per batch row) and the VJP's step buffers."""
+        b, c, n, f64 = self.batch, self.channels, len(self.spatial), torch.float64
+        self.acc_taps = torch.zeros((n, 2 * c, 3), dtype=f64)
+        self.acc_biases = torch.zeros((n, 2 * c), dtype=f64)
+        self.acc_zb = torch.zeros((4 * c,), dtype=f64)
+        self.d_weight = memory.take((b, 4 * c, 2 * c), self.dtype).zero_()
+        self.d_z = memory.take((b, 4 * c, self.cells), self.dtype)
+        self.d_y = memory.take((b, 2 * c, self.cells), self.dtype)
+        self.w_t = self.weight.T.expand(b, 2 * c, 4 * c)
+        self.y_t = self.y.transpose(1, 2)
+
+    def backward_step(self, x: Address, x_stride: int, h: Address, c: Address, g_h: Address,
+                      g_c: Address, d_x: Address, d_x_stride: int, d_h: Address,
+                      d_c: Address) -> None:
+        """The VJP of :meth:`step` for the cotangents ``g_h, g_c`` of ``(h_out, c_out)``:
+        ``d_x, d_h, d_c`` written, the parameter gradients added."""
+        b, ch, p = self.batch, self.channels, self.cells
+        self.pre_activations(x, x_stride, h)
+        call(self.kernels, "gates2_bwd", ptr(self.z), ptr(self.zb), c, g_h, g_c, ptr(self.d_z),
+             d_c, ptr(self.acc_zb), b, ch, p)
+        self.d_weight.baddbmm_(self.d_z, self.y_t)
+        torch.bmm(self.w_t, self.d_z, out=self.d_y)
+        call(self.kernels, "dw2_bwd", x, x_stride, h, ch * p, ch, ptr(self.d_y), d_x,
+             d_x_stride, d_h, ch * p, ptr(self.acc_taps), ptr(self.acc_biases), ptr(self.taps),
+             ptr(self.biases), b, 2 * ch, len(self.spatial), self.shape_arg)
+
+    def param_grads(self) -> ConvParams:
+        """The parameter gradients added up by :meth:`backward_step`."""
+        return ConvParams(self.acc_taps.to(self.dtype), self.acc_biases.to(self.dtype),
+                          self.d_weight.sum(0), self.acc_zb.to(self.dtype))
+
+
+def _cell(kernels: Kernels, state: torch.Tensor, params: ConvParams) -> Cell:
+    batch, channels, *spatial = state.shape
+    return Cell(kernels, batch, channels, tuple(spatial), state.dtype, params)
+
+
+def _pick(buffers: list[torch.Tensor], busy: torch.Tensor) -> torch.Tensor:
+    return buffers[1] if buffers[0] is busy else buffers[0]
+
+
+class _BlockWrites:
+    """The scan's write volumes, a block of steps per splat call, and their VJP.
+
+    :meth:`volume` gives step ``t``'s volume ``(B, C, *S)`` as a view into its block
+    ``(B, L, C, *S)`` with the block's batch stride (the two most recent blocks are
+    kept). :meth:`grad_slot` gives where step ``t``'s volume gradient goes (a view of
+    the block's gradient buffer); :meth:`grad_done` runs the block's splat VJP once
+    its first step's gradient is in (the backward runs in reverse).
+    """
+
+    def __init__(self, splat_fwd, splat_bwd, xp: Any, write_coords: torch.Tensor,
+                 write_sigma: torch.Tensor, write_content: torch.Tensor,
+                 shape: tuple[int, ...], eps: float, radius: float | None) -> None:
+        self.splat_fwd, self.splat_bwd, self.xp = splat_fwd, splat_bwd, xp
+        self.coords, self.sigma, self.content = write_coords, write_sigma, write_content
+        self.shape, self.eps, self.radius = shape, eps, radius
+        self.batch, self.steps = write_coords.shape[:2]
+        self.volumes: dict[int, torch.Tensor] = {}
+        self.grads: dict[int, torch.Tensor] = {}
+        self.volume_buffers: dict[int, torch.Tensor] = {}  # block -> its pool buffer
+        self.grad_buffers: dict[int, torch.Tensor] = {}
+        self.free_volumes: list[torch.Tensor] = []
+        self.free_grads: list[torch.Tensor] = []
+        self.d_coords = self.d_sigma = self.d_content = None
+
+    def _span(self, index: int) -> tuple[int, int]:
+        return index * _WRITE_BLOCK, min((index + 1) * _WRITE_BLOCK, self.steps)
+
+    def _inputs(self, index: int):
+        start, stop = self._span(index)
+        rows = self.batch * (stop - start)
+        return (self.content[:, start:stop].reshape(rows, 1, self.content.shape[2]),
+                self.coords[:, start:stop].reshape(rows, 1, self.coords.shape[2]),
+                self.sigma[:, start:stop].reshape(rows, 1))
+
+    def _buffer(self, pool: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+        """A full block's ``(B L, C, *S)`` buffer from ``pool`` (or a new one): the scan
+        reuses its few block buffers instead of faulting in MBs per block."""
+        if pool:
+            return pool.pop()
+        full = self.batch * min(_WRITE_BLOCK, self.steps)
+        return memory.take((full, self.content.shape[2], *self.shape), like.dtype, huge=True)
+
+    def volume(self, t: int) -> torch.Tensor:
+        index = t // _WRITE_BLOCK
+        block = self.volumes.get(index)
+        if block is None:
+            if len(self.volumes) >= 2:
+                self._free_volume(next(iter(self.volumes)))
+            start, stop = self._span(index)
+            content, mu, sigma = self._inputs(index)
+            if content.dtype == mu.dtype == sigma.dtype:
+                # the generic splat of one write per row (splat_fwd's K = 1 case: the
+                # outer product content x weights), into a reused buffer
+                profiles, _, _ = gaussian_profiles(self.xp, mu, sigma, self.shape, self.eps,
+                                                   self.radius)
+                dense = outer_product(self.xp, profiles)  # (rows, 1, P)
+                rows = content.shape[0]
+                buffer = self.volume_buffers[index] = self._buffer(self.free_volumes, content)
+                out = buffer[:rows]
+                torch.mul(content[:, 0, :, None], dense,
+                          out=out.reshape(rows, content.shape[2], -1))
+            else:
+                out = plain(self.splat_fwd(self.xp, content, mu, sigma, self.shape, self.eps,
+                                            self.radius))
+            block = self.volumes[index] = out.reshape(self.batch, stop - start, *out.shape[1:])
+        return block[:, t - index * _WRITE_BLOCK]
+
+    def _free_volume(self, index: int) -> None:
+        self.volumes.pop(index, None)
+        buffer = self.volume_buffers.pop(index, None)
+        if buffer is not None:
+            self.free_volumes.append(buffer)
+
+    def grad_slot(self, t: int, like: torch.Tensor) -> torch.Tensor:
+        index = t // _WRITE_BLOCK
+        block = self.grads.get(index)
+        if block is None:
+            start, stop = self._span(index)
+            buffer = self.grad_buffers[index] = self._buffer(self.free_grads, like)
+            block = self.grads[index] = buffer[: self.batch * (stop - start)].reshape(
+                self.batch, stop - start, *like.shape[1:])
+        return block[:, t - index * _WRITE_BLOCK]
+
+    def grad_done(self, t: int) -> None:
+        index = t // _WRITE_BLOCK
+        start, stop = self._span(index)
+        if t != start:
+            return
+        if self.d_coords is None:
+            self.d_coords = memory.uninitialized(tuple(self.coords.shape), self.coords.dtype)
+            self.d_sigma = memory.uninitialized(tuple(self.sigma.shape), self.sigma.dtype)
+            self.d_content = memory.uninitialized(tuple(self.content.shape), self.content.dtype)
+        block = self.grads.pop(index)
+        g_rows = block.reshape(self.batch * (stop - start), *block.shape[2:])
+        d_content, d_mu, d_sigma = self.splat_bwd(self.xp, *self._inputs(index), self.shape,
+                                                  g_rows, self.eps, self.radius)
+        length = stop - start
+        self.d_coords[:, start:stop] = d_mu.reshape(self.batch, length, -1)
+        self.d_sigma[:, start:stop] = d_sigma.reshape(self.batch, length)
+        self.d_content[:, start:stop] = d_content.reshape(self.batch, length, -1)
+        self.free_grads.append(self.grad_buffers.pop(index))
+        self._free_volume(index)
+
+
+
+def scan_fwd(xp: Any, h0, c0, read_coords, write_coords, write_sigma, write_content, params,
+             eps: float, radius: float | None, checkpoint_every: int, *, generic: Ops,
+             options: Options):
+    """The fused :func:`tmcore.scan.memory_scan_fwd` (``generic``: the table whose splat
+    makes the write volumes), or ``None`` to decline."""
+    params = ConvParams(*params)
+    kernels = scan_kernels(options, h0, c0, read_coords, write_coords, write_sigma,
+                           write_content, *params)
+    if kernels is None:
+        return None
+    check_scan_shapes(h0, read_coords, {"c0": c0, "write_coords": write_coords,
+                                        "write_sigma": write_sigma,
+                                        "write_content": write_content}, params)
+    memory.begin()
+    cell = _cell(kernels, h0, params)
+    steps = read_coords.shape[1]
+    saved = -(-steps // checkpoint_every)
+    h_ck = memory.take((saved, *h0.shape), h0.dtype, huge=True)
+    c_ck = memory.take((saved, *h0.shape), h0.dtype, huge=True)
+    h_ck[0], c_ck[0] = h0, c0
+    reads = memory.uninitialized((cell.batch, steps, cell.channels), h0.dtype)
+    writes = _BlockWrites(generic.splat_fwd, generic.splat_bwd, xp, write_coords,
+                          write_sigma, write_content, cell.spatial, eps, radius)
+    work_h = [cell.new_state(), cell.new_state()] if checkpoint_every > 1 else None
+    work_c = [cell.new_state(), cell.new_state()] if checkpoint_every > 1 else None
+    h, c = h_ck[0], c_ck[0]
+    coords = plain(read_coords)
+    n = len(cell.spatial)
+    for t in range(steps):
+        call(kernels, "read_fwd", ptr(h), offset(coords, t * n), steps * n,
+             offset(reads, t * cell.channels), steps * cell.channels, cell.batch,
+             cell.channels, n, cell.shape_arg)
+        if t == steps - 1:
+            h_new, c_new = cell.new_state(), cell.new_state()
+        elif (t + 1) % checkpoint_every == 0:
+            h_new, c_new = h_ck[(t + 1) // checkpoint_every], c_ck[(t + 1) // checkpoint_every]
+        else:
+            h_new, c_new = _pick(work_h, h), _pick(work_c, c)
+        x = writes.volume(t)
+        cell.step(ptr(x), x.stride(0), ptr(h), ptr(c), ptr(h_new), ptr(c_new))
+        h, c = h_new, c_new
+    return reads, h, c, h_ck, c_ck
+
+
+def scan_bwd(xp: Any, read_coords, write_coords, write_sigma, write_content, params,
+             h_checkpoints, c_checkpoints, g_reads, g_h, g_c, eps: float,
+             radius: float | None, checkpoint_every: int, *, generic: Ops, options: Options):
+    """The fused :func:`tmcore.scan.memory_scan_bwd` (a :class:`tmcore.scan.ScanGrads`),
+    or ``None`` to decline."""
+    from tmcore.scan.dense import ScanGrads
+
+    params = ConvParams(*params)
+    kernels = scan_kernels(options, g_h, g_c, g_reads, h_checkpoints, c_checkpoints,
+                           read_coords, write_coords, write_sigma, write_content, *params)
+    if kernels is None:
+        return None
+    steps = read_coords.shape[1]
+    saved = -(-steps // checkpoint_every)
+    check_scan_shapes(g_h, read_coords, {
+        "g_c": g_c, "g_reads": g_reads, "h_checkpoints": h_checkpoints,
+        "c_checkpoints": c_checkpoints, "write_coords": write_coords,
+        "write_sigma": write_sigma, "write_content": write_content}, params, saved=saved)
+    memory.begin()
+    cell = _cell(kernels, g_h, params)
+    cell.start_backward()
+    h_checkpoints, c_checkpoints = plain(h_checkpoints), plain(c_checkpoints)
+    b, c_, n = cell.batch, cell.channels, len(cell.spatial)
+    coords, g_reads = plain(read_coords), plain(g_reads)
+    d_read_coords = memory.uninitialized(tuple(coords.shape), coords.dtype)
+    writes = _BlockWrites(generic.splat_fwd, generic.splat_bwd, xp, write_coords,
+                          write_sigma, write_content, cell.spatial, eps, radius)
+    bufs_h = [cell.new_state(), cell.new_state()]
+    bufs_c = [cell.new_state(), cell.new_state()]
+    g_h, g_c = plain(g_h), plain(g_c)
+    replay = [cell.new_state() for _ in range(2 * (min(checkpoint_every, steps) - 1))]
+    for segment in reversed(range(saved)):
+        start = segment * checkpoint_every
+        stop = min(start + checkpoint_every, steps)
+        states = [(h_checkpoints[segment], c_checkpoints[segment])]
+        for t in range(start, stop - 1):  # replay the segment from its checkpoint
+            k = 2 * (t - start)
+            x, (h, c) = writes.volume(t), states[-1]
+            cell.step(ptr(x), x.stride(0), ptr(h), ptr(c), ptr(replay[k]), ptr(replay[k + 1]))
+            states.append((replay[k], replay[k + 1]))
+        for t in reversed(range(start, stop)):
+            h, c = states[t - start]
+            g_h_new, g_c_new = _pick(bufs_h, g_h), _pick(bufs_c, g_c)
+            x, d_x = writes.volume(t), writes.grad_slot(t, g_h)
+            cell.backward_step(ptr(x), x.stride(0), ptr(h), ptr(c), ptr(g_h), ptr(g_c), ptr(d_x),
+                               d_x.stride(0), ptr(g_h_new), ptr(g_c_new))
+            call(kernels, "read_bwd", ptr(h), offset(coords, t * n), steps * n,
+                 offset(g_reads, t * c_), steps * c_, ptr(g_h_new),
+                 offset(d_read_coords, t * n), steps * n, b, c_, n, cell.shape_arg)
+            writes.grad_done(t)
+            g_h, g_c = g_h_new, g_c_new
+    return ScanGrads(g_h, g_c, d_read_coords, writes.d_coords, writes.d_sigma,
+                     writes.d_content, cell.param_grads())

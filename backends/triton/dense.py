@@ -1,0 +1,222 @@
+"""The fused Triton scan for torch tensors: three launches per chunk step, no Python on replay.
+
+Entries ``scan_fwd`` / ``scan_bwd`` of the torch backend's :class:`~tmcore.runtime.dispatch.Ops`
+table (contract: :func:`tmcore.scan.memory_scan_fwd` / ``memory_scan_bwd``, same
+checkpoint layout, so a forward on one path and a backward on the other agree).
+They return ``None`` whenever the fused path does not apply, and tmcore's scan
+then runs its per-primitive loop. The kernels are in
+:mod:`tmcore.backends.triton.dense_kernels`.
+
+Per chunk step: forward 1 launch (write made on the fly, depthwise stencil over
+``concat(x, h)`` without the concat, pointwise ``tl.dot``, gates, read);
+backward 2 launches (gate + pointwise VJP; transposed stencil + read + write
+partial sums), plus the forward replays of ``checkpoint_every > 1``. Tap,
+bias, pointwise and write gradients are per-program partial sums reduced once
+per scan (deterministic: no atomics).
+
+When it runs, its precision and its fallback for kernels that fail are the shared
+launcher's (:mod:`tmcore.backends.triton.launch`); on CUDA each scan loop is captured
+once per shape / dtype / options as a CUDA graph and replayed
+(:func:`tmcore.backends.triton.launch.replay`).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+import torch
+
+from tmcore.ops.conv import ConvParams
+
+from . import launch
+
+__all__ = ["scan_fwd", "scan_bwd", "launches_per_step", "MAX_PROGRAMS_PER_ROW"]
+
+#: Programs per batch row on CUDA at most (each loops over its cell tiles).
+MAX_PROGRAMS_PER_ROW = 64
+
+
+def _kernels() -> Any:
+    return launch.kernels("dense_kernels")
+
+
+def launches_per_step(checkpoint_every: int = 1) -> float:
+    """Kernel launches per chunk step, forward + backward (replays included)."""
+    return 1 + 2 + (checkpoint_every - 1) / checkpoint_every
+
+
+class _Geometry(launch.Tiles):
+    """Launch geometry of a state ``(B, C, *S)``: the grid padded to three axes, grid
+    ``(B, G)`` of programs that each loop over their cell tiles."""
+
+    def __init__(self, state: Any) -> None:
+        self.cells = math.prod(state.shape[2:])
+        super().__init__(state, self.cells)
+        self.s3 = (1,) * (3 - self.n) + self.spatial
+        tiles = -(-self.cells // self.bp)
+        # the interpreter runs programs one after another: two per row still tests the
+        # slot logic and the tile loop
+        cap = 2 if not state.is_cuda else MAX_PROGRAMS_PER_ROW
+        self.programs = min(tiles, cap)
+        self.grid = (self.batch, self.programs)
+        # the forward at C = 64 spilled 7.2 KB with 8 warps, 1.3 KB with 16; backward A
+        # went the other way (4.8 -> 9.8 KB), so only the forward takes 16 there
+        self.fwd_warps = 16 if self.cb >= 64 else self.num_warps
+
+    def constexprs(self, has_radius: bool) -> dict:
+        s0, s1, s2 = self.s3
+        return {"N": self.n, "S0": s0, "S1": s1, "S2": s2, "CB": self.cb, "BP": self.bp,
+                "HAS_RADIUS": has_radius}
+
+
+def _forward_loop(h0, c0, rc, wc, ws, wcont, dw, db, pw, pb, *, eps, radius, every, geo):
+    """The forward launches: ``(reads, h_T, c_T, h_checkpoints, c_checkpoints)``."""
+    k = _kernels()
+    steps = rc.shape[1]
+    saved = -(-steps // every)
+    h_ck = torch.empty((saved, *h0.shape), dtype=h0.dtype, device=h0.device)
+    c_ck = torch.empty_like(h_ck)
+    h_ck[0].copy_(h0)
+    c_ck[0].copy_(c0)
+    reads = torch.empty((geo.batch, steps, geo.channels), dtype=h0.dtype, device=h0.device)
+    # states that are neither checkpoints nor the result: two buffers, alternating by
+    # step (consecutive such states land in different ones; one is enough for one state)
+    between = sum(1 for t in range(steps - 1) if (t + 1) % every)
+    scratch = [(torch.empty_like(h0), torch.empty_like(c0)) for _ in range(min(between, 2))]
+    h_t, c_t = torch.empty_like(h0), torch.empty_like(c0)
+    consts = geo.constexprs(radius is not None)
+    r = 0.0 if radius is None else float(radius)
+    cur = (h_ck[0], c_ck[0])
+    for t in range(steps):
+        if t + 1 == steps:
+            out = (h_t, c_t)
+        elif (t + 1) % every == 0:
+            out = (h_ck[(t + 1) // every], c_ck[(t + 1) // every])
+        else:
+            out = scratch[t % len(scratch)]  # never the buffer it reads: see above
+        k.step_fwd_kernel[geo.grid](
+            cur[0], cur[1], out[0], out[1], reads, rc, wc, ws, wcont, dw, db, pw, pb,
+            t, steps, geo.channels, eps, r, WRITE_READ=True, PRECISION=launch.precision(h0),
+            **consts, **geo.launch_kw(geo.fwd_warps))
+        cur = out
+    return reads, h_t, c_t, h_ck, c_ck
+
+
+def _accepts(state, read_coords, arrays: dict, params: ConvParams, **kw: Any) -> bool:
+    """Whether the kernels take these arguments (else the scan declines); when they do,
+    every shape is checked (``ValueError`` naming the argument)."""
+    if read_coords.ndim != 3 or read_coords.shape[2] != state.ndim - 2:
+        return False
+    if not launch.usable(state, read_coords, *arrays.values(), *params):
+        return False
+    launch.check_shapes(state, read_coords, arrays, params, **kw)
+    return True
+
+
+def _key(kind: str, state, read_coords, eps, radius, every) -> tuple:
+    """Cache key of a captured scan loop."""
+    return (kind, tuple(state.shape), read_coords.shape[1], state.dtype, state.device,
+            float(eps), radius, every, launch.precision(state))
+
+
+def _contiguous(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return tuple(t.contiguous() for t in tensors)
+
+
+def scan_fwd(xp: Any, h0, c0, read_coords, write_coords, write_sigma, write_content,
+             params: ConvParams, eps: float, radius: float | None, checkpoint_every: int):
+    """Fused :func:`tmcore.scan.memory_scan_fwd`, or ``None`` where it does not apply."""
+    params = ConvParams(*params)
+    if not _accepts(h0, read_coords, {"c0": c0, "write_coords": write_coords,
+                                      "write_sigma": write_sigma,
+                                      "write_content": write_content}, params):
+        return None
+    inputs = _contiguous(h0, c0, read_coords, write_coords, write_sigma, write_content,
+                         *params)
+    loop = functools.partial(_forward_loop, eps=float(eps), radius=radius,
+                             every=checkpoint_every, geo=_Geometry(h0))
+    key = _key("fwd", h0, read_coords, eps, radius, checkpoint_every)
+    return launch.guarded("scan", key, 4, h0, lambda: launch.replay(key, loop, inputs))
+
+
+def _backward_loop(rc, wc, ws, wcont, dw, db, pw, pb, h_ck, c_ck, g_reads, g_h, g_c, *, eps,
+                   radius, every, geo):
+    """The backward launches: ``(d_h0, d_c0, d_read_coords, write partials (B, T, G, C + 4),
+    d_pointwise partials, d_pointwise_bias partials, bias-class sums, stencil sums)``."""
+    k = _kernels()
+    steps = rc.shape[1]
+    batch, channels, cells = geo.batch, geo.channels, geo.cells
+    like = {"dtype": g_h.dtype, "device": g_h.device}
+    g_h, g_c = g_h.clone(), g_c.clone()  # updated in place, step by step
+    d_y = torch.empty((batch, 2 * channels, cells), **like)
+    slots = batch * geo.programs
+    d_pw = torch.zeros((slots, 4 * channels, 2 * channels), **like)
+    d_pb = torch.zeros((slots, 4 * channels), **like)
+    e_sums = torch.zeros((slots, 2 * channels, 27), **like)
+    corr = torch.zeros((slots, 2 * channels, 27), **like)
+    write_part = torch.empty((batch, steps, geo.programs, channels + 4), **like)
+    d_rc = torch.empty((batch, steps, geo.n), **like)
+    replay = (torch.empty((every - 1, *g_h.shape), **like),
+              torch.empty((every - 1, *g_h.shape), **like)) if every > 1 else None
+    consts = geo.constexprs(radius is not None)
+    r = 0.0 if radius is None else float(radius)
+    precision = launch.precision(g_h)
+    extra = geo.launch_kw()
+    for segment in reversed(range(h_ck.shape[0])):
+        start = segment * every
+        stop = min(start + every, steps)
+        states = [(h_ck[segment], c_ck[segment])]
+        for t in range(start, stop - 1):
+            out = (replay[0][t - start], replay[1][t - start])
+            k.step_fwd_kernel[geo.grid](
+                *states[-1], out[0], out[1], d_rc, rc, wc, ws, wcont, dw, db, pw, pb, t, steps,
+                channels, eps, r, WRITE_READ=False, PRECISION=precision, **consts,
+                **geo.launch_kw(geo.fwd_warps))
+            states.append(out)
+        for t in reversed(range(start, stop)):
+            h, c = states[t - start]
+            k.step_bwd_a_kernel[geo.grid](
+                h, c, g_h, g_c, d_y, wcont, wc, ws, dw, db, pw, pb, d_pw, d_pb, e_sums, t,
+                steps, channels, eps, r, PRECISION=precision, **consts, **extra)
+            k.step_bwd_b_kernel[geo.grid](
+                h, g_h, d_y, g_reads, rc, wcont, wc, ws, dw, corr, write_part, d_rc, t, steps,
+                channels, eps, r, **consts, **extra)
+    return g_h, g_c, d_rc, write_part, d_pw, d_pb, e_sums, corr
+
+
+def scan_bwd(xp: Any, read_coords, write_coords, write_sigma, write_content,
+             params: ConvParams, h_checkpoints, c_checkpoints, g_reads, g_h, g_c, eps: float,
+             radius: float | None, checkpoint_every: int):
+    """Fused :func:`tmcore.scan.memory_scan_bwd`, or ``None`` where it does not apply."""
+    from tmcore.scan.dense import ScanGrads
+
+    params = ConvParams(*params)
+    saved = -(-read_coords.shape[1] // checkpoint_every)
+    if not _accepts(g_h, read_coords, {
+            "g_c": g_c, "g_reads": g_reads, "h_checkpoints": h_checkpoints,
+            "c_checkpoints": c_checkpoints, "write_coords": write_coords,
+            "write_sigma": write_sigma, "write_content": write_content}, params, saved=saved):
+        return None
+    geo = _Geometry(g_h)
+    inputs = _contiguous(read_coords, write_coords, write_sigma, write_content, *params,
+                         h_checkpoints, c_checkpoints, g_reads, g_h, g_c)
+    loop = functools.partial(_backward_loop, eps=float(eps), radius=radius,
+                             every=checkpoint_every, geo=geo)
+    key = _key("bwd", g_h, read_coords, eps, radius, checkpoint_every)
+    out = launch.guarded("scan", key, 4, g_h, lambda: launch.replay(key, loop, inputs))
+    if out is None:
+        return None
+    d_h0, d_c0, d_rc, write_part, d_pw, d_pb, e_sums, corr = out
+    ws, (dw, db) = inputs[2], inputs[4:6]
+    channels, n = geo.channels, geo.n
+    sums = write_part.sum(dim=2)  # (B, T, C + 4), a fixed-order reduction
+    denom = 2.0 * ws * ws + eps
+    d_content = sums[..., :channels]
+    d_mu = torch.stack([sums[..., channels + 2 - comp] for comp in range(n)], dim=-1)
+    d_mu = d_mu * (2.0 / denom)[..., None]
+    d_sigma = sums[..., channels + 3] * (4.0 * ws / (denom * denom))
+    d_taps, d_biases = launch.depthwise_grads(dw, db, corr.sum(0), e_sums.sum(0), geo.s3)
+    d_params = ConvParams(d_taps, d_biases, d_pw.sum(0), d_pb.sum(0))
+    return ScanGrads(d_h0, d_c0, d_rc, d_mu, d_sigma, d_content, d_params)
