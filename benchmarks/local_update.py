@@ -306,8 +306,7 @@ def _layer_step(update: str, warp: bool, grid: int, batch: int, channels: int, w
     import torch
 
     import tmcore
-    from tmcore.scan import StepInputs
-    from tmcore.scan import WarpInputs
+    from tmcore.scan import StepInputs, WarpInputs
     from tmcore.scan import options as dynamics
 
     h, c, read, write, sigma, content, params = _inputs(torch, batch, channels, grid)

@@ -28,9 +28,7 @@ from tmcore.layer.state import (
 from tmcore.runtime import sizes as _sizes
 from tmcore.runtime.validate import validation_enabled
 
-__all__ = ["PACKED_WHY", "StreamState", "check_doc_starts", "check_valid", "complete_state",
-           "doc_starts_from_offsets", "forget_row", "host_list", "maybe_host", "reset_stream",
-           "stream_state"]
+__all__ = ["StreamState", "check_doc_starts", "doc_starts_from_offsets", "stream_state"]
 
 
 class StreamState(NamedTuple):
