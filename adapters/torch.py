@@ -518,6 +518,12 @@ class _TorchLayer(tl.Layer):
         return F.softplus(x, threshold=40.0 if x.dtype == torch.float64 else 20.0)
 
     @staticmethod
+    def sample(volume: Tensor, coords: Tensor) -> Tensor:
+        # the custom op (traced by torch.compile as one node); its inputs are the layer's
+        return _torch_ops.call(_torch_ops.TrilinearSampleFunction,
+                               _torch_ops.trilinear_sample_op, volume, coords, validated=True)
+
+    @staticmethod
     def split(xp: Any, x: Tensor, sizes: Sequence[int]) -> tuple[Tensor, ...]:
         # one op (views) instead of a slice per piece; its backward is one op too
         return torch.split(x, list(sizes), dim=-1)

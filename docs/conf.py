@@ -59,7 +59,7 @@ numpydoc_validation_exclude = {
     # functions and switches (the functions themselves are validated as
     # tmcore.layer.linear and tmcore.layer.split) and LayerConfig's experimental fields
     # (described in LayerConfig's Parameters).
-    r"^tmcore\.layer\.Layer\.(linear|softplus|split|flat_rows)$",
+    r"^tmcore\.layer\.Layer\.(linear|softplus|split|flat_rows|sample)$",
     r"^tmcore\.layer\.LayerConfig\.(update|dynamics|flow)$",
 }
 

@@ -85,6 +85,62 @@ class LayerConfig:
         """``n``, the number of spatial axes."""
         return len(self.memory_shape)
 
+    def to_dict(self) -> dict[str, Any]:
+        """Give every field as a JSON-ready value (``memory_shape`` a list).
+
+        What a Hugging Face config, a JAX parameter file or a checkpoint stores
+        (:meth:`from_dict` reads it back).
+
+        Returns
+        -------
+        dict
+            ``{field: value}`` for every field, in declaration order.
+        """
+        out = dataclasses.asdict(self)
+        out["memory_shape"] = list(self.memory_shape)
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str = "config") -> LayerConfig:
+        """Read back the config :meth:`to_dict` stored, checked as :func:`layer_config`.
+
+        The options beyond the paper may be absent (their defaults then).
+
+        Parameters
+        ----------
+        data : dict
+            ``{field: value}``.
+        where : str, default "config"
+            What ``data`` is, for the messages (e.g. ``"tensor_memory"``).
+
+        Returns
+        -------
+        LayerConfig
+            The validated config.
+
+        Raises
+        ------
+        TypeError
+            If ``data`` is not a dict or a value has the wrong kind; the message names
+            ``where.field``.
+        ValueError
+            If a field is missing or unknown, or a value is out of range.
+        """
+        if not isinstance(data, dict):
+            raise TypeError(f"{where}: expected a dict, got {type(data).__name__}")
+        fields = [f.name for f in dataclasses.fields(cls)]
+        required = fields[:4]
+        missing = [k for k in required if k not in data]
+        unknown = sorted(set(data) - set(fields))
+        if missing or unknown:
+            raise ValueError(f"{where}: missing keys {missing}, unknown keys {unknown}")
+        values = {k: data[k] for k in fields if k in data}
+        try:
+            sizes = [values.pop(k) for k in required]
+            return layer_config(*sizes, **values)
+        except (TypeError, ValueError) as error:
+            raise type(error)(f"{where}.{error}") from error
+
     def state_shape(self, batch: int) -> tuple[int, ...]:
         """The shape of ``h`` (and ``c``) for a batch.
 

@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from tmcore.layer.config import LayerConfig
+from tmcore.layer.decode import decode_step
 from tmcore.layer.heads import Linear, heads, linear, read_out, split
 from tmcore.layer.params import Params
 from tmcore.layer.plan import array_plan, contiguous_plan, execute, host_plan
@@ -49,6 +50,7 @@ from tmcore.layer.stream import (
     reset_stream,
 )
 from tmcore.ops.activations import softplus
+from tmcore.ops.sample import trilinear_sample
 from tmcore.scan.dense import StepInputs
 
 __all__ = ["Layer", "Scan"]
@@ -85,6 +87,9 @@ class Layer:
     split: Callable[[Any, Any, Sequence[int]], tuple[Any, ...]] = staticmethod(split)
     #: whether the heads' products take 2-D operands (see :func:`heads`)
     flat_rows: bool = False
+    #: ``sample(h (B, C, *S), coords (B, Q, n)) -> (B, Q, C)``, a read outside the scan
+    #: (a decode step's, a skipped update's); an adapter may pass its framework's op
+    sample: Callable[[Any, Any], Any] = staticmethod(trilinear_sample)
 
     def __init__(self, config: LayerConfig):
         if not isinstance(config, LayerConfig):
@@ -263,7 +268,7 @@ class Layer:
         config = self.config
         check_tokens(xp, x, config)
         batch, tokens, _ = x.shape
-        if doc_starts is None and valid is None and tokens and batch \
+        if doc_starts is None and valid is None and tokens > 1 and batch \
                 and not isinstance(state, StreamState):
             # from a chunk boundary (no state, or a pair): x chunked as it is, without
             # first building an empty unfinished chunk (the same outputs and state)
@@ -290,6 +295,10 @@ class Layer:
         st, known = reset_stream(xp, st, known, reset)
         if tokens == 0 or batch == 0:
             return xp.zeros_like(x), st
+        if tokens == 1:  # a decode step: no chunk grid to plan
+            out, st = decode_step(self, xp, params, x[:, 0, :], st, scan,
+                                  None if valid is None else valid[:, 0])
+            return out[:, None, :], st
         if known is not None and not any(known) and valid is None:  # a chunk boundary
             return execute(self, xp, params, x, st,
                            contiguous_plan(tokens, config.chunk_size, stream=True), scan)

@@ -27,7 +27,6 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from tmcore.layer.heads import chunk, unchunk
 from tmcore.layer.params import Params
 from tmcore.layer.state import device_of
-from tmcore.ops.sample import trilinear_sample
 
 if TYPE_CHECKING:
     from tmcore.layer.layer import Layer, Scan
@@ -300,7 +299,7 @@ def execute(layer: Layer, xp: Any, params: Params, x: Any, st: StreamState, plan
                     return scan(h, c, segment)
 
                 def read_only(h=h, c=c, segment=segment):
-                    return trilinear_sample(h, segment.read_coords), h, c
+                    return layer.sample(h, segment.read_coords), h, c
 
                 part, h, c = cond(xp.any(plan.taken >= t1) if plan.taken is not None
                                   else plan.capture[-1] >= t1, update, read_only)

@@ -1,0 +1,102 @@
+"""The one-token decode step: one token in, one output out, the stream's state updated.
+
+Generation feeds the layer one token at a time. :func:`decode_step` is that call without
+planning a chunk grid: the token joins its row's unfinished chunk; a row whose chunk
+starts with it reads the state (before the chunk's write) at the chunk's read
+coordinate; a row whose chunk it completes writes and updates the state (one scan
+step, skipped when no row completes one). A constant number of array operations per
+token, the same for every token; equal to :meth:`~tmcore.layer.Layer.forward_stream`
+on the same token to rounding (the heads run over other rows).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from tmcore.layer.params import Params
+from tmcore.layer.state import device_of
+from tmcore.layer.stream import StreamState
+
+if TYPE_CHECKING:
+    from tmcore.layer.layer import Layer, Scan
+
+__all__ = ["decode_step"]
+
+
+def _rows(xp: Any, mask: Any, a: Any, b: Any) -> Any:
+    """``a`` in the rows where ``mask (B,)`` is True, else ``b``."""
+    return xp.where(xp.reshape(mask, (mask.shape[0],) + (1,) * (a.ndim - 1)), a, b)
+
+
+def _compiling() -> bool:
+    """Whether torch.compile is tracing (a host read of a flag would break its graph)."""
+    import sys
+
+    torch = sys.modules.get("torch")
+    return bool(torch is not None and torch.compiler.is_compiling())
+
+
+def decode_step(layer: Layer, xp: Any, params: Params, x: Any, st: StreamState, scan: Scan,
+                valid: Any = None) -> tuple[Any, StreamState]:
+    """One token of each row's stream: ``x (B, d)`` -> ``(out (B, d), state)``; unchecked.
+
+    Parameters
+    ----------
+    layer : Layer
+        The layer (its config, heads and read-out).
+    xp : namespace
+        The arrays' namespace.
+    params : dict of dict of array
+        The layer's parameter pytree.
+    x : array, shape ``(B, d)``
+        The next token of each row.
+    st : StreamState
+        The stream's state (``count`` in ``[0, L)``).
+    scan : callable
+        The layer's ``scan(h, c, inputs)``; one with a ``cond`` attribute (JAX:
+        ``lax.cond``) runs the update only when some row completes a chunk.
+    valid : bool array, shape ``(B,)``, optional
+        False for rows whose token is skipped (padding): their state is kept and their
+        output is zeros.
+
+    Returns
+    -------
+    out : array, shape ``(B, d)``
+        The token's output: its chunk's read, read out.
+    state : StreamState
+        The state after the token.
+    """
+    length = layer.config.chunk_size
+    count = st.count
+    slot = xp.reshape(xp.arange(length, dtype=count.dtype, device=device_of(x)), (1, length, 1))
+    pending = xp.where(slot == xp.reshape(count, (-1, 1, 1)), x[:, None, :],
+                       xp.astype(st.pending, x.dtype))               # (B, L, d)
+    inputs = layer.heads(xp, params, pending[:, None, ...])          # (B, 1, ...) each
+    starts = count == 0
+    read = _rows(xp, starts, layer.sample(st.h, inputs.read_coords)[:, 0, :], st.read)
+    complete = count == length - 1
+    if valid is not None:
+        complete = complete & valid
+    h, c = st.h, st.c
+
+    def update() -> tuple[Any, Any]:
+        _, h_new, c_new = scan(h, c, inputs)
+        return _rows(xp, complete, h_new, h), _rows(xp, complete, c_new, c)
+
+    cond = getattr(scan, "cond", None)
+    if cond is not None:
+        h, c = cond(xp.any(complete), update, lambda: (h, c))
+    elif _compiling() or bool(xp.any(complete)):  # (a host read: eager only)
+        h, c = update()
+    count = xp.where(complete, xp.zeros_like(count), count + 1)
+    keep = ~complete
+    pending = _rows(xp, keep, pending, xp.zeros_like(pending))
+    read_kept = _rows(xp, keep, read, xp.zeros_like(read))
+    out = layer.read_out(xp, params, read)
+    if valid is not None:  # a skipped token changes nothing
+        count = xp.where(valid, count, st.count)
+        pending = _rows(xp, valid, pending, xp.astype(st.pending, x.dtype))
+        read_kept = _rows(xp, valid, read_kept, st.read)
+        out = _rows(xp, valid, out, xp.zeros_like(out))
+    return out, StreamState(h, c, pending, count, read_kept)
+
