@@ -68,8 +68,8 @@ import torch
 from torch import Tensor, nn
 
 from tmcore import layer as tl
-from tmcore.adapters import _torch_attach
 from tmcore.adapters.torch import MemoryHandle, StreamState, detach_state
+from tmcore.adapters.torch import attach as _torch_attach
 from tmcore.adapters.torch import attach_memory as _attach_blocks
 
 __all__ = ["CONFIG_KEY", "HFMemory", "attach_memory", "detach_memory", "find_blocks",

@@ -160,7 +160,7 @@ def _torch():
 @pytest.mark.parametrize("update", ["dense", "local"])
 def test_torch_function_saves_only_the_checkpoints_and_gives_the_same_bits(update, flow):
     torch = _torch()
-    from tmcore.adapters._torch_ops import _OPTION_SCANS, option_scan
+    from tmcore.adapters.torch.bridge import _OPTION_SCANS, option_scan
     from tmcore.ops.conv import ConvParams
 
     steps = 7

@@ -369,19 +369,19 @@ def test_torch_local_layer_keeps_the_state_outside_the_window_bit_for_bit():
 
 
 def tl_xp():
-    from tmcore.adapters import _torch_ops
+    from tmcore.adapters.torch import bridge as _torch_ops
 
     return _torch_ops._XP
 
 
 def test_torch_default_layer_keeps_its_scan(monkeypatch):
     torch = _torch()
-    from tmcore.adapters import _torch_ops
+    from tmcore.adapters.torch import modules
 
     def refuse(*args, **kwargs):
         raise AssertionError("the default layer must not use the local/warp scan")
 
-    monkeypatch.setattr(_torch_ops, "option_scan", refuse)
+    monkeypatch.setattr(modules, "option_scan", refuse)
     base, _ = _torch_pair({})
     base(torch.randn(1, 4, D, dtype=torch.float64))
 

@@ -368,7 +368,7 @@ def test_torch_no_grad_scan_keeps_no_checkpoints(ta, torch, monkeypatch):
     """Inference memory does not grow with the sequence: under no_grad the scan keeps one
     checkpoint (the initial state) instead of one per step (old main: T of them, ~450 MiB
     for 3000 chunks)."""
-    from tmcore.adapters import _torch_ops
+    from tmcore.adapters.torch import bridge as _torch_ops
 
     kept = []
     original = _torch_ops.memory_scan_fwd

@@ -21,7 +21,7 @@ from torch import nn  # noqa: E402
 
 import tmcore.adapters.torch as tmt  # noqa: E402
 from tmcore import conv_params_from_pointwise, sigma_from_logit  # noqa: E402
-from tmcore.adapters import _torch_ops  # noqa: E402
+from tmcore.adapters.torch import bridge as _torch_ops  # noqa: E402
 from tmcore.backends import use_generic  # noqa: E402
 from tmcore.ops.conv import ConvParams  # noqa: E402
 from tmcore.scan import memory_scan_fwd  # noqa: E402

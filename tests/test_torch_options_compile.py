@@ -18,9 +18,9 @@ import pytest
 torch = pytest.importorskip("torch", reason="torch is not installed")
 
 from tmcore import layer as tl  # noqa: E402
-from tmcore.adapters import _torch_ops  # noqa: E402
-from tmcore.adapters._torch_ops import _XP  # noqa: E402
 from tmcore.adapters.torch import MemoryResidual, TensorMemory  # noqa: E402
+from tmcore.adapters.torch import bridge as _torch_ops  # noqa: E402
+from tmcore.adapters.torch.bridge import _XP  # noqa: E402
 from tmcore.scan.options import scan_options  # noqa: E402
 
 D, C, S, L = 5, 2, (4, 3), 2

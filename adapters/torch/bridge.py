@@ -83,7 +83,9 @@ __all__ = [
     "trilinear_sample_op",
 ]
 
-_XP = array_api_compat.array_namespace(torch.empty(0))
+#: The array-API namespace of torch tensors.
+XP = array_api_compat.array_namespace(torch.empty(0))
+_XP = XP
 
 #: set while an adapter function that has just validated its arguments runs its op, so
 #: that the op's eager forward (a public entry of its own: ``torch.ops.tmcore.*``, which

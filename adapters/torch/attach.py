@@ -57,8 +57,10 @@ import torch
 from torch import Tensor, nn
 
 from tmcore import layer as tl
+from tmcore.adapters.torch.modules import MemoryResidual, TensorMemory
 
-__all__ = ["ATTRIBUTE", "MemoryHandle", "blocks_of", "detach_state"]
+__all__ = ["ATTRIBUTE", "MemoryHandle", "attach_memory", "blocks_of", "detach_memory",
+           "detach_state"]
 
 #: Name of the memory submodule attach_memory adds to each block.
 ATTRIBUTE = "tensor_memory"
@@ -559,3 +561,84 @@ class MemoryHandle:
 
     def __exit__(self, *exc: object) -> None:
         self.remove()
+
+
+def attach_memory(
+    blocks: Any, mode: str = "causal", *, gate_init: float = 0.0, norm: Any = None,
+    zero_init: bool = False, streaming: bool = False, batch_first: bool | None = None,
+    **memory_kwargs: Any,
+) -> MemoryHandle:
+    """Add a gated Tensor Memory after every block of an existing model.
+
+    Each block gets a submodule ``tensor_memory`` (a :class:`MemoryResidual`) and a
+    forward hook; its code is not edited. The block's output ``y`` (or ``y[0]`` if
+    it returns a tuple) becomes ``y + sigmoid(gate_l) * memory_l(norm_l(y))``.
+
+    Parameters
+    ----------
+    blocks : nn.ModuleList, nn.Sequential, nn.TransformerEncoder or list of nn.Module
+        The blocks (a ``TransformerEncoder``: its ``layers``); their outputs are
+        ``(B, N, d)`` (or ``(N, B, d)`` with ``batch_first=False``).
+    mode : {"causal", "threaded"}, default "causal"
+        ``"causal"``: every layer scans from the segment's initial state (a read
+        at chunk ``t`` sees only earlier tokens and the chunk's first one);
+        ``"threaded"``: the paper's reference, layer ``l`` starts from the state
+        layer ``l-1`` reached after the whole sequence (NOT causal).
+    gate_init : float, default 0.0
+        The gates' initial logit (:class:`MemoryResidual`).
+    norm : nn.Module, type or None, default None
+        Each memory's input norm (:class:`MemoryResidual`; ``None``: a
+        ``LayerNorm``).
+    zero_init : bool, default False
+        Start the memories' read-outs at zero, so the model is exactly unchanged
+        until they train.
+    streaming : bool, default False
+        Carry ``handle.state`` from one model call to the next. In ``"causal"``
+        mode each layer's state is a :class:`StreamState` (it carries the
+        unfinished chunk), so calls of any lengths (one token at a time:
+        generation) equal one long call.
+    batch_first : bool or None, default None
+        Layout of the block outputs; ``None`` reads it from
+        ``block.self_attn.batch_first`` when present, else assumes True.
+    **memory_kwargs
+        :class:`TensorMemory` arguments (``embed_dim``, ...); ``device`` and
+        ``dtype`` default to the blocks' parameters'.
+
+    Returns
+    -------
+    MemoryHandle
+        ``handle.remove()`` (or :func:`detach_memory`) undoes the attachment;
+        ``handle.memories[l]`` is block ``l``'s :class:`MemoryResidual`.
+
+    Raises
+    ------
+    TypeError
+        If ``blocks`` is not a list or container of modules, or a
+        :class:`TensorMemory` argument has the wrong type.
+    ValueError
+        If there is no block, ``mode`` is unknown, or a :class:`TensorMemory`
+        argument has a bad value.
+    """
+    tl.check_mode(mode)
+    layers, detected = blocks_of(blocks)
+    if batch_first is None:
+        batch_first = True if detected is None else bool(detected)
+    ref = next((p for b in layers for p in b.parameters()), None)
+    if ref is not None:
+        memory_kwargs.setdefault("device", ref.device)
+        memory_kwargs.setdefault("dtype", ref.dtype)
+    memories = [MemoryResidual(TensorMemory(zero_init=zero_init, **memory_kwargs), norm=norm,
+                               gate_init=gate_init) for _ in layers]
+    return MemoryHandle(layers, memories, mode, streaming, batch_first)
+
+
+def detach_memory(handle: MemoryHandle) -> None:
+    """Remove the memories :func:`attach_memory` added (same as ``handle.remove()``).
+
+    Parameters
+    ----------
+    handle : MemoryHandle
+        What :func:`attach_memory` returned; the blocks are then exactly what
+        they were before.
+    """
+    handle.remove()
