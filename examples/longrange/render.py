@@ -217,7 +217,7 @@ def recall_caption(results: dict) -> str:
 
 def cost_table(cost: dict) -> str:
     header = ["model", "tokens", "tokens / s", "peak RSS growth MiB", "state at the end MiB",
-              "ms / token, last 1k"]
+              "ms / token, last interval"]
     rows = []
     for row in cost["rows"]:
         last = row["trace"][-1]
