@@ -38,7 +38,7 @@ def _config(args: argparse.Namespace):  # -> Config
     if args.examples is not None:
         task = dataclasses.replace(task, eval_examples=args.examples)
     if args.steps is not None:
-        train = dataclasses.replace(train, steps=args.steps, tune_steps=max(1, args.steps // 2))
+        train = dataclasses.replace(train, steps=args.steps, tune_steps=args.steps)
     if args.batch is not None:
         train = dataclasses.replace(train, batch=args.batch)
     if args.lrs is not None:
@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> None:
     run_p.add_argument("--window", type=int, default=None, help="the attention window W")
     run_p.add_argument("--distances", type=int, nargs="+", default=None)
     run_p.add_argument("--keys", type=int, nargs="+", default=None, help="key counts")
-    run_p.add_argument("--steps", type=int, default=None, help="training steps (search: half)")
+    run_p.add_argument("--steps", type=int, default=None, help="training steps (the search too)")
     run_p.add_argument("--batch", type=int, default=None)
     run_p.add_argument("--lrs", type=float, nargs="+", default=None, help="the search's grid")
     run_p.add_argument("--memory-channels", type=int, default=None,

@@ -15,7 +15,7 @@ import platform
 import sys
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -74,7 +74,7 @@ class TrainConfig:
     warmup: float = 0.1
     weight_decay: float = 0.01
     clip: float = 1.0
-    tune_steps: int = 400
+    tune_steps: int = 800  # the search trains as long as the evaluation runs
     lrs: tuple[float, ...] = (1e-3, 3e-3)  # the search, the same for every row
     retention: float = 3.0  # every memory's forget-gate / decay bias (fixed, not searched)
 
@@ -95,7 +95,7 @@ class Config:
                               memory_channels=2, memory_shape=(2, 2, 2), delta_heads=1),
             task=TaskConfig(vocab=Vocab(4, 4, 2, 8), distances=(2, 12), keys=(1, 2),
                             eval_examples=4),
-            train=TrainConfig(steps=3, batch=4, tune_steps=2, lrs=(1e-3, 3e-3)),
+            train=TrainConfig(steps=3, batch=4, tune_steps=3, lrs=(1e-3, 3e-3)),
             seeds=(0,))
 
     def to_dict(self) -> dict[str, Any]:
@@ -333,7 +333,3 @@ def _version(name: str) -> str | None:
         return None
 
 
-def with_steps(config: Config, steps: int) -> Config:
-    """``config`` with another training budget (the search keeps half of it)."""
-    return replace(config, train=replace(config.train, steps=steps,
-                                         tune_steps=max(1, steps // 2)))
