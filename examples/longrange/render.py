@@ -117,16 +117,19 @@ def _rows_with_reset(results: dict, cells: Callable[[list[dict], str], list[str]
 def distance_table(results: dict) -> str:
     """Key-value recall against distance (mean over key counts), with the state reset rows."""
     ds = _distances(results)
+    beyond = _beyond(results)
 
     def cells(seeds: list[dict], key: str) -> list[str]:
-        return [_cell(seeds, key, lambda n, d=d: (_kv(n) or (0, -1))[1] == d) for d in ds]
+        return [*(_cell(seeds, key, lambda n, d=d: (_kv(n) or (0, -1))[1] == d) for d in ds),
+                _cell(seeds, key, lambda n: _kv(n) is not None and beyond(n))]
 
     def extra(row: str, data: dict) -> list[str]:
         return [f"{data['params']:,}", f"{data['carried_per_layer']:,}", uses_state(results, row)]
 
     header = ["model", "params", "carried / layer", "uses state",
-              *(_d_label(results, d) for d in ds)]
-    chance = ["chance", "", "", "", *(f"{100 * results['chance']['kv']:.1f}" for _ in ds)]
+              *(_d_label(results, d) for d in ds), f"all d > {results['reach']}"]
+    chance = ["chance", "", "", "", *(f"{100 * results['chance']['kv']:.1f}" for _ in ds),
+              f"{100 * results['chance']['kv']:.1f}"]
     return md_table(header, [*_rows_with_reset(results, cells, extra), chance])
 
 
@@ -346,11 +349,12 @@ def plot_recall(results: dict, out: Path) -> None:
         ax.set_ylabel("accuracy %")
         ax.set_ylim(-3, 103)
         ax.set_xticks(xs)
-    axes[0].legend(fontsize=7, loc="upper right")
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=8)
     fig.suptitle(f"Recall beyond a window of {_window(results)} (grey line: W, dotted: the "
                  f"reach {results['reach']}); dashed: state reset every W; "
                  f"mean ± std over seeds", fontsize=10)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)
     plt.close(fig)
@@ -363,19 +367,22 @@ def plot_cost(cost: dict, out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (state, left, right) = plt.subplots(1, 3, figsize=(15, 4))
     for row in cost["rows"]:
         xs = [p["tokens"] for p in row["trace"]]
+        state.plot(xs, [p["state_mib"] for p in row["trace"]], label=row["label"])
         left.plot(xs, [p["rss_growth_mib"] for p in row["trace"]], label=row["label"])
         right.plot(xs, [p["ms_per_token"] for p in row["trace"]], label=row["label"])
+    state.set_title("state the cache carries (KV + memory, MiB)", fontsize=10)
     left.set_title("process memory growth while streaming (RSS, MiB)", fontsize=10)
     right.set_title("ms per token (each interval)", fontsize=10)
-    for ax in (left, right):
+    for ax in (state, left, right):
         ax.set_xlabel("tokens streamed")
-        ax.legend(fontsize=8)
+    state.legend(fontsize=8)
     env = cost["environment"]
-    fig.suptitle(f"Streaming {cost['config']['tokens']:,} tokens, {env['torch_threads']} "
-                 f"thread, {env['cpu']}", fontsize=10)
+    fig.suptitle(f"Streaming {cost['config']['tokens']:,} tokens one at a time, "
+                 f"{env['torch_threads']} thread, {env['cpu']} ({env['cpu_vector']})",
+                 fontsize=10)
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)
