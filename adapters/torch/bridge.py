@@ -67,7 +67,7 @@ from tmcore.scan.dense import (
     memory_scan_fwd,
     validate_scan_inputs,
 )
-from tmcore.scan.options import ScanOptions, check_options, step_for
+from tmcore.scan.options import ScanOptions, check_options, check_scan_bytes, step_for
 from tmcore.scan.warped import WarpInputs, WarpParams
 
 __all__ = [
@@ -448,7 +448,7 @@ def _check_residuals(primals: Sequence[Tensor], residuals: Sequence[Tensor],
     """The saved states the backward replays from must be exactly what the forward
     returned: ``h_checkpoints`` / ``c_checkpoints`` contiguous tensors of shape
     ``(ceil(T / k), B, C, *S)`` (``T`` from ``read_coords``, ``k = checkpoint_every``,
-    ``B, C, *S`` from ``h0``), floating, on ``h0``'s device. A wrong count (a missing
+    ``B, C, *S`` from ``h0``), in ``h0``'s dtype, on its device. A wrong count (a missing
     or an extra state), a transposed or expanded view, or another device would give
     wrong gradients or an unclear failure deep in the replay; each is a ``TypeError``
     / ``ValueError`` naming the residual."""
@@ -463,8 +463,9 @@ def _check_residuals(primals: Sequence[Tensor], residuals: Sequence[Tensor],
                 f"{name}: expected shape (ceil(T / k), B, C, *S) = {want} (T = {steps} from "
                 f"read_coords, k = checkpoint_every = {checkpoint_every}, B, C, *S from h0: "
                 f"the {name} the forward returned), got {tuple(value.shape)}")
-        if not value.is_floating_point():
-            raise TypeError(f"{name}: expected a floating dtype, got {value.dtype}")
+        if value.dtype != h0.dtype:
+            raise TypeError(f"{name}: expected a floating dtype, h0's {h0.dtype} (the "
+                            f"forward's checkpoints), got {value.dtype}")
         if value.device != h0.device:
             raise ValueError(f"{name}: expected a tensor on h0's device {h0.device}, "
                              f"got one on {value.device}")
@@ -677,5 +678,9 @@ def option_scan(options: ScanOptions, h0: Tensor, c0: Tensor, inputs: Any,
     made = _OPTION_SCANS[(shift is not None, flow_params is not None)]
     tensors = (h0, c0, *inputs, *params, *(flow_params or ()))
     keep = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    if not torch.compiler.is_compiling():  # before anything is allocated
+        check_scan_bytes(XP, step_for(options, shift is not None), h0,
+                         inputs.read_coords.shape[1], options.checkpoint_every, keep,
+                         flow_params is not None)
     out = call(made.function, made.op, *tensors, *options, keep)
     return out[0], out[1], out[2]

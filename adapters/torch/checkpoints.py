@@ -309,15 +309,26 @@ def state_from_dict(data: Mapping[str, Any]) -> Any:
         if not isinstance(data[name], Tensor):
             raise TypeError(f"data[{name!r}]: expected a torch.Tensor, "
                             f"got {type(data[name]).__name__}")
-    count = data["count"]
+    count, h = data["count"], data["h"]
     if count.dim() != 1 or count.dtype.is_floating_point or count.dtype == torch.bool:
         raise ValueError(f"data['count']: expected an integer tensor (B,), got "
                          f"{count.dtype} of shape {tuple(count.shape)}")
+    if h.dim() < 3 or count.shape[0] != h.shape[0]:  # before reading any value
+        raise ValueError(f"data['count']: expected one count per row of h (B = "
+                         f"{h.shape[0] if h.dim() else None}), got shape {tuple(count.shape)}")
+    pending = data["pending"]
+    if pending.dim() != 3 or pending.shape[0] != h.shape[0]:
+        raise ValueError(f"data['pending']: expected shape (B, L, d) with B = {h.shape[0]}, "
+                         f"got {tuple(pending.shape)}")
+    values = count.tolist()  # B values: checked for length above
+    if not all(0 <= k < pending.shape[1] for k in values):
+        raise ValueError(f"data['count']: expected {h.shape[0]} ints in [0, "
+                         f"{pending.shape[1]}) (L from pending), got {values}")
     kind = data["count_kind"]
     if kind not in ("tuple", "tensor"):
         raise ValueError(f"data['count_kind']: expected 'tuple' or 'tensor', got {kind!r}")
     if kind == "tuple":
-        count = tuple(int(k) for k in count.tolist())
+        count = tuple(int(k) for k in values)
     return tl.StreamState(data["h"], data["c"], data["pending"], count, data["read"])
 
 

@@ -107,7 +107,7 @@ _NO_GRAD_CHECKPOINT_EVERY = 2**31 - 1
 
 
 def _needs_grad(*tensors: Tensor) -> bool:
-    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    return torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in tensors)
 
 
 def memory_scan(
@@ -167,11 +167,12 @@ def memory_scan(
         mode) a value is not finite or ``write_sigma <= 0``.
     """
     params = as_conv_params(params)
+    tensors = (h0, c0, read_coords, write_coords, write_sigma, write_content, *params)
+    grad = _needs_grad(*tensors)
     if not torch.compiler.is_compiling():  # Dynamo cannot trace the validator's ContextVar
         validate_scan_inputs(h0, c0, read_coords, write_coords, write_sigma, write_content,
-                             params, checkpoint_every, radius, eps=eps)
-    tensors = (h0, c0, read_coords, write_coords, write_sigma, write_content, *params)
-    if not _needs_grad(*tensors):
+                             params, checkpoint_every, radius, eps=eps, backward=grad)
+    if not grad:
         # one checkpoint (h0, c0) whatever T: a constant, not T itself, so that a compiled
         # no_grad call does not specialize on (and recompile for) each sequence length
         checkpoint_every = _NO_GRAD_CHECKPOINT_EVERY

@@ -98,6 +98,7 @@ class ConvLSTMCell(nn.Module):
         self.channels, self.ndim = channels, ndim
         self.forget_bias = check_finite("forget_bias", forget_bias)
         self._config = _cell_config(channels, ndim, self.forget_bias)
+        tl.check_param_bytes(_XP, self._config, dtype, device, groups=("cell",))
         kw = {"device": device, "dtype": dtype}
         for spec in tl.param_specs(self._config):
             if spec.group == "cell":
@@ -363,6 +364,7 @@ class TensorMemory(nn.Module):
                                  radius=radius, eps=eps, forget_bias=forget_bias,
                                  zero_init=zero_init, update=update, window=window,
                                  dynamics=dynamics, flow=flow)
+        tl.check_param_bytes(_XP, config, dtype, device)  # before any parameter is made
         self.config = config
         self.layer = self.layer_class(config)
         d, c, n = config.embed_dim, config.memory_channels, config.ndim

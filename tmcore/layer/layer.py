@@ -29,6 +29,7 @@ from tmcore.layer.decode import decode_step
 from tmcore.layer.heads import Linear, heads, linear, read_out, split
 from tmcore.layer.params import Params
 from tmcore.layer.plan import array_plan, contiguous_plan, execute, host_plan
+from tmcore.layer.sizes import check_forward
 from tmcore.layer.state import (
     State,
     check_state,
@@ -183,6 +184,7 @@ class Layer:
         """
         config = self.config
         check_tokens(xp, x, config)
+        check_forward(xp, config, x)  # the call fits, before anything is allocated
         batch, tokens, _ = x.shape
         if state is not None:
             state = check_state(xp, state, batch, config)
@@ -267,6 +269,7 @@ class Layer:
         """
         config = self.config
         check_tokens(xp, x, config)
+        check_forward(xp, config, x)  # the call fits, before anything is allocated
         batch, tokens, _ = x.shape
         if doc_starts is None and valid is None and tokens > 1 and batch \
                 and not isinstance(state, StreamState):

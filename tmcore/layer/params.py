@@ -375,8 +375,12 @@ def stored_grid_error(stored: Any, memory_shape: Sequence[int], where: str) -> s
     return None
 
 
-def check_param_bytes(xp: Any, config: Any, dtype: Any = None, device: Any = None) -> None:
-    """Check, before a layer's parameters are made, that their bytes fit the device.
+def check_param_bytes(xp: Any, config: Any, dtype: Any = None, device: Any = None,
+                      groups: Sequence[str] | None = None) -> None:
+    """Check, before a layer's parameters are made, that they fit and can be made.
+
+    Their bytes must fit the device (or the bound ``TMCORE_MEMORY_LIMIT`` sets), and
+    every constant the plan fills in (``forget_bias``) must be finite in ``dtype``.
 
     Parameters
     ----------
@@ -388,14 +392,30 @@ def check_param_bytes(xp: Any, config: Any, dtype: Any = None, device: Any = Non
         The parameters' dtype (default: the namespace's default floating dtype).
     device : device, optional
         Where they will be made.
+    groups : sequence of str, optional
+        Only these groups (default: every group of the config).
 
     Raises
     ------
     MemoryError
-        If they cannot fit; the error names ``embed_dim`` and the bytes.
+        If they cannot fit; the error names ``embed_dim`` (or ``memory_channels`` when
+        the cell's matrices dominate) and the bytes.
+    ValueError
+        If ``forget_bias`` overflows ``dtype``.
     """
-    count = sum(math.prod(spec.shape) for spec in param_specs(config))
-    d, length = config.embed_dim, config.chunk_size
-    sizes.check_bytes("embed_dim", count * sizes.itemsize(xp, dtype),
-                f"the parameters (write_proj.weight (d, L*d) = ({d}, {length * d}) and "
-                f"the rest)", xp, device)
+    specs = [spec for spec in param_specs(config) if groups is None or spec.group in groups]
+    count = sum(math.prod(spec.shape) for spec in specs)
+    cell = sum(math.prod(spec.shape) for spec in specs if spec.group == "cell")
+    d, length, c = config.embed_dim, config.chunk_size, config.memory_channels
+    name, what = (("memory_channels", f"the parameters (the gates' pointwise map (4C, 2C) = "
+                                      f"({4 * c}, {2 * c}) and the rest)")
+                  if 2 * cell > count else
+                  ("embed_dim", f"the parameters (write_proj.weight (d, L*d) = ({d}, "
+                                f"{length * d}) and the rest)"))
+    sizes.check_bytes(name, count * sizes.itemsize(xp, dtype), what, xp, device)
+    if dtype is None:
+        dtype = xp.asarray(0.0).dtype
+    largest = float(xp.finfo(dtype).max)
+    if abs(config.forget_bias) > largest:
+        raise ValueError(f"forget_bias: {config.forget_bias!r} overflows the parameters' "
+                         f"dtype {dtype} (largest finite value {largest:.4g})")

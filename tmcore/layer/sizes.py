@@ -30,9 +30,12 @@ def forward_bytes(config: Any, batch: int, tokens: int, item: int) -> int:
     :func:`scan_bytes` plus the output ``(B, N, d)`` and the padded chunks."""
     state = batch * config.memory_channels * math.prod(config.memory_shape)
     steps = -(-tokens // config.chunk_size)
+    # a warp's working set: the warped state in and out (and the flow's 2^n corners)
+    working = 0 if config.dynamics != "warp" else 4 + (
+        2 * 2 ** len(config.memory_shape) if config.flow else 0)
     padded = batch * steps * config.chunk_size * config.embed_dim
     return sizes.scan_bytes(state, batch, config.memory_channels, steps, 0, item) \
-        + item * (batch * tokens * config.embed_dim + padded)
+        + item * (batch * tokens * config.embed_dim + padded + working * state)
 
 
 def _state_shape(config: Any, batch: int) -> tuple[int, ...]:
@@ -65,7 +68,6 @@ def check_forward(xp: Any, config: Any, x: Any) -> None:
     shape = _state_shape(config, batch)
     sizes.check_count("memory_shape", shape, "(B, C, *S)", "the state h (and c)")
     nbytes = forward_bytes(config, batch, tokens, sizes.itemsize(xp, x.dtype))
-    if nbytes >= sizes.SMALL:
-        sizes.check_bytes("memory_shape", nbytes,
-                    f"a layer call on x {tuple(x.shape)} with a state (B, C, *S) = {shape}",
-                    xp, sizes.device_of(x))
+    sizes.check_bytes("memory_shape", nbytes,
+                      f"a layer call on x {tuple(x.shape)} with a state (B, C, *S) = {shape}",
+                      xp, sizes.device_of(x))

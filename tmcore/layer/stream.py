@@ -18,6 +18,8 @@ import operator
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
+import array_api_compat
+
 from tmcore.layer.config import LayerConfig
 from tmcore.layer.state import (
     check_state,
@@ -26,7 +28,7 @@ from tmcore.layer.state import (
     zero_state,
 )
 from tmcore.runtime import sizes as _sizes
-from tmcore.runtime.validate import validation_enabled
+from tmcore.runtime.validate import check_int, validation_enabled
 
 __all__ = ["StreamState", "check_doc_starts", "doc_starts_from_offsets", "stream_state"]
 
@@ -266,20 +268,42 @@ def doc_starts_from_offsets(xp: Any, offsets: Sequence[Any], tokens: int, *,
     ValueError
         If a row's offsets are not strictly increasing or not in ``[0, tokens]``.
     """
+    tokens = check_int("tokens", tokens, 0)
     rows = offsets if offsets and isinstance(offsets[0], (list, tuple)) else [offsets]
-    mask = []
+    starts = []
     for index, row in enumerate(rows):
-        starts = [operator.index(int(o)) for o in row]
-        if any(b <= a for a, b in zip(starts, starts[1:], strict=False)) or any(
-                o < 0 or o > tokens for o in starts):
+        line = [check_int(f"offsets[{index}]", o, 0, tokens) for o in row]
+        if any(b <= a for a, b in zip(line, line[1:], strict=False)):
             raise ValueError(f"offsets[{index}]: expected increasing offsets in [0, {tokens}], "
                              f"got {list(row)}")
-        line = [False] * tokens
-        for o in starts:
-            if o < tokens:
-                line[o] = True
-        mask.append(line)
-    return xp.asarray(mask, dtype=xp.bool, device=device)
+        starts.append([o for o in line if o < tokens])
+    _sizes.check_bytes("tokens", len(rows) * tokens, f"the document-start mask ({len(rows)}, "
+                       f"{tokens}) of bools", xp, device)
+    mask = xp.zeros((len(rows), tokens), dtype=xp.bool, device=device)
+    return _mark(xp, mask, [b for b, line in enumerate(starts) for _ in line],
+                 [o for line in starts for o in line])
+
+
+def _mark(xp: Any, mask: Any, rows: list[int], cols: list[int]) -> Any:
+    """``mask (B, N)`` with ``mask[rows[i], cols[i]]`` True: in place where the namespace
+    assigns by integer arrays (NumPy, PyTorch, CuPy), functionally in JAX, else one
+    comparison per row (``O(K N)`` for a row of ``K`` starts)."""
+    if not rows:
+        return mask
+    device = device_of(mask)
+    r, c = (xp.asarray(v, device=device) for v in (rows, cols))
+    if array_api_compat.is_jax_namespace(xp):
+        return mask.at[r, c].set(True)
+    if any(check(xp) for check in (array_api_compat.is_numpy_namespace,
+                                   array_api_compat.is_torch_namespace,
+                                   array_api_compat.is_cupy_namespace)):
+        mask[r, c] = True
+        return mask
+    positions = xp.arange(mask.shape[1], device=device)
+    lines = [xp.any(positions[None, :] == xp.asarray([o for b, o in zip(rows, cols, strict=True)
+                                                     if b == row], device=device)[:, None],
+                    axis=0) if row in rows else mask[row, :] for row in range(mask.shape[0])]
+    return xp.stack(lines, axis=0)
 
 
 def check_valid(xp: Any, valid: Any, batch: int, tokens: int) -> list[list[bool]]:

@@ -57,7 +57,8 @@ Three layers, innermost first:
 
 Process settings that are not switches are read from the environment here too, when
 they are used (rarely: building the C kernels): :func:`cache_dir`
-(``TMCORE_CACHE_DIR``), :func:`compile_timeout` (``TMCORE_COMPILE_TIMEOUT``) and
+(``TMCORE_CACHE_DIR``), :func:`compile_timeout` (``TMCORE_COMPILE_TIMEOUT``),
+:func:`memory_limit` (``TMCORE_MEMORY_LIMIT``, the size gates' bound) and
 :func:`environment` for the variables of other tools (``CC``, ``TRITON_INTERPRET``,
 ``XDG_CACHE_HOME``). No other module of tmcore reads the environment.
 
@@ -79,8 +80,8 @@ from pathlib import Path
 from typing import Any, Literal, NamedTuple
 
 __all__ = ["Options", "options", "get_options", "ENV_VARS", "TIMEOUT_ENV_VAR",
-           "DEFAULT_TIMEOUT", "cache_dir", "compile_timeout", "environment",
-           "reload_environment"]
+           "DEFAULT_TIMEOUT", "MEMORY_LIMIT_ENV_VAR", "cache_dir", "compile_timeout",
+           "environment", "memory_limit", "reload_environment"]
 
 TritonMode = bool | Literal["auto"]
 DepthwiseKernel = Literal["auto", "grouped", "shifts"]
@@ -424,6 +425,36 @@ def environment(name: str, default: str | None = None) -> str | None:
     """The value of another tool's environment variable (``CC``, ``TRITON_INTERPRET``,
     ...), read now; ``default`` when it is unset."""
     return os.environ.get(name, default)
+
+
+#: The variable bounding the bytes one call may need (``memory_limit``).
+MEMORY_LIMIT_ENV_VAR = "TMCORE_MEMORY_LIMIT"
+_UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
+
+
+def memory_limit() -> int | None:
+    """The bound, in bytes, every size gate checks a call's parameters, activations and
+    state against before allocating (``TMCORE_MEMORY_LIMIT``: bytes, or a number with a
+    ``K``, ``M``, ``G`` or ``T`` suffix, powers of 1024; read now). ``None`` (unset): the
+    device's own memory bounds it (host memory, a cgroup or ``RLIMIT_AS``; a GPU's total
+    memory). A value that is not a positive size is refused by name with a warning (once
+    per value), and no bound applies."""
+    raw = os.environ.get(MEMORY_LIMIT_ENV_VAR, "").strip()
+    if not raw:
+        return None
+    text = raw.lower().removesuffix("b").removesuffix("i")
+    unit = text[-1] if text and text[-1] in _UNITS else ""
+    try:
+        value = float(text[: len(text) - len(unit)]) * _UNITS[unit]
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value >= 1):
+        if raw not in _WARNED_TIMEOUTS:
+            _WARNED_TIMEOUTS.add(raw)
+            warnings.warn(f"tmcore: {MEMORY_LIMIT_ENV_VAR}={raw!r} is not a size in bytes "
+                          f"(e.g. 8G); it is ignored", RuntimeWarning, stacklevel=2)
+        return None
+    return int(value)
 
 
 def cache_dir() -> Path:

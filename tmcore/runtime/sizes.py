@@ -36,6 +36,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from tmcore.runtime.options import MEMORY_LIMIT_ENV_VAR, memory_limit
+
 __all__ = [
     "INT64_MAX",
     "SMALL",
@@ -151,7 +153,16 @@ def device_of(array: Any) -> Any:
 
 def memory_budget(xp: Any, device: Any = None) -> tuple[int, str] | None:
     """``(bytes, what it is)``: the most memory ``device`` of namespace ``xp`` can ever
-    give one call; ``None`` where it is not known (then nothing is refused)."""
+    give one call, or the bound ``TMCORE_MEMORY_LIMIT`` sets when it is lower; ``None``
+    where neither is known (then nothing is refused)."""
+    device_budget = _device_budget(xp, device)
+    limit = memory_limit()
+    if limit is not None and (device_budget is None or limit < device_budget[0]):
+        return limit, f"the bound {MEMORY_LIMIT_ENV_VAR} sets"
+    return device_budget
+
+
+def _device_budget(xp: Any, device: Any = None) -> tuple[int, str] | None:
     name = getattr(xp, "__name__", "")
     try:
         if "torch" in name and "torch" in sys.modules:
@@ -211,14 +222,18 @@ def check_bytes(name: str, nbytes: int, what: str, xp: Any, device: Any = None) 
     if nbytes > INT64_MAX:
         raise ValueError(f"{name}: {what} would need {nbytes:.3e} bytes, more than int64 "
                          f"can address")
-    if nbytes < SMALL or compiling():
+    if compiling():
+        return
+    limit = memory_limit()  # (small requests look nothing up, unless a bound is set below)
+    if nbytes < SMALL and (limit is None or nbytes <= limit):
         return
     budget = memory_budget(xp, device)
     if budget is not None and nbytes > budget[0]:
         raise MemoryError(
             f"{name}: {what} would take at least {_gib(nbytes)}, more than {_gib(budget[0])} "
             f"({budget[1]}); nothing was allocated. Use a smaller grid, batch or "
-            f"channel count (or a larger checkpoint_every for the backward)")
+            f"channel count (or a larger checkpoint_every for the backward); "
+            f"{MEMORY_LIMIT_ENV_VAR} sets another bound")
 
 
 # --------------------------------------------------------------------------- estimates
@@ -232,20 +247,24 @@ def scan_bytes(state: int, batch: int, channels: int, steps: int, checkpoints: i
     return item * (state * (4 + _STEP_STATES + 2 * checkpoints) + batch * steps * channels)
 
 
-def check_scan(xp: Any, h0: Any, steps: int, checkpoint_every: int, backward: bool) -> None:
+def check_scan(xp: Any, h0: Any, steps: int, checkpoint_every: int, backward: bool,
+               log_elements: int = 0, working_states: int = 0) -> None:
     """Before a scan allocates: the checkpoints' count fits int64, and the bytes the scan
     needs (:func:`scan_bytes`; ``ceil(T / k)`` checkpoints for a backward, one for a
-    forward) fit the device (``ValueError`` / ``MemoryError`` naming ``h0``)."""
+    forward; plus ``log_elements`` per step for a step that logs instead, and
+    ``working_states`` more states of working set per step) fit the device
+    (``ValueError`` / ``MemoryError`` naming ``h0``)."""
     shape = tuple(int(s) for s in h0.shape)
     saved = -(-steps // checkpoint_every) if backward else 1
     state = check_count("h0", shape, "(B, C, *S)", "the state")
     check_count("checkpoint_every", (saved, *shape), "(ceil(T / k), B, C, *S)",
                 "the saved states")
-    nbytes = scan_bytes(state, shape[0], shape[1], steps, saved, itemsize(xp, h0.dtype))
-    if nbytes >= SMALL:
-        kind = f"a backward over T = {steps} steps keeping {saved} states" if backward \
-            else f"a scan over T = {steps} steps"
-        check_bytes("h0", nbytes, f"{kind} of shape (B, C, *S) = {shape}", xp, device_of(h0))
+    item = itemsize(xp, h0.dtype)
+    nbytes = scan_bytes(state, shape[0], shape[1], steps, saved, item) + item * (
+        state * working_states + (steps * log_elements if backward else 0))
+    kind = f"a backward over T = {steps} steps keeping {saved} states" if backward \
+        else f"a scan over T = {steps} steps"
+    check_bytes("h0", nbytes, f"{kind} of shape (B, C, *S) = {shape}", xp, device_of(h0))
 
 
 def check_array(xp: Any, name: str, shape: Sequence[int], layout: str, what: str,
@@ -254,6 +273,5 @@ def check_array(xp: Any, name: str, shape: Sequence[int], layout: str, what: str
     its count fits int64 and its bytes fit the device (``ValueError`` /
     ``MemoryError`` naming ``name``)."""
     count = check_count(name, shape, layout, what)
-    if count * _WIDEST >= SMALL:
-        check_bytes(name, count * itemsize(xp, like.dtype),
-                    f"{what} {layout} = {tuple(int(s) for s in shape)}", xp, device_of(like))
+    check_bytes(name, count * itemsize(xp, like.dtype),
+                f"{what} {layout} = {tuple(int(s) for s in shape)}", xp, device_of(like))

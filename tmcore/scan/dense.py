@@ -336,7 +336,7 @@ def memory_scan_bwd(
 
 def validate_scan_inputs(h0, c0, read_coords, write_coords, write_sigma, write_content, params,
                          checkpoint_every, radius, g_reads=None, g_h=None, g_c=None,
-                         eps=DEFAULT_EPS):
+                         eps=DEFAULT_EPS, backward=None):
     """Check the arguments of :func:`memory_scan` / :func:`memory_scan_vjp`.
 
     Shapes, dtypes, namespaces, devices and Python scalars always (no device sync);
@@ -383,7 +383,9 @@ def validate_scan_inputs(h0, c0, read_coords, write_coords, write_sigma, write_c
     if steps < 1:
         raise ValueError(f"read_coords: expected at least one step (T >= 1), got shape "
                          f"{tuple(read_coords.shape)}")
-    _sizes.check_scan(xp, h0, steps, checkpoint_every, g_reads is not None)  # before allocating
+    # before allocating: a forward that keeps the backward's checkpoints counts them
+    _sizes.check_scan(xp, h0, steps, checkpoint_every,
+                      g_reads is not None if backward is None else backward)
     check_positive(xp, "write_sigma", write_sigma)
     return xp, params
 

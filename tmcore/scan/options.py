@@ -10,19 +10,21 @@ its VJP are the validated public entries.
 
 from __future__ import annotations
 
+import math
 from typing import Any, NamedTuple
 
 from tmcore.ops.conv import ConvParams, as_conv_params, validate_conv_params
 from tmcore.ops.splat import DEFAULT_EPS
 from tmcore.ops.window import check_method
+from tmcore.runtime import sizes
 from tmcore.runtime.validate import check_dim, check_int, check_rank, require_array
 from tmcore.scan.base import Residuals, Step, scan_backward, scan_forward
 from tmcore.scan.dense import DenseStep, StepInputs, validate_scan_inputs
 from tmcore.scan.local import LocalStep
 from tmcore.scan.warped import WarpInputs, WarpParams, WarpStep
 
-__all__ = ["ScanOptions", "check_options", "dynamic_memory_scan", "dynamic_memory_scan_vjp",
-           "scan_bwd", "scan_fwd", "scan_options", "step_for"]
+__all__ = ["ScanOptions", "check_options", "check_scan_bytes", "dynamic_memory_scan",
+           "dynamic_memory_scan_vjp", "scan_bwd", "scan_fwd", "scan_options", "step_for"]
 
 
 class ScanOptions(NamedTuple):
@@ -60,6 +62,25 @@ def step_for(options: ScanOptions, warp: bool = False) -> Step:
     step: Step = (DenseStep(options.eps, options.radius) if options.update == "dense" else
                   LocalStep(options.window, options.eps, options.radius, options.method))
     return WarpStep(step) if warp else step
+
+
+def check_scan_bytes(xp: Any, step: Step, h0: Any, steps: int, checkpoint_every: int,
+                     backward: bool, flow: bool = False) -> None:
+    """Before a scan of ``step`` allocates: what it keeps for a backward (checkpoints, or
+    the local step's per-step log) and its per-step working set fit the device, or the
+    bound ``TMCORE_MEMORY_LIMIT`` sets (``MemoryError`` / ``ValueError`` naming ``h0``)."""
+    batch, channels, *grid = (int(s) for s in h0.shape)
+    inner = step.update if isinstance(step, WarpStep) else step
+    working = 0
+    if isinstance(step, WarpStep):  # the warped state in and out, the flow's corners
+        working = 4 + (2 * 2 ** len(grid) if flow else 0)
+    if isinstance(inner, LocalStep) and inner.policy == "log" and step is inner:
+        box = math.prod(min(inner.window + 2, s) for s in grid)
+        corners = math.prod(1 if s == 1 else 2 for s in grid)
+        sizes.check_scan(xp, h0, steps, steps, backward,
+                         log_elements=batch * channels * (2 * box + corners))
+        return
+    sizes.check_scan(xp, h0, steps, checkpoint_every, backward, working_states=working)
 
 
 def _shift_of(inputs: Any) -> Any:
