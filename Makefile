@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.tmcore-installed
 
-.PHONY: test demo lint bench docs clean-venv
+.PHONY: test test-slow demo lint bench docs clean-venv
 
 $(STAMP): pyproject.toml constraints-dev.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -19,6 +19,10 @@ TEST_WORKERS ?= 2
 test: $(STAMP)
 	$(PY) -m ruff check tmcore backends adapters tests examples benchmarks
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
+
+# Only the tests marked slow (skipped by `make test`); CI runs them after it.
+test-slow: $(STAMP)
+	OMP_NUM_THREADS=1 TMCORE_SLOW_TESTS=1 $(PY) -m pytest -q -m slow $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 
 # Binding under the paper protocol and the streaming one, seed 0, two worker processes of one
 # thread each (deterministic: a rerun prints the same table; compared with the committed results).

@@ -121,7 +121,8 @@ def test_checkpoint_residuals_of_another_dtype_are_named():
     primals = (h0, h0, coords, coords, torch.ones(1, 3), torch.ones(1, 3, 1), *params)
     _, _, _, hk, ck = torch.ops.tmcore.memory_scan(*primals, 1e-6, None, 1)
     cot = (torch.ones(1, 3, 1), torch.zeros_like(h0), torch.zeros_like(h0))
-    with pytest.raises(TypeError, match="h_checkpoints: expected a floating dtype, h0's torch.float32"):
+    expected = "h_checkpoints: expected a floating dtype, h0's torch.float32"
+    with pytest.raises(TypeError, match=expected):
         torch.ops.tmcore.memory_scan_backward(*primals, hk.double(), ck, *cot, 1e-6, None, 1)
 
 

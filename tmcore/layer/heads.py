@@ -232,7 +232,7 @@ def chunk(xp: Any, x: Any, chunk_size: int) -> Any:
         # torch.compile would trace through array_api_compat's type checks
         zeros = xp.broadcast_to(xp.zeros_like(x[:, :1, :]), (batch, pad, d))
         x = xp.concat([x, zeros], axis=1)
-    return xp.reshape(x, (batch, steps, chunk_size, d))
+    return xp.reshape(x, (batch, -1, chunk_size, d))  # (-1: no symbolic ceil under compile)
 
 
 def unchunk(xp: Any, per_chunk: Any, tokens: int, chunk_size: int) -> Any:

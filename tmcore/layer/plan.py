@@ -111,11 +111,15 @@ def _zero_row(xp: Any, table: Any) -> Any:
 def contiguous_plan(tokens: int, length: int, stream: bool) -> Plan:
     """The grid from a chunk boundary: ``x`` chunked as it is. ``stream``: keep a ragged
     last chunk as the unfinished one (else it is zero-padded and written)."""
+    # (no divmod, sets or dicts of sizes: torch.compile traces them as symbols, which
+    # must not be hashed or they specialize to one length)
     steps = -(-tokens // length)
-    full, left = divmod(tokens, length)
-    take = full if stream and left else steps
-    return Plan(steps, None, None, tuple(sorted({0, take, steps})), {}, (take,), None, None,
-                None, False, None, None, left if stream else None, None, None)
+    full = tokens // length
+    left = tokens - full * length
+    ragged = stream and left
+    cuts = ((0, full, steps) if full else (0, steps)) if ragged else (0, steps)
+    return Plan(steps, None, None, cuts, {}, (full if ragged else steps,), None, None, None,
+                False, None, None, left if stream else None, None, None)
 
 
 def array_plan(xp: Any, x: Any, count: Any, known: tuple[int, ...] | None, valid: Any,
@@ -282,13 +286,13 @@ def execute(layer: Layer, xp: Any, params: Params, x: Any, st: StreamState, plan
                   xp.reshape(xp.take(plan.table, plan.gather, axis=0),
                              (batch, steps, length, d)))
         inputs = layer.heads(xp, params, chunks)               # (B, T, ...) each
-        states, parts = {}, []
+        entering, parts = [], []  # the state entering each cut (sizes are not hashed)
         cond = getattr(scan, "cond", None)
         for t0, t1 in zip(plan.cuts, plan.cuts[1:], strict=False):
-            if t0 in plan.resets:
+            if plan.resets and t0 in plan.resets:
                 keep = ~plan.resets[t0]
                 h, c = _rows(xp, keep, h, xp.zeros_like(h)), _rows(xp, keep, c, xp.zeros_like(c))
-            states[t0] = (h, c)
+            entering.append((h, c))
             segment = inputs if (t0, t1) == (0, steps) else type(inputs)(
                 *(v[:, t0:t1, ...] for v in inputs))
             if (cond is not None and plan.skip_after is not None and t1 == t0 + 1
@@ -306,16 +310,20 @@ def execute(layer: Layer, xp: Any, params: Params, x: Any, st: StreamState, plan
             else:
                 part, h, c = scan(h, c, segment)
             parts.append(part)
-        states[steps] = (h, c)
+        entering.append((h, c))
         reads = parts[0] if len(parts) == 1 else xp.concat(parts, axis=1)   # (B, T, C)
         if plan.carried is not None:  # a continued unfinished chunk's read is the state's
             first = _rows(xp, plan.carried, st.read, reads[:, 0, :])
             reads = (xp.concat([first[:, None, :], reads[:, 1:, :]], axis=1) if steps > 1
                      else first[:, None, :])
-        h, c = states[plan.capture[0]]
+        def state_at(t: Any) -> tuple[Any, Any]:
+            return entering[next(i for i, cut in enumerate(plan.cuts) if cut is t or cut == t)]
+
+        h, c = state_at(plan.capture[0])
         for t in plan.capture[1:]:
             pick = plan.taken == t
-            h, c = _rows(xp, pick, states[t][0], h), _rows(xp, pick, states[t][1], c)
+            h_t, c_t = state_at(t)
+            h, c = _rows(xp, pick, h_t, h), _rows(xp, pick, c_t, c)
     if plan.forget is not None:
         keep = ~plan.forget
         h, c = _rows(xp, keep, h, xp.zeros_like(h)), _rows(xp, keep, c, xp.zeros_like(c))
