@@ -11,7 +11,7 @@ Every number of the "Images and video" section of the experiments guide
 (docs/guides/experiments.md) is rendered from one of
 these by :func:`render_readme` (blocks ``<!-- vision-results: NAME -->`` ...
 ``<!-- /vision-results -->``), so the committed text always equals the
-committed results (``tests/test_examples_vision.py`` checks it).
+committed results (``tests/examples/test_examples_vision.py`` checks it).
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ committed results files.
 in the READMEs (:data:`READMES`) with the table of
 ``examples/diagnostics/results/binding-streaming.json`` (a ``-tuning`` file
 gives the tuning table); ``--check`` only compares and exits 1 on a
-difference. ``tests/test_diagnostics_smoke.py`` runs the check, so the
+difference. ``tests/examples/test_diagnostics_smoke.py`` runs the check, so the
 committed tables always equal the committed results.
 """
 

@@ -18,7 +18,7 @@ layer) or the ``scan`` callable the layer runs.
   ``cell.depthwise_*``, which then receive no gradient.
 
 With the default switches the module is the adapter's layer (its scan, its
-state dict); ``tests/test_diagnostics_smoke.py`` checks that. The adapter's
+state dict); ``tests/examples/test_diagnostics_smoke.py`` checks that. The adapter's
 layer options (``update="local"`` with ``window``, ``dynamics="warp"``) pass
 through: the scan is then the adapter's options scan
 (``tmcore.adapters.torch.option_scan``) over the switched gate

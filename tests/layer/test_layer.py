@@ -101,7 +101,7 @@ def test_layer_md_table_matches_the_plan():
     (the default plan and the warp_net / warp_flow groups of dynamics="warp", flow=True)."""
     from pathlib import Path
 
-    text = (Path(__file__).resolve().parents[1] / "docs" / "LAYER.md").read_text()
+    text = (Path(__file__).resolve().parents[2] / "docs" / "LAYER.md").read_text()
     rows = [line for line in text.splitlines() if line.startswith("| `")]
     warp = tl.layer_config(6, 2, (3, 4), 3, dynamics="warp", flow=True)
     specs = tl.param_specs(CONFIG) + tl.param_specs(warp)

@@ -71,6 +71,6 @@ def test_readme_generation_table_is_rendered_from_results():
     from benchmarks.generation import RESULTS, table
 
     result = json.loads(Path(RESULTS).read_text())
-    readme = (Path(__file__).resolve().parents[1] / "docs" / "guides" / "streaming.md").read_text()
+    readme = (Path(__file__).resolve().parents[2] / "docs" / "guides" / "streaming.md").read_text()
     assert result["command"].startswith("python -m benchmarks.generation") and result["commit"]
     assert table(result) in readme

@@ -23,7 +23,7 @@ import pytest
 
 import tmcore
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _params(rng: np.random.Generator, n: int, c_in: int, c_out: int) -> tmcore.ConvParams:

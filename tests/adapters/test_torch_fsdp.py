@@ -186,7 +186,7 @@ try:
     import transformers  # noqa: F401
 
     VARIANTS += ("hf-fsdp1-flat",)
-except ImportError:  # the HF variant needs transformers (tests/test_hf.py skips likewise)
+except ImportError:  # the HF variant needs transformers (tests/adapters/test_hf.py skips likewise)
     pass
 
 

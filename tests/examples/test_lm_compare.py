@@ -114,7 +114,7 @@ def test_tiny_run_is_deterministic_and_renders(tmp_path):
 def test_committed_results_match_the_readme_and_table():
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     results = root / "examples" / "lm" / "results"
     if not (results / "compare.json").is_file():
         pytest.skip("no committed examples/lm/results/compare.json")

@@ -228,7 +228,7 @@ if __name__ == "__main__":
 def test_benchmark_script_runs(tmp_path):
     """``benchmarks/jax_sharding.py`` (BENCHMARKS.md's 1 vs 2 device table) at the tiny
     config: every row timed, no all-gather in any compiled step."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     out = tmp_path / "jax_sharding.json"
     run = subprocess.run([sys.executable, "-m", "benchmarks.jax_sharding", "--config", "tiny",
                           "--reps", "1", "--out", str(out)], cwd=root, capture_output=True,

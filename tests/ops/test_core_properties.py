@@ -20,7 +20,7 @@ import pytest
 
 from tmcore.testing import PROPERTIES, run_property
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("name", list(PROPERTIES))

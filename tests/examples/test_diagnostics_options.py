@@ -1,7 +1,7 @@
 """The diagnostics' rows with the layer options beyond the paper (local updates, warped
 dynamics): how the examples build those layers, and the experiments that declare the rows.
 
-The options themselves are tested with the layer (tests/test_layer_options.py); here:
+The options themselves are tested with the layer (tests/layer/test_layer_options.py); here:
 the ablation layer passes them through and computes the adapter's function, the row
 switches reach the layer that is built, and the option experiments keep the sizes,
 seeds and hyper-parameters of the experiments they are compared with.

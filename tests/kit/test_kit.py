@@ -16,7 +16,7 @@ import tmcore.ops.cell
 from tmcore.testing import PROPERTIES, check_namespace, require_float64, run_property
 from tmcore.testing.strategies import assert_rel, to_numpy
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_kit_passes_on_array_api_strict():
