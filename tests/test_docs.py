@@ -59,3 +59,20 @@ def test_the_main_functions_have_examples():
 
     for fn in (tmcore.trilinear_sample, tmcore.gaussian_splat, tmcore.memory_scan):
         assert ">>> " in (fn.__doc__ or ""), fn.__name__
+
+
+def test_every_repository_path_the_docs_name_exists():
+    """A guide that names a file (`tmcore/layer/plan.py`, `tests/scan/`) names one that
+    exists: the re-layout moved many; this catches the next move a guide misses."""
+    import re
+
+    pattern = re.compile(r"`((?:tmcore|backends|adapters|tests|examples|benchmarks|docs)"
+                         r"/[\w./-]*[\w/])(?:::\w+)?`")
+    pages = [ROOT / "README.md", ROOT / "BENCHMARKS.md", *DOCS.rglob("*.md"),
+             *(ROOT / "examples").rglob("README.md")]
+    named = [(page.relative_to(ROOT), path) for page in pages if page.exists()
+             for path in pattern.findall(page.read_text())
+             if "*" not in path and not path.startswith("docs/_build")]
+    assert len(named) > 50
+    missing = [f"{page}: {path}" for page, path in named if not (ROOT / path).exists()]
+    assert not missing, missing

@@ -14,7 +14,7 @@ README = ROOT / "README.md"
 #: The README and the guides its sections moved to: their ```python blocks are whole
 #: programs. (Other guides show fragments of a longer program in their blocks.)
 MOVED = ("conventions", "pytorch", "jax", "streaming", "modes", "distributed", "backends",
-         "errors-and-numerics", "adding-a-backend", "experiments", "benchmarks")
+         "adding-a-backend", "experiments", "benchmarks")
 PAGES = [README, *(ROOT / "docs" / "guides" / f"{name}.md" for name in MOVED),
          ROOT / "docs" / "LAYER.md"]
 BLOCKS = [(page, index, block) for page in PAGES if page.exists()

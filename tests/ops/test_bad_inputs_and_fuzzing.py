@@ -2,7 +2,7 @@
 determinism, and fuzzing with valid and invalid arguments.
 
 What is checked always, what only in validate mode and what not at all is
-listed in docs/guides/errors-and-numerics.md and in ``tmcore.runtime.validate``.
+listed in docs/guides/errors-and-cache.md and in ``tmcore.runtime.validate``.
 The long-scan length on NumPy is ``TMCORE_LONG_SCAN_STEPS`` (default 2,000;
 100,000 takes about 5 minutes on one core); the 100,000-step run
 itself is done by JAX's ``lax.scan`` over the same ``tmcore.scan.step_fwd``.

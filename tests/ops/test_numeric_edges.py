@@ -1,4 +1,4 @@
-"""Numeric edges give one answer on every path (docs/guides/errors-and-numerics.md).
+"""Numeric edges give one answer on every path (docs/guides/errors-and-cache.md).
 
 Each case runs on NumPy (the generic path), torch with its fast paths (the
 fused C kernels, ``grid_sample``), torch forced onto the generic path, and JAX

@@ -241,8 +241,9 @@ def get_options() -> Options:
 
     Each field is the innermost :func:`options` override, else the process-wide
     setting (:func:`tmcore.set_validation`), else its environment variable,
-    else the default. The environment is read at every call (a few dict
-    lookups), so a variable changed through ``os.environ`` counts at once.
+    else the default. The switches' environment variables are read once, at
+    import: after changing one in a running process, call
+    :func:`reload_environment`.
 
     Returns
     -------

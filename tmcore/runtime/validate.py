@@ -3,7 +3,7 @@
 Errors name the argument, what was given and what was expected, so a user who
 passes a wrong shape learns which one without reading tmcore's source.
 
-Two tiers (docs/guides/errors-and-numerics.md):
+Two tiers (docs/guides/errors-and-cache.md):
 
 - **Always** (no device-to-host sync; only shapes, dtypes, namespaces, devices
   and Python scalars are inspected): every check in this module except
