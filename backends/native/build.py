@@ -2,7 +2,8 @@
 
 The torch backend asks :func:`library` for the kernels the first time a CPU
 float32 / float64 cell runs: the C sources are compiled once per machine with the
-system C compiler (``$CC``, default ``cc``; about 2 s) into a cache folder and
+system C compiler (``$CC``, default ``cc``, split as a shell would, so
+``CC="gcc -O0"`` is ``gcc`` with ``-O0`` before tmcore's flags; about 2 s) into a cache folder and
 loaded with :mod:`ctypes`. The JAX backend asks :func:`jax_library`: the same C
 kernels plus ``jax_ffi.cc``, their XLA FFI handlers, compiled with ``$CXX``
 (default ``c++``) against the headers jaxlib ships (about 4 s) and registered
@@ -48,6 +49,7 @@ import hashlib
 import json
 import os
 import platform
+import shlex
 import shutil
 import signal
 import subprocess
@@ -105,8 +107,17 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
-def _tool(env: str, default: str) -> str | None:
-    return shutil.which(environment(env, default))
+def _tool(env: str, default: str) -> list[str] | None:
+    """The compiler command ``$env`` names (default ``default``) as an argument list, split
+    as a shell would (``CC="gcc -O0"``: the compiler ``gcc`` with the flag ``-O0``, added
+    before tmcore's own), its program resolved on ``PATH``; ``None`` if not found. A
+    value that does not parse (an unclosed quote) counts as not found."""
+    try:
+        argv = shlex.split(environment(env, default) or default)
+    except ValueError:
+        return None
+    program = shutil.which(argv[0]) if argv else None
+    return None if program is None else [program, *argv[1:]]
 
 
 def _run(command: Sequence[str], timeout: float | None) -> str:
@@ -127,9 +138,11 @@ def _run(command: Sequence[str], timeout: float | None) -> str:
     return out
 
 
-def _identity(folder: Path, compiler: str, timeout: float | None) -> str:
-    """The compiler's version line, cached in ``folder/compilers.json`` by the resolved
-    path, size and mtime of its executable (so it runs once per compiler install)."""
+def _identity(folder: Path, command: list[str], timeout: float | None) -> str:
+    """The compiler's version line and its extra flags (``command[1:]``), the version
+    cached in ``folder/compilers.json`` by the resolved path, size and mtime of its
+    executable (so it runs once per compiler install)."""
+    compiler, extra = command[0], " ".join(command[1:])
     real = os.path.realpath(compiler)
     info = os.stat(real)
     stamp = [info.st_size, info.st_mtime_ns]
@@ -142,13 +155,13 @@ def _identity(folder: Path, compiler: str, timeout: float | None) -> str:
             table = {}
     entry = table.get(real) if isinstance(table, dict) else None
     if isinstance(entry, dict) and entry.get("stamp") == stamp and "version" in entry:
-        return str(entry["version"])
+        return f"{entry['version']} {extra}"
     version = str(_run([compiler, "--version"], timeout).splitlines()[:1])
     table = table if isinstance(table, dict) else {}
     table[real] = {"stamp": stamp, "version": version}
     with contextlib.suppress(OSError):
         cache.write_atomic(table_path, json.dumps(table, indent=1, sort_keys=True).encode())
-    return version
+    return f"{version} {extra}"
 
 
 def _build_key(*parts: bytes | str) -> str:
@@ -180,7 +193,7 @@ class _Spec(NamedTuple):
     prefix: str  # file names: {prefix}-{key}.so
     tools: tuple[tuple[str, str], ...]  # (environment variable, default) per compiler
     parts: Callable[[], list[bytes | str]]  # what the build depends on, compilers aside
-    commands: Callable[[list[str], Path, Path], list[list[str]]]  # compilers, work, out
+    commands: Callable[[list[list[str]], Path, Path], list[list[str]]]  # compilers, work, out
     finish: Callable[[ctypes.CDLL], None]  # declare / register; AttributeError: no symbol
 
 
@@ -257,7 +270,7 @@ _TORCH = _Spec(
     prefix="tmcore_cell",
     tools=(("CC", "cc"),),
     parts=lambda: [p.read_bytes() for p in SOURCES],
-    commands=lambda cc, work, out: [[cc[0], *_FLAGS, "-o", str(out), str(SOURCE), "-lm"]],
+    commands=lambda cc, work, out: [[*cc[0], *_FLAGS, "-o", str(out), str(SOURCE), "-lm"]],
     finish=_declare,
 )
 
@@ -269,11 +282,11 @@ def _jax_spec() -> _Spec:
     cxx_flags = ("-std=c++17", "-O2", "-fPIC", "-w", f"-I{include}")
     c_flags = [f for f in _FLAGS if f != "-shared"]
 
-    def commands(tools: list[str], work: Path, out: Path) -> list[list[str]]:
+    def commands(tools: list[list[str]], work: Path, out: Path) -> list[list[str]]:
         cc, cxx = tools
-        return [[cc, *c_flags, "-c", str(SOURCE), "-o", str(work / "cell.o")],
-                [cxx, *cxx_flags, "-c", str(JAX_SOURCE), "-o", str(work / "ffi.o")],
-                [cxx, "-shared", "-fopenmp", str(work / "cell.o"), str(work / "ffi.o"),
+        return [[*cc, *c_flags, "-c", str(SOURCE), "-o", str(work / "cell.o")],
+                [*cxx, *cxx_flags, "-c", str(JAX_SOURCE), "-o", str(work / "ffi.o")],
+                [*cxx, "-shared", "-fopenmp", str(work / "cell.o"), str(work / "ffi.o"),
                  "-o", str(out), "-lm"]]
 
     def finish(lib: ctypes.CDLL) -> None:
