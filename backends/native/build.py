@@ -19,7 +19,9 @@ warns once and returns ``None``, and the backend keeps its framework-only path
   :mod:`tmcore.backends.native.cache`.
 - ``TMCORE_COMPILE_TIMEOUT`` bounds each compiler run, in seconds (default 120;
   ``inf`` or ``none``: no limit; anything else that is not a number > 0 is
-  refused with a warning naming the variable, and the default applies).
+  refused with a warning naming the variable, and the default applies). The first
+  kernel call of a process waits for the build; a build still running after
+  ``min(10 s, timeout / 2)`` says so in a warning with the most it will wait.
 
 **A bad cache heals.** A build that fails its check (truncated, garbage, no
 digest) or fails to load (no such symbols) is deleted and rebuilt once in this
@@ -120,13 +122,42 @@ def _tool(env: str, default: str) -> list[str] | None:
     return None if program is None else [program, *argv[1:]]
 
 
-def _run(command: Sequence[str], timeout: float | None) -> str:
+#: Seconds a build may run before its wait is announced in a warning (at most half
+#: the timeout): the first kernel call of a process blocks on the compiler.
+ANNOUNCE_AFTER_S = 10.0
+
+
+def _announce(command: Sequence[str], waited: float, timeout: float | None) -> None:
+    limit = "without a limit" if timeout is None else f"up to {timeout:g} s in all"
+    warnings.warn(
+        f"tmcore: building the fused CPU kernels with {Path(command[0]).name} (their first "
+        f"use on this machine) has taken {waited:g} s; this call waits for the compiler "
+        f"{limit} ({TIMEOUT_ENV_VAR} sets the limit; {ENV_VAR}=0 skips the kernels)",
+        RuntimeWarning, stacklevel=6)
+
+
+def _run(command: Sequence[str], timeout: float | None, announce: list[bool] | None = None
+         ) -> str:
     """Run ``command`` in its own process group; its stdout. The whole group is killed
-    when ``timeout`` expires (a compiler's children too)."""
+    when ``timeout`` expires (a compiler's children too). With ``announce`` (a one-item
+    flag shared by the commands of one build, ``[True]`` until it is said): once the
+    command has run ``min(ANNOUNCE_AFTER_S, timeout / 2)`` s, a warning says that this
+    call waits for the compiler and for how long at most."""
     proc = subprocess.Popen(list(command), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             stdin=subprocess.DEVNULL, text=True, start_new_session=True)
     try:
-        out, err = proc.communicate(timeout=timeout)
+        if announce and announce[0]:
+            patience = (ANNOUNCE_AFTER_S if timeout is None
+                        else min(ANNOUNCE_AFTER_S, timeout / 2))
+            try:
+                out, err = proc.communicate(timeout=patience)
+            except subprocess.TimeoutExpired:
+                announce[0] = False
+                _announce(command, patience, timeout)
+                out, err = proc.communicate(
+                    timeout=None if timeout is None else max(timeout - patience, 1e-3))
+        else:
+            out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         with contextlib.suppress(OSError):
             os.killpg(proc.pid, signal.SIGKILL)
@@ -177,10 +208,11 @@ def _build(target: Path, commands: Callable[[Path, Path], list[list[str]]],
     """Run ``commands(workdir, out)`` (compiler calls writing ``out``) in a private
     scratch folder next to ``target``, record ``out``'s SHA-256, then rename both
     into place: no process ever sees half a file."""
+    announce = [True]
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=".build-") as work:
         out = Path(work) / target.name
         for command in commands(Path(work), out):
-            _run(command, timeout)
+            _run(command, timeout, announce)
         cache.install(out, target)
 
 
