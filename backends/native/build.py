@@ -2,7 +2,8 @@
 
 The torch backend asks :func:`library` for the kernels the first time a CPU
 float32 / float64 cell runs: the C sources are compiled once per machine with the
-system C compiler (``$CC``, default ``cc``; about 2 s) into a cache folder and
+system C compiler (``$CC``, default ``cc``, split as a shell would, so
+``CC="gcc -O0"`` is ``gcc`` with ``-O0`` before tmcore's flags; about 2 s) into a cache folder and
 loaded with :mod:`ctypes`. The JAX backend asks :func:`jax_library`: the same C
 kernels plus ``jax_ffi.cc``, their XLA FFI handlers, compiled with ``$CXX``
 (default ``c++``) against the headers jaxlib ships (about 4 s) and registered
@@ -18,7 +19,9 @@ warns once and returns ``None``, and the backend keeps its framework-only path
   :mod:`tmcore.backends.native.cache`.
 - ``TMCORE_COMPILE_TIMEOUT`` bounds each compiler run, in seconds (default 120;
   ``inf`` or ``none``: no limit; anything else that is not a number > 0 is
-  refused with a warning naming the variable, and the default applies).
+  refused with a warning naming the variable, and the default applies). The first
+  kernel call of a process waits for the build; a build still running after
+  ``min(10 s, timeout / 2)`` says so in a warning with the most it will wait.
 
 **A bad cache heals.** A build that fails its check (truncated, garbage, no
 digest) or fails to load (no such symbols) is deleted and rebuilt once in this
@@ -48,6 +51,7 @@ import hashlib
 import json
 import os
 import platform
+import shlex
 import shutil
 import signal
 import subprocess
@@ -105,17 +109,55 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
-def _tool(env: str, default: str) -> str | None:
-    return shutil.which(environment(env, default))
+def _tool(env: str, default: str) -> list[str] | None:
+    """The compiler command ``$env`` names (default ``default``) as an argument list, split
+    as a shell would (``CC="gcc -O0"``: the compiler ``gcc`` with the flag ``-O0``, added
+    before tmcore's own), its program resolved on ``PATH``; ``None`` if not found. A
+    value that does not parse (an unclosed quote) counts as not found."""
+    try:
+        argv = shlex.split(environment(env, default) or default)
+    except ValueError:
+        return None
+    program = shutil.which(argv[0]) if argv else None
+    return None if program is None else [program, *argv[1:]]
 
 
-def _run(command: Sequence[str], timeout: float | None) -> str:
+#: Seconds a build may run before its wait is announced in a warning (at most half
+#: the timeout): the first kernel call of a process blocks on the compiler.
+ANNOUNCE_AFTER_S = 10.0
+
+
+def _announce(command: Sequence[str], waited: float, timeout: float | None) -> None:
+    limit = "without a limit" if timeout is None else f"up to {timeout:g} s in all"
+    warnings.warn(
+        f"tmcore: building the fused CPU kernels with {Path(command[0]).name} (their first "
+        f"use on this machine) has taken {waited:g} s; this call waits for the compiler "
+        f"{limit} ({TIMEOUT_ENV_VAR} sets the limit; {ENV_VAR}=0 skips the kernels)",
+        RuntimeWarning, stacklevel=6)
+
+
+def _run(command: Sequence[str], timeout: float | None, announce: list[bool] | None = None
+         ) -> str:
     """Run ``command`` in its own process group; its stdout. The whole group is killed
-    when ``timeout`` expires (a compiler's children too)."""
+    when ``timeout`` expires (a compiler's children too). With ``announce`` (a one-item
+    flag shared by the commands of one build, ``[True]`` until it is said): once the
+    command has run ``min(ANNOUNCE_AFTER_S, timeout / 2)`` s, a warning says that this
+    call waits for the compiler and for how long at most."""
     proc = subprocess.Popen(list(command), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             stdin=subprocess.DEVNULL, text=True, start_new_session=True)
     try:
-        out, err = proc.communicate(timeout=timeout)
+        if announce and announce[0]:
+            patience = (ANNOUNCE_AFTER_S if timeout is None
+                        else min(ANNOUNCE_AFTER_S, timeout / 2))
+            try:
+                out, err = proc.communicate(timeout=patience)
+            except subprocess.TimeoutExpired:
+                announce[0] = False
+                _announce(command, patience, timeout)
+                out, err = proc.communicate(
+                    timeout=None if timeout is None else max(timeout - patience, 1e-3))
+        else:
+            out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         with contextlib.suppress(OSError):
             os.killpg(proc.pid, signal.SIGKILL)
@@ -127,9 +169,11 @@ def _run(command: Sequence[str], timeout: float | None) -> str:
     return out
 
 
-def _identity(folder: Path, compiler: str, timeout: float | None) -> str:
-    """The compiler's version line, cached in ``folder/compilers.json`` by the resolved
-    path, size and mtime of its executable (so it runs once per compiler install)."""
+def _identity(folder: Path, command: list[str], timeout: float | None) -> str:
+    """The compiler's version line and its extra flags (``command[1:]``), the version
+    cached in ``folder/compilers.json`` by the resolved path, size and mtime of its
+    executable (so it runs once per compiler install)."""
+    compiler, extra = command[0], " ".join(command[1:])
     real = os.path.realpath(compiler)
     info = os.stat(real)
     stamp = [info.st_size, info.st_mtime_ns]
@@ -142,13 +186,13 @@ def _identity(folder: Path, compiler: str, timeout: float | None) -> str:
             table = {}
     entry = table.get(real) if isinstance(table, dict) else None
     if isinstance(entry, dict) and entry.get("stamp") == stamp and "version" in entry:
-        return str(entry["version"])
+        return f"{entry['version']} {extra}"
     version = str(_run([compiler, "--version"], timeout).splitlines()[:1])
     table = table if isinstance(table, dict) else {}
     table[real] = {"stamp": stamp, "version": version}
     with contextlib.suppress(OSError):
         cache.write_atomic(table_path, json.dumps(table, indent=1, sort_keys=True).encode())
-    return version
+    return f"{version} {extra}"
 
 
 def _build_key(*parts: bytes | str) -> str:
@@ -164,10 +208,11 @@ def _build(target: Path, commands: Callable[[Path, Path], list[list[str]]],
     """Run ``commands(workdir, out)`` (compiler calls writing ``out``) in a private
     scratch folder next to ``target``, record ``out``'s SHA-256, then rename both
     into place: no process ever sees half a file."""
+    announce = [True]
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=".build-") as work:
         out = Path(work) / target.name
         for command in commands(Path(work), out):
-            _run(command, timeout)
+            _run(command, timeout, announce)
         cache.install(out, target)
 
 
@@ -180,7 +225,7 @@ class _Spec(NamedTuple):
     prefix: str  # file names: {prefix}-{key}.so
     tools: tuple[tuple[str, str], ...]  # (environment variable, default) per compiler
     parts: Callable[[], list[bytes | str]]  # what the build depends on, compilers aside
-    commands: Callable[[list[str], Path, Path], list[list[str]]]  # compilers, work, out
+    commands: Callable[[list[list[str]], Path, Path], list[list[str]]]  # compilers, work, out
     finish: Callable[[ctypes.CDLL], None]  # declare / register; AttributeError: no symbol
 
 
@@ -257,7 +302,7 @@ _TORCH = _Spec(
     prefix="tmcore_cell",
     tools=(("CC", "cc"),),
     parts=lambda: [p.read_bytes() for p in SOURCES],
-    commands=lambda cc, work, out: [[cc[0], *_FLAGS, "-o", str(out), str(SOURCE), "-lm"]],
+    commands=lambda cc, work, out: [[*cc[0], *_FLAGS, "-o", str(out), str(SOURCE), "-lm"]],
     finish=_declare,
 )
 
@@ -269,11 +314,11 @@ def _jax_spec() -> _Spec:
     cxx_flags = ("-std=c++17", "-O2", "-fPIC", "-w", f"-I{include}")
     c_flags = [f for f in _FLAGS if f != "-shared"]
 
-    def commands(tools: list[str], work: Path, out: Path) -> list[list[str]]:
+    def commands(tools: list[list[str]], work: Path, out: Path) -> list[list[str]]:
         cc, cxx = tools
-        return [[cc, *c_flags, "-c", str(SOURCE), "-o", str(work / "cell.o")],
-                [cxx, *cxx_flags, "-c", str(JAX_SOURCE), "-o", str(work / "ffi.o")],
-                [cxx, "-shared", "-fopenmp", str(work / "cell.o"), str(work / "ffi.o"),
+        return [[*cc, *c_flags, "-c", str(SOURCE), "-o", str(work / "cell.o")],
+                [*cxx, *cxx_flags, "-c", str(JAX_SOURCE), "-o", str(work / "ffi.o")],
+                [*cxx, "-shared", "-fopenmp", str(work / "cell.o"), str(work / "ffi.o"),
                  "-o", str(out), "-lm"]]
 
     def finish(lib: ctypes.CDLL) -> None:

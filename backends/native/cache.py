@@ -8,7 +8,9 @@ another user could have written or swapped:
   user, or that group or others may write, or that lies below a folder others
   may write without the sticky bit (``/tmp`` has it), is not used: tmcore warns
   once and builds into a fresh private temporary folder for this process
-  (:func:`safe_dir`);
+  (:func:`safe_dir`), which must pass the same checks (under a ``TMPDIR`` others
+  may write without the sticky bit it does not: the kernels are then off, with
+  a warning naming both folders);
 - a symbolic link on the way to the folder is followed only if this user (or
   root) owns it and it sits in a folder no other user may write (sticky bit or
   not) nor swap from above; any other link makes the folder unsafe, as above.
@@ -21,7 +23,12 @@ another user could have written or swapped:
   and hashed, and the loader maps that same descriptor (``/proc/self/fd/N``;
   where ``/proc`` is absent, a private copy of the bytes that were hashed)
   (:func:`open_build`). No check and load ever look at two different files. A
-  truncated file is never mapped, so it cannot raise SIGBUS.
+  truncated file is never mapped, so it cannot raise SIGBUS. The loader knows a
+  build by that name, so a number it has seen for another file (the descriptor
+  closed by other code, the number reused) is never loaded through again, and a
+  handle the loader hands back for another file is refused;
+- a folder (or other non-file) where a build or its digest should be is renamed
+  away and deleted, and the build made again (:func:`remove`): it heals.
 
 What is built, and when, is :mod:`tmcore.backends.native.build`'s.
 """
@@ -32,6 +39,7 @@ import atexit
 import contextlib
 import ctypes
 import errno
+import fcntl
 import hashlib
 import os
 import re
@@ -240,6 +248,15 @@ def safe_dir() -> Path:
     if "dir" not in _FALLBACK:
         fresh = Path(tempfile.mkdtemp(prefix="tmcore-native-")).resolve()  # 0700, ours
         atexit.register(shutil.rmtree, fresh, ignore_errors=True)
+        # the same checks as the cache folder: under a TMPDIR others may write without
+        # the sticky bit, another user could rename it away and put theirs in its place
+        fallback_problem = _folder_problem(fresh)
+        if fallback_problem is not None:
+            shutil.rmtree(fresh, ignore_errors=True)
+            raise RuntimeError(
+                f"the kernel cache folder {wanted} is not safe ({problem}), and neither is "
+                f"the private fallback folder {fresh} ({fallback_problem}); set "
+                f"TMCORE_CACHE_DIR (or TMPDIR) to a folder only you can write")
         _FALLBACK["dir"] = fresh
         warnings.warn(
             f"tmcore: not using the kernel cache folder {wanted}: {problem}. The fused "
@@ -307,8 +324,20 @@ def _verify(target: Path) -> _Verified | str:
 
 
 def remove(target: Path) -> None:
-    """Delete a build and its recorded digest (whichever exist)."""
+    """Delete a build and its recorded digest (whichever exist). A folder in their place
+    (which would make every later install fail) is first renamed away inside the cache
+    folder, in one step, then deleted; any other non-file (a FIFO, a link) is unlinked."""
     for path in (target, _sidecar(target)):
+        try:
+            info = os.lstat(path)
+        except OSError:
+            continue
+        if stat.S_ISDIR(info.st_mode):
+            aside = Path(tempfile.mkdtemp(dir=path.parent, prefix=".stale-"))
+            with contextlib.suppress(OSError):
+                os.replace(path, aside / "d")  # atomic: the name is free at once
+            shutil.rmtree(aside, ignore_errors=True)
+            continue
         with contextlib.suppress(OSError):
             os.unlink(path)
 
@@ -349,20 +378,59 @@ def _dlopen(verified: _Verified, target: Path) -> ctypes.CDLL:
     info = os.fstat(verified.fd)
     key = (info.st_dev, info.st_ino)
     fd = _HELD.get(key)
+    if fd is not None and not _is(fd, key):  # closed by other code (its number reused)
+        del _HELD[key]
+        fd = None
     if fd is not None:  # this very file is loaded already: the loader shares it
         os.close(verified.fd)
     else:
-        fd = verified.fd
+        fd = _fresh_name(verified.fd, key)
     try:
         lib = ctypes.CDLL(str(_PROC_FD / str(fd)))
     except OSError:
         if fd not in _HELD.values():
             os.close(fd)
         raise
+    known = _HANDLES.get(lib._handle)
+    if known is not None and known != key:
+        # the loader handed back another object it knows by this name: never use it
+        if fd not in _HELD.values():
+            os.close(fd)
+        raise OSError(f"/proc/self/fd/{fd} names another loaded object")
+    _HANDLES[lib._handle] = key
+    _NAMES[fd] = key
     _HELD.setdefault(key, fd)
     lib._name = str(target)
     lib._tmcore_key = key
     return lib
+
+
+#: What each loaded object is: handle -> (device, inode), and the ``/proc/self/fd/N``
+#: numbers the loader knows a build by -> (device, inode). The loader reuses a loaded
+#: object for a name it has seen, so a number (closed by other code, then reused for
+#: another build) must not be loaded through again.
+_HANDLES: dict[int, tuple[int, int]] = {}
+_NAMES: dict[int, tuple[int, int]] = {}
+
+
+def _is(fd: int, key: tuple[int, int]) -> bool:
+    """Whether descriptor ``fd`` is still open on the file ``key`` (device, inode)."""
+    try:
+        info = os.fstat(fd)
+    except OSError:
+        return False
+    return (info.st_dev, info.st_ino) == key
+
+
+def _fresh_name(fd: int, key: tuple[int, int]) -> int:
+    """``fd``, or a duplicate of it (``fd`` closed) under a number the loader has not
+    seen for another file: ``/proc/self/fd/N`` is how the loader knows the build."""
+    if _NAMES.get(fd, key) == key:
+        return fd
+    lowest = max(_NAMES) + 1
+    duplicate = fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, lowest)
+    os.close(fd)
+    return duplicate
 
 
 def unload(lib: ctypes.CDLL) -> None:
@@ -374,6 +442,7 @@ def unload(lib: ctypes.CDLL) -> None:
         _ctypes.dlclose(lib._handle)
     except (ImportError, AttributeError, OSError):
         return
+    _HANDLES.pop(lib._handle, None)
     fd = _HELD.pop(getattr(lib, "_tmcore_key", None), None)
     if fd is not None:
         with contextlib.suppress(OSError):

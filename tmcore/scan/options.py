@@ -48,9 +48,20 @@ def scan_options(config: Any, method: str = "fast") -> ScanOptions:
                        check_int("checkpoint_every", config.checkpoint_every, 1))
 
 
+_UPDATES = ("dense", "local")
+
+
 def check_options(options: ScanOptions) -> ScanOptions:
-    """``options`` with its ``checkpoint_every`` checked (an int >= 1, a named error);
-    the adapters call it once per scan (the other fields come from a validated config)."""
+    """``options`` with every field checked (a named error): ``update`` one of
+    ``"dense"`` / ``"local"``, ``window`` an int >= 1 for ``"local"``, ``method`` a
+    window method, ``checkpoint_every`` an int >= 1. The adapters call it once per scan,
+    and :func:`step_for` at every scan (the custom ops take the options as plain values
+    a caller may get wrong: nothing falls back to other options)."""
+    if options.update not in _UPDATES:
+        raise ValueError(f"update: expected one of {_UPDATES}, got {options.update!r}")
+    if options.update == "local":
+        check_int("window", options.window, 1)
+        check_method(options.method)
     every = check_int("checkpoint_every", options.checkpoint_every, 1)
     return options if every == options.checkpoint_every else options._replace(
         checkpoint_every=every)
@@ -58,7 +69,8 @@ def check_options(options: ScanOptions) -> ScanOptions:
 
 def step_for(options: ScanOptions, warp: bool = False) -> Step:
     """The chunk step of ``options``: dense or local, inside a :class:`WarpStep` when
-    ``warp`` (the inputs carry a shift)."""
+    ``warp`` (the inputs carry a shift). Raises what :func:`check_options` raises."""
+    options = check_options(options)
     step: Step = (DenseStep(options.eps, options.radius) if options.update == "dense" else
                   LocalStep(options.window, options.eps, options.radius, options.method))
     return WarpStep(step) if warp else step
