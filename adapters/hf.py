@@ -182,13 +182,39 @@ def find_blocks(model: nn.Module, blocks: str | None = None) -> tuple[str, nn.Mo
     return path, owner, _resolve(model, path)
 
 
-def _hidden_size(model: nn.Module) -> int:
+def _config_width(model: nn.Module) -> int | None:
     config = model.config
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     size = getattr(text, "hidden_size", None)
-    if not isinstance(size, int):
+    return size if isinstance(size, int) and not isinstance(size, bool) else None
+
+
+def _hidden_size(model: nn.Module) -> int:
+    size = _config_width(model)
+    if size is None:
         raise ValueError("model: its config has no integer hidden_size; pass embed_dim=")
     return size
+
+
+def _check_fits(model: nn.Module, path: str, owner: nn.Module, embed_dim: int,
+                where: str = "embed_dim") -> None:
+    """Refuse, before anything is attached, what would only fail at the first forward: a
+    token width other than the blocks' (the hidden size), or blocks whose owner is not
+    called with the tokens (an encoder's inner stack such as BERT's ``encoder.layer``,
+    whose owner receives hidden states and an extended mask)."""
+    width = _config_width(model)
+    if width is not None and embed_dim != width:
+        raise ValueError(f"{where}: the memory reads and writes the blocks' outputs of the "
+                         f"model's hidden size {width} (config.hidden_size), got {embed_dim}; "
+                         f"leave embed_dim unset or pass {width}")
+    names = _parameter_names(owner)
+    if "input_ids" not in names and "inputs_embeds" not in names:
+        raise ValueError(
+            f"blocks: {path!r} is owned by {type(owner).__name__}, whose forward is not "
+            f"called with input_ids or inputs_embeds (an encoder's inner stack?); "
+            f"tmcore.adapters.hf attaches to the blocks of a decoder's base model, whose "
+            f"forward receives the tokens, the cache and the padding mask (model.layers, "
+            f"transformer.h, ...). For other stacks use tmcore.adapters.torch.attach_memory")
 
 
 # --------------------------------------------------------------------------- state per cache
@@ -636,8 +662,10 @@ def attach_memory(
         If ``model`` is not a ``PreTrainedModel``, ``streaming`` is not a bool
         or a size is not an int.
     ValueError
-        If ``model`` already has a memory, its blocks are not found, ``norm`` is
-        unknown or a size or option is out of range (the layer's checks).
+        If ``model`` already has a memory, its blocks are not found or their owner is
+        not called with the tokens (an encoder's inner stack), ``embed_dim`` is not
+        the hidden size, ``norm`` is unknown or a size or option is out of range (the
+        layer's checks).
     """
     if memory_of(model) is not None:
         raise ValueError("model: already has a Tensor Memory attached; detach_memory first")
@@ -660,14 +688,16 @@ def attach_memory(
         "zero_init": config.zero_init, "update": config.update, "window": config.window,
         "dynamics": config.dynamics, "flow": config.flow,
     }
-    return _attach_spec(model, spec)
+    return _attach_spec(model, spec, "embed_dim")
 
 
-def _attach_spec(model: nn.Module, spec: dict[str, Any]) -> HFMemory:
+def _attach_spec(model: nn.Module, spec: dict[str, Any], where: str = f"{CONFIG_KEY}.embed_dim"
+                 ) -> HFMemory:
     path, owner, found = find_blocks(model, spec["blocks"])
     if len(found) != spec["num_blocks"]:
         raise ValueError(f"{CONFIG_KEY}.num_blocks: stored {spec['num_blocks']} blocks at "
                          f"{path!r}, the model has {len(found)}")
+    _check_fits(model, path, owner, spec["embed_dim"], where)
     handle = _attach_blocks(
         found, "causal", gate_init=spec["gate_init"], norm=_norm_module(spec["norm"]),
         zero_init=spec["zero_init"], streaming=True, batch_first=True,
