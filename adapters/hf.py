@@ -535,11 +535,27 @@ def _valid_from_4d(mask: Tensor, batch: int, tokens: int, past: int, compiling: 
     return None if bool(valid.all()) else valid
 
 
+def _mask_from_mapping(masks: dict) -> Any:
+    """One mask of the per-attention-type masks ``generate`` prepares for models mixing
+    sliding and full attention (``{"full_attention": ..., "sliding_attention": ...}``,
+    with ``cache_implementation="static"``): every kind lets a real token attend to
+    itself and masks out a padding token's row, so each says which tokens are real; the
+    full-attention one is read when there is one."""
+    if "full_attention" in masks:
+        return masks["full_attention"]
+    for value in masks.values():
+        if value is not None:
+            return value
+    return None
+
+
 def _valid_mask(mask: Any, batch: int, tokens: int, compiling: bool, past: int = 0
                 ) -> Tensor | None:
     """The new tokens' bool ``(B, N)`` validity from ``attention_mask (B, past + N)``, or
-    from a prepared 4-D mask (:func:`_valid_from_4d`); ``None`` when there is no mask or
-    no padding."""
+    from a prepared 4-D mask (:func:`_valid_from_4d`) or a mapping of them per attention
+    kind (:func:`_mask_from_mapping`); ``None`` when there is no mask or no padding."""
+    if isinstance(mask, dict):
+        mask = _mask_from_mapping(mask)
     if mask is None:
         return None
     if isinstance(mask, Tensor) and mask.dim() == 4:

@@ -60,3 +60,60 @@ def test_blocks_of_an_encoder_stack_are_refused_at_attach():
                          blocks="encoder.layer")
     assert hf.memory_of(model) is None
     assert not any("tensor_memory" in k for k in model.state_dict())
+
+
+# --------------------------------------------------------------------------- item 1: mixed
+
+
+def mixed_attention(family: str) -> nn.Module:
+    """Sliding and full attention layers in one model (a window shorter than the prompt)."""
+    torch.manual_seed(0)
+    sizes = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2,
+             "num_attention_heads": 2, "num_key_value_heads": 1, "max_position_embeddings": 64,
+             "sliding_window": 4, **COMMON}
+    if family == "gemma2":
+        return transformers.Gemma2ForCausalLM(
+            transformers.Gemma2Config(head_dim=8, **sizes)).eval()
+    config = transformers.Qwen2Config(use_sliding_window=True,
+                                      layer_types=["sliding_attention", "full_attention"],
+                                      **sizes)
+    return transformers.Qwen2ForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize("family", ["gemma2", "qwen2"])
+def test_static_cache_with_mixed_sliding_and_full_attention(family):
+    """Old main: the hook got the per-attention-type masks as a dict and raised
+    'attention_mask: expected a tensor ... got dict'."""
+    model = mixed_attention(family)
+    hf.attach_memory(model, **MEMORY)
+    x = ids(2, 7)
+    mask = torch.ones_like(x)
+    mask[0, :2] = 0  # left padding
+    runs = {}
+    with torch.no_grad():
+        for name, kw in (("static", {"cache_implementation": "static"}), ("dynamic", {}),
+                         ("uncached", {"use_cache": False})):
+            runs[name] = model.generate(x, attention_mask=mask, max_new_tokens=6,
+                                        do_sample=False, pad_token_id=0, **kw)
+    assert torch.equal(runs["static"], runs["dynamic"])
+    assert torch.equal(runs["static"], runs["uncached"])
+
+
+def test_a_mapping_of_masks_in_a_forward_is_read_as_its_full_attention_mask():
+    """A forward given the per-attention-type masks (as generate prepares them) equals the
+    forward given the 2-D padding mask, at every real token."""
+    model = mixed_attention("qwen2")
+    hf.attach_memory(model, **MEMORY)
+    x = ids(2, 6)
+    mask = torch.ones_like(x)
+    mask[0, :2] = 0
+    causal = torch.ones(6, 6, dtype=torch.bool).tril()[None] & mask.bool()[:, None, :]
+    full = (causal & mask.bool()[:, :, None])[:, None]
+    band = torch.ones(6, 6, dtype=torch.bool).triu(-3)[None, None]
+    valid = mask.bool()
+    position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        plain = model(x, attention_mask=mask, position_ids=position_ids).logits
+        got = model(x, attention_mask={"full_attention": full, "sliding_attention": full & band},
+                    position_ids=position_ids).logits
+    assert (got[valid] - plain[valid]).abs().max() <= 1e-5
