@@ -36,8 +36,10 @@ The memory state belongs to the generation, the way the KV cache does:
   shifts the chunk grid, so every row equals that row run alone;
 - training forwards never carry a state across batches, unless
   ``streaming=True`` asks for streaming training (truncated backprop: each
-  uncached forward in training mode continues, detached, from the previous one;
-  :meth:`HFMemory.reset_state` at document boundaries).
+  forward in training mode given no cache continues, detached, from the previous
+  one, also when it makes a cache for itself with ``use_cache=True``;
+  :meth:`HFMemory.reset_state` at document boundaries);
+- the state stored on a cache is detached from the autograd graph.
 
 The memory configuration (every hyper-parameter, the blocks' path) is stored in
 ``model.config.tensor_memory``, so ``save_pretrained`` writes it to
@@ -457,14 +459,17 @@ class HFMemory:
         self.handle._valid = None
         if states is None:
             return
-        _, cache = self._cache_arg(args, kwargs)
-        if cache is None:
-            cache = _cache_in(output)
+        _, passed = self._cache_arg(args, kwargs)
+        cache = passed if passed is not None else _cache_in(output)
+        if _on_graph(states):  # a cache never keeps the graph alive (truncated backprop)
+            states = [detach_state(s) for s in states]
         transformers = _transformers()
         if isinstance(cache, transformers.Cache):
             self._bind(cache, states)
-        if self.streaming and module.training and cache is None:
-            self._train_state = [detach_state(s) for s in states]
+        if self.streaming and module.training and passed is None:
+            # no cache came in (one the forward made for itself, use_cache=True by
+            # default, does not count): streaming training carries the state on
+            self._train_state = states
 
     def _bind(self, cache: Any, states: list[Any]) -> None:
         length = 0 if torch.compiler.is_compiling() else cache.get_seq_length()
@@ -473,6 +478,13 @@ class HFMemory:
             current = cache.__dict__.get(name)
             if not isinstance(current, _CacheMethod) and hasattr(type(cache), name):
                 cache.__dict__[name] = _CacheMethod(cache, name)
+
+
+def _on_graph(states: list[Any]) -> bool:
+    """Whether a state is attached to the autograd graph (checked on one field: the
+    fields are computed together)."""
+    first = states[0]
+    return bool((first.h if isinstance(first, StreamState) else first[0]).requires_grad)
 
 
 class _PreHook:

@@ -117,3 +117,53 @@ def test_a_mapping_of_masks_in_a_forward_is_read_as_its_full_attention_mask():
         got = model(x, attention_mask={"full_attention": full, "sliding_attention": full & band},
                     position_ids=position_ids).logits
     assert (got[valid] - plain[valid]).abs().max() <= 1e-5
+
+
+# --------------------------------------------------------------------------- item 3: streaming
+
+
+def _no_graph(states) -> bool:
+    return all(t.grad_fn is None and not t.requires_grad
+               for s in states for t in (s.h, s.c, s.pending, s.read))
+
+
+def test_streaming_in_a_plain_training_loop_carries_the_state_detached():
+    """model(x, labels=x) with the config's default use_cache=True: old main never carried
+    the state to the next batch (the forward's own cache swallowed it) and that cache held a
+    state attached to the autograd graph."""
+    model = llama()
+    assert model.config.use_cache
+    memory = hf.attach_memory(model, streaming=True, **MEMORY)
+    with torch.no_grad():
+        for m in memory.memories:
+            m.memory.out_proj.weight.normal_()
+    model.train()
+    long = ids(2, 12)
+    first, second = long[:, :7], long[:, 7:]
+    runs = []
+    for kw in ({}, {"use_cache": False}):
+        memory.reset_state()
+        model.zero_grad()
+        out = model(first, labels=first, **kw)
+        out.loss.backward()
+        if not kw:  # the forward's own cache holds a detached state
+            assert out.past_key_values is not None
+            assert _no_graph(memory.state_of(out.past_key_values))
+        out = model(second, labels=second, **kw)
+        out.loss.backward()
+        runs.append(out.loss.detach())
+    memory.reset_state()
+    fresh = model(second, labels=second).loss.detach()
+    assert torch.equal(runs[0], runs[1])          # the default cache carries as use_cache=False
+    assert (runs[0] - fresh).abs() > 1e-6         # and the carried state mattered
+
+
+def test_without_streaming_a_training_forward_carries_nothing_and_its_cache_is_detached():
+    model = llama()
+    memory = hf.attach_memory(model, **MEMORY)
+    model.train()
+    x = ids(2, 7)
+    out = model(x, labels=x)
+    assert _no_graph(memory.state_of(out.past_key_values))
+    out.loss.backward()
+    assert torch.equal(model(x, labels=x).loss, out.loss)
