@@ -224,9 +224,10 @@ def _check_fits(model: nn.Module, path: str, owner: nn.Module, embed_dim: int,
 
 class _Entry:
     """What a cache object carries for the memory: the owner, the cache length the
-    state belongs to, the per-layer states."""
+    state belongs to (``None``: bound by a compiled forward, not recorded), the per-layer
+    states."""
 
-    def __init__(self, owner: int, length: int, state: list[Any]):
+    def __init__(self, owner: int, length: int | None, state: list[Any]):
         self.owner, self.length, self.state = owner, length, state
 
 
@@ -447,7 +448,7 @@ class HFMemory:
             raise RuntimeError(f"{name}: this cache holds {past} tokens but no Tensor Memory "
                                f"state of this model (filled before the memory was attached, "
                                f"or by another model); start from an empty cache")
-        if entry.length != past:
+        if entry.length is not None and entry.length != past:
             raise RuntimeError(f"{name}: the cache now holds {past} tokens, its memory state "
                                f"belongs to {entry.length}; the cache was changed in a way "
                                f"the memory cannot follow")
@@ -472,7 +473,9 @@ class HFMemory:
             self._train_state = states
 
     def _bind(self, cache: Any, states: list[Any]) -> None:
-        length = 0 if torch.compiler.is_compiling() else cache.get_seq_length()
+        # a compiled forward cannot read the length without a graph break (a static
+        # cache counts it on the device): None, the next eager call takes the state as is
+        length = None if torch.compiler.is_compiling() else cache.get_seq_length()
         cache.__dict__[_CACHE_ATTR] = _Entry(id(self), length, list(states))
         for name in _FOLLOWED:
             current = cache.__dict__.get(name)

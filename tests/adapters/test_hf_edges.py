@@ -167,3 +167,25 @@ def test_without_streaming_a_training_forward_carries_nothing_and_its_cache_is_d
     assert _no_graph(memory.state_of(out.past_key_values))
     out.loss.backward()
     assert torch.equal(model(x, labels=x).loss, out.loss)
+
+
+# --------------------------------------------------------------------------- item 4: compile
+
+
+def test_a_cache_filled_by_a_compiled_forward_continues_eagerly():
+    """Old main: 'the cache now holds 7 tokens, its memory state belongs to 0'."""
+    model = llama()
+    memory = hf.attach_memory(model, **MEMORY)
+    x = ids(2, 11)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="eager")
+    with torch.no_grad():
+        whole = model(x).logits
+        cache = transformers.DynamicCache()
+        pieces = [compiled(x[:, :7], past_key_values=cache, use_cache=True).logits]
+        assert memory.state_of(cache) is not None
+        pieces += [model(x[:, a:b], past_key_values=cache, use_cache=True).logits
+                   for a, b in ((7, 8), (8, 11))]
+    assert (torch.cat(pieces, 1) - whole).abs().max() <= 1e-5
+    with pytest.raises(RuntimeError, match="cannot be rolled back"):
+        cache.crop(-1)  # an eager call recorded the length again: still followed
