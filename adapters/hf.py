@@ -29,8 +29,9 @@ The memory state belongs to the generation, the way the KV cache does:
   are independent;
 - beam search reorders it with the cache (``Cache.reorder_cache``, also
   ``batch_select_indices`` / ``batch_repeat_interleave``); a cache ``crop`` that
-  removes tokens (assisted or prompt-lookup decoding) is refused with a
-  ``RuntimeError``: the memory state cannot be rolled back;
+  removes tokens is refused with a ``RuntimeError``: the memory state cannot be
+  rolled back; assisted / prompt-lookup decoding and continuous batching
+  (``generate_batch``, paged caches) are refused when they start;
 - ``attention_mask`` (left or right padding, ``(B, past + N)`` of 0/1 ints or
   bools) decides which tokens enter the state: padding never enters it nor
   shifts the chunk grid, so every row equals that row run alone;
@@ -336,6 +337,9 @@ class HFMemory:
             owner.register_forward_pre_hook(_PreHook(self), with_kwargs=True, prepend=True),
             owner.register_forward_hook(_PostHook(self), with_kwargs=True),
         ]
+        for method in _REFUSED:
+            if hasattr(model, method):
+                model.__dict__[method] = _Refused(method)
 
     def __repr__(self) -> str:
         return (f"HFMemory(blocks={self.path!r}, layers={len(self.handle.memories)}, "
@@ -381,6 +385,9 @@ class HFMemory:
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
+        for method in _REFUSED:
+            if isinstance(self.model.__dict__.get(method), _Refused):
+                del self.model.__dict__[method]
         self.handle.remove()
         self._train_state = None
         if getattr(self.model, "_tmcore_hf_memory", None) is self:
@@ -432,6 +439,8 @@ class HFMemory:
 
     def _cache_start(self, name: str, cache: Any, compiling: bool) -> list[Any] | None:
         transformers = _transformers()
+        if type(cache).__name__ == "PagedAttentionCache":
+            raise NotImplementedError(f"{name}: {_REFUSED['init_continuous_batching']}")
         if not isinstance(cache, transformers.Cache):
             raise TypeError(f"{name}: tmcore's memory follows a transformers Cache object "
                             f"(DynamicCache, StaticCache, ...); got {type(cache).__name__} "
@@ -488,6 +497,33 @@ def _on_graph(states: list[Any]) -> bool:
     fields are computed together)."""
     first = states[0]
     return bool((first.h if isinstance(first, StreamState) else first[0]).requires_grad)
+
+
+#: Decoding modes the memory state cannot follow, refused when they start (before any
+#: token): the model method each starts with, and why.
+_REFUSED = {
+    "_get_candidate_generator": (
+        "assisted and prompt-lookup decoding (assistant_model=, prompt_lookup_num_tokens=, "
+        "assistant_early_exit=) are not supported with Tensor Memory: they feed candidate "
+        "tokens and crop the rejected ones from the cache, and the memory state cannot be "
+        "rolled back; use greedy, sampling or beam search"),
+    "init_continuous_batching": (
+        "continuous batching (generate_batch, init_continuous_batching, paged caches) is "
+        "not supported with Tensor Memory: a paged cache packs the requests into one "
+        "sequence and carries no per-request memory state; use generate with a batch "
+        "(left padding)"),
+}
+
+
+class _Refused:
+    """An instance attribute shadowing a model method that starts a decoding mode the
+    memory cannot follow: calling it raises (picklable: no reference to the model)."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError(f"tmcore.adapters.hf: {_REFUSED[self.name]}")
 
 
 class _PreHook:

@@ -189,3 +189,37 @@ def test_a_cache_filled_by_a_compiled_forward_continues_eagerly():
     assert (torch.cat(pieces, 1) - whole).abs().max() <= 1e-5
     with pytest.raises(RuntimeError, match="cannot be rolled back"):
         cache.crop(-1)  # an eager call recorded the length again: still followed
+
+
+# --------------------------------------------------------------------------- item 6: modes
+
+
+@pytest.mark.parametrize("mode", ["prompt_lookup", "assisted", "continuous_batching"])
+def test_unsupported_decoding_modes_are_refused_before_any_token(mode):
+    """Old main: continuous batching failed every request with a message about legacy
+    tuple caches; assisted / prompt-lookup decoding raised only at the first rejected
+    candidate."""
+    model = llama()
+    hf.attach_memory(model, **MEMORY)
+    calls = []
+    hook = model.model.register_forward_pre_hook(lambda *a: calls.append(1))
+    x = ids(1, 10)
+    with torch.no_grad(), pytest.raises(NotImplementedError) as caught:
+        if mode == "prompt_lookup":
+            model.generate(x, max_new_tokens=4, do_sample=False, prompt_lookup_num_tokens=3)
+        elif mode == "assisted":
+            model.generate(x, max_new_tokens=4, do_sample=False, assistant_model=llama(1))
+        else:
+            config = transformers.GenerationConfig(max_new_tokens=3, do_sample=False,
+                                                   eos_token_id=2, pad_token_id=0)
+            model.generate_batch([[5, 6, 7], [8, 9]], generation_config=config)
+    hook.remove()
+    assert calls == []  # refused at the start: not one forward ran
+    message = str(caught.value)
+    if mode == "continuous_batching":
+        assert "continuous batching" in message and "paged" in message
+    else:
+        assert "assisted and prompt-lookup" in message and "rolled back" in message
+    hf.detach_memory(model)  # the model's own methods again
+    assert "_get_candidate_generator" not in model.__dict__
+    assert "init_continuous_batching" not in model.__dict__
