@@ -51,9 +51,8 @@ WITHOUT memory (and reports the memory weights as unexpected).
 
 Also: activation checkpointing (``activation_checkpointing_enable()``, formerly
 ``gradient_checkpointing_enable()``) recomputes the memory inside a
-checkpoint (exact gradients); ``torch.compile(model, fullgraph=True)`` of an
-uncached forward traces through the memory (a cached call that continues a memory
-state still breaks the graph in the stream's state check); ``output_hidden_states``
+checkpoint (exact gradients); ``torch.compile(model, fullgraph=True)`` traces
+through the memory, cached or not, with or without a padding mask; ``output_hidden_states``
 includes the memory's contribution; DDP, FSDP1 (flat parameters) and FSDP2 wrap the
 model.
 """

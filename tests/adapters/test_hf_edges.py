@@ -223,3 +223,26 @@ def test_unsupported_decoding_modes_are_refused_before_any_token(mode):
     hf.detach_memory(model)  # the model's own methods again
     assert "_get_candidate_generator" not in model.__dict__
     assert "init_continuous_batching" not in model.__dict__
+
+
+# --------------------------------------------------------------------------- item 7: breaks
+
+
+@pytest.mark.parametrize("use_cache", [False, True])
+def test_a_padding_mask_causes_no_graph_break(use_cache):
+    """Old main: 11-12 graph breaks (Tensor.tolist() reading the padding mask on the host)."""
+    model = llama()
+    hf.attach_memory(model, **MEMORY)
+    x = ids(2, 8)
+    mask = torch.ones_like(x)
+    mask[0, :3] = 0
+    with torch.no_grad():
+        expected = model(x, attention_mask=mask, use_cache=use_cache).logits
+        torch._dynamo.reset()
+        explained = torch._dynamo.explain(model)(x, attention_mask=mask, use_cache=use_cache)
+        assert explained.graph_break_count == 0, [b.reason for b in explained.break_reasons]
+        torch._dynamo.reset()
+        compiled = torch.compile(model, fullgraph=True, backend="eager")
+        got = compiled(x, attention_mask=mask, use_cache=use_cache).logits
+    valid = mask.bool()
+    assert (got[valid] - expected[valid]).abs().max() <= 1e-5
