@@ -45,9 +45,11 @@ The memory state belongs to the generation, the way the KV cache does:
 The memory configuration (every hyper-parameter, the blocks' path) is stored in
 ``model.config.tensor_memory``, so ``save_pretrained`` writes it to
 ``config.json`` and :func:`from_pretrained` rebuilds the model with its memory
-and loads its weights, checking each stored value. A plain
-``AutoModelForCausalLM.from_pretrained`` of such a checkpoint returns the model
-WITHOUT memory (and reports the memory weights as unexpected).
+and loads its weights, checking each stored value. The config is saved with
+``model_type = "tensor_memory"`` (and ``base_model_type``), registered with
+``AutoConfig`` / ``AutoModelForCausalLM`` on import (:func:`register_auto_classes`),
+so a plain ``AutoModelForCausalLM.from_pretrained`` or ``pipeline`` loads the model
+with its memory too.
 
 Also: activation checkpointing (``activation_checkpointing_enable()``, formerly
 ``gradient_checkpointing_enable()``) recomputes the memory inside a
@@ -74,8 +76,8 @@ from tmcore.adapters.torch import MemoryHandle, StreamState, detach_state
 from tmcore.adapters.torch import attach as _torch_attach
 from tmcore.adapters.torch import attach_memory as _attach_blocks
 
-__all__ = ["CONFIG_KEY", "HFMemory", "attach_memory", "detach_memory", "find_blocks",
-           "from_pretrained", "memory_of"]
+__all__ = ["CONFIG_KEY", "MODEL_TYPE", "HFMemory", "attach_memory", "detach_memory",
+           "find_blocks", "from_pretrained", "memory_of", "register_auto_classes"]
 
 #: Key of the memory configuration in ``model.config`` (and so in ``config.json``).
 CONFIG_KEY = "tensor_memory"
@@ -393,6 +395,9 @@ class HFMemory:
             del self.model._tmcore_hf_memory
         if hasattr(self.model.config, CONFIG_KEY):
             delattr(self.model.config, CONFIG_KEY)
+        base = getattr(type(self.model.config), "_tmcore_base", None)
+        if base is not None:  # the config is the base model's again (model_type included)
+            self.model.config.__class__ = base
 
     # ----------------------------------------------------------------- per call
 
@@ -775,6 +780,7 @@ def _attach_spec(model: nn.Module, spec: dict[str, Any], where: str = f"{CONFIG_
     memory = HFMemory(model, path, owner, handle, spec)
     model._tmcore_hf_memory = memory
     setattr(model.config, CONFIG_KEY, dict(spec))
+    _mark_config(model)
     return memory
 
 
@@ -920,6 +926,8 @@ def from_pretrained(path: str | os.PathLike, model_class: Any = None, **kwargs: 
     mapping = getattr(model_class, "_model_mapping", None)
     if mapping is not None:
         concrete = mapping[type(config)]
+    if getattr(concrete, "_tmcore_memory_class", False):  # the registered class: its base
+        concrete = concrete.__mro__[1]                     # (the memory is attached below)
     marker = rf"\.{_torch_attach.ATTRIBUTE}\."
     saved = concrete.__dict__.get("_keys_to_ignore_on_load_unexpected", _NOTHING)
     concrete._keys_to_ignore_on_load_unexpected = [
@@ -931,6 +939,8 @@ def from_pretrained(path: str | os.PathLike, model_class: Any = None, **kwargs: 
             del concrete._keys_to_ignore_on_load_unexpected
         else:
             concrete._keys_to_ignore_on_load_unexpected = saved
+    if memory_of(model) is not None:  # a registered memory class attached it: reattach
+        memory_of(model).remove()     # below, its weights loaded strictly
     if hasattr(model.config, CONFIG_KEY):
         delattr(model.config, CONFIG_KEY)
     memory = _attach_spec(model, spec)
@@ -954,3 +964,162 @@ def from_pretrained(path: str | os.PathLike, model_class: Any = None, **kwargs: 
 
 
 _NOTHING: Any = object()
+
+
+# --------------------------------------------------------------------------- Auto classes
+
+#: The ``model_type`` a model with memory saves in ``config.json`` (registered with
+#: ``AutoConfig``); ``base_model_type`` next to it names the model it extends.
+MODEL_TYPE = "tensor_memory"
+_BASE_KEY = "base_model_type"
+_CONFIG_CLASSES: dict[type, type] = {}
+
+
+def _memory_config_class(base: type) -> type:
+    """The config class of ``base`` with memory: the same fields and behaviour, saved with
+    ``model_type = "tensor_memory"`` and ``base_model_type`` (one class per base, made
+    once, a module attribute so that pickling finds it)."""
+    if getattr(base, "_tmcore_base", None) is not None:
+        return base
+    if base not in _CONFIG_CLASSES:
+        name = f"TensorMemory{base.__name__}"
+
+        def to_dict(self: Any) -> dict[str, Any]:
+            out = base.to_dict(self)
+            out[_BASE_KEY] = base.model_type
+            return out
+
+        cls = type(name, (base,), {"model_type": MODEL_TYPE, "_tmcore_base": base,
+                                   "to_dict": to_dict, "__module__": __name__,
+                                   "__doc__": f"{base.__name__} with Tensor Memory "
+                                              f"(``config.{CONFIG_KEY}``)."})
+        globals()[name] = cls
+        _CONFIG_CLASSES[base] = cls
+    return _CONFIG_CLASSES[base]
+
+
+def _memory_model_class(config_class: type, model_class: type) -> type:
+    """``model_class`` (a causal LM) whose ``__init__`` attaches the memory its config
+    stores, registered with ``AutoModelForCausalLM`` for ``config_class``."""
+    transformers = _transformers()
+    if getattr(model_class, "_tmcore_memory_class", False):
+        return model_class
+    name = f"TensorMemory{model_class.__name__}"
+    existing = globals().get(name)
+    if existing is not None and existing.config_class is config_class:
+        return existing
+
+    def __init__(self: Any, config: Any, *args: Any, **kwargs: Any) -> None:
+        model_class.__init__(self, config, *args, **kwargs)
+        spec = getattr(config, CONFIG_KEY, None)
+        if spec is None:
+            raise ValueError(f"config: {type(self).__name__} needs the memory configuration "
+                             f"'{CONFIG_KEY}' in its config (saved by a model with memory)")
+        _attach_spec(self, check_spec(spec))
+
+    @classmethod
+    def from_pretrained(cls: Any, *args: Any, **kwargs: Any) -> Any:
+        info = kwargs.pop("output_loading_info", False)
+        model, loading = model_class.from_pretrained.__func__(cls, *args,
+                                                              output_loading_info=True,
+                                                              **kwargs)
+        marker = f".{_torch_attach.ATTRIBUTE}."
+        missing = sorted(k for k in loading.get("missing_keys", ()) if marker in k)
+        if missing:
+            raise ValueError(f"pretrained_model_name_or_path: the checkpoint lacks memory "
+                             f"weights its {CONFIG_KEY} config needs: {missing[:4]}"
+                             f"{'...' if len(missing) > 4 else ''}; the memory cannot be "
+                             f"restored")
+        return (model, loading) if info else model
+
+    cls = type(name, (model_class,), {"__init__": __init__, "from_pretrained": from_pretrained,
+                                      "config_class": config_class,
+                                      "_tmcore_memory_class": True, "__module__": __name__,
+                                      "__doc__": f"{model_class.__name__} with Tensor Memory "
+                                                 f"attached from its config."})
+    globals()[name] = cls
+    transformers.AutoModelForCausalLM.register(config_class, cls, exist_ok=True)
+    return cls
+
+
+def _causal_lm_class(config: Any, architectures: Any = None) -> type | None:
+    transformers = _transformers()
+    for arch in architectures or ():
+        found = getattr(transformers, arch, None)
+        if isinstance(found, type):
+            return found
+    try:
+        return transformers.MODEL_FOR_CAUSAL_LM_MAPPING[config]
+    except (KeyError, ValueError):
+        return None
+
+
+def _mark_config(model: nn.Module) -> None:
+    """Make ``model.config`` save as ``tensor_memory`` (its class, not its values, swapped)
+    and register the pair with the Auto classes, so that ``AutoModelForCausalLM`` loads
+    the model back with its memory."""
+    base = type(model.config)
+    if getattr(base, "_tmcore_base", None) is None and getattr(base, "model_type", ""):
+        config_class = _memory_config_class(base)
+        model.config.__class__ = config_class
+    _memory_model_class(type(model.config), type(model))
+
+
+def _auto_config_class() -> type:
+    transformers = _transformers()
+
+    class TensorMemoryConfig(transformers.PretrainedConfig):
+        """The ``AutoConfig`` entry of ``model_type = "tensor_memory"``: builds the config
+        of the base model named by ``base_model_type`` (with memory, registered with
+        ``AutoModelForCausalLM``)."""
+
+        model_type = MODEL_TYPE
+
+        @classmethod
+        def from_dict(cls, config_dict: dict[str, Any], **kwargs: Any) -> Any:
+            config_dict = dict(config_dict)
+            base_type = config_dict.pop(_BASE_KEY, None)
+            config_dict.pop("model_type", None)
+            mapping = transformers.CONFIG_MAPPING
+            if base_type is None or base_type not in mapping:
+                raise ValueError(f"{_BASE_KEY}: a '{MODEL_TYPE}' config must name the model "
+                                 f"it extends (one of transformers' model types), got "
+                                 f"{base_type!r}")
+            if CONFIG_KEY not in config_dict:
+                raise ValueError(f"{CONFIG_KEY}: a '{MODEL_TYPE}' config without its memory "
+                                 f"configuration; the memory cannot be restored")
+            check_spec(config_dict[CONFIG_KEY])
+            base = mapping[base_type]
+            config_class = _memory_config_class(base)
+            model_class = _causal_lm_class(base, config_dict.get("architectures"))
+            if model_class is not None:
+                _memory_model_class(config_class, model_class)
+            return config_class.from_dict(config_dict, **kwargs)
+
+    return TensorMemoryConfig
+
+
+def register_auto_classes() -> None:
+    """Register the ``tensor_memory`` model type with ``AutoConfig``.
+
+    Done when ``tmcore.adapters.hf`` is imported with transformers installed. A model
+    saved with memory writes ``model_type = "tensor_memory"`` and ``base_model_type``
+    in its ``config.json``; after this registration ``AutoConfig`` /
+    ``AutoModelForCausalLM.from_pretrained`` (and so ``pipeline``) load it with its
+    memory. Without it, transformers refuses the unknown model type instead of
+    silently dropping the memory.
+
+    Raises
+    ------
+    ImportError
+        If transformers is not installed.
+    """
+    transformers = _transformers()
+    if MODEL_TYPE not in transformers.CONFIG_MAPPING:
+        transformers.AutoConfig.register(MODEL_TYPE, _auto_config_class(), exist_ok=True)
+
+
+try:  # registered on import, as fla registers its models
+    register_auto_classes()
+except ImportError:  # pragma: no cover - transformers absent: the adapter's calls say so
+    pass
