@@ -76,7 +76,7 @@ from tmcore.adapters.torch import MemoryHandle, StreamState, detach_state
 from tmcore.adapters.torch import attach as _torch_attach
 from tmcore.adapters.torch import attach_memory as _attach_blocks
 
-__all__ = ["CONFIG_KEY", "MODEL_TYPE", "HFMemory", "attach_memory", "detach_memory",
+__all__ = ["CONFIG_KEY", "MODEL_TYPE", "PEFT_EXCLUDE", "HFMemory", "attach_memory", "detach_memory",
            "find_blocks", "from_pretrained", "memory_of", "register_auto_classes"]
 
 #: Key of the memory configuration in ``model.config`` (and so in ``config.json``).
@@ -416,6 +416,8 @@ class HFMemory:
 
     def _before(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         compiling = torch.compiler.is_compiling()
+        if torch.is_grad_enabled() and not compiling:  # training (decoding: no_grad)
+            _refuse_adapted_linears(self.handle.memories)
         name, cache = self._cache_arg(args, kwargs)
         tokens = self._arg(args, kwargs, "input_ids")
         if tokens is None:
@@ -494,6 +496,28 @@ class HFMemory:
             current = cache.__dict__.get(name)
             if not isinstance(current, _CacheMethod) and hasattr(type(cache), name):
                 cache.__dict__[name] = _CacheMethod(cache, name)
+
+
+#: The PEFT ``exclude_modules`` that keeps LoRA (and other tuners) off the memory's own
+#: layers, e.g. ``LoraConfig(target_modules="all-linear", exclude_modules=PEFT_EXCLUDE)``.
+PEFT_EXCLUDE = rf".*\.{_torch_attach.ATTRIBUTE}\..*"
+
+
+def _refuse_adapted_linears(memories: list[nn.Module]) -> None:
+    """Refuse a memory whose layers a PEFT tuner wrapped (``target_modules="all-linear"``):
+    the memory reads its layers' ``.weight`` directly, so their LoRA deltas would change
+    nothing and get no gradient, silently."""
+    for index, residual in enumerate(memories):
+        for name, sub in residual.named_modules():
+            if hasattr(sub, "base_layer") and hasattr(sub, "active_adapters"):
+                raise ValueError(
+                    f"target_modules: a PEFT adapter wraps the memory's layer "
+                    f"{_torch_attach.ATTRIBUTE}.{name} (block {index}); the memory reads its "
+                    f"layers' weights directly, so the adapter would change nothing and get "
+                    f"no gradient. Exclude them (LoraConfig(..., exclude_modules="
+                    f"tmcore.adapters.hf.PEFT_EXCLUDE), or name the base model's modules in "
+                    f"target_modules) and train the memory itself "
+                    f"(memory.parameters(): requires_grad_(True))")
 
 
 def _on_graph(states: list[Any]) -> bool:
