@@ -246,3 +246,18 @@ def test_a_padding_mask_causes_no_graph_break(use_cache):
         got = compiled(x, attention_mask=mask, use_cache=use_cache).logits
     valid = mask.bool()
     assert (got[valid] - expected[valid]).abs().max() <= 1e-5
+
+
+def test_a_cached_decoding_step_causes_no_graph_break():
+    """What the guide now says: a cached call continuing a memory state compiles whole."""
+    model = llama()
+    hf.attach_memory(model, **MEMORY)
+    x = ids(2, 9)
+    with torch.no_grad():
+        whole = model(x).logits
+        cache = transformers.DynamicCache()
+        model(x[:, :8], past_key_values=cache, use_cache=True)
+        torch._dynamo.reset()
+        compiled = torch.compile(model, fullgraph=True, backend="eager")
+        step = compiled(x[:, 8:], past_key_values=cache, use_cache=True).logits
+    assert (step[:, 0] - whole[:, 8]).abs().max() <= 1e-5
