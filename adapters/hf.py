@@ -29,28 +29,32 @@ The memory state belongs to the generation, the way the KV cache does:
   are independent;
 - beam search reorders it with the cache (``Cache.reorder_cache``, also
   ``batch_select_indices`` / ``batch_repeat_interleave``); a cache ``crop`` that
-  removes tokens (assisted or prompt-lookup decoding) is refused with a
-  ``RuntimeError``: the memory state cannot be rolled back;
+  removes tokens is refused with a ``RuntimeError``: the memory state cannot be
+  rolled back; assisted / prompt-lookup decoding and continuous batching
+  (``generate_batch``, paged caches) are refused when they start;
 - ``attention_mask`` (left or right padding, ``(B, past + N)`` of 0/1 ints or
   bools) decides which tokens enter the state: padding never enters it nor
   shifts the chunk grid, so every row equals that row run alone;
 - training forwards never carry a state across batches, unless
   ``streaming=True`` asks for streaming training (truncated backprop: each
-  uncached forward in training mode continues, detached, from the previous one;
-  :meth:`HFMemory.reset_state` at document boundaries).
+  forward in training mode given no cache continues, detached, from the previous
+  one, also when it makes a cache for itself with ``use_cache=True``;
+  :meth:`HFMemory.reset_state` at document boundaries);
+- the state stored on a cache is detached from the autograd graph.
 
 The memory configuration (every hyper-parameter, the blocks' path) is stored in
 ``model.config.tensor_memory``, so ``save_pretrained`` writes it to
 ``config.json`` and :func:`from_pretrained` rebuilds the model with its memory
-and loads its weights, checking each stored value. A plain
-``AutoModelForCausalLM.from_pretrained`` of such a checkpoint returns the model
-WITHOUT memory (and reports the memory weights as unexpected).
+and loads its weights, checking each stored value. The config is saved with
+``model_type = "tensor_memory"`` (and ``base_model_type``), registered with
+``AutoConfig`` / ``AutoModelForCausalLM`` on import (:func:`register_auto_classes`),
+so a plain ``AutoModelForCausalLM.from_pretrained`` or ``pipeline`` loads the model
+with its memory too.
 
 Also: activation checkpointing (``activation_checkpointing_enable()``, formerly
 ``gradient_checkpointing_enable()``) recomputes the memory inside a
-checkpoint (exact gradients); ``torch.compile(model, fullgraph=True)`` of an
-uncached forward traces through the memory (a cached call that continues a memory
-state still breaks the graph in the stream's state check); ``output_hidden_states``
+checkpoint (exact gradients); ``torch.compile(model, fullgraph=True)`` traces
+through the memory, cached or not, with or without a padding mask; ``output_hidden_states``
 includes the memory's contribution; DDP, FSDP1 (flat parameters) and FSDP2 wrap the
 model.
 """
@@ -72,8 +76,8 @@ from tmcore.adapters.torch import MemoryHandle, StreamState, detach_state
 from tmcore.adapters.torch import attach as _torch_attach
 from tmcore.adapters.torch import attach_memory as _attach_blocks
 
-__all__ = ["CONFIG_KEY", "HFMemory", "attach_memory", "detach_memory", "find_blocks",
-           "from_pretrained", "memory_of"]
+__all__ = ["CONFIG_KEY", "MODEL_TYPE", "PEFT_EXCLUDE", "HFMemory", "attach_memory", "detach_memory",
+           "find_blocks", "from_pretrained", "memory_of", "register_auto_classes"]
 
 #: Key of the memory configuration in ``model.config`` (and so in ``config.json``).
 CONFIG_KEY = "tensor_memory"
@@ -182,13 +186,39 @@ def find_blocks(model: nn.Module, blocks: str | None = None) -> tuple[str, nn.Mo
     return path, owner, _resolve(model, path)
 
 
-def _hidden_size(model: nn.Module) -> int:
+def _config_width(model: nn.Module) -> int | None:
     config = model.config
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     size = getattr(text, "hidden_size", None)
-    if not isinstance(size, int):
+    return size if isinstance(size, int) and not isinstance(size, bool) else None
+
+
+def _hidden_size(model: nn.Module) -> int:
+    size = _config_width(model)
+    if size is None:
         raise ValueError("model: its config has no integer hidden_size; pass embed_dim=")
     return size
+
+
+def _check_fits(model: nn.Module, path: str, owner: nn.Module, embed_dim: int,
+                where: str = "embed_dim") -> None:
+    """Refuse, before anything is attached, what would only fail at the first forward: a
+    token width other than the blocks' (the hidden size), or blocks whose owner is not
+    called with the tokens (an encoder's inner stack such as BERT's ``encoder.layer``,
+    whose owner receives hidden states and an extended mask)."""
+    width = _config_width(model)
+    if width is not None and embed_dim != width:
+        raise ValueError(f"{where}: the memory reads and writes the blocks' outputs of the "
+                         f"model's hidden size {width} (config.hidden_size), got {embed_dim}; "
+                         f"leave embed_dim unset or pass {width}")
+    names = _parameter_names(owner)
+    if "input_ids" not in names and "inputs_embeds" not in names:
+        raise ValueError(
+            f"blocks: {path!r} is owned by {type(owner).__name__}, whose forward is not "
+            f"called with input_ids or inputs_embeds (an encoder's inner stack?); "
+            f"tmcore.adapters.hf attaches to the blocks of a decoder's base model, whose "
+            f"forward receives the tokens, the cache and the padding mask (model.layers, "
+            f"transformer.h, ...). For other stacks use tmcore.adapters.torch.attach_memory")
 
 
 # --------------------------------------------------------------------------- state per cache
@@ -196,9 +226,10 @@ def _hidden_size(model: nn.Module) -> int:
 
 class _Entry:
     """What a cache object carries for the memory: the owner, the cache length the
-    state belongs to, the per-layer states."""
+    state belongs to (``None``: bound by a compiled forward, not recorded), the per-layer
+    states."""
 
-    def __init__(self, owner: int, length: int, state: list[Any]):
+    def __init__(self, owner: int, length: int | None, state: list[Any]):
         self.owner, self.length, self.state = owner, length, state
 
 
@@ -307,6 +338,9 @@ class HFMemory:
             owner.register_forward_pre_hook(_PreHook(self), with_kwargs=True, prepend=True),
             owner.register_forward_hook(_PostHook(self), with_kwargs=True),
         ]
+        for method in _REFUSED:
+            if hasattr(model, method):
+                model.__dict__[method] = _Refused(method)
 
     def __repr__(self) -> str:
         return (f"HFMemory(blocks={self.path!r}, layers={len(self.handle.memories)}, "
@@ -352,12 +386,18 @@ class HFMemory:
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
+        for method in _REFUSED:
+            if isinstance(self.model.__dict__.get(method), _Refused):
+                del self.model.__dict__[method]
         self.handle.remove()
         self._train_state = None
         if getattr(self.model, "_tmcore_hf_memory", None) is self:
             del self.model._tmcore_hf_memory
         if hasattr(self.model.config, CONFIG_KEY):
             delattr(self.model.config, CONFIG_KEY)
+        base = getattr(type(self.model.config), "_tmcore_base", None)
+        if base is not None:  # the config is the base model's again (model_type included)
+            self.model.config.__class__ = base
 
     # ----------------------------------------------------------------- per call
 
@@ -376,6 +416,8 @@ class HFMemory:
 
     def _before(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         compiling = torch.compiler.is_compiling()
+        if torch.is_grad_enabled() and not compiling:  # training (decoding: no_grad)
+            _refuse_adapted_linears(self.handle.memories)
         name, cache = self._cache_arg(args, kwargs)
         tokens = self._arg(args, kwargs, "input_ids")
         if tokens is None:
@@ -403,6 +445,8 @@ class HFMemory:
 
     def _cache_start(self, name: str, cache: Any, compiling: bool) -> list[Any] | None:
         transformers = _transformers()
+        if type(cache).__name__ == "PagedAttentionCache":
+            raise NotImplementedError(f"{name}: {_REFUSED['init_continuous_batching']}")
         if not isinstance(cache, transformers.Cache):
             raise TypeError(f"{name}: tmcore's memory follows a transformers Cache object "
                             f"(DynamicCache, StaticCache, ...); got {type(cache).__name__} "
@@ -419,7 +463,7 @@ class HFMemory:
             raise RuntimeError(f"{name}: this cache holds {past} tokens but no Tensor Memory "
                                f"state of this model (filled before the memory was attached, "
                                f"or by another model); start from an empty cache")
-        if entry.length != past:
+        if entry.length is not None and entry.length != past:
             raise RuntimeError(f"{name}: the cache now holds {past} tokens, its memory state "
                                f"belongs to {entry.length}; the cache was changed in a way "
                                f"the memory cannot follow")
@@ -431,22 +475,83 @@ class HFMemory:
         self.handle._valid = None
         if states is None:
             return
-        _, cache = self._cache_arg(args, kwargs)
-        if cache is None:
-            cache = _cache_in(output)
+        _, passed = self._cache_arg(args, kwargs)
+        cache = passed if passed is not None else _cache_in(output)
+        if _on_graph(states):  # a cache never keeps the graph alive (truncated backprop)
+            states = [detach_state(s) for s in states]
         transformers = _transformers()
         if isinstance(cache, transformers.Cache):
             self._bind(cache, states)
-        if self.streaming and module.training and cache is None:
-            self._train_state = [detach_state(s) for s in states]
+        if self.streaming and module.training and passed is None:
+            # no cache came in (one the forward made for itself, use_cache=True by
+            # default, does not count): streaming training carries the state on
+            self._train_state = states
 
     def _bind(self, cache: Any, states: list[Any]) -> None:
-        length = 0 if torch.compiler.is_compiling() else cache.get_seq_length()
+        # a compiled forward cannot read the length without a graph break (a static
+        # cache counts it on the device): None, the next eager call takes the state as is
+        length = None if torch.compiler.is_compiling() else cache.get_seq_length()
         cache.__dict__[_CACHE_ATTR] = _Entry(id(self), length, list(states))
         for name in _FOLLOWED:
             current = cache.__dict__.get(name)
             if not isinstance(current, _CacheMethod) and hasattr(type(cache), name):
                 cache.__dict__[name] = _CacheMethod(cache, name)
+
+
+#: The PEFT ``exclude_modules`` that keeps LoRA (and other tuners) off the memory's own
+#: layers, e.g. ``LoraConfig(target_modules="all-linear", exclude_modules=PEFT_EXCLUDE)``.
+PEFT_EXCLUDE = rf".*\.{_torch_attach.ATTRIBUTE}\..*"
+
+
+def _refuse_adapted_linears(memories: list[nn.Module]) -> None:
+    """Refuse a memory whose layers a PEFT tuner wrapped (``target_modules="all-linear"``):
+    the memory reads its layers' ``.weight`` directly, so their LoRA deltas would change
+    nothing and get no gradient, silently."""
+    for index, residual in enumerate(memories):
+        for name, sub in residual.named_modules():
+            if hasattr(sub, "base_layer") and hasattr(sub, "active_adapters"):
+                raise ValueError(
+                    f"target_modules: a PEFT adapter wraps the memory's layer "
+                    f"{_torch_attach.ATTRIBUTE}.{name} (block {index}); the memory reads its "
+                    f"layers' weights directly, so the adapter would change nothing and get "
+                    f"no gradient. Exclude them (LoraConfig(..., exclude_modules="
+                    f"tmcore.adapters.hf.PEFT_EXCLUDE), or name the base model's modules in "
+                    f"target_modules) and train the memory itself "
+                    f"(memory.parameters(): requires_grad_(True))")
+
+
+def _on_graph(states: list[Any]) -> bool:
+    """Whether a state is attached to the autograd graph (checked on one field: the
+    fields are computed together)."""
+    first = states[0]
+    return bool((first.h if isinstance(first, StreamState) else first[0]).requires_grad)
+
+
+#: Decoding modes the memory state cannot follow, refused when they start (before any
+#: token): the model method each starts with, and why.
+_REFUSED = {
+    "_get_candidate_generator": (
+        "assisted and prompt-lookup decoding (assistant_model=, prompt_lookup_num_tokens=, "
+        "assistant_early_exit=) are not supported with Tensor Memory: they feed candidate "
+        "tokens and crop the rejected ones from the cache, and the memory state cannot be "
+        "rolled back; use greedy, sampling or beam search"),
+    "init_continuous_batching": (
+        "continuous batching (generate_batch, init_continuous_batching, paged caches) is "
+        "not supported with Tensor Memory: a paged cache packs the requests into one "
+        "sequence and carries no per-request memory state; use generate with a batch "
+        "(left padding)"),
+}
+
+
+class _Refused:
+    """An instance attribute shadowing a model method that starts a decoding mode the
+    memory cannot follow: calling it raises (picklable: no reference to the model)."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError(f"tmcore.adapters.hf: {_REFUSED[self.name]}")
 
 
 class _PreHook:
@@ -509,11 +614,27 @@ def _valid_from_4d(mask: Tensor, batch: int, tokens: int, past: int, compiling: 
     return None if bool(valid.all()) else valid
 
 
+def _mask_from_mapping(masks: dict) -> Any:
+    """One mask of the per-attention-type masks ``generate`` prepares for models mixing
+    sliding and full attention (``{"full_attention": ..., "sliding_attention": ...}``,
+    with ``cache_implementation="static"``): every kind lets a real token attend to
+    itself and masks out a padding token's row, so each says which tokens are real; the
+    full-attention one is read when there is one."""
+    if "full_attention" in masks:
+        return masks["full_attention"]
+    for value in masks.values():
+        if value is not None:
+            return value
+    return None
+
+
 def _valid_mask(mask: Any, batch: int, tokens: int, compiling: bool, past: int = 0
                 ) -> Tensor | None:
     """The new tokens' bool ``(B, N)`` validity from ``attention_mask (B, past + N)``, or
-    from a prepared 4-D mask (:func:`_valid_from_4d`); ``None`` when there is no mask or
-    no padding."""
+    from a prepared 4-D mask (:func:`_valid_from_4d`) or a mapping of them per attention
+    kind (:func:`_mask_from_mapping`); ``None`` when there is no mask or no padding."""
+    if isinstance(mask, dict):
+        mask = _mask_from_mapping(mask)
     if mask is None:
         return None
     if isinstance(mask, Tensor) and mask.dim() == 4:
@@ -636,8 +757,10 @@ def attach_memory(
         If ``model`` is not a ``PreTrainedModel``, ``streaming`` is not a bool
         or a size is not an int.
     ValueError
-        If ``model`` already has a memory, its blocks are not found, ``norm`` is
-        unknown or a size or option is out of range (the layer's checks).
+        If ``model`` already has a memory, its blocks are not found or their owner is
+        not called with the tokens (an encoder's inner stack), ``embed_dim`` is not
+        the hidden size, ``norm`` is unknown or a size or option is out of range (the
+        layer's checks).
     """
     if memory_of(model) is not None:
         raise ValueError("model: already has a Tensor Memory attached; detach_memory first")
@@ -660,14 +783,16 @@ def attach_memory(
         "zero_init": config.zero_init, "update": config.update, "window": config.window,
         "dynamics": config.dynamics, "flow": config.flow,
     }
-    return _attach_spec(model, spec)
+    return _attach_spec(model, spec, "embed_dim")
 
 
-def _attach_spec(model: nn.Module, spec: dict[str, Any]) -> HFMemory:
+def _attach_spec(model: nn.Module, spec: dict[str, Any], where: str = f"{CONFIG_KEY}.embed_dim"
+                 ) -> HFMemory:
     path, owner, found = find_blocks(model, spec["blocks"])
     if len(found) != spec["num_blocks"]:
         raise ValueError(f"{CONFIG_KEY}.num_blocks: stored {spec['num_blocks']} blocks at "
                          f"{path!r}, the model has {len(found)}")
+    _check_fits(model, path, owner, spec["embed_dim"], where)
     handle = _attach_blocks(
         found, "causal", gate_init=spec["gate_init"], norm=_norm_module(spec["norm"]),
         zero_init=spec["zero_init"], streaming=True, batch_first=True,
@@ -679,6 +804,7 @@ def _attach_spec(model: nn.Module, spec: dict[str, Any]) -> HFMemory:
     memory = HFMemory(model, path, owner, handle, spec)
     model._tmcore_hf_memory = memory
     setattr(model.config, CONFIG_KEY, dict(spec))
+    _mark_config(model)
     return memory
 
 
@@ -824,6 +950,8 @@ def from_pretrained(path: str | os.PathLike, model_class: Any = None, **kwargs: 
     mapping = getattr(model_class, "_model_mapping", None)
     if mapping is not None:
         concrete = mapping[type(config)]
+    if getattr(concrete, "_tmcore_memory_class", False):  # the registered class: its base
+        concrete = concrete.__mro__[1]                     # (the memory is attached below)
     marker = rf"\.{_torch_attach.ATTRIBUTE}\."
     saved = concrete.__dict__.get("_keys_to_ignore_on_load_unexpected", _NOTHING)
     concrete._keys_to_ignore_on_load_unexpected = [
@@ -835,6 +963,8 @@ def from_pretrained(path: str | os.PathLike, model_class: Any = None, **kwargs: 
             del concrete._keys_to_ignore_on_load_unexpected
         else:
             concrete._keys_to_ignore_on_load_unexpected = saved
+    if memory_of(model) is not None:  # a registered memory class attached it: reattach
+        memory_of(model).remove()     # below, its weights loaded strictly
     if hasattr(model.config, CONFIG_KEY):
         delattr(model.config, CONFIG_KEY)
     memory = _attach_spec(model, spec)
@@ -858,3 +988,162 @@ def from_pretrained(path: str | os.PathLike, model_class: Any = None, **kwargs: 
 
 
 _NOTHING: Any = object()
+
+
+# --------------------------------------------------------------------------- Auto classes
+
+#: The ``model_type`` a model with memory saves in ``config.json`` (registered with
+#: ``AutoConfig``); ``base_model_type`` next to it names the model it extends.
+MODEL_TYPE = "tensor_memory"
+_BASE_KEY = "base_model_type"
+_CONFIG_CLASSES: dict[type, type] = {}
+
+
+def _memory_config_class(base: type) -> type:
+    """The config class of ``base`` with memory: the same fields and behaviour, saved with
+    ``model_type = "tensor_memory"`` and ``base_model_type`` (one class per base, made
+    once, a module attribute so that pickling finds it)."""
+    if getattr(base, "_tmcore_base", None) is not None:
+        return base
+    if base not in _CONFIG_CLASSES:
+        name = f"TensorMemory{base.__name__}"
+
+        def to_dict(self: Any) -> dict[str, Any]:
+            out = base.to_dict(self)
+            out[_BASE_KEY] = base.model_type
+            return out
+
+        cls = type(name, (base,), {"model_type": MODEL_TYPE, "_tmcore_base": base,
+                                   "to_dict": to_dict, "__module__": __name__,
+                                   "__doc__": f"{base.__name__} with Tensor Memory "
+                                              f"(``config.{CONFIG_KEY}``)."})
+        globals()[name] = cls
+        _CONFIG_CLASSES[base] = cls
+    return _CONFIG_CLASSES[base]
+
+
+def _memory_model_class(config_class: type, model_class: type) -> type:
+    """``model_class`` (a causal LM) whose ``__init__`` attaches the memory its config
+    stores, registered with ``AutoModelForCausalLM`` for ``config_class``."""
+    transformers = _transformers()
+    if getattr(model_class, "_tmcore_memory_class", False):
+        return model_class
+    name = f"TensorMemory{model_class.__name__}"
+    existing = globals().get(name)
+    if existing is not None and existing.config_class is config_class:
+        return existing
+
+    def __init__(self: Any, config: Any, *args: Any, **kwargs: Any) -> None:
+        model_class.__init__(self, config, *args, **kwargs)
+        spec = getattr(config, CONFIG_KEY, None)
+        if spec is None:
+            raise ValueError(f"config: {type(self).__name__} needs the memory configuration "
+                             f"'{CONFIG_KEY}' in its config (saved by a model with memory)")
+        _attach_spec(self, check_spec(spec))
+
+    @classmethod
+    def from_pretrained(cls: Any, *args: Any, **kwargs: Any) -> Any:
+        info = kwargs.pop("output_loading_info", False)
+        model, loading = model_class.from_pretrained.__func__(cls, *args,
+                                                              output_loading_info=True,
+                                                              **kwargs)
+        marker = f".{_torch_attach.ATTRIBUTE}."
+        missing = sorted(k for k in loading.get("missing_keys", ()) if marker in k)
+        if missing:
+            raise ValueError(f"pretrained_model_name_or_path: the checkpoint lacks memory "
+                             f"weights its {CONFIG_KEY} config needs: {missing[:4]}"
+                             f"{'...' if len(missing) > 4 else ''}; the memory cannot be "
+                             f"restored")
+        return (model, loading) if info else model
+
+    cls = type(name, (model_class,), {"__init__": __init__, "from_pretrained": from_pretrained,
+                                      "config_class": config_class,
+                                      "_tmcore_memory_class": True, "__module__": __name__,
+                                      "__doc__": f"{model_class.__name__} with Tensor Memory "
+                                                 f"attached from its config."})
+    globals()[name] = cls
+    transformers.AutoModelForCausalLM.register(config_class, cls, exist_ok=True)
+    return cls
+
+
+def _causal_lm_class(config: Any, architectures: Any = None) -> type | None:
+    transformers = _transformers()
+    for arch in architectures or ():
+        found = getattr(transformers, arch, None)
+        if isinstance(found, type):
+            return found
+    try:
+        return transformers.MODEL_FOR_CAUSAL_LM_MAPPING[config]
+    except (KeyError, ValueError):
+        return None
+
+
+def _mark_config(model: nn.Module) -> None:
+    """Make ``model.config`` save as ``tensor_memory`` (its class, not its values, swapped)
+    and register the pair with the Auto classes, so that ``AutoModelForCausalLM`` loads
+    the model back with its memory."""
+    base = type(model.config)
+    if getattr(base, "_tmcore_base", None) is None and getattr(base, "model_type", ""):
+        config_class = _memory_config_class(base)
+        model.config.__class__ = config_class
+    _memory_model_class(type(model.config), type(model))
+
+
+def _auto_config_class() -> type:
+    transformers = _transformers()
+
+    class TensorMemoryConfig(transformers.PretrainedConfig):
+        """The ``AutoConfig`` entry of ``model_type = "tensor_memory"``: builds the config
+        of the base model named by ``base_model_type`` (with memory, registered with
+        ``AutoModelForCausalLM``)."""
+
+        model_type = MODEL_TYPE
+
+        @classmethod
+        def from_dict(cls, config_dict: dict[str, Any], **kwargs: Any) -> Any:
+            config_dict = dict(config_dict)
+            base_type = config_dict.pop(_BASE_KEY, None)
+            config_dict.pop("model_type", None)
+            mapping = transformers.CONFIG_MAPPING
+            if base_type is None or base_type not in mapping:
+                raise ValueError(f"{_BASE_KEY}: a '{MODEL_TYPE}' config must name the model "
+                                 f"it extends (one of transformers' model types), got "
+                                 f"{base_type!r}")
+            if CONFIG_KEY not in config_dict:
+                raise ValueError(f"{CONFIG_KEY}: a '{MODEL_TYPE}' config without its memory "
+                                 f"configuration; the memory cannot be restored")
+            check_spec(config_dict[CONFIG_KEY])
+            base = mapping[base_type]
+            config_class = _memory_config_class(base)
+            model_class = _causal_lm_class(base, config_dict.get("architectures"))
+            if model_class is not None:
+                _memory_model_class(config_class, model_class)
+            return config_class.from_dict(config_dict, **kwargs)
+
+    return TensorMemoryConfig
+
+
+def register_auto_classes() -> None:
+    """Register the ``tensor_memory`` model type with ``AutoConfig``.
+
+    Done when ``tmcore.adapters.hf`` is imported with transformers installed. A model
+    saved with memory writes ``model_type = "tensor_memory"`` and ``base_model_type``
+    in its ``config.json``; after this registration ``AutoConfig`` /
+    ``AutoModelForCausalLM.from_pretrained`` (and so ``pipeline``) load it with its
+    memory. Without it, transformers refuses the unknown model type instead of
+    silently dropping the memory.
+
+    Raises
+    ------
+    ImportError
+        If transformers is not installed.
+    """
+    transformers = _transformers()
+    if MODEL_TYPE not in transformers.CONFIG_MAPPING:
+        transformers.AutoConfig.register(MODEL_TYPE, _auto_config_class(), exist_ok=True)
+
+
+try:  # registered on import, as fla registers its models
+    register_auto_classes()
+except ImportError:  # pragma: no cover - transformers absent: the adapter's calls say so
+    pass

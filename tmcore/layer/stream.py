@@ -314,8 +314,9 @@ def check_valid(xp: Any, valid: Any, batch: int, tokens: int) -> list[list[bool]
 
 
 def maybe_host(value: Any) -> Any:
-    """``value``'s host lists when it can be read without tracing (else ``None``)."""
-    if _is_traced(value):
+    """``value``'s host lists when it can be read without tracing (else ``None``; also
+    while torch.compile traces: a host read there is a graph break)."""
+    if _is_traced(value) or _sizes.compiling():
         return None
     try:
         return host_list(value, "", "")

@@ -1,0 +1,150 @@
+"""A model saved with memory loads anywhere transformers' Auto classes load (issue 50, item 8):
+``AutoModelForCausalLM.from_pretrained`` gives it back with its memory (logits equal),
+``pipeline("text-generation")`` runs it, and what cannot be restored is refused."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="torch is not installed")
+transformers = pytest.importorskip("transformers", reason="transformers is not installed "
+                                   "(pip install 'tmcore[hf]')")
+from torch import nn  # noqa: E402
+
+from tmcore.adapters import hf  # noqa: E402
+
+VOCAB = 48
+COMMON = {"vocab_size": VOCAB, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
+MEMORY = {"memory_channels": 2, "memory_shape": (2, 3, 2), "chunk_size": 3,
+          "zero_init": False, "gate_init": 1.0}
+
+
+def make_model(family: str) -> nn.Module:
+    torch.manual_seed(0)
+    if family == "gpt2":
+        config = transformers.GPT2Config(n_embd=16, n_layer=2, n_head=2, n_positions=64,
+                                         **COMMON)
+        return transformers.GPT2LMHeadModel(config).eval()
+    config = transformers.LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                      num_attention_heads=2, num_key_value_heads=1,
+                                      max_position_embeddings=64, **COMMON)
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+def ids(batch: int, tokens: int) -> torch.Tensor:
+    return torch.randint(3, VOCAB, (batch, tokens), generator=torch.Generator().manual_seed(1))
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_auto_model_from_pretrained_comes_back_with_its_memory(family, tmp_path):
+    """Old main: the plain Auto load silently dropped the memory (logits off by 1.23)."""
+    model = make_model(family)
+    hf.attach_memory(model, **MEMORY)
+    x = ids(2, 8)
+    with torch.no_grad():
+        expected = model(x).logits
+    model.save_pretrained(tmp_path)
+    stored = json.loads((tmp_path / "config.json").read_text())
+    assert stored["model_type"] == hf.MODEL_TYPE
+    assert stored["base_model_type"] == family and "tensor_memory" in stored
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert hf.memory_of(loaded) is not None
+    assert isinstance(loaded, type(model))
+    with torch.no_grad():
+        assert torch.equal(loaded(x).logits, expected)
+        cached = loaded.generate(x, max_new_tokens=4, do_sample=False, pad_token_id=0)
+        reference = model.generate(x, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert torch.equal(cached, reference)
+    # hf.from_pretrained reads the same folder (the model's own class, memory attached)
+    again = hf.from_pretrained(tmp_path)
+    assert type(again) is type(model)
+    with torch.no_grad():
+        assert torch.equal(again(x).logits, expected)
+    # detaching gives back the base config: saved again, a plain model
+    hf.detach_memory(model)
+    assert type(model.config) is type(make_model(family).config)
+    model.save_pretrained(tmp_path / "plain")
+    plain = json.loads((tmp_path / "plain" / "config.json").read_text())
+    assert plain["model_type"] == family and "tensor_memory" not in plain
+    assert hf.memory_of(transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "plain")) is None
+
+
+def _tokenizer():
+    tokenizers = pytest.importorskip("tokenizers", reason="tokenizers is not installed")
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, VOCAB)}}
+    model = tokenizers.models.WordLevel(vocab, unk_token="<pad>")
+    tok = tokenizers.Tokenizer(model)
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>",
+                                                bos_token="<s>", eos_token="</s>")
+
+
+def test_a_pipeline_runs_the_model_loaded_with_its_memory(tmp_path):
+    model = make_model("llama")
+    hf.attach_memory(model, **MEMORY)
+    tokenizer = _tokenizer()
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    prompt = "w5 w9 w11 w20 w7"
+    generator = transformers.pipeline("text-generation", model=str(tmp_path))
+    assert hf.memory_of(generator.model) is not None
+    out = generator(prompt, max_new_tokens=4, do_sample=False, return_full_text=False)
+    x = tokenizer(prompt, return_tensors="pt").input_ids
+    with torch.no_grad():
+        tokens = model.generate(x, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert out[0]["generated_text"].split() == tokenizer.decode(
+        tokens[0, x.shape[1]:]).split()
+
+
+def test_what_cannot_be_restored_is_refused(tmp_path):
+    model = make_model("llama")
+    hf.attach_memory(model, **MEMORY)
+    model.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+
+    def variant(name, change=None, weights=True):
+        folder = tmp_path / name
+        folder.mkdir()
+        edited = json.loads(json.dumps(config))
+        if change:
+            change(edited)
+        (folder / "config.json").write_text(json.dumps(edited))
+        if weights:
+            (folder / "model.safetensors").symlink_to(tmp_path / "model.safetensors")
+        return folder
+
+    auto = transformers.AutoModelForCausalLM
+    with pytest.raises(ValueError, match="tensor_memory"):
+        auto.from_pretrained(variant("no-spec", lambda c: c.pop("tensor_memory")))
+    with pytest.raises(ValueError, match="base_model_type"):
+        auto.from_pretrained(variant("no-base", lambda c: c.pop("base_model_type")))
+    with pytest.raises(ValueError, match="tensor_memory.chunk_size|chunk_size"):
+        auto.from_pretrained(variant("bad", lambda c: c["tensor_memory"].update(chunk_size=0)))
+    # weights without the memory's: refused, not initialized at random
+    from safetensors.torch import load_file, save_file
+
+    folder = variant("no-memory-weights", weights=False)
+    tensors = {k: v.contiguous() for k, v in load_file(tmp_path / "model.safetensors").items()
+               if ".tensor_memory." not in k}
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="memory cannot be restored"):
+        auto.from_pretrained(folder)
+
+
+def test_a_config_saved_before_the_model_type_still_loads_with_hf_from_pretrained(tmp_path):
+    """Checkpoints written with the base model_type and tensor_memory (earlier 0.2.0 dev)."""
+    model = make_model("gpt2")
+    hf.attach_memory(model, **MEMORY)
+    x = ids(1, 6)
+    with torch.no_grad():
+        expected = model(x).logits
+    model.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["model_type"] = config.pop("base_model_type")
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    loaded = hf.from_pretrained(tmp_path)
+    with torch.no_grad():
+        assert torch.equal(loaded(x).logits, expected)
