@@ -69,8 +69,12 @@ def decode_step(layer: Layer, xp: Any, params: Params, x: Any, st: StreamState, 
     length = layer.config.chunk_size
     count = st.count
     slot = xp.reshape(xp.arange(length, dtype=count.dtype, device=device_of(x)), (1, length, 1))
-    pending = xp.where(slot == xp.reshape(count, (-1, 1, 1)), x[:, None, :],
-                       xp.astype(st.pending, x.dtype))               # (B, L, d)
+    at = xp.reshape(count, (-1, 1, 1))
+    # the chunk's tokens so far, this one, and zeros after it (what a state holds past
+    # its count is never read, as in the planned call)
+    pending = xp.where(slot == at, x[:, None, :],
+                       xp.where(slot < at, xp.astype(st.pending, x.dtype),
+                                xp.zeros_like(x[:, None, :])))       # (B, L, d)
     inputs = layer.heads(xp, params, pending[:, None, ...])          # (B, 1, ...) each
     starts = count == 0
     read = _rows(xp, starts, layer.sample(st.h, inputs.read_coords)[:, 0, :], st.read)
