@@ -22,6 +22,15 @@ jitted prefill.
 ``--jax-only`` runs only those rows and writes ``benchmarks/results/generation-jax.json``
 (rendered in docs/guides/jax-generation.md).
 
+``--hf`` measures what a Hugging Face user sees instead (issue 50, item 13), in ONE
+process and thread, interleaved (with / without memory alternate, the best of
+``--hf-reps`` rounds counts): ``generate`` tokens/s of a tiny random Llama (2 layers,
+batch 4, 64 new tokens, greedy; d = 64 and d = 512) with memory (``hf.attach_memory``,
+chunk 4) against the same model without, and a training step (forward + backward, d =
+512, N = 1024) with against without; it writes ``benchmarks/results/generation-hf.json``
+and ``generation-hf.md`` (the ratios; ``--tag`` names the run, so runs before and after a
+change sit side by side in the file).
+
 Writes ``benchmarks/results/generation.json`` (``command``, ``commit``, ``config``,
 ``machine``, ``rows``) and prints the Markdown table docs/guides/streaming.md shows.
 """
@@ -46,6 +55,7 @@ JAX_MODES = ("eager", "jit step", "scan")
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                        "generation.json")
 RESULTS_JAX = os.path.join(os.path.dirname(RESULTS), "generation-jax.json")
+RESULTS_HF = os.path.join(os.path.dirname(RESULTS), "generation-hf.json")
 
 
 def _config(args: argparse.Namespace, kind: str):
@@ -159,6 +169,123 @@ def measure_jax(args: argparse.Namespace, kind: str, context: int) -> list[dict]
     return rows
 
 
+def _hf_models(width: int, memory: bool, chunk: int):
+    """A tiny random Llama (2 layers, 4 heads, vocabulary 256), with or without memory."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tmcore.adapters import hf
+
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=width, intermediate_size=2 * width, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=4, vocab_size=256,
+                         max_position_embeddings=4096)
+    model = LlamaForCausalLM(config)
+    if memory:
+        hf.attach_memory(model, memory_channels=16, memory_shape=(4, 4, 4), chunk_size=chunk,
+                         zero_init=False)
+    return model
+
+
+def measure_hf(args: argparse.Namespace) -> list[dict]:
+    """The HF rows: generate tokens/s and a training step, with / without memory,
+    interleaved in this process (one thread)."""
+    import torch
+
+    torch.set_num_threads(1)
+    rows = []
+    for width in args.hf_widths:
+        models = {m: _hf_models(width, m, args.hf_chunk).eval() for m in (False, True)}
+        prompt = torch.randint(0, 256, (args.hf_batch, 8),
+                               generator=torch.Generator().manual_seed(1))
+        kwargs = dict(max_new_tokens=args.decode, min_new_tokens=args.decode,
+                      do_sample=False, pad_token_id=0)
+        best = {False: float("inf"), True: float("inf")}
+        with torch.no_grad():
+            for m in (False, True):
+                models[m].generate(prompt, **{**kwargs, "max_new_tokens": 4,
+                                              "min_new_tokens": 4})
+            for _ in range(args.hf_reps):
+                for m in (False, True):
+                    start = time.perf_counter()
+                    models[m].generate(prompt, **kwargs)
+                    best[m] = min(best[m], time.perf_counter() - start)
+        tokens = args.decode * args.hf_batch
+        rows.append({"what": "generate", "width": width, "batch": args.hf_batch,
+                     "new_tokens": args.decode, "chunk": args.hf_chunk,
+                     "tokens_per_s": tokens / best[False],
+                     "tokens_per_s_memory": tokens / best[True],
+                     "ratio": best[False] / best[True]})
+        print(json.dumps(rows[-1]), file=sys.stderr)
+    if args.hf_train:
+        width, n = 512, args.hf_train_tokens
+        models = {m: _hf_models(width, m, args.hf_chunk).train() for m in (False, True)}
+        x = torch.randint(0, 256, (1, n), generator=torch.Generator().manual_seed(2))
+        best = {False: float("inf"), True: float("inf")}
+
+        def step(model):
+            model.zero_grad(set_to_none=True)
+            model(x, labels=x, use_cache=False).loss.backward()
+
+        for m in (False, True):
+            step(models[m])
+        for _ in range(args.hf_reps):
+            for m in (False, True):
+                start = time.perf_counter()
+                step(models[m])
+                best[m] = min(best[m], time.perf_counter() - start)
+        rows.append({"what": "training step", "width": width, "batch": 1, "tokens": n,
+                     "chunk": args.hf_chunk, "step_s": best[False], "step_s_memory": best[True],
+                     "ratio": best[True] / best[False]})
+        print(json.dumps(rows[-1]), file=sys.stderr)
+    return rows
+
+
+def hf_table(rows: list[dict]) -> str:
+    """The Markdown table of the HF rows (generate: with/without tokens/s, higher is
+    better; training: step time with/without, lower is better)."""
+    lines = ["| what | d | shape | without memory | with memory | ratio | target |",
+             "|---|---:|---|---:|---:|---:|---|"]
+    for r in rows:
+        if r["what"] == "generate":
+            target = ">= 0.6x" if r["width"] <= 64 else ">= 0.8x"
+            lines.append(f"| generate (tokens/s) | {r['width']} | B={r['batch']}, "
+                         f"{r['new_tokens']} new, chunk {r['chunk']} | "
+                         f"{r['tokens_per_s']:.0f} | {r['tokens_per_s_memory']:.0f} | "
+                         f"{r['ratio']:.2f}x | {target} |")
+        else:
+            lines.append(f"| training step (s) | {r['width']} | B=1, N={r['tokens']}, "
+                         f"chunk {r['chunk']} | {r['step_s']:.3f} | {r['step_s_memory']:.3f} "
+                         f"| {r['ratio']:.2f}x | <= 1.5x |")
+    return "\n".join(lines)
+
+
+def main_hf(args: argparse.Namespace, argv: list[str]) -> dict:
+    """``--hf``: measure, then add this run (by ``--tag``) to generation-hf.json / .md."""
+    from benchmarks.common import machine_line
+
+    run = {"tag": args.tag, "command": " ".join(["python -m benchmarks.generation", *argv]),
+           "commit": _commit(), "machine": machine_line(), "rows": measure_hf(args)}
+    result = {"runs": []}
+    if os.path.exists(RESULTS_HF):
+        with open(RESULTS_HF) as f:
+            result = json.load(f)
+    result["runs"] = [r for r in result["runs"] if r["tag"] != args.tag] + [run]
+    if not args.tiny:
+        with open(RESULTS_HF, "w") as f:
+            json.dump(result, f, indent=1)
+            f.write("\n")
+        with open(RESULTS_HF[:-len(".json")] + ".md", "w") as f:
+            f.write("# Hugging Face generate and training with / without Tensor Memory\n\n"
+                    "Same process, one thread, interleaved; best of the rounds. Written by "
+                    "`python -m benchmarks.generation --hf`.\n")
+            for r in result["runs"]:
+                f.write(f"\n## {r['tag']}\n\n`{r['command']}` at commit `{r['commit']}`; "
+                        f"{r['machine']}\n\n{hf_table(r['rows'])}\n")
+    print(hf_table(run["rows"]))
+    return run
+
+
 def _commit() -> str:
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
@@ -218,6 +345,16 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="results file (default: by the rows run)")
     p.add_argument("--jax", action=argparse.BooleanOptionalAction, default=True,
                    help="add the JAX rows (examples/jax_lm; needs jax and flax)")
+    p.add_argument("--hf", action="store_true",
+                   help=f"the Hugging Face rows only ({os.path.basename(RESULTS_HF)})")
+    p.add_argument("--hf-widths", type=int, nargs="+", default=[64, 512])
+    p.add_argument("--hf-batch", type=int, default=4)
+    p.add_argument("--hf-chunk", type=int, default=4)
+    p.add_argument("--hf-reps", type=int, default=3, help="interleaved rounds; best counts")
+    p.add_argument("--hf-train", action=argparse.BooleanOptionalAction, default=True,
+                   help="add the training step row (d = 512)")
+    p.add_argument("--hf-train-tokens", type=int, default=1024)
+    p.add_argument("--tag", default="current", help="the name of this --hf run in the file")
     p.add_argument("--one", nargs=2, metavar=("KIND", "CONTEXT"), help=argparse.SUPPRESS)
     return p
 
@@ -229,6 +366,11 @@ def main(argv: list[str] | None = None) -> dict:
         args.contexts, args.decode, args.width, args.layers = [32, 64], 8, 32, 2
         args.passes = 1
         args.grid, args.channels, args.chunk, args.piece = [3, 3, 3], 4, 4, 16
+    if args.hf:
+        if args.tiny:
+            args.hf_widths, args.decode, args.hf_reps, args.hf_train = [32], 8, 1, False
+            args.chunk = 4
+        return main_hf(args, argv)
     if args.one:
         if args.one[0] in JAX_KINDS:
             row = {"rows": measure_jax(args, args.one[0], int(args.one[1]))}

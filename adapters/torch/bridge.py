@@ -211,16 +211,38 @@ class _Function(torch.autograd.Function):
     generate_vmap_rule = True
 
 
-def _in_forward_mode() -> bool:
-    """Whether a ``torch.func.jvp`` / ``jacfwd`` transform is active (none of the ops
-    has a forward-mode rule)."""
+_NO_INTERPRETER = object()
+
+
+def _interpreter() -> Any:
+    """The innermost ``torch.func`` transform's interpreter (``None``: no transform;
+    ``_NO_INTERPRETER``: this torch cannot tell)."""
     try:
+        if torch._C._functorch.peek_interpreter_stack() is None:  # (no transform: cheap)
+            return None
         from torch._functorch.pyfunctorch import retrieve_current_functorch_interpreter
 
-        interpreter = retrieve_current_functorch_interpreter()
-    except Exception:  # an older or newer torch without this helper: let torch decide
-        return False
-    return interpreter is not None and interpreter.key().name == "Jvp"
+        return retrieve_current_functorch_interpreter()
+    except Exception:  # an older or newer torch without these helpers: let torch decide
+        return _NO_INTERPRETER
+
+
+def _in_forward_mode(interpreter: Any = _NO_INTERPRETER) -> bool:
+    """Whether a ``torch.func.jvp`` / ``jacfwd`` transform is active (none of the ops
+    has a forward-mode rule)."""
+    if interpreter is _NO_INTERPRETER:
+        interpreter = _interpreter()
+    return interpreter is not None and interpreter is not _NO_INTERPRETER \
+        and interpreter.key().name == "Jvp"
+
+
+#: op -> its eager forward (what the custom op runs), for calls that need no autograd
+_DIRECT: dict[Any, Callable[..., Any]] = {}
+
+
+def _needs_autograd(args: tuple) -> bool:
+    return torch.is_grad_enabled() and any(isinstance(a, Tensor) and a.requires_grad
+                                           for a in args)
 
 
 def call(function: type[_Function], op: Callable[..., Any], *args: Any,
@@ -233,7 +255,20 @@ def call(function: type[_Function], op: Callable[..., Any], *args: Any,
     (one validation per call)."""
     if torch.compiler.is_compiling():
         return op(*args)
-    if _in_forward_mode():
+    interpreter = _interpreter()
+    direct = _DIRECT.get(op)
+    if direct is not None and interpreter is None and not _needs_autograd(args):
+        # no transform and no gradient (inference, a decode step): the op's own forward,
+        # without the autograd Function and the dispatcher around it (the same
+        # computation; a few hundred microseconds less per call on the CPU)
+        if not validated:
+            return direct(*args)
+        token = _VALIDATED.set(True)
+        try:
+            return direct(*args)
+        finally:
+            _VALIDATED.reset(token)
+    if _in_forward_mode(interpreter):
         raise NotImplementedError(
             f"tmcore: {getattr(op, '_name', op)} has no forward-mode derivative "
             f"(torch.func.jvp, jacfwd, hessian via jacfwd): tmcore registers reverse-mode "
@@ -374,6 +409,7 @@ def _make_op(spec: OpSpec) -> MadeOp:
         "setup_context": staticmethod(setup),
         "backward": staticmethod(grad),
     })
+    _DIRECT[op] = forward
     return MadeOp(op, backward_op, function, backward_function)
 
 

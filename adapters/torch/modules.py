@@ -5,6 +5,7 @@ and :class:`WarpFlow` (the cell's and the flow's parameters)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -212,6 +213,16 @@ class WarpFlow(nn.Module):
         """
         return ConvParams(self.depthwise_weight, self.depthwise_bias, self.pointwise_weight,
                           self.pointwise_bias)
+
+
+@functools.lru_cache(maxsize=64)
+def _param_names(config: tl.LayerConfig) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """``((group, (leaf, ...)), ...)`` of a config's parameters (:func:`param_specs`,
+    computed once per config rather than per call: a decode step is one call per token)."""
+    groups: dict[str, list[str]] = {}
+    for spec in tl.param_specs(config):
+        groups.setdefault(spec.group, []).append(spec.leaf)
+    return tuple((group, tuple(leaves)) for group, leaves in groups.items())
 
 
 class _TorchChecks(NamedTuple):
@@ -442,9 +453,9 @@ class TensorMemory(nn.Module):
             the module's parameters themselves.
         """
         params: dict[str, dict[str, Tensor]] = {}
-        for spec in tl.param_specs(self.config):
-            params.setdefault(spec.group, {})[spec.leaf] = getattr(getattr(self, spec.group),
-                                                                   spec.leaf)
+        for group, leaves in _param_names(self.config):
+            module = getattr(self, group)
+            params[group] = {leaf: getattr(module, leaf) for leaf in leaves}
         return params
 
     # ----------------------------------------------------------------- checkpoints

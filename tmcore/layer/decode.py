@@ -37,7 +37,8 @@ def _compiling() -> bool:
 
 
 def decode_step(layer: Layer, xp: Any, params: Params, x: Any, st: StreamState, scan: Scan,
-                valid: Any = None) -> tuple[Any, StreamState]:
+                valid: Any = None, known: tuple[int, ...] | None = None
+                ) -> tuple[Any, StreamState]:
     """One token of each row's stream: ``x (B, d)`` -> ``(out (B, d), state)``; unchecked.
 
     Parameters
@@ -58,6 +59,11 @@ def decode_step(layer: Layer, xp: Any, params: Params, x: Any, st: StreamState, 
     valid : bool array, shape ``(B,)``, optional
         False for rows whose token is skipped (padding): their state is kept and their
         output is zeros.
+    known : tuple of int, optional
+        ``st.count`` as Python ints, when the caller read it on the host (eager): the
+        heads then run only when some row starts or completes a chunk, the read only
+        when some row starts one, the update only when some row completes one, and no
+        further host read is made.
 
     Returns
     -------
@@ -67,10 +73,16 @@ def decode_step(layer: Layer, xp: Any, params: Params, x: Any, st: StreamState, 
         The state after the token.
     """
     length = layer.config.chunk_size
+    if known is not None and valid is None:
+        return _decode_known(layer, xp, params, x, st, scan, known)
     count = st.count
     slot = xp.reshape(xp.arange(length, dtype=count.dtype, device=device_of(x)), (1, length, 1))
-    pending = xp.where(slot == xp.reshape(count, (-1, 1, 1)), x[:, None, :],
-                       xp.astype(st.pending, x.dtype))               # (B, L, d)
+    at = xp.reshape(count, (-1, 1, 1))
+    # the chunk's tokens so far, this one, and zeros after it (what a state holds past
+    # its count is never read, as in the planned call)
+    pending = xp.where(slot == at, x[:, None, :],
+                       xp.where(slot < at, xp.astype(st.pending, x.dtype),
+                                xp.zeros_like(x[:, None, :])))       # (B, L, d)
     inputs = layer.heads(xp, params, pending[:, None, ...])          # (B, 1, ...) each
     starts = count == 0
     read = _rows(xp, starts, layer.sample(st.h, inputs.read_coords)[:, 0, :], st.read)
@@ -100,3 +112,61 @@ def decode_step(layer: Layer, xp: Any, params: Params, x: Any, st: StreamState, 
         out = _rows(xp, valid, out, xp.zeros_like(out))
     return out, StreamState(h, c, pending, count, read_kept)
 
+
+def _pick(xp: Any, flags: list[bool], mask: Any, a: Any, b: Any) -> Any:
+    """``a`` where ``flags`` (the host copy of ``mask``) is True, else ``b``: no
+    operation when every row agrees."""
+    if all(flags):
+        return a
+    if not any(flags):
+        return b
+    return _rows(xp, mask, a, b)
+
+
+def _decode_known(layer: Layer, xp: Any, params: Params, x: Any, st: StreamState,
+                  scan: Scan, known: tuple[int, ...]) -> tuple[Any, StreamState]:
+    """:func:`decode_step` with the counts known on the host: each part runs only
+    where some row needs it (in generation every row is at the same count, so a token
+    that neither starts nor completes a chunk costs its read-out and the bookkeeping)."""
+    length = layer.config.chunk_size
+    device = device_of(x)
+    starts = [k == 0 for k in known]
+    complete = [k == length - 1 for k in known]
+    count = st.count
+    if length == 1:
+        pending = x[:, None, :]
+    elif all(k == known[0] for k in known):  # one slot for every row: a concat of views
+        k = known[0]
+        zeros = xp.zeros_like(x[:, None, :])
+        kept = st.pending[:, :k, :]
+        parts = ([kept if kept.dtype == x.dtype else xp.astype(kept, x.dtype)] if k else []) \
+            + [x[:, None, :]] \
+            + ([xp.broadcast_to(zeros, (x.shape[0], length - k - 1, x.shape[1]))]
+               if k < length - 1 else [])
+        pending = parts[0] if len(parts) == 1 else xp.concat(parts, axis=1)
+    else:
+        slot = xp.reshape(xp.arange(length, dtype=count.dtype, device=device), (1, length, 1))
+        at = xp.reshape(count, (-1, 1, 1))
+        pending = xp.where(slot == at, x[:, None, :],
+                           xp.where(slot < at, xp.astype(st.pending, x.dtype),
+                                    xp.zeros_like(x[:, None, :])))   # (B, L, d)
+    inputs = (layer.heads(xp, params, pending[:, None, ...]) if any(starts) or any(complete)
+              else None)
+    read = st.read
+    if any(starts):
+        read = _pick(xp, starts, count == 0, layer.sample(st.h, inputs.read_coords)[:, 0, :],
+                     st.read)
+    h, c = st.h, st.c
+    if any(complete):
+        done = count == length - 1
+        _, h_new, c_new = scan(h, c, inputs)
+        h, c = _pick(xp, complete, done, h_new, h), _pick(xp, complete, done, c_new, c)
+    out = layer.read_out(xp, params, read)
+    keep = [not f for f in complete]
+    if any(complete):
+        kept = ~(count == length - 1)
+        pending = _pick(xp, keep, kept, pending, xp.zeros_like(pending))
+        read = _pick(xp, keep, kept, read, xp.zeros_like(read))
+    new = xp.asarray([0 if f else k + 1 for k, f in zip(known, complete, strict=True)],
+                     dtype=count.dtype, device=device)
+    return out, StreamState(h, c, pending, new, read)

@@ -300,7 +300,7 @@ class Layer:
             return xp.zeros_like(x), st
         if tokens == 1:  # a decode step: no chunk grid to plan
             out, st = decode_step(self, xp, params, x[:, 0, :], st, scan,
-                                  None if valid is None else valid[:, 0])
+                                  None if valid is None else valid[:, 0], known)
             return out[:, None, :], st
         if known is not None and not any(known) and valid is None:  # a chunk boundary
             return execute(self, xp, params, x, st,

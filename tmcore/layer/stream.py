@@ -28,7 +28,7 @@ from tmcore.layer.state import (
     zero_state,
 )
 from tmcore.runtime import sizes as _sizes
-from tmcore.runtime.validate import check_int, validation_enabled
+from tmcore.runtime.validate import check_int
 
 __all__ = ["StreamState", "check_doc_starts", "doc_starts_from_offsets", "stream_state"]
 
@@ -111,7 +111,8 @@ def stream_state(xp: Any, state: Any, x: Any, config: LayerConfig) -> StreamStat
         If ``state`` is not ``None``, a pair or a :class:`StreamState`; if ``h``,
         ``c``, ``pending`` or ``read`` does not have its shape (``pending`` and
         ``read``: or is not an array); or if ``count`` is not ``B`` ints in
-        ``[0, L)`` (an array's values are checked in validate mode only).
+        ``[0, L)`` (a traced array's values cannot be read: out-of-range ones are
+        taken as 0, an empty unfinished chunk).
     TypeError
         If ``h`` or ``c`` is not an array, a field's dtype is not real floating,
         or an array ``count`` is not of an integer dtype.
@@ -157,8 +158,12 @@ def complete_state(xp: Any, state: Any, x: Any,
 
 def _check_count(xp: Any, count: Any, batch: int, length: int,
                  device: Any) -> tuple[Any, tuple[int, ...] | None]:
-    """``state.count``: ``B`` ints in ``[0, L)``: an integer array ``(B,)`` (its values
-    are checked when concrete in validate mode) or Python / NumPy ints (checked)."""
+    """``state.count``: ``B`` ints in ``[0, L)``: an integer array ``(B,)`` or Python /
+    NumPy ints. A concrete array's values are read on the host and checked (one read,
+    which also gives the counts as Python ints); a traced one's (``jax.jit``,
+    ``torch.compile``) cannot be: an out-of-range value is taken as 0 there (an empty
+    unfinished chunk: the row continues from its ``(h, c)``), compared before the cast
+    to int32 so that no value wraps into range, and no row ever reads another's."""
     expected = f"{batch} ints in [0, {length}) (tokens of each row's unfinished chunk)"
     if hasattr(count, "shape") and hasattr(count, "dtype"):
         if tuple(count.shape) != (batch,):
@@ -167,11 +172,16 @@ def _check_count(xp: Any, count: Any, batch: int, length: int,
         if not xp.isdtype(count.dtype, "integral"):
             raise TypeError(f"state.count: expected an integer array ({expected}), got "
                             f"dtype {count.dtype}")
-        if not _is_traced(count) and not _sizes.compiling() and validation_enabled():
-            values = [int(v) for v in host_list(count, "state.count", "")]
-            if not all(0 <= k < length for k in values):
-                raise ValueError(f"state.count: expected {expected}, got {values}")
-        return xp.astype(count, getattr(xp, COUNT_DTYPE)), None
+        if _is_traced(count) or _sizes.compiling():
+            inside = (count >= 0) & (count < length)
+            return xp.astype(xp.where(inside, count, xp.zeros_like(count)),
+                             getattr(xp, COUNT_DTYPE)), None
+        values = tuple(int(v) for v in host_list(count, "state.count", ""))
+        if not all(0 <= k < length for k in values):
+            raise ValueError(f"state.count: expected {expected}, got {list(values)}")
+        if count.dtype != getattr(xp, COUNT_DTYPE):
+            count = xp.astype(count, getattr(xp, COUNT_DTYPE))
+        return count, values
     try:
         known = tuple(operator.index(k) for k in count) if not isinstance(count, bool) \
             and all(not isinstance(k, bool) for k in count) else None
