@@ -35,6 +35,7 @@ with ``custom_vjp``, pytrees, dtype promotion and sharding-friendly zero states.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import inspect
 from collections.abc import Callable, Mapping, Sequence
@@ -72,6 +73,7 @@ __all__ = [
     "conv_params",
     "detach_state",
     "doc_starts_from_offsets",
+    "empty_stream_state",
     "gaussian_splat",
     "init",
     "init_state",
@@ -379,6 +381,62 @@ def init_state(batch: int, memory_channels: int, memory_shape: Sequence[int],
     return MemoryState(*tl.zero_state(jnp, config, check_int("batch", batch, 0), dtype=dtype))
 
 
+def empty_stream_state(config_or_params: Any, batch: int, *,
+                       memory_shape: Sequence[int] | None = None,
+                       dtype: Any = None) -> tl.StreamState:
+    """An empty :class:`StreamState` (zeros, ``count`` 0): what :func:`apply` returns the
+    state as, so it is a ``lax.scan`` / ``fori_loop`` carry whose type is the same in and
+    out (``lax.scan(step, empty_stream_state(params, B, memory_shape=S), xs)``).
+
+    Parameters
+    ----------
+    config_or_params : tmcore.layer.LayerConfig or dict
+        The layer's config, or its parameter pytree (:func:`init`; then
+        ``memory_shape`` is required: no parameter depends on the grid).
+    batch : int
+        ``B`` (>= 0).
+    memory_shape : sequence of int, optional
+        The grid ``S``; with a parameter pytree only.
+    dtype : dtype, optional
+        The floating fields' dtype; default the parameters' (float32 for a config).
+
+    Returns
+    -------
+    StreamState
+        ``h``, ``c`` ``(B, C, *S)``, ``pending`` ``(B, L, d)``, ``read`` ``(B, C)`` of
+        zeros and ``count`` int32 zeros ``(B,)``.
+
+    Raises
+    ------
+    TypeError
+        If ``batch`` is not an int, or ``config_or_params`` is neither a config nor a
+        parameter pytree.
+    ValueError
+        If ``memory_shape`` is missing with parameters (given with a config) or a size
+        is out of range.
+    """
+    if isinstance(config_or_params, tl.LayerConfig):
+        if memory_shape is not None:
+            raise ValueError("memory_shape: the config fixes the grid; pass it only with "
+                             "a parameter pytree")
+        config = config_or_params
+        dtype = jnp.float32 if dtype is None else dtype
+    elif isinstance(config_or_params, Mapping):
+        if memory_shape is None:
+            raise ValueError("memory_shape: required with a parameter pytree (it cannot "
+                             "be inferred from params)")
+        d, channels, _, length = tl.sizes_from_params(config_or_params)
+        config = tl.layer_config(d, channels, memory_shape, length)
+        if dtype is None:
+            dtype = jnp.result_type(*(config_or_params[g][k] for g, k in LAYER_KEYS))
+    else:
+        raise TypeError(f"config_or_params: expected a LayerConfig or a parameter pytree, "
+                        f"got {type(config_or_params).__name__}")
+    batch = check_int("batch", batch, 0)
+    tokens = jnp.zeros((batch, 0, config.embed_dim), dtype)  # fixes B, dtype, device
+    return tl.stream_state(jnp, None, tokens, config)
+
+
 # The state between streamed calls (tmcore.layer.StreamState): (h, c) at the last chunk
 # boundary plus the unfinished chunk's tokens, their count and its read. A plain comment,
 # not a doc comment: the docs show the class (its page), not a constant of that name.
@@ -533,32 +591,96 @@ def conv_params(cell: Mapping[str, jax.Array]) -> ConvParams:
     return tl.cell_params({"cell": cell})
 
 
-_CONFIGS: dict = {}  # the checked configs of earlier calls, by what decided them
+#: the checked configs of earlier calls (frozen ``LayerConfig`` objects), keyed by the type AND
+#: value of every argument that decided them (2, 2.0 and True are three keys), at most
+#: :data:`_CONFIG_CACHE_SIZE` of them (least recently used dropped first)
+_CONFIGS: collections.OrderedDict = collections.OrderedDict()
+_CONFIG_CACHE_SIZE = 256
+
+
+def _typed(value: Any) -> Any:
+    """``value`` as a hashable key that tells types apart (``2``, ``2.0``, ``True``,
+    ``np.int64(2)`` differ); sequences element by element."""
+    if isinstance(value, (tuple, list)):
+        return (type(value).__name__, tuple(_typed(v) for v in value))
+    hash(value)  # an unhashable argument: no key (the checks name it)
+    return (type(value).__module__, type(value).__qualname__, value)
 
 
 def _layer_config(params: Mapping[str, Any], x: Any, state: Any, **kwargs: Any
                   ) -> tl.LayerConfig:
     """:func:`_checked_config`, remembered by the parameters' shapes and dtypes, the state's
-    grid and the keywords: an eager decode loop checks its layer once, not per token."""
+    grid and the keywords (by type and value): an eager decode loop checks its layer
+    once, not per token, and a call differing only in an argument's type is checked
+    afresh (:func:`tmcore.layer.layer_config` refuses ``2.0`` or ``True`` for an int)."""
     try:
         leaves = tuple((group, leaf, tuple(params[group][leaf].shape),
                         str(params[group][leaf].dtype)) for group, leaf in LAYER_KEYS)
         h = state[0] if isinstance(state, (tuple, list)) and len(state) == 2 else None
         grid = tuple(h.shape) if hasattr(h, "shape") else type(state).__name__
-        key = (leaves, grid, tuple(sorted(
-            (k, tuple(v) if isinstance(v, list) else v) for k, v in kwargs.items())))
+        key = (leaves, grid, tuple(sorted((k, _typed(v)) for k, v in kwargs.items())))
         config = _CONFIGS.get(key)
     except Exception:  # a malformed or unhashable argument: the checks below name it
         key = config = None
     if config is None:
         config = _checked_config(params, x, state, **kwargs)
         if key is not None:
-            if len(_CONFIGS) > 256:
-                _CONFIGS.clear()
             _CONFIGS[key] = config
+            while len(_CONFIGS) > _CONFIG_CACHE_SIZE:
+                _CONFIGS.popitem(last=False)
+    else:
+        _CONFIGS.move_to_end(key)
     if config.dynamics != "none":  # the warp_net group (not in the remembered key)
         tl.check_params(params, config)
+    _check_option_groups(params, config)
     return config
+
+
+def _check_option_groups(params: Mapping[str, Any], config: tl.LayerConfig) -> None:
+    """Parameters trained with ``dynamics="warp"`` (``warp_net``) or ``flow=True``
+    (``warp_flow``) applied without that option would silently run another model."""
+    if tl.WARP_GROUP in params and config.dynamics != "warp":
+        raise ValueError(f"params: hold the {tl.WARP_GROUP!r} group of a layer with "
+                         f"dynamics='warp'; pass dynamics='warp' (got dynamics="
+                         f"{config.dynamics!r}) or drop the group")
+    if tl.FLOW_GROUP in params and not config.flow:
+        raise ValueError(f"params: hold the {tl.FLOW_GROUP!r} group of a layer with "
+                         f"flow=True; pass dynamics='warp', flow=True or drop the group")
+
+
+def _check_no_widening(params: Mapping[str, Any], x: Any, state: Any) -> None:
+    """``x`` and the state may be narrower than the parameters (bfloat16 tokens into a
+    float32 layer compute in float32) but never wider: a float64 input into a float32
+    layer would silently compute and return float64. Static (dtypes only)."""
+    layer = jnp.result_type(*(params[group][leaf] for group, leaf in LAYER_KEYS))
+    fields = [("x", x)]
+    if isinstance(state, tl.StreamState):
+        fields += [(f"state.{k}", getattr(state, k)) for k in ("h", "c", "pending", "read")]
+    elif _is_pair(state):
+        fields += [("state.h", state[0]), ("state.c", state[1])]
+    for name, value in fields:
+        dtype = getattr(value, "dtype", None)
+        if dtype is None or not jnp.issubdtype(dtype, jnp.floating) \
+                or not jnp.issubdtype(layer, jnp.floating):
+            continue  # not floating: the shape and dtype checks name it
+        if jnp.finfo(dtype).bits > jnp.finfo(layer).bits:
+            raise TypeError(f"{name}: dtype {jnp.dtype(dtype).name} is wider than the "
+                            f"layer's parameters ({jnp.dtype(layer).name}); cast it "
+                            f"({name.split('.')[0]}.astype(jnp.{jnp.dtype(layer).name})) or "
+                            f"the parameters (init(..., dtype=...))")
+
+
+def _guard_count(state: tl.StreamState, length: int) -> tl.StreamState:
+    """Jit-safe: a row whose ``count`` is outside ``[0, L)`` (a hostile or corrupted
+    state; validate mode refuses it when concrete) restarts its unfinished chunk --
+    ``count`` 0, ``pending`` and ``read`` zeroed, its ``h``, ``c`` kept -- so that no
+    index ever reaches another row's data."""
+    count = state.count
+    bad = (count < 0) | (count >= length)
+    return state._replace(
+        count=jnp.where(bad, jnp.zeros_like(count), count),
+        pending=jnp.where(bad[:, None, None], jnp.zeros_like(state.pending), state.pending),
+        read=jnp.where(bad[:, None], jnp.zeros_like(state.read), state.read))
 
 
 def _checked_config(params: Mapping[str, Any], x: Any, state: Any, *, chunk_size: Any,
@@ -789,6 +911,7 @@ def apply(
                            radius=radius, checkpoint_every=checkpoint_every,
                            update=update, window=window, dynamics=dynamics, flow=flow)
     tl.check_tokens(jnp, x, config)
+    _check_no_widening(params, x, state)
     layer_sizes.check_forward(jnp, config, x)  # the state and the call fit, before allocating
     if stream:
         return _apply_stream(params, x, state, config, layer, reset, doc_starts, valid)
@@ -885,6 +1008,7 @@ def _apply_stream(params: Mapping[str, Any], x: jax.Array, state: Any,
             raise ValueError(error)
     if isinstance(state, tl.StreamState):
         state = tl.stream_state(jnp, state, x, config)  # checks; count as an int32 array
+        state = _guard_count(state, config.chunk_size)  # under jit too: never another row
     dtype = _compute_dtype(params, x, None if state is None else (state[0], state[1]))
     x = _cast(x, dtype)
     if isinstance(state, tl.StreamState):

@@ -94,7 +94,7 @@ def jax_compile(chunk_counts: Sequence[int]) -> list[dict[str, Any]]:
 
     rows = []
     for steps in chunk_counts:
-        x = jnp.ones((2, steps * SIZES["chunk_size"], SIZES["embed_dim"]))
+        x = jnp.ones((2, steps * SIZES["chunk_size"], SIZES["embed_dim"]), jnp.float32)
         start = time.perf_counter()
         compiled = jax.jit(jax.value_and_grad(loss)).lower(params, x).compile()
         seconds = time.perf_counter() - start

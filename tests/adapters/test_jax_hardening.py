@@ -1,0 +1,135 @@
+"""JAX adapter hardening (issue 51): the config cache keys on type and value, dtypes and
+parameter options are refused when they do not match, hostile counts never mix rows."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax", reason="jax is not installed")
+pytest.importorskip("flax", reason="flax is not installed")
+
+import jax.numpy as jnp  # noqa: E402
+from jax import lax  # noqa: E402
+
+from tmcore import layer as tl  # noqa: E402
+from tmcore.adapters import jax as tmj  # noqa: E402
+
+D, C, SHAPE, L = 4, 2, (4, 4, 4), 4
+
+
+@pytest.fixture(scope="module")
+def params():
+    return tmj.init(jax.random.key(0), D, C, SHAPE, L)
+
+
+def _x(batch=2, tokens=6, dtype=jnp.float32, seed=1):
+    return jax.random.normal(jax.random.key(seed), (batch, tokens, D), dtype)
+
+
+@pytest.mark.parametrize("good, bad, name", [
+    ({"update": "local", "window": 2}, {"update": "local", "window": 2.0}, "window"),
+    ({"checkpoint_every": 1}, {"checkpoint_every": True}, "checkpoint_every"),
+    ({"sigma_scale": 1}, {"sigma_scale": True}, "sigma_scale"),
+    ({"memory_shape": (4, 4, 4)}, {"memory_shape": (4.0, 4, 4)}, "memory_shape"),
+    ({"eps": 0}, {"eps": False}, "eps"),
+])
+def test_config_cache_keys_on_type_and_value(params, good, bad, name):
+    x = _x()
+    kwargs = {"memory_shape": SHAPE, **good}
+    tmj.apply(params, x, **kwargs)  # a valid call first: its config is remembered
+    with pytest.raises((TypeError, ValueError), match=name):
+        tmj.apply(params, x, **{**kwargs, **bad})
+
+
+def test_wider_input_or_state_is_refused(params):
+    """A float64 input or state into a float32 layer is refused, naming it (narrower
+    ones still promote to the parameters' dtype)."""
+    with jax.enable_x64(True):
+        x = _x()
+        _, state = tmj.apply(params, x, memory_shape=SHAPE)
+        with pytest.raises(TypeError, match=r"^x: dtype float64 is wider .*float32"):
+            tmj.apply(params, x.astype(jnp.float64), memory_shape=SHAPE)
+        for field in ("h", "c", "pending", "read"):
+            wide = state._replace(**{field: getattr(state, field).astype(jnp.float64)})
+            with pytest.raises(TypeError, match=rf"^state\.{field}: dtype float64"):
+                tmj.apply(params, x, wide)
+        with pytest.raises(TypeError, match=r"^state\.h: dtype float64"):
+            tmj.apply(params, x, (state.h.astype(jnp.float64), state.c), stream=False)
+        out, _ = tmj.apply(params, x.astype(jnp.bfloat16), state)  # narrower: promoted
+        assert out.dtype == jnp.float32
+
+
+def test_stream_state_of_another_grid_is_refused(params):
+    x = _x()
+    _, state = tmj.apply(params, x, memory_shape=SHAPE)
+    with pytest.raises(ValueError, match=r"state\.h: expected shape"):
+        tmj.apply(params, x, state, memory_shape=(2, 2, 2))
+
+
+@pytest.mark.parametrize("options, group", [({"dynamics": "warp"}, "warp_net"),
+                                            ({"dynamics": "warp", "flow": True},
+                                             "warp_flow")])
+def test_option_groups_without_their_options_are_refused(options, group):
+    warp = tmj.init(jax.random.key(0), D, C, SHAPE, L, **options)
+    with pytest.raises(ValueError, match=r"params: hold the 'warp_net' group"):
+        tmj.apply(warp, _x(), memory_shape=SHAPE)
+    if group == "warp_flow":
+        with pytest.raises(ValueError, match=r"params: hold the 'warp_flow' group"):
+            tmj.apply(warp, _x(), memory_shape=SHAPE, dynamics="warp")
+    tmj.apply(warp, _x(), memory_shape=SHAPE, **options)  # with them: fine
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 6])
+@pytest.mark.parametrize("hostile", [13, -1, L, 2**31 - 1])
+def test_hostile_count_under_jit_never_reads_another_row(params, tokens, hostile):
+    """Row 0's count is out of range; under jit its outputs and state must not depend on
+    row 1's data (they equal restarting row 0's unfinished chunk)."""
+    x = _x(tokens=7)
+    _, state = tmj.apply(params, x, memory_shape=SHAPE)        # count 3 in every row
+    bad = state._replace(count=jnp.asarray([hostile, 2], jnp.int32))
+    step = jax.jit(lambda s, t: tmj.apply(params, t, s))
+    piece = _x(tokens=tokens, seed=2)
+    out_a, st_a = step(bad, piece)
+    other = jax.tree.map(lambda a: a.at[1].set(a[1] * -3.0 + 1.0)
+                         if jnp.issubdtype(a.dtype, jnp.floating) else a, bad)
+    out_b, st_b = step(other, piece.at[1].set(piece[1] * 5.0))
+    np.testing.assert_array_equal(np.asarray(out_a[0]), np.asarray(out_b[0]))
+    for name in ("h", "c", "pending", "read", "count"):
+        np.testing.assert_array_equal(np.asarray(getattr(st_a, name)[0]),
+                                      np.asarray(getattr(st_b, name)[0]), err_msg=name)
+    # the defined behaviour: row 0 restarts its unfinished chunk (h, c kept)
+    restart = state._replace(count=jnp.asarray([0, 2], jnp.int32),
+                             pending=state.pending.at[0].set(0.0),
+                             read=state.read.at[0].set(0.0))
+    out_r, _ = step(restart, piece)
+    np.testing.assert_allclose(np.asarray(out_a[0]), np.asarray(out_r[0]), rtol=0, atol=0)
+    assert np.all(np.isfinite(np.asarray(out_a)))
+
+
+def test_empty_stream_state_is_a_scan_carry(params):
+    """Issue 50, item 11: a public empty StreamState; lax.scan over one token at a time
+    from it equals one call over the whole sequence."""
+    x = _x(tokens=9)
+    empty = tmj.empty_stream_state(params, 2, memory_shape=SHAPE)
+    assert isinstance(empty, tmj.StreamState) and empty.count.dtype == jnp.int32
+    assert empty.h.shape == (2, C, *SHAPE) and empty.pending.shape == (2, L, D)
+    assert empty.h.dtype == jnp.float32
+
+    def body(state, token):
+        out, state = tmj.apply(params, token[:, None, :], state)
+        return state, out[:, 0, :]
+
+    final, outs = jax.jit(lambda s, xs: lax.scan(body, s, xs))(empty, jnp.moveaxis(x, 1, 0))
+    ref, ref_state = tmj.apply(params, x, memory_shape=SHAPE)
+    np.testing.assert_allclose(np.asarray(jnp.moveaxis(outs, 0, 1)), np.asarray(ref),
+                               rtol=1e-5, atol=1e-6)
+    assert jax.tree.structure(final) == jax.tree.structure(empty)
+    np.testing.assert_array_equal(np.asarray(final.count), np.asarray(ref_state.count))
+    config = tmj.empty_stream_state(
+        tl.LayerConfig(D, C, SHAPE, L), 3)
+    assert config.h.shape == (3, C, *SHAPE)
+    with pytest.raises(ValueError, match="memory_shape: required"):
+        tmj.empty_stream_state(params, 2)
+    with pytest.raises(TypeError, match="batch"):
+        tmj.empty_stream_state(params, 2.0, memory_shape=SHAPE)
