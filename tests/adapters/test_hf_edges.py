@@ -194,7 +194,8 @@ def test_a_cache_filled_by_a_compiled_forward_continues_eagerly():
 # --------------------------------------------------------------------------- item 6: modes
 
 
-@pytest.mark.parametrize("mode", ["prompt_lookup", "assisted", "continuous_batching"])
+@pytest.mark.parametrize("mode", ["prompt_lookup", "assisted", "continuous_batching",
+                                  "paged_cache"])
 def test_unsupported_decoding_modes_are_refused_before_any_token(mode):
     """Old main: continuous batching failed every request with a message about legacy
     tuple caches; assisted / prompt-lookup decoding raised only at the first rejected
@@ -209,6 +210,8 @@ def test_unsupported_decoding_modes_are_refused_before_any_token(mode):
             model.generate(x, max_new_tokens=4, do_sample=False, prompt_lookup_num_tokens=3)
         elif mode == "assisted":
             model.generate(x, max_new_tokens=4, do_sample=False, assistant_model=llama(1))
+        elif mode == "paged_cache":  # generate switches to continuous batching
+            model.generate(x, max_new_tokens=4, do_sample=False, cache_implementation="paged")
         else:
             config = transformers.GenerationConfig(max_new_tokens=3, do_sample=False,
                                                    eos_token_id=2, pad_token_id=0)
@@ -216,7 +219,7 @@ def test_unsupported_decoding_modes_are_refused_before_any_token(mode):
     hook.remove()
     assert calls == []  # refused at the start: not one forward ran
     message = str(caught.value)
-    if mode == "continuous_batching":
+    if mode in ("continuous_batching", "paged_cache"):
         assert "continuous batching" in message and "paged" in message
     else:
         assert "assisted and prompt-lookup" in message and "rolled back" in message
