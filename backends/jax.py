@@ -7,9 +7,15 @@ slower there than the generic shifts.
 
 On the CPU (default backend ``cpu``, float32 / float64) the depthwise passes
 and the LSTM gates, forward and VJP, are the C kernels of the torch backend
-(:mod:`tmcore.backends.native`), called as XLA custom calls
-(``jax.ffi.ffi_call``, ``vmap_method="sequential"``); the pointwise product
-stays a ``jnp.matmul``. The depthwise passes and the gates are
+(:mod:`tmcore.backends.native`), called as XLA custom calls through one
+primitive (``tmcore_native``); the pointwise product stays a ``jnp.matmul``.
+``vmap`` folds the mapped axis into the kernels' own axes (one call, no loop:
+the gates into the batch, the depthwise passes into the channels, so
+per-example taps and tap gradients work). ``jax.export`` lowers the primitive
+to the generic math instead of the custom calls (export refuses custom calls
+without compatibility guarantees, and an exported artifact may run where
+tmcore's targets are not registered): same results, no native speed in the
+artifact. The depthwise passes and the gates are
 ``jax.custom_vjp`` functions whose backward is the fused VJP, itself a
 ``custom_vjp`` differentiated through the generic math: ``jax.grad`` through
 tmcore's public functions works to any order (reverse mode; forward mode,
@@ -44,9 +50,11 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental.custom_partitioning import custom_partitioning
+from jax.interpreters import batching, mlir
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -246,9 +254,99 @@ def _ffi(kernel: str, args: tuple[Any, ...], batched: tuple[bool, ...],
 
 def _plain_ffi(kernel: str, suffix: str, args: tuple[Any, ...],
                outputs: tuple[int, ...]) -> tuple[Any, ...]:
-    structs = tuple(_struct(args[i]) for i in outputs)
-    return tuple(jax.ffi.ffi_call(f"tmcore_{kernel}_{suffix}", structs,
-                                  vmap_method="sequential")(*args))
+    """The kernel as one ``tmcore_native`` primitive (see :data:`_native_p`)."""
+    return tuple(_native_p.bind(*args, kernel=kernel, suffix=suffix, outputs=outputs))
+
+
+# ----------------------------------------------------------------- the native primitive
+#
+# One JAX primitive for every kernel call, so that JAX's transformations see tmcore's
+# rules rather than a bare ``ffi_call``:
+# - lowering: the XLA custom call ``tmcore_{kernel}_{suffix}`` (jax.ffi), except under
+#   ``jax.export``: an exported artifact may run where tmcore's targets are not
+#   registered (another process, machine or platform) and export refuses custom calls
+#   without compatibility guarantees, so it gets the generic math (same results);
+# - batching: ``vmap`` folds the mapped axis into the kernels' own axes (one call,
+#   not a loop): the gates into the batch (rows are independent), the depthwise passes
+#   into the channels (each channel has its own taps, so per-example taps and their
+#   per-example gradients stay apart).
+# Output ``i`` has the type of input ``outputs[i]`` (shape, dtype, sharding, varying
+# axes), which every kernel's outputs have.
+
+_native_p = jax.extend.core.Primitive("tmcore_native")
+_native_p.multiple_results = True
+
+
+def _generic_kernel(kernel: str) -> Callable[..., tuple[Any, ...]]:
+    """The kernel's math in jnp, with the kernel's argument and output order."""
+    if kernel == "gates_fwd":
+        return _generic_gates
+    if kernel == "gates_bwd":
+        return _generic_gates_vjp
+    if kernel == "dw_fwd":
+        return lambda x, taps, bias: (_generic_depthwise(x, taps, bias),)
+    if kernel == "dw_bwd":
+        return lambda x, g, taps, bias: _generic_depthwise_vjp(x, taps, bias, g)
+    raise ValueError(f"kernel: expected one of gates_fwd, gates_bwd, dw_fwd, dw_bwd, "
+                     f"got {kernel!r}")
+
+
+@functools.cache
+def _eager(kernel: str, suffix: str, outputs: tuple[int, ...]) -> Callable[..., Any]:
+    return jax.jit(functools.partial(_native_p.bind, kernel=kernel, suffix=suffix,
+                                     outputs=outputs))
+
+
+_native_p.def_impl(lambda *args, kernel, suffix, outputs: _eager(kernel, suffix, outputs)(
+    *args))
+_native_p.def_abstract_eval(lambda *avals, kernel, suffix, outputs: [avals[i]
+                                                                     for i in outputs])
+
+
+def _native_lowering(ctx: Any, *args: Any, kernel: str, suffix: str,
+                     outputs: tuple[int, ...]) -> Any:
+    if ctx.module_context.lowering_parameters.for_export:
+        return mlir.lower_fun(_generic_kernel(kernel), multiple_results=True)(ctx, *args)
+    return jax.ffi.ffi_lowering(f"tmcore_{kernel}_{suffix}")(ctx, *args)
+
+
+mlir.register_lowering(_native_p, _native_lowering)
+
+#: per kernel: which inputs have the leading batch axis
+_BATCHED = {"gates_fwd": (True,) * 2, "gates_bwd": (True,) * 4,
+            "dw_fwd": (True, False, False), "dw_bwd": (True, True, False, False)}
+
+
+def _native_batch(args: tuple[Any, ...], dims: tuple[Any, ...], *, kernel: str, suffix: str,
+                  outputs: tuple[int, ...]) -> tuple[Any, tuple[int, ...]]:
+    """``vmap`` of one kernel call as one call: the mapped axis (size ``V``) folded into
+    the batch (gates; depthwise passes with shared taps) or the channels (depthwise
+    passes with per-example taps, and every depthwise VJP: per-example tap gradients)."""
+    size = next(a.shape[d] for a, d in zip(args, dims, strict=True)
+                if d is not None)
+    mapped = [jnp.moveaxis(a, d, 0) if d is not None
+              else jnp.broadcast_to(a, (size, *a.shape)) for a, d in zip(args, dims,
+                                                                         strict=True)]
+    batched = _BATCHED[kernel]
+    params_mapped = any(d is not None
+                        for d, b in zip(dims, batched, strict=True) if not b)
+    if kernel.startswith("gates") or (kernel == "dw_fwd" and not params_mapped):
+        # (V, B, ...) -> (V B, ...): a free reshape; unmapped taps are the broadcast rows
+        flat = [a.reshape(size * a.shape[1], *a.shape[2:]) if b else a[0]
+                for a, b in zip(mapped, batched, strict=True)]
+        outs = _native_p.bind(*flat, kernel=kernel, suffix=suffix, outputs=outputs)
+        return [o.reshape(size, -1, *o.shape[1:]) for o in outs], (0,) * len(outs)
+    # depthwise: x (V, B, C, *S) -> (B, V C, *S); taps (V, n, C, 3) -> (n, V C, 3)
+    # (bias (V, n, C) -> (n, V C) alike: every operand has its channels third)
+    flat = [jnp.moveaxis(a, 0, 1).reshape(a.shape[1], size * a.shape[2], *a.shape[3:])
+            for a in mapped]
+    outs = _native_p.bind(*flat, kernel=kernel, suffix=suffix, outputs=outputs)
+    # each output (like an input: (B | n, V C, ...)) -> (V, B | n, C, ...)
+    return ([jnp.moveaxis(o.reshape(o.shape[0], size, -1, *o.shape[2:]), 1, 0)
+             for o in outs], (0,) * len(outs))
+
+
+batching.primitive_batchers[_native_p] = _native_batch
 
 
 def _letters(shapes: tuple[tuple[int, ...], ...], batched: tuple[bool, ...]) -> list[list[str]]:

@@ -131,9 +131,19 @@ def _pointwise(y: torch.Tensor, params: ConvParams, scratch: bool = False) -> to
     return z.reshape(batch, c_out, *y.shape[2:])
 
 
+def _check_dtypes(x: torch.Tensor, params: ConvParams) -> None:
+    for name, p in zip(ConvParams._fields, params, strict=True):
+        if p.dtype != x.dtype:
+            raise TypeError(f"params.{name}: expected the dtype of the conv input "
+                            f"({x.dtype}; in a cell, of x and h promoted), got {p.dtype}")
+
+
 def conv_fwd(xp: Any, x: torch.Tensor, params: ConvParams, kernel: str = "auto"):
     """Factorized conv forward. Residuals: the generic stage inputs ``[x, ...]``, or
-    :class:`_NativeConvResiduals` on the fused path (``kernel="auto"`` only)."""
+    :class:`_NativeConvResiduals` on the fused path (``kernel="auto"`` only). Raises
+    ``TypeError`` naming the parameter whose dtype is not the input's (torch's products
+    do not promote; its own error named neither)."""
+    _check_dtypes(x, params)
     kernels = kernels_for(x, *params) if kernel == "auto" else None
     if kernels is not None and x.ndim <= 6:
         y = _native_depthwise(kernels, x, params)
