@@ -369,8 +369,9 @@ class LayerScan(NamedTuple):
         # working set fit the device (or TMCORE_MEMORY_LIMIT); a jitted function cannot
         # know whether it will be differentiated, so the backward's bytes are counted
         flow = getattr(self.params, "flow", None) is not None
+        every = check_int("checkpoint_every", self.checkpoint_every, 1)
         check_scan_bytes(jnp, self.step, h, int(jax.tree.leaves(inputs)[0].shape[1]),
-                         self.checkpoint_every, True, flow)
+                         every, True, flow)
         xs = jax.tree.map(lambda a: jnp.moveaxis(a, 1, 0), inputs)
         static = ScanStatic(self.step, self.checkpoint_every, options_key())
         reads, h, c = checkpoint_scan(static, self.params, xs, h, c)
