@@ -36,6 +36,7 @@ from tmcore.runtime.dispatch import ops_for
 from tmcore.runtime.options import Options, get_options
 from tmcore.runtime.validate import check_int, check_positive, check_values
 from tmcore.scan.base import Step
+from tmcore.scan.options import check_scan_bytes
 
 __all__ = ["LayerScan", "ScanStatic", "checkpoint_scan", "forward_mode_guard", "match_vma",
            "options_key", "sample", "splat"]
@@ -364,6 +365,13 @@ class LayerScan(NamedTuple):
         # reported as the output it poisons, as the torch layer's scan reports it)
         check_values(jnp, inputs._asdict())
         check_positive(jnp, "write_sigma", inputs.write_sigma)
+        # before anything is allocated: the checkpoints a backward keeps and the step's
+        # working set fit the device (or TMCORE_MEMORY_LIMIT); a jitted function cannot
+        # know whether it will be differentiated, so the backward's bytes are counted
+        flow = getattr(self.params, "flow", None) is not None
+        every = check_int("checkpoint_every", self.checkpoint_every, 1)
+        check_scan_bytes(jnp, self.step, h, int(jax.tree.leaves(inputs)[0].shape[1]),
+                         every, True, flow)
         xs = jax.tree.map(lambda a: jnp.moveaxis(a, 1, 0), inputs)
         static = ScanStatic(self.step, self.checkpoint_every, options_key())
         reads, h, c = checkpoint_scan(static, self.params, xs, h, c)

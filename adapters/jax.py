@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import inspect
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
@@ -63,6 +64,7 @@ from ._jax_scan import forward_mode_guard
 
 __all__ = [
     "MODES",
+    "STREAM_CACHE_SIZE",
     "MemoryState",
     "GatedMemoryResidual",
     "MemoryResidual",
@@ -1029,8 +1031,8 @@ def _apply_stream(params: Mapping[str, Any], x: jax.Array, state: Any,
     if doc_starts is not None:
         return forward_mode_guard("apply", lambda: _stream_call(
             static, theta, cell, x, state, reset, valid, doc_starts))
-    return forward_mode_guard("apply", lambda: _stream_jit(static, theta, cell, x, state,
-                                                           reset, valid))
+    function = _stream_function(static, tuple(x.shape), str(x.dtype))
+    return forward_mode_guard("apply", lambda: function(theta, cell, x, state, reset, valid))
 
 
 class _StreamStatic(NamedTuple):
@@ -1049,7 +1051,29 @@ def _stream_call(static: _StreamStatic, theta: Any, cell: ConvParams, x: jax.Arr
         doc_starts=doc_starts, valid=valid)
 
 
-_stream_jit = jax.jit(_stream_call, static_argnums=(0,))
+#: The most compiled streaming functions an eager caller keeps (one per layer config,
+#: options and piece shape ``(B, N, d)``): an eager loop over pieces of many lengths
+#: would otherwise keep one compiled program per length without bound. The least
+#: recently used is dropped (with its compiled program) and recompiled if it returns.
+STREAM_CACHE_SIZE = 32
+
+_STREAM_FUNCTIONS: collections.OrderedDict = collections.OrderedDict()
+
+
+def _stream_function(static: _StreamStatic, shape: tuple[int, ...], dtype: str
+                     ) -> Callable[..., Any]:
+    """The jitted :func:`_stream_call` for one config and piece shape, from a bounded LRU
+    (:data:`STREAM_CACHE_SIZE`); under an outer trace the call is inlined as before."""
+    key = (static, shape, dtype)
+    function = _STREAM_FUNCTIONS.get(key)
+    if function is None:
+        function = jax.jit(functools.partial(_stream_call, static))
+        _STREAM_FUNCTIONS[key] = function
+        while len(_STREAM_FUNCTIONS) > STREAM_CACHE_SIZE:
+            _STREAM_FUNCTIONS.popitem(last=False)
+    else:
+        _STREAM_FUNCTIONS.move_to_end(key)
+    return function
 
 
 # --------------------------------------------------------------------------- residual, stack

@@ -133,3 +133,58 @@ def test_empty_stream_state_is_a_scan_carry(params):
         tmj.empty_stream_state(params, 2)
     with pytest.raises(TypeError, match="batch"):
         tmj.empty_stream_state(params, 2.0, memory_shape=SHAPE)
+
+
+def test_eager_streaming_keeps_at_most_the_bound_of_compiled_functions():
+    """Issue 51, item 3: 80 piece lengths streamed eagerly keep at most
+    STREAM_CACHE_SIZE compiled functions (one compiled program each)."""
+    from tmcore.adapters import jax as module
+
+    tiny = tmj.init(jax.random.key(0), 2, 1, (2,), 2)
+    module._STREAM_FUNCTIONS.clear()
+    state = None
+    for tokens in range(2, 82):
+        x = jnp.ones((1, tokens, 2), jnp.float32)
+        _, state = tmj.apply(tiny, x, state, memory_shape=(2,))
+    functions = list(module._STREAM_FUNCTIONS.values())
+    assert 0 < len(functions) <= tmj.STREAM_CACHE_SIZE == 32
+    assert sum(f._cache_size() for f in functions) <= tmj.STREAM_CACHE_SIZE
+
+
+def test_layer_scan_checks_its_bytes_before_allocating(params, monkeypatch):
+    """Issue 51, item 3: the JAX scan calls check_scan_bytes (steps, the backward's
+    checkpoints) before it runs; a bound below what it needs refuses, naming h0."""
+    from tmcore.adapters import _jax_scan
+    from tmcore.runtime import options as runtime_options
+
+    calls = []
+    real = _jax_scan.check_scan_bytes
+    monkeypatch.setattr(_jax_scan, "check_scan_bytes",
+                        lambda *a, **k: calls.append(a[3]) or real(*a, **k))
+    tmj.apply(params, _x(tokens=12), memory_shape=SHAPE, stream=False)
+    assert calls == [3]                       # T = 12 / L chunks, checked once
+    # the real check with a bound the scan (not the layer's earlier gate) exceeds
+    monkeypatch.setenv(runtime_options.MEMORY_LIMIT_ENV_VAR, "1KiB")
+    with pytest.raises(MemoryError, match="h0"):
+        real(jnp, _jax_scan.LayerScan(*_scan_parts(params)).step,
+             jnp.zeros((2, C, *SHAPE)), 3, 1, True, False)
+    # a refusal stops the scan before it runs
+    scans = []
+    monkeypatch.setattr(_jax_scan, "check_scan_bytes", _refuse)
+    monkeypatch.setattr(_jax_scan, "checkpoint_scan", lambda *a: scans.append(a))
+    monkeypatch.delenv(runtime_options.MEMORY_LIMIT_ENV_VAR)
+    with pytest.raises(MemoryError, match="h0: refused"):
+        tmj.apply(params, _x(tokens=12, seed=3), memory_shape=SHAPE, stream=False)
+    assert scans == []
+
+
+def _refuse(*args, **kwargs):
+    raise MemoryError("h0: refused")
+
+
+def _scan_parts(params):
+    from tmcore.adapters import jax as module
+
+    config = tl.LayerConfig(D, C, SHAPE, L)
+    scan = module._layer_scan(config, tmj.conv_params(params["cell"]))
+    return scan.step, scan.params, scan.checkpoint_every

@@ -1,0 +1,117 @@
+"""JAX decode step cost: a jitted one-token ``tmj.apply`` step against the same step
+inside ``lax.scan`` (issue 50, item 14), per token, interleaved in one run.
+
+Usage::
+
+    python -m benchmarks.jax_step            # writes benchmarks/results/jax_step.json
+
+One thread (``XLA_FLAGS`` single-threaded Eigen), float32, the bare memory layer.
+``ratio`` is the jitted step's ms/token over the scan's; the issue's target is <= 2.
+``jit dispatch floor`` is a jitted function taking and returning the same pytree and
+doing nothing: what any per-token ``jax.jit`` call costs on this machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import time
+from typing import Any
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "jax_step.json")
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    """Best-of-``passes`` ms per token of each mode, the passes interleaved."""
+    os.environ.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false")
+    import jax
+    from jax import lax
+
+    from tmcore.adapters import jax as tmj
+
+    shape = tuple(args.grid)
+    params = tmj.init(jax.random.key(0), args.width, args.channels, shape, args.chunk)
+    tokens = jax.random.normal(jax.random.key(1), (args.tokens, args.batch, args.width))
+    start = tmj.empty_stream_state(params, args.batch, memory_shape=shape)
+
+    @jax.jit
+    def step(state: Any, token: Any) -> Any:
+        out, state = tmj.apply(params, token[:, None, :], state)
+        return out, state
+
+    def body(state: Any, token: Any) -> Any:
+        out, state = tmj.apply(params, token[:, None, :], state)
+        return state, out[:, 0]
+
+    scan = jax.jit(lambda s, xs: lax.scan(body, s, xs))
+
+    def run_step() -> None:
+        state = start
+        for t in range(args.tokens):
+            out, state = step(state, tokens[t])
+        jax.block_until_ready((out, state))
+
+    def run_scan() -> None:
+        jax.block_until_ready(scan(start, tokens))
+
+    @jax.jit
+    def floor(state: Any, token: Any) -> Any:  # the same pytree in and out, no work
+        return token[:, None, :], state
+
+    def run_floor() -> None:
+        state = start
+        for t in range(args.tokens):
+            out, state = floor(state, tokens[t])
+        jax.block_until_ready((out, state))
+
+    modes = (("jit step", run_step), ("lax.scan", run_scan), ("jit dispatch floor", run_floor))
+    best = {name: float("inf") for name, _ in modes}
+    for _, run in modes:  # compile
+        run()
+    for _ in range(args.passes):
+        for name, run in modes:
+            begin = time.perf_counter()
+            run()
+            best[name] = min(best[name], time.perf_counter() - begin)
+    ms = {k: 1e3 * v / args.tokens for k, v in best.items()}
+    return {"ms_per_token": ms, "ratio": ms["jit step"] / ms["lax.scan"],
+            "step_over_floor": ms["jit step"] / ms["jit dispatch floor"]}
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short=10", "HEAD"], check=True,
+                              capture_output=True, text=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Measure, print and write the results file."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--width", type=int, default=64)
+    p.add_argument("--channels", type=int, default=8)
+    p.add_argument("--grid", type=int, nargs="+", default=[4, 4, 4])
+    p.add_argument("--chunk", type=int, default=4)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--tokens", type=int, default=256)
+    p.add_argument("--passes", type=int, default=5)
+    p.add_argument("--out", default=RESULTS)
+    args = p.parse_args(argv)
+    import jax
+
+    result = {"command": "python -m benchmarks.jax_step", "commit": _commit(),
+              "machine": f"{platform.processor() or platform.machine()}; "
+                         f"{os.cpu_count()} cores; jax {jax.__version__}",
+              "config": vars(args), **measure(args)}
+    print(json.dumps(result, indent=1))
+    with open(args.out, "w") as handle:
+        json.dump(result, handle, indent=1)
+    return result
+
+
+if __name__ == "__main__":
+    main()
