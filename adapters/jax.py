@@ -386,9 +386,11 @@ def init_state(batch: int, memory_channels: int, memory_shape: Sequence[int],
 def empty_stream_state(config_or_params: Any, batch: int, *,
                        memory_shape: Sequence[int] | None = None,
                        dtype: Any = None) -> tl.StreamState:
-    """An empty :class:`StreamState` (zeros, ``count`` 0): what :func:`apply` returns the
-    state as, so it is a ``lax.scan`` / ``fori_loop`` carry whose type is the same in and
-    out (``lax.scan(step, empty_stream_state(params, B, memory_shape=S), xs)``).
+    """Make an empty :class:`StreamState` (zeros, ``count`` 0) for ``batch`` rows.
+
+    It is what :func:`apply` returns the state as, so it is a ``lax.scan`` /
+    ``fori_loop`` carry whose type is the same in and out
+    (``lax.scan(step, empty_stream_state(params, B, memory_shape=S), xs)``).
 
     Parameters
     ----------

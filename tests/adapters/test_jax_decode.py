@@ -162,7 +162,7 @@ def test_pieces_of_any_split_equal_one_call_by_default():
 
 def test_vmap_and_tree_map_over_states():
     params, x = _setup(jnp.float32, batch=1)
-    xs = jax.random.normal(jax.random.key(5), (3, 1, PROMPT, D))     # 3 independent streams
+    xs = jax.random.normal(jax.random.key(5), (3, 1, PROMPT, D), jnp.float32)  # 3 streams
     states = jax.vmap(lambda xi: _apply(params, xi)[1])(xs)
     assert states.count.shape == (3, 1)
     step = jax.vmap(lambda s, t: _apply(params, t, s))

@@ -580,7 +580,7 @@ def test_jax_nnx_modules_with_each_option_equal_apply(name):
         params[tl.FLOW_GROUP]["pointwise_weight"] = 0.2 * jax.random.normal(
             jax.random.PRNGKey(2), (2, C))
     tj.load_params(module, params)
-    x = jax.random.normal(jax.random.PRNGKey(3), (2, 5, D))
+    x = jax.random.normal(jax.random.PRNGKey(3), (2, 5, D), jnp.float32)
     out, state = module(x)
     expected, expected_state = tj.apply(params, x, memory_shape=(4, 3), **options)
     np.testing.assert_array_equal(out, expected)

@@ -109,7 +109,7 @@ def test_jax_apply_takes_valid():
     from tmcore.adapters import jax as tmj
 
     params = tmj.init(jax.random.key(0), 5, 2, (3, 2), L)
-    x = jax.random.normal(jax.random.key(1), (2, 7, 5))
+    x = jax.random.normal(jax.random.key(1), (2, 7, 5), jax.numpy.float32)
     valid = np.array([[False, False, True, True, True, True, True], [True] * 6 + [False]])
     out, state = tmj.apply(params, x, memory_shape=(3, 2), valid=valid)
     assert isinstance(state, tmj.StreamState)

@@ -311,7 +311,7 @@ def _jmax(a, b):
 def test_jax_apply_streams_any_split_and_packs():
     jax, jnp, tmj = _jax()
     params = tmj.init(jax.random.key(0), 8, 3, (3, 4), L)
-    x = jax.random.normal(jax.random.key(1), (2, 13, 8))
+    x = jax.random.normal(jax.random.key(1), (2, 13, 8), jax.numpy.float32)
     full, ref = tmj.apply(params, x, memory_shape=(3, 4), stream=True)
     old, _ = tmj.apply(params, x, memory_shape=(3, 4))
     assert _jmax(full, old) <= 1e-5
@@ -344,7 +344,7 @@ def test_jax_causal_stack_and_modules_stream():
     from flax import nnx
 
     layers = [tmj.residual_init(jax.random.key(k), 8, 3, (3, 4), L) for k in range(2)]
-    x = jax.random.normal(jax.random.key(2), (1, 11, 8))
+    x = jax.random.normal(jax.random.key(2), (1, 11, 8), jax.numpy.float32)
     full, ref = tmj.stack_apply(layers, x, mode="causal", memory_shape=(3, 4), stream=True)
     state, outs, i = None, [], 0
     for n in (1, 5, 1, 4):
