@@ -167,6 +167,11 @@ def _decode_known(layer: Layer, xp: Any, params: Params, x: Any, st: StreamState
         kept = ~(count == length - 1)
         pending = _pick(xp, keep, kept, pending, xp.zeros_like(pending))
         read = _pick(xp, keep, kept, read, xp.zeros_like(read))
-    new = xp.asarray([0 if f else k + 1 for k, f in zip(known, complete, strict=True)],
-                     dtype=count.dtype, device=device)
+    # the next counts on the device (no host-to-device copy): one op when rows agree
+    if not any(complete):
+        new = count + 1
+    elif all(complete):
+        new = xp.zeros_like(count)
+    else:
+        new = xp.where(kept, count + 1, xp.zeros_like(count))
     return out, StreamState(h, c, pending, new, read)
