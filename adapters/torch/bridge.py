@@ -240,9 +240,17 @@ def _in_forward_mode(interpreter: Any = _NO_INTERPRETER) -> bool:
 _DIRECT: dict[Any, Callable[..., Any]] = {}
 
 
-def _needs_autograd(args: tuple) -> bool:
-    return torch.is_grad_enabled() and any(isinstance(a, Tensor) and a.requires_grad
-                                           for a in args)
+def _plain_inference(args: tuple) -> bool:
+    """Whether a call may skip the op's wrappers: no gradient is needed and every tensor
+    is a plain one with data (no subclass such as a fake tensor of ``torch.export`` or a
+    DTensor, no meta tensor: those need the op's registered rules)."""
+    grad = torch.is_grad_enabled()
+    for a in args:
+        if isinstance(a, Tensor):
+            if (type(a) is not Tensor and type(a) is not torch.nn.Parameter) \
+                    or a.is_meta or (grad and a.requires_grad):
+                return False
+    return True
 
 
 def call(function: type[_Function], op: Callable[..., Any], *args: Any,
@@ -257,7 +265,7 @@ def call(function: type[_Function], op: Callable[..., Any], *args: Any,
         return op(*args)
     interpreter = _interpreter()
     direct = _DIRECT.get(op)
-    if direct is not None and interpreter is None and not _needs_autograd(args):
+    if direct is not None and interpreter is None and _plain_inference(args):
         # no transform and no gradient (inference, a decode step): the op's own forward,
         # without the autograd Function and the dispatcher around it (the same
         # computation; a few hundred microseconds less per call on the CPU)

@@ -453,9 +453,15 @@ class TensorMemory(nn.Module):
             the module's parameters themselves.
         """
         params: dict[str, dict[str, Tensor]] = {}
+        modules = self._modules
         for group, leaves in _param_names(self.config):
-            module = getattr(self, group)
-            params[group] = {leaf: getattr(module, leaf) for leaf in leaves}
+            module = modules.get(group)
+            if module is None:
+                module = getattr(self, group)
+            registered = module._parameters
+            # the registered parameter, else the attribute (FSDP1's flat-parameter views)
+            params[group] = {leaf: registered[leaf] if registered.get(leaf) is not None
+                             else getattr(module, leaf) for leaf in leaves}
         return params
 
     # ----------------------------------------------------------------- checkpoints

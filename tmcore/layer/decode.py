@@ -11,6 +11,7 @@ on the same token to rounding (the heads run over other rows).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from tmcore.layer.params import Params
@@ -113,14 +114,14 @@ def decode_step(layer: Layer, xp: Any, params: Params, x: Any, st: StreamState, 
     return out, StreamState(h, c, pending, count, read_kept)
 
 
-def _pick(xp: Any, flags: list[bool], mask: Any, a: Any, b: Any) -> Any:
-    """``a`` where ``flags`` (the host copy of ``mask``) is True, else ``b``: no
-    operation when every row agrees."""
+def _pick(xp: Any, flags: list[bool], mask: Callable[[], Any], a: Any, b: Any) -> Any:
+    """``a`` where ``flags`` (the host copy of the bool array ``mask()``, made only when
+    needed) is True, else ``b``: no operation when every row agrees."""
     if all(flags):
         return a
     if not any(flags):
         return b
-    return _rows(xp, mask, a, b)
+    return _rows(xp, mask(), a, b)
 
 
 def _decode_known(layer: Layer, xp: Any, params: Params, x: Any, st: StreamState,
@@ -138,8 +139,8 @@ def _decode_known(layer: Layer, xp: Any, params: Params, x: Any, st: StreamState
     elif all(k == known[0] for k in known):  # one slot for every row: a concat of views
         k = known[0]
         zeros = xp.zeros_like(x[:, None, :])
-        kept = st.pending[:, :k, :]
-        parts = ([kept if kept.dtype == x.dtype else xp.astype(kept, x.dtype)] if k else []) \
+        head = st.pending[:, :k, :]
+        parts = ([head if head.dtype == x.dtype else xp.astype(head, x.dtype)] if k else []) \
             + [x[:, None, :]] \
             + ([xp.broadcast_to(zeros, (x.shape[0], length - k - 1, x.shape[1]))]
                if k < length - 1 else [])
@@ -154,19 +155,28 @@ def _decode_known(layer: Layer, xp: Any, params: Params, x: Any, st: StreamState
               else None)
     read = st.read
     if any(starts):
-        read = _pick(xp, starts, count == 0, layer.sample(st.h, inputs.read_coords)[:, 0, :],
-                     st.read)
+        fresh = layer.sample(st.h, inputs.read_coords)[:, 0, :]
+        read = _pick(xp, starts, lambda: count == 0, fresh, st.read)
     h, c = st.h, st.c
     if any(complete):
-        done = count == length - 1
+        def done() -> Any:
+            return count == length - 1
+
         _, h_new, c_new = scan(h, c, inputs)
         h, c = _pick(xp, complete, done, h_new, h), _pick(xp, complete, done, c_new, c)
     out = layer.read_out(xp, params, read)
     keep = [not f for f in complete]
     if any(complete):
-        kept = ~(count == length - 1)
+        def kept() -> Any:
+            return count != length - 1
+
         pending = _pick(xp, keep, kept, pending, xp.zeros_like(pending))
         read = _pick(xp, keep, kept, read, xp.zeros_like(read))
-    new = xp.asarray([0 if f else k + 1 for k, f in zip(known, complete, strict=True)],
-                     dtype=count.dtype, device=device)
+    # the next counts on the device (no host-to-device copy): one op when rows agree
+    if not any(complete):
+        new = count + 1
+    elif all(complete):
+        new = xp.zeros_like(count)
+    else:
+        new = xp.where(kept(), count + 1, xp.zeros_like(count))
     return out, StreamState(h, c, pending, new, read)

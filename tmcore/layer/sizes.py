@@ -6,10 +6,12 @@ the device can hold); each gate names the argument and the bytes.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
 from tmcore.runtime import sizes
+from tmcore.runtime.options import memory_limit
 
 __all__ = ["check_config", "check_state", "check_forward", "forward_bytes"]
 
@@ -65,9 +67,20 @@ def check_forward(xp: Any, config: Any, x: Any) -> None:
     if sizes.compiling():
         return
     batch, tokens = int(x.shape[0]), int(x.shape[1])
+    nbytes = _call_bytes(config, batch, tokens, sizes.itemsize(xp, x.dtype))
+    limit = memory_limit()  # (read each call: the bound may change between calls)
+    if nbytes < sizes.SMALL and (limit is None or nbytes <= limit):
+        return  # what check_bytes would decide, without building its message per token
     shape = _state_shape(config, batch)
-    sizes.check_count("memory_shape", shape, "(B, C, *S)", "the state h (and c)")
-    nbytes = forward_bytes(config, batch, tokens, sizes.itemsize(xp, x.dtype))
     sizes.check_bytes("memory_shape", nbytes,
                       f"a layer call on x {tuple(x.shape)} with a state (B, C, *S) = {shape}",
                       xp, sizes.device_of(x))
+
+
+@functools.lru_cache(maxsize=256)
+def _call_bytes(config: Any, batch: int, tokens: int, item: int) -> int:
+    """:func:`forward_bytes` once the state's element count is checked (once per call
+    shape: a decode step makes the same call every token; a refusal is not cached)."""
+    sizes.check_count("memory_shape", _state_shape(config, batch), "(B, C, *S)",
+                      "the state h (and c)")
+    return forward_bytes(config, batch, tokens, item)
