@@ -65,7 +65,7 @@ import inspect
 import json
 import math
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -861,15 +861,7 @@ def check_spec(spec: Any) -> dict[str, Any]:
     if not isinstance(spec["blocks"], str) or not isinstance(spec["num_blocks"], int):
         raise TypeError(f"{CONFIG_KEY}.blocks / num_blocks: expected a dotted path and an "
                         f"int, got {spec['blocks']!r}, {spec['num_blocks']!r}")
-    try:
-        config = tl.layer_config(
-            spec["embed_dim"], spec["memory_channels"], spec["memory_shape"],
-            spec["chunk_size"], spec["sigma_scale"], checkpoint_every=spec["checkpoint_every"],
-            radius=spec["radius"], eps=spec["eps"], forget_bias=spec["forget_bias"],
-            zero_init=spec["zero_init"], update=spec["update"], window=spec["window"],
-            dynamics=spec["dynamics"], flow=spec["flow"])
-    except (TypeError, ValueError) as error:
-        raise type(error)(f"{CONFIG_KEY}: {error}") from error
+    config = _layer_config(spec)
     stored = {k: spec[k] for k in _LAYER_KEYS}
     stored["memory_shape"] = tuple(stored["memory_shape"])
     rebuilt = {k: getattr(config, k) for k in _LAYER_KEYS}
@@ -879,6 +871,46 @@ def check_spec(spec: Any) -> dict[str, Any]:
                              f"the layer's checks ({rebuilt[key]!r})")
     return dict(spec)
 
+
+
+def _layer_config(spec: Mapping[str, Any]) -> tl.LayerConfig:
+    """The layer a stored memory configuration describes (errors prefixed with its key)."""
+    try:
+        return tl.layer_config(
+            spec["embed_dim"], spec["memory_channels"], spec["memory_shape"],
+            spec["chunk_size"], spec["sigma_scale"], checkpoint_every=spec["checkpoint_every"],
+            radius=spec["radius"], eps=spec["eps"], forget_bias=spec["forget_bias"],
+            zero_init=spec["zero_init"], update=spec["update"], window=spec["window"],
+            dynamics=spec["dynamics"], flow=spec["flow"])
+    except (TypeError, ValueError) as error:
+        raise type(error)(f"{CONFIG_KEY}: {error}") from error
+
+
+def _check_saved_shapes(path: str, spec: Mapping[str, Any]) -> None:
+    """Compare the memory weights' shapes in a folder's safetensors files with the stored
+    configuration BEFORE any block is built: a few edited bytes of ``config.json``
+    (``chunk_size`` 10**6) would otherwise allocate gigabytes first. Reads headers only;
+    a folder without safetensors files is left to the strict load."""
+    files = sorted(name for name in os.listdir(path) if name.endswith(".safetensors"))
+    if not files:
+        return
+    from safetensors import safe_open
+
+    expected = {spec_.name: tuple(spec_.shape) for spec_ in tl.param_specs(_layer_config(spec))}
+    marker = f".{_torch_attach.ATTRIBUTE}.memory."
+    for name in files:
+        with safe_open(os.path.join(path, name), "np") as handle:
+            for key in handle.keys():
+                if marker not in key:
+                    continue
+                leaf = key.split(marker, 1)[1]
+                if leaf in expected:
+                    stored = tuple(handle.get_slice(key).get_shape())
+                    if stored != expected[leaf]:
+                        raise ValueError(
+                            f"{CONFIG_KEY}: the stored configuration does not fit the saved "
+                            f"memory weights: {key} has shape {stored}, the configuration "
+                            f"gives {expected[leaf]} (nothing was built)")
 
 def _memory_tensors(path: str) -> dict[str, Tensor]:
     """The memory entries (``*.tensor_memory.*``) of a ``save_pretrained`` folder."""
@@ -944,6 +976,7 @@ def from_pretrained(path: str | os.PathLike, model_class: Any = None, **kwargs: 
         raise ValueError(f"path: {path!r} has no '{CONFIG_KEY}' in its config.json (saved "
                          f"without memory?); load it with the model class's from_pretrained")
     spec = check_spec(spec)
+    _check_saved_shapes(path, spec)
     if model_class is None:
         model_class = transformers.AutoModelForCausalLM
     concrete = model_class
@@ -1044,6 +1077,12 @@ def _memory_model_class(config_class: type, model_class: type) -> type:
     @classmethod
     def from_pretrained(cls: Any, *args: Any, **kwargs: Any) -> Any:
         info = kwargs.pop("output_loading_info", False)
+        path = args[0] if args else kwargs.get("pretrained_model_name_or_path")
+        if isinstance(path, (str, os.PathLike)) and os.path.isdir(path):  # before building
+            stored = kwargs.get("config") or _transformers().AutoConfig.from_pretrained(path)
+            spec = getattr(stored, CONFIG_KEY, None)
+            if isinstance(spec, Mapping):
+                _check_saved_shapes(os.fspath(path), check_spec(spec))
         model, loading = model_class.from_pretrained.__func__(cls, *args,
                                                               output_loading_info=True,
                                                               **kwargs)

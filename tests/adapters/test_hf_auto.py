@@ -148,3 +148,32 @@ def test_a_config_saved_before_the_model_type_still_loads_with_hf_from_pretraine
     loaded = hf.from_pretrained(tmp_path)
     with torch.no_grad():
         assert torch.equal(loaded(x).logits, expected)
+
+
+@pytest.mark.parametrize("loader", ["hf", "auto"])
+def test_an_edited_chunk_size_is_refused_before_any_block_is_built(tmp_path, loader):
+    """A few bytes of config.json (chunk_size 10**6) are compared with the saved weights'
+    shapes (safetensors headers) before anything is built: no gigabytes, no minutes."""
+    import json
+    import resource
+
+    transformers = pytest.importorskip("transformers")
+    from tmcore.adapters import hf
+
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=2, num_attention_heads=2,
+                                      num_key_value_heads=2)
+    model = transformers.LlamaForCausalLM(config)
+    hf.attach_memory(model, memory_channels=4, memory_shape=(4, 4, 4), chunk_size=4)
+    model.save_pretrained(tmp_path)
+    path = tmp_path / "config.json"
+    stored = json.loads(path.read_text())
+    stored[hf.CONFIG_KEY]["chunk_size"] = 10**6
+    path.write_text(json.dumps(stored))
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    load = (hf.from_pretrained if loader == "hf"
+            else transformers.AutoModelForCausalLM.from_pretrained)
+    with pytest.raises(ValueError, match=r"write_proj.weight has shape .*\(nothing was built\)"):
+        load(tmp_path)
+    grew_mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) >> 10
+    assert grew_mib < 100, grew_mib
