@@ -671,7 +671,8 @@ def test_jax_binding_runs_in_segments(tmp_path):
     exp = make_experiment("binding", "tiny", steps=6)
     exp.model = replace(exp.model, memory_first=memory_first)
     exp.entries = [e for e in exp.entries if e.kind == "tensor_memory"]
-    result = run_experiment(exp, tmp_path, framework="jax", progress=False)
+    with jax.enable_x64(False):  # as in `python -m examples.diagnostics` (other tests set x64)
+        result = run_experiment(exp, tmp_path, framework="jax", progress=False)
     _check_result(result, tmp_path)
     params = init_params(jax.random.key(0), exp.task.in_features, exp.task.n_classes,
                          replace(exp.model, max_len=exp.task.max_len()))
