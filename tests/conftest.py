@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import importlib
 import os
+import shutil
 import sys
+from pathlib import Path
 from types import ModuleType
 
 import pytest
@@ -108,3 +110,24 @@ def _reload_environment_after_test():
     yield
     if "tmcore.runtime.options" in sys.modules:
         sys.modules["tmcore.runtime.options"].reload_environment()
+
+
+# The native kernel cache's tests (tests/backends/test_native_cache*.py).
+@pytest.fixture
+def fresh(monkeypatch):
+    """A loader with nothing loaded, no fallback folder yet and the real compiler;
+    ``fresh(folder)`` makes ``folder`` the cache folder."""
+    import tmcore.backends.native.build as native
+    from tmcore.backends.native import cache
+
+    monkeypatch.setattr(native, "_STATE", {})
+    monkeypatch.setattr(cache, "_FALLBACK", {})
+    monkeypatch.setenv("CC", shutil.which(os.environ.get("CC", "cc")) or "cc")
+    monkeypatch.delenv(native.TIMEOUT_ENV_VAR, raising=False)
+    monkeypatch.delenv(native.ENV_VAR, raising=False)
+
+    def use(folder: Path) -> Path:
+        monkeypatch.setenv("TMCORE_CACHE_DIR", str(folder))
+        return folder
+
+    return use

@@ -37,22 +37,6 @@ pytestmark = [
 ]
 
 
-@pytest.fixture
-def fresh(monkeypatch):
-    """A loader with nothing loaded, no fallback folder yet and the real compiler."""
-    monkeypatch.setattr(native, "_STATE", {})
-    monkeypatch.setattr(cache, "_FALLBACK", {})
-    monkeypatch.setenv("CC", CC)
-    monkeypatch.delenv(native.TIMEOUT_ENV_VAR, raising=False)
-    monkeypatch.delenv(native.ENV_VAR, raising=False)
-
-    def use(folder: Path) -> Path:
-        monkeypatch.setenv("TMCORE_CACHE_DIR", str(folder))
-        return folder
-
-    return use
-
-
 @pytest.fixture(scope="module")
 def seed(tmp_path_factory) -> Path:
     """One real build (the .so, its digest, the compiler table), made by the loader."""

@@ -4,7 +4,7 @@ An attacker who controls a symbolic link on the way to the cache (or, as a
 proof that the check and the load are one, anyone swapping the build file
 itself) keeps swapping it in a separate process while the victim loads in a
 loop; the planted object's constructor (which writes a marker) must never run.
-"Another user" is simulated as in ``tests/test_native_cache.py``: a folder
+"Another user" is simulated as in ``tests/backends/test_native_cache.py``: a folder
 others may write (``0777``), or, as root, one given to uid 4242.
 """
 
@@ -42,7 +42,7 @@ RACE_SECONDS = 3.0
 # once there
 import test_native_cache as _cache_tests  # noqa: E402
 
-fresh, seed = _cache_tests.fresh, _cache_tests.seed
+seed = _cache_tests.seed  # (``fresh`` comes from tests/conftest.py)
 _so, _copy_seed = _cache_tests._so, _cache_tests._copy_seed
 
 

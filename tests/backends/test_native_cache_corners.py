@@ -30,22 +30,6 @@ pytestmark = [
 ]
 
 
-@pytest.fixture
-def fresh(monkeypatch):
-    """A loader with nothing loaded, no fallback folder yet and the real compiler."""
-    monkeypatch.setattr(native, "_STATE", {})
-    monkeypatch.setattr(cache, "_FALLBACK", {})
-    monkeypatch.setenv("CC", CC)
-    monkeypatch.delenv(native.TIMEOUT_ENV_VAR, raising=False)
-    monkeypatch.delenv(native.ENV_VAR, raising=False)
-
-    def use(folder: Path) -> Path:
-        monkeypatch.setenv("TMCORE_CACHE_DIR", str(folder))
-        return folder
-
-    return use
-
-
 def _script(path: Path, body: str) -> Path:
     path.write_text("#!/bin/sh\n" + body)
     path.chmod(0o755)
