@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 # Drops the install's mapping (an editable install's finder; a regular install is shadowed
@@ -36,3 +38,18 @@ def test_the_installed_package_imports_its_backends_without_a_framework():
                   "print(tmcore.backends.__name__, 'torch' in sys.modules, 'jax' in sys.modules)\n")
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["tmcore.backends", "False", "False"]
+
+
+def test_pyproject_lists_every_package_folder():
+    # the install's package list is explicit: a subpackage missing from it (a module
+    # turned into a package, e.g. tmcore.adapters.jax) would be left out of the wheel
+    tomllib = pytest.importorskip("tomllib", reason="tomllib is Python 3.11+")
+    setup = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    folders = {"tmcore": "tmcore", "backends": "tmcore.backends", "adapters": "tmcore.adapters"}
+    found = set()
+    for folder, package in folders.items():
+        for init in (ROOT / folder).rglob("__init__.py"):
+            parts = init.parent.relative_to(ROOT / folder).parts
+            found.add(".".join((package, *parts)))
+    assert {"tmcore.adapters.torch", "tmcore.adapters.jax"} <= found  # the walk sees them
+    assert sorted(found - set(setup["packages"])) == []

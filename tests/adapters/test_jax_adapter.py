@@ -553,7 +553,7 @@ def test_errors_name_the_argument():
 def test_checkpoint_every_same_gradients_fewer_states(every):
     """The layer and memory_scan share one checkpointing scan: gradients do not depend on
     ``checkpoint_every``, and the forward saves ``ceil(T / k)`` states for the backward."""
-    from tmcore.adapters import _jax_scan
+    from tmcore.adapters.jax import bridge
 
     p, x, state = _layer(tokens=20)  # 7 chunks, the last ragged
 
@@ -571,8 +571,8 @@ def test_checkpoint_every_same_gradients_fewer_states(every):
     runs = [_jit_vjp(lambda *a, k=k: tmj.memory_scan(*a, cell, checkpoint_every=k),
                      (*state_scan, *inputs), cot) for k in (1, every)]
     assert _tree_rel(runs[0], runs[1]) < 1e-12
-    static = _jax_scan.ScanStatic(DenseStep(1e-6, None), every, _jax_scan.options_key())
-    residuals = jax.eval_shape(lambda *a: _jax_scan._scan_fwd(static, *a)[1], cell,
+    static = bridge.ScanStatic(DenseStep(1e-6, None), every, bridge.options_key())
+    residuals = jax.eval_shape(lambda *a: bridge._scan_fwd(static, *a)[1], cell,
                                tmcore_step_inputs(inputs), *state_scan)
     full, tail = divmod(7, every)
     assert residuals[2][0].shape == (full, *state_scan[0].shape)  # h checkpoints

@@ -138,7 +138,7 @@ def test_empty_stream_state_is_a_scan_carry(params):
 def test_eager_streaming_keeps_at_most_the_bound_of_compiled_functions():
     """Issue 51, item 3: 80 piece lengths streamed eagerly keep at most
     STREAM_CACHE_SIZE compiled functions (one compiled program each)."""
-    from tmcore.adapters import jax as module
+    from tmcore.adapters.jax import functional as module
 
     tiny = tmj.init(jax.random.key(0), 2, 1, (2,), 2)
     module._STREAM_FUNCTIONS.clear()
@@ -154,24 +154,24 @@ def test_eager_streaming_keeps_at_most_the_bound_of_compiled_functions():
 def test_layer_scan_checks_its_bytes_before_allocating(params, monkeypatch):
     """Issue 51, item 3: the JAX scan calls check_scan_bytes (steps, the backward's
     checkpoints) before it runs; a bound below what it needs refuses, naming h0."""
-    from tmcore.adapters import _jax_scan
+    from tmcore.adapters.jax import bridge
     from tmcore.runtime import options as runtime_options
 
     calls = []
-    real = _jax_scan.check_scan_bytes
-    monkeypatch.setattr(_jax_scan, "check_scan_bytes",
+    real = bridge.check_scan_bytes
+    monkeypatch.setattr(bridge, "check_scan_bytes",
                         lambda *a, **k: calls.append(a[3]) or real(*a, **k))
     tmj.apply(params, _x(tokens=12), memory_shape=SHAPE, stream=False)
     assert calls == [3]                       # T = 12 / L chunks, checked once
     # the real check with a bound the scan (not the layer's earlier gate) exceeds
     monkeypatch.setenv(runtime_options.MEMORY_LIMIT_ENV_VAR, "1KiB")
     with pytest.raises(MemoryError, match="h0"):
-        real(jnp, _jax_scan.LayerScan(*_scan_parts(params)).step,
+        real(jnp, bridge.LayerScan(*_scan_parts(params)).step,
              jnp.zeros((2, C, *SHAPE)), 3, 1, True, False)
     # a refusal stops the scan before it runs
     scans = []
-    monkeypatch.setattr(_jax_scan, "check_scan_bytes", _refuse)
-    monkeypatch.setattr(_jax_scan, "checkpoint_scan", lambda *a: scans.append(a))
+    monkeypatch.setattr(bridge, "check_scan_bytes", _refuse)
+    monkeypatch.setattr(bridge, "checkpoint_scan", lambda *a: scans.append(a))
     monkeypatch.delenv(runtime_options.MEMORY_LIMIT_ENV_VAR)
     with pytest.raises(MemoryError, match="h0: refused"):
         tmj.apply(params, _x(tokens=12, seed=3), memory_shape=SHAPE, stream=False)
@@ -183,7 +183,7 @@ def _refuse(*args, **kwargs):
 
 
 def _scan_parts(params):
-    from tmcore.adapters import jax as module
+    from tmcore.adapters.jax import functional as module
 
     config = tl.LayerConfig(D, C, SHAPE, L)
     scan = module._layer_scan(config, tmj.conv_params(params["cell"]))

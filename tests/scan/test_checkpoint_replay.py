@@ -255,7 +255,7 @@ def _xla_default_pipeline() -> bool:
                                           pytest.param("local", True, marks=pytest.mark.slow)])
 def test_jax_custom_vjp_keeps_only_the_checkpoints_and_gives_the_same_values(update, flow):
     jax = _jax()
-    from tmcore.adapters import _jax_scan
+    from tmcore.adapters.jax import bridge
     from tmcore.ops.conv import ConvParams
     from tmcore.scan import WarpParams
 
@@ -270,17 +270,17 @@ def test_jax_custom_vjp_keeps_only_the_checkpoints_and_gives_the_same_values(upd
 
         def scan(options, h0, c0, inputs, params, flow):
             step = dy.step_for(options, warp=True)
-            return _jax_scan.LayerScan(step, WarpParams(ConvParams(*params), flow),
-                                       options.checkpoint_every)(h0, c0, inputs)
+            return bridge.LayerScan(step, WarpParams(ConvParams(*params), flow),
+                                    options.checkpoint_every)(h0, c0, inputs)
 
         def run(every):
             options = dy.ScanOptions(update, 2 if update == "local" else None,
                                      checkpoint_every=every)
             h, c, inputs, params, flow = args
-            static = _jax_scan.ScanStatic(dy.step_for(options, warp=True), every,
-                                          _jax_scan.options_key())
+            static = bridge.ScanStatic(dy.step_for(options, warp=True), every,
+                                       bridge.options_key())
             xs = jax.tree_util.tree_map(lambda a: jnp.moveaxis(a, 1, 0), inputs)
-            out, (_, _, checkpoints, tail) = _jax_scan._scan_fwd(
+            out, (_, _, checkpoints, tail) = bridge._scan_fwd(
                 static, WarpParams(ConvParams(*params), flow), xs, h, c)
             # the states kept: one per full segment, plus the tail segment's start
             kept = [jnp.concatenate([s, *([] if tail is None else [t[None]])])
@@ -308,7 +308,7 @@ def test_jax_custom_vjp_keeps_only_the_checkpoints_and_gives_the_same_values(upd
 def test_jax_layer_scan_gets_the_configs_checkpoint_every():
     _jax()
     pytest.importorskip("flax", reason="the JAX adapter needs flax")
-    from tmcore.adapters import jax as tj
+    from tmcore.adapters.jax import functional as tj
 
     config = tl.layer_config(5, C, GRID, 2, dynamics="warp", checkpoint_every=3)
     scan = tj._layer_scan(config, None, {"warp_flow": None})

@@ -1,0 +1,238 @@
+"""The gated memory residual (:func:`residual_init` / :func:`residual_apply`) and the
+multi-layer :func:`stack_apply` (modes ``"causal"`` and ``"threaded"``) of the JAX
+adapter, over :func:`tmcore.adapters.jax.functional.apply`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from tmcore import layer as tl
+from tmcore.adapters.jax.functional import MemoryState, _on_mesh_of, apply, init
+from tmcore.runtime.validate import check_finite
+
+__all__ = ["residual_apply", "residual_init", "stack_apply"]
+
+_LAYER_NORM_EPS = 1e-5  # torch.nn.LayerNorm's default
+
+
+def residual_init(
+    key: jax.Array,
+    embed_dim: int,
+    memory_channels: int,
+    memory_shape: Sequence[int],
+    chunk_size: int,
+    sigma_scale: float = 1.0,
+    *,
+    gate_init: float = 0.0,
+    forget_bias: float = 0.0,
+    dtype: Any = jnp.float32,
+    dynamics: str = "none",
+    flow: bool = False,
+) -> dict:
+    """Parameters of the gated residual ``x + sigmoid(gate) * memory(norm(x))``.
+
+    The memory's parameters are :func:`init`'s with the same key and options, so
+    with the same key they equal :class:`MemoryResidual`'s (``nnx.Rngs(seed)``'s
+    first ``params`` key) for every option.
+
+    Parameters
+    ----------
+    key : jax.Array
+        A ``jax.random`` key.
+    embed_dim : int
+        The token width ``d``.
+    memory_channels : int
+        The grid channels ``C``.
+    memory_shape : sequence of int
+        The grid shape ``S`` (1 to 4 positive ints).
+    chunk_size : int
+        The tokens per chunk ``L``.
+    sigma_scale : float, default 1.0
+        Checked (> 0) and otherwise unused, as in :func:`init`.
+    gate_init : float, default 0.0
+        The gate's initial value: 0.0 (half open) and -2.0 (mostly closed) are
+        the paper's two choices.
+    forget_bias : float, default 0.0
+        As in :func:`init`.
+    dtype : dtype, default float32
+        The parameters' dtype.
+    dynamics : {"none", "warp"}, default "none"
+        As in :func:`init`: ``"warp"`` adds the memory's ``warp_net`` group
+        (``{"weight" (n, d), "bias" (n,)}``, zeros: no displacement at init);
+        pass ``dynamics="warp"`` to :func:`residual_apply` too (experimental).
+    flow : bool, default False
+        As in :func:`init` (with ``dynamics="warp"``): adds the memory's
+        ``warp_flow`` group (``depthwise_weight (n, C, 3)`` identity taps,
+        ``depthwise_bias (n, C)``, ``pointwise_weight (n, C)``,
+        ``pointwise_bias (n,)``, zeros). ``update`` / ``window`` add no
+        parameter: they are :func:`residual_apply` keywords only.
+
+    Returns
+    -------
+    dict
+        ``{"norm": {"weight" (d,), "bias" (d,)}, "memory": init(...), "gate"
+        (1,)}``; ``norm`` is a LayerNorm (ones, zeros, eps 1e-5 as in torch).
+
+    Raises
+    ------
+    TypeError
+        If a size is not an int, ``dynamics`` is not a string or ``flow`` not
+        a bool (:func:`tmcore.layer.layer_config`; each error names the argument).
+    ValueError
+        If a size or ``sigma_scale`` is out of range, ``gate_init`` is not
+        finite, ``dynamics`` is unknown or ``flow=True`` comes without
+        ``dynamics="warp"``.
+    """
+    memory = init(key, embed_dim, memory_channels, memory_shape, chunk_size, sigma_scale,
+                  forget_bias=forget_bias, dtype=dtype, dynamics=dynamics, flow=flow)
+    d = memory["out_proj"]["bias"].shape[0]
+    return {
+        "norm": {"weight": jnp.ones((d,), dtype), "bias": jnp.zeros((d,), dtype)},
+        "memory": memory,
+        "gate": jnp.full(tl.GATE_SHAPE, check_finite("gate_init", gate_init), dtype),
+    }
+
+
+def _layer_norm(p: Mapping[str, jax.Array], x: jax.Array) -> jax.Array:
+    mean = jnp.mean(x, axis=-1, keepdims=True)
+    var = jnp.mean(jnp.square(x - mean), axis=-1, keepdims=True)
+    return (x - mean) * lax.rsqrt(var + _LAYER_NORM_EPS) * p["weight"] + p["bias"]
+
+
+def _gated(x: jax.Array, gate: jax.Array, out: jax.Array) -> jax.Array:
+    return x + jax.nn.sigmoid(gate) * out
+
+
+# one dispatch each when called eagerly (inlined under an outer trace)
+_norm_jit = jax.jit(_layer_norm)
+_gated_jit = jax.jit(_gated)
+
+
+def residual_apply(
+    params: Mapping[str, Any], x: jax.Array, state: Any = None, **kwargs: Any
+) -> tuple[jax.Array, MemoryState]:
+    """The gated residual ``x + sigmoid(gate) * apply(memory, layer_norm(x), state)``.
+
+    Parameters
+    ----------
+    params : dict
+        From :func:`residual_init` (or :func:`params_from_state_dict` of a
+        torch ``MemoryResidual``); the gate may be ``(1,)`` or 0-dim.
+    x : jax.Array, shape ``(B, N, d)``
+        The tokens.
+    state : StreamState, MemoryState or None, optional
+        As in :func:`apply`.
+    **kwargs
+        :func:`apply`'s keywords (``memory_shape``, ``sigma_scale``, ``reset``,
+        ``checkpoint_every``, ``stream``, ...), the layer options included:
+        ``update`` / ``window`` and ``dynamics`` / ``flow`` (experimental; the
+        last two need the groups :func:`residual_init` makes with the same
+        options). They go to the memory's :func:`apply` unchanged, so the
+        residual is differentiable and jittable with them as :func:`apply` is
+        (its ``update`` / ``window`` / ``dynamics`` / ``flow`` static).
+
+    Returns
+    -------
+    out : jax.Array, shape ``(B, N, d)``
+        ``x`` plus the gated memory read.
+    state : StreamState or MemoryState
+        The memory's final state, as :func:`apply` returns it.
+
+    Raises
+    ------
+    KeyError
+        If ``params`` lacks ``norm``, ``memory`` or ``gate`` or a memory parameter
+        (e.g. ``warp_net`` with ``dynamics="warp"``).
+    TypeError, ValueError
+        As :func:`apply` raises them (a bad option names it).
+    """
+    norm, gate = _on_mesh_of(x, (params["norm"], params["gate"]))
+    out, state = apply(params["memory"], _norm_jit(norm, x), state, **kwargs)
+    return _gated_jit(x, gate, out), state
+
+
+def stack_apply(
+    layers: Sequence[Mapping[str, Any]],
+    x: jax.Array,  # [B, N, d]
+    state: Any = None,
+    *,
+    mode: str,
+    blocks: Sequence[Callable[[jax.Array], jax.Array]] | None = None,
+    reset: jax.Array | None = None,
+    **kwargs: Any,
+) -> tuple[jax.Array, Any]:
+    """A stack of gated memory residuals, optionally after per-layer blocks.
+
+    Layer ``l`` computes ``x = blocks[l](x)`` (when given), then
+    ``x = residual_apply(layers[l], x, ...)``. Repeat one parameter pytree in
+    ``layers`` to share a memory between blocks.
+
+    Parameters
+    ----------
+    layers : sequence of dict
+        One :func:`residual_init` pytree per layer.
+    x : jax.Array, shape ``(B, N, d)``
+        The tokens.
+    state : MemoryState, tuple of states or None, optional
+        ``"threaded"``: one :class:`MemoryState`; ``"causal"``: a tuple of
+        per-layer states (a single state is used for every layer); ``None``:
+        zeros.
+    mode : {"threaded", "causal"}
+        ``"threaded"`` (the paper's): one state threaded through the layers --
+        layer ``l`` starts from the state layer ``l - 1`` reached after the
+        WHOLE segment, so every position sees later tokens of the segment. Not
+        causal; right for bidirectional inputs (images, clip classification).
+        ``"causal"``: every layer scans from its own state at the start of the
+        segment, so a read at chunk ``t`` depends only on earlier chunks and
+        chunk ``t``'s first token. Right for language modelling; streaming is
+        exact (:mod:`tmcore.layer`).
+    blocks : sequence of callable, optional
+        ``blocks[l](x) -> x``, run before memory layer ``l``; one per layer.
+    reset : jax.Array of bool, shape ``(B,)``, optional
+        Zeroes the incoming state of the flagged sequences (every layer's).
+    **kwargs
+        :func:`apply`'s keywords (``memory_shape``, ``checkpoint_every``, ...).
+
+    Returns
+    -------
+    out : jax.Array, shape ``(B, N, d)``
+        The last layer's output.
+    state : MemoryState or tuple
+        ``"threaded"``: the last layer's :class:`MemoryState`; ``"causal"``: a
+        tuple of per-layer states (:class:`StreamState` by default).
+
+    Raises
+    ------
+    ValueError
+        If ``mode`` is unknown, ``blocks`` has not one callable per layer,
+        ``"threaded"`` is asked to stream (``stream``, ``doc_starts``,
+        ``valid``), or the state has not one entry per layer; else as
+        :func:`apply` raises.
+    """
+    tl.check_mode(mode)
+    if mode == "threaded":
+        if kwargs.get("stream") or kwargs.get("doc_starts") is not None \
+                or kwargs.get("valid") is not None:
+            raise ValueError("stream / doc_starts / valid: streaming across chunk "
+                             "boundaries, packed documents and skipped tokens need "
+                             "mode='causal'")
+        kwargs["stream"] = False
+    if blocks is not None and len(blocks) != len(layers):
+        raise ValueError(f"blocks: expected {len(layers)} callables (one per layer), "
+                         f"got {len(blocks)}")
+    segment = tl.segment_states(mode, state, len(layers))
+    finals: list[MemoryState] = []
+    previous = None
+    for index, params in enumerate(layers):
+        x = x if blocks is None else blocks[index](x)
+        start, resets = tl.start_state(mode, index, segment, previous)
+        x, previous = residual_apply(params, x, start, reset=reset if resets else None,
+                                     **kwargs)
+        finals.append(previous)
+    return x, tl.final_state(mode, finals)
+
