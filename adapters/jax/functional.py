@@ -471,6 +471,16 @@ def _compute_dtype(params: Mapping[str, Any], x: jax.Array, state: Any) -> Any:
     return jnp.result_type(x, *leaves)
 
 
+def _call_dtype(params: Mapping[str, Any], x: jax.Array, state: Any) -> Any:
+    """:func:`_compute_dtype` before the state is checked, from the fields that are
+    floating arrays (the state's check names any other): the dtype the call's working
+    set is sized in (bfloat16 tokens into a float32 layer compute in float32)."""
+    pair = (state.h, state.c) if isinstance(state, tl.StreamState) else state
+    fields = [value.dtype for value in (pair if _is_pair(pair) else ())
+              if hasattr(value, "dtype") and jnp.issubdtype(value.dtype, jnp.floating)]
+    return jnp.result_type(x, *(params[group][leaf] for group, leaf in LAYER_KEYS), *fields)
+
+
 def apply(
     params: Mapping[str, Any],
     x: jax.Array,  # [B, N, d]
@@ -612,15 +622,18 @@ def apply(
                            memory_shape=memory_shape, sigma_scale=sigma_scale, eps=eps,
                            radius=radius, checkpoint_every=checkpoint_every,
                            update=update, window=window, dynamics=dynamics, flow=flow)
+    # x and the state are checked here, once: the layer's call below is told so (checked=)
     tl.check_tokens(jnp, x, config)
     _check_no_widening(params, x, state)
-    layer_sizes.check_forward(jnp, config, x)  # the state and the call fit, before allocating
+    # the state and the call fit, in the dtype the call computes in, before allocating
+    layer_sizes.check_forward(jnp, config, x, _call_dtype(params, x, state))
     if stream:
         return _apply_stream(params, x, state, config, layer, reset, doc_starts, valid)
     batch, tokens, d = x.shape
     if state is None:
-        state = _zero_state_like(x, config)
-    state = MemoryState(*tl.check_state(jnp, state, batch, config))
+        state = _zero_state_like(x, config)  # made to fit: nothing to check
+    else:
+        state = MemoryState(*tl.check_state(jnp, state, batch, config))
     if EXTRA_STATE in params:
         error = tl.stored_grid_error(_stored(params[EXTRA_STATE]), config.memory_shape,
                                      f"params[{EXTRA_STATE!r}]")
@@ -636,7 +649,7 @@ def apply(
         return jnp.zeros((batch, tokens, d), dtype), state
     theta, cell = _on_mesh_of(x, _cast_params(params, dtype))
     out, (h, c) = forward_mode_guard("apply", lambda: layer(config).forward(
-        jnp, theta, x, tuple(state), scan=_layer_scan(config, cell, theta)))
+        jnp, theta, x, tuple(state), scan=_layer_scan(config, cell, theta), checked=True))
     return out, MemoryState(h, c)
 
 
@@ -746,9 +759,10 @@ class _StreamStatic(NamedTuple):
 def _stream_call(static: _StreamStatic, theta: Any, cell: ConvParams, x: jax.Array,
                  state: Any, reset: Any, valid: Any, doc_starts: Any = None
                  ) -> tuple[jax.Array, tl.StreamState]:
+    # x and state were checked by apply (a StreamState by tl.stream_state): not again
     return static.layer(static.config).forward_stream(
         jnp, theta, x, state, scan=_layer_scan(static.config, cell, theta), reset=reset,
-        doc_starts=doc_starts, valid=valid)
+        doc_starts=doc_starts, valid=valid, checked=True)
 
 
 #: The most compiled streaming functions an eager caller keeps (one per layer config,

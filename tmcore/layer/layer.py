@@ -133,8 +133,8 @@ class Layer:
         return read_out(xp, params, reads, linear=self.linear)
 
     def forward(self, xp: Any, params: Params, x: Any, state: State | None, *, scan: Scan,
-                reset: Any = None, check: Callable[..., None] | None = None
-                ) -> tuple[Any, State]:
+                reset: Any = None, check: Callable[..., None] | None = None,
+                checked: bool = False) -> tuple[Any, State]:
         """The layer on a whole sequence: ``x (B, N, d)`` -> ``(out (B, N, d), (h, c))``.
 
         Checks ``x``, ``state`` and ``reset`` (:func:`check_tokens`,
@@ -163,6 +163,13 @@ class Layer:
             called as ``check(x, state, reset=reset)`` once ``x`` and ``state``
             passed the generic ones (``state``: the checked pair, or ``None``)
             and before ``reset``'s, so that every input is checked once per call.
+        checked : bool, default False
+            True when the caller has already checked ``x`` (:func:`check_tokens`
+            and the size gate :func:`tmcore.layer.sizes.check_forward`) and
+            ``state`` (``None`` or the pair :func:`check_state` returned): they
+            are not checked again (an adapter that reads them before the call,
+            e.g. to promote dtypes, checks each input once). ``reset`` is
+            checked either way.
 
         Returns
         -------
@@ -183,10 +190,11 @@ class Layer:
             fit the device (:func:`zero_state`).
         """
         config = self.config
-        check_tokens(xp, x, config)
-        check_forward(xp, config, x)  # the call fits, before anything is allocated
+        if not checked:
+            check_tokens(xp, x, config)
+            check_forward(xp, config, x)  # the call fits, before anything is allocated
         batch, tokens, _ = x.shape
-        if state is not None:
+        if state is not None and not checked:
             state = check_state(xp, state, batch, config)
         if check is not None:
             check(x, state, reset=reset)
@@ -201,7 +209,8 @@ class Layer:
 
     def forward_stream(self, xp: Any, params: Params, x: Any, state: Any, *, scan: Scan,
                        reset: Any = None, doc_starts: Any = None, valid: Any = None,
-                       check: Callable[..., None] | None = None) -> tuple[Any, StreamState]:
+                       check: Callable[..., None] | None = None,
+                       checked: bool = False) -> tuple[Any, StreamState]:
         """Streaming and packed documents: ``x (B, N, d)`` -> ``(out (B, N, d), StreamState)``.
 
         ``state``: ``None`` (zeros), an ``(h, c)`` pair (a chunk boundary) or the
@@ -249,6 +258,12 @@ class Layer:
             doc_starts=doc_starts, valid=valid)`` once ``x`` and ``state`` passed
             the generic ones (``state``: ``None``, the checked pair or the checked
             :class:`StreamState`, as given) and before the masks'.
+        checked : bool, default False
+            True when the caller has already checked ``x`` (as in :meth:`forward`)
+            and ``state`` (``None``, the pair :func:`check_state` returned, or the
+            :class:`StreamState` :func:`stream_state` returned, its ``count`` an
+            int32 array): they are not checked again. The masks are checked
+            either way.
 
         Returns
         -------
@@ -268,14 +283,16 @@ class Layer:
             ints in ``[0, L)``.
         """
         config = self.config
-        check_tokens(xp, x, config)
-        check_forward(xp, config, x)  # the call fits, before anything is allocated
+        if not checked:
+            check_tokens(xp, x, config)
+            check_forward(xp, config, x)  # the call fits, before anything is allocated
         batch, tokens, _ = x.shape
         if doc_starts is None and valid is None and tokens > 1 and batch \
                 and not isinstance(state, StreamState):
             # from a chunk boundary (no state, or a pair): x chunked as it is, without
             # first building an empty unfinished chunk (the same outputs and state)
-            pair = None if state is None else check_state(xp, state, batch, config)
+            pair = None if state is None else tuple(state) if checked else check_state(
+                xp, state, batch, config)
             if check is not None:
                 check(x, pair, reset=reset)
             h, c = (zero_state(xp, config, batch, dtype=x.dtype, device=device_of(x))
@@ -284,7 +301,7 @@ class Layer:
                 h, c = reset_state(xp, (h, c), reset)
             return execute(self, xp, params, x, StreamState(h, c, None, None, None),
                            contiguous_plan(tokens, config.chunk_size, stream=True), scan)
-        st, known = complete_state(xp, state, x, config)
+        st, known = complete_state(xp, state, x, config, checked=checked)
         if check is not None:
             check(x, None if state is None else st if isinstance(state, StreamState)
                   else (st.h, st.c), reset=reset, doc_starts=doc_starts, valid=valid)

@@ -61,13 +61,16 @@ def check_state(xp: Any, config: Any, batch: int, dtype: Any = None, device: Any
                 xp, device)
 
 
-def check_forward(xp: Any, config: Any, x: Any) -> None:
+def check_forward(xp: Any, config: Any, x: Any, dtype: Any = None) -> None:
     """Before a layer call on ``x (B, N, d)`` allocates: the state and the call's
-    working set fit (``ValueError`` / ``MemoryError`` naming ``memory_shape``)."""
+    working set fit (``ValueError`` / ``MemoryError`` naming ``memory_shape``), in
+    ``dtype`` (default ``x``'s; an adapter passes the dtype it will compute in, e.g.
+    float32 for bfloat16 tokens into a float32 layer)."""
     if sizes.compiling():
         return
     batch, tokens = int(x.shape[0]), int(x.shape[1])
-    nbytes = _call_bytes(config, batch, tokens, sizes.itemsize(xp, x.dtype))
+    item = sizes.itemsize(xp, x.dtype if dtype is None else dtype)
+    nbytes = _call_bytes(config, batch, tokens, item)
     limit = memory_limit()  # (read each call: the bound may change between calls)
     if nbytes < sizes.SMALL and (limit is None or nbytes <= limit):
         return  # what check_bytes would decide, without building its message per token

@@ -120,10 +120,13 @@ def stream_state(xp: Any, state: Any, x: Any, config: LayerConfig) -> StreamStat
     return complete_state(xp, state, x, config)[0]
 
 
-def complete_state(xp: Any, state: Any, x: Any,
-                  config: LayerConfig) -> tuple[StreamState, tuple[int, ...] | None]:
+def complete_state(xp: Any, state: Any, x: Any, config: LayerConfig, *,
+                   checked: bool = False) -> tuple[StreamState, tuple[int, ...] | None]:
     """:func:`stream_state` and the counts as Python ints where they are known without
-    reading an array (``None``, a pair, Python-int counts), else ``None``."""
+    reading an array (``None``, a pair, Python-int counts), else ``None``. ``checked``:
+    the caller checked ``state`` already (a pair from :func:`check_state`, a
+    :class:`StreamState` from :func:`stream_state`): it is completed, not checked again
+    (a StreamState's counts are then not read: ``None``)."""
     batch = x.shape[0]
     device = device_of(x)
     zeros = (0,) * batch
@@ -136,10 +139,12 @@ def complete_state(xp: Any, state: Any, x: Any,
                            xp.zeros((batch, config.memory_channels), dtype=x.dtype,
                                     device=device)), zeros
     if not isinstance(state, StreamState):
-        h, c = check_state(xp, state, batch, config)
+        h, c = tuple(state) if checked else check_state(xp, state, batch, config)
         return StreamState(h, c, empty, _count_array(xp, zeros, device),
                            xp.zeros((batch, config.memory_channels), dtype=h.dtype,
                                     device=device)), zeros
+    if checked:
+        return state, None
     h, c = check_state(xp, (state.h, state.c), batch, config)
     for name, value, axes, shape in (
             ("pending", state.pending, "(B, L, d)",

@@ -1,0 +1,171 @@
+"""One validation per call in the JAX adapter: ``apply`` checks its tokens (shape, dtype,
+size) and its state once per layer call, not again inside the shared layer's
+``forward`` / ``forward_stream`` (issue 49); and the adapter is a package of one-job
+modules whose public names are theirs."""
+
+from __future__ import annotations
+
+import collections
+import functools
+
+import pytest
+
+jax = pytest.importorskip("jax", reason="jax is not installed")
+pytest.importorskip("flax", reason="flax is not installed")
+
+import jax.numpy as jnp  # noqa: E402
+
+import tmcore.layer as tl_package  # noqa: E402
+import tmcore.layer.layer as tl_layer  # noqa: E402
+import tmcore.layer.sizes as tl_sizes  # noqa: E402
+import tmcore.layer.state as tl_state  # noqa: E402
+import tmcore.layer.stream as tl_stream  # noqa: E402
+from tmcore.adapters import jax as tmj  # noqa: E402
+from tmcore.adapters.jax import functional, nnx, stack  # noqa: E402
+
+D, C, SHAPE, L = 4, 2, (3, 3), 4
+
+#: every name under which the layer's token and state checks are called: the adapter
+#: calls them through ``tmcore.layer`` (``tl.*``), the layer through its own modules
+CHECKS = [(tl_package, "check_tokens"), (tl_layer, "check_tokens"),
+          (tl_sizes, "check_forward"), (tl_layer, "check_forward"),
+          (tl_package, "check_state"), (tl_layer, "check_state"), (tl_stream, "check_state"),
+          (tl_package, "stream_state"), (tl_stream, "complete_state"),
+          (tl_state, "require_bool_array"), (tl_layer, "require_bool_array")]
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    counts: collections.Counter[str] = collections.Counter()
+    for module, name in CHECKS:
+        original = getattr(module, name)
+
+        def counted(*args, _original=original, _name=name, **kwargs):
+            # the mask checks count per mask (reset, valid, ...), the others per name
+            key = f"{_name}:{args[2]}" if _name == "require_bool_array" else _name
+            counts[key] += 1
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, counted)
+    return counts
+
+
+@pytest.fixture(scope="module")
+def params():
+    return tmj.init(jax.random.key(0), D, C, SHAPE, L)
+
+
+def _x(tokens, seed=1, batch=2):
+    return jax.random.normal(jax.random.key(seed), (batch, tokens, D), jnp.float32)
+
+
+def _fresh(calls):
+    """Forget the compiled streaming functions (a new trace runs the Python of the
+    layer's call, where its checks are) and the counts so far."""
+    functional._STREAM_FUNCTIONS.clear()
+    calls.clear()
+
+
+#: (state given, stream) -> the calls each check takes in ONE apply: tokens and their
+#: size once; a given state once (a StreamState through stream_state, whose
+#: complete_state checks its h and c), no state check for None
+EXPECTED = {
+    (None, True): {"check_tokens": 1, "check_forward": 1},
+    (None, False): {"check_tokens": 1, "check_forward": 1},
+    ("pair", True): {"check_tokens": 1, "check_forward": 1, "check_state": 1},
+    ("pair", False): {"check_tokens": 1, "check_forward": 1, "check_state": 1},
+    ("stream", True): {"check_tokens": 1, "check_forward": 1, "check_state": 1,
+                       "stream_state": 1, "complete_state": 1},
+}
+
+
+def _state(kind, params):
+    if kind == "pair":
+        return tmj.init_state(2, C, SHAPE)
+    if kind == "stream":  # a continuation: 3 tokens into the first chunk
+        return tmj.apply(params, _x(3, seed=2), memory_shape=SHAPE)[1]
+    return None
+
+
+@pytest.mark.parametrize("kind, stream", list(EXPECTED))
+def test_apply_checks_tokens_and_state_once(calls, params, kind, stream):
+    state = _state(kind, params)
+    _fresh(calls)
+    out, _ = tmj.apply(params, _x(9), state, memory_shape=SHAPE, stream=stream)
+    assert out.shape == (2, 9, D)
+    assert dict(calls) == EXPECTED[kind, stream]
+
+
+@pytest.mark.parametrize("kind, stream", [(None, True), ("pair", False), ("stream", True)])
+def test_apply_with_reset_checks_each_input_once(calls, params, kind, stream):
+    state = _state(kind, params)
+    _fresh(calls)
+    tmj.apply(params, _x(9), state, memory_shape=SHAPE, stream=stream,
+              reset=jnp.array([True, False]))
+    assert dict(calls) == {**EXPECTED[kind, stream], "require_bool_array:reset": 1}
+
+
+def test_a_decode_step_checks_once(calls, params):
+    # one token: the layer's decode step (no chunk grid), from a StreamState
+    state = _state("stream", params)
+    _fresh(calls)
+    tmj.apply(params, _x(1), state)
+    assert dict(calls) == EXPECTED["stream", True]
+
+
+def test_packed_documents_check_once(calls, params):
+    # doc_starts: the grid planned on the host (not in the compiled function)
+    state = _state("stream", params)
+    calls.clear()
+    tmj.apply(params, _x(9), state,
+              doc_starts=tmj.doc_starts_from_offsets([[0, 5], [0]], 9))
+    assert dict(calls) == EXPECTED["stream", True]
+
+
+@pytest.mark.parametrize("mode", ["causal", "threaded"])
+def test_stack_apply_checks_once_per_layer(calls, params, mode, monkeypatch):
+    layers = [tmj.residual_init(jax.random.key(k), D, C, SHAPE, L) for k in range(3)]
+    # the layers share one compiled streaming function (one config and shape), traced
+    # once: run its Python on every call instead, so that every layer's checks count
+    monkeypatch.setattr(functional, "_stream_function",
+                        lambda static, shape, dtype: functools.partial(
+                            functional._stream_call, static))
+    calls.clear()
+    tmj.stack_apply(layers, _x(9), mode=mode, memory_shape=SHAPE,
+                    reset=jnp.array([False, True]))
+    # layer 0 starts from zeros; the threaded layers 1, 2 from the state before them
+    # (a pair, checked once each); causal layers all start from zeros here
+    expected = collections.Counter({"check_tokens": 3, "check_forward": 3})
+    if mode == "threaded":
+        expected["check_state"] = 2
+    expected["require_bool_array:reset"] = 1 if mode == "threaded" else 3
+    assert dict(calls) == dict(expected)
+
+
+def test_the_package_reexports_its_modules_names():
+    # tmcore.adapters.jax is a package of one-job modules (no import cycle among them:
+    # tests/test_architecture.py); its public names are theirs
+    assert tmj.apply is functional.apply and tmj.stack_apply is stack.stack_apply
+    assert tmj.TensorMemory.__module__ == "tmcore.adapters.jax.nnx"
+    assert tmj.TensorMemory is nnx.TensorMemory
+    assert all(hasattr(tmj, name) for name in tmj.__all__)
+
+
+def test_the_one_size_gate_sizes_the_compute_dtype(params, monkeypatch):
+    # bfloat16 tokens into a float32 layer compute in float32: the one size gate (the
+    # adapter's; the layer's call is told the inputs are checked) counts float32 bytes
+    seen = []
+    real = tl_sizes.check_forward
+
+    def spy(xp, config, x, dtype=None):
+        seen.append(jnp.dtype(x.dtype if dtype is None else dtype))
+        return real(xp, config, x, dtype)
+
+    monkeypatch.setattr(tl_sizes, "check_forward", spy)
+    monkeypatch.setattr(tl_layer, "check_forward", spy)
+    for stream in (True, False):
+        _fresh(collections.Counter())
+        out, _ = tmj.apply(params, _x(9).astype(jnp.bfloat16), memory_shape=SHAPE,
+                           stream=stream)
+        assert out.dtype == jnp.float32
+    assert seen == [jnp.dtype(jnp.float32)] * 2
