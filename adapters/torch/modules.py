@@ -454,7 +454,7 @@ class TensorMemory(nn.Module):
         -------
         dict of dict of Tensor
             ``{group: {leaf: tensor}}`` (the state-dict names split at the dot),
-            the module's parameters themselves.
+            the module's parameters themselves (a wrapped layer's: its effective ones).
         """
         params: dict[str, dict[str, Tensor]] = {}
         tuned: dict[str, nn.Module] = {}
@@ -464,7 +464,7 @@ class TensorMemory(nn.Module):
             if module is None:
                 module = getattr(self, group)
             if "base_layer" in module._modules:  # a PEFT tuner wraps it: LoRA folded in below
-                params[group] = tuned[group] = module
+                params[group] = tuned[group] = module  # (a placeholder keeps the group order)
                 continue
             registered = module._parameters
             # the registered parameter, else the attribute (FSDP1's flat-parameter views)
