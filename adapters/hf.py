@@ -75,6 +75,7 @@ from tmcore import layer as tl
 from tmcore.adapters.torch import MemoryHandle, StreamState, detach_state
 from tmcore.adapters.torch import attach as _torch_attach
 from tmcore.adapters.torch import attach_memory as _attach_blocks
+from tmcore.adapters.torch import tuners as _tuners
 
 __all__ = ["CONFIG_KEY", "MODEL_TYPE", "PEFT_EXCLUDE", "HFMemory", "attach_memory", "detach_memory",
            "find_blocks", "from_pretrained", "memory_of", "register_auto_classes"]
@@ -417,7 +418,7 @@ class HFMemory:
     def _before(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         compiling = torch.compiler.is_compiling()
         if torch.is_grad_enabled() and not compiling:  # training (decoding: no_grad)
-            _refuse_adapted_linears(self.handle.memories)
+            _check_adapted_linears(self.handle.memories)
         name, cache = self._cache_arg(args, kwargs)
         tokens = self._arg(args, kwargs, "input_ids")
         if tokens is None:
@@ -499,25 +500,26 @@ class HFMemory:
 
 
 #: The PEFT ``exclude_modules`` that keeps LoRA (and other tuners) off the memory's own
-#: layers, e.g. ``LoraConfig(target_modules="all-linear", exclude_modules=PEFT_EXCLUDE)``.
+#: layers, e.g. ``LoraConfig(target_modules="all-linear", exclude_modules=PEFT_EXCLUDE)``:
+#: to train the memory in full next to the base model's adapters. Without it, LoRA on the
+#: memory's linear layers works too (their deltas are folded into the weights the memory
+#: reads, :func:`tmcore.adapters.torch.tuners.effective_weight`).
 PEFT_EXCLUDE = rf".*\.{_torch_attach.ATTRIBUTE}\..*"
 
 
-def _refuse_adapted_linears(memories: list[nn.Module]) -> None:
-    """Refuse a memory whose layers a PEFT tuner wrapped (``target_modules="all-linear"``):
-    the memory reads its layers' ``.weight`` directly, so their LoRA deltas would change
-    nothing and get no gradient, silently."""
+def _check_adapted_linears(memories: list[nn.Module]) -> None:
+    """Check the PEFT tuners on the memory's layers (``target_modules="all-linear"``) before
+    a training forward, naming each layer in full: a tuner the memory cannot fold into its
+    weights is refused, a skipped LoRA dropout warned about
+    (:func:`tmcore.adapters.torch.tuners.check_tuned`)."""
+    skipped = []
     for index, residual in enumerate(memories):
         for name, sub in residual.named_modules():
-            if hasattr(sub, "base_layer") and hasattr(sub, "active_adapters"):
-                raise ValueError(
-                    f"target_modules: a PEFT adapter wraps the memory's layer "
-                    f"{_torch_attach.ATTRIBUTE}.{name} (block {index}); the memory reads its "
-                    f"layers' weights directly, so the adapter would change nothing and get "
-                    f"no gradient. Exclude them (LoraConfig(..., exclude_modules="
-                    f"tmcore.adapters.hf.PEFT_EXCLUDE), or name the base model's modules in "
-                    f"target_modules) and train the memory itself "
-                    f"(memory.parameters(): requires_grad_(True))")
+            full = f"{_torch_attach.ATTRIBUTE}.{name} (block {index})"
+            if _tuners.is_tuned(sub) and _tuners.check_tuned(sub, full, warn=False):
+                skipped.append(full)
+    if skipped:  # one warning for all the memory's layers
+        _tuners.warn_dropout(skipped)
 
 
 def _on_graph(states: list[Any]) -> bool:

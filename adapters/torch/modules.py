@@ -16,6 +16,7 @@ from torch import Tensor, nn
 from tmcore import layer as tl
 from tmcore.adapters.torch import bridge
 from tmcore.adapters.torch.functional import memory_scan, option_scan
+from tmcore.adapters.torch.tuners import fold_tuned
 from tmcore.ops.conv import ConvParams
 from tmcore.ops.splat import DEFAULT_EPS
 from tmcore.runtime.validate import check_finite, check_flag, check_int
@@ -444,24 +445,33 @@ class TensorMemory(nn.Module):
 
         Read by attribute (``self.write_proj.weight``, ...), not through
         ``named_parameters()``: FSDP1 with flat parameters (its default) unregisters
-        the parameters and sets each attribute to a view of the flat one.
+        the parameters and sets each attribute to a view of the flat one. A linear
+        layer a PEFT LoRA tuner wraps gives its effective weight and bias (the base
+        ones plus the active adapters' deltas, on the graph:
+        :func:`tmcore.adapters.torch.tuners.effective_weight`).
 
         Returns
         -------
         dict of dict of Tensor
             ``{group: {leaf: tensor}}`` (the state-dict names split at the dot),
-            the module's parameters themselves.
+            the module's parameters themselves (a wrapped layer's: its effective ones).
         """
         params: dict[str, dict[str, Tensor]] = {}
+        tuned: dict[str, nn.Module] = {}
         modules = self._modules
         for group, leaves in _param_names(self.config):
             module = modules.get(group)
             if module is None:
                 module = getattr(self, group)
+            if "base_layer" in module._modules:  # a PEFT tuner wraps it: LoRA folded in below
+                params[group] = tuned[group] = module  # (a placeholder keeps the group order)
+                continue
             registered = module._parameters
             # the registered parameter, else the attribute (FSDP1's flat-parameter views)
             params[group] = {leaf: registered[leaf] if registered.get(leaf) is not None
                              else getattr(module, leaf) for leaf in leaves}
+        if tuned:
+            params.update(fold_tuned(tuned))
         return params
 
     # ----------------------------------------------------------------- checkpoints

@@ -1,0 +1,223 @@
+"""The weight and bias a memory linear layer computes with when a PEFT tuner wraps it.
+
+:class:`~tmcore.adapters.torch.TensorMemory` never calls its linear layers: it reads
+their ``weight (out, in)`` and ``bias (out,)`` and hands them to the functional layer
+(``F.linear(x, weight, bias)`` inside :mod:`tmcore.layer`). A PEFT LoRA wrapper
+(``LoraConfig(target_modules="all-linear")``) adds its update in its own ``forward``, which
+is never run, so :func:`effective_weight` folds the update into the weight instead, on
+the autograd graph: ``W + sum_a scaling_a * B_a @ A_a`` over the active adapters (and
+``b + scaling_a * B_a.bias`` with ``lora_bias=True``), the same weight
+``merge_and_unload()`` would write. LoRA is linear in ``x``, so this equals what the
+wrapper's own ``forward`` computes, except for ``lora_dropout``: dropout acts on the
+input of the adapter path, which a weight cannot express, so it is not applied (a
+warning says so, once per layer and adapter). Tuners whose update is not such a weight
+delta (DoRA and the other LoRA variants, IA3, LoHa, ...) are refused with a
+``ValueError`` naming the layer.
+"""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["check_tuned", "effective_weight", "fold_tuned", "is_tuned", "warn_dropout"]
+
+# (layer, adapter) pairs already warned about their dropout: a training step calls the
+# memory once per block and chunked stream, the warning is said once
+_WARNED: weakref.WeakKeyDictionary[nn.Module, set[str]] = weakref.WeakKeyDictionary()
+
+_HOW_TO_EXCLUDE = ("exclude the memory's layers from the tuner (exclude_modules="
+                   "tmcore.adapters.hf.PEFT_EXCLUDE) and train the memory itself")
+
+
+def is_tuned(linear: nn.Module) -> bool:
+    """Whether a PEFT tuner layer wraps ``linear`` (it has ``base_layer`` and
+    ``active_adapters``, as peft's ``BaseTunerLayer`` does)."""
+    return "base_layer" in linear._modules and hasattr(linear, "active_adapters")
+
+
+def _own(module: nn.Module, leaf: str) -> Tensor | None:
+    # the registered parameter, else the attribute (FSDP1's flat-parameter views)
+    registered = module._parameters.get(leaf)
+    return registered if registered is not None else getattr(module, leaf, None)
+
+
+def _is_lora(linear: nn.Module) -> bool:
+    # peft's LoRA layers (lora.Linear and its quantized kinds) by what this module uses
+    return all(hasattr(linear, a) for a in ("lora_A", "lora_B", "scaling", "get_delta_weight"))
+
+
+def _mixed_batch(linear: nn.Module) -> bool:
+    # peft's `adapter_names=` (one adapter per row) reaches its layers as a forward
+    # pre-hook that adds the argument; the memory never calls the layer, so it is refused
+    return any(getattr(getattr(hook, "func", hook), "__name__", "")
+               == "_adapter_names_pre_forward_hook"
+               for hook in linear._forward_pre_hooks.values())
+
+
+def _active(linear: nn.Module) -> list[str]:
+    # peft's forward skips the active names this layer has no adapter of
+    return [a for a in linear.active_adapters if a in linear.lora_A]
+
+
+def check_tuned(linear: nn.Module, name: str, *, warn: bool = True) -> bool:
+    """Refuse a PEFT tuner on a memory layer that :func:`effective_weight` cannot fold into
+    the weight, and warn (once per layer and adapter) when its LoRA dropout is skipped.
+
+    Parameters
+    ----------
+    linear : nn.Module
+        A memory linear layer, wrapped (:func:`is_tuned`) or not (then nothing is checked).
+    name : str
+        The layer's name in messages (e.g. ``"tensor_memory.memory.out_proj"``).
+    warn : bool, default True
+        Warn here about a skipped dropout; ``False``: leave it to the caller
+        (:func:`warn_dropout`, one warning for many layers).
+
+    Returns
+    -------
+    bool
+        Whether an active adapter's dropout (``lora_dropout > 0``, in training) is
+        skipped here for the first time.
+
+    Raises
+    ------
+    ValueError
+        If the tuner is not LoRA, wraps another tuner, is a LoRA variant (DoRA, ...) or
+        gets per-row ``adapter_names``; each message names the layer and the tuner.
+    """
+    if not is_tuned(linear) or linear.disable_adapters:
+        return False
+    kind = type(linear).__name__
+    if not _is_lora(linear):
+        raise ValueError(f"{name}: a PEFT {kind} tuner wraps this memory layer; the memory "
+                         f"reads its layers' weights, and only plain LoRA is folded into "
+                         f"them (its update is a weight delta); {_HOW_TO_EXCLUDE}")
+    if is_tuned(linear.base_layer):
+        raise ValueError(f"{name}: PEFT tuners wrap this memory layer twice "
+                         f"({kind} around {type(linear.base_layer).__name__}); only one LoRA "
+                         f"tuner is supported on the memory's layers; {_HOW_TO_EXCLUDE}")
+    if _mixed_batch(linear):
+        raise ValueError(f"{name}: adapter_names (one adapter per row) is not supported on "
+                         f"the memory's LoRA layers (the memory folds the active adapters "
+                         f"into one weight for the whole batch); {_HOW_TO_EXCLUDE}")
+    variants = getattr(linear, "lora_variant", {})
+    dora = getattr(linear, "use_dora", {})
+    skipped = False
+    for adapter in _active(linear):
+        if adapter in variants or dora.get(adapter, False):
+            variant = type(variants[adapter]).__name__ if adapter in variants else "DoRA"
+            raise ValueError(f"{name}: the PEFT adapter {adapter!r} ({kind}) is a LoRA variant "
+                             f"({variant}) whose update is not a weight delta the memory can "
+                             f"fold in; use plain LoRA (no use_dora=True, ...) or "
+                             f"{_HOW_TO_EXCLUDE}")
+        dropout = linear.lora_dropout[adapter] if adapter in linear.lora_dropout else None
+        # not while compiling: a warning is a graph break (the eager call warns)
+        if linear.training and isinstance(dropout, nn.Dropout) and dropout.p > 0 \
+                and not torch.compiler.is_compiling():
+            warned = _WARNED.setdefault(linear, set())
+            if adapter not in warned:
+                warned.add(adapter)
+                skipped = True
+    if skipped and warn:
+        warn_dropout([name])
+    return skipped
+
+
+def warn_dropout(names: list[str]) -> None:
+    """Warn that the LoRA dropout of the memory layers ``names`` is not applied (one
+    ``UserWarning`` for them all)."""
+    where = names[0] if len(names) == 1 else f"{names[0]} and {len(names) - 1} more memory layers"
+    warnings.warn(f"{where}: the PEFT adapter's lora_dropout is not applied on the memory's "
+                  f"LoRA path (the memory folds the adapter into its weight, and dropout acts "
+                  f"on the adapter's input); the model's other LoRA layers apply it",
+                  UserWarning, stacklevel=3)
+
+
+def effective_weight(linear: nn.Module, name: str = "linear", *, check: bool = True
+                     ) -> tuple[Tensor, Tensor | None]:
+    """The weight and bias ``linear`` computes with, PEFT LoRA included (differentiably).
+
+    A plain layer gives its own ``weight`` and ``bias``. A LoRA-wrapped one (peft's
+    ``lora.Linear``, :func:`is_tuned`) gives its base layer's, plus, for each active
+    adapter, ``get_delta_weight(adapter)`` (``transpose(B @ A, fan_in_fan_out) *
+    scaling``, cast to the base weight's dtype) and, with ``lora_bias=True``,
+    ``B.bias * scaling`` on the bias, exactly as the wrapper's ``forward`` would (so
+    ``merge_and_unload()`` gives the same model): nothing is added when the adapters
+    are disabled or merged (a merged adapter is in the base weight already; disabled
+    and merged, the layer is unmerged first, as peft's ``forward`` does). The LoRA
+    dropout is not applied (:func:`check_tuned` warns).
+
+    Parameters
+    ----------
+    linear : nn.Module
+        An ``nn.Linear`` (``weight (out, in)``, ``bias (out,)`` or ``None``), or a PEFT
+        tuner layer around one.
+    name : str, default "linear"
+        The layer's name in error messages and warnings.
+    check : bool, default True
+        Run :func:`check_tuned` first (``False``: the caller did).
+
+    Returns
+    -------
+    weight : Tensor, shape ``(out, in)``
+        On the autograd graph of the base weight and every active ``lora_A`` / ``lora_B``.
+    bias : Tensor, shape ``(out,)``, or None
+        The base bias, plus the LoRA bias with ``lora_bias=True``.
+
+    Raises
+    ------
+    ValueError
+        If the tuner cannot be folded into the weight (:func:`check_tuned`).
+    """
+    if not is_tuned(linear):
+        return _own(linear, "weight"), _own(linear, "bias")
+    if check:
+        check_tuned(linear, name)
+    base = linear.base_layer
+    weight, bias = _own(base, "weight"), _own(base, "bias")
+    if linear.disable_adapters:
+        if linear.merged:  # what the layer's forward does: the base weight alone again
+            linear.unmerge()
+        return weight, bias
+    if linear.merged:  # peft's forward adds no unmerged adapter next to a merged one either
+        return weight, bias
+    lora_bias = getattr(linear, "lora_bias", {})
+    for adapter in _active(linear):
+        scaling = linear.scaling[adapter]
+        weight = weight + linear.get_delta_weight(adapter).to(weight.dtype)
+        if lora_bias.get(adapter, False):
+            bias = bias + (linear.lora_B[adapter].bias * scaling).to(bias.dtype)
+    return weight, bias
+
+
+def fold_tuned(layers: dict[str, nn.Module]) -> dict[str, dict[str, Tensor | None]]:
+    """:func:`effective_weight` of several layers (a memory's), checked first, with one
+    warning for all those whose LoRA dropout is skipped.
+
+    Parameters
+    ----------
+    layers : dict of str to nn.Module
+        Name -> layer (:func:`is_tuned` or not).
+
+    Returns
+    -------
+    dict of str to dict of Tensor
+        Name -> ``{"weight": (out, in), "bias": (out,) or None}``.
+
+    Raises
+    ------
+    ValueError
+        As :func:`check_tuned`.
+    """
+    skipped = [name for name, linear in layers.items() if check_tuned(linear, name, warn=False)]
+    if skipped:
+        warn_dropout(skipped)
+    folded = {}
+    for name, linear in layers.items():
+        weight, bias = effective_weight(linear, name, check=False)
+        folded[name] = {"weight": weight, "bias": bias}
+    return folded
