@@ -154,6 +154,42 @@ def _checks() -> dict:  # runs in the 2-device subprocess
     results["vmap"] = err(jax.tree.map(lambda a: a[1], ensemble),
                           jax.jit(grad)(jax.tree.map(lambda a: 2.0 * a, params), x))
 
+    # a StreamState continued under jit on batch-sharded meshes (rows at different counts):
+    # each row's chunk grid gathers only its own tokens, so nothing is all-gathered
+    first = jnp.asarray(rng.random((B, 3)) > 0.4)
+    _, st0 = tmj.apply(params, x[:, :3], memory_shape=S, valid=first)
+    x2 = jnp.asarray(rng.normal(size=(B, N + 2, D)))
+    results["continued_counts"] = sorted({int(k) for k in st0.count})
+
+    pad = jnp.asarray(rng.random((B, N + 2)) > 0.3)  # a padding mask: skipped tokens
+
+    def continued(p, a, st, v=None):
+        out, new = tmj.apply(p, a, st, memory_shape=S, valid=v)
+        return jnp.sum(out ** 2) + jnp.sum(new.h * new.c) + jnp.sum(new.pending ** 2) \
+            + jnp.sum(new.read)
+
+    cont_forward = jax.jit(lambda p, a, st, v=None: tmj.apply(p, a, st, memory_shape=S,
+                                                               valid=v))
+    cont_step = jax.jit(jax.value_and_grad(continued, argnums=(0, 1)))
+    cont_cases = (("forward", cont_forward, False), ("step", cont_step, False),
+                  ("valid", cont_step, True))
+    cont_single = [fn(params, x2, st0, pad if masked else None)
+                   for _, fn, masked in cont_cases]
+
+    def continued_on(name, mesh_):
+        sharded = NamedSharding(mesh_, data)
+        a = jax.device_put(x2, sharded)
+        st = jax.tree.map(lambda v: jax.device_put(v, sharded), st0)
+        v = jax.device_put(pad, sharded)
+        for (case, fn, masked), expected in zip(cont_cases, cont_single, strict=True):
+            args = (params, a, st, v if masked else None)
+            results[f"{name}_continued_{case}"] = err(fn(*args), expected)
+            results[f"{name}_continued_{case}_gathers"] = gathers(fn.lower(*args).compile())
+
+    continued_on("auto", auto)
+    with jax.set_mesh(mesh):
+        continued_on("explicit", mesh)
+
     # init and the NNX modules make uncommitted arrays: they join sharded inputs
     fresh = tmj.init(jax.random.key(1), D, C, S, L, dtype=jnp.float64)
     results["init_committed"] = sum(bool(a.committed) for a in jax.tree.leaves(fresh))
@@ -214,6 +250,18 @@ def test_auto_mesh_matches_one_device(results, name):
 
 def test_auto_mesh_never_gathers_the_batch(results):
     assert results["auto_none_gathers"] == results["auto_state_gathers"] == 0, results
+
+
+@pytest.mark.parametrize("mesh", ["auto", "explicit"])
+@pytest.mark.parametrize("case", ["forward", "step", "valid"])
+def test_continued_stream_state_stays_on_its_rows(results, mesh, case):
+    """A :class:`StreamState` continued under ``jit`` (rows at different counts) on a
+    batch-sharded Auto or Explicit mesh: equal to one device, and no all-gather in the
+    forward, the training step or a padded (``valid``) step: the chunk grid gathers
+    each row's own tokens (issue 50 item 10)."""
+    assert len(results["continued_counts"]) > 1, results  # a per-row plan, not a boundary
+    assert results[f"{mesh}_continued_{case}"] < TOL, results
+    assert results[f"{mesh}_continued_{case}_gathers"] == 0, results
 
 
 def test_init_and_modules_are_uncommitted(results):

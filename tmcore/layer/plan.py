@@ -17,12 +17,19 @@ comes from, and what the new unfinished chunk holds. Three planners make it:
 
 :func:`execute` runs any of them: the heads once over all ``B*T`` chunks, the scan in
 segments between the plan's cuts, the read-out once, and the gathers back to tokens.
+
+Every gather is per row (``take_along_axis`` along axis 1 of a ``(B, R, k)`` table whose
+last slot is zeros): an index never crosses the batch axis, so a batch-sharded call
+(a JAX mesh, under ``jit`` or ``shard_map``) reads only its own rows and nothing is
+all-gathered.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
+
+import array_api_compat
 
 from tmcore.layer.heads import chunk, unchunk
 from tmcore.layer.params import Params
@@ -37,17 +44,17 @@ __all__ = ["Plan", "array_plan", "contiguous_plan", "execute", "host_plan"]
 
 class Plan(NamedTuple):
     """One call's chunk grid (``T`` chunks per row); ``B`` rows, ``N`` tokens, ``L`` the
-    chunk size. The token table is ``[pending, x]`` per row, flattened, plus a zero row
-    (index ``B (L + N)``).
+    chunk size. The token table is ``[pending, x, 0]`` per row: ``L + N`` tokens and a
+    zero slot (index ``L + N``); every index is a position within its own row.
 
     Parameters
     ----------
     steps : int
         ``T``, the chunks every row is scanned through.
-    table : array, shape ``(B (L + N) + 1, d)``, or None
+    table : array, shape ``(B, L + N + 1, d)``, or None
         The token table (``None``: the chunks are ``x`` itself, zero-padded).
-    gather : int array, shape ``(B T L,)``, or None
-        The table row of every chunk slot.
+    gather : int array, shape ``(B, T L)``, or None
+        The table slot of every chunk slot of the row.
     cuts : tuple of int
         Where the scan is cut (``0`` and ``T`` included).
     resets : dict of int to bool array ``(B,)``
@@ -64,16 +71,17 @@ class Plan(NamedTuple):
         Rows whose chunk 0 is the continued unfinished one: its read is the state's.
     carried_only : bool
         Every row's only chunk is its carried one: nothing to scan.
-    out_index : int array, shape ``(B N,)``, or None
-        Each token's row of the ``(B T + 1, d)`` output table (``B T``: zeros);
+    out_index : int array, shape ``(B, N)``, or None
+        Each token's slot of its row's ``(T + 1, d)`` outputs (``T``: zeros);
         ``None``: chunk ``t``'s output on its own tokens (:func:`tmcore.layer.unchunk`).
-    pending_index : int array, shape ``(B L,)``, or None
-        The new unfinished chunk's table rows (``None`` in a contiguous plan).
+    pending_index : int array, shape ``(B, L)``, or None
+        The new unfinished chunk's table slots (``None`` in a contiguous plan).
     count : int array, shape ``(B,)``, or int, or None
         The new unfinished chunk's tokens (an int: every row's; ``None``: a
         non-streaming call, which returns ``(h, c)``).
     read_pick : int array, shape ``(B,)``, or None
-        Each row's read of the new unfinished chunk in the ``(B T + 1, C)`` read table.
+        Each row's read of the new unfinished chunk: its slot of the row's ``(T + 1, C)``
+        reads (``T``: zeros).
     forget : bool array, shape ``(B,)``, or None
         Rows whose stream ends with an empty document: their state is zeroed.
     """
@@ -100,9 +108,26 @@ def _rows(xp: Any, mask: Any, a: Any, b: Any) -> Any:
     return xp.where(xp.reshape(mask, (mask.shape[0],) + (1,) * (a.ndim - 1)), a, b)
 
 
-def _zero_row(xp: Any, table: Any) -> Any:
-    """``table (R, k)`` plus a zero row (index ``R``)."""
-    return xp.concat([table, xp.zeros_like(table[:1, :])], axis=0)
+def _zero_slot(xp: Any, *parts: Any) -> Any:
+    """The per-row table ``(B, R + 1, k)``: ``parts (B, R_i, k)`` along axis 1, then a
+    zero slot (index ``R``). The zeros are derived from a part, so they keep its
+    sharding (a JAX Explicit mesh refuses to join a batch-sharded array and a fresh one)."""
+    last = parts[-1]
+    return xp.concat([*parts, xp.zeros_like(last[:, :1, :])], axis=1)
+
+
+def _take_rows(xp: Any, table: Any, index: Any) -> Any:
+    """``table (B, R, k)`` at each row's own slots ``index (B, K)`` (in ``[0, R)``):
+    ``(B, K, k)``.
+
+    A gather along axis 1 only (never across rows): a batch-sharded table is read
+    where it lies."""
+    if array_api_compat.is_torch_namespace(xp):
+        # one gather: the namespace's take_along_axis also wraps negative indices and
+        # broadcasts the table (four more dispatched ops per gather); these are >= 0
+        shape = (index.shape[0], index.shape[1], table.shape[2])
+        return table.gather(1, xp.broadcast_to(index[:, :, None], shape))
+    return xp.take_along_axis(table, index[:, :, None], axis=1)
 
 
 # --------------------------------------------------------------------------- planners
@@ -137,7 +162,6 @@ def array_plan(xp: Any, x: Any, count: Any, known: tuple[int, ...] | None, valid
     batch, tokens, d = x.shape
     device = device_of(x)
     index = xp.asarray(0, device=device).dtype                  # the default integer dtype
-    rows = xp.arange(batch, dtype=index, device=device)[:, None]
     if valid is None:
         new = xp.full((batch,), tokens, dtype=index, device=device)
         rank = xp.broadcast_to(xp.arange(tokens, dtype=index, device=device)[None, :],
@@ -149,39 +173,33 @@ def array_plan(xp: Any, x: Any, count: Any, known: tuple[int, ...] | None, valid
         new = xp.sum(ones, axis=1)
         rank = xp.cumulative_sum(ones, axis=1) - 1
         order = xp.argsort(1 - ones, axis=1, stable=True)
-        compact = xp.reshape(xp.take(xp.reshape(x, (batch * tokens, d)),
-                                     xp.reshape(rows * tokens + order, (-1,)), axis=0),
-                             (batch, tokens, d))
+        compact = _take_rows(xp, x, order)
         valid_counts = valid_counts or (0, tokens)
     k_lo, k_hi = (0, length - 1) if known is None else (min(known), max(known))
     m_lo = (k_lo + valid_counts[0]) // length
     steps = -(-(k_hi + valid_counts[1]) // length)             # T: chunks holding a token
     m_hi = min((k_hi + valid_counts[1]) // length, steps)
-    width = length + tokens
-    table = _zero_row(xp, xp.reshape(xp.concat([pending, compact], axis=1),
-                                     (batch * width, d)))
+    table = _zero_slot(xp, pending, compact)                   # (B, L + N + 1, d)
 
     def source(p: Any) -> Any:
-        """Table row of stream position ``p (B, P)`` (the zero row: none)."""
+        """Table slot of stream position ``p (B, P)`` (``L + N``, the zero slot: none)."""
         k = count[:, None]
-        at = rows * width + xp.where(p < k, p, length + p - k)
-        return xp.reshape(xp.where(p < k + new[:, None], at, xp.full_like(at, batch * width)),
-                          (-1,))
+        at = xp.where(p < k, p, length + p - k)
+        return xp.where(p < k + new[:, None], at, xp.full_like(at, length + tokens))
 
     m = (count + new) // length                                # complete chunks per row
     left = count + new - m * length                            # the new unfinished chunk
     positions = xp.arange(steps * length, dtype=index, device=device)[None, :]
-    out_index = rows * steps + (count[:, None] + rank) // length
+    out_index = (count[:, None] + rank) // length
     if valid is not None:
-        out_index = xp.where(valid, out_index, xp.full_like(out_index, batch * steps))
+        out_index = xp.where(valid, out_index, xp.full_like(out_index, steps))
     last = xp.full_like(m, max(steps - 1, 0))  # (not minimum(m, int): torch.compile traces it)
-    read_pick = xp.where(left > 0, rows[:, 0] * steps + xp.where(m < last, m, last),
-                         xp.full_like(m, batch * steps))
+    read_pick = xp.where(left > 0, xp.where(m < last, m, last), xp.full_like(m, steps))
     slots = m[:, None] * length + xp.arange(length, dtype=index, device=device)[None, :]
     capture = tuple(range(m_lo, m_hi + 1))
     return Plan(steps, table, source(positions), tuple(sorted({0, steps, *capture})), {},
                 capture, m if len(capture) > 1 else None, m_lo, count > 0, False,
-                xp.reshape(out_index, (-1,)), source(slots), left, read_pick, None)
+                out_index, source(slots), left, read_pick, None)
 
 
 def host_plan(xp: Any, x: Any, pending: Any, counts: Sequence[int],
@@ -191,7 +209,7 @@ def host_plan(xp: Any, x: Any, pending: Any, counts: Sequence[int],
     every document start. A start on a skipped token starts the document at the row's
     next valid token; after its last valid token it leaves the row empty (``forget``)."""
     batch, tokens, d = x.shape
-    width = length + tokens  # row stride of the table [pending, x]
+    zero = length + tokens  # the zero slot of each row of the table [pending, x, 0]
     rows = []
     for b, count in enumerate(counts):
         keep = [n for n in range(tokens) if valid is None or valid[b][n]]
@@ -203,8 +221,8 @@ def host_plan(xp: Any, x: Any, pending: Any, counts: Sequence[int],
                 carried = False
         new = len(keep)
 
-        def flat(p: int, b: int = b, count: int = count, keep: list = keep) -> int:
-            return b * width + (p if p < count else length + keep[p - count])
+        def slot(p: int, count: int = count, keep: list = keep) -> int:
+            return p if p < count else length + keep[p - count]
 
         cuts = [i for i in range(new) if row_starts[i]]
         # the first document continues the carried state unless the row starts one at once
@@ -214,7 +232,7 @@ def host_plan(xp: Any, x: Any, pending: Any, counts: Sequence[int],
         chunks, resets, step_of = [], [], []
         for (begin, reset), end in zip(segments, ends, strict=True):
             for a in range(begin, end, length):
-                chunks.append([flat(p) for p in range(a, min(a + length, end))])
+                chunks.append([slot(p) for p in range(a, min(a + length, end))])
                 resets.append(reset and a == begin)
                 step_of += [len(chunks) - 1] * sum(1 for p in range(a, min(a + length, end))
                                                    if p >= count)
@@ -226,20 +244,18 @@ def host_plan(xp: Any, x: Any, pending: Any, counts: Sequence[int],
                      len(chunks) - 1 if unfinished else len(chunks),
                      chunks[-1] if unfinished and not carried else [], carried))
     steps = max(len(r[0]) for r in rows)
-    zero = batch * width
     gather, resets, capture, token_step, pending_rows, forget = [], [], [], [], [], []
-    for b, (chunks, reset, tok, cap, pend, gone) in enumerate(rows):
+    for chunks, reset, tok, cap, pend, gone in rows:
         chunks = chunks + [[]] * (steps - len(chunks))
-        for ch in chunks:
-            gather += ch + [zero] * (length - len(ch))
+        gather.append([i for ch in chunks for i in ch + [zero] * (length - len(ch))])
         resets.append(reset + [False] * (steps - len(reset)))
         capture.append(cap)
-        token_step += [b * steps + t if t >= 0 else batch * steps for t in tok]
-        pending_rows += pend + [zero] * (length - len(pend))
+        token_step.append([t if t >= 0 else steps for t in tok])
+        pending_rows.append(pend + [zero] * (length - len(pend)))
         forget.append(gone)
     device = device_of(x)
 
-    def ints(values: list[int]) -> Any:
+    def ints(values: list) -> Any:
         return xp.asarray(values, device=device)  # the default integer dtype
 
     def bools(values: list[bool]) -> Any:
@@ -249,16 +265,13 @@ def host_plan(xp: Any, x: Any, pending: Any, counts: Sequence[int],
                 if any(resets[b][t] for b in range(batch))}
     kept = tuple(sorted(set(capture)))
     carried = [counts[b] > 0 and not (steps and resets[b][0]) for b in range(batch)]
-    table = _zero_row(xp, xp.reshape(xp.concat([xp.astype(pending, x.dtype), x], axis=1),
-                                     (batch * width, d)))
-    new_counts = [sum(1 for i in p if i != zero) for p in
-                  (pending_rows[b * length:(b + 1) * length] for b in range(batch))]
+    table = _zero_slot(xp, xp.astype(pending, x.dtype), x)      # (B, L + N + 1, d)
+    new_counts = [sum(1 for i in p if i != zero) for p in pending_rows]
     return Plan(steps, table, ints(gather), tuple(sorted({0, steps, *kept, *at_reset})),
                 at_reset, kept, ints(capture) if len(kept) > 1 else None, None, bools(carried),
                 steps == 1 and kept == (0,) and all(carried), ints(token_step),
                 ints(pending_rows), ints(new_counts),
-                ints([b * steps + capture[b] if new_counts[b] else batch * steps
-                      for b in range(batch)]),
+                ints([capture[b] if new_counts[b] else steps for b in range(batch)]),
                 bools(forget) if any(forget) else None)
 
 
@@ -283,7 +296,7 @@ def execute(layer: Layer, xp: Any, params: Params, x: Any, st: StreamState, plan
         reads = st.read[:, None, :]
     elif steps:
         chunks = (chunk(xp, x, length) if plan.gather is None else
-                  xp.reshape(xp.take(plan.table, plan.gather, axis=0),
+                  xp.reshape(_take_rows(xp, plan.table, plan.gather),
                              (batch, steps, length, d)))
         inputs = layer.heads(xp, params, chunks)               # (B, T, ...) each
         entering, parts = [], []  # the state entering each cut (sizes are not hashed)
@@ -332,8 +345,7 @@ def execute(layer: Layer, xp: Any, params: Params, x: Any, st: StreamState, plan
     else:
         out_rows = layer.read_out(xp, params, reads)           # (B, T, d)
         out = (unchunk(xp, out_rows, tokens, length) if plan.out_index is None else
-               xp.reshape(xp.take(_zero_row(xp, xp.reshape(out_rows, (batch * steps, d))),
-                                  plan.out_index, axis=0), (batch, tokens, d)))
+               _take_rows(xp, _zero_slot(xp, out_rows), plan.out_index))
     if plan.count is None:  # the non-streaming call: the plain state
         return out, (h, c)
     return out, _unfinished(xp, x, st, plan, reads, h, c, length)
@@ -344,12 +356,9 @@ def _unfinished(xp: Any, x: Any, st: StreamState, plan: Plan, reads: Any, h: Any
     """The returned :class:`StreamState`: the new unfinished chunk's tokens, count and read."""
     batch, tokens, d = x.shape
     if plan.pending_index is not None:
-        pending = xp.reshape(xp.take(plan.table, plan.pending_index, axis=0),
-                             (batch, length, d))
-        read_table = _zero_row(xp, xp.reshape(reads, (batch * plan.steps, reads.shape[-1]))
-                               if reads is not None else st.read[:0, :])
-        read = xp.take(read_table, plan.read_pick, axis=0) if reads is not None \
-            else xp.zeros_like(st.read)
+        pending = _take_rows(xp, plan.table, plan.pending_index)   # (B, L, d)
+        read = (_take_rows(xp, _zero_slot(xp, reads), plan.read_pick[:, None])[:, 0, :]
+                if reads is not None else xp.zeros_like(st.read))
         return type(st)(h, c, pending, xp.astype(plan.count, xp.int32), read)
     left = plan.count  # contiguous: every row keeps the ragged last chunk
     full = tokens // length
