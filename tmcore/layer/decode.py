@@ -62,9 +62,11 @@ def decode_step(layer: Layer, xp: Any, params: Params, x: Any, st: StreamState, 
         output is zeros.
     known : tuple of int, optional
         ``st.count`` as Python ints, when the caller read it on the host (eager): the
-        heads then run only when some row starts or completes a chunk, the read only
-        when some row starts one, the update only when some row completes one, and no
-        further host read is made.
+        heads then run only when some row starts or completes a chunk (only the read
+        coordinates, :meth:`~tmcore.layer.Layer.read_coords`, when none completes one),
+        the read only when some row starts one, the update only when some row completes
+        one (``scan.write(h, c, inputs) -> (h', c')`` when the scan has it: the update
+        without the scan's read), and no further host read is made.
 
     Returns
     -------
@@ -151,18 +153,30 @@ def _decode_known(layer: Layer, xp: Any, params: Params, x: Any, st: StreamState
         pending = xp.where(slot == at, x[:, None, :],
                            xp.where(slot < at, xp.astype(st.pending, x.dtype),
                                     xp.zeros_like(x[:, None, :])))   # (B, L, d)
-    inputs = (layer.heads(xp, params, pending[:, None, ...]) if any(starts) or any(complete)
-              else None)
+    # a token that starts a chunk and completes none needs the read coordinates alone
+    # (of the chunk's first token): no write head, no summary product
+    # (None: a layer whose heads make them otherwise runs its heads)
+    coords = (layer.read_coords(xp, params, pending[:, 0, :])
+              if any(starts) and not any(complete) else None)
+    inputs = (layer.heads(xp, params, pending[:, None, ...])
+              if coords is None and (any(starts) or any(complete)) else None)
     read = st.read
     if any(starts):
-        fresh = layer.sample(st.h, inputs.read_coords)[:, 0, :]
+        where = inputs.read_coords if coords is None else coords[:, None, :]
+        fresh = layer.sample(st.h, where)[:, 0, :]
         read = _pick(xp, starts, lambda: count == 0, fresh, st.read)
     h, c = st.h, st.c
     if any(complete):
         def done() -> Any:
             return count == length - 1
 
-        _, h_new, c_new = scan(h, c, inputs)
+        # the update alone where the scan offers it (its read is the chunk's first
+        # token's, already made): ``scan.write(h, c, inputs) -> (h', c')``
+        write = getattr(scan, "write", None)
+        if write is not None:
+            h_new, c_new = write(h, c, inputs)
+        else:
+            _, h_new, c_new = scan(h, c, inputs)
         h, c = _pick(xp, complete, done, h_new, h), _pick(xp, complete, done, c_new, c)
     out = layer.read_out(xp, params, read)
     keep = [not f for f in complete]

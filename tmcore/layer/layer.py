@@ -26,7 +26,7 @@ from typing import Any
 
 from tmcore.layer.config import LayerConfig
 from tmcore.layer.decode import decode_step
-from tmcore.layer.heads import Linear, heads, linear, read_out, split
+from tmcore.layer.heads import Linear, heads, linear, read_coords, read_out, split
 from tmcore.layer.params import Params
 from tmcore.layer.plan import array_plan, contiguous_plan, execute, host_plan
 from tmcore.layer.sizes import check_forward
@@ -115,6 +115,34 @@ class Layer:
         """
         return heads(xp, params, chunk, self.config, linear=self.linear,
                      softplus=self.softplus, split=self.split, flat_rows=self.flat_rows)
+
+    heads.first_token_reads = True  # read_coords may skip them (coord_net of the first token)
+
+    def read_coords(self, xp: Any, params: Params, first: Any) -> Any:
+        """The read coordinates of chunks from their first tokens (:func:`read_coords`).
+
+        A decode step that starts a chunk calls this instead of :meth:`heads`. A
+        subclass that replaces :meth:`heads` replaces this too, or the decode runs its
+        heads: this gives ``None`` unless the class's ``heads`` carries
+        ``first_token_reads = True`` (its read coordinates are ``coord_net`` of the
+        chunk's first token, as :func:`heads` makes them).
+
+        Parameters
+        ----------
+        xp, params : namespace, dict of dict of array
+            As in :meth:`heads`.
+        first : array, shape ``(B, d)``
+            Each row's chunk's first token.
+
+        Returns
+        -------
+        array, shape ``(B, n)``, or None
+            The read coordinates, as :meth:`heads`' ``read_coords[:, 0]`` (to
+            rounding); ``None``: run :meth:`heads`.
+        """
+        if getattr(type(self).heads, "first_token_reads", False):
+            return read_coords(xp, params, first, linear=self.linear)
+        return None
 
     def read_out(self, xp: Any, params: Params, reads: Any) -> Any:
         """The layer's read-out (:func:`read_out` with this layer's linear map).
