@@ -11,6 +11,7 @@ on the same token to rounding (the heads run over other rows).
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -21,7 +22,7 @@ from tmcore.layer.stream import StreamState
 if TYPE_CHECKING:
     from tmcore.layer.layer import Layer, Scan
 
-__all__ = ["decode_step"]
+__all__ = ["Produced", "decode_step", "next_counts"]
 
 
 def _rows(xp: Any, mask: Any, a: Any, b: Any) -> Any:
@@ -194,3 +195,67 @@ def _decode_known(layer: Layer, xp: Any, params: Params, x: Any, st: StreamState
     else:
         new = xp.where(kept(), count + 1, xp.zeros_like(count))
     return out, StreamState(h, c, pending, new, read)
+
+
+def next_counts(known: tuple[int, ...], length: int) -> tuple[int, ...]:
+    """The counts after a decode step from ``known`` (a full chunk starts over)."""
+    return tuple(0 if k == length - 1 else k + 1 for k in known)
+
+
+def _versions(st: StreamState) -> tuple[int, ...] | None:
+    """The version counters of a state's five arrays (bumped by every in-place change),
+    or ``None`` where an array has none (NumPy, JAX, a torch inference-mode tensor)."""
+    h, c, pending, count, read = st
+    try:
+        return h._version, c._version, pending._version, count._version, read._version
+    except (AttributeError, RuntimeError):
+        return None
+
+
+class Produced:
+    """The state a layer's last decode step produced, so that the next token may take it
+    as it is (a fast path keyed on identity, made only where the arrays carry version
+    counters: torch).
+
+    Held by weak references (it keeps nothing alive) with each array's version counter
+    and the counts on the host, the tokens' batch, dtype and device. :meth:`counts`
+    gives those counts for a state whose five fields are these very arrays, unchanged
+    since (no in-place edit), with tokens of the same kind; anything else (a state the
+    caller built, copied, edited or loaded) gives ``None`` and is checked as usual.
+    """
+
+    __slots__ = ("refs", "versions", "known", "batch", "dtype", "device")
+
+    def __init__(self, st: StreamState, versions: tuple[int, ...], known: tuple[int, ...],
+                 x: Any):
+        ref = weakref.ref
+        h, c, pending, count, read = st
+        self.refs = ref(h), ref(c), ref(pending), ref(count), ref(read)
+        self.versions, self.known = versions, known
+        self.batch, self.dtype, self.device = x.shape[0], x.dtype, x.device
+
+    @classmethod
+    def record(cls, st: StreamState, known: tuple[int, ...], x: Any) -> Produced | None:
+        """A record of ``st`` (counts ``known``, made for tokens ``x (B, 1, d)``), or
+        ``None`` where its arrays carry no version counters."""
+        versions = _versions(st)
+        if versions is None:
+            return None
+        try:
+            return cls(st, versions, known, x)
+        except (TypeError, AttributeError):  # no weak references, or no .device
+            return None
+
+    def counts(self, state: Any, x: Any) -> tuple[int, ...] | None:
+        """``state``'s counts when it is the recorded state, untouched, and ``x`` tokens
+        of the recorded batch, dtype and device; else ``None``."""
+        if type(state) is not StreamState:
+            return None
+        h, c, pending, count, read = self.refs
+        if h() is not state.h or c() is not state.c or pending() is not state.pending \
+                or count() is not state.count or read() is not state.read:
+            return None
+        if _versions(state) != self.versions or x.shape[0] != self.batch \
+                or x.dtype != self.dtype or x.device != self.device:
+            return None
+        return self.known

@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from tmcore.layer.config import LayerConfig
-from tmcore.layer.decode import decode_step
+from tmcore.layer.decode import Produced, decode_step, next_counts
 from tmcore.layer.heads import Linear, heads, linear, read_coords, read_out, split
 from tmcore.layer.params import Params
 from tmcore.layer.plan import array_plan, contiguous_plan, execute, host_plan
@@ -52,6 +52,7 @@ from tmcore.layer.stream import (
 )
 from tmcore.ops.activations import softplus
 from tmcore.ops.sample import trilinear_sample
+from tmcore.runtime.sizes import compiling
 from tmcore.scan.dense import StepInputs
 
 __all__ = ["Layer", "Scan"]
@@ -299,6 +300,12 @@ class Layer:
         check_tokens(xp, x, config)
         check_forward(xp, config, x)  # the call fits, before anything is allocated
         batch, tokens, _ = x.shape
+        if tokens == 1 and batch and reset is None and doc_starts is None and valid is None \
+                and not compiling():
+            record = getattr(self, "_produced", None)
+            known = None if record is None else record.counts(state, x)
+            if known is not None:  # this layer's last decode step made it: taken as it is
+                return self._decode(xp, params, x, state, scan, known)
         if doc_starts is None and valid is None and tokens > 1 and batch \
                 and not isinstance(state, StreamState):
             # from a chunk boundary (no state, or a pair): x chunked as it is, without
@@ -326,6 +333,8 @@ class Layer:
         st, known = reset_stream(xp, st, known, reset)
         if tokens == 0 or batch == 0:
             return xp.zeros_like(x), st
+        if tokens == 1 and known is not None and valid is None:  # a decode step (eager)
+            return self._decode(xp, params, x, st, scan, known)
         if tokens == 1:  # a decode step: no chunk grid to plan
             out, st = decode_step(self, xp, params, x[:, 0, :], st, scan,
                                   None if valid is None else valid[:, 0], known)
@@ -339,6 +348,20 @@ class Layer:
         plan = array_plan(xp, x, xp.astype(st.count, xp.asarray(0).dtype), known, valid,
                           xp.astype(st.pending, x.dtype), config.chunk_size, valid_counts)
         return execute(self, xp, params, x, st, plan, scan)
+
+    def _decode(self, xp: Any, params: Params, x: Any, st: StreamState, scan: Scan,
+                known: tuple[int, ...]) -> tuple[Any, StreamState]:
+        """A decode step with the counts known on the host; the state it makes is recorded
+        (:class:`~tmcore.layer.decode.Produced`), so that the next token's call takes it
+        without checking it again nor reading its counts back from the device."""
+        out, st = decode_step(self, xp, params, x[:, 0, :], st, scan, None, known)
+        self._produced = Produced.record(st, next_counts(known, self.config.chunk_size), x)
+        return out[:, None, :], st
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state.pop("_produced", None)  # weak references to arrays: not copied nor pickled
+        return state
 
     def _packed(self, xp: Any, params: Params, x: Any, st: StreamState,
                 known: tuple[int, ...] | None, scan: Scan, reset: Any, doc_starts: Any,
