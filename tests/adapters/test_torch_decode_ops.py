@@ -1,7 +1,8 @@
 """The one-token decode step dispatches a small, constant number of operations (issue 50,
 item 13): counted with a ``TorchDispatchMode`` (op counts, never timings). In generation
 every row is at the same position of its chunk; a token that neither starts nor
-completes a chunk runs no head, no read and no update; a start adds the read
+completes a chunk runs no head, no read, no update and no read-out (its output is the
+previous token's, read from the same state); a start adds the read
 coordinates (``coord_net`` of the token alone, no write head) and the read, a completion
 the heads and the update without the scan's read (``scan.write``). The state a decode
 step made is taken as it is by the next token (no check, no host read of its counts);
@@ -32,12 +33,15 @@ class _Count(TorchDispatchMode):
 
 
 def _per_phase(memory: TensorMemory, rounds: int, grad: bool) -> dict[int, list[int]]:
-    """Ops of each decode step, by the count the step starts from."""
+    """Ops of each decode step, by the count the step starts from (from the second decode
+    step on: each takes the state the previous one made; the first, from the prefill's
+    state, checks it and reads the output out again)."""
     torch.manual_seed(1)
     tokens = torch.randn(4, L * rounds, 64)
     counts: dict[int, list[int]] = {}
     with torch.set_grad_enabled(grad):
         _, st = memory(torch.randn(4, 5, 64))
+        _, st = memory(torch.randn(4, 1, 64), st)
         for i in range(tokens.shape[1]):
             phase = int(st.count[0])
             with _Count() as mode:
@@ -54,11 +58,11 @@ def test_decode_step_op_count_is_small_and_constant():
     for phase, seen in counts.items():
         assert len(set(seen)) == 1, (phase, seen)   # the same every chunk: constant
     middle = [counts[k][0] for k in range(1, L - 1)]
-    assert max(middle) <= 12, counts                 # no head, read or update
+    assert max(middle) <= 10, counts                 # no head, read or read-out (was 12)
     assert counts[0][0] <= 31, counts                # + read coordinates and the read (was 46)
     # + heads and one update (its ops are the fused write step's own: no autograd
     # wrapper in inference, so its kernels are dispatched here; was 115 with the scan)
-    assert counts[L - 1][0] <= 83, counts
+    assert counts[L - 1][0] <= 81, counts
 
 
 def test_decode_step_ops_do_not_grow_with_the_context():
@@ -227,3 +231,19 @@ def test_read_coordinates_alone_equal_the_heads_and_a_variant_runs_its_heads():
 
     assert Untied(memory.config).read_coords(_XP, params, chunk[:, 0, 0, :]) is None
     assert tl.Layer(memory.config).read_coords(_XP, params, chunk[:, 0, 0, :]) is not None
+
+
+def test_an_output_edited_in_place_is_not_reused():
+    """A token that starts no chunk returns the previous token's output array (the same
+    read): an in-place edit of that output (its version counter) makes the next token
+    read out again, so it stays exact."""
+    torch.manual_seed(0)
+    memory = TensorMemory(64, 16, (4, 4, 4), L)
+    x = torch.randn(4, 1, 64)
+    with torch.no_grad():
+        _, st = memory(torch.randn(4, 4, 64))
+        first, st = memory(x, st)                       # starts a chunk: a fresh read-out
+        expected = first.clone()
+        first.zero_()                                   # the caller edits its output
+        second, _ = memory(x, st)                       # a middle token
+    assert torch.equal(second, expected)

@@ -39,8 +39,8 @@ def _compiling() -> bool:
 
 
 def decode_step(layer: Layer, xp: Any, params: Params, x: Any, st: StreamState, scan: Scan,
-                valid: Any = None, known: tuple[int, ...] | None = None
-                ) -> tuple[Any, StreamState]:
+                valid: Any = None, known: tuple[int, ...] | None = None,
+                last_out: Any = None) -> tuple[Any, StreamState]:
     """One token of each row's stream: ``x (B, d)`` -> ``(out (B, d), state)``; unchecked.
 
     Parameters
@@ -68,6 +68,10 @@ def decode_step(layer: Layer, xp: Any, params: Params, x: Any, st: StreamState, 
         the read only when some row starts one, the update only when some row completes
         one (``scan.write(h, c, inputs) -> (h', c')`` when the scan has it: the update
         without the scan's read), and no further host read is made.
+    last_out : array, shape ``(B, d)``, optional
+        With ``known``: the read-out of ``st.read`` (the previous token's output, when
+        ``st`` is the state it made): a token that starts no chunk reads what the state
+        holds, so its output is that array (no read-out product).
 
     Returns
     -------
@@ -78,7 +82,7 @@ def decode_step(layer: Layer, xp: Any, params: Params, x: Any, st: StreamState, 
     """
     length = layer.config.chunk_size
     if known is not None and valid is None:
-        return _decode_known(layer, xp, params, x, st, scan, known)
+        return _decode_known(layer, xp, params, x, st, scan, known, last_out)
     count = st.count
     slot = xp.reshape(xp.arange(length, dtype=count.dtype, device=device_of(x)), (1, length, 1))
     at = xp.reshape(count, (-1, 1, 1))
@@ -128,7 +132,8 @@ def _pick(xp: Any, flags: list[bool], mask: Callable[[], Any], a: Any, b: Any) -
 
 
 def _decode_known(layer: Layer, xp: Any, params: Params, x: Any, st: StreamState,
-                  scan: Scan, known: tuple[int, ...]) -> tuple[Any, StreamState]:
+                  scan: Scan, known: tuple[int, ...], last_out: Any = None
+                  ) -> tuple[Any, StreamState]:
     """:func:`decode_step` with the counts known on the host: each part runs only
     where some row needs it (in generation every row is at the same count, so a token
     that neither starts nor completes a chunk costs its read-out and the bookkeeping)."""
@@ -179,7 +184,9 @@ def _decode_known(layer: Layer, xp: Any, params: Params, x: Any, st: StreamState
         else:
             _, h_new, c_new = scan(h, c, inputs)
         h, c = _pick(xp, complete, done, h_new, h), _pick(xp, complete, done, c_new, c)
-    out = layer.read_out(xp, params, read)
+    # no row starts a chunk: each reads what the state holds, read out by the last token
+    out = (last_out if last_out is not None and not any(starts)
+           else layer.read_out(xp, params, read))
     keep = [not f for f in complete]
     if any(complete):
         def kept() -> Any:
@@ -224,27 +231,37 @@ class Produced:
     caller built, copied, edited or loaded) gives ``None`` and is checked as usual.
     """
 
-    __slots__ = ("refs", "versions", "known", "batch", "dtype", "device")
+    __slots__ = ("refs", "versions", "known", "batch", "dtype", "device", "out_ref",
+                 "out_version")
 
     def __init__(self, st: StreamState, versions: tuple[int, ...], known: tuple[int, ...],
-                 x: Any):
+                 x: Any, out: Any):
         ref = weakref.ref
         h, c, pending, count, read = st
         self.refs = ref(h), ref(c), ref(pending), ref(count), ref(read)
         self.versions, self.known = versions, known
         self.batch, self.dtype, self.device = x.shape[0], x.dtype, x.device
+        self.out_ref, self.out_version = ref(out), out._version
 
     @classmethod
-    def record(cls, st: StreamState, known: tuple[int, ...], x: Any) -> Produced | None:
-        """A record of ``st`` (counts ``known``, made for tokens ``x (B, 1, d)``), or
-        ``None`` where its arrays carry no version counters."""
+    def record(cls, st: StreamState, known: tuple[int, ...], x: Any, out: Any
+               ) -> Produced | None:
+        """A record of ``st`` (counts ``known``, made for tokens ``x (B, 1, d)``, with the
+        step's output ``out (B, d)``, the read-out of ``st.read``), or ``None`` where its
+        arrays carry no version counters."""
         versions = _versions(st)
         if versions is None:
             return None
         try:
-            return cls(st, versions, known, x)
-        except (TypeError, AttributeError):  # no weak references, or no .device
+            return cls(st, versions, known, x, out)
+        except (TypeError, AttributeError, RuntimeError):  # no weak references, ...
             return None
+
+    def out(self) -> Any:
+        """The recorded step's output, the read-out of the recorded ``read`` (valid with
+        :meth:`counts`), when it is alive and unchanged since; else ``None``."""
+        out = self.out_ref()
+        return out if out is not None and out._version == self.out_version else None
 
     def counts(self, state: Any, x: Any) -> tuple[int, ...] | None:
         """``state``'s counts when it is the recorded state, untouched, and ``x`` tokens

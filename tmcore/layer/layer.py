@@ -305,7 +305,7 @@ class Layer:
             record = getattr(self, "_produced", None)
             known = None if record is None else record.counts(state, x)
             if known is not None:  # this layer's last decode step made it: taken as it is
-                return self._decode(xp, params, x, state, scan, known)
+                return self._decode(xp, params, x, state, scan, known, record.out())
         if doc_starts is None and valid is None and tokens > 1 and batch \
                 and not isinstance(state, StreamState):
             # from a chunk boundary (no state, or a pair): x chunked as it is, without
@@ -350,12 +350,14 @@ class Layer:
         return execute(self, xp, params, x, st, plan, scan)
 
     def _decode(self, xp: Any, params: Params, x: Any, st: StreamState, scan: Scan,
-                known: tuple[int, ...]) -> tuple[Any, StreamState]:
+                known: tuple[int, ...], last_out: Any = None) -> tuple[Any, StreamState]:
         """A decode step with the counts known on the host; the state it makes is recorded
         (:class:`~tmcore.layer.decode.Produced`), so that the next token's call takes it
-        without checking it again nor reading its counts back from the device."""
-        out, st = decode_step(self, xp, params, x[:, 0, :], st, scan, None, known)
-        self._produced = Produced.record(st, next_counts(known, self.config.chunk_size), x)
+        without checking it again nor reading its counts back from the device, and
+        reuses its output while no row starts a chunk (``last_out``)."""
+        out, st = decode_step(self, xp, params, x[:, 0, :], st, scan, None, known, last_out)
+        self._produced = Produced.record(st, next_counts(known, self.config.chunk_size), x,
+                                         out)
         return out[:, None, :], st
 
     def __getstate__(self) -> dict[str, Any]:
