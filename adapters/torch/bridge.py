@@ -253,6 +253,14 @@ def _plain_inference(args: tuple) -> bool:
     return True
 
 
+def plain_inference(*tensors: Any) -> bool:
+    """Whether ops on ``tensors`` may run without their autograd Function and custom op
+    (what :func:`call` does then): eager (no ``torch.compile`` trace), no ``torch.func``
+    transform, no gradient needed, plain tensors with data."""
+    return (not torch.compiler.is_compiling() and _interpreter() is None
+            and _plain_inference(tensors))
+
+
 def call(function: type[_Function], op: Callable[..., Any], *args: Any,
          validated: bool = False) -> Any:
     """Run an op through its Function twin in eager mode (``torch.func``-safe), or call

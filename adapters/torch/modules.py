@@ -20,6 +20,7 @@ from tmcore.adapters.torch.tuners import fold_tuned
 from tmcore.ops.conv import ConvParams
 from tmcore.ops.splat import DEFAULT_EPS
 from tmcore.runtime.validate import check_finite, check_flag, check_int
+from tmcore.scan.dense import StepInputs, write_step
 from tmcore.scan.options import scan_options
 
 __all__ = ["ConvLSTMCell", "GatedMemoryResidual", "MemoryResidual", "TensorMemory", "WarpFlow"]
@@ -292,6 +293,28 @@ class _TorchLayer(tl.Layer):
     def split(xp: Any, x: Tensor, sizes: Sequence[int]) -> tuple[Tensor, ...]:
         # one op (views) instead of a slice per piece; its backward is one op too
         return torch.split(x, list(sizes), dim=-1)
+
+
+# the torch heads' read coordinates are coord_net of the chunk's first token, as the
+# generic heads': a decode step that starts a chunk may compute them alone (read_coords)
+_TorchLayer.heads.first_token_reads = True
+
+
+class _Scan:
+    """A module's scan as its layer calls it: ``scan(h0, c0, inputs)``, and
+    ``scan.write(h, c, inputs) -> (h', c')``, the update alone of one step (a decode step
+    that completes a chunk; :meth:`TensorMemory._write`). Made per call (no state)."""
+
+    __slots__ = ("module",)
+
+    def __init__(self, module: TensorMemory):
+        self.module = module
+
+    def __call__(self, h0: Tensor, c0: Tensor, inputs: Any) -> tuple[Tensor, Tensor, Tensor]:
+        return self.module._scan(h0, c0, inputs)
+
+    def write(self, h: Tensor, c: Tensor, inputs: Any) -> tuple[Tensor, Tensor]:
+        return self.module._write(h, c, inputs)
 
 
 class TensorMemory(nn.Module):
@@ -587,6 +610,24 @@ class TensorMemory(nn.Module):
         return memory_scan(h0, c0, *inputs, self.cell.params(), eps=config.eps,
                            radius=config.radius, checkpoint_every=config.checkpoint_every)
 
+    def _write(self, h: Tensor, c: Tensor, inputs: Any) -> tuple[Tensor, Tensor]:
+        """One decode step's update, ``inputs`` of ``(B, 1, ...)`` tensors -> ``(h', c')``:
+        without the scan's read, its validation (the inputs are the heads', the state a
+        checked one) and its autograd wrapper (:func:`tmcore.scan.dense.write_step`, the
+        same kernels as the scan's on the CPU: the same bits) in plain float32 / float64
+        CPU inference; elsewhere (a gradient, a transform, ``torch.compile``, the layer's
+        options, another device or dtype) the scan's step."""
+        config = self.config
+        params = self.cell.params()
+        if config.update == "dense" and config.dynamics == "none" \
+                and h.device.type == "cpu" and h.dtype in (torch.float32, torch.float64) \
+                and all(v.dtype == h.dtype for v in inputs) \
+                and bridge.plain_inference(h, c, *inputs, *params):
+            step = StepInputs(*(v[:, 0] for v in inputs))
+            return write_step(_XP, h, c, step, params, config.eps, config.radius)
+        _, h, c = self._scan(h, c, inputs)
+        return h, c
+
     def forward(
         self, x: Tensor, state: Any = None, *, reset: Tensor | None = None,
         doc_starts: Tensor | None = None, valid: Tensor | None = None, stream: bool = True,
@@ -641,7 +682,7 @@ class TensorMemory(nn.Module):
         """
         check = self._check(x, state, reset)
         if stream:
-            return self.layer.forward_stream(_XP, self.params(), x, state, scan=self._scan,
+            return self.layer.forward_stream(_XP, self.params(), x, state, scan=_Scan(self),
                                              reset=reset, doc_starts=doc_starts, valid=valid,
                                              check=check)
         if isinstance(state, tl.StreamState):

@@ -92,5 +92,6 @@ def make_ops(generic: Ops, options: Options) -> Ops:
     fast = Ops(sample_fwd, sample_bwd, generic.splat_fwd, generic.splat_bwd, conv, conv_vjp,
                gates_fwd, gates_bwd, gates_residuals, workspace,
                _first("scan_fwd", *dense), _first("scan_bwd", *dense), scatter_add,
-               _first("scan_fwd", *windowed), _first("scan_bwd", *windowed))
+               _first("scan_fwd", *windowed), _first("scan_bwd", *windowed),
+               _first("write_fwd", (scan, {"options": options})))
     return with_float32_compute(fast)

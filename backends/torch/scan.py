@@ -39,7 +39,7 @@ from tmcore.runtime.options import Options
 
 from . import memory
 
-__all__ = ["Cell", "scan_kernels", "scan_fwd", "scan_bwd"]
+__all__ = ["Cell", "scan_kernels", "scan_fwd", "scan_bwd", "write_fwd"]
 
 #: A kernel argument: the address of an array (``ptr`` / ``offset``).
 Address = ctypes.c_void_p
@@ -295,6 +295,33 @@ def scan_fwd(xp: Any, h0, c0, read_coords, write_coords, write_sigma, write_cont
         cell.step(ptr(x), x.stride(0), ptr(h), ptr(c), ptr(h_new), ptr(c_new))
         h, c = h_new, c_new
     return reads, h, c, h_ck, c_ck
+
+
+def write_fwd(xp: Any, h, c, write_coords, write_sigma, write_content, params, eps: float,
+              radius: float | None, *, options: Options):
+    """One step's write and update without its read (a decode step that completes a
+    chunk: its read was made at the chunk's first token): ``h (B, C, *S)``, ``c``, the
+    step's ``write_coords (B, n)``, ``write_sigma (B,)``, ``write_content (B, C)`` ->
+    ``(h', c')``, the state :func:`scan_fwd` reaches in one step (the same splat and
+    kernels: the same bits), without its checkpoint copies, read buffer and block
+    bookkeeping; or ``None`` to decline (where :func:`scan_fwd` would). No
+    validation: the caller's inputs are the layer's heads' and a checked state."""
+    params = ConvParams(*params)
+    kernels = scan_kernels(options, h, c, write_coords, write_sigma, write_content, *params)
+    if kernels is None:
+        return None
+    memory.begin()
+    cell = _cell(kernels, h, params)
+    h, c = plain(h), plain(c)
+    mu, sigma, content = write_coords[:, None, :], write_sigma[:, None], write_content
+    if not content.dtype == mu.dtype == sigma.dtype:
+        return None
+    # the splat of one write per row, as _BlockWrites.volume makes it
+    profiles, _, _ = gaussian_profiles(xp, mu, sigma, cell.spatial, eps, radius)
+    x = plain(content[:, :, None] * outer_product(xp, profiles))         # (B, C, P)
+    h_new, c_new = cell.new_state(), cell.new_state()
+    cell.step(ptr(x), x.stride(0), ptr(h), ptr(c), ptr(h_new), ptr(c_new))
+    return h_new, c_new
 
 
 def scan_bwd(xp: Any, read_coords, write_coords, write_sigma, write_content, params,

@@ -11,6 +11,7 @@ on the same token to rounding (the heads run over other rows).
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -21,7 +22,7 @@ from tmcore.layer.stream import StreamState
 if TYPE_CHECKING:
     from tmcore.layer.layer import Layer, Scan
 
-__all__ = ["decode_step"]
+__all__ = ["Produced", "decode_step", "next_counts"]
 
 
 def _rows(xp: Any, mask: Any, a: Any, b: Any) -> Any:
@@ -38,8 +39,8 @@ def _compiling() -> bool:
 
 
 def decode_step(layer: Layer, xp: Any, params: Params, x: Any, st: StreamState, scan: Scan,
-                valid: Any = None, known: tuple[int, ...] | None = None
-                ) -> tuple[Any, StreamState]:
+                valid: Any = None, known: tuple[int, ...] | None = None,
+                last_out: Any = None) -> tuple[Any, StreamState]:
     """One token of each row's stream: ``x (B, d)`` -> ``(out (B, d), state)``; unchecked.
 
     Parameters
@@ -62,9 +63,15 @@ def decode_step(layer: Layer, xp: Any, params: Params, x: Any, st: StreamState, 
         output is zeros.
     known : tuple of int, optional
         ``st.count`` as Python ints, when the caller read it on the host (eager): the
-        heads then run only when some row starts or completes a chunk, the read only
-        when some row starts one, the update only when some row completes one, and no
-        further host read is made.
+        heads then run only when some row starts or completes a chunk (only the read
+        coordinates, :meth:`~tmcore.layer.Layer.read_coords`, when none completes one),
+        the read only when some row starts one, the update only when some row completes
+        one (``scan.write(h, c, inputs) -> (h', c')`` when the scan has it: the update
+        without the scan's read), and no further host read is made.
+    last_out : array, shape ``(B, d)``, optional
+        With ``known``: the read-out of ``st.read`` (the previous token's output, when
+        ``st`` is the state it made): a token that starts no chunk reads what the state
+        holds, so its output is that array (no read-out product).
 
     Returns
     -------
@@ -75,7 +82,7 @@ def decode_step(layer: Layer, xp: Any, params: Params, x: Any, st: StreamState, 
     """
     length = layer.config.chunk_size
     if known is not None and valid is None:
-        return _decode_known(layer, xp, params, x, st, scan, known)
+        return _decode_known(layer, xp, params, x, st, scan, known, last_out)
     count = st.count
     slot = xp.reshape(xp.arange(length, dtype=count.dtype, device=device_of(x)), (1, length, 1))
     at = xp.reshape(count, (-1, 1, 1))
@@ -125,7 +132,8 @@ def _pick(xp: Any, flags: list[bool], mask: Callable[[], Any], a: Any, b: Any) -
 
 
 def _decode_known(layer: Layer, xp: Any, params: Params, x: Any, st: StreamState,
-                  scan: Scan, known: tuple[int, ...]) -> tuple[Any, StreamState]:
+                  scan: Scan, known: tuple[int, ...], last_out: Any = None
+                  ) -> tuple[Any, StreamState]:
     """:func:`decode_step` with the counts known on the host: each part runs only
     where some row needs it (in generation every row is at the same count, so a token
     that neither starts nor completes a chunk costs its read-out and the bookkeeping)."""
@@ -151,20 +159,34 @@ def _decode_known(layer: Layer, xp: Any, params: Params, x: Any, st: StreamState
         pending = xp.where(slot == at, x[:, None, :],
                            xp.where(slot < at, xp.astype(st.pending, x.dtype),
                                     xp.zeros_like(x[:, None, :])))   # (B, L, d)
-    inputs = (layer.heads(xp, params, pending[:, None, ...]) if any(starts) or any(complete)
-              else None)
+    # a token that starts a chunk and completes none needs the read coordinates alone
+    # (of the chunk's first token): no write head, no summary product
+    # (None: a layer whose heads make them otherwise runs its heads)
+    coords = (layer.read_coords(xp, params, pending[:, 0, :])
+              if any(starts) and not any(complete) else None)
+    inputs = (layer.heads(xp, params, pending[:, None, ...])
+              if coords is None and (any(starts) or any(complete)) else None)
     read = st.read
     if any(starts):
-        fresh = layer.sample(st.h, inputs.read_coords)[:, 0, :]
+        where = inputs.read_coords if coords is None else coords[:, None, :]
+        fresh = layer.sample(st.h, where)[:, 0, :]
         read = _pick(xp, starts, lambda: count == 0, fresh, st.read)
     h, c = st.h, st.c
     if any(complete):
         def done() -> Any:
             return count == length - 1
 
-        _, h_new, c_new = scan(h, c, inputs)
+        # the update alone where the scan offers it (its read is the chunk's first
+        # token's, already made): ``scan.write(h, c, inputs) -> (h', c')``
+        write = getattr(scan, "write", None)
+        if write is not None:
+            h_new, c_new = write(h, c, inputs)
+        else:
+            _, h_new, c_new = scan(h, c, inputs)
         h, c = _pick(xp, complete, done, h_new, h), _pick(xp, complete, done, c_new, c)
-    out = layer.read_out(xp, params, read)
+    # no row starts a chunk: each reads what the state holds, read out by the last token
+    out = (last_out if last_out is not None and not any(starts)
+           else layer.read_out(xp, params, read))
     keep = [not f for f in complete]
     if any(complete):
         def kept() -> Any:
@@ -180,3 +202,77 @@ def _decode_known(layer: Layer, xp: Any, params: Params, x: Any, st: StreamState
     else:
         new = xp.where(kept(), count + 1, xp.zeros_like(count))
     return out, StreamState(h, c, pending, new, read)
+
+
+def next_counts(known: tuple[int, ...], length: int) -> tuple[int, ...]:
+    """The counts after a decode step from ``known`` (a full chunk starts over)."""
+    return tuple(0 if k == length - 1 else k + 1 for k in known)
+
+
+def _versions(st: StreamState) -> tuple[int, ...] | None:
+    """The version counters of a state's five arrays (bumped by every in-place change),
+    or ``None`` where an array has none (NumPy, JAX, a torch inference-mode tensor)."""
+    h, c, pending, count, read = st
+    try:
+        return h._version, c._version, pending._version, count._version, read._version
+    except (AttributeError, RuntimeError):
+        return None
+
+
+class Produced:
+    """The state a layer's last decode step produced, so that the next token may take it
+    as it is (a fast path keyed on identity, made only where the arrays carry version
+    counters: torch).
+
+    Held by weak references (it keeps nothing alive) with each array's version counter
+    and the counts on the host, the tokens' batch, dtype and device. :meth:`counts`
+    gives those counts for a state whose five fields are these very arrays, unchanged
+    since (no in-place edit), with tokens of the same kind; anything else (a state the
+    caller built, copied, edited or loaded) gives ``None`` and is checked as usual.
+    """
+
+    __slots__ = ("refs", "versions", "known", "batch", "dtype", "device", "out_ref",
+                 "out_version")
+
+    def __init__(self, st: StreamState, versions: tuple[int, ...], known: tuple[int, ...],
+                 x: Any, out: Any):
+        ref = weakref.ref
+        h, c, pending, count, read = st
+        self.refs = ref(h), ref(c), ref(pending), ref(count), ref(read)
+        self.versions, self.known = versions, known
+        self.batch, self.dtype, self.device = x.shape[0], x.dtype, x.device
+        self.out_ref, self.out_version = ref(out), out._version
+
+    @classmethod
+    def record(cls, st: StreamState, known: tuple[int, ...], x: Any, out: Any
+               ) -> Produced | None:
+        """A record of ``st`` (counts ``known``, made for tokens ``x (B, 1, d)``, with the
+        step's output ``out (B, d)``, the read-out of ``st.read``), or ``None`` where its
+        arrays carry no version counters."""
+        versions = _versions(st)
+        if versions is None:
+            return None
+        try:
+            return cls(st, versions, known, x, out)
+        except (TypeError, AttributeError, RuntimeError):  # no weak references, ...
+            return None
+
+    def out(self) -> Any:
+        """The recorded step's output, the read-out of the recorded ``read`` (valid with
+        :meth:`counts`), when it is alive and unchanged since; else ``None``."""
+        out = self.out_ref()
+        return out if out is not None and out._version == self.out_version else None
+
+    def counts(self, state: Any, x: Any) -> tuple[int, ...] | None:
+        """``state``'s counts when it is the recorded state, untouched, and ``x`` tokens
+        of the recorded batch, dtype and device; else ``None``."""
+        if type(state) is not StreamState:
+            return None
+        h, c, pending, count, read = self.refs
+        if h() is not state.h or c() is not state.c or pending() is not state.pending \
+                or count() is not state.count or read() is not state.read:
+            return None
+        if _versions(state) != self.versions or x.shape[0] != self.batch \
+                or x.dtype != self.dtype or x.device != self.device:
+            return None
+        return self.known

@@ -20,7 +20,8 @@ from tmcore.ops.addressing import MIN_SIGMA
 from tmcore.scan.dense import StepInputs
 from tmcore.scan.warped import WarpInputs
 
-__all__ = ["Linear", "chunk", "heads", "linear", "num_chunks", "read_out", "split", "unchunk"]
+__all__ = ["Linear", "chunk", "heads", "linear", "num_chunks", "read_coords", "read_out", "split",
+           "unchunk"]
 
 
 def linear(xp: Any, p: Mapping[str, Any], x: Any) -> Any:
@@ -162,6 +163,32 @@ def heads(xp: Any, params: Params, chunk: Any, config: LayerConfig, *,
         shift = linear(xp, params[WARP_GROUP], summary)                 # (M or ..., n)
         return WarpInputs(*inputs, shift=xp.reshape(shift, (*lead, n)))
     return inputs
+
+
+def read_coords(xp: Any, params: Params, first: Any, *, linear: Linear = linear) -> Any:
+    """The read coordinates of chunks from their first tokens alone (``coord_net``).
+
+    :func:`heads`' ``read_coords`` without the write heads and the summary product (a
+    decode step that starts a chunk reads before the chunk's other tokens exist).
+
+    Parameters
+    ----------
+    xp : namespace
+        The array namespace of the arrays.
+    params : dict of dict of array
+        The layer's parameter pytree (its ``coord_net`` group is read).
+    first : array, shape ``(..., d)``
+        Each chunk's first token.
+    linear : callable, default :func:`linear`
+        ``linear(xp, p, x)``, the linear map.
+
+    Returns
+    -------
+    array, shape ``(..., n)``
+        ``tanh(coord_net(first))`` in ``(-1, 1)``: :func:`heads`' ``read_coords`` to
+        rounding (one product of ``n`` outputs instead of a row of the fused one).
+    """
+    return xp.tanh(linear(xp, params["coord_net"], first))
 
 
 def read_out(xp: Any, params: Params, reads: Any, *, linear: Linear = linear) -> Any:

@@ -25,8 +25,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from tmcore.layer.config import LayerConfig
-from tmcore.layer.decode import decode_step
-from tmcore.layer.heads import Linear, heads, linear, read_out, split
+from tmcore.layer.decode import Produced, decode_step, next_counts
+from tmcore.layer.heads import Linear, heads, linear, read_coords, read_out, split
 from tmcore.layer.params import Params
 from tmcore.layer.plan import array_plan, contiguous_plan, execute, host_plan
 from tmcore.layer.sizes import check_forward
@@ -52,6 +52,7 @@ from tmcore.layer.stream import (
 )
 from tmcore.ops.activations import softplus
 from tmcore.ops.sample import trilinear_sample
+from tmcore.runtime.sizes import compiling
 from tmcore.scan.dense import StepInputs
 
 __all__ = ["Layer", "Scan"]
@@ -115,6 +116,34 @@ class Layer:
         """
         return heads(xp, params, chunk, self.config, linear=self.linear,
                      softplus=self.softplus, split=self.split, flat_rows=self.flat_rows)
+
+    heads.first_token_reads = True  # read_coords may skip them (coord_net of the first token)
+
+    def read_coords(self, xp: Any, params: Params, first: Any) -> Any:
+        """The read coordinates of chunks from their first tokens (:func:`read_coords`).
+
+        A decode step that starts a chunk calls this instead of :meth:`heads`. A
+        subclass that replaces :meth:`heads` replaces this too, or the decode runs its
+        heads: this gives ``None`` unless the class's ``heads`` carries
+        ``first_token_reads = True`` (its read coordinates are ``coord_net`` of the
+        chunk's first token, as :func:`heads` makes them).
+
+        Parameters
+        ----------
+        xp, params : namespace, dict of dict of array
+            As in :meth:`heads`.
+        first : array, shape ``(B, d)``
+            Each row's chunk's first token.
+
+        Returns
+        -------
+        array, shape ``(B, n)``, or None
+            The read coordinates, as :meth:`heads`' ``read_coords[:, 0]`` (to
+            rounding); ``None``: run :meth:`heads`.
+        """
+        if getattr(type(self).heads, "first_token_reads", False):
+            return read_coords(xp, params, first, linear=self.linear)
+        return None
 
     def read_out(self, xp: Any, params: Params, reads: Any) -> Any:
         """The layer's read-out (:func:`read_out` with this layer's linear map).
@@ -287,6 +316,12 @@ class Layer:
             check_tokens(xp, x, config)
             check_forward(xp, config, x)  # the call fits, before anything is allocated
         batch, tokens, _ = x.shape
+        if tokens == 1 and batch and reset is None and doc_starts is None and valid is None \
+                and not compiling():
+            record = getattr(self, "_produced", None)
+            known = None if record is None else record.counts(state, x)
+            if known is not None:  # this layer's last decode step made it: taken as it is
+                return self._decode(xp, params, x, state, scan, known, record.out())
         if doc_starts is None and valid is None and tokens > 1 and batch \
                 and not isinstance(state, StreamState):
             # from a chunk boundary (no state, or a pair): x chunked as it is, without
@@ -315,6 +350,8 @@ class Layer:
         st, known = reset_stream(xp, st, known, reset)
         if tokens == 0 or batch == 0:
             return xp.zeros_like(x), st
+        if tokens == 1 and known is not None and valid is None:  # a decode step (eager)
+            return self._decode(xp, params, x, st, scan, known)
         if tokens == 1:  # a decode step: no chunk grid to plan
             out, st = decode_step(self, xp, params, x[:, 0, :], st, scan,
                                   None if valid is None else valid[:, 0], known)
@@ -328,6 +365,22 @@ class Layer:
         plan = array_plan(xp, x, xp.astype(st.count, xp.asarray(0).dtype), known, valid,
                           xp.astype(st.pending, x.dtype), config.chunk_size, valid_counts)
         return execute(self, xp, params, x, st, plan, scan)
+
+    def _decode(self, xp: Any, params: Params, x: Any, st: StreamState, scan: Scan,
+                known: tuple[int, ...], last_out: Any = None) -> tuple[Any, StreamState]:
+        """A decode step with the counts known on the host; the state it makes is recorded
+        (:class:`~tmcore.layer.decode.Produced`), so that the next token's call takes it
+        without checking it again nor reading its counts back from the device, and
+        reuses its output while no row starts a chunk (``last_out``)."""
+        out, st = decode_step(self, xp, params, x[:, 0, :], st, scan, None, known, last_out)
+        self._produced = Produced.record(st, next_counts(known, self.config.chunk_size), x,
+                                         out)
+        return out[:, None, :], st
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state.pop("_produced", None)  # weak references to arrays: not copied nor pickled
+        return state
 
     def _packed(self, xp: Any, params: Params, x: Any, st: StreamState,
                 known: tuple[int, ...] | None, scan: Scan, reset: Any, doc_starts: Any,

@@ -36,6 +36,11 @@ Contract of each entry (the generic functions are the reference):
   owns and use the result). The array API has no scatter-add, so the generic table
   has none; :mod:`tmcore.ops.warp`'s flow VJP uses it when present (``O(2^n B C P)``
   instead of its generic ``O(B C P^2)`` tile contraction)
+- ``write_fwd`` (optional, default ``None``): one step's write and update without its
+  read, ``(xp, h, c (B,C,*S), write_coords (B,n), write_sigma (B,), write_content (B,C),
+  params, eps, radius) -> (h', c')``, the state ``scan_fwd`` reaches in one step (a
+  decode step that completes a chunk, :func:`tmcore.scan.dense.write_step`); ``None``
+  declines
 - ``local_scan_fwd`` / ``local_scan_bwd`` (optional, default ``None``): a fused local
   scan (``update="local"``, the fast method) with the signature and results of
   :func:`tmcore.scan.local.local_scan_fwd` / ``local_scan_bwd`` (positional, after ``xp``:
@@ -115,6 +120,9 @@ class Ops(NamedTuple):
     local_scan_bwd : callable or None, default None
         Its backward, like :func:`tmcore.scan.local.local_scan_bwd`; returns None to
         decline.
+    write_fwd : callable or None, default None
+        One step's write and update without its read (:func:`tmcore.scan.dense.write_step`);
+        returns None to decline.
     """
 
     sample_fwd: Any
@@ -132,6 +140,7 @@ class Ops(NamedTuple):
     scatter_add: Any = None  # optional flat scatter-add (the flow warp's VJP); None: none
     local_scan_fwd: Any = None  # optional fused local scan (tmcore.scan.local); None: the loop
     local_scan_bwd: Any = None  # its backward; either may return None to decline
+    write_fwd: Any = None  # optional fused write + update of one step; None: step_fwd's
 
 
 def no_workspace(xp: Any) -> contextlib.AbstractContextManager:

@@ -45,6 +45,7 @@ __all__ = [
     "memory_scan_bwd",
     "step_fwd",
     "step_bwd",
+    "write_step",
     "add_params",
     "validate_scan_inputs",
 ]
@@ -205,6 +206,28 @@ def step_fwd(
     read, h, c, _ = step.advance(xp, params, h, c, inputs, step.write(xp, inputs,
                                                                       tuple(h.shape[2:])))
     return read, h, c
+
+
+def write_step(
+    xp: Any, h: Any, c: Any, inputs: StepInputs, params: ConvParams, eps: float,
+    radius: float | None,
+) -> tuple[Any, Any]:
+    """One chunk step's write and update without its read: ``(h', c')`` of
+    :func:`step_fwd` (a decode step that completes a chunk made its read at the chunk's
+    first token). No validation.
+
+    The backend's fused ``write_fwd`` where it has one that does not decline (the
+    kernels of its fused scan: the state that scan reaches), else :func:`step_fwd`.
+    ``inputs`` holds one step's ``(B, ...)`` arrays.
+    """
+    fused = ops_for(xp).write_fwd
+    if fused is not None:
+        out = fused(xp, h, c, inputs.write_coords, inputs.write_sigma, inputs.write_content,
+                    params, eps, radius)
+        if out is not None:
+            return out
+    _, h, c = step_fwd(xp, h, c, inputs, params, eps, radius)
+    return h, c
 
 
 def step_bwd(
