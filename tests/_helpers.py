@@ -4,7 +4,8 @@ random state dict in the paper's reference layout."""
 from tmcore.testing.strategies import *  # noqa: F403
 from tmcore.testing.strategies import __all__ as _strategies
 
-__all__ = [*_strategies, "reference_state_dict", "torch_scan_inputs", "EDGE_COORDS"]
+__all__ = [*_strategies, "reference_state_dict", "torch_scan_inputs", "EDGE_COORDS",
+           "count_calls"]
 
 
 def reference_state_dict(torch, d: int, c: int, length: int, grid=(3, 4, 5), seed: int = 0,
@@ -66,3 +67,21 @@ def torch_scan_inputs(torch, shape, dtype, batch=2, channels=3, steps=7, edges=F
     cotangents = (rand(batch, steps, channels), rand(batch, channels, *shape),
                   rand(batch, channels, *shape))
     return (h0, c0, read_coords, write_coords, write_sigma, content, params), cotangents
+
+
+def count_calls(monkeypatch, targets, key=None):
+    """Wrap every ``(module, name)`` function of ``targets`` to count its calls; returns the
+    ``collections.Counter`` they fill. ``key(name, args)`` names the counter of one call
+    (default: the function's name)."""
+    import collections
+
+    counts: collections.Counter[str] = collections.Counter()
+    for module, name in targets:
+        original = getattr(module, name)
+
+        def counted(*args, _original=original, _name=name, **kwargs):
+            counts[_name if key is None else key(_name, args)] += 1
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, counted)
+    return counts

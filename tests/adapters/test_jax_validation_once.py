@@ -9,6 +9,7 @@ import collections
 import functools
 
 import pytest
+from _helpers import count_calls
 
 jax = pytest.importorskip("jax", reason="jax is not installed")
 pytest.importorskip("flax", reason="flax is not installed")
@@ -34,20 +35,14 @@ CHECKS = [(tl_package, "check_tokens"), (tl_layer, "check_tokens"),
           (tl_state, "require_bool_array"), (tl_layer, "require_bool_array")]
 
 
+def _per_mask(name, args):
+    # the mask checks count per mask (reset, valid, ...), the others per name
+    return f"{name}:{args[2]}" if name == "require_bool_array" else name
+
+
 @pytest.fixture
 def calls(monkeypatch):
-    counts: collections.Counter[str] = collections.Counter()
-    for module, name in CHECKS:
-        original = getattr(module, name)
-
-        def counted(*args, _original=original, _name=name, **kwargs):
-            # the mask checks count per mask (reset, valid, ...), the others per name
-            key = f"{_name}:{args[2]}" if _name == "require_bool_array" else _name
-            counts[key] += 1
-            return _original(*args, **kwargs)
-
-        monkeypatch.setattr(module, name, counted)
-    return counts
+    return count_calls(monkeypatch, CHECKS, _per_mask)
 
 
 @pytest.fixture(scope="module")

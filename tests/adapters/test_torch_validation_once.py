@@ -4,9 +4,8 @@ torch adapter's modules."""
 
 from __future__ import annotations
 
-import collections
-
 import pytest
+from _helpers import count_calls
 
 torch = pytest.importorskip("torch", reason="torch is not installed")
 
@@ -24,16 +23,7 @@ CHECKS = [(functional, "validate_scan_inputs"), (torch_ops, "validate_scan_input
 
 @pytest.fixture
 def calls(monkeypatch):
-    counts: collections.Counter[str] = collections.Counter()
-    for module, name in CHECKS:
-        original = getattr(module, name)
-
-        def counted(*args, _original=original, _name=name, **kwargs):
-            counts[_name] += 1
-            return _original(*args, **kwargs)
-
-        monkeypatch.setattr(module, name, counted)
-    return counts
+    return count_calls(monkeypatch, CHECKS)
 
 
 @pytest.mark.parametrize("stream, state", [(False, None), (True, None), (False, "pair"),
