@@ -112,12 +112,18 @@ def _validate(x, h, c, params, g_h=None, g_c=None):
         if value is not None and tuple(value.shape) != tuple(h.shape):
             raise ValueError(f"{name}: expected the shape of h (B, C, *S) = {tuple(h.shape)}, "
                              f"got {tuple(value.shape)}")
-    validate_conv_params(params, h.ndim - 2, 2 * h.shape[1])
-    if params.pointwise_weight.shape[0] != 4 * h.shape[1]:
-        raise ValueError(f"params.pointwise_weight: expected shape (4C, 2C) = "
-                         f"{(4 * h.shape[1], 2 * h.shape[1])}, "
-                         f"got {tuple(params.pointwise_weight.shape)}")
+    validate_gate_conv(params, h.ndim - 2, h.shape[1])
     return xp, params
+
+
+def validate_gate_conv(params: ConvParams, ndim: int, channels: int) -> None:
+    """Check the ConvLSTM's gate conv for ``C = channels`` state channels over ``ndim``
+    spatial axes: ``C_in = 2C`` (the written volume and ``h``), ``C_out = 4C`` (the gates)."""
+    validate_conv_params(params, ndim, 2 * channels)
+    if params.pointwise_weight.shape[0] != 4 * channels:
+        raise ValueError(f"params.pointwise_weight: expected shape (4C, 2C) = "
+                         f"{(4 * channels, 2 * channels)}, "
+                         f"got {tuple(params.pointwise_weight.shape)}")
 
 
 def convlstm_step(x: Any, h: Any, c: Any, params: ConvParams) -> tuple[Any, Any]:

@@ -47,8 +47,8 @@ from typing import Any, NamedTuple
 import array_api_compat
 
 from tmcore.ops.addressing import axis_of_component
-from tmcore.ops.cell import cell_bwd, cell_cache, cell_fwd, validate_state
-from tmcore.ops.conv import ConvParams, as_conv_params, validate_conv_params
+from tmcore.ops.cell import cell_bwd, cell_cache, cell_fwd, validate_gate_conv, validate_state
+from tmcore.ops.conv import ConvParams, as_conv_params
 from tmcore.ops.gather import box_index, gather_box, index_dtype, set_box, to_index
 from tmcore.ops.separable import outer_product
 from tmcore.ops.splat import DEFAULT_EPS, gaussian_profiles
@@ -388,11 +388,7 @@ def _validate_step(h, c, write_coords, write_sigma, write_content, params, windo
         if value is not None and tuple(value.shape) != tuple(h.shape):
             raise ValueError(f"{name}: expected the shape of h (B, C, *S) = {tuple(h.shape)}, "
                              f"got {tuple(value.shape)}")
-    validate_conv_params(params, n, 2 * channels)
-    if params.pointwise_weight.shape[0] != 4 * channels:
-        raise ValueError(f"params.pointwise_weight: expected shape (4C, 2C) = "
-                         f"{(4 * channels, 2 * channels)}, got "
-                         f"{tuple(params.pointwise_weight.shape)}")
+    validate_gate_conv(params, n, channels)
     check_int("window", window, 1)
     check_radius(radius)
     check_eps(eps)

@@ -19,8 +19,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from tmcore.ops.cell import cell_bwd, cell_cache, cell_fwd, validate_state
-from tmcore.ops.conv import ConvParams, as_conv_params, validate_conv_params
+from tmcore.ops.cell import cell_bwd, cell_cache, cell_fwd, validate_gate_conv, validate_state
+from tmcore.ops.conv import ConvParams, as_conv_params
 from tmcore.ops.splat import DEFAULT_EPS
 from tmcore.runtime import sizes as _sizes
 from tmcore.runtime.dispatch import ops_for
@@ -395,11 +395,7 @@ def validate_scan_inputs(h0, c0, read_coords, write_coords, write_sigma, write_c
         if value is not None and tuple(value.shape) != shape:
             raise ValueError(f"{name}: expected shape {layout} = {shape} (B, C, *S from h0, "
                              f"T from read_coords), got {tuple(value.shape)}")
-    validate_conv_params(params, n, 2 * channels)
-    if params.pointwise_weight.shape[0] != 4 * channels:
-        raise ValueError(f"params.pointwise_weight: expected shape (4C, 2C) = "
-                         f"{(4 * channels, 2 * channels)}, got "
-                         f"{tuple(params.pointwise_weight.shape)}")
+    validate_gate_conv(params, n, channels)
     check_int("checkpoint_every", checkpoint_every, 1)
     check_radius(radius)
     check_eps(eps)
