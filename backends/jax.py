@@ -203,16 +203,6 @@ def _same_varying(args: tuple[Any, ...]) -> tuple[Any, ...]:
                  if axes - _varying(a) else a for a in args)
 
 
-def _struct(a: Any) -> jax.ShapeDtypeStruct:
-    """The result type of a kernel output shaped like ``a`` (keeping its varying axes)."""
-    aval = jax.typeof(a)
-    manual = getattr(aval, "manual_axis_type", None)
-    if manual is not None and getattr(manual, "varying", None):
-        return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=aval.sharding,
-                                    manual_axis_type=manual)
-    return jax.ShapeDtypeStruct(a.shape, a.dtype)
-
-
 def _explicit_batch_axes(x: Any) -> tuple[str, ...] | None:
     """The explicit mesh axes ``x``'s leading (batch) axis is sharded over, if any."""
     sharding = getattr(jax.typeof(x), "sharding", None)

@@ -160,13 +160,6 @@ class _CallState:
     valid: Any = None
 
 
-def _has_graph(state: Any) -> bool:
-    """Whether a layer's start state holds a tensor that is part of an autograd graph."""
-    if state is None:
-        return False
-    return any(isinstance(v, Tensor) and v.requires_grad for v in state)
-
-
 def _checkpoints_forward(module: nn.Module) -> bool:
     """A Hugging Face ``GradientCheckpointingLayer`` (transformers 5) in checkpointing mode:
     it checkpoints only its ``forward``, so a forward hook runs outside the checkpoint."""
