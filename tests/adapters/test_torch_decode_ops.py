@@ -247,3 +247,73 @@ def test_an_output_edited_in_place_is_not_reused():
         first.zero_()                                   # the caller edits its output
         second, _ = memory(x, st)                       # a middle token
     assert torch.equal(second, expected)
+
+
+def _middle_token_setup(memory: TensorMemory):
+    """A state at count 2 (the next token is in the middle of its chunk) made by a decode
+    step, that token, and the step's output (kept alive by the caller: a reusable one)."""
+    torch.manual_seed(2)
+    x = torch.randn(4, 6, 64, dtype=memory.out_proj.weight.dtype)
+    with torch.no_grad():
+        _, st = memory(x[:, :5])
+        last, st = memory(x[:, 5:6], st)                # count 1 -> 2, recorded
+    return x[:, 5:6], st, last
+
+
+def _fresh(memory: TensorMemory, x, st, **kwargs):
+    """The token's output from a copy of the state (never the reused output)."""
+    return memory(x, st._replace(h=st.h.clone()), **kwargs)[0]
+
+
+def test_an_optimizer_step_between_tokens_reads_out_again():
+    """The reused output belongs to the read-out weights it was made with: an in-place
+    update of ``out_proj`` (an optimizer step) makes the next token read out again."""
+    memory = TensorMemory(64, 16, (4, 4, 4), L, zero_init=False).double()
+    x, st, last = _middle_token_setup(memory)
+    with torch.no_grad():
+        memory.out_proj.weight.mul_(2.0)
+        out, _ = memory(x, st)
+        expected = _fresh(memory, x, st)
+    assert torch.equal(out, expected) and not torch.equal(out, last)
+
+
+def test_other_weights_through_functional_call_read_out_again():
+    """``torch.func.functional_call`` with other read-out weights on a state the module's
+    own weights made: the output is theirs, not the recorded one."""
+    from torch.func import functional_call
+
+    memory = TensorMemory(64, 16, (4, 4, 4), L, zero_init=False).double()
+    x, st, last = _middle_token_setup(memory)
+    other = {k: v.detach() * 1.5 if k.startswith("out_proj") else v.detach()
+             for k, v in memory.named_parameters()}
+    with torch.no_grad():
+        out, _ = functional_call(memory, other, (x, st))
+        expected, _ = functional_call(memory, other, (x, st._replace(h=st.h.clone())))
+    assert (out - last).abs().max() > 1e-3
+    assert torch.equal(out, expected)
+
+
+def test_a_token_under_grad_after_one_under_no_grad_has_its_graph():
+    """An output recorded under ``no_grad`` is not reused by a token that needs gradients:
+    the out_proj weight gets the same gradient as from a fresh read-out."""
+    memory = TensorMemory(64, 16, (4, 4, 4), L, zero_init=False).double()
+    x, st, last = _middle_token_setup(memory)
+    out, _ = memory(x, st)
+    assert out.requires_grad and not last.requires_grad
+    out.sum().backward()
+    reused = memory.out_proj.weight.grad.clone()
+    memory.zero_grad()
+    _fresh(memory, x, st).sum().backward()
+    assert reused.abs().max() > 0
+    torch.testing.assert_close(reused, memory.out_proj.weight.grad, rtol=0, atol=0)
+
+
+def test_a_token_under_autocast_after_one_without_gets_the_autocast_dtype():
+    """An output recorded in float32 is not reused under ``autocast`` (bfloat16 read-out)."""
+    memory = TensorMemory(64, 16, (4, 4, 4), L, zero_init=False)
+    x, st, last = _middle_token_setup(memory)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        out, _ = memory(x, st)
+        expected = _fresh(memory, x, st)
+    assert out.dtype == expected.dtype == torch.bfloat16 and last.dtype == torch.float32
+    assert torch.equal(out, expected)

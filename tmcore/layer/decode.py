@@ -219,6 +219,20 @@ def _versions(st: StreamState) -> tuple[int, ...] | None:
         return None
 
 
+def _mode(out: Any) -> tuple[Any, ...]:
+    """torch's grad and autocast modes for an output like ``out``: a reused output must
+    have been made in the mode the next token runs in (its graph, its dtype)."""
+    import sys
+
+    torch = sys.modules.get("torch")
+    if torch is None or not isinstance(out, torch.Tensor):
+        return ()
+    device = out.device.type
+    autocast = torch.is_autocast_enabled(device)
+    return (torch.is_grad_enabled(), autocast,
+            torch.get_autocast_dtype(device) if autocast else None)
+
+
 class Produced:
     """The state a layer's last decode step produced, so that the next token may take it
     as it is (a fast path keyed on identity, made only where the arrays carry version
@@ -229,39 +243,59 @@ class Produced:
     gives those counts for a state whose five fields are these very arrays, unchanged
     since (no in-place edit), with tokens of the same kind; anything else (a state the
     caller built, copied, edited or loaded) gives ``None`` and is checked as usual.
+    :meth:`out` gives the step's output for reuse only with the very parameters it was
+    read out with, unchanged (an optimizer step, ``functional_call`` with other
+    weights, a PEFT adapter's fresh effective weight: recomputed), in the same grad and
+    autocast mode.
     """
 
     __slots__ = ("refs", "versions", "known", "batch", "dtype", "device", "out_ref",
-                 "out_version")
+                 "out_version", "param_refs", "param_versions", "mode")
 
     def __init__(self, st: StreamState, versions: tuple[int, ...], known: tuple[int, ...],
-                 x: Any, out: Any):
+                 x: Any, out: Any, read_params: dict[str, Any] | None):
         ref = weakref.ref
         h, c, pending, count, read = st
         self.refs = ref(h), ref(c), ref(pending), ref(count), ref(read)
         self.versions, self.known = versions, known
         self.batch, self.dtype, self.device = x.shape[0], x.dtype, x.device
         self.out_ref, self.out_version = ref(out), out._version
+        # (None: a read-out whose parameters are not known; its output is never reused)
+        leaves = None if read_params is None else tuple(read_params.values())
+        self.param_refs = None if leaves is None else tuple(ref(p) for p in leaves)
+        self.param_versions = None if leaves is None else tuple(p._version for p in leaves)
+        self.mode = _mode(out)
 
     @classmethod
-    def record(cls, st: StreamState, known: tuple[int, ...], x: Any, out: Any
-               ) -> Produced | None:
+    def record(cls, st: StreamState, known: tuple[int, ...], x: Any, out: Any,
+               read_params: dict[str, Any] | None) -> Produced | None:
         """A record of ``st`` (counts ``known``, made for tokens ``x (B, 1, d)``, with the
-        step's output ``out (B, d)``, the read-out of ``st.read``), or ``None`` where its
+        step's output ``out (B, d)``, the read-out of ``st.read`` by the parameter group
+        ``read_params``: name to array, or ``None`` if unknown), or ``None`` where its
         arrays carry no version counters."""
         versions = _versions(st)
         if versions is None:
             return None
         try:
-            return cls(st, versions, known, x, out)
+            return cls(st, versions, known, x, out, read_params)
         except (TypeError, AttributeError, RuntimeError):  # no weak references, ...
             return None
 
-    def out(self) -> Any:
+    def out(self, read_params: dict[str, Any] | None) -> Any:
         """The recorded step's output, the read-out of the recorded ``read`` (valid with
-        :meth:`counts`), when it is alive and unchanged since; else ``None``."""
+        :meth:`counts`), when it is alive and unchanged since, ``read_params`` are the
+        recorded read-out parameters, unchanged, and the mode is the recorded one; else
+        ``None``."""
         out = self.out_ref()
-        return out if out is not None and out._version == self.out_version else None
+        if out is None or out._version != self.out_version or read_params is None \
+                or self.param_refs is None or len(read_params) != len(self.param_refs) \
+                or _mode(out) != self.mode:
+            return None
+        for r, p, v in zip(self.param_refs, read_params.values(), self.param_versions,
+                           strict=True):
+            if r() is not p or p._version != v:
+                return None
+        return out
 
     def counts(self, state: Any, x: Any) -> tuple[int, ...] | None:
         """``state``'s counts when it is the recorded state, untouched, and ``x`` tokens

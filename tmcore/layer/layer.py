@@ -321,7 +321,8 @@ class Layer:
             record = getattr(self, "_produced", None)
             known = None if record is None else record.counts(state, x)
             if known is not None:  # this layer's last decode step made it: taken as it is
-                return self._decode(xp, params, x, state, scan, known, record.out())
+                return self._decode(xp, params, x, state, scan, known,
+                                    record.out(self._read_params(params)))
         if doc_starts is None and valid is None and tokens > 1 and batch \
                 and not isinstance(state, StreamState):
             # from a chunk boundary (no state, or a pair): x chunked as it is, without
@@ -374,8 +375,13 @@ class Layer:
         reuses its output while no row starts a chunk (``last_out``)."""
         out, st = decode_step(self, xp, params, x[:, 0, :], st, scan, None, known, last_out)
         self._produced = Produced.record(st, next_counts(known, self.config.chunk_size), x,
-                                         out)
+                                         out, self._read_params(params))
         return out[:, None, :], st
+
+    def _read_params(self, params: Params) -> dict[str, Any] | None:
+        """The parameters :meth:`read_out` reads (``out_proj``), or ``None`` where a
+        subclass replaces the read-out (its output is then never reused)."""
+        return params.get("out_proj") if type(self).read_out is Layer.read_out else None
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
