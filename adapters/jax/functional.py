@@ -20,8 +20,7 @@ from tmcore.adapters.jax.bridge import forward_mode_guard
 from tmcore.adapters.jax.checkpoints import EXTRA_STATE, _stored
 from tmcore.adapters.jax.primitives import _check_values_eagerly
 from tmcore.layer import sizes as layer_sizes
-from tmcore.layer.state import require_bool_array
-from tmcore.layer.stream import check_document_bound, check_max_documents
+from tmcore.layer.stream import check_max_documents
 from tmcore.ops.conv import ConvParams
 from tmcore.ops.splat import DEFAULT_EPS
 from tmcore.runtime.validate import check_int
@@ -742,9 +741,9 @@ def _apply_stream(params: Mapping[str, Any], x: jax.Array, state: Any,
     """:func:`apply` with ``stream=True``: the shared layer's ``forward_stream`` with
     :func:`memory_scan` (compiled, custom VJP) as its scan, in one ``jax.jit`` keyed by
     the layer, its config and the options (eager calls then run one compiled function;
-    under an outer trace it is inlined). With ``doc_starts`` and no ``documents``
-    (``max_documents``) the grid is planned on the host, so that call is not wrapped;
-    with ``documents`` it is wrapped too, concrete masks checked against it first."""
+    under an outer trace it is inlined). With ``doc_starts`` the call is not wrapped:
+    the layer reads concrete masks (to plan the grid on the host or, with ``documents``
+    (``max_documents``), to check the bound before planning it with arrays)."""
     if EXTRA_STATE in params:
         error = tl.stored_grid_error(_stored(params[EXTRA_STATE]), config.memory_shape,
                                      f"params[{EXTRA_STATE!r}]")
@@ -772,15 +771,11 @@ def _apply_stream(params: Mapping[str, Any], x: jax.Array, state: Any,
     if doc_starts is None:
         documents = None  # (one compiled function whatever the bound)
     static = _StreamStatic(layer, config, _scan_mod.options_key(), documents)
-    if doc_starts is not None and documents is None:
+    if doc_starts is not None:  # (not wrapped: concrete masks are read by the layer)
         return forward_mode_guard("apply", lambda: _stream_call(
             static, theta, cell, x, state, reset, valid, doc_starts))
-    if doc_starts is not None:  # concrete masks: checked here, before the jit traces them
-        require_bool_array(jnp, doc_starts, "doc_starts", "(B, N)", tuple(x.shape[:2]))
-        check_document_bound(doc_starts, reset, documents)
     function = _stream_function(static, tuple(x.shape), str(x.dtype))
-    return forward_mode_guard("apply", lambda: function(theta, cell, x, state, reset, valid,
-                                                        doc_starts))
+    return forward_mode_guard("apply", lambda: function(theta, cell, x, state, reset, valid))
 
 
 class _StreamStatic(NamedTuple):

@@ -43,8 +43,10 @@ from tmcore.layer.stream import (
     PACKED_HOST_WHY,
     PACKED_WHY,
     StreamState,
+    check_doc_starts,
     check_document_bound,
     check_max_documents,
+    check_valid,
     complete_state,
     forget_row,
     host_list,
@@ -416,7 +418,7 @@ class Layer:
         arrays (:func:`packed_plan`), one scan with per-step masks (traceable)."""
         batch, tokens, _ = x.shape
         require_bool_array(xp, doc_starts, "doc_starts", "(B, N)", (batch, tokens))
-        check_document_bound(doc_starts, reset, documents)
+        check_document_bound(doc_starts, reset, documents)  # concrete masks only
         if tokens == 0 or batch == 0:  # a reset row with no token to start at: emptied
             return xp.zeros_like(x), reset_stream(xp, st, known, reset)[0]
         index = xp.asarray(0, device=device_of(x)).dtype
@@ -431,12 +433,8 @@ class Layer:
         replaces the refusal's hint for traced masks when given."""
         batch, tokens, _ = x.shape
         why = why or PACKED_WHY
-        require_bool_array(xp, doc_starts, "doc_starts", "(B, N)", (batch, tokens))
-        starts = [[bool(v) for v in row] for row in host_list(doc_starts, "doc_starts", why)]
-        if valid is not None:
-            keep = [[bool(v) for v in row] for row in host_list(valid, "valid", why)]
-        else:
-            keep = None
+        starts = check_doc_starts(xp, doc_starts, batch, tokens, why=why)
+        keep = check_valid(xp, valid, batch, tokens, why=why) if valid is not None else None
         counts = list(known) if known is not None else [
             int(k) for k in host_list(st.count, "state.count", why)]
         if reset is not None:

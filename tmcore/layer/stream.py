@@ -257,7 +257,8 @@ def check_document_bound(doc_starts: Any, reset: Any, max_documents: int) -> Non
                 f"max_documents")
 
 
-def check_doc_starts(xp: Any, doc_starts: Any, batch: int, tokens: int) -> list[list[bool]]:
+def check_doc_starts(xp: Any, doc_starts: Any, batch: int, tokens: int, *,
+                     why: str = PACKED_WHY) -> list[list[bool]]:
     """Check a packing mask and read it on the host.
 
     Parameters
@@ -269,6 +270,8 @@ def check_doc_starts(xp: Any, doc_starts: Any, batch: int, tokens: int) -> list[
         everything before it).
     batch, tokens : int
         The expected ``B`` and ``N``.
+    why : str, optional
+        What the refusal of a traced mask says to do.
 
     Returns
     -------
@@ -284,8 +287,7 @@ def check_doc_starts(xp: Any, doc_starts: Any, batch: int, tokens: int) -> list[
         If its shape is not ``(B, N)``.
     """
     require_bool_array(xp, doc_starts, "doc_starts", "(B, N)", (batch, tokens))
-    return [[bool(v) for v in row] for row in host_list(doc_starts, "doc_starts",
-                                                          PACKED_WHY)]
+    return [[bool(v) for v in row] for row in host_list(doc_starts, "doc_starts", why)]
 
 
 def doc_starts_from_offsets(xp: Any, offsets: Sequence[Any], tokens: int, *,
@@ -353,11 +355,12 @@ def _mark(xp: Any, mask: Any, rows: list[int], cols: list[int]) -> Any:
     return xp.stack(lines, axis=0)
 
 
-def check_valid(xp: Any, valid: Any, batch: int, tokens: int) -> list[list[bool]]:
+def check_valid(xp: Any, valid: Any, batch: int, tokens: int, *,
+                why: str = PACKED_WHY) -> list[list[bool]]:
     """``valid``: a bool array ``(B, N)``, False at tokens the stream skips (padding);
-    returned as host lists."""
+    returned as host lists (``why``: as in :func:`check_doc_starts`)."""
     require_bool_array(xp, valid, "valid", "(B, N)", (batch, tokens))
-    return [[bool(v) for v in row] for row in host_list(valid, "valid", PACKED_WHY)]
+    return [[bool(v) for v in row] for row in host_list(valid, "valid", why)]
 
 
 def maybe_host(value: Any) -> Any:
