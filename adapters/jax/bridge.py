@@ -263,9 +263,17 @@ def _steps_of(static: ScanStatic, masks: Any) -> tuple[Callable, Callable]:
     return _masked_forward_step, _masked_vjp_step
 
 
+class _Masked(NamedTuple):
+    """What a masked scan steps through: its inputs and its masks ``(reset, active)``."""
+
+    xs: Any
+    masks: Any
+
+
 def _items(xs: Any, masks: Any) -> Any:
-    """What the scans step through: ``xs``, or ``(xs, masks)``."""
-    return xs if masks is None else (xs, masks)
+    """What the scans step through: ``xs``, or ``(xs, masks)``; the residual keeps it,
+    so the backward knows whether the forward was masked."""
+    return xs if masks is None else _Masked(xs, masks)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -276,13 +284,13 @@ def _scan(static: ScanStatic, params, xs, h0, c0, masks):
     return reads, h, c
 
 
-def _scan_fwd(static: ScanStatic, params, xs, h0, c0, masks):
+def _scan_fwd(static: ScanStatic, params, xs, h0, c0, masks=None):
     forward, _ = _steps_of(static, masks)
     step = partial(forward, static, params)
     items = _items(xs, masks)
     if static.step.policy == "log":  # the per-step log is the residual
         (h, c), (reads, logs) = lax.scan(step, (h0, c0), items)
-        return (reads, h, c), (params, xs, masks, logs, None)
+        return (reads, h, c), (params, items, logs, None)
     steps = jax.tree.leaves(xs)[0].shape[0]
     k, full, tail = _segments(steps, static.checkpoint_every)
     if k == 1:  # every state is a checkpoint: one flat scan, no segments
@@ -291,7 +299,7 @@ def _scan_fwd(static: ScanStatic, params, xs, h0, c0, masks):
             return end, (read, carry)
 
         (h, c), (reads, states) = lax.scan(keep, (h0, c0), items)
-        return (reads, h, c), (params, xs, masks, states, None)
+        return (reads, h, c), (params, items, states, None)
 
     def segment(carry, xs_segment):
         end, (reads, _) = lax.scan(step, carry, xs_segment)
@@ -303,7 +311,7 @@ def _scan_fwd(static: ScanStatic, params, xs, h0, c0, masks):
     if tail:
         carry, (reads_tail, _) = lax.scan(step, carry, items_tail)
     reads = _join(reads_head, reads_tail, tail)
-    return (reads, *carry), (params, xs, masks, checkpoints, tail_start if tail else None)
+    return (reads, *carry), (params, items, checkpoints, tail_start if tail else None)
 
 
 def _segment_bwd(static: ScanStatic, params, start, items_segment, g_segment, carry,
@@ -326,13 +334,13 @@ def _segment_bwd(static: ScanStatic, params, start, items_segment, g_segment, ca
 
 
 def _scan_bwd(static: ScanStatic, residuals, cotangents):
-    params, xs, masks, kept, tail_start = residuals
+    params, items, kept, tail_start = residuals
+    masked = isinstance(items, _Masked)
+    xs = items.xs if masked else items
     g_reads, g_h, g_c = (jnp.asarray(g) for g in cotangents)
     carry = match_vma((g_h, g_c, _zeros(params)), xs)[0]  # cotangents may come in unvarying
-    _, backward = _steps_of(static, masks)
+    _, backward = _steps_of(static, items.masks if masked else None)
     body = partial(backward, static, params)
-    items = _items(xs, masks)
-    masked = masks is not None
     if static.step.policy == "log":
         (d_h0, d_c0, d_params), d_xs = lax.scan(body, carry, (None, None, items, kept, g_reads),
                                                 reverse=True)
