@@ -256,11 +256,9 @@ def _join(head: Any, tail: Any, tail_steps: int) -> Any:
     return jax.tree.map(lambda a, b: jnp.concatenate([flat(a), b], axis=0), head, tail)
 
 
-def _steps_of(static: ScanStatic, masks: Any) -> tuple[Callable, Callable]:
+def _steps_of(masked: bool) -> tuple[Callable, Callable]:
     """The forward and VJP step functions: plain, or with the per-step masks."""
-    if masks is None:
-        return _forward_step, _vjp_step
-    return _masked_forward_step, _masked_vjp_step
+    return (_masked_forward_step, _masked_vjp_step) if masked else (_forward_step, _vjp_step)
 
 
 class _Masked(NamedTuple):
@@ -278,14 +276,14 @@ def _items(xs: Any, masks: Any) -> Any:
 
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _scan(static: ScanStatic, params, xs, h0, c0, masks):
-    forward, _ = _steps_of(static, masks)
+    forward, _ = _steps_of(masks is not None)
     (h, c), (reads, _) = lax.scan(partial(forward, static, params), (h0, c0),
                                   _items(xs, masks))
     return reads, h, c
 
 
 def _scan_fwd(static: ScanStatic, params, xs, h0, c0, masks=None):
-    forward, _ = _steps_of(static, masks)
+    forward, _ = _steps_of(masks is not None)
     step = partial(forward, static, params)
     items = _items(xs, masks)
     if static.step.policy == "log":  # the per-step log is the residual
@@ -318,8 +316,7 @@ def _segment_bwd(static: ScanStatic, params, start, items_segment, g_segment, ca
                  masked: bool = False):
     """Replay one segment from its checkpoint ``start``, then differentiate it backwards
     (``items_segment``: the steps' inputs, with their masks when ``masked``)."""
-    forward, backward = (_masked_forward_step, _masked_vjp_step) if masked else (
-        _forward_step, _vjp_step)
+    forward, backward = _steps_of(masked)
     length = jax.tree.leaves(items_segment)[0].shape[0]
     h0, c0 = start
     if length > 1:  # the states entering steps 1 .. length-1 (step 0's is the checkpoint)
@@ -339,7 +336,7 @@ def _scan_bwd(static: ScanStatic, residuals, cotangents):
     xs = items.xs if masked else items
     g_reads, g_h, g_c = (jnp.asarray(g) for g in cotangents)
     carry = match_vma((g_h, g_c, _zeros(params)), xs)[0]  # cotangents may come in unvarying
-    _, backward = _steps_of(static, items.masks if masked else None)
+    _, backward = _steps_of(masked)
     body = partial(backward, static, params)
     if static.step.policy == "log":
         (d_h0, d_c0, d_params), d_xs = lax.scan(body, carry, (None, None, items, kept, g_reads),

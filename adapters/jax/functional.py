@@ -576,7 +576,10 @@ def apply(
     max_documents : int, optional
         ``D``, a static Python int bounding the documents that start in this
         call: at least each row's True entries of ``doc_starts`` (plus one for
-        a ``reset`` row whose ``doc_starts`` is False at token 0). The chunk
+        a ``reset`` row whose ``doc_starts`` is False at token 0). The
+        document a row continues (a :class:`StreamState`'s unfinished chunk
+        and the tokens up to the row's first start) needs no room in ``D``:
+        the grid's size counts it. The chunk
         grid is then computed by array operations, so ``doc_starts``,
         ``reset``, ``valid`` and the state may be traced (``jax.jit``,
         ``jax.grad``; a jitted training step takes ``doc_starts`` as an

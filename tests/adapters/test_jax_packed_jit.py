@@ -175,6 +175,11 @@ def test_nnx_module_and_local_update():
     out, new = run(module, x, state, jnp.asarray(starts), jnp.asarray(valid))
     assert _err(out, ref_out) <= TOL
     _same_state(new, ref)
+    residual = tmj.MemoryResidual(D, C, SHAPE, L, rngs=nnx.Rngs(1), dtype=jnp.float64)
+    ref_out, ref = residual(x, state, doc_starts=starts)
+    out, new = run(residual, x, state, jnp.asarray(starts), None)
+    assert _err(out, ref_out) <= TOL
+    _same_state(new, ref)
     # update="local" (its fast path's backward is the undo log: policy "log")
     params = _params()
     kw = dict(update="local", window=2)
