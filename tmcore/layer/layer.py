@@ -281,7 +281,9 @@ class Layer:
         scan : callable
             ``scan(h0, c0, inputs) -> (reads (B, T, C), h_T, c_T)``; one with a
             ``cond(pred, true_fn, false_fn)`` attribute (JAX: ``lax.cond``) lets
-            a step that completes no chunk skip the update.
+            a step that completes no chunk skip the update; one with a true
+            ``masks`` attribute (JAX) also takes ``reset=`` and ``active=``, bool
+            ``(B, T)`` per-step masks, which ``max_documents`` uses.
         reset : bool array, shape ``(B,)``, optional
             A document start at the first token of the marked rows.
         doc_starts : bool array, shape ``(B, N)``, optional
