@@ -9,7 +9,10 @@ Everything the JAX adapter differentiates goes through here:
   ``custom_vjp``: the JAX bridge of :mod:`tmcore.scan.base`. A ``"checkpoint"`` step
   keeps every ``checkpoint_every``-th state and replays each segment in the backward;
   a ``"log"`` step (the local update's undo log) keeps its per-step log. It compiles
-  once whatever the number of chunks (nothing is unrolled).
+  once whatever the number of chunks (nothing is unrolled). Optional per-step, per-row
+  masks (packed documents under ``jit``): ``reset (T, B)`` zeroes a row's state entering
+  a step, ``active (T, B)`` False leaves it as it was after the step; both are inputs of
+  the same one scan, and their VJPs select the cotangents.
 
 Compiled functions are keyed by :func:`tmcore.get_options` (``native``,
 ``generic``, ...), so an option changed after a first call, or set differently
@@ -181,6 +184,22 @@ def _forward_step(static: ScanStatic, params: Any, carry: tuple, x_t: Any):
     return (h, c), (read, log)
 
 
+def _rows_where(mask: jax.Array, a: jax.Array, b: jax.Array) -> jax.Array:
+    """``a`` in the rows (axis 0) where ``mask (B,)`` is True, else ``b``."""
+    return jnp.where(jnp.reshape(mask, mask.shape + (1,) * (a.ndim - 1)), a, b)
+
+
+def _masked_forward_step(static: ScanStatic, params: Any, carry: tuple, item: tuple):
+    """:func:`_forward_step` with the step's masks ``item = (x_t, (reset_t, active_t))``:
+    the rows ``reset_t (B,)`` enter the step from zeros (the read too), the rows not
+    ``active_t (B,)`` leave it with the state they entered it with."""
+    x_t, (reset_t, active_t) = item
+    h, c = carry
+    h, c = (_rows_where(reset_t, jnp.zeros_like(v), v) for v in (h, c))
+    (h1, c1), out = _forward_step(static, params, (h, c), x_t)
+    return (_rows_where(active_t, h1, h), _rows_where(active_t, c1, c)), out
+
+
 def _vjp_step(static: ScanStatic, params: Any, carry: tuple, item: tuple):
     """One step's VJP: ``carry = (g_h, g_c, d_params)``; ``item = (h, c, x_t, log, g_read)``
     (``h, c`` None for a ``"log"`` step)."""
@@ -193,6 +212,25 @@ def _vjp_step(static: ScanStatic, params: Any, carry: tuple, item: tuple):
     d_x = type(x_t)(d_read, *step.write_vjp(jnp, x_t, W, g_W),
                     *(() if d_extra is None else (d_extra,)))
     return (g_h, g_c, _add(d_params, step_params)), d_x
+
+
+def _masked_vjp_step(static: ScanStatic, params: Any, carry: tuple, item: tuple):
+    """:func:`_vjp_step` of :func:`_masked_forward_step`: ``item = (h, c, (x_t, masks),
+    log, g_read)``, ``h, c`` the state entering the step BEFORE its reset. An inactive
+    row's state cotangent bypasses the step; a reset row's stops there."""
+    g_h, g_c, d_params = carry
+    h, c, (x_t, (reset_t, active_t)), log, g_read = item
+    if h is not None:  # ("log" policy: the log holds what the step read and overwrote)
+        h, c = (_rows_where(reset_t, jnp.zeros_like(v), v) for v in (h, c))
+    zero_h, zero_c = jnp.zeros_like(g_h), jnp.zeros_like(g_c)
+    (d_h, d_c, d_params), d_x = _vjp_step(
+        static, params, (_rows_where(active_t, g_h, zero_h), _rows_where(active_t, g_c, zero_c),
+                         d_params), (h, c, x_t, log, g_read))
+    # an inactive row's state went past the step: its cotangent too (plus its read's)
+    d_h = _rows_where(active_t, d_h, d_h + g_h)
+    d_c = _rows_where(active_t, d_c, d_c + g_c)
+    return (_rows_where(reset_t, zero_h, d_h), _rows_where(reset_t, zero_c, d_c),
+            d_params), d_x
 
 
 def _segments(steps: int, every: int) -> tuple[int, int, int]:
@@ -218,17 +256,39 @@ def _join(head: Any, tail: Any, tail_steps: int) -> Any:
     return jax.tree.map(lambda a, b: jnp.concatenate([flat(a), b], axis=0), head, tail)
 
 
+def _steps_of(masked: bool) -> tuple[Callable, Callable]:
+    """The forward and VJP step functions: plain, or with the per-step masks."""
+    return (_masked_forward_step, _masked_vjp_step) if masked else (_forward_step, _vjp_step)
+
+
+class _Masked(NamedTuple):
+    """What a masked scan steps through: its inputs and its masks ``(reset, active)``."""
+
+    xs: Any
+    masks: Any
+
+
+def _items(xs: Any, masks: Any) -> Any:
+    """What the scans step through: ``xs``, or ``(xs, masks)``; the residual keeps it,
+    so the backward knows whether the forward was masked."""
+    return xs if masks is None else _Masked(xs, masks)
+
+
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _scan(static: ScanStatic, params, xs, h0, c0):
-    (h, c), (reads, _) = lax.scan(partial(_forward_step, static, params), (h0, c0), xs)
+def _scan(static: ScanStatic, params, xs, h0, c0, masks):
+    forward, _ = _steps_of(masks is not None)
+    (h, c), (reads, _) = lax.scan(partial(forward, static, params), (h0, c0),
+                                  _items(xs, masks))
     return reads, h, c
 
 
-def _scan_fwd(static: ScanStatic, params, xs, h0, c0):
-    step = partial(_forward_step, static, params)
+def _scan_fwd(static: ScanStatic, params, xs, h0, c0, masks=None):
+    forward, _ = _steps_of(masks is not None)
+    step = partial(forward, static, params)
+    items = _items(xs, masks)
     if static.step.policy == "log":  # the per-step log is the residual
-        (h, c), (reads, logs) = lax.scan(step, (h0, c0), xs)
-        return (reads, h, c), (params, xs, logs, None)
+        (h, c), (reads, logs) = lax.scan(step, (h0, c0), items)
+        return (reads, h, c), (params, items, logs, None)
     steps = jax.tree.leaves(xs)[0].shape[0]
     k, full, tail = _segments(steps, static.checkpoint_every)
     if k == 1:  # every state is a checkpoint: one flat scan, no segments
@@ -236,85 +296,96 @@ def _scan_fwd(static: ScanStatic, params, xs, h0, c0):
             end, (read, _) = step(carry, x_t)
             return end, (read, carry)
 
-        (h, c), (reads, states) = lax.scan(keep, (h0, c0), xs)
-        return (reads, h, c), (params, xs, states, None)
+        (h, c), (reads, states) = lax.scan(keep, (h0, c0), items)
+        return (reads, h, c), (params, items, states, None)
 
     def segment(carry, xs_segment):
         end, (reads, _) = lax.scan(step, carry, xs_segment)
         return end, (reads, carry)  # the checkpoint: the state entering the segment
 
-    xs_head, xs_tail = _split(xs, full, k)
-    carry, (reads_head, checkpoints) = lax.scan(segment, (h0, c0), xs_head)
+    items_head, items_tail = _split(items, full, k)
+    carry, (reads_head, checkpoints) = lax.scan(segment, (h0, c0), items_head)
     tail_start, reads_tail = carry, None
     if tail:
-        carry, (reads_tail, _) = lax.scan(step, carry, xs_tail)
+        carry, (reads_tail, _) = lax.scan(step, carry, items_tail)
     reads = _join(reads_head, reads_tail, tail)
-    return (reads, *carry), (params, xs, checkpoints, tail_start if tail else None)
+    return (reads, *carry), (params, items, checkpoints, tail_start if tail else None)
 
 
-def _segment_bwd(static: ScanStatic, params, start, xs_segment, g_segment, carry):
-    """Replay one segment from its checkpoint ``start``, then differentiate it backwards."""
-    length = jax.tree.leaves(xs_segment)[0].shape[0]
+def _segment_bwd(static: ScanStatic, params, start, items_segment, g_segment, carry,
+                 masked: bool = False):
+    """Replay one segment from its checkpoint ``start``, then differentiate it backwards
+    (``items_segment``: the steps' inputs, with their masks when ``masked``)."""
+    forward, backward = _steps_of(masked)
+    length = jax.tree.leaves(items_segment)[0].shape[0]
     h0, c0 = start
     if length > 1:  # the states entering steps 1 .. length-1 (step 0's is the checkpoint)
-        _, (hs, cs) = lax.scan(lambda s, x: (_forward_step(static, params, s, x)[0],) * 2,
-                               start, jax.tree.map(lambda a: a[: length - 1], xs_segment))
+        _, (hs, cs) = lax.scan(lambda s, x: (forward(static, params, s, x)[0],) * 2,
+                               start, jax.tree.map(lambda a: a[: length - 1], items_segment))
         hs = jnp.concatenate([h0[None], hs], axis=0)
         cs = jnp.concatenate([c0[None], cs], axis=0)
     else:
         hs, cs = h0[None], c0[None]
-    return lax.scan(partial(_vjp_step, static, params), carry,
-                    (hs, cs, xs_segment, None, g_segment), reverse=True)
+    return lax.scan(partial(backward, static, params), carry,
+                    (hs, cs, items_segment, None, g_segment), reverse=True)
 
 
 def _scan_bwd(static: ScanStatic, residuals, cotangents):
-    params, xs, kept, tail_start = residuals
+    params, items, kept, tail_start = residuals
+    masked = isinstance(items, _Masked)
+    xs = items.xs if masked else items
     g_reads, g_h, g_c = (jnp.asarray(g) for g in cotangents)
     carry = match_vma((g_h, g_c, _zeros(params)), xs)[0]  # cotangents may come in unvarying
-    body = partial(_vjp_step, static, params)
+    _, backward = _steps_of(masked)
+    body = partial(backward, static, params)
     if static.step.policy == "log":
-        (d_h0, d_c0, d_params), d_xs = lax.scan(body, carry, (None, None, xs, kept, g_reads),
+        (d_h0, d_c0, d_params), d_xs = lax.scan(body, carry, (None, None, items, kept, g_reads),
                                                 reverse=True)
-        return d_params, d_xs, d_h0, d_c0
+        return d_params, d_xs, d_h0, d_c0, None
     steps = jax.tree.leaves(xs)[0].shape[0]
     k, full, tail = _segments(steps, static.checkpoint_every)
     if k == 1:
-        (d_h0, d_c0, d_params), d_xs = lax.scan(body, carry, (*kept, xs, None, g_reads),
+        (d_h0, d_c0, d_params), d_xs = lax.scan(body, carry, (*kept, items, None, g_reads),
                                                 reverse=True)
-        return d_params, d_xs, d_h0, d_c0
-    xs_head, xs_tail = _split(xs, full, k)
+        return d_params, d_xs, d_h0, d_c0, None
+    items_head, items_tail = _split(items, full, k)
     g_head, g_tail = _split(g_reads, full, k)
     d_tail = None
     if tail:
-        carry, d_tail = _segment_bwd(static, params, tail_start, xs_tail, g_tail, carry)
+        carry, d_tail = _segment_bwd(static, params, tail_start, items_tail, g_tail, carry,
+                                     masked)
 
     def segment(carry, item):
-        h, c, xs_segment, g_segment = item
-        return _segment_bwd(static, params, (h, c), xs_segment, g_segment, carry)
+        h, c, items_segment, g_segment = item
+        return _segment_bwd(static, params, (h, c), items_segment, g_segment, carry, masked)
 
-    carry, d_head = lax.scan(segment, carry, (*kept, xs_head, g_head), reverse=True)
+    carry, d_head = lax.scan(segment, carry, (*kept, items_head, g_head), reverse=True)
     d_h0, d_c0, d_params = carry
-    return d_params, _join(d_head, d_tail, tail), d_h0, d_c0
+    return d_params, _join(d_head, d_tail, tail), d_h0, d_c0, None
 
 
 _scan.defvjp(_scan_fwd, _scan_bwd)
 _scan_jit = jax.jit(_scan, static_argnums=(0,))
 
 
-def checkpoint_scan(static: ScanStatic, params: Any, xs: Any, h0: jax.Array, c0: jax.Array
+def checkpoint_scan(static: ScanStatic, params: Any, xs: Any, h0: jax.Array, c0: jax.Array,
+                    masks: tuple[jax.Array, jax.Array] | None = None
                     ) -> tuple[Any, jax.Array, jax.Array]:
     """Run ``static.step`` over the leading (time) axis of ``xs``; no validation.
 
     ``h0, c0 (B, C, *S)``; ``params`` the step's parameters (the gates'
     :class:`tmcore.ConvParams`, or a :class:`tmcore.scan.WarpParams`); ``xs`` the step
-    inputs, time-major ``(T, B, ...)``. Returns ``(reads (T, B, C), h_T, c_T)``.
+    inputs, time-major ``(T, B, ...)``. ``masks``: optional bool ``(reset, active)``,
+    each ``(T, B)``: before step ``t`` the rows ``reset[t]`` are zeroed; after it the rows
+    not ``active[t]`` get back the state they entered it with (their read is made).
+    Returns ``(reads (T, B, C), h_T, c_T)``.
     """
     check_int("checkpoint_every", static.checkpoint_every, 1)
     axes = _explicit_batch_axes(h0)
     if axes is not None:
-        return _per_shard(static, axes, params, xs, h0, c0)
-    params, xs, h0, c0 = match_vma(params, xs, h0, c0)
-    return _scan_jit(static, params, xs, h0, c0)
+        return _per_shard(static, axes, params, xs, h0, c0, masks)
+    params, xs, h0, c0, masks = match_vma(params, xs, h0, c0, masks)
+    return _scan_jit(static, params, xs, h0, c0, masks)
 
 
 def _explicit_batch_axes(state: jax.Array) -> tuple[str, ...] | None:
@@ -326,7 +397,7 @@ def _explicit_batch_axes(state: jax.Array) -> tuple[str, ...] | None:
     return tuple(axes) or None
 
 
-def _per_shard(static: ScanStatic, axes: tuple[str, ...], params, xs, h0, c0):
+def _per_shard(static: ScanStatic, axes: tuple[str, ...], params, xs, h0, c0, masks=None):
     """The scan on an explicit mesh whose ``axes`` shard the batch: each device scans its
     rows (an internal ``shard_map``); the parameters are replicated and their
     gradients summed over ``axes`` (the transpose of the replication). Without it,
@@ -342,12 +413,15 @@ def _per_shard(static: ScanStatic, axes: tuple[str, ...], params, xs, h0, c0):
     params = jax.tree.map(replicate, params)
     batch, steps_batch = P(axes), P(None, axes)
 
-    def local(params_, xs_, h_, c_):
-        return checkpoint_scan(static, params_, xs_, h_, c_)
+    def local(params_, xs_, h_, c_, *masks_):
+        return checkpoint_scan(static, params_, xs_, h_, c_, *masks_)
 
-    return jax.shard_map(local, mesh=mesh, in_specs=(replicated, steps_batch, batch, batch),
+    extra = () if masks is None else (masks,)  # (T, B) each, like the inputs
+    return jax.shard_map(local, mesh=mesh,
+                         in_specs=(replicated, steps_batch, batch, batch,
+                                   *((steps_batch,) * len(extra))),
                          out_specs=(steps_batch, batch, batch),
-                         axis_names=set(axes))(params, xs, h0, c0)
+                         axis_names=set(axes))(params, xs, h0, c0, *extra)
 
 
 class LayerScan(NamedTuple):
@@ -359,8 +433,12 @@ class LayerScan(NamedTuple):
     step: Step
     params: Any
     checkpoint_every: int = 1
+    #: the call takes per-step masks (``reset=``, ``active=``, each ``(B, T)``): packed
+    #: documents with array-planned grids (:func:`tmcore.layer.plan.packed_plan`)
+    masks = True
 
-    def __call__(self, h: jax.Array, c: jax.Array, inputs: Any) -> tuple[Any, Any, Any]:
+    def __call__(self, h: jax.Array, c: jax.Array, inputs: Any, reset: Any = None,
+                 active: Any = None) -> tuple[Any, Any, Any]:
         # validate mode: the heads' outputs, where concrete (a NaN token or head weight is
         # reported as the output it poisons, as the torch layer's scan reports it)
         check_values(jnp, inputs._asdict())
@@ -374,7 +452,14 @@ class LayerScan(NamedTuple):
                          every, True, flow)
         xs = jax.tree.map(lambda a: jnp.moveaxis(a, 1, 0), inputs)
         static = ScanStatic(self.step, self.checkpoint_every, options_key())
-        reads, h, c = checkpoint_scan(static, self.params, xs, h, c)
+        if reset is None and active is None:
+            reads, h, c = checkpoint_scan(static, self.params, xs, h, c)
+        else:  # per-step masks, time-major (T, B)
+            grid = jax.tree.leaves(inputs)[0].shape[:2]  # (B, T)
+            reset = jnp.zeros(grid, bool) if reset is None else reset
+            active = jnp.ones(grid, bool) if active is None else active
+            masks = (jnp.moveaxis(reset, 1, 0), jnp.moveaxis(active, 1, 0))
+            reads, h, c = checkpoint_scan(static, self.params, xs, h, c, masks)
         return jnp.moveaxis(reads, 0, 1), h, c
 
     @staticmethod

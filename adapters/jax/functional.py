@@ -20,6 +20,7 @@ from tmcore.adapters.jax.bridge import forward_mode_guard
 from tmcore.adapters.jax.checkpoints import EXTRA_STATE, _stored
 from tmcore.adapters.jax.primitives import _check_values_eagerly
 from tmcore.layer import sizes as layer_sizes
+from tmcore.layer.stream import check_max_documents
 from tmcore.ops.conv import ConvParams
 from tmcore.ops.splat import DEFAULT_EPS
 from tmcore.runtime.validate import check_int
@@ -501,6 +502,7 @@ def apply(
     window: int | None = None,
     dynamics: str = "none",
     flow: bool = False,
+    max_documents: int | None = None,
 ) -> tuple[jax.Array, Any]:  # out [B, N, d], state
     """Run one Tensor Memory layer over ``x``; returns ``(out, state)``.
 
@@ -550,10 +552,10 @@ def apply(
         True at each token that starts a
         document (packed documents, :func:`doc_starts_from_offsets`): the state
         and the unfinished chunk are dropped there and the chunk grid restarts,
-        so each document's outputs equal running it alone. The grid is then
-        planned on the host: ``doc_starts`` (and ``reset``, ``valid``, the
-        state's ``count``) must be concrete; traced under ``jit`` it is a
-        ``TypeError`` saying so.
+        so each document's outputs equal running it alone. Without
+        ``max_documents`` the grid is planned on the host: ``doc_starts`` (and
+        ``reset``, ``valid``, the state's ``count``) must be concrete; traced
+        under ``jit`` it is a ``TypeError`` saying to pass ``max_documents``.
     valid : jax.Array of bool, shape ``(B, N)``, optional
         False at tokens to skip (padding, left or
         right): they never enter the state nor the chunk grid and their outputs
@@ -571,6 +573,29 @@ def apply(
     flow : bool, default False
         With ``dynamics="warp"``: a per-cell flow from a conv of ``h`` too
         (needs the ``warp_flow`` group, :func:`init` with ``flow=True``).
+    max_documents : int, optional
+        ``D``, a static Python int bounding the documents that start in this
+        call: at least each row's True entries of ``doc_starts`` (plus one for
+        a ``reset`` row whose ``doc_starts`` is False at token 0). The
+        document a row continues (a :class:`StreamState`'s unfinished chunk
+        and the tokens up to the row's first start) needs no room in ``D``:
+        the grid's size counts it. The chunk
+        grid is then computed by array operations, so ``doc_starts``,
+        ``reset``, ``valid`` and the state may be traced (``jax.jit``,
+        ``jax.grad``; a jitted training step takes ``doc_starts`` as an
+        argument): every row runs ``T = ceil((L - 1 + N) / L) + min(D, N)``
+        chunks in ONE ``lax.scan`` (its own chunks -- the continued
+        unfinished one, then each document's -- then inactive padding
+        chunks), whose per-step masks zero a row's state where its document
+        starts and freeze it after its last complete chunk; it compiles
+        once per ``(B, N, D)``. Results equal the host-planned call's (to
+        rounding). A row with more than ``D`` starts: concrete masks raise
+        ``ValueError``; traced ones cannot be checked and that row's starts
+        after its ``D``-th (a start on a padded token counted at the next
+        valid one) are ignored, its later documents continuing the state of
+        the one before (wrong outputs and state for that row from there).
+        Compute scales with ``T``: pick ``D`` near the data's real bound.
+        Ignored without ``doc_starts``.
 
     Returns
     -------
@@ -589,14 +614,16 @@ def apply(
         If a parameter is missing.
     TypeError
         If ``x`` or a parameter is not floating, a mask is not bool, ``stream``
-        is not a bool, or ``doc_starts`` is traced (it is planned on the host).
+        is not a bool, ``max_documents`` is not an int, or ``doc_starts`` is
+        traced without ``max_documents`` (it is then planned on the host).
     ValueError
         If a parameter, ``x`` or the state is misshapen, ``memory_shape``,
         ``eps``, ``radius`` or ``sigma_scale`` is out of range, an
         ``_extra_state`` entry (the grid shape a PyTorch checkpoint stores)
         does not match the grid, ``stream=False`` meets a :class:`StreamState`,
-        ``doc_starts`` or ``valid``, or (validate mode, :func:`tmcore.options`)
-        a concrete ``x`` or state holds NaN or inf.
+        ``doc_starts`` or ``valid``, ``max_documents`` is below 1 or a concrete
+        ``doc_starts`` has a row with more starts than it, or (validate mode,
+        :func:`tmcore.options`) a concrete ``x`` or state holds NaN or inf.
 
     Notes
     -----
@@ -617,6 +644,7 @@ def apply(
                          "(the default)")
     if doc_starts is not None and not stream:
         raise ValueError("doc_starts: packed documents need stream=True (the default)")
+    documents = check_max_documents(max_documents)
     pair = (state.h, state.c) if isinstance(state, tl.StreamState) else state
     config = _layer_config(params, x, pair, chunk_size=chunk_size,
                            memory_shape=memory_shape, sigma_scale=sigma_scale, eps=eps,
@@ -628,7 +656,8 @@ def apply(
     # the state and the call fit, in the dtype the call computes in, before allocating
     layer_sizes.check_forward(jnp, config, x, _call_dtype(params, x, state))
     if stream:
-        return _apply_stream(params, x, state, config, layer, reset, doc_starts, valid)
+        return _apply_stream(params, x, state, config, layer, reset, doc_starts, valid,
+                             documents)
     batch, tokens, d = x.shape
     if state is None:
         state = _zero_state_like(x, config)  # made to fit: nothing to check
@@ -710,12 +739,14 @@ def _layer_scan(config: tl.LayerConfig, cell: ConvParams, theta: Any = None) -> 
 
 def _apply_stream(params: Mapping[str, Any], x: jax.Array, state: Any,
                   config: tl.LayerConfig, layer: type[tl.Layer], reset: Any,
-                  doc_starts: Any, valid: Any = None) -> tuple[jax.Array, tl.StreamState]:
+                  doc_starts: Any, valid: Any = None, documents: int | None = None
+                  ) -> tuple[jax.Array, tl.StreamState]:
     """:func:`apply` with ``stream=True``: the shared layer's ``forward_stream`` with
     :func:`memory_scan` (compiled, custom VJP) as its scan, in one ``jax.jit`` keyed by
     the layer, its config and the options (eager calls then run one compiled function;
-    under an outer trace it is inlined). With ``doc_starts`` the grid is planned on the
-    host, so that call is not wrapped."""
+    under an outer trace it is inlined). With ``doc_starts`` the call is not wrapped:
+    the layer reads concrete masks (to plan the grid on the host or, with ``documents``
+    (``max_documents``), to check the bound before planning it with arrays)."""
     if EXTRA_STATE in params:
         error = tl.stored_grid_error(_stored(params[EXTRA_STATE]), config.memory_shape,
                                      f"params[{EXTRA_STATE!r}]")
@@ -740,8 +771,10 @@ def _apply_stream(params: Mapping[str, Any], x: jax.Array, state: Any,
         state = _zero_state_like(x, config)
     _check_values_eagerly({"x": x})
     theta, cell = _on_mesh_of(x, _cast_params(params, dtype))
-    static = _StreamStatic(layer, config, _scan_mod.options_key())
-    if doc_starts is not None:
+    if doc_starts is None:
+        documents = None  # (one compiled function whatever the bound)
+    static = _StreamStatic(layer, config, _scan_mod.options_key(), documents)
+    if doc_starts is not None:  # (not wrapped: concrete masks are read by the layer)
         return forward_mode_guard("apply", lambda: _stream_call(
             static, theta, cell, x, state, reset, valid, doc_starts))
     function = _stream_function(static, tuple(x.shape), str(x.dtype))
@@ -754,6 +787,7 @@ class _StreamStatic(NamedTuple):
     layer: type
     config: tl.LayerConfig
     options: Any
+    documents: int | None = None  # max_documents: packed documents planned with arrays
 
 
 def _stream_call(static: _StreamStatic, theta: Any, cell: ConvParams, x: jax.Array,
@@ -762,7 +796,7 @@ def _stream_call(static: _StreamStatic, theta: Any, cell: ConvParams, x: jax.Arr
     # x and state were checked by apply (a StreamState by tl.stream_state): not again
     return static.layer(static.config).forward_stream(
         jnp, theta, x, state, scan=_layer_scan(static.config, cell, theta), reset=reset,
-        doc_starts=doc_starts, valid=valid, checked=True)
+        doc_starts=doc_starts, valid=valid, checked=True, max_documents=static.documents)
 
 
 #: The most compiled streaming functions an eager caller keeps (one per layer config,

@@ -135,7 +135,7 @@ class TensorMemory(nnx.Module):
     :func:`params_from_module` and :func:`load_params` convert. Calling it is
     :func:`apply` with its parameters and settings (``x (B, N, d)`` to ``out
     (B, N, d)`` and the state; keywords ``reset``, ``stream``, ``doc_starts``,
-    ``valid``). Mixed precision as in :func:`apply` (float32 parameters with a
+    ``valid``, ``max_documents``). Mixed precision as in :func:`apply` (float32 parameters with a
     bfloat16 ``x`` compute and keep the state in float32).
 
     Parameters
@@ -211,13 +211,14 @@ class TensorMemory(nnx.Module):
         return init_state(batch, self.memory_channels, self.memory_shape, dtype)
 
     def __call__(self, x: jax.Array, state: Any = None, *, reset: jax.Array | None = None,
-                 stream: bool | None = None, doc_starts: Any = None, valid: Any = None
-                 ) -> tuple[jax.Array, Any]:
+                 stream: bool | None = None, doc_starts: Any = None, valid: Any = None,
+                 max_documents: int | None = None) -> tuple[jax.Array, Any]:
         return apply(_layer_params(self), x, state, chunk_size=self.chunk_size,
                      memory_shape=self.memory_shape, sigma_scale=self.sigma_scale,
                      reset=reset, eps=self.eps, radius=self.radius,
                      checkpoint_every=self.checkpoint_every, stream=stream,
-                     doc_starts=doc_starts, valid=valid, **_options(self))
+                     doc_starts=doc_starts, valid=valid, max_documents=max_documents,
+                     **_options(self))
 
 
 class MemoryResidual(nnx.Module):
@@ -274,8 +275,8 @@ class MemoryResidual(nnx.Module):
                                        dtype))
 
     def __call__(self, x: jax.Array, state: Any = None, *, reset: jax.Array | None = None,
-                 stream: bool | None = None, doc_starts: Any = None, valid: Any = None
-                 ) -> tuple[jax.Array, Any]:
+                 stream: bool | None = None, doc_starts: Any = None, valid: Any = None,
+                 max_documents: int | None = None) -> tuple[jax.Array, Any]:
         m = self.memory
         params = {"norm": {"weight": _raw(self.norm["weight"]),
                            "bias": _raw(self.norm["bias"])},
@@ -284,7 +285,8 @@ class MemoryResidual(nnx.Module):
                               memory_shape=m.memory_shape, sigma_scale=m.sigma_scale,
                               reset=reset, eps=m.eps, radius=m.radius,
                               checkpoint_every=m.checkpoint_every, stream=stream,
-                              doc_starts=doc_starts, valid=valid, **_options(m))
+                              doc_starts=doc_starts, valid=valid,
+                              max_documents=max_documents, **_options(m))
 
 
 def _constructor_signature(cls: type) -> None:

@@ -162,9 +162,11 @@ def _checks() -> dict:  # runs in the 2-device subprocess
     results["continued_counts"] = sorted({int(k) for k in st0.count})
 
     pad = jnp.asarray(rng.random((B, N + 2)) > 0.3)  # a padding mask: skipped tokens
+    starts = jnp.asarray(rng.random((B, N + 2)) > 0.6)  # packed documents (traced)
 
-    def continued(p, a, st, v=None):
-        out, new = tmj.apply(p, a, st, memory_shape=S, valid=v)
+    def continued(p, a, st, v=None, m=None):
+        out, new = tmj.apply(p, a, st, memory_shape=S, valid=v, doc_starts=m,
+                             max_documents=None if m is None else N + 2)
         return jnp.sum(out ** 2) + jnp.sum(new.h * new.c) + jnp.sum(new.pending ** 2) \
             + jnp.sum(new.read)
 
@@ -172,17 +174,19 @@ def _checks() -> dict:  # runs in the 2-device subprocess
                                                                valid=v))
     cont_step = jax.jit(jax.value_and_grad(continued, argnums=(0, 1)))
     cont_cases = (("forward", cont_forward, False), ("step", cont_step, False),
-                  ("valid", cont_step, True))
-    cont_single = [fn(params, x2, st0, pad if masked else None)
-                   for _, fn, masked in cont_cases]
+                  ("valid", cont_step, True), ("packed", cont_step, True))
+    cont_single = [fn(params, x2, st0, pad if masked else None,
+                      *((starts,) if case == "packed" else ()))
+                   for case, fn, masked in cont_cases]
 
     def continued_on(name, mesh_):
         sharded = NamedSharding(mesh_, data)
         a = jax.device_put(x2, sharded)
         st = jax.tree.map(lambda v: jax.device_put(v, sharded), st0)
         v = jax.device_put(pad, sharded)
+        m = jax.device_put(starts, sharded)
         for (case, fn, masked), expected in zip(cont_cases, cont_single, strict=True):
-            args = (params, a, st, v if masked else None)
+            args = (params, a, st, v if masked else None, *((m,) if case == "packed" else ()))
             results[f"{name}_continued_{case}"] = err(fn(*args), expected)
             results[f"{name}_continued_{case}_gathers"] = gathers(fn.lower(*args).compile())
 
@@ -253,12 +257,13 @@ def test_auto_mesh_never_gathers_the_batch(results):
 
 
 @pytest.mark.parametrize("mesh", ["auto", "explicit"])
-@pytest.mark.parametrize("case", ["forward", "step", "valid"])
+@pytest.mark.parametrize("case", ["forward", "step", "valid", "packed"])
 def test_continued_stream_state_stays_on_its_rows(results, mesh, case):
     """A :class:`StreamState` continued under ``jit`` (rows at different counts) on a
     batch-sharded Auto or Explicit mesh: equal to one device, and no all-gather in the
-    forward, the training step or a padded (``valid``) step: the chunk grid gathers
-    each row's own tokens (issue 50 item 10)."""
+    forward, the training step, a padded (``valid``) step or a packed one (traced
+    ``doc_starts`` with ``max_documents``: the scan's per-step masks are sharded like
+    its inputs): the chunk grid gathers each row's own tokens (issue 50 item 10)."""
     assert len(results["continued_counts"]) > 1, results  # a per-row plan, not a boundary
     assert results[f"{mesh}_continued_{case}"] < TOL, results
     assert results[f"{mesh}_continued_{case}_gathers"] == 0, results

@@ -117,6 +117,15 @@ def test_packed_documents_check_once(calls, params):
     assert dict(calls) == EXPECTED["stream", True]
 
 
+def test_packed_documents_with_max_documents_check_once(calls, params):
+    # max_documents: the grid from arrays; the layer checks the mask once (and its bound)
+    state = _state("stream", params)
+    calls.clear()
+    tmj.apply(params, _x(9), state, max_documents=2,
+              doc_starts=tmj.doc_starts_from_offsets([[0, 5], [0]], 9))
+    assert dict(calls) == {**EXPECTED["stream", True], "require_bool_array:doc_starts": 1}
+
+
 @pytest.mark.parametrize("mode", ["causal", "threaded"])
 def test_stack_apply_checks_once_per_layer(calls, params, mode, monkeypatch):
     layers = [tmj.residual_init(jax.random.key(k), D, C, SHAPE, L) for k in range(3)]

@@ -28,7 +28,7 @@ from tmcore.layer.config import LayerConfig
 from tmcore.layer.decode import Produced, decode_step, next_counts
 from tmcore.layer.heads import Linear, heads, linear, read_coords, read_out, split
 from tmcore.layer.params import Params
-from tmcore.layer.plan import array_plan, contiguous_plan, execute, host_plan
+from tmcore.layer.plan import array_plan, contiguous_plan, execute, host_plan, packed_plan
 from tmcore.layer.sizes import check_forward
 from tmcore.layer.state import (
     State,
@@ -40,9 +40,12 @@ from tmcore.layer.state import (
     zero_state,
 )
 from tmcore.layer.stream import (
+    PACKED_HOST_WHY,
     PACKED_WHY,
     StreamState,
     check_doc_starts,
+    check_document_bound,
+    check_max_documents,
     check_valid,
     complete_state,
     forget_row,
@@ -238,8 +241,8 @@ class Layer:
 
     def forward_stream(self, xp: Any, params: Params, x: Any, state: Any, *, scan: Scan,
                        reset: Any = None, doc_starts: Any = None, valid: Any = None,
-                       check: Callable[..., None] | None = None,
-                       checked: bool = False) -> tuple[Any, StreamState]:
+                       check: Callable[..., None] | None = None, checked: bool = False,
+                       max_documents: int | None = None) -> tuple[Any, StreamState]:
         """Streaming and packed documents: ``x (B, N, d)`` -> ``(out (B, N, d), StreamState)``.
 
         ``state``: ``None`` (zeros), an ``(h, c)`` pair (a chunk boundary) or the
@@ -255,7 +258,10 @@ class Layer:
         document's outputs equal running it alone. ``reset (B,)`` is a document start
         at the first token of the row. The grid is decided on the host (the masks are
         read there), and the scan is cut only where some row starts a document or
-        ends with an unfinished chunk.
+        ends with an unfinished chunk; with ``max_documents`` and a scan taking per-step
+        masks (``scan.masks``, the JAX adapter's) it is computed by array operations
+        instead (:func:`tmcore.layer.plan.packed_plan`: traceable, ONE uncut scan of
+        ``T = ceil((L - 1 + N) / L) + min(max_documents, N)`` chunks per row).
 
         ``valid``: optional bool ``(B, N)``, False at tokens to skip (padding, e.g. a
         Hugging Face attention mask, left or right): they never enter the state nor the
@@ -275,11 +281,14 @@ class Layer:
         scan : callable
             ``scan(h0, c0, inputs) -> (reads (B, T, C), h_T, c_T)``; one with a
             ``cond(pred, true_fn, false_fn)`` attribute (JAX: ``lax.cond``) lets
-            a step that completes no chunk skip the update.
+            a step that completes no chunk skip the update; one with a true
+            ``masks`` attribute (JAX) also takes ``reset=`` and ``active=``, bool
+            ``(B, T)`` per-step masks, which ``max_documents`` uses.
         reset : bool array, shape ``(B,)``, optional
             A document start at the first token of the marked rows.
         doc_starts : bool array, shape ``(B, N)``, optional
-            True where a new document starts (read on the host).
+            True where a new document starts (read on the host unless
+            ``max_documents`` is given to a scan taking masks).
         valid : bool array, shape ``(B, N)``, optional
             False at tokens to skip.
         check : callable, optional
@@ -293,6 +302,17 @@ class Layer:
             :class:`StreamState` :func:`stream_state` returned, its ``count`` an
             int32 array): they are not checked again. The masks are checked
             either way.
+        max_documents : int, optional
+            ``D``, a static bound: at least the document starts of any row in this
+            call (its True entries of ``doc_starts``, plus one for a ``reset`` row
+            whose ``doc_starts`` is False at token 0). With a scan taking masks it
+            plans the packed grid with arrays (``doc_starts``, ``reset``, ``valid``
+            and the state may be traced). A row with more starts: concrete masks are
+            checked (``ValueError``); traced ones cannot be, and the row's starts
+            after its ``D``-th (counted after a start on a skipped token moves to
+            the next valid one) are ignored: its later documents continue the state
+            of the one before, so its outputs and state are wrong from there.
+            Ignored without ``doc_starts``.
 
         Returns
         -------
@@ -306,12 +326,16 @@ class Layer:
         TypeError
             If an argument is not an array of the right kind or dtype, or
             ``doc_starts`` (or, with it, ``state.count``, ``reset`` or ``valid``)
-            is traced: packed documents are planned on the host.
+            is traced without ``max_documents`` (or with a scan taking no masks):
+            packed documents are then planned on the host.
         ValueError
-            If an argument has the wrong shape, or ``state.count`` is not ``B``
-            ints in ``[0, L)``.
+            If an argument has the wrong shape, ``state.count`` is not ``B``
+            ints in ``[0, L)``, ``max_documents`` is not a positive int, or a
+            concrete ``doc_starts`` has a row with more than ``max_documents``
+            starts.
         """
         config = self.config
+        documents = check_max_documents(max_documents)
         if not checked:
             check_tokens(xp, x, config)
             check_forward(xp, config, x)  # the call fits, before anything is allocated
@@ -346,8 +370,14 @@ class Layer:
         if reset is not None:
             require_bool_array(xp, reset, "reset", "(B,)", (batch,),
                                hint=" (compare explicitly, e.g. mask > 0.5)")
+        if doc_starts is not None and documents is not None and getattr(scan, "masks", False):
+            return self._packed_arrays(xp, params, x, st, known, scan, reset, doc_starts,
+                                       valid, documents)
         if doc_starts is not None:
-            return self._packed(xp, params, x, st, known, scan, reset, doc_starts, valid)
+            if documents is not None:
+                check_document_bound(doc_starts, reset, documents)
+            return self._packed(xp, params, x, st, known, scan, reset, doc_starts, valid,
+                                "" if documents is None else PACKED_HOST_WHY)
         st, known = reset_stream(xp, st, known, reset)
         if tokens == 0 or batch == 0:
             return xp.zeros_like(x), st
@@ -388,17 +418,35 @@ class Layer:
         state.pop("_produced", None)  # weak references to arrays: not copied nor pickled
         return state
 
+    def _packed_arrays(self, xp: Any, params: Params, x: Any, st: StreamState,
+                       known: tuple[int, ...] | None, scan: Scan, reset: Any,
+                       doc_starts: Any, valid: Any, documents: int
+                       ) -> tuple[Any, StreamState]:
+        """Packed documents with at most ``documents`` starts per row: the grid from
+        arrays (:func:`packed_plan`), one scan with per-step masks (traceable)."""
+        batch, tokens, _ = x.shape
+        require_bool_array(xp, doc_starts, "doc_starts", "(B, N)", (batch, tokens))
+        check_document_bound(doc_starts, reset, documents)  # concrete masks only
+        if tokens == 0 or batch == 0:  # a reset row with no token to start at: emptied
+            return xp.zeros_like(x), reset_stream(xp, st, known, reset)[0]
+        index = xp.asarray(0, device=device_of(x)).dtype
+        plan = packed_plan(xp, x, xp.astype(st.count, index), doc_starts, valid, reset,
+                           xp.astype(st.pending, x.dtype), self.config.chunk_size, documents)
+        return execute(self, xp, params, x, st, plan, scan)
+
     def _packed(self, xp: Any, params: Params, x: Any, st: StreamState,
                 known: tuple[int, ...] | None, scan: Scan, reset: Any, doc_starts: Any,
-                valid: Any) -> tuple[Any, StreamState]:
-        """Packed documents: the grid planned on the host (:func:`host_plan`)."""
+                valid: Any, why: str = "") -> tuple[Any, StreamState]:
+        """Packed documents: the grid planned on the host (:func:`host_plan`); ``why``
+        replaces the refusal's hint for traced masks when given."""
         batch, tokens, _ = x.shape
-        starts = check_doc_starts(xp, doc_starts, batch, tokens)
-        keep = check_valid(xp, valid, batch, tokens) if valid is not None else None
+        why = why or PACKED_WHY
+        starts = check_doc_starts(xp, doc_starts, batch, tokens, why=why)
+        keep = check_valid(xp, valid, batch, tokens, why=why) if valid is not None else None
         counts = list(known) if known is not None else [
-            int(k) for k in host_list(st.count, "state.count", PACKED_WHY)]
+            int(k) for k in host_list(st.count, "state.count", why)]
         if reset is not None:
-            for b, r in enumerate(host_list(reset, "reset", PACKED_WHY)):
+            for b, r in enumerate(host_list(reset, "reset", why)):
                 if r and tokens:
                     starts[b][0] = True
                 elif r:  # no token to start at: forget the state now

@@ -13,10 +13,16 @@ comes from, and what the new unfinished chunk holds. Three planners make it:
   operations (traceable: ``count``, ``reset`` and ``valid`` may be traced), the scan cut
   at every value a row's chunk count can take, each row picking its own state;
 - :func:`host_plan` -- packed documents (``doc_starts``): the grid restarts at every
-  document start, planned on the host from the masks' values.
+  document start, planned on the host from the masks' values;
+- :func:`packed_plan` -- packed documents with a caller-given bound on the documents
+  starting per row (``max_documents``): the same grid computed by array operations
+  (traceable), padded to a fixed ``T``; the scan is not cut: its per-step masks zero a
+  row's state where its document starts and freeze it from the chunk whose entering
+  state the row returns (a scan taking masks, e.g. the JAX adapter's).
 
 :func:`execute` runs any of them: the heads once over all ``B*T`` chunks, the scan in
-segments between the plan's cuts, the read-out once, and the gathers back to tokens.
+segments between the plan's cuts (or, with per-step masks, once), the read-out once, and
+the gathers back to tokens.
 
 Every gather is per row (``take_along_axis`` along axis 1 of a ``(B, R, k)`` table whose
 last slot is zeros): an index never crosses the batch axis, so a batch-sharded call
@@ -39,7 +45,8 @@ if TYPE_CHECKING:
     from tmcore.layer.layer import Layer, Scan
     from tmcore.layer.stream import StreamState
 
-__all__ = ["Plan", "array_plan", "contiguous_plan", "execute", "host_plan"]
+__all__ = ["Plan", "array_plan", "contiguous_plan", "execute", "host_plan", "packed_plan",
+           "packed_steps"]
 
 
 class Plan(NamedTuple):
@@ -84,6 +91,11 @@ class Plan(NamedTuple):
         reads (``T``: zeros).
     forget : bool array, shape ``(B,)``, or None
         Rows whose stream ends with an empty document: their state is zeroed.
+    step_resets : bool array, shape ``(B, T)``, or None
+        Per-step masks for ONE uncut scan (a scan taking ``reset=`` / ``active=``):
+        zero row ``b``'s state entering chunk ``t`` where True; row ``b`` is active
+        (updates its state) at the chunks before ``taken[b]`` only, so the scan's final
+        state is each row's returned one. ``None``: the cuts and ``resets`` say it.
     """
 
     steps: int
@@ -101,6 +113,7 @@ class Plan(NamedTuple):
     count: Any
     read_pick: Any
     forget: Any
+    step_resets: Any = None
 
 
 def _rows(xp: Any, mask: Any, a: Any, b: Any) -> Any:
@@ -275,6 +288,151 @@ def host_plan(xp: Any, x: Any, pending: Any, counts: Sequence[int],
                 bools(forget) if any(forget) else None)
 
 
+def packed_steps(tokens: int, length: int, documents: int) -> int:
+    """``T`` of :func:`packed_plan`: the most chunks a row's stream can take.
+
+    A row's stream (``k <= L - 1`` pending tokens and at most ``N`` new ones) cut into
+    ``S + 1`` documents (``S <= min(D, N)`` starts) takes at most
+    ``sum_i ceil(n_i / L) <= ceil(sum_i n_i / L) + S`` chunks (each cut adds at most one
+    ragged chunk), so ``T = ceil((L - 1 + N) / L) + min(D, N)``.
+    """
+    return -(-(length - 1 + tokens) // length) + min(documents, tokens)
+
+
+def _take_index(xp: Any, table: Any, index: Any) -> Any:
+    """The integer table ``(B, R)`` at each row's own slots ``index (B, K)``: ``(B, K)``."""
+    if array_api_compat.is_torch_namespace(xp):
+        return table.gather(1, index)
+    return xp.take_along_axis(table, index, axis=1)
+
+
+def packed_plan(xp: Any, x: Any, count: Any, starts: Any, valid: Any, reset: Any,
+                pending: Any, length: int, documents: int) -> Plan:
+    """The packed-documents grid of :func:`host_plan`, computed from arrays (traceable)
+    with at most ``documents`` (``D``) document starts per row.
+
+    Every row runs ``T = packed_steps(N, L, D)`` chunks: its own (its stream chunked
+    document by document, as in :func:`host_plan`), then padding chunks (zero tokens,
+    no reset, inactive: they leave the state as it was). Nothing is cut: the plan's
+    ``step_resets (B, T)`` and ``taken (B,)`` are the one scan's per-step masks
+    (:attr:`Plan.step_resets`). A row with more than ``D`` starts keeps its first ``D``:
+    the later documents continue the state of the one before (no error: the arrays
+    may be traced; the caller checks concrete ones).
+
+    Parameters
+    ----------
+    xp : namespace
+        The arrays' namespace.
+    x : array, shape ``(B, N, d)``
+        The tokens (``N >= 1``).
+    count : int array, shape ``(B,)``
+        The pending tokens of each row (``[0, L)``), the default integer dtype.
+    starts : bool array, shape ``(B, N)``
+        The document starts (a start on a skipped token moves to the row's next valid
+        token; after its last one the row ends empty: ``forget``).
+    valid, reset : bool array ``(B, N)`` / ``(B,)``, or None
+        The tokens to keep; a start at token 0 of the marked rows.
+    pending : array, shape ``(B, L, d)``
+        The unfinished chunks, in ``x``'s dtype.
+    length, documents : int
+        ``L`` and ``D`` (``>= 1``).
+    """
+    batch, tokens, _ = x.shape
+    device = device_of(x)
+    index = xp.asarray(0, device=device).dtype                  # the default integer dtype
+    keep_starts = min(documents, tokens)                         # no more starts than tokens
+    steps = packed_steps(tokens, length, documents)
+    zero = length + tokens                                       # the table's zero slot
+    j = xp.arange(tokens, dtype=index, device=device)[None, :]   # (1, N)
+    if reset is not None:
+        starts = starts | (reset[:, None] & (j == 0))
+    marks = xp.cumulative_sum(xp.astype(starts, index), axis=1)  # starts at or before n
+    forget = None
+    if valid is None:
+        new = xp.full((batch,), tokens, dtype=index, device=device)
+        rank = xp.broadcast_to(j, (batch, tokens))
+        compact, at = x, marks
+    else:  # the valid tokens first, in order; a skipped token's start moves to the next
+        ones = xp.astype(valid, index)
+        new = xp.sum(ones, axis=1)
+        rank = xp.cumulative_sum(ones, axis=1) - 1
+        order = xp.argsort(1 - ones, axis=1, stable=True)
+        compact = _take_rows(xp, x, order)
+        at = _take_index(xp, marks, order)                      # marks at valid token j
+        last = _take_index(xp, at, xp.where(new > 0, new - 1, xp.zeros_like(new))[:, None])
+        last = xp.where(new > 0, last[:, 0], xp.zeros_like(new))
+        forget = marks[:, -1] > last                             # a start after the last
+    before = xp.concat([xp.zeros_like(at[:, :1]), at[:, :-1]], axis=1)
+    first = (at > before) & (j < new[:, None])                   # compact token j starts one
+    ones = xp.astype(first, index)
+
+    # the segments: 0 continues the state (from stream position 0), s >= 1 starts at the
+    # s-th kept start; stream positions p: [0, k) pending, [k, k + new) the new tokens
+    found = xp.argsort(1 - ones, axis=1, stable=True)[:, :keep_starts]
+    kept = xp.arange(keep_starts, dtype=index, device=device)[None, :] < xp.sum(
+        ones, axis=1)[:, None]
+    end = count + new
+    at_start = xp.where(kept, count[:, None] + found, xp.broadcast_to(end[:, None],
+                                                                        kept.shape))
+    begins = xp.concat([xp.zeros_like(at_start[:, :1]), at_start], axis=1)   # (B, D' + 1)
+    ends = xp.concat([at_start, end[:, None]], axis=1)
+    lengths = ends - begins
+    # a start at the first new token drops the pending tokens: no segment 0
+    lengths = xp.concat([xp.where(first[:, :1], xp.zeros_like(lengths[:, :1]),
+                                  lengths[:, :1]), lengths[:, 1:]], axis=1)
+    chunks = (lengths + length - 1) // length
+    base = xp.cumulative_sum(chunks, axis=1) - chunks            # each segment's first chunk
+    total = xp.sum(chunks, axis=1)                               # (B,) chunks of the row
+
+    def source(p: Any) -> Any:
+        """Table slot of stream position ``p`` (``[pending, compact x, 0]``)."""
+        return xp.where(p < count.reshape((batch,) + (1,) * (p.ndim - 1)), p,
+                        length + p - count.reshape((batch,) + (1,) * (p.ndim - 1)))
+
+    t = xp.arange(steps, dtype=index, device=device)[None, :]   # (1, T)
+    segment = xp.sum(xp.astype(base[:, None, :] <= t[:, :, None], index), axis=2) - 1
+    first_chunk = _take_index(xp, base, segment)                 # (B, T)
+    begin = _take_index(xp, begins, segment) + (t - first_chunk) * length
+    stop = _take_index(xp, ends, segment)
+    real = t < total[:, None]
+    step_resets = real & (t == first_chunk) & (segment >= 1)
+    lane = xp.arange(length, dtype=index, device=device)
+    p = begin[:, :, None] + lane[None, None, :]                  # (B, T, L)
+    inside = real[:, :, None] & (p < stop[:, :, None])
+    gather = xp.reshape(xp.where(inside, source(p), xp.full_like(p, zero)),
+                        (batch, steps * length))
+
+    # each token's chunk: its segment's first chunk + its offset in it // L
+    seg_of = xp.cumulative_sum(ones, axis=1)
+    seg_of = xp.where(seg_of > keep_starts, xp.full_like(seg_of, keep_starts), seg_of)
+    where_in = count[:, None] + j - _take_index(xp, begins, seg_of)
+    chunk_of = _take_index(xp, base, seg_of) + where_in // length  # (B, N) by compact j
+    if valid is None:
+        out_index = chunk_of
+    else:
+        pick = xp.where(rank < 0, xp.zeros_like(rank), rank)
+        out_index = xp.where(valid, _take_index(xp, chunk_of, pick),
+                             xp.full_like(rank, steps))
+
+    # the returned state: the one entering the row's last chunk if it is unfinished
+    last = xp.where(total > 0, total - 1, xp.zeros_like(total))[:, None]
+    a_last = _take_index(xp, begin, last)[:, 0]
+    e_last = _take_index(xp, stop, last)[:, 0]
+    size = xp.where(total > 0, e_last - a_last, xp.zeros_like(total))
+    unfinished = (size > 0) & (size < length)
+    taken = xp.where(unfinished, total - 1, total)
+    keep = unfinished if forget is None else unfinished & ~forget
+    left = xp.where(keep, size, xp.zeros_like(size))
+    q = a_last[:, None] + lane[None, :]
+    pending_index = xp.where(keep[:, None] & (q < e_last[:, None]), source(q),
+                             xp.full_like(q, zero))
+    read_pick = xp.where(left > 0, taken, xp.full_like(taken, steps))
+    table = _zero_slot(xp, pending, compact)                     # (B, L + N + 1, d)
+    return Plan(steps, table, gather, (0, steps), {}, (), taken, None,
+                (count > 0) & ~step_resets[:, 0], False, out_index, pending_index, left,
+                read_pick, forget, step_resets)
+
+
 # --------------------------------------------------------------------------- the executor
 
 
@@ -299,6 +457,14 @@ def execute(layer: Layer, xp: Any, params: Params, x: Any, st: StreamState, plan
                   xp.reshape(_take_rows(xp, plan.table, plan.gather),
                              (batch, steps, length, d)))
         inputs = layer.heads(xp, params, chunks)               # (B, T, ...) each
+    if steps and not plan.carried_only and plan.step_resets is not None:
+        # one uncut scan: its masks reset rows where their documents start and freeze
+        # each row from the chunk whose entering state it returns
+        active = xp.arange(steps, dtype=plan.taken.dtype, device=device_of(x))[None, :] \
+            < plan.taken[:, None]
+        reads, h, c = scan(h, c, inputs, reset=plan.step_resets, active=active)
+        reads = _carried_reads(xp, plan, st, reads, steps)
+    elif steps and not plan.carried_only:
         entering, parts = [], []  # the state entering each cut (sizes are not hashed)
         cond = getattr(scan, "cond", None)
         for t0, t1 in zip(plan.cuts, plan.cuts[1:], strict=False):
@@ -325,10 +491,8 @@ def execute(layer: Layer, xp: Any, params: Params, x: Any, st: StreamState, plan
             parts.append(part)
         entering.append((h, c))
         reads = parts[0] if len(parts) == 1 else xp.concat(parts, axis=1)   # (B, T, C)
-        if plan.carried is not None:  # a continued unfinished chunk's read is the state's
-            first = _rows(xp, plan.carried, st.read, reads[:, 0, :])
-            reads = (xp.concat([first[:, None, :], reads[:, 1:, :]], axis=1) if steps > 1
-                     else first[:, None, :])
+        reads = _carried_reads(xp, plan, st, reads, steps)
+
         def state_at(t: Any) -> tuple[Any, Any]:
             return entering[next(i for i, cut in enumerate(plan.cuts) if cut is t or cut == t)]
 
@@ -349,6 +513,16 @@ def execute(layer: Layer, xp: Any, params: Params, x: Any, st: StreamState, plan
     if plan.count is None:  # the non-streaming call: the plain state
         return out, (h, c)
     return out, _unfinished(xp, x, st, plan, reads, h, c, length)
+
+
+def _carried_reads(xp: Any, plan: Plan, st: StreamState, reads: Any, steps: int) -> Any:
+    """``reads (B, T, C)`` with the continued unfinished chunk's read (chunk 0 of the
+    ``plan.carried`` rows) taken from the state."""
+    if plan.carried is None:
+        return reads
+    first = _rows(xp, plan.carried, st.read, reads[:, 0, :])
+    return (xp.concat([first[:, None, :], reads[:, 1:, :]], axis=1) if steps > 1
+            else first[:, None, :])
 
 
 def _unfinished(xp: Any, x: Any, st: StreamState, plan: Plan, reads: Any, h: Any, c: Any,

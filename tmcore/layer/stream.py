@@ -219,13 +219,46 @@ def host_list(value: Any, name: str, why: str) -> Any:
     return [host_list(value[i, ...], name, why) for i in range(value.shape[0])]
 
 
-PACKED_WHY = ("; packed documents (doc_starts) are planned on the host: pass doc_starts as "
-               "a concrete (NumPy) array closed over by the jitted function or as a static "
-               "argument, run the packed call outside jit, or pass the documents as separate "
-               "rows (with valid= masking their padding), which traces")
+PACKED_WHY = ("; packed documents (doc_starts) are planned on the host unless "
+              "max_documents=D (a Python int: at least the document starts of any row in "
+              "the call) is given, which plans them with arrays, under jax.jit too (the JAX "
+              "adapter); else pass doc_starts as a concrete (NumPy) array closed over by the "
+              "jitted function or as a static argument, run the packed call outside jit, or "
+              "pass the documents as separate rows (with valid= masking their padding)")
+
+#: The refusal when the layer's scan takes no per-step masks (only the JAX adapter's does).
+PACKED_HOST_WHY = ("; max_documents plans packed documents with arrays only with a scan "
+                   "taking per-step masks (the JAX adapter's): here they are planned on the "
+                   "host")
 
 
-def check_doc_starts(xp: Any, doc_starts: Any, batch: int, tokens: int) -> list[list[bool]]:
+def check_max_documents(max_documents: Any) -> int | None:
+    """``max_documents``: ``None`` or a positive Python (or NumPy) int, returned as int."""
+    return None if max_documents is None else check_int("max_documents", max_documents, 1)
+
+
+def check_document_bound(doc_starts: Any, reset: Any, max_documents: int) -> None:
+    """``ValueError`` naming ``max_documents`` when a row of a concrete ``doc_starts``
+    ``(B, N)`` starts more documents than it: its True entries, plus one where a concrete
+    ``reset (B,)`` is True and ``doc_starts`` is not at token 0. Traced masks are not
+    read (nothing can be checked under ``jit``)."""
+    starts = maybe_host(doc_starts)
+    if starts is None:
+        return
+    flags = None if reset is None else maybe_host(reset)
+    for b, row in enumerate(starts):
+        number = sum(1 for v in row if v) + int(bool(
+            flags is not None and flags[b] and row and not row[0]))
+        if number > max_documents:
+            raise ValueError(
+                f"max_documents: row {b} starts {number} documents in this call, more than "
+                f"max_documents={max_documents} (the chunk grid's bound: under jit its "
+                f"starts after its first {max_documents} would be ignored); pass a larger "
+                f"max_documents")
+
+
+def check_doc_starts(xp: Any, doc_starts: Any, batch: int, tokens: int, *,
+                     why: str = PACKED_WHY) -> list[list[bool]]:
     """Check a packing mask and read it on the host.
 
     Parameters
@@ -237,6 +270,8 @@ def check_doc_starts(xp: Any, doc_starts: Any, batch: int, tokens: int) -> list[
         everything before it).
     batch, tokens : int
         The expected ``B`` and ``N``.
+    why : str, optional
+        What the refusal of a traced mask says to do.
 
     Returns
     -------
@@ -252,8 +287,7 @@ def check_doc_starts(xp: Any, doc_starts: Any, batch: int, tokens: int) -> list[
         If its shape is not ``(B, N)``.
     """
     require_bool_array(xp, doc_starts, "doc_starts", "(B, N)", (batch, tokens))
-    return [[bool(v) for v in row] for row in host_list(doc_starts, "doc_starts",
-                                                          PACKED_WHY)]
+    return [[bool(v) for v in row] for row in host_list(doc_starts, "doc_starts", why)]
 
 
 def doc_starts_from_offsets(xp: Any, offsets: Sequence[Any], tokens: int, *,
@@ -321,11 +355,12 @@ def _mark(xp: Any, mask: Any, rows: list[int], cols: list[int]) -> Any:
     return xp.stack(lines, axis=0)
 
 
-def check_valid(xp: Any, valid: Any, batch: int, tokens: int) -> list[list[bool]]:
+def check_valid(xp: Any, valid: Any, batch: int, tokens: int, *,
+                why: str = PACKED_WHY) -> list[list[bool]]:
     """``valid``: a bool array ``(B, N)``, False at tokens the stream skips (padding);
-    returned as host lists."""
+    returned as host lists (``why``: as in :func:`check_doc_starts`)."""
     require_bool_array(xp, valid, "valid", "(B, N)", (batch, tokens))
-    return [[bool(v) for v in row] for row in host_list(valid, "valid", PACKED_WHY)]
+    return [[bool(v) for v in row] for row in host_list(valid, "valid", why)]
 
 
 def maybe_host(value: Any) -> Any:
