@@ -322,7 +322,8 @@ class MemoryHandle:
     def _record_key(self, layer: int, args: tuple) -> tuple | None:
         """Identify the block input of this call, as the recomputation will see it again."""
         x = args[0] if args and isinstance(args[0], Tensor) else None
-        if x is None or x.device.type == "meta":
+        # an inference tensor has no version counter, and no backward recomputes its call
+        if x is None or x.device.type == "meta" or x.is_inference():
             return None
         return (layer, x.data_ptr(), tuple(x.shape), x._version)
 

@@ -182,6 +182,12 @@ def effective_weight(linear: nn.Module, name: str = "linear", *, check: bool = T
     if linear.disable_adapters:
         if linear.merged:  # what the layer's forward does: the base weight alone again
             linear.unmerge()
+            # peft unmerges through ``.data``, which leaves the version counters as they
+            # were: bump them, so that whatever recorded the merged weight by its version
+            # (a decode step's reused output) sees the change
+            for changed in (weight, bias):
+                if changed is not None:
+                    torch.autograd.graph.increment_version(changed)
         return weight, bias
     if linear.merged:  # peft's forward adds no unmerged adapter next to a merged one either
         return weight, bias
