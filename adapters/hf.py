@@ -1103,8 +1103,25 @@ def _memory_model_class(config_class: type, model_class: type) -> type:
                                       "__doc__": f"{model_class.__name__} with Tensor Memory "
                                                  f"attached from its config."})
     globals()[name] = cls
+    _share_conversions(model_class, name)
     transformers.AutoModelForCausalLM.register(config_class, cls, exist_ok=True)
     return cls
+
+
+def _share_conversions(model_class: type, name: str) -> None:
+    """Give the memory class ``name`` the checkpoint key conversions transformers keeps
+    under ``model_class``'s name (GPT-NeoX: ``embed_out`` <-> ``lm_head``): the base class
+    saves with them, so the memory class must load with them (else a weight is left
+    freshly initialized). Nothing where this transformers has no such registry."""
+    try:
+        from transformers import conversion_mapping
+    except ImportError:
+        return
+    get = getattr(conversion_mapping, "get_checkpoint_conversion_mapping", None)
+    register = getattr(conversion_mapping, "register_checkpoint_conversion_mapping", None)
+    mapping = None if get is None or register is None else get(model_class.__name__)
+    if mapping is not None:
+        register(name, mapping, overwrite=True)
 
 
 def _causal_lm_class(config: Any, architectures: Any = None) -> type | None:

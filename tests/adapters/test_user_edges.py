@@ -218,3 +218,30 @@ def test_a_backward_per_token_training_the_read_out_alone():
     for i in range(4, 8):
         out, st = memory(x[:, i:i + 1], st)
         out.pow(2).sum().backward()
+
+
+def test_auto_loading_a_gpt_neox_with_memory_keeps_its_output_head(tmp_path):
+    """transformers keeps GPT-NeoX's ``embed_out`` <-> ``lm_head`` key conversion under
+    the class name ``GPTNeoXForCausalLM``: the base class saved ``embed_out``, the memory
+    class ``AutoModelForCausalLM`` loads with found no conversion and left ``lm_head``
+    freshly initialized (logits off by 0.24 before the fix)."""
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed")
+    from tmcore.adapters import hf
+
+    torch.manual_seed(0)
+    config = transformers.GPTNeoXConfig(hidden_size=16, intermediate_size=32,
+                                        num_hidden_layers=2, num_attention_heads=2,
+                                        max_position_embeddings=64, vocab_size=48)
+    model = transformers.GPTNeoXForCausalLM(config).eval()
+    hf.attach_memory(model, memory_channels=2, memory_shape=(2, 3, 2), chunk_size=3,
+                     zero_init=False, gate_init=1.0)
+    model.save_pretrained(tmp_path)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert hf.memory_of(loaded) is not None
+    ids = torch.randint(3, 48, (2, 7), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=ids).logits, model(input_ids=ids).logits)
+    loaded.save_pretrained(tmp_path / "again")          # and back the same way
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "again").eval()
+    with torch.no_grad():
+        assert torch.equal(again(input_ids=ids).logits, model(input_ids=ids).logits)
