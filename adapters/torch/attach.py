@@ -322,10 +322,14 @@ class MemoryHandle:
     def _record_key(self, layer: int, args: tuple) -> tuple | None:
         """Identify the block input of this call, as the recomputation will see it again."""
         x = args[0] if args and isinstance(args[0], Tensor) else None
-        # an inference tensor has no version counter, and no backward recomputes its call
-        if x is None or x.device.type == "meta" or x.is_inference():
+        if x is None or x.device.type == "meta":
             return None
-        return (layer, x.data_ptr(), tuple(x.shape), x._version)
+        try:
+            return (layer, x.data_ptr(), tuple(x.shape), x._version)
+        except RuntimeError:
+            # an inference tensor (no version counter, and no backward recomputes its
+            # call) or a torch.func transform's tensor (no storage): nothing to record
+            return None
 
     def _run(self, layer: int, module: nn.Module, args: tuple, y: Tensor) -> Tensor:
         memory = getattr(module, ATTRIBUTE)

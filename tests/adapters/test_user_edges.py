@@ -48,38 +48,62 @@ def _fresh(memory: nn.Module, x, st):
 # --------------------------------------------------------------------------- fixed here
 
 
+class _Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+
+    def forward(self, x):
+        return torch.tanh(self.lin(x))
+
+
+class _Net(nn.Module):
+    """Two blocks with memory attached (``tmcore.adapters.torch.attach_memory``)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList([_Block(), _Block()])
+        tmt.attach_memory(self.blocks, "causal", embed_dim=6, memory_channels=2,
+                          memory_shape=(2, 2), chunk_size=3, gate_init=1.0)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
 def test_attached_memory_generates_under_inference_mode():
     """``torch.inference_mode()`` around a model with attached memory: the hook read the
     block input's version counter (for activation-checkpoint records), which inference
     tensors do not have (RuntimeError before the fix); the outputs equal no_grad's."""
-
-    class Block(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.lin = nn.Linear(6, 6)
-
-        def forward(self, x):
-            return torch.tanh(self.lin(x))
-
-    torch.manual_seed(0)
-    blocks = nn.ModuleList([Block(), Block()])
-    tmt.attach_memory(blocks, "causal", embed_dim=6, memory_channels=2, memory_shape=(2, 2),
-                      chunk_size=3, gate_init=1.0)
-    x = torch.randn(2, 7, 6)
-
-    def run():
-        y = x
-        for block in blocks:
-            y = block(y)
-        return y
-
+    net, x = _Net(), torch.randn(2, 7, 6)
     with torch.no_grad():
-        expected = run()
+        expected = net(x)
     with torch.inference_mode():
-        got = run()
+        got = net(x)
     assert torch.equal(got, expected)
 
 
+def test_attached_memory_under_torch_func_grad_and_vmap():
+    """``torch.func.grad`` / ``vmap`` over a model with attached memory: the hook read the
+    block input's data pointer, which a transform's tensor does not have (RuntimeError
+    before the fix); the gradients equal autograd's, the vmapped rows the batched call."""
+    net, x = _Net(), torch.randn(2, 7, 6)
+    params = {k: v.detach() for k, v in net.named_parameters()}
+
+    def loss(p):
+        return torch.func.functional_call(net, p, (x,)).pow(2).sum()
+
+    grads = torch.func.grad(loss)(params)
+    expected = torch.autograd.grad(net(x).pow(2).sum(), list(net.parameters()))
+    for name, g in zip(params, expected, strict=True):
+        torch.testing.assert_close(grads[name], g, rtol=1e-5, atol=1e-6)
+    rows = torch.func.vmap(lambda row: net(row[None])[0])(x)
+    torch.testing.assert_close(rows, net(x), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.filterwarnings("ignore:.*past_key_values.*:FutureWarning")  # (renamed `cache`)
 def test_hf_generate_under_inference_mode_and_continue_under_no_grad():
     """The Hugging Face path of the same bug: ``generate`` under ``inference_mode``
     raised; now it equals no_grad's, and its cache continues under no_grad."""
