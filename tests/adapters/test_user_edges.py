@@ -269,3 +269,28 @@ def test_auto_loading_a_gpt_neox_with_memory_keeps_its_output_head(tmp_path):
     again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "again").eval()
     with torch.no_grad():
         assert torch.equal(again(input_ids=ids).logits, model(input_ids=ids).logits)
+
+
+@pytest.mark.filterwarnings("ignore:.*weight_norm.*:FutureWarning")  # (the old-style API)
+def test_an_old_style_weight_norm_on_the_read_out_trains_and_follows_its_parameters():
+    """``torch.nn.utils.weight_norm(memory.out_proj)`` (old-style: a pre-hook sets
+    ``weight`` from ``weight_g`` / ``weight_v`` before the layer's forward, which the memory
+    never calls): the weight was the one made at registration, so the second backward
+    raised (its graph freed) and an optimizer step never reached the output."""
+    memory = _memory()
+    torch.nn.utils.weight_norm(memory.out_proj)
+    x = torch.randn(2, 6, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    opt = torch.optim.SGD(memory.parameters(), lr=0.1)
+    for _ in range(2):
+        opt.zero_grad()
+        memory(x)[0].pow(2).sum().backward()
+        opt.step()
+    with torch.no_grad():
+        out, _ = memory(x)
+        plain = _memory()
+        plain.load_state_dict({k: v for k, v in memory.state_dict().items()
+                               if not k.startswith("out_proj.weight_")}, strict=False)
+        plain.out_proj.weight.copy_(torch._weight_norm(memory.out_proj.weight_v,
+                                                       memory.out_proj.weight_g, 0))
+        expected, _ = plain(x)
+    assert torch.equal(out, expected)
