@@ -979,6 +979,9 @@ def from_pretrained(path: str | os.PathLike, model_class: Any = None, **kwargs: 
                          f"without memory?); load it with the model class's from_pretrained")
     spec = check_spec(spec)
     _check_saved_shapes(path, spec)
+    base = getattr(type(config), "_tmcore_base", None)
+    if base is not None:  # built as the base model (heads that make their body with
+        config.__class__ = base  # AutoModel.from_config know no memory config class)
     if model_class is None:
         model_class = transformers.AutoModelForCausalLM
     concrete = model_class
@@ -1066,6 +1069,9 @@ def _memory_model_class(config_class: type, model_class: type) -> type:
     name = f"TensorMemory{model_class.__name__}"
     existing = globals().get(name)
     if existing is not None and existing.config_class is config_class:
+        # registered again: the Auto class builds the class last asked for (a checkpoint's
+        # own architecture, read just before its model is built)
+        transformers.AutoModelForCausalLM.register(config_class, existing, exist_ok=True)
         return existing
 
     def __init__(self: Any, config: Any, *args: Any, **kwargs: Any) -> None:
@@ -1125,15 +1131,20 @@ def _share_conversions(model_class: type, name: str) -> None:
 
 
 def _causal_lm_class(config: Any, architectures: Any = None) -> type | None:
+    """The causal LM class of the config class ``config``: the first of ``architectures``
+    that is one (a subclass of transformers' causal LM for it), else that class; ``None``
+    if it has none. (Another head, e.g. ``...ForSequenceClassification``, is not one: the
+    memory class registered with ``AutoModelForCausalLM`` must be a causal LM.)"""
     transformers = _transformers()
-    for arch in architectures or ():
-        found = getattr(transformers, arch, None)
-        if isinstance(found, type):
-            return found
     try:
-        return transformers.MODEL_FOR_CAUSAL_LM_MAPPING[config]
+        causal = transformers.MODEL_FOR_CAUSAL_LM_MAPPING[config]
     except (KeyError, ValueError):
         return None
+    for arch in architectures or ():
+        found = getattr(transformers, arch, None)
+        if isinstance(found, type) and issubclass(found, causal):
+            return found
+    return causal
 
 
 def _mark_config(model: nn.Module) -> None:
@@ -1144,7 +1155,9 @@ def _mark_config(model: nn.Module) -> None:
     if getattr(base, "_tmcore_base", None) is None and getattr(base, "model_type", ""):
         config_class = _memory_config_class(base)
         model.config.__class__ = config_class
-    _memory_model_class(type(model.config), type(model))
+    causal = _causal_lm_class(getattr(type(model.config), "_tmcore_base", type(model.config)))
+    if causal is not None and isinstance(model, causal):  # (another head: not registered)
+        _memory_model_class(type(model.config), type(model))
 
 
 def _auto_config_class() -> type:

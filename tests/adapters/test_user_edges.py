@@ -294,3 +294,42 @@ def test_an_old_style_weight_norm_on_the_read_out_trains_and_follows_its_paramet
                                                        memory.out_proj.weight_g, 0))
         expected, _ = plain(x)
     assert torch.equal(out, expected)
+
+
+def _llama_config(transformers):
+    return transformers.LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                    num_attention_heads=2, num_key_value_heads=1,
+                                    max_position_embeddings=64, vocab_size=48, pad_token_id=0,
+                                    num_labels=3)
+
+
+def test_memory_on_another_head_loads_with_model_class_and_leaves_causal_lms_alone(tmp_path):
+    """Memory on a ``LlamaForSequenceClassification``: ``hf.from_pretrained(path,
+    model_class=AutoModelForSequenceClassification)`` raised (KeyError: the memory config
+    class; with the concrete class, its body's ``AutoModel.from_config`` refused it), and
+    attaching it registered that head with ``AutoModelForCausalLM`` for every Llama with
+    memory, so loading a causal Llama saved with memory raised afterwards."""
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed")
+    from tmcore.adapters import hf
+
+    ids = torch.randint(3, 48, (2, 7), generator=torch.Generator().manual_seed(1))
+    torch.manual_seed(0)
+    causal = transformers.LlamaForCausalLM(_llama_config(transformers)).eval()
+    hf.attach_memory(causal, memory_channels=2, memory_shape=(2, 3, 2), chunk_size=3,
+                     zero_init=False, gate_init=1.0)
+    causal.save_pretrained(tmp_path / "causal")
+    head = transformers.LlamaForSequenceClassification(_llama_config(transformers)).eval()
+    hf.attach_memory(head, memory_channels=2, memory_shape=(2, 3, 2), chunk_size=3,
+                     zero_init=False, gate_init=1.0)
+    head.save_pretrained(tmp_path / "head")
+    for model_class in (transformers.AutoModelForSequenceClassification,
+                        transformers.LlamaForSequenceClassification):
+        loaded = hf.from_pretrained(tmp_path / "head", model_class=model_class).eval()
+        assert type(loaded) is transformers.LlamaForSequenceClassification
+        assert hf.memory_of(loaded) is not None
+        with torch.no_grad():
+            assert torch.equal(loaded(input_ids=ids).logits, head(input_ids=ids).logits)
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "causal").eval()
+    assert isinstance(back, transformers.LlamaForCausalLM) and hf.memory_of(back) is not None
+    with torch.no_grad():
+        assert torch.equal(back(input_ids=ids).logits, causal(input_ids=ids).logits)
