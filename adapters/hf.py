@@ -1155,8 +1155,10 @@ def _mark_config(model: nn.Module) -> None:
     if getattr(base, "_tmcore_base", None) is None and getattr(base, "model_type", ""):
         config_class = _memory_config_class(base)
         model.config.__class__ = config_class
+    # another head of a family with a causal LM (sequence classification, ...) is not
+    # registered with AutoModelForCausalLM: it would replace that family's causal LM there
     causal = _causal_lm_class(getattr(type(model.config), "_tmcore_base", type(model.config)))
-    if causal is not None and isinstance(model, causal):  # (another head: not registered)
+    if causal is None or isinstance(model, causal):
         _memory_model_class(type(model.config), type(model))
 
 
