@@ -979,6 +979,9 @@ def from_pretrained(path: str | os.PathLike, model_class: Any = None, **kwargs: 
                          f"without memory?); load it with the model class's from_pretrained")
     spec = check_spec(spec)
     _check_saved_shapes(path, spec)
+    base = getattr(type(config), "_tmcore_base", None)
+    if base is not None:  # built as the base model (heads that make their body with
+        config.__class__ = base  # AutoModel.from_config know no memory config class)
     if model_class is None:
         model_class = transformers.AutoModelForCausalLM
     concrete = model_class
@@ -1066,6 +1069,9 @@ def _memory_model_class(config_class: type, model_class: type) -> type:
     name = f"TensorMemory{model_class.__name__}"
     existing = globals().get(name)
     if existing is not None and existing.config_class is config_class:
+        # registered again: the Auto class builds the class last asked for (a checkpoint's
+        # own architecture, read just before its model is built)
+        transformers.AutoModelForCausalLM.register(config_class, existing, exist_ok=True)
         return existing
 
     def __init__(self: Any, config: Any, *args: Any, **kwargs: Any) -> None:
@@ -1103,20 +1109,42 @@ def _memory_model_class(config_class: type, model_class: type) -> type:
                                       "__doc__": f"{model_class.__name__} with Tensor Memory "
                                                  f"attached from its config."})
     globals()[name] = cls
+    _share_conversions(model_class, name)
     transformers.AutoModelForCausalLM.register(config_class, cls, exist_ok=True)
     return cls
 
 
-def _causal_lm_class(config: Any, architectures: Any = None) -> type | None:
-    transformers = _transformers()
-    for arch in architectures or ():
-        found = getattr(transformers, arch, None)
-        if isinstance(found, type):
-            return found
+def _share_conversions(model_class: type, name: str) -> None:
+    """Give the memory class ``name`` the checkpoint key conversions transformers keeps
+    under ``model_class``'s name (GPT-NeoX: ``embed_out`` <-> ``lm_head``): the base class
+    saves with them, so the memory class must load with them (else a weight is left
+    freshly initialized). Nothing where this transformers has no such registry."""
     try:
-        return transformers.MODEL_FOR_CAUSAL_LM_MAPPING[config]
+        from transformers import conversion_mapping
+    except ImportError:
+        return
+    get = getattr(conversion_mapping, "get_checkpoint_conversion_mapping", None)
+    register = getattr(conversion_mapping, "register_checkpoint_conversion_mapping", None)
+    mapping = None if get is None or register is None else get(model_class.__name__)
+    if mapping is not None:
+        register(name, mapping, overwrite=True)
+
+
+def _causal_lm_class(config: Any, architectures: Any = None) -> type | None:
+    """The causal LM class of the config class ``config``: the first of ``architectures``
+    that is one (a subclass of transformers' causal LM for it), else that class; ``None``
+    if it has none. (Another head, e.g. ``...ForSequenceClassification``, is not one: the
+    memory class registered with ``AutoModelForCausalLM`` must be a causal LM.)"""
+    transformers = _transformers()
+    try:
+        causal = transformers.MODEL_FOR_CAUSAL_LM_MAPPING[config]
     except (KeyError, ValueError):
         return None
+    for arch in architectures or ():
+        found = getattr(transformers, arch, None)
+        if isinstance(found, type) and issubclass(found, causal):
+            return found
+    return causal
 
 
 def _mark_config(model: nn.Module) -> None:
@@ -1127,7 +1155,11 @@ def _mark_config(model: nn.Module) -> None:
     if getattr(base, "_tmcore_base", None) is None and getattr(base, "model_type", ""):
         config_class = _memory_config_class(base)
         model.config.__class__ = config_class
-    _memory_model_class(type(model.config), type(model))
+    # another head of a family with a causal LM (sequence classification, ...) is not
+    # registered with AutoModelForCausalLM: it would replace that family's causal LM there
+    causal = _causal_lm_class(getattr(type(model.config), "_tmcore_base", type(model.config)))
+    if causal is None or isinstance(model, causal):
+        _memory_model_class(type(model.config), type(model))
 
 
 def _auto_config_class() -> type:

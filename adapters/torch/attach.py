@@ -324,7 +324,12 @@ class MemoryHandle:
         x = args[0] if args and isinstance(args[0], Tensor) else None
         if x is None or x.device.type == "meta":
             return None
-        return (layer, x.data_ptr(), tuple(x.shape), x._version)
+        try:
+            return (layer, x.data_ptr(), tuple(x.shape), x._version)
+        except RuntimeError:
+            # an inference tensor (no version counter, and no backward recomputes its
+            # call) or a torch.func transform's tensor (no storage): nothing to record
+            return None
 
     def _run(self, layer: int, module: nn.Module, args: tuple, y: Tensor) -> Tensor:
         memory = getattr(module, ATTRIBUTE)

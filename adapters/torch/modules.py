@@ -16,7 +16,7 @@ from torch import Tensor, nn
 from tmcore import layer as tl
 from tmcore.adapters.torch import bridge
 from tmcore.adapters.torch.functional import memory_scan, option_scan
-from tmcore.adapters.torch.tuners import fold_tuned
+from tmcore.adapters.torch.tuners import computed, fold_tuned
 from tmcore.ops.conv import ConvParams
 from tmcore.ops.splat import DEFAULT_EPS
 from tmcore.runtime.validate import check_finite, check_flag, check_int
@@ -490,9 +490,10 @@ class TensorMemory(nn.Module):
                 params[group] = tuned[group] = module  # (a placeholder keeps the group order)
                 continue
             registered = module._parameters
-            # the registered parameter, else the attribute (FSDP1's flat-parameter views)
+            # the registered parameter, else the attribute (FSDP1's flat-parameter views,
+            # an old-style weight_norm's weight: recomputed as the layer's forward would)
             params[group] = {leaf: registered[leaf] if registered.get(leaf) is not None
-                             else getattr(module, leaf) for leaf in leaves}
+                             else computed(module, leaf) for leaf in leaves}
         if tuned:
             params.update(fold_tuned(tuned))
         return params

@@ -12,7 +12,8 @@ wrapper's own ``forward`` computes, except for ``lora_dropout``: dropout acts on
 input of the adapter path, which a weight cannot express, so it is not applied (a
 warning says so, once per layer and adapter). Tuners whose update is not such a weight
 delta (DoRA and the other LoRA variants, IA3, LoHa, ...) are refused with a
-``ValueError`` naming the layer.
+``ValueError`` naming the layer. :func:`computed` is the same for a weight that an
+old-style ``torch.nn.utils.weight_norm`` / ``spectral_norm`` pre-hook computes.
 """
 
 from __future__ import annotations
@@ -22,8 +23,11 @@ import weakref
 
 import torch
 from torch import Tensor, nn
+from torch.nn.utils.spectral_norm import SpectralNorm
+from torch.nn.utils.weight_norm import WeightNorm
 
-__all__ = ["check_tuned", "effective_weight", "fold_tuned", "is_tuned", "warn_dropout"]
+__all__ = ["check_tuned", "computed", "effective_weight", "fold_tuned", "is_tuned",
+           "warn_dropout"]
 
 # (layer, adapter) pairs already warned about their dropout: a training step calls the
 # memory once per block and chunked stream, the warning is said once
@@ -39,10 +43,41 @@ def is_tuned(linear: nn.Module) -> bool:
     return "base_layer" in linear._modules and hasattr(linear, "active_adapters")
 
 
+# the pre-hooks of the old-style torch.nn.utils.weight_norm / spectral_norm: they set the
+# weight attribute from the layer's own parameters before each forward
+_RECOMPUTING = (WeightNorm, SpectralNorm)
+
+
+def computed(module: nn.Module, leaf: str) -> Tensor | None:
+    """``module.<leaf>`` (an attribute, not a registered parameter) as the module's own
+    ``forward`` would see it: the old-style ``torch.nn.utils.weight_norm`` /
+    ``spectral_norm`` pre-hooks recompute it first (the memory never calls its layers,
+    so their pre-hooks would never run: a stale weight, and a freed graph in the second
+    backward). Other attributes (FSDP1's flat-parameter views) are returned as they are.
+
+    Parameters
+    ----------
+    module : nn.Module
+        A memory linear layer.
+    leaf : str
+        ``"weight"`` or ``"bias"``.
+
+    Returns
+    -------
+    Tensor or None
+        The attribute, recomputed where such a hook makes it.
+    """
+    for hook in module._forward_pre_hooks.values():
+        if isinstance(hook, _RECOMPUTING) and hook.name == leaf:
+            hook(module, ())
+    return getattr(module, leaf, None)
+
+
 def _own(module: nn.Module, leaf: str) -> Tensor | None:
-    # the registered parameter, else the attribute (FSDP1's flat-parameter views)
+    # the registered parameter, else the attribute (FSDP1's flat-parameter views, a
+    # weight-norm hook's weight)
     registered = module._parameters.get(leaf)
-    return registered if registered is not None else getattr(module, leaf, None)
+    return registered if registered is not None else computed(module, leaf)
 
 
 def _is_lora(linear: nn.Module) -> bool:
@@ -182,6 +217,12 @@ def effective_weight(linear: nn.Module, name: str = "linear", *, check: bool = T
     if linear.disable_adapters:
         if linear.merged:  # what the layer's forward does: the base weight alone again
             linear.unmerge()
+            # peft unmerges through ``.data``, which leaves the version counters as they
+            # were: bump them, so that whatever recorded the merged weight by its version
+            # (a decode step's reused output) sees the change
+            for changed in (weight, bias):
+                if changed is not None:
+                    torch.autograd.graph.increment_version(changed)
         return weight, bias
     if linear.merged:  # peft's forward adds no unmerged adapter next to a merged one either
         return weight, bias
