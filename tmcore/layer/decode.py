@@ -146,11 +146,11 @@ def _decode_known(layer: Layer, xp: Any, params: Params, x: Any, st: StreamState
         pending = x[:, None, :]
     elif all(k == known[0] for k in known):  # one slot for every row: a concat of views
         k = known[0]
-        zeros = xp.zeros_like(x[:, None, :])
         head = st.pending[:, :k, :]
+        token = x[:, None, :]
         parts = ([head if head.dtype == x.dtype else xp.astype(head, x.dtype)] if k else []) \
-            + [x[:, None, :]] \
-            + ([xp.broadcast_to(zeros, (x.shape[0], length - k - 1, x.shape[1]))]
+            + [token] \
+            + ([xp.broadcast_to(xp.zeros_like(token), (x.shape[0], length - k - 1, x.shape[1]))]
                if k < length - 1 else [])
         pending = parts[0] if len(parts) == 1 else xp.concat(parts, axis=1)
     else:
@@ -196,7 +196,9 @@ def _decode_known(layer: Layer, xp: Any, params: Params, x: Any, st: StreamState
         read = _pick(xp, keep, kept, read, xp.zeros_like(read))
     # the next counts on the device (no host-to-device copy): one op when rows agree
     if not any(complete):
-        new = count + 1
+        # rows at one count (generation): a fill, cheaper than an add of a Python int
+        new = (xp.full_like(count, known[0] + 1) if all(k == known[0] for k in known)
+               else count + 1)
     elif all(complete):
         new = xp.zeros_like(count)
     else:

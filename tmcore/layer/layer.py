@@ -316,12 +316,10 @@ class Layer:
             check_tokens(xp, x, config)
             check_forward(xp, config, x)  # the call fits, before anything is allocated
         batch, tokens, _ = x.shape
-        if tokens == 1 and batch and reset is None and doc_starts is None and valid is None \
-                and not compiling():
-            record = getattr(self, "_produced", None)
-            known = None if record is None else record.counts(state, x)
-            if known is not None:  # this layer's last decode step made it: taken as it is
-                return self._decode(xp, params, x, state, scan, known, record.out())
+        if tokens == 1 and reset is None and doc_starts is None and valid is None:
+            fast = self.decode_produced(xp, params, x, state, scan, checked=True)
+            if fast is not None:  # this layer's last decode step made it: taken as it is
+                return fast
         if doc_starts is None and valid is None and tokens > 1 and batch \
                 and not isinstance(state, StreamState):
             # from a chunk boundary (no state, or a pair): x chunked as it is, without
@@ -365,6 +363,31 @@ class Layer:
         plan = array_plan(xp, x, xp.astype(st.count, xp.asarray(0).dtype), known, valid,
                           xp.astype(st.pending, x.dtype), config.chunk_size, valid_counts)
         return execute(self, xp, params, x, st, plan, scan)
+
+    def decode_produced(self, xp: Any, params: Params, x: Any, state: Any, scan: Scan, *,
+                        checked: bool = False) -> tuple[Any, StreamState] | None:
+        """One decode step from the state this layer's last decode step produced, taken as
+        it is (no state check, no host read of its counts): :meth:`forward_stream` of one
+        token, or ``None`` where that does not apply (another state, another kind of
+        tokens, a trace).
+
+        ``x (B, 1, d)`` must be a checked kind of tokens: the record holds the batch,
+        dtype and device of the last step's (checked) tokens and refuses others; an
+        adapter may call this before its own checks of ``x`` when it knows ``x`` is an
+        array of its framework with ``d = embed_dim`` on the parameters' device and
+        dtype. The call's working set is checked (:func:`check_forward`) unless
+        ``checked`` (the caller did).
+        """
+        record = getattr(self, "_produced", None)
+        if record is None or x.ndim != 3 or x.shape[1] != 1 or not x.shape[0] \
+                or compiling():
+            return None
+        known = record.counts(state, x)
+        if known is None:
+            return None
+        if not checked:
+            check_forward(xp, self.config, x)
+        return self._decode(xp, params, x, state, scan, known, record.out())
 
     def _decode(self, xp: Any, params: Params, x: Any, st: StreamState, scan: Scan,
                 known: tuple[int, ...], last_out: Any = None) -> tuple[Any, StreamState]:
