@@ -60,12 +60,12 @@ def test_decode_step_op_count_is_small_and_constant():
     for phase, seen in counts.items():
         assert len(set(seen)) == 1, (phase, seen)   # the same every chunk: constant
     middle = [counts[k][0] for k in range(1, L - 1)]
-    assert max(middle) <= 9, counts                  # no head, read or read-out (was 12, 10)
-    assert counts[0][0] <= 27, counts                # + read coordinates and the read (was 46, 31)
+    assert max(middle) <= 6, counts                  # no head, read or read-out (was 12, 10)
+    assert counts[0][0] <= 25, counts                # + read coordinates and the read (was 46, 31)
     # + heads and one update (its ops are the fused write step's own: no autograd
     # wrapper in inference, so its kernels are dispatched here; was 115 with the scan,
     # 81 before the single-write splat)
-    assert counts[L - 1][0] <= 62, counts
+    assert counts[L - 1][0] <= 59, counts
 
 
 def test_decode_step_ops_do_not_grow_with_the_context():

@@ -82,7 +82,7 @@ def decode_step(layer: Layer, xp: Any, params: Params, x: Any, st: StreamState, 
     """
     length = layer.config.chunk_size
     if known is not None and valid is None:
-        return _decode_known(layer, xp, params, x, st, scan, known, last_out)
+        return _decode_known(layer, xp, params, x[:, None, :], st, scan, known, last_out)
     count = st.count
     slot = xp.reshape(xp.arange(length, dtype=count.dtype, device=device_of(x)), (1, length, 1))
     at = xp.reshape(count, (-1, 1, 1))
@@ -131,34 +131,36 @@ def _pick(xp: Any, flags: list[bool], mask: Callable[[], Any], a: Any, b: Any) -
     return _rows(xp, mask(), a, b)
 
 
-def _decode_known(layer: Layer, xp: Any, params: Params, x: Any, st: StreamState,
+def _decode_known(layer: Layer, xp: Any, params: Params, token: Any, st: StreamState,
                   scan: Scan, known: tuple[int, ...], last_out: Any = None
                   ) -> tuple[Any, StreamState]:
-    """:func:`decode_step` with the counts known on the host: each part runs only
-    where some row needs it (in generation every row is at the same count, so a token
-    that neither starts nor completes a chunk costs its read-out and the bookkeeping)."""
+    """:func:`decode_step` with the counts known on the host, of ``token (B, 1, d)`` (the
+    layer's own call shape: no reshape of the token): each part runs only where some row
+    needs it (in generation every row is at the same count, so a token that neither
+    starts nor completes a chunk costs its bookkeeping). ``last_out`` (any shape) is
+    returned as it is where it serves as the output."""
     length = layer.config.chunk_size
-    device = device_of(x)
+    device = device_of(token)
     starts = [k == 0 for k in known]
     complete = [k == length - 1 for k in known]
     count = st.count
+    batch, _, d = token.shape
     if length == 1:
-        pending = x[:, None, :]
+        pending = token
     elif all(k == known[0] for k in known):  # one slot for every row: a concat of views
         k = known[0]
         head = st.pending[:, :k, :]
-        token = x[:, None, :]
-        parts = ([head if head.dtype == x.dtype else xp.astype(head, x.dtype)] if k else []) \
-            + [token] \
-            + ([xp.broadcast_to(xp.zeros_like(token), (x.shape[0], length - k - 1, x.shape[1]))]
+        parts = ([head if head.dtype == token.dtype else xp.astype(head, token.dtype)]
+                 if k else []) + [token] \
+            + ([xp.broadcast_to(xp.zeros_like(token), (batch, length - k - 1, d))]
                if k < length - 1 else [])
         pending = parts[0] if len(parts) == 1 else xp.concat(parts, axis=1)
     else:
         slot = xp.reshape(xp.arange(length, dtype=count.dtype, device=device), (1, length, 1))
         at = xp.reshape(count, (-1, 1, 1))
-        pending = xp.where(slot == at, x[:, None, :],
-                           xp.where(slot < at, xp.astype(st.pending, x.dtype),
-                                    xp.zeros_like(x[:, None, :])))   # (B, L, d)
+        pending = xp.where(slot == at, token,
+                           xp.where(slot < at, xp.astype(st.pending, token.dtype),
+                                    xp.zeros_like(token)))           # (B, L, d)
     # a token that starts a chunk and completes none needs the read coordinates alone
     # (of the chunk's first token): no write head, no summary product
     # (None: a layer whose heads make them otherwise runs its heads)
@@ -249,8 +251,8 @@ class Produced:
     def record(cls, st: StreamState, known: tuple[int, ...], x: Any, out: Any
                ) -> Produced | None:
         """A record of ``st`` (counts ``known``, made for tokens ``x (B, 1, d)``, with the
-        step's output ``out (B, d)``, the read-out of ``st.read``), or ``None`` where its
-        arrays carry no version counters."""
+        step's output ``out (B, 1, d)`` as the layer returned it, the read-out of
+        ``st.read``), or ``None`` where its arrays carry no version counters."""
         versions = _versions(st)
         if versions is None:
             return None

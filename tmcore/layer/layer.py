@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from tmcore.layer.config import LayerConfig
-from tmcore.layer.decode import Produced, decode_step, next_counts
+from tmcore.layer.decode import Produced, _decode_known, decode_step, next_counts
 from tmcore.layer.heads import Linear, heads, linear, read_coords, read_out, split
 from tmcore.layer.params import Params
 from tmcore.layer.plan import array_plan, contiguous_plan, execute, host_plan
@@ -395,10 +395,14 @@ class Layer:
         (:class:`~tmcore.layer.decode.Produced`), so that the next token's call takes it
         without checking it again nor reading its counts back from the device, and
         reuses its output while no row starts a chunk (``last_out``)."""
-        out, st = decode_step(self, xp, params, x[:, 0, :], st, scan, None, known, last_out)
+        # the token as the call gives it (B, 1, d), and the output as the call returns it:
+        # a token that starts no chunk returns the last one's output array itself
+        out, st = _decode_known(self, xp, params, x, st, scan, known, last_out)
+        if out is not last_out:
+            out = out[:, None, :]
         self._produced = Produced.record(st, next_counts(known, self.config.chunk_size), x,
                                          out)
-        return out[:, None, :], st
+        return out, st
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
