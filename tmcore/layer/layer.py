@@ -366,17 +366,35 @@ class Layer:
 
     def decode_produced(self, xp: Any, params: Params, x: Any, state: Any, scan: Scan, *,
                         checked: bool = False) -> tuple[Any, StreamState] | None:
-        """One decode step from the state this layer's last decode step produced, taken as
-        it is (no state check, no host read of its counts): :meth:`forward_stream` of one
-        token, or ``None`` where that does not apply (another state, another kind of
-        tokens, a trace).
+        """One decode step from the state this layer's last decode step produced.
 
-        ``x (B, 1, d)`` must be a checked kind of tokens: the record holds the batch,
-        dtype and device of the last step's (checked) tokens and refuses others; an
+        The state is taken as it is (no state check, no host read of its counts):
+        :meth:`forward_stream` of one token, or ``None`` where that does not apply
+        (another state, another kind of tokens, a trace). The record holds the batch,
+        dtype and device of the last step's (checked) tokens and refuses others, so an
         adapter may call this before its own checks of ``x`` when it knows ``x`` is an
         array of its framework with ``d = embed_dim`` on the parameters' device and
-        dtype. The call's working set is checked (:func:`check_forward`) unless
-        ``checked`` (the caller did).
+        dtype.
+
+        Parameters
+        ----------
+        xp, params : namespace, dict of dict of array
+            The array namespace and the layer's parameter pytree.
+        x : array, shape ``(B, 1, d)``
+            The next token of each row.
+        state : Any
+            The state to continue (a :class:`StreamState` this layer produced, else the
+            call declines).
+        scan : callable
+            The layer's scan, as in :meth:`forward_stream`.
+        checked : bool, default False
+            True when the caller has checked that the call fits
+            (:func:`~tmcore.layer.sizes.check_forward`); else it is checked here.
+
+        Returns
+        -------
+        tuple of (array, StreamState) or None
+            ``(out (B, 1, d), state)``, or ``None`` (the caller runs its usual path).
         """
         record = getattr(self, "_produced", None)
         if record is None or x.ndim != 3 or x.shape[1] != 1 or not x.shape[0] \
