@@ -62,9 +62,9 @@ def _kernel_coords(coords: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     coordinate clamped to ``[-1, 1]``; clamping changes neither the value (border
     padding clamps there anyway) nor the gradient (zero at and beyond the border).
     NaN queries are then made NaN in the results, as on the generic path."""
-    is_nan = torch.isnan(coords).any(dim=-1, keepdim=True)
-    safe = torch.where(torch.isnan(coords), 0.0, coords).clamp(-1.0, 1.0)
-    return safe, is_nan
+    nan = torch.isnan(coords)
+    # (one NaN test for both, and a fill without a scalar tensor: fewer ops per read)
+    return coords.masked_fill(nan, 0.0).clamp(-1.0, 1.0), nan.any(dim=-1, keepdim=True)
 
 
 def _may_hold_true(mask: torch.Tensor) -> bool:
@@ -93,7 +93,7 @@ def make_sample(generic: Ops) -> tuple[Any, Any]:
         out = out.reshape(batch, channels, coords.shape[1]).transpose(1, 2)
         # A NaN coordinate reads NaN (as on the generic path): a bad coordinate is not
         # silently read as data.
-        return torch.where(is_nan, torch.nan, out).contiguous()
+        return out.masked_fill(is_nan, torch.nan).contiguous()
 
     def sample_bwd(xp, volume, coords, g):
         if volume.ndim > 5 or not volume.dtype == coords.dtype == g.dtype:

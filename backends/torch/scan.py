@@ -38,6 +38,7 @@ from tmcore.runtime.dispatch import Ops
 from tmcore.runtime.options import Options
 
 from . import memory
+from .splat import single_write
 
 __all__ = ["Cell", "scan_kernels", "scan_fwd", "scan_bwd", "write_fwd"]
 
@@ -73,7 +74,8 @@ class Cell:
     """
 
     def __init__(self, kernels: Kernels, batch: int, channels: int,
-                 spatial: tuple[int, ...], dtype: torch.dtype, params: ConvParams) -> None:
+                 spatial: tuple[int, ...], dtype: torch.dtype, params: ConvParams,
+                 take: Any = memory.take) -> None:
         self.kernels = kernels
         self.batch, self.channels, self.spatial = batch, channels, tuple(spatial)
         self.cells = math.prod(self.spatial)
@@ -81,8 +83,8 @@ class Cell:
         self.shape_arg = shape_arg(self.spatial)
         self.taps, self.biases, self.weight, self.zb = (plain(p) for p in ConvParams(*params))
         b, c, p = batch, channels, self.cells
-        self.y = memory.take((b, 2 * c, p), dtype)
-        self.z = memory.take((b, 4 * c, p), dtype)
+        self.y = take((b, 2 * c, p), dtype)
+        self.z = take((b, 4 * c, p), dtype)
         self.w_expanded = self.weight.expand(b, 4 * c, 2 * c)
 
     def new_state(self) -> torch.Tensor:
@@ -310,16 +312,24 @@ def write_fwd(xp: Any, h, c, write_coords, write_sigma, write_content, params, e
     kernels = scan_kernels(options, h, c, write_coords, write_sigma, write_content, *params)
     if kernels is None:
         return None
-    memory.begin()
-    cell = _cell(kernels, h, params)
-    h, c = plain(h), plain(c)
-    mu, sigma, content = write_coords[:, None, :], write_sigma[:, None], write_content
+    mu, sigma, content = write_coords, write_sigma, write_content
     if not content.dtype == mu.dtype == sigma.dtype:
         return None
-    # the splat of one write per row, as _BlockWrites.volume makes it
-    profiles, _, _ = gaussian_profiles(xp, mu, sigma, cell.spatial, eps, radius)
-    x = plain(content[:, :, None] * outer_product(xp, profiles))         # (B, C, P)
-    h_new, c_new = cell.new_state(), cell.new_state()
+    # a step's few small buffers come fresh from the allocator, not from the scan's pool
+    # (a search of its blocks per buffer cost more than the allocation at these sizes)
+    fresh = memory.uninitialized
+    batch, channels, *spatial = h.shape
+    cell = Cell(kernels, batch, channels, tuple(spatial), h.dtype, params, take=fresh)
+    h, c = plain(h), plain(c)
+    # the splat of one write per row, the bits _BlockWrites.volume makes, in fewer ops
+    # (all axes' profiles at once)
+    x = single_write(content, mu, sigma, cell.spatial, eps, radius,
+                     out=fresh((batch, channels, cell.cells), h.dtype))
+    if x is None:  # eps <= 0: the generic splat's degenerate spreads
+        profiles, _, _ = gaussian_profiles(xp, mu[:, None, :], sigma[:, None], cell.spatial,
+                                           eps, radius)
+        x = plain(content[:, :, None] * outer_product(xp, profiles))     # (B, C, P)
+    h_new, c_new = fresh(tuple(h.shape), h.dtype), fresh(tuple(h.shape), h.dtype)
     cell.step(ptr(x), x.stride(0), ptr(h), ptr(c), ptr(h_new), ptr(c_new))
     return h_new, c_new
 

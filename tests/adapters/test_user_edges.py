@@ -1,12 +1,10 @@
 """What ordinary users do between two decode tokens, against the decode fast path
 (:class:`tmcore.layer.decode.Produced`: the next token takes the state the previous one
-made, and a token that starts no chunk returns the previous token's output) and the
-adapters. Each test compares with the same computation without the fast path (a copy
-of the state, which is checked and read out afresh).
+made) and the adapters. Each test compares with the same computation without the fast
+path (a copy of the state, which is checked afresh).
 
-The ``xfail(strict=True)`` tests are holes of the output reuse whose fix belongs in
-``tmcore/layer/decode.py`` (``Produced.out``) or needs a decode op-count bound changed;
-each reason says what fails.
+The tests under "the output reuse" failed while a token that starts no chunk returned
+the previous token's output (removed: no cheap check sees every edit of the weights).
 """
 
 from __future__ import annotations
@@ -163,14 +161,9 @@ def test_a_merged_lora_disabled_between_tokens_reads_out_with_the_base_weight():
     assert torch.equal(out, expected)
 
 
-# --------------------------------------------------------------- open: Produced.out
+# --------------------------------------------------------------- the output reuse
 
 
-@pytest.mark.xfail(strict=True, reason="the reused output is the previous token's array "
-                   "itself: two calls return views of one tensor, so an in-place edit of "
-                   "one changes the other (fix: Layer._decode returns a clone of a reused "
-                   "output, +1 op per middle token, which the op-count bounds of "
-                   "test_torch_decode_ops (10 / 81) do not allow)")
 def test_two_tokens_outputs_are_distinct_arrays():
     memory = _memory()
     x, st, last = _at_middle(memory)
@@ -181,10 +174,6 @@ def test_two_tokens_outputs_are_distinct_arrays():
     assert torch.equal(last, kept)
 
 
-@pytest.mark.xfail(strict=True, reason="assigning .data (vector_to_parameters, weight "
-                   "swaps) keeps the parameter's identity and version counter: the output "
-                   "recorded with the old read-out weight is reused (fix: Produced also "
-                   "records each read-out parameter's data_ptr())")
 def test_vector_to_parameters_between_tokens_reads_out_again():
     from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
@@ -198,11 +187,6 @@ def test_vector_to_parameters_between_tokens_reads_out_again():
     assert torch.equal(out, expected)
 
 
-@pytest.mark.xfail(strict=True, reason="an in-place edit through .data (a hand-written SGD "
-                   "step p.data -= lr * g, EMA p.data.copy_, peft's merge / unmerge) "
-                   "leaves no trace on the parameter: the stale output is reused (no "
-                   "cheap check catches it; fix: drop the output reuse, which never fires "
-                   "in Hugging Face generation anyway: MemoryResidual drops the output)")
 def test_a_hand_written_sgd_step_through_data_reads_out_again():
     memory = _memory()
     x, st, _ = _at_middle(memory)
@@ -214,11 +198,6 @@ def test_a_hand_written_sgd_step_through_data_reads_out_again():
     assert torch.equal(out, expected)
 
 
-@pytest.mark.xfail(strict=True, reason="an output recorded with the memory frozen "
-                   "(requires_grad_(False), grad enabled) has no graph; after "
-                   "requires_grad_(True) it is reused and out_proj gets no gradient (fix: "
-                   "Produced.out refuses an output without a graph when grad is on and a "
-                   "read-out parameter or state.read requires grad)")
 def test_unfreezing_the_memory_between_tokens_gives_the_output_its_graph():
     memory = _memory()
     memory.requires_grad_(False)
@@ -229,10 +208,6 @@ def test_unfreezing_the_memory_between_tokens_gives_the_output_its_graph():
     assert out.requires_grad
 
 
-@pytest.mark.xfail(strict=True, reason="training the read-out alone token by token with a "
-                   "backward per token: the reused output's graph was freed by the previous "
-                   "backward (RuntimeError: backward through the graph a second time; fix: "
-                   "Produced.out never reuses an output on a graph)")
 def test_a_backward_per_token_training_the_read_out_alone():
     memory = _memory()
     memory.requires_grad_(False)

@@ -39,8 +39,8 @@ def _compiling() -> bool:
 
 
 def decode_step(layer: Layer, xp: Any, params: Params, x: Any, st: StreamState, scan: Scan,
-                valid: Any = None, known: tuple[int, ...] | None = None,
-                last_out: Any = None) -> tuple[Any, StreamState]:
+                valid: Any = None, known: tuple[int, ...] | None = None
+                ) -> tuple[Any, StreamState]:
     """One token of each row's stream: ``x (B, d)`` -> ``(out (B, d), state)``; unchecked.
 
     Parameters
@@ -68,10 +68,6 @@ def decode_step(layer: Layer, xp: Any, params: Params, x: Any, st: StreamState, 
         the read only when some row starts one, the update only when some row completes
         one (``scan.write(h, c, inputs) -> (h', c')`` when the scan has it: the update
         without the scan's read), and no further host read is made.
-    last_out : array, shape ``(B, d)``, optional
-        With ``known``: the read-out of ``st.read`` (the previous token's output, when
-        ``st`` is the state it made): a token that starts no chunk reads what the state
-        holds, so its output is that array (no read-out product).
 
     Returns
     -------
@@ -82,7 +78,7 @@ def decode_step(layer: Layer, xp: Any, params: Params, x: Any, st: StreamState, 
     """
     length = layer.config.chunk_size
     if known is not None and valid is None:
-        return _decode_known(layer, xp, params, x, st, scan, known, last_out)
+        return _decode_known(layer, xp, params, x[:, None, :], st, scan, known)
     count = st.count
     slot = xp.reshape(xp.arange(length, dtype=count.dtype, device=device_of(x)), (1, length, 1))
     at = xp.reshape(count, (-1, 1, 1))
@@ -131,34 +127,34 @@ def _pick(xp: Any, flags: list[bool], mask: Callable[[], Any], a: Any, b: Any) -
     return _rows(xp, mask(), a, b)
 
 
-def _decode_known(layer: Layer, xp: Any, params: Params, x: Any, st: StreamState,
-                  scan: Scan, known: tuple[int, ...], last_out: Any = None
-                  ) -> tuple[Any, StreamState]:
-    """:func:`decode_step` with the counts known on the host: each part runs only
-    where some row needs it (in generation every row is at the same count, so a token
-    that neither starts nor completes a chunk costs its read-out and the bookkeeping)."""
+def _decode_known(layer: Layer, xp: Any, params: Params, token: Any, st: StreamState,
+                  scan: Scan, known: tuple[int, ...]) -> tuple[Any, StreamState]:
+    """:func:`decode_step` with the counts known on the host, of ``token (B, 1, d)`` (the
+    layer's own call shape: no reshape of the token): each part runs only where some row
+    needs it (in generation every row is at the same count, so a token that neither
+    starts nor completes a chunk costs its read-out and the bookkeeping); ``out (B, d)``."""
     length = layer.config.chunk_size
-    device = device_of(x)
+    device = device_of(token)
     starts = [k == 0 for k in known]
     complete = [k == length - 1 for k in known]
     count = st.count
+    batch, _, d = token.shape
     if length == 1:
-        pending = x[:, None, :]
+        pending = token
     elif all(k == known[0] for k in known):  # one slot for every row: a concat of views
         k = known[0]
-        zeros = xp.zeros_like(x[:, None, :])
         head = st.pending[:, :k, :]
-        parts = ([head if head.dtype == x.dtype else xp.astype(head, x.dtype)] if k else []) \
-            + [x[:, None, :]] \
-            + ([xp.broadcast_to(zeros, (x.shape[0], length - k - 1, x.shape[1]))]
+        parts = ([head if head.dtype == token.dtype else xp.astype(head, token.dtype)]
+                 if k else []) + [token] \
+            + ([xp.broadcast_to(xp.zeros_like(token), (batch, length - k - 1, d))]
                if k < length - 1 else [])
         pending = parts[0] if len(parts) == 1 else xp.concat(parts, axis=1)
     else:
         slot = xp.reshape(xp.arange(length, dtype=count.dtype, device=device), (1, length, 1))
         at = xp.reshape(count, (-1, 1, 1))
-        pending = xp.where(slot == at, x[:, None, :],
-                           xp.where(slot < at, xp.astype(st.pending, x.dtype),
-                                    xp.zeros_like(x[:, None, :])))   # (B, L, d)
+        pending = xp.where(slot == at, token,
+                           xp.where(slot < at, xp.astype(st.pending, token.dtype),
+                                    xp.zeros_like(token)))           # (B, L, d)
     # a token that starts a chunk and completes none needs the read coordinates alone
     # (of the chunk's first token): no write head, no summary product
     # (None: a layer whose heads make them otherwise runs its heads)
@@ -184,9 +180,9 @@ def _decode_known(layer: Layer, xp: Any, params: Params, x: Any, st: StreamState
         else:
             _, h_new, c_new = scan(h, c, inputs)
         h, c = _pick(xp, complete, done, h_new, h), _pick(xp, complete, done, c_new, c)
-    # no row starts a chunk: each reads what the state holds, read out by the last token
-    out = (last_out if last_out is not None and not any(starts)
-           else layer.read_out(xp, params, read))
+    # read out every token: reusing the last token's output where no row starts a chunk
+    # saves one product but is stale after edits no check sees (``p.data -= ...``)
+    out = layer.read_out(xp, params, read)
     keep = [not f for f in complete]
     if any(complete):
         def kept() -> Any:
@@ -196,7 +192,9 @@ def _decode_known(layer: Layer, xp: Any, params: Params, x: Any, st: StreamState
         read = _pick(xp, keep, kept, read, xp.zeros_like(read))
     # the next counts on the device (no host-to-device copy): one op when rows agree
     if not any(complete):
-        new = count + 1
+        # rows at one count (generation): a fill, cheaper than an add of a Python int
+        new = (xp.full_like(count, known[0] + 1) if all(k == known[0] for k in known)
+               else count + 1)
     elif all(complete):
         new = xp.zeros_like(count)
     else:
@@ -219,20 +217,6 @@ def _versions(st: StreamState) -> tuple[int, ...] | None:
         return None
 
 
-def _mode(out: Any) -> tuple[Any, ...]:
-    """torch's grad and autocast modes for an output like ``out``: a reused output must
-    have been made in the mode the next token runs in (its graph, its dtype)."""
-    import sys
-
-    torch = sys.modules.get("torch")
-    if torch is None or not isinstance(out, torch.Tensor):
-        return ()
-    device = out.device.type
-    autocast = torch.is_autocast_enabled(device)
-    return (torch.is_grad_enabled(), autocast,
-            torch.get_autocast_dtype(device) if autocast else None)
-
-
 class Produced:
     """The state a layer's last decode step produced, so that the next token may take it
     as it is (a fast path keyed on identity, made only where the arrays carry version
@@ -243,59 +227,29 @@ class Produced:
     gives those counts for a state whose five fields are these very arrays, unchanged
     since (no in-place edit), with tokens of the same kind; anything else (a state the
     caller built, copied, edited or loaded) gives ``None`` and is checked as usual.
-    :meth:`out` gives the step's output for reuse only with the very parameters it was
-    read out with, unchanged (an optimizer step, ``functional_call`` with other
-    weights, a PEFT adapter's fresh effective weight: recomputed), in the same grad and
-    autocast mode.
     """
 
-    __slots__ = ("refs", "versions", "known", "batch", "dtype", "device", "out_ref",
-                 "out_version", "param_refs", "param_versions", "mode")
+    __slots__ = ("refs", "versions", "known", "batch", "dtype", "device")
 
     def __init__(self, st: StreamState, versions: tuple[int, ...], known: tuple[int, ...],
-                 x: Any, out: Any, read_params: dict[str, Any] | None):
+                 x: Any):
         ref = weakref.ref
         h, c, pending, count, read = st
         self.refs = ref(h), ref(c), ref(pending), ref(count), ref(read)
         self.versions, self.known = versions, known
         self.batch, self.dtype, self.device = x.shape[0], x.dtype, x.device
-        self.out_ref, self.out_version = ref(out), out._version
-        # (None: a read-out whose parameters are not known; its output is never reused)
-        leaves = None if read_params is None else tuple(read_params.values())
-        self.param_refs = None if leaves is None else tuple(ref(p) for p in leaves)
-        self.param_versions = None if leaves is None else tuple(p._version for p in leaves)
-        self.mode = _mode(out)
 
     @classmethod
-    def record(cls, st: StreamState, known: tuple[int, ...], x: Any, out: Any,
-               read_params: dict[str, Any] | None) -> Produced | None:
-        """A record of ``st`` (counts ``known``, made for tokens ``x (B, 1, d)``, with the
-        step's output ``out (B, d)``, the read-out of ``st.read`` by the parameter group
-        ``read_params``: name to array, or ``None`` if unknown), or ``None`` where its
-        arrays carry no version counters."""
+    def record(cls, st: StreamState, known: tuple[int, ...], x: Any) -> Produced | None:
+        """A record of ``st`` (counts ``known``, made for tokens ``x (B, 1, d)``), or
+        ``None`` where its arrays carry no version counters."""
         versions = _versions(st)
         if versions is None:
             return None
         try:
-            return cls(st, versions, known, x, out, read_params)
+            return cls(st, versions, known, x)
         except (TypeError, AttributeError, RuntimeError):  # no weak references, ...
             return None
-
-    def out(self, read_params: dict[str, Any] | None) -> Any:
-        """The recorded step's output, the read-out of the recorded ``read`` (valid with
-        :meth:`counts`), when it is alive and unchanged since, ``read_params`` are the
-        recorded read-out parameters, unchanged, and the mode is the recorded one; else
-        ``None``."""
-        out = self.out_ref()
-        if out is None or out._version != self.out_version or read_params is None \
-                or self.param_refs is None or len(read_params) != len(self.param_refs) \
-                or _mode(out) != self.mode:
-            return None
-        for r, p, v in zip(self.param_refs, read_params.values(), self.param_versions,
-                           strict=True):
-            if r() is not p or p._version != v:
-                return None
-        return out
 
     def counts(self, state: Any, x: Any) -> tuple[int, ...] | None:
         """``state``'s counts when it is the recorded state, untouched, and ``x`` tokens

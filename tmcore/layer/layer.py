@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from tmcore.layer.config import LayerConfig
-from tmcore.layer.decode import Produced, decode_step, next_counts
+from tmcore.layer.decode import Produced, _decode_known, decode_step, next_counts
 from tmcore.layer.heads import Linear, heads, linear, read_coords, read_out, split
 from tmcore.layer.params import Params
 from tmcore.layer.plan import array_plan, contiguous_plan, execute, host_plan, packed_plan
@@ -340,13 +340,10 @@ class Layer:
             check_tokens(xp, x, config)
             check_forward(xp, config, x)  # the call fits, before anything is allocated
         batch, tokens, _ = x.shape
-        if tokens == 1 and batch and reset is None and doc_starts is None and valid is None \
-                and not compiling():
-            record = getattr(self, "_produced", None)
-            known = None if record is None else record.counts(state, x)
-            if known is not None:  # this layer's last decode step made it: taken as it is
-                return self._decode(xp, params, x, state, scan, known,
-                                    record.out(self._read_params(params)))
+        if tokens == 1 and reset is None and doc_starts is None and valid is None:
+            fast = self.decode_produced(xp, params, x, state, scan, checked=True)
+            if fast is not None:  # this layer's last decode step made it: taken as it is
+                return fast
         if doc_starts is None and valid is None and tokens > 1 and batch \
                 and not isinstance(state, StreamState):
             # from a chunk boundary (no state, or a pair): x chunked as it is, without
@@ -397,21 +394,58 @@ class Layer:
                           xp.astype(st.pending, x.dtype), config.chunk_size, valid_counts)
         return execute(self, xp, params, x, st, plan, scan)
 
+    def decode_produced(self, xp: Any, params: Params, x: Any, state: Any, scan: Scan, *,
+                        checked: bool = False) -> tuple[Any, StreamState] | None:
+        """One decode step from the state this layer's last decode step produced.
+
+        The state is taken as it is (no state check, no host read of its counts):
+        :meth:`forward_stream` of one token, or ``None`` where that does not apply
+        (another state, another kind of tokens, a trace). The record holds the batch,
+        dtype and device of the last step's (checked) tokens and refuses others, so an
+        adapter may call this before its own checks of ``x`` when it knows ``x`` is an
+        array of its framework with ``d = embed_dim`` on the parameters' device and
+        dtype.
+
+        Parameters
+        ----------
+        xp, params : namespace, dict of dict of array
+            The array namespace and the layer's parameter pytree.
+        x : array, shape ``(B, 1, d)``
+            The next token of each row.
+        state : Any
+            The state to continue (a :class:`StreamState` this layer produced, else the
+            call declines).
+        scan : callable
+            The layer's scan, as in :meth:`forward_stream`.
+        checked : bool, default False
+            True when the caller has checked that the call fits
+            (:func:`~tmcore.layer.sizes.check_forward`); else it is checked here.
+
+        Returns
+        -------
+        tuple of (array, StreamState) or None
+            ``(out (B, 1, d), state)``, or ``None`` (the caller runs its usual path).
+        """
+        record = getattr(self, "_produced", None)
+        if record is None or x.ndim != 3 or x.shape[1] != 1 or not x.shape[0] \
+                or compiling():
+            return None
+        known = record.counts(state, x)
+        if known is None:
+            return None
+        if not checked:
+            check_forward(xp, self.config, x)
+        return self._decode(xp, params, x, state, scan, known)
+
     def _decode(self, xp: Any, params: Params, x: Any, st: StreamState, scan: Scan,
-                known: tuple[int, ...], last_out: Any = None) -> tuple[Any, StreamState]:
+                known: tuple[int, ...]) -> tuple[Any, StreamState]:
         """A decode step with the counts known on the host; the state it makes is recorded
         (:class:`~tmcore.layer.decode.Produced`), so that the next token's call takes it
-        without checking it again nor reading its counts back from the device, and
-        reuses its output while no row starts a chunk (``last_out``)."""
-        out, st = decode_step(self, xp, params, x[:, 0, :], st, scan, None, known, last_out)
-        self._produced = Produced.record(st, next_counts(known, self.config.chunk_size), x,
-                                         out, self._read_params(params))
+        without checking it again nor reading its counts back from the device."""
+        # the token as the call gives it (B, 1, d): no reshape of it
+        out, st = _decode_known(self, xp, params, x, st, scan, known)
+        self._produced = Produced.record(st, next_counts(known, self.config.chunk_size), x)
         return out[:, None, :], st
-
-    def _read_params(self, params: Params) -> dict[str, Any] | None:
-        """The parameters :meth:`read_out` reads (``out_proj``), or ``None`` where a
-        subclass replaces the read-out (its output is then never reused)."""
-        return params.get("out_proj") if type(self).read_out is Layer.read_out else None
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
