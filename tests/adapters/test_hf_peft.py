@@ -50,6 +50,16 @@ def memory_lora(wrapped, which):
             if "tensor_memory" in n and f".{which}." in n}
 
 
+def base_and_wrapped():
+    """Tokens, the memory model's logits on them before LoRA, and the model wrapped
+    (``all-linear`` LoRA, eval mode)."""
+    model, _ = model_with_memory()
+    x = ids()
+    with torch.no_grad():
+        base = model(input_ids=x).logits
+    return x, base, all_linear(model).eval()
+
+
 def randomize_(params, seed):
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -72,11 +82,7 @@ def test_all_linear_lora_on_the_memory_trains_every_memory_layer():
 
 
 def test_the_memory_lora_changes_the_output_and_disabling_it_restores_the_base():
-    model, _ = model_with_memory()
-    x = ids()
-    with torch.no_grad():
-        base = model(input_ids=x).logits
-    wrapped = all_linear(model).eval()
+    x, base, wrapped = base_and_wrapped()
     randomize_(memory_lora(wrapped, "lora_B").values(), 2)  # the base model's B stay zero
     with torch.no_grad():
         adapted = wrapped(input_ids=x).logits
@@ -231,11 +237,7 @@ def test_generate_with_the_memory_lora_equals_the_merged_model():
 
 
 def test_merge_adapter_in_place_and_disabling_it_as_peft_does():
-    model, _ = model_with_memory()
-    x = ids()
-    with torch.no_grad():
-        base = model(input_ids=x).logits
-    wrapped = all_linear(model).eval()
+    x, base, wrapped = base_and_wrapped()
     randomize_([p for n, p in wrapped.named_parameters() if "lora_B" in n], 8)
     with torch.no_grad():
         adapted = wrapped(input_ids=x).logits
