@@ -47,9 +47,10 @@ The memory configuration (every hyper-parameter, the blocks' path) is stored in
 ``config.json`` and :func:`from_pretrained` rebuilds the model with its memory
 and loads its weights, checking each stored value. The config is saved with
 ``model_type = "tensor_memory"`` (and ``base_model_type``), registered with
-``AutoConfig`` / ``AutoModelForCausalLM`` on import (:func:`register_auto_classes`),
-so a plain ``AutoModelForCausalLM.from_pretrained`` or ``pipeline`` loads the model
-with its memory too.
+``AutoConfig`` / ``AutoModelForCausalLM`` (and the sequence-classification,
+token-classification and question-answering Auto classes, each for its own head) on
+import (:func:`register_auto_classes`), so a plain ``AutoModelForCausalLM.from_pretrained``
+or ``pipeline`` loads the model with its memory too.
 
 Also: activation checkpointing (``activation_checkpointing_enable()``, formerly
 ``gradient_checkpointing_enable()``) recomputes the memory inside a
@@ -462,8 +463,10 @@ class HFMemory:
         entry = cache.__dict__.get(_CACHE_ATTR)
         if entry is None or entry.owner != id(self):
             raise RuntimeError(f"{name}: this cache holds {past} tokens but no Tensor Memory "
-                               f"state of this model (filled before the memory was attached, "
-                               f"or by another model); start from an empty cache")
+                               f"state of this model: it was filled before the memory was "
+                               f"attached, by another model, or with virtual tokens the memory "
+                               f"never read (PEFT prefix tuning is not supported with memory; "
+                               f"LoRA and prompt tuning are); start from an empty cache")
         if entry.length is not None and entry.length != past:
             raise RuntimeError(f"{name}: the cache now holds {past} tokens, its memory state "
                                f"belongs to {entry.length}; the cache was changed in a way "
@@ -1062,10 +1065,9 @@ def _memory_config_class(base: type) -> type:
     return _CONFIG_CLASSES[base]
 
 
-def _memory_model_class(config_class: type, model_class: type) -> type:
-    """``model_class`` (a causal LM) whose ``__init__`` attaches the memory its config
-    stores, registered with ``AutoModelForCausalLM`` for ``config_class``."""
-    transformers = _transformers()
+def _memory_model_class(config_class: type, model_class: type, auto: Any) -> type:
+    """``model_class`` whose ``__init__`` attaches the memory its config stores, registered
+    with the Auto class ``auto`` (``AutoModelForCausalLM``, ...) for ``config_class``."""
     if getattr(model_class, "_tmcore_memory_class", False):
         return model_class
     name = f"TensorMemory{model_class.__name__}"
@@ -1073,11 +1075,18 @@ def _memory_model_class(config_class: type, model_class: type) -> type:
     if existing is not None and existing.config_class is config_class:
         # registered again: the Auto class builds the class last asked for (a checkpoint's
         # own architecture, read just before its model is built)
-        transformers.AutoModelForCausalLM.register(config_class, existing, exist_ok=True)
+        auto.register(config_class, existing, exist_ok=True)
         return existing
 
     def __init__(self: Any, config: Any, *args: Any, **kwargs: Any) -> None:
-        model_class.__init__(self, config, *args, **kwargs)
+        memory_config = type(config)
+        base = getattr(memory_config, "_tmcore_base", None)
+        if base is not None:  # heads that build their body with AutoModel.from_config
+            config.__class__ = base  # know no memory config class
+        try:
+            model_class.__init__(self, config, *args, **kwargs)
+        finally:
+            config.__class__ = memory_config
         spec = getattr(config, CONFIG_KEY, None)
         if spec is None:
             raise ValueError(f"config: {type(self).__name__} needs the memory configuration "
@@ -1112,7 +1121,7 @@ def _memory_model_class(config_class: type, model_class: type) -> type:
                                                  f"attached from its config."})
     globals()[name] = cls
     _share_conversions(model_class, name)
-    transformers.AutoModelForCausalLM.register(config_class, cls, exist_ok=True)
+    auto.register(config_class, cls, exist_ok=True)
     return cls
 
 
@@ -1132,36 +1141,49 @@ def _share_conversions(model_class: type, name: str) -> None:
         register(name, mapping, overwrite=True)
 
 
-def _causal_lm_class(config: Any, architectures: Any = None) -> type | None:
-    """The causal LM class of the config class ``config``: the first of ``architectures``
-    that is one (a subclass of transformers' causal LM for it), else that class; ``None``
-    if it has none. (Another head, e.g. ``...ForSequenceClassification``, is not one: the
-    memory class registered with ``AutoModelForCausalLM`` must be a causal LM.)"""
+#: The Auto classes a model with memory is registered with, each for its own head (not
+#: ``AutoModel``: heads build their body with it, which would attach a second memory).
+_AUTO_HEADS = ("AutoModelForCausalLM", "AutoModelForSequenceClassification",
+               "AutoModelForTokenClassification", "AutoModelForQuestionAnswering")
+
+
+def _register_heads(config_class: type, preferred: Sequence[type] = ()) -> bool:
+    """Register, with each Auto class of :data:`_AUTO_HEADS` that has a head for the base
+    config of ``config_class``, that head with memory: the first of ``preferred`` that is
+    one (a subclass of it: a checkpoint's own architecture), else the head itself. Returns
+    whether a class of ``preferred`` was registered."""
     transformers = _transformers()
-    try:
-        causal = transformers.MODEL_FOR_CAUSAL_LM_MAPPING[config]
-    except (KeyError, ValueError):
-        return None
-    for arch in architectures or ():
-        found = getattr(transformers, arch, None)
-        if isinstance(found, type) and issubclass(found, causal):
-            return found
-    return causal
+    base = getattr(config_class, "_tmcore_base", config_class)
+    found = False
+    for name in _AUTO_HEADS:
+        auto = getattr(transformers, name, None)
+        try:
+            head = auto._model_mapping[base]
+        except (AttributeError, KeyError, ValueError):
+            continue
+        chosen = next((c for c in preferred if issubclass(c, head)), head)
+        found = found or chosen in preferred
+        _memory_model_class(config_class, chosen, auto)
+    return found
 
 
 def _mark_config(model: nn.Module) -> None:
     """Make ``model.config`` save as ``tensor_memory`` (its class, not its values, swapped)
-    and register the pair with the Auto classes, so that ``AutoModelForCausalLM`` loads
-    the model back with its memory."""
+    and register the pair with the Auto classes, so that ``AutoModelForCausalLM`` (or the
+    Auto class of the model's head) loads the model back with its memory."""
     base = type(model.config)
     if getattr(base, "_tmcore_base", None) is None and getattr(base, "model_type", ""):
-        config_class = _memory_config_class(base)
-        model.config.__class__ = config_class
-    # another head of a family with a causal LM (sequence classification, ...) is not
-    # registered with AutoModelForCausalLM: it would replace that family's causal LM there
-    causal = _causal_lm_class(getattr(type(model.config), "_tmcore_base", type(model.config)))
-    if causal is None or isinstance(model, causal):
-        _memory_model_class(type(model.config), type(model))
+        model.config.__class__ = _memory_config_class(base)
+    config_class = type(model.config)
+    if not _register_heads(config_class, (type(model),)):
+        # a model no Auto head knows (a custom class): AutoModelForCausalLM loads it, unless
+        # its family has a causal LM there (it would replace it)
+        transformers = _transformers()
+        try:
+            transformers.AutoModelForCausalLM._model_mapping[
+                getattr(config_class, "_tmcore_base", config_class)]
+        except (KeyError, ValueError):
+            _memory_model_class(config_class, type(model), transformers.AutoModelForCausalLM)
 
 
 def _auto_config_class() -> type:
@@ -1190,9 +1212,9 @@ def _auto_config_class() -> type:
             check_spec(config_dict[CONFIG_KEY])
             base = mapping[base_type]
             config_class = _memory_config_class(base)
-            model_class = _causal_lm_class(base, config_dict.get("architectures"))
-            if model_class is not None:
-                _memory_model_class(config_class, model_class)
+            named = (getattr(transformers, arch, None)
+                     for arch in config_dict.get("architectures") or ())
+            _register_heads(config_class, [c for c in named if isinstance(c, type)])
             return config_class.from_dict(config_dict, **kwargs)
 
     return TensorMemoryConfig

@@ -177,3 +177,74 @@ def test_an_edited_chunk_size_is_refused_before_any_block_is_built(tmp_path, loa
         load(tmp_path)
     grew_mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) >> 10
     assert grew_mib < 100, grew_mib
+
+
+HEADS = ["AutoModelForSequenceClassification", "AutoModelForTokenClassification",
+         "AutoModelForQuestionAnswering"]
+
+
+def _head_outputs(out):
+    return [t for t in (getattr(out, k, None) for k in ("logits", "start_logits",
+                                                        "end_logits")) if t is not None]
+
+
+@pytest.mark.parametrize("auto_name", HEADS)
+def test_another_head_loads_with_its_auto_class_and_its_memory(auto_name, tmp_path):
+    """``AutoModelForSequenceClassification.from_pretrained`` of a head saved with memory
+    raised ("Unrecognized configuration class TensorMemoryLlamaConfig"), likewise for the
+    token-classification and question-answering heads; the causal LMs still load."""
+    auto = getattr(transformers, auto_name)
+    config = transformers.LlamaConfig(hidden_size=16, intermediate_size=32,
+                                      num_hidden_layers=2, num_attention_heads=2,
+                                      num_key_value_heads=1, max_position_embeddings=64,
+                                      num_labels=3, **COMMON)
+    torch.manual_seed(0)
+    head = auto.from_config(config).eval()
+    hf.attach_memory(head, **MEMORY)
+    x = ids(2, 7)
+    with torch.no_grad():
+        expected = _head_outputs(head(input_ids=x))
+    head.save_pretrained(tmp_path)
+    loaded = auto.from_pretrained(tmp_path).eval()
+    assert isinstance(loaded, type(head)) and hf.memory_of(loaded) is not None
+    with torch.no_grad():
+        got = _head_outputs(loaded(input_ids=x))
+    assert len(got) == len(expected) and all(map(torch.equal, got, expected))
+    causal = make_model("llama")
+    hf.attach_memory(causal, **MEMORY)
+    causal.save_pretrained(tmp_path / "causal")
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "causal")
+    assert isinstance(back, transformers.LlamaForCausalLM)
+
+
+def test_a_new_process_loads_a_head_with_its_memory_through_the_auto_class(tmp_path):
+    """What a user does: save in one process, load in another with the Auto class of the
+    head (registered from the saved config, no attach call in that process)."""
+    import subprocess
+    import sys
+
+    config = transformers.LlamaConfig(hidden_size=16, intermediate_size=32,
+                                      num_hidden_layers=2, num_attention_heads=2,
+                                      num_key_value_heads=1, max_position_embeddings=64,
+                                      num_labels=3, **COMMON)
+    torch.manual_seed(0)
+    head = transformers.LlamaForSequenceClassification(config).eval()
+    hf.attach_memory(head, **MEMORY)
+    x = ids(2, 7)
+    with torch.no_grad():
+        torch.save({"x": x, "logits": head(input_ids=x).logits}, tmp_path / "expected.pt")
+    head.save_pretrained(tmp_path / "model")
+    script = (
+        "import torch, transformers\n"
+        "import tmcore.adapters.hf as hf\n"
+        f"e = torch.load({str(tmp_path / 'expected.pt')!r})\n"
+        f"m = transformers.AutoModelForSequenceClassification.from_pretrained("
+        f"{str(tmp_path / 'model')!r}).eval()\n"
+        "assert hf.memory_of(m) is not None\n"
+        "with torch.no_grad():\n"
+        "    assert torch.equal(m(input_ids=e['x']).logits, e['logits'])\n"
+        "print('ok')\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().endswith("ok")

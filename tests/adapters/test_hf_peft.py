@@ -246,3 +246,18 @@ def test_merge_adapter_in_place_and_disabling_it_as_peft_does():
         with wrapped.disable_adapter():  # every layer unmerges itself, the memory's too
             torch.testing.assert_close(wrapped(input_ids=x).logits, base, rtol=1e-5,
                                        atol=1e-5)
+
+
+def test_prefix_tuning_is_refused_naming_it_and_prompt_tuning_runs():
+    """Prefix tuning puts virtual key/values in the cache that the memory never read: the
+    refusal said the cache was "filled before the memory was attached, or by another
+    model". Prompt tuning (virtual token embeddings, read by the memory) runs."""
+    model, _ = model_with_memory()
+    prefix = peft.get_peft_model(model, peft.PrefixTuningConfig(task_type="CAUSAL_LM",
+                                                                num_virtual_tokens=4))
+    with pytest.raises(RuntimeError, match="PEFT prefix tuning is not supported"):
+        prefix(input_ids=ids())
+    model, _ = model_with_memory()
+    prompt = peft.get_peft_model(model, peft.PromptTuningConfig(task_type="CAUSAL_LM",
+                                                                num_virtual_tokens=4))
+    assert prompt(input_ids=ids()).logits.shape == (2, 4 + 8, VOCAB)
