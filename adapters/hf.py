@@ -47,8 +47,9 @@ The memory configuration (every hyper-parameter, the blocks' path) is stored in
 ``config.json`` and :func:`from_pretrained` rebuilds the model with its memory
 and loads its weights, checking each stored value. The config is saved with
 ``model_type = "tensor_memory"`` (and ``base_model_type``), registered with
-``AutoConfig`` / ``AutoModelForCausalLM`` (and the sequence-classification,
-token-classification and question-answering Auto classes, each for its own head) on
+``AutoConfig`` / ``AutoModelForCausalLM`` (and ``AutoModel`` and the
+sequence-classification, token-classification and question-answering Auto classes, each
+for its own head) on
 import (:func:`register_auto_classes`), so a plain ``AutoModelForCausalLM.from_pretrained``
 or ``pipeline`` loads the model with its memory too.
 
@@ -1091,7 +1092,7 @@ def _memory_model_class(config_class: type, model_class: type, auto: Any) -> typ
         if spec is None:
             raise ValueError(f"config: {type(self).__name__} needs the memory configuration "
                              f"'{CONFIG_KEY}' in its config (saved by a model with memory)")
-        _attach_spec(self, check_spec(spec))
+        _attach_spec(self, _blocks_of_this_head(self, check_spec(spec)))
 
     @classmethod
     def from_pretrained(cls: Any, *args: Any, **kwargs: Any) -> Any:
@@ -1125,6 +1126,28 @@ def _memory_model_class(config_class: type, model_class: type, auto: Any) -> typ
     return cls
 
 
+def _blocks_of_this_head(model: nn.Module, spec: dict[str, Any]) -> dict[str, Any]:
+    """``spec`` with its blocks' path moved to ``model``'s layout: a head's checkpoint read
+    by the base model (``AutoModel``: ``model.layers`` -> ``layers``) or the reverse, by
+    the base model prefix transformers strips or adds when it loads."""
+    blocks, prefix = spec["blocks"], getattr(model, "base_model_prefix", "") or ""
+
+    def exists(path: str) -> bool:
+        try:
+            model.get_submodule(path)
+        except AttributeError:
+            return False
+        return True
+
+    if not prefix or exists(blocks):
+        return spec
+    if blocks.startswith(prefix + ".") and exists(blocks[len(prefix) + 1:]):
+        return {**spec, "blocks": blocks[len(prefix) + 1:]}
+    if exists(f"{prefix}.{blocks}"):
+        return {**spec, "blocks": f"{prefix}.{blocks}"}
+    return spec
+
+
 def _share_conversions(model_class: type, name: str) -> None:
     """Give the memory class ``name`` the checkpoint key conversions transformers keeps
     under ``model_class``'s name (GPT-NeoX: ``embed_out`` <-> ``lm_head``): the base class
@@ -1141,9 +1164,10 @@ def _share_conversions(model_class: type, name: str) -> None:
         register(name, mapping, overwrite=True)
 
 
-#: The Auto classes a model with memory is registered with, each for its own head (not
-#: ``AutoModel``: heads build their body with it, which would attach a second memory).
-_AUTO_HEADS = ("AutoModelForCausalLM", "AutoModelForSequenceClassification",
+#: The Auto classes a model with memory is registered with, each for its own head
+#: (``AutoModel``: the base model; a head builds its body with the base config class, so
+#: the body gets no second memory).
+_AUTO_HEADS = ("AutoModelForCausalLM", "AutoModelForSequenceClassification", "AutoModel",
                "AutoModelForTokenClassification", "AutoModelForQuestionAnswering")
 
 

@@ -248,3 +248,32 @@ def test_a_new_process_loads_a_head_with_its_memory_through_the_auto_class(tmp_p
                           timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip().endswith("ok")
+
+
+def _memories(model):
+    return sum(1 for name, _ in model.named_modules() if name.endswith(".tensor_memory"))
+
+
+def test_auto_model_reads_a_causal_lm_checkpoint_with_its_memory(tmp_path):
+    """``AutoModel.from_pretrained`` of a causal LM saved with memory (the backbone, as for
+    any transformers checkpoint) raised; a head loaded from it gets one memory per block
+    (its body is built without a second one), and a backbone saved with memory loads
+    back as a causal LM (the blocks' path moves by the base model prefix both ways)."""
+    model = make_model("llama")
+    hf.attach_memory(model, **MEMORY)
+    x = ids(2, 7)
+    with torch.no_grad():
+        hidden = model.model(input_ids=x).last_hidden_state
+    model.save_pretrained(tmp_path)
+    backbone = transformers.AutoModel.from_pretrained(tmp_path).eval()
+    assert isinstance(backbone, transformers.LlamaModel) and hf.memory_of(backbone) is not None
+    assert _memories(backbone) == 2
+    with torch.no_grad():
+        assert torch.equal(backbone(input_ids=x).last_hidden_state, hidden)
+    head = transformers.AutoModelForSequenceClassification.from_pretrained(tmp_path)
+    assert _memories(head) == 2
+    backbone.save_pretrained(tmp_path / "backbone")
+    causal = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "backbone").eval()
+    assert _memories(causal) == 2
+    with torch.no_grad():
+        assert torch.equal(causal.model(input_ids=x).last_hidden_state, hidden)
