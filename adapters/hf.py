@@ -956,7 +956,8 @@ def from_pretrained(path: str | os.PathLike, model_class: Any = None, **kwargs: 
         A local folder written by ``save_pretrained`` of a model with memory.
     model_class : type, optional
         The class to load with (default ``AutoModelForCausalLM``; an ``Auto*``
-        class or a concrete one).
+        class or a concrete one). Another head than the saved one reads the checkpoint
+        as transformers does (``AutoModel``: the backbone, with its memory).
     **kwargs
         Passed to its ``from_pretrained`` (``torch_dtype``, ...).
 
@@ -1011,8 +1012,13 @@ def from_pretrained(path: str | os.PathLike, model_class: Any = None, **kwargs: 
         memory_of(model).remove()     # below, its weights loaded strictly
     if hasattr(model.config, CONFIG_KEY):
         delattr(model.config, CONFIG_KEY)
-    memory = _attach_spec(model, spec)
+    moved = _blocks_of_this_head(model, spec)  # another head's checkpoint (AutoModel, ...)
+    memory = _attach_spec(model, moved)
     tensors = _memory_tensors(path)
+    if moved["blocks"] != spec["blocks"]:  # its keys move as transformers moves the rest
+        old, new = spec["blocks"] + ".", moved["blocks"] + "."
+        tensors = {new + k[len(old):] if k.startswith(old) else k: v
+                   for k, v in tensors.items()}
     expected = {k for k in model.state_dict() if f".{_torch_attach.ATTRIBUTE}." in k}
     missing, unknown = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
     if missing or unknown:

@@ -272,8 +272,16 @@ def test_auto_model_reads_a_causal_lm_checkpoint_with_its_memory(tmp_path):
         assert torch.equal(backbone(input_ids=x).last_hidden_state, hidden)
     head = transformers.AutoModelForSequenceClassification.from_pretrained(tmp_path)
     assert _memories(head) == 2
+    # hf.from_pretrained likewise (it raised: 'model.layers' is not ... of LlamaModel)
+    plain = hf.from_pretrained(tmp_path, model_class=transformers.AutoModel).eval()
+    assert type(plain) is transformers.LlamaModel and _memories(plain) == 2
+    with torch.no_grad():
+        assert torch.equal(plain(input_ids=x).last_hidden_state, hidden)
     backbone.save_pretrained(tmp_path / "backbone")
     causal = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "backbone").eval()
     assert _memories(causal) == 2
-    with torch.no_grad():
-        assert torch.equal(causal.model(input_ids=x).last_hidden_state, hidden)
+    again = hf.from_pretrained(tmp_path / "backbone", model_class=transformers.LlamaForCausalLM)
+    for loaded in (causal, again.eval()):
+        assert _memories(loaded) == 2
+        with torch.no_grad():
+            assert torch.equal(loaded.model(input_ids=x).last_hidden_state, hidden)
