@@ -193,8 +193,7 @@ def step_fwd_kernel(
             _read(h_ptr + row, rc_ptr + bt * N, reads_ptr + bt * C, offs_c, mask_c, N, S0, S1,
                   S2)
     for tile in range(pid, TILES, programs):
-        offs_p, i0, i1, i2 = cells(tile, BP, S1, S2)
-        mask_p = offs_p < P
+        offs_p, i0, i1, i2, mask_p = cells(tile, BP, S0, S1, S2)
         y_x, y_h = _conv_input(h_ptr + row, content, mu0, mu1, mu2, denom, rs, dw_ptr, db_ptr,
                                offs_c, mask_c, i0, i1, i2, offs_p, C, N, S0, S1, S2,
                                HAS_RADIUS)
@@ -269,8 +268,7 @@ def step_bwd_a_kernel(
     content, sigma, denom, rs, mu0, mu1, mu2 = _write_params(
         wcont_ptr, ws_ptr, wc_ptr, bt, offs_c, mask_c, C, eps, radius, N)
     for tile in range(pid, TILES, programs):
-        offs_p, i0, i1, i2 = cells(tile, BP, S1, S2)
-        mask_p = offs_p < P
+        offs_p, i0, i1, i2, mask_p = cells(tile, BP, S0, S1, S2)
         y_x, y_h = _conv_input(h_ptr + row, content, mu0, mu1, mu2, denom, rs, dw_ptr, db_ptr,
                                offs_c, mask_c, i0, i1, i2, offs_p, C, N, S0, S1, S2,
                                HAS_RADIUS)
@@ -340,8 +338,7 @@ def step_bwd_b_kernel(
     s_mu2 = s_mu0
     s_m2 = s_mu0
     for tile in range(pid, TILES, programs):
-        offs_p, i0, i1, i2 = cells(tile, BP, S1, S2)
-        mask_p = offs_p < P
+        offs_p, i0, i1, i2, mask_p = cells(tile, BP, S0, S1, S2)
         mask = mask_c[:, None] & mask_p[None, :]
         at = row + offs_c[:, None] * P + offs_p[None, :]
         h_own = tl.load(h_ptr + at, mask=mask, other=0.0)

@@ -152,8 +152,7 @@ def local_fwd_kernel(
     brow = tb * C * P
     # ---- the undo log: the box of h, c before the update
     for tile in range(0, TILES):
-        offs_p, i0, i1, i2 = cells(tile, BP, S1, S2)
-        mask_p = offs_p < P
+        offs_p, i0, i1, i2, mask_p = cells(tile, BP, S0, S1, S2)
         cell = _box_cells(geo_ptr, tb, i0, i1, i2, G1, G2)
         m = mask_c[:, None] & mask_p[None, :]
         src = row + offs_c[:, None] * GP + cell[None, :]
@@ -179,8 +178,7 @@ def local_fwd_kernel(
     tl.debug_barrier()  # every load of this row's state before its first store
     # ---- the gates on the box (from the undo log), stored into the window cells
     for tile in range(0, TILES):
-        offs_p, i0, i1, i2 = cells(tile, BP, S1, S2)
-        mask_p = offs_p < P
+        offs_p, i0, i1, i2, mask_p = cells(tile, BP, S0, S1, S2)
         y_x, y_h = _box_conv(hbox_ptr + brow, vol_ptr + brow, dw_ptr, db_ptr, offs_c, mask_c,
                              i0, i1, i2, offs_p, C, N, S0, S1, S2, CB, BP)
         m = mask_c[:, None] & mask_p[None, :]
@@ -225,8 +223,7 @@ def local_bwd_kernel(
     dy_row = b * C2 * P
     # ---- A: gate VJP on the window cells; d_c over g_c on the box
     for tile in range(0, TILES):
-        offs_p, i0, i1, i2 = cells(tile, BP, S1, S2)
-        mask_p = offs_p < P
+        offs_p, i0, i1, i2, mask_p = cells(tile, BP, S0, S1, S2)
         y_x, y_h = _box_conv(hbox_ptr + brow, vol_ptr + brow, dw_ptr, db_ptr, offs_c, mask_c,
                              i0, i1, i2, offs_p, C, N, S0, S1, S2, CB, BP)
         s_i, s_f, s_o, t_g = gate_activations(y_x, y_h, pw_ptr, pb_ptr, offs_c, mask_c, C,
@@ -254,8 +251,7 @@ def local_bwd_kernel(
     tl.debug_barrier()  # d_y of the whole box before the transposed stencil
     # ---- B: transposed stencil; d_h over g_h on the box, d_x into the step's buffer
     for tile in range(0, TILES):
-        offs_p, i0, i1, i2 = cells(tile, BP, S1, S2)
-        mask_p = offs_p < P
+        offs_p, i0, i1, i2, mask_p = cells(tile, BP, S0, S1, S2)
         m = mask_c[:, None] & mask_p[None, :]
         own = brow + offs_c[:, None] * P + offs_p[None, :]
         h_own = tl.load(hbox_ptr + own, mask=m, other=0.0)

@@ -179,9 +179,14 @@ def mix(y_x, y_h, pw_ptr, pb_ptr, q: tl.constexpr, offs_c, mask_c, C,
 
 
 @triton.jit
-def cells(tile, BP: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr):
+def cells(tile, BP: tl.constexpr, S0: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr):
+    """Tile ``tile`` of the grid (or box): its cells ``offs_p`` (BP,), their index per axis
+    ``i0, i1, i2`` and ``mask_p``, the cells inside: ``(offs_p, i0, i1, i2, mask_p)``."""
     offs_p = tile * BP + tl.arange(0, BP)
-    return offs_p, offs_p // (S1 * S2), (offs_p // S2) % S1, offs_p % S2
+    i0 = offs_p // (S1 * S2)
+    i1 = (offs_p // S2) % S1
+    i2 = offs_p % S2
+    return offs_p, i0, i1, i2, offs_p < S0 * S1 * S2
 
 
 @triton.jit
