@@ -218,10 +218,23 @@ def _corner_loop_setup(rc, N: tl.constexpr, S0: tl.constexpr, S1: tl.constexpr,
 
 
 @triton.jit
+def _corner_value(h_row, offs_c, mask_c, l0, l1, l2, e0: tl.constexpr, e1: tl.constexpr,
+                  e2: tl.constexpr, S0: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr):
+    """``h[c, corner]`` (CB,) of the read's corner ``(l0 + e0, l1 + e1, l2 + e2)``, 0 past
+    the grid's last cell."""
+    P: tl.constexpr = S0 * S1 * S2
+    j0 = offs_c * 0 + (l0 + e0)  # per-channel copies: masks are vectors
+    j1 = offs_c * 0 + (l1 + e1)
+    j2 = offs_c * 0 + (l2 + e2)
+    ok = (j0 < S0) & (j1 < S1) & (j2 < S2)
+    return tl.load(h_row + offs_c * P + (j0 * S1 * S2 + j1 * S2 + j2), mask=mask_c & ok,
+                   other=0.0)
+
+
+@triton.jit
 def _read(h_row, rc, out, offs_c, mask_c, N: tl.constexpr, S0: tl.constexpr,
           S1: tl.constexpr, S2: tl.constexpr):
     """``out[c] = sum over the 2^n corners of weight * h[c, corner]`` (border clamped)."""
-    P: tl.constexpr = S0 * S1 * S2
     l0, fr0, in0, l1, fr1, in1, l2, fr2, in2 = _corner_loop_setup(rc, N, S0, S1, S2)
     acc = (offs_c * 0).to(fr2.dtype)
     for e0 in tl.static_range(2):
@@ -232,12 +245,7 @@ def _read(h_row, rc, out, offs_c, mask_c, N: tl.constexpr, S0: tl.constexpr,
                     w1, _ = corner(e1, fr1, fr1)
                     w2, _ = corner(e2, fr2, fr2)
                     w = w0 * w1 * w2
-                    j0 = offs_c * 0 + (l0 + e0)  # per-channel copies: masks are vectors
-                    j1 = offs_c * 0 + (l1 + e1)
-                    j2 = offs_c * 0 + (l2 + e2)
-                    ok = (j0 < S0) & (j1 < S1) & (j2 < S2)
-                    hv = tl.load(h_row + offs_c * P + (j0 * S1 * S2 + j1 * S2 + j2),
-                                 mask=mask_c & ok, other=0.0)
+                    hv = _corner_value(h_row, offs_c, mask_c, l0, l1, l2, e0, e1, e2, S0, S1, S2)
                     acc += w * hv
     tl.store(out + offs_c, acc, mask=mask_c)
 
@@ -387,7 +395,6 @@ def step_bwd_b_kernel(
 def _read_coord_grad(h_row, rc, g_read, out, offs_c, mask_c, N: tl.constexpr,
                      S0: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr):
     """``d read / d coords`` contracted with ``g_read`` (C,), stored per component."""
-    P: tl.constexpr = S0 * S1 * S2
     l0, fr0, in0, l1, fr1, in1, l2, fr2, in2 = _corner_loop_setup(rc, N, S0, S1, S2)
     # d weight / d coordinate: -+ (S - 1) / 2 at the lower / upper corner, 0 when clamped
     slope0 = in0.to(fr0.dtype) * ((S0 - 1) * 0.5)
@@ -400,12 +407,7 @@ def _read_coord_grad(h_row, rc, g_read, out, offs_c, mask_c, N: tl.constexpr,
         for e1 in tl.static_range(2):
             for e2 in tl.static_range(2):
                 if (e0 == 0 or S0 > 1) and (e1 == 0 or S1 > 1) and (e2 == 0 or S2 > 1):
-                    j0 = offs_c * 0 + (l0 + e0)  # per-channel copies: masks are vectors
-                    j1 = offs_c * 0 + (l1 + e1)
-                    j2 = offs_c * 0 + (l2 + e2)
-                    ok = (j0 < S0) & (j1 < S1) & (j2 < S2)
-                    hv = tl.load(h_row + offs_c * P + (j0 * S1 * S2 + j1 * S2 + j2),
-                                 mask=mask_c & ok, other=0.0)
+                    hv = _corner_value(h_row, offs_c, mask_c, l0, l1, l2, e0, e1, e2, S0, S1, S2)
                     gh = tl.sum(g_read * hv, axis=0)
                     w0, s0 = corner(e0, fr0, slope0)
                     w1, s1 = corner(e1, fr1, slope1)
