@@ -121,10 +121,6 @@ def _key(kind: str, state, read_coords, eps, radius, every) -> tuple:
             float(eps), radius, every, launch.precision(state))
 
 
-def _contiguous(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    return tuple(t.contiguous() for t in tensors)
-
-
 def scan_fwd(xp: Any, h0, c0, read_coords, write_coords, write_sigma, write_content,
              params: ConvParams, eps: float, radius: float | None, checkpoint_every: int):
     """Fused :func:`tmcore.scan.memory_scan_fwd`, or ``None`` where it does not apply."""
@@ -133,8 +129,8 @@ def scan_fwd(xp: Any, h0, c0, read_coords, write_coords, write_sigma, write_cont
                                       "write_sigma": write_sigma,
                                       "write_content": write_content}, params):
         return None
-    inputs = _contiguous(h0, c0, read_coords, write_coords, write_sigma, write_content,
-                         *params)
+    inputs = launch.contiguous(h0, c0, read_coords, write_coords, write_sigma,
+                               write_content, *params)
     loop = functools.partial(_forward_loop, eps=float(eps), radius=radius,
                              every=checkpoint_every, geo=_Geometry(h0))
     key = _key("fwd", h0, read_coords, eps, radius, checkpoint_every)
@@ -151,11 +147,7 @@ def _backward_loop(rc, wc, ws, wcont, dw, db, pw, pb, h_ck, c_ck, g_reads, g_h, 
     like = {"dtype": g_h.dtype, "device": g_h.device}
     g_h, g_c = g_h.clone(), g_c.clone()  # updated in place, step by step
     d_y = torch.empty((batch, 2 * channels, cells), **like)
-    slots = batch * geo.programs
-    d_pw = torch.zeros((slots, 4 * channels, 2 * channels), **like)
-    d_pb = torch.zeros((slots, 4 * channels), **like)
-    e_sums = torch.zeros((slots, 2 * channels, 27), **like)
-    corr = torch.zeros((slots, 2 * channels, 27), **like)
+    d_pw, d_pb, e_sums, corr = launch.param_sums(batch * geo.programs, channels, like)
     write_part = torch.empty((batch, steps, geo.programs, channels + 4), **like)
     d_rc = torch.empty((batch, steps, geo.n), **like)
     replay = (torch.empty((every - 1, *g_h.shape), **like),
@@ -200,8 +192,8 @@ def scan_bwd(xp: Any, read_coords, write_coords, write_sigma, write_content,
             "write_sigma": write_sigma, "write_content": write_content}, params, saved=saved):
         return None
     geo = _Geometry(g_h)
-    inputs = _contiguous(read_coords, write_coords, write_sigma, write_content, *params,
-                         h_checkpoints, c_checkpoints, g_reads, g_h, g_c)
+    inputs = launch.contiguous(read_coords, write_coords, write_sigma, write_content, *params,
+                               h_checkpoints, c_checkpoints, g_reads, g_h, g_c)
     loop = functools.partial(_backward_loop, eps=float(eps), radius=radius,
                              every=checkpoint_every, geo=geo)
     key = _key("bwd", g_h, read_coords, eps, radius, checkpoint_every)
@@ -209,7 +201,7 @@ def scan_bwd(xp: Any, read_coords, write_coords, write_sigma, write_content,
     if out is None:
         return None
     d_h0, d_c0, d_rc, write_part, d_pw, d_pb, e_sums, corr = out
-    ws, (dw, db) = inputs[2], inputs[4:6]
+    ws = inputs[2]
     channels, n = geo.channels, geo.n
     sums = write_part.sum(dim=2)  # (B, T, C + 4), a fixed-order reduction
     denom = 2.0 * ws * ws + eps
@@ -217,6 +209,5 @@ def scan_bwd(xp: Any, read_coords, write_coords, write_sigma, write_content,
     d_mu = torch.stack([sums[..., channels + 2 - comp] for comp in range(n)], dim=-1)
     d_mu = d_mu * (2.0 / denom)[..., None]
     d_sigma = sums[..., channels + 3] * (4.0 * ws / (denom * denom))
-    d_taps, d_biases = launch.depthwise_grads(dw, db, corr.sum(0), e_sums.sum(0), geo.s3)
-    d_params = ConvParams(d_taps, d_biases, d_pw.sum(0), d_pb.sum(0))
+    d_params = launch.param_grads(inputs[4:8], d_pw, d_pb, e_sums, corr, geo.s3)
     return ScanGrads(d_h0, d_c0, d_rc, d_mu, d_sigma, d_content, d_params)

@@ -21,8 +21,8 @@
   most :data:`MAX_GRAPHS` are kept (least recently used dropped).
 - Entry checks (:func:`check_shapes`): every shape the kernels index by, and a size
   their 32-bit offsets reach.
-- The depthwise taps' and biases' gradients from the kernels' sums
-  (:func:`depthwise_grads`).
+- The parameter gradients' per-program partial sums (:func:`param_sums`) and the
+  gradients made from them (:func:`param_grads`).
 
 The kernel modules import ``triton``, so they are imported only here (:func:`kernels`),
 when a launch needs them.
@@ -45,8 +45,8 @@ from tmcore.ops.conv import ConvParams
 from tmcore.runtime.options import environment, get_options
 
 __all__ = ["ENV_VAR", "MAX_CHANNELS", "kernels", "available", "interpreting", "usable",
-           "precision", "Tiles", "guarded", "check_shapes", "depthwise_grads", "replay",
-           "graph_cache_bytes", "MAX_GRAPHS"]
+           "precision", "Tiles", "guarded", "check_shapes", "contiguous", "param_sums",
+           "param_grads", "replay", "graph_cache_bytes", "MAX_GRAPHS"]
 
 ENV_VAR = "TMCORE_TRITON"
 #: Widest memory the kernels take (register tiles are ``C x C``); wider: the generic loop.
@@ -165,15 +165,32 @@ def check_shapes(state: torch.Tensor, read_coords: torch.Tensor, arrays: dict,
                          f"{tuple(state.shape)} over {steps} steps is too large for them")
 
 
-def depthwise_grads(taps: torch.Tensor, biases: torch.Tensor, corr: torch.Tensor,
-                    e_sums: torch.Tensor, s3: tuple[int, int, int]):
-    """Tap and bias gradients ``(n, 2C, 3), (n, 2C)`` from the scan's sums.
+def contiguous(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The kernels' inputs: ``tensors``, each made contiguous."""
+    return tuple(t.contiguous() for t in tensors)
+
+
+def param_sums(slots: int, channels: int, like: dict) -> tuple[torch.Tensor, ...]:
+    """The zeroed per-program partial sums (``slots`` rows) of the parameter gradients:
+    ``d_pw (slots, 4C, 2C), d_pb (slots, 4C)``, the bias-class sums ``E`` and the stencil
+    correlations ``corr`` ``(slots, 2C, 27)``; ``like``: their dtype and device."""
+    return (torch.zeros((slots, 4 * channels, 2 * channels), **like),
+            torch.zeros((slots, 4 * channels), **like),
+            torch.zeros((slots, 2 * channels, 27), **like),
+            torch.zeros((slots, 2 * channels, 27), **like))
+
+
+def param_grads(params: ConvParams, d_pw: torch.Tensor, d_pb: torch.Tensor,
+                e_sums: torch.Tensor, corr: torch.Tensor, s3: tuple[int, int, int]) -> ConvParams:
+    """The gradients of ``params`` from the scan's partial sums (:func:`param_sums`).
 
     ``y = sum_d K[d] u[p + d] + Bias(p)`` is linear in the stencil ``K`` (a product of
     one tap per axis) and in ``Bias`` (biases times per-axis tap sums, constant per
-    cell class), so ``<corr, K> + <E, Bias>`` has the taps' and biases' gradients;
-    they are taken by autograd on these few small tensors.
+    cell class), so ``<corr, K> + <E, Bias>`` has the taps' and biases' gradients
+    ``(n, 2C, 3), (n, 2C)``; they are taken by autograd on these few small tensors.
     """
+    taps, biases = params[0], params[1]
+    corr, e_sums = corr.sum(0), e_sums.sum(0)
     n, c2 = biases.shape
     with torch.inference_mode(False), torch.enable_grad():
         t = taps.detach().clone().requires_grad_(True)
@@ -195,7 +212,7 @@ def depthwise_grads(taps: torch.Tensor, biases: torch.Tensor, corr: torch.Tensor
             field = field * sums.reshape(view) + b[axis - (3 - n)].reshape(c2, 1, 1, 1)
         loss = loss + (field.reshape(c2, 27) * e_sums.detach().clone()).sum()
         d_taps, d_biases = torch.autograd.grad(loss, (t, b))
-    return d_taps.detach(), d_biases.detach()
+    return ConvParams(d_taps.detach(), d_biases.detach(), d_pw.sum(0), d_pb.sum(0))
 
 
 # --------------------------------------------------------------------------- CUDA graphs

@@ -126,9 +126,7 @@ def _forward(xp, h0, c0, rc, wc, ws, wcont, params, window, eps, radius, overwri
 
     geo = _Geometry(h0, window)
     _, table, volumes = _writes(xp, geo, wc, ws, wcont, window, eps, radius)
-    inputs = (h0 if h0.is_contiguous() else h0.contiguous(),
-              c0 if c0.is_contiguous() else c0.contiguous(), volumes, table, rc.contiguous(),
-              *(p.contiguous() for p in params))
+    inputs = launch.contiguous(h0, c0, volumes, table, rc, *params)
     key = ("local_fwd", *_key("", h0, rc, window, eps, radius)[1:], overwrite,
            launch.precision(h0))
     reads, h, c, h_boxes, c_boxes, read_boxes = launch.replay(
@@ -185,15 +183,12 @@ def _backward(xp, geo, residuals, rc, wc, ws, wcont, params, g_reads, g_h, g_c, 
     from tmcore.scan.local import box_writes_bwd
 
     writes, table, volumes = _writes(xp, geo, wc, ws, wcont, window, eps, radius)
-    dw, db, pw, pb = (p.contiguous() for p in params)
-    inputs = (g_h.contiguous(), g_c.contiguous(), *(r.contiguous() for r in residuals),
-              volumes, table, rc.contiguous(), g_reads.contiguous(), dw, db, pw, pb)
+    inputs = launch.contiguous(g_h, g_c, *residuals, volumes, table, rc, g_reads, *params)
     key = ("local_bwd", *_key("", g_h, rc, window, eps, radius)[1:], launch.precision(g_h))
     d_h, d_c, d_x, d_rc, d_pw, d_pb, e_sums, corr = launch.replay(
         key, functools.partial(_backward_loop, geo=geo), inputs)
     d_wc, d_ws, d_wcont = box_writes_bwd(xp, writes, wc, ws, wcont, d_x)
-    d_taps, d_biases = launch.depthwise_grads(dw, db, corr.sum(0), e_sums.sum(0), geo.s3)
-    d_params = ConvParams(d_taps, d_biases, d_pw.sum(0), d_pb.sum(0))
+    d_params = launch.param_grads(inputs[-4:], d_pw, d_pb, e_sums, corr, geo.s3)
     return ScanGrads(d_h, d_c, d_rc, d_wc, d_ws, d_wcont, d_params)
 
 
@@ -207,10 +202,7 @@ def _backward_loop(g_h, g_c, h_boxes, c_boxes, read_boxes, volumes, table, rc, g
     g_h, g_c = _own(g_h, False), _own(g_c, False)  # updated in place, step by step
     d_y = torch.empty((batch, 2 * channels, math.prod(geo.box)), **like)
     d_x = torch.empty((steps * batch, channels, *geo.box), **like)
-    d_pw = torch.zeros((batch, 4 * channels, 2 * channels), **like)
-    d_pb = torch.zeros((batch, 4 * channels), **like)
-    e_sums = torch.zeros((batch, 2 * channels, 27), **like)
-    corr = torch.zeros((batch, 2 * channels, 27), **like)
+    d_pw, d_pb, e_sums, corr = launch.param_sums(batch, channels, like)
     d_rc = torch.empty((batch, steps, geo.n), **like)
     consts = geo.constexprs(launch.precision(g_h))
     for t in reversed(range(steps)):
