@@ -115,10 +115,13 @@ def _accepts(state, read_coords, arrays: dict, params: ConvParams, **kw: Any) ->
     return True
 
 
-def _key(kind: str, state, read_coords, eps, radius, every) -> tuple:
-    """Cache key of a captured scan loop."""
-    return (kind, tuple(state.shape), read_coords.shape[1], state.dtype, state.device,
-            float(eps), radius, every, launch.precision(state))
+def _run(kind: str, loop, state, read_coords, inputs: tuple, eps, radius, every, geo) -> Any:
+    """``loop(*inputs)`` through the shared fallback and CUDA-graph replay, keyed by
+    ``kind`` and the shapes / dtype / options; ``None`` where its kernels failed."""
+    key = (kind, tuple(state.shape), read_coords.shape[1], state.dtype, state.device,
+           float(eps), radius, every, launch.precision(state))
+    loop = functools.partial(loop, eps=float(eps), radius=radius, every=every, geo=geo)
+    return launch.guarded("scan", key, 4, state, lambda: launch.replay(key, loop, inputs))
 
 
 def scan_fwd(xp: Any, h0, c0, read_coords, write_coords, write_sigma, write_content,
@@ -131,10 +134,8 @@ def scan_fwd(xp: Any, h0, c0, read_coords, write_coords, write_sigma, write_cont
         return None
     inputs = launch.contiguous(h0, c0, read_coords, write_coords, write_sigma,
                                write_content, *params)
-    loop = functools.partial(_forward_loop, eps=float(eps), radius=radius,
-                             every=checkpoint_every, geo=_Geometry(h0))
-    key = _key("fwd", h0, read_coords, eps, radius, checkpoint_every)
-    return launch.guarded("scan", key, 4, h0, lambda: launch.replay(key, loop, inputs))
+    return _run("fwd", _forward_loop, h0, read_coords, inputs, eps, radius, checkpoint_every,
+                _Geometry(h0))
 
 
 def _backward_loop(rc, wc, ws, wcont, dw, db, pw, pb, h_ck, c_ck, g_reads, g_h, g_c, *, eps,
@@ -194,10 +195,8 @@ def scan_bwd(xp: Any, read_coords, write_coords, write_sigma, write_content,
     geo = _Geometry(g_h)
     inputs = launch.contiguous(read_coords, write_coords, write_sigma, write_content, *params,
                                h_checkpoints, c_checkpoints, g_reads, g_h, g_c)
-    loop = functools.partial(_backward_loop, eps=float(eps), radius=radius,
-                             every=checkpoint_every, geo=geo)
-    key = _key("bwd", g_h, read_coords, eps, radius, checkpoint_every)
-    out = launch.guarded("scan", key, 4, g_h, lambda: launch.replay(key, loop, inputs))
+    out = _run("bwd", _backward_loop, g_h, read_coords, inputs, eps, radius, checkpoint_every,
+               geo)
     if out is None:
         return None
     d_h0, d_c0, d_rc, write_part, d_pw, d_pb, e_sums, corr = out

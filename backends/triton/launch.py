@@ -139,7 +139,8 @@ def guarded(what: str, key: tuple, shown: int, like: torch.Tensor,
             run: Callable[[], Any]) -> Any:
     """``run()`` on ``like``'s device, or ``None`` (decline) when ``key``'s kernels
     failed: then (the first time) a ``RuntimeWarning`` naming the fused ``what`` and
-    ``key[:shown]``, and the per-step path runs for ``key`` from then on."""
+    ``key[:shown]``, and the per-step path runs for ``key`` from then on. Called by the
+    scans' ``_run``: the warning points at the caller of their entry."""
     if key in _BROKEN:
         return None
     try:
@@ -149,7 +150,7 @@ def guarded(what: str, key: tuple, shown: int, like: torch.Tensor,
         _BROKEN.add(key)
         warnings.warn(f"tmcore: the fused Triton {what} failed for {key[:shown]} "
                       f"({type(err).__name__}: {str(err)[:300]}); using the per-step path",
-                      RuntimeWarning, stacklevel=3)
+                      RuntimeWarning, stacklevel=4)
         return None
 
 

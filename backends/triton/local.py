@@ -86,10 +86,19 @@ def _writes(xp, geo: _Geometry, wc, ws, wcont, window, eps, radius):
     return writes, table, volumes
 
 
-def _check(state, rc, arrays: dict, params: ConvParams, window) -> None:
+def _run(kind: str, state, rc, tensors: tuple, arrays: dict, params: ConvParams, window, eps,
+         radius, run) -> Any:
+    """``run()`` through the shared fallback, or ``None`` to decline; every shape is
+    checked first (``ValueError`` naming the argument)."""
+    if not launch.usable(*tensors) or _kernels() is None:
+        return None
     if not isinstance(window, int) or window < 1:
         raise ValueError(f"window: expected an int >= 1, got {window!r}")
     launch.check_shapes(state, rc, arrays, params, window=window)
+    if rc.shape[1] == 0:
+        return None
+    return launch.guarded("local scan", _key(kind, state, rc, window, eps, radius), 5, state,
+                          run)
 
 
 def _key(kind, state, rc, window, eps, radius) -> tuple:
@@ -104,17 +113,11 @@ def scan_fwd(xp: Any, h0, c0, read_coords, write_coords, write_sigma, write_cont
     to decline."""
     params = ConvParams(*params)
     tensors = (h0, c0, read_coords, write_coords, write_sigma, write_content, *params)
-    if not launch.usable(*tensors) or _kernels() is None:
-        return None
-    _check(h0, read_coords, {"c0": c0, "write_coords": write_coords,
-                             "write_sigma": write_sigma, "write_content": write_content},
-           params, window)
-    if read_coords.shape[1] == 0:
-        return None
-    return launch.guarded(
-        "local scan", _key("fwd", h0, read_coords, window, eps, radius), 5, h0,
-        lambda: _forward(xp, h0, c0, read_coords, write_coords, write_sigma, write_content,
-                         params, window, eps, radius, overwrite_state))
+    arrays = {"c0": c0, "write_coords": write_coords, "write_sigma": write_sigma,
+              "write_content": write_content}
+    return _run("fwd", h0, read_coords, tensors, arrays, params, window, eps, radius,
+                lambda: _forward(xp, h0, c0, read_coords, write_coords, write_sigma,
+                                 write_content, params, window, eps, radius, overwrite_state))
 
 
 def _own(x: torch.Tensor, overwrite: bool) -> torch.Tensor:
@@ -160,21 +163,14 @@ def scan_bwd(xp: Any, residuals, read_coords, write_coords, write_sigma, write_c
         return None
     tensors = (g_h, g_c, g_reads, *residuals, read_coords, write_coords, write_sigma,
                write_content, *params)
-    if not launch.usable(*tensors) or _kernels() is None:
-        return None
-    _check(g_h, read_coords, {"g_c": g_c, "g_reads": g_reads,
-                              "residuals.h_boxes": residuals.h_boxes,
-                              "residuals.c_boxes": residuals.c_boxes,
-                              "residuals.read_boxes": residuals.read_boxes,
-                              "write_coords": write_coords, "write_sigma": write_sigma,
-                              "write_content": write_content}, params, window)
-    if read_coords.shape[1] == 0:
-        return None
-    return launch.guarded(
-        "local scan", _key("bwd", g_h, read_coords, window, eps, radius), 5, g_h,
-        lambda: _backward(xp, _Geometry(g_h, window), residuals, read_coords, write_coords,
-                          write_sigma, write_content, params, g_reads, g_h, g_c, window, eps,
-                          radius))
+    arrays = {"g_c": g_c, "g_reads": g_reads, "residuals.h_boxes": residuals.h_boxes,
+              "residuals.c_boxes": residuals.c_boxes,
+              "residuals.read_boxes": residuals.read_boxes, "write_coords": write_coords,
+              "write_sigma": write_sigma, "write_content": write_content}
+    return _run("bwd", g_h, read_coords, tensors, arrays, params, window, eps, radius,
+                lambda: _backward(xp, _Geometry(g_h, window), residuals, read_coords,
+                                  write_coords, write_sigma, write_content, params, g_reads,
+                                  g_h, g_c, window, eps, radius))
 
 
 def _backward(xp, geo, residuals, rc, wc, ws, wcont, params, g_reads, g_h, g_c, window, eps,
