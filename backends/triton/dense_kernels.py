@@ -80,9 +80,11 @@ def _gauss(j, mu, denom, rs, S: tl.constexpr, HAS_RADIUS: tl.constexpr):
 
 
 @triton.jit
-def _x_axis(i, mu, denom, rs, t0, t1, t2, S: tl.constexpr, HAS_RADIUS: tl.constexpr):
-    """One axis of the ``x`` half: ``G = sum_k t_k g(i + k - 1)`` over cells inside,
-    ``(CB, BP)``, ``g`` the axis's Gaussian profile."""
+def _x_axis(dw_ptr, A: tl.constexpr, N: tl.constexpr, offs_c, mask_c, C2, i, mu, denom, rs,
+            S: tl.constexpr, HAS_RADIUS: tl.constexpr):
+    """Padded axis ``A`` of the ``x`` half: ``G = sum_k t_k g(i + k - 1)`` over cells
+    inside, ``(CB, BP)``, ``t`` the axis's ``x`` taps, ``g`` its Gaussian profile."""
+    t0, t1, t2 = taps(dw_ptr, A, N, 0, offs_c, mask_c, C2)
     g_mid, off = _gauss(i, mu, denom, rs, S, HAS_RADIUS)
     G = t1[:, None] * g_mid[None, :]
     if S > 1:
@@ -117,14 +119,11 @@ def _conv_input(h_row, content, mu0, mu1, mu2, denom, rs, dw_ptr, db_ptr, offs_c
     """
     C2 = 2 * C
     # ---- x half: separable
-    tx0, tx1, tx2 = taps(dw_ptr, 2, N, 0, offs_c, mask_c, C2)
-    G = _x_axis(i2, mu2, denom, rs, tx0, tx1, tx2, S2, HAS_RADIUS)
+    G = _x_axis(dw_ptr, 2, N, offs_c, mask_c, C2, i2, mu2, denom, rs, S2, HAS_RADIUS)
     if N >= 2:
-        ty0, ty1, ty2 = taps(dw_ptr, 1, N, 0, offs_c, mask_c, C2)
-        G = G * _x_axis(i1, mu1, denom, rs, ty0, ty1, ty2, S1, HAS_RADIUS)
+        G = G * _x_axis(dw_ptr, 1, N, offs_c, mask_c, C2, i1, mu1, denom, rs, S1, HAS_RADIUS)
     if N >= 3:
-        tz0, tz1, tz2 = taps(dw_ptr, 0, N, 0, offs_c, mask_c, C2)
-        G = G * _x_axis(i0, mu0, denom, rs, tz0, tz1, tz2, S0, HAS_RADIUS)
+        G = G * _x_axis(dw_ptr, 0, N, offs_c, mask_c, C2, i0, mu0, denom, rs, S0, HAS_RADIUS)
     y_x = content[:, None] * G + bias_field(dw_ptr, db_ptr, 0, i0, i1, i2, offs_c, mask_c,
                                              C2, N, S0, S1, S2)
     # ---- h half: 3^n gathers
