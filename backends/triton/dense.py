@@ -71,7 +71,7 @@ class _Geometry(launch.Tiles):
                 "HAS_RADIUS": has_radius}
 
 
-def _forward_loop(h0, c0, rc, wc, ws, wcont, dw, db, pw, pb, *, eps, radius, every, geo):
+def _forward_loop(h0, c0, rc, wc, ws, wcont, dw, db, pw, pb, *, eps, r, consts, every, geo):
     """The forward launches: ``(reads, h_T, c_T, h_checkpoints, c_checkpoints)``."""
     k = _kernels()
     steps = rc.shape[1]
@@ -86,8 +86,6 @@ def _forward_loop(h0, c0, rc, wc, ws, wcont, dw, db, pw, pb, *, eps, radius, eve
     between = sum(1 for t in range(steps - 1) if (t + 1) % every)
     scratch = [(torch.empty_like(h0), torch.empty_like(c0)) for _ in range(min(between, 2))]
     h_t, c_t = torch.empty_like(h0), torch.empty_like(c0)
-    consts = geo.constexprs(radius is not None)
-    r = 0.0 if radius is None else float(radius)
     cur = (h_ck[0], c_ck[0])
     for t in range(steps):
         if t + 1 == steps:
@@ -117,11 +115,17 @@ def _accepts(state, read_coords, arrays: dict, params: ConvParams, **kw: Any) ->
 
 def _run(kind: str, loop, state, read_coords, inputs: tuple, eps, radius, every, geo) -> Any:
     """``loop(*inputs)`` through the shared fallback and CUDA-graph replay, keyed by
-    ``kind`` and the shapes / dtype / options; ``None`` where its kernels failed."""
+    ``kind`` and the shapes / dtype / options; ``None`` where its kernels failed. The
+    loops get the radius as ``r`` (0 for none) and ``consts``, the kernels' constexprs."""
     key = (kind, tuple(state.shape), read_coords.shape[1], state.dtype, state.device,
            float(eps), radius, every, launch.precision(state))
-    loop = functools.partial(loop, eps=float(eps), radius=radius, every=every, geo=geo)
-    return launch.guarded("scan", key, 4, state, lambda: launch.replay(key, loop, inputs))
+
+    def run():
+        return launch.replay(key, functools.partial(
+            loop, eps=float(eps), r=0.0 if radius is None else float(radius),
+            consts=geo.constexprs(radius is not None), every=every, geo=geo), inputs)
+
+    return launch.guarded("scan", key, 4, state, run)
 
 
 def scan_fwd(xp: Any, h0, c0, read_coords, write_coords, write_sigma, write_content,
@@ -138,8 +142,8 @@ def scan_fwd(xp: Any, h0, c0, read_coords, write_coords, write_sigma, write_cont
                 _Geometry(h0))
 
 
-def _backward_loop(rc, wc, ws, wcont, dw, db, pw, pb, h_ck, c_ck, g_reads, g_h, g_c, *, eps,
-                   radius, every, geo):
+def _backward_loop(rc, wc, ws, wcont, dw, db, pw, pb, h_ck, c_ck, g_reads, g_h, g_c, *, eps, r,
+                   consts, every, geo):
     """The backward launches: ``(d_h0, d_c0, d_read_coords, write partials (B, T, G, C + 4),
     d_pointwise partials, d_pointwise_bias partials, bias-class sums, stencil sums)``."""
     k = _kernels()
@@ -153,8 +157,6 @@ def _backward_loop(rc, wc, ws, wcont, dw, db, pw, pb, h_ck, c_ck, g_reads, g_h, 
     d_rc = torch.empty((batch, steps, geo.n), **like)
     replay = (torch.empty((every - 1, *g_h.shape), **like),
               torch.empty((every - 1, *g_h.shape), **like)) if every > 1 else None
-    consts = geo.constexprs(radius is not None)
-    r = 0.0 if radius is None else float(radius)
     precision = launch.precision(g_h)
     extra = geo.launch_kw()
     for segment in reversed(range(h_ck.shape[0])):
