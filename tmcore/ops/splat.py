@@ -140,6 +140,26 @@ def splat_bwd(
     return d_content, d_mu, d_sigma
 
 
+def splat_rows(xp: Any, write: Any, shape: tuple[int, ...], eps: float,
+               radius: float | None) -> Any:
+    """One write per row, through ``ops_for(xp)``: ``write_coords (M, n)``, ``write_sigma
+    (M,)``, ``write_content (M, C)`` (a :class:`tmcore.StepInputs` serves) splatted on
+    ``shape``, ``(M, C, *shape)``."""
+    return ops_for(xp).splat_fwd(xp, write.write_content[:, None, :],
+                                 write.write_coords[:, None, :], write.write_sigma[:, None],
+                                 shape, eps, radius)
+
+
+def splat_rows_vjp(xp: Any, write: Any, shape: tuple[int, ...], g: Any, eps: float,
+                   radius: float | None) -> tuple[Any, Any, Any]:
+    """VJP of :func:`splat_rows` for ``g (M, C, *shape)``: ``(d_mu (M, n), d_sigma (M,),
+    d_content (M, C))``."""
+    d_content, d_mu, d_sigma = ops_for(xp).splat_bwd(
+        xp, write.write_content[:, None, :], write.write_coords[:, None, :],
+        write.write_sigma[:, None], shape, g, eps, radius)
+    return d_mu[:, 0, :], d_sigma[:, 0], d_content[:, 0, :]
+
+
 def validate_splat_inputs(content, mu, sigma, shape, g=None, radius=None, eps=DEFAULT_EPS):
     """The checks of :func:`gaussian_splat` / its VJP (shared with the torch custom op,
     which runs them in eager mode). Returns ``(namespace, shape as a tuple)``."""

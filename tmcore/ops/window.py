@@ -51,8 +51,7 @@ from tmcore.ops.cell import cell_bwd, cell_cache, cell_fwd, validate_gate_conv, 
 from tmcore.ops.conv import ConvParams, as_conv_params
 from tmcore.ops.gather import box_index, gather_box, index_dtype, set_box, to_index
 from tmcore.ops.separable import outer_product
-from tmcore.ops.splat import DEFAULT_EPS, gaussian_profiles
-from tmcore.runtime.dispatch import ops_for
+from tmcore.ops.splat import DEFAULT_EPS, gaussian_profiles, splat_rows, splat_rows_vjp
 from tmcore.runtime.validate import (
     check_dim,
     check_eps,
@@ -103,11 +102,15 @@ def _per_axis(xp: Any, values: list[float], like: Any) -> Any:
     return xp.asarray(values, **kw)
 
 
+def window_sizes(shape: tuple[int, ...], window: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The :class:`Window`'s ``size`` and ``box`` per axis of ``shape``."""
+    return tuple(min(window, s) for s in shape), tuple(min(window + 2, s) for s in shape)
+
+
 def window_geometry(xp: Any, coords: Any, shape: tuple[int, ...], window: int) -> Window:
     """The :class:`Window` of writes at ``coords (B, n)`` (normalized, coordinate order)."""
     dtype = index_dtype(xp, array_api_compat.device(coords))
-    sizes = tuple(min(window, s) for s in shape)
-    boxes = tuple(min(window + 2, s) for s in shape)
+    sizes, boxes = window_sizes(shape, window)
     u = (xp.flip(coords, axis=1) + 1.0) * _per_axis(xp, [(s - 1) / 2.0 for s in shape], coords)
     u = xp.clip(u, 0.0, _per_axis(xp, [float(s - 1) for s in shape], coords))
     start = xp.clip(xp.round(u) - _per_axis(xp, [float(w // 2) for w in sizes], coords), 0.0,
@@ -248,6 +251,15 @@ def box_write_bwd(xp: Any, write: Any, parts: BoxWrite, g: Any,
     return d_content, d_mu[:, 0, :], (moment2 * scale)[:, 0]
 
 
+def window_write(xp: Any, write: Any, geometry: Window, shape: tuple[int, ...], eps: float,
+                 radius: float | None) -> tuple[Any, Any, BoxWrite]:
+    """The fast path's write: ``(written box (B, C, *box), the window's cells in the box
+    (B, 1, *box), what box_write_bwd needs)``."""
+    masks = box_window_masks(xp, geometry)
+    volume, parts = box_write(xp, write, geometry, shape, eps, radius, masks)
+    return volume, combine(xp, masks), parts
+
+
 # ----------------------------------------------------------------------------- one step
 
 
@@ -263,7 +275,9 @@ def owned(xp: Any, x: Any) -> Any:
 def box_update(xp: Any, params: ConvParams, h_box: Any, c_box: Any, volume: Any,
                inside: Any) -> tuple[Any, Any]:
     """The ConvLSTM on a box ``(B, C, *box)`` written with ``volume``, kept only at the
-    window's cells (``inside (B, 1, *box)``): ``(new h box, new c box)``."""
+    window's cells (``inside (B, 1, *box)``): ``(new h box, new c box)``. On the whole
+    grid (``volume`` zero outside the window, ``inside`` the window's mask) it is the
+    masked path's update, the definition."""
     h_new, c_new, _ = cell_fwd(xp, volume, h_box, c_box, params)
     return xp.where(inside, h_new, h_box), xp.where(inside, c_new, c_box)
 
@@ -280,82 +294,46 @@ def box_update_vjp(xp: Any, params: ConvParams, h_box: Any, c_box: Any, volume: 
             d_params)
 
 
-def masked_update(xp: Any, params: ConvParams, h: Any, c: Any, written: Any,
-                  mask: Any) -> tuple[Any, Any]:
-    """The definition, densely: the ConvLSTM on ``written (B, C, *S)`` (zero outside the
-    window), kept only where ``mask (B, 1, *S)``."""
-    h_new, c_new, _ = cell_fwd(xp, written, h, c, params)
-    return xp.where(mask, h_new, h), xp.where(mask, c_new, c)
+def update_in_box(xp: Any, params: ConvParams, h: Any, c: Any, geometry: Window, index: Any,
+                  volume: Any, inside: Any) -> tuple[Any, Any, Any, Any]:
+    """:func:`box_update` on the box of ``h, c (B, C, *S)`` (``index``: its
+    :func:`box_index`), written back in place (pass arrays nothing else reads):
+    ``(h', c', h box, c box)``, the boxes as they were before the update."""
+    h_box = gather_box(xp, h, geometry.box_start, geometry.box, index)
+    c_box = gather_box(xp, c, geometry.box_start, geometry.box, index)
+    h_new, c_new = box_update(xp, params, h_box, c_box, volume, inside)
+    return (set_box(xp, h, geometry.box_start, h_new, index),
+            set_box(xp, c, geometry.box_start, c_new, index), h_box, c_box)
+
+
+def update_in_box_vjp(xp: Any, params: ConvParams, g_h: Any, g_c: Any, geometry: Window,
+                      index: Any, h_box: Any, c_box: Any, volume: Any, inside: Any):
+    """VJP of :func:`update_in_box` from the boxes before the update, ``g_h, g_c (B, C,
+    *S)`` updated in place (pass arrays nothing else reads): ``(d_h, d_c, d_volume,
+    d_params)``."""
+    g_h_box = gather_box(xp, g_h, geometry.box_start, geometry.box, index)
+    g_c_box = gather_box(xp, g_c, geometry.box_start, geometry.box, index)
+    d_h_box, d_c_box, d_volume, d_params = box_update_vjp(xp, params, h_box, c_box, volume,
+                                                          inside, g_h_box, g_c_box)
+    return (set_box(xp, g_h, geometry.box_start, d_h_box, index),
+            set_box(xp, g_c, geometry.box_start, d_c_box, index), d_volume, d_params)
 
 
 def masked_update_vjp(xp: Any, params: ConvParams, h: Any, c: Any, written: Any, mask: Any,
                       g_h: Any, g_c: Any):
-    """VJP of :func:`masked_update`: ``(d_h, d_c, d_written (zero outside), d_params)``."""
+    """VJP of the masked path's update (:func:`box_update` on the grid): ``(d_h, d_c,
+    d_written (zero outside), d_params)``."""
     d_h, d_c, d_x, d_params = box_update_vjp(xp, params, h, c, written, mask, g_h, g_c)
     return d_h, d_c, xp.where(mask, d_x, _zero(xp, d_x)), d_params
 
 
 def masked_write(xp: Any, write: Any, shape: tuple[int, ...], window: int, eps: float,
                  radius: float | None) -> tuple[Any, Any]:
-    """``(written (B, C, *S), mask (B, 1, *S))``: the splat restricted to the window."""
+    """``(written (B, C, *S), mask (B, 1, *S))``: the splat restricted to the window (its
+    VJP, for a cotangent already zero outside the window, is :func:`splat_rows_vjp`)."""
     mask = window_mask(xp, window_geometry(xp, write.write_coords, shape, window), shape)
-    splat = ops_for(xp).splat_fwd(xp, write.write_content[:, None, :],
-                                  write.write_coords[:, None, :], write.write_sigma[:, None],
-                                  shape, eps, radius)
+    splat = splat_rows(xp, write, shape, eps, radius)
     return xp.where(mask, splat, _zero(xp, splat)), mask
-
-
-def masked_write_vjp(xp: Any, write: Any, shape: tuple[int, ...], g: Any, eps: float,
-                     radius: float | None) -> tuple[Any, Any, Any]:
-    """VJP of :func:`masked_write` for ``g`` already zero outside the window:
-    ``(d_mu (B, n), d_sigma (B,), d_content (B, C))``."""
-    d_content, d_mu, d_sigma = ops_for(xp).splat_bwd(
-        xp, write.write_content[:, None, :], write.write_coords[:, None, :],
-        write.write_sigma[:, None], shape, g, eps, radius)
-    return d_mu[:, 0, :], d_sigma[:, 0], d_content[:, 0, :]
-
-
-def fast_box(xp: Any, h: Any, c: Any, write: Any, params: ConvParams, window: int,
-             eps: float, radius: float | None):
-    """Gather and update the box: ``(geometry, index, h box, c box, new h box, new c box)``."""
-    shape = tuple(h.shape[2:])
-    geometry = window_geometry(xp, write.write_coords, shape, window)
-    index = box_index(xp, geometry.box_start, geometry.box, h.shape[0], h.shape[1], shape)
-    h_box = gather_box(xp, h, geometry.box_start, geometry.box, index)
-    c_box = gather_box(xp, c, geometry.box_start, geometry.box, index)
-    masks = box_window_masks(xp, geometry)
-    x_box, _ = box_write(xp, write, geometry, shape, eps, radius, masks)
-    return (geometry, index, h_box, c_box,
-            *box_update(xp, params, h_box, c_box, x_box, combine(xp, masks)))
-
-
-def fast_step_bwd(xp: Any, h_box: Any, c_box: Any, write: Any, geometry: Window,
-                  shape: tuple[int, ...], params: ConvParams, g_h_box: Any, g_c_box: Any,
-                  eps: float, radius: float | None):
-    """VJP of one fast step on its box: ``(d_h box, d_c box, d_inputs, d_params)`` where the
-    box cotangents already include the pass-through outside the window."""
-    masks = box_window_masks(xp, geometry)
-    x_box, parts = box_write(xp, write, geometry, shape, eps, radius, masks)
-    d_h, d_c, d_x, d_params = box_update_vjp(xp, params, h_box, c_box, x_box,
-                                             combine(xp, masks), g_h_box, g_c_box)
-    d_content, d_mu, d_sigma = box_write_bwd(xp, write, parts, d_x, write.write_sigma)
-    return d_h, d_c, (d_mu, d_sigma, d_content), d_params
-
-
-def masked_step(xp: Any, h: Any, c: Any, write: Any, params: ConvParams, window: int,
-                eps: float, radius: float | None):
-    """The definition, densely: ``(h', c', mask (B, 1, *S), written (B, C, *S))``."""
-    written, mask = masked_write(xp, write, tuple(h.shape[2:]), window, eps, radius)
-    return (*masked_update(xp, params, h, c, written, mask), mask, written)
-
-
-def masked_step_bwd(xp: Any, h: Any, c: Any, write: Any, params: ConvParams,
-                    window: int, g_h: Any, g_c: Any, eps: float, radius: float | None):
-    """VJP of :func:`masked_step`: ``(d_h, d_c, (d_mu, d_sigma, d_content), d_params)``."""
-    shape = tuple(h.shape[2:])
-    written, mask = masked_write(xp, write, shape, window, eps, radius)
-    d_h, d_c, d_x, d_params = masked_update_vjp(xp, params, h, c, written, mask, g_h, g_c)
-    return d_h, d_c, masked_write_vjp(xp, write, shape, d_x, eps, radius), d_params
 
 
 # ----------------------------------------------------------------------------- validation
@@ -446,12 +424,16 @@ def local_update(h: Any, c: Any, write_coords: Any, write_sigma: Any, write_cont
     xp, params = _validate_step(h, c, write_coords, write_sigma, write_content, params,
                                 window, eps, radius, method)
     write = Write(write_coords, write_sigma, write_content)
+    shape = tuple(h.shape[2:])
     if method == "masked":
-        h_new, c_new, _, _ = masked_step(xp, h, c, write, params, window, eps, radius)
-        return h_new, c_new
-    geometry, index, _, _, h_box, c_box = fast_box(xp, h, c, write, params, window, eps, radius)
-    return (set_box(xp, owned(xp, h), geometry.box_start, h_box, index),
-            set_box(xp, owned(xp, c), geometry.box_start, c_box, index))
+        written, mask = masked_write(xp, write, shape, window, eps, radius)
+        return box_update(xp, params, h, c, written, mask)
+    geometry = window_geometry(xp, write_coords, shape, window)
+    index = box_index(xp, geometry.box_start, geometry.box, h.shape[0], h.shape[1], shape)
+    volume, inside, _ = window_write(xp, write, geometry, shape, eps, radius)
+    h_new, c_new, _, _ = update_in_box(xp, params, owned(xp, h), owned(xp, c), geometry, index,
+                                       volume, inside)
+    return h_new, c_new
 
 
 def local_update_vjp(h: Any, c: Any, write_coords: Any, write_sigma: Any, write_content: Any,
@@ -492,21 +474,19 @@ def local_update_vjp(h: Any, c: Any, write_coords: Any, write_sigma: Any, write_
     xp, params = _validate_step(h, c, write_coords, write_sigma, write_content, params,
                                 window, eps, radius, method, g_h, g_c)
     write = Write(write_coords, write_sigma, write_content)
-    if method == "masked":
-        d_h, d_c, (d_mu, d_sigma, d_content), d_params = masked_step_bwd(
-            xp, h, c, write, params, window, g_h, g_c, eps, radius)
-        return d_h, d_c, d_mu, d_sigma, d_content, d_params
     shape = tuple(h.shape[2:])
+    if method == "masked":
+        written, mask = masked_write(xp, write, shape, window, eps, radius)
+        d_h, d_c, d_x, d_params = masked_update_vjp(xp, params, h, c, written, mask, g_h, g_c)
+        return (d_h, d_c, *splat_rows_vjp(xp, write, shape, d_x, eps, radius), d_params)
     geometry = window_geometry(xp, write_coords, shape, window)
     index = box_index(xp, geometry.box_start, geometry.box, h.shape[0], h.shape[1], shape)
-
-    def box(x):
-        return gather_box(xp, x, geometry.box_start, geometry.box, index)
-
-    d_h_box, d_c_box, (d_mu, d_sigma, d_content), d_params = fast_step_bwd(
-        xp, box(h), box(c), write, geometry, shape, params, box(g_h), box(g_c), eps, radius)
-    d_h = set_box(xp, owned(xp, g_h), geometry.box_start, d_h_box, index)
-    d_c = set_box(xp, owned(xp, g_c), geometry.box_start, d_c_box, index)
+    volume, inside, parts = window_write(xp, write, geometry, shape, eps, radius)
+    d_h, d_c, d_x, d_params = update_in_box_vjp(
+        xp, params, owned(xp, g_h), owned(xp, g_c), geometry, index,
+        gather_box(xp, h, geometry.box_start, geometry.box, index),
+        gather_box(xp, c, geometry.box_start, geometry.box, index), volume, inside)
+    d_content, d_mu, d_sigma = box_write_bwd(xp, write, parts, d_x, write_sigma)
     return d_h, d_c, d_mu, d_sigma, d_content, d_params
 
 

@@ -120,6 +120,33 @@ def tree_add(a: Any, b: Any) -> Any:
     return b if a is None else tree_map(lambda x, y: x + y, a, b)
 
 
+def read_point(xp: Any, h: Any, coords: Any) -> Any:
+    """A step's read: ``h (B, C, *S)`` sampled at ``coords (B, n)``, ``(B, C)``."""
+    return ops_for(xp).sample_fwd(xp, h, coords[:, None, :])[:, 0, :]
+
+
+def read_point_vjp(xp: Any, h: Any, coords: Any, g: Any) -> tuple[Any, Any]:
+    """VJP of :func:`read_point` for ``g (B, C)``: ``(d_h (B, C, *S), d_coords (B, n))``."""
+    d_h, d_coords = ops_for(xp).sample_bwd(xp, h, coords[:, None, :], g[:, None, :])
+    return d_h, d_coords[:, 0, :]
+
+
+def read_then_update(step: Any, xp: Any, params: Any, h: Any, c: Any, x: Any, W: Any
+                     ) -> tuple[Any, Any, Any, None]:
+    """:meth:`Step.advance` of a step that reads, then runs its ``update(xp, params, h, c,
+    x, W) -> (h', c')`` (no log)."""
+    return (read_point(xp, h, x.read_coords), *step.update(xp, params, h, c, x, W), None)
+
+
+def read_then_update_vjp(step: Any, xp: Any, params: Any, h: Any, c: Any, x: Any, W: Any,
+                         g_read: Any, g_h: Any, g_c: Any) -> tuple[Any, ...]:
+    """:meth:`Step.advance_vjp` of :func:`read_then_update`, from the step's
+    ``update_vjp(xp, params, h, c, x, W, g_h, g_c) -> (d_h, d_c, g_W, d_params)``."""
+    d_h, d_c, g_W, d_params = step.update_vjp(xp, params, h, c, x, W, g_h, g_c)
+    d_h_read, d_coords = read_point_vjp(xp, h, x.read_coords, g_read)
+    return d_h + d_h_read, d_c, d_coords, None, g_W, d_params
+
+
 def _step(xs: Any, t: int) -> Any:
     """Step ``t``'s inputs ``(B, ...)`` of batch-major ``xs (B, T, ...)``."""
     return tree_map(lambda a: a[:, t, ...], xs)

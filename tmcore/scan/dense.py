@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 
 from tmcore.ops.cell import cell_bwd, cell_cache, cell_fwd, validate_gate_conv, validate_state
 from tmcore.ops.conv import ConvParams, as_conv_params
-from tmcore.ops.splat import DEFAULT_EPS
+from tmcore.ops.splat import DEFAULT_EPS, splat_rows, splat_rows_vjp
 from tmcore.runtime import sizes as _sizes
 from tmcore.runtime.dispatch import ops_for
 from tmcore.runtime.validate import (
@@ -33,7 +33,13 @@ from tmcore.runtime.validate import (
     namespace_of,
     require_array,
 )
-from tmcore.scan.base import Residuals, scan_backward, scan_forward
+from tmcore.scan.base import (
+    Residuals,
+    read_then_update,
+    read_then_update_vjp,
+    scan_backward,
+    scan_forward,
+)
 
 __all__ = [
     "DenseStep",
@@ -127,14 +133,10 @@ class DenseStep(NamedTuple):
     workspace = True
 
     def write(self, xp: Any, x: Any, shape: tuple[int, ...]) -> Any:
-        return ops_for(xp).splat_fwd(xp, x.write_content[:, None, :], x.write_coords[:, None, :],
-                                     x.write_sigma[:, None], shape, self.eps, self.radius)
+        return splat_rows(xp, x, shape, self.eps, self.radius)
 
     def write_vjp(self, xp: Any, x: Any, W: Any, g_W: Any) -> tuple[Any, Any, Any]:
-        d_content, d_mu, d_sigma = ops_for(xp).splat_bwd(
-            xp, x.write_content[:, None, :], x.write_coords[:, None, :],
-            x.write_sigma[:, None], tuple(W.shape[2:]), g_W, self.eps, self.radius)
-        return d_mu[:, 0, :], d_sigma[:, 0], d_content[:, 0, :]
+        return splat_rows_vjp(xp, x, tuple(W.shape[2:]), g_W, self.eps, self.radius)
 
     def update(self, xp: Any, params: ConvParams, h: Any, c: Any, x: Any, W: Any
                ) -> tuple[Any, Any]:
@@ -150,15 +152,11 @@ class DenseStep(NamedTuple):
         return d_h, d_c, d_written, d_params
 
     def advance(self, xp: Any, params: ConvParams, h: Any, c: Any, x: Any, W: Any):
-        read = ops_for(xp).sample_fwd(xp, h, x.read_coords[:, None, :])[:, 0, :]
-        return (read, *self.update(xp, params, h, c, x, W), None)
+        return read_then_update(self, xp, params, h, c, x, W)
 
     def advance_vjp(self, xp: Any, params: ConvParams, h: Any, c: Any, x: Any, W: Any,
                     log: Any, g_read: Any, g_h: Any, g_c: Any):
-        d_h, d_c, g_W, d_params = self.update_vjp(xp, params, h, c, x, W, g_h, g_c)
-        d_h_read, d_coords = ops_for(xp).sample_bwd(xp, h, x.read_coords[:, None, :],
-                                                    g_read[:, None, :])
-        return d_h + d_h_read, d_c, d_coords[:, 0, :], None, g_W, d_params
+        return read_then_update_vjp(self, xp, params, h, c, x, W, g_read, g_h, g_c)
 
     def own_state(self, xp: Any, h: Any, c: Any, overwrite: bool) -> tuple[Any, Any]:
         return h, c

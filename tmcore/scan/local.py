@@ -19,30 +19,34 @@ from typing import Any, NamedTuple
 
 from tmcore.ops.conv import ConvParams
 from tmcore.ops.gather import box_index, gather_box, set_box
-from tmcore.ops.splat import DEFAULT_EPS
+from tmcore.ops.splat import DEFAULT_EPS, splat_rows_vjp
 from tmcore.ops.window import (
     BoxWrite,
     Window,
     box_update,
-    box_update_vjp,
-    box_window_masks,
-    box_write,
     box_write_bwd,
     check_method,
-    combine,
     corners,
-    masked_update,
     masked_update_vjp,
     masked_write,
-    masked_write_vjp,
     owned,
     read_corners,
     read_corners_bwd,
+    update_in_box,
+    update_in_box_vjp,
     window_geometry,
+    window_sizes,
+    window_write,
 )
 from tmcore.runtime.dispatch import ops_for
 from tmcore.runtime.validate import check_int, require_array
-from tmcore.scan.base import Residuals, scan_backward, scan_forward
+from tmcore.scan.base import (
+    Residuals,
+    read_then_update,
+    read_then_update_vjp,
+    scan_backward,
+    scan_forward,
+)
 from tmcore.scan.dense import ScanGrads, StepInputs, validate_scan_inputs
 
 __all__ = ["BoxWrites", "LocalScanResiduals", "LocalStep", "LocalWrite", "MaskedWrite",
@@ -91,9 +95,8 @@ def box_writes(xp: Any, write_coords: Any, write_sigma: Any, write_content: Any,
     write = StepInputs(None, _time_major(xp, write_coords), _time_major(xp, write_sigma),
                        _time_major(xp, write_content))
     geometry = window_geometry(xp, write.write_coords, shape, window)
-    masks = box_window_masks(xp, geometry)
-    volumes, parts = box_write(xp, write, geometry, shape, eps, radius, masks)
-    return BoxWrites(geometry, combine(xp, masks), volumes, parts)
+    volumes, inside, parts = window_write(xp, write, geometry, shape, eps, radius)
+    return BoxWrites(geometry, inside, volumes, parts)
 
 
 def box_writes_bwd(xp: Any, writes: BoxWrites, write_coords: Any, write_sigma: Any,
@@ -166,29 +169,25 @@ class LocalStep(NamedTuple):
     def workspace(self) -> bool:
         return self.method == "fast"
 
-    def _geometry(self, W: LocalWrite, shape: tuple[int, ...]) -> Window:
-        sizes = tuple(min(self.window, s) for s in shape)
-        boxes = tuple(min(self.window + 2, s) for s in shape)
-        return Window(W.start, sizes, W.box_start, boxes)
-
     def write(self, xp: Any, x: Any, shape: tuple[int, ...]) -> Any:
         if self.method == "masked":
             return MaskedWrite(*masked_write(xp, x, shape, self.window, self.eps, self.radius))
         geometry = window_geometry(xp, x.write_coords, shape, self.window)
-        masks = box_window_masks(xp, geometry)
-        volume, parts = box_write(xp, x, geometry, shape, self.eps, self.radius, masks)
-        return LocalWrite(geometry.start, geometry.box_start, combine(xp, masks), volume, parts)
+        volume, inside, parts = window_write(xp, x, geometry, shape, self.eps, self.radius)
+        return LocalWrite(geometry.start, geometry.box_start, inside, volume, parts)
 
     def write_vjp(self, xp: Any, x: Any, W: Any, g_W: Any) -> tuple[Any, Any, Any]:
         if self.method == "masked":
-            return masked_write_vjp(xp, x, tuple(W.volume.shape[2:]), g_W, self.eps,
-                                    self.radius)
+            return splat_rows_vjp(xp, x, tuple(W.volume.shape[2:]), g_W, self.eps, self.radius)
         d_content, d_mu, d_sigma = box_write_bwd(xp, x, W.parts, g_W, x.write_sigma)
         return d_mu, d_sigma, d_content
 
     def _box(self, xp: Any, W: LocalWrite, like: Any) -> tuple[Window, Any]:
+        """The write's :class:`Window` on ``like (B, C, *S)``, and its box's
+        :func:`box_index`."""
         shape = tuple(like.shape[2:])
-        geometry = self._geometry(W, shape)
+        sizes, boxes = window_sizes(shape, self.window)
+        geometry = Window(W.start, sizes, W.box_start, boxes)
         return geometry, box_index(xp, geometry.box_start, geometry.box, like.shape[0],
                                    like.shape[1], shape)
 
@@ -196,13 +195,9 @@ class LocalStep(NamedTuple):
                ) -> tuple[Any, Any]:
         """The write and update of a dense state that the step may update in place."""
         if self.method == "masked":
-            return masked_update(xp, params, h, c, W.volume, W.mask)
-        geometry, index = self._box(xp, W, h)
-        h_box = gather_box(xp, h, geometry.box_start, geometry.box, index)
-        c_box = gather_box(xp, c, geometry.box_start, geometry.box, index)
-        h_new, c_new = box_update(xp, params, h_box, c_box, W.volume, W.inside)
-        return (set_box(xp, h, geometry.box_start, h_new, index),
-                set_box(xp, c, geometry.box_start, c_new, index))
+            return box_update(xp, params, h, c, W.volume, W.mask)
+        h, c, _, _ = update_in_box(xp, params, h, c, *self._box(xp, W, h), W.volume, W.inside)
+        return h, c
 
     def update_vjp(self, xp: Any, params: ConvParams, h: Any, c: Any, x: Any, W: Any,
                    g_h: Any, g_c: Any) -> tuple[Any, Any, Any, ConvParams]:
@@ -211,43 +206,26 @@ class LocalStep(NamedTuple):
         if self.method == "masked":
             return masked_update_vjp(xp, params, h, c, W.volume, W.mask, g_h, g_c)
         geometry, index = self._box(xp, W, h)
-
-        def box(a: Any) -> Any:
-            return gather_box(xp, a, geometry.box_start, geometry.box, index)
-
-        d_h_box, d_c_box, g_W, d_params = box_update_vjp(xp, params, box(h), box(c),
-                                                         W.volume, W.inside, box(g_h), box(g_c))
-        return (set_box(xp, owned(xp, g_h), geometry.box_start, d_h_box, index),
-                set_box(xp, owned(xp, g_c), geometry.box_start, d_c_box, index), g_W, d_params)
+        return update_in_box_vjp(xp, params, owned(xp, g_h), owned(xp, g_c), geometry, index,
+                                 gather_box(xp, h, geometry.box_start, geometry.box, index),
+                                 gather_box(xp, c, geometry.box_start, geometry.box, index),
+                                 W.volume, W.inside)
 
     def advance(self, xp: Any, params: ConvParams, h: Any, c: Any, x: Any, W: Any):
         if self.method == "masked":
-            read = ops_for(xp).sample_fwd(xp, h, x.read_coords[:, None, :])[:, 0, :]
-            return (read, *self.update(xp, params, h, c, x, W), None)
+            return read_then_update(self, xp, params, h, c, x, W)
         read, read_box, *_ = read_corners(xp, h, x.read_coords)
-        geometry, index = self._box(xp, W, h)
-        h_box = gather_box(xp, h, geometry.box_start, geometry.box, index)
-        c_box = gather_box(xp, c, geometry.box_start, geometry.box, index)
-        h_new, c_new = box_update(xp, params, h_box, c_box, W.volume, W.inside)
-        h = set_box(xp, h, geometry.box_start, h_new, index)
-        c = set_box(xp, c, geometry.box_start, c_new, index)
+        h, c, h_box, c_box = update_in_box(xp, params, h, c, *self._box(xp, W, h), W.volume,
+                                           W.inside)
         return read, h, c, (h_box, c_box, read_box)
 
     def advance_vjp(self, xp: Any, params: ConvParams, h: Any, c: Any, x: Any, W: Any,
                     log: Any, g_read: Any, g_h: Any, g_c: Any):
         if self.method == "masked":
-            g_h, g_c, g_W, d_params = self.update_vjp(xp, params, h, c, x, W, g_h, g_c)
-            d_volume, d_coords = ops_for(xp).sample_bwd(xp, h, x.read_coords[:, None, :],
-                                                        g_read[:, None, :])
-            return g_h + d_volume, g_c, d_coords[:, 0, :], None, g_W, d_params
+            return read_then_update_vjp(self, xp, params, h, c, x, W, g_read, g_h, g_c)
         h_box, c_box, read_box = log
-        geometry, index = self._box(xp, W, g_h)
-        g_h_box = gather_box(xp, g_h, geometry.box_start, geometry.box, index)
-        g_c_box = gather_box(xp, g_c, geometry.box_start, geometry.box, index)
-        d_h_box, d_c_box, g_W, d_params = box_update_vjp(xp, params, h_box, c_box, W.volume,
-                                                         W.inside, g_h_box, g_c_box)
-        g_h = set_box(xp, g_h, geometry.box_start, d_h_box, index)
-        g_c = set_box(xp, g_c, geometry.box_start, d_c_box, index)
+        g_h, g_c, g_W, d_params = update_in_box_vjp(xp, params, g_h, g_c, *self._box(xp, W, g_h),
+                                                    h_box, c_box, W.volume, W.inside)
         start, size, weights, slopes = corners(xp, x.read_coords, tuple(g_h.shape[2:]))
         d_box, d_read = read_corners_bwd(xp, read_box, weights, slopes, g_read)
         corner = box_index(xp, start, size, g_h.shape[0], g_h.shape[1], tuple(g_h.shape[2:]))

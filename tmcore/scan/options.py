@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 
 from tmcore.ops.conv import ConvParams, as_conv_params, validate_conv_params
 from tmcore.ops.splat import DEFAULT_EPS
-from tmcore.ops.window import check_method
+from tmcore.ops.window import check_method, window_sizes
 from tmcore.runtime import sizes
 from tmcore.runtime.validate import check_dim, check_int, check_rank, require_array
 from tmcore.scan.base import Residuals, Step, scan_backward, scan_forward
@@ -87,7 +87,7 @@ def check_scan_bytes(xp: Any, step: Step, h0: Any, steps: int, checkpoint_every:
     if isinstance(step, WarpStep):  # the warped state in and out, the flow's corners
         working = 4 + (2 * 2 ** len(grid) if flow else 0)
     if isinstance(inner, LocalStep) and inner.policy == "log" and step is inner:
-        box = math.prod(min(inner.window + 2, s) for s in grid)
+        box = math.prod(window_sizes(tuple(grid), inner.window)[1])
         corners = math.prod(1 if s == 1 else 2 for s in grid)
         sizes.check_scan(xp, h0, steps, steps, backward,
                          log_elements=batch * channels * (2 * box + corners))

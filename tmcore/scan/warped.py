@@ -34,6 +34,7 @@ from typing import Any, NamedTuple
 from tmcore.ops.conv import ConvParams
 from tmcore.ops.warp import warp_bwd, warp_fwd
 from tmcore.runtime.dispatch import ops_for
+from tmcore.scan.base import read_point, read_point_vjp
 from tmcore.scan.dense import DenseStep
 from tmcore.scan.local import LocalStep
 
@@ -93,7 +94,7 @@ class WarpStep(NamedTuple):
         return self.update.write_vjp(xp, x, W, g_W)
 
     def advance(self, xp: Any, params: WarpParams, h: Any, c: Any, x: Any, W: Any):
-        read = ops_for(xp).sample_fwd(xp, h, x.read_coords[:, None, :])[:, 0, :]
+        read = read_point(xp, h, x.read_coords)
         h, c, _, _ = _warp(xp, h, c, x.shift, params.flow)
         return (read, *self.update.update(xp, params.cell, h, c, x, W), None)
 
@@ -109,9 +110,8 @@ class WarpStep(NamedTuple):
         if params.flow is not None:  # the flow conv(h) reads the step's input state
             d_h_flow, d_flow_params = ops_for(xp).conv_bwd(xp, stages, params.flow, d_flow)
             d_h = d_h + d_h_flow
-        d_read_volume, d_coords = ops_for(xp).sample_bwd(xp, h, x.read_coords[:, None, :],
-                                                         g_read[:, None, :])
-        return (d_h + d_read_volume, d_c, d_coords[:, 0, :], d_shift, g_W,
+        d_read_volume, d_coords = read_point_vjp(xp, h, x.read_coords, g_read)
+        return (d_h + d_read_volume, d_c, d_coords, d_shift, g_W,
                 WarpParams(d_cell, d_flow_params))
 
     def own_state(self, xp: Any, h: Any, c: Any, overwrite: bool) -> tuple[Any, Any]:
