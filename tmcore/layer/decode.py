@@ -16,8 +16,9 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from tmcore.layer.params import Params
-from tmcore.layer.state import device_of
+from tmcore.layer.state import device_of, keep_rows, where_rows
 from tmcore.layer.stream import StreamState
+from tmcore.runtime.sizes import compiling
 
 if TYPE_CHECKING:
     from tmcore.layer.layer import Layer, Scan
@@ -25,17 +26,18 @@ if TYPE_CHECKING:
 __all__ = ["Produced", "decode_step", "next_counts"]
 
 
-def _rows(xp: Any, mask: Any, a: Any, b: Any) -> Any:
-    """``a`` in the rows where ``mask (B,)`` is True, else ``b``."""
-    return xp.where(xp.reshape(mask, (mask.shape[0],) + (1,) * (a.ndim - 1)), a, b)
-
-
-def _compiling() -> bool:
-    """Whether torch.compile is tracing (a host read of a flag would break its graph)."""
-    import sys
-
-    torch = sys.modules.get("torch")
-    return bool(torch is not None and torch.compiler.is_compiling())
+def _place(xp: Any, token: Any, pending: Any, count: Any, length: int,
+           zeros: Any = None) -> Any:
+    """Each row's unfinished chunk ``(B, L, d)`` with ``token (B, 1, d)`` at its ``count
+    (B,)``: the chunk's tokens so far (``pending``), this one, and zeros after it (what a
+    state holds past its count is never read, as in the planned call); ``zeros``: those
+    zeros ``(B, 1, d)``, if made already."""
+    slot = xp.reshape(xp.arange(length, dtype=count.dtype, device=device_of(token)),
+                      (1, length, 1))
+    at = xp.reshape(count, (-1, 1, 1))
+    return xp.where(slot == at, token,
+                    xp.where(slot < at, xp.astype(pending, token.dtype),
+                             xp.zeros_like(token) if zeros is None else zeros))
 
 
 def decode_step(layer: Layer, xp: Any, params: Params, x: Any, st: StreamState, scan: Scan,
@@ -80,16 +82,11 @@ def decode_step(layer: Layer, xp: Any, params: Params, x: Any, st: StreamState, 
     if known is not None and valid is None:
         return _decode_known(layer, xp, params, x[:, None, :], st, scan, known)
     count = st.count
-    slot = xp.reshape(xp.arange(length, dtype=count.dtype, device=device_of(x)), (1, length, 1))
-    at = xp.reshape(count, (-1, 1, 1))
-    # the chunk's tokens so far, this one, and zeros after it (what a state holds past
-    # its count is never read, as in the planned call)
-    pending = xp.where(slot == at, x[:, None, :],
-                       xp.where(slot < at, xp.astype(st.pending, x.dtype),
-                                xp.zeros_like(x[:, None, :])))       # (B, L, d)
+    pending = _place(xp, x[:, None, :], st.pending, count, length,
+                     xp.zeros_like(x[:, None, :]))                   # (B, L, d)
     inputs = layer.heads(xp, params, pending[:, None, ...])          # (B, 1, ...) each
     starts = count == 0
-    read = _rows(xp, starts, layer.sample(st.h, inputs.read_coords)[:, 0, :], st.read)
+    read = where_rows(xp, starts, layer.sample(st.h, inputs.read_coords)[:, 0, :], st.read)
     complete = count == length - 1
     if valid is not None:
         complete = complete & valid
@@ -97,23 +94,22 @@ def decode_step(layer: Layer, xp: Any, params: Params, x: Any, st: StreamState, 
 
     def update() -> tuple[Any, Any]:
         _, h_new, c_new = scan(h, c, inputs)
-        return _rows(xp, complete, h_new, h), _rows(xp, complete, c_new, c)
+        return where_rows(xp, complete, h_new, h), where_rows(xp, complete, c_new, c)
 
     cond = getattr(scan, "cond", None)
     if cond is not None:
         h, c = cond(xp.any(complete), update, lambda: (h, c))
-    elif _compiling() or bool(xp.any(complete)):  # (a host read: eager only)
+    elif compiling() or bool(xp.any(complete)):  # (a host read: eager only)
         h, c = update()
     count = xp.where(complete, xp.zeros_like(count), count + 1)
     keep = ~complete
-    pending = _rows(xp, keep, pending, xp.zeros_like(pending))
-    read_kept = _rows(xp, keep, read, xp.zeros_like(read))
+    pending, read_kept = keep_rows(xp, keep, pending, read)
     out = layer.read_out(xp, params, read)
     if valid is not None:  # a skipped token changes nothing
         count = xp.where(valid, count, st.count)
-        pending = _rows(xp, valid, pending, xp.astype(st.pending, x.dtype))
-        read_kept = _rows(xp, valid, read_kept, st.read)
-        out = _rows(xp, valid, out, xp.zeros_like(out))
+        pending = where_rows(xp, valid, pending, xp.astype(st.pending, x.dtype))
+        read_kept = where_rows(xp, valid, read_kept, st.read)
+        out = where_rows(xp, valid, out, xp.zeros_like(out))
     return out, StreamState(h, c, pending, count, read_kept)
 
 
@@ -124,7 +120,7 @@ def _pick(xp: Any, flags: list[bool], mask: Callable[[], Any], a: Any, b: Any) -
         return a
     if not any(flags):
         return b
-    return _rows(xp, mask(), a, b)
+    return where_rows(xp, mask(), a, b)
 
 
 def _decode_known(layer: Layer, xp: Any, params: Params, token: Any, st: StreamState,
@@ -134,7 +130,6 @@ def _decode_known(layer: Layer, xp: Any, params: Params, token: Any, st: StreamS
     needs it (in generation every row is at the same count, so a token that neither
     starts nor completes a chunk costs its read-out and the bookkeeping); ``out (B, d)``."""
     length = layer.config.chunk_size
-    device = device_of(token)
     starts = [k == 0 for k in known]
     complete = [k == length - 1 for k in known]
     count = st.count
@@ -150,11 +145,7 @@ def _decode_known(layer: Layer, xp: Any, params: Params, token: Any, st: StreamS
                if k < length - 1 else [])
         pending = parts[0] if len(parts) == 1 else xp.concat(parts, axis=1)
     else:
-        slot = xp.reshape(xp.arange(length, dtype=count.dtype, device=device), (1, length, 1))
-        at = xp.reshape(count, (-1, 1, 1))
-        pending = xp.where(slot == at, token,
-                           xp.where(slot < at, xp.astype(st.pending, token.dtype),
-                                    xp.zeros_like(token)))           # (B, L, d)
+        pending = _place(xp, token, st.pending, count, length)      # (B, L, d)
     # a token that starts a chunk and completes none needs the read coordinates alone
     # (of the chunk's first token): no write head, no summary product
     # (None: a layer whose heads make them otherwise runs its heads)

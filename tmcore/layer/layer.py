@@ -230,14 +230,7 @@ class Layer:
             state = check_state(xp, state, batch, config)
         if check is not None:
             check(x, state, reset=reset)
-        if state is None:
-            state = zero_state(xp, config, batch, dtype=x.dtype, device=device_of(x))
-        if reset is not None:
-            state = reset_state(xp, state, reset)
-        if tokens == 0 or batch == 0:  # nothing to scan (the scan refuses empty arrays)
-            return xp.zeros_like(x), state
-        return execute(self, xp, params, x, StreamState(*state, None, None, None),
-                       contiguous_plan(tokens, config.chunk_size, stream=False), scan)
+        return self._from_boundary(xp, params, x, state, scan, reset, stream=False)
 
     def forward_stream(self, xp: Any, params: Params, x: Any, state: Any, *, scan: Scan,
                        reset: Any = None, doc_starts: Any = None, valid: Any = None,
@@ -352,12 +345,7 @@ class Layer:
                 xp, state, batch, config)
             if check is not None:
                 check(x, pair, reset=reset)
-            h, c = (zero_state(xp, config, batch, dtype=x.dtype, device=device_of(x))
-                    if pair is None else pair)
-            if reset is not None:
-                h, c = reset_state(xp, (h, c), reset)
-            return execute(self, xp, params, x, StreamState(h, c, None, None, None),
-                           contiguous_plan(tokens, config.chunk_size, stream=True), scan)
+            return self._from_boundary(xp, params, x, pair, scan, reset, stream=True)
         st, known = complete_state(xp, state, x, config, checked=checked)
         if check is not None:
             check(x, None if state is None else st if isinstance(state, StreamState)
@@ -393,6 +381,20 @@ class Layer:
         plan = array_plan(xp, x, xp.astype(st.count, xp.asarray(0).dtype), known, valid,
                           xp.astype(st.pending, x.dtype), config.chunk_size, valid_counts)
         return execute(self, xp, params, x, st, plan, scan)
+
+    def _from_boundary(self, xp: Any, params: Params, x: Any, state: State | None,
+                       scan: Scan, reset: Any, stream: bool) -> tuple[Any, Any]:
+        """A call from a chunk boundary, the checked pair ``state`` (``None``: zeros) reset
+        where ``reset`` says: ``x`` chunked as it is (:func:`contiguous_plan`)."""
+        batch, tokens, _ = x.shape
+        if state is None:
+            state = zero_state(xp, self.config, batch, dtype=x.dtype, device=device_of(x))
+        if reset is not None:
+            state = reset_state(xp, state, reset)
+        if tokens == 0 or batch == 0:  # nothing to scan (the scan refuses empty arrays)
+            return xp.zeros_like(x), state
+        return execute(self, xp, params, x, StreamState(*state, None, None, None),
+                       contiguous_plan(tokens, self.config.chunk_size, stream=stream), scan)
 
     def decode_produced(self, xp: Any, params: Params, x: Any, state: Any, scan: Scan, *,
                         checked: bool = False) -> tuple[Any, StreamState] | None:

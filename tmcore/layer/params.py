@@ -15,6 +15,7 @@ import array_api_compat
 from tmcore.layer.config import LayerConfig
 from tmcore.ops.conv import ConvParams, xavier_uniform_bound
 from tmcore.runtime import sizes
+from tmcore.runtime.validate import check_floating
 
 __all__ = ["FLOW_GROUP", "GATE_SHAPE", "GROUPS", "WARP_GROUP", "ParamSpec", "Params",
            "cell_params", "check_param_bytes", "check_params", "init_params", "param_groups",
@@ -321,13 +322,7 @@ def check_params(params: Any, config: LayerConfig) -> None:
         if tuple(value.shape) != spec.shape:
             raise ValueError(f"params.{spec.name}: expected shape {spec.layout} = {spec.shape}, "
                              f"got {tuple(value.shape)}")
-        _check_floating(f"params.{spec.name}", value)
-
-
-def _check_floating(name: str, value: Any) -> None:
-    xp = array_api_compat.array_namespace(value)
-    if not xp.isdtype(value.dtype, "real floating"):
-        raise TypeError(f"{name}: expected a real floating dtype, got {value.dtype}")
+        check_floating(array_api_compat.array_namespace(value), f"params.{spec.name}", value)
 
 
 def stored_grid_error(stored: Any, memory_shape: Sequence[int], where: str) -> str | None:

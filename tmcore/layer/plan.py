@@ -39,7 +39,7 @@ import array_api_compat
 
 from tmcore.layer.heads import chunk, unchunk
 from tmcore.layer.params import Params
-from tmcore.layer.state import device_of
+from tmcore.layer.state import device_of, keep_rows, where_rows
 
 if TYPE_CHECKING:
     from tmcore.layer.layer import Layer, Scan
@@ -116,11 +116,6 @@ class Plan(NamedTuple):
     step_resets: Any = None
 
 
-def _rows(xp: Any, mask: Any, a: Any, b: Any) -> Any:
-    """``a`` in the rows where the bool array ``mask (B,)`` is True, else ``b``."""
-    return xp.where(xp.reshape(mask, (mask.shape[0],) + (1,) * (a.ndim - 1)), a, b)
-
-
 def _zero_slot(xp: Any, *parts: Any) -> Any:
     """The per-row table ``(B, R + 1, k)``: ``parts (B, R_i, k)`` along axis 1, then a
     zero slot (index ``R``). The zeros are derived from a part, so they keep its
@@ -141,6 +136,24 @@ def _take_rows(xp: Any, table: Any, index: Any) -> Any:
         shape = (index.shape[0], index.shape[1], table.shape[2])
         return table.gather(1, xp.broadcast_to(index[:, :, None], shape))
     return xp.take_along_axis(table, index[:, :, None], axis=1)
+
+
+def _compact(xp: Any, x: Any, valid: Any, index: Any, j: Any = None
+             ) -> tuple[Any, Any, Any, Any]:
+    """The valid tokens of ``x (B, N, d)`` first, in order: ``(new (B,), rank (B, N),
+    compact x, order (B, N) or None)`` (``valid`` None: every token; ``j``: the token
+    positions ``(1, N)``, if made already). ``index``: the integer dtype."""
+    batch, tokens, _ = x.shape
+    if valid is None:
+        device = device_of(x)
+        new = xp.full((batch,), tokens, dtype=index, device=device)
+        j = xp.arange(tokens, dtype=index, device=device)[None, :] if j is None else j
+        return new, xp.broadcast_to(j, (batch, tokens)), x, None
+    ones = xp.astype(valid, index)
+    new = xp.sum(ones, axis=1)
+    rank = xp.cumulative_sum(ones, axis=1) - 1
+    order = xp.argsort(1 - ones, axis=1, stable=True)
+    return new, rank, _take_rows(xp, x, order), order
 
 
 # --------------------------------------------------------------------------- planners
@@ -175,19 +188,8 @@ def array_plan(xp: Any, x: Any, count: Any, known: tuple[int, ...] | None, valid
     batch, tokens, d = x.shape
     device = device_of(x)
     index = xp.asarray(0, device=device).dtype                  # the default integer dtype
-    if valid is None:
-        new = xp.full((batch,), tokens, dtype=index, device=device)
-        rank = xp.broadcast_to(xp.arange(tokens, dtype=index, device=device)[None, :],
-                               (batch, tokens))
-        compact = x
-        valid_counts = (tokens, tokens)
-    else:  # the valid tokens first, in order
-        ones = xp.astype(valid, index)
-        new = xp.sum(ones, axis=1)
-        rank = xp.cumulative_sum(ones, axis=1) - 1
-        order = xp.argsort(1 - ones, axis=1, stable=True)
-        compact = _take_rows(xp, x, order)
-        valid_counts = valid_counts or (0, tokens)
+    new, rank, compact, _ = _compact(xp, x, valid, index)
+    valid_counts = (tokens, tokens) if valid is None else valid_counts or (0, tokens)
     k_lo, k_hi = (0, length - 1) if known is None else (min(known), max(known))
     m_lo = (k_lo + valid_counts[0]) // length
     steps = -(-(k_hi + valid_counts[1]) // length)             # T: chunks holding a token
@@ -348,16 +350,10 @@ def packed_plan(xp: Any, x: Any, count: Any, starts: Any, valid: Any, reset: Any
         starts = starts | (reset[:, None] & (j == 0))
     marks = xp.cumulative_sum(xp.astype(starts, index), axis=1)  # starts at or before n
     forget = None
+    new, rank, compact, order = _compact(xp, x, valid, index, j)
     if valid is None:
-        new = xp.full((batch,), tokens, dtype=index, device=device)
-        rank = xp.broadcast_to(j, (batch, tokens))
-        compact, at = x, marks
-    else:  # the valid tokens first, in order; a skipped token's start moves to the next
-        ones = xp.astype(valid, index)
-        new = xp.sum(ones, axis=1)
-        rank = xp.cumulative_sum(ones, axis=1) - 1
-        order = xp.argsort(1 - ones, axis=1, stable=True)
-        compact = _take_rows(xp, x, order)
+        at = marks
+    else:  # a skipped token's start moves to the next valid token
         at = _take_index(xp, marks, order)                      # marks at valid token j
         last = _take_index(xp, at, xp.where(new > 0, new - 1, xp.zeros_like(new))[:, None])
         last = xp.where(new > 0, last[:, 0], xp.zeros_like(new))
@@ -469,8 +465,7 @@ def execute(layer: Layer, xp: Any, params: Params, x: Any, st: StreamState, plan
         cond = getattr(scan, "cond", None)
         for t0, t1 in zip(plan.cuts, plan.cuts[1:], strict=False):
             if plan.resets and t0 in plan.resets:
-                keep = ~plan.resets[t0]
-                h, c = _rows(xp, keep, h, xp.zeros_like(h)), _rows(xp, keep, c, xp.zeros_like(c))
+                h, c = keep_rows(xp, ~plan.resets[t0], h, c)
             entering.append((h, c))
             segment = inputs if (t0, t1) == (0, steps) else type(inputs)(
                 *(v[:, t0:t1, ...] for v in inputs))
@@ -500,10 +495,9 @@ def execute(layer: Layer, xp: Any, params: Params, x: Any, st: StreamState, plan
         for t in plan.capture[1:]:
             pick = plan.taken == t
             h_t, c_t = state_at(t)
-            h, c = _rows(xp, pick, h_t, h), _rows(xp, pick, c_t, c)
+            h, c = where_rows(xp, pick, h_t, h), where_rows(xp, pick, c_t, c)
     if plan.forget is not None:
-        keep = ~plan.forget
-        h, c = _rows(xp, keep, h, xp.zeros_like(h)), _rows(xp, keep, c, xp.zeros_like(c))
+        h, c = keep_rows(xp, ~plan.forget, h, c)
     if reads is None:  # no row has a token or an unfinished chunk
         out = xp.zeros_like(x)
     else:
@@ -520,7 +514,7 @@ def _carried_reads(xp: Any, plan: Plan, st: StreamState, reads: Any, steps: int)
     ``plan.carried`` rows) taken from the state."""
     if plan.carried is None:
         return reads
-    first = _rows(xp, plan.carried, st.read, reads[:, 0, :])
+    first = where_rows(xp, plan.carried, st.read, reads[:, 0, :])
     return (xp.concat([first[:, None, :], reads[:, 1:, :]], axis=1) if steps > 1
             else first[:, None, :])
 

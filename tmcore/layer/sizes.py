@@ -30,18 +30,13 @@ def check_config(config: Any) -> Any:
 def forward_bytes(config: Any, batch: int, tokens: int, item: int) -> int:
     """Bytes one layer call on ``(B, N, d)`` tokens certainly holds (no checkpoints):
     :func:`scan_bytes` plus the output ``(B, N, d)`` and the padded chunks."""
-    state = batch * config.memory_channels * math.prod(config.memory_shape)
+    state = math.prod(config.state_shape(batch))
     steps = -(-tokens // config.chunk_size)
-    # a warp's working set: the warped state in and out (and the flow's 2^n corners)
-    working = 0 if config.dynamics != "warp" else 4 + (
-        2 * 2 ** len(config.memory_shape) if config.flow else 0)
+    working = (sizes.warp_states(len(config.memory_shape), config.flow)
+               if config.dynamics == "warp" else 0)
     padded = batch * steps * config.chunk_size * config.embed_dim
     return sizes.scan_bytes(state, batch, config.memory_channels, steps, 0, item) \
         + item * (batch * tokens * config.embed_dim + padded + working * state)
-
-
-def _state_shape(config: Any, batch: int) -> tuple[int, ...]:
-    return (batch, config.memory_channels, *config.memory_shape)
 
 
 def check_state(xp: Any, config: Any, batch: int, dtype: Any = None, device: Any = None
@@ -53,7 +48,7 @@ def check_state(xp: Any, config: Any, batch: int, dtype: Any = None, device: Any
     adapters' ``init_state`` make their zero state here."""
     if sizes.compiling():
         return
-    shape = _state_shape(config, int(batch))
+    shape = config.state_shape(int(batch))
     count = sizes.check_count("memory_shape", shape, "(B, C, *S)", "the state h (and c)")
     nbytes = sizes.scan_bytes(count, shape[0], shape[1], 1, 0, sizes.itemsize(xp, dtype))
     sizes.check_bytes("memory_shape", nbytes,
@@ -74,7 +69,7 @@ def check_forward(xp: Any, config: Any, x: Any, dtype: Any = None) -> None:
     limit = memory_limit()  # (read each call: the bound may change between calls)
     if nbytes < sizes.SMALL and (limit is None or nbytes <= limit):
         return  # what check_bytes would decide, without building its message per token
-    shape = _state_shape(config, batch)
+    shape = config.state_shape(batch)
     sizes.check_bytes("memory_shape", nbytes,
                       f"a layer call on x {tuple(x.shape)} with a state (B, C, *S) = {shape}",
                       xp, sizes.device_of(x))
@@ -84,6 +79,6 @@ def check_forward(xp: Any, config: Any, x: Any, dtype: Any = None) -> None:
 def _call_bytes(config: Any, batch: int, tokens: int, item: int) -> int:
     """:func:`forward_bytes` once the state's element count is checked (once per call
     shape: a decode step makes the same call every token; a refusal is not cached)."""
-    sizes.check_count("memory_shape", _state_shape(config, batch), "(B, C, *S)",
+    sizes.check_count("memory_shape", config.state_shape(batch), "(B, C, *S)",
                       "the state h (and c)")
     return forward_bytes(config, batch, tokens, item)

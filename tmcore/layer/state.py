@@ -10,7 +10,7 @@ import array_api_compat
 
 from tmcore.layer import sizes as _layer_sizes
 from tmcore.layer.config import LayerConfig
-from tmcore.runtime.validate import check_namespace
+from tmcore.runtime.validate import check_floating, check_namespace
 
 __all__ = ["State", "check_state", "check_tokens", "device_of", "require_bool_array",
            "reset_state", "zero_state"]
@@ -88,8 +88,7 @@ def check_tokens(xp: Any, x: Any, config: LayerConfig) -> None:
     if x.shape[-1] != config.embed_dim:
         raise ValueError(f"x: expected shape (B, N, d) with d = {config.embed_dim} "
                          f"(embed_dim = {config.embed_dim}), got {tuple(x.shape)}")
-    if not xp.isdtype(x.dtype, "real floating"):
-        raise TypeError(f"x: expected a real floating dtype, got {x.dtype}")
+    check_floating(xp, "x", x)
 
 
 def check_state(xp: Any, state: Any, batch: int, config: LayerConfig) -> State:
@@ -130,9 +129,18 @@ def check_state(xp: Any, state: Any, batch: int, config: LayerConfig) -> State:
         if tuple(value.shape) != expected:
             raise ValueError(f"state.{name}: expected shape (B, C, *S) = {expected}, "
                              f"got {tuple(value.shape)}")
-        if not xp.isdtype(value.dtype, "real floating"):
-            raise TypeError(f"state.{name}: expected a real floating dtype, got {value.dtype}")
+        check_floating(xp, f"state.{name}", value)
     return state[0], state[1]
+
+
+def where_rows(xp: Any, mask: Any, a: Any, b: Any) -> Any:
+    """``a`` in the rows where the bool array ``mask (B,)`` is True, else ``b``."""
+    return xp.where(xp.reshape(mask, (mask.shape[0],) + (1,) * (a.ndim - 1)), a, b)
+
+
+def keep_rows(xp: Any, keep: Any, *arrays: Any) -> tuple[Any, ...]:
+    """``arrays`` (each ``(B, ...)``) zeroed in the rows where ``keep (B,)`` is False."""
+    return tuple(where_rows(xp, keep, a, xp.zeros_like(a)) for a in arrays)
 
 
 def reset_state(xp: Any, state: State, mask: Any) -> State:

@@ -24,7 +24,9 @@ from tmcore.layer.config import LayerConfig
 from tmcore.layer.state import (
     check_state,
     device_of,
+    keep_rows,
     require_bool_array,
+    where_rows,
     zero_state,
 )
 from tmcore.runtime import sizes as _sizes
@@ -373,18 +375,13 @@ def maybe_host(value: Any) -> Any:
     except TypeError:
         return None
 
-def _rows(xp: Any, mask: Any, a: Any, b: Any) -> Any:
-    """``a`` in the rows where the bool array ``mask (B,)`` is True, else ``b``."""
-    return xp.where(xp.reshape(mask, (mask.shape[0],) + (1,) * (a.ndim - 1)), a, b)
-
-
 def reset_stream(xp: Any, st: StreamState, known: tuple[int, ...] | None,
                  reset: Any) -> tuple[StreamState, tuple[int, ...] | None]:
     """``st`` with the rows where ``reset (B,)`` is True emptied (zero state, no
     unfinished chunk), and the counts known on the host where they still are."""
     if reset is None:
         return st, known
-    h, c, pending, read = (_rows(xp, reset, xp.zeros_like(v), v)
+    h, c, pending, read = (where_rows(xp, reset, xp.zeros_like(v), v)
                            for v in (st.h, st.c, st.pending, st.read))
     count = xp.where(reset, xp.zeros_like(st.count), st.count)
     if known is not None and any(known):
@@ -398,6 +395,5 @@ def forget_row(xp: Any, st: StreamState, row: int) -> StreamState:
     """``st`` with row ``row`` emptied (read on the host: packed documents)."""
     keep = xp.asarray([b != row for b in range(st.h.shape[0])], dtype=xp.bool,
                       device=device_of(st.h))
-    h, c, pending, read = (_rows(xp, keep, v, xp.zeros_like(v))
-                           for v in (st.h, st.c, st.pending, st.read))
+    h, c, pending, read = keep_rows(xp, keep, st.h, st.c, st.pending, st.read)
     return st._replace(h=h, c=c, pending=pending, read=read)

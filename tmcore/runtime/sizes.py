@@ -50,6 +50,7 @@ __all__ = [
     "memory_budget",
     "scan_bytes",
     "itemsize",
+    "warp_states",
 ]
 
 INT64_MAX = 2**63 - 1
@@ -245,6 +246,12 @@ def scan_bytes(state: int, batch: int, channels: int, steps: int, checkpoints: i
     (``state`` elements each of ``h``, ``c``), one step's working set, ``checkpoints``
     saved ``(h, c)`` pairs, and the reads ``(B, T, C)``."""
     return item * (state * (4 + _STEP_STATES + 2 * checkpoints) + batch * steps * channels)
+
+
+def warp_states(ndim: int, flow: bool) -> int:
+    """A warped step's working set, in states: the warped state in and out, and with a
+    flow its ``2^n`` corners."""
+    return 4 + (2 * 2 ** ndim if flow else 0)
 
 
 def check_scan(xp: Any, h0: Any, steps: int, checkpoint_every: int, backward: bool,

@@ -84,8 +84,8 @@ def check_scan_bytes(xp: Any, step: Step, h0: Any, steps: int, checkpoint_every:
     batch, channels, *grid = (int(s) for s in h0.shape)
     inner = step.update if isinstance(step, WarpStep) else step
     working = 0
-    if isinstance(step, WarpStep):  # the warped state in and out, the flow's corners
-        working = 4 + (2 * 2 ** len(grid) if flow else 0)
+    if isinstance(step, WarpStep):
+        working = sizes.warp_states(len(grid), flow)
     if isinstance(inner, LocalStep) and inner.policy == "log" and step is inner:
         box = math.prod(window_sizes(tuple(grid), inner.window)[1])
         corners = math.prod(1 if s == 1 else 2 for s in grid)
