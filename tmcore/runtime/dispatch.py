@@ -7,49 +7,8 @@ namespace, and any primitive a backend leaves out, uses the generic array-API
 functions. Tables are cached per namespace, so a lookup is one context-variable
 read and one dict hit.
 
-Contract of each entry (the generic functions are the reference):
-
-- ``sample_fwd(xp, volume (B,C,*S), coords (B,Q,n)) -> (B,Q,C)``
-- ``sample_bwd(xp, volume, coords, g (B,Q,C)) -> (d_volume, d_coords)``
-- ``splat_fwd(xp, content (B,K,C), mu (B,K,n), sigma (B,K), shape, eps, radius) -> (B,C,*shape)``
-- ``splat_bwd(xp, content, mu, sigma, shape, g (B,C,*shape), eps, radius)
-  -> (d_content, d_mu, d_sigma)``
-- ``conv_fwd(xp, x (B,C_in,*S), params) -> (z (B,C_out,*S), residuals)``
-- ``conv_bwd(xp, residuals, params, g (B,C_out,*S)) -> (d_x, d_params)``
-- ``gates_fwd(xp, z (B,4C,*S), c (B,C,*S)) -> (h', c', residuals)`` (the LSTM update)
-- ``gates_bwd(xp, residuals, g_h, g_c (B,C,*S)) -> (d_z (B,4C,*S), d_c)``
-- ``gates_residuals(xp, z, c) -> residuals``: what ``gates_fwd`` would return as
-  residuals, for the backward's recomputation, which needs no ``h', c'`` (a
-  backend whose ``gates_bwd`` recomputes the gates returns ``(z, c)`` at no cost)
-- ``workspace(xp) -> context manager``: entered around the scan's loops, which
-  consume each step's residuals before making the next step's; inside it a
-  backend may reuse the memory of its per-step temporaries (the generic one does
-  nothing)
-- ``scan_fwd`` / ``scan_bwd`` (optional, default ``None``): a fused whole-scan
-  forward / backward with the signature and results of
-  :func:`tmcore.scan.memory_scan_fwd` / ``memory_scan_bwd`` (positional, after
-  ``xp``: the arrays, then ``eps, radius, checkpoint_every``); it returns
-  ``None`` to decline, and the scan then runs its per-step loop
-- ``scatter_add`` (optional, default ``None``): ``(xp, out (N,), index (M,) integers,
-  values (M,)) -> (N,)``, ``out`` with every ``values[i]`` added at ``index[i]``
-  (repeated indices sum; ``out`` may be updated in place: pass a buffer the caller
-  owns and use the result). The array API has no scatter-add, so the generic table
-  has none; :mod:`tmcore.ops.warp`'s flow VJP uses it when present (``O(2^n B C P)``
-  instead of its generic ``O(B C P^2)`` tile contraction)
-- ``write_fwd`` (optional, default ``None``): one step's write and update without its
-  read, ``(xp, h, c (B,C,*S), write_coords (B,n), write_sigma (B,), write_content (B,C),
-  params, eps, radius) -> (h', c')``, the state ``scan_fwd`` reaches in one step (a
-  decode step that completes a chunk, :func:`tmcore.scan.dense.write_step`); ``None``
-  declines
-- ``local_scan_fwd`` / ``local_scan_bwd`` (optional, default ``None``): a fused local
-  scan (``update="local"``, the fast method) with the signature and results of
-  :func:`tmcore.scan.local.local_scan_fwd` / ``local_scan_bwd`` (positional, after ``xp``:
-  the arrays, then ``window, eps, radius``, and for the forward ``overwrite_state``),
-  the same undo-log residuals (:class:`tmcore.scan.local.LocalScanResiduals`), so a forward
-  on one path and a backward on the other agree; ``None`` declines
-
-``residuals`` are opaque: only the ``*_bwd`` of the same table consumes them
-(the generic conv's are the list of stage inputs ``[x, after axis 0, ...]``).
+The contract of each entry, with shapes, is :class:`Ops`'s docstring (the generic
+functions are the reference).
 
 Forcing the generic path (for comparison and debugging): ``with
 tmcore.options(generic=True): ...`` (local to the thread / task), or the
@@ -76,9 +35,10 @@ ENV_VAR = ENV_VARS["generic"]
 class Ops(NamedTuple):
     """One implementation of every primitive's forward and VJP.
 
-    The contract of each entry is in the module notes of ``tmcore.runtime.dispatch``;
-    the generic functions are the reference every backend's entries must agree
-    with.
+    The contract of each entry; the generic functions are the reference every backend's
+    entries must agree with. ``residuals`` are opaque: only the ``*_bwd`` of the same
+    table consumes them (the generic conv's are the list of stage inputs ``[x, after
+    axis 0, ...]``).
 
     Parameters
     ----------
@@ -90,39 +50,55 @@ class Ops(NamedTuple):
         ``(xp, content (B, K, C), mu (B, K, n), sigma (B, K), shape, eps, radius)
         -> (B, C, *shape)``.
     splat_bwd : callable
-        ``(xp, content, mu, sigma, shape, g, eps, radius) -> (d_content, d_mu,
-        d_sigma)``.
+        ``(xp, content, mu, sigma, shape, g (B, C, *shape), eps, radius) ->
+        (d_content, d_mu, d_sigma)``.
     conv_fwd : callable
         ``(xp, x (B, C_in, *S), params) -> (z (B, C_out, *S), residuals)``.
     conv_bwd : callable
         ``(xp, residuals, params, g (B, C_out, *S)) -> (d_x, d_params)``.
     gates_fwd : callable
-        ``(xp, z (B, 4C, *S), c (B, C, *S)) -> (h', c', residuals)``.
+        ``(xp, z (B, 4C, *S), c (B, C, *S)) -> (h', c', residuals)`` (the LSTM update).
     gates_bwd : callable
-        ``(xp, residuals, g_h, g_c) -> (d_z, d_c)``.
+        ``(xp, residuals, g_h, g_c (B, C, *S)) -> (d_z (B, 4C, *S), d_c)``.
     gates_residuals : callable
-        ``(xp, z, c) -> residuals``, for the backward's recomputation.
+        ``(xp, z, c) -> residuals``: what ``gates_fwd`` would return as residuals,
+        for the backward's recomputation, which needs no ``h', c'`` (a backend whose
+        ``gates_bwd`` recomputes the gates returns ``(z, c)`` at no cost).
     workspace : callable
-        ``(xp) -> context manager`` entered around the scan's loops.
+        ``(xp) -> context manager`` entered around the scan's loops, which consume
+        each step's residuals before making the next step's; inside it a backend may
+        reuse the memory of its per-step temporaries (the generic one does nothing).
     scan_fwd : callable or None, default None
         A fused whole-scan forward with the signature and results of
-        :func:`tmcore.memory_scan_fwd`; returns None to decline.
+        :func:`tmcore.memory_scan_fwd` (positional, after ``xp``: the arrays, then
+        ``eps, radius, checkpoint_every``); it returns None to decline, and the scan
+        then runs its per-step loop.
     scan_bwd : callable or None, default None
-        A fused whole-scan backward like :func:`tmcore.memory_scan_bwd`; returns
-        None to decline.
+        A fused whole-scan backward like :func:`tmcore.memory_scan_bwd` (the same
+        positional convention); returns None to decline.
     scatter_add : callable or None, default None
-        ``(xp, out (N,), index (M,), values (M,)) -> (N,)``: ``values`` summed
-        into ``out`` at ``index`` (may update ``out`` in place); None where the
-        namespace has no scatter-add.
+        ``(xp, out (N,), index (M,) integers, values (M,)) -> (N,)``, ``out`` with
+        every ``values[i]`` added at ``index[i]`` (repeated indices sum; ``out`` may
+        be updated in place: pass a buffer the caller owns and use the result). The
+        array API has no scatter-add, so the generic table has none;
+        :mod:`tmcore.ops.warp`'s flow VJP uses it when present (``O(2^n B C P)``
+        instead of its generic ``O(B C P^2)`` tile contraction).
     local_scan_fwd : callable or None, default None
-        A fused local scan like :func:`tmcore.scan.local.local_scan_fwd` (fast
-        method); returns None to decline.
-    local_scan_bwd : callable or None, default None
-        Its backward, like :func:`tmcore.scan.local.local_scan_bwd`; returns None to
+        A fused local scan (``update="local"``, the fast method) with the signature
+        and results of :func:`tmcore.scan.local.local_scan_fwd` (positional, after
+        ``xp``: the arrays, then ``window, eps, radius, overwrite_state``) and the
+        same undo-log residuals (:class:`tmcore.scan.local.LocalScanResiduals`), so
+        a forward on one path and a backward on the other agree; returns None to
         decline.
+    local_scan_bwd : callable or None, default None
+        Its backward, like :func:`tmcore.scan.local.local_scan_bwd` (after ``xp``:
+        the arrays, then ``window, eps, radius``); returns None to decline.
     write_fwd : callable or None, default None
-        One step's write and update without its read (:func:`tmcore.scan.dense.write_step`);
-        returns None to decline.
+        One step's write and update without its read, ``(xp, h, c (B, C, *S),
+        write_coords (B, n), write_sigma (B,), write_content (B, C), params, eps,
+        radius) -> (h', c')``, the state ``scan_fwd`` reaches in one step (a decode
+        step that completes a chunk, :func:`tmcore.scan.dense.write_step`); returns
+        None to decline.
     """
 
     sample_fwd: Any
