@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from tmcore.ops.conv import ConvParams
+from tmcore.ops.window import window_sizes
 
 __all__ = ["PLAIN", "is_wrapped", "untraced", "expect_shape", "check_state",
            "check_scan_shapes", "window_boxes"]
@@ -57,8 +58,7 @@ def window_boxes(spatial: tuple[int, ...], window: int) -> tuple[tuple[int, ...]
     """``(size, box, corners)`` of a local scan on a grid ``spatial``: the window's cells
     per axis, the box (the window and its 1-cell halo, inside the grid) and the read's
     corner cells (1 on a 1-cell axis, else 2)."""
-    return (tuple(min(window, s) for s in spatial), tuple(min(window + 2, s) for s in spatial),
-            tuple(1 if s == 1 else 2 for s in spatial))
+    return (*window_sizes(spatial, window), tuple(1 if s == 1 else 2 for s in spatial))
 
 
 def _layouts(state: Any, steps: int, saved: int | None,
