@@ -44,9 +44,18 @@ class StoredGrid:
         return np.asarray(self.shape, dtype=np.int64 if dtype is None else dtype)
 
 
-def _stored(value: Any) -> Any:
-    """A stored grid as :func:`tmcore.layer.stored_grid_error` reads it."""
-    return value.shape if isinstance(value, StoredGrid) else value
+def _check_stored(value: Any, grid: Any, name: str) -> None:
+    """A ``ValueError`` (:func:`tmcore.layer.stored_grid_error`'s) when the stored grid
+    ``value`` (a :class:`StoredGrid` or an array) is not ``grid``; ``name`` names it."""
+    error = tl.stored_grid_error(value.shape if isinstance(value, StoredGrid) else value,
+                                 grid, name)
+    if error is not None:
+        raise ValueError(error)
+
+
+def _drop_grid(tree: Mapping[str, Any]) -> dict:
+    """``tree`` less its ``_extra_state`` entry (top level only)."""
+    return {k: v for k, v in tree.items() if k != EXTRA_STATE}
 
 
 def _find_prefix(keys: Sequence[str]) -> str:
@@ -135,12 +144,12 @@ def _check_layout(raw: Mapping[str, Any], names: Mapping[str, str], residual: bo
         if not isinstance(expected, Mapping):
             raise TypeError(f"expected: a parameter pytree (from init, residual_init or "
                             f"params_from_module), got {type(expected).__name__}")
-        given = {k: v for k, v in raw.items() if k != EXTRA_STATE}
+        given = _drop_grid(raw)
         if residual:
-            given["memory"] = {k: v for k, v in given["memory"].items() if k != EXTRA_STATE}
-        want = {k: v for k, v in expected.items() if k != EXTRA_STATE}
+            given["memory"] = _drop_grid(given["memory"])
+        want = _drop_grid(expected)
         if residual and isinstance(want.get("memory"), Mapping):
-            want["memory"] = {k: v for k, v in want["memory"].items() if k != EXTRA_STATE}
+            want["memory"] = _drop_grid(want["memory"])
         if residual and "gate" in want and "gate" in given \
                 and tuple(np.shape(given["gate"])) == ():
             given["gate"] = np.reshape(given["gate"], tl.GATE_SHAPE)
@@ -148,6 +157,15 @@ def _check_layout(raw: Mapping[str, Any], names: Mapping[str, str], residual: bo
         if problems:
             raise ValueError("sd: does not fit expected (nothing converted): "
                              + "; ".join(problems))
+
+
+def _slot(tree: dict, name: str) -> tuple[dict, str]:
+    """The dict of ``tree`` (made as needed) that a dotted ``name``'s leaf goes in, and
+    the leaf's key."""
+    *path, leaf = name.split(".")
+    for part in path:
+        tree = tree.setdefault(part, {})
+    return tree, leaf
 
 
 def _lookup(tree: Mapping[str, Any], name: str) -> Any:
@@ -252,10 +270,7 @@ def params_from_state_dict(
         raise KeyError(f"sd: missing {', '.join(missing)}")
     raw: dict = {}  # NumPy views of the values (no copy), nested
     for name, key in names.items():
-        node = raw
-        *path, leaf = name.split(".")
-        for part in path:
-            node = node.setdefault(part, {})
+        node, leaf = _slot(raw, name)
         value = np.asarray(sd[key])
         node[leaf] = _stored_grid(key, value) if leaf == EXTRA_STATE else value
     _check_layout(raw, names, residual, expected, options)
@@ -274,11 +289,8 @@ def params_from_state_dict(
     _sizes.check_bytes("sd", total, "the parameters as jnp arrays", jnp)
     params: dict = {}
     for name in names:
-        node, source = params, raw
-        *path, leaf = name.split(".")
-        for part in path:
-            node, source = node.setdefault(part, {}), source[part]
-        value = source[leaf]
+        node, leaf = _slot(params, name)
+        value = _lookup(raw, name)
         if leaf == EXTRA_STATE:
             node[leaf] = value
             continue

@@ -17,7 +17,7 @@ from jax import lax
 from tmcore import layer as tl
 from tmcore.adapters.jax import bridge as _scan_mod
 from tmcore.adapters.jax.bridge import forward_mode_guard
-from tmcore.adapters.jax.checkpoints import EXTRA_STATE, _stored
+from tmcore.adapters.jax.checkpoints import EXTRA_STATE, _check_stored
 from tmcore.adapters.jax.primitives import _check_values_eagerly
 from tmcore.layer import sizes as layer_sizes
 from tmcore.layer.stream import check_max_documents
@@ -140,6 +140,20 @@ def empty_stream_state(config_or_params: Any, batch: int, *,
     return tl.stream_state(jnp, None, tokens, config)
 
 
+#: the floating fields of a StreamState (``count`` is an integer array)
+_FLOAT_FIELDS = ("h", "c", "pending", "read")
+
+
+def _float_fields(state: tl.StreamState) -> dict:
+    """``{"state.h": h, ...}``: a StreamState's floating fields, named for errors."""
+    return {f"state.{k}": getattr(state, k) for k in _FLOAT_FIELDS}
+
+
+def _map_floats(state: tl.StreamState, fn: Callable[[Any], Any]) -> tl.StreamState:
+    """``state`` with ``fn`` applied to each floating field (``count`` unchanged)."""
+    return state._replace(**{k: fn(getattr(state, k)) for k in _FLOAT_FIELDS})
+
+
 # The state between streamed calls (tmcore.layer.StreamState): (h, c) at the last chunk
 # boundary plus the unfinished chunk's tokens, their count and its read. A plain comment,
 # not a doc comment: the docs show the class (its page), not a constant of that name.
@@ -163,9 +177,7 @@ def detach_state(state: Any) -> Any:
     """
     def cut(s: Any) -> Any:
         if isinstance(s, tl.StreamState):
-            return s._replace(h=lax.stop_gradient(s.h), c=lax.stop_gradient(s.c),
-                              pending=lax.stop_gradient(s.pending),
-                              read=lax.stop_gradient(s.read))
+            return _map_floats(s, lax.stop_gradient)
         return lax.stop_gradient(s)
     return jax.tree.map(cut, state, is_leaf=lambda s: isinstance(s, tl.StreamState))
 
@@ -301,6 +313,13 @@ _CONFIGS: collections.OrderedDict = collections.OrderedDict()
 _CONFIG_CACHE_SIZE = 256
 
 
+def _remember(cache: collections.OrderedDict, key: Any, value: Any, size: int) -> None:
+    """Put ``value`` in the LRU ``cache``, dropping the least recently used beyond ``size``."""
+    cache[key] = value
+    while len(cache) > size:
+        cache.popitem(last=False)
+
+
 def _typed(value: Any) -> Any:
     """``value`` as a hashable key that tells types apart (``2``, ``2.0``, ``True``,
     ``np.int64(2)`` differ); sequences element by element."""
@@ -328,9 +347,7 @@ def _layer_config(params: Mapping[str, Any], x: Any, state: Any, **kwargs: Any
     if config is None:
         config = _checked_config(params, x, state, **kwargs)
         if key is not None:
-            _CONFIGS[key] = config
-            while len(_CONFIGS) > _CONFIG_CACHE_SIZE:
-                _CONFIGS.popitem(last=False)
+            _remember(_CONFIGS, key, config, _CONFIG_CACHE_SIZE)
     else:
         _CONFIGS.move_to_end(key)
     if config.dynamics != "none":  # the warp_net group (not in the remembered key)
@@ -358,7 +375,7 @@ def _check_no_widening(params: Mapping[str, Any], x: Any, state: Any) -> None:
     layer = jnp.result_type(*(params[group][leaf] for group, leaf in LAYER_KEYS))
     fields = [("x", x)]
     if isinstance(state, tl.StreamState):
-        fields += [(f"state.{k}", getattr(state, k)) for k in ("h", "c", "pending", "read")]
+        fields += list(_float_fields(state).items())
     elif _is_pair(state):
         fields += [("state.h", state[0]), ("state.c", state[1])]
     for name, value in fields:
@@ -664,10 +681,7 @@ def apply(
     else:
         state = MemoryState(*tl.check_state(jnp, state, batch, config))
     if EXTRA_STATE in params:
-        error = tl.stored_grid_error(_stored(params[EXTRA_STATE]), config.memory_shape,
-                                     f"params[{EXTRA_STATE!r}]")
-        if error is not None:
-            raise ValueError(error)
+        _check_stored(params[EXTRA_STATE], config.memory_shape, f"params[{EXTRA_STATE!r}]")
     if reset is not None:
         state = reset_state(state, reset)
     dtype = _compute_dtype(params, x, state)
@@ -748,21 +762,15 @@ def _apply_stream(params: Mapping[str, Any], x: jax.Array, state: Any,
     the layer reads concrete masks (to plan the grid on the host or, with ``documents``
     (``max_documents``), to check the bound before planning it with arrays)."""
     if EXTRA_STATE in params:
-        error = tl.stored_grid_error(_stored(params[EXTRA_STATE]), config.memory_shape,
-                                     f"params[{EXTRA_STATE!r}]")
-        if error is not None:
-            raise ValueError(error)
+        _check_stored(params[EXTRA_STATE], config.memory_shape, f"params[{EXTRA_STATE!r}]")
     if isinstance(state, tl.StreamState):
         state = tl.stream_state(jnp, state, x, config)  # checks; count as an int32 array
         state = _guard_count(state, config.chunk_size)  # under jit too: never another row
     dtype = _compute_dtype(params, x, None if state is None else (state[0], state[1]))
     x = _cast(x, dtype)
     if isinstance(state, tl.StreamState):
-        state = state._replace(h=_cast(state.h, dtype), c=_cast(state.c, dtype),
-                               pending=_cast(state.pending, dtype),
-                               read=_cast(state.read, dtype))
-        _check_values_eagerly({"state.h": state.h, "state.c": state.c,
-                               "state.pending": state.pending, "state.read": state.read})
+        state = _map_floats(state, lambda value: _cast(value, dtype))
+        _check_values_eagerly(_float_fields(state))
     elif state is not None:
         state = MemoryState(*(_cast(s, dtype) for s in tl.check_state(
             jnp, state, x.shape[0], config)))
@@ -816,9 +824,7 @@ def _stream_function(static: _StreamStatic, shape: tuple[int, ...], dtype: str
     function = _STREAM_FUNCTIONS.get(key)
     if function is None:
         function = jax.jit(functools.partial(_stream_call, static))
-        _STREAM_FUNCTIONS[key] = function
-        while len(_STREAM_FUNCTIONS) > STREAM_CACHE_SIZE:
-            _STREAM_FUNCTIONS.popitem(last=False)
+        _remember(_STREAM_FUNCTIONS, key, function, STREAM_CACHE_SIZE)
     else:
         _STREAM_FUNCTIONS.move_to_end(key)
     return function

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from tmcore import layer as tl
-from tmcore.adapters.jax.checkpoints import EXTRA_STATE, _mismatches, _stored
+from tmcore.adapters.jax.checkpoints import EXTRA_STATE, _check_stored, _mismatches
 from tmcore.adapters.jax.functional import MemoryState, apply, init, init_state
 from tmcore.adapters.jax.stack import residual_apply
 from tmcore.ops.splat import DEFAULT_EPS
@@ -61,15 +61,18 @@ def _layer_params(module: TensorMemory) -> dict:
     return out
 
 
-def _options(module: TensorMemory) -> dict:
-    """The experimental options of a :class:`TensorMemory` as :func:`apply`'s keywords
-    (none on the default layer, so its call is unchanged)."""
-    options = {"update": module.update, "window": module.window,
-               "dynamics": module.dynamics, "flow": module.flow}
-    return {k: v for k, v in options.items() if v != _DEFAULT_OPTIONS[k]}
-
-
+#: the settings of a :class:`TensorMemory` its calls pass to :func:`apply`
+_SETTINGS = ("memory_shape", "chunk_size", "sigma_scale", "eps", "radius", "checkpoint_every")
 _DEFAULT_OPTIONS = {"update": "dense", "window": None, "dynamics": "none", "flow": False}
+
+
+def _settings(module: TensorMemory) -> dict:
+    """The settings of a :class:`TensorMemory` as :func:`apply`'s keywords; the
+    experimental options only where not their default (so the default layer's call is
+    unchanged)."""
+    options = {k: getattr(module, k) for k in _DEFAULT_OPTIONS}
+    return {**{k: getattr(module, k) for k in _SETTINGS},
+            **{k: v for k, v in options.items() if v != _DEFAULT_OPTIONS[k]}}
 
 
 def _without_extra_state(module: Any, params: Mapping[str, Any], path: str) -> dict:
@@ -79,10 +82,8 @@ def _without_extra_state(module: Any, params: Mapping[str, Any], path: str) -> d
     for key, value in params.items():
         if key == EXTRA_STATE:
             grid = getattr(module, "memory_shape", None)
-            error = None if grid is None else tl.stored_grid_error(_stored(value), grid,
-                                                                   f"{path}{key}")
-            if error is not None:
-                raise ValueError(error)
+            if grid is not None:
+                _check_stored(value, grid, f"{path}{key}")
         elif isinstance(value, Mapping):
             out[key] = _without_extra_state(getattr(module, str(key), None), value,
                                             f"{path}{key}.")
@@ -193,17 +194,8 @@ class TensorMemory(nnx.Module):
                       flow=flow)
         for name, group in params.items():
             setattr(self, name, _to_variables(group))
-        self.memory_channels = config.memory_channels
-        self.memory_shape = config.memory_shape
-        self.chunk_size = config.chunk_size
-        self.sigma_scale = config.sigma_scale
-        self.eps = config.eps
-        self.radius = config.radius
-        self.checkpoint_every = config.checkpoint_every
-        self.update = config.update
-        self.window = config.window
-        self.dynamics = config.dynamics
-        self.flow = config.flow
+        for name in ("memory_channels", *_SETTINGS, *_DEFAULT_OPTIONS):
+            setattr(self, name, getattr(config, name))
         # ``(group, leaf)`` of every parameter (LAYER_KEYS, plus warp_net / warp_flow)
         self.param_keys = tuple((spec.group, spec.leaf) for spec in tl.param_specs(config))
 
@@ -213,12 +205,9 @@ class TensorMemory(nnx.Module):
     def __call__(self, x: jax.Array, state: Any = None, *, reset: jax.Array | None = None,
                  stream: bool | None = None, doc_starts: Any = None, valid: Any = None,
                  max_documents: int | None = None) -> tuple[jax.Array, Any]:
-        return apply(_layer_params(self), x, state, chunk_size=self.chunk_size,
-                     memory_shape=self.memory_shape, sigma_scale=self.sigma_scale,
-                     reset=reset, eps=self.eps, radius=self.radius,
-                     checkpoint_every=self.checkpoint_every, stream=stream,
+        return apply(_layer_params(self), x, state, reset=reset, stream=stream,
                      doc_starts=doc_starts, valid=valid, max_documents=max_documents,
-                     **_options(self))
+                     **_settings(self))
 
 
 class MemoryResidual(nnx.Module):
@@ -277,16 +266,12 @@ class MemoryResidual(nnx.Module):
     def __call__(self, x: jax.Array, state: Any = None, *, reset: jax.Array | None = None,
                  stream: bool | None = None, doc_starts: Any = None, valid: Any = None,
                  max_documents: int | None = None) -> tuple[jax.Array, Any]:
-        m = self.memory
         params = {"norm": {"weight": _raw(self.norm["weight"]),
                            "bias": _raw(self.norm["bias"])},
-                  "memory": _layer_params(m), "gate": _raw(self.gate)}
-        return residual_apply(params, x, state, chunk_size=m.chunk_size,
-                              memory_shape=m.memory_shape, sigma_scale=m.sigma_scale,
-                              reset=reset, eps=m.eps, radius=m.radius,
-                              checkpoint_every=m.checkpoint_every, stream=stream,
+                  "memory": _layer_params(self.memory), "gate": _raw(self.gate)}
+        return residual_apply(params, x, state, reset=reset, stream=stream,
                               doc_starts=doc_starts, valid=valid,
-                              max_documents=max_documents, **_options(m))
+                              max_documents=max_documents, **_settings(self.memory))
 
 
 def _constructor_signature(cls: type) -> None:
