@@ -53,11 +53,6 @@ def _check_stored(value: Any, grid: Any, name: str) -> None:
         raise ValueError(error)
 
 
-def _drop_grid(tree: Mapping[str, Any]) -> dict:
-    """``tree`` less its ``_extra_state`` entry (top level only)."""
-    return {k: v for k, v in tree.items() if k != EXTRA_STATE}
-
-
 def _find_prefix(keys: Sequence[str]) -> str:
     anchors = [k[: -len("write_proj.weight")] for k in keys if k.endswith("write_proj.weight")]
     if len(anchors) != 1:
@@ -144,12 +139,12 @@ def _check_layout(raw: Mapping[str, Any], names: Mapping[str, str], residual: bo
         if not isinstance(expected, Mapping):
             raise TypeError(f"expected: a parameter pytree (from init, residual_init or "
                             f"params_from_module), got {type(expected).__name__}")
-        given = _drop_grid(raw)
+        given = {k: v for k, v in raw.items() if k != EXTRA_STATE}
         if residual:
-            given["memory"] = _drop_grid(given["memory"])
-        want = _drop_grid(expected)
+            given["memory"] = {k: v for k, v in given["memory"].items() if k != EXTRA_STATE}
+        want = {k: v for k, v in expected.items() if k != EXTRA_STATE}
         if residual and isinstance(want.get("memory"), Mapping):
-            want["memory"] = _drop_grid(want["memory"])
+            want["memory"] = {k: v for k, v in want["memory"].items() if k != EXTRA_STATE}
         if residual and "gate" in want and "gate" in given \
                 and tuple(np.shape(given["gate"])) == ():
             given["gate"] = np.reshape(given["gate"], tl.GATE_SHAPE)
@@ -160,8 +155,7 @@ def _check_layout(raw: Mapping[str, Any], names: Mapping[str, str], residual: bo
 
 
 def _slot(tree: dict, name: str) -> tuple[dict, str]:
-    """The dict of ``tree`` (made as needed) that a dotted ``name``'s leaf goes in, and
-    the leaf's key."""
+    """The dict of ``tree`` (made as needed) and key a dotted ``name``'s leaf goes in."""
     *path, leaf = name.split(".")
     for part in path:
         tree = tree.setdefault(part, {})

@@ -34,6 +34,8 @@ __all__ = ["LAYER_KEYS", "STREAM_CACHE_SIZE", "MemoryState", "StreamState", "app
 #: Parameter names of one memory layer, ``(group, leaf)``, torch state-dict order.
 LAYER_KEYS = tuple((spec.group, spec.leaf)
                    for spec in tl.param_specs(tl.LayerConfig(1, 1, (1,), 1)))
+#: the floating fields of a :class:`StreamState` (``count`` is an integer array)
+_FLOAT_FIELDS = ("h", "c", "pending", "read")
 
 
 class MemoryState(NamedTuple):
@@ -140,20 +142,6 @@ def empty_stream_state(config_or_params: Any, batch: int, *,
     return tl.stream_state(jnp, None, tokens, config)
 
 
-#: the floating fields of a StreamState (``count`` is an integer array)
-_FLOAT_FIELDS = ("h", "c", "pending", "read")
-
-
-def _float_fields(state: tl.StreamState) -> dict:
-    """``{"state.h": h, ...}``: a StreamState's floating fields, named for errors."""
-    return {f"state.{k}": getattr(state, k) for k in _FLOAT_FIELDS}
-
-
-def _map_floats(state: tl.StreamState, fn: Callable[[Any], Any]) -> tl.StreamState:
-    """``state`` with ``fn`` applied to each floating field (``count`` unchanged)."""
-    return state._replace(**{k: fn(getattr(state, k)) for k in _FLOAT_FIELDS})
-
-
 # The state between streamed calls (tmcore.layer.StreamState): (h, c) at the last chunk
 # boundary plus the unfinished chunk's tokens, their count and its read. A plain comment,
 # not a doc comment: the docs show the class (its page), not a constant of that name.
@@ -177,7 +165,7 @@ def detach_state(state: Any) -> Any:
     """
     def cut(s: Any) -> Any:
         if isinstance(s, tl.StreamState):
-            return _map_floats(s, lax.stop_gradient)
+            return s._replace(**{k: lax.stop_gradient(getattr(s, k)) for k in _FLOAT_FIELDS})
         return lax.stop_gradient(s)
     return jax.tree.map(cut, state, is_leaf=lambda s: isinstance(s, tl.StreamState))
 
@@ -375,7 +363,7 @@ def _check_no_widening(params: Mapping[str, Any], x: Any, state: Any) -> None:
     layer = jnp.result_type(*(params[group][leaf] for group, leaf in LAYER_KEYS))
     fields = [("x", x)]
     if isinstance(state, tl.StreamState):
-        fields += list(_float_fields(state).items())
+        fields += [(f"state.{k}", getattr(state, k)) for k in _FLOAT_FIELDS]
     elif _is_pair(state):
         fields += [("state.h", state[0]), ("state.c", state[1])]
     for name, value in fields:
@@ -769,8 +757,8 @@ def _apply_stream(params: Mapping[str, Any], x: jax.Array, state: Any,
     dtype = _compute_dtype(params, x, None if state is None else (state[0], state[1]))
     x = _cast(x, dtype)
     if isinstance(state, tl.StreamState):
-        state = _map_floats(state, lambda value: _cast(value, dtype))
-        _check_values_eagerly(_float_fields(state))
+        state = state._replace(**{k: _cast(getattr(state, k), dtype) for k in _FLOAT_FIELDS})
+        _check_values_eagerly({f"state.{k}": getattr(state, k) for k in _FLOAT_FIELDS})
     elif state is not None:
         state = MemoryState(*(_cast(s, dtype) for s in tl.check_state(
             jnp, state, x.shape[0], config)))
