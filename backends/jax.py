@@ -213,21 +213,20 @@ def _explicit_batch_axes(x: Any) -> tuple[str, ...] | None:
     return tuple(axes) or None
 
 
-def _ffi(kernel: str, args: tuple[Any, ...], batched: tuple[bool, ...],
-         outputs: tuple[int, ...], summed: tuple[int, ...] = ()) -> tuple[Any, ...]:
+def _ffi(kernel: str, args: tuple[Any, ...], outputs: tuple[int, ...],
+         summed: tuple[int, ...] = ()) -> tuple[Any, ...]:
     """Call kernel ``kernel`` on ``args``; output ``i`` is shaped like ``args[outputs[i]]``.
 
-    ``batched[j]``: ``args[j]`` has the leading batch axis; ``summed``: outputs that
-    are sums over the batch (the taps' gradients). With the batch sharded over
+    ``_BATCHED[kernel][j]``: ``args[j]`` has the leading batch axis; ``summed``: outputs
+    that are sums over the batch (the taps' gradients). With the batch sharded over
     explicit mesh axes, the kernel runs on each shard (an internal ``shard_map``:
     no gather) and the summed outputs are ``psum``-ed; inside ``shard_map`` the
     outputs carry the inputs' varying axes.
     """
-    axes = _explicit_batch_axes(args[0])
+    batched, axes = _BATCHED[kernel], _explicit_batch_axes(args[0])
     if axes is not None:
         def local(*shard):
-            outs = _ffi(kernel, shard, batched, outputs, summed)
-            return tuple(lax.psum(o, axes) if i in summed else o for i, o in enumerate(outs))
+            return _psum_summed(_ffi(kernel, shard, outputs, summed), axes, summed)
 
         in_specs = tuple(P(axes) if b else P() for b in batched)
         out_specs = tuple(P() if i in summed else P(axes) for i in range(len(outputs)))
@@ -240,6 +239,11 @@ def _ffi(kernel: str, args: tuple[Any, ...], batched: tuple[bool, ...],
         return tuple(_partitioned(kernel, _native_suffix(args[0]), batched, outputs,
                                   summed)(*args))
     return _plain_ffi(kernel, _native_suffix(args[0]), args, outputs)
+
+
+def _psum_summed(outs: tuple[Any, ...], axes: Any, summed: tuple[int, ...]) -> tuple[Any, ...]:
+    """A per-shard call's outputs, the ``summed`` ones ``psum``-ed over ``axes``."""
+    return tuple(lax.psum(o, axes) if i in summed else o for i, o in enumerate(outs))
 
 
 def _plain_ffi(kernel: str, suffix: str, args: tuple[Any, ...],
@@ -380,9 +384,7 @@ def _partitioned(kernel: str, suffix: str, batched: tuple[bool, ...], outputs: t
 
         def lower(*args):
             outs = _plain_ffi(kernel, suffix, args, outputs)
-            if axes is None:
-                return outs
-            return tuple(lax.psum(o, axes) if i in summed else o for i, o in enumerate(outs))
+            return outs if axes is None else _psum_summed(outs, axes, summed)
 
         return mesh, lower, out_shardings(mesh, axes), arg_shardings
 
@@ -450,14 +452,13 @@ def _fused(generic: Any):
 @_fused(_generic_depthwise_vjp)
 def _native_depthwise_vjp(x: Any, taps: Any, bias: Any, g: Any) -> tuple[Any, Any, Any]:
     """``(d_x, d_taps, d_bias)`` of :func:`_native_depthwise` for the cotangent ``g``."""
-    return _ffi("dw_bwd", (x, g, taps, bias), (True, True, False, False), (0, 2, 3),
-                summed=(1, 2))
+    return _ffi("dw_bwd", (x, g, taps, bias), (0, 2, 3), summed=(1, 2))
 
 
 @jax.custom_vjp
 def _native_depthwise(x: Any, taps: Any, bias: Any) -> Any:
     """All depthwise passes of ``x (B, C, *S)``, taps ``(n, C, 3)``, bias ``(n, C)``."""
-    return _ffi("dw_fwd", (x, taps, bias), (True, False, False), (0,))[0]
+    return _ffi("dw_fwd", (x, taps, bias), (0,))[0]
 
 
 _native_depthwise.defvjp(lambda x, taps, bias: (_native_depthwise(x, taps, bias), (x, taps, bias)),
@@ -467,13 +468,13 @@ _native_depthwise.defvjp(lambda x, taps, bias: (_native_depthwise(x, taps, bias)
 @_fused(_generic_gates_vjp)
 def _native_gates_vjp(z: Any, c: Any, g_h: Any, g_c: Any) -> tuple[Any, Any]:
     """``(d_z, d_c)`` of :func:`_native_gates` (the gates recomputed from ``z``)."""
-    return _ffi("gates_bwd", (z, c, g_h, g_c), (True,) * 4, (0, 1))
+    return _ffi("gates_bwd", (z, c, g_h, g_c), (0, 1))
 
 
 @jax.custom_vjp
 def _native_gates(z: Any, c: Any) -> tuple[Any, Any]:
     """``(h', c')`` from ``z (B, 4C, *S)`` and ``c (B, C, *S)``."""
-    return _ffi("gates_fwd", (z, c), (True, True), (1, 1))
+    return _ffi("gates_fwd", (z, c), (1, 1))
 
 
 _native_gates.defvjp(lambda z, c: (_native_gates(z, c), (z, c)),
