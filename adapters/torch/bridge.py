@@ -277,26 +277,34 @@ def call(function: type[_Function], op: Callable[..., Any], *args: Any,
         # no transform and no gradient (inference, a decode step): the op's own forward,
         # without the autograd Function and the dispatcher around it (the same
         # computation; a few hundred microseconds less per call on the CPU)
-        if not validated:
-            return direct(*args)
-        token = _VALIDATED.set(True)
-        try:
-            return direct(*args)
-        finally:
-            _VALIDATED.reset(token)
+        return _run(direct, args, validated)
     if _in_forward_mode(interpreter):
         raise NotImplementedError(
             f"tmcore: {getattr(op, '_name', op)} has no forward-mode derivative "
             f"(torch.func.jvp, jacfwd, hessian via jacfwd): tmcore registers reverse-mode "
             f"VJPs only. Use reverse mode "
             f"(torch.func.grad / vjp / jacrev, or torch.autograd.grad twice)")
+    return _run(function.apply, args, validated)
+
+
+def _run(fn: Callable[..., Any], args: tuple, validated: bool) -> Any:
+    """``fn(*args)``, with :data:`_VALIDATED` set while it runs when ``validated``."""
     if not validated:
-        return function.apply(*args)
+        return fn(*args)
     token = _VALIDATED.set(True)
     try:
-        return function.apply(*args)
+        return fn(*args)
     finally:
         _VALIDATED.reset(token)
+
+
+def _twin(name: str, op: Any, setup: Callable[..., Any], grad: Callable[..., Any]
+          ) -> type[_Function]:
+    """The ``autograd.Function`` twin of ``op``: its forward calls the op, its
+    ``setup_context`` / ``backward`` are the rules registered on the op."""
+    return type(name, (_Function,), {"forward": staticmethod(lambda *args: op(*args)),
+                                     "setup_context": staticmethod(setup),
+                                     "backward": staticmethod(grad)})
 
 
 @dataclasses.dataclass
@@ -415,16 +423,9 @@ def _make_op(spec: OpSpec) -> MadeOp:
     backward_op.register_vmap(_loop_vmap(backward_op))
 
     title = "".join(part.title() for part in spec.name.split("_"))
-    backward_function = type(f"_{title}BackwardFunction", (_Function,), {
-        "forward": staticmethod(lambda *args: backward_op(*args)),
-        "setup_context": staticmethod(backward_setup),
-        "backward": staticmethod(backward_grad),
-    })
-    function = type(f"{title}Function", (_Function,), {
-        "forward": staticmethod(lambda *args: op(*args)),
-        "setup_context": staticmethod(setup),
-        "backward": staticmethod(grad),
-    })
+    backward_function = _twin(f"_{title}BackwardFunction", backward_op, backward_setup,
+                              backward_grad)
+    function = _twin(f"{title}Function", op, setup, grad)
     _DIRECT[op] = forward
     return MadeOp(op, backward_op, function, backward_function)
 
@@ -482,11 +483,17 @@ _SCAN_PRIMALS = ("h0", "c0", "read_coords", "write_coords", "write_sigma", "writ
                  "depthwise_weight", "depthwise_bias", "pointwise_weight", "pointwise_bias")
 
 
+def _validate_scan(primals, statics, *cotangents):
+    """The public checks of a scan's inputs (and the backward's ``cotangents``)."""
+    eps, radius, checkpoint_every = statics
+    validate_scan_inputs(*primals[:6], ConvParams(*primals[6:]), checkpoint_every, radius,
+                         *cotangents, eps=eps)
+
+
 def _scan_forward(primals, statics):
     eps, radius, checkpoint_every = statics
     if not _VALIDATED.get():  # eager calls of the op: the public checks (once per call)
-        validate_scan_inputs(*primals[:6], ConvParams(*primals[6:]), checkpoint_every, radius,
-                             eps=eps)
+        _validate_scan(primals, statics)
     return memory_scan_fwd(_XP, *primals[:6], ConvParams(*primals[6:]), eps=eps, radius=radius,
                            checkpoint_every=checkpoint_every)
 
@@ -529,8 +536,7 @@ def _check_residuals(primals: Sequence[Tensor], residuals: Sequence[Tensor],
 
 def _scan_backward(primals, residuals, cotangents, statics):
     eps, radius, checkpoint_every = statics
-    validate_scan_inputs(*primals[:6], ConvParams(*primals[6:]), checkpoint_every, radius,
-                         *cotangents, eps=eps)
+    _validate_scan(primals, statics, *cotangents)
     _check_residuals(primals, residuals, checkpoint_every)
     grads = memory_scan_bwd(_XP, *primals[2:6], ConvParams(*primals[6:]), *residuals,
                             *cotangents, eps=eps, radius=radius,
@@ -542,11 +548,10 @@ def _scan_fake(primals, statics):
     # The adapter's memory_scan validates eagerly; under torch.compile Dynamo cannot trace
     # the validator, so its shape checks run here, once per trace, in plain Python (fake
     # tensors have no values: validate mode's value checks are off).
-    eps, radius, checkpoint_every = statics
+    checkpoint_every = statics[2]
     h0, c0, read_coords = primals[:3]
     with options(validate=False):
-        validate_scan_inputs(*primals[:6], ConvParams(*primals[6:]), checkpoint_every, radius,
-                             eps=eps)
+        _validate_scan(primals, statics)
     batch, channels = h0.shape[:2]
     saved = -(-read_coords.shape[1] // checkpoint_every)
     return (h0.new_empty((batch, read_coords.shape[1], channels)), torch.empty_like(h0),

@@ -257,12 +257,13 @@ def state_to_dict(state: Any) -> dict[str, Any]:
     if isinstance(state, tl.StreamState):
         count = state.count
         as_tensor = isinstance(count, Tensor)
-        out = {name: getattr(state, name) for name in _STATE_FIELDS if name != "count"}
-        for name, value in out.items():
+        out = {}
+        for name in (name for name in _STATE_FIELDS if name != "count"):
+            value = getattr(state, name)
             if not isinstance(value, Tensor):
                 raise TypeError(f"state.{name}: expected a torch.Tensor, "
                                 f"got {type(value).__name__}")
-        out = {name: value.detach() for name, value in out.items()}
+            out[name] = value.detach()
         out["count"] = count.detach().to(torch.int64) if as_tensor else torch.tensor(
             [int(k) for k in count], dtype=torch.int64)
         out["count_kind"] = "tensor" if as_tensor else "tuple"
