@@ -233,8 +233,9 @@ def _masked_vjp_step(static: ScanStatic, params: Any, carry: tuple, item: tuple)
             d_params), d_x
 
 
-def _segments(steps: int, every: int) -> tuple[int, int, int]:
-    """``(k, full segments, tail steps)`` for ``steps`` steps, a checkpoint every ``every``."""
+def _segments(xs: Any, every: int) -> tuple[int, int, int]:
+    """``(k, full segments, tail steps)`` of time-major ``xs``, a checkpoint every ``every``."""
+    steps = jax.tree.leaves(xs)[0].shape[0]
     k = max(1, min(every, steps))
     return k, steps // k, steps % k
 
@@ -289,8 +290,7 @@ def _scan_fwd(static: ScanStatic, params, xs, h0, c0, masks=None):
     if static.step.policy == "log":  # the per-step log is the residual
         (h, c), (reads, logs) = lax.scan(step, (h0, c0), items)
         return (reads, h, c), (params, items, logs, None)
-    steps = jax.tree.leaves(xs)[0].shape[0]
-    k, full, tail = _segments(steps, static.checkpoint_every)
+    k, full, tail = _segments(xs, static.checkpoint_every)
     if k == 1:  # every state is a checkpoint: one flat scan, no segments
         def keep(carry, x_t):
             end, (read, _) = step(carry, x_t)
@@ -342,8 +342,7 @@ def _scan_bwd(static: ScanStatic, residuals, cotangents):
         (d_h0, d_c0, d_params), d_xs = lax.scan(body, carry, (None, None, items, kept, g_reads),
                                                 reverse=True)
         return d_params, d_xs, d_h0, d_c0, None
-    steps = jax.tree.leaves(xs)[0].shape[0]
-    k, full, tail = _segments(steps, static.checkpoint_every)
+    k, full, tail = _segments(xs, static.checkpoint_every)
     if k == 1:
         (d_h0, d_c0, d_params), d_xs = lax.scan(body, carry, (*kept, items, None, g_reads),
                                                 reverse=True)

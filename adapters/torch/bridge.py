@@ -300,8 +300,7 @@ def _run(fn: Callable[..., Any], args: tuple, validated: bool) -> Any:
 
 def _twin(name: str, op: Any, setup: Callable[..., Any], grad: Callable[..., Any]
           ) -> type[_Function]:
-    """The ``autograd.Function`` twin of ``op``: its forward calls the op, its
-    ``setup_context`` / ``backward`` are the rules registered on the op."""
+    """The ``autograd.Function`` twin of ``op``: its forward, with the op's rules."""
     return type(name, (_Function,), {"forward": staticmethod(lambda *args: op(*args)),
                                      "setup_context": staticmethod(setup),
                                      "backward": staticmethod(grad)})
@@ -483,17 +482,11 @@ _SCAN_PRIMALS = ("h0", "c0", "read_coords", "write_coords", "write_sigma", "writ
                  "depthwise_weight", "depthwise_bias", "pointwise_weight", "pointwise_bias")
 
 
-def _validate_scan(primals, statics, *cotangents):
-    """The public checks of a scan's inputs (and the backward's ``cotangents``)."""
-    eps, radius, checkpoint_every = statics
-    validate_scan_inputs(*primals[:6], ConvParams(*primals[6:]), checkpoint_every, radius,
-                         *cotangents, eps=eps)
-
-
 def _scan_forward(primals, statics):
     eps, radius, checkpoint_every = statics
     if not _VALIDATED.get():  # eager calls of the op: the public checks (once per call)
-        _validate_scan(primals, statics)
+        validate_scan_inputs(*primals[:6], ConvParams(*primals[6:]), checkpoint_every, radius,
+                             eps=eps)
     return memory_scan_fwd(_XP, *primals[:6], ConvParams(*primals[6:]), eps=eps, radius=radius,
                            checkpoint_every=checkpoint_every)
 
@@ -536,7 +529,8 @@ def _check_residuals(primals: Sequence[Tensor], residuals: Sequence[Tensor],
 
 def _scan_backward(primals, residuals, cotangents, statics):
     eps, radius, checkpoint_every = statics
-    _validate_scan(primals, statics, *cotangents)
+    validate_scan_inputs(*primals[:6], ConvParams(*primals[6:]), checkpoint_every, radius,
+                         *cotangents, eps=eps)
     _check_residuals(primals, residuals, checkpoint_every)
     grads = memory_scan_bwd(_XP, *primals[2:6], ConvParams(*primals[6:]), *residuals,
                             *cotangents, eps=eps, radius=radius,
@@ -548,10 +542,11 @@ def _scan_fake(primals, statics):
     # The adapter's memory_scan validates eagerly; under torch.compile Dynamo cannot trace
     # the validator, so its shape checks run here, once per trace, in plain Python (fake
     # tensors have no values: validate mode's value checks are off).
-    checkpoint_every = statics[2]
+    eps, radius, checkpoint_every = statics
     h0, c0, read_coords = primals[:3]
     with options(validate=False):
-        _validate_scan(primals, statics)
+        validate_scan_inputs(*primals[:6], ConvParams(*primals[6:]), checkpoint_every, radius,
+                             eps=eps)
     batch, channels = h0.shape[:2]
     saved = -(-read_coords.shape[1] // checkpoint_every)
     return (h0.new_empty((batch, read_coords.shape[1], channels)), torch.empty_like(h0),

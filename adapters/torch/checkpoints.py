@@ -257,9 +257,8 @@ def state_to_dict(state: Any) -> dict[str, Any]:
     if isinstance(state, tl.StreamState):
         count = state.count
         as_tensor = isinstance(count, Tensor)
-        out = {}
-        for name in (name for name in _STATE_FIELDS if name != "count"):
-            value = getattr(state, name)
+        out = {name: getattr(state, name) for name in _STATE_FIELDS if name != "count"}
+        for name, value in out.items():
             if not isinstance(value, Tensor):
                 raise TypeError(f"state.{name}: expected a torch.Tensor, "
                                 f"got {type(value).__name__}")
