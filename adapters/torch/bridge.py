@@ -54,6 +54,7 @@ import array_api_compat
 import torch
 from torch import Tensor
 
+from tmcore.backends.fused import window_boxes
 from tmcore.ops.cell import convlstm_step, convlstm_step_vjp
 from tmcore.ops.conv import ConvParams
 from tmcore.ops.sample import validate_sample_inputs
@@ -642,8 +643,7 @@ def _option_shapes(step: Any, h0: Tensor, steps: int, every: int, keep: bool):
     batch, channels, *grid = h0.shape
     if step.policy == "checkpoint":
         return [(-(-steps // every), *h0.shape)] * 2 + [(0,)]
-    box = [min(step.window + 2, s) for s in grid]
-    corner = [1 if s == 1 else 2 for s in grid]
+    _, box, corner = window_boxes(tuple(grid), step.window)
     return [(steps, batch, channels, *box)] * 2 + [(steps, batch, channels, *corner)]
 
 
