@@ -184,29 +184,37 @@ def _native_suffix(*arrays: Any) -> str | None:
     return suffix if native.jax_library() is not None else None
 
 
-def _varying(a: Any) -> frozenset:
-    """The manual mesh axes ``a`` varies over inside ``shard_map`` (empty elsewhere)."""
-    aval = jax.typeof(a)
+def varying(x: Any) -> frozenset:
+    """The manual mesh axes ``x`` varies over (inside ``shard_map``), else empty."""
+    try:
+        aval = jax.typeof(x)
+    except TypeError:  # not an array (e.g. None in a pytree)
+        return frozenset()
     vma = getattr(aval, "vma", None)
     if vma is None:
         vma = getattr(getattr(aval, "manual_axis_type", None), "varying", frozenset())
     return frozenset(vma)
 
 
-def _same_varying(args: tuple[Any, ...]) -> tuple[Any, ...]:
-    """``args`` cast to the union of their varying axes (what every jnp op does
-    implicitly; an FFI call needs it explicitly to type its outputs)."""
-    axes = frozenset().union(*map(_varying, args))
+def match_vma(*trees: Any) -> tuple[Any, ...]:
+    """``trees`` with every leaf cast to the union of their varying axes (what every jnp
+    op does implicitly; an FFI call or a scan carry needs it explicitly to type its
+    outputs). Outside ``shard_map`` (no varying axes) the trees come back unchanged."""
+    leaves = jax.tree.leaves(trees)
+    axes = frozenset().union(*map(varying, leaves)) if leaves else frozenset()
     if not axes:
-        return args
-    return tuple(lax.pcast(a, tuple(sorted(axes - _varying(a))), to="varying")
-                 if axes - _varying(a) else a for a in args)
+        return trees
+
+    def cast(leaf: Any) -> Any:
+        missing = tuple(sorted(axes - varying(leaf)))
+        return lax.pcast(leaf, missing, to="varying") if missing else leaf
+
+    return tuple(jax.tree.map(cast, tree) for tree in trees)
 
 
-def _explicit_batch_axes(x: Any) -> tuple[str, ...] | None:
+def explicit_batch_axes(x: Any) -> tuple[str, ...] | None:
     """The explicit mesh axes ``x``'s leading (batch) axis is sharded over, if any."""
-    sharding = getattr(jax.typeof(x), "sharding", None)
-    spec = getattr(sharding, "spec", None)
+    spec = getattr(getattr(jax.typeof(x), "sharding", None), "spec", None)
     if not spec or spec[0] is None:
         return None
     axes = spec[0] if isinstance(spec[0], tuple) else (spec[0],)
@@ -223,7 +231,7 @@ def _ffi(kernel: str, args: tuple[Any, ...], outputs: tuple[int, ...],
     no gather) and the summed outputs are ``psum``-ed; inside ``shard_map`` the
     outputs carry the inputs' varying axes.
     """
-    batched, axes = _BATCHED[kernel], _explicit_batch_axes(args[0])
+    batched, axes = _BATCHED[kernel], explicit_batch_axes(args[0])
     if axes is not None:
         def local(*shard):
             return _psum_summed(_ffi(kernel, shard, outputs, summed), axes, summed)
@@ -233,8 +241,8 @@ def _ffi(kernel: str, args: tuple[Any, ...], outputs: tuple[int, ...],
         return jax.shard_map(local, mesh=jax.typeof(args[0]).sharding.mesh,
                              in_specs=in_specs, out_specs=out_specs,
                              axis_names=set(axes))(*args)
-    args = _same_varying(args)
-    if jax.device_count() > 1 and not any(map(_varying, args)):
+    args = match_vma(*args)
+    if jax.device_count() > 1 and not any(map(varying, args)):
         # several devices: jit may shard the batch (Auto axes, invisible while tracing)
         return tuple(_partitioned(kernel, _native_suffix(args[0]), batched, outputs,
                                   summed)(*args))
@@ -504,15 +512,15 @@ _FORWARD_MODE = (
     "math itself); else use jax.grad / jax.vjp / jax.jacrev.")
 
 
-def _guard_forward_mode(call: Callable[[], Any]) -> Any:
-    """``call()`` (a fused kernel), with JAX's bare custom_vjp forward-mode error turned
-    into one that says what to do."""
+def forward_mode_guard(call: Callable[[], Any], message: str = _FORWARD_MODE) -> Any:
+    """``call()`` (a fused kernel, or an adapter's custom_vjp), with JAX's bare
+    custom_vjp forward-mode error turned into ``message``, which says what to do."""
     try:
         return call()
     except TypeError as error:
         text = str(error)
         if "custom_vjp" in text and ("forward-mode" in text or "jvp" in text):
-            raise TypeError(_FORWARD_MODE) from error
+            raise TypeError(message) from error
         raise
 
 
@@ -528,7 +536,7 @@ def make_ops(generic: Ops, options: Options) -> Ops:
 
     def conv_fwd_auto(xp, x, params):
         if kernel == "auto" and _native_suffix(x, *params) is not None:
-            return _guard_forward_mode(lambda: native_conv_fwd(xp, x, params))
+            return forward_mode_guard(lambda: native_conv_fwd(xp, x, params))
         return (conv_fwd if _use_lax(kernel) else generic.conv_fwd)(xp, x, params)
 
     def conv_bwd_auto(xp, residuals, params, g):
@@ -539,7 +547,7 @@ def make_ops(generic: Ops, options: Options) -> Ops:
 
     def gates_fwd(xp, z, c):
         if _native_suffix(z, c) is not None:
-            h_new, c_new = _guard_forward_mode(lambda: _native_gates(z, c))
+            h_new, c_new = forward_mode_guard(lambda: _native_gates(z, c))
             return h_new, c_new, _NativeGateResiduals(z, c)
         return generic.gates_fwd(xp, z, c)
 

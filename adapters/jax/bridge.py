@@ -35,6 +35,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from tmcore.backends.jax import explicit_batch_axes, match_vma
+from tmcore.backends.jax import forward_mode_guard as _guard
 from tmcore.runtime.dispatch import ops_for
 from tmcore.runtime.options import Options, get_options
 from tmcore.runtime.validate import check_int, check_positive, check_values
@@ -48,38 +50,6 @@ __all__ = ["LayerScan", "ScanStatic", "checkpoint_scan", "forward_mode_guard", "
 def options_key() -> Options:
     """The options a trace depends on (a static, hashable ``jit`` argument)."""
     return get_options()
-
-
-# --------------------------------------------------------------------------- varying axes
-
-
-def _varying(leaf: Any) -> frozenset:
-    """The manual mesh axes ``leaf`` varies over (inside ``shard_map``), else empty."""
-    try:
-        aval = jax.typeof(leaf)
-    except TypeError:
-        return frozenset()
-    vma = getattr(aval, "vma", None)
-    if vma is None:
-        vma = getattr(getattr(aval, "manual_axis_type", None), "varying", frozenset())
-    return frozenset(vma)
-
-
-def match_vma(*trees: Any) -> tuple[Any, ...]:
-    """``trees`` with every leaf cast to the union of their varying axes.
-
-    Outside ``shard_map`` (no varying axes) the trees come back unchanged.
-    """
-    leaves = jax.tree.leaves(trees)
-    axes = frozenset().union(*map(_varying, leaves)) if leaves else frozenset()
-    if not axes:
-        return trees
-
-    def cast(leaf: Any) -> Any:
-        missing = tuple(sorted(axes - _varying(leaf)))
-        return lax.pcast(leaf, missing, to="varying") if missing else leaf
-
-    return tuple(jax.tree.map(cast, tree) for tree in trees)
 
 
 # --------------------------------------------------------------------------- forward mode
@@ -97,13 +67,7 @@ _FORWARD_MODE_HINT = (
 
 def forward_mode_guard(what: str, call: Callable[[], Any]) -> Any:
     """``call()``, turning JAX's bare custom_vjp forward-mode error into one naming tmcore."""
-    try:
-        return call()
-    except TypeError as error:
-        text = str(error)
-        if "custom_vjp" in text and ("forward-mode" in text or "jvp" in text):
-            raise TypeError(_FORWARD_MODE_HINT.format(what=what)) from error
-        raise
+    return _guard(call, _FORWARD_MODE_HINT.format(what=what))
 
 
 # --------------------------------------------------------------------------- primitives
@@ -380,20 +344,11 @@ def checkpoint_scan(static: ScanStatic, params: Any, xs: Any, h0: jax.Array, c0:
     Returns ``(reads (T, B, C), h_T, c_T)``.
     """
     check_int("checkpoint_every", static.checkpoint_every, 1)
-    axes = _explicit_batch_axes(h0)
+    axes = explicit_batch_axes(h0)
     if axes is not None:
         return _per_shard(static, axes, params, xs, h0, c0, masks)
     params, xs, h0, c0, masks = match_vma(params, xs, h0, c0, masks)
     return _scan_jit(static, params, xs, h0, c0, masks)
-
-
-def _explicit_batch_axes(state: jax.Array) -> tuple[str, ...] | None:
-    """The explicit mesh axes the state's batch axis is sharded over, if any."""
-    spec = getattr(getattr(jax.typeof(state), "sharding", None), "spec", None)
-    if not spec or spec[0] is None:
-        return None
-    axes = spec[0] if isinstance(spec[0], tuple) else (spec[0],)
-    return tuple(axes) or None
 
 
 def _per_shard(static: ScanStatic, axes: tuple[str, ...], params, xs, h0, c0, masks=None):
