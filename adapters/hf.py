@@ -93,6 +93,8 @@ BLOCK_PATHS = ("model.layers", "transformer.h", "model.decoder.layers", "gpt_neo
 _NORMS = ("layernorm", "identity")
 _CACHE_ATTR = "_tmcore_memory"
 _CACHE_NAMES = ("cache", "past_key_values")
+#: What the names of the memory's weights (and only theirs) hold in a model's state dict.
+_MARKER = f".{_torch_attach.ATTRIBUTE}."
 #: The layer's experimental options (docs/guides/local-and-warp.md) and their defaults: a
 #: configuration saved before they existed lacks them and loads as the default layer.
 _OPTION_DEFAULTS = {"update": "dense", "window": None, "dynamics": "none", "flow": False}
@@ -159,8 +161,7 @@ def find_blocks(model: nn.Module, blocks: str | None = None) -> tuple[str, nn.Mo
     if not isinstance(model, transformers.PreTrainedModel):
         raise TypeError(f"model: expected a transformers PreTrainedModel, "
                         f"got {type(model).__name__}")
-    config = model.config
-    if getattr(config, "is_encoder_decoder", False):
+    if getattr(model.config, "is_encoder_decoder", False):
         raise ValueError(f"model: {type(model).__name__} is an encoder-decoder; "
                          f"tmcore.adapters.hf supports decoder-only (causal LM) models")
     if blocks is not None:
@@ -173,12 +174,11 @@ def find_blocks(model: nn.Module, blocks: str | None = None) -> tuple[str, nn.Mo
                              f"{type(model).__name__} (got {type(found).__name__})")
         candidates = [blocks]
     else:
-        text = config.get_text_config() if hasattr(config, "get_text_config") else config
-        layers = getattr(text, "num_hidden_layers", None)
-        candidates = [p for p in BLOCK_PATHS
-                      if isinstance(_resolve(model, p), nn.ModuleList)
-                      and len(_resolve(model, p)) > 0
-                      and (layers is None or len(_resolve(model, p)) == layers)]
+        layers = getattr(_text_config(model), "num_hidden_layers", None)
+        lists = {p: _resolve(model, p) for p in BLOCK_PATHS}
+        candidates = [p for p, found in lists.items()
+                      if isinstance(found, nn.ModuleList) and len(found) > 0
+                      and (layers is None or len(found) == layers)]
         if not candidates:
             raise ValueError(f"model: could not find the decoder blocks of "
                              f"{type(model).__name__} (tried {', '.join(BLOCK_PATHS)}); "
@@ -189,10 +189,13 @@ def find_blocks(model: nn.Module, blocks: str | None = None) -> tuple[str, nn.Mo
     return path, owner, _resolve(model, path)
 
 
-def _config_width(model: nn.Module) -> int | None:
+def _text_config(model: nn.Module) -> Any:
     config = model.config
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    size = getattr(text, "hidden_size", None)
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def _config_width(model: nn.Module) -> int | None:
+    size = getattr(_text_config(model), "hidden_size", None)
     return size if isinstance(size, int) and not isinstance(size, bool) else None
 
 
@@ -279,19 +282,17 @@ class _CacheMethod:
         result = getattr(type(cache), name)(cache, *args, **kwargs)
         if entry is None:
             return result
-        if name in ("reorder_cache", "batch_select_indices"):
-            index = args[0] if args else next(iter(kwargs.values()))
-            index = torch.as_tensor(index)
-            if index.dtype == torch.bool:
-                index = torch.nonzero(index).reshape(-1)
-            entry.state = [_index_state(s, index) for s in entry.state]
-        elif name == "batch_repeat_interleave":
-            repeats = args[0] if args else next(iter(kwargs.values()))
-            batch = _state_batch(entry.state)
-            index = torch.arange(batch).repeat_interleave(int(repeats))
-            entry.state = [_index_state(s, index) for s in entry.state]
-        elif name == "reset":
+        if name == "reset":
             cache.__dict__.pop(_CACHE_ATTR, None)
+        elif name != "crop":  # the rows the cache keeps: indices, a bool mask or repeats
+            value = args[0] if args else next(iter(kwargs.values()))
+            if name == "batch_repeat_interleave":
+                index = torch.arange(_state_batch(entry.state)).repeat_interleave(int(value))
+            else:
+                index = torch.as_tensor(value)
+                if index.dtype == torch.bool:
+                    index = torch.nonzero(index).reshape(-1)
+            entry.state = [_index_state(s, index) for s in entry.state]
         return result
 
 
@@ -338,8 +339,9 @@ class HFMemory:
         self._train_state: list[Any] | None = None
         self._names = _parameter_names(owner)
         self._hooks = [
-            owner.register_forward_pre_hook(_PreHook(self), with_kwargs=True, prepend=True),
-            owner.register_forward_hook(_PostHook(self), with_kwargs=True),
+            owner.register_forward_pre_hook(_Hook(self, "_before"), with_kwargs=True,
+                                            prepend=True),
+            owner.register_forward_hook(_Hook(self, "_after"), with_kwargs=True),
         ]
         for method in _REFUSED:
             if hasattr(model, method):
@@ -398,9 +400,7 @@ class HFMemory:
             del self.model._tmcore_hf_memory
         if hasattr(self.model.config, CONFIG_KEY):
             delattr(self.model.config, CONFIG_KEY)
-        base = getattr(type(self.model.config), "_tmcore_base", None)
-        if base is not None:  # the config is the base model's again (model_type included)
-            self.model.config.__class__ = base
+        _unmark_config(self.model.config)  # model_type included
 
     # ----------------------------------------------------------------- per call
 
@@ -455,13 +455,12 @@ class HFMemory:
                             f"(DynamicCache, StaticCache, ...); got {type(cache).__name__} "
                             f"(legacy tuple caches cannot carry the memory state)")
         past = cache.get_seq_length()
+        entry = cache.__dict__.get(_CACHE_ATTR)
         if compiling:
-            entry = cache.__dict__.get(_CACHE_ATTR)
             return None if entry is None else entry.state
         if past == 0:
             cache.__dict__.pop(_CACHE_ATTR, None)
             return None
-        entry = cache.__dict__.get(_CACHE_ATTR)
         if entry is None or entry.owner != id(self):
             raise RuntimeError(f"{name}: this cache holds {past} tokens but no Tensor Memory "
                                f"state of this model: it was filled before the memory was "
@@ -560,20 +559,15 @@ class _Refused:
         raise NotImplementedError(f"tmcore.adapters.hf: {_REFUSED[self.name]}")
 
 
-class _PreHook:
-    def __init__(self, memory: HFMemory):
-        self.memory = memory
+class _Hook:
+    """The owner's forward pre-hook (``"_before"``) or hook (``"_after"``): that method
+    of the memory (picklable)."""
 
-    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        self.memory._before(module, args, kwargs)
+    def __init__(self, memory: HFMemory, method: str):
+        self.memory, self.method = memory, method
 
-
-class _PostHook:
-    def __init__(self, memory: HFMemory):
-        self.memory = memory
-
-    def __call__(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-        self.memory._after(module, args, kwargs, output)
+    def __call__(self, *args: Any) -> None:
+        getattr(self.memory, self.method)(*args)
 
 
 def _parameter_names(owner: nn.Module) -> dict[str, int]:
@@ -784,13 +778,9 @@ def attach_memory(
     spec: dict[str, Any] = {
         "format": FORMAT, "blocks": path, "num_blocks": len(found), "mode": "causal",
         "gate_init": float(gate_init), "norm": norm, "streaming": streaming,
-        "embed_dim": config.embed_dim, "memory_channels": config.memory_channels,
-        "memory_shape": list(config.memory_shape), "chunk_size": config.chunk_size,
-        "sigma_scale": config.sigma_scale, "checkpoint_every": config.checkpoint_every,
-        "radius": config.radius, "eps": config.eps, "forget_bias": config.forget_bias,
-        "zero_init": config.zero_init, "update": config.update, "window": config.window,
-        "dynamics": config.dynamics, "flow": config.flow,
+        **{k: getattr(config, k) for k in _LAYER_KEYS},
     }
+    spec["memory_shape"] = list(config.memory_shape)  # (in place: config.json's order kept)
     return _attach_spec(model, spec, "embed_dim")
 
 
@@ -801,14 +791,11 @@ def _attach_spec(model: nn.Module, spec: dict[str, Any], where: str = f"{CONFIG_
         raise ValueError(f"{CONFIG_KEY}.num_blocks: stored {spec['num_blocks']} blocks at "
                          f"{path!r}, the model has {len(found)}")
     _check_fits(model, path, owner, spec["embed_dim"], where)
-    handle = _attach_blocks(
-        found, "causal", gate_init=spec["gate_init"], norm=_norm_module(spec["norm"]),
-        zero_init=spec["zero_init"], streaming=True, batch_first=True,
-        embed_dim=spec["embed_dim"], memory_channels=spec["memory_channels"],
-        memory_shape=tuple(spec["memory_shape"]), chunk_size=spec["chunk_size"],
-        sigma_scale=spec["sigma_scale"], checkpoint_every=spec["checkpoint_every"],
-        radius=spec["radius"], eps=spec["eps"], forget_bias=spec["forget_bias"],
-        **{k: spec[k] for k in _OPTION_DEFAULTS if spec[k] != _OPTION_DEFAULTS[k]})
+    layer = {k: spec[k] for k in _LAYER_KEYS  # the options only where not their default
+             if k not in _OPTION_DEFAULTS or spec[k] != _OPTION_DEFAULTS[k]}
+    handle = _attach_blocks(found, "causal", gate_init=spec["gate_init"],
+                            norm=_norm_module(spec["norm"]), streaming=True, batch_first=True,
+                            **{**layer, "memory_shape": tuple(spec["memory_shape"])})
     memory = HFMemory(model, path, owner, handle, spec)
     model._tmcore_hf_memory = memory
     setattr(model.config, CONFIG_KEY, dict(spec))
@@ -884,12 +871,7 @@ def check_spec(spec: Any) -> dict[str, Any]:
 def _layer_config(spec: Mapping[str, Any]) -> tl.LayerConfig:
     """The layer a stored memory configuration describes (errors prefixed with its key)."""
     try:
-        return tl.layer_config(
-            spec["embed_dim"], spec["memory_channels"], spec["memory_shape"],
-            spec["chunk_size"], spec["sigma_scale"], checkpoint_every=spec["checkpoint_every"],
-            radius=spec["radius"], eps=spec["eps"], forget_bias=spec["forget_bias"],
-            zero_init=spec["zero_init"], update=spec["update"], window=spec["window"],
-            dynamics=spec["dynamics"], flow=spec["flow"])
+        return tl.layer_config(**{k: spec[k] for k in _LAYER_KEYS})
     except (TypeError, ValueError) as error:
         raise type(error)(f"{CONFIG_KEY}: {error}") from error
 
@@ -905,7 +887,7 @@ def _check_saved_shapes(path: str, spec: Mapping[str, Any]) -> None:
     from safetensors import safe_open
 
     expected = {spec_.name: tuple(spec_.shape) for spec_ in tl.param_specs(_layer_config(spec))}
-    marker = f".{_torch_attach.ATTRIBUTE}.memory."
+    marker = f"{_MARKER}memory."
     for name in files:
         with safe_open(os.path.join(path, name), "np") as handle:
             for key in handle.keys():
@@ -924,11 +906,10 @@ def _memory_tensors(path: str) -> dict[str, Tensor]:
     """The memory entries (``*.tensor_memory.*``) of a ``save_pretrained`` folder."""
     from safetensors.torch import load_file
 
-    marker = f".{_torch_attach.ATTRIBUTE}."
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.exists(index):
         with open(index) as f:
-            files = sorted({v for k, v in json.load(f)["weight_map"].items() if marker in k})
+            files = sorted({v for k, v in json.load(f)["weight_map"].items() if _MARKER in k})
     elif os.path.exists(os.path.join(path, "model.safetensors")):
         files = ["model.safetensors"]
     else:
@@ -937,7 +918,7 @@ def _memory_tensors(path: str) -> dict[str, Tensor]:
     out: dict[str, Tensor] = {}
     for name in files:
         out.update({k: v for k, v in load_file(os.path.join(path, name)).items()
-                    if marker in k})
+                    if _MARKER in k})
     return out
 
 
@@ -986,9 +967,7 @@ def from_pretrained(path: str | os.PathLike, model_class: Any = None, **kwargs: 
                          f"without memory?); load it with the model class's from_pretrained")
     spec = check_spec(spec)
     _check_saved_shapes(path, spec)
-    base = getattr(type(config), "_tmcore_base", None)
-    if base is not None:  # built as the base model (heads that make their body with
-        config.__class__ = base  # AutoModel.from_config know no memory config class)
+    _unmark_config(config)  # built as the base model (see _memory_model_class)
     if model_class is None:
         model_class = transformers.AutoModelForCausalLM
     concrete = model_class
@@ -1019,25 +998,29 @@ def from_pretrained(path: str | os.PathLike, model_class: Any = None, **kwargs: 
         old, new = spec["blocks"] + ".", moved["blocks"] + "."
         tensors = {new + k[len(old):] if k.startswith(old) else k: v
                    for k, v in tensors.items()}
-    expected = {k for k in model.state_dict() if f".{_torch_attach.ATTRIBUTE}." in k}
+    expected = {k for k in model.state_dict() if _MARKER in k}
     missing, unknown = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
     if missing or unknown:
         memory.remove()
         raise ValueError(f"path: the memory weights do not fit its {CONFIG_KEY} config: "
-                         f"missing {missing[:4]}{'...' if len(missing) > 4 else ''}, "
-                         f"unknown {unknown[:4]}{'...' if len(unknown) > 4 else ''}")
+                         f"missing {_few(missing)}, unknown {_few(unknown)}")
     try:
         result = model.load_state_dict(tensors, strict=False)
     except RuntimeError as error:
         memory.remove()
         raise ValueError(f"{CONFIG_KEY}: the stored configuration does not fit the saved "
                          f"memory weights: {error}") from error
-    if any(f".{_torch_attach.ATTRIBUTE}." in k for k in result.missing_keys):
+    if any(_MARKER in k for k in result.missing_keys):
         raise ValueError(f"path: memory weights missing: {result.missing_keys}")
     return model
 
 
 _NOTHING: Any = object()
+
+
+def _few(keys: list[str]) -> str:
+    """An error's list of ``keys``: the first four, ``...`` after them if there are more."""
+    return f"{keys[:4]}{'...' if len(keys) > 4 else ''}"
 
 
 # --------------------------------------------------------------------------- Auto classes
@@ -1072,6 +1055,13 @@ def _memory_config_class(base: type) -> type:
     return _CONFIG_CLASSES[base]
 
 
+def _unmark_config(config: Any) -> type:
+    """Give a config with memory its base model's class back; returns its class before."""
+    cls = type(config)
+    config.__class__ = getattr(cls, "_tmcore_base", cls)
+    return cls
+
+
 def _memory_model_class(config_class: type, model_class: type, auto: Any) -> type:
     """``model_class`` whose ``__init__`` attaches the memory its config stores, registered
     with the Auto class ``auto`` (``AutoModelForCausalLM``, ...) for ``config_class``."""
@@ -1086,10 +1076,9 @@ def _memory_model_class(config_class: type, model_class: type, auto: Any) -> typ
         return existing
 
     def __init__(self: Any, config: Any, *args: Any, **kwargs: Any) -> None:
-        memory_config = type(config)
-        base = getattr(memory_config, "_tmcore_base", None)
-        if base is not None:  # heads that build their body with AutoModel.from_config
-            config.__class__ = base  # know no memory config class
+        # as the base model (heads that build their body with AutoModel.from_config know
+        # no memory config class)
+        memory_config = _unmark_config(config)
         try:
             model_class.__init__(self, config, *args, **kwargs)
         finally:
@@ -1112,13 +1101,11 @@ def _memory_model_class(config_class: type, model_class: type, auto: Any) -> typ
         model, loading = model_class.from_pretrained.__func__(cls, *args,
                                                               output_loading_info=True,
                                                               **kwargs)
-        marker = f".{_torch_attach.ATTRIBUTE}."
-        missing = sorted(k for k in loading.get("missing_keys", ()) if marker in k)
+        missing = sorted(k for k in loading.get("missing_keys", ()) if _MARKER in k)
         if missing:
             raise ValueError(f"pretrained_model_name_or_path: the checkpoint lacks memory "
-                             f"weights its {CONFIG_KEY} config needs: {missing[:4]}"
-                             f"{'...' if len(missing) > 4 else ''}; the memory cannot be "
-                             f"restored")
+                             f"weights its {CONFIG_KEY} config needs: {_few(missing)}; "
+                             f"the memory cannot be restored")
         return (model, loading) if info else model
 
     cls = type(name, (model_class,), {"__init__": __init__, "from_pretrained": from_pretrained,
