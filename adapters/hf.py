@@ -199,13 +199,6 @@ def _config_width(model: nn.Module) -> int | None:
     return size if isinstance(size, int) and not isinstance(size, bool) else None
 
 
-def _hidden_size(model: nn.Module) -> int:
-    size = _config_width(model)
-    if size is None:
-        raise ValueError("model: its config has no integer hidden_size; pass embed_dim=")
-    return size
-
-
 def _check_fits(model: nn.Module, path: str, owner: nn.Module, embed_dim: int,
                 where: str = "embed_dim") -> None:
     """Refuse, before anything is attached, what would only fail at the first forward: a
@@ -410,21 +403,20 @@ class HFMemory:
         index = self._names.get(name)
         return args[index] if index is not None and index < len(args) else None
 
-    def _cache_arg(self, args: tuple, kwargs: dict) -> Any:
-        for name in _CACHE_NAMES:
+    def _first_arg(self, args: tuple, kwargs: dict, names: tuple[str, ...]) -> tuple[str, Any]:
+        """The first of the arguments ``names`` that is given (not None), and its name."""
+        for name in names:
             value = self._arg(args, kwargs, name)
             if value is not None:
                 return name, value
-        return _CACHE_NAMES[0], None
+        return names[0], None
 
     def _before(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         compiling = torch.compiler.is_compiling()
         if torch.is_grad_enabled() and not compiling:  # training (decoding: no_grad)
             _check_adapted_linears(self.handle.memories)
-        name, cache = self._cache_arg(args, kwargs)
-        tokens = self._arg(args, kwargs, "input_ids")
-        if tokens is None:
-            tokens = self._arg(args, kwargs, "inputs_embeds")
+        name, cache = self._first_arg(args, kwargs, _CACHE_NAMES)
+        _, tokens = self._first_arg(args, kwargs, ("input_ids", "inputs_embeds"))
         if not isinstance(tokens, Tensor) or tokens.dim() < 2:
             raise ValueError("input_ids: expected input_ids (B, N) or inputs_embeds (B, N, d)")
         batch, count = int(tokens.shape[0]), int(tokens.shape[1])
@@ -479,7 +471,7 @@ class HFMemory:
         self.handle._valid = None
         if states is None:
             return
-        _, passed = self._cache_arg(args, kwargs)
+        _, passed = self._first_arg(args, kwargs, _CACHE_NAMES)
         cache = passed if passed is not None else _cache_in(output)
         if _on_graph(states):  # a cache never keeps the graph alive (truncated backprop)
             states = [detach_state(s) for s in states]
@@ -768,7 +760,9 @@ def attach_memory(
         raise ValueError("model: already has a Tensor Memory attached; detach_memory first")
     path, owner, found = find_blocks(model, blocks)
     if embed_dim is None:
-        embed_dim = _hidden_size(model)
+        embed_dim = _config_width(model)
+        if embed_dim is None:
+            raise ValueError("model: its config has no integer hidden_size; pass embed_dim=")
     if not isinstance(streaming, bool):
         raise TypeError(f"streaming: expected True or False, got {streaming!r}")
     config = tl.layer_config(embed_dim, memory_channels, memory_shape, chunk_size, sigma_scale,
@@ -857,13 +851,11 @@ def check_spec(spec: Any) -> dict[str, Any]:
         raise TypeError(f"{CONFIG_KEY}.blocks / num_blocks: expected a dotted path and an "
                         f"int, got {spec['blocks']!r}, {spec['num_blocks']!r}")
     config = _layer_config(spec)
-    stored = {k: spec[k] for k in _LAYER_KEYS}
-    stored["memory_shape"] = tuple(stored["memory_shape"])
-    rebuilt = {k: getattr(config, k) for k in _LAYER_KEYS}
     for key in _LAYER_KEYS:
-        if stored[key] != rebuilt[key]:
-            raise ValueError(f"{CONFIG_KEY}.{key}: stored {stored[key]!r} does not survive "
-                             f"the layer's checks ({rebuilt[key]!r})")
+        stored = tuple(spec[key]) if key == "memory_shape" else spec[key]
+        if stored != getattr(config, key):
+            raise ValueError(f"{CONFIG_KEY}.{key}: stored {stored!r} does not survive "
+                             f"the layer's checks ({getattr(config, key)!r})")
     return dict(spec)
 
 
