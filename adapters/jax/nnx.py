@@ -15,9 +15,8 @@ from flax import nnx
 from tmcore import layer as tl
 from tmcore.adapters.jax.checkpoints import EXTRA_STATE, _check_stored, _mismatches
 from tmcore.adapters.jax.functional import MemoryState, apply, init, init_state
-from tmcore.adapters.jax.stack import residual_apply
+from tmcore.adapters.jax.stack import _norm_and_gate, residual_apply
 from tmcore.ops.splat import DEFAULT_EPS
-from tmcore.runtime.validate import check_finite
 
 __all__ = ["GatedMemoryResidual", "MemoryResidual", "TensorMemory", "load_params",
            "params_from_module"]
@@ -258,10 +257,8 @@ class MemoryResidual(nnx.Module):
                                    sigma_scale, rngs=rngs, dtype=dtype, eps=eps, radius=radius,
                                    forget_bias=forget_bias, checkpoint_every=checkpoint_every,
                                    update=update, window=window, dynamics=dynamics, flow=flow)
-        self.norm = _to_variables({"weight": jnp.ones((embed_dim,), dtype),
-                                   "bias": jnp.zeros((embed_dim,), dtype)})
-        self.gate = nnx.Param(jnp.full(tl.GATE_SHAPE, check_finite("gate_init", gate_init),
-                                       dtype))
+        norm, gate = _norm_and_gate(embed_dim, gate_init, dtype)
+        self.norm, self.gate = _to_variables(norm), nnx.Param(gate)
 
     def __call__(self, x: jax.Array, state: Any = None, *, reset: jax.Array | None = None,
                  stream: bool | None = None, doc_starts: Any = None, valid: Any = None,

@@ -90,12 +90,15 @@ def residual_init(
     """
     memory = init(key, embed_dim, memory_channels, memory_shape, chunk_size, sigma_scale,
                   forget_bias=forget_bias, dtype=dtype, dynamics=dynamics, flow=flow)
-    d = memory["out_proj"]["bias"].shape[0]
-    return {
-        "norm": {"weight": jnp.ones((d,), dtype), "bias": jnp.zeros((d,), dtype)},
-        "memory": memory,
-        "gate": jnp.full(tl.GATE_SHAPE, check_finite("gate_init", gate_init), dtype),
-    }
+    norm, gate = _norm_and_gate(memory["out_proj"]["bias"].shape[0], gate_init, dtype)
+    return {"norm": norm, "memory": memory, "gate": gate}
+
+
+def _norm_and_gate(d: int, gate_init: float, dtype: Any) -> tuple[dict, jax.Array]:
+    """The residual's LayerNorm ``{"weight": ones (d,), "bias": zeros (d,)}`` and its gate
+    ``(1,)`` of ``gate_init`` (checked finite); :class:`MemoryResidual` makes them too."""
+    return ({"weight": jnp.ones((d,), dtype), "bias": jnp.zeros((d,), dtype)},
+            jnp.full(tl.GATE_SHAPE, check_finite("gate_init", gate_init), dtype))
 
 
 def _layer_norm(p: Mapping[str, jax.Array], x: jax.Array) -> jax.Array:
