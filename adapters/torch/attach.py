@@ -100,6 +100,13 @@ def detach_state(state: Any) -> Any:
         else [detach_state(s) for s in state]
 
 
+def _require_bool(name: str, value: Any, shape: str) -> None:
+    """``TypeError`` naming ``name`` unless ``value`` is a bool tensor."""
+    if not isinstance(value, Tensor) or value.dtype != torch.bool:
+        got = value.dtype if isinstance(value, Tensor) else type(value).__name__
+        raise TypeError(f"{name}: expected a bool tensor of shape {shape}, got {got}")
+
+
 def _compiling() -> bool:
     return torch.compiler.is_compiling()
 
@@ -168,35 +175,33 @@ def _checkpoints_forward(module: nn.Module) -> bool:
             and callable(getattr(module, "_gradient_checkpointing_func", None)))
 
 
+def _with_tensors(state: Any, tensors: Sequence[Tensor]) -> Any:
+    """``state`` (a pair or a :class:`tmcore.layer.StreamState`) with its tensor fields, in
+    order, replaced by ``tensors``."""
+    values = list(state)
+    slots = [i for i, v in enumerate(values) if isinstance(v, Tensor)]
+    for i, t in zip(slots, tensors, strict=True):
+        values[i] = t
+    return type(state)(*values) if isinstance(state, tl.StreamState) else tuple(values)
+
+
 def _checkpointed(module: nn.Module, memory: nn.Module, x: Tensor, init: Any, reset: Any,
                   kwargs: dict[str, Any]) -> tuple[Tensor, Any]:
     """``memory(x, init, ...)`` inside the block's checkpoint function: the memory's
     activations are recomputed in the backward. The start state's tensors are explicit
     inputs (a reentrant checkpoint differentiates only those), the returned state's
     tensors explicit outputs."""
-    fields = None if init is None else list(init)
-    where = [i for i, v in enumerate(fields or ()) if isinstance(v, Tensor)]
     box: list[Any] = []
 
     def run(x: Tensor, *tensors: Tensor) -> tuple[Tensor, ...]:
-        state = None
-        if fields is not None:
-            values = list(fields)
-            for i, t in zip(where, tensors, strict=True):
-                values[i] = t
-            state = type(init)(*values) if isinstance(init, tl.StreamState) else tuple(values)
+        state = None if init is None else _with_tensors(init, tensors)
         out, new = memory(x, state, reset=reset, **kwargs)
         box[:] = [new]
         return (out, *(v for v in new if isinstance(v, Tensor)))
 
-    out, *tensors = module._gradient_checkpointing_func(run, x, *(fields[i] for i in where))
-    new = box[0]
-    values = list(new)
-    slots = [i for i, v in enumerate(values) if isinstance(v, Tensor)]
-    for i, t in zip(slots, tensors, strict=True):
-        values[i] = t
-    state = type(new)(*values) if isinstance(new, tl.StreamState) else tuple(values)
-    return out, state
+    inputs = () if init is None else (v for v in init if isinstance(v, Tensor))
+    out, *tensors = module._gradient_checkpointing_func(run, x, *inputs)
+    return out, _with_tensors(box[0], tensors)
 
 
 class _Hook:
@@ -448,11 +453,9 @@ class MemoryHandle:
             If ``mask`` is not a bool tensor.
         """
         if mask is None:
-            self.state, self._reset, self._doc_starts, self._valid = None, None, None, None
+            self._forget()
             return
-        if not isinstance(mask, Tensor) or mask.dtype != torch.bool:
-            raise TypeError(f"mask: expected a bool tensor of shape (B,), got "
-                            f"{mask.dtype if isinstance(mask, Tensor) else type(mask).__name__}")
+        _require_bool("mask", mask, "(B,)")
         self._reset = mask if self._reset is None else (self._reset | mask)
 
     def start_documents(self, doc_starts: Tensor) -> None:
@@ -477,10 +480,7 @@ class MemoryHandle:
         if self.mode != "causal":
             raise ValueError(f"doc_starts: packed documents need mode='causal', "
                              f"this handle is {self.mode!r}")
-        if not isinstance(doc_starts, Tensor) or doc_starts.dtype != torch.bool:
-            got = (doc_starts.dtype if isinstance(doc_starts, Tensor)
-                   else type(doc_starts).__name__)
-            raise TypeError(f"doc_starts: expected a bool tensor of shape (B, N), got {got}")
+        _require_bool("doc_starts", doc_starts, "(B, N)")
         self._doc_starts = doc_starts
 
     def set_valid(self, valid: Tensor | None) -> None:
@@ -513,6 +513,10 @@ class MemoryHandle:
                    if isinstance(valid, Tensor) else type(valid).__name__)
             raise TypeError(f"valid: expected a bool tensor of shape (B, N), got {got}")
         self._valid = valid
+
+    def _forget(self) -> None:
+        """Drop the state and the masks pending for the next call."""
+        self.state, self._reset, self._doc_starts, self._valid = None, None, None, None
 
     def detach_state(self) -> None:
         """Cut the graph to the previous calls (truncated backprop through time)."""
@@ -550,7 +554,7 @@ class MemoryHandle:
                 if ATTRIBUTE in block._modules:
                     delattr(block, ATTRIBUTE)
         self._hooks = []
-        self.state, self._reset, self._doc_starts, self._valid = None, None, None, None
+        self._forget()
         with self._lock:
             self._records.clear()
 
