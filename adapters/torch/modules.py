@@ -58,6 +58,11 @@ def _init_from_plan(params: Mapping[str, Tensor], config: tl.LayerConfig, groups
                 params[f"{group}.{leaf}"].copy_(value)
 
 
+def _paper_scan(config: tl.LayerConfig) -> bool:
+    """Whether ``config`` scans with the paper's dense step (no local update, no warp)."""
+    return config.update == "dense" and config.dynamics == "none"
+
+
 def _cell_config(channels: int, ndim: int, forget_bias: float) -> tl.LayerConfig:
     return tl.layer_config(1, channels, (1,) * ndim, 1, forget_bias=forget_bias)
 
@@ -177,7 +182,7 @@ class ConvLSTMCell(nn.Module):
                                  + f", got {tuple(value.shape)}")
             _check_like_params(name, value, ref, check_dtype=True)
         return bridge.call(bridge.ConvLSTMStepFunction, bridge.convlstm_step_op,
-                               x, h, c, *self.params())
+                           x, h, c, *self.params())
 
 
 class WarpFlow(nn.Module):
@@ -287,7 +292,7 @@ class _TorchLayer(tl.Layer):
     def sample(volume: Tensor, coords: Tensor) -> Tensor:
         # the custom op (traced by torch.compile as one node); its inputs are the layer's
         return bridge.call(bridge.TrilinearSampleFunction,
-                               bridge.trilinear_sample_op, volume, coords, validated=True)
+                           bridge.trilinear_sample_op, volume, coords, validated=True)
 
     @staticmethod
     def split(xp: Any, x: Tensor, sizes: Sequence[int]) -> tuple[Tensor, ...]:
@@ -604,10 +609,9 @@ class TensorMemory(nn.Module):
 
     def _scan(self, h0: Tensor, c0: Tensor, inputs: Any) -> tuple[Tensor, Tensor, Tensor]:
         config = self.config
-        if config.update != "dense" or config.dynamics != "none":  # local / warp options
-            return option_scan(scan_options(config), h0, c0, inputs,
-                                          self.cell.params(),
-                                          self.warp_flow.params() if config.flow else None)
+        if not _paper_scan(config):  # local / warp options
+            return option_scan(scan_options(config), h0, c0, inputs, self.cell.params(),
+                               self.warp_flow.params() if config.flow else None)
         return memory_scan(h0, c0, *inputs, self.cell.params(), eps=config.eps,
                            radius=config.radius, checkpoint_every=config.checkpoint_every)
 
@@ -620,8 +624,8 @@ class TensorMemory(nn.Module):
         options, another device or dtype) the scan's step."""
         config = self.config
         params = self.cell.params()
-        if config.update == "dense" and config.dynamics == "none" \
-                and h.device.type == "cpu" and h.dtype in (torch.float32, torch.float64) \
+        if _paper_scan(config) and h.device.type == "cpu" \
+                and h.dtype in (torch.float32, torch.float64) \
                 and all(v.dtype == h.dtype for v in inputs) \
                 and bridge.plain_inference(h, c, *inputs, *params):
             step = StepInputs(*(v[:, 0] for v in inputs))
