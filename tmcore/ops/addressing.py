@@ -90,6 +90,15 @@ def _scale_per_component(xp: Any, coords: Any, shape: tuple[int, ...]) -> Any:
     return xp.asarray(half_extent, dtype=coords.dtype, device=array_api_compat.device(coords))
 
 
+def _points_namespace(name: str, points: Any, dims: tuple[int, ...]) -> Any:
+    """The namespace of ``points (..., n)`` with ``n = len(dims)`` (named errors)."""
+    xp = namespace_of(**{name: points})
+    if points.ndim < 1:
+        raise ValueError(f"{name}: expected shape (..., n) (at least 1 dim), got shape ()")
+    check_dim(name, points, -1, len(dims), "(..., n)", "n = len(shape)")
+    return xp
+
+
 def normalized_to_voxel(coords: Any, shape: Sequence[int]) -> Any:
     """Map normalized coordinates to (unclamped) voxel positions.
 
@@ -125,10 +134,7 @@ def normalized_to_voxel(coords: Any, shape: Sequence[int]) -> Any:
     array([0., 2.])
     """
     dims = check_grid_shape("shape", shape)
-    xp = namespace_of(coords=coords)
-    if coords.ndim < 1:
-        raise ValueError("coords: expected shape (..., n) (at least 1 dim), got shape ()")
-    check_dim("coords", coords, -1, len(dims), "(..., n)", "n = len(shape)")
+    xp = _points_namespace("coords", coords, dims)
     return (coords + 1.0) * _scale_per_component(xp, coords, dims)
 
 
@@ -159,10 +165,7 @@ def voxel_to_normalized(voxel: Any, shape: Sequence[int]) -> Any:
     if min(dims) < 2:
         raise ValueError(f"shape: expected every size >= 2 (a size-1 axis has no voxel "
                          f"scale to invert), got {tuple(shape)!r}")
-    xp = namespace_of(voxel=voxel)
-    if voxel.ndim < 1:
-        raise ValueError("voxel: expected shape (..., n) (at least 1 dim), got shape ()")
-    check_dim("voxel", voxel, -1, len(dims), "(..., n)", "n = len(shape)")
+    xp = _points_namespace("voxel", voxel, dims)
     return voxel / _scale_per_component(xp, voxel, dims) - 1.0
 
 

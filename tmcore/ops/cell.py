@@ -103,15 +103,20 @@ def validate_state(h: Any, c: Any, h_name: str = "h", c_name: str = "c") -> None
                          f"got {tuple(c.shape)}")
 
 
+def check_like_h(h: Any, **arrays: Any) -> None:
+    """``ValueError`` naming the first of ``arrays`` (``None`` skipped) not shaped like ``h``."""
+    for name, value in arrays.items():
+        if value is not None and tuple(value.shape) != tuple(h.shape):
+            raise ValueError(f"{name}: expected the shape of h (B, C, *S) = {tuple(h.shape)}, "
+                             f"got {tuple(value.shape)}")
+
+
 def _validate(x, h, c, params, g_h=None, g_c=None):
     params = as_conv_params(params)
     xp = namespace_of(x=x, h=h, c=c, g_h=g_h, g_c=g_c,
                       **{f"params.{k}": v for k, v in params._asdict().items()})
     validate_state(h, c)
-    for name, value in (("x", x), ("g_h", g_h), ("g_c", g_c)):
-        if value is not None and tuple(value.shape) != tuple(h.shape):
-            raise ValueError(f"{name}: expected the shape of h (B, C, *S) = {tuple(h.shape)}, "
-                             f"got {tuple(value.shape)}")
+    check_like_h(h, x=x, g_h=g_h, g_c=g_c)
     validate_gate_conv(params, h.ndim - 2, h.shape[1])
     return xp, params
 

@@ -42,7 +42,7 @@ from typing import Any, NamedTuple
 import array_api_compat
 
 from tmcore.ops.addressing import axis_of_component
-from tmcore.ops.cell import validate_state
+from tmcore.ops.cell import check_like_h, validate_state
 from tmcore.ops.gather import index_dtype, to_index
 from tmcore.ops.separable import grid_size, outer_product
 from tmcore.runtime.dispatch import ops_for
@@ -299,10 +299,7 @@ def _validate(h, c, shift, flow, g_h=None, g_c=None):
     if flow is not None and tuple(flow.shape) != (batch, n, *h.shape[2:]):
         raise ValueError(f"flow: expected shape (B, n, *S) = {(batch, n, *h.shape[2:])}, "
                          f"got {tuple(flow.shape)}")
-    for name, value in (("g_h", g_h), ("g_c", g_c)):
-        if value is not None and tuple(value.shape) != tuple(h.shape):
-            raise ValueError(f"{name}: expected the shape of h (B, C, *S) = {tuple(h.shape)}, "
-                             f"got {tuple(value.shape)}")
+    check_like_h(h, g_h=g_h, g_c=g_c)
     return xp
 
 

@@ -47,7 +47,14 @@ from typing import Any, NamedTuple
 import array_api_compat
 
 from tmcore.ops.addressing import axis_of_component
-from tmcore.ops.cell import cell_bwd, cell_cache, cell_fwd, validate_gate_conv, validate_state
+from tmcore.ops.cell import (
+    cell_bwd,
+    cell_cache,
+    cell_fwd,
+    check_like_h,
+    validate_gate_conv,
+    validate_state,
+)
 from tmcore.ops.conv import ConvParams, as_conv_params
 from tmcore.ops.gather import box_index, gather_box, index_dtype, set_box, to_index
 from tmcore.ops.separable import outer_product
@@ -319,6 +326,16 @@ def update_in_box_vjp(xp: Any, params: ConvParams, g_h: Any, g_c: Any, geometry:
             set_box(xp, g_c, geometry.box_start, d_c_box, index), d_volume, d_params)
 
 
+def state_update_vjp(xp: Any, params: ConvParams, h: Any, c: Any, g_h: Any, g_c: Any,
+                     geometry: Window, index: Any, volume: Any, inside: Any):
+    """:func:`update_in_box_vjp` from the state ``h, c`` the update started from (its boxes
+    gathered), on copies of ``g_h, g_c``: ``(d_h, d_c, d_volume, d_params)``."""
+    return update_in_box_vjp(xp, params, owned(xp, g_h), owned(xp, g_c), geometry, index,
+                             gather_box(xp, h, geometry.box_start, geometry.box, index),
+                             gather_box(xp, c, geometry.box_start, geometry.box, index),
+                             volume, inside)
+
+
 def masked_update_vjp(xp: Any, params: ConvParams, h: Any, c: Any, written: Any, mask: Any,
                       g_h: Any, g_c: Any):
     """VJP of the masked path's update (:func:`box_update` on the grid): ``(d_h, d_c,
@@ -362,10 +379,7 @@ def _validate_step(h, c, write_coords, write_sigma, write_content, params, windo
     check_rank("write_content", write_content, 2, "(B, C)")
     check_dim("write_content", write_content, 0, batch, "(B, C)", "B = h.shape[0]")
     check_dim("write_content", write_content, 1, channels, "(B, C)", "C = h.shape[1]")
-    for name, value in (("g_h", g_h), ("g_c", g_c)):
-        if value is not None and tuple(value.shape) != tuple(h.shape):
-            raise ValueError(f"{name}: expected the shape of h (B, C, *S) = {tuple(h.shape)}, "
-                             f"got {tuple(value.shape)}")
+    check_like_h(h, g_h=g_h, g_c=g_c)
     validate_gate_conv(params, n, channels)
     check_int("window", window, 1)
     check_radius(radius)
@@ -482,10 +496,8 @@ def local_update_vjp(h: Any, c: Any, write_coords: Any, write_sigma: Any, write_
     geometry = window_geometry(xp, write_coords, shape, window)
     index = box_index(xp, geometry.box_start, geometry.box, h.shape[0], h.shape[1], shape)
     volume, inside, parts = window_write(xp, write, geometry, shape, eps, radius)
-    d_h, d_c, d_x, d_params = update_in_box_vjp(
-        xp, params, owned(xp, g_h), owned(xp, g_c), geometry, index,
-        gather_box(xp, h, geometry.box_start, geometry.box, index),
-        gather_box(xp, c, geometry.box_start, geometry.box, index), volume, inside)
+    d_h, d_c, d_x, d_params = state_update_vjp(xp, params, h, c, g_h, g_c, geometry, index,
+                                               volume, inside)
     d_content, d_mu, d_sigma = box_write_bwd(xp, write, parts, d_x, write_sigma)
     return d_h, d_c, d_mu, d_sigma, d_content, d_params
 
