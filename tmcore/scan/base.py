@@ -120,6 +120,12 @@ def tree_add(a: Any, b: Any) -> Any:
     return b if a is None else tree_map(lambda x, y: x + y, a, b)
 
 
+def zero_if_none(xp: Any, h0: Any, c0: Any, g_h: Any, g_c: Any) -> tuple[Any, Any]:
+    """The final state's cotangents of a scan's VJP, ``None`` as zeros like ``h0, c0``."""
+    return (xp.zeros_like(h0) if g_h is None else g_h,
+            xp.zeros_like(c0) if g_c is None else g_c)
+
+
 def read_point(xp: Any, h: Any, coords: Any) -> Any:
     """A step's read: ``h (B, C, *S)`` sampled at ``coords (B, n)``, ``(B, C)``."""
     return ops_for(xp).sample_fwd(xp, h, coords[:, None, :])[:, 0, :]

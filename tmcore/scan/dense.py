@@ -39,6 +39,7 @@ from tmcore.scan.base import (
     read_then_update_vjp,
     scan_backward,
     scan_forward,
+    zero_if_none,
 )
 
 __all__ = [
@@ -183,13 +184,18 @@ class DenseStep(NamedTuple):
         def backward(xp, params, residuals, xs, g_reads, g_h, g_c, every):
             if ops.scan_bwd is None:
                 return None
-            out = ops.scan_bwd(xp, *xs, params, residuals.h, residuals.c, g_reads, g_h, g_c,
-                               eps, radius, every)
-            if out is None:
-                return None
-            return out.h0, out.c0, StepInputs(*out[2:6]), out.params
+            return fused_grads(ops.scan_bwd(xp, *xs, params, residuals.h, residuals.c, g_reads,
+                                            g_h, g_c, eps, radius, every))
 
         return forward, backward
+
+
+def fused_grads(out: Any) -> tuple[Any, Any, StepInputs, ConvParams] | None:
+    """A backend's whole-scan backward's gradients (or its ``None``: declined) as
+    :func:`tmcore.scan.base.scan_backward` returns them."""
+    if out is None:
+        return None
+    return out.h0, out.c0, StepInputs(*out[2:6]), out.params
 
 
 def step_fwd(
@@ -569,8 +575,7 @@ def memory_scan_vjp(
         xp, h0, c0, read_coords, write_coords, write_sigma, write_content, params,
         eps=eps, radius=radius, checkpoint_every=checkpoint_every,
     )
-    g_h = xp.zeros_like(h0) if g_h is None else g_h
-    g_c = xp.zeros_like(c0) if g_c is None else g_c
+    g_h, g_c = zero_if_none(xp, h0, c0, g_h, g_c)
     return memory_scan_bwd(
         xp, read_coords, write_coords, write_sigma, write_content, params, h_ckpt, c_ckpt,
         g_reads, g_h, g_c, eps=eps, radius=radius, checkpoint_every=checkpoint_every,

@@ -32,6 +32,7 @@ from tmcore.ops.window import (
     owned,
     read_corners,
     read_corners_bwd,
+    state_update_vjp,
     update_in_box,
     update_in_box_vjp,
     window_geometry,
@@ -46,8 +47,9 @@ from tmcore.scan.base import (
     read_then_update_vjp,
     scan_backward,
     scan_forward,
+    zero_if_none,
 )
-from tmcore.scan.dense import ScanGrads, StepInputs, validate_scan_inputs
+from tmcore.scan.dense import ScanGrads, StepInputs, fused_grads, validate_scan_inputs
 
 __all__ = ["BoxWrites", "LocalScanResiduals", "LocalStep", "LocalWrite", "MaskedWrite",
            "box_writes", "box_writes_bwd", "local_memory_scan", "local_memory_scan_vjp",
@@ -84,6 +86,11 @@ def _batch_major(xp: Any, x: Any, batch: int) -> Any:
     return xp.permute_dims(x, (1, 0, *range(2, x.ndim)))
 
 
+def _time_major_writes(xp: Any, *writes: Any) -> StepInputs:
+    """``write_coords, write_sigma, write_content (B, T, ...)`` as time-major write rows."""
+    return StepInputs(None, *(_time_major(xp, x) for x in writes))
+
+
 def box_writes(xp: Any, write_coords: Any, write_sigma: Any, write_content: Any,
                shape: tuple[int, ...], window: int, eps: float = DEFAULT_EPS,
                radius: float | None = None) -> BoxWrites:
@@ -92,8 +99,7 @@ def box_writes(xp: Any, write_coords: Any, write_sigma: Any, write_content: Any,
     ``write_coords (B, T, n)``, ``write_sigma (B, T)``, ``write_content (B, T, C)``;
     ``shape`` the grid. The values are those of the fast path's per-step write.
     """
-    write = StepInputs(None, _time_major(xp, write_coords), _time_major(xp, write_sigma),
-                       _time_major(xp, write_content))
+    write = _time_major_writes(xp, write_coords, write_sigma, write_content)
     geometry = window_geometry(xp, write.write_coords, shape, window)
     volumes, inside, parts = window_write(xp, write, geometry, shape, eps, radius)
     return BoxWrites(geometry, inside, volumes, parts)
@@ -105,8 +111,7 @@ def box_writes_bwd(xp: Any, writes: BoxWrites, write_coords: Any, write_sigma: A
     of ``writes.volumes``): ``(d_write_coords (B, T, n), d_write_sigma (B, T),
     d_write_content (B, T, C))``."""
     batch = write_sigma.shape[0]
-    write = StepInputs(None, _time_major(xp, write_coords), _time_major(xp, write_sigma),
-                       _time_major(xp, write_content))
+    write = _time_major_writes(xp, write_coords, write_sigma, write_content)
     d_content, d_mu, d_sigma = box_write_bwd(xp, write, writes.parts, g, write.write_sigma)
     return (_batch_major(xp, d_mu, batch), _batch_major(xp, d_sigma, batch),
             _batch_major(xp, d_content, batch))
@@ -205,11 +210,8 @@ class LocalStep(NamedTuple):
         (``g_h, g_c`` are not modified)."""
         if self.method == "masked":
             return masked_update_vjp(xp, params, h, c, W.volume, W.mask, g_h, g_c)
-        geometry, index = self._box(xp, W, h)
-        return update_in_box_vjp(xp, params, owned(xp, g_h), owned(xp, g_c), geometry, index,
-                                 gather_box(xp, h, geometry.box_start, geometry.box, index),
-                                 gather_box(xp, c, geometry.box_start, geometry.box, index),
-                                 W.volume, W.inside)
+        return state_update_vjp(xp, params, h, c, g_h, g_c, *self._box(xp, W, h), W.volume,
+                                W.inside)
 
     def advance(self, xp: Any, params: ConvParams, h: Any, c: Any, x: Any, W: Any):
         if self.method == "masked":
@@ -258,11 +260,9 @@ class LocalStep(NamedTuple):
         def backward(xp, params, residuals, xs, g_reads, g_h, g_c, every):
             if ops.local_scan_bwd is None:
                 return None
-            out = ops.local_scan_bwd(xp, LocalScanResiduals(*residuals.log), *xs, params,
-                                     g_reads, g_h, g_c, window, eps, radius)
-            if out is None:
-                return None
-            return out.h0, out.c0, StepInputs(*out[2:6]), out.params
+            return fused_grads(ops.local_scan_bwd(xp, LocalScanResiduals(*residuals.log), *xs,
+                                                  params, g_reads, g_h, g_c, window, eps,
+                                                  radius))
 
         return forward, backward
 
@@ -409,8 +409,7 @@ def local_memory_scan_vjp(h0: Any, c0: Any, read_coords: Any, write_coords: Any,
     _, _, _, residuals = local_scan_fwd(xp, h0, c0, read_coords, write_coords, write_sigma,
                                         write_content, params, window=window, eps=eps,
                                         radius=radius, method=method)
-    g_h = xp.zeros_like(h0) if g_h is None else g_h
-    g_c = xp.zeros_like(c0) if g_c is None else g_c
+    g_h, g_c = zero_if_none(xp, h0, c0, g_h, g_c)
     return local_scan_bwd(xp, residuals, read_coords, write_coords, write_sigma, write_content,
                           params, g_reads, g_h, g_c, window=window, eps=eps, radius=radius,
                           method=method)

@@ -18,7 +18,7 @@ from tmcore.ops.splat import DEFAULT_EPS
 from tmcore.ops.window import check_method, window_sizes
 from tmcore.runtime import sizes
 from tmcore.runtime.validate import check_dim, check_int, check_rank, require_array
-from tmcore.scan.base import Residuals, Step, scan_backward, scan_forward
+from tmcore.scan.base import Residuals, Step, scan_backward, scan_forward, zero_if_none
 from tmcore.scan.dense import DenseStep, StepInputs, validate_scan_inputs
 from tmcore.scan.local import LocalStep
 from tmcore.scan.warped import WarpInputs, WarpParams, WarpStep
@@ -162,7 +162,7 @@ def _validate(h0, c0, inputs, params, update, window, eps, radius, method, check
             raise ValueError(f"flow_params.pointwise_weight: expected shape (n, C) = "
                              f"{(n, h0.shape[1])}, got "
                              f"{tuple(flow_params.pointwise_weight.shape)}")
-    if update not in ("dense", "local"):
+    if update not in _UPDATES:
         raise ValueError(f"update: expected 'dense' or 'local', got {update!r}")
     if update == "local":
         check_int("window", window, 1)
@@ -227,7 +227,6 @@ def dynamic_memory_scan_vjp(h0: Any, c0: Any, inputs: Any, params: ConvParams, g
                                                  g_h, g_c, flow_params)
     _, _, _, residuals = scan_fwd(xp, h0, c0, inputs, params, options,
                                   flow_params=flow_params)
-    g_h = xp.zeros_like(h0) if g_h is None else g_h
-    g_c = xp.zeros_like(c0) if g_c is None else g_c
+    g_h, g_c = zero_if_none(xp, h0, c0, g_h, g_c)
     return scan_bwd(xp, residuals, inputs, params, options, g_reads, g_h, g_c,
                     flow_params=flow_params)
