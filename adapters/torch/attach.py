@@ -453,7 +453,7 @@ class MemoryHandle:
             If ``mask`` is not a bool tensor.
         """
         if mask is None:
-            self._forget()
+            self.state, self._reset, self._doc_starts, self._valid = None, None, None, None
             return
         _require_bool("mask", mask, "(B,)")
         self._reset = mask if self._reset is None else (self._reset | mask)
@@ -514,10 +514,6 @@ class MemoryHandle:
             raise TypeError(f"valid: expected a bool tensor of shape (B, N), got {got}")
         self._valid = valid
 
-    def _forget(self) -> None:
-        """Drop the state and the masks pending for the next call."""
-        self.state, self._reset, self._doc_starts, self._valid = None, None, None, None
-
     def detach_state(self) -> None:
         """Cut the graph to the previous calls (truncated backprop through time)."""
         if self.state is not None:
@@ -554,7 +550,7 @@ class MemoryHandle:
                 if ATTRIBUTE in block._modules:
                     delattr(block, ATTRIBUTE)
         self._hooks = []
-        self._forget()
+        self.state, self._reset, self._doc_starts, self._valid = None, None, None, None
         with self._lock:
             self._records.clear()
 

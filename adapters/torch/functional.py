@@ -52,7 +52,7 @@ def trilinear_sample(volume: Tensor, coords: Tensor) -> Tensor:
     if validated:
         validate_sample_inputs(volume, coords)
     return bridge.call(bridge.TrilinearSampleFunction, bridge.trilinear_sample_op,
-                          volume, coords, validated=validated)
+                       volume, coords, validated=validated)
 
 
 def gaussian_splat(
@@ -97,8 +97,8 @@ def gaussian_splat(
     dims = validate_splat_inputs(content, mu, sigma, shape, radius=radius, eps=eps)[1] \
         if validated else tuple(shape)
     return bridge.call(bridge.GaussianSplatFunction, bridge.gaussian_splat_op,
-                          content, mu, sigma, list(dims), float(eps),
-                          None if radius is None else float(radius), validated=validated)
+                       content, mu, sigma, list(dims), float(eps),
+                       None if radius is None else float(radius), validated=validated)
 
 
 #: ``checkpoint_every`` of a scan that needs no backward: larger than any ``T``, so only

@@ -191,8 +191,7 @@ class DenseStep(NamedTuple):
 
 
 def fused_grads(out: Any) -> tuple[Any, Any, StepInputs, ConvParams] | None:
-    """A backend's whole-scan backward's gradients (or its ``None``: declined) as
-    :func:`tmcore.scan.base.scan_backward` returns them."""
+    """A backend's whole-scan backward's result (``None``: declined) as the loop's."""
     if out is None:
         return None
     return out.h0, out.c0, StepInputs(*out[2:6]), out.params

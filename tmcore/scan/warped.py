@@ -114,11 +114,9 @@ class WarpStep(NamedTuple):
         return (d_h + d_read_volume, d_c, d_coords, d_shift, g_W,
                 WarpParams(d_cell, d_flow_params))
 
-    def own_state(self, xp: Any, h: Any, c: Any, overwrite: bool) -> tuple[Any, Any]:
-        return h, c
-
-    def own_cotangents(self, xp: Any, g_h: Any, g_c: Any) -> tuple[Any, Any]:
-        return g_h, g_c
+    # the warp makes new arrays every step (nothing is updated in place): the dense step's
+    own_state = DenseStep.own_state
+    own_cotangents = DenseStep.own_cotangents
 
     def fused(self, xp: Any) -> tuple[Callable, Callable] | None:
         return None
