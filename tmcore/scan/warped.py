@@ -114,7 +114,8 @@ class WarpStep(NamedTuple):
         return (d_h + d_read_volume, d_c, d_coords, d_shift, g_W,
                 WarpParams(d_cell, d_flow_params))
 
-    # the warp makes new arrays every step (nothing is updated in place): the dense step's
+    # the warp makes new arrays every step (nothing is updated in place): the identities
+    # of the dense step
     own_state = DenseStep.own_state
     own_cotangents = DenseStep.own_cotangents
 
