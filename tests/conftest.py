@@ -80,8 +80,9 @@ def _isolated_process_settings():
     """Each test starts from the same tmcore options and torch settings.
 
     Examples under test call ``tmcore.options(deterministic=True)`` as a setter and
-    pin torch's thread count; without this, those settings would leak into every
-    later test of the session (and hide what the environment variables set).
+    pin torch's thread count, and property tests turn on JAX's float64; without this,
+    those settings would leak into every later test of the session (and hide what the
+    environment variables set, or make a test's dtypes depend on the order).
     """
     from tmcore.runtime import options as _options
 
@@ -89,10 +90,14 @@ def _isolated_process_settings():
     torch = importlib.import_module("torch") if "torch" in sys.modules else None
     saved = (torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()) \
         if torch is not None else None
+    # a test that turns on JAX's float64 (jax_enable_x64) turns it off again for the next
+    x64 = sys.modules["jax"].config.jax_enable_x64 if "jax" in sys.modules else False
     try:
         yield
     finally:
         _options._LOCAL.reset(token)
+        if "jax" in sys.modules and sys.modules["jax"].config.jax_enable_x64 != x64:
+            sys.modules["jax"].config.update("jax_enable_x64", x64)
         torch = importlib.import_module("torch") if "torch" in sys.modules else None
         if torch is not None:
             if saved is not None:

@@ -69,7 +69,9 @@ def test_suite_time_records_the_summary_and_cpu_time():
 
     if not (REPO / ".venv" / ".tmcore-installed").exists():
         pytest.skip("suite_time needs the environment make test builds (.venv)")
-    script = "sum(range(3_000_000)); print('===== 3 passed, 1 skipped in 0.1s =====')"
+    # a sleep: wall_s is rounded to 0.1 s, and the sum alone may take less than 0.05 s
+    script = ("import time; sum(range(3_000_000)); time.sleep(0.2); "
+              "print('===== 3 passed, 1 skipped in 0.1s =====')")
     result = time_suite((sys.executable, "-c", script))
     assert result["returncode"] == 0
     assert result["pytest_summary"] == "3 passed, 1 skipped in 0.1s"

@@ -685,7 +685,7 @@ def test_jax_option_scan_compiles_to_one_loop_whatever_the_length(name):
                      **{k: v for k, v in options.items() if k in ("dynamics", "flow")})
 
     def program_lines(tokens):
-        x = jnp.ones((2, tokens, D))
+        x = jnp.ones((2, tokens, D), dtype=jnp.float32)  # the parameters' (x64 or not)
 
         def loss(p):
             return jnp.sum(tj.apply(p, x, memory_shape=(4, 3), stream=False, **options)[0])
