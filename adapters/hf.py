@@ -277,7 +277,7 @@ class _CacheMethod:
             return result
         if name == "reset":
             cache.__dict__.pop(_CACHE_ATTR, None)
-        elif name != "crop":  # the rows the cache keeps: indices, a bool mask or repeats
+        elif name in _ROW_METHODS:  # the rows the cache keeps: indices, a bool mask or repeats
             value = args[0] if args else next(iter(kwargs.values()))
             if name == "batch_repeat_interleave":
                 index = torch.arange(_state_batch(entry.state)).repeat_interleave(int(value))
@@ -289,8 +289,9 @@ class _CacheMethod:
         return result
 
 
-_FOLLOWED = ("reorder_cache", "batch_select_indices", "batch_repeat_interleave", "crop",
-             "reset")
+#: The cache methods that pick the rows the cache keeps (the state's rows follow).
+_ROW_METHODS = ("reorder_cache", "batch_select_indices", "batch_repeat_interleave")
+_FOLLOWED = (*_ROW_METHODS, "crop", "reset")
 
 
 def _state_batch(states: list[Any]) -> int:
