@@ -25,9 +25,9 @@ import sys
 from typing import Any
 
 from tmcore.backends.mixed import with_float32_compute
-from tmcore.ops.conv import ConvParams
 from tmcore.runtime.dispatch import Ops
 from tmcore.runtime.options import get_options
+from tmcore.types import ConvParams
 
 __all__ = ["make_ops", "bridged_scan_fwd", "bridged_scan_bwd"]
 
@@ -78,7 +78,7 @@ def bridged_scan_bwd(xp: Any, read_coords, write_coords, write_sigma, write_cont
                      eps: float, radius: float | None, checkpoint_every: int):
     """:func:`tmcore.scan.memory_scan_bwd` through the torch Triton kernels (zero-copy),
     or ``None`` where they do not apply."""
-    from tmcore.scan.dense import ScanGrads
+    from tmcore.types import ScanGrads
 
     side = _torch_side()
     if side is None:

@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from tmcore.ops.conv import ConvParams
 from tmcore.ops.window import window_sizes
+from tmcore.types import ConvParams
 
 __all__ = ["PLAIN", "is_wrapped", "untraced", "expect_shape", "check_state",
            "check_scan_shapes", "window_boxes"]

@@ -59,9 +59,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from tmcore.ops.cell import gates_fwd as generic_gates_fwd
-from tmcore.ops.conv import ConvParams, depthwise_axis
+from tmcore.ops.conv import depthwise_axis
 from tmcore.runtime.dispatch import Ops
 from tmcore.runtime.options import Options
+from tmcore.types import ConvParams
 
 from . import native
 from .mixed import with_float32_compute

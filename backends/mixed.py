@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from tmcore.ops.conv import ConvParams
 from tmcore.runtime.dispatch import Ops
+from tmcore.types import ConvParams
 
 __all__ = ["with_float32_compute"]
 

@@ -76,8 +76,8 @@ def make_inputs(batch: int, channels: int, grid: tuple[int, ...], seed: int = 0)
 def case_fns(fw: Framework) -> dict[str, Callable[[dict], Any]]:
     """One-argument callables over converted inputs ``a`` (arrays of one namespace)."""
     import tmcore as tm
-    from tmcore.ops.conv import ConvParams
-    from tmcore.scan import StepInputs, step_bwd, step_fwd
+    from tmcore.scan import step_bwd, step_fwd
+    from tmcore.types import ConvParams, StepInputs
 
     def grid(a):
         return tuple(a["volume"].shape[2:])

@@ -191,7 +191,7 @@ def prewarm(configs: list[Config], device: str, log) -> dict:
 def warm_one(channels: int, shape: tuple[int, ...], device: str = "cuda") -> None:
     """One fused scan forward + backward at this state shape (compiles its kernels)."""
     import tmcore
-    from tmcore.ops.conv import ConvParams
+    from tmcore.types import ConvParams
 
     g = torch.Generator(device="cpu").manual_seed(0)
     n, steps = len(shape), 2
@@ -239,8 +239,8 @@ def _cupy_steps(cfg: Config, params, generic: bool = False):
     import cupy as cp
 
     import tmcore
-    from tmcore.ops.conv import ConvParams
     from tmcore.scan import memory_scan_bwd, memory_scan_fwd
+    from tmcore.types import ConvParams
 
     inp = {k: cp.asarray(v) for k, v in scan_inputs(cfg).items()}
     cell = ConvParams(*(cp.asarray(params[f"cell.{f}"]) for f in ConvParams._fields))
@@ -384,7 +384,7 @@ def _kernels_per_step(fn, steps: int, device: str) -> float | None:
 
 def _local_inputs(grid: int, sizes: dict, device: str):
     """``(scan args, (g_reads, g_h, g_c))`` of a 3-D grid, float32."""
-    from tmcore.ops.conv import ConvParams
+    from tmcore.types import ConvParams
 
     g = torch.Generator().manual_seed(0)
     batch, channels, steps = sizes["batch"], sizes["channels"], sizes["steps"]

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import tmcore
-from tmcore.ops.conv import ConvParams
+from tmcore.types import ConvParams
 
 from .common import machine_line
 

@@ -47,8 +47,8 @@ class _Scan(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, h0, c0, rc, wc, ws, content, dw, db, pw, pb, every):
-        from tmcore.ops.conv import ConvParams
         from tmcore.scan import memory_scan_fwd
+        from tmcore.types import ConvParams
 
         params = ConvParams(dw, db, pw, pb)
         reads, h, c, hk, ck = memory_scan_fwd(_torch_xp(), h0, c0, rc, wc, ws, content, params,
@@ -59,8 +59,8 @@ class _Scan(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_reads, g_h, g_c):
-        from tmcore.ops.conv import ConvParams
         from tmcore.scan import memory_scan_bwd
+        from tmcore.types import ConvParams
 
         rc, wc, ws, content, dw, db, pw, pb, hk, ck = ctx.saved_tensors
         g_h = torch.zeros_like(hk[0]) if g_h is None else g_h
@@ -208,8 +208,8 @@ def scan_inputs(cfg: Config, seed: int = 2) -> dict[str, np.ndarray]:
 def numpy_step(cfg: Config, params: dict, train: bool,
                checkpoint_every: int = 1) -> Callable[[], Any]:
     """tmcore's scan on NumPy arrays: forward, or forward then backward."""
-    from tmcore.ops.conv import ConvParams
     from tmcore.scan import memory_scan_bwd, memory_scan_fwd
+    from tmcore.types import ConvParams
 
     inputs = scan_inputs(cfg)
     cell = ConvParams(*(params[f"cell.{f}"] for f in ConvParams._fields))

@@ -166,8 +166,9 @@ def _step(method: str, grid: int, batch: int, channels: int, window: int):
     import torch
 
     import tmcore
-    from tmcore.scan import StepInputs, step_fwd
     from tmcore.scan import local as local
+    from tmcore.scan import step_fwd
+    from tmcore.types import StepInputs
 
     h, c, read, write, sigma, content, params = _inputs(torch, batch, channels, grid)
     xp = tmcore.runtime.validate.namespace_of(h=h)
@@ -306,8 +307,8 @@ def _layer_step(update: str, warp: bool, grid: int, batch: int, channels: int, w
     import torch
 
     import tmcore
-    from tmcore.scan import StepInputs, WarpInputs
     from tmcore.scan import options as dynamics
+    from tmcore.types import StepInputs, WarpInputs
 
     h, c, read, write, sigma, content, params = _inputs(torch, batch, channels, grid)
     xp = tmcore.runtime.validate.namespace_of(h=h)

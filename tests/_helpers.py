@@ -45,7 +45,7 @@ def torch_scan_inputs(torch, shape, dtype, batch=2, channels=3, steps=7, edges=F
     """Random torch scan inputs and cotangents: ``((h0, c0, read_coords, write_coords,
     write_sigma, write_content, ConvParams), (g_reads, g_h, g_c))`` for a ``(B, C, *shape)``
     state; ``edges``: read coordinates drawn from :data:`EDGE_COORDS`."""
-    from tmcore.ops.conv import ConvParams
+    from tmcore.types import ConvParams
 
     n = len(shape)
     gen = torch.Generator().manual_seed(seed)

@@ -22,7 +22,6 @@ from tmcore.ops.addressing import (
 )
 from tmcore.ops.cell import convlstm_step, convlstm_step_vjp
 from tmcore.ops.conv import (
-    ConvParams,
     conv_params_from_pointwise,
     factorized_conv,
     factorized_conv_vjp,
@@ -39,15 +38,9 @@ from tmcore.runtime.validate import (
     validation,
     validation_enabled,
 )
-from tmcore.scan.dense import (
-    ScanGrads,
-    StepInputs,
-    memory_scan,
-    memory_scan_bwd,
-    memory_scan_fwd,
-    memory_scan_vjp,
-)
+from tmcore.scan.dense import memory_scan, memory_scan_bwd, memory_scan_fwd, memory_scan_vjp
 from tmcore.scan.local import local_memory_scan, local_memory_scan_vjp
+from tmcore.types import ConvParams, ScanGrads, StepInputs
 
 __version__ = "0.2.0"
 

@@ -21,11 +21,10 @@ from tmcore.adapters.jax.checkpoints import EXTRA_STATE, _check_stored
 from tmcore.adapters.jax.primitives import _check_values_eagerly
 from tmcore.layer import sizes as layer_sizes
 from tmcore.layer.stream import check_max_documents
-from tmcore.ops.conv import ConvParams
 from tmcore.ops.splat import DEFAULT_EPS
 from tmcore.runtime.validate import check_int
 from tmcore.scan.options import scan_options, step_for
-from tmcore.scan.warped import WarpParams
+from tmcore.types import ConvParams, WarpParams
 
 __all__ = ["LAYER_KEYS", "STREAM_CACHE_SIZE", "MemoryState", "StreamState", "apply",
            "conv_params", "detach_state", "doc_starts_from_offsets", "empty_stream_state",

@@ -13,11 +13,11 @@ import jax.numpy as jnp
 
 from tmcore.adapters.jax import bridge as _scan_mod
 from tmcore.adapters.jax.bridge import forward_mode_guard
-from tmcore.ops.conv import ConvParams
 from tmcore.ops.sample import validate_sample_inputs
 from tmcore.ops.splat import DEFAULT_EPS, validate_splat_inputs
 from tmcore.runtime.validate import check_values, validation_enabled
-from tmcore.scan.dense import DenseStep, StepInputs, validate_scan_inputs
+from tmcore.scan.dense import DenseStep, validate_scan_inputs
+from tmcore.types import ConvParams, StepInputs
 
 __all__ = ["gaussian_splat", "memory_scan", "trilinear_sample"]
 

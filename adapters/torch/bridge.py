@@ -56,20 +56,14 @@ from torch import Tensor
 
 from tmcore.backends.fused import window_boxes
 from tmcore.ops.cell import convlstm_step, convlstm_step_vjp
-from tmcore.ops.conv import ConvParams
 from tmcore.ops.sample import validate_sample_inputs
 from tmcore.ops.splat import validate_splat_inputs
 from tmcore.runtime.dispatch import ops_for
 from tmcore.runtime.options import get_options, options
-from tmcore.scan.base import Residuals, scan_backward, scan_forward
-from tmcore.scan.dense import (
-    StepInputs,
-    memory_scan_bwd,
-    memory_scan_fwd,
-    validate_scan_inputs,
-)
+from tmcore.scan.base import scan_backward, scan_forward
+from tmcore.scan.dense import memory_scan_bwd, memory_scan_fwd, validate_scan_inputs
 from tmcore.scan.options import ScanOptions, check_options, check_scan_bytes, step_for
-from tmcore.scan.warped import WarpInputs, WarpParams
+from tmcore.types import ConvParams, Residuals, StepInputs, WarpInputs, WarpParams
 
 __all__ = [
     "ConvLSTMStepFunction",

@@ -11,10 +11,11 @@ from torch import Tensor
 
 from tmcore import layer as tl
 from tmcore.adapters.torch import bridge
-from tmcore.ops.conv import ConvParams, as_conv_params
+from tmcore.ops.conv import as_conv_params
 from tmcore.ops.sample import validate_sample_inputs
 from tmcore.ops.splat import DEFAULT_EPS, validate_splat_inputs
 from tmcore.scan.dense import validate_scan_inputs
+from tmcore.types import ConvParams
 
 __all__ = ["doc_starts_from_offsets", "gaussian_splat", "memory_scan", "option_scan",
            "trilinear_sample"]

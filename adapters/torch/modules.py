@@ -17,11 +17,11 @@ from tmcore import layer as tl
 from tmcore.adapters.torch import bridge
 from tmcore.adapters.torch.functional import memory_scan, option_scan
 from tmcore.adapters.torch.tuners import computed, fold_tuned
-from tmcore.ops.conv import ConvParams
 from tmcore.ops.splat import DEFAULT_EPS
 from tmcore.runtime.validate import check_finite, check_flag, check_int
-from tmcore.scan.dense import StepInputs, write_step
+from tmcore.scan.dense import write_step
 from tmcore.scan.options import scan_options
+from tmcore.types import ConvParams, StepInputs
 
 __all__ = ["ConvLSTMCell", "GatedMemoryResidual", "MemoryResidual", "TensorMemory", "WarpFlow"]
 

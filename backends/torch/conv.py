@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from tmcore.backends.fused import check_state, expect_shape
 from tmcore.backends.native.calls import call, kernels_for, plain, ptr, shape_arg
-from tmcore.ops.conv import ConvParams
+from tmcore.types import ConvParams
 
 from . import memory
 

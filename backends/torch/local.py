@@ -43,9 +43,7 @@ import torch
 
 from tmcore.backends.fused import check_scan_shapes, expect_shape, window_boxes
 from tmcore.backends.native.calls import Kernels, call, offset, plain, ptr, shape_arg
-from tmcore.ops.conv import ConvParams
-from tmcore.scan.dense import ScanGrads
-from tmcore.scan.local import LocalScanResiduals
+from tmcore.types import ConvParams, LocalScanResiduals, ScanGrads
 
 from . import memory
 from .scan import Cell, scan_kernels

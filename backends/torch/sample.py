@@ -25,8 +25,8 @@ import torch
 import torch.nn.functional as F
 
 from tmcore.backends.fused import PLAIN, is_wrapped
+from tmcore.ops.common import outer_product
 from tmcore.ops.sample import tent_profiles
-from tmcore.ops.separable import outer_product
 from tmcore.runtime.dispatch import Ops
 from tmcore.runtime.options import get_options
 

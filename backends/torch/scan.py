@@ -31,11 +31,11 @@ import torch
 
 from tmcore.backends.fused import check_scan_shapes
 from tmcore.backends.native.calls import Kernels, call, kernels_for, offset, plain, ptr, shape_arg
-from tmcore.ops.conv import ConvParams
-from tmcore.ops.separable import outer_product
+from tmcore.ops.common import outer_product
 from tmcore.ops.splat import gaussian_profiles
 from tmcore.runtime.dispatch import Ops
 from tmcore.runtime.options import Options
+from tmcore.types import ConvParams
 
 from . import memory
 from .splat import single_write
@@ -339,7 +339,7 @@ def scan_bwd(xp: Any, read_coords, write_coords, write_sigma, write_content, par
              radius: float | None, checkpoint_every: int, *, generic: Ops, options: Options):
     """The fused :func:`tmcore.scan.memory_scan_bwd` (a :class:`tmcore.scan.ScanGrads`),
     or ``None`` to decline."""
-    from tmcore.scan.dense import ScanGrads
+    from tmcore.types import ScanGrads
 
     params = ConvParams(*params)
     kernels = scan_kernels(options, g_h, g_c, g_reads, h_checkpoints, c_checkpoints,

@@ -2,7 +2,7 @@
 
 A decode step that completes a chunk writes one Gaussian per row. The generic splat
 (:func:`tmcore.ops.splat.gaussian_profiles` and
-:func:`tmcore.ops.separable.outer_product`) makes each axis' profile by its own
+:func:`tmcore.ops.common.outer_product`) makes each axis' profile by its own
 ``linspace``, slice, subtraction, square, division and ``exp`` (about 35 dispatched
 ops for a 3-D grid). :func:`single_write` makes all axes' profiles at once, over the
 concatenated cell centres of every axis (cached per grid, dtype and device), and

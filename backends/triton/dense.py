@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from tmcore.ops.conv import ConvParams
+from tmcore.types import ConvParams
 
 from . import launch
 
@@ -185,7 +185,7 @@ def scan_bwd(xp: Any, read_coords, write_coords, write_sigma, write_content,
              params: ConvParams, h_checkpoints, c_checkpoints, g_reads, g_h, g_c, eps: float,
              radius: float | None, checkpoint_every: int):
     """Fused :func:`tmcore.scan.memory_scan_bwd`, or ``None`` where it does not apply."""
-    from tmcore.scan.dense import ScanGrads
+    from tmcore.types import ScanGrads
 
     params = ConvParams(*params)
     saved = -(-read_coords.shape[1] // checkpoint_every)

@@ -41,8 +41,8 @@ from typing import Any
 import torch
 
 from tmcore.backends.fused import check_scan_shapes, untraced
-from tmcore.ops.conv import ConvParams
 from tmcore.runtime.options import environment, get_options
+from tmcore.types import ConvParams
 
 __all__ = ["ENV_VAR", "MAX_CHANNELS", "kernels", "available", "interpreting", "usable",
            "precision", "Tiles", "guarded", "check_shapes", "contiguous", "param_sums",

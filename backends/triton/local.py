@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from tmcore.backends.fused import window_boxes
-from tmcore.ops.conv import ConvParams
+from tmcore.types import ConvParams
 
 from . import launch
 
@@ -125,7 +125,7 @@ def _own(x: torch.Tensor, overwrite: bool) -> torch.Tensor:
 
 
 def _forward(xp, h0, c0, rc, wc, ws, wcont, params, window, eps, radius, overwrite):
-    from tmcore.scan.local import LocalScanResiduals
+    from tmcore.types import LocalScanResiduals
 
     geo = _Geometry(h0, window)
     _, table, volumes = _writes(xp, geo, wc, ws, wcont, window, eps, radius)
@@ -175,8 +175,8 @@ def scan_bwd(xp: Any, residuals, read_coords, write_coords, write_sigma, write_c
 
 def _backward(xp, geo, residuals, rc, wc, ws, wcont, params, g_reads, g_h, g_c, window, eps,
               radius):
-    from tmcore.scan.dense import ScanGrads
     from tmcore.scan.local import box_writes_bwd
+    from tmcore.types import ScanGrads
 
     writes, table, volumes = _writes(xp, geo, wc, ws, wcont, window, eps, radius)
     inputs = launch.contiguous(g_h, g_c, *residuals, volumes, table, rc, g_reads, *params)

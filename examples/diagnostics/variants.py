@@ -42,9 +42,8 @@ from tmcore.adapters.torch import (
     option_scan,
     trilinear_sample,
 )
-from tmcore.ops.conv import ConvParams
-from tmcore.scan import StepInputs
 from tmcore.scan.options import scan_options
+from tmcore.types import ConvParams, StepInputs
 
 __all__ = ["VariantTensorMemory"]
 

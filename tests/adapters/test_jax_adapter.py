@@ -586,7 +586,7 @@ def DenseStep(eps, radius):  # noqa: N802
 
 
 def tmcore_step_inputs(inputs):
-    from tmcore.scan import StepInputs
+    from tmcore.types import StepInputs
 
     return StepInputs(*(jnp.moveaxis(a, 1, 0) for a in inputs))
 

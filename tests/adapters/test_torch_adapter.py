@@ -23,8 +23,8 @@ import tmcore.adapters.torch as tmt  # noqa: E402
 from tmcore import conv_params_from_pointwise, sigma_from_logit  # noqa: E402
 from tmcore.adapters.torch import bridge as _torch_ops  # noqa: E402
 from tmcore.backends import use_generic  # noqa: E402
-from tmcore.ops.conv import ConvParams  # noqa: E402
 from tmcore.scan import memory_scan_fwd  # noqa: E402
+from tmcore.types import ConvParams  # noqa: E402
 
 F64 = torch.float64
 XP = _torch_ops._XP

@@ -196,7 +196,8 @@ def test_the_update_without_the_read_equals_the_scan_step():
     the generic step (no fused kernels) equals it to rounding."""
     from tmcore.adapters.torch.bridge import _XP
     from tmcore.adapters.torch.modules import _Scan
-    from tmcore.scan.dense import StepInputs, write_step
+    from tmcore.scan.dense import write_step
+    from tmcore.types import StepInputs
 
     torch.manual_seed(0)
     memory = TensorMemory(64, 16, (4, 4, 4), L)

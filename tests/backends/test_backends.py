@@ -27,9 +27,9 @@ from hypothesis import strategies as st
 
 import tmcore
 import tmcore.backends as backends
-from tmcore.ops.conv import ConvParams
 from tmcore.runtime.dispatch import generic_ops, ops_for
 from tmcore.testing import reference as ref
+from tmcore.types import ConvParams
 
 BACKENDS = ["numpy", "array_api_strict", "torch", "jax", "cupy"]
 PATHS = ["default", "generic"]

@@ -20,7 +20,7 @@ import tmcore.backends.native as native  # noqa: E402
 from tmcore.backends.native import calls  # noqa: E402
 from tmcore.backends.torch import local as cpu_local  # noqa: E402
 from tmcore.scan import local as local  # noqa: E402
-from tmcore.scan.local import LocalScanResiduals  # noqa: E402
+from tmcore.types import LocalScanResiduals  # noqa: E402
 
 pytestmark = pytest.mark.skipif(native.library() is None,
                                 reason="the fused kernels cannot be built here (no C compiler)")

@@ -18,7 +18,7 @@ import jax.numpy as jnp  # noqa: E402
 
 import tmcore  # noqa: E402
 import tmcore.backends.native.build as native  # noqa: E402
-from tmcore.ops.conv import ConvParams  # noqa: E402
+from tmcore.types import ConvParams  # noqa: E402
 
 pytestmark = [
     pytest.mark.skipif(jax.default_backend() != "cpu",

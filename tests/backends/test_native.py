@@ -31,9 +31,9 @@ import tmcore  # noqa: E402
 import tmcore.backends.native.build as native  # noqa: E402
 from tmcore.backends.native import calls  # noqa: E402
 from tmcore.backends.torch import conv, gates  # noqa: E402
-from tmcore.ops.conv import ConvParams  # noqa: E402
 from tmcore.runtime.options import reload_environment  # noqa: E402
-from tmcore.scan import StepInputs, add_params, memory_scan_vjp, step_bwd, step_fwd  # noqa: E402
+from tmcore.scan import add_params, memory_scan_vjp, step_bwd, step_fwd  # noqa: E402
+from tmcore.types import ConvParams, StepInputs  # noqa: E402
 
 pytestmark = pytest.mark.skipif(native.library() is None,
                                 reason="the fused kernels cannot be built here (no C compiler)")

@@ -27,7 +27,7 @@ import tmcore  # noqa: E402
 import tmcore.backends.native.build as native  # noqa: E402
 from tmcore.backends.native import cache  # noqa: E402
 from tmcore.backends.torch import conv  # noqa: E402
-from tmcore.ops.conv import ConvParams  # noqa: E402
+from tmcore.types import ConvParams  # noqa: E402
 
 CC = shutil.which(os.environ.get("CC", "cc"))
 pytestmark = [

@@ -9,7 +9,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="torch is not installed")
 
 import tmcore  # noqa: E402
-from tmcore.ops.conv import ConvParams  # noqa: E402
+from tmcore.types import ConvParams  # noqa: E402
 
 C = 2
 

@@ -23,7 +23,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import tmcore  # noqa: E402
-from tmcore.ops.conv import ConvParams  # noqa: E402
+from tmcore.types import ConvParams  # noqa: E402
 
 # a kernel failure would fall back to the per-step path with a warning: fail instead
 pytestmark = pytest.mark.filterwarnings("error:tmcore. the fused Triton scan failed")

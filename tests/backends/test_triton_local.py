@@ -25,8 +25,8 @@ torch = pytest.importorskip("torch")
 import array_api_compat  # noqa: E402
 
 import tmcore  # noqa: E402
-from tmcore.ops.conv import ConvParams  # noqa: E402
 from tmcore.scan.local import local_scan_bwd, local_scan_fwd  # noqa: E402
+from tmcore.types import ConvParams  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("error:tmcore. the fused Triton local scan failed")
 

@@ -435,7 +435,7 @@ def test_variant_hard_write_puts_content_in_one_cell():
     """``write="hard"``: each written volume is the content in the one nearest cell, and the
     layer's scan with it gives no gradient to the spread head."""
     from examples.diagnostics.variants import hard_write
-    from tmcore.scan import StepInputs
+    from tmcore.types import StepInputs
 
     shape = (3, 4, 5)
     coords = torch.tensor([[-1.0, -1.0, -1.0], [0.9, -0.2, 0.4], [0.3, 0.99, -0.6]],
@@ -468,7 +468,7 @@ def test_variant_stepwise_scan_equals_memory_scan():
     (values and gradients), so a hard write changes only the write."""
     from examples.diagnostics.variants import _stepwise_scan, gaussian_write
     from tmcore.adapters.torch import ConvLSTMCell, memory_scan
-    from tmcore.scan import StepInputs
+    from tmcore.types import StepInputs
 
     torch.manual_seed(2)
     B, T, C, shape = 2, 3, 2, (3, 4, 2)

@@ -16,8 +16,8 @@ import pytest
 import tmcore
 from tmcore import layer as tl
 from tmcore.ops.window import window_geometry, window_mask
-from tmcore.scan import StepInputs, WarpInputs
 from tmcore.scan import options as dy
+from tmcore.types import StepInputs, WarpInputs
 
 D, C, L = 5, 2, 2
 OPTIONS = {
@@ -389,7 +389,7 @@ def test_torch_default_layer_keeps_its_scan(monkeypatch):
 def test_torch_scan_function_passes_gradcheck():
     torch = _torch()
     from tmcore.adapters.torch import option_scan
-    from tmcore.ops.conv import ConvParams
+    from tmcore.types import ConvParams
 
     h0, c0, inputs, params, shift, _ = _scan_args((4, 3), steps=2, batch=1, channels=1)
     values = (h0, c0, *inputs, shift, *params)

@@ -18,8 +18,8 @@ import pytest
 
 import tmcore
 from tmcore import layer as tl
-from tmcore.scan import StepInputs, WarpInputs
 from tmcore.scan import options as dy
+from tmcore.types import StepInputs, WarpInputs
 
 B, C, GRID = 2, 2, (3, 3, 3)
 N = len(GRID)
@@ -161,7 +161,7 @@ def _torch():
 def test_torch_function_saves_only_the_checkpoints_and_gives_the_same_bits(update, flow):
     torch = _torch()
     from tmcore.adapters.torch.bridge import _OPTION_SCANS, option_scan
-    from tmcore.ops.conv import ConvParams
+    from tmcore.types import ConvParams
 
     steps = 7
     h0, c0, inputs, params, flow_params, cot = _args(steps, seed=5)
@@ -229,7 +229,7 @@ def test_torch_layer_passes_its_checkpoint_every_to_the_options_scan():
 def test_torch_function_names_a_bad_checkpoint_every():
     torch = _torch()
     from tmcore.adapters.torch import option_scan
-    from tmcore.ops.conv import ConvParams
+    from tmcore.types import ConvParams
 
     h0, c0, inputs, params, _, _ = _args(2)
     tensors = [torch.tensor(a) for a in (h0, c0, *inputs, *params)]
@@ -256,8 +256,7 @@ def _xla_default_pipeline() -> bool:
 def test_jax_custom_vjp_keeps_only_the_checkpoints_and_gives_the_same_values(update, flow):
     jax = _jax()
     from tmcore.adapters.jax import bridge
-    from tmcore.ops.conv import ConvParams
-    from tmcore.scan import WarpParams
+    from tmcore.types import ConvParams, WarpParams
 
     steps = 3
     h0, c0, inputs, params, flow_params, cot = _args(steps, seed=6)

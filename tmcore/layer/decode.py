@@ -16,9 +16,10 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from tmcore.layer.params import Params
-from tmcore.layer.state import device_of, keep_rows, where_rows
+from tmcore.layer.state import keep_rows, where_rows
 from tmcore.layer.stream import StreamState
 from tmcore.runtime.sizes import compiling
+from tmcore.types import device_of
 
 if TYPE_CHECKING:
     from tmcore.layer.layer import Layer, Scan

@@ -15,10 +15,9 @@ from typing import Any
 
 from tmcore.layer.config import LayerConfig
 from tmcore.layer.params import WARP_GROUP, Params
-from tmcore.ops.activations import softplus
 from tmcore.ops.addressing import MIN_SIGMA
-from tmcore.scan.dense import StepInputs
-from tmcore.scan.warped import WarpInputs
+from tmcore.ops.common import softplus
+from tmcore.types import StepInputs, WarpInputs
 
 __all__ = ["Linear", "chunk", "heads", "linear", "num_chunks", "read_coords", "read_out", "split",
            "unchunk"]
@@ -94,7 +93,7 @@ def heads(xp: Any, params: Params, chunk: Any, config: LayerConfig, *,
     ``linear(xp, p, x)`` computes every linear map (default :func:`linear`; an
     adapter may pass its framework's fused kernel, e.g. torch's ``F.linear``,
     which also follows autocast); ``softplus(xp, x)`` likewise (default the
-    overflow-free :func:`tmcore.ops.activations.softplus`).
+    overflow-free :func:`tmcore.ops.common.softplus`).
 
     Parameters
     ----------
@@ -110,7 +109,7 @@ def heads(xp: Any, params: Params, chunk: Any, config: LayerConfig, *,
         The layer's sizes, ``sigma_scale`` and ``dynamics``.
     linear : callable, default :func:`linear`
         ``linear(xp, p, x)``, every linear map.
-    softplus : callable, default :func:`tmcore.ops.activations.softplus`
+    softplus : callable, default :func:`tmcore.ops.common.softplus`
         ``softplus(xp, x)``, the sigma head's softplus.
     split : callable, default :func:`split`
         ``split(xp, x, sizes)``, the cut of the fused product's output

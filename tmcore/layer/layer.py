@@ -34,7 +34,6 @@ from tmcore.layer.state import (
     State,
     check_state,
     check_tokens,
-    device_of,
     require_bool_array,
     reset_state,
     zero_state,
@@ -53,10 +52,10 @@ from tmcore.layer.stream import (
     maybe_host,
     reset_stream,
 )
-from tmcore.ops.activations import softplus
+from tmcore.ops.common import softplus
 from tmcore.ops.sample import trilinear_sample
 from tmcore.runtime.sizes import compiling
-from tmcore.scan.dense import StepInputs
+from tmcore.types import StepInputs, device_of
 
 __all__ = ["Layer", "Scan"]
 

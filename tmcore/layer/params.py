@@ -13,9 +13,10 @@ from typing import Any, NamedTuple
 import array_api_compat
 
 from tmcore.layer.config import LayerConfig
-from tmcore.ops.conv import ConvParams, xavier_uniform_bound
+from tmcore.ops.conv import xavier_uniform_bound
 from tmcore.runtime import sizes
 from tmcore.runtime.validate import check_floating
+from tmcore.types import ConvParams
 
 __all__ = ["FLOW_GROUP", "GATE_SHAPE", "GROUPS", "WARP_GROUP", "ParamSpec", "Params",
            "cell_params", "check_param_bytes", "check_params", "init_params", "param_groups",

@@ -39,7 +39,8 @@ import array_api_compat
 
 from tmcore.layer.heads import chunk, unchunk
 from tmcore.layer.params import Params
-from tmcore.layer.state import device_of, keep_rows, where_rows
+from tmcore.layer.state import keep_rows, where_rows
+from tmcore.types import device_of
 
 if TYPE_CHECKING:
     from tmcore.layer.layer import Layer, Scan

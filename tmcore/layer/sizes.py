@@ -12,6 +12,7 @@ from typing import Any
 
 from tmcore.runtime import sizes
 from tmcore.runtime.options import memory_limit
+from tmcore.types import device_of
 
 __all__ = ["check_config", "check_state", "check_forward", "forward_bytes"]
 
@@ -72,7 +73,7 @@ def check_forward(xp: Any, config: Any, x: Any, dtype: Any = None) -> None:
     shape = config.state_shape(batch)
     sizes.check_bytes("memory_shape", nbytes,
                       f"a layer call on x {tuple(x.shape)} with a state (B, C, *S) = {shape}",
-                      xp, sizes.device_of(x))
+                      xp, device_of(x))
 
 
 @functools.lru_cache(maxsize=256)

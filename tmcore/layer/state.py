@@ -12,20 +12,10 @@ from tmcore.layer import sizes as _layer_sizes
 from tmcore.layer.config import LayerConfig
 from tmcore.runtime.validate import check_floating, check_namespace
 
-__all__ = ["State", "check_state", "check_tokens", "device_of", "require_bool_array",
+__all__ = ["State", "check_state", "check_tokens", "require_bool_array",
            "reset_state", "zero_state"]
 
 State = tuple[Any, Any]
-
-
-def device_of(x: Any) -> Any:
-    """``x``'s device: the standard ``.device`` attribute where it is one (cheap, and
-    traceable by torch.compile), else ``array_api_compat.device``."""
-    try:
-        device = x.device
-    except Exception:  # e.g. an array spread over several devices
-        device = None
-    return array_api_compat.device(x) if device is None or callable(device) else device
 
 
 def zero_state(xp: Any, config: LayerConfig, batch: int, *, dtype: Any = None,

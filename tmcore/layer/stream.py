@@ -21,16 +21,10 @@ from typing import Any, NamedTuple
 import array_api_compat
 
 from tmcore.layer.config import LayerConfig
-from tmcore.layer.state import (
-    check_state,
-    device_of,
-    keep_rows,
-    require_bool_array,
-    where_rows,
-    zero_state,
-)
+from tmcore.layer.state import check_state, keep_rows, require_bool_array, where_rows, zero_state
 from tmcore.runtime import sizes as _sizes
 from tmcore.runtime.validate import check_int
+from tmcore.types import device_of
 
 __all__ = ["StreamState", "check_doc_starts", "doc_starts_from_offsets", "stream_state"]
 

@@ -8,8 +8,7 @@
   step;
 - :mod:`~tmcore.ops.window` -- the local window's geometry, box write and one local step;
 - :mod:`~tmcore.ops.warp` -- resampling the state at displaced cell centres;
-- helpers: :mod:`~tmcore.ops.activations`, :mod:`~tmcore.ops.separable`,
-  :mod:`~tmcore.ops.gather`.
+- :mod:`~tmcore.ops.common` -- activations, separable profiles, boxes.
 
 Importing this package registers the generic :class:`tmcore.runtime.dispatch.Ops` table
 (:data:`GENERIC`), the reference every backend's fast path is tested against.

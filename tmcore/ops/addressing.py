@@ -11,15 +11,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import array_api_compat
-
-from tmcore.ops.activations import sigmoid, softplus, tanh_grad_from_output
+from tmcore.ops.common import sigmoid, softplus, tanh_grad_from_output
 from tmcore.runtime.validate import (
     check_dim,
     check_grid_shape,
     check_positive_scalar,
     namespace_of,
 )
+from tmcore.types import device_of
 
 __all__ = [
     "axis_of_component",
@@ -87,7 +86,7 @@ def _scale_per_component(xp: Any, coords: Any, shape: tuple[int, ...]) -> Any:
     """``(S_{n-1-k} - 1) / 2`` for each component ``k``, shape ``(n,)``."""
     n = len(shape)
     half_extent = [(shape[axis_of_component(k, n)] - 1) / 2.0 for k in range(n)]
-    return xp.asarray(half_extent, dtype=coords.dtype, device=array_api_compat.device(coords))
+    return xp.asarray(half_extent, dtype=coords.dtype, device=device_of(coords))
 
 
 def _points_namespace(name: str, points: Any, dims: tuple[int, ...]) -> Any:

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-from tmcore.ops.activations import sigmoid, sigmoid_grad_from_output, tanh_grad_from_output
-from tmcore.ops.conv import ConvParams, as_conv_params, validate_conv_params
+from tmcore.ops.common import sigmoid, sigmoid_grad_from_output, tanh_grad_from_output
+from tmcore.ops.conv import as_conv_params, validate_conv_params
 from tmcore.runtime.dispatch import ops_for
 from tmcore.runtime.validate import check_nonempty, check_rank, namespace_of, require_array
+from tmcore.types import ConvParams
 
 __all__ = ["convlstm_step", "convlstm_step_vjp", "CellCache", "gates_fwd", "gates_bwd",
            "gates_residuals", "cell_cache"]

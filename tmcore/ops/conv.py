@@ -8,7 +8,7 @@ b[a,c]`` with zero padding; then ``z = P @ y + p_bias`` over channels.
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple
+from typing import Any
 
 import array_api_compat
 
@@ -20,39 +20,14 @@ from tmcore.runtime.validate import (
     namespace_of,
     require_array,
 )
+from tmcore.types import ConvParams, device_of
 
 __all__ = [
-    "ConvParams",
     "factorized_conv",
     "factorized_conv_vjp",
     "conv_params_from_pointwise",
     "xavier_uniform_bound",
 ]
-
-
-class ConvParams(NamedTuple):
-    """Parameters of a factorized conv over ``n`` spatial axes (a pytree in JAX).
-
-    A named tuple of four arrays of one namespace, dtype and device. A ConvLSTM
-    over ``C`` channels uses ``C_in = 2C`` (the written volume and ``h``) and
-    ``C_out = 4C`` (the gates ``i, f, o, g``).
-
-    Parameters
-    ----------
-    depthwise_weight : array, shape ``(n, C_in, 3)``
-        The taps (previous, centre, next) per spatial axis and channel.
-    depthwise_bias : array, shape ``(n, C_in)``
-        The bias of each depthwise pass.
-    pointwise_weight : array, shape ``(C_out, C_in)``
-        The channel-mixing matrix.
-    pointwise_bias : array, shape ``(C_out,)``
-        The bias of the mixing.
-    """
-
-    depthwise_weight: Any
-    depthwise_bias: Any
-    pointwise_weight: Any
-    pointwise_bias: Any
 
 
 def xavier_uniform_bound(c_in: int, c_out: int) -> float:
@@ -127,7 +102,7 @@ def conv_params_from_pointwise(pointwise_weight: Any, ndim: int) -> ConvParams:
         # with ``device=`` is committed to that one device, and jit with
         # batch-sharded inputs then rejects it ("incompatible devices"); an
         # uncommitted array follows whatever it is combined with.
-        kw["device"] = array_api_compat.device(pointwise_weight)
+        kw["device"] = device_of(pointwise_weight)
     centre = xp.asarray([0.0, 1.0, 0.0], **kw)
     taps = xp.broadcast_to(centre, (ndim, c_in, 3))
     return ConvParams(

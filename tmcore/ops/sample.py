@@ -17,10 +17,8 @@ from __future__ import annotations
 
 from typing import Any
 
-import array_api_compat
-
 from tmcore.ops.addressing import axis_of_component
-from tmcore.ops.separable import outer_product
+from tmcore.ops.common import outer_product
 from tmcore.runtime.dispatch import ops_for
 from tmcore.runtime.validate import (
     check_dim,
@@ -29,6 +27,7 @@ from tmcore.runtime.validate import (
     namespace_of,
     require_array,
 )
+from tmcore.types import device_of
 
 __all__ = ["trilinear_sample", "trilinear_sample_vjp", "tent_profiles",
            "validate_sample_inputs"]
@@ -49,7 +48,7 @@ def tent_profiles(xp: Any, coords: Any, shape: tuple[int, ...]) -> tuple[list[An
         addressing axis ``a`` (zero where the coordinate is clamped).
     """
     n = len(shape)
-    device = array_api_compat.device(coords)
+    device = device_of(coords)
     weights, slopes = [], []
     for axis in range(n):
         size = shape[axis]

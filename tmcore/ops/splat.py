@@ -14,10 +14,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import array_api_compat
-
 from tmcore.ops.addressing import axis_of_component
-from tmcore.ops.separable import grid_size, outer_product
+from tmcore.ops.common import grid_size, outer_product
 from tmcore.runtime import sizes as _sizes
 from tmcore.runtime.dispatch import ops_for
 from tmcore.runtime.validate import (
@@ -31,6 +29,7 @@ from tmcore.runtime.validate import (
     namespace_of,
     require_array,
 )
+from tmcore.types import device_of
 
 __all__ = ["gaussian_splat", "gaussian_splat_vjp", "gaussian_profiles", "DEFAULT_EPS",
            "validate_splat_inputs"]
@@ -55,7 +54,7 @@ def gaussian_profiles(
     denom : ``(B, K, 1)``: ``2 sigma^2 + eps``.
     """
     n = len(shape)
-    device = array_api_compat.device(mu)
+    device = device_of(mu)
     denom = (2.0 * sigma * sigma + eps)[..., None]
     # denom = 0 (sigma = 0 with eps = 0, or 2 sigma^2 underflowing): the limit, a
     # weight of 1 on a centre the write hits exactly and 0 elsewhere, not 0/0 = NaN.

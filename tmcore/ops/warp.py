@@ -39,14 +39,12 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any, NamedTuple
 
-import array_api_compat
-
 from tmcore.ops.addressing import axis_of_component
 from tmcore.ops.cell import check_like_h, validate_state
-from tmcore.ops.gather import index_dtype, to_index
-from tmcore.ops.separable import grid_size, outer_product
+from tmcore.ops.common import grid_size, index_dtype, outer_product, to_index
 from tmcore.runtime.dispatch import ops_for
 from tmcore.runtime.validate import check_dim, check_rank, namespace_of, require_array
+from tmcore.types import device_of
 
 __all__ = ["warp_state", "warp_state_vjp", "warp_fwd", "warp_bwd", "WarpResiduals"]
 
@@ -83,7 +81,7 @@ def _positions(xp: Any, disp: Any, index: Any, size: int):
 def _shift_matrices(xp: Any, disp: Any, size: int) -> tuple[Any, Any]:
     """``(M, D)`` of shape ``(B, S, S)``: ``M[b, i, j]`` is the weight of cell ``j`` for
     output cell ``i``; ``D`` its derivative w.r.t. the displacement component ``disp (B,)``."""
-    device = array_api_compat.device(disp)
+    device = device_of(disp)
     index = xp.arange(size, dtype=disp.dtype, device=device)
     lower, frac, slope = _positions(xp, disp[:, None], index[None, :], size)  # (B, S)
     is_lower = xp.astype(index[None, None, :] == lower[..., None], disp.dtype)
@@ -129,8 +127,8 @@ def _corner_indices(xp: Any, volume: Any, axes: list[tuple[Any, Any, Any]]):
     shape = tuple(volume.shape[2:])
     n = len(shape)
     cells = grid_size(shape)
-    dtype = index_dtype(xp, array_api_compat.device(volume))
-    device = array_api_compat.device(volume)
+    dtype = index_dtype(xp, device_of(volume))
+    device = device_of(volume)
     lows = [to_index(xp, lower, dtype) for lower, _, _ in axes]
     highs = [xp.minimum(low + 1, xp.full_like(low, shape[a] - 1)) for a, low in enumerate(lows)]
     strides = [grid_size(shape[a + 1:]) for a in range(n)]
@@ -183,7 +181,7 @@ def warp_fwd(xp: Any, volume: Any, shift: Any, flow: Any = None) -> tuple[Any, W
             axes.append((weights, slopes))
             stages.append(_apply(xp, stages[-1], weights, axis))
         return stages[-1], WarpResiduals(volume, stages, axes, False)
-    device = array_api_compat.device(volume)
+    device = device_of(volume)
     axes = []
     for axis in range(n):
         disp = _displacement(xp, shift, flow, axis_of_component(axis, n), n)
@@ -204,7 +202,7 @@ def _flow_volume_grad(xp: Any, residuals: WarpResiduals, g: Any) -> Any:
     batch, channels = volume.shape[:2]
     shape = tuple(volume.shape[2:])
     cells = grid_size(shape)
-    device = array_api_compat.device(volume)
+    device = device_of(volume)
     g_flat = xp.reshape(g, (batch, channels, cells))
     lowers = [xp.reshape(xp.broadcast_to(lower, (batch, *shape)), (batch, cells))
               for lower, _, _ in residuals.axes]
@@ -235,7 +233,7 @@ def _flow_volume_scatter(xp: Any, residuals: WarpResiduals, g: Any,
     batch = volume.shape[0]
     n = volume.ndim - 2
     total = xp.zeros((grid_size(tuple(volume.shape)),), dtype=g.dtype,
-                     device=array_api_compat.device(g))
+                     device=device_of(g))
     for bits, index in corners:
         values = _corner_weight(residuals.axes, bits)[:, None, ...] * g
         total = scatter_add(xp, total, index, xp.reshape(values, (-1,)))

@@ -22,7 +22,7 @@ Two paths, equal to within rounding (``method=``):
 - ``"fast"`` (default): gathers the window plus its halo (a box of ``min(w + 2, S_a)``
   cells per axis, moved inside the grid at the borders, so the box's own zero padding
   is the grid's) with ``take``, splats and updates that box only, and writes the box
-  back (:mod:`tmcore.ops.gather`). Its arithmetic does not depend on the grid size.
+  back (:mod:`tmcore.ops.common`). Its arithmetic does not depend on the grid size.
 
 :func:`local_update` is one step (functional: it copies the state once, a memory copy
 with no arithmetic). :func:`local_memory_scan` is the chunk recurrence of
@@ -55,9 +55,8 @@ from tmcore.ops.cell import (
     validate_gate_conv,
     validate_state,
 )
-from tmcore.ops.conv import ConvParams, as_conv_params
-from tmcore.ops.gather import box_index, gather_box, index_dtype, set_box, to_index
-from tmcore.ops.separable import outer_product
+from tmcore.ops.common import box_index, gather_box, index_dtype, outer_product, set_box, to_index
+from tmcore.ops.conv import as_conv_params
 from tmcore.ops.splat import DEFAULT_EPS, gaussian_profiles, splat_rows, splat_rows_vjp
 from tmcore.runtime.validate import (
     check_dim,
@@ -69,6 +68,7 @@ from tmcore.runtime.validate import (
     namespace_of,
     require_array,
 )
+from tmcore.types import ConvParams, device_of
 
 __all__ = ["METHODS", "Window", "Write", "local_update", "local_update_vjp", "window_geometry",
            "window_mask"]
@@ -105,7 +105,7 @@ def _per_axis(xp: Any, values: list[float], like: Any) -> Any:
     """A ``(n,)`` array of ``values`` in ``like``'s dtype and device (uncommitted in JAX)."""
     kw: dict[str, Any] = {"dtype": like.dtype}
     if not array_api_compat.is_jax_array(like):
-        kw["device"] = array_api_compat.device(like)
+        kw["device"] = device_of(like)
     return xp.asarray(values, **kw)
 
 
@@ -116,7 +116,7 @@ def window_sizes(shape: tuple[int, ...], window: int) -> tuple[tuple[int, ...], 
 
 def window_geometry(xp: Any, coords: Any, shape: tuple[int, ...], window: int) -> Window:
     """The :class:`Window` of writes at ``coords (B, n)`` (normalized, coordinate order)."""
-    dtype = index_dtype(xp, array_api_compat.device(coords))
+    dtype = index_dtype(xp, device_of(coords))
     sizes, boxes = window_sizes(shape, window)
     u = (xp.flip(coords, axis=1) + 1.0) * _per_axis(xp, [(s - 1) / 2.0 for s in shape], coords)
     u = xp.clip(u, 0.0, _per_axis(xp, [float(s - 1) for s in shape], coords))
@@ -131,7 +131,7 @@ def window_geometry(xp: Any, coords: Any, shape: tuple[int, ...], window: int) -
 
 def _axis_masks(xp: Any, first: Any, size: tuple[int, ...], extent: tuple[int, ...]) -> list[Any]:
     """Per axis ``(B, extent_a)`` bool: ``first[:, a] <= j < first[:, a] + size_a``."""
-    device = array_api_compat.device(first)
+    device = device_of(first)
     masks = []
     for axis, length in enumerate(extent):
         j = xp.arange(length, dtype=first.dtype, device=device)[None, :]
@@ -168,7 +168,7 @@ def _take_rows(xp: Any, rows: Any, columns: list[int], firsts: list[Any],
     ``rows[b, columns[k] + firsts[k][b] + j]`` for ``j < lengths[k]``; ``(B, sum(lengths))``."""
     batch, extent = rows.shape
     dtype = firsts[0].dtype
-    device = array_api_compat.device(firsts[0])
+    device = device_of(firsts[0])
     pieces = [xp.reshape(first, (batch, 1)) + (xp.arange(length, dtype=dtype, device=device)
                                                  + column)[None, :]
               for column, first, length in zip(columns, firsts, lengths, strict=True)]
@@ -513,7 +513,7 @@ def corners(xp: Any, coords: Any, shape: tuple[int, ...]):
     addressing that axis; the conventions of :func:`tmcore.ops.sample.tent_profiles`
     (border clamping, right-sided derivative at cell centres, zero at the border).
     """
-    dtype = index_dtype(xp, array_api_compat.device(coords))
+    dtype = index_dtype(xp, device_of(coords))
     half = _per_axis(xp, [(s - 1) / 2.0 for s in shape], coords)
     top = _per_axis(xp, [float(s - 1) for s in shape], coords)
     u = (xp.clip(xp.flip(coords, axis=1), -1.0, 1.0) + 1.0) * half  # spatial-axis order

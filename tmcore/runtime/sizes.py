@@ -37,6 +37,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from tmcore.runtime.options import MEMORY_LIMIT_ENV_VAR, memory_limit
+from tmcore.types import device_of
 
 __all__ = [
     "INT64_MAX",
@@ -46,7 +47,6 @@ __all__ = [
     "check_scan",
     "check_array",
     "compiling",
-    "device_of",
     "memory_budget",
     "scan_bytes",
     "itemsize",
@@ -142,14 +142,6 @@ def _host_budget() -> tuple[int, str] | None:
     if left is not None:
         found.append((left, "the address space left under RLIMIT_AS"))
     return min(found) if found else None
-
-
-def device_of(array: Any) -> Any:
-    try:
-        device = array.device
-    except Exception:  # no single device
-        return None
-    return device() if callable(device) else device
 
 
 def memory_budget(xp: Any, device: Any = None) -> tuple[int, str] | None:

@@ -30,6 +30,7 @@ from typing import Any
 import array_api_compat
 
 from tmcore.runtime.options import ENV_VARS, get_options, options, set_process_option
+from tmcore.types import device_of
 
 __all__ = [
     "namespace_of",
@@ -251,7 +252,7 @@ def namespace_of(**arrays: Any) -> Any:
 def _device_or_none(x: Any) -> Any:
     """The array's device, or ``None`` where it has none to compare (a JAX tracer)."""
     try:
-        device = array_api_compat.device(x)
+        device = device_of(x)
     except Exception:  # an abstract array without a device
         return None
     # a sharded JAX array's "device" is its sharding: arrays on the same devices are

@@ -9,10 +9,8 @@
 - :mod:`~tmcore.scan.options` -- the layer's options as a step (:func:`step_for`).
 """
 
-from tmcore.scan.base import Residuals, Step
+from tmcore.scan.base import Step
 from tmcore.scan.dense import (
-    ScanGrads,
-    StepInputs,
     add_params,
     memory_scan,
     memory_scan_bwd,
@@ -35,7 +33,7 @@ from tmcore.scan.options import (
     scan_options,
     step_for,
 )
-from tmcore.scan.warped import WarpInputs, WarpParams
+from tmcore.types import Residuals, ScanGrads, StepInputs, WarpInputs, WarpParams
 
 __all__ = [
     "Residuals", "ScanGrads", "ScanOptions", "Step", "StepInputs", "WarpInputs", "WarpParams",

@@ -30,34 +30,19 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from typing import Any, NamedTuple, Protocol
+from typing import Any, Protocol
 
 import array_api_compat
 
 from tmcore.runtime.dispatch import ops_for
+from tmcore.types import Residuals, device_of
 
-__all__ = ["WRITE_BLOCK", "Residuals", "Step", "scan_backward", "scan_forward", "tree_add",
+__all__ = ["WRITE_BLOCK", "Step", "scan_backward", "scan_forward", "tree_add",
            "tree_map"]
 
 #: Steps whose writes are made, and differentiated, in one call. Memory: two blocks of
 #: written volumes at a time.
 WRITE_BLOCK = 16
-
-
-class Residuals(NamedTuple):
-    """What :func:`scan_backward` needs from :func:`scan_forward`.
-
-    Parameters
-    ----------
-    h, c : array, shape ``(ceil(T / k), B, C, *S)``, or None
-        ``"checkpoint"`` policy: the states entering steps ``0, k, 2k, ...``.
-    log : tuple of arrays ``(T, ...)``, or None
-        ``"log"`` policy: the steps' logs, stacked time-major.
-    """
-
-    h: Any
-    c: Any
-    log: Any
 
 
 class Step(Protocol):
@@ -233,7 +218,7 @@ class _Stacker:
         self.buffer = None
         if not array_api_compat.is_jax_namespace(xp):
             shape = (*like.shape[:axis], count, *like.shape[axis:])
-            self.buffer = xp.empty(shape, dtype=like.dtype, device=array_api_compat.device(like))
+            self.buffer = xp.empty(shape, dtype=like.dtype, device=device_of(like))
 
     def _at(self, index: int) -> tuple:
         return (slice(None),) * self.axis + (index, ...)

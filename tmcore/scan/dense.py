@@ -20,7 +20,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from tmcore.ops.cell import cell_bwd, cell_cache, cell_fwd, validate_gate_conv, validate_state
-from tmcore.ops.conv import ConvParams, as_conv_params
+from tmcore.ops.conv import as_conv_params
 from tmcore.ops.splat import DEFAULT_EPS, splat_rows, splat_rows_vjp
 from tmcore.runtime import sizes as _sizes
 from tmcore.runtime.dispatch import ops_for
@@ -34,18 +34,16 @@ from tmcore.runtime.validate import (
     require_array,
 )
 from tmcore.scan.base import (
-    Residuals,
     read_then_update,
     read_then_update_vjp,
     scan_backward,
     scan_forward,
     zero_if_none,
 )
+from tmcore.types import ConvParams, Residuals, ScanGrads, StepInputs
 
 __all__ = [
     "DenseStep",
-    "StepInputs",
-    "ScanGrads",
     "memory_scan",
     "memory_scan_vjp",
     "memory_scan_fwd",
@@ -56,57 +54,6 @@ __all__ = [
     "add_params",
     "validate_scan_inputs",
 ]
-
-
-class StepInputs(NamedTuple):
-    """One step's addressing and content, all batch-first.
-
-    Parameters
-    ----------
-    read_coords : array, shape ``(B, n)``
-        The normalized read position of the step.
-    write_coords : array, shape ``(B, n)``
-        The normalized write centre of the step.
-    write_sigma : array, shape ``(B,)``
-        The write spread of the step.
-    write_content : array, shape ``(B, C)``
-        The content vector written by the step.
-    """
-
-    read_coords: Any
-    write_coords: Any
-    write_sigma: Any
-    write_content: Any
-
-
-class ScanGrads(NamedTuple):
-    """Gradients returned by :func:`memory_scan_vjp`, one per input, shaped like it.
-
-    Parameters
-    ----------
-    h0 : array, shape ``(B, C, *S)``
-        The gradient for the initial hidden state.
-    c0 : array, shape ``(B, C, *S)``
-        The gradient for the initial cell state.
-    read_coords : array, shape ``(B, T, n)``
-        The gradient for the read coordinates.
-    write_coords : array, shape ``(B, T, n)``
-        The gradient for the write centres.
-    write_sigma : array, shape ``(B, T)``
-        The gradient for the write spreads.
-    write_content : array, shape ``(B, T, C)``
-        The gradient for the written content.
-    params : ConvParams
-        The gradients for the gate conv's fields.
-    """
-
-    h0: Any
-    c0: Any
-    read_coords: Any
-    write_coords: Any
-    write_sigma: Any
-    write_content: Any
-    params: ConvParams
 
 
 def add_params(a: ConvParams, b: ConvParams) -> ConvParams:

@@ -17,8 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from tmcore.ops.conv import ConvParams
-from tmcore.ops.gather import box_index, gather_box, set_box
+from tmcore.ops.common import box_index, gather_box, set_box
 from tmcore.ops.splat import DEFAULT_EPS, splat_rows_vjp
 from tmcore.ops.window import (
     BoxWrite,
@@ -42,16 +41,16 @@ from tmcore.ops.window import (
 from tmcore.runtime.dispatch import ops_for
 from tmcore.runtime.validate import check_int, require_array
 from tmcore.scan.base import (
-    Residuals,
     read_then_update,
     read_then_update_vjp,
     scan_backward,
     scan_forward,
     zero_if_none,
 )
-from tmcore.scan.dense import ScanGrads, StepInputs, fused_grads, validate_scan_inputs
+from tmcore.scan.dense import fused_grads, validate_scan_inputs
+from tmcore.types import ConvParams, LocalScanResiduals, Residuals, ScanGrads, StepInputs
 
-__all__ = ["BoxWrites", "LocalScanResiduals", "LocalStep", "LocalWrite", "MaskedWrite",
+__all__ = ["BoxWrites", "LocalStep", "LocalWrite", "MaskedWrite",
            "box_writes", "box_writes_bwd", "local_memory_scan", "local_memory_scan_vjp",
            "local_scan_fwd", "local_scan_bwd"]
 
@@ -115,19 +114,6 @@ def box_writes_bwd(xp: Any, writes: BoxWrites, write_coords: Any, write_sigma: A
     d_content, d_mu, d_sigma = box_write_bwd(xp, write, writes.parts, g, write.write_sigma)
     return (_batch_major(xp, d_mu, batch), _batch_major(xp, d_sigma, batch),
             _batch_major(xp, d_content, batch))
-
-
-class LocalScanResiduals(NamedTuple):
-    """What :func:`local_scan_bwd` needs from :func:`local_scan_fwd`.
-
-    Fast path: ``h_boxes, c_boxes (T, B, C, *box)`` (each step's box before its update)
-    and ``read_boxes (T, B, C, *corners)`` (the cells each read used). Masked path: the
-    dense input states ``(T, B, C, *S)`` in ``h_boxes, c_boxes`` and ``read_boxes=None``.
-    """
-
-    h_boxes: Any
-    c_boxes: Any
-    read_boxes: Any
 
 
 class LocalWrite(NamedTuple):

@@ -13,15 +13,16 @@ from __future__ import annotations
 import math
 from typing import Any, NamedTuple
 
-from tmcore.ops.conv import ConvParams, as_conv_params, validate_conv_params
+from tmcore.ops.conv import as_conv_params, validate_conv_params
 from tmcore.ops.splat import DEFAULT_EPS
 from tmcore.ops.window import check_method, window_sizes
 from tmcore.runtime import sizes
 from tmcore.runtime.validate import check_dim, check_int, check_rank, require_array
-from tmcore.scan.base import Residuals, Step, scan_backward, scan_forward, zero_if_none
-from tmcore.scan.dense import DenseStep, StepInputs, validate_scan_inputs
+from tmcore.scan.base import Step, scan_backward, scan_forward, zero_if_none
+from tmcore.scan.dense import DenseStep, validate_scan_inputs
 from tmcore.scan.local import LocalStep
-from tmcore.scan.warped import WarpInputs, WarpParams, WarpStep
+from tmcore.scan.warped import WarpStep
+from tmcore.types import ConvParams, Residuals, StepInputs, WarpInputs, WarpParams
 
 __all__ = ["ScanOptions", "check_options", "check_scan_bytes", "dynamic_memory_scan",
            "dynamic_memory_scan_vjp", "scan_bwd", "scan_fwd", "scan_options", "step_for"]

@@ -31,33 +31,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from tmcore.ops.conv import ConvParams
 from tmcore.ops.warp import warp_bwd, warp_fwd
 from tmcore.runtime.dispatch import ops_for
 from tmcore.scan.base import read_point, read_point_vjp
 from tmcore.scan.dense import DenseStep
 from tmcore.scan.local import LocalStep
+from tmcore.types import ConvParams, WarpParams
 
-__all__ = ["WarpInputs", "WarpParams", "WarpStep"]
-
-
-class WarpInputs(NamedTuple):
-    """:class:`tmcore.StepInputs` plus the warp's ``shift`` (``(..., n)``, normalized units,
-    coordinate order: component ``k`` moves along spatial axis ``n - 1 - k``)."""
-
-    read_coords: Any
-    write_coords: Any
-    write_sigma: Any
-    write_content: Any
-    shift: Any
-
-
-class WarpParams(NamedTuple):
-    """A warped step's parameters: the gates' conv and the per-cell flow's
-    (``C_in = C``, ``C_out = n``; ``None`` without a flow)."""
-
-    cell: ConvParams
-    flow: ConvParams | None = None
+__all__ = [ "WarpStep"]
 
 
 def _warp(xp: Any, h: Any, c: Any, shift: Any, flow_params: ConvParams | None):

@@ -1,18 +1,16 @@
-"""Boxes of a grid by index arithmetic: gather with ``take``, write back without a dense pass.
+"""The pieces several primitives share: overflow-free activations, separable profiles,
+boxes of a grid.
 
-A *box* is, per batch element ``b``, the cells ``start[b, a] <= i_a < start[b, a] + size[a]``
-of a ``(B, K, *S)`` array (``start`` in spatial-axis order, every box inside the grid).
-:func:`gather_box` reads it with one ``take`` over the flattened array (array API, every
-namespace); :func:`set_box` writes a box back and touches only its cells:
-
-- NumPy, PyTorch, CuPy: integer-array assignment into the given array (in place; the
-  caller passes an array it owns);
-- JAX: ``x.at[index].set(values)`` (functional; in place under ``jit`` when the input is
-  donated);
-- any other namespace: one basic-slice assignment per batch element (the box start is
-  read back to the host, ``B * n`` integers; in place).
-
-Both cost ``O(B K prod(size))``, independent of the grid.
+- Activations (sigmoid, softplus and the derivatives from outputs) never evaluate ``exp``
+  of a positive number: float16 / float32 inputs of any magnitude give finite values.
+- Separable weights: the trilinear tent and the Gaussian both factor into one 1-D profile
+  per axis, so reads, writes and their gradients are dense contractions (deterministic,
+  no scatter, no atomics) over :func:`outer_product`.
+- A *box* is, per batch row ``b``, the cells ``start[b, a] <= i_a < start[b, a] + size[a]``
+  of a ``(B, K, *S)`` array (every box inside the grid): :func:`gather_box` reads it with
+  one ``take``; :func:`set_box` writes it back touching only its cells (integer-array
+  assignment in NumPy / PyTorch / CuPy, ``.at[].set`` in JAX, one slice per row
+  elsewhere). Both ``O(B K prod(size))``, independent of the grid.
 """
 
 from __future__ import annotations
@@ -22,9 +20,84 @@ from typing import Any
 
 import array_api_compat
 
-from tmcore.ops.separable import grid_size
+from tmcore.types import device_of
 
-__all__ = ["index_dtype", "box_index", "gather_box", "set_box", "to_index"]
+__all__ = ["box_index", "gather_box", "grid_size", "index_dtype", "outer_product", "set_box",
+           "sigmoid", "sigmoid_grad_from_output", "softplus", "tanh_grad_from_output",
+           "to_index"]
+
+
+def sigmoid(xp: Any, x: Any) -> Any:
+    """Logistic function ``1 / (1 + exp(-x))`` as ``0.5 * tanh(0.5 x) + 0.5``.
+
+    The identity is exact; ``tanh`` saturates instead of overflowing, and this
+    form is three elementwise passes where the ``exp(-|x|)`` / ``where`` form
+    takes seven (the gates are the scan's hottest elementwise work).
+    """
+    return 0.5 * xp.tanh(0.5 * x) + 0.5
+
+
+def softplus(xp: Any, x: Any) -> Any:
+    """``log(1 + exp(x))`` as ``max(x, 0) + log1p(exp(-|x|))`` (no overflow).
+
+    Parameters
+    ----------
+    xp : namespace
+        The array namespace of ``x``.
+    x : array
+        Any shape, a real floating dtype.
+
+    Returns
+    -------
+    array
+        The softplus of ``x``, elementwise (same shape and dtype).
+    """
+    return xp.maximum(x, xp.zeros_like(x)) + xp.log1p(xp.exp(-xp.abs(x)))
+
+
+def sigmoid_grad_from_output(s: Any) -> Any:
+    """Derivative of the sigmoid given its output ``s``."""
+    return s * (1.0 - s)
+
+
+def tanh_grad_from_output(t: Any) -> Any:
+    """Derivative of tanh given its output ``t``."""
+    return 1.0 - t * t
+
+
+def grid_size(shape: Sequence[int]) -> int:
+    """Number of cells ``prod(shape)``."""
+    size = 1
+    for s in shape:
+        size *= int(s)
+    return size
+
+
+def outer_product(xp: Any, profiles: Sequence[Any], replace: dict[int, Any] | None = None) -> Any:
+    """Flattened outer product of per-axis profiles.
+
+    Parameters
+    ----------
+    profiles : sequence of n arrays ``(B, Q, S_a)``, in spatial-axis order.
+    replace : optional ``{axis: array (B, Q, S_axis)}`` used instead of
+        ``profiles[axis]`` (e.g. a derivative profile).
+
+    Returns
+    -------
+    ``(B, Q, prod(S))`` with the last spatial axis varying fastest (C order).
+    """
+    replace = replace or {}
+    n = len(profiles)
+    batch, queries = profiles[0].shape[:2]
+    sizes = [p.shape[-1] for p in profiles]
+    out = None
+    for axis in range(n):
+        factor = replace.get(axis, profiles[axis])
+        view = [1] * n
+        view[axis] = sizes[axis]
+        factor = xp.reshape(factor, (batch, queries, *view))
+        out = factor if out is None else out * factor
+    return xp.reshape(out, (batch, queries, grid_size(sizes)))
 
 
 def index_dtype(xp: Any, device: Any = None) -> Any:
@@ -48,7 +121,7 @@ def box_index(xp: Any, start: Any, size: Sequence[int], batch: int, channels: in
     C order over ``(B, K, *size)``.
     """
     n = len(shape)
-    device = array_api_compat.device(start)
+    device = device_of(start)
     dtype = start.dtype
     cells = grid_size(shape)
     stride = 1

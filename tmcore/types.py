@@ -1,0 +1,136 @@
+"""The data the core and the backends exchange, and the one device lookup.
+
+A leaf module: it imports nothing of tmcore, so every other module (ops, scan, layer,
+backends, adapters) may import it. Sizes: ``B`` batch, ``T`` steps, ``C`` channels, ``S``
+the grid (``n`` axes), ``k`` the checkpoint interval. All are pytrees (named tuples).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import array_api_compat
+
+__all__ = ["ConvParams", "LocalScanResiduals", "Residuals", "ScanGrads", "StepInputs",
+           "WarpInputs", "WarpParams", "device_of"]
+
+
+def device_of(x: Any) -> Any:
+    """``x``'s device, or ``None`` where its namespace has no devices (e.g. mlx).
+
+    The standard ``.device`` attribute where it is one (cheap, traceable by
+    torch.compile), else :func:`array_api_compat.device`; ``None`` is what array-API
+    creation functions take for "the default device".
+    """
+    try:
+        device = x.device
+    except Exception:  # e.g. an array spread over several devices
+        device = None
+    if device is not None and not callable(device):
+        return device
+    try:
+        return array_api_compat.device(x)
+    except (AttributeError, TypeError):  # a namespace without devices
+        return None
+
+
+class ConvParams(NamedTuple):
+    """A factorized conv's parameters over ``n`` axes (the ConvLSTM's gates: ``2C -> 4C``).
+
+    Parameters
+    ----------
+    depthwise_weight : array, shape ``(n, C_in, 3)``
+        The taps (previous, centre, next) per axis and channel.
+    depthwise_bias : array, shape ``(n, C_in)``
+        The bias of each depthwise pass.
+    pointwise_weight : array, shape ``(C_out, C_in)``
+        The channel-mixing matrix.
+    pointwise_bias : array, shape ``(C_out,)``
+        Its bias.
+    """
+
+    depthwise_weight: Any
+    depthwise_bias: Any
+    pointwise_weight: Any
+    pointwise_bias: Any
+
+
+class StepInputs(NamedTuple):
+    """The chunk steps' addressing and content, batch-first (``[T]``: a scan's steps).
+
+    Parameters
+    ----------
+    read_coords, write_coords : array, shape ``(B, [T,] n)``
+        The normalized read position and write centre.
+    write_sigma : array, shape ``(B, [T])``
+        The write spread.
+    write_content : array, shape ``(B, [T,] C)``
+        The content written.
+    """
+
+    read_coords: Any
+    write_coords: Any
+    write_sigma: Any
+    write_content: Any
+
+
+class WarpInputs(NamedTuple):
+    """:class:`StepInputs` plus the warp's ``shift (B, [T,] n)`` (normalized units, in
+    coordinate order: component ``k`` moves along spatial axis ``n - 1 - k``)."""
+
+    read_coords: Any
+    write_coords: Any
+    write_sigma: Any
+    write_content: Any
+    shift: Any
+
+
+class WarpParams(NamedTuple):
+    """A warped step's parameters: the gates' conv and the per-cell flow's (``C -> n``;
+    ``None`` without a flow)."""
+
+    cell: ConvParams
+    flow: ConvParams | None = None
+
+
+class ScanGrads(NamedTuple):
+    """The gradients of a scan's VJP, each shaped like its input.
+
+    Parameters
+    ----------
+    h0, c0 : array, shape ``(B, C, *S)``
+        For the initial state.
+    read_coords, write_coords, write_sigma, write_content : array
+        For the :class:`StepInputs` fields ``(B, T, ...)``.
+    params : ConvParams
+        For the gate conv.
+    """
+
+    h0: Any
+    c0: Any
+    read_coords: Any
+    write_coords: Any
+    write_sigma: Any
+    write_content: Any
+    params: ConvParams
+
+
+class Residuals(NamedTuple):
+    """What a scan's backward needs from its forward: the states entering steps ``0, k,
+    2k, ...`` (``h, c (ceil(T / k), B, C, *S)``, the ``"checkpoint"`` policy) or the steps'
+    logs stacked time-major (``log``, the ``"log"`` policy)."""
+
+    h: Any
+    c: Any
+    log: Any
+
+
+class LocalScanResiduals(NamedTuple):
+    """What the local scan's backward needs: each step's box before its update
+    ``h_boxes, c_boxes (T, B, C, *box)`` and the cells each read used ``read_boxes (T, B,
+    C, *corners)``; on the masked path the dense input states ``(T, B, C, *S)`` and
+    ``read_boxes=None``."""
+
+    h_boxes: Any
+    c_boxes: Any
+    read_boxes: Any
