@@ -15,7 +15,7 @@ channels, ``d`` the token width.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -170,7 +170,7 @@ def _recompute(memory: TensorMemory, residual: MemoryResidual | None,
 
 
 def plot(traces: list[MemoryTrace], path: str | Path, row: int = 0,
-         title: str | None = None) -> None:
+         title: str | None = None, marks: Mapping[str, Sequence[int]] | None = None) -> None:
     """Draw one row's traces: a column per layer; coordinates, sigma, state norms, read size.
 
     Needs matplotlib.
@@ -185,6 +185,9 @@ def plot(traces: list[MemoryTrace], path: str | Path, row: int = 0,
         The batch row drawn.
     title : str, optional
         The figure's title.
+    marks : mapping of str to sequence of int, optional
+        Vertical lines on every panel, one colour per label (e.g. ``{"facts": [...],
+        "question": [...]}``), at chunk indices.
     """
     import matplotlib
 
@@ -213,6 +216,11 @@ def plot(traces: list[MemoryTrace], path: str | Path, row: int = 0,
             size.set_title(f"gated read RMS / stream RMS per token (gate {tr.gate:.2f})",
                            fontsize=9)
         size.set_xlabel("chunk (token for the last panel)")
+        for k, (label, where) in enumerate((marks or {}).items()):
+            for ax in axes[:, layer]:
+                for i, x in enumerate(where):
+                    ax.axvline(x, color=f"C{k + 3}", linewidth=0.8, linestyle=":",
+                               label=label if i == 0 and ax is coords else None)
     axes[0, 0].legend(fontsize=7, ncol=2)
     if title:
         fig.suptitle(title, fontsize=10)

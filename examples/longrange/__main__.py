@@ -4,6 +4,8 @@
   ``results/recall.json``.
 - ``cost``: streams 16k tokens through full attention, the window and window + Tensor Memory
   (a fresh process per row); writes ``results/cost.json``.
+- ``search``: what makes Tensor Memory address (:mod:`examples.longrange.search`): the
+  variants, each with the same search budget; writes ``results/search.json`` as it goes.
 - ``render``: the README's tables and the plots (``results/*.png``) from the results files;
   ``--check`` only compares the README and exits 1 when it is stale.
 """
@@ -19,6 +21,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results" / "recall.json"
 COST = HERE / "results" / "cost.json"
+SEARCH = HERE / "results" / "search.json"
 
 
 def _config(args: argparse.Namespace):  # -> Config
@@ -80,6 +83,15 @@ def main(argv: list[str] | None = None) -> None:
     cost_p.add_argument("--out", type=Path, default=None)
     cost_p.add_argument("--row-worker", default=None, help=argparse.SUPPRESS)
     cost_p.add_argument("--config-json", default=None, help=argparse.SUPPRESS)
+    search_p = sub.add_parser("search", help="Tensor Memory variants at equal state")
+    search_p.add_argument("--variants", nargs="+", default=None,
+                          help="names of examples.longrange.search.VARIANTS (default: all)")
+    search_p.add_argument("--plot", nargs="*", default=(),
+                          help="variants whose first seed's probe traces are drawn")
+    search_p.add_argument("--tiny", action="store_true", help="a seconds-long smoke run")
+    search_p.add_argument("--out", type=Path, default=None,
+                          help="results file (default results/search.json; --tiny writes "
+                               "none unless given)")
     render_p = sub.add_parser("render", help="README tables and plots from the results files")
     render_p.add_argument("--check", action="store_true", help="exit 1 if the README is stale")
     args = parser.parse_args(argv)
@@ -102,6 +114,15 @@ def main(argv: list[str] | None = None) -> None:
         out = args.out if args.out is not None else (None if args.tiny else COST)
         _write(results, out)
         print(cost.table(results))
+        return
+    if args.command == "search":
+        from examples.longrange.search import VARIANTS, search
+        from examples.longrange.train import Config
+
+        out = args.out if args.out is not None else (None if args.tiny else SEARCH)
+        search(list(args.variants or VARIANTS), Config.tiny() if args.tiny else Config(), out,
+               plots=out.parent if args.plot and out is not None else None,
+               plot_names=tuple(args.plot))
         return
     from examples.longrange.render import tables
     from examples.longrange.train import run

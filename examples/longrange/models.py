@@ -4,7 +4,9 @@ config, random init) per row, differing only in how far back it can get informat
 - ``window``: sliding-window attention (the config's ``sliding_window = W``: each token
   attends to itself and the ``W - 1`` tokens before it).
 - ``tensor_memory``: ``window`` + ``tmcore.adapters.hf.attach_memory`` (a gated Tensor
-  Memory after every block, ``causal`` mode, ``zero_init=True``).
+  Memory after every block, ``causal`` mode, ``zero_init=True``); with
+  ``ModelConfig.placement = "before"`` the same gated memory sits before each block's
+  attention instead (:class:`BeforeAttention`: it reads and adds to the block's input).
 - ``lstm`` / ``delta``: ``window`` + an LSTM memory / a gated delta-rule memory after every
   block, attached the same way (:mod:`examples.longrange.baselines`).
 - ``xl``: ``window`` + a Transformer-XL-style cache (Dai et al. 2019) of ``M`` more tokens:
@@ -34,8 +36,8 @@ from torch import Tensor, nn
 
 from examples.longrange.baselines import Attached, GatedDeltaMemory, LSTMMemory, attach_recurrent
 
-__all__ = ["ROWS", "LABELS", "MEMORY_ROWS", "ModelConfig", "Built", "build", "state_sizes",
-           "XL_ATTENTION"]
+__all__ = ["ROWS", "LABELS", "MEMORY_ROWS", "ModelConfig", "Built", "BeforeAttention", "build",
+           "state_sizes", "XL_ATTENTION"]
 
 ROWS = ("window", "tensor_memory", "lstm", "delta", "xl", "full")
 MEMORY_ROWS = ("tensor_memory", "lstm", "delta")
@@ -59,6 +61,8 @@ class ModelConfig:
     memory_shape: tuple[int, ...] = (4, 4, 4)
     chunk_size: int = 1
     sigma_scale: float = 1.0
+    placement: str = "after"  # Tensor Memory after each block, or "before" its attention
+    write_init: str = "default"  # "identity": write_proj starts as the identity (L = 1)
     delta_heads: int = 2
     max_positions: int = 32768
 
@@ -121,6 +125,52 @@ def _register_xl() -> None:
     AttentionInterface.register(XL_ATTENTION, xl_attention)
 
 
+# --------------------------------------------------------------------------- placement
+
+
+class BeforeAttention:
+    """A gated Tensor Memory before each decoder block's attention: a forward pre-hook
+    replaces the block's input ``x (B, N, d)`` by ``x + sigmoid(gate) * memory(norm(x))``
+    (a :class:`tmcore.adapters.torch.MemoryResidual`, submodule ``block.tensor_memory``), so
+    the read enters the block's attention and MLP. Uncached forwards only (each call starts
+    from zeros: training and evaluation); :meth:`start_documents` marks the next call's
+    state resets (``causal`` mode, as :meth:`tmcore.adapters.torch.MemoryHandle.start_documents`).
+    """
+
+    def __init__(self, model: nn.Module, memories: list[nn.Module]):
+        self.memories = memories
+        self._starts: Tensor | None = None
+        self._calls = 0
+        for block, memory in zip(model.model.layers, memories, strict=True):
+            block.add_module("tensor_memory", memory)
+            block.register_forward_pre_hook(self._hook, with_kwargs=True)
+
+    def start_documents(self, starts: Tensor) -> None:
+        self._starts, self._calls = starts, 0
+
+    def _hook(self, block: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None:
+            raise NotImplementedError("placement 'before': uncached forwards only")
+        x = args[0] if args else kwargs["hidden_states"]
+        y, _ = block.tensor_memory(x, doc_starts=self._starts)
+        self._calls += 1
+        if self._calls == len(self.memories):  # the masks are the call's, every layer's
+            self._starts, self._calls = None, 0
+        return ((y, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": y})
+
+
+def _identity_write(memories: list[nn.Module]) -> None:
+    """``write_proj`` (``(d, L d)``) starts as the identity on the chunk's first token, so a
+    token's write address starts as its read address (``L = 1``: the same function)."""
+    with torch.no_grad():
+        for residual in memories:
+            proj = residual.memory.write_proj
+            d = proj.weight.shape[0]
+            proj.weight.zero_()
+            proj.weight[:, :d] = torch.eye(d)
+            proj.bias.zero_()
+
+
 # --------------------------------------------------------------------------- rows
 
 
@@ -147,6 +197,12 @@ class Built:
     def parameters(self) -> int:
         return sum(p.numel() for p in self.model.parameters())
 
+    def memory_parameters(self) -> list[nn.Parameter]:
+        """The memories' parameters (norm, memory, read-out, gate); empty without one."""
+        if self.row not in MEMORY_ROWS:
+            return []
+        return [p for m in self.handle.memories for p in m.parameters()]
+
     @contextmanager
     def _reset(self, every: int | None, batch: int, tokens: int) -> Iterator[None]:
         if every is None:
@@ -155,7 +211,7 @@ class Built:
         if self.row == "tensor_memory":
             starts = torch.zeros(batch, tokens, dtype=torch.bool)
             starts[:, ::every] = True
-            self.handle.handle.start_documents(starts)
+            getattr(self.handle, "handle", self.handle).start_documents(starts)
             yield
         elif self.row in ("lstm", "delta"):
             self.handle.reset_every = every
@@ -223,10 +279,24 @@ def build(row: str, config: ModelConfig, vocab_size: int, seed: int,
     if row == "window":
         return Built(row, model)
     if row == "tensor_memory":
-        handle = hf.attach_memory(model, memory_channels=config.memory_channels,
-                                  memory_shape=config.memory_shape,
-                                  chunk_size=config.chunk_size, sigma_scale=config.sigma_scale,
-                                  forget_bias=retention, zero_init=True, gate_init=0.0)
+        kw = {"memory_channels": config.memory_channels, "memory_shape": config.memory_shape,
+              "chunk_size": config.chunk_size, "sigma_scale": config.sigma_scale,
+              "forget_bias": retention, "zero_init": True}
+        if config.placement == "after":
+            handle: Any = hf.attach_memory(model, gate_init=0.0, **kw)
+        elif config.placement == "before":
+            from tmcore.adapters.torch import MemoryResidual, TensorMemory
+
+            handle = BeforeAttention(model, [
+                MemoryResidual(TensorMemory(config.hidden, **kw), gate_init=0.0)
+                for _ in range(config.layers)])
+        else:
+            raise ValueError(f"placement: expected 'after' or 'before', got {config.placement!r}")
+        if config.write_init == "identity":
+            _identity_write(handle.memories)
+        elif config.write_init != "default":
+            raise ValueError(f"write_init: expected 'default' or 'identity', "
+                             f"got {config.write_init!r}")
         return Built(row, model, handle, sizes[row]["numbers"], sizes[row])
     if row == "lstm":
         attached: Attached = attach_recurrent(

@@ -42,7 +42,8 @@ from examples.longrange.task import (
 from examples.reporting import cpu_features, cpu_model, git
 
 __all__ = ["TaskConfig", "TrainConfig", "Config", "train", "evaluate", "grid_points",
-           "run", "VALIDATION_SEED", "TEST_SEED", "TUNE_SEED", "make_deterministic"]
+           "run", "tune_point", "seed_run", "VALIDATION_SEED", "TEST_SEED", "TUNE_SEED",
+           "make_deterministic"]
 
 VALIDATION_SEED = 54_321
 TEST_SEED = 12_345
@@ -77,6 +78,8 @@ class TrainConfig:
     tune_steps: int = 800  # the search trains as long as the evaluation runs
     lrs: tuple[float, ...] = (1e-3, 3e-3)  # the search, the same for every row
     retention: float = 3.0  # every memory's forget-gate / decay bias (fixed, not searched)
+    memory_lr_scale: float = 1.0  # the memories' parameters train at lr * this
+    memory_weight_decay: float | None = None  # theirs (None: weight_decay)
 
 
 @dataclass(frozen=True)
@@ -139,7 +142,15 @@ def train(built: Built, config: Config, lr: float, data_seed: int, steps: int,
     task, opt_cfg = config.task, config.train
     model = built.model
     model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=opt_cfg.weight_decay,
+    groups: list[dict[str, Any]] = [{"params": list(model.parameters())}]
+    if opt_cfg.memory_lr_scale != 1.0 or opt_cfg.memory_weight_decay is not None:
+        memory = built.memory_parameters()
+        ids = {id(p) for p in memory}
+        decay = opt_cfg.weight_decay if opt_cfg.memory_weight_decay is None \
+            else opt_cfg.memory_weight_decay
+        groups = [{"params": [p for p in model.parameters() if id(p) not in ids]},
+                  {"params": memory, "lr": lr * opt_cfg.memory_lr_scale, "weight_decay": decay}]
+    opt = torch.optim.AdamW(groups, lr=lr, weight_decay=opt_cfg.weight_decay,
                             betas=(0.9, 0.95))
     warm = max(1, int(opt_cfg.warmup * steps))
 
@@ -233,7 +244,6 @@ def run(config: Config, progress: bool = True, log: Callable[[str], None] = prin
     dirty = git("status", "--porcelain", "--untracked-files=no")
     env = make_deterministic(1)
     task, model_cfg = config.task, config.model
-    vocab = task.vocab.size
     validation = eval_batches(task, VALIDATION_SEED)
     test = eval_batches(task, TEST_SEED)
     points = {row: grid_points(row, config.train) for row in config.rows}
@@ -249,16 +259,7 @@ def run(config: Config, progress: bool = True, log: Callable[[str], None] = prin
     tuning: dict[str, Any] = {}
     rows: dict[str, Any] = {}
     for row in config.rows:
-        scored = []
-        for point in points[row]:
-            built = build(row, model_cfg, vocab, TUNE_SEED, config.train.retention)
-            tick_start = time.process_time()
-            losses = train(built, config, point["lr"], TUNE_SEED, config.train.tune_steps, tick)
-            acc = evaluate(built, validation)
-            scored.append({"hparams": point, "validation_mean": _mean(acc.values()),
-                           "validation": acc,
-                           "final_loss": losses[-1],
-                           "cpu_seconds": round(time.process_time() - tick_start, 1)})
+        scored = [tune_point(row, config, point, validation, tick) for point in points[row]]
         best = max(scored, key=lambda s: s["validation_mean"])
         tuning[row] = {"points": scored, "chosen": best["hparams"]}
         log(f"{row}: chose {best['hparams']} (validation mean "
@@ -266,21 +267,7 @@ def run(config: Config, progress: bool = True, log: Callable[[str], None] = prin
         hp = best["hparams"]
         per_seed = []
         for seed in config.seeds:
-            built = build(row, model_cfg, vocab, seed, config.train.retention)
-            tick_start, wall = time.process_time(), time.time()
-            losses = train(built, config, hp["lr"], 1000 + seed, config.train.steps, tick)
-            train_cpu = time.process_time() - tick_start
-            entry: dict[str, Any] = {
-                "seed": seed, "accuracy": evaluate(built, test),
-                "final_loss": losses[-1], "loss_curve": losses[:: max(1, len(losses) // 50)],
-                "train_cpu_seconds": round(train_cpu, 1),
-                "train_wall_seconds": round(time.time() - wall, 1),
-                "ms_per_step": round(1000 * train_cpu / max(1, config.train.steps), 1),
-            }
-            if built.resettable:
-                entry["reset"] = evaluate(built, test, reset_every=model_cfg.window)
-            if row in MEMORY_ROWS:
-                entry["gates"] = _gates(built)
+            entry, built = seed_run(row, config, hp["lr"], seed, test, tick)
             per_seed.append(entry)
             log(f"{row} seed {seed}: mean {100 * _mean(entry['accuracy'].values()):.1f} %"
                 + (f", reset {100 * _mean(entry['reset'].values()):.1f} %"
@@ -292,7 +279,7 @@ def run(config: Config, progress: bool = True, log: Callable[[str], None] = prin
     return {
         "command": command or " ".join(["python -m examples.longrange", *sys.argv[1:]]),
         "commit": commit,
-        "dirty": sorted(line[3:].strip() for line in (dirty or "").splitlines()),
+        "dirty": sorted(line.split(maxsplit=1)[1] for line in (dirty or "").splitlines()),
         "environment": {"cpu": cpu_model(), **cpu_features(), **env,
                         "python": platform.python_version(), "torch": torch.__version__,
                         "transformers": _version("transformers")},
@@ -309,6 +296,41 @@ def run(config: Config, progress: bool = True, log: Callable[[str], None] = prin
         "seconds": round(time.time() - started, 1),
         "cpu_seconds": round(time.process_time() - cpu_started, 1),
     }
+
+
+def tune_point(row: str, config: Config, point: dict[str, float], validation: list[Batch],
+               tick: Callable[[float], None] | None = None) -> dict[str, Any]:
+    """One point of the search: row ``row`` trained from :data:`TUNE_SEED` for
+    ``tune_steps`` at ``point["lr"]``, scored on the ``validation`` batches."""
+    built = build(row, config.model, config.task.vocab.size, TUNE_SEED, config.train.retention)
+    start = time.process_time()
+    losses = train(built, config, point["lr"], TUNE_SEED, config.train.tune_steps, tick)
+    acc = evaluate(built, validation)
+    return {"hparams": point, "validation_mean": _mean(acc.values()), "validation": acc,
+            "final_loss": losses[-1], "cpu_seconds": round(time.process_time() - start, 1)}
+
+
+def seed_run(row: str, config: Config, lr: float, seed: int, test: list[Batch],
+             tick: Callable[[float], None] | None = None) -> tuple[dict[str, Any], Built]:
+    """Row ``row`` at seed ``seed`` (weights ``seed``, training stream ``1000 + seed``),
+    trained ``steps`` at ``lr`` and evaluated on ``test`` (also with its state reset);
+    returns the seed's entry and the trained model."""
+    built = build(row, config.model, config.task.vocab.size, seed, config.train.retention)
+    start, wall = time.process_time(), time.time()
+    losses = train(built, config, lr, 1000 + seed, config.train.steps, tick)
+    train_cpu = time.process_time() - start
+    entry: dict[str, Any] = {
+        "seed": seed, "accuracy": evaluate(built, test),
+        "final_loss": losses[-1], "loss_curve": losses[:: max(1, len(losses) // 50)],
+        "train_cpu_seconds": round(train_cpu, 1),
+        "train_wall_seconds": round(time.time() - wall, 1),
+        "ms_per_step": round(1000 * train_cpu / max(1, config.train.steps), 1),
+    }
+    if built.resettable:
+        entry["reset"] = evaluate(built, test, reset_every=config.model.window)
+    if row in MEMORY_ROWS:
+        entry["gates"] = _gates(built)
+    return entry, built
 
 
 def _gates(built: Built) -> list[float]:
