@@ -198,6 +198,87 @@ def cost_summary(results: dict) -> str:
     return md_table(header, rows)
 
 
+def _layers(seeds: list[dict], key: str, digits: int, scale: float = 1.0) -> str:
+    """A measure per layer (mean over seeds), ``"l0 / l1 / ..."``; ``"-"`` without one."""
+    if not all("measures" in s for s in seeds):
+        return "-"
+    layers = len(seeds[0]["measures"])
+    return " / ".join(
+        f"{scale * statistics.fmean(s['measures'][i][key] for s in seeds):.{digits}f}"
+        for i in range(layers))
+
+
+def search_table(search: dict, results: dict | None) -> str:
+    """Every variant of the search (and the default run's baselines from ``results``):
+    recall beyond the reach with and without the state reset, and the addressing measures
+    per layer (:mod:`examples.longrange.addressing`)."""
+    reach = search["reach"]
+    beyond = _beyond({"reach": reach})
+
+    def kv_beyond(name: str) -> bool:
+        return _kv(name) is not None and beyond(name)
+
+    header = ["variant", "what changes", "lr", "validation %", f"recall d > {reach}",
+              "state reset", "uses state", "eta² write", "eta² read", "nearest % (chance)",
+              "sigma facts / filler", "read / stream %", "gate"]
+    rows = []
+    for name, v in search["variants"].items():
+        seeds = v["seeds"]
+        if not seeds:
+            continue
+        best = max(v["points"], key=lambda p: p["validation_mean"])
+        lr = v.get("chosen", best["hparams"])["lr"]
+        data = {"reach": reach, "rows": {name: v}}
+        has = all("measures" in s for s in seeds)
+        nearest = "-" if not has else (
+            _layers(seeds, "nearest", 0, 100) + " ("
+            + f"{100 * statistics.fmean(s['measures'][0]['nearest_chance'] for s in seeds):.0f})")
+        sigma = "-" if not has else (_layers(seeds, "sigma_facts", 2) + " vs "
+                                     + _layers(seeds, "sigma_filler", 2))
+        rows.append([f"`{name}`", v["label"], f"{lr:g}", f"{100 * best['validation_mean']:.1f}",
+                     _cell(seeds, "accuracy", kv_beyond), _cell(seeds, "reset", kv_beyond),
+                     uses_state(data, name), _layers(seeds, "eta2_write", 3),
+                     _layers(seeds, "eta2_read", 3), nearest, sigma,
+                     _layers(seeds, "read_ratio", 1, 100), _layers(seeds, "gate", 2)])
+    for row in ("window", "lstm", "delta"):
+        data = (results or {}).get("rows", {}).get(row)
+        if data is None:
+            continue
+        seeds = data["seeds"]
+        point = next(p for p in results["tuning"][row]["points"]
+                     if p["hparams"] == data["hparams"])
+        rows.append([f"{data['label']} (`run`)", "the default run's row",
+                     f"{data['hparams']['lr']:g}", f"{100 * point['validation_mean']:.1f}",
+                     _cell(seeds, "accuracy", kv_beyond), _cell(seeds, "reset", kv_beyond),
+                     uses_state(results, row), *["-"] * 6])
+    return md_table(header, rows)
+
+
+def search_tuning_table(search: dict) -> str:
+    """Every point of the search: variant, learning rate, validation mean, chosen."""
+    rows = []
+    for name, v in search["variants"].items():
+        for point in v["points"]:
+            rows.append([f"`{name}`", f"{point['hparams']['lr']:g}",
+                         f"{100 * point['validation_mean']:.1f}",
+                         "yes" if point["hparams"] == v.get("chosen") else ""])
+    return md_table(["variant", "learning rate", "validation mean %", "chosen"], rows)
+
+
+def search_source(search: dict) -> str:
+    variants = search["variants"].values()
+    commits = sorted({(v.get("commit") or "unknown")[:10] for v in variants})
+    dirty = " + uncommitted changes" if any(v.get("dirty") for v in variants) else ""
+    commands = sorted({v.get("command", "?") for v in variants})
+    env = search.get("environment", {})
+    minutes = sum(v.get("cpu_seconds", 0) for v in variants) / 60
+    return ("Source: `examples/longrange/results/search.json`, made by "
+            + ", ".join(f"`{c}`" for c in commands)
+            + f" at commit{'s' if len(commits) > 1 else ''} {', '.join(commits)}{dirty} "
+              f"({env.get('torch_threads', '?')} torch thread, {env.get('cpu', '?')} "
+              f"{env.get('cpu_vector', '')}, {minutes:.1f} CPU minutes).")
+
+
 def source(results: dict, name: str) -> str:
     commit = (results.get("commit") or "unknown")[:10]
     dirty = " + uncommitted changes" if results.get("dirty") else ""
@@ -244,7 +325,8 @@ def tables(results: dict) -> str:
                         keys_table(results), passkey_table(results), tuning_table(results)])
 
 
-def blocks(results: dict | None, cost: dict | None) -> dict[str, str]:
+def blocks(results: dict | None, cost: dict | None, search: dict | None = None
+           ) -> dict[str, str]:
     """The text of every named README block."""
     out: dict[str, str] = {}
     if results is not None:
@@ -257,6 +339,10 @@ def blocks(results: dict | None, cost: dict | None) -> dict[str, str]:
         out["training-cost"] = "\n\n".join([cost_summary(results), src])
     if cost is not None:
         out["cost"] = cost_table(cost)
+    if search is not None:
+        src = search_source(search)
+        out["search"] = "\n\n".join([search_table(search, results), src])
+        out["search-tuning"] = "\n\n".join([search_tuning_table(search), src])
     return out
 
 
@@ -280,7 +366,7 @@ def render_all(check: bool = False, results_path: Path | None = None,
     """Render the pages (and, unless ``check``, the plots); returns the stale pages."""
     results = _load(results_path or HERE / "results" / "recall.json")
     cost = _load(cost_path or HERE / "results" / "cost.json")
-    named = blocks(results, cost)
+    named = blocks(results, cost, _load(HERE / "results" / "search.json"))
     stale = []
     for page in pages:
         before = page.read_text()

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from examples.longrange.addressing import measures
-from examples.longrange.task import make_batch
+from examples.longrange.task import make_batch, reach
 from examples.longrange.train import (
     TEST_SEED,
     VALIDATION_SEED,
@@ -93,12 +93,12 @@ def _environment() -> dict[str, Any]:
             "python": platform.python_version(), "torch": torch.__version__}
 
 
-def _stamp(results: dict[str, Any], entry: dict[str, Any]) -> dict[str, Any]:
-    """Record in ``entry`` the commit (and uncommitted changes) that made its last model."""
+def _made_by() -> dict[str, Any]:
+    """The command, the commit and its uncommitted changes, as this process started."""
     dirty = git("status", "--porcelain", "--untracked-files=no") or ""
-    entry["commit"] = git("rev-parse", "HEAD")
-    entry["dirty"] = sorted(line.split(maxsplit=1)[1] for line in dirty.splitlines())
-    return results
+    return {"command": " ".join(["python -m examples.longrange", *sys.argv[1:]]),
+            "commit": git("rev-parse", "HEAD"),
+            "dirty": sorted(line.split(maxsplit=1)[1] for line in dirty.splitlines())}
 
 
 def _save(results: dict[str, Any], out: Path | None) -> None:
@@ -124,8 +124,9 @@ def search(names: list[str], base: Config, out: Path | None, *, plots: Path | No
         raise SystemExit(f"variants: unknown {unknown}; expected some of {sorted(variants)}")
     results: dict[str, Any] = json.loads(out.read_text()) if out and out.exists() else {}
     results.setdefault("variants", {})
+    made_by = _made_by()
     results.update({
-        "command": " ".join(["python -m examples.longrange", *sys.argv[1:]]),
+        "reach": reach(base.model.window, base.model.layers),
         "splits": {"validation_seed": VALIDATION_SEED, "test_seed": TEST_SEED},
         "environment": _environment()})
     validation = eval_batches(base.task, VALIDATION_SEED)
@@ -144,7 +145,8 @@ def search(names: list[str], base: Config, out: Path | None, *, plots: Path | No
             if any(p["hparams"] == point for p in entry["points"]):
                 continue
             entry["points"].append(tune_point(variant.row, config, point, validation))
-            _save(_stamp(results, entry), out)
+            entry.update(made_by)
+            _save(results, out)
         best = max(entry["points"], key=lambda p: p["validation_mean"])
         entry["chosen"] = best["hparams"]
         log(f"{name}: chose {best['hparams']} (validation {100 * best['validation_mean']:.1f} %)")
@@ -161,7 +163,8 @@ def search(names: list[str], base: Config, out: Path | None, *, plots: Path | No
             entry["seeds"].sort(key=lambda s: s["seed"])
             entry["params"] = built.parameters()
             entry["carried_per_layer"] = built.numbers
-            _save(_stamp(results, entry), out)
+            entry.update(made_by)
+            _save(results, out)
             log(f"{name} seed {seed}: done")
         entry["cpu_seconds"] = round(entry.get("cpu_seconds", 0)
                                      + time.process_time() - started, 1)
