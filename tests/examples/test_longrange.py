@@ -149,10 +149,11 @@ def _live(built) -> None:
                 torch.nn.init.normal_(module.out_proj.weight)
 
 
-@pytest.mark.parametrize("layers", [1, 2])
-def test_the_window_really_blocks_what_lies_beyond_its_reach(layers):
+@pytest.mark.parametrize("layers, placement", [(1, "after"), (2, "after"), (2, "before")])
+def test_the_window_really_blocks_what_lies_beyond_its_reach(layers, placement):
     config = ModelConfig(hidden=16, heads=2, intermediate=32, window=4, layers=layers,
-                         memory_channels=2, memory_shape=(2, 2, 2), delta_heads=1)
+                         memory_channels=2, memory_shape=(2, 2, 2), delta_heads=1,
+                         placement=placement)
     window = build("window", config, 60, 0)
     assert _influence(window) == list(range(1, reach(4, layers) + 1))
     assert _influence(build("full", config, 60, 0)) == list(range(1, 24))
@@ -167,10 +168,13 @@ def test_the_window_really_blocks_what_lies_beyond_its_reach(layers):
         assert _influence(built) == list(range(1, 24)), row
 
 
-@pytest.mark.parametrize("row", ["tensor_memory", "lstm", "delta"])
-def test_state_reset_cuts_everything_before_the_segment(row):
+@pytest.mark.parametrize("row, placement", [("tensor_memory", "after"),
+                                            ("tensor_memory", "before"), ("lstm", "after"),
+                                            ("delta", "after")])
+def test_state_reset_cuts_everything_before_the_segment(row, placement):
     config = ModelConfig(hidden=16, heads=2, intermediate=32, window=4, layers=1,
-                         memory_channels=2, memory_shape=(2, 2, 2), delta_heads=1)
+                         memory_channels=2, memory_shape=(2, 2, 2), delta_heads=1,
+                         placement=placement)
     built = build(row, config, 60, 0)
     _live(built)
     g = torch.Generator().manual_seed(1)
@@ -299,3 +303,103 @@ def test_committed_results_render_into_the_pages(tmp_path):
     with pytest.raises(SystemExit, match="nothing"):
         render.render_all(check=True, pages=[bad])
     assert PAD == 0
+
+
+# --------------------------------------------------------------------------- the search
+
+
+TINY_MODEL = ModelConfig(hidden=16, heads=2, intermediate=32, window=4, memory_channels=2,
+                         memory_shape=(2, 2, 2), delta_heads=1)
+
+
+def test_the_memory_sits_before_the_attention_and_its_write_may_start_as_the_identity():
+    built = build("tensor_memory", replace(TINY_MODEL, placement="before",
+                                           write_init="identity"), 60, 0)
+    blocks = built.model.model.layers
+    assert [b.tensor_memory for b in blocks] == built.handle.memories
+    for memory in built.handle.memories:
+        proj = memory.memory.write_proj
+        assert torch.equal(proj.weight, torch.eye(16)) and not proj.bias.any()
+    seen = []
+    hook = blocks[0].self_attn.register_forward_pre_hook(
+        lambda m, a, kw: seen.append(kw["hidden_states"]), with_kwargs=True)
+    _live(built)
+    x = torch.randint(5, 60, (2, 6))
+    with torch.no_grad():
+        built.forward(x)
+    hook.remove()
+    # the attention of block 0 sees the memory's read: its input is not the plain norm
+    embeds = built.embed(x)
+    assert not torch.allclose(seen[0], blocks[0].input_layernorm(embeds))
+    with pytest.raises(ValueError, match="placement"):
+        build("tensor_memory", replace(TINY_MODEL, placement="middle"), 60, 0)
+
+
+def test_a_memory_learning_rate_of_its_own():
+    from examples.longrange.train import train
+
+    config = replace(Config.tiny(), model=TINY_MODEL)
+    config = replace(config, train=replace(config.train, memory_lr_scale=0.0,
+                                           memory_weight_decay=0.0))
+    built = build("tensor_memory", config.model, config.task.vocab.size, 0)
+    memory = {id(p) for p in built.memory_parameters()}
+    before = {n: p.detach().clone() for n, p in built.model.named_parameters()}
+    train(built, config, 1e-2, 0, 3)
+    changed = {n for n, p in built.model.named_parameters() if not torch.equal(p, before[n])}
+    names = {n for n, p in built.model.named_parameters() if id(p) in memory}
+    assert names and all(".tensor_memory." in n for n in names)
+    assert not changed & names           # the memory's rate is 0 (and no decay): unchanged
+    assert changed                        # the rest trained
+
+
+def test_eta_squared_is_the_keys_share_of_the_variance():
+    from examples.longrange.addressing import eta_squared
+
+    groups = torch.tensor([0, 0, 1, 1, 2, 2])
+    centres = torch.tensor([[0.0, 1.0], [1.0, 0.0], [-1.0, -1.0]])
+    assert eta_squared(centres[groups], groups) == pytest.approx(1.0)
+    noise = torch.tensor([[0.1, 0.0], [-0.1, 0.0]] * 3)
+    within = 0.01 * 2 * 3  # sum of squares around each group's mean
+    between = float((centres - centres.mean(0)).square().sum()) * 2
+    assert eta_squared(centres[groups] + noise, groups) == pytest.approx(
+        between / (between + within))
+    assert eta_squared(torch.ones(4, 3), torch.tensor([0, 1, 0, 1])) == 0.0
+
+
+def test_the_addressing_measures_of_a_tiny_model():
+    from examples.longrange.addressing import measures
+
+    task = Config.tiny().task
+    built = build("tensor_memory", TINY_MODEL, task.vocab.size, 0)
+    out = measures(built, eval_batches(task, 3), task.vocab)
+    assert len(out) == TINY_MODEL.layers
+    for layer in out:
+        assert 0 <= layer["eta2_write"] <= 1 and 0 <= layer["eta2_read"] <= 1
+        assert 0 <= layer["nearest"] <= 1 and layer["nearest_chance"] == pytest.approx(0.5)
+        assert layer["sigma_facts"] > 0 and layer["sigma_filler"] > 0
+        assert layer["read_ratio"] == 0.0 and layer["gate"] == 0.5  # zero_init: reads 0
+
+
+def test_a_tiny_search_writes_and_resumes(tmp_path):
+    from examples.longrange.search import VARIANTS, search
+
+    out = tmp_path / "search.json"
+    names = ["default", "before", "lstm_long"]
+    search(names, Config.tiny(), out, plots=tmp_path, plot_names=("before",),
+           log=lambda *_: None)
+    results = json.loads(out.read_text())
+    assert list(results["variants"]) == names
+    for name in names:
+        entry = results["variants"][name]
+        assert entry["row"] == VARIANTS[name].row and entry["commit"]
+        assert [s["seed"] for s in entry["seeds"]] == list(Config.tiny().seeds)
+        assert len(entry["points"]) == len(Config.tiny().train.lrs)
+        assert ("measures" in entry["seeds"][0]) == (entry["row"] == "tensor_memory")
+    assert results["variants"]["lstm_long"]["config"]["train"]["steps"] == 4 * 3
+    assert (tmp_path / "probe_before.png").stat().st_size > 0
+    done = []
+    again = search(names, Config.tiny(), out, log=done.append)
+    assert not [line for line in done if "seed" in line]  # nothing trained again
+    assert again["variants"] == results["variants"]
+    text = render.search_table(again, None)
+    assert "`before`" in text and "`lstm_long`" in text
