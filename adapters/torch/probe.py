@@ -3,9 +3,9 @@
 :func:`trace` runs a model once (no gradient) with a forward pre-hook on every
 :class:`~tmcore.adapters.torch.TensorMemory` in it (from
 :func:`~tmcore.adapters.torch.attach_memory`, :func:`tmcore.adapters.hf.attach_memory` or
-built by hand), keeps the tokens each memory received, and recomputes from them with the
-layer's own public functions (:func:`tmcore.layer.chunk`, :func:`tmcore.layer.heads`,
-:func:`~tmcore.adapters.torch.memory_scan` one chunk at a time) the per-chunk addresses,
+built by hand) that recomputes, from the tokens the memory receives and with the layer's
+own pieces (:func:`tmcore.layer.chunk`, its :meth:`~tmcore.layer.Layer.heads`,
+:func:`~tmcore.adapters.torch.memory_scan` one chunk at a time), the per-chunk addresses,
 spreads, reads and state norms; the gate and the residual stream come from the
 :class:`~tmcore.adapters.torch.MemoryResidual` around it. :func:`plot` draws one row.
 
@@ -100,11 +100,13 @@ def trace(model: nn.Module, run: Callable[[], Any]) -> tuple[Any, list[MemoryTra
     if not memories:
         raise ValueError("model: holds no TensorMemory (attach one first)")
     residuals = {id(r.memory): r for r in model.modules() if isinstance(r, MemoryResidual)}
-    calls: dict[int, list[tuple[tuple, dict]]] = {id(m): [] for m in memories}
+    traced: dict[int, list[MemoryTrace]] = {id(m): [] for m in memories}
     inputs: dict[int, Tensor] = {}
 
     def seen(module: nn.Module, args: tuple, kwargs: dict) -> None:
-        calls[id(module)].append((args, kwargs))
+        # recomputed during the call: whatever the call's context sets, the heads see too
+        traced[id(module)].append(_recompute(module, residuals.get(id(module)),
+                                             inputs.get(id(module)), *args, **kwargs))
 
     def residual_input(module: nn.Module, args: tuple, kwargs: dict) -> None:
         inputs[id(module.memory)] = args[0] if args else kwargs["x"]
@@ -115,18 +117,14 @@ def trace(model: nn.Module, run: Callable[[], Any]) -> tuple[Any, list[MemoryTra
     try:
         with torch.no_grad():
             result = run()
-            traces = []
-            for index, memory in enumerate(memories):
-                if len(calls[id(memory)]) != 1:
-                    raise ValueError(f"run: called memory {index} {len(calls[id(memory)])} "
-                                     f"times; the probe traces one call per memory")
-                args, kwargs = calls[id(memory)][0]
-                traces.append(_recompute(memory, residuals.get(id(memory)),
-                                         inputs.get(id(memory)), *args, **kwargs))
     finally:
         for hook in hooks:
             hook.remove()
-    return result, traces
+    for index, memory in enumerate(memories):
+        if len(traced[id(memory)]) != 1:
+            raise ValueError(f"run: called memory {index} {len(traced[id(memory)])} times; "
+                             f"the probe traces one call per memory")
+    return result, [traced[id(m)][0] for m in memories]
 
 
 def _recompute(memory: TensorMemory, residual: MemoryResidual | None,
@@ -150,7 +148,7 @@ def _recompute(memory: TensorMemory, residual: MemoryResidual | None,
             raise ValueError("state: a StreamState with an unfinished chunk")
         state = (state.h, state.c)
     h, c = memory.init_state(batch) if state is None else state
-    inputs = tl.heads(XP, memory.params(), tl.chunk(XP, x, size), config)
+    inputs = memory.layer.heads(XP, memory.params(), tl.chunk(XP, x, size))
     reads, norms = [], []
     for t in range(inputs.read_coords.shape[1]):
         read, h, c = memory_scan(h, c, *(v[:, t:t + 1] for v in inputs), memory.cell.params(),

@@ -25,6 +25,7 @@ when it streams (``(W - 1) * 2 * d`` numbers per layer), the same for all of the
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -63,6 +64,7 @@ class ModelConfig:
     sigma_scale: float = 1.0
     placement: str = "after"  # Tensor Memory after each block, or "before" its attention
     write_init: str = "default"  # "identity": write_proj starts as the identity (L = 1)
+    addressing: str = "learned"  # "oracle": a diagnosis, see OracleAddress
     delta_heads: int = 2
     max_positions: int = 32768
 
@@ -159,6 +161,56 @@ class BeforeAttention:
         return ((y, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": y})
 
 
+class OracleAddress:
+    """A diagnosis, not a recipe: every tagged position (a fact, a question) writes and
+    reads at a fixed cell of its token (its key), the other positions where the memory's
+    heads say. Key ``k`` (token ``key0 + k``) gets the ``k``-th cell of a farthest-point
+    order of the grid's cells (16 keys on 4x4x4: cells at least 1.4 cells apart), so
+    what the memory then recalls is what it can store and read once the addressing is
+    right. Chunks of one token; the heads of each memory's layer are wrapped (an instance
+    attribute over :meth:`tmcore.layer.Layer.heads`).
+    """
+
+    def __init__(self, memories: list[nn.Module], shape: tuple[int, ...]):
+        axes = [torch.linspace(-1, 1, size) for size in reversed(shape)]  # x = last axis
+        centres = torch.cartesian_prod(*axes).reshape(-1, len(shape))
+        order = [0]
+        far = (centres - centres[0]).norm(dim=-1)
+        for _ in range(len(centres) - 1):
+            order.append(int(far.argmax()))
+            far = torch.minimum(far, (centres - centres[order[-1]]).norm(dim=-1))
+        self.cells = centres[order]
+        self._coords: Tensor | None = None
+        for residual in memories:
+            layer = residual.memory.layer
+            if residual.memory.chunk_size != 1:
+                raise ValueError("addressing: the oracle needs chunks of one token")
+            layer.heads = functools.partial(self._heads, layer.heads)
+
+    @contextmanager
+    def given(self, tokens: Tensor, tags: Tensor) -> Iterator[None]:
+        """The coordinates of this call's tagged positions (``tags != PAD``)."""
+        from examples.longrange.task import PAD, Vocab
+
+        cell = self.cells[(tokens - Vocab().key0) % len(self.cells)]        # (B, N, n)
+        self._coords = torch.where((tags != PAD)[..., None], cell, torch.nan)
+        try:
+            yield
+        finally:
+            self._coords = None
+
+    def _heads(self, heads: Any, xp: Any, params: Any, chunks: Tensor) -> Any:
+        inputs = heads(xp, params, chunks)
+        fixed = self._coords
+        if fixed is None:
+            return inputs
+        if chunks.shape[:2] != fixed.shape[:2]:
+            raise ValueError("addressing: the oracle needs one chunk per position")
+        known = ~fixed.isnan()
+        return inputs._replace(read_coords=torch.where(known, fixed, inputs.read_coords),
+                               write_coords=torch.where(known, fixed, inputs.write_coords))
+
+
 def _identity_write(memories: list[nn.Module]) -> None:
     """``write_proj`` (``(d, L d)``) starts as the identity on the chunk's first token, so a
     token's write address starts as its read address (``L = 1``: the same function)."""
@@ -189,6 +241,7 @@ class Built:
     handle: Any = None
     numbers: int = 0
     info: dict[str, Any] = field(default_factory=dict)
+    oracle: OracleAddress | None = None
 
     @property
     def resettable(self) -> bool:
@@ -239,7 +292,10 @@ class Built:
                 reset_every: int | None = None) -> Tensor:
         """Logits ``(B, N, V)`` of an uncached forward over ``tokens`` (+ ``tags``)."""
         with self._reset(reset_every, tokens.shape[0], tokens.shape[1]):
-            return self.model(inputs_embeds=self.embed(tokens, tags), use_cache=False).logits
+            if self.oracle is None or tags is None:
+                return self.model(inputs_embeds=self.embed(tokens, tags), use_cache=False).logits
+            with self.oracle.given(tokens, tags):
+                return self.model(inputs_embeds=self.embed(tokens, tags), use_cache=False).logits
 
 
 def mistral(config: ModelConfig, vocab_size: int, window: int | None,
@@ -297,7 +353,13 @@ def build(row: str, config: ModelConfig, vocab_size: int, seed: int,
         elif config.write_init != "default":
             raise ValueError(f"write_init: expected 'default' or 'identity', "
                              f"got {config.write_init!r}")
-        return Built(row, model, handle, sizes[row]["numbers"], sizes[row])
+        oracle = None
+        if config.addressing == "oracle":
+            oracle = OracleAddress(handle.memories, config.memory_shape)
+        elif config.addressing != "learned":
+            raise ValueError(f"addressing: expected 'learned' or 'oracle', "
+                             f"got {config.addressing!r}")
+        return Built(row, model, handle, sizes[row]["numbers"], sizes[row], oracle)
     if row == "lstm":
         attached: Attached = attach_recurrent(
             model, lambda d: LSTMMemory(d, sizes["lstm"]["hidden"], forget_bias=retention))

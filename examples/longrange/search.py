@@ -73,6 +73,8 @@ VARIANTS: dict[str, Variant] = {
                               model={"write_init": "identity"}),
     "memory_lr": Variant("memory at 10x the learning rate, no weight decay", train=MEMORY_LR),
     "long": Variant("4x the training steps", length=4),
+    "oracle": Variant("a diagnosis: facts write and questions read at a fixed cell per key",
+                      model={"addressing": "oracle"}),
     "lstm_long": Variant("LSTM memory, 4x the training steps", row="lstm", length=4),
     "delta_long": Variant("gated delta-rule memory, 4x the training steps", row="delta",
                           length=4),

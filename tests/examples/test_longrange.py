@@ -380,6 +380,27 @@ def test_the_addressing_measures_of_a_tiny_model():
         assert layer["read_ratio"] == 0.0 and layer["gate"] == 0.5  # zero_init: reads 0
 
 
+def test_the_oracle_addresses_by_key_and_the_probe_sees_it():
+    from examples.longrange.addressing import measures
+
+    task = Config.tiny().task
+    built = build("tensor_memory", replace(TINY_MODEL, addressing="oracle"),
+                  task.vocab.size, 0)
+    cells = built.oracle.cells
+    assert len({tuple(c.tolist()) for c in cells}) == 8 and cells.abs().max() == 1
+    for layer in measures(built, eval_batches(task, 3), task.vocab):
+        assert layer["eta2_write"] == layer["eta2_read"] == 1.0 and layer["nearest"] == 1.0
+    learned = build("tensor_memory", TINY_MODEL, task.vocab.size, 0)
+    _live(built)
+    _live(learned)
+    learned.model.load_state_dict(built.model.state_dict())
+    batch = eval_batches(task, 3)[0]
+    with torch.no_grad():  # the same weights: only the addresses differ
+        assert not torch.allclose(built.forward(batch.tokens, batch.tags),
+                                  learned.forward(batch.tokens, batch.tags))
+        assert torch.equal(built.forward(batch.tokens), learned.forward(batch.tokens))
+
+
 def test_a_tiny_search_writes_and_resumes(tmp_path):
     from examples.longrange.search import VARIANTS, search
 
