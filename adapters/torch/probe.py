@@ -33,7 +33,7 @@ __all__ = ["MemoryTrace", "plot", "trace"]
 class MemoryTrace(NamedTuple):
     """One memory layer over one call (every tensor detached, on the model's device).
 
-    Attributes
+    Parameters
     ----------
     read_coords, write_coords : Tensor, shape ``(B, T, n)``
         Each chunk's read and write coordinates, in ``(-1, 1)``.
