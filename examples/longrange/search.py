@@ -100,11 +100,13 @@ def _environment() -> dict[str, Any]:
 
 
 def _made_by() -> dict[str, Any]:
-    """The command, the commit and its uncommitted changes, as this process started."""
+    """The command, the commit and its uncommitted changes (outside ``results/``, which
+    this writes), as this process started."""
     dirty = git("status", "--porcelain", "--untracked-files=no") or ""
+    paths = (line.split(maxsplit=1)[1] for line in dirty.splitlines())
     return {"command": " ".join(["python -m examples.longrange", *sys.argv[1:]]),
             "commit": git("rev-parse", "HEAD"),
-            "dirty": sorted(line.split(maxsplit=1)[1] for line in dirty.splitlines())}
+            "dirty": sorted(p for p in paths if not p.startswith("examples/longrange/results/"))}
 
 
 def _save(results: dict[str, Any], out: Path | None) -> None:
