@@ -65,6 +65,7 @@ class ModelConfig:
     placement: str = "after"  # Tensor Memory after each block, or "before" its attention
     write_init: str = "default"  # "identity": write_proj starts as the identity (L = 1)
     addressing: str = "learned"  # "oracle": a diagnosis, see OracleAddress
+    input_bias: float = 0.0  # Tensor Memory's ConvLSTM input-gate bias at init
     delta_heads: int = 2
     max_positions: int = 32768
 
@@ -348,6 +349,11 @@ def build(row: str, config: ModelConfig, vocab_size: int, seed: int,
                 for _ in range(config.layers)])
         else:
             raise ValueError(f"placement: expected 'after' or 'before', got {config.placement!r}")
+        if config.input_bias:  # the pointwise bias's input-gate quarter (gates i, f, o, g)
+            with torch.no_grad():
+                for residual in handle.memories:
+                    residual.memory.cell.pointwise_bias[:config.memory_channels] = \
+                        config.input_bias
         if config.write_init == "identity":
             _identity_write(handle.memories)
         elif config.write_init != "default":

@@ -76,9 +76,19 @@ VARIANTS: dict[str, Variant] = {
     "write_identity": Variant("write projection initialized to the identity",
                               model={"write_init": "identity"}),
     "memory_lr": Variant("memory at 10x the learning rate, no weight decay", train=MEMORY_LR),
+    "input_bias": Variant("ConvLSTM input-gate bias -3 (a cell no write reaches keeps "
+                          "its content)", model={"input_bias": -3.0}),
     "long": Variant("4x the training steps", length=4),
     "oracle": Variant("a diagnosis: facts write and questions read at a fixed cell per key",
                       model={"addressing": "oracle"}),
+    "oracle_keep": Variant("the oracle, forget bias 5 and input-gate bias -3",
+                           model={"addressing": "oracle", "input_bias": -3.0},
+                           train={"retention": 5.0}),
+    "c32_before": Variant("C = 32 at 2x2x2, before each block's attention",
+                          model={"memory_channels": 32, "memory_shape": (2, 2, 2),
+                                 "placement": "before"}),
+    "c32_long": Variant("C = 32 at 2x2x2, 4x the training steps",
+                        model={"memory_channels": 32, "memory_shape": (2, 2, 2)}, length=4),
     "lstm_long": Variant("LSTM memory, 4x the training steps", row="lstm", length=4),
     "delta_long": Variant("gated delta-rule memory, 4x the training steps", row="delta",
                           length=4),
@@ -97,6 +107,21 @@ def variant_config(base: Config, variant: Variant) -> Config:
 def _environment() -> dict[str, Any]:
     return {"cpu": cpu_model(), **cpu_features(), **make_deterministic(1),
             "python": platform.python_version(), "torch": torch.__version__}
+
+
+def _same(stored: dict[str, Any], config: dict[str, Any], base: dict[str, Any]) -> bool:
+    """Whether a stored config is ``config``; a field it lacks (added to the example
+    since) counts as the base's value of it."""
+    def plain(value: Any) -> Any:
+        return json.loads(json.dumps(value))
+
+    for key, value in config.items():
+        if isinstance(value, dict):
+            if not _same(stored.get(key, {}), value, base[key]):
+                return False
+        elif plain(stored.get(key, base[key])) != plain(value):
+            return False
+    return True
 
 
 def _made_by() -> dict[str, Any]:
@@ -144,7 +169,7 @@ def search(names: list[str], base: Config, out: Path | None, *, plots: Path | No
         variant = variants[name]
         config = variant_config(base, variant)
         entry = results["variants"].get(name)
-        if entry is None or entry["config"] != json.loads(json.dumps(config.to_dict())):
+        if entry is None or not _same(entry["config"], config.to_dict(), base.to_dict()):
             entry = {"label": variant.label, "row": variant.row,
                      "config": config.to_dict(), "points": [], "seeds": []}
             results["variants"][name] = entry

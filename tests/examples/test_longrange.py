@@ -333,6 +333,9 @@ def test_the_memory_sits_before_the_attention_and_its_write_may_start_as_the_ide
     assert not torch.allclose(seen[0], blocks[0].input_layernorm(embeds))
     with pytest.raises(ValueError, match="placement"):
         build("tensor_memory", replace(TINY_MODEL, placement="middle"), 60, 0)
+    kept = build("tensor_memory", replace(TINY_MODEL, input_bias=-3.0), 60, 0, retention=5.0)
+    for memory in kept.handle.memories:  # gates i, f, o, g: a quarter each
+        assert memory.memory.cell.pointwise_bias.tolist() == [-3.0] * 2 + [5.0] * 2 + [0.0] * 4
 
 
 def test_a_memory_learning_rate_of_its_own():
