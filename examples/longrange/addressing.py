@@ -11,11 +11,14 @@ Per memory layer (chunks of one token, so a chunk is a position):
 - ``sigma_facts`` / ``sigma_filler``: the mean write spread at facts / at filler tokens
   (the cell spacing of an axis of ``S_a`` cells is ``2 / (S_a - 1)``);
 - ``read_ratio``: the mean over tokens of the gated read's RMS over the residual stream's;
-- ``gate``: ``sigmoid(gate)``.
+- ``gate``: ``sigmoid(gate)``;
+- ``c_rms``: the RMS of the cell state ``c`` per number when the question arrives (``h =
+  o tanh(c)``: far above 1, every cell is saturated).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from typing import Any
 
@@ -48,6 +51,8 @@ def measures(built: Built, batches: Iterable[Batch], vocab: Vocab) -> list[dict[
         raise ValueError("built: the measures read one position per chunk (chunk_size 1)")
     acc: list[dict[str, list[Tensor]]] = []
     gates: list[float] = []
+    numbers = [m.memory.memory_channels * math.prod(m.memory.memory_shape)
+               for m in built.handle.memories]
     for batch in batches:
         rows = [i for i, kind in enumerate(batch.kinds) if kind == "kv"]
         if not rows:
@@ -61,10 +66,11 @@ def measures(built: Built, batches: Iterable[Batch], vocab: Vocab) -> list[dict[
         assert bool((question.sum(1) == 1).all()) and bool(question[:, -1].all())
         if not acc:
             acc = [{k: [] for k in ("write", "write_key", "read", "read_key", "hit", "chance",
-                                    "sigma_facts", "sigma_filler", "ratio")} for _ in traces]
+                                    "sigma_facts", "sigma_filler", "ratio", "c_rms")}
+                   for _ in traces]
             gates = [tr.gate for tr in traces]
         asked = tokens[:, -1]
-        for tr, a in zip(traces, acc, strict=True):
+        for tr, a, size in zip(traces, acc, numbers, strict=True):
             a["write"].append(tr.write_coords[fact])
             a["write_key"].append(tokens[fact])
             a["read"].append(tr.read_coords[:, -1])
@@ -72,6 +78,7 @@ def measures(built: Built, batches: Iterable[Batch], vocab: Vocab) -> list[dict[
             a["sigma_facts"].append(tr.sigma[fact])
             a["sigma_filler"].append(tr.sigma[filler])
             a["ratio"].append((tr.read_rms / tr.stream_rms).flatten())
+            a["c_rms"].append(tr.c_norm[:, -2] / size ** 0.5)  # before the question
             for b in torch.nonzero(keys >= 2).flatten().tolist():
                 where = torch.nonzero(fact[b]).flatten()
                 dist = (tr.write_coords[b, where] - tr.read_coords[b, -1]).norm(dim=-1)
@@ -90,5 +97,6 @@ def measures(built: Built, batches: Iterable[Batch], vocab: Vocab) -> list[dict[
             "sigma_filler": round(float(cat["sigma_filler"].mean()), 4),
             "read_ratio": round(float(cat["ratio"].mean()), 4),
             "gate": round(gate, 4),
+            "c_rms": round(float(cat["c_rms"].mean()), 4),
         })
     return out

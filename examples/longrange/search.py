@@ -95,6 +95,11 @@ VARIANTS: dict[str, Variant] = {
 }
 
 
+#: The measures every Tensor Memory seed has (one missing: the seed is trained again).
+MEASURES = {"eta2_write", "eta2_read", "nearest", "sigma_facts", "sigma_filler", "read_ratio",
+            "gate", "c_rms"}
+
+
 def variant_config(base: Config, variant: Variant) -> Config:
     """``base`` with ``variant``'s changes, running only its row."""
     model = dataclasses.replace(base.model, **variant.model)
@@ -185,11 +190,18 @@ def search(names: list[str], base: Config, out: Path | None, *, plots: Path | No
         log(f"{name}: chose {best['hparams']} (validation {100 * best['validation_mean']:.1f} %)")
         for seed in config.seeds:
             drawn = plots is not None and name in plot_names and seed == config.seeds[0]
-            if any(s["seed"] == seed for s in entry["seeds"]) and not drawn:
+            old = next((s for s in entry["seeds"] if s["seed"] == seed), None)
+            measured = variant.row != "tensor_memory" or (
+                old is not None and all(MEASURES <= set(m) for m in old.get("measures", [{}])))
+            if old is not None and measured and not drawn:
                 continue
             seed_entry, built = seed_run(variant.row, config, best["hparams"]["lr"], seed, test)
+            seed_entry["commit"] = made_by["commit"]
             if variant.row == "tensor_memory":
                 seed_entry["measures"] = measures(built, test, vocab)
+            if old is not None:  # trained again (a plot, a new measure): the same numbers?
+                seed_entry["reproduced"] = all(old.get(k) == seed_entry.get(k)
+                                               for k in ("accuracy", "reset", "loss_curve"))
             if drawn:
                 _plot(built, base, plots / f"probe_{name}.png", f"{variant.label}, seed {seed}")
             entry["seeds"] = [s for s in entry["seeds"] if s["seed"] != seed] + [seed_entry]
