@@ -57,11 +57,11 @@ def _to_torch(torch, *arrays):
 
 def bridged_scan_fwd(xp: Any, h0, c0, read_coords, write_coords, write_sigma, write_content,
                      params: ConvParams, eps: float, radius: float | None,
-                     checkpoint_every: int):
+                     checkpoint_every: int, reset: Any = None, active: Any = None):
     """:func:`tmcore.scan.memory_scan_fwd` through the torch Triton kernels (zero-copy),
-    or ``None`` where they do not apply."""
+    or ``None`` where they do not apply (no per-step masks)."""
     side = _torch_side()
-    if side is None:
+    if side is None or reset is not None or active is not None:
         return None
     torch, triton_scan = side
     *arrays, = _to_torch(torch, h0, c0, read_coords, write_coords, write_sigma,
@@ -75,13 +75,14 @@ def bridged_scan_fwd(xp: Any, h0, c0, read_coords, write_coords, write_sigma, wr
 
 def bridged_scan_bwd(xp: Any, read_coords, write_coords, write_sigma, write_content,
                      params: ConvParams, h_checkpoints, c_checkpoints, g_reads, g_h, g_c,
-                     eps: float, radius: float | None, checkpoint_every: int):
+                     eps: float, radius: float | None, checkpoint_every: int,
+                     reset: Any = None, active: Any = None):
     """:func:`tmcore.scan.memory_scan_bwd` through the torch Triton kernels (zero-copy),
     or ``None`` where they do not apply."""
     from tmcore.types import ScanGrads
 
     side = _torch_side()
-    if side is None:
+    if side is None or reset is not None or active is not None:
         return None
     torch, triton_scan = side
     arrays = _to_torch(torch, read_coords, write_coords, write_sigma, write_content, *params,

@@ -7,12 +7,13 @@ the grid (``n`` axes), ``k`` the checkpoint interval. All are pytrees (named tup
 
 from __future__ import annotations
 
+import sys
 from typing import Any, NamedTuple
 
 import array_api_compat
 
 __all__ = ["ConvParams", "LocalScanResiduals", "Residuals", "ScanGrads", "StepInputs",
-           "WarpInputs", "WarpParams", "device_of"]
+           "WarpInputs", "WarpParams", "device_of", "host_values", "traced"]
 
 
 def device_of(x: Any) -> Any:
@@ -134,3 +135,35 @@ class LocalScanResiduals(NamedTuple):
     h_boxes: Any
     c_boxes: Any
     read_boxes: Any
+
+
+def traced(value: Any = None) -> bool:
+    """Whether ``value`` is an abstract value of a tracing framework (a JAX tracer: its
+    values cannot be read on the host), or torch.compile is tracing (its sizes may be
+    symbolic too); ``traced()``: only the latter."""
+    if value is not None and any("Tracer" in cls.__name__ for cls in type(value).__mro__):
+        return True
+    torch = sys.modules.get("torch")
+    return torch is not None and bool(torch.compiler.is_compiling())
+
+
+def host_values(value: Any) -> Any:
+    """``value``'s values as (nested) Python lists or a scalar, read on the host; ``None``
+    where they cannot be read (traced, or an abstract array: a meta or fake tensor)."""
+    if traced(value):
+        return None
+    try:
+        if hasattr(value, "tolist"):
+            return value.tolist()
+        if value.ndim == 0:  # element by element: only namespaces without tolist
+            return bool(value) if "bool" in str(value.dtype) else int(value)
+        return [host_values(value[i, ...]) for i in range(value.shape[0])]
+    except Exception as error:  # each framework raises its own type for abstract values
+        if isinstance(error, (ValueError, TypeError)) and not _abstract(error):
+            raise
+        return None
+
+
+def _abstract(error: BaseException) -> bool:
+    text = f"{type(error).__name__} {error}"
+    return any(word in text for word in ("Tracer", "Concretization", "meta", "fake", "Fake"))

@@ -19,8 +19,7 @@ from tmcore.adapters.jax import bridge as _scan_mod
 from tmcore.adapters.jax.bridge import forward_mode_guard
 from tmcore.adapters.jax.checkpoints import EXTRA_STATE, _check_stored
 from tmcore.adapters.jax.primitives import _check_values_eagerly
-from tmcore.layer import sizes as layer_sizes
-from tmcore.layer.stream import check_max_documents
+from tmcore.layer.state import check_mask, where_rows
 from tmcore.ops.splat import DEFAULT_EPS
 from tmcore.runtime.validate import check_int
 from tmcore.scan.options import scan_options, step_for
@@ -138,7 +137,7 @@ def empty_stream_state(config_or_params: Any, batch: int, *,
                         f"got {type(config_or_params).__name__}")
     batch = check_int("batch", batch, 0)
     tokens = jnp.zeros((batch, 0, config.embed_dim), dtype)  # fixes B, dtype, device
-    return tl.stream_state(jnp, None, tokens, config)
+    return tl.stream_state(jnp, None, tokens, config)[0]
 
 
 # The state between streamed calls (tmcore.layer.StreamState): (h, c) at the last chunk
@@ -463,7 +462,9 @@ def reset_state(state: Any, reset: jax.Array) -> Any:
         If ``reset`` does not have shape ``(B,)``.
     """
     if _is_pair(state):
-        return MemoryState(*tl.reset_state(jnp, tuple(state), jnp.asarray(reset)))
+        reset = jnp.asarray(reset)
+        check_mask(jnp, reset, "reset", (state[0].shape[0],))
+        return MemoryState(*(where_rows(jnp, ~reset, v, jnp.zeros_like(v)) for v in state))
     return tuple(reset_state(s, reset) for s in state)
 
 
@@ -648,7 +649,7 @@ def apply(
                          "(the default)")
     if doc_starts is not None and not stream:
         raise ValueError("doc_starts: packed documents need stream=True (the default)")
-    documents = check_max_documents(max_documents)
+    documents = None if max_documents is None else check_int("max_documents", max_documents, 1)
     pair = (state.h, state.c) if isinstance(state, tl.StreamState) else state
     config = _layer_config(params, x, pair, chunk_size=chunk_size,
                            memory_shape=memory_shape, sigma_scale=sigma_scale, eps=eps,
@@ -658,7 +659,7 @@ def apply(
     tl.check_tokens(jnp, x, config)
     _check_no_widening(params, x, state)
     # the state and the call fit, in the dtype the call computes in, before allocating
-    layer_sizes.check_forward(jnp, config, x, _call_dtype(params, x, state))
+    tl.check_forward(jnp, config, x, _call_dtype(params, x, state))
     if stream:
         return _apply_stream(params, x, state, config, layer, reset, doc_starts, valid,
                              documents)
@@ -751,7 +752,7 @@ def _apply_stream(params: Mapping[str, Any], x: jax.Array, state: Any,
     if EXTRA_STATE in params:
         _check_stored(params[EXTRA_STATE], config.memory_shape, f"params[{EXTRA_STATE!r}]")
     if isinstance(state, tl.StreamState):
-        state = tl.stream_state(jnp, state, x, config)  # checks; count as an int32 array
+        state = tl.stream_state(jnp, state, x, config)[0]  # checks; count an int32 array
         state = _guard_count(state, config.chunk_size)  # under jit too: never another row
     dtype = _compute_dtype(params, x, None if state is None else (state[0], state[1]))
     x = _cast(x, dtype)

@@ -148,7 +148,8 @@ def _schema(spec: OpSpec, backward: bool) -> str:
         tensors += list(spec.outputs[differentiable:])
         tensors += [f"g_{name}" for name in spec.outputs[:differentiable]]
     args = [f"Tensor {name}" for name in tensors]
-    args += [f"{kind} {name}" for name, kind in spec.statics]
+    args += [f"{kind} {name}" + ("=None" if kind == "Tensor?" else "")  # (the masks)
+             for name, kind in spec.statics]
     count = len(spec.primals) if backward else len(spec.outputs)
     result = "Tensor" if count == 1 else "(" + ", ".join(["Tensor"] * count) + ")"
     return f"({', '.join(args)}) -> {result}"
@@ -320,17 +321,24 @@ def _make_op(spec: OpSpec) -> MadeOp:
     def split(args: tuple) -> tuple[tuple, tuple]:
         return tuple(args[:n_primals]), tuple(args[len(args) - n_statics:])
 
+    def full(args: tuple, backward: bool = False) -> tuple:
+        """``args`` with the trailing defaults (the masks' ``None``) the dispatcher drops."""
+        total = n_primals + n_statics + (spec.residuals + differentiable if backward else 0)
+        return (*args, *(None,) * (total - len(args)))
+
     def forward(*args):
+        args = full(args)
         primals, statics = split(args)
         out = _fresh(spec.forward(primals, statics), primals)
         return out[0] if single else out
 
     def fake(*args):
-        primals, statics = split(args)
+        primals, statics = split(full(args))
         out = tuple(spec.fake(primals, statics))
         return out[0] if single else out
 
     def backward(*args):
+        args = full(args, backward=True)
         primals, statics = split(args)
         residuals = tuple(args[n_primals:n_primals + spec.residuals])
         cotangents = tuple(args[n_primals + spec.residuals:len(args) - n_statics])
@@ -347,7 +355,7 @@ def _make_op(spec: OpSpec) -> MadeOp:
     backward_op.register_fake(backward_fake)
 
     def setup(ctx, inputs, output):
-        primals, statics = split(tuple(inputs))
+        primals, statics = split(full(tuple(inputs)))
         outputs = (output,) if single else tuple(output)
         residuals = outputs[differentiable:]
         if residuals:
@@ -383,7 +391,7 @@ def _make_op(spec: OpSpec) -> MadeOp:
         return (*grads, *([None] * n_statics))
 
     def backward_setup(ctx, inputs, output):
-        inputs = tuple(inputs)
+        inputs = full(tuple(inputs), backward=True)
         ctx.save_for_backward(*inputs[:len(inputs) - n_statics])
         ctx.statics = tuple(inputs[len(inputs) - n_statics:])
         ctx.tm_options = get_options()
@@ -478,12 +486,12 @@ _SCAN_PRIMALS = ("h0", "c0", "read_coords", "write_coords", "write_sigma", "writ
 
 
 def _scan_forward(primals, statics):
-    eps, radius, checkpoint_every = statics
+    eps, radius, checkpoint_every, reset, active = statics
     if not _VALIDATED.get():  # eager calls of the op: the public checks (once per call)
         validate_scan_inputs(*primals[:6], ConvParams(*primals[6:]), checkpoint_every, radius,
-                             eps=eps)
+                             eps=eps, reset=reset, active=active)
     return memory_scan_fwd(_XP, *primals[:6], ConvParams(*primals[6:]), eps=eps, radius=radius,
-                           checkpoint_every=checkpoint_every)
+                           checkpoint_every=checkpoint_every, reset=reset, active=active)
 
 
 def _scan_recompute(primals, statics):
@@ -523,13 +531,13 @@ def _check_residuals(primals: Sequence[Tensor], residuals: Sequence[Tensor],
 
 
 def _scan_backward(primals, residuals, cotangents, statics):
-    eps, radius, checkpoint_every = statics
+    eps, radius, checkpoint_every, reset, active = statics
     validate_scan_inputs(*primals[:6], ConvParams(*primals[6:]), checkpoint_every, radius,
-                         *cotangents, eps=eps)
+                         *cotangents, eps=eps, reset=reset, active=active)
     _check_residuals(primals, residuals, checkpoint_every)
     grads = memory_scan_bwd(_XP, *primals[2:6], ConvParams(*primals[6:]), *residuals,
                             *cotangents, eps=eps, radius=radius,
-                            checkpoint_every=checkpoint_every)
+                            checkpoint_every=checkpoint_every, reset=reset, active=active)
     return (*grads[:6], *grads.params)
 
 
@@ -537,11 +545,11 @@ def _scan_fake(primals, statics):
     # The adapter's memory_scan validates eagerly; under torch.compile Dynamo cannot trace
     # the validator, so its shape checks run here, once per trace, in plain Python (fake
     # tensors have no values: validate mode's value checks are off).
-    eps, radius, checkpoint_every = statics
+    eps, radius, checkpoint_every, reset, active = statics
     h0, c0, read_coords = primals[:3]
     with options(validate=False):
         validate_scan_inputs(*primals[:6], ConvParams(*primals[6:]), checkpoint_every, radius,
-                             eps=eps)
+                             eps=eps, reset=reset, active=active)
     batch, channels = h0.shape[:2]
     saved = -(-read_coords.shape[1] // checkpoint_every)
     return (h0.new_empty((batch, read_coords.shape[1], channels)), torch.empty_like(h0),
@@ -551,7 +559,8 @@ def _scan_fake(primals, statics):
 
 _SCAN = _make_op(OpSpec(
     name="memory_scan", primals=_SCAN_PRIMALS,
-    statics=(("eps", "float"), ("radius", "float?"), ("checkpoint_every", "int")),
+    statics=(("eps", "float"), ("radius", "float?"), ("checkpoint_every", "int"),
+             ("reset", "Tensor?"), ("active", "Tensor?")),
     outputs=("reads", "h", "c", "h_checkpoints", "c_checkpoints"), residuals=2,
     forward=_scan_forward, backward=_scan_backward, fake=_scan_fake,
     recompute=_scan_recompute))
@@ -599,17 +608,17 @@ DOUBLE_BACKWARD = (
     "(update='local' or dynamics='warp') is not supported: its backward is first order "
     "only. Use the default layer for second-order gradients")
 
-#: The statics of the option scans: the :class:`tmcore.scan.ScanOptions` fields, then
-#: whether the residuals are kept (no backward will be asked for: none are made)
+#: The statics of the option scans: the :class:`tmcore.scan.ScanOptions` fields, whether
+#: the residuals are kept (no backward will be asked for: none are made), the masks
 _OPTION_STATICS = (("update", "str"), ("window", "int?"), ("eps", "float"),
                    ("radius", "float?"), ("method", "str"), ("checkpoint_every", "int"),
-                   ("keep", "bool"))
+                   ("keep", "bool"), ("reset", "Tensor?"), ("active", "Tensor?"))
 _RESIDUALS = ("residual_0", "residual_1", "residual_2")
 
 
 def _option_parts(primals: tuple, statics: tuple, warp: bool, flow: bool):
     """``(step, params, xs, h0, c0, every, keep)`` of an option scan's arguments."""
-    options, keep = ScanOptions(*statics[:6]), statics[6]
+    options, keep = ScanOptions(*statics[:6]), statics[6]  # (statics[7:]: the masks)
     h0, c0 = primals[:2]
     xs = (WarpInputs(*primals[2:7]) if warp else StepInputs(*primals[2:6]))
     cell = ConvParams(*primals[len(xs) + 2:len(xs) + 6])
@@ -651,7 +660,8 @@ def _make_option_scan(name: str, warp: bool, flow: bool) -> MadeOp:
     def forward(primals, statics):
         step, params, xs, h0, c0, every, keep = _option_parts(primals, statics, warp, flow)
         reads, h, c, residuals = scan_forward(_XP, step, params, h0, c0, xs,
-                                              checkpoint_every=every, keep=keep)
+                                              checkpoint_every=every, keep=keep,
+                                              reset=statics[7], active=statics[8])
         return (reads, h, c, *_pack(residuals, h))
 
     def backward(primals, residuals, cotangents, statics):
@@ -661,7 +671,8 @@ def _make_option_scan(name: str, warp: bool, flow: bool) -> MadeOp:
                                "(no input required grad when it ran)")
         g_reads, g_h, g_c = cotangents
         d_h, d_c, d_xs, d_params = scan_backward(_XP, step, params, _unpack(step, residuals),
-                                                 xs, g_reads, g_h, g_c, checkpoint_every=every)
+                                                 xs, g_reads, g_h, g_c, checkpoint_every=every,
+                                                 reset=statics[7], active=statics[8])
         cell, flows = (d_params.cell, d_params.flow or ()) if warp else (d_params, ())
         return (d_h, d_c, *d_xs, *cell, *flows)
 
@@ -684,7 +695,8 @@ _OPTION_SCANS = {(False, False): _make_option_scan("local_scan", False, False),
 
 
 def option_scan(options: ScanOptions, h0: Tensor, c0: Tensor, inputs: Any,
-                params: ConvParams, flow_params: ConvParams | None = None
+                params: ConvParams, flow_params: ConvParams | None = None, *,
+                reset: Tensor | None = None, active: Tensor | None = None
                 ) -> tuple[Tensor, Tensor, Tensor]:
     """Run the layer's scan with its options beyond the paper, with tmcore's VJP.
 
@@ -704,6 +716,8 @@ def option_scan(options: ScanOptions, h0: Tensor, c0: Tensor, inputs: Any,
         The gates' conv.
     flow_params : ConvParams, optional
         The per-cell flow's conv (``flow=True``).
+    reset, active : Tensor, shape ``(B, T)``, bool, optional
+        The per-step row masks (:func:`tmcore.memory_scan`).
 
     Returns
     -------
@@ -728,5 +742,5 @@ def option_scan(options: ScanOptions, h0: Tensor, c0: Tensor, inputs: Any,
         check_scan_bytes(XP, step_for(options, shift is not None), h0,
                          inputs.read_coords.shape[1], options.checkpoint_every, keep,
                          flow_params is not None)
-    out = call(made.function, made.op, *tensors, *options, keep)
+    out = call(made.function, made.op, *tensors, *options, keep, reset, active)
     return out[0], out[1], out[2]

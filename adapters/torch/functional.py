@@ -114,7 +114,8 @@ def _needs_grad(*tensors: Tensor) -> bool:
 def memory_scan(
     h0: Tensor, c0: Tensor, read_coords: Tensor, write_coords: Tensor, write_sigma: Tensor,
     write_content: Tensor, params: ConvParams, *, eps: float = DEFAULT_EPS,
-    radius: float | None = None, checkpoint_every: int = 1,
+    radius: float | None = None, checkpoint_every: int = 1, reset: Tensor | None = None,
+    active: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Run the chunk recurrence (read, write, update) with autograd (tmcore.memory_scan).
 
@@ -148,6 +149,8 @@ def memory_scan(
         As in :func:`gaussian_splat`.
     checkpoint_every : int, default 1
         Keep every ``k``-th state for the backward and recompute the rest.
+    reset, active : Tensor, shape ``(B, T)``, bool, optional
+        The per-step row masks (:func:`tmcore.memory_scan`).
 
     Returns
     -------
@@ -172,15 +175,16 @@ def memory_scan(
     grad = _needs_grad(*tensors)
     if not torch.compiler.is_compiling():  # Dynamo cannot trace the validator's ContextVar
         validate_scan_inputs(h0, c0, read_coords, write_coords, write_sigma, write_content,
-                             params, checkpoint_every, radius, eps=eps, backward=grad)
+                             params, checkpoint_every, radius, eps=eps, backward=grad,
+                             reset=reset, active=active)
     if not grad:
         # one checkpoint (h0, c0) whatever T: a constant, not T itself, so that a compiled
         # no_grad call does not specialize on (and recompile for) each sequence length
         checkpoint_every = _NO_GRAD_CHECKPOINT_EVERY
     reads, h, c, _, _ = bridge.call(
         bridge.MemoryScanFunction, bridge.memory_scan_op, *tensors,
-        float(eps), None if radius is None else float(radius), int(checkpoint_every),
-        validated=True,  # checked above (the op's eager forward would check them again)
+        float(eps), None if radius is None else float(radius), int(checkpoint_every), reset,
+        active, validated=True,  # checked above (the op's eager forward would check them again)
     )
     return reads, h, c
 

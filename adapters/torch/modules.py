@@ -19,9 +19,8 @@ from tmcore.adapters.torch.functional import memory_scan, option_scan
 from tmcore.adapters.torch.tuners import computed, fold_tuned
 from tmcore.ops.splat import DEFAULT_EPS
 from tmcore.runtime.validate import check_finite, check_flag, check_int
-from tmcore.scan.dense import write_step
 from tmcore.scan.options import scan_options
-from tmcore.types import ConvParams, StepInputs
+from tmcore.types import ConvParams
 
 __all__ = ["ConvLSTMCell", "GatedMemoryResidual", "MemoryResidual", "TensorMemory", "WarpFlow"]
 
@@ -257,69 +256,30 @@ class _TorchChecks(NamedTuple):
 
 
 class _TorchLayer(tl.Layer):
-    """The layer of :mod:`tmcore.layer` with torch's fused kernels for the heads.
+    """The layer of :mod:`tmcore.layer` with torch's fused kernels for its primitives:
+    ``F.linear`` (follows autocast; flattens the leading axes itself), the read's custom
+    op, ``F.softplus`` and ``torch.split``: the same math in fewer dispatched ops."""
 
-    ``F.linear`` (follows autocast), ``F.softplus`` and ``torch.split``: the same
-    math as the generic heads, in fewer dispatched ops.
-
-    Parameters
-    ----------
-    config : LayerConfig
-        The layer's hyperparameters (:func:`tmcore.layer.layer_config`).
-    """
-
-    def heads(self, xp: Any, params: Mapping[str, Any], chunk: Tensor) -> Any:
-        # 2-D operands for the products (flat_rows) where F.linear would flatten the
-        # chunks to the same addmm itself (contiguous tokens): the same bits without its
-        # reshapes (dispatches); a non-contiguous view F.linear multiplies by matmul and
-        # then adds the bias to, so it keeps the N-D operands (and those bits)
-        return tl.heads(xp, params, chunk, self.config, linear=self.linear,
-                        softplus=self.softplus, split=self.split,
-                        flat_rows=chunk.is_contiguous())
+    flat_rows = True
 
     @staticmethod
     def linear(xp: Any, p: Mapping[str, Tensor], x: Tensor) -> Tensor:
         return F.linear(x, p["weight"], p["bias"])
 
     @staticmethod
+    def sample(volume: Tensor, coords: Tensor) -> Tensor:
+        return bridge.call(bridge.TrilinearSampleFunction, bridge.trilinear_sample_op, volume,
+                           coords, validated=True)  # (the layer's own inputs)
+
+    @staticmethod
     def softplus(xp: Any, x: Tensor) -> Tensor:
-        # one fused op (and one in the backward) instead of the generic form's eight;
         # above the threshold torch returns x, whose error exp(-x) / x is below half an
-        # ulp there (float64: exp(-40) / 40 ~ 1e-19), so the two agree to rounding
+        # ulp there (float64: exp(-40) / 40 ~ 1e-19): the generic form to rounding
         return F.softplus(x, threshold=40.0 if x.dtype == torch.float64 else 20.0)
 
     @staticmethod
-    def sample(volume: Tensor, coords: Tensor) -> Tensor:
-        # the custom op (traced by torch.compile as one node); its inputs are the layer's
-        return bridge.call(bridge.TrilinearSampleFunction,
-                           bridge.trilinear_sample_op, volume, coords, validated=True)
-
-    @staticmethod
     def split(xp: Any, x: Tensor, sizes: Sequence[int]) -> tuple[Tensor, ...]:
-        # one op (views) instead of a slice per piece; its backward is one op too
         return torch.split(x, list(sizes), dim=-1)
-
-
-# the torch heads' read coordinates are coord_net of the chunk's first token, as the
-# generic heads': a decode step that starts a chunk may compute them alone (read_coords)
-_TorchLayer.heads.first_token_reads = True
-
-
-class _Scan:
-    """A module's scan as its layer calls it: ``scan(h0, c0, inputs)``, and
-    ``scan.write(h, c, inputs) -> (h', c')``, the update alone of one step (a decode step
-    that completes a chunk; :meth:`TensorMemory._write`). Made per call (no state)."""
-
-    __slots__ = ("module",)
-
-    def __init__(self, module: TensorMemory):
-        self.module = module
-
-    def __call__(self, h0: Tensor, c0: Tensor, inputs: Any) -> tuple[Tensor, Tensor, Tensor]:
-        return self.module._scan(h0, c0, inputs)
-
-    def write(self, h: Tensor, c: Tensor, inputs: Any) -> tuple[Tensor, Tensor]:
-        return self.module._write(h, c, inputs)
 
 
 class TensorMemory(nn.Module):
@@ -607,31 +567,16 @@ class TensorMemory(nn.Module):
         _check_like_params("x", x, ref, check_dtype)
         return _TorchChecks(ref, check_dtype)
 
-    def _scan(self, h0: Tensor, c0: Tensor, inputs: Any) -> tuple[Tensor, Tensor, Tensor]:
+    def _scan(self, h0: Tensor, c0: Tensor, inputs: Any, *, reset: Tensor | None = None,
+              active: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
         config = self.config
         if not _paper_scan(config):  # local / warp options
             return option_scan(scan_options(config), h0, c0, inputs, self.cell.params(),
-                               self.warp_flow.params() if config.flow else None)
+                               self.warp_flow.params() if config.flow else None,
+                               reset=reset, active=active)
         return memory_scan(h0, c0, *inputs, self.cell.params(), eps=config.eps,
-                           radius=config.radius, checkpoint_every=config.checkpoint_every)
-
-    def _write(self, h: Tensor, c: Tensor, inputs: Any) -> tuple[Tensor, Tensor]:
-        """One decode step's update, ``inputs`` of ``(B, 1, ...)`` tensors -> ``(h', c')``:
-        without the scan's read, its validation (the inputs are the heads', the state a
-        checked one) and its autograd wrapper (:func:`tmcore.scan.dense.write_step`, the
-        same kernels as the scan's on the CPU: the same bits) in plain float32 / float64
-        CPU inference; elsewhere (a gradient, a transform, ``torch.compile``, the layer's
-        options, another device or dtype) the scan's step."""
-        config = self.config
-        params = self.cell.params()
-        if _paper_scan(config) and h.device.type == "cpu" \
-                and h.dtype in (torch.float32, torch.float64) \
-                and all(v.dtype == h.dtype for v in inputs) \
-                and bridge.plain_inference(h, c, *inputs, *params):
-            step = StepInputs(*(v[:, 0] for v in inputs))
-            return write_step(_XP, h, c, step, params, config.eps, config.radius)
-        _, h, c = self._scan(h, c, inputs)
-        return h, c
+                           radius=config.radius, checkpoint_every=config.checkpoint_every,
+                           reset=reset, active=active)
 
     def forward(
         self, x: Tensor, state: Any = None, *, reset: Tensor | None = None,
@@ -685,20 +630,9 @@ class TensorMemory(nn.Module):
             If an argument has the wrong shape or device, or a stream-only
             argument comes with ``stream=False``.
         """
-        if stream and reset is None and doc_starts is None and valid is None \
-                and type(x) is Tensor and type(state) is tl.StreamState:
-            # a decode step from the state this memory's last one produced: its checks
-            # passed for tokens of this batch, dtype and device (the record compares
-            # them), so only what could have changed since is compared here
-            ref = self.out_proj.weight
-            if x.ndim == 3 and x.shape[-1] == self.embed_dim and x.dtype == ref.dtype \
-                    and x.device == ref.device:
-                fast = self.layer.decode_produced(_XP, self.params(), x, state, _Scan(self))
-                if fast is not None:
-                    return fast
         check = self._check(x, state, reset)
         if stream:
-            return self.layer.forward_stream(_XP, self.params(), x, state, scan=_Scan(self),
+            return self.layer.forward_stream(_XP, self.params(), x, state, scan=self._scan,
                                              reset=reset, doc_starts=doc_starts, valid=valid,
                                              check=check)
         if isinstance(state, tl.StreamState):

@@ -70,9 +70,9 @@ def _first(name: str, *sources: tuple[ModuleType, dict]) -> Callable[..., Any]:
     ``module.<name>(xp, *args, **keywords)`` (looked up per call), until one does not
     decline (return ``None``); ``None`` when all decline."""
 
-    def entry(xp: Any, *args: Any) -> Any:
+    def entry(xp: Any, *args: Any, **masks: Any) -> Any:
         for module, keywords in sources:
-            out = getattr(module, name)(xp, *args, **keywords)
+            out = getattr(module, name)(xp, *args, **keywords, **masks)
             if out is not None:
                 return out
         return None
@@ -92,6 +92,5 @@ def make_ops(generic: Ops, options: Options) -> Ops:
     fast = Ops(sample_fwd, sample_bwd, generic.splat_fwd, generic.splat_bwd, conv, conv_vjp,
                gates_fwd, gates_bwd, gates_residuals, workspace,
                _first("scan_fwd", *dense), _first("scan_bwd", *dense), scatter_add,
-               _first("scan_fwd", *windowed), _first("scan_bwd", *windowed),
-               _first("write_fwd", (scan, {"options": options})))
+               _first("scan_fwd", *windowed), _first("scan_bwd", *windowed))
     return with_float32_compute(fast)

@@ -55,6 +55,8 @@ def scratch(name: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tens
 
 
 _HUGE = 1 << 21  # a transparent huge page (x86-64, arm64 with 4 KiB pages)
+#: Buffers below this many bytes are not pooled: a fresh one costs less than a search
+_SMALL = 1 << 16
 _MADV_HUGEPAGE = 14
 
 
@@ -79,8 +81,10 @@ def uninitialized(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     diagnostics train so; at their paper sizes the fills of the scan's checkpoints and
     block buffers measured ~140 ms of a ~900 ms step). Only for buffers the scan writes
     whole before it reads them (every one below), so the fill never shows in a result."""
-    storage = torch.UntypedStorage(math.prod(shape) * dtype.itemsize)
-    return torch.empty(0, dtype=dtype).set_(storage, 0, tuple(shape))
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes < _SMALL:  # a decode step's buffers: one op (a fill would cost little here)
+        return torch.empty(shape, dtype=dtype)
+    return torch.empty(0, dtype=dtype).set_(torch.UntypedStorage(nbytes), 0, tuple(shape))
 
 
 def _empty_huge(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -157,7 +161,7 @@ class _Pool(threading.local):
         smallest that fits; ``exact``: of exactly its size, for a tensor the caller
         returns), else on a new one (marked for huge pages if ``huge``)."""
         nbytes = math.prod(shape) * dtype.itemsize
-        if _storage_use_count is None or nbytes == 0:
+        if _storage_use_count is None or nbytes < _SMALL:
             return _empty_huge(shape, dtype) if huge else uninitialized(shape, dtype)
         if self.taken:
             self.taken[-1] += nbytes

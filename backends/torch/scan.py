@@ -31,16 +31,15 @@ import torch
 
 from tmcore.backends.fused import check_scan_shapes
 from tmcore.backends.native.calls import Kernels, call, kernels_for, offset, plain, ptr, shape_arg
-from tmcore.ops.common import outer_product
-from tmcore.ops.splat import gaussian_profiles
 from tmcore.runtime.dispatch import Ops
 from tmcore.runtime.options import Options
-from tmcore.types import ConvParams
+from tmcore.scan.base import Masks
+from tmcore.types import ConvParams, ScanGrads
 
 from . import memory
 from .splat import single_write
 
-__all__ = ["Cell", "scan_kernels", "scan_fwd", "scan_bwd", "write_fwd"]
+__all__ = ["Cell", "scan_kernels", "scan_fwd", "scan_bwd"]
 
 #: A kernel argument: the address of an array (``ptr`` / ``offset``).
 Address = ctypes.c_void_p
@@ -200,17 +199,14 @@ class _BlockWrites:
                 self._free_volume(next(iter(self.volumes)))
             start, stop = self._span(index)
             content, mu, sigma = self._inputs(index)
-            if content.dtype == mu.dtype == sigma.dtype:
-                # the generic splat of one write per row (splat_fwd's K = 1 case: the
-                # outer product content x weights), into a reused buffer
-                profiles, _, _ = gaussian_profiles(self.xp, mu, sigma, self.shape, self.eps,
-                                                   self.radius)
-                dense = outer_product(self.xp, profiles)  # (rows, 1, P)
+            if content.dtype == mu.dtype == sigma.dtype and self.eps > 0:
+                # the generic splat of one write per row (splat_fwd's K = 1 case, the same
+                # bits), all axes' profiles at once, into a reused buffer
                 rows = content.shape[0]
                 buffer = self.volume_buffers[index] = self._buffer(self.free_volumes, content)
                 out = buffer[:rows]
-                torch.mul(content[:, 0, :, None], dense,
-                          out=out.reshape(rows, content.shape[2], -1))
+                single_write(content[:, 0], mu[:, 0], sigma[:, 0], self.shape, self.eps,
+                             self.radius, out=out.reshape(rows, content.shape[2], -1))
             else:
                 out = plain(self.splat_fwd(self.xp, content, mu, sigma, self.shape, self.eps,
                                             self.radius))
@@ -257,9 +253,10 @@ class _BlockWrites:
 
 def scan_fwd(xp: Any, h0, c0, read_coords, write_coords, write_sigma, write_content, params,
              eps: float, radius: float | None, checkpoint_every: int, *, generic: Ops,
-             options: Options):
+             options: Options, reset: Any = None, active: Any = None):
     """The fused :func:`tmcore.scan.memory_scan_fwd` (``generic``: the table whose splat
-    makes the write volumes), or ``None`` to decline."""
+    makes the write volumes; ``reset, active``: the per-step masks), or ``None`` to
+    decline."""
     params = ConvParams(*params)
     kernels = scan_kernels(options, h0, c0, read_coords, write_coords, write_sigma,
                            write_content, *params)
@@ -268,9 +265,13 @@ def scan_fwd(xp: Any, h0, c0, read_coords, write_coords, write_sigma, write_cont
     check_scan_shapes(h0, read_coords, {"c0": c0, "write_coords": write_coords,
                                         "write_sigma": write_sigma,
                                         "write_content": write_content}, params)
+    masks = Masks(xp, reset, active)
+    steps = read_coords.shape[1]
+    if steps == 1 and eps > 0 and write_content.dtype == write_coords.dtype == write_sigma.dtype:
+        return _one_step(kernels, xp, h0, c0, read_coords, write_coords, write_sigma,
+                         write_content, params, eps, radius, masks)
     memory.begin()
     cell = _cell(kernels, h0, params)
-    steps = read_coords.shape[1]
     saved = -(-steps // checkpoint_every)
     h_ck = memory.take((saved, *h0.shape), h0.dtype, huge=True)
     c_ck = memory.take((saved, *h0.shape), h0.dtype, huge=True)
@@ -284,6 +285,7 @@ def scan_fwd(xp: Any, h0, c0, read_coords, write_coords, write_sigma, write_cont
     coords = plain(read_coords)
     n = len(cell.spatial)
     for t in range(steps):
+        h, c = masks.enter(xp, t, h, c)  # (a reset: new tensors; the checkpoint keeps h)
         call(kernels, "read_fwd", ptr(h), offset(coords, t * n), steps * n,
              offset(reads, t * cell.channels), steps * cell.channels, cell.batch,
              cell.channels, n, cell.shape_arg)
@@ -293,54 +295,54 @@ def scan_fwd(xp: Any, h0, c0, read_coords, write_coords, write_sigma, write_cont
             h_new, c_new = h_ck[(t + 1) // checkpoint_every], c_ck[(t + 1) // checkpoint_every]
         else:
             h_new, c_new = _pick(work_h, h), _pick(work_c, c)
-        x = writes.volume(t)
-        cell.step(ptr(x), x.stride(0), ptr(h), ptr(c), ptr(h_new), ptr(c_new))
+        if masks.some(t):
+            x = writes.volume(t)
+            cell.step(ptr(x), x.stride(0), ptr(h), ptr(c), ptr(h_new), ptr(c_new))
+            if not masks.every(t):  # the inactive rows keep the state they entered with
+                keep = masks.active[:, t].reshape(-1, *(1,) * (h.ndim - 1))
+                h_new.copy_(torch.where(keep, h_new, h))
+                c_new.copy_(torch.where(keep, c_new, c))
+        else:  # no row keeps the update: the step only reads
+            h_new.copy_(h)
+            c_new.copy_(c)
         h, c = h_new, c_new
     return reads, h, c, h_ck, c_ck
 
 
-def write_fwd(xp: Any, h, c, write_coords, write_sigma, write_content, params, eps: float,
-              radius: float | None, *, options: Options):
-    """One step's write and update without its read (a decode step that completes a
-    chunk: its read was made at the chunk's first token): ``h (B, C, *S)``, ``c``, the
-    step's ``write_coords (B, n)``, ``write_sigma (B,)``, ``write_content (B, C)`` ->
-    ``(h', c')``, the state :func:`scan_fwd` reaches in one step (the same splat and
-    kernels: the same bits), without its checkpoint copies, read buffer and block
-    bookkeeping; or ``None`` to decline (where :func:`scan_fwd` would). No
-    validation: the caller's inputs are the layer's heads' and a checked state."""
-    params = ConvParams(*params)
-    kernels = scan_kernels(options, h, c, write_coords, write_sigma, write_content, *params)
-    if kernels is None:
-        return None
-    mu, sigma, content = write_coords, write_sigma, write_content
-    if not content.dtype == mu.dtype == sigma.dtype:
-        return None
-    # a step's few small buffers come fresh from the allocator, not from the scan's pool
-    # (a search of its blocks per buffer cost more than the allocation at these sizes)
-    fresh = memory.uninitialized
-    batch, channels, *spatial = h.shape
-    cell = Cell(kernels, batch, channels, tuple(spatial), h.dtype, params, take=fresh)
-    h, c = plain(h), plain(c)
-    # the splat of one write per row, the bits _BlockWrites.volume makes, in fewer ops
-    # (all axes' profiles at once)
-    x = single_write(content, mu, sigma, cell.spatial, eps, radius,
-                     out=fresh((batch, channels, cell.cells), h.dtype))
-    if x is None:  # eps <= 0: the generic splat's degenerate spreads
-        profiles, _, _ = gaussian_profiles(xp, mu[:, None, :], sigma[:, None], cell.spatial,
-                                           eps, radius)
-        x = plain(content[:, :, None] * outer_product(xp, profiles))     # (B, C, P)
-    h_new, c_new = fresh(tuple(h.shape), h.dtype), fresh(tuple(h.shape), h.dtype)
+def _one_step(kernels: Kernels, xp: Any, h0, c0, read_coords, write_coords, write_sigma,
+              write_content, params: ConvParams, eps: float, radius: float | None,
+              masks: Masks):
+    """:func:`scan_fwd` of one step (a decode step): the same kernels and bits, its few
+    small buffers fresh, the checkpoints the entering state itself."""
+    batch, channels, *spatial = h0.shape
+    cell = Cell(kernels, batch, channels, tuple(spatial), h0.dtype, params,
+                take=memory.uninitialized)
+    h, c = (plain(v) for v in masks.enter(xp, 0, h0, c0))
+    reads = memory.uninitialized((batch, 1, channels), h0.dtype)
+    n = len(spatial)
+    coords = plain(read_coords)  # (held: the kernel reads it through its address)
+    call(kernels, "read_fwd", ptr(h), ptr(coords), n, ptr(reads), channels, batch, channels, n,
+         cell.shape_arg)
+    if not masks.some(0):  # a read only
+        return reads, h.clone(), c.clone(), h0[None], c0[None]
+    x = single_write(write_content[:, 0], write_coords[:, 0], write_sigma[:, 0], cell.spatial,
+                     eps, radius, out=memory.uninitialized((batch, channels, cell.cells),
+                                                           h0.dtype))
+    h_new = memory.uninitialized(tuple(h0.shape), h0.dtype)
+    c_new = memory.uninitialized(tuple(h0.shape), h0.dtype)
     cell.step(ptr(x), x.stride(0), ptr(h), ptr(c), ptr(h_new), ptr(c_new))
-    return h_new, c_new
+    if not masks.every(0):
+        keep = masks.active[:, 0].reshape(-1, *(1,) * n, 1)
+        h_new, c_new = torch.where(keep, h_new, h), torch.where(keep, c_new, c)
+    return reads, h_new, c_new, h0[None], c0[None]
 
 
 def scan_bwd(xp: Any, read_coords, write_coords, write_sigma, write_content, params,
              h_checkpoints, c_checkpoints, g_reads, g_h, g_c, eps: float,
-             radius: float | None, checkpoint_every: int, *, generic: Ops, options: Options):
-    """The fused :func:`tmcore.scan.memory_scan_bwd` (a :class:`tmcore.scan.ScanGrads`),
+             radius: float | None, checkpoint_every: int, *, generic: Ops, options: Options,
+             reset: Any = None, active: Any = None):
+    """The fused :func:`tmcore.scan.memory_scan_bwd` (a :class:`tmcore.types.ScanGrads`),
     or ``None`` to decline."""
-    from tmcore.types import ScanGrads
-
     params = ConvParams(*params)
     kernels = scan_kernels(options, g_h, g_c, g_reads, h_checkpoints, c_checkpoints,
                            read_coords, write_coords, write_sigma, write_content, *params)
@@ -352,6 +354,7 @@ def scan_bwd(xp: Any, read_coords, write_coords, write_sigma, write_content, par
         "g_c": g_c, "g_reads": g_reads, "h_checkpoints": h_checkpoints,
         "c_checkpoints": c_checkpoints, "write_coords": write_coords,
         "write_sigma": write_sigma, "write_content": write_content}, params, saved=saved)
+    masks = Masks(xp, reset, active)
     memory.begin()
     cell = _cell(kernels, g_h, params)
     cell.start_backward()
@@ -371,18 +374,46 @@ def scan_bwd(xp: Any, read_coords, write_coords, write_sigma, write_content, par
         states = [(h_checkpoints[segment], c_checkpoints[segment])]
         for t in range(start, stop - 1):  # replay the segment from its checkpoint
             k = 2 * (t - start)
-            x, (h, c) = writes.volume(t), states[-1]
-            cell.step(ptr(x), x.stride(0), ptr(h), ptr(c), ptr(replay[k]), ptr(replay[k + 1]))
+            h, c = masks.enter(xp, t, *states[-1])
+            if masks.some(t):
+                x = writes.volume(t)
+                cell.step(ptr(x), x.stride(0), ptr(h), ptr(c), ptr(replay[k]),
+                          ptr(replay[k + 1]))
+                if not masks.every(t):
+                    keep = masks.active[:, t].reshape(-1, *(1,) * (h.ndim - 1))
+                    replay[k].copy_(torch.where(keep, replay[k], h))
+                    replay[k + 1].copy_(torch.where(keep, replay[k + 1], c))
+            else:
+                replay[k].copy_(h)
+                replay[k + 1].copy_(c)
             states.append((replay[k], replay[k + 1]))
         for t in reversed(range(start, stop)):
-            h, c = states[t - start]
+            h, c = masks.enter(xp, t, *states[t - start])
             g_h_new, g_c_new = _pick(bufs_h, g_h), _pick(bufs_c, g_c)
-            x, d_x = writes.volume(t), writes.grad_slot(t, g_h)
-            cell.backward_step(ptr(x), x.stride(0), ptr(h), ptr(c), ptr(g_h), ptr(g_c), ptr(d_x),
-                               d_x.stride(0), ptr(g_h_new), ptr(g_c_new))
+            d_x = writes.grad_slot(t, g_h)
+            inactive = None if masks.every(t) else ~masks.active[:, t].reshape(
+                -1, *(1,) * (h.ndim - 1))
+            if masks.some(t):
+                x = writes.volume(t)
+                g_h_in, g_c_in = ((g_h, g_c) if inactive is None else
+                                  (g_h.masked_fill(inactive, 0), g_c.masked_fill(inactive, 0)))
+                cell.backward_step(ptr(x), x.stride(0), ptr(h), ptr(c), ptr(g_h_in),
+                                   ptr(g_c_in), ptr(d_x), d_x.stride(0), ptr(g_h_new),
+                                   ptr(g_c_new))
+                if inactive is not None:  # their cotangent went past the update
+                    g_h_new.add_(g_h.masked_fill(~inactive, 0))
+                    g_c_new.add_(g_c.masked_fill(~inactive, 0))
+            else:  # a read-only step: the state's cotangent passes, the write's is 0
+                d_x.zero_()
+                g_h_new.copy_(g_h)
+                g_c_new.copy_(g_c)
             call(kernels, "read_bwd", ptr(h), offset(coords, t * n), steps * n,
                  offset(g_reads, t * c_), steps * c_, ptr(g_h_new),
                  offset(d_read_coords, t * n), steps * n, b, c_, n, cell.shape_arg)
+            if masks.resets(t):
+                zeroed = masks.reset[:, t].reshape(-1, *(1,) * (h.ndim - 1))
+                g_h_new.masked_fill_(zeroed, 0)
+                g_c_new.masked_fill_(zeroed, 0)
             writes.grad_done(t)
             g_h, g_c = g_h_new, g_c_new
     return ScanGrads(g_h, g_c, d_read_coords, writes.d_coords, writes.d_sigma,

@@ -129,8 +129,12 @@ def _run(kind: str, loop, state, read_coords, inputs: tuple, eps, radius, every,
 
 
 def scan_fwd(xp: Any, h0, c0, read_coords, write_coords, write_sigma, write_content,
-             params: ConvParams, eps: float, radius: float | None, checkpoint_every: int):
-    """Fused :func:`tmcore.scan.memory_scan_fwd`, or ``None`` where it does not apply."""
+             params: ConvParams, eps: float, radius: float | None, checkpoint_every: int,
+             reset: Any = None, active: Any = None):
+    """Fused :func:`tmcore.scan.memory_scan_fwd`, or ``None`` where it does not apply (the
+    kernels take no per-step masks: a masked scan runs the loop)."""
+    if reset is not None or active is not None:
+        return None
     params = ConvParams(*params)
     if not _accepts(h0, read_coords, {"c0": c0, "write_coords": write_coords,
                                       "write_sigma": write_sigma,
@@ -183,10 +187,12 @@ def _backward_loop(rc, wc, ws, wcont, dw, db, pw, pb, h_ck, c_ck, g_reads, g_h, 
 
 def scan_bwd(xp: Any, read_coords, write_coords, write_sigma, write_content,
              params: ConvParams, h_checkpoints, c_checkpoints, g_reads, g_h, g_c, eps: float,
-             radius: float | None, checkpoint_every: int):
+             radius: float | None, checkpoint_every: int, reset: Any = None, active: Any = None):
     """Fused :func:`tmcore.scan.memory_scan_bwd`, or ``None`` where it does not apply."""
     from tmcore.types import ScanGrads
 
+    if reset is not None or active is not None:
+        return None
     params = ConvParams(*params)
     saved = -(-read_coords.shape[1] // checkpoint_every)
     if not _accepts(g_h, read_coords, {

@@ -32,12 +32,12 @@ CHECKS = [(tl_package, "check_tokens"), (tl_layer, "check_tokens"),
           (tl_sizes, "check_forward"), (tl_layer, "check_forward"),
           (tl_package, "check_state"), (tl_layer, "check_state"), (tl_stream, "check_state"),
           (tl_package, "stream_state"), (tl_stream, "complete_state"),
-          (tl_state, "require_bool_array"), (tl_layer, "require_bool_array")]
+          (tl_state, "check_bool_mask"), (tl_layer, "check_bool_mask")]
 
 
 def _per_mask(name, args):
     # the mask checks count per mask (reset, valid, ...), the others per name
-    return f"{name}:{args[2]}" if name == "require_bool_array" else name
+    return f"{name}:{args[2]}" if name == "check_bool_mask" else name
 
 
 @pytest.fixture
@@ -97,7 +97,7 @@ def test_apply_with_reset_checks_each_input_once(calls, params, kind, stream):
     _fresh(calls)
     tmj.apply(params, _x(9), state, memory_shape=SHAPE, stream=stream,
               reset=jnp.array([True, False]))
-    assert dict(calls) == {**EXPECTED[kind, stream], "require_bool_array:reset": 1}
+    assert dict(calls) == {**EXPECTED[kind, stream], "check_bool_mask:reset": 1}
 
 
 def test_a_decode_step_checks_once(calls, params):
@@ -123,7 +123,7 @@ def test_packed_documents_with_max_documents_check_once(calls, params):
     calls.clear()
     tmj.apply(params, _x(9), state, max_documents=2,
               doc_starts=tmj.doc_starts_from_offsets([[0, 5], [0]], 9))
-    assert dict(calls) == {**EXPECTED["stream", True], "require_bool_array:doc_starts": 1}
+    assert dict(calls) == {**EXPECTED["stream", True], "check_bool_mask:doc_starts": 1}
 
 
 @pytest.mark.parametrize("mode", ["causal", "threaded"])
@@ -142,7 +142,7 @@ def test_stack_apply_checks_once_per_layer(calls, params, mode, monkeypatch):
     expected = collections.Counter({"check_tokens": 3, "check_forward": 3})
     if mode == "threaded":
         expected["check_state"] = 2
-    expected["require_bool_array:reset"] = 1 if mode == "threaded" else 3
+    expected["check_bool_mask:reset"] = 1 if mode == "threaded" else 3
     assert dict(calls) == dict(expected)
 
 

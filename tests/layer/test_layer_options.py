@@ -230,10 +230,10 @@ def _np_layer(options, grid=(4, 3), seed=0, warp_scale=0.0, method="fast"):
         flow = tl.cell_params({"cell": params[tl.FLOW_GROUP]})
     options = dy.scan_options(config, method)
 
-    def scan(h, c, inputs):
+    def scan(h, c, inputs, **masks):
         return dy.dynamic_memory_scan(h, c, inputs, tl.cell_params(params),
                                       update=options.update, window=options.window,
-                                      flow_params=flow)
+                                      flow_params=flow, **masks)
 
     return tl.Layer(config), params, scan
 
@@ -310,9 +310,9 @@ def _masked(module):
     from tmcore.adapters.torch import option_scan
 
     options = dy.scan_options(module.config, "masked")
-    module._scan = lambda h0, c0, inputs: option_scan(
+    module._scan = lambda h0, c0, inputs, **masks: option_scan(
         options, h0, c0, inputs, module.cell.params(),
-        module.warp_flow.params() if module.config.flow else None)
+        module.warp_flow.params() if module.config.flow else None, **masks)
     return module
 
 

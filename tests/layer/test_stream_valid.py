@@ -22,8 +22,8 @@ def _layer(seed=0):
     params = tl.init_params(np, config, lambda s: rng.uniform(-s.bound, s.bound, s.shape))
     layer = tl.Layer(config)
 
-    def scan(h, c, inputs):
-        return tmcore.memory_scan(h, c, *inputs, tl.cell_params(params))
+    def scan(h, c, inputs, **masks):
+        return tmcore.memory_scan(h, c, *inputs, tl.cell_params(params), **masks)
 
     def run(x, state=None, **kw):
         return layer.forward_stream(np, params, x, state, scan=scan, **kw)

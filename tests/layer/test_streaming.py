@@ -200,8 +200,8 @@ def test_numpy_layer_streams_exactly():
     params = tl.init_params(np, config, lambda s: rng.uniform(-s.bound, s.bound, s.shape))
     layer = tl.Layer(config)
 
-    def scan(h, c, inputs):
-        return tmcore.memory_scan(h, c, *inputs, tl.cell_params(params))
+    def scan(h, c, inputs, **masks):
+        return tmcore.memory_scan(h, c, *inputs, tl.cell_params(params), **masks)
 
     x = rng.standard_normal((2, 14, 6))
     full, ref = layer.forward_stream(np, params, x, None, scan=scan)
@@ -333,8 +333,8 @@ def test_jax_apply_streams_any_split_and_packs():
     eager, _ = tmj.apply(params, x, state, memory_shape=(3, 4))
     jitted = jax.jit(lambda s: tmj.apply(params, x, s, memory_shape=(3, 4))[0])(state)
     assert _jmax(eager, jitted) <= 1e-5
-    # a traced doc_starts cannot plan the grid: tmcore's TypeError naming it
-    with pytest.raises(TypeError, match="doc_starts.*concrete"):
+    # a traced doc_starts cannot bound the grid: tmcore's TypeError naming max_documents
+    with pytest.raises(TypeError, match="doc_starts: traced.*max_documents"):
         jax.jit(lambda m: tmj.apply(params, x[:1], memory_shape=(3, 4), doc_starts=m)[0])(
             starts)
 

@@ -12,8 +12,8 @@ from typing import Any
 
 import array_api_compat
 
-from tmcore.layer import sizes as _layer_sizes
 from tmcore.ops.splat import DEFAULT_EPS
+from tmcore.runtime import sizes
 from tmcore.runtime.validate import (
     check_eps,
     check_finite,
@@ -230,7 +230,7 @@ def layer_config(
     if array_api_compat.is_array_api_obj(sigma_scale):
         raise TypeError(f"sigma_scale: expected a finite number > 0, got an array "
                         f"{type(sigma_scale).__name__}")
-    return _layer_sizes.check_config(LayerConfig(
+    return _check_sizes(LayerConfig(
         embed_dim=_size("embed_dim", embed_dim),
         memory_channels=_size("memory_channels", memory_channels),
         memory_shape=_grid(memory_shape),
@@ -246,6 +246,16 @@ def layer_config(
         dynamics=_choice("dynamics", dynamics, DYNAMICS),
         flow=_flow(flow, dynamics),
     ))
+
+
+def _check_sizes(config: LayerConfig) -> LayerConfig:
+    """``config`` if one row of its state ``(C, *S)`` and ``write_proj (d, L*d)`` have
+    int64-addressable sizes (else a ``ValueError`` naming the argument)."""
+    sizes.check_count("memory_shape", (config.memory_channels, *config.memory_shape),
+                      "(C, *S)", "the state of one sequence")
+    sizes.check_count("embed_dim", (config.embed_dim, config.chunk_size * config.embed_dim),
+                      "(d, L*d)", "write_proj.weight")
+    return config
 
 
 def _flow(flow: Any, dynamics: Any) -> bool:

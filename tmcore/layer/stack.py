@@ -10,8 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from tmcore.layer.state import State
-from tmcore.layer.stream import StreamState
+from tmcore.layer.state import State, StreamState
 
 __all__ = ["MODES", "check_mode", "final_state", "segment_states", "start_state"]
 

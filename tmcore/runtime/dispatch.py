@@ -71,11 +71,12 @@ class Ops(NamedTuple):
     scan_fwd : callable or None, default None
         A fused whole-scan forward with the signature and results of
         :func:`tmcore.memory_scan_fwd` (positional, after ``xp``: the arrays, then
-        ``eps, radius, checkpoint_every``); it returns None to decline, and the scan
-        then runs its per-step loop.
+        ``eps, radius, checkpoint_every``; the keywords ``reset, active``: the per-step
+        masks, ``None`` or bool ``(B, T)``); it returns None to decline (also for masks
+        it cannot run), and the scan then runs its per-step loop.
     scan_bwd : callable or None, default None
         A fused whole-scan backward like :func:`tmcore.memory_scan_bwd` (the same
-        positional convention); returns None to decline.
+        conventions); returns None to decline.
     scatter_add : callable or None, default None
         ``(xp, out (N,), index (M,) integers, values (M,)) -> (N,)``, ``out`` with
         every ``values[i]`` added at ``index[i]`` (repeated indices sum; ``out`` may
@@ -93,12 +94,6 @@ class Ops(NamedTuple):
     local_scan_bwd : callable or None, default None
         Its backward, like :func:`tmcore.scan.local.local_scan_bwd` (after ``xp``:
         the arrays, then ``window, eps, radius``); returns None to decline.
-    write_fwd : callable or None, default None
-        One step's write and update without its read, ``(xp, h, c (B, C, *S),
-        write_coords (B, n), write_sigma (B,), write_content (B, C), params, eps,
-        radius) -> (h', c')``, the state ``scan_fwd`` reaches in one step (a decode
-        step that completes a chunk, :func:`tmcore.scan.dense.write_step`); returns
-        None to decline.
     """
 
     sample_fwd: Any
@@ -116,7 +111,6 @@ class Ops(NamedTuple):
     scatter_add: Any = None  # optional flat scatter-add (the flow warp's VJP); None: none
     local_scan_fwd: Any = None  # optional fused local scan (tmcore.scan.local); None: the loop
     local_scan_bwd: Any = None  # its backward; either may return None to decline
-    write_fwd: Any = None  # optional fused write + update of one step; None: step_fwd's
 
 
 def no_workspace(xp: Any) -> contextlib.AbstractContextManager:

@@ -25,6 +25,7 @@ from tmcore.ops.splat import DEFAULT_EPS, splat_rows, splat_rows_vjp
 from tmcore.runtime import sizes as _sizes
 from tmcore.runtime.dispatch import ops_for
 from tmcore.runtime.validate import (
+    check_bool_mask,
     check_eps,
     check_int,
     check_positive,
@@ -50,7 +51,6 @@ __all__ = [
     "memory_scan_bwd",
     "step_fwd",
     "step_bwd",
-    "write_step",
     "add_params",
     "validate_scan_inputs",
 ]
@@ -118,21 +118,23 @@ class DenseStep(NamedTuple):
             return None
         eps, radius = self.eps, self.radius
 
-        def forward(xp, params, h0, c0, xs, every, keep, overwrite):
+        def forward(xp, params, h0, c0, xs, every, keep, overwrite, reset, active):
             if ops.scan_fwd is None:
                 return None
             every = every if keep else xs.read_coords.shape[1]  # only h0 kept
-            out = ops.scan_fwd(xp, h0, c0, *xs, params, eps, radius, every)
+            out = ops.scan_fwd(xp, h0, c0, *xs, params, eps, radius, every, reset=reset,
+                               active=active)
             if out is None:
                 return None
             reads, h, c, h_saved, c_saved = out
             return reads, h, c, Residuals(h_saved, c_saved, None) if keep else None
 
-        def backward(xp, params, residuals, xs, g_reads, g_h, g_c, every):
+        def backward(xp, params, residuals, xs, g_reads, g_h, g_c, every, reset, active):
             if ops.scan_bwd is None:
                 return None
             return fused_grads(ops.scan_bwd(xp, *xs, params, residuals.h, residuals.c, g_reads,
-                                            g_h, g_c, eps, radius, every))
+                                            g_h, g_c, eps, radius, every, reset=reset,
+                                            active=active))
 
         return forward, backward
 
@@ -158,28 +160,6 @@ def step_fwd(
     return read, h, c
 
 
-def write_step(
-    xp: Any, h: Any, c: Any, inputs: StepInputs, params: ConvParams, eps: float,
-    radius: float | None,
-) -> tuple[Any, Any]:
-    """One chunk step's write and update without its read: ``(h', c')`` of
-    :func:`step_fwd` (a decode step that completes a chunk made its read at the chunk's
-    first token). No validation.
-
-    The backend's fused ``write_fwd`` where it has one that does not decline (the
-    kernels of its fused scan: the state that scan reaches), else :func:`step_fwd`.
-    ``inputs`` holds one step's ``(B, ...)`` arrays.
-    """
-    fused = ops_for(xp).write_fwd
-    if fused is not None:
-        out = fused(xp, h, c, inputs.write_coords, inputs.write_sigma, inputs.write_content,
-                    params, eps, radius)
-        if out is not None:
-            return out
-    _, h, c = step_fwd(xp, h, c, inputs, params, eps, radius)
-    return h, c
-
-
 def step_bwd(
     xp: Any, h: Any, c: Any, inputs: StepInputs, params: ConvParams, g_read: Any, g_h: Any,
     g_c: Any, eps: float, radius: float | None,
@@ -199,7 +179,8 @@ def step_bwd(
 def memory_scan_fwd(
     xp: Any, h0: Any, c0: Any, read_coords: Any, write_coords: Any, write_sigma: Any,
     write_content: Any, params: ConvParams, *, eps: float = DEFAULT_EPS,
-    radius: float | None = None, checkpoint_every: int = 1,
+    radius: float | None = None, checkpoint_every: int = 1, reset: Any = None,
+    active: Any = None,
 ) -> tuple[Any, Any, Any, Any, Any]:
     """Run the forward scan without validation, keeping the backward's checkpoints.
 
@@ -231,6 +212,10 @@ def memory_scan_fwd(
         As in :func:`gaussian_splat`.
     checkpoint_every : int, default 1
         Keep the state entering every ``checkpoint_every``-th step.
+    reset, active : bool array, shape ``(B, T)``, optional
+        Per-step row masks: ``reset[b, t]`` zeroes row ``b``'s state entering step
+        ``t`` (its read too); ``active[b, t]`` False gives the row back, after step
+        ``t``, the state it entered it with. ``None``: no reset, every row active.
 
     Returns
     -------
@@ -249,7 +234,7 @@ def memory_scan_fwd(
     reads, h, c, residuals = scan_forward(
         xp, DenseStep(eps, radius), params, h0, c0,
         StepInputs(read_coords, write_coords, write_sigma, write_content),
-        checkpoint_every=checkpoint_every)
+        checkpoint_every=checkpoint_every, reset=reset, active=active)
     return reads, h, c, residuals.h, residuals.c
 
 
@@ -257,7 +242,7 @@ def memory_scan_bwd(
     xp: Any, read_coords: Any, write_coords: Any, write_sigma: Any, write_content: Any,
     params: ConvParams, h_checkpoints: Any, c_checkpoints: Any, g_reads: Any, g_h: Any,
     g_c: Any, *, eps: float = DEFAULT_EPS, radius: float | None = None,
-    checkpoint_every: int = 1,
+    checkpoint_every: int = 1, reset: Any = None, active: Any = None,
 ) -> ScanGrads:
     """Run the backward scan from the checkpoints of :func:`memory_scan_fwd`, unvalidated.
 
@@ -294,6 +279,8 @@ def memory_scan_bwd(
         As in the forward scan.
     checkpoint_every : int, default 1
         As in the forward scan that made the checkpoints.
+    reset, active : bool array, shape ``(B, T)``, optional
+        As in the forward scan.
 
     Returns
     -------
@@ -303,13 +290,13 @@ def memory_scan_bwd(
     d_h0, d_c0, d_xs, d_params = scan_backward(
         xp, DenseStep(eps, radius), params, Residuals(h_checkpoints, c_checkpoints, None),
         StepInputs(read_coords, write_coords, write_sigma, write_content), g_reads, g_h, g_c,
-        checkpoint_every=checkpoint_every)
+        checkpoint_every=checkpoint_every, reset=reset, active=active)
     return ScanGrads(d_h0, d_c0, *d_xs, d_params)
 
 
 def validate_scan_inputs(h0, c0, read_coords, write_coords, write_sigma, write_content, params,
                          checkpoint_every, radius, g_reads=None, g_h=None, g_c=None,
-                         eps=DEFAULT_EPS, backward=None):
+                         eps=DEFAULT_EPS, backward=None, reset=None, active=None):
     """Check the arguments of :func:`memory_scan` / :func:`memory_scan_vjp`.
 
     Shapes, dtypes, namespaces, devices and Python scalars always (no device sync);
@@ -352,6 +339,9 @@ def validate_scan_inputs(h0, c0, read_coords, write_coords, write_sigma, write_c
     if steps < 1:
         raise ValueError(f"read_coords: expected at least one step (T >= 1), got shape "
                          f"{tuple(read_coords.shape)}")
+    for name, mask in (("reset", reset), ("active", active)):
+        if mask is not None:
+            check_bool_mask(xp, mask, name, "(B, T)", (batch, steps))
     # before allocating: a forward that keeps the backward's checkpoints counts them
     _sizes.check_scan(xp, h0, steps, checkpoint_every,
                       g_reads is not None if backward is None else backward)
@@ -362,7 +352,7 @@ def validate_scan_inputs(h0, c0, read_coords, write_coords, write_sigma, write_c
 def memory_scan(
     h0: Any, c0: Any, read_coords: Any, write_coords: Any, write_sigma: Any, write_content: Any,
     params: ConvParams, *, eps: float = DEFAULT_EPS, radius: float | None = None,
-    checkpoint_every: int = 1,
+    checkpoint_every: int = 1, reset: Any = None, active: Any = None,
 ) -> tuple[Any, Any, Any]:
     """Run the chunk recurrence over ``T`` steps: read, then write, then update.
 
@@ -396,6 +386,10 @@ def memory_scan(
         Checked (an int >= 1) but without effect here: it only changes what
         :func:`memory_scan_vjp` stores, and is accepted so that both take the
         same keywords.
+    reset, active : bool array, shape ``(B, T)``, optional
+        Per-step row masks: ``reset[b, t]`` zeroes row ``b``'s state entering step
+        ``t`` (its read too); ``active[b, t]`` False gives the row back, after step
+        ``t``, the state it entered it with. ``None``: no reset, every row active.
 
     Returns
     -------
@@ -444,10 +438,12 @@ def memory_scan(
     True
     """
     xp, params = validate_scan_inputs(h0, c0, read_coords, write_coords, write_sigma,
-                                      write_content, params, checkpoint_every, radius, eps=eps)
+                                      write_content, params, checkpoint_every, radius, eps=eps,
+                                      reset=reset, active=active)
     reads, h, c, _, _ = memory_scan_fwd(
         xp, h0, c0, read_coords, write_coords, write_sigma, write_content, params,
-        eps=eps, radius=radius, checkpoint_every=read_coords.shape[1],
+        eps=eps, radius=radius, checkpoint_every=read_coords.shape[1], reset=reset,
+        active=active,
     )
     return reads, h, c
 
@@ -456,6 +452,7 @@ def memory_scan_vjp(
     h0: Any, c0: Any, read_coords: Any, write_coords: Any, write_sigma: Any, write_content: Any,
     params: ConvParams, g_reads: Any, g_h: Any = None, g_c: Any = None, *,
     eps: float = DEFAULT_EPS, radius: float | None = None, checkpoint_every: int = 1,
+    reset: Any = None, active: Any = None,
 ) -> ScanGrads:
     """Gradients of :func:`memory_scan` for the cotangents of its outputs.
 
@@ -494,6 +491,8 @@ def memory_scan_vjp(
     checkpoint_every : int, default 1
         Keep the state entering every ``checkpoint_every``-th step and
         recompute the others.
+    reset, active : bool array, shape ``(B, T)``, optional
+        As in :func:`memory_scan`.
 
     Returns
     -------
@@ -516,13 +515,14 @@ def memory_scan_vjp(
     require_array("g_reads", g_reads)
     xp, params = validate_scan_inputs(h0, c0, read_coords, write_coords, write_sigma,
                                       write_content, params, checkpoint_every, radius, g_reads,
-                                      g_h, g_c, eps=eps)
+                                      g_h, g_c, eps=eps, reset=reset, active=active)
+    masks = {"reset": reset, "active": active}
     _, _, _, h_ckpt, c_ckpt = memory_scan_fwd(
         xp, h0, c0, read_coords, write_coords, write_sigma, write_content, params,
-        eps=eps, radius=radius, checkpoint_every=checkpoint_every,
+        eps=eps, radius=radius, checkpoint_every=checkpoint_every, **masks,
     )
     g_h, g_c = zero_if_none(xp, h0, c0, g_h, g_c)
     return memory_scan_bwd(
         xp, read_coords, write_coords, write_sigma, write_content, params, h_ckpt, c_ckpt,
-        g_reads, g_h, g_c, eps=eps, radius=radius, checkpoint_every=checkpoint_every,
+        g_reads, g_h, g_c, eps=eps, radius=radius, checkpoint_every=checkpoint_every, **masks,
     )

@@ -234,8 +234,9 @@ class LocalStep(NamedTuple):
             return None
         window, eps, radius = self.window, self.eps, self.radius
 
-        def forward(xp, params, h0, c0, xs, every, keep, overwrite):
-            if ops.local_scan_fwd is None:
+        # the fused local scans take no per-step masks: a masked call runs the loop
+        def forward(xp, params, h0, c0, xs, every, keep, overwrite, reset, active):
+            if ops.local_scan_fwd is None or reset is not None or active is not None:
                 return None
             out = ops.local_scan_fwd(xp, h0, c0, *xs, params, window, eps, radius, overwrite)
             if out is None:
@@ -243,8 +244,8 @@ class LocalStep(NamedTuple):
             reads, h, c, log = out
             return reads, h, c, Residuals(None, None, tuple(log)) if keep else None
 
-        def backward(xp, params, residuals, xs, g_reads, g_h, g_c, every):
-            if ops.local_scan_bwd is None:
+        def backward(xp, params, residuals, xs, g_reads, g_h, g_c, every, reset, active):
+            if ops.local_scan_bwd is None or reset is not None or active is not None:
                 return None
             return fused_grads(ops.local_scan_bwd(xp, LocalScanResiduals(*residuals.log), *xs,
                                                   params, g_reads, g_h, g_c, window, eps,

@@ -105,8 +105,8 @@ def _params(params: ConvParams, warp: bool, flow_params: ConvParams | None) -> A
 
 
 def scan_fwd(xp: Any, h0: Any, c0: Any, inputs: Any, params: ConvParams,
-             options: ScanOptions, *, keep: bool = True, flow_params: ConvParams | None = None
-             ) -> tuple[Any, Any, Any, Residuals | None]:
+             options: ScanOptions, *, keep: bool = True, flow_params: ConvParams | None = None,
+             reset: Any = None, active: Any = None) -> tuple[Any, Any, Any, Residuals | None]:
     """The scan of ``options`` without validation: ``(reads (B, T, C), h_T, c_T,
     residuals)``.
 
@@ -114,22 +114,26 @@ def scan_fwd(xp: Any, h0: Any, c0: Any, inputs: Any, params: ConvParams,
     arrays (a warp when it has a ``shift (B, T, n)``). ``keep=False``: no residuals
     (``None``). ``h0, c0`` are never modified. ``flow_params`` (with a warp): the
     :class:`tmcore.ConvParams` (``C_in = C``, ``C_out = n``) of the per-cell flow.
+    ``reset, active``: the per-step masks (:class:`tmcore.scan.base.Masks`).
     """
     warp = _shift_of(inputs) is not None
     return scan_forward(xp, step_for(options, warp), _params(params, warp, flow_params), h0,
-                        c0, inputs, checkpoint_every=options.checkpoint_every, keep=keep)
+                        c0, inputs, checkpoint_every=options.checkpoint_every, keep=keep,
+                        reset=reset, active=active)
 
 
 def scan_bwd(xp: Any, residuals: Residuals, inputs: Any, params: ConvParams,
              options: ScanOptions, g_reads: Any, g_h: Any, g_c: Any, *,
-             flow_params: ConvParams | None = None) -> tuple[Any, ...]:
+             flow_params: ConvParams | None = None, reset: Any = None, active: Any = None
+             ) -> tuple[Any, ...]:
     """VJP of :func:`scan_fwd` from its residuals: ``(d_h0, d_c0, d_inputs, d_params)``,
     ``d_inputs`` of the type of ``inputs``, plus ``d_flow_params`` when ``flow_params``
     is given. No validation; ``g_h, g_c`` are not modified."""
     warp = _shift_of(inputs) is not None
     d_h, d_c, d_inputs, d_params = scan_backward(
         xp, step_for(options, warp), _params(params, warp, flow_params), residuals, inputs,
-        g_reads, g_h, g_c, checkpoint_every=options.checkpoint_every)
+        g_reads, g_h, g_c, checkpoint_every=options.checkpoint_every, reset=reset,
+        active=active)
     if not warp:
         return d_h, d_c, d_inputs, d_params
     if flow_params is not None:
@@ -138,12 +142,12 @@ def scan_bwd(xp: Any, residuals: Residuals, inputs: Any, params: ConvParams,
 
 
 def _validate(h0, c0, inputs, params, update, window, eps, radius, method, checkpoint_every,
-              g_reads=None, g_h=None, g_c=None, flow_params=None):
+              g_reads=None, g_h=None, g_c=None, flow_params=None, reset=None, active=None):
     if not isinstance(inputs, (StepInputs, WarpInputs)):
         raise TypeError(f"inputs: expected a StepInputs or WarpInputs of (B, T, ...) arrays, "
                         f"got {type(inputs).__name__}")
     xp, params = validate_scan_inputs(h0, c0, *inputs[:4], params, 1, radius, g_reads, g_h,
-                                      g_c, eps=eps)
+                                      g_c, eps=eps, reset=reset, active=active)
     shift = _shift_of(inputs)
     if shift is not None:
         require_array("inputs.shift", shift)
@@ -177,7 +181,8 @@ def dynamic_memory_scan(h0: Any, c0: Any, inputs: Any, params: ConvParams, *,
                         update: str = "dense", window: int | None = None,
                         eps: float = DEFAULT_EPS, radius: float | None = None,
                         method: str = "fast", flow_params: ConvParams | None = None,
-                        checkpoint_every: int = 1) -> tuple[Any, Any, Any]:
+                        checkpoint_every: int = 1, reset: Any = None, active: Any = None
+                        ) -> tuple[Any, Any, Any]:
     """The chunk recurrence with the layer's options (see the module docstring).
 
     Parameters
@@ -195,6 +200,7 @@ def dynamic_memory_scan(h0: Any, c0: Any, inputs: Any, params: ConvParams, *,
     checkpoint_every : the backward's checkpoint interval ``k`` (an int >= 1, as in
         :func:`tmcore.memory_scan`; used by :func:`dynamic_memory_scan_vjp` with a warp):
         the state entering every ``k``-th step is kept and each segment replayed.
+    reset, active : the per-step row masks, bool ``(B, T)`` (:func:`tmcore.memory_scan`).
 
     Returns
     -------
@@ -202,9 +208,10 @@ def dynamic_memory_scan(h0: Any, c0: Any, inputs: Any, params: ConvParams, *,
     """
     xp, params, flow_params, options = _validate(h0, c0, inputs, params, update, window, eps,
                                                  radius, method, checkpoint_every,
-                                                 flow_params=flow_params)
+                                                 flow_params=flow_params, reset=reset,
+                                                 active=active)
     reads, h, c, _ = scan_fwd(xp, h0, c0, inputs, params, options, keep=False,
-                              flow_params=flow_params)
+                              flow_params=flow_params, reset=reset, active=active)
     return reads, h, c
 
 
@@ -212,8 +219,8 @@ def dynamic_memory_scan_vjp(h0: Any, c0: Any, inputs: Any, params: ConvParams, g
                             g_h: Any = None, g_c: Any = None, *, update: str = "dense",
                             window: int | None = None, eps: float = DEFAULT_EPS,
                             radius: float | None = None, method: str = "fast",
-                            flow_params: ConvParams | None = None, checkpoint_every: int = 1
-                            ) -> tuple[Any, ...]:
+                            flow_params: ConvParams | None = None, checkpoint_every: int = 1,
+                            reset: Any = None, active: Any = None) -> tuple[Any, ...]:
     """VJP of :func:`dynamic_memory_scan` for ``g_reads (B, T, C)`` and the final-state
     cotangents ``g_h, g_c (B, C, *S)`` (``None``: zero).
 
@@ -225,9 +232,9 @@ def dynamic_memory_scan_vjp(h0: Any, c0: Any, inputs: Any, params: ConvParams, g
     require_array("g_reads", g_reads)
     xp, params, flow_params, options = _validate(h0, c0, inputs, params, update, window, eps,
                                                  radius, method, checkpoint_every, g_reads,
-                                                 g_h, g_c, flow_params)
+                                                 g_h, g_c, flow_params, reset, active)
     _, _, _, residuals = scan_fwd(xp, h0, c0, inputs, params, options,
-                                  flow_params=flow_params)
+                                  flow_params=flow_params, reset=reset, active=active)
     g_h, g_c = zero_if_none(xp, h0, c0, g_h, g_c)
     return scan_bwd(xp, residuals, inputs, params, options, g_reads, g_h, g_c,
-                    flow_params=flow_params)
+                    flow_params=flow_params, reset=reset, active=active)
