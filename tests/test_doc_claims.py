@@ -7,6 +7,8 @@ What a page claims, and how it is checked:
   ``tmcore.adapters.jax`` / ``.hf``): the longest importable module prefix, then getattr;
 - an op ``torch.ops.tmcore.name`` or ``tmcore::name``: registered once the torch adapter is
   imported;
+- a module followed by names in parentheses (```tmcore.scan.options` (`scan_fwd`, ...)``):
+  each library name before the first ``:`` / ``;`` is an attribute of that module;
 - ``Class.attr`` of a library class: the class has it (a dataclass / NamedTuple field, a
   method, or an attribute its ``__init__`` sets);
 - a table row or bullet that starts with a library file (``| `tmcore/layer/plan.py` | ...``,
@@ -201,6 +203,28 @@ def op_names(text: str) -> set[str]:
     return {a or b for a, b in _OPS.findall(text)}
 
 
+_MODULE_LIST = re.compile(r"`(tmcore(?:\.\w+)+)`\s*\(([^()]*)\)")
+
+
+def module_members(text: str) -> set[str]:
+    """``module.name`` for each library name listed in parentheses after a module (a
+    name that is not the library's, or a module that does not resolve, is left to the
+    other rules)."""
+    import types
+
+    found = set()
+    for module, inside in _MODULE_LIST.findall(_prose(text)):
+        try:
+            if not isinstance(resolve(module), types.ModuleType):
+                continue
+        except (Missing, Unavailable, AttributeError, ModuleNotFoundError):
+            continue
+        for name in _identifiers(re.split(r"[:;]", inside)[0]):
+            if name.partition(".")[0] in defined_anywhere():
+                found.add(f"{module}.{name}")
+    return found
+
+
 def class_attributes(text: str) -> set[tuple[str, str]]:
     """``Class.attr`` spans whose class the library defines (torch's, JAX's are not ours)."""
     spans = {m.group(1) for m in _CODE_SPAN.finditer(_prose(text))}
@@ -310,7 +334,7 @@ def _check(page: Path, claims: set, check) -> tuple[list[str], list[str]]:
 @pytest.mark.parametrize("page", PAGES, ids=_rel)
 def test_named_modules_and_api_names_exist(page: Path) -> None:
     text = page.read_text()
-    missing, unchecked = _check(page, dotted_names(text), resolve)
+    missing, unchecked = _check(page, dotted_names(text) | module_members(text), resolve)
     more, skipped = _check(page, class_attributes(text),
                            lambda claim: resolve_class_attribute(*claim))
     assert not missing + more, "\n".join(missing + more)
@@ -364,6 +388,10 @@ def test_the_extractors_catch_a_stale_claim() -> None:
         "defined in adapters/torch/attach.py)"]
     assert holding_errors(path, "`TensorMemory` (a `MemoryHandle`)") == [
         "MemoryHandle does not appear in adapters/torch/modules.py"]
+    assert module_members("`tmcore.scan.warped` (`dynamic_memory_scan`: the scan)") == {
+        "tmcore.scan.warped.dynamic_memory_scan"}
+    with pytest.raises(Missing):
+        resolve("tmcore.scan.warped.dynamic_memory_scan")
     assert op_names("`tmcore::dynamic_scan` and `torch.ops.tmcore.memory_scan`") == {
         "dynamic_scan", "memory_scan"}
 
