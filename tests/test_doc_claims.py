@@ -7,14 +7,19 @@ What a page claims, and how it is checked:
   ``tmcore.adapters.jax`` / ``.hf``): the longest importable module prefix, then getattr;
 - an op ``torch.ops.tmcore.name`` or ``tmcore::name``: registered once the torch adapter is
   imported;
+- a table under a heading that names a module (``## `tmcore.layer` API``): the names of
+  each row's first cell are that module's (``.attr`` entries: of the row's class);
 - a module followed by names in parentheses (```tmcore.scan.options` (`scan_fwd`, ...)``):
   each library name before the first ``:`` / ``;`` is an attribute of that module;
 - ``Class.attr`` of a library class: the class has it (a dataclass / NamedTuple field, a
   method, or an attribute its ``__init__`` sets);
-- a table row or bullet that starts with a library file (``| `tmcore/layer/plan.py` | ...``,
+- ```file.py`'s `name``: the file defines or imports it; a table row or bullet that starts
+  with a library file (``| `tmcore/layer/plan.py` | ...``,
   ``- `modules.py`: ...`` under a heading naming ``adapters/torch/``): every library name
   it lists outside parentheses is defined or imported in that file, every one inside them
   appears in that file (these rows say where a thing lives);
+- ``python -m module``: the module exists; ``TMCORE_*``: a variable the code or the
+  Makefile reads;
 - a sentence that says the JAX scan unrolls its chunk loop: the jaxpr says it does not.
 
 The CHANGELOG is history (it names what was removed) and is not checked. Repository paths
@@ -225,6 +230,35 @@ def module_members(text: str) -> set[str]:
     return found
 
 
+def module_tables(text: str) -> set[str]:
+    """``module.name`` for the first-cell names of the tables under a heading naming a
+    module."""
+    import types
+
+    found: set[str] = set()
+    module = None
+    for line in _prose(text).splitlines():
+        if line.startswith("#"):
+            named = re.search(r"`(tmcore(?:\.\w+)*)`", line)
+            try:
+                module = named.group(1) if named and isinstance(
+                    resolve(named.group(1)), types.ModuleType) else None
+            except (Missing, Unavailable, AttributeError, ModuleNotFoundError):
+                module = named.group(1)  # a heading naming a module that does not exist
+            continue
+        if module is None or not line.startswith("|"):
+            continue
+        owner = None
+        for span in _CODE_SPAN.findall(line.split("|")[1]):
+            span = span.split("(")[0].strip()
+            if re.fullmatch(r"[A-Za-z_]\w*(\.\w+)?", span):
+                found.add(f"{module}.{span}")
+                owner = owner or span.partition(".")[0]
+            elif re.fullmatch(r"\.\w+", span) and owner:
+                found.add(f"{module}.{owner}{span}")
+    return found
+
+
 def class_attributes(text: str) -> set[tuple[str, str]]:
     """``Class.attr`` spans whose class the library defines (torch's, JAX's are not ours)."""
     spans = {m.group(1) for m in _CODE_SPAN.finditer(_prose(text))}
@@ -266,10 +300,16 @@ _HOLDER = re.compile(r"^\s*(?:\|\s*|[-*]\s+)`([\w/.-]+\.py)`\s*(?:\||:)(.*)$")
 _HEADING_FOLDER = re.compile(r"^#+ .*`((?:tmcore|backends|adapters)/[\w/]*)`")
 
 
+_POSSESSIVE = re.compile(r"`([\w/.-]+\.py)`'s\s+(`\w+`)")
+
+
 def holdings(text: str) -> list[tuple[str, str, int]]:
     """``(library file, what the row / bullet says it holds, line)`` of each table row or
-    bullet that starts with a file (a bullet goes on over its indented lines)."""
-    found, folder = [], ""
+    bullet that starts with a file (a bullet goes on over its indented lines), and of each
+    ```file.py`'s `name```."""
+    found = [(path, name, text[:m.start()].count("\n") + 1)
+             for m in _POSSESSIVE.finditer(_prose(text)) for path, name in [m.groups()]]
+    folder = ""
     lines = _prose(text).splitlines()
     for number, line in enumerate(lines, start=1):
         heading = _HEADING_FOLDER.match(line)
@@ -334,7 +374,8 @@ def _check(page: Path, claims: set, check) -> tuple[list[str], list[str]]:
 @pytest.mark.parametrize("page", PAGES, ids=_rel)
 def test_named_modules_and_api_names_exist(page: Path) -> None:
     text = page.read_text()
-    missing, unchecked = _check(page, dotted_names(text) | module_members(text), resolve)
+    missing, unchecked = _check(
+        page, dotted_names(text) | module_members(text) | module_tables(text), resolve)
     more, skipped = _check(page, class_attributes(text),
                            lambda claim: resolve_class_attribute(*claim))
     assert not missing + more, "\n".join(missing + more)
@@ -350,6 +391,11 @@ def test_every_page_is_read_and_names_are_found() -> None:
     assert ("TensorMemory", "forward") in set().union(
         *(class_attributes(p.read_text()) for p in PAGES))
     assert len([h for p in PAGES for h in holdings(p.read_text())]) >= 15
+    layer = (ROOT / "docs" / "LAYER.md").read_text()
+    assert {"tmcore.layer.Layer.heads", "tmcore.layer.doc_starts_from_offsets"} <= \
+        module_tables(layer)
+    assert ("adapters/jax/bridge.py", "`checkpoint_scan`") in {
+        h[:2] for h in holdings((ROOT / "docs" / "guides" / "architecture.md").read_text())}
 
 
 def test_named_ops_are_registered() -> None:
@@ -388,12 +434,33 @@ def test_the_extractors_catch_a_stale_claim() -> None:
         "defined in adapters/torch/attach.py)"]
     assert holding_errors(path, "`TensorMemory` (a `MemoryHandle`)") == [
         "MemoryHandle does not appear in adapters/torch/modules.py"]
+    assert module_tables("## `tmcore.layer` API\n\n| `Layer(config)`: `.scan` |") == {
+        "tmcore.layer.Layer", "tmcore.layer.Layer.scan"}
+    with pytest.raises(Missing):
+        resolve("tmcore.layer.Layer.scan")
     assert module_members("`tmcore.scan.warped` (`dynamic_memory_scan`: the scan)") == {
         "tmcore.scan.warped.dynamic_memory_scan"}
     with pytest.raises(Missing):
         resolve("tmcore.scan.warped.dynamic_memory_scan")
     assert op_names("`tmcore::dynamic_scan` and `torch.ops.tmcore.memory_scan`") == {
         "dynamic_scan", "memory_scan"}
+
+
+def test_named_commands_and_environment_variables_exist() -> None:
+    from tmcore.runtime.options import ENV_VARS
+
+    code = "\n".join([(ROOT / "Makefile").read_text(), *(
+        p.read_text() for folder in ("tmcore", "backends", "adapters", "tests")
+        for p in (ROOT / folder).rglob("*.py"))])
+    known = set(re.findall(r"\bTMCORE_\w+", code)) | set(ENV_VARS.values())
+    missing = []
+    for page in PAGES:
+        text = page.read_text()
+        missing += [f"{_rel(page)}: python -m {m}" for m in set(re.findall(
+            r"python -m ([\w.]+)", text)) if importlib.util.find_spec(m) is None]
+        missing += [f"{_rel(page)}: {v}" for v in set(re.findall(r"\bTMCORE_\w+", text))
+                    if v not in known]
+    assert not missing, missing
 
 
 _UNROLL = re.compile(r"[^.]*\bunroll\w*[^.]*\.", re.I)
