@@ -70,7 +70,8 @@ def render(result: dict) -> str:
     cpu = result["user_cpu_s"] + result["system_cpu_s"]
     return (f"`make test` took {_minutes(result['wall_s'])} ({_minutes(cpu)} of CPU time) at "
             f"commit {(result['commit'] or 'unknown')[:7]}, {result['workers']} workers on "
-            f"{result['machine'].split(';')[0]}: {counts.get('passed', 0):,} tests passed, "
+            f"{result['machine'].split(';')[0]} (load average {result['load_average_before']} "
+            f"before): {counts.get('passed', 0):,} tests passed, "
             f"{counts.get('skipped', 0):,} skipped (`benchmarks/results/suite_time.json`).")
 
 
