@@ -15,7 +15,8 @@ from tmcore.adapters.jax import bridge as _scan_mod
 from tmcore.adapters.jax.bridge import forward_mode_guard
 from tmcore.ops.sample import validate_sample_inputs
 from tmcore.ops.splat import DEFAULT_EPS, validate_splat_inputs
-from tmcore.runtime.validate import check_values, validation_enabled
+from tmcore.runtime.options import get_options
+from tmcore.runtime.validate import check_values
 from tmcore.scan.dense import DenseStep, validate_scan_inputs
 from tmcore.types import ConvParams, StepInputs
 
@@ -28,7 +29,7 @@ def _is_concrete(*arrays: Any) -> bool:
 
 def _check_values_eagerly(arrays: dict[str, Any]) -> None:
     """Validate mode: finite values, for arrays that are concrete (not under a trace)."""
-    if validation_enabled() and _is_concrete(*arrays.values()):
+    if get_options().validate and _is_concrete(*arrays.values()):
         check_values(jnp, arrays)
 
 

@@ -119,9 +119,9 @@ def test_torch_functional_scan_validates(ta, torch):
     # tmcore's validate mode reaches the functional scan (and only then reads values)
     nan_content = [*args[:5], torch.full((1, 4, C), float("nan")), params]
     ta.memory_scan(*nan_content)
-    with tmcore.validation(), pytest.raises(ValueError, match="write_content"):
+    with tmcore.options(validate=True), pytest.raises(ValueError, match="write_content"):
         ta.memory_scan(*nan_content)
-    with tmcore.validation(), pytest.raises(ValueError, match="write_sigma"):
+    with tmcore.options(validate=True), pytest.raises(ValueError, match="write_sigma"):
         ta.memory_scan(*args[:4], -torch.ones(1, 4), *args[5:])
     args[3] = torch.zeros(1, 4, 2)
     with pytest.raises(ValueError, match="write_coords"):

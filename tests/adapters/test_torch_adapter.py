@@ -684,7 +684,7 @@ def test_torch_compile_scan_validation_and_validate_mode():
         return tmt.memory_scan(*a[:6], ConvParams(*a[6:]), checkpoint_every=2)
 
     compiled = torch.compile(scan, backend="aot_eager", fullgraph=True)
-    with tmcore.validation():
+    with tmcore.options(validate=True):
         out = compiled(*args)
     for a, b in zip(out, scan(*args), strict=True):
         torch.testing.assert_close(a, b)

@@ -39,17 +39,15 @@ Values are exactly ``True``, ``False`` or ``None`` (``triton`` also the string
 (``ValueError`` for an unknown ``depthwise`` string), raised before anything
 changes.
 
-Three layers, innermost first:
+Two layers, innermost first:
 
 1. :func:`options` — local to the current thread / asyncio task (a context
    variable): ``tmcore.options(native=False)`` sets it for the rest of the
    current context; ``with tmcore.options(native=False): ...`` sets it inside
    the block and restores the previous value on exit. A new thread starts from
    the defaults.
-2. Process-wide settings (:func:`tmcore.set_validation` only, kept for
-   compatibility).
-3. The environment variables: ``0``, ``false``, ``no``, ``off`` (any case) mean
-   False, any other non-empty value True (``TMCORE_TRITON`` also takes
+2. The environment variables, which set the defaults: ``0``, ``false``, ``no``, ``off``
+   (any case) mean False, any other non-empty value True (``TMCORE_TRITON`` also takes
    ``auto``); unset or empty means the default above. They are read once, when
    tmcore is imported (every dispatch asks for the options, so they must cost a few
    dict lookups); after changing one in a running process, call
@@ -168,14 +166,11 @@ _EMPTY = _Local((), ())
 # Context-local overrides (a _Local).
 _LOCAL: contextvars.ContextVar[_Local] = contextvars.ContextVar("tmcore_options",
                                                                 default=_EMPTY)
-# Process-wide overrides (set_validation): field -> value, and the same as a cache key.
-_PROCESS: dict[str, Any] = {}
-_PROCESS_KEY: list[tuple] = [()]
-# (environment values, process overrides, local overrides) -> Options
+# (environment values, local overrides) -> Options
 _CACHE: dict[tuple, Options] = {}
 _WARNED: set[tuple[str, str]] = set()
-# (environment values, process key, local state, Options) of the last answer
-_LAST: list[tuple] = [(None, None, None, None)]
+# (environment values, local state, Options) of the last answer
+_LAST: list[tuple] = [(None, None, None)]
 
 
 def _parse_env(name: str, raw: str | None) -> Any:
@@ -239,9 +234,8 @@ def reload_environment() -> Options:
 def get_options() -> Options:
     """The options in effect in the current thread / asyncio task.
 
-    Each field is the innermost :func:`options` override, else the process-wide
-    setting (:func:`tmcore.set_validation`), else its environment variable,
-    else the default. The switches' environment variables are read once, at
+    Each field is the innermost :func:`options` override, else its environment
+    variable, else the default. The switches' environment variables are read once, at
     import: after changing one in a running process, call
     :func:`reload_environment`.
 
@@ -254,9 +248,9 @@ def get_options() -> Options:
     local = _LOCAL.get()
     env = _ENV[0]
     last = _LAST[0]  # the previous answer: most calls ask again under the same settings
-    if last[0] == env and last[1] is _PROCESS_KEY[0] and last[2] is local:
-        return last[3]
-    key = (env, _PROCESS_KEY[0], local.overrides)
+    if last[0] == env and last[1] is local:
+        return last[2]
+    key = (env, local.overrides)
     found = _CACHE.get(key)
     if found is None:
         values: dict[str, Any] = {}
@@ -264,13 +258,12 @@ def get_options() -> Options:
             parsed = _parse_env(name, raw)
             if parsed is not None:
                 values[name] = parsed
-        values.update(_PROCESS)
         values.update(local.overrides)
         found = Options(**values)
         if len(_CACHE) > 256:  # keys are few in practice; never let the cache grow unbounded
             _CACHE.clear()
         _CACHE[key] = found
-    _LAST[0] = (env, _PROCESS_KEY[0], local, found)
+    _LAST[0] = (env, local, found)
     return found
 
 
@@ -380,17 +373,6 @@ class options:  # noqa: N801  (a function-like name: it is called, rarely instan
 
     def __repr__(self) -> str:
         return f"tmcore.options -> {get_options()!r}"
-
-
-def set_process_option(name: str, value: Any) -> None:
-    """Process-wide override of one option (``None``: back to the environment); the
-    innermost :func:`options` still wins. Used by :func:`tmcore.set_validation`."""
-    value = _check(name, value)
-    if value is None:
-        _PROCESS.pop(name, None)
-    else:
-        _PROCESS[name] = value
-    _PROCESS_KEY[0] = tuple(sorted(_PROCESS.items()))
 
 
 def _warn_bad_env() -> None:

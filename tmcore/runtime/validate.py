@@ -10,26 +10,22 @@ Two tiers (docs/guides/errors-and-cache.md):
   :func:`check_values` / :func:`check_positive`.
 - **Validate mode** (reads array values, so it synchronizes with the device):
   every array argument finite, every ``sigma`` > 0. Off by default; on with
-  ``tmcore.options(validate=True)`` (also a context manager; older names:
-  ``with tmcore.validation(): ...``, and process-wide
-  ``tmcore.set_validation(True)``) or the environment variable
-  ``TMCORE_VALIDATE=1``. Values that are not concrete
-  (under ``jax.jit`` / ``vmap`` tracing, torch meta or fake tensors) are not
-  checked even then.
+  ``tmcore.options(validate=True)`` (its default: ``TMCORE_VALIDATE``). Values that are
+  not concrete (under ``jax.jit`` / ``vmap`` tracing, torch meta or fake tensors) are
+  not checked even then.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 import numbers
 import operator
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import array_api_compat
 
-from tmcore.runtime.options import ENV_VARS, get_options, options, set_process_option
+from tmcore.runtime.options import get_options
 from tmcore.types import device_of
 
 __all__ = [
@@ -49,17 +45,10 @@ __all__ = [
     "check_positive",
     "require_array",
     "check_namespace",
-    "validation",
-    "set_validation",
-    "validation_enabled",
-    "VALIDATE_ENV_VAR",
     "OPTIONAL_ARRAYS",
 ]
 
 MAX_SPATIAL_RANK = 4
-
-#: Environment variable switching validate mode on (any value but "", "0").
-VALIDATE_ENV_VAR = ENV_VARS["validate"]
 
 #: Argument names :func:`namespace_of` lets be ``None``: the cotangents, which the
 #: shared forward/VJP validators leave out for the forward. A public VJP whose
@@ -68,71 +57,6 @@ OPTIONAL_ARRAYS = frozenset({"g", "g_reads", "g_h", "g_c"})
 
 
 # --------------------------------------------------------------------------- validate mode
-
-
-def validation_enabled() -> bool:
-    """Whether validate mode is on (``tmcore.get_options().validate``).
-
-    Returns
-    -------
-    bool
-        The innermost :func:`tmcore.options` / :func:`validation` setting, else
-        :func:`set_validation`'s, else the environment variable
-        ``TMCORE_VALIDATE``, else False.
-    """
-    return get_options().validate
-
-
-def set_validation(enabled: bool | None) -> None:
-    """Switch validate mode on or off for the whole process.
-
-    A :func:`validation` or :func:`tmcore.options` block overrides it locally.
-
-    Parameters
-    ----------
-    enabled : bool or None
-        True or False for validate mode in every thread; ``None`` returns to
-        the environment variable ``TMCORE_VALIDATE`` (else off).
-
-    Raises
-    ------
-    TypeError
-        If ``enabled`` is not exactly True, False or None.
-    """
-    if enabled is not None and not isinstance(enabled, bool):
-        raise TypeError(f"enabled: expected True, False or None, got {enabled!r}")
-    set_process_option("validate", enabled)
-
-
-@contextlib.contextmanager
-def validation(enabled: bool = True) -> Iterator[None]:
-    """Context manager: validate mode on (or, with ``enabled=False``, off) inside.
-
-    The older name of ``tmcore.options(validate=enabled)``: local to the current
-    thread / asyncio task. In validate mode every public function also checks
-    that its array arguments are finite (no NaN or inf) and that ``sigma`` is
-    > 0; each check reads the values back to the host.
-
-    Parameters
-    ----------
-    enabled : bool, default True
-        Validate mode inside the block.
-
-    Yields
-    ------
-    None
-        Control, with validate mode set, until the block exits (the previous
-        setting is restored then).
-
-    Raises
-    ------
-    TypeError
-        If ``enabled`` is not exactly True or False.
-    """
-    if not isinstance(enabled, bool):
-        raise TypeError(f"enabled: expected True or False, got {enabled!r}")
-    with options(validate=enabled):
-        yield
 
 
 def _concrete_bool(value: Any) -> bool | None:
@@ -146,7 +70,7 @@ def _concrete_bool(value: Any) -> bool | None:
 
 def check_values(xp: Any, arrays: dict[str, Any]) -> None:
     """Validate mode only: raise ``ValueError`` naming the first array that holds NaN or inf."""
-    if not validation_enabled():
+    if not get_options().validate:
         return
     for name, value in arrays.items():
         if value is None:
@@ -162,7 +86,7 @@ def check_values(xp: Any, arrays: dict[str, Any]) -> None:
 
 def check_positive(xp: Any, name: str, value: Any) -> None:
     """Validate mode only: raise ``ValueError`` unless every entry of ``value`` is > 0."""
-    if not validation_enabled() or math.prod(value.shape) == 0:
+    if not get_options().validate or math.prod(value.shape) == 0:
         return
     positive = _concrete_bool(xp.all(value > 0))
     if positive is False:
