@@ -60,6 +60,8 @@ from tmcore.ops.sample import validate_sample_inputs
 from tmcore.ops.splat import validate_splat_inputs
 from tmcore.runtime.dispatch import ops_for
 from tmcore.runtime.options import get_options, options
+from tmcore.runtime.sizes import check_scan
+from tmcore.runtime.validate import check_positive, check_values
 from tmcore.scan.base import scan_backward, scan_forward
 from tmcore.scan.dense import memory_scan_bwd, memory_scan_fwd, validate_scan_inputs
 from tmcore.scan.options import ScanOptions, check_options, check_scan_bytes, step_for
@@ -73,6 +75,7 @@ __all__ = [
     "TrilinearSampleFunction",
     "call",
     "convlstm_step_op",
+    "dense_scan",
     "gaussian_splat_op",
     "memory_scan_op",
     "trilinear_sample_op",
@@ -743,4 +746,35 @@ def option_scan(options: ScanOptions, h0: Tensor, c0: Tensor, inputs: Any,
                          inputs.read_coords.shape[1], options.checkpoint_every, keep,
                          flow_params is not None)
     out = call(made.function, made.op, *tensors, *options, keep, reset, active)
+    return out[0], out[1], out[2]
+
+
+#: ``checkpoint_every`` of a scan that needs no backward: larger than any ``T``, so only
+#: the initial state is kept (``ceil(T / k) = 1``)
+NO_GRAD_CHECKPOINT_EVERY = 2**31 - 1
+
+
+def dense_scan(h0: Tensor, c0: Tensor, inputs: Any, params: ConvParams, *, eps: float,
+               radius: float | None, checkpoint_every: int, reset: Tensor | None = None,
+               active: Tensor | None = None, validated: bool = False
+               ) -> tuple[Tensor, Tensor, Tensor]:
+    """The paper's scan with autograd (``tmcore::memory_scan``): ``(reads (B, T, C), h_T,
+    c_T)``. ``validated``: the inputs are a layer's heads (shapes known), so only the size
+    gate and validate mode's value checks run; else :func:`validate_scan_inputs`. Without
+    a gradient only the initial state is kept."""
+    tensors = (h0, c0, *inputs, *params)
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    if not torch.compiler.is_compiling():  # (Dynamo cannot trace the checks)
+        if validated:
+            check_values(XP, inputs._asdict())
+            check_positive(XP, "write_sigma", inputs.write_sigma)
+            check_scan(XP, h0, inputs.read_coords.shape[1], checkpoint_every, grad)
+        else:
+            validate_scan_inputs(h0, c0, *inputs, params, checkpoint_every, radius, eps=eps,
+                                 backward=grad, reset=reset, active=active)
+    # one checkpoint whatever T without a backward: a constant, so that a compiled no_grad
+    # call does not specialize on (and recompile for) each length
+    every = int(checkpoint_every) if grad else NO_GRAD_CHECKPOINT_EVERY
+    out = call(MemoryScanFunction, memory_scan_op, *tensors, float(eps),
+               None if radius is None else float(radius), every, reset, active, validated=True)
     return out[0], out[1], out[2]

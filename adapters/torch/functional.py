@@ -14,8 +14,7 @@ from tmcore.adapters.torch import bridge
 from tmcore.ops.conv import as_conv_params
 from tmcore.ops.sample import validate_sample_inputs
 from tmcore.ops.splat import DEFAULT_EPS, validate_splat_inputs
-from tmcore.scan.dense import validate_scan_inputs
-from tmcore.types import ConvParams
+from tmcore.types import ConvParams, StepInputs
 
 __all__ = ["doc_starts_from_offsets", "gaussian_splat", "memory_scan", "option_scan",
            "trilinear_sample"]
@@ -102,15 +101,6 @@ def gaussian_splat(
                        None if radius is None else float(radius), validated=validated)
 
 
-#: ``checkpoint_every`` of a scan that needs no backward: larger than any ``T``, so only
-#: the initial state is kept (``ceil(T / k) = 1``)
-_NO_GRAD_CHECKPOINT_EVERY = 2**31 - 1
-
-
-def _needs_grad(*tensors: Tensor) -> bool:
-    return torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in tensors)
-
-
 def memory_scan(
     h0: Tensor, c0: Tensor, read_coords: Tensor, write_coords: Tensor, write_sigma: Tensor,
     write_content: Tensor, params: ConvParams, *, eps: float = DEFAULT_EPS,
@@ -170,23 +160,10 @@ def memory_scan(
         If the shapes do not fit, a size option is out of range, or (validate
         mode) a value is not finite or ``write_sigma <= 0``.
     """
-    params = as_conv_params(params)
-    tensors = (h0, c0, read_coords, write_coords, write_sigma, write_content, *params)
-    grad = _needs_grad(*tensors)
-    if not torch.compiler.is_compiling():  # Dynamo cannot trace the validator's ContextVar
-        validate_scan_inputs(h0, c0, read_coords, write_coords, write_sigma, write_content,
-                             params, checkpoint_every, radius, eps=eps, backward=grad,
+    return bridge.dense_scan(h0, c0, StepInputs(read_coords, write_coords, write_sigma,
+                                                write_content), as_conv_params(params),
+                             eps=eps, radius=radius, checkpoint_every=checkpoint_every,
                              reset=reset, active=active)
-    if not grad:
-        # one checkpoint (h0, c0) whatever T: a constant, not T itself, so that a compiled
-        # no_grad call does not specialize on (and recompile for) each sequence length
-        checkpoint_every = _NO_GRAD_CHECKPOINT_EVERY
-    reads, h, c, _, _ = bridge.call(
-        bridge.MemoryScanFunction, bridge.memory_scan_op, *tensors,
-        float(eps), None if radius is None else float(radius), int(checkpoint_every), reset,
-        active, validated=True,  # checked above (the op's eager forward would check them again)
-    )
-    return reads, h, c
 
 
 #: The layer's scan with its options beyond the paper (``update="local"``,

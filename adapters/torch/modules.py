@@ -15,7 +15,7 @@ from torch import Tensor, nn
 
 from tmcore import layer as tl
 from tmcore.adapters.torch import bridge
-from tmcore.adapters.torch.functional import memory_scan, option_scan
+from tmcore.adapters.torch.functional import option_scan
 from tmcore.adapters.torch.tuners import computed, fold_tuned
 from tmcore.ops.splat import DEFAULT_EPS
 from tmcore.runtime.validate import check_finite, check_flag, check_int
@@ -574,9 +574,9 @@ class TensorMemory(nn.Module):
             return option_scan(scan_options(config), h0, c0, inputs, self.cell.params(),
                                self.warp_flow.params() if config.flow else None,
                                reset=reset, active=active)
-        return memory_scan(h0, c0, *inputs, self.cell.params(), eps=config.eps,
-                           radius=config.radius, checkpoint_every=config.checkpoint_every,
-                           reset=reset, active=active)
+        return bridge.dense_scan(h0, c0, inputs, self.cell.params(), eps=config.eps,
+                                 radius=config.radius, checkpoint_every=config.checkpoint_every,
+                                 reset=reset, active=active, validated=True)
 
     def forward(
         self, x: Tensor, state: Any = None, *, reset: Tensor | None = None,

@@ -14,8 +14,9 @@ from typing import Any
 import torch
 
 from tmcore.backends.fused import untraced
+from tmcore.runtime.options import get_options
 
-from .build import ENV_VAR, enabled, library
+from .build import ENV_VAR, library
 
 __all__ = ["Kernels", "kernels_for", "plain", "ptr", "offset", "shape_arg", "call"]
 
@@ -23,6 +24,7 @@ __all__ = ["Kernels", "kernels_for", "plain", "ptr", "offset", "shape_arg", "cal
 Kernels = tuple[ctypes.CDLL, str]
 
 _SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
+_LIBRARY: list[ctypes.CDLL] = []
 _EINDEX = 2  # a box kernel's status for a box outside its grid (other nonzero: no memory)
 
 
@@ -31,7 +33,7 @@ def kernels_for(*tensors: torch.Tensor) -> Kernels | None:
     tensors of one dtype, untraced (:func:`tmcore.backends.fused.untraced`), the
     ``native`` option on and the library built; else ``None``. Negative / conjugate
     views and ZeroTensors are materialized by :func:`plain` at the call."""
-    if not enabled():
+    if not get_options().native:
         return None
     suffix = _SUFFIX.get(tensors[0].dtype)
     if suffix is None or not untraced(tensors):
@@ -39,8 +41,11 @@ def kernels_for(*tensors: torch.Tensor) -> Kernels | None:
     if any(t.device.type != "cpu" or t.layout != torch.strided or t.is_nested
            for t in tensors):
         return None
-    lib = library()
-    return None if lib is None else (lib, suffix)
+    lib = _LIBRARY[0] if _LIBRARY else library()
+    if lib is None:
+        return None
+    _LIBRARY[:] = [lib]  # (built once: later calls skip the build module)
+    return lib, suffix
 
 
 def plain(t: torch.Tensor) -> torch.Tensor:

@@ -35,7 +35,7 @@ def _per_phase(memory: TensorMemory, rounds: int, grad: bool) -> dict[int, list[
     """Ops of each decode step, by the count the step starts from (from the second chunk
     of decode steps on: each takes the state the previous one made; the first step, from
     the prefill's state, checks it and reads the output out again, and the first write
-    of a process caches its grid's cell centres, :mod:`tmcore.backends.torch.splat`)."""
+    of a process caches its grid's cell centres, :mod:`tmcore.backends.torch.scan`)."""
     torch.manual_seed(1)
     tokens = torch.randn(4, L * rounds, 64)
     counts: dict[int, list[int]] = {}
