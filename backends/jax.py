@@ -506,22 +506,23 @@ def native_conv_bwd(xp: Any, residuals: _NativeConvResiduals, params: ConvParams
 
 
 _FORWARD_MODE = (
-    "tmcore on JAX arrays: forward-mode differentiation (jax.jvp, jax.jacfwd, jax.hessian, "
-    "jax.linearize) cannot go through the fused CPU kernels, which register reverse-mode "
-    "rules only (jax.custom_vjp). For forward mode turn them off: "
-    "tmcore.options(native=False) or TMCORE_NATIVE=0 (JAX then differentiates the generic "
-    "math itself); else use jax.grad / jax.vjp / jax.jacrev.")
+    "{what}: forward-mode differentiation (jax.jvp, jax.jacfwd, jax.hessian, "
+    "jax.linearize) is not available: tmcore registers hand-written reverse-mode rules "
+    "(jax.custom_vjp). Use jax.grad / jax.vjp / jax.jacrev (for second order "
+    "jax.jacrev(jax.jacrev(f)) instead of jax.hessian), or, for forward mode through "
+    "tmcore's functions, turn the fused kernels off (tmcore.options(native=False) or "
+    "TMCORE_NATIVE=0): JAX then differentiates the generic math itself.")
 
 
-def forward_mode_guard(call: Callable[[], Any], message: str = _FORWARD_MODE) -> Any:
+def forward_mode_guard(call: Callable[[], Any], what: str = "tmcore on JAX arrays") -> Any:
     """``call()`` (a fused kernel, or an adapter's custom_vjp), with JAX's bare
-    custom_vjp forward-mode error turned into ``message``, which says what to do."""
+    custom_vjp forward-mode error turned into tmcore's, naming ``what``."""
     try:
         return call()
     except TypeError as error:
         text = str(error)
         if "custom_vjp" in text and ("forward-mode" in text or "jvp" in text):
-            raise TypeError(message) from error
+            raise TypeError(_FORWARD_MODE.format(what=what)) from error
         raise
 
 

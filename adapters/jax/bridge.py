@@ -52,22 +52,10 @@ def options_key() -> Options:
     return get_options()
 
 
-# --------------------------------------------------------------------------- forward mode
-
-_FORWARD_MODE_HINT = (
-    "{what}: forward-mode differentiation (jax.jvp, jax.jacfwd, jax.hessian, "
-    "jax.linearize) is not available: tmcore registers hand-written reverse-mode rules "
-    "(jax.custom_vjp). Use jax.grad / jax.vjp / jax.jacrev (for second order "
-    "jax.jacrev(jax.jacrev(f)) instead of jax.hessian), or, for forward mode, call the raw "
-    "functions tmcore.trilinear_sample / tmcore.gaussian_splat / tmcore.memory_scan on "
-    "jax arrays with the fused kernels off (tmcore.options(native=False) or "
-    "TMCORE_NATIVE=0), which jax differentiates itself."
-)
-
-
 def forward_mode_guard(what: str, call: Callable[[], Any]) -> Any:
-    """``call()``, turning JAX's bare custom_vjp forward-mode error into one naming tmcore."""
-    return _guard(call, _FORWARD_MODE_HINT.format(what=what))
+    """``call()``, with JAX's bare custom_vjp forward-mode error turned into tmcore's,
+    naming ``what`` (:func:`tmcore.backends.jax.forward_mode_guard`)."""
+    return _guard(call, what)
 
 
 # --------------------------------------------------------------------------- primitives
@@ -337,7 +325,10 @@ def _per_shard(static: ScanStatic, axes: tuple[str, ...], params, xs, h0, c0, ma
     def local(params_, xs_, h_, c_, *masks_):
         return checkpoint_scan(static, params_, xs_, h_, c_, *masks_)
 
-    extra = () if masks is None else (masks,)  # (T, B) each, like the inputs
+    # the masks (T, B) each, sharded like the inputs (a grid's masks may be made replicated)
+    steps_rows = jax.sharding.NamedSharding(mesh, steps_batch)
+    extra = () if masks is None else (jax.tree.map(lambda m: jax.reshard(m, steps_rows),
+                                                   masks),)
     return jax.shard_map(local, mesh=mesh,
                          in_specs=(replicated, steps_batch, batch, batch,
                                    *((steps_batch,) * len(extra))),

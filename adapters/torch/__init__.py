@@ -58,7 +58,6 @@ from tmcore.adapters.torch.functional import (
 )
 from tmcore.adapters.torch.modules import (
     ConvLSTMCell,
-    GatedMemoryResidual,
     MemoryResidual,
     TensorMemory,
     WarpFlow,
@@ -66,7 +65,6 @@ from tmcore.adapters.torch.modules import (
 
 __all__ = [
     "ConvLSTMCell",
-    "GatedMemoryResidual",
     "MODES",
     "MemoryHandle",
     "MemoryResidual",

@@ -57,7 +57,9 @@ import torch
 from torch import Tensor, nn
 
 from tmcore import layer as tl
+from tmcore.adapters.torch.bridge import XP as _XP
 from tmcore.adapters.torch.modules import MemoryResidual, TensorMemory
+from tmcore.runtime.validate import check_bool_mask
 
 __all__ = ["ATTRIBUTE", "MemoryHandle", "attach_memory", "blocks_of", "detach_memory",
            "detach_state"]
@@ -98,13 +100,6 @@ def detach_state(state: Any) -> Any:
                               state.count, state.read.detach())
     return type(state)(detach_state(s) for s in state) if isinstance(state, tuple) \
         else [detach_state(s) for s in state]
-
-
-def _require_bool(name: str, value: Any, shape: str) -> None:
-    """``TypeError`` naming ``name`` unless ``value`` is a bool tensor."""
-    if not isinstance(value, Tensor) or value.dtype != torch.bool:
-        got = value.dtype if isinstance(value, Tensor) else type(value).__name__
-        raise TypeError(f"{name}: expected a bool tensor of shape {shape}, got {got}")
 
 
 def _compiling() -> bool:
@@ -455,7 +450,7 @@ class MemoryHandle:
         if mask is None:
             self.state, self._reset, self._doc_starts, self._valid = None, None, None, None
             return
-        _require_bool("mask", mask, "(B,)")
+        check_bool_mask(_XP, mask, "mask", "(B,)", None)
         self._reset = mask if self._reset is None else (self._reset | mask)
 
     def start_documents(self, doc_starts: Tensor) -> None:
@@ -480,7 +475,7 @@ class MemoryHandle:
         if self.mode != "causal":
             raise ValueError(f"doc_starts: packed documents need mode='causal', "
                              f"this handle is {self.mode!r}")
-        _require_bool("doc_starts", doc_starts, "(B, N)")
+        check_bool_mask(_XP, doc_starts, "doc_starts", "(B, N)", None)
         self._doc_starts = doc_starts
 
     def set_valid(self, valid: Tensor | None) -> None:

@@ -386,11 +386,14 @@ def _make_op(spec: OpSpec) -> MadeOp:
             if g is None and key not in zeros:
                 zeros[key] = torch.zeros(like[0], dtype=like[1], device=like[2])
             filled.append(zeros[key] if g is None else g.contiguous())
+        # the forward checked the primals, autograd shapes the cotangents like the outputs:
+        # the backward checks nothing again
         with options(**dataclasses.asdict(ctx.tm_options)):
             if torch.compiler.is_compiling():
                 grads = backward_op(*primals, *residuals, *filled, *ctx.statics)
             else:
-                grads = backward_function.apply(*primals, *residuals, *filled, *ctx.statics)
+                grads = _run(backward_function.apply,
+                             (*primals, *residuals, *filled, *ctx.statics), True)
         return (*grads, *([None] * n_statics))
 
     def backward_setup(ctx, inputs, output):
@@ -447,7 +450,8 @@ def _sample_forward(primals, statics):
 
 def _sample_backward(primals, residuals, cotangents, statics):
     volume, coords = primals
-    validate_sample_inputs(volume, coords, cotangents[0])
+    if not _VALIDATED.get():  # a direct call of the backward op (autograd's are checked)
+        validate_sample_inputs(volume, coords, cotangents[0])
     return ops_for(_XP).sample_bwd(_XP, volume, coords, cotangents[0])
 
 
@@ -470,7 +474,8 @@ def _splat_forward(primals, statics):
 
 def _splat_backward(primals, residuals, cotangents, statics):
     shape, eps, radius = statics
-    validate_splat_inputs(*primals, shape, cotangents[0], radius=radius, eps=eps)
+    if not _VALIDATED.get():
+        validate_splat_inputs(*primals, shape, cotangents[0], radius=radius, eps=eps)
     return ops_for(_XP).splat_bwd(_XP, *primals, tuple(shape), cotangents[0], eps, radius)
 
 
@@ -535,9 +540,10 @@ def _check_residuals(primals: Sequence[Tensor], residuals: Sequence[Tensor],
 
 def _scan_backward(primals, residuals, cotangents, statics):
     eps, radius, checkpoint_every, reset, active = statics
-    validate_scan_inputs(*primals[:6], ConvParams(*primals[6:]), checkpoint_every, radius,
-                         *cotangents, eps=eps, reset=reset, active=active)
-    _check_residuals(primals, residuals, checkpoint_every)
+    if not _VALIDATED.get():
+        validate_scan_inputs(*primals[:6], ConvParams(*primals[6:]), checkpoint_every, radius,
+                             *cotangents, eps=eps, reset=reset, active=active)
+        _check_residuals(primals, residuals, checkpoint_every)
     grads = memory_scan_bwd(_XP, *primals[2:6], ConvParams(*primals[6:]), *residuals,
                             *cotangents, eps=eps, radius=radius,
                             checkpoint_every=checkpoint_every, reset=reset, active=active)

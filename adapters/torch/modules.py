@@ -22,7 +22,7 @@ from tmcore.runtime.validate import check_finite, check_flag, check_int
 from tmcore.scan.options import scan_options
 from tmcore.types import ConvParams
 
-__all__ = ["ConvLSTMCell", "GatedMemoryResidual", "MemoryResidual", "TensorMemory", "WarpFlow"]
+__all__ = ["ConvLSTMCell", "MemoryResidual", "TensorMemory", "WarpFlow"]
 
 State = tuple[Tensor, Tensor]
 _XP = bridge.XP
@@ -648,9 +648,7 @@ class TensorMemory(nn.Module):
 class MemoryResidual(nn.Module):
     """Gated residual ``x + sigmoid(gate) * memory(norm(x))`` around a Tensor Memory.
 
-    The gate is stored with shape ``(1,)`` (FSDP shards no 0-dim parameter);
-    checkpoints saved with the older 0-dim gate still load.
-    :class:`GatedMemoryResidual` is the same class (the JAX adapter's name).
+    The gate is stored with shape ``(1,)`` (FSDP shards no 0-dim parameter).
 
     Parameters
     ----------
@@ -696,15 +694,6 @@ class MemoryResidual(nn.Module):
         self.norm = norm
         self.gate = nn.Parameter(torch.full(tl.GATE_SHAPE, gate_init, **kw))
 
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
-                              unexpected_keys, error_msgs):
-        key = prefix + "gate"
-        value = state_dict.get(key)
-        if isinstance(value, Tensor) and value.dim() == 0:  # saved before the gate was (1,)
-            state_dict = {**state_dict, key: value.reshape(tl.GATE_SHAPE)}
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
-                                      unexpected_keys, error_msgs)
-
     def forward(
         self, x: Tensor, state: Any = None, *, reset: Tensor | None = None,
         doc_starts: Tensor | None = None, valid: Tensor | None = None, stream: bool = True,
@@ -741,9 +730,6 @@ class MemoryResidual(nn.Module):
                                  valid=valid, stream=stream)
         return x + torch.sigmoid(self.gate) * out, state
 
-
-# The same class under the JAX adapter's older name (both adapters have both names).
-GatedMemoryResidual = MemoryResidual
 
 
 def _require_torch(state: Any, reset: Any) -> None:

@@ -56,7 +56,7 @@ def scratch(name: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tens
 
 _HUGE = 1 << 21  # a transparent huge page (x86-64, arm64 with 4 KiB pages)
 #: Buffers below this many bytes are not pooled: a fresh one costs less than a search
-_SMALL = 1 << 16
+_SMALL = 1 << 18
 _MADV_HUGEPAGE = 14
 
 

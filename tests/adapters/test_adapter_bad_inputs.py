@@ -349,19 +349,15 @@ def test_torch_small_items(ta, torch):
         tmcore.factorized_conv(torch.randn(1, 4, 3, 3, dtype=torch.float64), params)
 
 
-def test_torch_gate_is_one_dimensional_and_old_checkpoints_load(ta, torch):
+def test_torch_gate_is_one_dimensional_and_a_0_dim_gate_is_refused(ta, torch):
     residual = ta.MemoryResidual(_memory(ta, torch), gate_init=-2.0)
     assert residual.gate.shape == (1,)
     old = residual.state_dict()
-    old["gate"] = torch.tensor(1.5)  # a checkpoint saved with the 0-dim gate
+    old["gate"] = torch.tensor(1.5)  # the 0-dim gate of 0.1's checkpoints: no longer read
     fresh = ta.MemoryResidual(_memory(ta, torch, seed=3))
-    missing, unexpected = fresh.load_state_dict(old, strict=True)
-    assert not missing and not unexpected and fresh.gate.shape == (1,)
-    assert fresh.gate.item() == 1.5
-    x = torch.randn(2, 8, D)
-    y, _ = fresh(x)
-    out, _ = fresh.memory(fresh.norm(x))
-    torch.testing.assert_close(y, x + torch.sigmoid(torch.tensor(1.5)) * out)
+    with pytest.raises(RuntimeError, match="size mismatch for gate"):
+        fresh.load_state_dict(old, strict=True)
+    assert fresh.gate.item() == 0.0
 
 
 def test_torch_no_grad_scan_keeps_no_checkpoints(ta, torch, monkeypatch):

@@ -240,10 +240,9 @@ def test_frameworks_agree_on_the_same_parameters():
 # --------------------------------------------------------------------------- one vocabulary
 
 @pytest.mark.parametrize("module", ["torch", "jax"])
-def test_both_adapters_name_the_gated_residual_both_ways(module):
-    # the torch adapter's MemoryResidual and the JAX adapter's GatedMemoryResidual are
-    # one noun: each adapter exports both names, for one class
+def test_both_adapters_name_the_gated_residual_one_way(module):
+    # one noun in both adapters: MemoryResidual (0.1's GatedMemoryResidual is gone)
     pytest.importorskip(module, reason=f"{module} is not installed")
     adapter = pytest.importorskip(f"tmcore.adapters.{module}")
-    assert {"MemoryResidual", "GatedMemoryResidual"} <= set(adapter.__all__)
-    assert adapter.GatedMemoryResidual is adapter.MemoryResidual
+    assert "MemoryResidual" in adapter.__all__
+    assert not hasattr(adapter, "GatedMemoryResidual")

@@ -322,10 +322,13 @@ class Layer:
                                active=active)
             out = unchunk(xp, self.read_out(xp, params, reads), tokens, length)
             left = tokens - full * length
-            pending = (chunk(xp, x[:, full * length:, :], length)[:, 0] if left
-                       else xp.zeros_like(st.pending))
-            read = reads[:, full, :] if left else xp.zeros_like(st.read)
-            return out, StreamState(h, c, pending, xp.full_like(st.count, left), read)
+            if left:
+                return out, StreamState(h, c, chunk(xp, x[:, full * length:, :], length)[:, 0],
+                                        xp.full_like(st.count, left), reads[:, full, :])
+            if isinstance(state, StreamState):  # (else: the empty chunk stream_state made)
+                st = st._replace(pending=xp.zeros_like(st.pending),
+                                 read=xp.zeros_like(st.read))
+            return out, st._replace(h=h, c=c)
         kept = tokens if valid is None else _most(host_values(xp.sum(
             xp.astype(valid, st.count.dtype), axis=1)), tokens)
         steps = plan_steps(kept, length, length - 1 if known is None else max(known),

@@ -124,7 +124,7 @@ def plan_stream(xp: Any, x: Any, count: Any, pending: Any, valid: Any, starts: A
     forget = reset = None
     if starts is None:  # one document: chunk t is stream positions [tL, (t+1)L)
         total = (end + length - 1) // length
-        begin = xp.broadcast_to(t * length, (batch, steps))
+        begin = (end * 0)[:, None] + t * length  # (derived from a row array: its sharding)
         stop = xp.broadcast_to(end[:, None], (batch, steps))
         chunk_of = (count[:, None] + j) // length                       # by kept token
     else:

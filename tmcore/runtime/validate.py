@@ -309,14 +309,17 @@ def check_flag(name: str, value: Any) -> bool:
 
 
 def check_bool_mask(xp: Any, value: Any, name: str, axes: str,
-                        shape: tuple[int, ...], hint: str = "") -> None:
-    """Raise unless ``value`` is a bool array of ``shape`` (named ``axes``, e.g. ``"(B,)"``):
-    ``TypeError`` for a non-array or another dtype, ``ValueError`` for another shape."""
-    expected = f"of shape {axes} = ({', '.join(map(str, shape))}{',' if len(shape) == 1 else ''})"
+                    shape: tuple[int, ...] | None, hint: str = "") -> None:
+    """Raise unless ``value`` is a bool array of ``shape`` (named ``axes``, e.g. ``"(B,)"``;
+    ``None``: any): ``TypeError`` for a non-array or another dtype, ``ValueError`` for
+    another shape."""
+    expected = f"of shape {axes}" + ("" if shape is None else
+                                     f" = ({', '.join(map(str, shape))}"
+                                     f"{',' if len(shape) == 1 else ''})")
     if not array_api_compat.is_array_api_obj(value):
         raise TypeError(f"{name}: expected a bool array {expected}, got {type(value).__name__}")
     check_namespace(xp, name, value, f"a bool array {expected}")
     if not xp.isdtype(value.dtype, "bool"):
         raise TypeError(f"{name}: expected a bool mask {expected}, got dtype {value.dtype}{hint}")
-    if tuple(value.shape) != shape:
+    if shape is not None and tuple(value.shape) != shape:
         raise ValueError(f"{name}: expected a bool mask {expected}, got {tuple(value.shape)}")
