@@ -1,29 +1,12 @@
-"""The ONE scan loop: ``T`` chunk steps forward, and their VJP backward, for any :class:`Step`.
+"""The ONE scan loop: ``T`` chunk steps of any :class:`Step` forward, and their VJP backward.
 
-A step (:mod:`tmcore.scan.dense`, :mod:`tmcore.scan.local`, :mod:`tmcore.scan.warped`)
-says how one chunk reads, writes and updates the state ``(h, c)`` of shape
-``(B, C, *S)``, and how it is differentiated; this module runs it over the ``T`` chunks
-and keeps what the backward needs, by the step's residual policy:
-
-- ``"checkpoint"``: the state entering every ``checkpoint_every``-th step,
-  ``ceil(T / k)`` states; the backward replays each segment from its checkpoint (the
-  forward's operations, so the same bits) and then runs each step's VJP in reverse;
-- ``"log"``: a per-step log the step returns (the local update's undo log: the boxes
-  it overwrote), stacked time-major; the backward replays nothing.
-
-Writes do not depend on the state, so they are made ``WRITE_BLOCK`` steps at a time,
-with the steps folded into the batch (one call instead of one per step), and their VJP
-likewise. A backend may run a step's whole scan in fused kernels (:meth:`Step.fused`:
-the ``scan_fwd`` / ``local_scan_fwd`` entries of its :class:`~tmcore.runtime.dispatch.Ops`
-table), with the same residuals; it declines with ``None``.
-
-The framework bridges drive the same steps: ``tmcore.adapters.torch`` registers this
-loop as one custom op per step kind, ``tmcore.adapters.jax`` runs the steps in one
-checkpointed ``lax.scan``.
-
-Sizes: ``B`` batch, ``C`` channels, ``S`` the grid, ``T`` steps; ``xs`` is the step's
-inputs (a :class:`~tmcore.scan.dense.StepInputs` or
-:class:`~tmcore.scan.warped.WarpInputs`) of ``(B, T, ...)`` arrays.
+A step says how one chunk reads, writes and updates the state ``(h, c)`` ``(B, C, *S)``; the
+loop keeps what the backward needs by the step's ``policy``: ``"checkpoint"``, the state
+entering every ``checkpoint_every``-th step, each segment replayed backward (the forward's
+operations, so the same bits); ``"log"``, a per-step log stacked time-major (the local
+undo log), nothing replayed. Writes do not depend on the state, so they are made
+``WRITE_BLOCK`` steps at a time, folded into the batch. ``xs``: the steps' inputs, a
+:class:`tmcore.StepInputs` or :class:`tmcore.scan.WarpInputs` of ``(B, T, ...)`` arrays.
 """
 
 from __future__ import annotations
@@ -46,12 +29,9 @@ WRITE_BLOCK = 16
 
 
 class Step(Protocol):
-    """One chunk step: the protocol :func:`scan_forward` / :func:`scan_backward` drive.
-
-    ``x`` is one step's inputs (the ``xs`` type with ``(M, ...)`` fields); ``W`` its
-    write product (a function of ``x``'s write fields only; the differentiable part is
-    its written volume, whose cotangent ``g_W`` is an array of the volume's shape).
-    """
+    """One chunk step, the protocol the loop drives. ``x``: one step's inputs (``(M, ...)``
+    fields); ``W``: its write product, a function of ``x``'s write fields only (the written
+    volume's cotangent ``g_W`` has its shape)."""
 
     #: ``"checkpoint"`` or ``"log"`` (see the module docstring)
     policy: str
@@ -71,9 +51,8 @@ class Step(Protocol):
 
     def advance_vjp(self, xp: Any, params: Any, h: Any, c: Any, x: Any, W: Any, log: Any,
                     g_read: Any, g_h: Any, g_c: Any) -> tuple[Any, ...]:
-        """``(g_h, g_c, d_read_coords (B, n), d_shift or None, g_W, d_params)`` from the
-        state entering the step (``"checkpoint"``) or its log (``"log"``; ``h, c``
-        None)."""
+        """``(g_h, g_c, d_read_coords (B, n), d_shift or None, g_W, d_params)`` from the state
+        entering the step (``"checkpoint"``) or its log (``"log"``: ``h, c`` None)."""
 
     def own_state(self, xp: Any, h: Any, c: Any, overwrite: bool) -> tuple[Any, Any]:
         """The state the loop may update in place."""
@@ -124,15 +103,15 @@ def read_point_vjp(xp: Any, h: Any, coords: Any, g: Any) -> tuple[Any, Any]:
 
 def read_then_update(step: Any, xp: Any, params: Any, h: Any, c: Any, x: Any, W: Any
                      ) -> tuple[Any, Any, Any, None]:
-    """:meth:`Step.advance` of a step that reads, then runs its ``update(xp, params, h, c,
-    x, W) -> (h', c')`` (no log)."""
+    """:meth:`Step.advance` of a step with ``update(xp, params, h, c, x, W) -> (h', c')``: read,
+    then update (no log)."""
     return (read_point(xp, h, x.read_coords), *step.update(xp, params, h, c, x, W), None)
 
 
 def read_then_update_vjp(step: Any, xp: Any, params: Any, h: Any, c: Any, x: Any, W: Any,
                          g_read: Any, g_h: Any, g_c: Any) -> tuple[Any, ...]:
-    """:meth:`Step.advance_vjp` of :func:`read_then_update`, from the step's
-    ``update_vjp(xp, params, h, c, x, W, g_h, g_c) -> (d_h, d_c, g_W, d_params)``."""
+    """:meth:`Step.advance_vjp` of :func:`read_then_update`, from the step's ``update_vjp(xp,
+    params, h, c, x, W, g_h, g_c) -> (d_h, d_c, g_W, d_params)``."""
     d_h, d_c, g_W, d_params = step.update_vjp(xp, params, h, c, x, W, g_h, g_c)
     d_h_read, d_coords = read_point_vjp(xp, h, x.read_coords, g_read)
     return d_h + d_h_read, d_c, d_coords, None, g_W, d_params
@@ -147,9 +126,8 @@ def _step(xs: Any, t: int) -> Any:
 
 
 class _Writes:
-    """The steps' write products, made ``WRITE_BLOCK`` steps at a time (folded into the
-    batch), and their VJP once every step of a block has its cotangent. Keeps the two
-    most recent blocks."""
+    """The steps' write products, ``WRITE_BLOCK`` steps at a time folded into the batch, and their
+    VJP once every step of a block has its cotangent; keeps the two latest blocks."""
 
     def __init__(self, xp: Any, step: Step, xs: Any, shape: tuple[int, ...]) -> None:
         self.xp, self.step, self.xs, self.shape = xp, step, xs, shape
@@ -205,13 +183,9 @@ class _Writes:
 
 
 class _Stacker:
-    """Collects ``count`` arrays shaped like ``like`` into one, stacked along ``axis``.
-
-    Where arrays support item assignment (NumPy, PyTorch, CuPy, array-api-strict) each
-    array is copied into a preallocated one as it arrives, so nothing is held twice (a
-    list-then-``stack`` holds every state twice at the peak); immutable arrays (JAX),
-    or a transform refusing the assignment (vmap), fall back to ``stack``.
-    """
+    """``count`` arrays like ``like`` stacked along ``axis``, each copied into a preallocated array
+    as it arrives (a list then ``stack`` holds every state twice at the peak); immutable arrays
+    (JAX) or a transform refusing the assignment (vmap) fall back to ``stack``."""
 
     def __init__(self, xp: Any, like: Any, count: int, axis: int = 0) -> None:
         self.xp, self.index, self.pending, self.axis = xp, 0, [], axis
@@ -254,10 +228,8 @@ def where_rows(xp: Any, mask: Any, a: Any, b: Any) -> Any:
 
 
 class Masks:
-    """A scan's per-step row masks, bool ``(B, T)`` or ``None``: ``reset`` zeroes a row's
-    state entering step ``t`` (its read too), ``active`` False gives the row back, after
-    step ``t``, the state it entered the step with. Their per-step flags are read on the
-    host once (the loops run eagerly)."""
+    """A scan's per-step row masks ``reset`` / ``active``, bool ``(B, T)`` or None (their meaning:
+    :func:`tmcore.memory_scan`); the per-step flags are read on the host once (eager loops)."""
 
     def __init__(self, xp: Any, reset: Any, active: Any) -> None:
         self.reset, self.active = reset, active
@@ -307,9 +279,8 @@ def advance(xp: Any, step: Step, params: Any, masks: Masks, t: int, h: Any, c: A
 def advance_vjp(xp: Any, step: Step, params: Any, masks: Masks, t: int, h: Any, c: Any,
                  x: Any, W: Any, log: Any, g_read: Any, g_h: Any, g_c: Any
                  ) -> tuple[Any, ...]:
-    """VJP of :func:`advance` (``h, c``: the state entering step ``t``, before its
-    reset; ``None`` for a ``"log"`` step): an inactive row's cotangent goes past the
-    update, a reset row's stops."""
+    """VJP of :func:`advance` from the state entering step ``t``, before its reset (None for a
+    ``"log"`` step): an inactive row's cotangent goes past the update, a reset row's stops."""
     if h is not None:
         h, c = masks.enter(xp, t, h, c)
     if masks.every(t):
@@ -337,12 +308,10 @@ def scan_forward(xp: Any, step: Step, params: Any, h0: Any, c0: Any, xs: Any, *,
                  ) -> tuple[Any, Any, Any, Residuals | None]:
     """Run ``step`` over the ``T`` chunks of ``xs`` under the masks; no validation.
 
-    ``xs``: the steps' inputs ``(B, T, ...)``; ``params``: the step's; ``h0, c0 (B, C,
-    *S)`` (updated in place only with ``overwrite_state``, by a step that can);
-    ``reset, active``: bool ``(B, T)`` or ``None`` (:class:`Masks`). ``keep=False``
-    keeps no residuals (no gradient will be asked for). Returns ``(reads (B, T, C),
-    h_T, c_T, residuals)``; the checkpoints hold the states entering steps ``0, k, 2k,
-    ...`` (``k = checkpoint_every``) before or after their resets (replays reset them).
+    ``h0, c0 (B, C, *S)`` are updated in place only with ``overwrite_state`` (by a step that
+    can); ``keep=False`` keeps no residuals. Returns ``(reads (B, T, C), h_T, c_T,
+    residuals)``; the checkpoints are the states entering steps ``0, k, 2k, ...``, before or
+    after their resets (the replays reset them).
     """
     fused = step.fused(xp)
     if fused is not None:  # a backend's whole-scan kernels (may decline: None)
@@ -383,9 +352,9 @@ def scan_forward(xp: Any, step: Step, params: Any, h0: Any, c0: Any, xs: Any, *,
 def scan_backward(xp: Any, step: Step, params: Any, residuals: Residuals, xs: Any,
                   g_reads: Any, g_h: Any, g_c: Any, *, checkpoint_every: int = 1,
                   reset: Any = None, active: Any = None) -> tuple[Any, Any, Any, Any]:
-    """The VJP of :func:`scan_forward` (the same ``step, params, xs, checkpoint_every``
-    and masks) from its residuals; no validation. ``g_reads (B, T, C)``, ``g_h, g_c (B, C,
-    *S)`` (not modified). Returns ``(d_h0, d_c0, d_xs, d_params)``."""
+    """VJP of :func:`scan_forward` (same ``step, params, xs, checkpoint_every``, masks) from its
+    residuals; no validation. ``g_reads (B, T, C)``, ``g_h, g_c (B, C, *S)`` (not modified);
+    returns ``(d_h0, d_c0, d_xs, d_params)``."""
     fused = step.fused(xp)
     if fused is not None:
         out = fused[1](xp, params, residuals, xs, g_reads, g_h, g_c, checkpoint_every, reset,
