@@ -94,7 +94,7 @@ def bridged_scan_bwd(xp: Any, read_coords, write_coords, write_sigma, write_cont
     return ScanGrads(*back, ConvParams(*(xp.from_dlpack(t) for t in grads.params)))
 
 
-def make_ops(generic: Ops) -> Ops:
+def make_ops(generic: Ops, options: Any) -> Ops:
     """The CuPy table: the generic primitives, float16 computed in float32 (as for
     NumPy), and the fused scan through the bridge where it applies."""
     fused = generic._replace(scan_fwd=bridged_scan_fwd, scan_bwd=bridged_scan_bwd)
