@@ -196,17 +196,8 @@ def unregister_backend(name: str) -> Backend:
                      f"{[b.name for b in _BACKENDS]}")
 
 
-def _match(xp: Any) -> Backend | None:
-    _read_entry_points()
-    for backend in _BACKENDS:
-        if backend.is_namespace(xp):
-            return backend if backend.requires is None or backend.requires in sys.modules \
-                else None
-    return None
-
-
 def backend_for(xp: Any) -> Backend | None:
-    """Give the backend that serves a namespace under the current options.
+    """Give the backend registered for a namespace (``tmcore.options(generic=True)`` bypasses it).
 
     Parameters
     ----------
@@ -216,10 +207,15 @@ def backend_for(xp: Any) -> Backend | None:
     Returns
     -------
     Backend or None
-        Its name, predicate, ``make_ops`` and ``module``; None for the generic path
-        (no backend takes ``xp``, or ``tmcore.options(generic=True)``).
+        The first registered backend whose ``is_namespace`` takes ``xp``, if its
+        ``requires`` is imported; None for the generic path.
     """
-    return None if get_options().generic else _match(xp)
+    _read_entry_points()
+    for backend in _BACKENDS:
+        if backend.is_namespace(xp):
+            return backend if backend.requires is None or backend.requires in sys.modules \
+                else None
+    return None
 
 
 def backend_name(xp: Any) -> str:
@@ -256,7 +252,7 @@ def ops_for_namespace(xp: Any, generic: Ops, options: Options | None = None) -> 
     Ops
         The table of the backend registered for ``xp``, or ``generic``.
     """
-    backend = _match(xp)
+    backend = backend_for(xp)
     if backend is None:
         return generic
     return backend.build(generic, get_options() if options is None else options)
