@@ -23,6 +23,7 @@ import hashlib
 import importlib
 import math
 import pickle
+import tempfile
 import time
 import traceback
 import warnings
@@ -34,6 +35,7 @@ from typing import Any
 import array_api_compat
 import numpy as np
 from hypothesis import HealthCheck, given, settings
+from hypothesis.configuration import set_hypothesis_home_dir
 
 from tmcore.backends import Backend, register_backend, unregister_backend
 from tmcore.testing import properties_dtypes, properties_local  # noqa: F401  (register theirs)
@@ -257,7 +259,7 @@ def run_property(xp: ModuleType, name: str, *, max_examples: int | None = None,
     overrides = dict(
         max_examples=prop.max_examples if max_examples is None else max_examples,
         deadline=None,
-        database=None,  # no .hypothesis/ folder in the author's working directory
+        database=None,  # nothing written to the author's working folder (_storage_elsewhere)
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                HealthCheck.filter_too_much],
     )
@@ -284,10 +286,23 @@ def run_property(xp: ModuleType, name: str, *, max_examples: int | None = None,
 
     check.__name__ = name
     try:
-        check()
+        with _storage_elsewhere():
+            check()
     except _BudgetSpent:
         pass
     return passed[0]
+
+
+@contextlib.contextmanager
+def _storage_elsewhere() -> Iterator[None]:
+    """Hypothesis caches what it reads of the source under ``.hypothesis/`` of the working
+    folder even without a database: a temporary folder takes it instead."""
+    with tempfile.TemporaryDirectory(prefix="tmcore-kit-") as home:
+        set_hypothesis_home_dir(home)
+        try:
+            yield
+        finally:
+            set_hypothesis_home_dir(None)  # back to its default: $HYPOTHESIS_STORAGE_DIRECTORY
 
 
 def _check_budget(max_examples: int | None, time_budget: float | None) -> None:

@@ -69,7 +69,7 @@ HALF_MIN_SIGMA = 0.05
 #: dtype name -> :class:`Precision`
 TOLERANCES = {"float64": Precision(2.0**-52, 1e-11, 1.0, 64.0),
               "float32": Precision(2.0**-23, 1e-5, 1.0, 64.0),
-              "float16": Precision(2.0**-10, 1e-2, 1.0, 64.0, half=True),
+              "float16": Precision(2.0**-10, 2e-2, 1.0, 64.0, half=True),
               "bfloat16": Precision(2.0**-7, 1e-1, 1.0, 64.0, half=True)}
 
 
@@ -229,14 +229,37 @@ def _dtypes(xp: ModuleType, case: dict) -> list[str]:
             if getattr(xp, name, None) is not None and (halves or not precision.half)]
 
 
-def _floors(run: Callable, xp: Any, rounded: dict, want: dict, precision: Precision) -> dict:
-    """Per output, the ``floor`` under which :func:`assert_rel` compares absolutely so that
-    it allows ``precision.tol * floor`` (see :class:`Precision`)."""
-    rng = np.random.default_rng(0)
-    moved = run(xp, _map_arrays(lambda a: np.asarray(a, np.float64) * (
-        1.0 + precision.eps * rng.choice((-1.0, 1.0), np.shape(a))), rounded))
-    return {label: max(precision.floor, precision.spread / precision.tol * float(
-        np.max(np.abs(to_numpy(moved[label]) - want[label]), initial=0.0))) for label in want}
+class _Reference:
+    """A call's float64 reference on inputs rounded to a dtype, and the comparison with it."""
+
+    def __init__(self, call: Call, rounded: dict, precision: Precision):
+        self.call, self.rounded, self.precision = call, rounded, precision
+        self.want = self._run(lambda a: np.asarray(a, np.float64))
+        self.floors: dict[str, float] | None = None
+
+    def _run(self, convert: Callable[[np.ndarray], np.ndarray]) -> dict[str, np.ndarray]:
+        with tmcore.options(generic=True):
+            out = self.call.run(np, _map_arrays(convert, self.rounded))
+        return {label: to_numpy(v) for label, v in out.items()}
+
+    def _spread_floors(self) -> dict[str, float]:
+        """Per output, the ``floor`` that allows what :class:`Precision` says."""
+        rng, eps = np.random.default_rng(0), self.precision.eps
+        moved = self._run(lambda a: np.asarray(a, np.float64) * (
+            1.0 + eps * rng.choice((-1.0, 1.0), np.shape(a))))
+        scale = self.precision.spread / self.precision.tol
+        return {label: max(self.precision.floor, scale * float(np.max(
+            np.abs(moved[label] - want), initial=0.0))) for label, want in self.want.items()}
+
+    def check(self, got: np.ndarray, label: str, tol: float, what: str,
+              expected: np.ndarray | None = None) -> None:
+        """:func:`assert_rel` against the reference (or ``expected``) within the precision."""
+        expected = self.want[label] if expected is None else expected
+        try:
+            assert_rel(got, expected, tol, what, floor=self.precision.floor)
+        except AssertionError:  # allow what rounding amplifies (computed when needed)
+            self.floors = self.floors or self._spread_floors()
+            assert_rel(got, expected, tol, what, floor=self.floors[label])
 
 
 def _check_every_dtype(name: str, call: Call, xp: ModuleType, case: dict) -> None:
@@ -245,28 +268,25 @@ def _check_every_dtype(name: str, call: Call, xp: ModuleType, case: dict) -> Non
     for dtype_name in _dtypes(xp, case):
         dtype, precision = getattr(xp, dtype_name), TOLERANCES[dtype_name]
         rounded = _map_arrays(_ROUND[dtype_name], case)
-        with tmcore.options(generic=True):
-            want = {label: to_numpy(v) for label, v in call.run(np, _map_arrays(
-                lambda a: np.asarray(a, np.float64), rounded)).items()}
-            floors = _floors(call.run, np, rounded, want, precision)
+        reference = _Reference(call, rounded, precision)
         arrays = _map_arrays(lambda a, dtype=dtype: _in_dtype(xp, dtype, a), rounded)
         paths = {"fast path" if served else "generic path": call.run(xp, arrays)}
         if served:
             with tmcore.options(generic=True):
                 paths["generic path"] = call.run(xp, arrays)
         for path, outputs in paths.items():
-            where = f"{dtype_name}, {path}" + (f" served by {served}" if backend and
-                                              path == "fast path" else "")
+            where = f"{dtype_name}, {path}" + (f" served by {served}" if path == "fast path"
+                                               and served else "")
             for label, value in outputs.items():
                 assert isinstance(value, type(xp.asarray(0.0))) and value.dtype == dtype, \
                     f"{name} {label} ({where}): {type(value).__name__} of {value.dtype}"
-                assert_rel(_read(xp, value), want[label], precision.tol,
-                           f"{name} {label} ({where})", floor=floors[label])
+                reference.check(_read(xp, value), label, precision.tol,
+                                f"{name} {label} ({where})")
         if served:
             for label, value in paths["fast path"].items():
-                assert_rel(_read(xp, value), _read(xp, paths["generic path"][label]),
-                           2 * precision.tol, f"{name} {label} ({dtype_name}): fast path "
-                           f"served by {served} vs generic path", floor=floors[label])
+                reference.check(_read(xp, value), label, 2 * precision.tol,
+                                f"{name} {label} ({dtype_name}): fast path served by {served} "
+                                "vs generic path", _read(xp, paths["generic path"][label]))
 
 
 for _name, _call in CALLS.items():

@@ -297,10 +297,11 @@ def _plain_numpy(x: Any, _moved: bool = False) -> np.ndarray:
     except (TypeError, ValueError, RuntimeError) as exc:
         raise TypeError(f"cannot read a {type(x).__name__} back into NumPy: it exports "
                         f"neither DLPack nor __array__, and no backend module registered for "
-                        f"its namespace defines to_numpy ({exc})") from exc
+                        f"its namespace defines to_numpy(x) ({exc})") from exc
     if out.dtype == object:
         raise TypeError(f"cannot read a {type(x).__name__} back into NumPy: np.asarray gives "
-                        "an object array; the namespace should export DLPack (__dlpack__)")
+                        "an object array; the namespace should export DLPack (__dlpack__), or "
+                        "a backend module registered for it define to_numpy(x)")
     return out
 
 
