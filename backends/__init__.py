@@ -66,7 +66,19 @@ ENTRY_POINT_GROUP = "tmcore.backends"
 
 
 class Backend(NamedTuple):
-    """A registered backend (the arguments of :func:`register_backend`)."""
+    """A registered backend.
+
+    Parameters
+    ----------
+    name : str
+        Its name (:func:`backend_name`).
+    is_namespace : callable
+        ``(xp) -> bool``: the namespaces it serves.
+    make_ops : callable or str
+        ``make_ops(generic, options) -> Ops``, or ``"module:function"`` naming it.
+    requires : str or None, default None
+        The module that must already be imported for it to serve.
+    """
 
     name: str
     is_namespace: Callable[[Any], bool]
@@ -75,13 +87,26 @@ class Backend(NamedTuple):
 
     @property
     def module(self) -> str:
-        """The module that holds ``make_ops``."""
+        """The name of the module that holds ``make_ops``."""
         if isinstance(self.make_ops, str):
             return self.make_ops.partition(":")[0]
         return getattr(self.make_ops, "__module__", None) or repr(self.make_ops)
 
     def build(self, generic: Ops, options: Options) -> Ops:
-        """The namespace's table (imports ``make_ops`` when it is named by a string)."""
+        """Build the table (importing ``make_ops`` first when a string names it).
+
+        Parameters
+        ----------
+        generic : Ops
+            The generic table.
+        options : tmcore.Options
+            The options in effect.
+
+        Returns
+        -------
+        Ops
+            ``make_ops(generic, options)``.
+        """
         make_ops = self.make_ops
         if isinstance(make_ops, str):
             module, _, attr = make_ops.partition(":")

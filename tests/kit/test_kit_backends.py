@@ -152,3 +152,22 @@ def test_the_installed_example_registers_by_entry_point_and_passes_the_kit(tmp_p
     assert result.returncode == 0, result.stdout + result.stderr
     assert "served by example (tmcore_example_backend.ops)" in result.stdout
     assert f"numpy: {len(PROPERTIES)}/{len(PROPERTIES)} passed" in result.stdout
+
+
+GUIDE = REPO / "docs" / "guides" / "adding-a-backend.md"
+
+
+def test_the_guide_states_the_suite_and_shows_the_example_as_it_is():
+    """docs/guides/adding-a-backend.md: the property count is the suite's, every entry of
+    the Ops table is listed, and each block quoting a file of the example is in it."""
+    import re
+
+    from tmcore.backends import Ops
+
+    text = GUIDE.read_text()
+    assert re.findall(r"(\d+) properties", text) == [str(len(PROPERTIES))]
+    assert all(f"`{entry}`" in text for entry in Ops._fields), Ops._fields
+    quoted = re.findall(r"```\w+\n# (examples/\S+)\n(.*?)```", text, flags=re.S)
+    assert len(quoted) == 3
+    for path, block in quoted:
+        assert block in (REPO / path).read_text(), path

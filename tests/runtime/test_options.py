@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 
 import tmcore
-from tmcore import backends
 from tmcore.backends import native as _native
 from tmcore.runtime.dispatch import generic_ops, ops_for
 from tmcore.runtime.options import reload_environment

@@ -200,8 +200,19 @@ def registered_backend(xp: ModuleType, make_ops: str | Callable) -> Iterator[Bac
 
 
 def served_by(xp: ModuleType) -> str:
-    """Say what serves ``xp``'s arrays now: ``"name (module)"`` of the backend, or the
-    generic path (none registered, or ``tmcore.options(generic=True)``)."""
+    """Say what serves ``xp``'s arrays now.
+
+    Parameters
+    ----------
+    xp : module
+        The array namespace.
+
+    Returns
+    -------
+    str
+        ``"name (module)"`` of the registered backend, or ``"generic (tmcore.ops)"``
+        (none registered, or ``tmcore.options(generic=True)``).
+    """
     backend = serving_backend(xp)
     return "generic (tmcore.ops)" if backend is None else f"{backend.name} ({backend.module})"
 
