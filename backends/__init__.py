@@ -92,27 +92,6 @@ class Backend(NamedTuple):
             return self.make_ops.partition(":")[0]
         return getattr(self.make_ops, "__module__", None) or repr(self.make_ops)
 
-    def build(self, generic: Ops, options: Options) -> Ops:
-        """Build the table (importing ``make_ops`` first when a string names it).
-
-        Parameters
-        ----------
-        generic : Ops
-            The generic table.
-        options : tmcore.Options
-            The options in effect.
-
-        Returns
-        -------
-        Ops
-            ``make_ops(generic, options)``.
-        """
-        make_ops = self.make_ops
-        if isinstance(make_ops, str):
-            module, _, attr = make_ops.partition(":")
-            make_ops = getattr(importlib.import_module(module), attr)
-        return make_ops(generic, options)
-
 
 _BACKENDS: list[Backend] = []  # asked in this order: the latest registered first
 _entry_points_unread = False  # True once the built-ins are registered (end of module)
@@ -140,25 +119,20 @@ def register_backend(name: str, is_namespace: Callable[[Any], bool],
                      requires: str | None = None) -> Backend:
     """Register a backend: ``make_ops`` builds the table of the namespaces ``is_namespace`` takes.
 
-    The latest registration is asked first, so a backend registered here (or by an
-    installed package's entry point, read before the first registration or lookup) takes
-    its namespace from a built-in one; registering a name again replaces it. Tables built
-    before are forgotten.
+    The latest registration is asked first (so yours takes a namespace from a built-in
+    one); a name registered again is replaced; tables built before are forgotten.
 
     Parameters
     ----------
     name : str
-        What :func:`backend_name` reports, and the key :func:`unregister_backend` takes.
+        What :func:`backend_name` reports, and :func:`unregister_backend`'s key.
     is_namespace : callable
-        ``(xp) -> bool`` on ``array_api_compat.array_namespace(x)`` (e.g.
-        ``array_api_compat.is_numpy_namespace``); cheap, importing nothing.
+        ``(xp) -> bool`` on ``array_api_compat.array_namespace(x)``, importing nothing.
     make_ops : callable or str
-        ``make_ops(generic: Ops, options: Options) -> Ops`` (start from ``generic``,
-        replace what you accelerate), or ``"module:function"`` naming it, imported the
-        first time arrays of the namespace arrive.
+        ``make_ops(generic: Ops, options: Options) -> Ops``, or ``"module:function"``
+        naming it (imported when arrays of the namespace arrive).
     requires : str, optional
-        A module that must already be in ``sys.modules`` for the backend to serve (its
-        framework); otherwise the namespace gets the generic table and nothing is imported.
+        A module that must already be imported for the backend to serve (its framework).
 
     Returns
     -------
@@ -244,7 +218,7 @@ def backend_for(xp: Any) -> Backend | None:
 
 
 def backend_name(xp: Any) -> str:
-    """Name the backend that serves a namespace: its registered name, or ``"generic"``.
+    """Name the backend registered for a namespace.
 
     Parameters
     ----------
@@ -280,7 +254,11 @@ def ops_for_namespace(xp: Any, generic: Ops, options: Options | None = None) -> 
     backend = backend_for(xp)
     if backend is None:
         return generic
-    return backend.build(generic, get_options() if options is None else options)
+    make_ops = backend.make_ops
+    if isinstance(make_ops, str):
+        module, _, attr = make_ops.partition(":")
+        make_ops = getattr(importlib.import_module(module), attr)
+    return make_ops(generic, get_options() if options is None else options)
 
 
 def native_kernels_active() -> bool:

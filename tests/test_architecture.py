@@ -6,8 +6,8 @@ Imports are read from the source (every ``import`` / ``from`` statement, those i
 functions included; those under ``if TYPE_CHECKING:`` are for type checkers and never
 run). Importing ``a.b.c`` also runs the ``__init__`` of ``a.b``, so that counts as an
 import of ``a.b`` too (the root ``tmcore`` package, the public facade that imports its
-subpackages, excepted). Lazy lookups by name (``importlib.import_module``, how the
-dispatch finds a backend) are not imports here, by design.
+subpackages, excepted). An import by name, ``importlib.import_module("literal")``, is an
+import too (the dispatch once hid a cycle of 31 modules behind two).
 """
 
 from __future__ import annotations
@@ -74,6 +74,9 @@ def _imports(name: str) -> list[tuple[str, str | None, int]]:
                 anchor = anchor[:len(anchor) - (node.level - 1)]
                 base = ".".join(anchor + ([base] if base else []))
             out += [(base, alias.name, node.lineno) for alias in node.names]
+        elif isinstance(node, ast.Call) and ast.unparse(node.func).endswith("import_module") \
+                and node.args and isinstance(node.args[0], ast.Constant):
+            out.append((node.args[0].value, None, node.lineno))
     return out
 
 
@@ -143,6 +146,13 @@ def test_the_walk_sees_the_layout():
 def test_no_import_cycle():
     cycles = _cycles(_graph())
     assert not cycles, "import cycles:\n" + "\n".join(" <-> ".join(c) for c in cycles)
+
+
+def test_an_import_by_name_is_an_import(tmp_path, monkeypatch):
+    planted = tmp_path / "planted.py"
+    planted.write_text('import importlib\nimportlib.import_module("tmcore.backends")\n')
+    monkeypatch.setitem(MODULES, "tmcore.runtime.planted", planted)
+    assert ("tmcore.backends", None, 2) in _imports("tmcore.runtime.planted")
 
 
 def test_cycle_detection_finds_a_planted_cycle():

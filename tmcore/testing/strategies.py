@@ -233,14 +233,36 @@ _READ_ERRORS = (TypeError, ValueError, RuntimeError, BufferError, AttributeError
 
 
 def namespace_of(xp: Any) -> Any:
-    """The namespace tmcore dispatches on for arrays made by ``xp.asarray``."""
+    """Give the namespace tmcore dispatches on for the arrays ``xp`` makes.
+
+    Parameters
+    ----------
+    xp : module
+        An array namespace (``numpy``, ``torch``, ...).
+
+    Returns
+    -------
+    module
+        ``array_api_compat.array_namespace(xp.asarray([0.0]))``.
+    """
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # JAX narrowing float64
         return array_api_compat.array_namespace(xp.asarray([0.0]))
 
 
 def serving_backend(xp: Any) -> Any:
-    """The :class:`tmcore.backends.Backend` serving ``xp``'s arrays now (None: generic)."""
+    """Give the backend serving ``xp``'s arrays under the current options.
+
+    Parameters
+    ----------
+    xp : module
+        An array namespace.
+
+    Returns
+    -------
+    tmcore.backends.Backend or None
+        None for the generic path.
+    """
     from tmcore.backends import backend_for
 
     return None if tmcore.get_options().generic else backend_for(namespace_of(xp))
@@ -306,8 +328,7 @@ def _plain_numpy(x: Any, _moved: bool = False) -> np.ndarray:
 
 
 def to_numpy(x: Any) -> np.ndarray:
-    """Copy an array of any namespace to NumPy (a backend's ``to_numpy``, DLPack,
-    ``unwrap_numpy`` or ``__array__``).
+    """Copy an array of any namespace to NumPy (its backend's ``to_numpy``, DLPack, ...).
 
     Masked arrays (marray) are read as their data with masked entries set to
     NaN, so an output that tmcore should never mask fails every comparison
