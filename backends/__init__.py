@@ -223,7 +223,7 @@ def backend_name(xp: Any) -> str:
     Parameters
     ----------
     xp : namespace
-        An array namespace (``array_api_compat.array_namespace(x)``).
+        As in :func:`backend_for`.
 
     Returns
     -------
