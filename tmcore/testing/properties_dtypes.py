@@ -46,7 +46,6 @@ from tmcore.testing.strategies import (
 __all__ = ["CALLS", "HALF_MIN_SIGMA", "TOLERANCES", "Call", "Precision"]
 
 
-
 class Precision(NamedTuple):
     """How closely a dtype's outputs must match the float64 reference on the same inputs.
 
@@ -170,7 +169,7 @@ def _warp(xp, case):
 
 
 _SMALL = dict(max_cells=12)
-#: name -> :class:`Call`, every public function the property runs.
+#: name -> :class:`Call`: the public functions the ``<name>_in_every_dtype`` properties run.
 CALLS: dict[str, Call] = {
     "trilinear_sample": Call(_sample, sample_cases(smooth=True, **_SMALL)),
     "gaussian_splat": Call(_splat, splat_cases(smooth=True, **_SMALL)),
@@ -287,7 +286,7 @@ def _check_every_dtype(name: str, call: Call, xp: ModuleType, case: dict) -> Non
                 paths["generic path"] = call.run(xp, arrays)
         for path, outputs in paths.items():
             where = f"{dtype_name}, {path}" + (f" served by {served}" if path == "fast path"
-                                               and served else "")
+                                               else "")
             for label, value in outputs.items():
                 assert isinstance(value, type(xp.asarray(0.0))) and value.dtype == dtype, \
                     f"{name} {label} ({where}): {type(value).__name__} of {value.dtype}"
