@@ -79,7 +79,7 @@ def bridged_scan_bwd(xp: Any, read_coords, write_coords, write_sigma, write_cont
     return ScanGrads(*back, ConvParams(*(xp.from_dlpack(t) for t in grads.params)))
 
 
-def make_ops(generic: Ops) -> Ops:
+def make_ops(generic: Ops, options: Any) -> Ops:
     """The CuPy table: generic primitives, float16 in float32, the bridged fused scan."""
     fused = generic._replace(scan_fwd=bridged_scan_fwd, scan_bwd=bridged_scan_bwd)
     return with_float32_compute(fused)

@@ -14,11 +14,12 @@ from __future__ import annotations
 
 from tmcore.backends.mixed import with_float32_compute
 from tmcore.runtime.dispatch import Ops
+from tmcore.runtime.options import Options
 
 __all__ = ["make_ops"]
 
 
-def make_ops(generic: Ops) -> Ops:
+def make_ops(generic: Ops, options: Options) -> Ops:
     """The NumPy table: the generic path, with float16 computed in float32 (as in
     torch and JAX) because ``sigma**2`` and ``(2 sigma**2 + eps)**2`` under/overflow
     in float16 at the ends of the supported sigma range."""

@@ -10,7 +10,10 @@ returns that namespace's arrays; every forward has a hand-written VJP.
 generic path, determinism, validate mode) is one of :func:`tmcore.options`.
 """
 
-from tmcore import _installed  # noqa: F401  (refuses a checkout that is not installed)
+from tmcore import (
+    _installed,  # noqa: F401  (refuses a checkout that is not installed)
+    backends,  # noqa: F401  (registers the built-in backends; imports no framework)
+)
 from tmcore.ops.addressing import (
     cell_centers,
     normalized_to_voxel,

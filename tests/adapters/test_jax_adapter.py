@@ -613,7 +613,6 @@ def test_options_apply_after_the_first_trace_and_per_thread():
     import threading
 
     import tmcore
-    from tmcore.backends import use_generic
 
     _require_kernels()
     p, _, _ = _layer()
@@ -624,8 +623,6 @@ def test_options_apply_after_the_first_trace_and_per_thread():
 
     assert _kernel_targets(call()), "the default trace should use the fused kernels"
     with tmcore.options(generic=True):
-        assert not _kernel_targets(call())
-    with use_generic():
         assert not _kernel_targets(call())
     with tmcore.options(native=False):
         assert not _kernel_targets(call())

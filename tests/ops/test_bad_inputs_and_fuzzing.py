@@ -465,9 +465,8 @@ def test_nan_coordinates_through_the_torch_read():
     torch = pytest.importorskip("torch")
     volume = torch.as_tensor(VOL)
     coords = torch.as_tensor(_nan_at(COORDS, (0, 1, 2)))
-    from tmcore.backends import use_generic
 
-    with use_generic():
+    with tmcore.options(generic=True):
         generic = tmcore.trilinear_sample(volume, coords)
     assert torch.isnan(generic[0, 1]).all()
     fast = tmcore.trilinear_sample(volume, coords)

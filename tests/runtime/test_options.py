@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 
 import tmcore
-from tmcore import backends
 from tmcore.backends import native as _native
 from tmcore.runtime.dispatch import generic_ops, ops_for
 from tmcore.runtime.options import reload_environment
@@ -105,10 +104,8 @@ def test_generic_option_switches_the_dispatch_table():
     assert fast is not generic_ops()
     with tmcore.options(generic=True):
         assert ops_for(xp_torch) is generic_ops()
-        with backends.use_generic(False):  # the older name is the same switch
+        with tmcore.options(generic=False):
             assert ops_for(xp_torch) is fast
-    with backends.use_generic():
-        assert tmcore.get_options().generic is True
     assert ops_for(xp_torch) is fast
     assert torch.is_tensor(tmcore.trilinear_sample(torch.zeros(1, 1, 2, 2), torch.zeros(1, 1, 2)))
 

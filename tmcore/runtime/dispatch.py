@@ -1,32 +1,30 @@
 """Choose, per array namespace, the implementation of each primitive's forward and VJP.
 
 Every public function and the scan step ask :func:`ops_for` for an
-:class:`Ops` table. The table comes from ``tmcore.backends`` (imported lazily,
-on the first call) when it has fast paths for the namespace; every other
-namespace, and any primitive a backend leaves out, uses the generic array-API
-functions. Tables are cached per namespace, so a lookup is one context-variable
-read and one dict hit.
+:class:`Ops` table. Registration is pushed here, never pulled by name: :mod:`tmcore.ops`
+registers the generic array-API table (:func:`register_generic`) and
+:mod:`tmcore.backends` the function that finds a namespace's backend table
+(:func:`register_resolver`); a namespace it does not accelerate, and any primitive a
+backend leaves out, uses the generic functions. Tables are cached per namespace and
+per :class:`tmcore.runtime.options.Options` value (an option changed between calls
+takes effect on the next one); registering anything empties the cache. Under
+``jax.jit`` the choice is made while tracing.
 
 The contract of each entry, with shapes, is :class:`Ops`'s docstring (the generic
-functions are the reference).
-
-Forcing the generic path (for comparison and debugging): ``with
-tmcore.options(generic=True): ...`` (local to the thread / task), or the
-environment variable ``TMCORE_GENERIC=1``; ``tmcore.backends.use_generic()`` is
-the same switch under its older name. Tables are cached per namespace and per
-:class:`tmcore.runtime.options.Options` value, so changing an option takes effect on
-the next call. Under ``jax.jit`` the choice is made while tracing.
+functions are the reference). ``with tmcore.options(generic=True): ...`` (or
+``TMCORE_GENERIC=1``) forces the generic path.
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from tmcore.runtime.options import ENV_VARS, Options, get_options
 
-__all__ = ["Ops", "ops_for", "generic_ops", "register_generic", "no_workspace", "ENV_VAR"]
+__all__ = ["Ops", "ops_for", "generic_ops", "register_generic", "register_resolver",
+           "clear_cache", "no_workspace", "ENV_VAR"]
 
 #: The environment variable forcing the generic path (the ``generic`` option's default).
 ENV_VAR = ENV_VARS["generic"]
@@ -118,7 +116,10 @@ def no_workspace(xp: Any) -> contextlib.AbstractContextManager:
     return contextlib.nullcontext()
 
 
+#: ``(xp, generic, options) -> Ops``: a namespace's table (set by tmcore.backends)
+Resolver = Callable[[Any, Ops, Options], Ops]
 _GENERIC: list[Ops] = []
+_RESOLVER: list[Resolver] = []
 _CACHE: dict[tuple[Any, Options], Ops] = {}  # (namespace module, options) -> table
 
 
@@ -130,28 +131,30 @@ def generic_ops() -> Ops:
     Ops
         The reference implementation of every primitive.
     """
-    if not _GENERIC:  # tmcore.ops registers it on import; found by name (no import cycle)
-        importlib.import_module("tmcore.ops")
+    if not _GENERIC:  # importing tmcore (any of its modules) imports tmcore.ops
+        raise RuntimeError("no generic table is registered: import tmcore first")
     return _GENERIC[0]
 
 
 def register_generic(table: Ops) -> None:
     """Set the generic table (called once, by :mod:`tmcore.ops`)."""
     _GENERIC[:] = [table]
+    clear_cache()
 
 
-def _resolve(xp: Any, options: Options) -> Ops:
-    # Never swallowed: ``import tmcore`` already refused a checkout that is not installed,
-    # so an ImportError here is a real fault of a backend and must be seen.
-    backends = importlib.import_module("tmcore.backends")
-    return backends.ops_for_namespace(xp, generic_ops(), options)
+def register_resolver(resolve: Resolver) -> None:
+    """Set how a namespace's table is found (called once, by :mod:`tmcore.backends`)."""
+    _RESOLVER[:] = [resolve]
+    clear_cache()
+
+
+def clear_cache() -> None:
+    """Forget every table built so far (a backend was registered or unregistered)."""
+    _CACHE.clear()
 
 
 def ops_for(xp: Any) -> Ops:
     """Give the :class:`Ops` table for a namespace under the current options.
-
-    Tables are cached per namespace and :class:`tmcore.Options` value, so an
-    option changed between calls takes effect on the next one.
 
     Parameters
     ----------
@@ -165,10 +168,10 @@ def ops_for(xp: Any) -> Ops:
         ``xp``, else the backend's.
     """
     options = get_options()
-    if options.generic:
+    if options.generic or not _RESOLVER:
         return generic_ops()
     key = (xp, options)
     ops = _CACHE.get(key)
     if ops is None:
-        ops = _CACHE[key] = _resolve(xp, options)
+        ops = _CACHE[key] = _RESOLVER[0](xp, generic_ops(), options)
     return ops
