@@ -20,7 +20,6 @@ __all__ = ["Kernels", "kernels_for", "plain", "ptr", "offset", "shape_arg", "cal
 Kernels = tuple[ctypes.CDLL, str]
 
 _SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
-_LIBRARY: list[ctypes.CDLL] = []
 _EINDEX = 2  # a box kernel's status for a box outside its grid (other nonzero: no memory)
 
 
@@ -35,11 +34,8 @@ def kernels_for(*tensors: torch.Tensor) -> Kernels | None:
     if any(t.device.type != "cpu" or t.layout != torch.strided or t.is_nested
            for t in tensors):
         return None
-    lib = _LIBRARY[0] if _LIBRARY else library()
-    if lib is None:
-        return None
-    _LIBRARY[:] = [lib]  # (built once: later calls skip the build module)
-    return lib, suffix
+    lib = library()
+    return None if lib is None else (lib, suffix)
 
 
 def plain(t: torch.Tensor) -> torch.Tensor:

@@ -106,9 +106,11 @@ def _stepwise_scan(h: Tensor, c: Tensor, inputs: StepInputs, params: ConvParams,
         written = write(step, shape)
         with tmcore.options(generic=True):
             new_h, new_c = tmcore.convlstm_step(written, h, c, params)
-        keep = torch.ones(rows, dtype=torch.bool) if active is None else active[:, t].reshape(
-            rows)
-        h, c = torch.where(keep, new_h, h), torch.where(keep, new_c, c)
+        if active is None:
+            h, c = new_h, new_c
+        else:
+            keep = active[:, t].reshape(rows)
+            h, c = torch.where(keep, new_h, h), torch.where(keep, new_c, c)
     return torch.stack(reads, dim=1), h, c
 
 
