@@ -39,11 +39,9 @@ from tmcore.layer.state import (
 )
 
 __all__ = [
-    "DYNAMICS", "FLOW_GROUP", "GATE_SHAPE", "GROUPS", "Layer", "LayerConfig", "Linear",
-    "MODES", "ParamSpec", "Params", "Scan", "State", "StreamState", "UPDATES", "WARP_GROUP",
-    "cell_params", "check_forward", "check_mode", "check_param_bytes", "check_params",
-    "check_state", "check_tokens", "chunk", "doc_starts_from_offsets", "final_state",
-    "init_params", "layer_config", "linear", "param_groups", "param_specs",
-    "segment_states", "sizes_from_params", "split", "start_state", "stored_grid_error",
-    "stream_state", "unchunk", "zero_state",
+    "DYNAMICS", "FLOW_GROUP", "GATE_SHAPE", "GROUPS", "Layer", "LayerConfig", "MODES",
+    "ParamSpec", "Params", "State", "StreamState", "UPDATES", "WARP_GROUP", "cell_params",
+    "check_mode", "check_param_bytes", "check_params", "doc_starts_from_offsets",
+    "final_state", "init_params", "layer_config", "param_groups", "param_specs",
+    "segment_states", "sizes_from_params", "start_state", "stored_grid_error", "zero_state",
 ]

@@ -176,13 +176,40 @@ class Layer:
         return inputs
 
     def read_coords(self, xp: Any, params: Params, first: Any) -> Any:
-        """:meth:`heads`' ``read_coords`` of chunks from their first tokens ``(..., d)``
-        alone (a decode step reads before the chunk's other tokens exist); a variant that
-        makes them otherwise overrides both."""
+        """:meth:`heads`' ``read_coords`` from the chunks' first tokens alone.
+
+        A decode step reads before the chunk's other tokens exist; a variant that makes
+        the read coordinates otherwise overrides both methods.
+
+        Parameters
+        ----------
+        xp, params : namespace, dict of dict of array
+            As in :meth:`heads`.
+        first : array, shape ``(..., d)``
+            Each chunk's first token.
+
+        Returns
+        -------
+        array, shape ``(..., n)``
+            ``tanh(coord_net(first))``.
+        """
         return xp.tanh(self.linear(xp, params["coord_net"], first))
 
     def read_out(self, xp: Any, params: Params, reads: Any) -> Any:
-        """``out_proj`` on the reads ``(..., C)``: ``(..., d)``."""
+        """``out_proj`` on the reads.
+
+        Parameters
+        ----------
+        xp, params : namespace, dict of dict of array
+            As in :meth:`heads`.
+        reads : array, shape ``(..., C)``
+            What the scan read.
+
+        Returns
+        -------
+        array, shape ``(..., d)``
+            The layer's output per read.
+        """
         return self.linear(xp, params["out_proj"], reads)
 
     # ----------------------------------------------------------------- the call
@@ -190,8 +217,7 @@ class Layer:
     def forward(self, xp: Any, params: Params, x: Any, state: State | None, *, scan: Scan,
                 reset: Any = None, check: Callable[..., None] | None = None,
                 checked: bool = False) -> tuple[Any, State]:
-        """The paper's call on a whole sequence: ``x (B, N, d)`` -> ``(out (B, N, d),
-        (h, c))``, a ragged last chunk zero-padded and written.
+        """The paper's call on a whole sequence: a ragged last chunk zero-padded and written.
 
         Parameters
         ----------
@@ -238,8 +264,7 @@ class Layer:
                        reset: Any = None, doc_starts: Any = None, valid: Any = None,
                        check: Callable[..., None] | None = None, checked: bool = False,
                        max_documents: int | None = None) -> tuple[Any, StreamState]:
-        """Streaming, padding and packed documents: ``x (B, N, d)`` -> ``(out (B, N, d),
-        StreamState)``; the default call of both adapters.
+        """Streaming, padding and packed documents: the default call of both adapters.
 
         The call continues each row's unfinished chunk, so feeding a sequence in pieces
         of ANY lengths (one token at a time included) gives the outputs and the state of

@@ -29,8 +29,9 @@ State = tuple[Any, Any]
 
 
 class StreamState(NamedTuple):
-    """A layer's state between streamed calls, valid at ANY token (a pytree: it passes
-    through ``jax.jit``, ``lax.scan``, ``vmap``).
+    """A layer's state between streamed calls, valid at ANY token.
+
+    A pytree: it passes through ``jax.jit``, ``lax.scan`` and ``vmap``.
 
     Parameters
     ----------
@@ -100,9 +101,10 @@ def _call_bytes(config: LayerConfig, batch: int, tokens: int, item: int) -> int:
 
 def zero_state(xp: Any, config: LayerConfig, batch: int, *, dtype: Any = None,
                device: Any = None) -> State:
-    """The zero state ``(h, c)``, each ``(B, C, *S)``, after checking that it (and one scan
-    step over it) can be indexed and fits the device (``ValueError`` / ``MemoryError``
-    naming ``memory_shape``).
+    """The zero state ``(h, c)``, each ``(B, C, *S)``.
+
+    Checked first: it (and one scan step over it) can be indexed and fits the device
+    (``ValueError`` / ``MemoryError`` naming ``memory_shape``).
 
     Parameters
     ----------
