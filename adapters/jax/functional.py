@@ -19,7 +19,15 @@ from tmcore.adapters.jax import bridge as _scan_mod
 from tmcore.adapters.jax.bridge import forward_mode_guard
 from tmcore.adapters.jax.checkpoints import EXTRA_STATE, _check_stored
 from tmcore.adapters.jax.primitives import _check_values_eagerly
-from tmcore.layer.state import check_mask, where_rows
+from tmcore.layer.layer import Scan
+from tmcore.layer.state import (
+    check_forward,
+    check_mask,
+    check_state,
+    check_tokens,
+    stream_state,
+    where_rows,
+)
 from tmcore.ops.splat import DEFAULT_EPS
 from tmcore.runtime.validate import check_int
 from tmcore.scan.options import scan_options, step_for
@@ -137,7 +145,7 @@ def empty_stream_state(config_or_params: Any, batch: int, *,
                         f"got {type(config_or_params).__name__}")
     batch = check_int("batch", batch, 0)
     tokens = jnp.zeros((batch, 0, config.embed_dim), dtype)  # fixes B, dtype, device
-    return tl.stream_state(jnp, None, tokens, config)[0]
+    return stream_state(jnp, None, tokens, config)[0]
 
 
 # The state between streamed calls (tmcore.layer.StreamState): (h, c) at the last chunk
@@ -410,7 +418,7 @@ def _checked_config(params: Mapping[str, Any], x: Any, state: Any, *, chunk_size
     else:
         h = state[0] if isinstance(state, (tuple, list)) and len(state) == 2 else None
         if not hasattr(h, "shape") or len(h.shape) != n + 2:
-            tl.check_state(jnp, state, getattr(x, "shape", (0,))[0],
+            check_state(jnp, state, getattr(x, "shape", (0,))[0],
                            tl.LayerConfig(d, channels, (1,) * n, length))
             raise ValueError(f"state: expected (h, c) of shape (B, C, *S) with n = {n} "
                              f"spatial axes, got {getattr(h, 'shape', None)}")
@@ -656,10 +664,10 @@ def apply(
                            radius=radius, checkpoint_every=checkpoint_every,
                            update=update, window=window, dynamics=dynamics, flow=flow)
     # x and the state are checked here, once: the layer's call below is told so (checked=)
-    tl.check_tokens(jnp, x, config)
+    check_tokens(jnp, x, config)
     _check_no_widening(params, x, state)
     # the state and the call fit, in the dtype the call computes in, before allocating
-    tl.check_forward(jnp, config, x, _call_dtype(params, x, state))
+    check_forward(jnp, config, x, _call_dtype(params, x, state))
     if stream:
         return _apply_stream(params, x, state, config, layer, reset, doc_starts, valid,
                              documents)
@@ -667,7 +675,7 @@ def apply(
     if state is None:
         state = _zero_state_like(x, config)  # made to fit: nothing to check
     else:
-        state = MemoryState(*tl.check_state(jnp, state, batch, config))
+        state = MemoryState(*check_state(jnp, state, batch, config))
     if EXTRA_STATE in params:
         _check_stored(params[EXTRA_STATE], config.memory_shape, f"params[{EXTRA_STATE!r}]")
     if reset is not None:
@@ -727,7 +735,7 @@ def _on_mesh_of(x: Any, tree: Any) -> Any:
     return jax.tree.map(place, tree)
 
 
-def _layer_scan(config: tl.LayerConfig, cell: ConvParams, theta: Any = None) -> tl.Scan:
+def _layer_scan(config: tl.LayerConfig, cell: ConvParams, theta: Any = None) -> Scan:
     """The layer's scan: its options' step (:func:`tmcore.scan.step_for`) in the one
     checkpointed ``lax.scan`` (:class:`tmcore.adapters.jax.bridge.LayerScan`), with the
     ``warp_flow`` group of ``theta`` for ``flow=True``."""
@@ -752,7 +760,7 @@ def _apply_stream(params: Mapping[str, Any], x: jax.Array, state: Any,
     if EXTRA_STATE in params:
         _check_stored(params[EXTRA_STATE], config.memory_shape, f"params[{EXTRA_STATE!r}]")
     if isinstance(state, tl.StreamState):
-        state = tl.stream_state(jnp, state, x, config)[0]  # checks; count an int32 array
+        state = stream_state(jnp, state, x, config)[0]  # checks; count an int32 array
         state = _guard_count(state, config.chunk_size)  # under jit too: never another row
     dtype = _compute_dtype(params, x, None if state is None else (state[0], state[1]))
     x = _cast(x, dtype)
@@ -760,7 +768,7 @@ def _apply_stream(params: Mapping[str, Any], x: jax.Array, state: Any,
         state = state._replace(**{k: _cast(getattr(state, k), dtype) for k in _FLOAT_FIELDS})
         _check_values_eagerly({f"state.{k}": getattr(state, k) for k in _FLOAT_FIELDS})
     elif state is not None:
-        state = MemoryState(*(_cast(s, dtype) for s in tl.check_state(
+        state = MemoryState(*(_cast(s, dtype) for s in check_state(
             jnp, state, x.shape[0], config)))
         _check_values_eagerly({"state.h": state.h, "state.c": state.c})
     else:  # a pair: the count is known to be 0 (a chunk boundary), and x's sharding

@@ -771,8 +771,9 @@ def dense_scan(h0: Tensor, c0: Tensor, inputs: Any, params: ConvParams, *, eps: 
     tensors = (h0, c0, *inputs, *params)
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
     if not torch.compiler.is_compiling():  # (Dynamo cannot trace the checks)
-        if validated:
-            check_values(XP, inputs._asdict())
+        if validated:  # validate mode: the values the scan receives
+            check_values(XP, {"h0": h0, "c0": c0, **inputs._asdict(),
+                              **{f"params.{k}": v for k, v in params._asdict().items()}})
             check_positive(XP, "write_sigma", inputs.write_sigma)
             check_scan(XP, h0, inputs.read_coords.shape[1], checkpoint_every, grad)
         else:

@@ -33,15 +33,11 @@ Imported only when torch tensors reach tmcore (torch is then in ``sys.modules``)
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
-from types import ModuleType
 from typing import Any
 
 import torch
 
 from tmcore.backends.mixed import with_float32_compute
-from tmcore.backends.triton import dense as triton_dense
-from tmcore.backends.triton import local as triton_local
 from tmcore.runtime.dispatch import Ops
 from tmcore.runtime.options import Options, get_options
 
@@ -65,21 +61,6 @@ def scatter_add(xp: Any, out: torch.Tensor, index: torch.Tensor,
     return out.index_add_(0, index, values)
 
 
-def _first(name: str, *sources: tuple[ModuleType, dict]) -> Callable[..., Any]:
-    """The fused entry ``name`` tried in each ``(module, keywords)`` in turn:
-    ``module.<name>(xp, *args, **keywords)`` (looked up per call), until one does not
-    decline (return ``None``); ``None`` when all decline."""
-
-    def entry(xp: Any, *args: Any, **masks: Any) -> Any:
-        for module, keywords in sources:
-            out = getattr(module, name)(xp, *args, **keywords, **masks)
-            if out is not None:
-                return out
-        return None
-
-    return entry
-
-
 def make_ops(generic: Ops, options: Options) -> Ops:
     """The torch table: fast read, conv and gates, generic splat, fused scans (C kernels,
     else Triton), float32 compute for halves; the depthwise kernel is
@@ -87,10 +68,11 @@ def make_ops(generic: Ops, options: Options) -> Ops:
     sample_fwd, sample_bwd = make_sample(generic)
     conv = functools.partial(conv_fwd, kernel=options.depthwise)
     conv_vjp = functools.partial(conv_bwd, kernel=options.depthwise)
-    dense = ((scan, {"generic": generic, "options": options}), (triton_dense, {}))
-    windowed = ((local, {"options": options}), (triton_local, {"options": options}))
+    dense = {"generic": generic, "options": options}
     fast = Ops(sample_fwd, sample_bwd, generic.splat_fwd, generic.splat_bwd, conv, conv_vjp,
                gates_fwd, gates_bwd, gates_residuals, workspace,
-               _first("scan_fwd", *dense), _first("scan_bwd", *dense), scatter_add,
-               _first("scan_fwd", *windowed), _first("scan_bwd", *windowed))
+               functools.partial(scan.scan_fwd, **dense),
+               functools.partial(scan.scan_bwd, **dense), scatter_add,
+               functools.partial(local.scan_fwd, options=options),
+               functools.partial(local.scan_bwd, options=options))
     return with_float32_compute(fast)

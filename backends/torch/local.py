@@ -43,6 +43,7 @@ import torch
 
 from tmcore.backends.fused import check_scan_shapes, expect_shape, window_boxes
 from tmcore.backends.native.calls import Kernels, call, offset, plain, ptr, shape_arg
+from tmcore.backends.triton import local as triton_local
 from tmcore.types import ConvParams, LocalScanResiduals, ScanGrads
 
 from . import memory
@@ -131,12 +132,16 @@ def _writes(write_coords, write_sigma, write_content) -> dict[str, torch.Tensor]
 def scan_fwd(xp: Any, h0, c0, read_coords, write_coords, write_sigma, write_content, params,
              window: int, eps: float, radius: float | None, overwrite_state: bool, *,
              options: Any):
-    """The fused forward ``(reads (B, T, C), h_T, c_T, LocalScanResiduals)``, or ``None``
-    to decline."""
+    """The fused forward ``(reads (B, T, C), h_T, c_T, LocalScanResiduals)``: the C kernels'
+    on the CPU, else the Triton kernels', or ``None`` to decline."""
     params = ConvParams(*params)
     kernels = scan_kernels(options, h0, c0, read_coords, write_coords, write_sigma,
                            write_content, *params)
-    if kernels is None or read_coords.ndim != 3 or read_coords.shape[1] == 0:
+    if kernels is None:
+        return triton_local.scan_fwd(xp, h0, c0, read_coords, write_coords, write_sigma,
+                                     write_content, params, window, eps, radius,
+                                     overwrite_state, options=options)
+    if read_coords.ndim != 3 or read_coords.shape[1] == 0:
         return None
     check_scan_shapes(h0, read_coords, {"c0": c0, **_writes(write_coords, write_sigma,
                                                             write_content)}, params)
@@ -183,15 +188,19 @@ def scan_fwd(xp: Any, h0, c0, read_coords, write_coords, write_sigma, write_cont
 def scan_bwd(xp: Any, residuals, read_coords, write_coords, write_sigma, write_content,
              params, g_reads, g_h, g_c, window: int, eps: float, radius: float | None, *,
              options: Any):
-    """The fused backward (a :class:`tmcore.scan.ScanGrads`), or ``None`` to decline.
-    ``g_h, g_c`` are not modified (the scan updates its own copies)."""
+    """The fused backward (a :class:`tmcore.scan.ScanGrads`): the C kernels' on the CPU,
+    else the Triton kernels', or ``None`` to decline. ``g_h, g_c`` are not modified."""
     params = ConvParams(*params)
     h_boxes, c_boxes, read_boxes = residuals
     if read_boxes is None or not all(isinstance(r, torch.Tensor) for r in residuals):
         return None
     kernels = scan_kernels(options, g_h, g_c, g_reads, h_boxes, c_boxes, read_boxes,
                            read_coords, write_coords, write_sigma, write_content, *params)
-    if kernels is None or read_coords.ndim != 3 or read_coords.shape[1] == 0:
+    if kernels is None:
+        return triton_local.scan_bwd(xp, residuals, read_coords, write_coords, write_sigma,
+                                     write_content, params, g_reads, g_h, g_c, window, eps,
+                                     radius, options=options)
+    if read_coords.ndim != 3 or read_coords.shape[1] == 0:
         return None
     batch, channels, *spatial = g_h.shape
     shape = tuple(spatial)

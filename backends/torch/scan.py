@@ -35,6 +35,7 @@ import torch
 
 from tmcore.backends.fused import check_scan_shapes
 from tmcore.backends.native.calls import Kernels, call, kernels_for, offset, plain, ptr, shape_arg
+from tmcore.backends.triton import dense as triton_dense
 from tmcore.ops.addressing import axis_of_component
 from tmcore.runtime.dispatch import Ops
 from tmcore.runtime.options import Options
@@ -333,13 +334,16 @@ def scan_fwd(xp: Any, h0, c0, read_coords, write_coords, write_sigma, write_cont
              eps: float, radius: float | None, checkpoint_every: int, *, generic: Ops,
              options: Options, reset: Any = None, active: Any = None):
     """The fused :func:`tmcore.scan.memory_scan_fwd` (``generic``: the table whose splat
-    makes the write volumes; ``reset, active``: the per-step masks), or ``None`` to
+    makes the write volumes; ``reset, active``: the per-step masks): the C kernels' on the
+    CPU, else the Triton kernels' (:mod:`tmcore.backends.triton.dense`), or ``None`` to
     decline."""
     params = ConvParams(*params)
     kernels = scan_kernels(options, h0, c0, read_coords, write_coords, write_sigma,
                            write_content, *params)
     if kernels is None:
-        return None
+        return triton_dense.scan_fwd(xp, h0, c0, read_coords, write_coords, write_sigma,
+                                     write_content, params, eps, radius, checkpoint_every,
+                                     reset=reset, active=active)
     check_scan_shapes(h0, read_coords, {"c0": c0, "write_coords": write_coords,
                                         "write_sigma": write_sigma,
                                         "write_content": write_content}, params)
@@ -419,13 +423,15 @@ def scan_bwd(xp: Any, read_coords, write_coords, write_sigma, write_content, par
              h_checkpoints, c_checkpoints, g_reads, g_h, g_c, eps: float,
              radius: float | None, checkpoint_every: int, *, generic: Ops, options: Options,
              reset: Any = None, active: Any = None):
-    """The fused :func:`tmcore.scan.memory_scan_bwd` (a :class:`tmcore.types.ScanGrads`),
-    or ``None`` to decline."""
+    """The fused :func:`tmcore.scan.memory_scan_bwd` (a :class:`tmcore.types.ScanGrads`):
+    the C kernels' on the CPU, else the Triton kernels', or ``None`` to decline."""
     params = ConvParams(*params)
     kernels = scan_kernels(options, g_h, g_c, g_reads, h_checkpoints, c_checkpoints,
                            read_coords, write_coords, write_sigma, write_content, *params)
     if kernels is None:
-        return None
+        return triton_dense.scan_bwd(xp, read_coords, write_coords, write_sigma, write_content,
+                                     params, h_checkpoints, c_checkpoints, g_reads, g_h, g_c,
+                                     eps, radius, checkpoint_every, reset=reset, active=active)
     steps = read_coords.shape[1]
     saved = -(-steps // checkpoint_every)
     check_scan_shapes(g_h, read_coords, {

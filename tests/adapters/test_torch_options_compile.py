@@ -17,10 +17,10 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="torch is not installed")
 
-from tmcore import layer as tl  # noqa: E402
 from tmcore.adapters.torch import MemoryResidual, TensorMemory  # noqa: E402
 from tmcore.adapters.torch import bridge as _torch_ops  # noqa: E402
 from tmcore.adapters.torch.bridge import _XP  # noqa: E402
+from tmcore.layer.layer import chunk  # noqa: E402
 from tmcore.scan.options import scan_options  # noqa: E402
 
 D, C, S, L = 5, 2, (4, 3), 2
@@ -83,7 +83,7 @@ def test_dynamic_scan_op_equals_the_function_bit_for_bit(name):
     flow = memory.warp_flow.params() if memory.config.flow else None
     results = []
     for compiling in (False, True):  # the Function twin, then the op itself
-        inputs = memory.layer.heads(_XP, memory.params(), tl.chunk(_XP, x, L))
+        inputs = memory.layer.heads(_XP, memory.params(), chunk(_XP, x, L))
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(torch.compiler, "is_compiling", lambda compiling=compiling: compiling)
             reads, h, c = _torch_ops.option_scan(scan_options(memory.config), h0, c0, inputs,
@@ -103,7 +103,7 @@ def test_dynamic_scan_op_passes_opcheck():
     memory = _memory(ALL)
     x = torch.randn(1, 4, D, dtype=torch.float64)
     with torch.no_grad():
-        inputs = memory.layer.heads(_XP, memory.params(), tl.chunk(_XP, x, L))
+        inputs = memory.layer.heads(_XP, memory.params(), chunk(_XP, x, L))
     h0 = torch.randn(1, C, *S, dtype=torch.float64)
 
     def leaf(t):

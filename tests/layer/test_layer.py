@@ -11,6 +11,8 @@ import pytest
 
 import tmcore
 from tmcore import layer as tl
+from tmcore.layer.layer import chunk, unchunk
+from tmcore.layer.state import check_state, check_tokens
 
 CONFIG = tl.layer_config(6, 2, (3, 4), 3, sigma_scale=0.7, forget_bias=1.5)
 
@@ -162,13 +164,13 @@ def test_heads_match_the_layer_math():
 @pytest.mark.parametrize("tokens", [1, 3, 7, 9])
 def test_chunk_pads_and_unchunk_trims(tokens):
     x = np.arange(2 * tokens * 6, dtype=np.float64).reshape(2, tokens, 6) + 1
-    chunks = tl.chunk(xp, x, 3)
+    chunks = chunk(xp, x, 3)
     steps = -(-tokens // 3)
     assert chunks.shape == (2, steps, 3, 6)
     np.testing.assert_array_equal(chunks.reshape(2, -1, 6)[:, :tokens], x)
     np.testing.assert_array_equal(chunks.reshape(2, -1, 6)[:, tokens:], 0.0)
     per_chunk = np.random.default_rng(0).normal(size=(2, steps, 6))
-    out = tl.unchunk(xp, per_chunk, tokens, 3)
+    out = unchunk(xp, per_chunk, tokens, 3)
     assert out.shape == (2, tokens, 6)
     for n in range(tokens):
         np.testing.assert_array_equal(out[:, n], per_chunk[:, n // 3])
@@ -196,15 +198,15 @@ def test_reset_by_bool_mask_only():
 
 def test_check_state_and_tokens():
     with pytest.raises(ValueError, match=r"state.h: expected shape \(B, C, \*S\) = \(2, 2, 3, 4\)"):
-        tl.check_state(xp, (np.zeros((2, 2, 3, 3)), np.zeros((2, 2, 3, 4))), 2, CONFIG)
+        check_state(xp, (np.zeros((2, 2, 3, 3)), np.zeros((2, 2, 3, 4))), 2, CONFIG)
     with pytest.raises(ValueError, match="state: expected a pair"):
-        tl.check_state(xp, np.zeros((2, 2, 3, 4)), 2, CONFIG)
+        check_state(xp, np.zeros((2, 2, 3, 4)), 2, CONFIG)
     with pytest.raises(TypeError, match="state.c: expected a real floating dtype"):
-        tl.check_state(xp, (np.zeros((2, 2, 3, 4)), np.zeros((2, 2, 3, 4), int)), 2, CONFIG)
+        check_state(xp, (np.zeros((2, 2, 3, 4)), np.zeros((2, 2, 3, 4), int)), 2, CONFIG)
     with pytest.raises(ValueError, match=r"d = 6 \(embed_dim = 6\)"):
-        tl.check_tokens(xp, np.zeros((2, 3, 5)), CONFIG)
+        check_tokens(xp, np.zeros((2, 3, 5)), CONFIG)
     with pytest.raises(TypeError, match="x: expected a real floating dtype"):
-        tl.check_tokens(xp, np.zeros((2, 3, 6), int), CONFIG)
+        check_tokens(xp, np.zeros((2, 3, 6), int), CONFIG)
 
 
 def test_modes():
@@ -246,7 +248,7 @@ def test_forward_on_numpy_equals_a_hand_loop():
     assert out.shape == x.shape and h.shape == (2, 2, 3, 4)
     # hand loop: chunk by chunk, one-step scans
     state = tl.zero_state(xp, CONFIG, 2, dtype=x.dtype)
-    chunks = tl.chunk(xp, x, 3)
+    chunks = chunk(xp, x, 3)
     rows = []
     for t in range(chunks.shape[1]):
         inputs = tl.Layer(CONFIG).heads(xp, params, chunks[:, t])

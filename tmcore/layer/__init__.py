@@ -9,7 +9,7 @@ and :mod:`~tmcore.layer.stack` (the multi-layer modes).
 """
 
 from tmcore.layer.config import DYNAMICS, UPDATES, LayerConfig, layer_config
-from tmcore.layer.layer import Layer, Linear, Scan, chunk, linear, split, unchunk
+from tmcore.layer.layer import Layer
 from tmcore.layer.params import (
     FLOW_GROUP,
     GATE_SHAPE,
@@ -27,16 +27,7 @@ from tmcore.layer.params import (
     stored_grid_error,
 )
 from tmcore.layer.stack import MODES, check_mode, final_state, segment_states, start_state
-from tmcore.layer.state import (
-    State,
-    StreamState,
-    check_forward,
-    check_state,
-    check_tokens,
-    doc_starts_from_offsets,
-    stream_state,
-    zero_state,
-)
+from tmcore.layer.state import State, StreamState, doc_starts_from_offsets, zero_state
 
 __all__ = [
     "DYNAMICS", "FLOW_GROUP", "GATE_SHAPE", "GROUPS", "Layer", "LayerConfig", "MODES",
