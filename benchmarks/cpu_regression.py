@@ -26,7 +26,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from benchmarks.common import CONFIGS, machine_line
+from benchmarks.common import CONFIGS, checkout_commit, machine_line
 
 _CHILD = r"""
 import json, sys, time
@@ -56,16 +56,6 @@ print(json.dumps(times))
 """
 
 
-def _commit(python: str) -> str:
-    """The commit of the checkout that ``python``'s tmcore was installed from."""
-    where = subprocess.run([python, "-c", "import tmcore, os; print(os.path.dirname("
-                            "os.path.dirname(tmcore.__file__)))"],
-                           capture_output=True, text=True, check=True, cwd="/").stdout.strip()
-    done = subprocess.run(["git", "-C", where, "rev-parse", "--short=10", "HEAD"],
-                          capture_output=True, text=True)
-    return f"{done.stdout.strip() or '?'} ({where})"
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--python", action="append", required=True,
@@ -78,6 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if len(args.python) < 2:
         parser.error("--python: give at least two interpreters to compare")
+    args.python = [os.path.abspath(p) for p in args.python]  # the children run in "/"
     cfg = next(c for c in CONFIGS if c.name == args.config)
     spec = json.dumps([cfg.batch, cfg.embed_dim, cfg.channels, list(cfg.shape), cfg.chunk,
                        cfg.tokens, args.reps, args.threads])
@@ -95,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     base = args.python[0]
     rows = []
     for python, times in per_python.items():
-        row = {"python": python, "commit": _commit(python),
+        row = {"python": python, "commit": checkout_commit(python),
                "median_ms": 1e3 * statistics.median(times), "min_ms": 1e3 * min(times),
                "seconds": times}
         row["median_ratio_to_first"] = statistics.median(times) / statistics.median(
