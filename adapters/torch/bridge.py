@@ -200,7 +200,7 @@ def _loop_vmap(op: Callable[..., Any]) -> Callable[..., Any]:
 
 class _Function(torch.autograd.Function):
     """Base of the ``autograd.Function`` twins of the ops (see the module docstring): the
-    forward calls the custom op, ``setup_context`` / ``backward`` are the very rules
+    forward runs the custom op (:func:`_twin`), ``setup_context`` / ``backward`` are the very rules
     registered on the op, and ``generate_vmap_rule`` composes the ops' vmap rules."""
 
     generate_vmap_rule = True
@@ -295,13 +295,11 @@ def _run(fn: Callable[..., Any], args: tuple, validated: bool) -> Any:
 
 def _twin(name: str, op: Any, direct: Callable[..., Any], setup: Callable[..., Any],
           grad: Callable[..., Any]) -> type[_Function]:
-    """The ``autograd.Function`` twin of ``op``: its forward, with the op's rules. Where
-    :func:`plain_inference` allows (grad is off inside a forward) and no torch function
-    or dispatch mode is active (an op counter sees the op as one op), it runs
-    ``direct``, the op's own forward, as the custom op would: the custom op's
-    dispatcher imports ``torch._dynamo`` on its first call (measured +165 MiB
-    resident and 0.9 s in a process's first training step)."""
+    """The ``autograd.Function`` twin of ``op``: its forward, with the op's rules."""
     def forward(*args):
+        # op's own forward where plain_inference allows (grad is off in a forward) and no
+        # mode sees ops (a counter sees one op): the custom op's dispatcher imports
+        # torch._dynamo on its first call (+165 MiB resident, 0.9 s in a first step)
         plain = not (torch._C._len_torch_function_stack()
                      or torch._C._len_torch_dispatch_stack()) and plain_inference(*args)
         return (direct if plain else op)(*args)
