@@ -204,7 +204,7 @@ def _loop_vmap(op: Callable[..., Any]) -> Callable[..., Any]:
 
 class _Function(torch.autograd.Function):
     """Base of the ``autograd.Function`` twins of the ops (see the module docstring): the
-    forward calls the custom op, ``setup_context`` / ``backward`` are the very rules
+    forward runs the custom op (:func:`_twin`), ``setup_context`` / ``backward`` are the very rules
     registered on the op, and ``generate_vmap_rule`` composes the ops' vmap rules."""
 
     generate_vmap_rule = True
@@ -297,10 +297,18 @@ def _run(fn: Callable[..., Any], args: tuple, validated: bool) -> Any:
         _VALIDATED.reset(token)
 
 
-def _twin(name: str, op: Any, setup: Callable[..., Any], grad: Callable[..., Any]
-          ) -> type[_Function]:
+def _twin(name: str, op: Any, direct: Callable[..., Any], setup: Callable[..., Any],
+          grad: Callable[..., Any]) -> type[_Function]:
     """The ``autograd.Function`` twin of ``op``: its forward, with the op's rules."""
-    return type(name, (_Function,), {"forward": staticmethod(lambda *args: op(*args)),
+    def forward(*args):
+        # op's own forward where plain_inference allows (grad is off in a forward) and no
+        # mode sees ops (a counter sees one op): the custom op's dispatcher imports
+        # torch._dynamo on its first call (+165 MiB resident, 0.9 s in a first step)
+        plain = not (torch._C._len_torch_function_stack()
+                     or torch._C._len_torch_dispatch_stack()) and plain_inference(*args)
+        return (direct if plain else op)(*args)
+
+    return type(name, (_Function,), {"forward": staticmethod(forward),
                                      "setup_context": staticmethod(setup),
                                      "backward": staticmethod(grad)})
 
@@ -431,9 +439,9 @@ def _make_op(spec: OpSpec) -> MadeOp:
     backward_op.register_vmap(_loop_vmap(backward_op))
 
     title = "".join(part.title() for part in spec.name.split("_"))
-    backward_function = _twin(f"_{title}BackwardFunction", backward_op, backward_setup,
-                              backward_grad)
-    function = _twin(f"{title}Function", op, setup, grad)
+    backward_function = _twin(f"_{title}BackwardFunction", backward_op, backward,
+                              backward_setup, backward_grad)
+    function = _twin(f"{title}Function", op, forward, setup, grad)
     _DIRECT[op] = forward
     return MadeOp(op, backward_op, function, backward_function)
 
