@@ -40,7 +40,7 @@ from tmcore.ops.addressing import MIN_SIGMA
 from tmcore.ops.common import softplus
 from tmcore.ops.sample import trilinear_sample
 from tmcore.runtime.validate import check_int
-from tmcore.types import StepInputs, WarpInputs, device_of, host_values
+from tmcore.types import StepInputs, WarpInputs, device_of, host_values, traced
 
 __all__ = ["Layer", "Linear", "Scan", "chunk", "linear", "split", "unchunk"]
 
@@ -337,7 +337,8 @@ class Layer:
             return xp.zeros_like(x), st
         if tokens == 1 and doc_starts is None:
             return self._decode(xp, params, x, st, known, valid, scan)
-        if known is not None and not any(known) and valid is None and doc_starts is None:
+        if known is not None and not any(known) and valid is None and doc_starts is None \
+                and not traced():  # (compiled: the grid, whose sizes stay symbolic)
             # from a chunk boundary: x chunked as it is; a ragged last chunk is read, kept
             # unfinished, and its update not taken
             steps, full = -(-tokens // length), tokens // length

@@ -76,9 +76,10 @@ def check_forward(xp: Any, config: LayerConfig, x: Any, dtype: Any = None) -> No
     """Before a layer call on ``x (B, N, d)`` allocates: the state and the call's working
     set fit the device (``ValueError`` / ``MemoryError`` naming ``memory_shape``), in
     ``dtype`` (default ``x``'s: the dtype the call computes in)."""
-    if traced():  # (torch.compile: symbolic sizes; checked eagerly or by the ops)
+    sizes_known = _ints(x.shape[:2])
+    if traced() or sizes_known is None:  # symbolic sizes (torch.compile, jax.export)
         return
-    batch, tokens = int(x.shape[0]), int(x.shape[1])
+    batch, tokens = sizes_known
     nbytes = _call_bytes(config, batch, tokens, sizes.itemsize(xp, dtype or x.dtype))
     limit = memory_limit()  # (read each call: the bound may change between calls)
     if nbytes < sizes.SMALL and (limit is None or nbytes <= limit):
@@ -94,6 +95,14 @@ def _call_bytes(config: LayerConfig, batch: int, tokens: int, item: int) -> int:
     sizes.check_count("memory_shape", _state_shape(config, batch), "(B, C, *S)",
                       "the state h (and c)")
     return forward_bytes(config, batch, tokens, item)
+
+
+def _ints(sizes: Any) -> tuple[int, ...] | None:
+    """``sizes`` as Python ints, or ``None`` where one is symbolic (``jax.export``)."""
+    try:
+        return tuple(operator.index(s) for s in sizes)
+    except TypeError:
+        return None
 
 
 # --------------------------------------------------------------------------- the state
@@ -122,8 +131,8 @@ def zero_state(xp: Any, config: LayerConfig, batch: int, *, dtype: Any = None,
     h, c : array, shape ``(B, C, *S)``
         Zeros.
     """
-    shape = _state_shape(config, int(batch))
-    if not traced():
+    shape = _state_shape(config, batch)
+    if not traced() and _ints(shape) is not None:
         count = sizes.check_count("memory_shape", shape, "(B, C, *S)", "the state h (and c)")
         nbytes = sizes.scan_bytes(count, shape[0], shape[1], 1, 0, sizes.itemsize(xp, dtype))
         sizes.check_bytes("memory_shape", nbytes, f"the state (h, c) of shape (B, C, *S) = "
@@ -180,7 +189,7 @@ def stream_state(xp: Any, state: Any, x: Any, config: LayerConfig, *, checked: b
     if not isinstance(state, StreamState):
         h, c = (zero_state(xp, config, batch, dtype=x.dtype, device=device) if state is None
                 else tuple(state) if checked else check_state(xp, state, batch, config))
-        zeros = (0,) * batch
+        zeros = None if _ints((batch,)) is None else (0,) * batch  # (a symbolic batch)
         return StreamState(
             h, c, xp.zeros((batch, config.chunk_size, config.embed_dim), dtype=x.dtype,
                            device=device),

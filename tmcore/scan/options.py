@@ -6,6 +6,7 @@ unvalidated, :func:`dynamic_memory_scan` and its VJP validated).
 from __future__ import annotations
 
 import math
+import operator
 from typing import Any, NamedTuple
 
 from tmcore.ops.conv import as_conv_params, validate_conv_params
@@ -70,7 +71,10 @@ def check_scan_bytes(xp: Any, step: Step, h0: Any, steps: int, checkpoint_every:
                      backward: bool, flow: bool = False) -> None:
     """Before a scan of ``step`` allocates: its residuals (checkpoints, or the local log) and
     working set fit (``MemoryError`` / ``ValueError`` naming ``h0``)."""
-    batch, channels, *grid = (int(s) for s in h0.shape)
+    try:
+        batch, channels, *grid = (operator.index(s) for s in h0.shape)
+    except TypeError:  # symbolic sizes (jax.export): nothing to measure
+        return
     inner = step.update if isinstance(step, WarpStep) else step
     working = 0
     if isinstance(step, WarpStep):
