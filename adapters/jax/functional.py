@@ -18,7 +18,6 @@ from tmcore import layer as tl
 from tmcore.adapters.jax import bridge as _scan_mod
 from tmcore.adapters.jax.bridge import forward_mode_guard
 from tmcore.adapters.jax.checkpoints import EXTRA_STATE, _check_stored
-from tmcore.adapters.jax.primitives import _check_values_eagerly
 from tmcore.layer.layer import Scan
 from tmcore.layer.state import (
     check_forward,
@@ -29,7 +28,7 @@ from tmcore.layer.state import (
     where_rows,
 )
 from tmcore.ops.splat import DEFAULT_EPS
-from tmcore.runtime.validate import check_int
+from tmcore.runtime.validate import check_int, check_values
 from tmcore.scan.options import scan_options, step_for
 from tmcore.types import ConvParams, WarpParams
 
@@ -683,7 +682,7 @@ def apply(
     dtype = _compute_dtype(params, x, state)
     x = x.astype(dtype)
     state = MemoryState(state.h.astype(dtype), state.c.astype(dtype))
-    _check_values_eagerly({"x": x, "state.h": state.h, "state.c": state.c})
+    check_values(jnp, {"x": x, "state.h": state.h, "state.c": state.c})
     if batch == 0 or tokens == 0:  # nothing to scan; shapes as for any other input
         return jnp.zeros((batch, tokens, d), dtype), state
     theta, cell = _on_mesh_of(x, _cast_params(params, dtype))
@@ -766,14 +765,14 @@ def _apply_stream(params: Mapping[str, Any], x: jax.Array, state: Any,
     x = _cast(x, dtype)
     if isinstance(state, tl.StreamState):
         state = state._replace(**{k: _cast(getattr(state, k), dtype) for k in _FLOAT_FIELDS})
-        _check_values_eagerly({f"state.{k}": getattr(state, k) for k in _FLOAT_FIELDS})
+        check_values(jnp, {f"state.{k}": getattr(state, k) for k in _FLOAT_FIELDS})
     elif state is not None:
         state = MemoryState(*(_cast(s, dtype) for s in check_state(
             jnp, state, x.shape[0], config)))
-        _check_values_eagerly({"state.h": state.h, "state.c": state.c})
+        check_values(jnp, {"state.h": state.h, "state.c": state.c})
     else:  # a pair: the count is known to be 0 (a chunk boundary), and x's sharding
         state = _zero_state_like(x, config)
-    _check_values_eagerly({"x": x})
+    check_values(jnp, {"x": x})
     theta, cell = _on_mesh_of(x, _cast_params(params, dtype))
     if doc_starts is None:
         documents = None  # (one compiled function whatever the bound)

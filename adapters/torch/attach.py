@@ -60,6 +60,7 @@ from tmcore import layer as tl
 from tmcore.adapters.torch.bridge import XP as _XP
 from tmcore.adapters.torch.modules import MemoryResidual, TensorMemory
 from tmcore.runtime.validate import check_bool_mask
+from tmcore.types import traced
 
 __all__ = ["ATTRIBUTE", "MemoryHandle", "attach_memory", "blocks_of", "detach_memory",
            "detach_state"]
@@ -102,14 +103,10 @@ def detach_state(state: Any) -> Any:
         else [detach_state(s) for s in state]
 
 
-def _compiling() -> bool:
-    return torch.compiler.is_compiling()
-
-
 def _in_backward() -> bool:
     """Whether the autograd engine is running a backward pass in this thread (never
     while torch.compile traces: the compiled backward re-runs no hook)."""
-    if _compiling():
+    if traced():
         return False
     task = getattr(torch._C, "_current_graph_task_id", None)
     return task is not None and task() != -1
@@ -334,7 +331,7 @@ class MemoryHandle:
     def _run(self, layer: int, module: nn.Module, args: tuple, y: Tensor) -> Tensor:
         memory = getattr(module, ATTRIBUTE)
         x = y if self.batch_first else y.transpose(0, 1)
-        compiling = _compiling()
+        compiling = traced()
         key = None if compiling else self._record_key(layer, args)
         if _in_backward():  # activation checkpointing is recomputing this block
             with self._lock:

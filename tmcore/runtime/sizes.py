@@ -38,7 +38,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from tmcore.runtime.options import MEMORY_LIMIT_ENV_VAR, memory_limit
-from tmcore.types import device_of
+from tmcore.types import device_of, traced
 
 __all__ = [
     "INT64_MAX",
@@ -47,7 +47,6 @@ __all__ = [
     "check_bytes",
     "check_scan",
     "check_array",
-    "compiling",
     "memory_budget",
     "scan_bytes",
     "itemsize",
@@ -200,23 +199,13 @@ def itemsize(xp: Any, dtype: Any) -> int:
         return 4
 
 
-def compiling() -> bool:
-    """Whether torch.compile is tracing (then the checks ran eagerly, or run in the
-    ops' fake implementations; a file read here would break the graph)."""
-    torch = sys.modules.get("torch")
-    try:
-        return torch is not None and bool(torch.compiler.is_compiling())
-    except Exception:  # an older torch
-        return False
-
-
 def check_bytes(name: str, nbytes: int, what: str, xp: Any, device: Any = None) -> None:
     """``MemoryError`` naming ``name`` when ``nbytes`` (what ``what`` needs) exceeds
     :func:`memory_budget`; nothing is looked up for small requests."""
     if nbytes > INT64_MAX:
         raise ValueError(f"{name}: {what} would need {nbytes:.3e} bytes, more than int64 "
                          f"can address")
-    if compiling():
+    if traced():  # (torch.compile: the checks ran eagerly, or run in the fake kernels)
         return
     limit = memory_limit()  # (small requests look nothing up, unless a bound is set below)
     if nbytes < SMALL and (limit is None or nbytes <= limit):

@@ -26,7 +26,7 @@ from typing import Any
 import array_api_compat
 
 from tmcore.runtime.options import get_options
-from tmcore.types import device_of
+from tmcore.types import device_of, host_values
 
 __all__ = [
     "check_bool_mask",
@@ -59,15 +59,6 @@ OPTIONAL_ARRAYS = frozenset({"g", "g_reads", "g_h", "g_c"})
 # --------------------------------------------------------------------------- validate mode
 
 
-def _concrete_bool(value: Any) -> bool | None:
-    """``bool(value)``, or ``None`` when the value is not concrete (a tracer, a
-    meta / fake tensor, a lazy array): those are not checked."""
-    try:
-        return bool(value)
-    except Exception:  # each framework raises its own type for abstract values
-        return None
-
-
 def check_values(xp: Any, arrays: dict[str, Any]) -> None:
     """Validate mode only: raise ``ValueError`` naming the first array that holds NaN or inf."""
     if not get_options().validate:
@@ -75,7 +66,7 @@ def check_values(xp: Any, arrays: dict[str, Any]) -> None:
     for name, value in arrays.items():
         if value is None:
             continue
-        finite = _concrete_bool(xp.all(xp.isfinite(value)))
+        finite = host_values(xp.all(xp.isfinite(value)))  # (None: abstract, unchecked)
         if finite is False:
             bad = int(xp.sum(xp.astype(~xp.isfinite(value), xp.int32)))
             raise ValueError(
@@ -88,7 +79,7 @@ def check_positive(xp: Any, name: str, value: Any) -> None:
     """Validate mode only: raise ``ValueError`` unless every entry of ``value`` is > 0."""
     if not get_options().validate or math.prod(value.shape) == 0:
         return
-    positive = _concrete_bool(xp.all(value > 0))
+    positive = host_values(xp.all(value > 0))
     if positive is False:
         smallest = float(xp.min(value))
         raise ValueError(f"{name}: expected every value > 0 (validate mode), got a minimum "
