@@ -80,8 +80,10 @@ def segment_states(mode: str, state: Any, layers: int) -> Any:
 
 
 def start_state(mode: str, layer: int, segment: Any, previous: State | None) -> tuple[Any, bool]:
-    """Where layer ``layer`` of a stack starts: causal, its own segment state; threaded,
-    layer 0 the segment state and every later one the previous layer's final state.
+    """Where layer ``layer`` of a stack starts.
+
+    Causal: its own segment state; threaded: layer 0 the segment state, every later one
+    the previous layer's final state.
 
     Parameters
     ----------

@@ -77,7 +77,7 @@ def check_forward(xp: Any, config: LayerConfig, x: Any, dtype: Any = None) -> No
     set fit the device (``ValueError`` / ``MemoryError`` naming ``memory_shape``), in
     ``dtype`` (default ``x``'s: the dtype the call computes in)."""
     sizes_known = _ints(x.shape[:2])
-    if traced() or sizes_known is None:  # symbolic sizes (torch.compile, jax.export)
+    if sizes_known is None:  # symbolic sizes: checked eagerly, or by the ops
         return
     batch, tokens = sizes_known
     nbytes = _call_bytes(config, batch, tokens, sizes.itemsize(xp, dtype or x.dtype))
@@ -98,7 +98,10 @@ def _call_bytes(config: LayerConfig, batch: int, tokens: int, item: int) -> int:
 
 
 def _ints(sizes: Any) -> tuple[int, ...] | None:
-    """``sizes`` as Python ints, or ``None`` where one is symbolic (``jax.export``)."""
+    """``sizes`` as Python ints, or ``None`` where they may be symbolic (``torch.compile``,
+    ``jax.export``): reading one would specialize it."""
+    if traced():
+        return None
     try:
         return tuple(operator.index(s) for s in sizes)
     except TypeError:
@@ -132,7 +135,7 @@ def zero_state(xp: Any, config: LayerConfig, batch: int, *, dtype: Any = None,
         Zeros.
     """
     shape = _state_shape(config, batch)
-    if not traced() and _ints(shape) is not None:
+    if _ints(shape) is not None:
         count = sizes.check_count("memory_shape", shape, "(B, C, *S)", "the state h (and c)")
         nbytes = sizes.scan_bytes(count, shape[0], shape[1], 1, 0, sizes.itemsize(xp, dtype))
         sizes.check_bytes("memory_shape", nbytes, f"the state (h, c) of shape (B, C, *S) = "
