@@ -1,46 +1,22 @@
 """tmcore's hand-written VJPs registered with PyTorch as custom ops, made by one factory.
 
-:func:`_make_op` turns an :class:`OpSpec` (the op's tensor inputs, its static
-arguments, its outputs, and its forward / backward written with tmcore's
-``ops_for`` dispatch table) into
+:func:`_make_op` turns an :class:`OpSpec` into a ``torch.library.custom_op`` with a fake
+implementation, an autograd rule and a vmap rule (a loop over the mapped dimension); a
+``<name>_backward`` op whose own autograd rule re-runs the backward on the generic path under
+torch autograd (an exact second order); and an ``autograd.Function`` twin of each, which
+:func:`call` runs in eager mode (``custom_op``'s autograd raises under ``torch.func.grad``).
+Every forward and backward goes through :func:`tmcore.runtime.dispatch.ops_for`, the
+backward under its forward's options. What works where: docs/guides/pytorch.md.
 
-- a ``torch.library.custom_op`` ``tmcore::<name>`` with a fake (meta)
-  implementation for ``torch.compile``, an autograd rule and a vmap rule;
-- a second custom op ``tmcore::<name>_backward`` running tmcore's backward,
-  whose own autograd rule gives second order (an exact Hessian-vector
-  product: the backward is re-run on the generic array-API path under torch
-  autograd and the cotangents pulled back through it);
-- an ``autograd.Function`` twin of each (``custom_op``'s registered autograd
-  raises under ``torch.func.grad`` in torch 2.13, the Function does not); the
-  adapter's public functions call the twins (:func:`call`).
+The ops (``*conv``: the four :class:`tmcore.ConvParams` tensors; one ``*_backward`` each)::
 
-Every forward and backward goes through :func:`tmcore.runtime.dispatch.ops_for`, so
-backend fast paths, the float16 / bfloat16 float32-compute rule and
-:func:`tmcore.options` apply exactly as for ``tmcore.*``. The options in force
-at the forward are also in force in the backward (saved on the autograd
-context), whichever thread runs it.
-
-Not supported: third order (the re-run is detached from the outer graph),
-nested ``torch.func.grad`` (Hessians through ``torch.func``), double backward
-through a ``torch.compile``-d model, forward mode (``torch.func.jvp``,
-``jacfwd``): :func:`call` raises a clear error under a forward-mode transform.
-
-vmap: the rules loop over the mapped dimension (correct for any ``in_dims``,
-including batched parameters, e.g. per-sample gradients; one call per slice).
-
-Op namespace ``tmcore`` (the cell step backs :meth:`ConvLSTMCell.forward
-<tmcore.adapters.torch.ConvLSTMCell.forward>`)::
-
-    torch.ops.tmcore.trilinear_sample(volume, coords) -> out
-    torch.ops.tmcore.gaussian_splat(content, mu, sigma, shape, eps, radius) -> volume
-    torch.ops.tmcore.convlstm_step(x, h, c, depthwise_weight, depthwise_bias,
-        pointwise_weight, pointwise_bias) -> (h_new, c_new)
-    torch.ops.tmcore.memory_scan(h0, c0, read_coords, write_coords, write_sigma,
-        write_content, depthwise_weight, depthwise_bias, pointwise_weight,
-        pointwise_bias, eps, radius, checkpoint_every)
+    tmcore::trilinear_sample(volume, coords) -> out
+    tmcore::gaussian_splat(content, mu, sigma, shape, eps, radius) -> volume
+    tmcore::convlstm_step(x, h, c, *conv) -> (h_new, c_new)
+    tmcore::memory_scan(h0, c0, read_coords, write_coords, write_sigma, write_content,
+        *conv, eps, radius, checkpoint_every, reset, active)
         -> (reads, h_T, c_T, h_checkpoints, c_checkpoints)
-
-plus one ``*_backward`` op each.
+    tmcore::local_scan, warp_scan, warp_flow_scan (:func:`option_scan`)
 """
 
 from __future__ import annotations
@@ -99,15 +75,12 @@ _VALIDATED: contextvars.ContextVar[bool] = contextvars.ContextVar("tmcore_valida
 class OpSpec:
     """What :func:`_make_op` needs to know about one primitive.
 
-    ``primals``: names of the differentiable tensor inputs; ``statics``:
-    ``(name, schema type)`` of the non-tensor inputs; ``outputs``: names of the
-    outputs, of which the last ``residuals`` are saved for the backward and carry
-    no gradient. ``forward(primals, statics) -> outputs`` and
-    ``backward(primals, residuals, cotangents, statics) -> one gradient per
-    primal`` take and return tuples of tensors; ``fake(primals, statics) ->
-    outputs`` allocates the outputs for ``torch.compile`` (and may check
-    shapes); ``recompute(primals, statics) -> residuals`` rebuilds the residuals
-    for second order (default: none).
+    ``primals``: the differentiable tensor inputs; ``statics``: ``(name, schema type)`` of the
+    others; ``outputs``: the last ``residuals`` of them are saved for the backward and carry no
+    gradient. ``forward(primals, statics) -> outputs``, ``backward(primals, residuals,
+    cotangents, statics) -> a gradient per primal``, ``fake(primals, statics) -> outputs``
+    (``torch.compile``; may check shapes), ``recompute(primals, statics) -> residuals``
+    (second order), all over tuples.
     """
 
     name: str
@@ -160,12 +133,8 @@ def _schema(spec: OpSpec, backward: bool) -> str:
 
 def _pullback(fn: Callable[..., Sequence[Tensor]], primals: Sequence[Tensor],
               needs: Sequence[bool], cotangents: Sequence[Tensor | None]) -> list[Tensor | None]:
-    """``sum_k <cotangents[k], d fn(primals)[k] / d primals[i]>`` for every ``i`` in ``needs``.
-
-    ``fn`` is a tmcore backward re-run on detached copies under torch autograd,
-    forced onto the generic array-API path (plain differentiable torch ops);
-    ``None`` cotangents count as zero; entries not needed are ``None``.
-    """
+    """``sum_k <cotangents[k], d fn(primals)[k] / d primals[i]>`` for the ``i`` in ``needs``
+    (others ``None``): ``fn``, a backward, re-run under torch autograd on the generic path."""
     with torch.enable_grad(), options(generic=True):
         leaves = [p.detach().requires_grad_(n) for p, n in zip(primals, needs, strict=True)]
         outs = fn(*leaves)
@@ -240,9 +209,8 @@ _DIRECT: dict[Any, Callable[..., Any]] = {}
 
 
 def _plain_inference(args: tuple) -> bool:
-    """Whether a call may skip the op's wrappers: no gradient is needed and every tensor
-    is a plain one with data (no subclass such as a fake tensor of ``torch.export`` or a
-    DTensor, no meta tensor: those need the op's registered rules)."""
+    """Whether a call may skip the op's wrappers: no gradient needed, every tensor a plain one
+    with data (a fake, DTensor or meta tensor needs the op's registered rules)."""
     grad = torch.is_grad_enabled()
     for a in args:
         if isinstance(a, Tensor):
@@ -253,21 +221,17 @@ def _plain_inference(args: tuple) -> bool:
 
 
 def plain_inference(*tensors: Any) -> bool:
-    """Whether ops on ``tensors`` may run without their autograd Function and custom op
-    (what :func:`call` does then): eager (no ``torch.compile`` trace), no ``torch.func``
-    transform, no gradient needed, plain tensors with data."""
+    """Whether ops on ``tensors`` may run without their Function and custom op: eager, no
+    ``torch.func`` transform, :func:`_plain_inference`."""
     return (not torch.compiler.is_compiling() and _interpreter() is None
             and _plain_inference(tensors))
 
 
 def call(function: type[_Function], op: Callable[..., Any], *args: Any,
          validated: bool = False) -> Any:
-    """Run an op through its Function twin in eager mode (``torch.func``-safe), or call
-    the custom op itself while ``torch.compile`` traces: the op carries the same
-    registered autograd, and Dynamo cannot trace the Function when no input
-    requires grad (``no_grad`` inference of a compiled model). ``validated``: the
-    caller has just run the op's input checks, which its eager forward then skips
-    (one validation per call)."""
+    """Run an op through its Function twin in eager mode (``torch.func``-safe), the custom op
+    itself while ``torch.compile`` traces (Dynamo cannot trace the Function without grads).
+    ``validated``: the caller ran the op's checks, which its eager forward then skips."""
     if torch.compiler.is_compiling():
         return op(*args)
     interpreter = _interpreter()
@@ -475,7 +439,7 @@ _SAMPLE = _make_op(OpSpec(
 
 def _splat_forward(primals, statics):
     shape, eps, radius = statics
-    if not _VALIDATED.get():  # eager calls of the op: the public checks (once per call)
+    if not _VALIDATED.get():
         validate_splat_inputs(*primals, shape, radius=radius, eps=eps)
     return (ops_for(_XP).splat_fwd(_XP, *primals, tuple(shape), eps, radius),)
 
@@ -503,7 +467,7 @@ _SCAN_PRIMALS = ("h0", "c0", "read_coords", "write_coords", "write_sigma", "writ
 
 def _scan_forward(primals, statics):
     eps, radius, checkpoint_every, reset, active = statics
-    if not _VALIDATED.get():  # eager calls of the op: the public checks (once per call)
+    if not _VALIDATED.get():
         validate_scan_inputs(*primals[:6], ConvParams(*primals[6:]), checkpoint_every, radius,
                              eps=eps, reset=reset, active=active)
     return memory_scan_fwd(_XP, *primals[:6], ConvParams(*primals[6:]), eps=eps, radius=radius,
@@ -516,13 +480,9 @@ def _scan_recompute(primals, statics):
 
 def _check_residuals(primals: Sequence[Tensor], residuals: Sequence[Tensor],
                      checkpoint_every: int) -> None:
-    """The saved states the backward replays from must be exactly what the forward
-    returned: ``h_checkpoints`` / ``c_checkpoints`` contiguous tensors of shape
-    ``(ceil(T / k), B, C, *S)`` (``T`` from ``read_coords``, ``k = checkpoint_every``,
-    ``B, C, *S`` from ``h0``), in ``h0``'s dtype, on its device. A wrong count (a missing
-    or an extra state), a transposed or expanded view, or another device would give
-    wrong gradients or an unclear failure deep in the replay; each is a ``TypeError``
-    / ``ValueError`` naming the residual."""
+    """``TypeError`` / ``ValueError`` naming the residual unless ``h_checkpoints`` /
+    ``c_checkpoints`` are what the forward returned: contiguous ``(ceil(T / k), B, C, *S)``
+    tensors in ``h0``'s dtype and device (else the replay gives wrong gradients)."""
     h0, steps = primals[0], primals[2].shape[1]
     saved = -(-steps // checkpoint_every)
     want = (saved, *h0.shape)
@@ -717,9 +677,8 @@ def option_scan(options: ScanOptions, h0: Tensor, c0: Tensor, inputs: Any,
                 ) -> tuple[Tensor, Tensor, Tensor]:
     """Run the layer's scan with its options beyond the paper, with tmcore's VJP.
 
-    One custom op per kind (``tmcore::local_scan``, ``warp_scan`` or ``warp_flow_scan``),
-    made by the same factory as the other ops: the local and warped steps of
-    :mod:`tmcore.scan` in the one scan loop. First order only.
+    One custom op per kind (``tmcore::local_scan``, ``warp_scan`` or ``warp_flow_scan``): the
+    local and warped steps of :mod:`tmcore.scan` in the one scan loop; first order only.
 
     Parameters
     ----------
@@ -729,21 +688,17 @@ def option_scan(options: ScanOptions, h0: Tensor, c0: Tensor, inputs: Any,
         The state entering the first chunk.
     inputs : StepInputs or WarpInputs of ``(B, T, ...)`` tensors
         The heads' outputs (a warp when they carry a ``shift``).
-    params : ConvParams
-        The gates' conv.
-    flow_params : ConvParams, optional
-        The per-cell flow's conv (``flow=True``).
+    params, flow_params : ConvParams, ConvParams or None
+        The gates' conv and the per-cell flow's (``flow=True``).
     reset, active : Tensor, shape ``(B, T)``, bool, optional
         The per-step row masks (:func:`tmcore.memory_scan`).
 
     Returns
     -------
     reads : Tensor, shape ``(B, T, C)``
-        What each chunk read, from the state before its write.
-    h_T : Tensor, shape ``(B, C, *S)``
-        The final hidden state.
-    c_T : Tensor, shape ``(B, C, *S)``
-        The final cell state.
+        What each chunk read, before its write.
+    h_T, c_T : Tensor, shape ``(B, C, *S)``
+        The final state.
 
     Raises
     ------
@@ -772,10 +727,9 @@ def dense_scan(h0: Tensor, c0: Tensor, inputs: Any, params: ConvParams, *, eps: 
                radius: float | None, checkpoint_every: int, reset: Tensor | None = None,
                active: Tensor | None = None, validated: bool = False
                ) -> tuple[Tensor, Tensor, Tensor]:
-    """The paper's scan with autograd (``tmcore::memory_scan``): ``(reads (B, T, C), h_T,
-    c_T)``. ``validated``: the inputs are a layer's heads (shapes known), so only the size
-    gate and validate mode's value checks run; else :func:`validate_scan_inputs`. Without
-    a gradient only the initial state is kept."""
+    """The paper's scan with autograd: ``(reads (B, T, C), h_T, c_T)``. ``validated``: the
+    inputs are a layer's heads, so only the size gate and validate mode's value checks run;
+    else :func:`validate_scan_inputs`."""
     tensors = (h0, c0, *inputs, *params)
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
     if not torch.compiler.is_compiling():  # (Dynamo cannot trace the checks)
