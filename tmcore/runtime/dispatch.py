@@ -1,18 +1,10 @@
 """Choose, per array namespace, the implementation of each primitive's forward and VJP.
 
-Every public function and the scan step ask :func:`ops_for` for an
-:class:`Ops` table. Registration is pushed here, never pulled by name: :mod:`tmcore.ops`
-registers the generic array-API table (:func:`register_generic`) and
-:mod:`tmcore.backends` the function that finds a namespace's backend table
-(:func:`register_resolver`); a namespace it does not accelerate, and any primitive a
-backend leaves out, uses the generic functions. Tables are cached per namespace and
-per :class:`tmcore.runtime.options.Options` value (an option changed between calls
-takes effect on the next one); registering anything empties the cache. Under
-``jax.jit`` the choice is made while tracing.
-
-The contract of each entry, with shapes, is :class:`Ops`'s docstring (the generic
-functions are the reference). ``with tmcore.options(generic=True): ...`` (or
-``TMCORE_GENERIC=1``) forces the generic path.
+Every public function and the scan step ask :func:`ops_for` for an :class:`Ops` table.
+Registration is pushed here, never pulled by name: :mod:`tmcore.ops` registers the generic
+table, :mod:`tmcore.backends` the resolver that finds a namespace's backend table. Tables
+are cached per namespace and :class:`~tmcore.runtime.options.Options` value (under
+``jax.jit``: chosen while tracing); registering anything empties the cache.
 """
 
 from __future__ import annotations
@@ -33,10 +25,10 @@ ENV_VAR = ENV_VARS["generic"]
 class Ops(NamedTuple):
     """One implementation of every primitive's forward and VJP.
 
-    The contract of each entry; the generic functions are the reference every backend's
-    entries must agree with. ``residuals`` are opaque: only the ``*_bwd`` of the same
-    table consumes them (the generic conv's are the list of stage inputs ``[x, after
-    axis 0, ...]``).
+    The generic functions are the reference every backend's entries agree with (the guide:
+    docs/guides/adding-a-backend.md). ``residuals`` are opaque: only the same table's
+    ``*_bwd`` consumes them. The optional entries may return None to decline a call; the
+    per-step loop then runs.
 
     Parameters
     ----------
@@ -59,39 +51,23 @@ class Ops(NamedTuple):
     gates_bwd : callable
         ``(xp, residuals, g_h, g_c (B, C, *S)) -> (d_z (B, 4C, *S), d_c)``.
     gates_residuals : callable
-        ``(xp, z, c) -> residuals``: what ``gates_fwd`` would return as residuals,
-        for the backward's recomputation, which needs no ``h', c'`` (a backend whose
-        ``gates_bwd`` recomputes the gates returns ``(z, c)`` at no cost).
+        ``(xp, z, c) -> residuals``: those of ``gates_fwd`` without ``h', c'`` (the
+        backward's recomputation).
     workspace : callable
-        ``(xp) -> context manager`` entered around the scan's loops, which consume
-        each step's residuals before making the next step's; inside it a backend may
-        reuse the memory of its per-step temporaries (the generic one does nothing).
-    scan_fwd : callable or None, default None
-        A fused whole-scan forward with the signature and results of
-        :func:`tmcore.memory_scan_fwd` (positional, after ``xp``: the arrays, then
-        ``eps, radius, checkpoint_every``; the keywords ``reset, active``: the per-step
-        masks, ``None`` or bool ``(B, T)``); it returns None to decline (also for masks
-        it cannot run), and the scan then runs its per-step loop.
-    scan_bwd : callable or None, default None
-        A fused whole-scan backward like :func:`tmcore.memory_scan_bwd` (the same
-        conventions); returns None to decline.
+        ``(xp) -> context manager`` around the scan's loops, inside which a backend may reuse
+        its per-step temporaries (each step's residuals are consumed before the next).
+    scan_fwd, scan_bwd : callable or None, default None
+        A fused whole scan with the signature and results of :func:`tmcore.memory_scan_fwd` /
+        ``memory_scan_bwd`` (positional after ``xp``: the arrays, then ``eps, radius,
+        checkpoint_every``; the keyword masks ``reset, active``, bool ``(B, T)`` or None).
     scatter_add : callable or None, default None
-        ``(xp, out (N,), index (M,) integers, values (M,)) -> (N,)``, ``out`` with
-        every ``values[i]`` added at ``index[i]`` (repeated indices sum; ``out`` may
-        be updated in place: pass a buffer the caller owns and use the result). The
-        array API has no scatter-add, so the generic table has none;
-        :mod:`tmcore.ops.warp`'s flow VJP uses it when present (``O(2^n B C P)``
-        instead of its generic ``O(B C P^2)`` tile contraction).
-    local_scan_fwd : callable or None, default None
-        A fused local scan (``update="local"``, the fast method) with the signature
-        and results of :func:`tmcore.scan.local.local_scan_fwd` (positional, after
-        ``xp``: the arrays, then ``window, eps, radius, overwrite_state``) and the
-        same undo-log residuals (:class:`tmcore.scan.local.LocalScanResiduals`), so
-        a forward on one path and a backward on the other agree; returns None to
-        decline.
-    local_scan_bwd : callable or None, default None
-        Its backward, like :func:`tmcore.scan.local.local_scan_bwd` (after ``xp``:
-        the arrays, then ``window, eps, radius``); returns None to decline.
+        ``(xp, out (N,), index (M,), values (M,)) -> (N,)``: ``out`` (updated in place or
+        not) plus every ``values[i]`` at ``index[i]``; the flow warp's VJP uses it (the array
+        API has no scatter-add).
+    local_scan_fwd, local_scan_bwd : callable or None, default None
+        A fused local scan like :func:`tmcore.scan.local.local_scan_fwd` /
+        ``local_scan_bwd`` (after ``xp``: the arrays, then ``window, eps, radius`` and, forward,
+        ``overwrite_state``), with the same undo-log residuals.
     """
 
     sample_fwd: Any
@@ -104,11 +80,11 @@ class Ops(NamedTuple):
     gates_bwd: Any
     gates_residuals: Any
     workspace: Any
-    scan_fwd: Any = None  # optional fused memory_scan_fwd (tmcore.scan); None: per-step loop
-    scan_bwd: Any = None  # optional fused memory_scan_bwd; either may return None to decline
-    scatter_add: Any = None  # optional flat scatter-add (the flow warp's VJP); None: none
-    local_scan_fwd: Any = None  # optional fused local scan (tmcore.scan.local); None: the loop
-    local_scan_bwd: Any = None  # its backward; either may return None to decline
+    scan_fwd: Any = None
+    scan_bwd: Any = None
+    scatter_add: Any = None
+    local_scan_fwd: Any = None
+    local_scan_bwd: Any = None
 
 
 def no_workspace(xp: Any) -> contextlib.AbstractContextManager:

@@ -1,31 +1,9 @@
-"""Sizes checked before anything is allocated: element counts and the bytes a call needs.
+"""Sizes checked before anything is allocated, from shapes and dtypes only.
 
-Two checks, both made from shapes and dtypes only (no array is touched):
-
-- **Element counts** against int64 (:func:`check_count`): every array a layer
-  or a scan makes must have fewer than ``2**63`` BYTES at 8 bytes an element
-  (XLA aborts the process, with SIGABRT, on a shape whose extent product
-  overflows; torch and NumPy raise late and unclearly). A ``ValueError`` naming
-  the argument (``memory_shape``, ``embed_dim``, ...).
-- **Bytes** against what the device can ever hold (:func:`check_bytes`): the
-  host's memory (``MemTotal`` + swap), a cgroup limit and the address space
-  left under ``RLIMIT_AS``, whichever is least; a CUDA device's total memory
-  (torch, CuPy) or a JAX device's ``bytes_limit``. A call that needs more than
-  that can never run, so it raises ``MemoryError`` naming the argument and the
-  estimate before it allocates. This is a bound, not a prediction: a call below
-  it may still run out of memory that other arrays hold.
-
-The estimates (:func:`scan_bytes`, :func:`forward_bytes`) count what a call
-certainly holds at its peak: the state in and out, one step's working set
-(the written volume, the ``4C`` gate pre-activations), the reads and outputs,
-and, for a backward, the ``ceil(T / k)`` checkpointed states. They are lower
-bounds of the real peak, so they never refuse a call that fits.
-
-Callers: :func:`tmcore.layer.layer_config` (counts), :func:`tmcore.layer.zero_state`
-(the state and one step over it, before the zero state is made: every layer path
-and ``init_state`` starts there), :func:`tmcore.scan.validate_scan_inputs` (the
-scan, with its checkpoints for a backward), and the JAX adapter's ``init`` (the
-parameters) and ``apply`` (:func:`check_forward`).
+Element counts against int64 (:func:`check_count`: XLA aborts the process on a shape whose
+extent product overflows) and the bytes a call certainly holds at its peak (lower bounds)
+against what the device can ever hold (:func:`check_bytes`, a ``MemoryError``); what is
+checked where: docs/guides/errors-and-cache.md.
 """
 
 from __future__ import annotations
@@ -238,11 +216,9 @@ def warp_states(ndim: int, flow: bool) -> int:
 
 def check_scan(xp: Any, h0: Any, steps: int, checkpoint_every: int, backward: bool,
                log_elements: int = 0, working_states: int = 0) -> None:
-    """Before a scan allocates: the checkpoints' count fits int64, and the bytes the scan
-    needs (:func:`scan_bytes`; ``ceil(T / k)`` checkpoints for a backward, one for a
-    forward; plus ``log_elements`` per step for a step that logs instead, and
-    ``working_states`` more states of working set per step) fit the device
-    (``ValueError`` / ``MemoryError`` naming ``h0``)."""
+    """Before a scan allocates: its saved states' count fits int64 and its bytes
+    (:func:`scan_bytes` with ``ceil(T / k)`` checkpoints for a backward, one otherwise, plus
+    ``log_elements`` per step and ``working_states`` states) fit the device, naming ``h0``."""
     try:
         shape = tuple(operator.index(s) for s in h0.shape)
     except TypeError:  # symbolic sizes (jax.export): nothing to measure

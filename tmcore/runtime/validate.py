@@ -1,18 +1,9 @@
 """Namespace inference and argument validation shared by every public function.
 
-Errors name the argument, what was given and what was expected, so a user who
-passes a wrong shape learns which one without reading tmcore's source.
-
-Two tiers (docs/guides/errors-and-cache.md):
-
-- **Always** (no device-to-host sync; only shapes, dtypes, namespaces, devices
-  and Python scalars are inspected): every check in this module except
-  :func:`check_values` / :func:`check_positive`.
-- **Validate mode** (reads array values, so it synchronizes with the device):
-  every array argument finite, every ``sigma`` > 0. Off by default; on with
-  ``tmcore.options(validate=True)`` (its default: ``TMCORE_VALIDATE``). Values that are
-  not concrete (under ``jax.jit`` / ``vmap`` tracing, torch meta or fake tensors) are
-  not checked even then.
+Errors name the argument, what was given and what was expected. The checks read shapes,
+dtypes, namespaces, devices and Python scalars only, except validate mode's
+:func:`check_values` and :func:`check_positive`, which read concrete values
+(docs/guides/errors-and-cache.md).
 """
 
 from __future__ import annotations
@@ -101,9 +92,8 @@ def _kind(xp: Any) -> Any:
 
 
 def check_namespace(xp: Any, name: str, value: Any, what: str) -> None:
-    """``TypeError`` unless the array ``value`` belongs to namespace ``xp`` (e.g. a NumPy
-    mask handed to the torch layer): names ``name``, ``what`` was expected and the
-    type that came, instead of a dtype message that reads "expected bool, got bool"."""
+    """``TypeError`` naming ``name`` unless the array ``value`` belongs to namespace ``xp`` (a NumPy
+    mask for the torch layer would otherwise read "expected bool, got bool")."""
     try:
         found = array_api_compat.array_namespace(value)
     except TypeError:
@@ -124,14 +114,9 @@ def require_array(name: str, value: Any) -> None:
 
 
 def namespace_of(**arrays: Any) -> Any:
-    """Return the single array-API namespace shared by ``arrays`` (name -> array).
-
-    Raises ``TypeError`` naming the first argument that is not an array (``None``
-    is allowed only for the cotangent names in :data:`OPTIONAL_ARRAYS`), that
-    belongs to a different namespace than the first one, or that does not have
-    a real floating dtype; ``ValueError`` for an array on a different device
-    than the first one. In validate mode every array must also be finite.
-    """
+    """The one array-API namespace of ``arrays`` (name -> array): ``TypeError`` naming a
+    non-array (``None`` only for :data:`OPTIONAL_ARRAYS`), another namespace or a non-floating
+    dtype, ``ValueError`` another device; validate mode checks the values."""
     found = None
     first_name = None
     first_device = None
@@ -210,11 +195,8 @@ def check_nonempty(name: str, x: Any, layout: str, axes: Sequence[int] | None = 
 
 
 def check_grid_shape(name: str, shape: Any) -> tuple[int, ...]:
-    """Validate a spatial grid shape: 1..4 positive integers. Returns it as a tuple.
-
-    ``TypeError`` for a non-sequence, a string or a non-integer entry (floats and
-    bools included); ``ValueError`` for the wrong length or a size < 1.
-    """
+    """A grid shape of 1 to 4 ints >= 1, as a tuple: ``TypeError`` for a non-sequence, a string
+    or a non-int entry (bools too), ``ValueError`` for the wrong length or a size < 1."""
     expected = f"{name}: expected a tuple of 1 to 4 positive ints"
     if isinstance(shape, (str, bytes)):
         raise TypeError(f"{expected}, got {shape!r}")
@@ -302,8 +284,7 @@ def check_flag(name: str, value: Any) -> bool:
 def check_bool_mask(xp: Any, value: Any, name: str, axes: str,
                     shape: tuple[int, ...] | None, hint: str = "") -> None:
     """Raise unless ``value`` is a bool array of ``shape`` (named ``axes``, e.g. ``"(B,)"``;
-    ``None``: any): ``TypeError`` for a non-array or another dtype, ``ValueError`` for
-    another shape."""
+    ``None``: any): ``TypeError`` for a non-array or dtype, ``ValueError`` for a shape."""
     expected = f"of shape {axes}" + ("" if shape is None else
                                      f" = ({', '.join(map(str, shape))}"
                                      f"{',' if len(shape) == 1 else ''})")
