@@ -1,13 +1,10 @@
 """tmcore: Tensor Memory's algebra, written once against the Python array API.
 
-A fixed-size recurrent voxel state ``(h, c)`` of shape ``(B, C, *S)`` that
-tokens read by n-linear sampling, write by Gaussian splatting, and update
-with a factorized-conv ConvLSTM. Every function here takes arrays of any one
-array-API namespace (NumPy, PyTorch, JAX, CuPy, array-api-strict, ...) and
-returns that namespace's arrays; every forward has a hand-written VJP.
-
-``import tmcore`` imports no framework. Every switch (fused kernels, Triton,
-generic path, determinism, validate mode) is one of :func:`tmcore.options`.
+A fixed-size recurrent voxel state ``(h, c)`` of shape ``(B, C, *S)`` that tokens read by
+n-linear sampling, write by Gaussian splatting and update with a factorized-conv ConvLSTM.
+Every function takes arrays of any one array-API namespace (NumPy, PyTorch, JAX, CuPy, ...)
+and returns that namespace's arrays; every forward has a hand-written VJP. ``import
+tmcore`` imports no framework; every switch is one of :func:`tmcore.options`.
 """
 
 from tmcore import (

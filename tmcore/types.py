@@ -1,9 +1,6 @@
-"""The data the core and the backends exchange, and the one device lookup.
-
-A leaf module: it imports nothing of tmcore, so every other module (ops, scan, layer,
-backends, adapters) may import it. Sizes: ``B`` batch, ``T`` steps, ``C`` channels, ``S``
-the grid (``n`` axes), ``k`` the checkpoint interval. All are pytrees (named tuples).
-"""
+"""The data the core and the backends exchange (pytrees: named tuples), and the one device
+lookup; a leaf module that imports nothing of tmcore. Sizes: ``B`` batch, ``T`` steps, ``C``
+channels, ``S`` the grid (``n`` axes), ``k`` the checkpoint interval."""
 
 from __future__ import annotations
 
@@ -17,12 +14,8 @@ __all__ = ["ConvParams", "LocalScanResiduals", "Residuals", "ScanGrads", "StepIn
 
 
 def device_of(x: Any) -> Any:
-    """``x``'s device, or ``None`` where its namespace has no devices (e.g. mlx).
-
-    The standard ``.device`` attribute where it is one (cheap, traceable by
-    torch.compile), else :func:`array_api_compat.device`; ``None`` is what array-API
-    creation functions take for "the default device".
-    """
+    """``x``'s device (the ``.device`` attribute where it is one: cheap, traceable), or ``None``
+    where its namespace has none, which array-API creation functions take as the default."""
     try:
         device = x.device
     except Exception:  # e.g. an array spread over several devices
@@ -44,10 +37,8 @@ class ConvParams(NamedTuple):
         The taps (previous, centre, next) per axis and channel.
     depthwise_bias : array, shape ``(n, C_in)``
         The bias of each depthwise pass.
-    pointwise_weight : array, shape ``(C_out, C_in)``
-        The channel-mixing matrix.
-    pointwise_bias : array, shape ``(C_out,)``
-        Its bias.
+    pointwise_weight, pointwise_bias : array, shapes ``(C_out, C_in)``, ``(C_out,)``
+        The channel-mixing matrix and its bias.
     """
 
     depthwise_weight: Any
@@ -117,9 +108,8 @@ class ScanGrads(NamedTuple):
 
 
 class Residuals(NamedTuple):
-    """What a scan's backward needs from its forward: the states entering steps ``0, k,
-    2k, ...`` (``h, c (ceil(T / k), B, C, *S)``, the ``"checkpoint"`` policy) or the steps'
-    logs stacked time-major (``log``, the ``"log"`` policy)."""
+    """What a scan's backward needs: the states entering steps ``0, k, 2k, ...`` (``h, c
+    (ceil(T / k), B, C, *S)``, policy ``"checkpoint"``) or the steps' ``log``, time-major."""
 
     h: Any
     c: Any
