@@ -1,44 +1,11 @@
 """Optional fast paths per array namespace, and the public registry that finds them.
 
-A backend is a name, a predicate on the namespace and a ``make_ops(generic, options)
--> Ops`` (the guide: docs/guides/adding-a-backend.md), registered with
-:func:`register_backend`; the built-in ones below are registered through it, and an
-installed package registers its own through the entry-point group ``tmcore.backends``
-(:data:`ENTRY_POINT_GROUP`). A backend's module is imported only when arrays of its
-namespace arrive, and a built-in one only if its framework is already in
-``sys.modules``, so ``import tmcore`` imports no framework.
-
-=================  ==========================================================
-namespace          fast paths (everything else: the generic array-API path)
-=================  ==========================================================
-PyTorch            ``grid_sample`` read and its ``grid_sampler`` backward
-                   (n = 1, 2, 3), grouped ``conv3d`` depthwise taps (CUDA);
-                   on the CPU fused C kernels for the depthwise passes and
-                   the gates (:mod:`tmcore.backends.native`, built on
-                   first use; ``tmcore.options(native=False)`` or
-                   ``TMCORE_NATIVE=0`` turns them off) and the whole scan,
-                   dense and local, on them (:mod:`tmcore.backends.torch`);
-                   on CUDA the whole scan as fused Triton kernels, the
-                   local one too (:mod:`tmcore.backends.triton`);
-                   float16 / bfloat16 computed in float32
-JAX                on the CPU the fused C kernels as XLA custom calls
-                   (``jax.ffi``); off-CPU ``lax.conv_general_dilated``
-                   depthwise taps (jit-safe, x64 on or off); float16 /
-                   bfloat16 computed in float32
-CuPy               the whole scan through the same Triton kernels (zero-copy
-                   DLPack bridge) when torch and triton are installed;
-                   float16 computed in float32
-NumPy              float16 computed in float32 (no faster kernel measured)
-any other          the generic path
-=================  ==========================================================
-
-Each fast path is measured against the generic one by
-``benchmarks/backend_fastpaths.py`` and tested against it and the float64 reference.
-Gradients are deterministic by default everywhere (see
-:mod:`tmcore.backends.torch.sample` for CUDA). ``with tmcore.options(generic=True):``
-(or ``TMCORE_GENERIC=1``) forces the generic path; every switch is an option of
-:func:`tmcore.options`, which ``make_ops`` reads from its ``options`` argument (tables
-are cached per namespace and options value).
+A backend is a name, a predicate on the namespace and a ``make_ops(generic, options) ->
+Ops``, registered with :func:`register_backend` (the built-ins too) or through the
+entry-point group :data:`ENTRY_POINT_GROUP` (docs/guides/adding-a-backend.md). Its module
+is imported only when arrays of its namespace arrive, a built-in's only if its framework is
+already imported, so ``import tmcore`` imports no framework. What each built-in one
+accelerates, and how it is measured and tested: docs/guides/backends.md.
 """
 
 from __future__ import annotations
@@ -71,13 +38,14 @@ class Backend(NamedTuple):
     Parameters
     ----------
     name : str
-        Its name (:func:`backend_name`).
+        Its name (:func:`backend_name`; :func:`unregister_backend`'s key).
     is_namespace : callable
-        ``(xp) -> bool``: the namespaces it serves.
+        ``(xp) -> bool`` on ``array_api_compat.array_namespace(x)``, importing nothing.
     make_ops : callable or str
-        ``make_ops(generic, options) -> Ops``, or ``"module:function"`` naming it.
+        ``make_ops(generic, options) -> Ops``, or ``"module:function"`` naming it (imported
+        when arrays of the namespace arrive).
     requires : str or None, default None
-        The module that must already be imported for it to serve.
+        A module that must already be imported for it to serve (its framework).
     """
 
     name: str
@@ -119,20 +87,13 @@ def register_backend(name: str, is_namespace: Callable[[Any], bool],
                      requires: str | None = None) -> Backend:
     """Register a backend: ``make_ops`` builds the table of the namespaces ``is_namespace`` takes.
 
-    The latest registration is asked first (so yours takes a namespace from a built-in
-    one); a name registered again is replaced; tables built before are forgotten.
+    The latest registration is asked first; a name registered again is replaced; tables built
+    before are forgotten.
 
     Parameters
     ----------
-    name : str
-        What :func:`backend_name` reports, and :func:`unregister_backend`'s key.
-    is_namespace : callable
-        ``(xp) -> bool`` on ``array_api_compat.array_namespace(x)``, importing nothing.
-    make_ops : callable or str
-        ``make_ops(generic: Ops, options: Options) -> Ops``, or ``"module:function"``
-        naming it (imported when arrays of the namespace arrive).
-    requires : str, optional
-        A module that must already be imported for the backend to serve (its framework).
+    name, is_namespace, make_ops, requires : see Backend
+        The fields of the :class:`Backend` it makes.
 
     Returns
     -------
@@ -312,17 +273,9 @@ def triton_graph_cache_bytes() -> int:
 def release_scan_buffers() -> None:
     """Free the buffers the fused CPU scan of the torch backend keeps between calls.
 
-    The fused scan keeps its big buffers (checkpoints, per-step blocks, states) in a
-    per-thread pool, so that a training loop does not page-fault fresh memory every
-    step; the pool holds about one call's buffers and drops blocks unused for 16
-    calls. Call this after the last scan of a phase (e.g. before evaluation on other
-    shapes) to return them; a buffer still referenced by a tensor is freed once that
-    tensor goes. It does nothing when torch was never used.
-
-    Returns
-    -------
-    None
-        The calling thread's pool is emptied.
+    The calling thread's pool (docs/guides/backends.md, buffers kept between calls) is
+    emptied, e.g. before evaluating on other shapes; a buffer a tensor still references is
+    freed with that tensor. Nothing happens when torch was never used.
     """
     memory = sys.modules.get("tmcore.backends.torch.memory")
     if memory is not None:
