@@ -1,28 +1,16 @@
 """The torch backend's fused CPU scan: the whole chunk loop over the C kernels.
 
-:func:`single_write` makes one Gaussian write per row in a few ops: all axes' profiles at
-once over the concatenated cell centres (cached per grid, dtype and device), the same
-arithmetic in the same order as the generic splat (the same bits; ``eps > 0``).
-
-Entries ``scan_fwd`` / ``scan_bwd`` of the torch table, tried before the Triton ones
-(same arguments, results and checkpoint layout as :func:`tmcore.scan.memory_scan_fwd`
-/ ``memory_scan_bwd``; they return ``None`` to decline, and the generic loop runs).
-They run where the fused kernels do (:func:`scan_kernels`: plain untraced CPU float32
-/ float64 tensors, the ``native`` option on, ``depthwise`` ``"auto"``, Triton not
-forced) over C kernels and two ``bmm`` per step: the read and its VJP in C, the
-depthwise passes reading the written volume and ``h`` in place (no ``concat([x,
-h])``), the pointwise bias added in the gate kernels, the new state written straight
-into its checkpoint slot (checkpoints in transparent huge pages where Linux allows),
-write volumes and their gradients in a few reused block buffers (:class:`_BlockWrites`),
-and the parameter gradients accumulated in place (taps and biases in float64; the
-pointwise weight's into a ``(B, 4C, 2C)`` buffer by an in-place ``baddbmm``). Its big
-buffers come from the per-thread pool of :mod:`tmcore.backends.torch.memory` (no page
-faults on fresh memory each call, and no NaN fill under
-``torch.use_deterministic_algorithms``; every buffer is written before it is read). It
-agrees with the generic loop to rounding.
-
-:class:`Cell` (one step of the cell, forward and VJP, on a grid or a box) is shared
-with the fused local scan (:mod:`tmcore.backends.torch.local`).
+Entries ``scan_fwd`` / ``scan_bwd`` of the torch table, tried before the Triton ones, with
+the arguments, results and checkpoints of :func:`tmcore.scan.memory_scan_fwd` /
+``memory_scan_bwd`` (``None``: declined, the generic loop runs). Where the fused kernels
+run (:func:`scan_kernels`), a step is C kernels and two ``bmm``: the read and its VJP in C,
+the depthwise passes reading the written volume and ``h`` in place (no ``concat``), the
+pointwise bias added in the gate kernels, the new state written straight into its
+checkpoint slot (in huge pages where Linux allows), the write volumes and their gradients in
+reused block buffers (:class:`_BlockWrites`), the parameter gradients accumulated in place
+(taps and biases in float64). The big buffers come from the pool of
+:mod:`tmcore.backends.torch.memory`. It agrees with the generic loop to rounding.
+:class:`Cell` is shared with the fused local scan.
 """
 
 from __future__ import annotations
@@ -54,11 +42,11 @@ _WRITE_BLOCK = 16
 
 
 def scan_kernels(options: Options, *tensors: torch.Tensor) -> Kernels | None:
-    """The kernels when a fused CPU scan may run on ``tensors`` (see the module notes),
-    else ``None``."""
-    if options.depthwise != "auto":  # a forced depthwise kernel: the per-step ops
+    """The kernels when a fused CPU scan may run on ``tensors`` (plain untraced CPU float32 /
+    float64, ``native`` on, ``depthwise="auto"``, Triton not forced), else ``None``."""
+    if options.depthwise != "auto":
         return None
-    if options.triton is True:  # Triton forced (CPU tensors under TRITON_INTERPRET=1)
+    if options.triton is True:
         return None
     kernels = kernels_for(*tensors)
     if kernels is None or not 3 <= tensors[0].ndim <= 6:
@@ -91,30 +79,11 @@ def _centres(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
 def single_write(content: torch.Tensor, mu: torch.Tensor, sigma: torch.Tensor,
                  shape: tuple[int, ...], eps: float, radius: float | None,
                  out: torch.Tensor | None = None) -> torch.Tensor | None:
-    """The write volume of one Gaussian per row, flat: ``(B, C, prod(shape))``.
-
-    Parameters
-    ----------
-    content : Tensor, shape ``(B, C)``
-        What each row writes.
-    mu : Tensor, shape ``(B, n)``
-        The write centres in ``(-1, 1)`` (coordinate order).
-    sigma : Tensor, shape ``(B,)``
-        The spreads.
-    shape : tuple of int
-        The grid ``S`` (``n`` axes).
-    eps, radius : float, float or None
-        As in :func:`tmcore.ops.splat.gaussian_splat`.
-    out : Tensor, shape ``(B, C, prod(shape))``, optional
-        Where to write the volume (contiguous, of ``content``'s dtype).
-
-    Returns
-    -------
-    Tensor or None
-        The volume (``out`` when given): :func:`tmcore.ops.splat.splat_fwd` of the
-        ``K = 1`` writes, flattened, the same bits; ``None`` where ``eps <= 0`` (the
-        generic splat's degenerate-spread handling is not repeated here).
-    """
+    """The write volume of one Gaussian per row, flat ``(B, C, prod(shape))`` (into ``out``
+    when given): ``content (B, C)`` around ``mu (B, n)`` with ``sigma (B,)``, ``eps, radius``
+    as in :func:`tmcore.gaussian_splat`. All axes' profiles at once over the concatenated cell
+    centres, the generic splat's arithmetic in its order (the same bits); ``None`` where
+    ``eps <= 0``."""
     if eps <= 0.0:
         return None
     batch, channels = content.shape
@@ -141,15 +110,11 @@ def single_write(content: torch.Tensor, mu: torch.Tensor, sigma: torch.Tensor,
 
 
 class Cell:
-    """One step of the cell on the fused kernels, forward and VJP, for a ``(B, C, *S)``
-    state on a grid (or a local scan's box) ``S``: the parameters as plain memory, the
-    step's buffers, and (after :meth:`start_backward`) the parameter gradients.
-
-    The step's arrays are passed by address (:func:`~tmcore.backends.native.calls.ptr`,
-    ``offset``: no torch op per step): ``(B, C, *S)`` blocks with contiguous batch rows,
-    except the written volume ``x`` and its cotangent ``d_x``, whose rows lie
-    ``x_stride`` / ``d_x_stride`` elements apart (a step of a block of steps).
-    """
+    """One step of the cell on the fused kernels, forward and VJP, for a ``(B, C, *S)`` state on
+    a grid (or a local scan's box) ``S``: the parameters as plain memory, the step's buffers
+    and, after :meth:`start_backward`, the parameter gradients. Arrays are passed by address
+    (no torch op per step), ``(B, C, *S)`` blocks with contiguous rows except ``x`` and
+    ``d_x``, whose rows lie ``x_stride`` / ``d_x_stride`` elements apart."""
 
     def __init__(self, kernels: Kernels, batch: int, channels: int,
                  spatial: tuple[int, ...], dtype: torch.dtype, params: ConvParams,
@@ -228,14 +193,10 @@ def _pick(buffers: list[torch.Tensor], busy: torch.Tensor) -> torch.Tensor:
 
 
 class _BlockWrites:
-    """The scan's write volumes, a block of steps per splat call, and their VJP.
-
-    :meth:`volume` gives step ``t``'s volume ``(B, C, *S)`` as a view into its block
-    ``(B, L, C, *S)`` with the block's batch stride (the two most recent blocks are
-    kept). :meth:`grad_slot` gives where step ``t``'s volume gradient goes (a view of
-    the block's gradient buffer); :meth:`grad_done` runs the block's splat VJP once
-    its first step's gradient is in (the backward runs in reverse).
-    """
+    """The scan's write volumes, a block of steps per splat call, and their VJP: :meth:`volume`
+    is step ``t``'s ``(B, C, *S)`` view into its block (the two latest blocks are kept),
+    :meth:`grad_slot` where its gradient goes; :meth:`grad_done` runs the block's splat VJP
+    once its first step's gradient is in (the backward runs in reverse)."""
 
     def __init__(self, splat_fwd, splat_bwd, xp: Any, write_coords: torch.Tensor,
                  write_sigma: torch.Tensor, write_content: torch.Tensor,
@@ -279,8 +240,6 @@ class _BlockWrites:
             start, stop = self._span(index)
             content, mu, sigma = self._inputs(index)
             if content.dtype == mu.dtype == sigma.dtype and self.eps > 0:
-                # the generic splat of one write per row (splat_fwd's K = 1 case, the same
-                # bits), all axes' profiles at once, into a reused buffer
                 rows = content.shape[0]
                 buffer = self.volume_buffers[index] = self._buffer(self.free_volumes, content)
                 out = buffer[:rows]
@@ -333,10 +292,8 @@ class _BlockWrites:
 def scan_fwd(xp: Any, h0, c0, read_coords, write_coords, write_sigma, write_content, params,
              eps: float, radius: float | None, checkpoint_every: int, *, generic: Ops,
              options: Options, reset: Any = None, active: Any = None):
-    """The fused :func:`tmcore.scan.memory_scan_fwd` (``generic``: the table whose splat
-    makes the write volumes; ``reset, active``: the per-step masks): the C kernels' on the
-    CPU, else the Triton kernels' (:mod:`tmcore.backends.triton.dense`), or ``None`` to
-    decline."""
+    """The fused :func:`tmcore.scan.memory_scan_fwd` (``generic``: the table whose splat makes
+    the volumes): the C kernels' on the CPU, else Triton's, or ``None`` to decline."""
     params = ConvParams(*params)
     kernels = scan_kernels(options, h0, c0, read_coords, write_coords, write_sigma,
                            write_content, *params)
