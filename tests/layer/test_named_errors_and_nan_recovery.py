@@ -96,7 +96,7 @@ def test_validate_mode_checks_the_inputs_and_the_cell_weights_not_the_linear_wei
     with tmcore.options(validate=True), pytest.raises(
             ValueError, match="read_coords: expected finite values"):
         _memory()(torch.full((2, 8, D), math.nan))
-    doc = tmcore.options.__doc__ + (tmcore.runtime.options.__doc__ or "")
+    doc = tmcore.options.__doc__ + tmcore.Options.__doc__
     assert "INPUTS" in doc and "out_proj" in doc
 
 

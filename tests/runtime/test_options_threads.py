@@ -193,4 +193,4 @@ def test_one_object_reused_nested_and_in_threads():
 def test_the_docstring_explains_reuse_and_validate_scope():
     doc = tmcore.options.__doc__
     assert "Reusing one object" in doc and "any order" in doc
-    assert "INPUTS" in _options.__doc__
+    assert "INPUTS" in tmcore.Options.__doc__

@@ -48,8 +48,10 @@ class Options:
         ``TMCORE_DETERMINISTIC``: no kernel whose result depends on thread timing (CUDA
         atomic adds).
     validate : bool, default False
-        ``TMCORE_VALIDATE``: validate mode, every array a public function receives finite and
-        every ``sigma`` > 0 (reads values to the host; docs/guides/errors-and-cache.md).
+        ``TMCORE_VALIDATE``: validate mode, the INPUTS of every public function finite and
+        every ``sigma`` > 0 (in a layer call the state, the scan's weights and the heads'
+        outputs; not ``out_proj`` or another linear weight, no output), read on the host
+        (docs/guides/errors-and-cache.md).
     depthwise : {"auto", "grouped", "shifts"}, default ``"auto"``
         ``TMCORE_DEPTHWISE``: the depthwise-tap kernel of the torch and JAX backends
         (``"auto"``: the backend's choice; the forced ones skip the fused C conv).
