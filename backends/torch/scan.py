@@ -152,8 +152,7 @@ class Cell:
     """
 
     def __init__(self, kernels: Kernels, batch: int, channels: int,
-                 spatial: tuple[int, ...], dtype: torch.dtype, params: ConvParams,
-                 take: Any = memory.take) -> None:
+                 spatial: tuple[int, ...], dtype: torch.dtype, params: ConvParams) -> None:
         self.kernels = kernels
         self.batch, self.channels, self.spatial = batch, channels, tuple(spatial)
         self.cells = math.prod(self.spatial)
@@ -161,8 +160,8 @@ class Cell:
         self.shape_arg = shape_arg(self.spatial)
         self.taps, self.biases, self.weight, self.zb = (plain(p) for p in ConvParams(*params))
         b, c, p = batch, channels, self.cells
-        self.y = take((b, 2 * c, p), dtype)
-        self.z = take((b, 4 * c, p), dtype)
+        self.y = memory.take((b, 2 * c, p), dtype)
+        self.z = memory.take((b, 4 * c, p), dtype)
         self.w_expanded = self.weight.expand(b, 4 * c, 2 * c)
 
     def new_state(self) -> torch.Tensor:
@@ -347,11 +346,12 @@ def scan_fwd(xp: Any, h0, c0, read_coords, write_coords, write_sigma, write_cont
     check_scan_shapes(h0, read_coords, {"c0": c0, "write_coords": write_coords,
                                         "write_sigma": write_sigma,
                                         "write_content": write_content}, params)
-    masks = Masks(xp, reset, active)
     steps = read_coords.shape[1]
-    if steps == 1 and eps > 0 and write_content.dtype == write_coords.dtype == write_sigma.dtype:
-        return _one_step(kernels, xp, h0, c0, read_coords, write_coords, write_sigma,
-                         write_content, params, eps, radius, masks)
+    if steps == 1 and all(t.dtype == h0.dtype for t in (c0, write_coords, write_sigma,
+                                                         write_content, *params)):
+        return _one_step(kernels, h0, c0, read_coords, write_coords, write_sigma,
+                         write_content, params, eps, radius, reset, active)
+    masks = Masks(xp, reset, active)
     memory.begin()
     cell = _cell(kernels, h0, params)
     saved = -(-steps // checkpoint_every)
@@ -391,32 +391,37 @@ def scan_fwd(xp: Any, h0, c0, read_coords, write_coords, write_sigma, write_cont
     return reads, h, c, h_ck, c_ck
 
 
-def _one_step(kernels: Kernels, xp: Any, h0, c0, read_coords, write_coords, write_sigma,
+def _rows(t: torch.Tensor | None, mask: bool = False) -> tuple[torch.Tensor | None, int]:
+    """A step input ``(B, 1, ...)`` (or a mask ``(B, 1)``, or None) as the kernel reads it:
+    rows at a stride, each row's last axis contiguous (a mask: a byte per row)."""
+    if t is None:
+        return None, 0
+    if mask and t.dtype != torch.bool:
+        t = t != 0
+    if t.shape[-1] > 1 and t.stride(-1) != 1:
+        t = t.contiguous()
+    return t, t.stride(0)
+
+
+def _one_step(kernels: Kernels, h0, c0, read_coords, write_coords, write_sigma,
               write_content, params: ConvParams, eps: float, radius: float | None,
-              masks: Masks):
-    """:func:`scan_fwd` of one step (a decode step): the same kernels and bits, its few
-    small buffers fresh, the checkpoints the entering state itself."""
+              reset, active):
+    """:func:`scan_fwd` of one step (a decode step) in one kernel call, ``step_fwd``; the
+    checkpoints are copies of the entering state."""
+    h0, c0 = plain(h0), plain(c0)
+    params = [plain(p) for p in params]
     batch, channels, *spatial = h0.shape
-    cell = Cell(kernels, batch, channels, tuple(spatial), h0.dtype, params,
-                take=memory.uninitialized)
-    h, c = (plain(v) for v in masks.enter(xp, 0, h0, c0))
+    rows = [*map(_rows, (read_coords, write_coords, write_sigma, write_content)),
+            _rows(reset, mask=True), _rows(active, mask=True)]
     reads = memory.uninitialized((batch, 1, channels), h0.dtype)
-    n = len(spatial)
-    coords = plain(read_coords)  # (held: the kernel reads it through its address)
-    call(kernels, "read_fwd", ptr(h), ptr(coords), n, ptr(reads), channels, batch, channels, n,
-         cell.shape_arg)
-    if not masks.some(0):  # a read only
-        return reads, h.clone(), c.clone(), h0[None], c0[None]
-    x = single_write(write_content[:, 0], write_coords[:, 0], write_sigma[:, 0], cell.spatial,
-                     eps, radius, out=memory.uninitialized((batch, channels, cell.cells),
-                                                           h0.dtype))
-    h_new = memory.uninitialized(tuple(h0.shape), h0.dtype)
-    c_new = memory.uninitialized(tuple(h0.shape), h0.dtype)
-    cell.step(ptr(x), x.stride(0), ptr(h), ptr(c), ptr(h_new), ptr(c_new))
-    if not masks.every(0):
-        keep = masks.active[:, 0].reshape(-1, *(1,) * n, 1)
-        h_new, c_new = torch.where(keep, h_new, h), torch.where(keep, c_new, c)
-    return reads, h_new, c_new, h0[None], c0[None]
+    h, c = (memory.uninitialized(tuple(h0.shape), h0.dtype) for _ in range(2))
+    h_saved, c_saved = (memory.uninitialized((1, *h0.shape), h0.dtype) for _ in range(2))
+    call(kernels, "step_fwd", ptr(h0), ptr(c0),
+         *(a for t, stride in rows for a in (None if t is None else ptr(t), stride)),
+         ptr(_centres(tuple(spatial), h0.dtype, h0.device)[0]), *map(ptr, params), eps,
+         -1.0 if radius is None else radius, ptr(reads), ptr(h), ptr(c), ptr(h_saved),
+         ptr(c_saved), batch, channels, len(spatial), shape_arg(tuple(spatial)))
+    return reads, h, c, h_saved, c_saved
 
 
 def scan_bwd(xp: Any, read_coords, write_coords, write_sigma, write_content, params,
