@@ -347,8 +347,7 @@ def scan_fwd(xp: Any, h0, c0, read_coords, write_coords, write_sigma, write_cont
                                         "write_sigma": write_sigma,
                                         "write_content": write_content}, params)
     steps = read_coords.shape[1]
-    if steps == 1 and all(t.dtype == h0.dtype for t in (c0, write_coords, write_sigma,
-                                                         write_content, *params)):
+    if steps == 1:  # (scan_kernels took tensors of one dtype)
         return _one_step(kernels, h0, c0, read_coords, write_coords, write_sigma,
                          write_content, params, eps, radius, reset, active)
     masks = Masks(xp, reset, active)
@@ -391,16 +390,21 @@ def scan_fwd(xp: Any, h0, c0, read_coords, write_coords, write_sigma, write_cont
     return reads, h, c, h_ck, c_ck
 
 
-def _rows(t: torch.Tensor | None, mask: bool = False) -> tuple[torch.Tensor | None, int]:
+def _rows(t: torch.Tensor | None, mask: bool = False) -> tuple[int | None, int, Any]:
     """A step input ``(B, 1, ...)`` (or a mask ``(B, 1)``, or None) as the kernel reads it:
-    rows at a stride, each row's last axis contiguous (a mask: a byte per row)."""
+    ``(address, row stride, the tensor to hold)``, each row's last axis contiguous (a mask:
+    a byte per row)."""
     if t is None:
-        return None, 0
+        return None, 0, None
     if mask and t.dtype != torch.bool:
         t = t != 0
     if t.shape[-1] > 1 and t.stride(-1) != 1:
         t = t.contiguous()
-    return t, t.stride(0)
+    return t.data_ptr(), t.stride(0), t
+
+
+#: (shape, dtype, device) -> the kernel's shape argument and the cell centres (held)
+_GRIDS: dict[tuple, tuple[ctypes.Array, torch.Tensor]] = {}
 
 
 def _one_step(kernels: Kernels, h0, c0, read_coords, write_coords, write_sigma,
@@ -411,17 +415,19 @@ def _one_step(kernels: Kernels, h0, c0, read_coords, write_coords, write_sigma,
     h0, c0 = plain(h0), plain(c0)
     params = [plain(p) for p in params]
     batch, channels, *spatial = h0.shape
+    key = (tuple(spatial), h0.dtype, h0.device)
+    grid = _GRIDS.get(key)
+    if grid is None:
+        grid = _GRIDS[key] = (shape_arg(key[0]), _centres(*key)[0])
     rows = [*map(_rows, (read_coords, write_coords, write_sigma, write_content)),
             _rows(reset, mask=True), _rows(active, mask=True)]
-    reads = memory.uninitialized((batch, 1, channels), h0.dtype)
-    h, c = (memory.uninitialized(tuple(h0.shape), h0.dtype) for _ in range(2))
-    h_saved, c_saved = (memory.uninitialized((1, *h0.shape), h0.dtype) for _ in range(2))
-    call(kernels, "step_fwd", ptr(h0), ptr(c0),
-         *(a for t, stride in rows for a in (None if t is None else ptr(t), stride)),
-         ptr(_centres(tuple(spatial), h0.dtype, h0.device)[0]), *map(ptr, params), eps,
-         -1.0 if radius is None else radius, ptr(reads), ptr(h), ptr(c), ptr(h_saved),
-         ptr(c_saved), batch, channels, len(spatial), shape_arg(tuple(spatial)))
-    return reads, h, c, h_saved, c_saved
+    out = [memory.uninitialized(shape, h0.dtype) for shape in (
+        (batch, 1, channels), *((tuple(h0.shape),) * 2), *(((1, *h0.shape),) * 2))]
+    call(kernels, "step_fwd", h0.data_ptr(), c0.data_ptr(),
+         *(a for address, stride, _ in rows for a in (address, stride)), grid[1].data_ptr(),
+         *(p.data_ptr() for p in params), eps, -1.0 if radius is None else radius,
+         *(t.data_ptr() for t in out), batch, channels, len(spatial), grid[0])
+    return tuple(out)
 
 
 def scan_bwd(xp: Any, read_coords, write_coords, write_sigma, write_content, params,
