@@ -117,8 +117,7 @@ class Cell:
     ``d_x``, whose rows lie ``x_stride`` / ``d_x_stride`` elements apart."""
 
     def __init__(self, kernels: Kernels, batch: int, channels: int,
-                 spatial: tuple[int, ...], dtype: torch.dtype, params: ConvParams,
-                 take: Any = memory.take) -> None:
+                 spatial: tuple[int, ...], dtype: torch.dtype, params: ConvParams) -> None:
         self.kernels = kernels
         self.batch, self.channels, self.spatial = batch, channels, tuple(spatial)
         self.cells = math.prod(self.spatial)
@@ -126,8 +125,8 @@ class Cell:
         self.shape_arg = shape_arg(self.spatial)
         self.taps, self.biases, self.weight, self.zb = (plain(p) for p in ConvParams(*params))
         b, c, p = batch, channels, self.cells
-        self.y = take((b, 2 * c, p), dtype)
-        self.z = take((b, 4 * c, p), dtype)
+        self.y = memory.take((b, 2 * c, p), dtype)
+        self.z = memory.take((b, 4 * c, p), dtype)
         self.w_expanded = self.weight.expand(b, 4 * c, 2 * c)
 
     def new_state(self) -> torch.Tensor:
@@ -304,11 +303,11 @@ def scan_fwd(xp: Any, h0, c0, read_coords, write_coords, write_sigma, write_cont
     check_scan_shapes(h0, read_coords, {"c0": c0, "write_coords": write_coords,
                                         "write_sigma": write_sigma,
                                         "write_content": write_content}, params)
-    masks = Masks(xp, reset, active)
     steps = read_coords.shape[1]
-    if steps == 1 and eps > 0 and write_content.dtype == write_coords.dtype == write_sigma.dtype:
-        return _one_step(kernels, xp, h0, c0, read_coords, write_coords, write_sigma,
-                         write_content, params, eps, radius, masks)
+    if steps == 1:  # (scan_kernels took tensors of one dtype)
+        return _one_step(kernels, h0, c0, read_coords, write_coords, write_sigma,
+                         write_content, params, eps, radius, reset, active)
+    masks = Masks(xp, reset, active)
     memory.begin()
     cell = _cell(kernels, h0, params)
     saved = -(-steps // checkpoint_every)
@@ -348,32 +347,44 @@ def scan_fwd(xp: Any, h0, c0, read_coords, write_coords, write_sigma, write_cont
     return reads, h, c, h_ck, c_ck
 
 
-def _one_step(kernels: Kernels, xp: Any, h0, c0, read_coords, write_coords, write_sigma,
+def _rows(t: torch.Tensor | None, mask: bool = False) -> tuple[int | None, int, Any]:
+    """A step input ``(B, 1, ...)`` (or a mask ``(B, 1)``, or None) as the kernel reads it:
+    ``(address, row stride, the tensor to hold)``, each row's last axis contiguous (a mask:
+    a byte per row)."""
+    if t is None:
+        return None, 0, None
+    if mask and t.dtype != torch.bool:
+        t = t != 0
+    if t.shape[-1] > 1 and t.stride(-1) != 1:
+        t = t.contiguous()
+    return t.data_ptr(), t.stride(0), t
+
+
+#: (shape, dtype, device) -> the kernel's shape argument and the cell centres (held)
+_GRIDS: dict[tuple, tuple[ctypes.Array, torch.Tensor]] = {}
+
+
+def _one_step(kernels: Kernels, h0, c0, read_coords, write_coords, write_sigma,
               write_content, params: ConvParams, eps: float, radius: float | None,
-              masks: Masks):
-    """:func:`scan_fwd` of one step (a decode step): the same kernels and bits, its few
-    small buffers fresh, the checkpoints the entering state itself."""
+              reset, active):
+    """:func:`scan_fwd` of one step (a decode step) in one kernel call, ``step_fwd``; the
+    checkpoints are copies of the entering state."""
+    h0, c0 = plain(h0), plain(c0)
+    params = [plain(p) for p in params]
     batch, channels, *spatial = h0.shape
-    cell = Cell(kernels, batch, channels, tuple(spatial), h0.dtype, params,
-                take=memory.uninitialized)
-    h, c = (plain(v) for v in masks.enter(xp, 0, h0, c0))
-    reads = memory.uninitialized((batch, 1, channels), h0.dtype)
-    n = len(spatial)
-    coords = plain(read_coords)  # (held: the kernel reads it through its address)
-    call(kernels, "read_fwd", ptr(h), ptr(coords), n, ptr(reads), channels, batch, channels, n,
-         cell.shape_arg)
-    if not masks.some(0):  # a read only
-        return reads, h.clone(), c.clone(), h0[None], c0[None]
-    x = single_write(write_content[:, 0], write_coords[:, 0], write_sigma[:, 0], cell.spatial,
-                     eps, radius, out=memory.uninitialized((batch, channels, cell.cells),
-                                                           h0.dtype))
-    h_new = memory.uninitialized(tuple(h0.shape), h0.dtype)
-    c_new = memory.uninitialized(tuple(h0.shape), h0.dtype)
-    cell.step(ptr(x), x.stride(0), ptr(h), ptr(c), ptr(h_new), ptr(c_new))
-    if not masks.every(0):
-        keep = masks.active[:, 0].reshape(-1, *(1,) * n, 1)
-        h_new, c_new = torch.where(keep, h_new, h), torch.where(keep, c_new, c)
-    return reads, h_new, c_new, h0[None], c0[None]
+    key = (tuple(spatial), h0.dtype, h0.device)
+    grid = _GRIDS.get(key)
+    if grid is None:
+        grid = _GRIDS[key] = (shape_arg(key[0]), _centres(*key)[0])
+    rows = [*map(_rows, (read_coords, write_coords, write_sigma, write_content)),
+            _rows(reset, mask=True), _rows(active, mask=True)]
+    out = [memory.uninitialized(shape, h0.dtype) for shape in (
+        (batch, 1, channels), *((tuple(h0.shape),) * 2), *(((1, *h0.shape),) * 2))]
+    call(kernels, "step_fwd", h0.data_ptr(), c0.data_ptr(),
+         *(a for address, stride, _ in rows for a in (address, stride)), grid[1].data_ptr(),
+         *(p.data_ptr() for p in params), eps, -1.0 if radius is None else radius,
+         *(t.data_ptr() for t in out), batch, channels, len(spatial), grid[0])
+    return tuple(out)
 
 
 def scan_bwd(xp: Any, read_coords, write_coords, write_sigma, write_content, params,

@@ -61,10 +61,29 @@ def test_decode_step_op_count_is_small_and_constant():
     # output was reused, which no cheap check keeps exact)
     assert max(middle) <= 9, counts
     assert counts[0][0] <= 25, counts                # + read coordinates and the read (was 46, 31)
-    # + heads and one update (its ops are the fused write step's own: no autograd
-    # wrapper in inference, so its kernels are dispatched here; was 115 with the scan,
-    # 81 before the single-write splat)
-    assert counts[L - 1][0] <= 62, counts
+    # + heads and one update: the scan step is one kernel call, its ops the allocations
+    # of its five results (no autograd wrapper in inference, so they are counted here;
+    # was 62 with the write, the conv and the gates as separate ops, 115 with the scan)
+    assert counts[L - 1][0] <= 32, counts
+
+
+def test_the_one_step_scan_dispatches_only_its_results():
+    """A completing token's scan step (read, write, conv, gates: one native call) dispatches
+    one op per result, the reads, ``h'``, ``c'`` and the two checkpoints, whatever the grid
+    and the masks."""
+    from tmcore.adapters.torch.bridge import XP
+
+    torch.manual_seed(0)
+    for shape in ((5,), (4, 4, 4), (2, 3, 2, 2)):
+        memory = TensorMemory(64, 16, shape, L)
+        with torch.no_grad():
+            _, st = memory(torch.randn(4, 9, 64))
+            inputs = memory.layer.heads(XP, memory.params(), torch.randn(4, 1, L, 64))
+            active = torch.tensor([[True], [False], [True], [True]])
+            for masks in ({}, {"active": active}, {"reset": ~active, "active": active}):
+                with _Count() as mode:
+                    memory._scan(st.h, st.c, inputs, **masks)
+                assert mode.ops == ["aten.empty.memory_format"] * 5, (shape, masks, mode.ops)
 
 
 def test_decode_step_ops_do_not_grow_with_the_context():
