@@ -43,7 +43,7 @@ def _setup(dtype, batch=2, seed=0):
 
 
 def _apply(params, x, state=None, **kw):
-    return tmj.apply(params, x, state, memory_shape=SHAPE, **kw)
+    return tmj.apply(params, x, state, **kw)
 
 
 def _err(a, b):

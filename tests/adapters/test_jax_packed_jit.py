@@ -39,7 +39,7 @@ def _params(seed=0, **kw):
 
 
 def _apply(params, x, state=None, **kw):
-    return tmj.apply(params, x, state, memory_shape=SHAPE, **kw)
+    return tmj.apply(params, x, state, **kw)
 
 
 def _err(a, b):

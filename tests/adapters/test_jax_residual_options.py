@@ -103,18 +103,18 @@ def test_residual_apply_bad_options_are_named():
     params = tj.residual_init(jax.random.key(0), D, C, S, L)
     x = jnp.ones((1, 4, D))
     with pytest.raises(ValueError, match="window"):
-        tj.residual_apply(params, x, memory_shape=S, update="local")
+        tj.residual_apply(params, x, update="local")
     with pytest.raises(ValueError, match="update"):
-        tj.residual_apply(params, x, memory_shape=S, update="sparse")
+        tj.residual_apply(params, x, update="sparse")
     with pytest.raises(ValueError, match="window"):
-        tj.residual_apply(params, x, memory_shape=S, update="local", window=5)
+        tj.residual_apply(params, x, update="local", window=5)
     with pytest.raises(ValueError, match="flow"):
-        tj.residual_apply(params, x, memory_shape=S, flow=True)
+        tj.residual_apply(params, x, flow=True)
     with pytest.raises(KeyError, match="warp_net"):  # the groups come from residual_init
-        tj.residual_apply(params, x, memory_shape=S, dynamics="warp")
+        tj.residual_apply(params, x, dynamics="warp")
     warp = tj.residual_init(jax.random.key(0), D, C, S, L, dynamics="warp")
     with pytest.raises(KeyError, match="warp_flow"):
-        tj.residual_apply(warp, x, memory_shape=S, dynamics="warp", flow=True)
+        tj.residual_apply(warp, x, dynamics="warp", flow=True)
 
 
 def _inputs(dtype):

@@ -78,7 +78,7 @@ def _state(kind, params):
     if kind == "pair":
         return tmj.init_state(2, C, SHAPE)
     if kind == "stream":  # a continuation: 3 tokens into the first chunk
-        return tmj.apply(params, _x(3, seed=2), memory_shape=SHAPE)[1]
+        return tmj.apply(params, _x(3, seed=2))[1]
     return None
 
 
@@ -86,7 +86,7 @@ def _state(kind, params):
 def test_apply_checks_tokens_and_state_once(calls, params, kind, stream):
     state = _state(kind, params)
     _fresh(calls)
-    out, _ = tmj.apply(params, _x(9), state, memory_shape=SHAPE, stream=stream)
+    out, _ = tmj.apply(params, _x(9), state, stream=stream)
     assert out.shape == (2, 9, D)
     assert dict(calls) == EXPECTED[kind, stream]
 
@@ -95,7 +95,7 @@ def test_apply_checks_tokens_and_state_once(calls, params, kind, stream):
 def test_apply_with_reset_checks_each_input_once(calls, params, kind, stream):
     state = _state(kind, params)
     _fresh(calls)
-    tmj.apply(params, _x(9), state, memory_shape=SHAPE, stream=stream,
+    tmj.apply(params, _x(9), state, stream=stream,
               reset=jnp.array([True, False]))
     assert dict(calls) == {**EXPECTED[kind, stream], "require_bool_array:reset": 1}
 
@@ -135,7 +135,7 @@ def test_stack_apply_checks_once_per_layer(calls, params, mode, monkeypatch):
                         lambda static, shape, dtype: functools.partial(
                             functional._stream_call, static))
     calls.clear()
-    tmj.stack_apply(layers, _x(9), mode=mode, memory_shape=SHAPE,
+    tmj.stack_apply(layers, _x(9), mode=mode,
                     reset=jnp.array([False, True]))
     # layer 0 starts from zeros; the threaded layers 1, 2 from the state before them
     # (a pair, checked once each); causal layers all start from zeros here
@@ -169,7 +169,7 @@ def test_the_one_size_gate_sizes_the_compute_dtype(params, monkeypatch):
     monkeypatch.setattr(tl_layer, "check_forward", spy)
     for stream in (True, False):
         _fresh(collections.Counter())
-        out, _ = tmj.apply(params, _x(9).astype(jnp.bfloat16), memory_shape=SHAPE,
+        out, _ = tmj.apply(params, _x(9).astype(jnp.bfloat16),
                            stream=stream)
         assert out.dtype == jnp.float32
     assert seen == [jnp.dtype(jnp.float32)] * 2

@@ -136,6 +136,21 @@ class LayerConfig:
         except (TypeError, ValueError) as error:
             raise type(error)(f"{where}.{error}") from error
 
+    def replace(self, **changes: Any) -> LayerConfig:
+        """This config with ``changes``, checked as :func:`layer_config` checks them.
+
+        Parameters
+        ----------
+        **changes
+            Fields and their new values (e.g. ``checkpoint_every=4``).
+
+        Returns
+        -------
+        LayerConfig
+            The new config.
+        """
+        return layer_config(**{**self.to_dict(), **changes})
+
     def state_shape(self, batch: int) -> tuple[int, ...]:
         """The shape of ``h`` (and ``c``) for a batch.
 
