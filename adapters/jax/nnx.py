@@ -105,12 +105,12 @@ def load_params(module: nnx.Module, params: Mapping[str, Any]) -> None:
     """
     state = nnx.state(module, nnx.Param)
     current = nnx.to_pure_dict(state)
-    _check_grids(module, params, "")
-    params = _arrays(params)
-    problems = _mismatches(current, params, "")
+    problems = _mismatches(current, _arrays(params), "")
     if problems:
         raise ValueError("params: not a pytree of this module's parameters (nothing loaded): "
                          + "; ".join(problems))
+    _check_grids(module, params, "")
+    params = _arrays(params)
     cast = jax.tree.map(lambda new, old: jnp.asarray(new, dtype=jnp.result_type(old)), params,
                         current)
     nnx.replace_by_pure_dict(state, cast)

@@ -46,7 +46,8 @@ def _checks() -> dict:  # runs in the 2-device subprocess
     c0 = jnp.asarray(0.3 * rng.normal(size=(B, C, *S)))
 
     def loss(p, x_, state=None):
-        out, (h, c, *_) = tmj.apply(p, x_, state, checkpoint_every=2)
+        p = {**p, "config": p["config"].replace(checkpoint_every=2)}
+        out, (h, c, *_) = tmj.apply(p, x_, state)
         return jnp.sum(out ** 2) + jnp.sum(h * c)
 
     def loss_nostream(p, x_):
@@ -197,7 +198,7 @@ def _checks() -> dict:  # runs in the 2-device subprocess
     # init and the NNX modules make uncommitted arrays: they join sharded inputs
     fresh = tmj.init(jax.random.key(1), D, C, S, L, dtype=jnp.float64)
     results["init_committed"] = sum(bool(a.committed) for a in jax.tree.leaves(fresh))
-    module = tmj.GatedMemoryResidual(D, C, S, L, rngs=nnx.Rngs(0), dtype=jnp.float64)
+    module = tmj.MemoryResidual(D, C, S, L, rngs=nnx.Rngs(0), dtype=jnp.float64)
     leaves = jax.tree.leaves(tmj.params_from_module(module))
     results["nnx_committed"] = sum(bool(a.committed) for a in leaves)
     out, _ = module(xa)

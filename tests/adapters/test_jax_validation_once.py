@@ -55,9 +55,9 @@ def _x(tokens, seed=1, batch=2):
 
 
 def _fresh(calls):
-    """Forget the compiled streaming functions (a new trace runs the Python of the
-    layer's call, where its checks are) and the counts so far."""
-    functional._STREAM_FUNCTIONS.clear()
+    """Forget the compiled layer calls (a new trace runs the Python of the layer's call,
+    where its checks are) and the counts so far."""
+    functional._COMPILED.clear()
     calls.clear()
 
 
@@ -129,11 +129,10 @@ def test_packed_documents_with_max_documents_check_once(calls, params):
 @pytest.mark.parametrize("mode", ["causal", "threaded"])
 def test_stack_apply_checks_once_per_layer(calls, params, mode, monkeypatch):
     layers = [tmj.residual_init(jax.random.key(k), D, C, SHAPE, L) for k in range(3)]
-    # the layers share one compiled streaming function (one config and shape), traced
-    # once: run its Python on every call instead, so that every layer's checks count
-    monkeypatch.setattr(functional, "_stream_function",
-                        lambda static, shape, dtype: functools.partial(
-                            functional._stream_call, static))
+    # the layers share one compiled call (one config and shape), traced once: run its
+    # Python on every call instead, so that every layer's checks count
+    monkeypatch.setattr(functional, "_compiled",
+                        lambda static, shape, dtype: functools.partial(functional._call, static))
     calls.clear()
     tmj.stack_apply(layers, _x(9), mode=mode,
                     reset=jnp.array([False, True]))

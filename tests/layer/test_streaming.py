@@ -356,7 +356,7 @@ def test_jax_causal_stack_and_modules_stream():
     assert [_ints(s.count) for s in state] == [_ints(s.count) for s in ref] == [[3], [3]]
     with pytest.raises(ValueError, match="causal"):
         tmj.stack_apply(layers, x, mode="threaded", memory_shape=(3, 4), stream=True)
-    module = tmj.GatedMemoryResidual(8, 3, (3, 4), L, rngs=nnx.Rngs(0))
+    module = tmj.MemoryResidual(8, 3, (3, 4), L, rngs=nnx.Rngs(0))
     y, s = module(x[:, :3], stream=True)
     y2, s = module(x[:, 3:], s)
     whole, _ = module(x, stream=True)
