@@ -59,8 +59,7 @@ StreamState = tl.StreamState
 def init(key: jax.Array, embed_dim: int, memory_channels: int, memory_shape: Sequence[int],
          chunk_size: int, sigma_scale: float = 1.0, *, dtype: Any = jnp.float32,
          **options: Any) -> dict:
-    """Parameters of one Tensor Memory layer, initialized like the PyTorch adapter, and
-    its config.
+    """Parameters of one Tensor Memory layer and its config, initialized like torch's.
 
     The plan is :func:`tmcore.layer.param_specs` (docs/LAYER.md); the random leaves are
     drawn from ``key`` in state-dict order. Arrays are made without a device
