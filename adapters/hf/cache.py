@@ -39,18 +39,13 @@ class _Entry:
 
 def _index_state(state: Any, index: Tensor) -> Any:
     """One layer's state with its batch axis gathered by ``index (B',)`` (every field,
-    ``count`` included: a tuple of ints or an integer array)."""
+    ``count`` included: a tuple of ints or an integer tensor)."""
     def take(t: Tensor) -> Tensor:
         return t.index_select(0, index.to(t.device))
 
     if isinstance(state, StreamState):
-        count = state.count
-        if isinstance(count, Tensor):
-            count = take(count)
-        elif hasattr(count, "shape") and not isinstance(count, tuple):  # a NumPy array
-            count = count[index.cpu().numpy()]
-        else:
-            count = tuple(count[i] for i in index.tolist())
+        count = take(state.count) if isinstance(state.count, Tensor) else tuple(
+            state.count[i] for i in index.tolist())
         return StreamState(take(state.h), take(state.c), take(state.pending), count,
                            take(state.read))
     return tuple(take(t) for t in state)
