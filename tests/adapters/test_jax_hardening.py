@@ -152,7 +152,7 @@ def test_an_empty_state_too_big_is_refused_before_allocating():
     import sys
 
     script = (
-        "import resource, time\n"
+        "import resource\n"
         "import jax\n"
         "from tmcore.adapters import jax as tmj\n"
         "from tmcore.layer import layer_config\n"
