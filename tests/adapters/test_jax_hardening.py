@@ -195,18 +195,25 @@ def test_an_eager_call_of_a_new_length_compiles_one_program():
     from tmcore.adapters.jax import functional as module
 
     tiny = tmj.init(jax.random.key(0), 2, 1, (2,), 2)
+    tmj.apply(tiny, jax.device_put(np.ones((1, 2, 2), np.float32)))  # what any call compiles
     compiles = []
-    monitoring.register_event_duration_secs_listener(
-        lambda event, *_, **__: compiles.append(event)
-        if event == "/jax/core/compile/backend_compile_duration" else None)
-    for tokens in range(3, 3 + tmj.STREAM_CACHE_SIZE + 4):
-        x = jax.device_put(np.ones((1, tokens, 2), np.float32))
-        before = len(compiles)
-        first = list(module._COMPILED.values())[0] if module._COMPILED else None
-        tmj.apply(tiny, x)
-        assert len(compiles) - before == 1, tokens
-        if first is not None and first not in module._COMPILED.values():
-            assert first._cache_size() == 0  # the dropped one holds no program
+
+    def listen(event, *_, **__):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(event)
+
+    monitoring.register_event_duration_secs_listener(listen)
+    try:
+        for tokens in range(3, 3 + tmj.STREAM_CACHE_SIZE + 4):
+            x = jax.device_put(np.ones((1, tokens, 2), np.float32))
+            before = len(compiles)
+            first = list(module._COMPILED.values())[0] if module._COMPILED else None
+            tmj.apply(tiny, x)
+            assert len(compiles) - before == 1, tokens
+            if first is not None and first not in module._COMPILED.values():
+                assert first._cache_size() == 0  # the dropped one holds no program
+    finally:
+        monitoring.unregister_event_duration_listener(listen)
 
 
 def test_layer_scan_checks_its_bytes_before_allocating(params, monkeypatch):
