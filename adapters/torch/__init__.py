@@ -12,6 +12,8 @@ from tmcore import layer as tl
 from tmcore.adapters.torch.attach import MemoryHandle, attach_memory, detach_memory, detach_state
 from tmcore.adapters.torch.checkpoints import (
     convert_reference_state_dict,
+    memory_from_dict,
+    memory_to_dict,
     state_from_dict,
     state_to_dict,
 )
@@ -39,6 +41,8 @@ __all__ = [
     "WarpFlow",
     "attach_memory",
     "convert_reference_state_dict",
+    "memory_from_dict",
+    "memory_to_dict",
     "detach_memory",
     "detach_state",
     "doc_starts_from_offsets",

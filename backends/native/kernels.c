@@ -35,7 +35,8 @@
  *
  * and the box kernels of the fused CPU local scan (local.inc), and
  *
- *   step_fwd one step of the dense scan (a decode step) in one call: the read of h,
+ *   step_fwd one step of the dense scan in one call (small grids' steps): the read of h
+ *            (row b at reads + b * rds),
  *            the Gaussian write (the generic splat's operations, exp from libm), the
  *            depthwise passes, the pointwise product and the gates -> h', c'; rows
  *            with reset[b] start from zeros, rows with active[b] == 0 keep the state

@@ -3,7 +3,8 @@
 Entries ``scan_fwd`` / ``scan_bwd`` of the torch table, tried before the Triton ones, with
 the arguments, results and checkpoints of :func:`tmcore.scan.memory_scan_fwd` /
 ``memory_scan_bwd`` (``None``: declined, the generic loop runs). Where the fused kernels
-run (:func:`scan_kernels`), a step is C kernels and two ``bmm``: the read and its VJP in C,
+run (:func:`scan_kernels`), a forward step on a small grid is one ``step_fwd`` call
+(:data:`FUSED_STEP_MAX`); otherwise a step is C kernels and two ``bmm``: the read and its VJP in C,
 the depthwise passes reading the written volume and ``h`` in place (no ``concat``), the
 pointwise bias added in the gate kernels, the new state written straight into its
 checkpoint slot (in huge pages where Linux allows), the write volumes and their gradients in
@@ -303,10 +304,11 @@ def scan_fwd(xp: Any, h0, c0, read_coords, write_coords, write_sigma, write_cont
     check_scan_shapes(h0, read_coords, {"c0": c0, "write_coords": write_coords,
                                         "write_sigma": write_sigma,
                                         "write_content": write_content}, params)
+    if _small(h0):  # (scan_kernels took tensors of one dtype)
+        return _fused_steps(kernels, h0, c0, read_coords, write_coords, write_sigma,
+                            write_content, params, eps, radius, checkpoint_every, reset,
+                            active)
     steps = read_coords.shape[1]
-    if steps == 1:  # (scan_kernels took tensors of one dtype)
-        return _one_step(kernels, h0, c0, read_coords, write_coords, write_sigma,
-                         write_content, params, eps, radius, reset, active)
     masks = Masks(xp, reset, active)
     memory.begin()
     cell = _cell(kernels, h0, params)
@@ -347,44 +349,74 @@ def scan_fwd(xp: Any, h0, c0, read_coords, write_coords, write_sigma, write_cont
     return reads, h, c, h_ck, c_ck
 
 
-def _rows(t: torch.Tensor | None, mask: bool = False) -> tuple[int | None, int, Any]:
-    """A step input ``(B, 1, ...)`` (or a mask ``(B, 1)``, or None) as the kernel reads it:
-    ``(address, row stride, the tensor to hold)``, each row's last axis contiguous (a mask:
-    a byte per row)."""
+#: the most ``C * C * prod(S)`` at which a step runs as one ``step_fwd`` call (its pointwise
+#: product in C): above it, BLAS's ``bmm`` is faster (measured: 3x faster at ``C = 4``, 4^3;
+#: equal at ``C = 32``, 4^3; 2x slower at ``C = 32``, 8^3). Decided by the shapes alone,
+#: so every split of a stream rounds alike.
+FUSED_STEP_MAX = 1 << 16
+
+
+def _small(h0: torch.Tensor) -> bool:
+    return h0.shape[1] ** 2 * math.prod(h0.shape[2:]) <= FUSED_STEP_MAX
+
+
+def _steps(t: torch.Tensor | None, mask: bool = False) -> tuple[torch.Tensor | None, int]:
+    """A per-step input ``(B, T, ...)`` (a mask ``(B, T)``, or None) as the kernel reads it,
+    each row's last axis contiguous (a mask: a byte per row), and its row stride."""
     if t is None:
-        return None, 0, None
+        return None, 0
     if mask and t.dtype != torch.bool:
         t = t != 0
-    if t.shape[-1] > 1 and t.stride(-1) != 1:
+    if t.ndim > 2 and t.shape[-1] > 1 and t.stride(-1) != 1:
         t = t.contiguous()
-    return t.data_ptr(), t.stride(0), t
+    return t, t.stride(0)
 
 
 #: (shape, dtype, device) -> the kernel's shape argument and the cell centres (held)
 _GRIDS: dict[tuple, tuple[ctypes.Array, torch.Tensor]] = {}
 
 
-def _one_step(kernels: Kernels, h0, c0, read_coords, write_coords, write_sigma,
-              write_content, params: ConvParams, eps: float, radius: float | None,
-              reset, active):
-    """:func:`scan_fwd` of one step (a decode step) in one kernel call, ``step_fwd``; the
-    checkpoints are copies of the entering state."""
+def _fused_steps(kernels: Kernels, h0, c0, read_coords, write_coords, write_sigma,
+                 write_content, params: ConvParams, eps: float, radius: float | None,
+                 checkpoint_every: int, reset, active):
+    """:func:`scan_fwd` on a small grid: each step one ``step_fwd`` call (read, Gaussian
+    write, depthwise passes, pointwise product, gates, masks), the new state written into
+    its checkpoint slot."""
     h0, c0 = plain(h0), plain(c0)
     params = [plain(p) for p in params]
     batch, channels, *spatial = h0.shape
+    steps = read_coords.shape[1]
     key = (tuple(spatial), h0.dtype, h0.device)
     grid = _GRIDS.get(key)
     if grid is None:
         grid = _GRIDS[key] = (shape_arg(key[0]), _centres(*key)[0])
-    rows = [*map(_rows, (read_coords, write_coords, write_sigma, write_content)),
-            _rows(reset, mask=True), _rows(active, mask=True)]
-    out = [memory.uninitialized(shape, h0.dtype) for shape in (
-        (batch, 1, channels), *((tuple(h0.shape),) * 2), *(((1, *h0.shape),) * 2))]
-    call(kernels, "step_fwd", h0.data_ptr(), c0.data_ptr(),
-         *(a for address, stride, _ in rows for a in (address, stride)), grid[1].data_ptr(),
-         *(p.data_ptr() for p in params), eps, -1.0 if radius is None else radius,
-         *(t.data_ptr() for t in out), batch, channels, len(spatial), grid[0])
-    return tuple(out)
+    inputs = [*map(_steps, (read_coords, write_coords, write_sigma, write_content)),
+              _steps(reset, mask=True), _steps(active, mask=True)]
+    saved = -(-steps // checkpoint_every)
+    h_ck, c_ck = (memory.uninitialized((saved, *h0.shape), h0.dtype) for _ in range(2))
+    reads = memory.uninitialized((batch, steps, channels), h0.dtype)
+    h_last, c_last = (memory.uninitialized(h0.shape, h0.dtype) for _ in range(2))
+    work = [memory.uninitialized((2, *h0.shape), h0.dtype) for _ in range(2)] \
+        if checkpoint_every > 1 and steps > 1 else None
+    size = h0.numel()  # the states are passed by address: no torch op per step
+    h, c = ptr(h0), ptr(c0)
+    for t in range(steps):
+        if t == steps - 1:
+            h_new, c_new = ptr(h_last), ptr(c_last)
+        elif (t + 1) % checkpoint_every == 0:
+            k = (t + 1) // checkpoint_every * size
+            h_new, c_new = offset(h_ck, k), offset(c_ck, k)
+        else:
+            h_new, c_new = offset(work[0], t % 2 * size), offset(work[1], t % 2 * size)
+        rows = [a for x, stride in inputs for a in (
+            None if x is None else offset(x, t * x.stride(1)), stride)]
+        call(kernels, "step_fwd", h, c, *rows, grid[1].data_ptr(),
+             *(p.data_ptr() for p in params), eps, -1.0 if radius is None else radius,
+             offset(reads, t * channels), steps * channels, h_new, c_new,
+             ptr(h_ck) if t == 0 else None, ptr(c_ck) if t == 0 else None,
+             batch, channels, len(spatial), grid[0])
+        h, c = h_new, c_new
+    return reads, h_last, c_last, h_ck, c_ck
 
 
 def scan_bwd(xp: Any, read_coords, write_coords, write_sigma, write_content, params,

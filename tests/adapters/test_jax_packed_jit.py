@@ -20,6 +20,7 @@ pytest.importorskip("flax", reason="flax is not installed")
 import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
+from tmcore import layer as tl  # noqa: E402
 from tmcore.adapters import jax as tmj  # noqa: E402
 from tmcore.layer.plan import plan_steps  # noqa: E402
 
@@ -40,7 +41,11 @@ def _params(seed=0, **kw):
 
 
 def _apply(params, x, state=None, **kw):
-    return tmj.apply(params, x, state, memory_shape=SHAPE, **kw)
+    """``tmj.apply``, the layer's own keywords (``update``, ...) going to the config."""
+    config = {k: kw.pop(k) for k in list(kw) if k in tl.LayerConfig.__dataclass_fields__}
+    if config:
+        params = {**params, "config": params["config"].replace(**config)}
+    return tmj.apply(params, x, state, **kw)
 
 
 def _err(a, b):

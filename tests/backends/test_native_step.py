@@ -1,6 +1,6 @@
-"""The fused one-step scan (``step_fwd``, ``backends/native/step.inc``): the torch backend's
-forward of a one-step scan (a decode step) in one native call, against the generic
-array-API step.
+"""The fused step (``step_fwd``, ``backends/native/step.inc``): on small grids the torch
+backend's scan forward runs each step as one native call (a decode step is one call),
+against the generic array-API scan; larger grids keep the BLAS product (both paths here).
 
 Tolerance: 64 ulps of the dtype (absolute and relative; the values here are of order 1).
 The same bits are not feasible: the write makes the generic splat's operations in its
@@ -197,3 +197,44 @@ def test_the_backward_from_its_checkpoints_equals_the_generic_one(masks):
         grads[generic] = [*out[:6], *out.params]
     for a, b in zip(grads[False], grads[True], strict=True):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+@pytest.fixture(params=["fused steps", "bmm steps"])
+def path(request, monkeypatch):
+    """The two forwards of the fused CPU scan: one ``step_fwd`` call per step (small grids)
+    and the kernels around BLAS's ``bmm`` (larger grids), chosen by the shapes."""
+    if request.param == "bmm steps":
+        monkeypatch.setattr(torch_scan, "FUSED_STEP_MAX", 0)
+    return request.param
+
+
+@pytest.mark.parametrize("checkpoint_every", [1, 3, 10])
+def test_a_scan_of_many_steps_equals_the_generic_scan(path, checkpoint_every, step_calls):
+    """Reads, state and every checkpoint of a 7-step scan under per-step masks equal the
+    generic scan's; the fused path calls ``step_fwd`` once per step and nothing else."""
+    (h0, c0, rc, wc, ws, content, params), _ = torch_scan_inputs(
+        torch, (3, 4, 2), torch.float64, batch=B, steps=7, seed=9)
+    masks = {"reset": torch.rand(B, 7, generator=torch.Generator().manual_seed(1)) < 0.3,
+             "active": torch.rand(B, 7, generator=torch.Generator().manual_seed(2)) < 0.7}
+    case = (h0, c0, rc, wc, ws, content, params)
+    fused = _forward(case, checkpoint_every=checkpoint_every, **masks)
+    assert (step_calls == ["step_fwd"] * 7) == (path == "fused steps")
+    generic = _forward(case, generic=True, checkpoint_every=checkpoint_every, **masks)
+    for a, b in zip(fused, generic, strict=True):
+        assert a.shape == b.shape
+        torch.testing.assert_close(a, b, **_tol(torch.float64))
+
+
+def test_any_split_of_a_scan_gives_the_same_bits(path):
+    """The path is chosen by the shapes, never by the number of steps: a scan cut into
+    pieces of 1, 2 and 4 steps gives the bits of one call."""
+    (h0, c0, rc, wc, ws, content, params), _ = torch_scan_inputs(
+        torch, (3, 4, 2), torch.float32, batch=B, steps=7, seed=4)
+    whole = _forward((h0, c0, rc, wc, ws, content, params))
+    h, c, reads = h0, c0, []
+    for start, stop in ((0, 1), (1, 3), (3, 7)):
+        piece = _forward((h, c, *(t[:, start:stop] for t in (rc, wc, ws, content)), params))
+        reads.append(piece[0])
+        h, c = piece[1:3]
+    assert torch.equal(torch.cat(reads, 1), whole[0])
+    assert torch.equal(h, whole[1]) and torch.equal(c, whole[2])

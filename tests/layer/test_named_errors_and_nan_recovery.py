@@ -69,7 +69,7 @@ def test_jax_still_takes_numpy_masks():
     params = tj.init(jax.random.PRNGKey(0), D, C, GRID, L)
     x = jnp.asarray(np.random.default_rng(0).normal(size=(2, 6, D)).astype(np.float32))
     starts = np.zeros((2, 6), bool)
-    out, _ = tj.apply(params, x, memory_shape=GRID, doc_starts=starts)
+    out, _ = tj.apply(params, x, doc_starts=starts)
     assert out.shape == (2, 6, D)
 
 

@@ -104,8 +104,6 @@ class LayerConfig:
     def from_dict(cls, data: Any, where: str = "config") -> LayerConfig:
         """Read back the config :meth:`to_dict` stored, checked as :func:`layer_config`.
 
-        The options beyond the paper may be absent (their defaults then).
-
         Parameters
         ----------
         data : dict
@@ -129,17 +127,29 @@ class LayerConfig:
         if not isinstance(data, dict):
             raise TypeError(f"{where}: expected a dict, got {type(data).__name__}")
         fields = [f.name for f in dataclasses.fields(cls)]
-        required = fields[:4]
-        missing = [k for k in required if k not in data]
+        missing = [k for k in fields if k not in data]
         unknown = sorted(set(data) - set(fields))
         if missing or unknown:
             raise ValueError(f"{where}: missing keys {missing}, unknown keys {unknown}")
-        values = {k: data[k] for k in fields if k in data}
         try:
-            sizes = [values.pop(k) for k in required]
-            return layer_config(*sizes, **values)
+            return layer_config(**data)
         except (TypeError, ValueError) as error:
             raise type(error)(f"{where}.{error}") from error
+
+    def replace(self, **changes: Any) -> LayerConfig:
+        """This config with ``changes``, checked as :func:`layer_config` checks them.
+
+        Parameters
+        ----------
+        **changes
+            Fields and their new values (e.g. ``checkpoint_every=4``).
+
+        Returns
+        -------
+        LayerConfig
+            The new config.
+        """
+        return layer_config(**{**self.to_dict(), **changes})
 
     def state_shape(self, batch: int) -> tuple[int, ...]:
         """The shape of ``h`` (and ``c``) for a batch.
