@@ -1,21 +1,8 @@
-"""CuPy: the fused Triton scan through a zero-copy DLPack bridge, else the generic path.
-
-The per-primitive math on CuPy is the generic array-API path (a few dense
-contractions, launched on CuPy's current stream; no single-primitive kernel
-measured to beat it). The whole scan, ``memory_scan_fwd`` / ``memory_scan_bwd``,
-runs the fused Triton kernels of :mod:`tmcore.backends.triton.dense` when torch and
-triton are installed and the ``triton`` option allows it: the CuPy arrays are
-handed to torch without a copy (``torch.from_dlpack``; the DLPack protocol
-orders the two libraries' streams), the same kernels as for torch CUDA tensors
-run (three launches per chunk step, CUDA graph replay), and the results come
-back the same way (``cupy.from_dlpack``). So CuPy gets exactly the kernels the
-torch backend tests, and no second copy of them. Without torch or triton, for
-``n = 4``, halves or anything else the kernels decline, the generic loop runs.
-
-The bridge is namespace-agnostic (:func:`bridged_scan_fwd` /
-:func:`bridged_scan_bwd` take any namespace with ``from_dlpack``); the tests run
-it on NumPy arrays and CPU torch under Triton's interpreter, which is all that
-can run without a GPU. Not measured on a GPU yet.
+"""CuPy: the generic primitives, and the whole scan through the torch backend's fused Triton
+kernels (:mod:`tmcore.backends.triton.dense`) over a zero-copy DLPack bridge when torch and
+triton are installed and the ``triton`` option allows it; else the generic loop. The bridge
+takes any namespace with ``from_dlpack``: the tests run it on NumPy and CPU torch under
+Triton's interpreter (not measured on a GPU yet).
 """
 
 from __future__ import annotations
@@ -33,11 +20,8 @@ __all__ = ["make_ops", "bridged_scan_fwd", "bridged_scan_bwd"]
 
 
 def _torch_side():
-    """``(torch, tmcore.backends.triton.dense)`` when the fused scan can be reached, else None.
-
-    torch is imported here only if it is installed and the ``triton`` option is not
-    off (a CuPy user without torch keeps the generic path, and pays no import).
-    """
+    """``(torch, tmcore.backends.triton.dense)`` when the fused scan is reachable, else None; torch
+    is imported only if installed and ``triton`` is not off."""
     if get_options().triton is False:
         return None
     if "torch" not in sys.modules and importlib.util.find_spec("torch") is None:
@@ -57,11 +41,11 @@ def _to_torch(torch, *arrays):
 
 def bridged_scan_fwd(xp: Any, h0, c0, read_coords, write_coords, write_sigma, write_content,
                      params: ConvParams, eps: float, radius: float | None,
-                     checkpoint_every: int):
-    """:func:`tmcore.scan.memory_scan_fwd` through the torch Triton kernels (zero-copy),
-    or ``None`` where they do not apply."""
+                     checkpoint_every: int, reset: Any = None, active: Any = None):
+    """:func:`tmcore.memory_scan_fwd` through the torch Triton kernels, or None where they do not
+    apply."""
     side = _torch_side()
-    if side is None:
+    if side is None or reset is not None or active is not None:
         return None
     torch, triton_scan = side
     *arrays, = _to_torch(torch, h0, c0, read_coords, write_coords, write_sigma,
@@ -75,13 +59,14 @@ def bridged_scan_fwd(xp: Any, h0, c0, read_coords, write_coords, write_sigma, wr
 
 def bridged_scan_bwd(xp: Any, read_coords, write_coords, write_sigma, write_content,
                      params: ConvParams, h_checkpoints, c_checkpoints, g_reads, g_h, g_c,
-                     eps: float, radius: float | None, checkpoint_every: int):
-    """:func:`tmcore.scan.memory_scan_bwd` through the torch Triton kernels (zero-copy),
-    or ``None`` where they do not apply."""
+                     eps: float, radius: float | None, checkpoint_every: int,
+                     reset: Any = None, active: Any = None):
+    """:func:`tmcore.memory_scan_bwd` through the torch Triton kernels, or None where they do not
+    apply."""
     from tmcore.types import ScanGrads
 
     side = _torch_side()
-    if side is None:
+    if side is None or reset is not None or active is not None:
         return None
     torch, triton_scan = side
     arrays = _to_torch(torch, read_coords, write_coords, write_sigma, write_content, *params,
@@ -94,8 +79,7 @@ def bridged_scan_bwd(xp: Any, read_coords, write_coords, write_sigma, write_cont
     return ScanGrads(*back, ConvParams(*(xp.from_dlpack(t) for t in grads.params)))
 
 
-def make_ops(generic: Ops) -> Ops:
-    """The CuPy table: the generic primitives, float16 computed in float32 (as for
-    NumPy), and the fused scan through the bridge where it applies."""
+def make_ops(generic: Ops, options: Any) -> Ops:
+    """The CuPy table: generic primitives, float16 in float32, the bridged fused scan."""
     fused = generic._replace(scan_fwd=bridged_scan_fwd, scan_bwd=bridged_scan_bwd)
     return with_float32_compute(fused)

@@ -1,10 +1,5 @@
-"""What the fused torch paths (the C kernels, the Triton kernels) check before they run.
-
-- :func:`untraced`: the tensors a fused path may take at all.
-- :func:`check_scan_shapes`: every shape a fused scan's kernels index by, a
-  ``ValueError`` naming the argument instead of an out-of-bounds read or write.
-- :func:`window_boxes`: the local scan's box sizes, which its kernels and its
-  residuals share.
+"""What the fused torch paths (C and Triton kernels) check before they run: which tensors
+they may take, and every shape their kernels index by.
 """
 
 from __future__ import annotations
@@ -26,9 +21,8 @@ is_wrapped = getattr(getattr(torch._C, "_functorch", None), "is_functorch_wrappe
 
 
 def untraced(tensors: tuple[torch.Tensor, ...]) -> bool:
-    """Whether ``tensors`` are plain tensors (or parameters) of one dtype that autograd is
-    not recording and no functorch transform wraps: those need torch ops to see the
-    computation, and fake or other subclass tensors have no plain memory for a kernel."""
+    """Whether ``tensors`` are plain tensors of one dtype that autograd does not record and no
+    functorch transform wraps (those need torch ops; fakes have no memory for a kernel)."""
     first = tensors[0]
     grad_mode = torch.is_grad_enabled()
     for t in tensors:  # the type first: nothing else is asked of a foreign tensor
@@ -40,8 +34,8 @@ def untraced(tensors: tuple[torch.Tensor, ...]) -> bool:
 
 def expect_shape(name: str, t: Any, shape: tuple[int, ...], layout: str,
                  kernel: str = "CPU kernel") -> None:
-    """``ValueError`` unless ``t.shape == shape``: the kernels index every buffer from
-    the shapes of the state, so a wrong one would be read or written out of bounds."""
+    """``ValueError`` unless ``t.shape == shape`` (the kernels index every buffer by the state's
+    shapes: a wrong one would be accessed out of bounds)."""
     if tuple(t.shape) != tuple(shape):
         raise ValueError(f"{name}: expected shape {layout} = {tuple(shape)} for the fused "
                          f"{kernel}, got {tuple(t.shape)}")
@@ -55,9 +49,8 @@ def check_state(name: str, t: Any) -> None:
 
 
 def window_boxes(spatial: tuple[int, ...], window: int) -> tuple[tuple[int, ...], ...]:
-    """``(size, box, corners)`` of a local scan on a grid ``spatial``: the window's cells
-    per axis, the box (the window and its 1-cell halo, inside the grid) and the read's
-    corner cells (1 on a 1-cell axis, else 2)."""
+    """``(size, box, corners)`` per axis of a local scan on ``spatial``: the window, the box
+    (window and halo, in the grid) and the read's corners (1 on a 1-cell axis, else 2)."""
     return (*window_sizes(spatial, window), tuple(1 if s == 1 else 2 for s in spatial))
 
 
@@ -89,15 +82,9 @@ def _layouts(state: Any, steps: int, saved: int | None,
 def check_scan_shapes(state: Any, read_coords: Any, arrays: dict[str, Any],
                       params: ConvParams, *, saved: int | None = None,
                       window: int | None = None, kernel: str = "CPU kernel") -> None:
-    """Check a fused scan's arguments against ``state (B, C, *S)`` and ``read_coords
-    (B, T, n)``.
-
-    ``arrays`` maps argument names (``c0``, ``g_c``, ``g_reads``, ``write_coords``,
-    ``write_sigma``, ``write_content``, ``h_checkpoints`` / ``c_checkpoints``: ``saved``
-    states, and with ``window`` the local residuals ``residuals.h_boxes``, ...) to
-    arrays; every parameter is checked too. ``ValueError`` naming the first argument
-    whose shape is off.
-    """
+    """Check a fused scan's ``arrays`` (by argument name: ``c0``, ``g_reads``, ``write_*``,
+    ``saved`` checkpoints, with ``window`` the local residuals) and ``params`` against ``state
+    (B, C, *S)`` and ``read_coords (B, T, n)``; ``ValueError`` naming the first that is off."""
     check_state("h0", state)
     batch, channels, *spatial = state.shape
     n = len(spatial)

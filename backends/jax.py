@@ -1,45 +1,14 @@
-"""JAX fast paths: ``lax.conv_general_dilated`` for the depthwise taps (on accelerators),
-fused C kernels through the XLA FFI (on the CPU).
+"""JAX fast paths: fused C kernels through the XLA FFI on the CPU, a grouped
+``lax.conv_general_dilated`` for the depthwise taps elsewhere (docs/guides/backends.md;
+sharding: docs/guides/distributed.md).
 
-The option ``depthwise="auto"`` uses the grouped conv when JAX's default
-backend is not the CPU: XLA:CPU expands grouped convs and measured about 300x
-slower there than the generic shifts.
-
-On the CPU (default backend ``cpu``, float32 / float64) the depthwise passes
-and the LSTM gates, forward and VJP, are the C kernels of the torch backend
-(:mod:`tmcore.backends.native`), called as XLA custom calls through one
-primitive (``tmcore_native``); the pointwise product stays a ``jnp.matmul``.
-``vmap`` folds the mapped axis into the kernels' own axes (one call, no loop:
-the gates into the batch, the depthwise passes into the channels, so
-per-example taps and tap gradients work). ``jax.export`` lowers the primitive
-to the generic math instead of the custom calls (export refuses custom calls
-without compatibility guarantees, and an exported artifact may run where
-tmcore's targets are not registered): same results, no native speed in the
-artifact. The depthwise passes and the gates are
-``jax.custom_vjp`` functions whose backward is the fused VJP, itself a
-``custom_vjp`` differentiated through the generic math: ``jax.grad`` through
-tmcore's public functions works to any order (reverse mode; forward mode,
-``jax.jvp``, needs ``tmcore.options(native=False)`` or ``TMCORE_NATIVE=0``).
-Measured at the LM config:
-depthwise passes 1.0 -> 0.13 ms, a training step ~1.6x faster.
-
-Sharding: the kernels work on a batch axis they do not mix, so they are split
-along it. Inside ``shard_map`` their outputs carry the inputs' varying axes
-(``check_vma=True``); on an explicit mesh whose axes shard the batch they run
-per shard in an internal ``shard_map`` (the taps' gradients ``psum``-ed); with
-several devices they are ``custom_partitioning`` calls, so ``jit`` over Auto
-meshes splits them along the batch instead of gathering it (their ``vmap`` is
-then a loop over the mapped axis, as ``vmap_method="sequential"``).
-
-Imported only when JAX arrays reach tmcore. Everything is traceable under
-``jax.jit`` (shapes and dtypes are the only Python-level branches; no host
-syncs) and works with ``jax_enable_x64`` on or off. Each depthwise pass of
-``x (B, C, *S)`` along axis ``a`` is one grouped 3-D conv
-(``feature_group_count = C``) over the free reshape ``(B, C, pre, S_a, post)``;
-its VJP is the same conv with flipped taps for the input and sliced products
-for the taps (no conv weight-gradient kernel, deterministic). Convs run at
-``Precision.HIGHEST`` so float32 matches the generic path on GPUs (no TF32).
-float16 / bfloat16 inputs compute in float32 and return the input dtype.
+``depthwise="auto"`` takes the grouped conv only off the CPU: XLA:CPU expands grouped convs,
+~300x slower than the generic shifts there. On the CPU the depthwise passes and the gates,
+forward and VJP, are calls of one primitive, ``tmcore_native`` (its rules below), each a
+``custom_vjp`` whose backward is the fused VJP, itself differentiated through the generic
+math (reverse mode to any order; forward mode needs ``native=False``). Everything traces
+under ``jit``, x64 on or off; convs and products run at ``Precision.HIGHEST`` (no TF32);
+float16 / bfloat16 compute in float32.
 """
 
 from __future__ import annotations
@@ -73,8 +42,7 @@ _DIMS = ("NCDHW", "OIDHW", "NCDHW")
 
 
 def _use_lax(kernel: str) -> bool:
-    """Whether the depthwise taps use the grouped ``lax`` conv (option ``depthwise``:
-    ``"auto"`` unless JAX's default backend is the CPU, ``"grouped"``, ``"shifts"``: never)."""
+    """Whether the depthwise taps use the grouped ``lax`` conv (the ``depthwise`` option)."""
     if kernel == "auto":
         return jax.default_backend() != "cpu"
     return kernel == "grouped"
@@ -87,7 +55,8 @@ def _view(x: Any, axis: int) -> tuple[int, ...]:
 
 
 def _depthwise(x: Any, taps: Any, bias: Any | None, axis: int) -> Any:
-    """Depthwise 3-tap cross-correlation of ``x (B,C,*S)`` along spatial ``axis``."""
+    """Depthwise 3-tap cross-correlation of ``x (B, C, *S)`` along spatial ``axis``: one grouped
+    conv over the free reshape ``(B, C, pre, S_a, post)``."""
     channels = x.shape[1]
     y = lax.conv_general_dilated(
         jnp.reshape(x, _view(x, axis)), jnp.reshape(taps, (channels, 1, 1, 3, 1)),
@@ -101,12 +70,8 @@ def _depthwise(x: Any, taps: Any, bias: Any | None, axis: int) -> Any:
 
 
 def _sum_over_batch(g_flat: Any, y_flat: Any) -> Any:
-    """``sum_b g[b] @ y[b].T`` for ``g (B, O, P)``, ``y (B, I, P)`` -> ``(O, I)``.
-
-    The per-sample products come first and the batch sum last: a product
-    contracting a sharded batch axis is ambiguous on explicit meshes, a sum is
-    not (and the ``(B, O, I)`` intermediate is small).
-    """
+    """``sum_b g[b] @ y[b].T`` ``(O, I)`` for ``g (B, O, P)``, ``y (B, I, P)``: the batch sum last,
+    since a product contracting a sharded batch is ambiguous on explicit meshes."""
     per_sample = jnp.einsum("bop,bip->boi", g_flat, y_flat, precision=lax.Precision.HIGHEST)
     return jnp.sum(per_sample, axis=0)
 
@@ -174,8 +139,8 @@ class _NativeGateResiduals(NamedTuple):
 
 
 def _native_suffix(*arrays: Any) -> str | None:
-    """The kernels' dtype suffix when they may run on ``arrays`` (CPU default backend,
-    one float32 / float64 dtype, the library built), else ``None``."""
+    """The kernels' dtype suffix when they may run on ``arrays`` (CPU backend, one float32 /
+    float64 dtype, the library built), else None."""
     if not native.enabled() or jax.default_backend() != "cpu":
         return None
     dtype = arrays[0].dtype
@@ -198,9 +163,8 @@ def varying(x: Any) -> frozenset:
 
 
 def match_vma(*trees: Any) -> tuple[Any, ...]:
-    """``trees`` with every leaf cast to the union of their varying axes (what every jnp
-    op does implicitly; an FFI call or a scan carry needs it explicitly to type its
-    outputs). Outside ``shard_map`` (no varying axes) the trees come back unchanged."""
+    """``trees`` with every leaf cast to the union of their varying axes (an FFI call or a scan
+    carry needs it explicitly); unchanged outside ``shard_map``."""
     leaves = jax.tree.leaves(trees)
     axes = frozenset().union(*map(varying, leaves)) if leaves else frozenset()
     if not axes:
@@ -224,14 +188,8 @@ def explicit_batch_axes(x: Any) -> tuple[str, ...] | None:
 
 def _ffi(kernel: str, args: tuple[Any, ...], outputs: tuple[int, ...],
          summed: tuple[int, ...] = ()) -> tuple[Any, ...]:
-    """Call kernel ``kernel`` on ``args``; output ``i`` is shaped like ``args[outputs[i]]``.
-
-    ``_BATCHED[kernel][j]``: ``args[j]`` has the leading batch axis; ``summed``: outputs
-    that are sums over the batch (the taps' gradients). With the batch sharded over
-    explicit mesh axes, the kernel runs on each shard (an internal ``shard_map``:
-    no gather) and the summed outputs are ``psum``-ed; inside ``shard_map`` the
-    outputs carry the inputs' varying axes.
-    """
+    """Call ``kernel``; output ``i`` is shaped like ``args[outputs[i]]``, ``summed`` outputs are
+    batch sums (``psum``-ed per shard: on an explicit batch-sharded mesh it runs per shard)."""
     batched, axes = _BATCHED[kernel], explicit_batch_axes(args[0])
     if axes is not None:
         def local(*shard):
@@ -257,7 +215,7 @@ def _psum_summed(outs: tuple[Any, ...], axes: Any, summed: tuple[int, ...]) -> t
 
 def _plain_ffi(kernel: str, suffix: str, args: tuple[Any, ...],
                outputs: tuple[int, ...]) -> tuple[Any, ...]:
-    """The kernel as one ``tmcore_native`` primitive (see :data:`_native_p`)."""
+    """The kernel as one ``tmcore_native`` primitive call."""
     return tuple(_native_p.bind(*args, kernel=kernel, suffix=suffix, outputs=outputs))
 
 
@@ -322,9 +280,8 @@ _BATCHED = {"gates_fwd": (True,) * 2, "gates_bwd": (True,) * 4,
 
 def _native_batch(args: tuple[Any, ...], dims: tuple[Any, ...], *, kernel: str, suffix: str,
                   outputs: tuple[int, ...]) -> tuple[Any, tuple[int, ...]]:
-    """``vmap`` of one kernel call as one call: the mapped axis (size ``V``) folded into
-    the batch (gates; depthwise passes with shared taps) or the channels (depthwise
-    passes with per-example taps, and every depthwise VJP: per-example tap gradients)."""
+    """``vmap`` of one kernel call as one call: the mapped axis folded into the batch (gates,
+    shared taps) or the channels (per-example taps, and every depthwise VJP)."""
     size = next(a.shape[d] for a, d in zip(args, dims, strict=True)
                 if d is not None)
     mapped = [jnp.moveaxis(a, d, 0) if d is not None
@@ -353,8 +310,8 @@ batching.primitive_batchers[_native_p] = _native_batch
 
 
 def _letters(shapes: tuple[tuple[int, ...], ...], batched: tuple[bool, ...]) -> list[list[str]]:
-    """Einsum-like factor names per operand: ``b`` for a batch axis, operands of equal
-    shape share names (they are aligned elementwise), others get their own."""
+    """Einsum-like factor names per operand: ``b`` for a batch axis; operands of equal shape share
+    names (aligned elementwise)."""
     names: dict[tuple[int, ...], list[str]] = {}
     pool = iter("acdefghijklmnopqrstuvwxyz")
     out = []
@@ -370,11 +327,9 @@ def _letters(shapes: tuple[tuple[int, ...], ...], batched: tuple[bool, ...]) -> 
 @functools.cache
 def _partitioned(kernel: str, suffix: str, batched: tuple[bool, ...], outputs: tuple[int, ...],
                  summed: tuple[int, ...]) -> Callable[..., Any]:
-    """The kernel as a ``custom_partitioning`` function that XLA splits along the batch:
-    each device runs it on its rows (the other operands replicated), the ``summed``
-    outputs are ``psum``-ed; so data parallelism never gathers the batch. Batched by
-    ``custom_vmap`` (``custom_partitioning`` has no ``vmap`` rule): the vmapped
-    axis is looped over, like the plain call's ``vmap_method="sequential"``."""
+    """The kernel as a ``custom_partitioning`` function XLA splits along the batch (``summed``
+    outputs ``psum``-ed), never gathering it; a ``custom_vmap`` loops over a vmapped axis
+    (``custom_partitioning`` has no ``vmap`` rule)."""
 
     def batch_axes(arg_shapes: Any) -> Any:
         spec = getattr(getattr(arg_shapes[0], "sharding", None), "spec", None)
@@ -447,9 +402,8 @@ def _generic_gates_vjp(z: Any, c: Any, g_h: Any, g_c: Any) -> tuple[Any, Any]:
 
 
 def _fused(generic: Any):
-    """A ``custom_vjp`` function computed by the decorated kernel call, differentiated by
-    differentiating ``generic`` (the same function in jnp): the fused VJPs below stay
-    differentiable (second order goes through the generic math)."""
+    """A ``custom_vjp`` of the decorated kernel call, differentiated through ``generic`` (the same
+    function in jnp), so the fused VJPs stay differentiable."""
     def wrap(kernel):
         fn = jax.custom_vjp(kernel)
         fn.defvjp(lambda *args: (kernel(*args), args),
@@ -506,22 +460,23 @@ def native_conv_bwd(xp: Any, residuals: _NativeConvResiduals, params: ConvParams
 
 
 _FORWARD_MODE = (
-    "tmcore on JAX arrays: forward-mode differentiation (jax.jvp, jax.jacfwd, jax.hessian, "
-    "jax.linearize) cannot go through the fused CPU kernels, which register reverse-mode "
-    "rules only (jax.custom_vjp). For forward mode turn them off: "
-    "tmcore.options(native=False) or TMCORE_NATIVE=0 (JAX then differentiates the generic "
-    "math itself); else use jax.grad / jax.vjp / jax.jacrev.")
+    "{what}: forward-mode differentiation (jax.jvp, jax.jacfwd, jax.hessian, "
+    "jax.linearize) is not available: tmcore registers hand-written reverse-mode rules "
+    "(jax.custom_vjp). Use jax.grad / jax.vjp / jax.jacrev (for second order "
+    "jax.jacrev(jax.jacrev(f)) instead of jax.hessian), or, for forward mode through "
+    "tmcore's functions, turn the fused kernels off (tmcore.options(native=False) or "
+    "TMCORE_NATIVE=0): JAX then differentiates the generic math itself.")
 
 
-def forward_mode_guard(call: Callable[[], Any], message: str = _FORWARD_MODE) -> Any:
+def forward_mode_guard(call: Callable[[], Any], what: str = "tmcore on JAX arrays") -> Any:
     """``call()`` (a fused kernel, or an adapter's custom_vjp), with JAX's bare
-    custom_vjp forward-mode error turned into ``message``, which says what to do."""
+    custom_vjp forward-mode error turned into tmcore's, naming ``what``."""
     try:
         return call()
     except TypeError as error:
         text = str(error)
         if "custom_vjp" in text and ("forward-mode" in text or "jvp" in text):
-            raise TypeError(message) from error
+            raise TypeError(_FORWARD_MODE.format(what=what)) from error
         raise
 
 
@@ -531,8 +486,7 @@ def scatter_add(xp: Any, out: Any, index: Any, values: Any) -> Any:
 
 
 def make_ops(generic: Ops, options: Options) -> Ops:
-    """The JAX table: lax conv (option ``depthwise``), generic read and write, float32
-    compute for halves."""
+    """The JAX table: lax conv or C kernels, generic read and write, float32 for halves."""
     kernel = options.depthwise
 
     def conv_fwd_auto(xp, x, params):

@@ -1,9 +1,5 @@
-"""The mixed-precision rule shared by the torch and JAX backends.
-
-float16 / bfloat16 inputs are computed in float32 (coordinates, weights and
-accumulators) and every result is returned in its primal's dtype: forward
-outputs in the promoted input dtype, each gradient in the dtype of the input
-it belongs to. float32 / float64 inputs pass straight through.
+"""The mixed-precision rule of the backends: float16 / bfloat16 inputs compute in float32, and
+each result comes back in its primal's dtype (a gradient in its input's).
 """
 
 from __future__ import annotations
@@ -30,10 +26,8 @@ def _up(xp: Any, *arrays: Any) -> list[Any]:
 
 
 def with_float32_compute(ops: Ops) -> Ops:
-    """Wrap ``ops`` so half-precision inputs compute in float32.
-
-    The conv residuals become ``(x_dtype or None, inner_residuals)``.
-    """
+    """``ops`` with half-precision inputs computed in float32; conv residuals become ``(x dtype or
+    None, inner residuals)``."""
 
     def sample_fwd(xp, volume, coords):
         if not _any_low(xp, volume, coords):

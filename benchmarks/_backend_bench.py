@@ -3,7 +3,7 @@
 A *case* is one primitive (or the scan step), forward or VJP, at one size, as a
 zero-argument callable built for one framework and device. Each is timed twice:
 with the backend's fast path (the default) and under
-``tmcore.backends.use_generic()``. For JAX both variants are jitted; the path is
+``tmcore.options(generic=True)``. For JAX both variants are jitted; the path is
 chosen while tracing, so each variant is traced inside its own context.
 """
 
@@ -143,18 +143,18 @@ class Framework:
 
     def prepare(self, fn: Callable[[dict], Any], a: dict, generic: bool) -> Callable[[], Any]:
         """``fn(a)`` as a zero-argument callable on the chosen path (jitted for JAX)."""
-        from tmcore.backends import use_generic
+        import tmcore
 
         if self.name == "jax":
             import jax
 
             jitted = jax.jit(lambda arrays: fn(arrays))
-            with use_generic(generic):
+            with tmcore.options(generic=generic):
                 self.sync(jitted(a))  # trace and compile on this path
             return lambda: jitted(a)
 
         def run():
-            with use_generic(generic):
+            with tmcore.options(generic=generic):
                 return fn(a)
 
         return run
@@ -203,12 +203,12 @@ def max_rel_diff(a: Any, b: Any) -> float:
 
 def expected_outputs(config: str) -> dict[str, Any]:
     """float64 NumPy outputs of every case on the generic path (the verified baseline)."""
-    from tmcore.backends import use_generic
+    import tmcore
 
     fw = Framework("numpy")
     batch, channels, grid = CONFIGS[config]
     inputs = {k: fw.convert(v, "float64") for k, v in make_inputs(batch, channels, grid).items()}
-    with use_generic():
+    with tmcore.options(generic=True):
         return {case: fn(inputs) for case, fn in case_fns(fw).items()}
 
 

@@ -30,6 +30,7 @@ __all__ = [
     "machine_line",
     "peak_rss_growth",
     "run_isolated",
+    "checkout_commit",
 ]
 
 
@@ -148,3 +149,19 @@ def run_isolated(module: str, args: list[str], timeout: float = 900) -> dict:
     if proc.returncode != 0:
         return {"error": (proc.stderr or proc.stdout).strip().splitlines()[-1:]}
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def checkout_commit(python: str) -> str:
+    """The commit (``+changes``: with uncommitted library changes) and folder of the checkout
+    that ``python``'s tmcore was installed from."""
+    where = subprocess.run([python, "-c", "import tmcore, os; print(os.path.dirname("
+                            "os.path.dirname(tmcore.__file__)))"],
+                           capture_output=True, text=True, check=True, cwd="/").stdout.strip()
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", where, *args], capture_output=True,
+                              text=True).stdout.strip()
+
+    dirty = git("status", "--porcelain", "--untracked-files=no", "--", "tmcore", "backends",
+                "adapters")
+    return f"{git('rev-parse', '--short=10', 'HEAD') or '?'}{'+changes' if dirty else ''} " \
+           f"({where})"

@@ -88,8 +88,7 @@ def jax_compile(chunk_counts: Sequence[int]) -> list[dict[str, Any]]:
                      SIZES["memory_shape"], SIZES["chunk_size"])
 
     def loss(p: Any, x: Any) -> Any:
-        out, _ = tj.apply(p, x, chunk_size=SIZES["chunk_size"],
-                          memory_shape=SIZES["memory_shape"], stream=False)
+        out, _ = tj.apply(p, x, stream=False)
         return jnp.mean(out ** 2)
 
     rows = []

@@ -2,9 +2,10 @@
 
 This machine is shared and noisy, so two checkouts are timed in alternation, in
 fresh processes, round after round, and the answer is the ratio of their medians
-(and of their minimums). Each checkout needs its own environment with tmcore
-installed from it (for example a copy of ``.venv`` with ``pip install -e
-<checkout> --no-deps``)::
+(and of their minimums, and of their median process CPU times, which a loaded
+machine's waits do not inflate: with ``--threads 1``, the step's own work). Each
+checkout needs its own environment with tmcore installed from it (for example a copy
+of ``.venv`` with ``pip install -e <checkout> --no-deps``)::
 
     python -m benchmarks.cpu_regression --python /tmp/old/.venv/bin/python \\
         --python .venv/bin/python --config lm-256 --rounds 5
@@ -26,7 +27,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from benchmarks.common import CONFIGS, machine_line
+from benchmarks.common import CONFIGS, checkout_commit, machine_line
 
 _CHILD = r"""
 import json, sys, time
@@ -49,21 +50,11 @@ def step():
 step()  # warm-up: kernels loaded, allocator primed
 times = []
 for _ in range(reps):
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     step()
-    times.append(time.perf_counter() - start)
+    times.append([time.perf_counter() - start, time.process_time() - cpu])
 print(json.dumps(times))
 """
-
-
-def _commit(python: str) -> str:
-    """The commit of the checkout that ``python``'s tmcore was installed from."""
-    where = subprocess.run([python, "-c", "import tmcore, os; print(os.path.dirname("
-                            "os.path.dirname(tmcore.__file__)))"],
-                           capture_output=True, text=True, check=True, cwd="/").stdout.strip()
-    done = subprocess.run(["git", "-C", where, "rev-parse", "--short=10", "HEAD"],
-                          capture_output=True, text=True)
-    return f"{done.stdout.strip() or '?'} ({where})"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -78,10 +69,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if len(args.python) < 2:
         parser.error("--python: give at least two interpreters to compare")
+    args.python = [os.path.abspath(p) for p in args.python]  # the children run in "/"
     cfg = next(c for c in CONFIGS if c.name == args.config)
     spec = json.dumps([cfg.batch, cfg.embed_dim, cfg.channels, list(cfg.shape), cfg.chunk,
                        cfg.tokens, args.reps, args.threads])
-    per_python: dict[str, list[float]] = {p: [] for p in args.python}
+    per_python: dict[str, list[list[float]]] = {p: [] for p in args.python}
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     for round_index in range(args.rounds):
         # rotate the order so a load that changes during a round slows every checkout alike
@@ -94,17 +86,21 @@ def main(argv: list[str] | None = None) -> int:
             per_python[python].extend(json.loads(done.stdout.strip().splitlines()[-1]))
     base = args.python[0]
     rows = []
-    for python, times in per_python.items():
-        row = {"python": python, "commit": _commit(python),
+    first_wall, first_cpu = zip(*per_python[base], strict=True)
+    for python, pairs in per_python.items():
+        times, cpu = zip(*pairs, strict=True)
+        row = {"python": python, "commit": checkout_commit(python),
                "median_ms": 1e3 * statistics.median(times), "min_ms": 1e3 * min(times),
-               "seconds": times}
-        row["median_ratio_to_first"] = statistics.median(times) / statistics.median(
-            per_python[base])
-        row["min_ratio_to_first"] = min(times) / min(per_python[base])
+               "seconds": list(times), "cpu_median_ms": 1e3 * statistics.median(cpu),
+               "cpu_seconds": list(cpu)}
+        row["median_ratio_to_first"] = statistics.median(times) / statistics.median(first_wall)
+        row["min_ratio_to_first"] = min(times) / min(first_wall)
+        row["cpu_median_ratio_to_first"] = statistics.median(cpu) / statistics.median(first_cpu)
         rows.append(row)
         print(f"{row['commit']}: median {row['median_ms']:.1f} ms, min {row['min_ms']:.1f} ms "
               f"per training step; x{row['median_ratio_to_first']:.3f} (median), "
-              f"x{row['min_ratio_to_first']:.3f} (min) of the first")
+              f"x{row['min_ratio_to_first']:.3f} (min), x{row['cpu_median_ratio_to_first']:.3f} "
+              f"(median CPU time) of the first")
     if args.json is not None:
         command = "python -m benchmarks.cpu_regression " + " ".join(
             shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))

@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -200,7 +201,7 @@ def measure_hf(args: argparse.Namespace) -> list[dict]:
                                generator=torch.Generator().manual_seed(1))
         kwargs = dict(max_new_tokens=args.decode, min_new_tokens=args.decode,
                       do_sample=False, pad_token_id=0)
-        best = {False: float("inf"), True: float("inf")}
+        seconds: dict[bool, list[float]] = {False: [], True: []}
         with torch.no_grad():
             for m in (False, True):
                 models[m].generate(prompt, **{**kwargs, "max_new_tokens": 4,
@@ -209,19 +210,23 @@ def measure_hf(args: argparse.Namespace) -> list[dict]:
                 for m in (False, True):
                     start = time.perf_counter()
                     models[m].generate(prompt, **kwargs)
-                    best[m] = min(best[m], time.perf_counter() - start)
+                    seconds[m].append(time.perf_counter() - start)
         tokens = args.decode * args.hf_batch
+        best = {m: min(v) for m, v in seconds.items()}
         rows.append({"what": "generate", "width": width, "batch": args.hf_batch,
                      "new_tokens": args.decode, "chunk": args.hf_chunk,
                      "tokens_per_s": tokens / best[False],
                      "tokens_per_s_memory": tokens / best[True],
-                     "ratio": best[False] / best[True]})
+                     "ratio": best[False] / best[True],
+                     "median_ratio": statistics.median(a / b for a, b in zip(
+                         seconds[False], seconds[True], strict=True)),
+                     "seconds": seconds[False], "seconds_memory": seconds[True]})
         print(json.dumps(rows[-1]), file=sys.stderr)
     if args.hf_train:
         width, n = 512, args.hf_train_tokens
         models = {m: _hf_models(width, m, args.hf_chunk).train() for m in (False, True)}
         x = torch.randint(0, 256, (1, n), generator=torch.Generator().manual_seed(2))
-        best = {False: float("inf"), True: float("inf")}
+        seconds = {False: [], True: []}
 
         def step(model):
             model.zero_grad(set_to_none=True)
@@ -233,10 +238,12 @@ def measure_hf(args: argparse.Namespace) -> list[dict]:
             for m in (False, True):
                 start = time.perf_counter()
                 step(models[m])
-                best[m] = min(best[m], time.perf_counter() - start)
+                seconds[m].append(time.perf_counter() - start)
+        best = {m: min(v) for m, v in seconds.items()}
         rows.append({"what": "training step", "width": width, "batch": 1, "tokens": n,
                      "chunk": args.hf_chunk, "step_s": best[False], "step_s_memory": best[True],
-                     "ratio": best[True] / best[False]})
+                     "ratio": best[True] / best[False],
+                     "seconds": seconds[False], "seconds_memory": seconds[True]})
         print(json.dumps(rows[-1]), file=sys.stderr)
     return rows
 
@@ -248,15 +255,18 @@ def hf_table(rows: list[dict]) -> str:
              "|---|---:|---|---:|---:|---:|---|"]
     for r in rows:
         if r["what"] == "generate":
-            target = ">= 0.6x" if r["width"] <= 64 else ">= 0.8x"
+            median = f" (median {r['median_ratio']:.2f}x)" if "median_ratio" in r else ""
+            # issue 60's targets
+            target = ">= 0.9x" if r["width"] > 64 else ">= 0.7x" if r["batch"] == 1 \
+                else ">= 0.8x"
             lines.append(f"| generate (tokens/s) | {r['width']} | B={r['batch']}, "
                          f"{r['new_tokens']} new, chunk {r['chunk']} | "
                          f"{r['tokens_per_s']:.0f} | {r['tokens_per_s_memory']:.0f} | "
-                         f"{r['ratio']:.2f}x | {target} |")
+                         f"{r['ratio']:.2f}x{median} | {target} |")
         else:
             lines.append(f"| training step (s) | {r['width']} | B=1, N={r['tokens']}, "
                          f"chunk {r['chunk']} | {r['step_s']:.3f} | {r['step_s_memory']:.3f} "
-                         f"| {r['ratio']:.2f}x | <= 1.5x |")
+                         f"| {r['ratio']:.2f}x | <= 1.8x |")
     return "\n".join(lines)
 
 

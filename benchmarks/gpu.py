@@ -220,12 +220,14 @@ def _jax_steps(cfg: Config, params):
     import jax.numpy as jnp
 
     from tmcore.adapters import jax as tmjax
+    from tmcore.layer import layer_config
 
-    tree = jax.device_put(tmjax.params_from_state_dict(params))
+    tree = jax.device_put(tmjax.params_from_state_dict(
+        params, config=layer_config(cfg.embed_dim, cfg.channels, cfg.shape, cfg.chunk)))
     x, g = (jnp.asarray(a) for a in make_inputs(cfg))
 
     def forward(p, x):
-        return tmjax.apply(p, x, memory_shape=cfg.shape, chunk_size=cfg.chunk)[0]
+        return tmjax.apply(p, x)[0]
 
     fwd = jax.jit(forward)
     grad = jax.jit(jax.grad(lambda p, x: jnp.sum(forward(p, x) * g), argnums=(0, 1)))

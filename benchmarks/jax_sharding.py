@@ -58,7 +58,7 @@ def _step_timer(cfg, devices: int, native: bool, reps: int, batch: int) -> dict:
         params = jax.device_put(params, NamedSharding(mesh, P()))
 
     def loss(p, x_, t):
-        out, _ = tmj.apply(p, x_, memory_shape=cfg.shape, chunk_size=cfg.chunk)
+        out, _ = tmj.apply(p, x_)
         return jnp.mean((out - t) ** 2)
 
     with tmcore.options(native=native):

@@ -35,7 +35,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     shape = tuple(args.grid)
     params = tmj.init(jax.random.key(0), args.width, args.channels, shape, args.chunk)
     tokens = jax.random.normal(jax.random.key(1), (args.tokens, args.batch, args.width))
-    start = tmj.empty_stream_state(params, args.batch, memory_shape=shape)
+    start = tmj.empty_stream_state(params, args.batch)
 
     @jax.jit
     def step(state: Any, token: Any) -> Any:

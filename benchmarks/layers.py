@@ -173,12 +173,14 @@ def jax_step(cfg: Config, params: dict, x: np.ndarray, g: np.ndarray,
     import jax.numpy as jnp
 
     from tmcore.adapters import jax as tmjax
+    from tmcore.layer import layer_config
 
-    tree = tmjax.params_from_state_dict(params)
+    tree = tmjax.params_from_state_dict(
+        params, config=layer_config(cfg.embed_dim, cfg.channels, cfg.shape, cfg.chunk))
     xj, gj = jnp.asarray(x), jnp.asarray(g)
 
     def forward(p, x):
-        return tmjax.apply(p, x, memory_shape=cfg.shape, chunk_size=cfg.chunk)[0]
+        return tmjax.apply(p, x)[0]
 
     if not train:
         fwd = jax.jit(forward)

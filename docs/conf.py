@@ -87,10 +87,10 @@ def _skip_tuple_fields(app, what, name, obj, skip, options):
     return True if type(obj).__name__ == "_tuplegetter" else None
 
 
-# A class exported by several API modules (``StreamState`` by tmcore.layer.stream, tmcore.layer
+# A class exported by several API modules (``StreamState`` by tmcore.layer
 # and both adapters) is indexed on the first page that lists it; the others render it with
 # :no-index: (one target per object, no duplicate descriptions).
-_API_MODULES = ["tmcore", "tmcore.layer.stream", "tmcore.layer", "tmcore.adapters.torch",
+_API_MODULES = ["tmcore", "tmcore.layer", "tmcore.adapters.torch",
                 "tmcore.adapters.jax", "tmcore.adapters.hf", "tmcore.testing", "tmcore.backends"]
 _seen: set[int] = set()
 _no_index: list[str] = []

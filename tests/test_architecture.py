@@ -2,12 +2,12 @@
 module importing another package's private names, no environment variable read outside
 the options module.
 
-Imports are read from the source (every ``import`` / ``from`` statement, those inside
-functions included; those under ``if TYPE_CHECKING:`` are for type checkers and never
-run). Importing ``a.b.c`` also runs the ``__init__`` of ``a.b``, so that counts as an
-import of ``a.b`` too (the root ``tmcore`` package, the public facade that imports its
-subpackages, excepted). Lazy lookups by name (``importlib.import_module``, how the
-dispatch finds a backend) are not imports here, by design.
+Imports are read from the source: every ``import`` / ``from`` statement, those inside
+functions and those under ``if TYPE_CHECKING:`` included (a type-only edge is still a
+dependency a reader follows), and every ``importlib.import_module("literal")``. Importing
+``a.b.c`` also runs the ``__init__`` of ``a.b``, so that counts as an import of ``a.b``
+too (the root ``tmcore`` package, the public facade that imports its subpackages,
+excepted).
 """
 
 from __future__ import annotations
@@ -48,23 +48,11 @@ def _package_of(name: str) -> str:
     return name if _is_package(name) else name.rpartition(".")[0]
 
 
-def _type_checking_lines(tree: ast.AST) -> set[int]:
-    lines: set[int] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            for child in node.body:
-                lines.update(range(child.lineno, (child.end_lineno or child.lineno) + 1))
-    return lines
-
-
 def _imports(name: str) -> list[tuple[str, str | None, int]]:
-    """``(module, imported name or None, line)`` for every import statement of ``name``."""
+    """``(module, imported name or None, line)`` for every import of ``name``."""
     tree = ast.parse(MODULES[name].read_text())
-    skip = _type_checking_lines(tree)
     out = []
     for node in ast.walk(tree):
-        if getattr(node, "lineno", None) in skip:
-            continue
         if isinstance(node, ast.Import):
             out += [(alias.name, None, node.lineno) for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -74,6 +62,10 @@ def _imports(name: str) -> list[tuple[str, str | None, int]]:
                 anchor = anchor[:len(anchor) - (node.level - 1)]
                 base = ".".join(anchor + ([base] if base else []))
             out += [(base, alias.name, node.lineno) for alias in node.names]
+        elif (isinstance(node, ast.Call) and ast.unparse(node.func).endswith("import_module")
+              and node.args and isinstance(node.args[0], ast.Constant)
+              and isinstance(node.args[0].value, str)):
+            out.append((node.args[0].value, None, node.lineno))
     return out
 
 
@@ -143,6 +135,15 @@ def test_the_walk_sees_the_layout():
 def test_no_import_cycle():
     cycles = _cycles(_graph())
     assert not cycles, "import cycles:\n" + "\n".join(" <-> ".join(c) for c in cycles)
+
+
+def test_type_checking_and_by_name_imports_are_edges(tmp_path, monkeypatch):
+    path = tmp_path / "m.py"
+    path.write_text("from typing import TYPE_CHECKING\nimport importlib\n"
+                    "if TYPE_CHECKING:\n    from tmcore.layer import state\n"
+                    "importlib.import_module('tmcore.ops')\n")
+    monkeypatch.setitem(MODULES, "tmcore.planted", path)
+    assert {m for m, _, _ in _imports("tmcore.planted")} >= {"tmcore.layer", "tmcore.ops"}
 
 
 def test_cycle_detection_finds_a_planted_cycle():

@@ -46,3 +46,22 @@ def test_python_block_runs(page: Path, index: int, block: str) -> None:
 
 def test_readme_has_examples() -> None:
     assert any(page == README for page, _, _ in BLOCKS), "README lost its runnable examples"
+
+
+def test_readme_suite_figures_are_rendered_from_the_results_file() -> None:
+    """The README's suite time and test count are ``suite_time.json`` rendered (by
+    ``python -m benchmarks.suite_time --render``), not typed in."""
+    import json
+
+    from benchmarks.suite_time import MARKERS, OUT, render, render_readme
+
+    result = json.loads(OUT.read_text())
+    assert result["returncode"] == 0 and result["commit"]
+    text = README.read_text()
+    assert render_readme(result) == text, "run python -m benchmarks.suite_time --render"
+    start, end = (text.index(marker) for marker in MARKERS)
+    assert text[start + len(MARKERS[0]):end].strip() == render(result)
+    passed = re.search(r"(\d+) passed", result["pytest_summary"]).group(1)
+    assert f"{int(passed):,} tests passed" in render(result)
+    assert not re.search(r"\d[\d,]* tests\b", text[:start] + text[end:]), \
+        "a test count outside the rendered line"

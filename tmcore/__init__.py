@@ -1,16 +1,16 @@
 """tmcore: Tensor Memory's algebra, written once against the Python array API.
 
-A fixed-size recurrent voxel state ``(h, c)`` of shape ``(B, C, *S)`` that
-tokens read by n-linear sampling, write by Gaussian splatting, and update
-with a factorized-conv ConvLSTM. Every function here takes arrays of any one
-array-API namespace (NumPy, PyTorch, JAX, CuPy, array-api-strict, ...) and
-returns that namespace's arrays; every forward has a hand-written VJP.
-
-``import tmcore`` imports no framework. Every switch (fused kernels, Triton,
-generic path, determinism, validate mode) is one of :func:`tmcore.options`.
+A fixed-size recurrent voxel state ``(h, c)`` of shape ``(B, C, *S)`` that tokens read by
+n-linear sampling, write by Gaussian splatting and update with a factorized-conv ConvLSTM.
+Every function takes arrays of any one array-API namespace (NumPy, PyTorch, JAX, CuPy, ...)
+and returns that namespace's arrays; every forward has a hand-written VJP. ``import
+tmcore`` imports no framework; every switch is one of :func:`tmcore.options`.
 """
 
-from tmcore import _installed  # noqa: F401  (refuses a checkout that is not installed)
+from tmcore import (
+    _installed,  # noqa: F401  (refuses a checkout that is not installed)
+    backends,  # noqa: F401  (registers the built-in backends; imports no framework)
+)
 from tmcore.ops.addressing import (
     cell_centers,
     normalized_to_voxel,
@@ -32,12 +32,6 @@ from tmcore.ops.splat import gaussian_splat, gaussian_splat_vjp
 from tmcore.ops.warp import warp_state, warp_state_vjp
 from tmcore.ops.window import local_update, local_update_vjp
 from tmcore.runtime.options import Options, get_options, options
-from tmcore.runtime.validate import (
-    VALIDATE_ENV_VAR,
-    set_validation,
-    validation,
-    validation_enabled,
-)
 from tmcore.scan.dense import memory_scan, memory_scan_bwd, memory_scan_fwd, memory_scan_vjp
 from tmcore.scan.local import local_memory_scan, local_memory_scan_vjp
 from tmcore.types import ConvParams, ScanGrads, StepInputs
@@ -45,7 +39,6 @@ from tmcore.types import ConvParams, ScanGrads, StepInputs
 __version__ = "0.2.0"
 
 __all__ = [
-    "VALIDATE_ENV_VAR",
     "ConvParams",
     "Options",
     "ScanGrads",
@@ -70,10 +63,7 @@ __all__ = [
     "squash_coords",
     "squash_coords_vjp",
     "trilinear_sample",
-    "set_validation",
     "trilinear_sample_vjp",
-    "validation",
-    "validation_enabled",
     "voxel_to_normalized",
     "xavier_uniform_bound",
     "local_update", "local_update_vjp", "local_memory_scan", "local_memory_scan_vjp",

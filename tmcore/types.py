@@ -1,27 +1,21 @@
-"""The data the core and the backends exchange, and the one device lookup.
-
-A leaf module: it imports nothing of tmcore, so every other module (ops, scan, layer,
-backends, adapters) may import it. Sizes: ``B`` batch, ``T`` steps, ``C`` channels, ``S``
-the grid (``n`` axes), ``k`` the checkpoint interval. All are pytrees (named tuples).
-"""
+"""The data the core and the backends exchange (pytrees: named tuples), and the one device
+lookup; a leaf module that imports nothing of tmcore. Sizes: ``B`` batch, ``T`` steps, ``C``
+channels, ``S`` the grid (``n`` axes), ``k`` the checkpoint interval."""
 
 from __future__ import annotations
 
+import sys
 from typing import Any, NamedTuple
 
 import array_api_compat
 
 __all__ = ["ConvParams", "LocalScanResiduals", "Residuals", "ScanGrads", "StepInputs",
-           "WarpInputs", "WarpParams", "device_of"]
+           "WarpInputs", "WarpParams", "device_of", "host_values", "traced"]
 
 
 def device_of(x: Any) -> Any:
-    """``x``'s device, or ``None`` where its namespace has no devices (e.g. mlx).
-
-    The standard ``.device`` attribute where it is one (cheap, traceable by
-    torch.compile), else :func:`array_api_compat.device`; ``None`` is what array-API
-    creation functions take for "the default device".
-    """
+    """``x``'s device (the ``.device`` attribute where it is one: cheap, traceable), or ``None``
+    where its namespace has none, which array-API creation functions take as the default."""
     try:
         device = x.device
     except Exception:  # e.g. an array spread over several devices
@@ -43,10 +37,8 @@ class ConvParams(NamedTuple):
         The taps (previous, centre, next) per axis and channel.
     depthwise_bias : array, shape ``(n, C_in)``
         The bias of each depthwise pass.
-    pointwise_weight : array, shape ``(C_out, C_in)``
-        The channel-mixing matrix.
-    pointwise_bias : array, shape ``(C_out,)``
-        Its bias.
+    pointwise_weight, pointwise_bias : array, shapes ``(C_out, C_in)``, ``(C_out,)``
+        The channel-mixing matrix and its bias.
     """
 
     depthwise_weight: Any
@@ -116,9 +108,8 @@ class ScanGrads(NamedTuple):
 
 
 class Residuals(NamedTuple):
-    """What a scan's backward needs from its forward: the states entering steps ``0, k,
-    2k, ...`` (``h, c (ceil(T / k), B, C, *S)``, the ``"checkpoint"`` policy) or the steps'
-    logs stacked time-major (``log``, the ``"log"`` policy)."""
+    """What a scan's backward needs: the states entering steps ``0, k, 2k, ...`` (``h, c
+    (ceil(T / k), B, C, *S)``, policy ``"checkpoint"``) or the steps' ``log``, time-major."""
 
     h: Any
     c: Any
@@ -134,3 +125,35 @@ class LocalScanResiduals(NamedTuple):
     h_boxes: Any
     c_boxes: Any
     read_boxes: Any
+
+
+def traced(value: Any = None) -> bool:
+    """Whether ``value`` is an abstract value of a tracing framework (a JAX tracer: its
+    values cannot be read on the host), or torch.compile is tracing (its sizes may be
+    symbolic too); ``traced()``: only the latter."""
+    if value is not None and any("Tracer" in cls.__name__ for cls in type(value).__mro__):
+        return True
+    torch = sys.modules.get("torch")
+    return torch is not None and bool(torch.compiler.is_compiling())
+
+
+def host_values(value: Any) -> Any:
+    """``value``'s values as (nested) Python lists or a scalar, read on the host; ``None``
+    where they cannot be read (traced, or an abstract array: a meta or fake tensor)."""
+    if traced(value):
+        return None
+    try:
+        if hasattr(value, "tolist"):
+            return value.tolist()
+        if value.ndim == 0:  # element by element: only namespaces without tolist
+            return bool(value) if "bool" in str(value.dtype) else int(value)
+        return [host_values(value[i, ...]) for i in range(value.shape[0])]
+    except Exception as error:  # each framework raises its own type for abstract values
+        if isinstance(error, (ValueError, TypeError)) and not _abstract(error):
+            raise
+        return None
+
+
+def _abstract(error: BaseException) -> bool:
+    text = f"{type(error).__name__} {error}"
+    return any(word in text for word in ("Tracer", "Concretization", "meta", "fake", "Fake"))

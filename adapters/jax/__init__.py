@@ -14,18 +14,19 @@ Three levels, each a thin layer over the one below:
    raises a ``TypeError`` saying so and what to use instead.
 2. **Pure layer** -- :func:`init` / :func:`apply` over a nested-dict parameter
    pytree whose keys and layouts equal the PyTorch adapter's state dict
-   (``weight`` is ``(out, in)``), the gated residual :func:`residual_init` /
-   :func:`residual_apply`, the multi-layer :func:`stack_apply` (modes
+   (``weight`` is ``(out, in)``) and which carries its
+   :class:`tmcore.layer.LayerConfig` (``params["config"]``), the gated residual
+   :func:`residual_init` / :func:`residual_apply`, the multi-layer :func:`stack_apply` (modes
    ``"causal"`` and ``"threaded"``), streaming (state in, state out,
    :func:`detach_state`, a per-sequence bool ``reset`` mask), and
    :func:`params_from_state_dict` / :func:`state_dict_from_params`.
 3. **Flax NNX** -- :class:`TensorMemory` and :class:`MemoryResidual`
-   hold the same pytree as ``nnx.Param`` leaves; :func:`params_from_module` /
-   :func:`load_params` convert.
+   hold the same pytree as ``nnx.Param`` leaves and the config as ``config``;
+   :func:`params_from_module` / :func:`load_params` convert.
 
 The layer itself (configuration checks, parameter plan, heads, chunking,
 reset, modes, stored-grid check, streaming) is :mod:`tmcore.layer` /
-:mod:`tmcore.layer.stream`, shared with the PyTorch adapter: :func:`apply` calls
+:class:`tmcore.layer.Layer`, shared with the PyTorch adapter: :func:`apply` calls
 ``Layer.forward`` (``stream=False``) or ``Layer.forward_stream`` (the default)
 with :func:`memory_scan` as the scan, as the torch adapter does; the heads and
 ``out_proj`` run once over all chunks, so the compiled program does not grow
@@ -35,25 +36,20 @@ with ``custom_vjp``, pytrees, dtype promotion and sharding-friendly zero states.
 Its modules, one job each (imports go one way, in this order):
 :mod:`~tmcore.adapters.jax.bridge` (the ``custom_vjp`` registrations and the one
 checkpointed ``lax.scan``), :mod:`~tmcore.adapters.jax.primitives` (the checked
-primitives), :mod:`~tmcore.adapters.jax.checkpoints` (state dicts, the stored grid),
+primitives), :mod:`~tmcore.adapters.jax.checkpoints` (state dicts, the config node),
 :mod:`~tmcore.adapters.jax.functional` (:func:`init`, :func:`apply`, the states,
 streaming), :mod:`~tmcore.adapters.jax.stack` (the residual and the stack) and
 :mod:`~tmcore.adapters.jax.nnx` (the Flax NNX modules).
 """
 
 from tmcore import layer as tl
-from tmcore.adapters.jax.checkpoints import (
-    EXTRA_STATE,  # noqa: F401  (public, not in __all__: no API page, as before)
-    StoredGrid,
-    params_from_state_dict,
-    state_dict_from_params,
-)
+from tmcore.adapters.jax.checkpoints import params_from_state_dict, state_dict_from_params
 from tmcore.adapters.jax.functional import (
-    LAYER_KEYS,  # noqa: F401  (public, not in __all__: no API page, as before)
     STREAM_CACHE_SIZE,
     MemoryState,
     StreamState,
     apply,
+    config_of,
     conv_params,
     detach_state,
     doc_starts_from_offsets,
@@ -62,13 +58,7 @@ from tmcore.adapters.jax.functional import (
     init_state,
     reset_state,
 )
-from tmcore.adapters.jax.nnx import (
-    GatedMemoryResidual,
-    MemoryResidual,
-    TensorMemory,
-    load_params,
-    params_from_module,
-)
+from tmcore.adapters.jax.nnx import MemoryResidual, TensorMemory, load_params, params_from_module
 from tmcore.adapters.jax.primitives import gaussian_splat, memory_scan, trilinear_sample
 from tmcore.adapters.jax.stack import residual_apply, residual_init, stack_apply
 
@@ -76,12 +66,11 @@ __all__ = [
     "MODES",
     "STREAM_CACHE_SIZE",
     "MemoryState",
-    "GatedMemoryResidual",
     "MemoryResidual",
-    "StoredGrid",
     "StreamState",
     "TensorMemory",
     "apply",
+    "config_of",
     "conv_params",
     "detach_state",
     "doc_starts_from_offsets",
@@ -103,4 +92,3 @@ __all__ = [
 
 #: Multi-layer modes of :func:`stack_apply` (:data:`tmcore.layer.MODES`).
 MODES = tl.MODES
-

@@ -40,7 +40,7 @@ from tmcore.backends.jax import forward_mode_guard as _guard
 from tmcore.runtime.dispatch import ops_for
 from tmcore.runtime.options import Options, get_options
 from tmcore.runtime.validate import check_int, check_positive, check_values
-from tmcore.scan.base import Step
+from tmcore.scan.base import Masks, Step, advance, advance_vjp
 from tmcore.scan.options import check_scan_bytes
 
 __all__ = ["LayerScan", "ScanStatic", "checkpoint_scan", "forward_mode_guard", "match_vma",
@@ -52,22 +52,10 @@ def options_key() -> Options:
     return get_options()
 
 
-# --------------------------------------------------------------------------- forward mode
-
-_FORWARD_MODE_HINT = (
-    "{what}: forward-mode differentiation (jax.jvp, jax.jacfwd, jax.hessian, "
-    "jax.linearize) is not available: tmcore registers hand-written reverse-mode rules "
-    "(jax.custom_vjp). Use jax.grad / jax.vjp / jax.jacrev (for second order "
-    "jax.jacrev(jax.jacrev(f)) instead of jax.hessian), or, for forward mode, call the raw "
-    "functions tmcore.trilinear_sample / tmcore.gaussian_splat / tmcore.memory_scan on "
-    "jax arrays with the fused kernels off (tmcore.options(native=False) or "
-    "TMCORE_NATIVE=0), which jax differentiates itself."
-)
-
-
 def forward_mode_guard(what: str, call: Callable[[], Any]) -> Any:
-    """``call()``, turning JAX's bare custom_vjp forward-mode error into one naming tmcore."""
-    return _guard(call, _FORWARD_MODE_HINT.format(what=what))
+    """``call()``, with JAX's bare custom_vjp forward-mode error turned into tmcore's,
+    naming ``what`` (:func:`tmcore.backends.jax.forward_mode_guard`)."""
+    return _guard(call, what)
 
 
 # --------------------------------------------------------------------------- primitives
@@ -141,60 +129,36 @@ def _add(a: Any, b: Any) -> Any:
     return jax.tree.map(lambda x, y: x + y, a, b)
 
 
-def _forward_step(static: ScanStatic, params: Any, carry: tuple, x_t: Any):
+def _step_masks(item: Any) -> tuple[Any, Masks]:
+    """A scan item's inputs and its step's masks (``(B, 1)``: step 0 of :class:`Masks`)."""
+    if not isinstance(item, _Masked):
+        return item, _NO_MASKS
+    reset_t, active_t = item.masks
+    return item.xs, Masks(jnp, reset_t[:, None], active_t[:, None])
+
+
+def _forward_step(static: ScanStatic, params: Any, carry: tuple, item: Any):
+    """One step of :func:`tmcore.scan.base.scan_forward` (the masks' semantics included)."""
     h, c = carry
+    x_t, masks = _step_masks(item)
     W = static.step.write(jnp, x_t, tuple(h.shape[2:]))
-    read, h, c, log = static.step.advance(jnp, params, h, c, x_t, W)
+    read, h, c, log = advance(jnp, static.step, params, masks, 0, h, c, x_t, W)
     return (h, c), (read, log)
 
 
-def _rows_where(mask: jax.Array, a: jax.Array, b: jax.Array) -> jax.Array:
-    """``a`` in the rows (axis 0) where ``mask (B,)`` is True, else ``b``."""
-    return jnp.where(jnp.reshape(mask, mask.shape + (1,) * (a.ndim - 1)), a, b)
-
-
-def _masked_forward_step(static: ScanStatic, params: Any, carry: tuple, item: tuple):
-    """:func:`_forward_step` with the step's masks ``item = (x_t, (reset_t, active_t))``:
-    the rows ``reset_t (B,)`` enter the step from zeros (the read too), the rows not
-    ``active_t (B,)`` leave it with the state they entered it with."""
-    x_t, (reset_t, active_t) = item
-    h, c = carry
-    h, c = (_rows_where(reset_t, jnp.zeros_like(v), v) for v in (h, c))
-    (h1, c1), out = _forward_step(static, params, (h, c), x_t)
-    return (_rows_where(active_t, h1, h), _rows_where(active_t, c1, c)), out
-
-
 def _vjp_step(static: ScanStatic, params: Any, carry: tuple, item: tuple):
-    """One step's VJP: ``carry = (g_h, g_c, d_params)``; ``item = (h, c, x_t, log, g_read)``
-    (``h, c`` None for a ``"log"`` step)."""
+    """One step's VJP: ``carry = (g_h, g_c, d_params)``; ``item = (h, c, inputs, log,
+    g_read)`` (``h, c``: the state entering the step; None for a ``"log"`` step)."""
     g_h, g_c, d_params = carry
-    h, c, x_t, log, g_read = item
+    h, c, inputs, log, g_read = item
+    x_t, masks = _step_masks(inputs)
     step = static.step
     W = step.write(jnp, x_t, tuple(g_h.shape[2:]))
-    g_h, g_c, d_read, d_extra, g_W, step_params = step.advance_vjp(jnp, params, h, c, x_t, W,
-                                                                   log, g_read, g_h, g_c)
+    g_h, g_c, d_read, d_extra, g_W, step_params = advance_vjp(
+        jnp, step, params, masks, 0, h, c, x_t, W, log, g_read, g_h, g_c)
     d_x = type(x_t)(d_read, *step.write_vjp(jnp, x_t, W, g_W),
                     *(() if d_extra is None else (d_extra,)))
     return (g_h, g_c, _add(d_params, step_params)), d_x
-
-
-def _masked_vjp_step(static: ScanStatic, params: Any, carry: tuple, item: tuple):
-    """:func:`_vjp_step` of :func:`_masked_forward_step`: ``item = (h, c, (x_t, masks),
-    log, g_read)``, ``h, c`` the state entering the step BEFORE its reset. An inactive
-    row's state cotangent bypasses the step; a reset row's stops there."""
-    g_h, g_c, d_params = carry
-    h, c, (x_t, (reset_t, active_t)), log, g_read = item
-    if h is not None:  # ("log" policy: the log holds what the step read and overwrote)
-        h, c = (_rows_where(reset_t, jnp.zeros_like(v), v) for v in (h, c))
-    zero_h, zero_c = jnp.zeros_like(g_h), jnp.zeros_like(g_c)
-    (d_h, d_c, d_params), d_x = _vjp_step(
-        static, params, (_rows_where(active_t, g_h, zero_h), _rows_where(active_t, g_c, zero_c),
-                         d_params), (h, c, x_t, log, g_read))
-    # an inactive row's state went past the step: its cotangent too (plus its read's)
-    d_h = _rows_where(active_t, d_h, d_h + g_h)
-    d_c = _rows_where(active_t, d_c, d_c + g_c)
-    return (_rows_where(reset_t, zero_h, d_h), _rows_where(reset_t, zero_c, d_c),
-            d_params), d_x
 
 
 def _segments(xs: Any, every: int) -> tuple[int, int, int]:
@@ -221,9 +185,7 @@ def _join(head: Any, tail: Any, tail_steps: int) -> Any:
     return jax.tree.map(lambda a, b: jnp.concatenate([flat(a), b], axis=0), head, tail)
 
 
-def _steps_of(masked: bool) -> tuple[Callable, Callable]:
-    """The forward and VJP step functions: plain, or with the per-step masks."""
-    return (_masked_forward_step, _masked_vjp_step) if masked else (_forward_step, _vjp_step)
+_NO_MASKS = Masks(jnp, None, None)
 
 
 class _Masked(NamedTuple):
@@ -241,15 +203,13 @@ def _items(xs: Any, masks: Any) -> Any:
 
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _scan(static: ScanStatic, params, xs, h0, c0, masks):
-    forward, _ = _steps_of(masks is not None)
-    (h, c), (reads, _) = lax.scan(partial(forward, static, params), (h0, c0),
+    (h, c), (reads, _) = lax.scan(partial(_forward_step, static, params), (h0, c0),
                                   _items(xs, masks))
     return reads, h, c
 
 
 def _scan_fwd(static: ScanStatic, params, xs, h0, c0, masks=None):
-    forward, _ = _steps_of(masks is not None)
-    step = partial(forward, static, params)
+    step = partial(_forward_step, static, params)
     items = _items(xs, masks)
     if static.step.policy == "log":  # the per-step log is the residual
         (h, c), (reads, logs) = lax.scan(step, (h0, c0), items)
@@ -276,32 +236,28 @@ def _scan_fwd(static: ScanStatic, params, xs, h0, c0, masks=None):
     return (reads, *carry), (params, items, checkpoints, tail_start if tail else None)
 
 
-def _segment_bwd(static: ScanStatic, params, start, items_segment, g_segment, carry,
-                 masked: bool = False):
+def _segment_bwd(static: ScanStatic, params, start, items_segment, g_segment, carry):
     """Replay one segment from its checkpoint ``start``, then differentiate it backwards
     (``items_segment``: the steps' inputs, with their masks when ``masked``)."""
-    forward, backward = _steps_of(masked)
     length = jax.tree.leaves(items_segment)[0].shape[0]
     h0, c0 = start
     if length > 1:  # the states entering steps 1 .. length-1 (step 0's is the checkpoint)
-        _, (hs, cs) = lax.scan(lambda s, x: (forward(static, params, s, x)[0],) * 2,
+        _, (hs, cs) = lax.scan(lambda s, x: (_forward_step(static, params, s, x)[0],) * 2,
                                start, jax.tree.map(lambda a: a[: length - 1], items_segment))
         hs = jnp.concatenate([h0[None], hs], axis=0)
         cs = jnp.concatenate([c0[None], cs], axis=0)
     else:
         hs, cs = h0[None], c0[None]
-    return lax.scan(partial(backward, static, params), carry,
+    return lax.scan(partial(_vjp_step, static, params), carry,
                     (hs, cs, items_segment, None, g_segment), reverse=True)
 
 
 def _scan_bwd(static: ScanStatic, residuals, cotangents):
     params, items, kept, tail_start = residuals
-    masked = isinstance(items, _Masked)
-    xs = items.xs if masked else items
+    xs = items.xs if isinstance(items, _Masked) else items
     g_reads, g_h, g_c = (jnp.asarray(g) for g in cotangents)
     carry = match_vma((g_h, g_c, _zeros(params)), xs)[0]  # cotangents may come in unvarying
-    _, backward = _steps_of(masked)
-    body = partial(backward, static, params)
+    body = partial(_vjp_step, static, params)
     if static.step.policy == "log":
         (d_h0, d_c0, d_params), d_xs = lax.scan(body, carry, (None, None, items, kept, g_reads),
                                                 reverse=True)
@@ -315,12 +271,11 @@ def _scan_bwd(static: ScanStatic, residuals, cotangents):
     g_head, g_tail = _split(g_reads, full, k)
     d_tail = None
     if tail:
-        carry, d_tail = _segment_bwd(static, params, tail_start, items_tail, g_tail, carry,
-                                     masked)
+        carry, d_tail = _segment_bwd(static, params, tail_start, items_tail, g_tail, carry)
 
     def segment(carry, item):
         h, c, items_segment, g_segment = item
-        return _segment_bwd(static, params, (h, c), items_segment, g_segment, carry, masked)
+        return _segment_bwd(static, params, (h, c), items_segment, g_segment, carry)
 
     carry, d_head = lax.scan(segment, carry, (*kept, items_head, g_head), reverse=True)
     d_h0, d_c0, d_params = carry
@@ -370,7 +325,10 @@ def _per_shard(static: ScanStatic, axes: tuple[str, ...], params, xs, h0, c0, ma
     def local(params_, xs_, h_, c_, *masks_):
         return checkpoint_scan(static, params_, xs_, h_, c_, *masks_)
 
-    extra = () if masks is None else (masks,)  # (T, B) each, like the inputs
+    # the masks (T, B) each, sharded like the inputs (a grid's masks may be made replicated)
+    steps_rows = jax.sharding.NamedSharding(mesh, steps_batch)
+    extra = () if masks is None else (jax.tree.map(lambda m: jax.reshard(m, steps_rows),
+                                                   masks),)
     return jax.shard_map(local, mesh=mesh,
                          in_specs=(replicated, steps_batch, batch, batch,
                                    *((steps_batch,) * len(extra))),
@@ -379,43 +337,31 @@ def _per_shard(static: ScanStatic, axes: tuple[str, ...], params, xs, h0, c0, ma
 
 
 class LayerScan(NamedTuple):
-    """The layer's ``scan(h0, c0, inputs)`` callable over :func:`checkpoint_scan`: any
-    step, its parameters and checkpoint interval; ``inputs`` batch-major ``(B, T, ...)``.
-    Its ``cond`` lets the layer skip a decode step's update when no row completes a chunk
-    (``lax.cond``: under ``jit`` only the taken branch runs)."""
+    """The layer's :class:`tmcore.layer.Scan` over :func:`checkpoint_scan`: any step, its
+    parameters and checkpoint interval; ``inputs`` and the masks batch-major."""
 
     step: Step
     params: Any
     checkpoint_every: int = 1
-    #: the call takes per-step masks (``reset=``, ``active=``, each ``(B, T)``): packed
-    #: documents with array-planned grids (:func:`tmcore.layer.plan.packed_plan`)
-    masks = True
 
-    def __call__(self, h: jax.Array, c: jax.Array, inputs: Any, reset: Any = None,
+    def __call__(self, h: jax.Array, c: jax.Array, inputs: Any, *, reset: Any = None,
                  active: Any = None) -> tuple[Any, Any, Any]:
         # validate mode: the heads' outputs, where concrete (a NaN token or head weight is
         # reported as the output it poisons, as the torch layer's scan reports it)
         check_values(jnp, inputs._asdict())
         check_positive(jnp, "write_sigma", inputs.write_sigma)
-        # before anything is allocated: the checkpoints a backward keeps and the step's
-        # working set fit the device (or TMCORE_MEMORY_LIMIT); a jitted function cannot
-        # know whether it will be differentiated, so the backward's bytes are counted
+        # before anything is allocated: what a backward keeps and the step's working set
+        # fit (a jitted function cannot know whether it will be differentiated)
         flow = getattr(self.params, "flow", None) is not None
         every = check_int("checkpoint_every", self.checkpoint_every, 1)
         check_scan_bytes(jnp, self.step, h, int(jax.tree.leaves(inputs)[0].shape[1]),
                          every, True, flow)
         xs = jax.tree.map(lambda a: jnp.moveaxis(a, 1, 0), inputs)
         static = ScanStatic(self.step, self.checkpoint_every, options_key())
-        if reset is None and active is None:
-            reads, h, c = checkpoint_scan(static, self.params, xs, h, c)
-        else:  # per-step masks, time-major (T, B)
+        masks = None
+        if reset is not None or active is not None:  # per-step masks, time-major (T, B)
             grid = jax.tree.leaves(inputs)[0].shape[:2]  # (B, T)
-            reset = jnp.zeros(grid, bool) if reset is None else reset
-            active = jnp.ones(grid, bool) if active is None else active
-            masks = (jnp.moveaxis(reset, 1, 0), jnp.moveaxis(active, 1, 0))
-            reads, h, c = checkpoint_scan(static, self.params, xs, h, c, masks)
+            masks = (jnp.moveaxis(jnp.zeros(grid, bool) if reset is None else reset, 1, 0),
+                     jnp.moveaxis(jnp.ones(grid, bool) if active is None else active, 1, 0))
+        reads, h, c = checkpoint_scan(static, self.params, xs, h, c, masks)
         return jnp.moveaxis(reads, 0, 1), h, c
-
-    @staticmethod
-    def cond(pred: Any, true_fn: Callable[[], Any], false_fn: Callable[[], Any]) -> Any:
-        return lax.cond(pred, true_fn, false_fn)

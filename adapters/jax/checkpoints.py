@@ -1,7 +1,8 @@
 """Checkpoints of the JAX adapter: a PyTorch adapter state dict to a parameter pytree and
-back (:func:`params_from_state_dict` / :func:`state_dict_from_params`), the stored grid
-shape as a static pytree node (:class:`StoredGrid`), and the leaf-by-leaf comparison of
-two parameter pytrees that loading uses."""
+back (:func:`params_from_state_dict` / :func:`state_dict_from_params`), and the leaf-by-leaf
+comparison of two parameter pytrees that loading uses. A parameter pytree carries its
+:class:`tmcore.layer.LayerConfig` under :data:`CONFIG`, a static pytree node; the torch state
+dict stores only its grid (``_extra_state``)."""
 
 from __future__ import annotations
 
@@ -16,41 +17,16 @@ import numpy as np
 from tmcore import layer as tl
 from tmcore.runtime import sizes as _sizes
 
-__all__ = ["EXTRA_STATE", "StoredGrid", "params_from_state_dict", "state_dict_from_params"]
+__all__ = ["CONFIG", "EXTRA_STATE", "params_from_state_dict", "state_dict_from_params"]
 
 #: State-dict key (last part) under which the PyTorch adapter stores the grid shape.
 EXTRA_STATE = "_extra_state"
+#: Key of a parameter pytree's :class:`tmcore.layer.LayerConfig`.
+CONFIG = "config"
 
-
-@jax.tree_util.register_static
-@dataclasses.dataclass(frozen=True)
-class StoredGrid:
-    """The grid shape a PyTorch checkpoint stores (its ``_extra_state``), as a pytree node.
-
-    A static node of a parameter pytree: it has no array leaf, so ``jax.grad``,
-    ``optax`` and ``jax.tree.map`` see only the floating parameters, while
-    :func:`apply` / :func:`load_params` check it and :func:`state_dict_from_params`
-    writes it back.
-
-    Parameters
-    ----------
-    shape : tuple of int
-        The grid shape ``S`` the checkpoint was trained with.
-    """
-
-    shape: tuple[int, ...]
-
-    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
-        return np.asarray(self.shape, dtype=np.int64 if dtype is None else dtype)
-
-
-def _check_stored(value: Any, grid: Any, name: str) -> None:
-    """A ``ValueError`` (:func:`tmcore.layer.stored_grid_error`'s) when the stored grid
-    ``value`` (a :class:`StoredGrid` or an array) is not ``grid``; ``name`` names it."""
-    error = tl.stored_grid_error(value.shape if isinstance(value, StoredGrid) else value,
-                                 grid, name)
-    if error is not None:
-        raise ValueError(error)
+# a config in a pytree is static (hashable, no array leaf): jax.grad, optax and
+# jax.tree.map see the parameters only, and jit keys its traces by it
+jax.tree_util.register_static(tl.LayerConfig)
 
 
 def _find_prefix(keys: Sequence[str]) -> str:
@@ -77,27 +53,12 @@ def _options_of(names: Any, residual: bool) -> dict:
     return {}
 
 
-def _option_config(d: int, channels: int, n: int, length: int, options: Mapping[str, Any]
-                   ) -> tl.LayerConfig:
-    """The sizes and parameter options as a config (a unit grid: no parameter depends
-    on the grid's sizes)."""
-    return dataclasses.replace(tl.LayerConfig(d, channels, (1,) * n, length), **options)
-
-
-def _expected_names(residual: bool, options: Mapping[str, Any]) -> set[str]:
-    layer = {spec.name for spec in tl.param_specs(_option_config(1, 1, 1, 1, options))}
-    layer |= {EXTRA_STATE}
-    if not residual:
-        return layer
-    return {f"memory.{name}" for name in layer} | {"norm.weight", "norm.bias", "gate"}
-
-
-def _stored_grid(key: str, value: np.ndarray) -> StoredGrid:
+def _stored_grid(key: str, value: np.ndarray) -> tuple[int, ...]:
     if value.ndim != 1 or not 1 <= value.shape[0] <= 4 or not np.issubdtype(value.dtype,
                                                                              np.integer):
         raise ValueError(f"sd[{key!r}]: expected the grid shape a PyTorch checkpoint stores "
                          f"(1 to 4 ints), got {value!r}")
-    return StoredGrid(tuple(int(s) for s in value))
+    return tuple(int(s) for s in value)
 
 
 def _leaf_bytes(value: Any, dtype: Any) -> int:
@@ -105,53 +66,43 @@ def _leaf_bytes(value: Any, dtype: Any) -> int:
         value.dtype if dtype is None else dtype).itemsize
 
 
-def _check_layout(raw: Mapping[str, Any], names: Mapping[str, str], residual: bool,
-                  expected: Any, options: Mapping[str, Any]) -> None:
-    """Every leaf's shape and dtype against the layer's layout (the one ``write_proj``,
-    ``out_proj`` and ``coord_net`` fix, or ``expected``'s), from shapes only: nothing
-    is copied before this passes. Errors name the state-dict key."""
-    layer = raw["memory"] if residual else raw
-    for name, key in names.items():
-        value = _lookup(raw, name)
-        if name.endswith(EXTRA_STATE):
-            continue
-        if not np.issubdtype(value.dtype, np.floating):
-            raise TypeError(f"sd[{key!r}]: expected a floating array, got dtype {value.dtype}")
+def _layer_config(layer: Mapping[str, Any], names: Mapping[str, str], prefix: str,
+                  config: Any, grid: Any, grid_key: str, options: Mapping[str, Any]
+                  ) -> tl.LayerConfig:
+    """``config`` (else the sizes the weights fix with the stored ``grid``), with every
+    weight checked against it from shapes only; errors name the state-dict key."""
     try:
-        d, channels, n, length = tl.sizes_from_params(layer)
-        tl.check_params(layer, _option_config(d, channels, n, length, options))
+        if config is None:
+            if grid is None:
+                raise ValueError("config: the state dict stores no grid (no _extra_state "
+                                 "entry); pass config=, the LayerConfig the weights are for")
+            d, channels, _, length = tl.sizes_from_params(layer)
+            config = tl.layer_config(d, channels, grid, length, **options)
+        elif grid is not None and tl.stored_grid_error(grid, config.memory_shape, grid_key):
+            raise ValueError(tl.stored_grid_error(grid, config.memory_shape, grid_key))
+        tl.check_params(layer, config)
     except (ValueError, TypeError) as exc:  # name the key, not the pytree path
-        prefix = "memory." if residual else ""
         message = str(exc)
-        for spec in tl.param_specs(_option_config(1, 1, 1, 1, options)):
+        for spec in tl.param_specs(dataclasses.replace(tl.LayerConfig(1, 1, (1,), 1),
+                                                       **options)):
             message = message.replace(f"params.{spec.name}",
                                       f"sd[{names[prefix + spec.name]!r}]")
         raise type(exc)(message) from None
-    if residual:
-        for name, shape in (("norm.weight", (d,)), ("norm.bias", (d,))):
-            if tuple(_lookup(raw, name).shape) != shape:
-                raise ValueError(f"sd[{names[name]!r}]: expected shape (d,) = {shape} (d from "
-                                 f"out_proj.weight), got {tuple(_lookup(raw, name).shape)}")
-        if tuple(_lookup(raw, "gate").shape) not in ((), tl.GATE_SHAPE):
-            raise ValueError(f"sd[{names['gate']!r}]: expected shape {tl.GATE_SHAPE} or (), "
-                             f"got {tuple(_lookup(raw, 'gate').shape)}")
-    if expected is not None:
-        if not isinstance(expected, Mapping):
-            raise TypeError(f"expected: a parameter pytree (from init, residual_init or "
-                            f"params_from_module), got {type(expected).__name__}")
-        given = {k: v for k, v in raw.items() if k != EXTRA_STATE}
-        if residual:
-            given["memory"] = {k: v for k, v in given["memory"].items() if k != EXTRA_STATE}
-        want = {k: v for k, v in expected.items() if k != EXTRA_STATE}
-        if residual and isinstance(want.get("memory"), Mapping):
-            want["memory"] = {k: v for k, v in want["memory"].items() if k != EXTRA_STATE}
-        if residual and "gate" in want and "gate" in given \
-                and tuple(np.shape(given["gate"])) == ():
-            given["gate"] = np.reshape(given["gate"], tl.GATE_SHAPE)
-        problems = _mismatches(want, given, "")
-        if problems:
-            raise ValueError("sd: does not fit expected (nothing converted): "
-                             + "; ".join(problems))
+    return config
+
+
+def _check_residual(raw: Mapping[str, Any], names: Mapping[str, str], d: int) -> None:
+    for name, shape in (("norm.weight", (d,)), ("norm.bias", (d,)), ("gate", tl.GATE_SHAPE)):
+        if tuple(_lookup(raw, name).shape) != shape:
+            raise ValueError(f"sd[{names[name]!r}]: expected shape {shape} (d from "
+                             f"out_proj.weight), got {tuple(_lookup(raw, name).shape)}")
+
+
+def _arrays(tree: Any) -> Any:
+    """A parameter pytree without its config (the arrays that loading compares)."""
+    if not isinstance(tree, Mapping):
+        return tree
+    return {k: _arrays(v) for k, v in tree.items() if k != CONFIG}
 
 
 def _slot(tree: dict, name: str) -> tuple[dict, str]:
@@ -175,8 +126,8 @@ _BROADCAST_LIMIT = 64 << 20
 
 
 def params_from_state_dict(
-    sd: Mapping[str, Any], prefix: str | None = None, *, dtype: Any = None,
-    expected: Any = None,
+    sd: Mapping[str, Any], prefix: str | None = None, *, config: Any = None,
+    dtype: Any = None, expected: Any = None,
 ) -> dict:
     """A parameter pytree from a (PyTorch adapter) state dict of NumPy arrays.
 
@@ -185,22 +136,15 @@ def params_from_state_dict(
     ``params["memory"]["cell"]["pointwise_bias"]``. Only keys starting with
     ``prefix`` are taken, with it removed; ``prefix=None`` infers it from the
     single key ending in ``write_proj.weight`` (a memory layer, or a gated
-    residual whose memory is ``memory``). Layouts are unchanged (torch's); a
-    0-dim ``gate`` (older checkpoints) becomes ``(1,)``. The ``warp_net`` group
-    of a layer with ``dynamics="warp"`` (``(n, d)``, ``(n,)``) and the
-    ``warp_flow`` group of one with ``flow=True`` (``(n, C, 3)``, ``(n, C)``,
-    ``(n, C)``, ``(n,)``; it needs ``warp_net``) are carried when present, checked
-    like the others; pass the same options to :func:`apply`.
+    residual whose memory is ``memory``). Layouts are unchanged (torch's); the
+    ``warp_net`` / ``warp_flow`` groups are carried when present.
 
     Every leaf's shape and dtype is checked BEFORE anything is converted, from
-    shapes only: against the layer's layout (the sizes ``write_proj.weight (d,
-    L*d)``, ``out_proj.weight (d, C)`` and ``coord_net.weight (n, d)`` fix), and,
-    with ``expected`` (a parameter pytree such as :func:`init` returns, e.g. of
-    the model the weights are for), against its shapes. Then the bytes the
-    ``jnp`` arrays will take are checked against the device (``MemoryError``),
-    and a broadcast (stride-0) leaf that would materialize to more than 64 MiB is
-    refused (``ValueError``; a trained checkpoint never holds one: materialize it
-    yourself with ``np.ascontiguousarray`` if you mean it).
+    shapes only: against the config and, with ``expected``, against its shapes.
+    Then the bytes the ``jnp`` arrays will take are checked against the device
+    (``MemoryError``), and a broadcast (stride-0) leaf that would materialize to
+    more than 64 MiB is refused (``ValueError``; a trained checkpoint never holds
+    one: materialize it yourself with ``np.ascontiguousarray`` if you mean it).
 
     Parameters
     ----------
@@ -209,6 +153,10 @@ def params_from_state_dict(
     prefix : str or None, default None
         Only keys starting with it are taken, with it removed; ``None`` infers
         it (see above).
+    config : tmcore.layer.LayerConfig, optional
+        The layer the weights are for (e.g. the torch module's ``config``); default
+        the one the weights' shapes and the stored grid (``_extra_state``) fix, the
+        other fields at their defaults.
     dtype : dtype, optional
         The weights' dtype; default their own (float64 needs x64 enabled).
     expected : dict, optional
@@ -218,11 +166,9 @@ def params_from_state_dict(
     Returns
     -------
     dict
-        The nested pytree of ``jnp`` arrays. An ``_extra_state`` entry (the grid
-        shape the PyTorch adapter stores) becomes a :class:`StoredGrid` node (no
-        array leaf, so ``jax.grad`` and optax accept the pytree); :func:`apply`
-        checks it against the grid and :func:`state_dict_from_params` writes it
-        back.
+        The nested pytree of ``jnp`` arrays with the layer's config under
+        ``"config"`` (:func:`init`'s layout); :func:`state_dict_from_params` writes
+        its grid back as ``_extra_state``.
 
     Raises
     ------
@@ -231,10 +177,12 @@ def params_from_state_dict(
     ValueError
         If a key under ``prefix`` is not one of the layer's (a typo, another
         module's weights: pass ``prefix=``), a leaf is misshapen or differs from
-        ``expected``, the prefix cannot be inferred, or a broadcast leaf would
-        materialize to more than 64 MiB.
+        ``expected`` or ``config``, the stored grid is not ``config``'s, there is
+        neither a stored grid nor ``config``, the prefix cannot be inferred, or a
+        broadcast leaf would materialize to more than 64 MiB.
     TypeError
-        If a weight is not floating or ``sd`` is not a mapping with str keys.
+        If a weight is not floating, ``sd`` is not a mapping with str keys, or
+        ``config`` not a :class:`tmcore.layer.LayerConfig`.
     MemoryError
         If the arrays would not fit in the device's memory.
     """
@@ -245,52 +193,64 @@ def params_from_state_dict(
     if bad:
         raise TypeError(f"sd: expected str keys (a state dict), got the key {bad[0]!r} "
                         f"({type(bad[0]).__name__})")
+    if config is not None and not isinstance(config, tl.LayerConfig):
+        raise TypeError(f"config: expected a LayerConfig, got {type(config).__name__}")
     keys = list(sd)
     prefix = _find_prefix(keys) if prefix is None else prefix
     names = {key[len(prefix):]: key for key in keys if key.startswith(prefix)}
     if not names:
         raise ValueError(f"sd: no key starts with prefix {prefix!r}")
     residual = any(name.startswith("memory.") for name in names)
-    options = _options_of(names, residual)  # warp_net / warp_flow present: those layers
-    expected_names = _expected_names(residual, options)
-    unknown = sorted(f"{prefix}{name}" for name in names if name not in expected_names)
+    inner = "memory." if residual else ""
+    options = _options_of(names, residual) if config is None else {
+        "dynamics": config.dynamics, "flow": config.flow}
+    unit = dataclasses.replace(tl.LayerConfig(1, 1, (1,), 1), **options)
+    wanted = {inner + spec.name for spec in tl.param_specs(unit)}
+    wanted |= {"norm.weight", "norm.bias", "gate"} if residual else set()
+    unknown = sorted(f"{prefix}{name}" for name in names
+                     if name not in wanted and name != inner + EXTRA_STATE)
     if unknown:
         raise ValueError(f"sd: keys under prefix {prefix!r} that are not parameters of a "
                          f"Tensor Memory {'residual' if residual else 'layer'}: {unknown} "
                          f"(pass prefix= to select one module)")
-    missing = sorted(f"{prefix}{name}" for name in expected_names - set(names)
-                     if not name.endswith(EXTRA_STATE))
+    missing = sorted(f"{prefix}{name}" for name in wanted - set(names))
     if missing:
         raise KeyError(f"sd: missing {', '.join(missing)}")
     raw: dict = {}  # NumPy views of the values (no copy), nested
-    for name, key in names.items():
+    for name in wanted:
         node, leaf = _slot(raw, name)
-        value = np.asarray(sd[key])
-        node[leaf] = _stored_grid(key, value) if leaf == EXTRA_STATE else value
-    _check_layout(raw, names, residual, expected, options)
+        node[leaf] = value = np.asarray(sd[names[name]])
+        if not np.issubdtype(value.dtype, np.floating):
+            raise TypeError(f"sd[{names[name]!r}]: expected a floating array, "
+                            f"got dtype {value.dtype}")
+    grid_key = names.get(inner + EXTRA_STATE)
+    grid = None if grid_key is None else _stored_grid(grid_key, np.asarray(sd[grid_key]))
+    layer = raw["memory"] if residual else raw
+    config = _layer_config(layer, names, inner, config, grid, grid_key, options)
+    if residual:
+        _check_residual(raw, names, config.embed_dim)
+    if expected is not None:
+        if not isinstance(expected, Mapping):
+            raise TypeError(f"expected: a parameter pytree (from init, residual_init or "
+                            f"params_from_module), got {type(expected).__name__}")
+        problems = _mismatches(_arrays(expected), raw, "")
+        if problems:
+            raise ValueError("sd: does not fit expected (nothing converted): "
+                             + "; ".join(problems))
     total = 0
-    for name, key in names.items():
-        if name.endswith(EXTRA_STATE):
-            continue
+    for name in wanted:
         value = _lookup(raw, name)
         nbytes = _leaf_bytes(value, dtype)
         total += nbytes
         if nbytes > _BROADCAST_LIMIT and value.ndim and 0 in value.strides:
-            raise ValueError(f"sd[{key!r}]: a broadcast (stride-0) array of shape "
+            raise ValueError(f"sd[{names[name]!r}]: a broadcast (stride-0) array of shape "
                              f"{tuple(value.shape)} that would take {nbytes / 2**30:.1f} GiB "
                              f"once materialized; a trained checkpoint never holds one "
                              f"(materialize it with np.ascontiguousarray if you mean it)")
     _sizes.check_bytes("sd", total, "the parameters as jnp arrays", jnp)
-    params: dict = {}
-    for name in names:
-        node, leaf = _slot(params, name)
-        value = _lookup(raw, name)
-        if leaf == EXTRA_STATE:
-            node[leaf] = value
-            continue
-        if name == "gate" and value.ndim == 0:
-            value = np.reshape(value, tl.GATE_SHAPE)
-        node[leaf] = jnp.asarray(value, dtype=dtype if dtype is not None else value.dtype)
+    params = jax.tree.map(lambda v: jnp.asarray(v, dtype=v.dtype if dtype is None else dtype),
+                          raw)
+    (params["memory"] if residual else params)[CONFIG] = config
     return params
 
 
@@ -307,13 +267,16 @@ def state_dict_from_params(params: Mapping[str, Any], prefix: str = "") -> dict:
     Returns
     -------
     dict of str to numpy.ndarray
-        ``{dotted name: array}`` in the torch adapter's layouts; a
-        :class:`StoredGrid` node becomes its ``_extra_state`` entry.
+        ``{dotted name: array}`` in the torch adapter's layouts; a config becomes its
+        grid, the ``_extra_state`` entry the torch adapter stores.
     """
     out: dict = {}
 
     def walk(node: Any, name: str) -> None:
-        if isinstance(node, Mapping):
+        if isinstance(node, tl.LayerConfig):
+            out[name[: -len(CONFIG) - 1] + EXTRA_STATE] = np.asarray(node.memory_shape,
+                                                                     np.int32)
+        elif isinstance(node, Mapping):
             for key, value in node.items():
                 walk(value, f"{name}{key}.")
         else:

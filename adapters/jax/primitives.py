@@ -15,21 +15,11 @@ from tmcore.adapters.jax import bridge as _scan_mod
 from tmcore.adapters.jax.bridge import forward_mode_guard
 from tmcore.ops.sample import validate_sample_inputs
 from tmcore.ops.splat import DEFAULT_EPS, validate_splat_inputs
-from tmcore.runtime.validate import check_values, validation_enabled
+from tmcore.runtime.validate import check_values
 from tmcore.scan.dense import DenseStep, validate_scan_inputs
 from tmcore.types import ConvParams, StepInputs
 
 __all__ = ["gaussian_splat", "memory_scan", "trilinear_sample"]
-
-
-def _is_concrete(*arrays: Any) -> bool:
-    return not any(isinstance(a, jax.core.Tracer) for a in arrays)
-
-
-def _check_values_eagerly(arrays: dict[str, Any]) -> None:
-    """Validate mode: finite values, for arrays that are concrete (not under a trace)."""
-    if validation_enabled() and _is_concrete(*arrays.values()):
-        check_values(jnp, arrays)
 
 
 def trilinear_sample(
@@ -65,7 +55,7 @@ def trilinear_sample(
     """
     volume, coords = jnp.asarray(volume), jnp.asarray(coords)
     validate_sample_inputs(volume, coords)
-    _check_values_eagerly({"volume": volume, "coords": coords})
+    check_values(jnp, {"volume": volume, "coords": coords})
     return forward_mode_guard("trilinear_sample", lambda: _scan_mod.sample(volume, coords))
 
 
@@ -117,7 +107,7 @@ def gaussian_splat(
     """
     content, mu, sigma = map(jnp.asarray, (content, mu, sigma))
     _, dims = validate_splat_inputs(content, mu, sigma, shape, radius=radius, eps=eps)
-    _check_values_eagerly({"content": content, "mu": mu, "sigma": sigma})
+    check_values(jnp, {"content": content, "mu": mu, "sigma": sigma})
     return forward_mode_guard("gaussian_splat", lambda: _scan_mod.splat(
         content, mu, sigma, tuple(dims), float(eps), _static_radius(radius)))
 
@@ -211,7 +201,7 @@ def memory_scan(
     _, params = validate_scan_inputs(h0, c0, read_coords, write_coords, write_sigma,
                                      write_content, ConvParams(*cell), checkpoint_every, radius,
                                      eps=eps)
-    _check_values_eagerly({"h0": h0, "c0": c0, "read_coords": read_coords,
+    check_values(jnp, {"h0": h0, "c0": c0, "read_coords": read_coords,
                            "write_coords": write_coords, "write_sigma": write_sigma,
                            "write_content": write_content})
     static = _scan_mod.ScanStatic(DenseStep(float(eps), _static_radius(radius)),

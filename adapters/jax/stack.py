@@ -9,31 +9,17 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from tmcore import layer as tl
-from tmcore.adapters.jax.functional import MemoryState, _on_mesh_of, apply, init
+from tmcore.adapters.jax.functional import MemoryState, _run, init
 from tmcore.runtime.validate import check_finite
 
 __all__ = ["residual_apply", "residual_init", "stack_apply"]
 
-_LAYER_NORM_EPS = 1e-5  # torch.nn.LayerNorm's default
 
-
-def residual_init(
-    key: jax.Array,
-    embed_dim: int,
-    memory_channels: int,
-    memory_shape: Sequence[int],
-    chunk_size: int,
-    sigma_scale: float = 1.0,
-    *,
-    gate_init: float = 0.0,
-    forget_bias: float = 0.0,
-    dtype: Any = jnp.float32,
-    dynamics: str = "none",
-    flow: bool = False,
-) -> dict:
+def residual_init(key: jax.Array, embed_dim: int, memory_channels: int,
+                  memory_shape: Sequence[int], chunk_size: int, sigma_scale: float = 1.0, *,
+                  gate_init: float = 0.0, dtype: Any = jnp.float32, **options: Any) -> dict:
     """Parameters of the gated residual ``x + sigmoid(gate) * memory(norm(x))``.
 
     The memory's parameters are :func:`init`'s with the same key and options, so
@@ -44,33 +30,17 @@ def residual_init(
     ----------
     key : jax.Array
         A ``jax.random`` key.
-    embed_dim : int
-        The token width ``d``.
-    memory_channels : int
-        The grid channels ``C``.
-    memory_shape : sequence of int
-        The grid shape ``S`` (1 to 4 positive ints).
-    chunk_size : int
-        The tokens per chunk ``L``.
+    embed_dim, memory_channels, memory_shape, chunk_size : int, int, sequence of int, int
+        The sizes ``d``, ``C``, ``S`` and ``L``, as in :func:`init`.
     sigma_scale : float, default 1.0
-        Checked (> 0) and otherwise unused, as in :func:`init`.
+        Multiplies the write spread.
     gate_init : float, default 0.0
         The gate's initial value: 0.0 (half open) and -2.0 (mostly closed) are
         the paper's two choices.
-    forget_bias : float, default 0.0
-        As in :func:`init`.
     dtype : dtype, default float32
         The parameters' dtype.
-    dynamics : {"none", "warp"}, default "none"
-        As in :func:`init`: ``"warp"`` adds the memory's ``warp_net`` group
-        (``{"weight" (n, d), "bias" (n,)}``, zeros: no displacement at init);
-        pass ``dynamics="warp"`` to :func:`residual_apply` too (experimental).
-    flow : bool, default False
-        As in :func:`init` (with ``dynamics="warp"``): adds the memory's
-        ``warp_flow`` group (``depthwise_weight (n, C, 3)`` identity taps,
-        ``depthwise_bias (n, C)``, ``pointwise_weight (n, C)``,
-        ``pointwise_bias (n,)``, zeros). ``update`` / ``window`` add no
-        parameter: they are :func:`residual_apply` keywords only.
+    **options
+        The layer's other keywords, as in :func:`init`.
 
     Returns
     -------
@@ -80,16 +50,11 @@ def residual_init(
 
     Raises
     ------
-    TypeError
-        If a size is not an int, ``dynamics`` is not a string or ``flow`` not
-        a bool (:func:`tmcore.layer.layer_config`; each error names the argument).
-    ValueError
-        If a size or ``sigma_scale`` is out of range, ``gate_init`` is not
-        finite, ``dynamics`` is unknown or ``flow=True`` comes without
-        ``dynamics="warp"``.
+    TypeError, ValueError
+        As :func:`init` raises them; ``ValueError`` for a non-finite ``gate_init``.
     """
     memory = init(key, embed_dim, memory_channels, memory_shape, chunk_size, sigma_scale,
-                  forget_bias=forget_bias, dtype=dtype, dynamics=dynamics, flow=flow)
+                  dtype=dtype, **options)
     norm, gate = _norm_and_gate(memory["out_proj"]["bias"].shape[0], gate_init, dtype)
     return {"norm": norm, "memory": memory, "gate": gate}
 
@@ -101,43 +66,24 @@ def _norm_and_gate(d: int, gate_init: float, dtype: Any) -> tuple[dict, jax.Arra
             jnp.full(tl.GATE_SHAPE, check_finite("gate_init", gate_init), dtype))
 
 
-def _layer_norm(p: Mapping[str, jax.Array], x: jax.Array) -> jax.Array:
-    mean = jnp.mean(x, axis=-1, keepdims=True)
-    var = jnp.mean(jnp.square(x - mean), axis=-1, keepdims=True)
-    return (x - mean) * lax.rsqrt(var + _LAYER_NORM_EPS) * p["weight"] + p["bias"]
-
-
-def _gated(x: jax.Array, gate: jax.Array, out: jax.Array) -> jax.Array:
-    return x + jax.nn.sigmoid(gate) * out
-
-
-# one dispatch each when called eagerly (inlined under an outer trace)
-_norm_jit = jax.jit(_layer_norm)
-_gated_jit = jax.jit(_gated)
-
-
 def residual_apply(
     params: Mapping[str, Any], x: jax.Array, state: Any = None, **kwargs: Any
 ) -> tuple[jax.Array, MemoryState]:
     """The gated residual ``x + sigmoid(gate) * apply(memory, layer_norm(x), state)``.
 
+    One compiled call, as :func:`apply` (the norm and the gate inside it).
+
     Parameters
     ----------
     params : dict
         From :func:`residual_init` (or :func:`params_from_state_dict` of a
-        torch ``MemoryResidual``); the gate may be ``(1,)`` or 0-dim.
+        torch ``MemoryResidual``).
     x : jax.Array, shape ``(B, N, d)``
         The tokens.
     state : StreamState, MemoryState or None, optional
         As in :func:`apply`.
     **kwargs
-        :func:`apply`'s keywords (``memory_shape``, ``sigma_scale``, ``reset``,
-        ``checkpoint_every``, ``stream``, ...), the layer options included:
-        ``update`` / ``window`` and ``dynamics`` / ``flow`` (experimental; the
-        last two need the groups :func:`residual_init` makes with the same
-        options). They go to the memory's :func:`apply` unchanged, so the
-        residual is differentiable and jittable with them as :func:`apply` is
-        (its ``update`` / ``window`` / ``dynamics`` / ``flow`` static).
+        :func:`apply`'s keywords (``reset``, ``stream``, ``doc_starts``, ...).
 
     Returns
     -------
@@ -149,14 +95,11 @@ def residual_apply(
     Raises
     ------
     KeyError
-        If ``params`` lacks ``norm``, ``memory`` or ``gate`` or a memory parameter
-        (e.g. ``warp_net`` with ``dynamics="warp"``).
+        If ``params`` lacks ``norm``, ``memory`` or ``gate`` or a memory parameter.
     TypeError, ValueError
-        As :func:`apply` raises them (a bad option names it).
+        As :func:`apply` raises them.
     """
-    norm, gate = _on_mesh_of(x, (params["norm"], params["gate"]))
-    out, state = apply(params["memory"], _norm_jit(norm, x), state, **kwargs)
-    return _gated_jit(x, gate, out), state
+    return _run(params["memory"], x, state, (params["norm"], params["gate"]), **kwargs)
 
 
 def stack_apply(
@@ -199,7 +142,7 @@ def stack_apply(
     reset : jax.Array of bool, shape ``(B,)``, optional
         Zeroes the incoming state of the flagged sequences (every layer's).
     **kwargs
-        :func:`apply`'s keywords (``memory_shape``, ``checkpoint_every``, ...).
+        :func:`apply`'s keywords (``stream``, ``doc_starts``, ...).
 
     Returns
     -------

@@ -1,49 +1,10 @@
 """Attach a gated Tensor Memory to every block of an existing torch model, and remove it.
 
-:class:`MemoryHandle` (made by :func:`tmcore.adapters.torch.attach_memory`)
-registers one :class:`~tmcore.adapters.torch.MemoryResidual` per block as a
-submodule of that block (``block.tensor_memory``) and a forward hook on the
-block that applies it. Because the memories live inside the
-model, ``model.parameters()``, ``state_dict()``, ``zero_grad()``,
-``clip_grad_norm_``, ``.to()`` / ``.double()``, ``copy.deepcopy`` (and so
-``torch.optim.swa_utils.AveragedModel``), pickling / ``torch.save`` and
-DDP / FSDP all see them; :meth:`MemoryHandle.remove` deletes the submodules and
-the hooks, so the model is exactly what it was before.
-
-The multi-layer modes and the start state of each layer are
-:mod:`tmcore.layer`'s (:func:`~tmcore.layer.segment_states`,
-:func:`~tmcore.layer.start_state`). Per-call bookkeeping is local to the
-calling thread, so one model may be called from several threads at once (the
-streaming state ``handle.state`` is then the last finished call's).
-
-The hook is registered in front of the block's other forward hooks
-(``prepend=True``), so hooks that record block outputs (e.g. Hugging Face's
-``output_hidden_states``) see the memory's contribution whenever they were
-registered.
-
-Activation checkpointing of the blocks (``torch.utils.checkpoint``): the
-recomputation in the backward re-runs the hook; it is recognized (it runs
-inside the backward pass) and given the very start state and masks the
-original forward used, so gradients are exact, with or without streaming.
-With ``use_reentrant=True`` no gradient could reach a streamed-in state that
-is still part of the graph (torch only differentiates the checkpoint's
-explicit inputs): that case raises a ``RuntimeError`` in the backward instead
-of returning wrong gradients; detach the state between calls
-(:meth:`MemoryHandle.detach_state`, then it is exact) or use
-``use_reentrant=False``. Blocks that checkpoint only their ``forward``
-(Hugging Face ``GradientCheckpointingLayer`` with ``gradient_checkpointing``
-on, transformers 5) run the memory in a checkpoint of its own with the
-block's checkpoint function, the start state passed as explicit inputs, so its
-activations are recomputed in the backward and gradients are exact with
-either ``use_reentrant``.
-
-Under ``torch.compile`` the per-call bookkeeping is a plain object (no thread
-local, no lock, no records for recomputation), so the hooks trace without a
-graph break.
-
-Imports go one way: :mod:`tmcore.adapters.torch` builds on this module (and
-re-exports :class:`MemoryHandle` and :func:`detach_state`), which needs nothing
-from it: the memories arrive built.
+Each memory is a submodule of its block (``block.tensor_memory``) applied by a forward hook
+registered in front of the block's other hooks, so everything that walks the model sees it
+(docs/guides/pytorch.md). Per-call bookkeeping is local to the calling thread (a plain
+object under ``torch.compile``, which then traces no lock); activation checkpointing replays
+the recorded start state of the call (docs/guides/huggingface.md, gradient checkpointing).
 """
 
 from __future__ import annotations
@@ -57,7 +18,10 @@ import torch
 from torch import Tensor, nn
 
 from tmcore import layer as tl
+from tmcore.adapters.torch.bridge import XP as _XP
 from tmcore.adapters.torch.modules import MemoryResidual, TensorMemory
+from tmcore.runtime.validate import check_bool_mask
+from tmcore.types import traced
 
 __all__ = ["ATTRIBUTE", "MemoryHandle", "attach_memory", "blocks_of", "detach_memory",
            "detach_state"]
@@ -79,15 +43,14 @@ def detach_state(state: Any) -> Any:
     Parameters
     ----------
     state : None, Tensor, pair of Tensor, StreamState or sequence of them
-        ``None``, a tensor, a state ``(h, c)`` (each ``(B, C, *S)``), a
-        :class:`tmcore.layer.StreamState`, or a (nested) tuple or list of them
-        (a stack's per-layer states).
+        A state ``(h, c)`` (each ``(B, C, *S)``), a :class:`tmcore.layer.StreamState`, or a
+        (nested) tuple or list of them (a stack's per-layer states).
 
     Returns
     -------
     None, Tensor, tuple, list or StreamState
-        The same structure with every tensor detached (not copied); non-tensor
-        fields (a stream state's ``count`` of Python ints) are kept.
+        The same structure with every tensor detached (not copied); a stream state's
+        ``count`` is kept.
     """
     if state is None:
         return None
@@ -100,49 +63,19 @@ def detach_state(state: Any) -> Any:
         else [detach_state(s) for s in state]
 
 
-def _require_bool(name: str, value: Any, shape: str) -> None:
-    """``TypeError`` naming ``name`` unless ``value`` is a bool tensor."""
-    if not isinstance(value, Tensor) or value.dtype != torch.bool:
-        got = value.dtype if isinstance(value, Tensor) else type(value).__name__
-        raise TypeError(f"{name}: expected a bool tensor of shape {shape}, got {got}")
-
-
-def _compiling() -> bool:
-    return torch.compiler.is_compiling()
-
-
 def _in_backward() -> bool:
-    """Whether the autograd engine is running a backward pass in this thread (never
-    while torch.compile traces: the compiled backward re-runs no hook)."""
-    if _compiling():
+    """Whether the autograd engine runs a backward in this thread (never while compiling:
+    the compiled backward re-runs no hook)."""
+    if traced():
         return False
     task = getattr(torch._C, "_current_graph_task_id", None)
     return task is not None and task() != -1
 
 
 def blocks_of(blocks: Any) -> tuple[list[nn.Module], bool | None]:
-    """The blocks of a model to attach memories to, and their layout if they tell it.
-
-    Parameters
-    ----------
-    blocks : nn.ModuleList, nn.Sequential, nn.TransformerEncoder or list of nn.Module
-        The blocks (a ``TransformerEncoder``: its ``layers``).
-
-    Returns
-    -------
-    layers : list of nn.Module
-        The blocks, in order.
-    batch_first : bool or None
-        ``layers[0].self_attn.batch_first`` where the first block has one, else
-        ``None``.
-
-    Raises
-    ------
-    TypeError
-        If ``blocks`` is none of the above.
-    ValueError
-        If there is no block, or one is not an ``nn.Module``.
-    """
+    """``(layers, batch_first)``: the blocks of an ``nn.ModuleList``, ``nn.Sequential``, a list
+    of modules or an ``nn.TransformerEncoder`` (its ``layers``), and the first block's
+    ``self_attn.batch_first`` (``None`` if it has none); ``TypeError`` / ``ValueError`` else."""
     if isinstance(blocks, nn.TransformerEncoder):
         layers = list(blocks.layers)
     elif isinstance(blocks, (nn.ModuleList, nn.Sequential)) or (
@@ -187,10 +120,8 @@ def _with_tensors(state: Any, tensors: Sequence[Tensor]) -> Any:
 
 def _checkpointed(module: nn.Module, memory: nn.Module, x: Tensor, init: Any, reset: Any,
                   kwargs: dict[str, Any]) -> tuple[Tensor, Any]:
-    """``memory(x, init, ...)`` inside the block's checkpoint function: the memory's
-    activations are recomputed in the backward. The start state's tensors are explicit
-    inputs (a reentrant checkpoint differentiates only those), the returned state's
-    tensors explicit outputs."""
+    """``memory(x, init, ...)`` inside the block's checkpoint function, the start state's
+    tensors its explicit inputs (a reentrant checkpoint differentiates only those)."""
     box: list[Any] = []
 
     def run(x: Tensor, *tensors: Tensor) -> tuple[Tensor, ...]:
@@ -220,21 +151,16 @@ class _Hook:
 class MemoryHandle:
     """The memories attached to a model's blocks, their streaming state and hooks.
 
-    ``handle.memories[l]`` is block ``l``'s :class:`MemoryResidual` (also
-    ``block.tensor_memory``, so the model's ``parameters()`` include it;
-    ``handle.parameters()`` yields the memories' parameters alone, e.g. for a
-    separate optimizer group). After every model call, ``handle.state[l]`` is
-    the state layer ``l`` reached (``(h, c)``; a ``StreamState`` when streaming
-    in ``causal`` mode). With ``streaming=True`` the next call starts from it
-    (per layer in ``causal`` mode; from the last layer's state in ``threaded``
-    mode), else every call starts from zeros. The hooks assume the blocks run in
-    order, once each, per model call. Made by
-    :func:`tmcore.adapters.torch.attach_memory`.
+    Made by :func:`tmcore.adapters.torch.attach_memory`. ``handle.memories[l]`` is block
+    ``l``'s :class:`~tmcore.adapters.torch.MemoryResidual`; after every model call
+    ``handle.state[l]`` is the state layer ``l`` reached, where the next call starts with
+    ``streaming=True`` (per layer in ``causal`` mode, from the last layer's in ``threaded``
+    mode). The hooks assume the blocks run in order, once each, per model call.
 
     Parameters
     ----------
     blocks : list of nn.Module
-        The blocks, in order; each gets the submodule ``tensor_memory`` and a hook.
+        The blocks, in order.
     memories : list of nn.Module
         One :class:`~tmcore.adapters.torch.MemoryResidual` per block.
     mode : {"causal", "threaded"}
@@ -305,15 +231,12 @@ class MemoryHandle:
         return [getattr(block, ATTRIBUTE) for block in self._blocks] if self.attached else []
 
     def parameters(self) -> Iterator[nn.Parameter]:
-        """Iterate over the memories' parameters (each once).
-
-        ``model.parameters()`` includes them too; this is for, e.g., a separate
-        optimizer group.
+        """Iterate over the memories' parameters, each once (e.g. for their own optimizer group).
 
         Yields
         ------
         nn.Parameter
-            Each parameter of the memories, once.
+            Each parameter of the memories.
         """
         seen: set[int] = set()
         for memory in self.memories:
@@ -339,7 +262,7 @@ class MemoryHandle:
     def _run(self, layer: int, module: nn.Module, args: tuple, y: Tensor) -> Tensor:
         memory = getattr(module, ATTRIBUTE)
         x = y if self.batch_first else y.transpose(0, 1)
-        compiling = _compiling()
+        compiling = traced()
         key = None if compiling else self._record_key(layer, args)
         if _in_backward():  # activation checkpointing is recomputing this block
             with self._lock:
@@ -402,10 +325,8 @@ class MemoryHandle:
         return out if self.batch_first else out.transpose(0, 1)
 
     def _stream_kwargs(self, doc_starts: Any, valid: Any = None) -> dict[str, Any]:
-        """Causal mode streams (every layer's state is a :class:`tmcore.layer.StreamState`
-        that carries the unfinished chunk, so calls of any lengths equal one long call);
-        threaded mode passes plain ``(h, c)`` between layers (``stream=False``), as the
-        reference does."""
+        """Causal mode streams (a :class:`tmcore.layer.StreamState` per layer); threaded mode
+        passes plain ``(h, c)`` between layers, as the reference does."""
         if self.mode != "causal":
             if valid is not None:
                 raise ValueError("valid: padding masks need mode='causal'")
@@ -417,12 +338,9 @@ class MemoryHandle:
 
     def _remember(self, key: tuple, x: Tensor, init: Any, reset: Any,
                   kwargs: dict[str, Any], cut: bool = True) -> None:
-        """Keep this call's start of block ``key[0]`` for a recomputation in the backward.
-
-        A key seen before whose tensor is gone is stale (its storage was freed and
-        reused, so its graph is gone too); one whose tensor is alive and that started
-        from another state is ambiguous (the recomputation could not tell the calls
-        apart, and refuses)."""
+        """Keep this call's start of block ``key[0]`` for a recomputation in the backward. A key
+        whose tensor is gone is stale; one whose live tensor started from another state is
+        ambiguous (the recomputation refuses it)."""
         with self._lock:
             old = self._records.pop(key, None)
             if old is _AMBIGUOUS or (old is not None and old[0]() is x
@@ -444,8 +362,8 @@ class MemoryHandle:
         Parameters
         ----------
         mask : Tensor, shape ``(B,)``, bool, optional
-            The sequences to start from zeros (masks of several calls combine);
-            ``None``: forget the whole state (and the pending masks).
+            The sequences to start from zeros (masks of several calls combine); ``None``:
+            forget the whole state and the pending masks.
 
         Raises
         ------
@@ -455,20 +373,17 @@ class MemoryHandle:
         if mask is None:
             self.state, self._reset, self._doc_starts, self._valid = None, None, None, None
             return
-        _require_bool("mask", mask, "(B,)")
+        check_bool_mask(_XP, mask, "mask", "(B,)", None)
         self._reset = mask if self._reset is None else (self._reset | mask)
 
     def start_documents(self, doc_starts: Tensor) -> None:
         """Mark packed documents for the next call (``causal`` mode).
 
-        Every layer forgets its state at each document start and restarts its
-        chunk grid there, so each document's outputs equal running it alone
-        (:meth:`~tmcore.adapters.torch.TensorMemory.forward`'s ``doc_starts``).
-
         Parameters
         ----------
         doc_starts : Tensor, shape ``(B, N)``, bool
-            True at each token that starts a document.
+            True at each token that starts a document, as in
+            :meth:`~tmcore.adapters.torch.TensorMemory.forward`, for every layer.
 
         Raises
         ------
@@ -480,20 +395,17 @@ class MemoryHandle:
         if self.mode != "causal":
             raise ValueError(f"doc_starts: packed documents need mode='causal', "
                              f"this handle is {self.mode!r}")
-        _require_bool("doc_starts", doc_starts, "(B, N)")
+        check_bool_mask(_XP, doc_starts, "doc_starts", "(B, N)", None)
         self._doc_starts = doc_starts
 
     def set_valid(self, valid: Tensor | None) -> None:
         """Mark the padding of the next call (``causal`` mode).
 
-        Padding tokens never enter any layer's state nor its chunk grid, and the
-        memory adds nothing to them, so every row equals running its valid tokens
-        alone (:meth:`~tmcore.adapters.torch.TensorMemory.forward`'s ``valid``).
-
         Parameters
         ----------
         valid : Tensor, shape ``(B, N)``, bool, or None
-            False at padding tokens; ``None`` clears the mask.
+            False at padding tokens, as in :meth:`~tmcore.adapters.torch.TensorMemory.forward`,
+            for every layer; ``None`` clears the mask.
 
         Raises
         ------
@@ -526,8 +438,7 @@ class MemoryHandle:
         Parameters
         ----------
         state : sequence of (pair of Tensor or StreamState), or None
-            One state per block (``(h, c)`` or a
-            :class:`~tmcore.layer.StreamState`); ``None``: zeros at the next call.
+            One state per block; ``None``: zeros at the next call.
 
         Raises
         ------
@@ -568,54 +479,38 @@ def attach_memory(
 ) -> MemoryHandle:
     """Add a gated Tensor Memory after every block of an existing model.
 
-    Each block gets a submodule ``tensor_memory`` (a :class:`MemoryResidual`) and a
-    forward hook; its code is not edited. The block's output ``y`` (or ``y[0]`` if
-    it returns a tuple) becomes ``y + sigmoid(gate_l) * memory_l(norm_l(y))``.
+    Each block gets a submodule ``tensor_memory`` (a :class:`MemoryResidual`) and a forward
+    hook; its code is not edited. The block's output ``y`` (or ``y[0]``) becomes ``y +
+    sigmoid(gate_l) * memory_l(norm_l(y))``.
 
     Parameters
     ----------
     blocks : nn.ModuleList, nn.Sequential, nn.TransformerEncoder or list of nn.Module
-        The blocks (a ``TransformerEncoder``: its ``layers``); their outputs are
-        ``(B, N, d)`` (or ``(N, B, d)`` with ``batch_first=False``).
+        The blocks (:func:`blocks_of`); their outputs are ``(B, N, d)`` (or ``(N, B, d)``
+        with ``batch_first=False``).
     mode : {"causal", "threaded"}, default "causal"
-        ``"causal"``: every layer scans from the segment's initial state (a read
-        at chunk ``t`` sees only earlier tokens and the chunk's first one);
-        ``"threaded"``: the paper's reference, layer ``l`` starts from the state
-        layer ``l-1`` reached after the whole sequence (NOT causal).
-    gate_init : float, default 0.0
-        The gates' initial logit (:class:`MemoryResidual`).
-    norm : nn.Module, type or None, default None
-        Each memory's input norm (:class:`MemoryResidual`; ``None``: a
-        ``LayerNorm``).
-    zero_init : bool, default False
-        Start the memories' read-outs at zero, so the model is exactly unchanged
-        until they train.
+        The multi-layer mode (docs/guides/modes.md): ``"threaded"``, the paper's, is NOT
+        causal.
+    gate_init, norm, zero_init : see MemoryResidual
+        Of each memory's :class:`MemoryResidual`.
     streaming : bool, default False
-        Carry ``handle.state`` from one model call to the next. In ``"causal"``
-        mode each layer's state is a :class:`StreamState` (it carries the
-        unfinished chunk), so calls of any lengths (one token at a time:
-        generation) equal one long call.
+        Carry ``handle.state`` from one model call to the next (in ``"causal"`` mode
+        calls of any lengths then equal one long call).
     batch_first : bool or None, default None
-        Layout of the block outputs; ``None`` reads it from
-        ``block.self_attn.batch_first`` when present, else assumes True.
+        Layout of the block outputs; ``None``: :func:`blocks_of`'s, else True.
     **memory_kwargs
-        :class:`TensorMemory` arguments (``embed_dim``, ...); ``device`` and
-        ``dtype`` default to the blocks' parameters'.
+        :class:`TensorMemory` arguments; ``device`` and ``dtype`` default to the blocks'.
 
     Returns
     -------
     MemoryHandle
-        ``handle.remove()`` (or :func:`detach_memory`) undoes the attachment;
-        ``handle.memories[l]`` is block ``l``'s :class:`MemoryResidual`.
+        ``handle.remove()`` (or :func:`detach_memory`) undoes the attachment.
 
     Raises
     ------
-    TypeError
-        If ``blocks`` is not a list or container of modules, or a
-        :class:`TensorMemory` argument has the wrong type.
-    ValueError
-        If there is no block, ``mode`` is unknown, or a :class:`TensorMemory`
-        argument has a bad value.
+    TypeError, ValueError
+        If ``blocks`` holds no modules (:func:`blocks_of`), ``mode`` is unknown, or a
+        :class:`TensorMemory` argument is bad (each error names it).
     """
     tl.check_mode(mode)
     layers, detected = blocks_of(blocks)
@@ -636,7 +531,6 @@ def detach_memory(handle: MemoryHandle) -> None:
     Parameters
     ----------
     handle : MemoryHandle
-        What :func:`attach_memory` returned; the blocks are then exactly what
-        they were before.
+        What :func:`attach_memory` returned.
     """
     handle.remove()

@@ -1,46 +1,22 @@
 """tmcore's hand-written VJPs registered with PyTorch as custom ops, made by one factory.
 
-:func:`_make_op` turns an :class:`OpSpec` (the op's tensor inputs, its static
-arguments, its outputs, and its forward / backward written with tmcore's
-``ops_for`` dispatch table) into
+:func:`_make_op` turns an :class:`OpSpec` into a ``torch.library.custom_op`` with a fake
+implementation, an autograd rule and a vmap rule (a loop over the mapped dimension); a
+``<name>_backward`` op whose own autograd rule re-runs the backward on the generic path under
+torch autograd (an exact second order); and an ``autograd.Function`` twin of each, which
+:func:`call` runs in eager mode (``custom_op``'s autograd raises under ``torch.func.grad``).
+Every forward and backward goes through :func:`tmcore.runtime.dispatch.ops_for`, the
+backward under its forward's options. What works where: docs/guides/pytorch.md.
 
-- a ``torch.library.custom_op`` ``tmcore::<name>`` with a fake (meta)
-  implementation for ``torch.compile``, an autograd rule and a vmap rule;
-- a second custom op ``tmcore::<name>_backward`` running tmcore's backward,
-  whose own autograd rule gives second order (an exact Hessian-vector
-  product: the backward is re-run on the generic array-API path under torch
-  autograd and the cotangents pulled back through it);
-- an ``autograd.Function`` twin of each (``custom_op``'s registered autograd
-  raises under ``torch.func.grad`` in torch 2.13, the Function does not); the
-  adapter's public functions call the twins (:func:`call`).
+The ops (``*conv``: the four :class:`tmcore.ConvParams` tensors; one ``*_backward`` each)::
 
-Every forward and backward goes through :func:`tmcore.runtime.dispatch.ops_for`, so
-backend fast paths, the float16 / bfloat16 float32-compute rule and
-:func:`tmcore.options` apply exactly as for ``tmcore.*``. The options in force
-at the forward are also in force in the backward (saved on the autograd
-context), whichever thread runs it.
-
-Not supported: third order (the re-run is detached from the outer graph),
-nested ``torch.func.grad`` (Hessians through ``torch.func``), double backward
-through a ``torch.compile``-d model, forward mode (``torch.func.jvp``,
-``jacfwd``): :func:`call` raises a clear error under a forward-mode transform.
-
-vmap: the rules loop over the mapped dimension (correct for any ``in_dims``,
-including batched parameters, e.g. per-sample gradients; one call per slice).
-
-Op namespace ``tmcore`` (the cell step backs :meth:`ConvLSTMCell.forward
-<tmcore.adapters.torch.ConvLSTMCell.forward>`)::
-
-    torch.ops.tmcore.trilinear_sample(volume, coords) -> out
-    torch.ops.tmcore.gaussian_splat(content, mu, sigma, shape, eps, radius) -> volume
-    torch.ops.tmcore.convlstm_step(x, h, c, depthwise_weight, depthwise_bias,
-        pointwise_weight, pointwise_bias) -> (h_new, c_new)
-    torch.ops.tmcore.memory_scan(h0, c0, read_coords, write_coords, write_sigma,
-        write_content, depthwise_weight, depthwise_bias, pointwise_weight,
-        pointwise_bias, eps, radius, checkpoint_every)
+    tmcore::trilinear_sample(volume, coords) -> out
+    tmcore::gaussian_splat(content, mu, sigma, shape, eps, radius) -> volume
+    tmcore::convlstm_step(x, h, c, *conv) -> (h_new, c_new)
+    tmcore::memory_scan(h0, c0, read_coords, write_coords, write_sigma, write_content,
+        *conv, eps, radius, checkpoint_every, reset, active)
         -> (reads, h_T, c_T, h_checkpoints, c_checkpoints)
-
-plus one ``*_backward`` op each.
+    tmcore::local_scan, warp_scan, warp_flow_scan (:func:`option_scan`)
 """
 
 from __future__ import annotations
@@ -60,6 +36,8 @@ from tmcore.ops.sample import validate_sample_inputs
 from tmcore.ops.splat import validate_splat_inputs
 from tmcore.runtime.dispatch import ops_for
 from tmcore.runtime.options import get_options, options
+from tmcore.runtime.sizes import check_scan
+from tmcore.runtime.validate import check_positive, check_values
 from tmcore.scan.base import scan_backward, scan_forward
 from tmcore.scan.dense import memory_scan_bwd, memory_scan_fwd, validate_scan_inputs
 from tmcore.scan.options import ScanOptions, check_options, check_scan_bytes, step_for
@@ -73,6 +51,7 @@ __all__ = [
     "TrilinearSampleFunction",
     "call",
     "convlstm_step_op",
+    "dense_scan",
     "gaussian_splat_op",
     "memory_scan_op",
     "trilinear_sample_op",
@@ -96,15 +75,12 @@ _VALIDATED: contextvars.ContextVar[bool] = contextvars.ContextVar("tmcore_valida
 class OpSpec:
     """What :func:`_make_op` needs to know about one primitive.
 
-    ``primals``: names of the differentiable tensor inputs; ``statics``:
-    ``(name, schema type)`` of the non-tensor inputs; ``outputs``: names of the
-    outputs, of which the last ``residuals`` are saved for the backward and carry
-    no gradient. ``forward(primals, statics) -> outputs`` and
-    ``backward(primals, residuals, cotangents, statics) -> one gradient per
-    primal`` take and return tuples of tensors; ``fake(primals, statics) ->
-    outputs`` allocates the outputs for ``torch.compile`` (and may check
-    shapes); ``recompute(primals, statics) -> residuals`` rebuilds the residuals
-    for second order (default: none).
+    ``primals``: the differentiable tensor inputs; ``statics``: ``(name, schema type)`` of the
+    others; ``outputs``: the last ``residuals`` of them are saved for the backward and carry no
+    gradient. ``forward(primals, statics) -> outputs``, ``backward(primals, residuals,
+    cotangents, statics) -> a gradient per primal``, ``fake(primals, statics) -> outputs``
+    (``torch.compile``; may check shapes), ``recompute(primals, statics) -> residuals``
+    (second order), all over tuples.
     """
 
     name: str
@@ -148,7 +124,8 @@ def _schema(spec: OpSpec, backward: bool) -> str:
         tensors += list(spec.outputs[differentiable:])
         tensors += [f"g_{name}" for name in spec.outputs[:differentiable]]
     args = [f"Tensor {name}" for name in tensors]
-    args += [f"{kind} {name}" for name, kind in spec.statics]
+    args += [f"{kind} {name}" + ("=None" if kind == "Tensor?" else "")  # (the masks)
+             for name, kind in spec.statics]
     count = len(spec.primals) if backward else len(spec.outputs)
     result = "Tensor" if count == 1 else "(" + ", ".join(["Tensor"] * count) + ")"
     return f"({', '.join(args)}) -> {result}"
@@ -156,12 +133,8 @@ def _schema(spec: OpSpec, backward: bool) -> str:
 
 def _pullback(fn: Callable[..., Sequence[Tensor]], primals: Sequence[Tensor],
               needs: Sequence[bool], cotangents: Sequence[Tensor | None]) -> list[Tensor | None]:
-    """``sum_k <cotangents[k], d fn(primals)[k] / d primals[i]>`` for every ``i`` in ``needs``.
-
-    ``fn`` is a tmcore backward re-run on detached copies under torch autograd,
-    forced onto the generic array-API path (plain differentiable torch ops);
-    ``None`` cotangents count as zero; entries not needed are ``None``.
-    """
+    """``sum_k <cotangents[k], d fn(primals)[k] / d primals[i]>`` for the ``i`` in ``needs``
+    (others ``None``): ``fn``, a backward, re-run under torch autograd on the generic path."""
     with torch.enable_grad(), options(generic=True):
         leaves = [p.detach().requires_grad_(n) for p, n in zip(primals, needs, strict=True)]
         outs = fn(*leaves)
@@ -200,7 +173,7 @@ def _loop_vmap(op: Callable[..., Any]) -> Callable[..., Any]:
 
 class _Function(torch.autograd.Function):
     """Base of the ``autograd.Function`` twins of the ops (see the module docstring): the
-    forward calls the custom op, ``setup_context`` / ``backward`` are the very rules
+    forward runs the custom op (:func:`_twin`), ``setup_context`` / ``backward`` are the very rules
     registered on the op, and ``generate_vmap_rule`` composes the ops' vmap rules."""
 
     generate_vmap_rule = True
@@ -236,9 +209,8 @@ _DIRECT: dict[Any, Callable[..., Any]] = {}
 
 
 def _plain_inference(args: tuple) -> bool:
-    """Whether a call may skip the op's wrappers: no gradient is needed and every tensor
-    is a plain one with data (no subclass such as a fake tensor of ``torch.export`` or a
-    DTensor, no meta tensor: those need the op's registered rules)."""
+    """Whether a call may skip the op's wrappers: no gradient needed, every tensor a plain one
+    with data (a fake, DTensor or meta tensor needs the op's registered rules)."""
     grad = torch.is_grad_enabled()
     for a in args:
         if isinstance(a, Tensor):
@@ -249,21 +221,17 @@ def _plain_inference(args: tuple) -> bool:
 
 
 def plain_inference(*tensors: Any) -> bool:
-    """Whether ops on ``tensors`` may run without their autograd Function and custom op
-    (what :func:`call` does then): eager (no ``torch.compile`` trace), no ``torch.func``
-    transform, no gradient needed, plain tensors with data."""
+    """Whether ops on ``tensors`` may run without their Function and custom op: eager, no
+    ``torch.func`` transform, :func:`_plain_inference`."""
     return (not torch.compiler.is_compiling() and _interpreter() is None
             and _plain_inference(tensors))
 
 
 def call(function: type[_Function], op: Callable[..., Any], *args: Any,
          validated: bool = False) -> Any:
-    """Run an op through its Function twin in eager mode (``torch.func``-safe), or call
-    the custom op itself while ``torch.compile`` traces: the op carries the same
-    registered autograd, and Dynamo cannot trace the Function when no input
-    requires grad (``no_grad`` inference of a compiled model). ``validated``: the
-    caller has just run the op's input checks, which its eager forward then skips
-    (one validation per call)."""
+    """Run an op through its Function twin in eager mode (``torch.func``-safe), the custom op
+    itself while ``torch.compile`` traces (Dynamo cannot trace the Function without grads).
+    ``validated``: the caller ran the op's checks, which its eager forward then skips."""
     if torch.compiler.is_compiling():
         return op(*args)
     interpreter = _interpreter()
@@ -293,10 +261,18 @@ def _run(fn: Callable[..., Any], args: tuple, validated: bool) -> Any:
         _VALIDATED.reset(token)
 
 
-def _twin(name: str, op: Any, setup: Callable[..., Any], grad: Callable[..., Any]
-          ) -> type[_Function]:
+def _twin(name: str, op: Any, direct: Callable[..., Any], setup: Callable[..., Any],
+          grad: Callable[..., Any]) -> type[_Function]:
     """The ``autograd.Function`` twin of ``op``: its forward, with the op's rules."""
-    return type(name, (_Function,), {"forward": staticmethod(lambda *args: op(*args)),
+    def forward(*args):
+        # op's own forward where plain_inference allows (grad is off in a forward) and no
+        # mode sees ops (a counter sees one op): the custom op's dispatcher imports
+        # torch._dynamo on its first call (+165 MiB resident, 0.9 s in a first step)
+        plain = not (torch._C._len_torch_function_stack()
+                     or torch._C._len_torch_dispatch_stack()) and plain_inference(*args)
+        return (direct if plain else op)(*args)
+
+    return type(name, (_Function,), {"forward": staticmethod(forward),
                                      "setup_context": staticmethod(setup),
                                      "backward": staticmethod(grad)})
 
@@ -320,17 +296,24 @@ def _make_op(spec: OpSpec) -> MadeOp:
     def split(args: tuple) -> tuple[tuple, tuple]:
         return tuple(args[:n_primals]), tuple(args[len(args) - n_statics:])
 
+    def full(args: tuple, backward: bool = False) -> tuple:
+        """``args`` with the trailing defaults (the masks' ``None``) the dispatcher drops."""
+        total = n_primals + n_statics + (spec.residuals + differentiable if backward else 0)
+        return (*args, *(None,) * (total - len(args)))
+
     def forward(*args):
+        args = full(args)
         primals, statics = split(args)
         out = _fresh(spec.forward(primals, statics), primals)
         return out[0] if single else out
 
     def fake(*args):
-        primals, statics = split(args)
+        primals, statics = split(full(args))
         out = tuple(spec.fake(primals, statics))
         return out[0] if single else out
 
     def backward(*args):
+        args = full(args, backward=True)
         primals, statics = split(args)
         residuals = tuple(args[n_primals:n_primals + spec.residuals])
         cotangents = tuple(args[n_primals + spec.residuals:len(args) - n_statics])
@@ -347,7 +330,7 @@ def _make_op(spec: OpSpec) -> MadeOp:
     backward_op.register_fake(backward_fake)
 
     def setup(ctx, inputs, output):
-        primals, statics = split(tuple(inputs))
+        primals, statics = split(full(tuple(inputs)))
         outputs = (output,) if single else tuple(output)
         residuals = outputs[differentiable:]
         if residuals:
@@ -375,15 +358,18 @@ def _make_op(spec: OpSpec) -> MadeOp:
             if g is None and key not in zeros:
                 zeros[key] = torch.zeros(like[0], dtype=like[1], device=like[2])
             filled.append(zeros[key] if g is None else g.contiguous())
+        # the forward checked the primals, autograd shapes the cotangents like the outputs:
+        # the backward checks nothing again
         with options(**dataclasses.asdict(ctx.tm_options)):
             if torch.compiler.is_compiling():
                 grads = backward_op(*primals, *residuals, *filled, *ctx.statics)
             else:
-                grads = backward_function.apply(*primals, *residuals, *filled, *ctx.statics)
+                grads = _run(backward_function.apply,
+                             (*primals, *residuals, *filled, *ctx.statics), True)
         return (*grads, *([None] * n_statics))
 
     def backward_setup(ctx, inputs, output):
-        inputs = tuple(inputs)
+        inputs = full(tuple(inputs), backward=True)
         ctx.save_for_backward(*inputs[:len(inputs) - n_statics])
         ctx.statics = tuple(inputs[len(inputs) - n_statics:])
         ctx.tm_options = get_options()
@@ -417,9 +403,9 @@ def _make_op(spec: OpSpec) -> MadeOp:
     backward_op.register_vmap(_loop_vmap(backward_op))
 
     title = "".join(part.title() for part in spec.name.split("_"))
-    backward_function = _twin(f"_{title}BackwardFunction", backward_op, backward_setup,
-                              backward_grad)
-    function = _twin(f"{title}Function", op, setup, grad)
+    backward_function = _twin(f"_{title}BackwardFunction", backward_op, backward,
+                              backward_setup, backward_grad)
+    function = _twin(f"{title}Function", op, forward, setup, grad)
     _DIRECT[op] = forward
     return MadeOp(op, backward_op, function, backward_function)
 
@@ -436,7 +422,8 @@ def _sample_forward(primals, statics):
 
 def _sample_backward(primals, residuals, cotangents, statics):
     volume, coords = primals
-    validate_sample_inputs(volume, coords, cotangents[0])
+    if not _VALIDATED.get():  # a direct call of the backward op (autograd's are checked)
+        validate_sample_inputs(volume, coords, cotangents[0])
     return ops_for(_XP).sample_bwd(_XP, volume, coords, cotangents[0])
 
 
@@ -452,14 +439,15 @@ _SAMPLE = _make_op(OpSpec(
 
 def _splat_forward(primals, statics):
     shape, eps, radius = statics
-    if not _VALIDATED.get():  # eager calls of the op: the public checks (once per call)
+    if not _VALIDATED.get():
         validate_splat_inputs(*primals, shape, radius=radius, eps=eps)
     return (ops_for(_XP).splat_fwd(_XP, *primals, tuple(shape), eps, radius),)
 
 
 def _splat_backward(primals, residuals, cotangents, statics):
     shape, eps, radius = statics
-    validate_splat_inputs(*primals, shape, cotangents[0], radius=radius, eps=eps)
+    if not _VALIDATED.get():
+        validate_splat_inputs(*primals, shape, cotangents[0], radius=radius, eps=eps)
     return ops_for(_XP).splat_bwd(_XP, *primals, tuple(shape), cotangents[0], eps, radius)
 
 
@@ -478,12 +466,12 @@ _SCAN_PRIMALS = ("h0", "c0", "read_coords", "write_coords", "write_sigma", "writ
 
 
 def _scan_forward(primals, statics):
-    eps, radius, checkpoint_every = statics
-    if not _VALIDATED.get():  # eager calls of the op: the public checks (once per call)
+    eps, radius, checkpoint_every, reset, active = statics
+    if not _VALIDATED.get():
         validate_scan_inputs(*primals[:6], ConvParams(*primals[6:]), checkpoint_every, radius,
-                             eps=eps)
+                             eps=eps, reset=reset, active=active)
     return memory_scan_fwd(_XP, *primals[:6], ConvParams(*primals[6:]), eps=eps, radius=radius,
-                           checkpoint_every=checkpoint_every)
+                           checkpoint_every=checkpoint_every, reset=reset, active=active)
 
 
 def _scan_recompute(primals, statics):
@@ -492,13 +480,9 @@ def _scan_recompute(primals, statics):
 
 def _check_residuals(primals: Sequence[Tensor], residuals: Sequence[Tensor],
                      checkpoint_every: int) -> None:
-    """The saved states the backward replays from must be exactly what the forward
-    returned: ``h_checkpoints`` / ``c_checkpoints`` contiguous tensors of shape
-    ``(ceil(T / k), B, C, *S)`` (``T`` from ``read_coords``, ``k = checkpoint_every``,
-    ``B, C, *S`` from ``h0``), in ``h0``'s dtype, on its device. A wrong count (a missing
-    or an extra state), a transposed or expanded view, or another device would give
-    wrong gradients or an unclear failure deep in the replay; each is a ``TypeError``
-    / ``ValueError`` naming the residual."""
+    """``TypeError`` / ``ValueError`` naming the residual unless ``h_checkpoints`` /
+    ``c_checkpoints`` are what the forward returned: contiguous ``(ceil(T / k), B, C, *S)``
+    tensors in ``h0``'s dtype and device (else the replay gives wrong gradients)."""
     h0, steps = primals[0], primals[2].shape[1]
     saved = -(-steps // checkpoint_every)
     want = (saved, *h0.shape)
@@ -523,13 +507,14 @@ def _check_residuals(primals: Sequence[Tensor], residuals: Sequence[Tensor],
 
 
 def _scan_backward(primals, residuals, cotangents, statics):
-    eps, radius, checkpoint_every = statics
-    validate_scan_inputs(*primals[:6], ConvParams(*primals[6:]), checkpoint_every, radius,
-                         *cotangents, eps=eps)
-    _check_residuals(primals, residuals, checkpoint_every)
+    eps, radius, checkpoint_every, reset, active = statics
+    if not _VALIDATED.get():
+        validate_scan_inputs(*primals[:6], ConvParams(*primals[6:]), checkpoint_every, radius,
+                             *cotangents, eps=eps, reset=reset, active=active)
+        _check_residuals(primals, residuals, checkpoint_every)
     grads = memory_scan_bwd(_XP, *primals[2:6], ConvParams(*primals[6:]), *residuals,
                             *cotangents, eps=eps, radius=radius,
-                            checkpoint_every=checkpoint_every)
+                            checkpoint_every=checkpoint_every, reset=reset, active=active)
     return (*grads[:6], *grads.params)
 
 
@@ -537,11 +522,11 @@ def _scan_fake(primals, statics):
     # The adapter's memory_scan validates eagerly; under torch.compile Dynamo cannot trace
     # the validator, so its shape checks run here, once per trace, in plain Python (fake
     # tensors have no values: validate mode's value checks are off).
-    eps, radius, checkpoint_every = statics
+    eps, radius, checkpoint_every, reset, active = statics
     h0, c0, read_coords = primals[:3]
     with options(validate=False):
         validate_scan_inputs(*primals[:6], ConvParams(*primals[6:]), checkpoint_every, radius,
-                             eps=eps)
+                             eps=eps, reset=reset, active=active)
     batch, channels = h0.shape[:2]
     saved = -(-read_coords.shape[1] // checkpoint_every)
     return (h0.new_empty((batch, read_coords.shape[1], channels)), torch.empty_like(h0),
@@ -551,7 +536,8 @@ def _scan_fake(primals, statics):
 
 _SCAN = _make_op(OpSpec(
     name="memory_scan", primals=_SCAN_PRIMALS,
-    statics=(("eps", "float"), ("radius", "float?"), ("checkpoint_every", "int")),
+    statics=(("eps", "float"), ("radius", "float?"), ("checkpoint_every", "int"),
+             ("reset", "Tensor?"), ("active", "Tensor?")),
     outputs=("reads", "h", "c", "h_checkpoints", "c_checkpoints"), residuals=2,
     forward=_scan_forward, backward=_scan_backward, fake=_scan_fake,
     recompute=_scan_recompute))
@@ -599,17 +585,17 @@ DOUBLE_BACKWARD = (
     "(update='local' or dynamics='warp') is not supported: its backward is first order "
     "only. Use the default layer for second-order gradients")
 
-#: The statics of the option scans: the :class:`tmcore.scan.ScanOptions` fields, then
-#: whether the residuals are kept (no backward will be asked for: none are made)
+#: The statics of the option scans: the :class:`tmcore.scan.ScanOptions` fields, whether
+#: the residuals are kept (no backward will be asked for: none are made), the masks
 _OPTION_STATICS = (("update", "str"), ("window", "int?"), ("eps", "float"),
                    ("radius", "float?"), ("method", "str"), ("checkpoint_every", "int"),
-                   ("keep", "bool"))
+                   ("keep", "bool"), ("reset", "Tensor?"), ("active", "Tensor?"))
 _RESIDUALS = ("residual_0", "residual_1", "residual_2")
 
 
 def _option_parts(primals: tuple, statics: tuple, warp: bool, flow: bool):
     """``(step, params, xs, h0, c0, every, keep)`` of an option scan's arguments."""
-    options, keep = ScanOptions(*statics[:6]), statics[6]
+    options, keep = ScanOptions(*statics[:6]), statics[6]  # (statics[7:]: the masks)
     h0, c0 = primals[:2]
     xs = (WarpInputs(*primals[2:7]) if warp else StepInputs(*primals[2:6]))
     cell = ConvParams(*primals[len(xs) + 2:len(xs) + 6])
@@ -651,7 +637,8 @@ def _make_option_scan(name: str, warp: bool, flow: bool) -> MadeOp:
     def forward(primals, statics):
         step, params, xs, h0, c0, every, keep = _option_parts(primals, statics, warp, flow)
         reads, h, c, residuals = scan_forward(_XP, step, params, h0, c0, xs,
-                                              checkpoint_every=every, keep=keep)
+                                              checkpoint_every=every, keep=keep,
+                                              reset=statics[7], active=statics[8])
         return (reads, h, c, *_pack(residuals, h))
 
     def backward(primals, residuals, cotangents, statics):
@@ -661,7 +648,8 @@ def _make_option_scan(name: str, warp: bool, flow: bool) -> MadeOp:
                                "(no input required grad when it ran)")
         g_reads, g_h, g_c = cotangents
         d_h, d_c, d_xs, d_params = scan_backward(_XP, step, params, _unpack(step, residuals),
-                                                 xs, g_reads, g_h, g_c, checkpoint_every=every)
+                                                 xs, g_reads, g_h, g_c, checkpoint_every=every,
+                                                 reset=statics[7], active=statics[8])
         cell, flows = (d_params.cell, d_params.flow or ()) if warp else (d_params, ())
         return (d_h, d_c, *d_xs, *cell, *flows)
 
@@ -684,13 +672,13 @@ _OPTION_SCANS = {(False, False): _make_option_scan("local_scan", False, False),
 
 
 def option_scan(options: ScanOptions, h0: Tensor, c0: Tensor, inputs: Any,
-                params: ConvParams, flow_params: ConvParams | None = None
+                params: ConvParams, flow_params: ConvParams | None = None, *,
+                reset: Tensor | None = None, active: Tensor | None = None
                 ) -> tuple[Tensor, Tensor, Tensor]:
     """Run the layer's scan with its options beyond the paper, with tmcore's VJP.
 
-    One custom op per kind (``tmcore::local_scan``, ``warp_scan`` or ``warp_flow_scan``),
-    made by the same factory as the other ops: the local and warped steps of
-    :mod:`tmcore.scan` in the one scan loop. First order only.
+    One custom op per kind (``tmcore::local_scan``, ``warp_scan`` or ``warp_flow_scan``): the
+    local and warped steps of :mod:`tmcore.scan` in the one scan loop; first order only.
 
     Parameters
     ----------
@@ -700,19 +688,17 @@ def option_scan(options: ScanOptions, h0: Tensor, c0: Tensor, inputs: Any,
         The state entering the first chunk.
     inputs : StepInputs or WarpInputs of ``(B, T, ...)`` tensors
         The heads' outputs (a warp when they carry a ``shift``).
-    params : ConvParams
-        The gates' conv.
-    flow_params : ConvParams, optional
-        The per-cell flow's conv (``flow=True``).
+    params, flow_params : ConvParams, ConvParams or None
+        The gates' conv and the per-cell flow's (``flow=True``).
+    reset, active : Tensor, shape ``(B, T)``, bool, optional
+        The per-step row masks (:func:`tmcore.memory_scan`).
 
     Returns
     -------
     reads : Tensor, shape ``(B, T, C)``
-        What each chunk read, from the state before its write.
-    h_T : Tensor, shape ``(B, C, *S)``
-        The final hidden state.
-    c_T : Tensor, shape ``(B, C, *S)``
-        The final cell state.
+        What each chunk read, before its write.
+    h_T, c_T : Tensor, shape ``(B, C, *S)``
+        The final state.
 
     Raises
     ------
@@ -728,5 +714,36 @@ def option_scan(options: ScanOptions, h0: Tensor, c0: Tensor, inputs: Any,
         check_scan_bytes(XP, step_for(options, shift is not None), h0,
                          inputs.read_coords.shape[1], options.checkpoint_every, keep,
                          flow_params is not None)
-    out = call(made.function, made.op, *tensors, *options, keep)
+    out = call(made.function, made.op, *tensors, *options, keep, reset, active)
+    return out[0], out[1], out[2]
+
+
+#: ``checkpoint_every`` of a scan that needs no backward: larger than any ``T``, so only
+#: the initial state is kept (``ceil(T / k) = 1``)
+NO_GRAD_CHECKPOINT_EVERY = 2**31 - 1
+
+
+def dense_scan(h0: Tensor, c0: Tensor, inputs: Any, params: ConvParams, *, eps: float,
+               radius: float | None, checkpoint_every: int, reset: Tensor | None = None,
+               active: Tensor | None = None, validated: bool = False
+               ) -> tuple[Tensor, Tensor, Tensor]:
+    """The paper's scan with autograd: ``(reads (B, T, C), h_T, c_T)``. ``validated``: the
+    inputs are a layer's heads, so only the size gate and validate mode's value checks run;
+    else :func:`validate_scan_inputs`."""
+    tensors = (h0, c0, *inputs, *params)
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    if not torch.compiler.is_compiling():  # (Dynamo cannot trace the checks)
+        if validated:  # validate mode: the values the scan receives
+            check_values(XP, {"h0": h0, "c0": c0, **inputs._asdict(),
+                              **{f"params.{k}": v for k, v in params._asdict().items()}})
+            check_positive(XP, "write_sigma", inputs.write_sigma)
+            check_scan(XP, h0, inputs.read_coords.shape[1], checkpoint_every, grad)
+        else:
+            validate_scan_inputs(h0, c0, *inputs, params, checkpoint_every, radius, eps=eps,
+                                 backward=grad, reset=reset, active=active)
+    # one checkpoint whatever T without a backward: a constant, so that a compiled no_grad
+    # call does not specialize on (and recompile for) each length
+    every = int(checkpoint_every) if grad else NO_GRAD_CHECKPOINT_EVERY
+    out = call(MemoryScanFunction, memory_scan_op, *tensors, float(eps),
+               None if radius is None else float(radius), every, reset, active, validated=True)
     return out[0], out[1], out[2]

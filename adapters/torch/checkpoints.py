@@ -1,5 +1,6 @@
 """Checkpoints of the torch adapter: the paper's reference implementation's weights
-(:func:`convert_reference_state_dict`) and a stream's state as tensors
+(:func:`convert_reference_state_dict`), a memory with its config
+(:func:`memory_to_dict` / :func:`memory_from_dict`) and a stream's state as tensors
 (:func:`state_to_dict` / :func:`state_from_dict`)."""
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from torch import Tensor
 from tmcore import layer as tl
 from tmcore.adapters.torch.modules import TensorMemory
 
-__all__ = ["convert_reference_state_dict", "state_from_dict", "state_to_dict"]
+__all__ = ["convert_reference_state_dict", "memory_from_dict", "memory_to_dict",
+           "state_from_dict", "state_to_dict"]
 
 
 _RENAMED = {
@@ -220,6 +222,78 @@ def convert_reference_state_dict(
                                 f"target's {name}), got {value.dtype} (cast the checkpoint "
                                 f"first, or convert without target=)")
     return out
+
+
+# --------------------------------------------------------------------------- a memory, its config
+
+
+def memory_to_dict(module: TensorMemory) -> dict[str, Any]:
+    """A :class:`TensorMemory` as plain data, for ``torch.save``.
+
+    ``torch.load(..., weights_only=True)`` reads it back; :func:`memory_from_dict`
+    rebuilds the module. The config is :meth:`tmcore.layer.LayerConfig.to_dict`'s, as a
+    Hugging Face ``config.json`` and the JAX adapter's parameters carry it (JAX:
+    ``params_from_state_dict(sd, config=LayerConfig.from_dict(data["config"]))``).
+
+    Parameters
+    ----------
+    module : TensorMemory
+        The memory.
+
+    Returns
+    -------
+    dict
+        ``{"config": dict, "state_dict": dict of Tensor}`` (tensors detached, not copied).
+
+    Raises
+    ------
+    TypeError
+        If ``module`` is not a :class:`TensorMemory`.
+    """
+    if not isinstance(module, TensorMemory):
+        raise TypeError(f"module: expected a TensorMemory, got {type(module).__name__}")
+    return {"config": module.config.to_dict(),
+            "state_dict": {k: v.detach() for k, v in module.state_dict().items()}}
+
+
+def memory_from_dict(data: Mapping[str, Any], *, device: Any = None, dtype: Any = None
+                     ) -> TensorMemory:
+    """Rebuild the :class:`TensorMemory` :func:`memory_to_dict` saved.
+
+    The config is read with :meth:`tmcore.layer.LayerConfig.from_dict` (every field
+    checked, and the parameters' bytes, before anything is allocated); the weights are
+    loaded strictly.
+
+    Parameters
+    ----------
+    data : dict
+        What :func:`memory_to_dict` returned (e.g. after ``torch.load``).
+    device, dtype : optional
+        Where and in which dtype to build the module (default torch's).
+
+    Returns
+    -------
+    TensorMemory
+        The module, with the saved weights.
+
+    Raises
+    ------
+    TypeError, ValueError
+        If ``data`` is not that dict or its config is not a valid one (naming
+        ``data['config'].<field>``).
+    RuntimeError
+        If the weights do not fit the config (``load_state_dict``'s error).
+    MemoryError
+        If the parameters would not fit the device.
+    """
+    if not isinstance(data, Mapping) or set(data) != {"config", "state_dict"}:
+        keys = sorted(map(str, data)) if isinstance(data, Mapping) else None
+        raise TypeError(f"data: expected the dict memory_to_dict made (keys config and "
+                        f"state_dict), got {type(data).__name__} with keys {keys}")
+    config = tl.LayerConfig.from_dict(data["config"], "data['config']")
+    module = TensorMemory(**config.to_dict(), device=device, dtype=dtype)
+    module.load_state_dict(data["state_dict"], strict=True)
+    return module
 
 
 # --------------------------------------------------------------------------- saving a stream

@@ -1,6 +1,5 @@
 """The torch adapter's modules: :class:`TensorMemory` (the layer of :mod:`tmcore.layer`
-holding its parameters), :class:`MemoryResidual` (the gated residual), :class:`ConvLSTMCell`
-and :class:`WarpFlow` (the cell's and the flow's parameters)."""
+holding its parameters), :class:`MemoryResidual`, :class:`ConvLSTMCell` and :class:`WarpFlow`."""
 
 from __future__ import annotations
 
@@ -15,23 +14,22 @@ from torch import Tensor, nn
 
 from tmcore import layer as tl
 from tmcore.adapters.torch import bridge
-from tmcore.adapters.torch.functional import memory_scan, option_scan
+from tmcore.adapters.torch.functional import option_scan
 from tmcore.adapters.torch.tuners import computed, fold_tuned
 from tmcore.ops.splat import DEFAULT_EPS
 from tmcore.runtime.validate import check_finite, check_flag, check_int
-from tmcore.scan.dense import write_step
 from tmcore.scan.options import scan_options
-from tmcore.types import ConvParams, StepInputs
+from tmcore.types import ConvParams
 
-__all__ = ["ConvLSTMCell", "GatedMemoryResidual", "MemoryResidual", "TensorMemory", "WarpFlow"]
+__all__ = ["ConvLSTMCell", "MemoryResidual", "TensorMemory", "WarpFlow"]
 
 State = tuple[Tensor, Tensor]
 _XP = bridge.XP
 
 
 def _check_like_params(name: str, value: Tensor, ref: Tensor, check_dtype: bool) -> None:
-    """``ValueError`` unless ``value`` is on ``ref``'s device; ``TypeError`` unless it has
-    ``ref``'s dtype (when ``check_dtype``). ``name`` leads the message."""
+    """``ValueError`` unless ``value`` is on ``ref``'s device, ``TypeError`` unless it has
+    ``ref``'s dtype (when ``check_dtype``); ``name`` leads the message."""
     if value.device != ref.device:
         raise ValueError(f"{name}: expected a tensor on the parameters' device {ref.device}, "
                          f"got one on {value.device}")
@@ -42,8 +40,8 @@ def _check_like_params(name: str, value: Tensor, ref: Tensor, check_dtype: bool)
 
 def _init_from_plan(params: Mapping[str, Tensor], config: tl.LayerConfig, groups: Sequence[str]
                     ) -> None:
-    """Fill ``params`` (``"group.leaf"`` -> parameter) from :func:`tmcore.layer.param_specs`,
-    drawing the random ones with torch's RNG in state-dict order."""
+    """Fill ``params`` (``"group.leaf"`` -> parameter) by :func:`tmcore.layer.init_params`,
+    drawing with torch's RNG in state-dict order."""
     ref = next(iter(params.values()))
 
     def uniform(spec: tl.ParamSpec) -> Tensor:
@@ -59,7 +57,6 @@ def _init_from_plan(params: Mapping[str, Tensor], config: tl.LayerConfig, groups
 
 
 def _paper_scan(config: tl.LayerConfig) -> bool:
-    """Whether ``config`` scans with the paper's dense step (no local update, no warp)."""
     return config.update == "dense" and config.dynamics == "none"
 
 
@@ -70,13 +67,9 @@ def _cell_config(channels: int, ndim: int, forget_bias: float) -> tl.LayerConfig
 class ConvLSTMCell(nn.Module):
     """The ConvLSTM update of the memory grid: its gate conv's parameters and one step.
 
-    The four :class:`tmcore.ConvParams` tensors ``depthwise_weight (n, 2C, 3)``,
-    ``depthwise_bias (n, 2C)``, ``pointwise_weight (4C, 2C)``, ``pointwise_bias
-    (4C,)`` are initialized by the plan of :func:`tmcore.layer.param_specs`
-    (identity taps, zero biases, a Xavier-uniform pointwise matrix, the
-    forget-gate quarter of the pointwise bias (gate order ``i, f, o, g``) set to
-    ``forget_bias``). :meth:`forward` is one :func:`tmcore.convlstm_step` with
-    its hand-written VJP registered with autograd.
+    The :class:`tmcore.ConvParams` tensors ``depthwise_weight (n, 2C, 3)``, ``depthwise_bias
+    (n, 2C)``, ``pointwise_weight (4C, 2C)``, ``pointwise_bias (4C,)``, initialized by the plan
+    of :func:`tmcore.layer.param_specs`.
 
     Parameters
     ----------
@@ -86,18 +79,15 @@ class ConvLSTMCell(nn.Module):
         ``n``, the spatial axes of the grid (1 to 4).
     forget_bias : float, default 0.0
         The initial bias of the forget gate.
-    device : torch.device, str or None, optional
-        Where the parameters live.
-    dtype : torch.dtype or None, optional
-        The parameters' dtype.
+    device, dtype : optional
+        The parameters' device and dtype.
 
     Raises
     ------
     TypeError
         If ``channels`` or ``ndim`` is not an int.
     ValueError
-        If ``channels < 1``, ``ndim`` is not 1 to 4, or ``forget_bias`` is not
-        finite.
+        If ``channels < 1``, ``ndim`` is not 1 to 4, or ``forget_bias`` is not finite.
     """
 
     def __init__(self, channels: int, ndim: int, *, forget_bias: float = 0.0,
@@ -119,48 +109,39 @@ class ConvLSTMCell(nn.Module):
                         ("cell",))
 
     def params(self) -> ConvParams:
-        """The gate conv's parameters as the scan takes them.
+        """Give the gate conv's parameters as the scan takes them.
 
         Returns
         -------
         ConvParams
-            ``(depthwise_weight, depthwise_bias, pointwise_weight,
-            pointwise_bias)``, the module's parameters themselves (not copies).
+            The module's four tensors themselves (not copies).
         """
         return ConvParams(self.depthwise_weight, self.depthwise_bias, self.pointwise_weight,
                           self.pointwise_bias)
 
     def forward(self, x: Tensor, state: tuple[Tensor, Tensor] | None = None
                 ) -> tuple[Tensor, Tensor]:
-        """One ConvLSTM step of the state ``(h, c)`` by a written volume ``x``.
-
-        ``z = conv(concat([x, h], channel axis))`` split into the gates ``(i, f, o,
-        g)``; ``c' = sigmoid(f) c + sigmoid(i) tanh(g)``, ``h' = sigmoid(o)
-        tanh(c')`` (:func:`tmcore.convlstm_step`, with its VJP as the gradient).
+        """One ConvLSTM step (:func:`tmcore.convlstm_step`) of the state by a written volume.
 
         Parameters
         ----------
         x : Tensor, shape ``(B, C, *S)``
-            The written volume (e.g. :func:`gaussian_splat`'s output), ``n =
-            len(S)`` spatial axes.
+            The written volume.
         state : pair of Tensor, shape ``(B, C, *S)`` each, optional
-            ``(h, c)`` entering the step; ``None``: zeros like ``x``.
+            ``(h, c)`` entering the step; ``None``: zeros.
 
         Returns
         -------
-        h : Tensor, shape ``(B, C, *S)``
-            The new hidden state.
-        c : Tensor, shape ``(B, C, *S)``
-            The new cell state.
+        h, c : Tensor, shape ``(B, C, *S)`` each
+            The new state.
 
         Raises
         ------
         TypeError
-            If ``x`` or a state field is not a tensor or not in the parameters'
-            dtype.
+            If ``x`` or a state field is not a tensor in the parameters' dtype.
         ValueError
-            If ``x``, ``h`` and ``c`` are not one shape ``(B, C, *S)`` with this
-            cell's ``C`` and ``n``, or lie on another device than the parameters.
+            If ``x``, ``h``, ``c`` are not one shape ``(B, C, *S)`` with this cell's ``C`` and
+            ``n``, or lie on another device than the parameters.
         """
         if state is None:
             h = c = torch.zeros_like(x) if isinstance(x, Tensor) else x
@@ -186,19 +167,15 @@ class ConvLSTMCell(nn.Module):
 
 
 class WarpFlow(nn.Module):
-    """The ``warp_flow`` group (``flow=True``): the parameters of the per-cell flow.
+    """The ``warp_flow`` group (``flow=True``): the per-cell flow's conv parameters.
 
-    The flow ``conv(h) (B, n, *S)`` is a factorized conv with ``depthwise_weight
-    (n, C, 3)``, ``depthwise_bias (n, C)``, ``pointwise_weight (n, C)`` and
-    ``pointwise_bias (n,)`` (initialized by :func:`tmcore.layer.param_specs`: identity
-    taps, zeros).
+    ``depthwise_weight (n, C, 3)``, ``depthwise_bias (n, C)``, ``pointwise_weight (n, C)``,
+    ``pointwise_bias (n,)``, initialized by the plan of :func:`tmcore.layer.param_specs`.
 
     Parameters
     ----------
-    channels : int
-        ``C``, the state's channels.
-    ndim : int
-        ``n``, the grid's spatial axes.
+    channels, ndim : int
+        ``C``, the state's channels, and ``n``, the grid's spatial axes.
     **kw
         ``device`` and ``dtype`` of the parameters.
     """
@@ -216,7 +193,7 @@ class WarpFlow(nn.Module):
         Returns
         -------
         ConvParams
-            The flow's conv parameters (the module's own tensors).
+            The module's own tensors.
         """
         return ConvParams(self.depthwise_weight, self.depthwise_bias, self.pointwise_weight,
                           self.pointwise_bias)
@@ -224,8 +201,8 @@ class WarpFlow(nn.Module):
 
 @functools.lru_cache(maxsize=64)
 def _param_names(config: tl.LayerConfig) -> tuple[tuple[str, tuple[str, ...]], ...]:
-    """``((group, (leaf, ...)), ...)`` of a config's parameters (:func:`param_specs`,
-    computed once per config rather than per call: a decode step is one call per token)."""
+    """``((group, (leaf, ...)), ...)`` of a config's :func:`param_specs`, cached per config
+    (a decode step is one call per token)."""
     groups: dict[str, list[str]] = {}
     for spec in tl.param_specs(config):
         groups.setdefault(spec.group, []).append(spec.leaf)
@@ -234,9 +211,8 @@ def _param_names(config: tl.LayerConfig) -> tuple[tuple[str, tuple[str, ...]], .
 
 class _TorchChecks(NamedTuple):
     """The torch-side checks of a layer call's state and masks (``check=`` of
-    :meth:`tmcore.layer.Layer.forward` / ``forward_stream``), run after the layer's
-    generic checks of ``x`` and the state: devices (and dtypes, unless ``check_dtype``
-    is off under autocast) against the parameters' ``ref``."""
+    :meth:`tmcore.layer.Layer.forward`): devices, and dtypes unless ``check_dtype`` is off
+    (autocast), against the parameters' ``ref``."""
 
     ref: Tensor
     check_dtype: bool
@@ -257,136 +233,55 @@ class _TorchChecks(NamedTuple):
 
 
 class _TorchLayer(tl.Layer):
-    """The layer of :mod:`tmcore.layer` with torch's fused kernels for the heads.
+    """:mod:`tmcore.layer`'s layer with torch's fused primitives (``F.linear``, the read's custom
+    op, ``F.softplus``, ``torch.split``): the same math in fewer dispatched ops."""
 
-    ``F.linear`` (follows autocast), ``F.softplus`` and ``torch.split``: the same
-    math as the generic heads, in fewer dispatched ops.
-
-    Parameters
-    ----------
-    config : LayerConfig
-        The layer's hyperparameters (:func:`tmcore.layer.layer_config`).
-    """
-
-    def heads(self, xp: Any, params: Mapping[str, Any], chunk: Tensor) -> Any:
-        # 2-D operands for the products (flat_rows) where F.linear would flatten the
-        # chunks to the same addmm itself (contiguous tokens): the same bits without its
-        # reshapes (dispatches); a non-contiguous view F.linear multiplies by matmul and
-        # then adds the bias to, so it keeps the N-D operands (and those bits)
-        return tl.heads(xp, params, chunk, self.config, linear=self.linear,
-                        softplus=self.softplus, split=self.split,
-                        flat_rows=chunk.is_contiguous())
+    flat_rows = True
 
     @staticmethod
     def linear(xp: Any, p: Mapping[str, Tensor], x: Tensor) -> Tensor:
         return F.linear(x, p["weight"], p["bias"])
 
     @staticmethod
+    def sample(volume: Tensor, coords: Tensor) -> Tensor:
+        return bridge.call(bridge.TrilinearSampleFunction, bridge.trilinear_sample_op, volume,
+                           coords, validated=True)  # (the layer's own inputs)
+
+    @staticmethod
     def softplus(xp: Any, x: Tensor) -> Tensor:
-        # one fused op (and one in the backward) instead of the generic form's eight;
         # above the threshold torch returns x, whose error exp(-x) / x is below half an
-        # ulp there (float64: exp(-40) / 40 ~ 1e-19), so the two agree to rounding
+        # ulp there (float64: exp(-40) / 40 ~ 1e-19): the generic form to rounding
         return F.softplus(x, threshold=40.0 if x.dtype == torch.float64 else 20.0)
 
     @staticmethod
-    def sample(volume: Tensor, coords: Tensor) -> Tensor:
-        # the custom op (traced by torch.compile as one node); its inputs are the layer's
-        return bridge.call(bridge.TrilinearSampleFunction,
-                           bridge.trilinear_sample_op, volume, coords, validated=True)
-
-    @staticmethod
     def split(xp: Any, x: Tensor, sizes: Sequence[int]) -> tuple[Tensor, ...]:
-        # one op (views) instead of a slice per piece; its backward is one op too
         return torch.split(x, list(sizes), dim=-1)
-
-
-# the torch heads' read coordinates are coord_net of the chunk's first token, as the
-# generic heads': a decode step that starts a chunk may compute them alone (read_coords)
-_TorchLayer.heads.first_token_reads = True
-
-
-class _Scan:
-    """A module's scan as its layer calls it: ``scan(h0, c0, inputs)``, and
-    ``scan.write(h, c, inputs) -> (h', c')``, the update alone of one step (a decode step
-    that completes a chunk; :meth:`TensorMemory._write`). Made per call (no state)."""
-
-    __slots__ = ("module",)
-
-    def __init__(self, module: TensorMemory):
-        self.module = module
-
-    def __call__(self, h0: Tensor, c0: Tensor, inputs: Any) -> tuple[Tensor, Tensor, Tensor]:
-        return self.module._scan(h0, c0, inputs)
-
-    def write(self, h: Tensor, c: Tensor, inputs: Any) -> tuple[Tensor, Tensor]:
-        return self.module._write(h, c, inputs)
 
 
 class TensorMemory(nn.Module):
     """Tensor Memory layer: chunked read / write / ConvLSTM update of a voxel state.
 
-    Every argument is checked once by :func:`tmcore.layer.layer_config` (sizes
-    are ints, Python or NumPy: a float or bool is a ``TypeError``, a size < 1 a
-    ``ValueError``). The math per chunk is :class:`tmcore.layer.Layer`'s
-    (``layer_class``; a variant subclasses it). Streaming by default:
-    :meth:`forward` returns a :class:`StreamState` that carries the unfinished
-    chunk, so feeding a sequence back in pieces of any lengths with the returned
-    state equals one long call; ``stream=False`` pads the ragged last chunk with
-    zeros and writes it into the state (a plain ``(h, c)``; the paper's reference
-    behaviour).
+    The math is :class:`tmcore.layer.Layer`'s (``layer_class``; a variant subclasses it); every
+    argument is checked once by :func:`tmcore.layer.layer_config`.
 
     Parameters
     ----------
-    embed_dim : int
-        ``d``, the token width.
-    memory_channels : int
-        ``C``, the channels of the state ``(h, c)``.
-    memory_shape : sequence of int
-        The spatial grid ``S``, 1 to 4 positive ints (3 in the paper).
-    chunk_size : int
-        ``L``, tokens per chunk (one read and one write per chunk).
-    sigma_scale : float, default 1.0
-        Multiplies the predicted write spread.
-    checkpoint_every : int, default 1
-        The backward keeps every k-th state and recomputes the rest.
-    radius : float or None, default None
-        Optional truncation of the Gaussian write, in units of sigma.
-    eps : float, default 1e-6
-        Added to ``2 sigma^2`` in the Gaussian (>= 0).
-    forget_bias : float, default 0.0
-        Initial bias of the ConvLSTM forget gate (the layer's init: the cell
-        starts keeping ``sigmoid(0) = 1/2`` of its state per chunk). A positive
-        value (e.g. 3: ``sigmoid(3) = 0.95``) starts the memory remembering
-        across many chunks, which long-range tasks need to discover it at all.
-    zero_init : bool, default False
-        Start the read-out ``out_proj`` at zero (weight and bias): the layer's
-        output is exactly 0 at initialization (an attached memory is an exact
-        identity) while ``out_proj`` still gets a gradient.
-    update : {"dense", "local"}, default "dense"
-        Experimental (:func:`tmcore.layer.layer_config`): ``"local"`` updates
-        only a window of ``window`` cells per axis around the write.
-    window : int or None, default None
-        The window's cells per axis with ``update="local"``.
-    dynamics : {"none", "warp"}, default "none"
-        Experimental: ``"warp"`` resamples the state at displaced cell centres
-        before each update (adds the zero-initialized ``warp_net``).
-    flow : bool, default False
-        With ``dynamics="warp"``, also ``warp_flow``, a per-cell flow from a conv
-        of ``h``. The experimental options' scan is a custom op with a first-order
-        backward (eager, ``torch.compile``; a double backward is refused).
-    device : torch.device, str or None, optional
-        Where the parameters live.
-    dtype : torch.dtype or None, optional
-        The parameters' dtype.
+    embed_dim, memory_channels, memory_shape, chunk_size : int, int, sequence of int, int
+        The sizes ``d``, ``C``, ``S`` (1 to 4 axes) and ``L``.
+    sigma_scale, checkpoint_every, radius, eps, forget_bias, zero_init : see layer_config
+        As in :func:`tmcore.layer.layer_config` (e.g. ``forget_bias=3.0`` starts the memory
+        remembering across chunks).
+    update, window, dynamics, flow : see layer_config
+        The experimental options; their scan has a first-order backward only.
+    device, dtype : optional
+        The parameters' device and dtype.
 
     Raises
     ------
     TypeError
-        If a size is not an int (a float, a bool) or another argument has the
-        wrong type.
+        If an argument has the wrong type (a float or bool size, ...); the error names it.
     ValueError
-        If a size is < 1, ``memory_shape`` does not have 1 to 4 axes, or a
-        number is out of range (each error names the argument).
+        If a value is out of range (each error names the argument).
     """
 
     layer_class: type[tl.Layer] = _TorchLayer
@@ -421,7 +316,6 @@ class TensorMemory(nn.Module):
             self.warp_flow = WarpFlow(c, n, **kw)
         self.reset_parameters()
 
-    # config fields as attributes (read-only views of self.config)
     embed_dim = property(lambda self: self.config.embed_dim)
     memory_channels = property(lambda self: self.config.memory_channels)
     memory_shape = property(lambda self: self.config.memory_shape)
@@ -439,11 +333,7 @@ class TensorMemory(nn.Module):
                         tl.param_groups(self.config))
 
     def zero_read_out_(self) -> None:
-        """Zero the read-out ``out_proj`` (weight and bias), and keep it zero on reset.
-
-        ``zero_init=True`` goes into the config (so :meth:`reset_parameters` keeps
-        it): the output is exactly 0 from here on until ``out_proj`` trains.
-        """
+        """Zero the read-out ``out_proj`` and keep it zero on reset (``zero_init``)."""
         self.config = dataclasses.replace(self.config, zero_init=True)
         self.layer.config = self.config
         with torch.no_grad():
@@ -469,20 +359,17 @@ class TensorMemory(nn.Module):
                 + (", flow=True" if self.config.flow else ""))
 
     def params(self) -> dict[str, dict[str, Tensor]]:
-        """The parameters as :mod:`tmcore.layer`'s pytree.
+        """Give the parameters as :mod:`tmcore.layer`'s pytree.
 
-        Read by attribute (``self.write_proj.weight``, ...), not through
-        ``named_parameters()``: FSDP1 with flat parameters (its default) unregisters
-        the parameters and sets each attribute to a view of the flat one. A linear
-        layer a PEFT LoRA tuner wraps gives its effective weight and bias (the base
-        ones plus the active adapters' deltas, on the graph:
-        :func:`tmcore.adapters.torch.tuners.effective_weight`).
+        Read by attribute, not ``named_parameters()``: FSDP1's flat parameters unregister them
+        and leave views as attributes. A PEFT LoRA layer gives its effective weight
+        (:func:`tmcore.adapters.torch.tuners.effective_weight`).
 
         Returns
         -------
         dict of dict of Tensor
-            ``{group: {leaf: tensor}}`` (the state-dict names split at the dot),
-            the module's parameters themselves (a wrapped layer's: its effective ones).
+            ``{group: {leaf: tensor}}`` (the state-dict names split at the dot), the
+            parameters themselves.
         """
         params: dict[str, dict[str, Tensor]] = {}
         tuned: dict[str, nn.Module] = {}
@@ -495,8 +382,7 @@ class TensorMemory(nn.Module):
                 params[group] = tuned[group] = module  # (a placeholder keeps the group order)
                 continue
             registered = module._parameters
-            # the registered parameter, else the attribute (FSDP1's flat-parameter views,
-            # an old-style weight_norm's weight: recomputed as the layer's forward would)
+            # else the attribute: FSDP1's flat-parameter views, an old weight_norm's weight
             params[group] = {leaf: registered[leaf] if registered.get(leaf) is not None
                              else computed(module, leaf) for leaf in leaves}
         if tuned:
@@ -506,11 +392,10 @@ class TensorMemory(nn.Module):
     # ----------------------------------------------------------------- checkpoints
 
     def get_extra_state(self) -> Tensor:
-        """Store the grid shape in the state dict (key ``_extra_state``).
+        """Store the grid shape (which the parameters do not show) under ``_extra_state``.
 
-        The parameters do not show the grid (only its number of axes), so the
-        state dict carries it, and loading refuses a checkpoint of another grid.
-        A tensor, so that safetensors and ``torch.load(weights_only=True)`` keep it.
+        A tensor, so that safetensors and ``torch.load(weights_only=True)`` keep it; loading
+        refuses a checkpoint of another grid.
 
         Returns
         -------
@@ -528,12 +413,12 @@ class TensorMemory(nn.Module):
         return tl.stored_grid_error(value, self.memory_shape, key)
 
     def set_extra_state(self, state: Any) -> None:
-        """Check a stored grid shape against this model's (see :meth:`get_extra_state`).
+        """Check a stored grid shape against this model's (:meth:`get_extra_state`).
 
         Parameters
         ----------
         state : Tensor or sequence of int
-            The stored ``_extra_state``, a 1-D int tensor ``(n,)``.
+            The stored ``_extra_state``, shape ``(n,)``.
 
         Raises
         ------
@@ -569,9 +454,7 @@ class TensorMemory(nn.Module):
         ----------
         batch : int
             ``B`` (>= 0).
-        device : torch.device, str or None, optional
-            Default: the parameters'.
-        dtype : torch.dtype or None, optional
+        device, dtype : optional
             Default: the parameters'.
 
         Returns
@@ -592,14 +475,11 @@ class TensorMemory(nn.Module):
                              device=ref.device if device is None else device)
 
     def _check(self, x: Tensor, state: Any, reset: Tensor | None) -> _TorchChecks:
-        """The torch-side checks :class:`tmcore.layer.Layer` cannot make, of ``x`` (a
-        tensor, on the parameters' device, in their dtype: autocast allows
-        lower-precision tokens); those of the state and the masks run inside the layer's
-        call, after its generic checks of ``x`` and the state (:class:`_TorchChecks`), so
-        that every input is checked once per call."""
+        """Check ``x`` (a tensor on the parameters' device, in their dtype unless autocast is on);
+        the state's and masks' torch checks run inside the layer's call (:class:`_TorchChecks`)."""
         if not isinstance(x, Tensor):
             raise TypeError(f"x: expected a tensor of shape (B, N, d), got {type(x).__name__}")
-        _require_torch(state, reset)  # NumPy state / mask: a TypeError naming the field
+        _require_torch(state, reset)
         ref = self.out_proj.weight
         device_type = x.device.type
         check_dtype = not (torch.amp.is_autocast_available(device_type)
@@ -607,31 +487,16 @@ class TensorMemory(nn.Module):
         _check_like_params("x", x, ref, check_dtype)
         return _TorchChecks(ref, check_dtype)
 
-    def _scan(self, h0: Tensor, c0: Tensor, inputs: Any) -> tuple[Tensor, Tensor, Tensor]:
+    def _scan(self, h0: Tensor, c0: Tensor, inputs: Any, *, reset: Tensor | None = None,
+              active: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
         config = self.config
-        if not _paper_scan(config):  # local / warp options
+        if not _paper_scan(config):
             return option_scan(scan_options(config), h0, c0, inputs, self.cell.params(),
-                               self.warp_flow.params() if config.flow else None)
-        return memory_scan(h0, c0, *inputs, self.cell.params(), eps=config.eps,
-                           radius=config.radius, checkpoint_every=config.checkpoint_every)
-
-    def _write(self, h: Tensor, c: Tensor, inputs: Any) -> tuple[Tensor, Tensor]:
-        """One decode step's update, ``inputs`` of ``(B, 1, ...)`` tensors -> ``(h', c')``:
-        without the scan's read, its validation (the inputs are the heads', the state a
-        checked one) and its autograd wrapper (:func:`tmcore.scan.dense.write_step`, the
-        same kernels as the scan's on the CPU: the same bits) in plain float32 / float64
-        CPU inference; elsewhere (a gradient, a transform, ``torch.compile``, the layer's
-        options, another device or dtype) the scan's step."""
-        config = self.config
-        params = self.cell.params()
-        if _paper_scan(config) and h.device.type == "cpu" \
-                and h.dtype in (torch.float32, torch.float64) \
-                and all(v.dtype == h.dtype for v in inputs) \
-                and bridge.plain_inference(h, c, *inputs, *params):
-            step = StepInputs(*(v[:, 0] for v in inputs))
-            return write_step(_XP, h, c, step, params, config.eps, config.radius)
-        _, h, c = self._scan(h, c, inputs)
-        return h, c
+                               self.warp_flow.params() if config.flow else None,
+                               reset=reset, active=active)
+        return bridge.dense_scan(h0, c0, inputs, self.cell.params(), eps=config.eps,
+                                 radius=config.radius, checkpoint_every=config.checkpoint_every,
+                                 reset=reset, active=active, validated=True)
 
     def forward(
         self, x: Tensor, state: Any = None, *, reset: Tensor | None = None,
@@ -639,66 +504,43 @@ class TensorMemory(nn.Module):
     ) -> tuple[Tensor, Any]:
         """Run the memory over a sequence of tokens.
 
-        By default the call streams (:meth:`tmcore.layer.Layer.forward_stream`):
-        the returned :class:`StreamState` holds ``(h, c)`` at the last chunk
-        boundary plus the unfinished chunk, so feeding a sequence back in pieces
-        of any lengths (one token at a time included) with the returned state
-        equals one long call. ``stream=False`` is the paper's reference: the
-        ragged last chunk is zero-padded and written, and continuing from the
-        plain ``(h, c)`` is NOT one long call unless every piece is a multiple of
-        ``chunk_size``.
+        Streams by default (:meth:`tmcore.layer.Layer.forward_stream`: pieces of any lengths
+        with the returned state equal one long call); ``stream=False`` is the paper's call
+        (:meth:`tmcore.layer.Layer.forward`).
 
         Parameters
         ----------
         x : Tensor, shape ``(B, N, d)``
-            The tokens, on the parameters' device, in their dtype (autocast allows
-            a lower precision).
+            The tokens, on the parameters' device, in their dtype (lower under autocast).
         state : None, pair of Tensor or StreamState, optional
-            ``(h, c)`` (each ``(B, C, *S)``) or the :class:`StreamState` a previous
-            call returned; ``None``: zeros.
+            ``(h, c)`` (each ``(B, C, *S)``) or the :class:`StreamState` a previous call
+            returned; ``None``: zeros.
         reset : Tensor, shape ``(B,)``, bool, optional
-            Those rows start from zeros (a float mask is a ``TypeError``).
-        doc_starts : Tensor, shape ``(B, N)``, bool, optional
-            True at document starts (packed documents, each equal to running it
-            alone; :func:`doc_starts_from_offsets`); needs ``stream=True``.
-        valid : Tensor, shape ``(B, N)``, bool, optional
-            False at padding: those tokens never enter the state nor the chunk
-            grid and their outputs are zeros; needs ``stream=True``.
+            Those rows start from zeros.
+        doc_starts, valid : Tensor, shape ``(B, N)``, bool, optional
+            Document starts and the padding mask (``stream=True`` only), as in
+            :meth:`tmcore.layer.Layer.forward_stream`.
         stream : bool, default True
-            Return a :class:`StreamState`, so that pieces of any lengths equal one
-            call; ``False``: pad the ragged last chunk with zeros, write it, and
-            return ``(h, c)``.
+            Return a :class:`StreamState`; ``False``: ``(h, c)``.
 
         Returns
         -------
         out : Tensor, shape ``(B, N, d)``
-            Each token's output: its chunk's read, read out.
+            Each token's output.
         state : StreamState or pair of Tensor
-            A :class:`StreamState`, or ``(h, c)`` with ``stream=False``.
+            The new state.
 
         Raises
         ------
         TypeError
-            If an argument is not a tensor of the right kind or dtype (each error
-            names it).
+            If an argument is not a tensor of the right kind or dtype (each error names it).
         ValueError
-            If an argument has the wrong shape or device, or a stream-only
-            argument comes with ``stream=False``.
+            If an argument has the wrong shape or device, or a stream-only argument comes with
+            ``stream=False``.
         """
-        if stream and reset is None and doc_starts is None and valid is None \
-                and type(x) is Tensor and type(state) is tl.StreamState:
-            # a decode step from the state this memory's last one produced: its checks
-            # passed for tokens of this batch, dtype and device (the record compares
-            # them), so only what could have changed since is compared here
-            ref = self.out_proj.weight
-            if x.ndim == 3 and x.shape[-1] == self.embed_dim and x.dtype == ref.dtype \
-                    and x.device == ref.device:
-                fast = self.layer.decode_produced(_XP, self.params(), x, state, _Scan(self))
-                if fast is not None:
-                    return fast
         check = self._check(x, state, reset)
         if stream:
-            return self.layer.forward_stream(_XP, self.params(), x, state, scan=_Scan(self),
+            return self.layer.forward_stream(_XP, self.params(), x, state, scan=self._scan,
                                              reset=reset, doc_starts=doc_starts, valid=valid,
                                              check=check)
         if isinstance(state, tl.StreamState):
@@ -714,23 +556,18 @@ class TensorMemory(nn.Module):
 class MemoryResidual(nn.Module):
     """Gated residual ``x + sigmoid(gate) * memory(norm(x))`` around a Tensor Memory.
 
-    The gate is stored with shape ``(1,)`` (FSDP shards no 0-dim parameter);
-    checkpoints saved with the older 0-dim gate still load.
-    :class:`GatedMemoryResidual` is the same class (the JAX adapter's name).
-
     Parameters
     ----------
     memory : TensorMemory
-        The memory (its ``embed_dim``, device and dtype size the norm and gate).
+        The memory (its ``embed_dim``, device and dtype size the norm and the gate).
     norm : nn.Module, type or None, default None
-        A module, a class called as ``norm(embed_dim)``, or ``None`` for
-        ``nn.LayerNorm(embed_dim)`` (pass ``nn.Identity()`` for none).
+        A module, a class called as ``norm(embed_dim)``, or ``None`` for ``nn.LayerNorm``
+        (``nn.Identity()`` for none).
     gate_init : float, default 0.0
-        The initial gate logit (the paper uses 0.0 and -2.0).
+        The initial gate logit (the paper uses 0.0 and -2.0); the gate has shape ``(1,)``.
     zero_init : bool, default False
-        Zero the memory's read-out ``out_proj`` (see :class:`TensorMemory`): the
-        residual is then exactly ``x`` at initialization, and the memory still
-        trains.
+        Zero the memory's read-out (:class:`TensorMemory`'s ``zero_init``): the residual is
+        exactly ``x`` at initialization, and still trains.
 
     Raises
     ------
@@ -762,30 +599,18 @@ class MemoryResidual(nn.Module):
         self.norm = norm
         self.gate = nn.Parameter(torch.full(tl.GATE_SHAPE, gate_init, **kw))
 
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
-                              unexpected_keys, error_msgs):
-        key = prefix + "gate"
-        value = state_dict.get(key)
-        if isinstance(value, Tensor) and value.dim() == 0:  # saved before the gate was (1,)
-            state_dict = {**state_dict, key: value.reshape(tl.GATE_SHAPE)}
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
-                                      unexpected_keys, error_msgs)
-
     def forward(
         self, x: Tensor, state: Any = None, *, reset: Tensor | None = None,
         doc_starts: Tensor | None = None, valid: Tensor | None = None, stream: bool = True,
     ) -> tuple[Tensor, Any]:
         """Add the gated memory read to the tokens: ``x + sigmoid(gate) * memory(norm(x))``.
 
-        The state returned is the memory's.
-
         Parameters
         ----------
         x : Tensor, shape ``(B, N, d)``
-            The tokens, as in :meth:`TensorMemory.forward`.
+            The tokens.
         state, reset, doc_starts, valid, stream : see TensorMemory.forward
-            Passed to the memory unchanged (the state, row resets, document starts,
-            the padding mask and the streaming switch).
+            Passed to the memory unchanged.
 
         Returns
         -------
@@ -796,26 +621,18 @@ class MemoryResidual(nn.Module):
 
         Raises
         ------
-        TypeError
-            If an argument is not a tensor of the right kind or dtype (each error
-            names it).
-        ValueError
-            If an argument has the wrong shape or device, or a stream-only
-            argument comes with ``stream=False``.
+        TypeError, ValueError
+            As :meth:`TensorMemory.forward`.
         """
         out, state = self.memory(self.norm(x), state, reset=reset, doc_starts=doc_starts,
                                  valid=valid, stream=stream)
         return x + torch.sigmoid(self.gate) * out, state
 
 
-# The same class under the JAX adapter's older name (both adapters have both names).
-GatedMemoryResidual = MemoryResidual
-
 
 def _require_torch(state: Any, reset: Any) -> None:
-    """``TypeError`` naming the field when a state or a reset mask holds arrays of another
-    kind (NumPy, JAX): the torch layer needs tensors (called first by
-    :meth:`TensorMemory._check`)."""
+    """``TypeError`` naming the field when a state or a reset mask holds arrays of another kind
+    (NumPy, JAX)."""
     def kind(value: Any) -> str:
         return f"{type(value).__module__}.{type(value).__qualname__}"
 

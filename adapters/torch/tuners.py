@@ -1,19 +1,11 @@
 """The weight and bias a memory linear layer computes with when a PEFT tuner wraps it.
 
-:class:`~tmcore.adapters.torch.TensorMemory` never calls its linear layers: it reads
-their ``weight (out, in)`` and ``bias (out,)`` and hands them to the functional layer
-(``F.linear(x, weight, bias)`` inside :mod:`tmcore.layer`). A PEFT LoRA wrapper
-(``LoraConfig(target_modules="all-linear")``) adds its update in its own ``forward``, which
-is never run, so :func:`effective_weight` folds the update into the weight instead, on
-the autograd graph: ``W + sum_a scaling_a * B_a @ A_a`` over the active adapters (and
-``b + scaling_a * B_a.bias`` with ``lora_bias=True``), the same weight
-``merge_and_unload()`` would write. LoRA is linear in ``x``, so this equals what the
-wrapper's own ``forward`` computes, except for ``lora_dropout``: dropout acts on the
-input of the adapter path, which a weight cannot express, so it is not applied (a
-warning says so, once per layer and adapter). Tuners whose update is not such a weight
-delta (DoRA and the other LoRA variants, IA3, LoHa, ...) are refused with a
-``ValueError`` naming the layer. :func:`computed` is the same for a weight that an
-old-style ``torch.nn.utils.weight_norm`` / ``spectral_norm`` pre-hook computes.
+:class:`~tmcore.adapters.torch.TensorMemory` never calls its linear layers (it reads their
+weights), so a LoRA wrapper's update is folded into the weight instead, on the autograd
+graph, as ``merge_and_unload()`` would write it; ``lora_dropout`` cannot be expressed in a
+weight and is skipped with a warning, and tuners that are not a weight delta are refused
+(docs/guides/huggingface.md, PEFT / LoRA). :func:`computed` does the same for a weight an
+old-style ``weight_norm`` / ``spectral_norm`` pre-hook computes.
 """
 
 from __future__ import annotations
@@ -38,35 +30,19 @@ _HOW_TO_EXCLUDE = ("exclude the memory's layers from the tuner (exclude_modules=
 
 
 def is_tuned(linear: nn.Module) -> bool:
-    """Whether a PEFT tuner layer wraps ``linear`` (it has ``base_layer`` and
-    ``active_adapters``, as peft's ``BaseTunerLayer`` does)."""
+    """Whether a PEFT tuner layer (``base_layer`` and ``active_adapters``) wraps ``linear``."""
     return "base_layer" in linear._modules and hasattr(linear, "active_adapters")
 
 
-# the pre-hooks of the old-style torch.nn.utils.weight_norm / spectral_norm: they set the
-# weight attribute from the layer's own parameters before each forward
+# the pre-hooks of the old-style weight_norm / spectral_norm (they set the weight attribute)
 _RECOMPUTING = (WeightNorm, SpectralNorm)
 
 
 def computed(module: nn.Module, leaf: str) -> Tensor | None:
-    """``module.<leaf>`` (an attribute, not a registered parameter) as the module's own
-    ``forward`` would see it: the old-style ``torch.nn.utils.weight_norm`` /
-    ``spectral_norm`` pre-hooks recompute it first (the memory never calls its layers,
-    so their pre-hooks would never run: a stale weight, and a freed graph in the second
-    backward). Other attributes (FSDP1's flat-parameter views) are returned as they are.
-
-    Parameters
-    ----------
-    module : nn.Module
-        A memory linear layer.
-    leaf : str
-        ``"weight"`` or ``"bias"``.
-
-    Returns
-    -------
-    Tensor or None
-        The attribute, recomputed where such a hook makes it.
-    """
+    """``module.<leaf>`` (``"weight"`` or ``"bias"``; an attribute, not a registered parameter)
+    as the module's ``forward`` would see it: recomputed first by an old-style ``weight_norm`` /
+    ``spectral_norm`` pre-hook (which would never run: a stale weight), else as it is (FSDP1's
+    flat-parameter views); ``None`` if absent."""
     for hook in module._forward_pre_hooks.values():
         if isinstance(hook, _RECOMPUTING) and hook.name == leaf:
             hook(module, ())
@@ -74,8 +50,6 @@ def computed(module: nn.Module, leaf: str) -> Tensor | None:
 
 
 def _own(module: nn.Module, leaf: str) -> Tensor | None:
-    # the registered parameter, else the attribute (FSDP1's flat-parameter views, a
-    # weight-norm hook's weight)
     registered = module._parameters.get(leaf)
     return registered if registered is not None else computed(module, leaf)
 
@@ -99,31 +73,10 @@ def _active(linear: nn.Module) -> list[str]:
 
 
 def check_tuned(linear: nn.Module, name: str, *, warn: bool = True) -> bool:
-    """Refuse a PEFT tuner on a memory layer that :func:`effective_weight` cannot fold into
-    the weight, and warn (once per layer and adapter) when its LoRA dropout is skipped.
-
-    Parameters
-    ----------
-    linear : nn.Module
-        A memory linear layer, wrapped (:func:`is_tuned`) or not (then nothing is checked).
-    name : str
-        The layer's name in messages (e.g. ``"tensor_memory.memory.out_proj"``).
-    warn : bool, default True
-        Warn here about a skipped dropout; ``False``: leave it to the caller
-        (:func:`warn_dropout`, one warning for many layers).
-
-    Returns
-    -------
-    bool
-        Whether an active adapter's dropout (``lora_dropout > 0``, in training) is
-        skipped here for the first time.
-
-    Raises
-    ------
-    ValueError
-        If the tuner is not LoRA, wraps another tuner, is a LoRA variant (DoRA, ...) or
-        gets per-row ``adapter_names``; each message names the layer and the tuner.
-    """
+    """Refuse a PEFT tuner on memory layer ``linear`` (named ``name`` in messages) that
+    :func:`effective_weight` cannot fold in (``ValueError``), and return whether an active
+    adapter's LoRA dropout is skipped here for the first time (warned about here unless not
+    ``warn``: then :func:`warn_dropout`, once for many layers)."""
     if not is_tuned(linear) or linear.disable_adapters:
         return False
     kind = type(linear).__name__
@@ -163,8 +116,7 @@ def check_tuned(linear: nn.Module, name: str, *, warn: bool = True) -> bool:
 
 
 def warn_dropout(names: list[str]) -> None:
-    """Warn that the LoRA dropout of the memory layers ``names`` is not applied (one
-    ``UserWarning`` for them all)."""
+    """Warn once for the memory layers ``names`` that their LoRA dropout is not applied."""
     where = names[0] if len(names) == 1 else f"{names[0]} and {len(names) - 1} more memory layers"
     warnings.warn(f"{where}: the PEFT adapter's lora_dropout is not applied on the memory's "
                   f"LoRA path (the memory folds the adapter into its weight, and dropout acts "
@@ -174,40 +126,13 @@ def warn_dropout(names: list[str]) -> None:
 
 def effective_weight(linear: nn.Module, name: str = "linear", *, check: bool = True
                      ) -> tuple[Tensor, Tensor | None]:
-    """The weight and bias ``linear`` computes with, PEFT LoRA included (differentiably).
+    """``(weight (out, in), bias (out,) or None)`` that ``linear`` computes with, LoRA included.
 
-    A plain layer gives its own ``weight`` and ``bias``. A LoRA-wrapped one (peft's
-    ``lora.Linear``, :func:`is_tuned`) gives its base layer's, plus, for each active
-    adapter, ``get_delta_weight(adapter)`` (``transpose(B @ A, fan_in_fan_out) *
-    scaling``, cast to the base weight's dtype) and, with ``lora_bias=True``,
-    ``B.bias * scaling`` on the bias, exactly as the wrapper's ``forward`` would (so
-    ``merge_and_unload()`` gives the same model): nothing is added when the adapters
-    are disabled or merged (a merged adapter is in the base weight already; disabled
-    and merged, the layer is unmerged first, as peft's ``forward`` does). The LoRA
-    dropout is not applied (:func:`check_tuned` warns).
-
-    Parameters
-    ----------
-    linear : nn.Module
-        An ``nn.Linear`` (``weight (out, in)``, ``bias (out,)`` or ``None``), or a PEFT
-        tuner layer around one.
-    name : str, default "linear"
-        The layer's name in error messages and warnings.
-    check : bool, default True
-        Run :func:`check_tuned` first (``False``: the caller did).
-
-    Returns
-    -------
-    weight : Tensor, shape ``(out, in)``
-        On the autograd graph of the base weight and every active ``lora_A`` / ``lora_B``.
-    bias : Tensor, shape ``(out,)``, or None
-        The base bias, plus the LoRA bias with ``lora_bias=True``.
-
-    Raises
-    ------
-    ValueError
-        If the tuner cannot be folded into the weight (:func:`check_tuned`).
-    """
+    A plain layer gives its own; a LoRA-wrapped one (:func:`is_tuned`) its base layer's plus
+    each active adapter's ``get_delta_weight`` (and ``B.bias * scaling`` with
+    ``lora_bias=True``), on the graph, exactly as the wrapper's ``forward`` would (nothing
+    when the adapters are disabled or merged). ``check``: :func:`check_tuned` first
+    (``ValueError`` naming ``name``); the dropout is not applied."""
     if not is_tuned(linear):
         return _own(linear, "weight"), _own(linear, "bias")
     if check:
@@ -236,24 +161,8 @@ def effective_weight(linear: nn.Module, name: str = "linear", *, check: bool = T
 
 
 def fold_tuned(layers: dict[str, nn.Module]) -> dict[str, dict[str, Tensor | None]]:
-    """:func:`effective_weight` of several layers (a memory's), checked first, with one
-    warning for all those whose LoRA dropout is skipped.
-
-    Parameters
-    ----------
-    layers : dict of str to nn.Module
-        Name -> layer (:func:`is_tuned` or not).
-
-    Returns
-    -------
-    dict of str to dict of Tensor
-        Name -> ``{"weight": (out, in), "bias": (out,) or None}``.
-
-    Raises
-    ------
-    ValueError
-        As :func:`check_tuned`.
-    """
+    """:func:`effective_weight` of several named layers, checked first, with one warning for
+    all whose LoRA dropout is skipped: ``{name: {"weight": (out, in), "bias": (out,) or None}}``."""
     skipped = [name for name, linear in layers.items() if check_tuned(linear, name, warn=False)]
     if skipped:
         warn_dropout(skipped)

@@ -1,8 +1,7 @@
-"""The fused CPU kernels: ``kernels.c`` (one ``*.inc`` per kernel family) and
-``jax_ffi.cc``, built on first use (:mod:`~tmcore.backends.native.build`) into a
-verified cache (:mod:`~tmcore.backends.native.cache`), called from torch through
-:mod:`ctypes` (:mod:`~tmcore.backends.native.calls`, the one module here that imports
-torch) and from JAX as XLA custom calls."""
+"""The fused CPU kernels (``kernels.c``, ``jax_ffi.cc``): built on first use (:mod:`.build`)
+into a verified cache (:mod:`.cache`), called from torch through ctypes (:mod:`.calls`, the
+one module here that imports torch) and from JAX as XLA custom calls.
+"""
 
 from __future__ import annotations
 

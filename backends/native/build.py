@@ -1,46 +1,12 @@
-"""Build and load the fused CPU kernels (``kernels.c``) on first use.
+"""Build and load the fused CPU kernels on first use (the cache, its variables and how it
+heals: docs/guides/errors-and-cache.md, "The kernel cache").
 
-The torch backend asks :func:`library` for the kernels the first time a CPU
-float32 / float64 cell runs: the C sources are compiled once per machine with the
-system C compiler (``$CC``, default ``cc``, split as a shell would, so
-``CC="gcc -O0"`` is ``gcc`` with ``-O0`` before tmcore's flags; about 2 s) into a cache folder and
-loaded with :mod:`ctypes`. The JAX backend asks :func:`jax_library`: the same C
-kernels plus ``jax_ffi.cc``, their XLA FFI handlers, compiled with ``$CXX``
-(default ``c++``) against the headers jaxlib ships (about 4 s) and registered
-as CPU custom-call targets. Later processes load the cached builds. Without a
-compiler (and no verified build to reuse), or when a build fails, the call
-warns once and returns ``None``, and the backend keeps its framework-only path
-(same results, slower).
-
-- ``tmcore.options(native=False)`` or ``TMCORE_NATIVE=0`` turns the kernels off
-  (read at call time, by :func:`enabled`).
-- ``TMCORE_CACHE_DIR`` sets the cache folder (default
-  ``$XDG_CACHE_HOME/tmcore``, else ``~/.cache/tmcore``); how it is guarded:
-  :mod:`tmcore.backends.native.cache`.
-- ``TMCORE_COMPILE_TIMEOUT`` bounds each compiler run, in seconds (default 120;
-  ``inf`` or ``none``: no limit; anything else that is not a number > 0 is
-  refused with a warning naming the variable, and the default applies). The first
-  kernel call of a process waits for the build; a build still running after
-  ``min(10 s, timeout / 2)`` says so in a warning with the most it will wait.
-
-**A bad cache heals.** A build that fails its check (truncated, garbage, no
-digest) or fails to load (no such symbols) is deleted and rebuilt once in this
-process; if the fresh build fails too, tmcore warns and keeps the framework
-path. Compilers run under the timeout in their own process group (killed whole
-when it expires). A compiler's version is cached by (path, size, mtime) in
-``compilers.json``, so ``cc --version`` does not run at every start. Each
-successful load records its build as the latest for these sources and this
-machine, so a later process without a compiler on ``PATH`` still loads it
-(verified).
-
-The build is keyed by the sources, the flags, the compiler's version and the
-CPU's feature flags (it uses ``-march=native``), so a shared cache never hands
-a build to a machine it was not made for. The kernels use OpenMP; loaded after
-torch, ``libgomp.so.1`` resolves to the copy torch already holds, so both share
-one thread pool.
-
-Clear the cache by deleting the folder (``rm -r ~/.cache/tmcore``); it is
-rebuilt on the next use.
+:func:`library` (torch, ctypes) compiles ``kernels.c`` with ``$CC``; :func:`jax_library` adds
+``jax_ffi.cc`` with ``$CXX`` against jaxlib's headers and registers XLA CPU targets. Without
+a compiler or verified build, or after a failed build, they warn once and return None (the
+framework path runs). A build is keyed by the sources, flags, compiler version and CPU
+flags (``-march=native``), so a shared cache never hands it to another machine. The kernels
+use OpenMP: loaded after torch, ``libgomp.so.1`` resolves to torch's copy (one thread pool).
 """
 
 from __future__ import annotations
@@ -90,9 +56,7 @@ _STATE: dict[str, object] = {}  # "torch" / "jax": CDLL, or None once a build fa
 
 
 def enabled() -> bool:
-    """Whether the kernels may be used: ``tmcore.get_options().native`` (the option,
-    whose default is ``TMCORE_NATIVE``). The one place that answers "are the native
-    kernels on?" for both backends."""
+    """Whether the kernels may be used (the ``native`` option): the one answer for both backends."""
     return get_options().native
 
 
@@ -110,10 +74,8 @@ def _cpu_flags() -> str:
 
 
 def _tool(env: str, default: str) -> list[str] | None:
-    """The compiler command ``$env`` names (default ``default``) as an argument list, split
-    as a shell would (``CC="gcc -O0"``: the compiler ``gcc`` with the flag ``-O0``, added
-    before tmcore's own), its program resolved on ``PATH``; ``None`` if not found. A
-    value that does not parse (an unclosed quote) counts as not found."""
+    """The compiler command ``$env`` names (default ``default``) split as a shell would, its program
+    on ``PATH``; None if not found or unparsable."""
     try:
         argv = shlex.split(environment(env, default) or default)
     except ValueError:
@@ -138,11 +100,9 @@ def _announce(command: Sequence[str], waited: float, timeout: float | None) -> N
 
 def _run(command: Sequence[str], timeout: float | None, announce: list[bool] | None = None
          ) -> str:
-    """Run ``command`` in its own process group; its stdout. The whole group is killed
-    when ``timeout`` expires (a compiler's children too). With ``announce`` (a one-item
-    flag shared by the commands of one build, ``[True]`` until it is said): once the
-    command has run ``min(ANNOUNCE_AFTER_S, timeout / 2)`` s, a warning says that this
-    call waits for the compiler and for how long at most."""
+    """``command``'s stdout; run in its own process group, killed whole at ``timeout``. With
+    ``announce`` (one flag per build): a warning once it has run ``min(ANNOUNCE_AFTER_S,
+    timeout / 2)`` s."""
     proc = subprocess.Popen(list(command), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             stdin=subprocess.DEVNULL, text=True, start_new_session=True)
     try:
@@ -170,9 +130,8 @@ def _run(command: Sequence[str], timeout: float | None, announce: list[bool] | N
 
 
 def _identity(folder: Path, command: list[str], timeout: float | None) -> str:
-    """The compiler's version line and its extra flags (``command[1:]``), the version
-    cached in ``folder/compilers.json`` by the resolved path, size and mtime of its
-    executable (so it runs once per compiler install)."""
+    """The compiler's version line (cached in ``compilers.json`` by path, size and mtime) and its
+    extra flags."""
     compiler, extra = command[0], " ".join(command[1:])
     real = os.path.realpath(compiler)
     info = os.stat(real)
@@ -205,9 +164,8 @@ def _build_key(*parts: bytes | str) -> str:
 
 def _build(target: Path, commands: Callable[[Path, Path], list[list[str]]],
            timeout: float | None) -> None:
-    """Run ``commands(workdir, out)`` (compiler calls writing ``out``) in a private
-    scratch folder next to ``target``, record ``out``'s SHA-256, then rename both
-    into place: no process ever sees half a file."""
+    """Run ``commands(workdir, out)`` in a private scratch folder next to ``target``, then install
+    ``out`` (renamed with its digest: no process ever sees half a file)."""
     announce = [True]
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=".build-") as work:
         out = Path(work) / target.name
@@ -292,6 +250,9 @@ def _declare(lib: ctypes.CDLL) -> None:
                                   ptr, ptr, ptr, ptr, ptr, ptr]
     argtypes["box_write_bwd"] = [ptr, ptr, ptr, ptr, i64, i64, i64, cint, shape, i64, shape,
                                  shape, ctypes.c_double, ctypes.c_double, ptr, ptr, ptr, ptr]
+    argtypes["step_fwd"] = [ptr, ptr, ptr, i64, ptr, i64, ptr, i64, ptr, i64, ptr, i64, ptr,
+                            i64, ptr, ptr, ptr, ptr, ptr, ctypes.c_double, ctypes.c_double, ptr,
+                            i64, ptr, ptr, ptr, ptr, i64, i64, cint, shape]
     functions = [(getattr(lib, f"{k}_{s}"), k) for k in argtypes for s in ("f32", "f64")]
     for function, kernel in functions:  # all looked up first: a missing one changes nothing
         function.argtypes = argtypes[kernel]
@@ -356,14 +317,12 @@ def _cached(key: str, spec: Callable[[], _Spec]):
 
 
 def jax_library() -> ctypes.CDLL | None:
-    """The kernels as XLA FFI targets for JAX on the CPU (``tmcore_{kernel}_{f32,f64}``),
-    built and registered on the first call; ``None`` if disabled or not buildable
-    (warned once)."""
+    """The kernels as XLA FFI targets for JAX on the CPU, built and registered on the first call;
+    None if disabled or not buildable (warned once)."""
     return _cached("jax", _jax_spec)
 
 
 def library() -> ctypes.CDLL | None:
-    """The loaded kernels (for ctypes), building them on the first call; ``None`` if
-    disabled or they cannot be built here (warned once, with the reason). Each kernel
-    returns 0, or nonzero when it could not allocate its scratch memory."""
+    """The kernels for ctypes, built on the first call; None if disabled or not buildable (warned
+    once). Each returns 0, or nonzero when it could not allocate its scratch."""
     return _cached("torch", lambda: _TORCH)

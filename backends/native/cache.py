@@ -1,36 +1,6 @@
-"""The kernel cache: a private folder, files checked before use, the very file checked loaded.
-
-**The cache cannot be planted into, nor raced.** A shared object in the cache
-runs code in this process as soon as it is loaded, so nothing is loaded that
-another user could have written or swapped:
-
-- the folder is created private (``0700``); a folder that is not owned by this
-  user, or that group or others may write, or that lies below a folder others
-  may write without the sticky bit (``/tmp`` has it), is not used: tmcore warns
-  once and builds into a fresh private temporary folder for this process
-  (:func:`safe_dir`), which must pass the same checks (under a ``TMPDIR`` others
-  may write without the sticky bit it does not: the kernels are then off, with
-  a warning naming both folders);
-- a symbolic link on the way to the folder is followed only if this user (or
-  root) owns it and it sits in a folder no other user may write (sticky bit or
-  not) nor swap from above; any other link makes the folder unsafe, as above.
-  The folder is then resolved once, and every later step uses the real path;
-- every build is written under a temporary name and renamed into place, and
-  the SHA-256 of the shared object is written (also atomically) beside it as
-  ``<name>.sha256`` (:func:`install`); to load, the build is opened ONCE
-  (``O_NOFOLLOW``: a link is refused, not followed), that descriptor is
-  ``fstat``-checked (a regular file owned by this user, not writable by others)
-  and hashed, and the loader maps that same descriptor (``/proc/self/fd/N``;
-  where ``/proc`` is absent, a private copy of the bytes that were hashed)
-  (:func:`open_build`). No check and load ever look at two different files. A
-  truncated file is never mapped, so it cannot raise SIGBUS. The loader knows a
-  build by that name, so a number it has seen for another file (the descriptor
-  closed by other code, the number reused) is never loaded through again, and a
-  handle the loader hands back for another file is refused;
-- a folder (or other non-file) where a build or its digest should be is renamed
-  away and deleted, and the build made again (:func:`remove`): it heals.
-
-What is built, and when, is :mod:`tmcore.backends.native.build`'s.
+"""The kernel cache: a private folder, each build checked before use, and the very file checked
+is the one loaded, so no other user can plant or swap a build (the rules:
+docs/guides/errors-and-cache.md, "The kernel cache"; what is built: :mod:`.build`).
 """
 
 from __future__ import annotations
@@ -65,8 +35,8 @@ def _writable_by_others(info: os.stat_result, uid: int) -> bool:
 
 
 def _ancestry_problem(folder: Path) -> str | None:
-    """Why a real (link-free) folder path could be swapped by another user: one of its
-    parents is owned by another user, or others may write it without the sticky bit."""
+    """Why a link-free folder path could be swapped by another user (a parent owned by another
+    user, or others may write it without the sticky bit), or None."""
     uid = os.geteuid()
     for parent in folder.parents:
         info = os.stat(parent)
@@ -78,14 +48,11 @@ def _ancestry_problem(folder: Path) -> str | None:
 
 
 def _link_problem(path: Path) -> str | None:
-    """Why a symbolic link on the way to ``path`` could be re-pointed by another user,
-    or ``None``.
+    """Why a symbolic link on the way to ``path`` could be re-pointed by another user, or None.
 
-    Walks the absolute path as given, one component at a time, following links as the
-    kernel does. A link is refused when another user owns it, or when the folder
-    holding it may be written by another user (even with the sticky bit), or lies
-    below one they may write without it: that user could swap the link between a
-    check and a load. Links only this user (or root) controls are followed.
+    Walks the path as the kernel does; a link is refused when another user owns it, or the
+    folder holding it may be written by another user (sticky bit or not) or lies below one
+    they may write without it: they could swap it between a check and a load.
     """
     uid = os.geteuid()
     given = Path(path)  # not normalized: ".." after a link is resolved physically, below
@@ -131,11 +98,8 @@ def _link_problem(path: Path) -> str | None:
 
 
 def _folder_problem(path: Path) -> str | None:
-    """Why the existing folder ``path`` may hold files another user wrote, or ``None``.
-
-    Checks the links on the way (:func:`_link_problem`), then the folder they lead to
-    and its parents. Callers use the resolved folder from then on, so no later step
-    goes through a link again."""
+    """Why the folder ``path`` may hold files another user wrote (its links, itself, its parents),
+    or None; callers use the resolved folder from then on."""
     problem = _link_problem(path)
     if problem is not None:
         return problem
@@ -163,8 +127,8 @@ def _info_problem(info: os.stat_result) -> str | None:
 
 
 def file_problem(path: Path) -> str | None:
-    """Why ``path`` is not a regular file only this user may write, or ``None``
-    (``"is missing"`` when absent). Symbolic links are refused, not followed."""
+    """Why ``path`` is not a regular file only this user may write, or None (``"is missing"``);
+    links are refused, not followed."""
     try:
         info = os.lstat(path)
     except FileNotFoundError:
@@ -183,10 +147,8 @@ class _Refused(Exception):
 
 
 def _open_checked(path: Path) -> int:
-    """A descriptor of ``path``, opened once without following a link, whose ``fstat``
-    says it is a regular file of this user that nobody else may write. Every later
-    check (the digest) and the load act on this descriptor, never on the path again.
-    Raises :class:`_Refused` (``"is missing"`` when absent)."""
+    """A descriptor of ``path`` opened once without following a link and ``fstat``-checked; every
+    later check and the load use it, never the path. Raises :class:`_Refused`."""
     try:
         fd = os.open(path, _OPEN_FLAGS)
     except FileNotFoundError:
@@ -219,8 +181,7 @@ def _read_fd(fd: int, limit: int | None = None) -> bytes:
 
 
 def _read_trusted(path: Path, limit: int = 1 << 16) -> str:
-    """The text of a small file of ours (a digest, a pointer), read through one checked
-    descriptor. Raises :class:`_Refused`."""
+    """A small file of ours (a digest, a pointer) read through one checked descriptor."""
     fd = _open_checked(path)
     try:
         return _read_fd(fd, limit).decode(errors="replace")
@@ -229,9 +190,8 @@ def _read_trusted(path: Path, limit: int = 1 << 16) -> str:
 
 
 def safe_dir() -> Path:
-    """The cache folder (resolved: no link on the way), created private; or, when it is
-    not safe (or cannot be made), a fresh private temporary folder for this process
-    (warned once)."""
+    """The cache folder (resolved, created private), or when it is unsafe a fresh private
+    temporary folder for this process (warned once)."""
     wanted = cache_dir()
     try:
         wanted.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -301,9 +261,8 @@ class _Verified(NamedTuple):
 
 
 def _verify(target: Path) -> _Verified | str:
-    """``target`` opened once (no link followed), ``fstat``-checked (a regular file of
-    this user's, not writable by others) and hashed THROUGH THAT DESCRIPTOR against its
-    recorded SHA-256; else why not (``"<name> is missing"`` when absent)."""
+    """``target`` opened once, ``fstat``-checked and hashed THROUGH THAT DESCRIPTOR against its
+    recorded SHA-256; else why not."""
     try:
         recorded = _read_trusted(_sidecar(target)).strip()
     except _Refused as why:
@@ -324,9 +283,8 @@ def _verify(target: Path) -> _Verified | str:
 
 
 def remove(target: Path) -> None:
-    """Delete a build and its recorded digest (whichever exist). A folder in their place
-    (which would make every later install fail) is first renamed away inside the cache
-    folder, in one step, then deleted; any other non-file (a FIFO, a link) is unlinked."""
+    """Delete a build and its digest; a folder in their place is renamed away in one step, then
+    deleted (it heals); other non-files are unlinked."""
     for path in (target, _sidecar(target)):
         try:
             info = os.lstat(path)
@@ -343,8 +301,7 @@ def remove(target: Path) -> None:
 
 
 def install(out: Path, target: Path) -> None:
-    """Rename the finished build ``out`` to ``target`` and record its SHA-256 beside it
-    (both atomic renames: no process ever sees half a file)."""
+    """Rename the finished build ``out`` to ``target`` and record its SHA-256 (atomically)."""
     os.chmod(out, 0o700)
     digest = _digest(out)
     os.replace(out, target)
@@ -360,9 +317,8 @@ _PROC_FD = Path("/proc/self/fd")
 
 
 def _dlopen(verified: _Verified, target: Path) -> ctypes.CDLL:
-    """Map exactly the file that was checked: through its descriptor
-    (``/proc/self/fd/N``), or where ``/proc`` is absent, through a private copy of the
-    bytes that were hashed. ``lib._name`` is the verified build's path."""
+    """Map exactly the file checked: through its descriptor (``/proc/self/fd/N``), or without
+    ``/proc`` a private copy of the bytes hashed; ``lib._name`` is the build's path."""
     if not _PROC_FD.is_dir():
         private = Path(tempfile.mkdtemp(prefix="tmcore-load-"))  # 0700, ours
         try:
@@ -423,8 +379,8 @@ def _is(fd: int, key: tuple[int, int]) -> bool:
 
 
 def _fresh_name(fd: int, key: tuple[int, int]) -> int:
-    """``fd``, or a duplicate of it (``fd`` closed) under a number the loader has not
-    seen for another file: ``/proc/self/fd/N`` is how the loader knows the build."""
+    """``fd``, or a duplicate under a number the loader has not seen for another file (it knows a
+    build by ``/proc/self/fd/N``)."""
     if _NAMES.get(fd, key) == key:
         return fd
     lowest = max(_NAMES) + 1
@@ -434,8 +390,7 @@ def _fresh_name(fd: int, key: tuple[int, int]) -> int:
 
 
 def unload(lib: ctypes.CDLL) -> None:
-    """Drop a library that loaded but is unusable, so that a rebuild at the same path
-    is mapped afresh (the dynamic loader reuses a loaded object by name)."""
+    """Drop an unusable library, so a rebuild at its path is mapped afresh."""
     try:
         import _ctypes
 
@@ -451,8 +406,8 @@ def unload(lib: ctypes.CDLL) -> None:
 
 def open_build(target: Path, finish: Callable[[ctypes.CDLL], None]
                ) -> tuple[ctypes.CDLL | None, str | None]:
-    """Verify ``target`` and load the very file verified (:func:`_verify`, :func:`_dlopen`),
-    then finish it: ``(library, None)``, or ``(None, why not)``."""
+    """Verify ``target``, load the very file verified and ``finish`` it: ``(library, None)`` or
+    ``(None, why not)``."""
     verified = _verify(target)
     if isinstance(verified, str):
         return None, verified

@@ -1,9 +1,5 @@
-"""Calling the C kernels from torch through ctypes: when they run, plain memory, statuses.
-
-A kernel is looked up as ``{name}_{suffix}`` (``suffix``: ``f32`` / ``f64``) in the
-library :func:`tmcore.backends.native.library` builds. The kernels trust what they are
-given: callers check the shapes first (:mod:`tmcore.backends.fused`) and pass
-contiguous memory (:func:`plain`) by address (:func:`ptr`, :func:`offset`).
+"""Calling the C kernels (``{name}_{f32|f64}``) from torch through ctypes. They trust what they
+get: callers check the shapes first (:mod:`tmcore.backends.fused`) and pass plain memory.
 """
 
 from __future__ import annotations
@@ -14,8 +10,9 @@ from typing import Any
 import torch
 
 from tmcore.backends.fused import untraced
+from tmcore.runtime.options import get_options
 
-from .build import ENV_VAR, enabled, library
+from .build import ENV_VAR, library
 
 __all__ = ["Kernels", "kernels_for", "plain", "ptr", "offset", "shape_arg", "call"]
 
@@ -27,11 +24,9 @@ _EINDEX = 2  # a box kernel's status for a box outside its grid (other nonzero: 
 
 
 def kernels_for(*tensors: torch.Tensor) -> Kernels | None:
-    """The kernels when they may run on ``tensors``: plain strided CPU float32 / float64
-    tensors of one dtype, untraced (:func:`tmcore.backends.fused.untraced`), the
-    ``native`` option on and the library built; else ``None``. Negative / conjugate
-    views and ZeroTensors are materialized by :func:`plain` at the call."""
-    if not enabled():
+    """The kernels when they may run on ``tensors`` (plain strided CPU float32 / float64 tensors of
+    one dtype, untraced, the ``native`` option on, the library built), else None."""
+    if not get_options().native:
         return None
     suffix = _SUFFIX.get(tensors[0].dtype)
     if suffix is None or not untraced(tensors):
@@ -44,9 +39,8 @@ def kernels_for(*tensors: torch.Tensor) -> Kernels | None:
 
 
 def plain(t: torch.Tensor) -> torch.Tensor:
-    """``t`` as dense, contiguous memory holding its values: a ZeroTensor (no memory,
-    data pointer 0) becomes real zeros, a negative or conjugate view is resolved (its
-    memory holds the un-negated values), and strided views are copied."""
+    """``t`` as dense contiguous memory holding its values (a ZeroTensor becomes zeros, negative
+    and conjugate views are resolved, strided views copied)."""
     if t._is_zerotensor():
         return torch.zeros(t.shape, dtype=t.dtype, device=t.device)
     return t.resolve_neg().resolve_conj().contiguous()
@@ -68,9 +62,8 @@ def shape_arg(shape: tuple[int, ...]) -> ctypes.Array:
 
 
 def call(kernels: Kernels, name: str, *args: Any) -> None:
-    """Run kernel ``name``; its nonzero status becomes an exception (its outputs are then
-    undefined and never returned): a box outside its grid a ``ValueError``, a failed
-    scratch allocation a ``MemoryError``."""
+    """Run kernel ``name``; a nonzero status raises (its outputs never returned): a box outside
+    its grid a ``ValueError``, a failed scratch allocation a ``MemoryError``."""
     lib, suffix = kernels
     status = getattr(lib, f"{name}_{suffix}")(*args)
     if status == _EINDEX:

@@ -33,7 +33,15 @@
  *            added to z in the kernel (NULL: none); gates2_bwd adds the bias
  *            gradient sum_{b,p} dz to acc_zb (4C, float64; NULL: not wanted).
  *
- * and the box kernels of the fused CPU local scan (local.inc).
+ * and the box kernels of the fused CPU local scan (local.inc), and
+ *
+ *   step_fwd one step of the dense scan in one call (small grids' steps): the read of h
+ *            (row b at reads + b * rds),
+ *            the Gaussian write (the generic splat's operations, exp from libm), the
+ *            depthwise passes, the pointwise product and the gates -> h', c'; rows
+ *            with reset[b] start from zeros, rows with active[b] == 0 keep the state
+ *            they entered with (masks: uint8 or NULL); h_saved / c_saved (or NULL)
+ *            get the entering state (the scan's checkpoint).
  *
  * Every entry returns 0, or TM_ENOMEM when a scratch allocation failed (the
  * outputs are then undefined; the caller raises MemoryError). Callers check
@@ -231,4 +239,5 @@ static void tm_strides4(const i64 *shape4, i64 *strides4, i64 *cells) {
 #include "read.inc"
 #include "gates.inc"
 #include "local.inc"
+#include "step.inc"
 #endif /* TM_TEMPLATE */

@@ -1,18 +1,12 @@
 """The torch conv: depthwise 3-tap passes and the pointwise mix, forward and VJP.
 
-Option ``depthwise``: each depthwise 3-tap pass works on the free reshape ``(B, C,
-pre, S_a, post)`` (any n). On CUDA it is one grouped ``conv3d`` (``groups = C``, TF32
-off so float32 matches the generic path); on CPU, where oneDNN's grouped conv measured
-slower, three fused ``addcmul`` over slices (no ``concat`` copies). The VJP is the same
-pass with flipped taps for the input and sliced products for the taps, so no
-``convolution_backward`` (whose CUDA weight gradient may be nondeterministic).
-
-Fused CPU path (``depthwise="auto"``, plain untraced CPU float32 / float64 tensors,
-:func:`tmcore.backends.native.calls.kernels_for`): all depthwise passes in one C
-kernel call each way (forward: all axes of a plane in one pass through the cache; VJP:
-stages recomputed per plane, taps and input gradient together); the pointwise product
-stays a torch ``baddbmm``. Its temporaries come from the scan's workspace
-(:func:`tmcore.backends.torch.memory.scratch`).
+Each depthwise pass works on the free reshape ``(B, C, pre, S_a, post)``: one grouped
+``conv3d`` on CUDA (TF32 off, to match the generic path), three fused ``addcmul`` over
+slices on the CPU (oneDNN's grouped conv measured slower); option ``depthwise`` forces one.
+The VJP is the same pass with flipped taps plus sliced products for the taps (no
+``convolution_backward``, whose CUDA weight gradient may be nondeterministic). On the fused
+CPU path all depthwise passes are one C kernel call each way, the pointwise product a
+``baddbmm``, the temporaries the scan's workspace's.
 """
 
 from __future__ import annotations
@@ -62,9 +56,7 @@ def _view5(shape: tuple[int, ...], axis: int) -> tuple[int, int, int]:
 
 
 def _grouped(x: torch.Tensor, kernel: str) -> bool:
-    """Whether the depthwise passes over ``x`` use grouped ``conv3d`` (``kernel``, the
-    option ``depthwise``: ``"auto"`` on CUDA, ``"grouped"`` everywhere, ``"shifts"``
-    nowhere)."""
+    """Whether the passes over ``x`` use grouped ``conv3d`` (``kernel``: option ``depthwise``)."""
     return kernel == "grouped" or (kernel == "auto" and x.is_cuda)
 
 
@@ -139,10 +131,9 @@ def _check_dtypes(x: torch.Tensor, params: ConvParams) -> None:
 
 
 def conv_fwd(xp: Any, x: torch.Tensor, params: ConvParams, kernel: str = "auto"):
-    """Factorized conv forward. Residuals: the generic stage inputs ``[x, ...]``, or
-    :class:`_NativeConvResiduals` on the fused path (``kernel="auto"`` only). Raises
-    ``TypeError`` naming the parameter whose dtype is not the input's (torch's products
-    do not promote; its own error named neither)."""
+    """Factorized conv forward. Residuals: the stage inputs ``[x, ...]``, or
+    :class:`_NativeConvResiduals` on the fused path (``kernel="auto"``); a parameter of another
+    dtype than ``x`` is a ``TypeError`` naming it (torch's products do not promote)."""
     _check_dtypes(x, params)
     kernels = kernels_for(x, *params) if kernel == "auto" else None
     if kernels is not None and x.ndim <= 6:

@@ -41,9 +41,7 @@ def _check_gates(z: torch.Tensor, c: torch.Tensor, *cotangents: torch.Tensor) ->
 
 
 def gates_fwd(xp: Any, z: torch.Tensor, c: torch.Tensor):
-    """LSTM gates with torch's own kernels: one ``sigmoid`` over the three sigmoid
-    quarters (this CPU build's ``sigmoid`` is ~4x faster than ``tanh``, and the
-    generic ``0.5 tanh(x/2) + 0.5`` is three passes). Residuals: ``(c, sigmoids
+    """LSTM gates: one ``sigmoid`` over the three sigmoid quarters. Residuals: ``(c, sigmoids
     (B,3C,*S), tanh(g), tanh(c'))``; on the fused path :class:`_NativeGateResiduals`."""
     kernels = kernels_for(z, c)
     if kernels is not None:

@@ -1,37 +1,20 @@
 """The fused CPU local scan for torch tensors (``update="local"``): C kernels per step.
 
-Entries ``local_scan_fwd`` / ``local_scan_bwd`` of the torch backend's
-:class:`~tmcore.runtime.dispatch.Ops` table (contract: :func:`tmcore.scan.local.local_scan_fwd` /
-``local_scan_bwd``, the same undo-log residuals). They return ``None`` whenever the
-fused path does not apply (where the dense fused CPU scan would not run either:
-not plain CPU float32 / float64 tensors of one dtype, autograd recording, native
-kernels off, a forced depthwise kernel or Triton, not 1 to 4 spatial axes, or
-``T = 0``), and tmcore's loop then runs.
+Entries ``local_scan_fwd`` / ``local_scan_bwd`` of the torch table (contract:
+:func:`tmcore.scan.local.local_scan_fwd` / ``local_scan_bwd``, the same undo-log
+residuals); they decline (``None``) where the dense fused scan would, and for ``T = 0``.
 
-Once per call, what does not depend on the state is one C call (``local_geometry``):
-every step's window, box and written box (the values of
-:func:`tmcore.scan.local.box_writes`, time-major rows ``t * B + b``) and every read's corner
-geometry (the n-linear weights of the ``2^n`` cells, the backward also their slopes).
-Per step, the forward copies the read's corner box and the ``h, c`` boxes into their
-residual slots (``box_op`` x 3), runs the dense fused scan's cell step on the box
-(:meth:`tmcore.backends.torch.scan.Cell.step`, the box as the grid: its zero padding
-is the grid's where the box touches the border, and its own edge cells, which see a
-wrong padding, lie outside the window and are not kept) and copies the window's cells
-of the new ``h, c`` into the state (``box_op`` x 2): one torch op (the ``bmm``). The
-reads are one batched product over the saved corner boxes at the end. The backward
-runs the steps in reverse: the cotangent boxes masked to the window (``box_op`` mode
-1), the cell's VJP on the box (:meth:`~tmcore.backends.torch.scan.Cell.backward_step`:
-the written box's gradient into a ``(T B, C, *box)`` buffer, the parameter gradients
-accumulated), the box cotangents written back (``box_op`` mode 2: the window's cells
-replaced, the others passed through plus the conv's halo term), then the read's VJP
-(``corner_read_bwd``). The write gradients are one C call at the end
-(``box_write_bwd``, the rules of :func:`tmcore.scan.local.box_writes_bwd`). Three torch
-ops per step; about 40 once per call.
-
-The state (forward, unless ``overwrite_state``) and the two state cotangents
-(backward) are copied once per call, as on the generic path; the scan never modifies
-its inputs otherwise. Shapes are checked before any kernel runs (``ValueError`` naming
-the argument), and every box kernel checks its own starts against its grid.
+Once per call, one C call (``local_geometry``) computes every step's window, box and
+written box (:func:`tmcore.scan.local.box_writes`, rows ``t * B + b``) and every read's
+corner weights. Per step, the forward copies the read's corners and the ``h, c`` boxes into
+their residual slots, runs the dense scan's :meth:`~tmcore.backends.torch.scan.Cell.step`
+on the box (its edge cells, which see a wrong padding, lie outside the window) and copies
+the window's cells back into the state; the reads are one batched product at the end. The
+backward runs in reverse: the window's cotangents, the cell's VJP on the box, the box
+cotangents written back with the conv's halo term, the read's VJP; the write gradients are
+one C call (``box_write_bwd``). Three torch ops per step, about 40 per call. The inputs
+are copied once (the state unless ``overwrite_state``, the cotangents) and never modified;
+shapes are checked before any kernel runs.
 """
 
 from __future__ import annotations
@@ -43,6 +26,7 @@ import torch
 
 from tmcore.backends.fused import check_scan_shapes, expect_shape, window_boxes
 from tmcore.backends.native.calls import Kernels, call, offset, plain, ptr, shape_arg
+from tmcore.backends.triton import local as triton_local
 from tmcore.types import ConvParams, LocalScanResiduals, ScanGrads
 
 from . import memory
@@ -52,13 +36,10 @@ __all__ = ["scan_fwd", "scan_bwd"]
 
 
 class _Geometry:
-    """Every step's window, box, written box and read corners (time-major rows ``t B +
-    b``) in one C call (``local_geometry``): the formulas of
-    :func:`tmcore.scan.local.box_writes` and of the read's corners, in their operation order
-    and on the same cell centres (``torch.linspace``), so the same values to within an
-    ulp of ``exp``; the generic functions take ~250 torch ops for it, the setup of a
-    short scan. ``slopes``: also the corner weights' derivatives (the backward).
-    :meth:`write_bwd` is the VJP of the written boxes (``box_write_bwd``)."""
+    """Every step's window, box, written box and read corners (rows ``t B + b``) in one C call:
+    :func:`tmcore.scan.local.box_writes`' formulas in their order, the same values to an ulp
+    (the generic functions take ~250 torch ops). ``slopes``: the corner weights' derivatives
+    too (backward); :meth:`write_bwd`: the VJP of the written boxes."""
 
     def __init__(self, kernels: Kernels, read_coords: torch.Tensor, write_coords: torch.Tensor,
                  write_sigma: torch.Tensor, write_content: torch.Tensor,
@@ -113,10 +94,8 @@ class _Geometry:
 
 
 def _owned(t: torch.Tensor) -> torch.Tensor:
-    """A contiguous copy of ``t`` that the scan updates in place and returns: from the
-    backend's buffer pool (a block nothing else refers to, of exactly its size), so
-    that a call does not fault in fresh pages for a state-sized copy (measured at 64^3,
-    B 4, C 16: ~70 ms of page faults for the four copies of a forward + backward)."""
+    """A contiguous copy of ``t`` that the scan updates and returns, on a pooled block of its
+    exact size (fresh pages for the four copies measured ~70 ms at 64^3, B 4, C 16)."""
     fresh = plain(t)
     if fresh is not t:  # already a fresh copy (a strided view, a ZeroTensor)
         return fresh
@@ -131,12 +110,16 @@ def _writes(write_coords, write_sigma, write_content) -> dict[str, torch.Tensor]
 def scan_fwd(xp: Any, h0, c0, read_coords, write_coords, write_sigma, write_content, params,
              window: int, eps: float, radius: float | None, overwrite_state: bool, *,
              options: Any):
-    """The fused forward ``(reads (B, T, C), h_T, c_T, LocalScanResiduals)``, or ``None``
-    to decline."""
+    """The fused forward ``(reads (B, T, C), h_T, c_T, LocalScanResiduals)``: the C kernels'
+    on the CPU, else the Triton kernels', or ``None`` to decline."""
     params = ConvParams(*params)
     kernels = scan_kernels(options, h0, c0, read_coords, write_coords, write_sigma,
                            write_content, *params)
-    if kernels is None or read_coords.ndim != 3 or read_coords.shape[1] == 0:
+    if kernels is None:
+        return triton_local.scan_fwd(xp, h0, c0, read_coords, write_coords, write_sigma,
+                                     write_content, params, window, eps, radius,
+                                     overwrite_state, options=options)
+    if read_coords.ndim != 3 or read_coords.shape[1] == 0:
         return None
     check_scan_shapes(h0, read_coords, {"c0": c0, **_writes(write_coords, write_sigma,
                                                             write_content)}, params)
@@ -183,15 +166,19 @@ def scan_fwd(xp: Any, h0, c0, read_coords, write_coords, write_sigma, write_cont
 def scan_bwd(xp: Any, residuals, read_coords, write_coords, write_sigma, write_content,
              params, g_reads, g_h, g_c, window: int, eps: float, radius: float | None, *,
              options: Any):
-    """The fused backward (a :class:`tmcore.scan.ScanGrads`), or ``None`` to decline.
-    ``g_h, g_c`` are not modified (the scan updates its own copies)."""
+    """The fused backward (a :class:`tmcore.scan.ScanGrads`): the C kernels' on the CPU,
+    else the Triton kernels', or ``None`` to decline. ``g_h, g_c`` are not modified."""
     params = ConvParams(*params)
     h_boxes, c_boxes, read_boxes = residuals
     if read_boxes is None or not all(isinstance(r, torch.Tensor) for r in residuals):
         return None
     kernels = scan_kernels(options, g_h, g_c, g_reads, h_boxes, c_boxes, read_boxes,
                            read_coords, write_coords, write_sigma, write_content, *params)
-    if kernels is None or read_coords.ndim != 3 or read_coords.shape[1] == 0:
+    if kernels is None:
+        return triton_local.scan_bwd(xp, residuals, read_coords, write_coords, write_sigma,
+                                     write_content, params, g_reads, g_h, g_c, window, eps,
+                                     radius, options=options)
+    if read_coords.ndim != 3 or read_coords.shape[1] == 0:
         return None
     batch, channels, *spatial = g_h.shape
     shape = tuple(spatial)

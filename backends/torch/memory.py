@@ -1,14 +1,6 @@
-"""Memory of the torch backend's fused CPU paths: per-step scratch, the scan buffer pool.
-
-- :func:`workspace` / :func:`scratch`: the per-step temporaries of the fused conv and
-  gates (depthwise output, ``z``, ``d_z``, ``d_y``) reused from one scan step to the
-  next while the scan's workspace is open (the ``workspace`` entry of the table).
-- :func:`take` / :func:`begin` / :func:`release_scan_buffers`: the fused scans' big
-  buffers (checkpoints, block buffers, states, scratch), kept in a per-thread pool
-  from one call to the next (:class:`_Pool`).
-- :func:`uninitialized`: fresh memory without ``torch.empty``'s deterministic-mode
-  NaN fill, for buffers written whole before they are read.
-"""
+"""Memory of the torch backend's fused CPU paths: the per-step scratch (:func:`workspace`,
+:func:`scratch`), the scan buffer pool (:func:`take`, :func:`begin`,
+:func:`release_scan_buffers`) and unfilled memory (:func:`uninitialized`)."""
 
 from __future__ import annotations
 
@@ -55,6 +47,8 @@ def scratch(name: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tens
 
 
 _HUGE = 1 << 21  # a transparent huge page (x86-64, arm64 with 4 KiB pages)
+#: Buffers below this many bytes are not pooled: a fresh one costs less than a search
+_SMALL = 1 << 18
 _MADV_HUGEPAGE = 14
 
 
@@ -79,8 +73,10 @@ def uninitialized(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     diagnostics train so; at their paper sizes the fills of the scan's checkpoints and
     block buffers measured ~140 ms of a ~900 ms step). Only for buffers the scan writes
     whole before it reads them (every one below), so the fill never shows in a result."""
-    storage = torch.UntypedStorage(math.prod(shape) * dtype.itemsize)
-    return torch.empty(0, dtype=dtype).set_(storage, 0, tuple(shape))
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes < _SMALL:  # a decode step's buffers: one op (a fill would cost little here)
+        return torch.empty(shape, dtype=dtype)
+    return torch.empty(0, dtype=dtype).set_(torch.UntypedStorage(nbytes), 0, tuple(shape))
 
 
 def _empty_huge(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -108,22 +104,13 @@ _POOL_AGE = 16
 class _Pool(threading.local):
     """The fused scan's big buffers, kept from one call to the next (per thread).
 
-    Fresh memory is faulted in page by page on first touch, and a training step of the
-    diagnostics at their paper sizes (B = 128, C = 16, 6^3, T = 24) touched ~200 MB of
-    it per step (checkpoints, block buffers: ~50,000 page faults, measured 0 with the
-    pool; with the deterministic fill the step went from ~750 to ~600 CPU ms). The pool
-    keeps those blocks (``torch.UntypedStorage``) and hands one
-    out again only once nothing but the pool refers to it (its storage use count is 1:
-    every tensor or view of it, autograd's saved checkpoints included, holds one), so a
-    block is never shared with a live tensor. Every pooled buffer is written whole by
-    the scan before it is read, so what a previous call left in it never shows.
-
-    Bounds: a block of ``n`` bytes serves requests of ``[n/2, n]`` bytes (states, which
-    the scan may return, only of ``n``: a returned tensor's storage is its own size;
-    a tensor moved to shared memory is never handed out again); blocks not handed out
-    in the last ``_POOL_AGE`` calls are dropped, and the free blocks are trimmed (oldest
-    first) to twice the most any recent call took. Without ``torch._C._storage_Use_Count``
-    (another torch) nothing is pooled.
+    Fresh memory faults in page by page (a diagnostics step at paper sizes touched ~200 MB:
+    ~50,000 faults, 0 with the pool; ~750 -> ~600 CPU ms with the deterministic fill). A
+    block (``torch.UntypedStorage``) is handed out again only when nothing else refers to it
+    (storage use count 1) and is written whole before it is read. A block of ``n`` bytes
+    serves ``[n/2, n]`` (``exact``: ``n``; a shared one never); blocks not taken in
+    ``_POOL_AGE`` calls are dropped and the free ones trimmed, oldest first, to twice the most
+    a recent call took. Without ``torch._C._storage_Use_Count`` nothing is pooled.
     """
 
     def __init__(self) -> None:
@@ -157,7 +144,7 @@ class _Pool(threading.local):
         smallest that fits; ``exact``: of exactly its size, for a tensor the caller
         returns), else on a new one (marked for huge pages if ``huge``)."""
         nbytes = math.prod(shape) * dtype.itemsize
-        if _storage_use_count is None or nbytes == 0:
+        if _storage_use_count is None or nbytes < _SMALL:
             return _empty_huge(shape, dtype) if huge else uninitialized(shape, dtype)
         if self.taken:
             self.taken[-1] += nbytes

@@ -1,20 +1,9 @@
 """The torch read: ``grid_sample`` forward, ``grid_sampler`` backward (n = 1, 2, 3).
 
-``F.grid_sample(mode="bilinear", padding_mode="border", align_corners=True)`` (n = 1
-as a height-1 2-D sample); its VJP calls ``aten.grid_sampler_{2,3}d_backward``
-directly (no autograd graph). n = 4 and mismatched dtypes use the generic path.
-
-Determinism: on CUDA the ``grid_sampler`` backward accumulates the volume gradient
-with ``atomicAdd``. By default the volume gradient on CUDA is therefore the generic
-dense contraction (deterministic), and only the coordinate gradient (one thread per
-query, no atomics) comes from ``grid_sampler``. ``tmcore.options(deterministic=False)``
-uses the atomic kernel for the volume too; it is still refused while
-``torch.are_deterministic_algorithms_enabled()``. On CPU the kernel is deterministic
-and always used.
-
-Read coordinates reach ``grid_sampler`` clamped to ``[-1, 1]`` with NaN as 0 (its
-backward reads out of bounds on NaN, and on inf along a size-1 axis); the results are
-the same, and NaN queries are made NaN afterwards as on the generic path.
+``F.grid_sample(mode="bilinear", padding_mode="border", align_corners=True)`` (n = 1 as a
+height-1 2-D sample); its VJP calls ``aten.grid_sampler_{2,3}d_backward`` directly. On CUDA
+its volume gradient adds atomically, so by default the volume gradient there is the generic
+dense contraction (``deterministic``). n = 4 and mixed dtypes take the generic path.
 """
 
 from __future__ import annotations
@@ -55,13 +44,9 @@ def _atomic_ok(volume: torch.Tensor) -> bool:
 
 
 def _kernel_coords(coords: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(coords fit for grid_sampler, NaN mask (B, Q, 1))``.
-
-    ``grid_sampler``'s backward crashes (reads out of bounds) on NaN coordinates and
-    on infinite ones along a size-1 axis, so the kernels see NaN as 0 and every
-    coordinate clamped to ``[-1, 1]``; clamping changes neither the value (border
-    padding clamps there anyway) nor the gradient (zero at and beyond the border).
-    NaN queries are then made NaN in the results, as on the generic path."""
+    """``(coords fit for grid_sampler, NaN mask (B, Q, 1))``: NaN as 0 and every coordinate
+    clamped to ``[-1, 1]`` (the backward reads out of bounds on NaN, and on inf along a size-1
+    axis; the clamp changes no value or gradient), the NaN queries made NaN afterwards."""
     nan = torch.isnan(coords)
     # (one NaN test for both, and a fill without a scalar tensor: fewer ops per read)
     return coords.masked_fill(nan, 0.0).clamp(-1.0, 1.0), nan.any(dim=-1, keepdim=True)

@@ -1,24 +1,17 @@
 """The torch backend's fused CPU scan: the whole chunk loop over the C kernels.
 
-Entries ``scan_fwd`` / ``scan_bwd`` of the torch table, tried before the Triton ones
-(same arguments, results and checkpoint layout as :func:`tmcore.scan.memory_scan_fwd`
-/ ``memory_scan_bwd``; they return ``None`` to decline, and the generic loop runs).
-They run where the fused kernels do (:func:`scan_kernels`: plain untraced CPU float32
-/ float64 tensors, the ``native`` option on, ``depthwise`` ``"auto"``, Triton not
-forced) over C kernels and two ``bmm`` per step: the read and its VJP in C, the
-depthwise passes reading the written volume and ``h`` in place (no ``concat([x,
-h])``), the pointwise bias added in the gate kernels, the new state written straight
-into its checkpoint slot (checkpoints in transparent huge pages where Linux allows),
-write volumes and their gradients in a few reused block buffers (:class:`_BlockWrites`),
-and the parameter gradients accumulated in place (taps and biases in float64; the
-pointwise weight's into a ``(B, 4C, 2C)`` buffer by an in-place ``baddbmm``). Its big
-buffers come from the per-thread pool of :mod:`tmcore.backends.torch.memory` (no page
-faults on fresh memory each call, and no NaN fill under
-``torch.use_deterministic_algorithms``; every buffer is written before it is read). It
-agrees with the generic loop to rounding.
-
-:class:`Cell` (one step of the cell, forward and VJP, on a grid or a box) is shared
-with the fused local scan (:mod:`tmcore.backends.torch.local`).
+Entries ``scan_fwd`` / ``scan_bwd`` of the torch table, tried before the Triton ones, with
+the arguments, results and checkpoints of :func:`tmcore.scan.memory_scan_fwd` /
+``memory_scan_bwd`` (``None``: declined, the generic loop runs). Where the fused kernels
+run (:func:`scan_kernels`), a forward step on a small grid is one ``step_fwd`` call
+(:data:`FUSED_STEP_MAX`); otherwise a step is C kernels and two ``bmm``: the read and its VJP in C,
+the depthwise passes reading the written volume and ``h`` in place (no ``concat``), the
+pointwise bias added in the gate kernels, the new state written straight into its
+checkpoint slot (in huge pages where Linux allows), the write volumes and their gradients in
+reused block buffers (:class:`_BlockWrites`), the parameter gradients accumulated in place
+(taps and biases in float64). The big buffers come from the pool of
+:mod:`tmcore.backends.torch.memory`. It agrees with the generic loop to rounding.
+:class:`Cell` is shared with the fused local scan.
 """
 
 from __future__ import annotations
@@ -31,16 +24,16 @@ import torch
 
 from tmcore.backends.fused import check_scan_shapes
 from tmcore.backends.native.calls import Kernels, call, kernels_for, offset, plain, ptr, shape_arg
-from tmcore.ops.common import outer_product
-from tmcore.ops.splat import gaussian_profiles
+from tmcore.backends.triton import dense as triton_dense
+from tmcore.ops.addressing import axis_of_component
 from tmcore.runtime.dispatch import Ops
 from tmcore.runtime.options import Options
-from tmcore.types import ConvParams
+from tmcore.scan.base import Masks
+from tmcore.types import ConvParams, ScanGrads
 
 from . import memory
-from .splat import single_write
 
-__all__ = ["Cell", "scan_kernels", "scan_fwd", "scan_bwd", "write_fwd"]
+__all__ = ["Cell", "scan_bwd", "scan_fwd", "scan_kernels", "single_write"]
 
 #: A kernel argument: the address of an array (``ptr`` / ``offset``).
 Address = ctypes.c_void_p
@@ -50,11 +43,11 @@ _WRITE_BLOCK = 16
 
 
 def scan_kernels(options: Options, *tensors: torch.Tensor) -> Kernels | None:
-    """The kernels when a fused CPU scan may run on ``tensors`` (see the module notes),
-    else ``None``."""
-    if options.depthwise != "auto":  # a forced depthwise kernel: the per-step ops
+    """The kernels when a fused CPU scan may run on ``tensors`` (plain untraced CPU float32 /
+    float64, ``native`` on, ``depthwise="auto"``, Triton not forced), else ``None``."""
+    if options.depthwise != "auto":
         return None
-    if options.triton is True:  # Triton forced (CPU tensors under TRITON_INTERPRET=1)
+    if options.triton is True:
         return None
     kernels = kernels_for(*tensors)
     if kernels is None or not 3 <= tensors[0].ndim <= 6:
@@ -62,20 +55,70 @@ def scan_kernels(options: Options, *tensors: torch.Tensor) -> Kernels | None:
     return kernels
 
 
-class Cell:
-    """One step of the cell on the fused kernels, forward and VJP, for a ``(B, C, *S)``
-    state on a grid (or a local scan's box) ``S``: the parameters as plain memory, the
-    step's buffers, and (after :meth:`start_backward`) the parameter gradients.
+# --------------------------------------------------------------------------- writes
 
-    The step's arrays are passed by address (:func:`~tmcore.backends.native.calls.ptr`,
-    ``offset``: no torch op per step): ``(B, C, *S)`` blocks with contiguous batch rows,
-    except the written volume ``x`` and its cotangent ``d_x``, whose rows lie
-    ``x_stride`` / ``d_x_stride`` elements apart (a step of a block of steps).
-    """
+#: (shape, dtype, device) -> (the centres of every axis, concatenated ``(sum S,)``; the
+#: coordinate component each centre is compared with ``(sum S,)``)
+_CENTRES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _centres(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    key = (shape, dtype, device)
+    cached = _CENTRES.get(key)
+    if cached is None:
+        n = len(shape)
+        # the generic splat's linspace per axis (the same values), side by side
+        centres = torch.cat([torch.linspace(-1.0, 1.0, s, dtype=dtype, device=device)
+                             for s in shape])
+        components = torch.tensor([axis_of_component(a, n) for a in range(n)
+                                   for _ in range(shape[a])], device=device)
+        cached = _CENTRES[key] = (centres, components)
+    return cached
+
+
+def single_write(content: torch.Tensor, mu: torch.Tensor, sigma: torch.Tensor,
+                 shape: tuple[int, ...], eps: float, radius: float | None,
+                 out: torch.Tensor | None = None) -> torch.Tensor | None:
+    """The write volume of one Gaussian per row, flat ``(B, C, prod(shape))`` (into ``out``
+    when given): ``content (B, C)`` around ``mu (B, n)`` with ``sigma (B,)``, ``eps, radius``
+    as in :func:`tmcore.gaussian_splat`. All axes' profiles at once over the concatenated cell
+    centres, the generic splat's arithmetic in its order (the same bits); ``None`` where
+    ``eps <= 0``."""
+    if eps <= 0.0:
+        return None
+    batch, channels = content.shape
+    centres, components = _centres(tuple(shape), mu.dtype, mu.device)
+    # offsets of every axis' centres from the matching centre component: (B, sum S)
+    offset = centres - torch.index_select(mu, 1, components)
+    square = offset * offset
+    denom = (2.0 * sigma * sigma + eps)[:, None]                      # (B, 1)
+    profile = torch.exp(-square / denom)                              # (B, sum S)
+    if radius is not None:  # zero outside the box, NaN stays NaN (as the generic splat)
+        inside = torch.abs(offset) <= radius * sigma[:, None]
+        profile = torch.where(inside, profile, profile * 0.0)
+    n = len(shape)
+    dense = None
+    for axis, piece in enumerate(torch.split(profile, list(shape), dim=1)):
+        view = [1] * n
+        view[axis] = shape[axis]
+        piece = piece.view(batch, *view)
+        dense = piece if dense is None else dense * piece              # (p_0 p_1) p_2 ...
+    dense = dense.view(batch, 1, math.prod(shape))
+    if out is None:
+        return content[:, :, None] * dense
+    return torch.mul(content[:, :, None], dense, out=out)
+
+
+class Cell:
+    """One step of the cell on the fused kernels, forward and VJP, for a ``(B, C, *S)`` state on
+    a grid (or a local scan's box) ``S``: the parameters as plain memory, the step's buffers
+    and, after :meth:`start_backward`, the parameter gradients. Arrays are passed by address
+    (no torch op per step), ``(B, C, *S)`` blocks with contiguous rows except ``x`` and
+    ``d_x``, whose rows lie ``x_stride`` / ``d_x_stride`` elements apart."""
 
     def __init__(self, kernels: Kernels, batch: int, channels: int,
-                 spatial: tuple[int, ...], dtype: torch.dtype, params: ConvParams,
-                 take: Any = memory.take) -> None:
+                 spatial: tuple[int, ...], dtype: torch.dtype, params: ConvParams) -> None:
         self.kernels = kernels
         self.batch, self.channels, self.spatial = batch, channels, tuple(spatial)
         self.cells = math.prod(self.spatial)
@@ -83,8 +126,8 @@ class Cell:
         self.shape_arg = shape_arg(self.spatial)
         self.taps, self.biases, self.weight, self.zb = (plain(p) for p in ConvParams(*params))
         b, c, p = batch, channels, self.cells
-        self.y = take((b, 2 * c, p), dtype)
-        self.z = take((b, 4 * c, p), dtype)
+        self.y = memory.take((b, 2 * c, p), dtype)
+        self.z = memory.take((b, 4 * c, p), dtype)
         self.w_expanded = self.weight.expand(b, 4 * c, 2 * c)
 
     def new_state(self) -> torch.Tensor:
@@ -150,14 +193,10 @@ def _pick(buffers: list[torch.Tensor], busy: torch.Tensor) -> torch.Tensor:
 
 
 class _BlockWrites:
-    """The scan's write volumes, a block of steps per splat call, and their VJP.
-
-    :meth:`volume` gives step ``t``'s volume ``(B, C, *S)`` as a view into its block
-    ``(B, L, C, *S)`` with the block's batch stride (the two most recent blocks are
-    kept). :meth:`grad_slot` gives where step ``t``'s volume gradient goes (a view of
-    the block's gradient buffer); :meth:`grad_done` runs the block's splat VJP once
-    its first step's gradient is in (the backward runs in reverse).
-    """
+    """The scan's write volumes, a block of steps per splat call, and their VJP: :meth:`volume`
+    is step ``t``'s ``(B, C, *S)`` view into its block (the two latest blocks are kept),
+    :meth:`grad_slot` where its gradient goes; :meth:`grad_done` runs the block's splat VJP
+    once its first step's gradient is in (the backward runs in reverse)."""
 
     def __init__(self, splat_fwd, splat_bwd, xp: Any, write_coords: torch.Tensor,
                  write_sigma: torch.Tensor, write_content: torch.Tensor,
@@ -200,17 +239,12 @@ class _BlockWrites:
                 self._free_volume(next(iter(self.volumes)))
             start, stop = self._span(index)
             content, mu, sigma = self._inputs(index)
-            if content.dtype == mu.dtype == sigma.dtype:
-                # the generic splat of one write per row (splat_fwd's K = 1 case: the
-                # outer product content x weights), into a reused buffer
-                profiles, _, _ = gaussian_profiles(self.xp, mu, sigma, self.shape, self.eps,
-                                                   self.radius)
-                dense = outer_product(self.xp, profiles)  # (rows, 1, P)
+            if content.dtype == mu.dtype == sigma.dtype and self.eps > 0:
                 rows = content.shape[0]
                 buffer = self.volume_buffers[index] = self._buffer(self.free_volumes, content)
                 out = buffer[:rows]
-                torch.mul(content[:, 0, :, None], dense,
-                          out=out.reshape(rows, content.shape[2], -1))
+                single_write(content[:, 0], mu[:, 0], sigma[:, 0], self.shape, self.eps,
+                             self.radius, out=out.reshape(rows, content.shape[2], -1))
             else:
                 out = plain(self.splat_fwd(self.xp, content, mu, sigma, self.shape, self.eps,
                                             self.radius))
@@ -257,20 +291,27 @@ class _BlockWrites:
 
 def scan_fwd(xp: Any, h0, c0, read_coords, write_coords, write_sigma, write_content, params,
              eps: float, radius: float | None, checkpoint_every: int, *, generic: Ops,
-             options: Options):
-    """The fused :func:`tmcore.scan.memory_scan_fwd` (``generic``: the table whose splat
-    makes the write volumes), or ``None`` to decline."""
+             options: Options, reset: Any = None, active: Any = None):
+    """The fused :func:`tmcore.scan.memory_scan_fwd` (``generic``: the table whose splat makes
+    the volumes): the C kernels' on the CPU, else Triton's, or ``None`` to decline."""
     params = ConvParams(*params)
     kernels = scan_kernels(options, h0, c0, read_coords, write_coords, write_sigma,
                            write_content, *params)
     if kernels is None:
-        return None
+        return triton_dense.scan_fwd(xp, h0, c0, read_coords, write_coords, write_sigma,
+                                     write_content, params, eps, radius, checkpoint_every,
+                                     reset=reset, active=active)
     check_scan_shapes(h0, read_coords, {"c0": c0, "write_coords": write_coords,
                                         "write_sigma": write_sigma,
                                         "write_content": write_content}, params)
+    if _small(h0):  # (scan_kernels took tensors of one dtype)
+        return _fused_steps(kernels, h0, c0, read_coords, write_coords, write_sigma,
+                            write_content, params, eps, radius, checkpoint_every, reset,
+                            active)
+    steps = read_coords.shape[1]
+    masks = Masks(xp, reset, active)
     memory.begin()
     cell = _cell(kernels, h0, params)
-    steps = read_coords.shape[1]
     saved = -(-steps // checkpoint_every)
     h_ck = memory.take((saved, *h0.shape), h0.dtype, huge=True)
     c_ck = memory.take((saved, *h0.shape), h0.dtype, huge=True)
@@ -284,6 +325,7 @@ def scan_fwd(xp: Any, h0, c0, read_coords, write_coords, write_sigma, write_cont
     coords = plain(read_coords)
     n = len(cell.spatial)
     for t in range(steps):
+        h, c = masks.enter(xp, t, h, c)  # (a reset: new tensors; the checkpoint keeps h)
         call(kernels, "read_fwd", ptr(h), offset(coords, t * n), steps * n,
              offset(reads, t * cell.channels), steps * cell.channels, cell.batch,
              cell.channels, n, cell.shape_arg)
@@ -293,65 +335,110 @@ def scan_fwd(xp: Any, h0, c0, read_coords, write_coords, write_sigma, write_cont
             h_new, c_new = h_ck[(t + 1) // checkpoint_every], c_ck[(t + 1) // checkpoint_every]
         else:
             h_new, c_new = _pick(work_h, h), _pick(work_c, c)
-        x = writes.volume(t)
-        cell.step(ptr(x), x.stride(0), ptr(h), ptr(c), ptr(h_new), ptr(c_new))
+        if masks.some(t):
+            x = writes.volume(t)
+            cell.step(ptr(x), x.stride(0), ptr(h), ptr(c), ptr(h_new), ptr(c_new))
+            if not masks.every(t):  # the inactive rows keep the state they entered with
+                keep = masks.active[:, t].reshape(-1, *(1,) * (h.ndim - 1))
+                h_new.copy_(torch.where(keep, h_new, h))
+                c_new.copy_(torch.where(keep, c_new, c))
+        else:  # no row keeps the update: the step only reads
+            h_new.copy_(h)
+            c_new.copy_(c)
         h, c = h_new, c_new
     return reads, h, c, h_ck, c_ck
 
 
-def write_fwd(xp: Any, h, c, write_coords, write_sigma, write_content, params, eps: float,
-              radius: float | None, *, options: Options):
-    """One step's write and update without its read (a decode step that completes a
-    chunk: its read was made at the chunk's first token): ``h (B, C, *S)``, ``c``, the
-    step's ``write_coords (B, n)``, ``write_sigma (B,)``, ``write_content (B, C)`` ->
-    ``(h', c')``, the state :func:`scan_fwd` reaches in one step (the same splat and
-    kernels: the same bits), without its checkpoint copies, read buffer and block
-    bookkeeping; or ``None`` to decline (where :func:`scan_fwd` would). No
-    validation: the caller's inputs are the layer's heads' and a checked state."""
-    params = ConvParams(*params)
-    kernels = scan_kernels(options, h, c, write_coords, write_sigma, write_content, *params)
-    if kernels is None:
-        return None
-    mu, sigma, content = write_coords, write_sigma, write_content
-    if not content.dtype == mu.dtype == sigma.dtype:
-        return None
-    # a step's few small buffers come fresh from the allocator, not from the scan's pool
-    # (a search of its blocks per buffer cost more than the allocation at these sizes)
-    fresh = memory.uninitialized
-    batch, channels, *spatial = h.shape
-    cell = Cell(kernels, batch, channels, tuple(spatial), h.dtype, params, take=fresh)
-    h, c = plain(h), plain(c)
-    # the splat of one write per row, the bits _BlockWrites.volume makes, in fewer ops
-    # (all axes' profiles at once)
-    x = single_write(content, mu, sigma, cell.spatial, eps, radius,
-                     out=fresh((batch, channels, cell.cells), h.dtype))
-    if x is None:  # eps <= 0: the generic splat's degenerate spreads
-        profiles, _, _ = gaussian_profiles(xp, mu[:, None, :], sigma[:, None], cell.spatial,
-                                           eps, radius)
-        x = plain(content[:, :, None] * outer_product(xp, profiles))     # (B, C, P)
-    h_new, c_new = fresh(tuple(h.shape), h.dtype), fresh(tuple(h.shape), h.dtype)
-    cell.step(ptr(x), x.stride(0), ptr(h), ptr(c), ptr(h_new), ptr(c_new))
-    return h_new, c_new
+#: the most ``C * C * prod(S)`` at which a step runs as one ``step_fwd`` call (its pointwise
+#: product in C): above it, BLAS's ``bmm`` is faster (measured: 3x faster at ``C = 4``, 4^3;
+#: equal at ``C = 32``, 4^3; 2x slower at ``C = 32``, 8^3). Decided by the shapes alone,
+#: so every split of a stream rounds alike.
+FUSED_STEP_MAX = 1 << 16
+
+
+def _small(h0: torch.Tensor) -> bool:
+    return h0.shape[1] ** 2 * math.prod(h0.shape[2:]) <= FUSED_STEP_MAX
+
+
+def _steps(t: torch.Tensor | None, mask: bool = False) -> tuple[torch.Tensor | None, int]:
+    """A per-step input ``(B, T, ...)`` (a mask ``(B, T)``, or None) as the kernel reads it,
+    each row's last axis contiguous (a mask: a byte per row), and its row stride."""
+    if t is None:
+        return None, 0
+    if mask and t.dtype != torch.bool:
+        t = t != 0
+    if t.ndim > 2 and t.shape[-1] > 1 and t.stride(-1) != 1:
+        t = t.contiguous()
+    return t, t.stride(0)
+
+
+#: (shape, dtype, device) -> the kernel's shape argument and the cell centres (held)
+_GRIDS: dict[tuple, tuple[ctypes.Array, torch.Tensor]] = {}
+
+
+def _fused_steps(kernels: Kernels, h0, c0, read_coords, write_coords, write_sigma,
+                 write_content, params: ConvParams, eps: float, radius: float | None,
+                 checkpoint_every: int, reset, active):
+    """:func:`scan_fwd` on a small grid: each step one ``step_fwd`` call (read, Gaussian
+    write, depthwise passes, pointwise product, gates, masks), the new state written into
+    its checkpoint slot."""
+    h0, c0 = plain(h0), plain(c0)
+    params = [plain(p) for p in params]
+    batch, channels, *spatial = h0.shape
+    steps = read_coords.shape[1]
+    key = (tuple(spatial), h0.dtype, h0.device)
+    grid = _GRIDS.get(key)
+    if grid is None:
+        grid = _GRIDS[key] = (shape_arg(key[0]), _centres(*key)[0])
+    inputs = [*map(_steps, (read_coords, write_coords, write_sigma, write_content)),
+              _steps(reset, mask=True), _steps(active, mask=True)]
+    saved = -(-steps // checkpoint_every)
+    h_ck, c_ck = (memory.uninitialized((saved, *h0.shape), h0.dtype) for _ in range(2))
+    reads = memory.uninitialized((batch, steps, channels), h0.dtype)
+    h_last, c_last = (memory.uninitialized(h0.shape, h0.dtype) for _ in range(2))
+    work = [memory.uninitialized((2, *h0.shape), h0.dtype) for _ in range(2)] \
+        if checkpoint_every > 1 and steps > 1 else None
+    size = h0.numel()  # the states are passed by address: no torch op per step
+    h, c = ptr(h0), ptr(c0)
+    for t in range(steps):
+        if t == steps - 1:
+            h_new, c_new = ptr(h_last), ptr(c_last)
+        elif (t + 1) % checkpoint_every == 0:
+            k = (t + 1) // checkpoint_every * size
+            h_new, c_new = offset(h_ck, k), offset(c_ck, k)
+        else:
+            h_new, c_new = offset(work[0], t % 2 * size), offset(work[1], t % 2 * size)
+        rows = [a for x, stride in inputs for a in (
+            None if x is None else offset(x, t * x.stride(1)), stride)]
+        call(kernels, "step_fwd", h, c, *rows, grid[1].data_ptr(),
+             *(p.data_ptr() for p in params), eps, -1.0 if radius is None else radius,
+             offset(reads, t * channels), steps * channels, h_new, c_new,
+             ptr(h_ck) if t == 0 else None, ptr(c_ck) if t == 0 else None,
+             batch, channels, len(spatial), grid[0])
+        h, c = h_new, c_new
+    return reads, h_last, c_last, h_ck, c_ck
 
 
 def scan_bwd(xp: Any, read_coords, write_coords, write_sigma, write_content, params,
              h_checkpoints, c_checkpoints, g_reads, g_h, g_c, eps: float,
-             radius: float | None, checkpoint_every: int, *, generic: Ops, options: Options):
-    """The fused :func:`tmcore.scan.memory_scan_bwd` (a :class:`tmcore.scan.ScanGrads`),
-    or ``None`` to decline."""
-    from tmcore.types import ScanGrads
-
+             radius: float | None, checkpoint_every: int, *, generic: Ops, options: Options,
+             reset: Any = None, active: Any = None):
+    """The fused :func:`tmcore.scan.memory_scan_bwd` (a :class:`tmcore.types.ScanGrads`):
+    the C kernels' on the CPU, else the Triton kernels', or ``None`` to decline."""
     params = ConvParams(*params)
     kernels = scan_kernels(options, g_h, g_c, g_reads, h_checkpoints, c_checkpoints,
                            read_coords, write_coords, write_sigma, write_content, *params)
     if kernels is None:
-        return None
+        return triton_dense.scan_bwd(xp, read_coords, write_coords, write_sigma, write_content,
+                                     params, h_checkpoints, c_checkpoints, g_reads, g_h, g_c,
+                                     eps, radius, checkpoint_every, reset=reset, active=active)
     steps = read_coords.shape[1]
     saved = -(-steps // checkpoint_every)
     check_scan_shapes(g_h, read_coords, {
         "g_c": g_c, "g_reads": g_reads, "h_checkpoints": h_checkpoints,
         "c_checkpoints": c_checkpoints, "write_coords": write_coords,
         "write_sigma": write_sigma, "write_content": write_content}, params, saved=saved)
+    masks = Masks(xp, reset, active)
     memory.begin()
     cell = _cell(kernels, g_h, params)
     cell.start_backward()
@@ -371,18 +458,46 @@ def scan_bwd(xp: Any, read_coords, write_coords, write_sigma, write_content, par
         states = [(h_checkpoints[segment], c_checkpoints[segment])]
         for t in range(start, stop - 1):  # replay the segment from its checkpoint
             k = 2 * (t - start)
-            x, (h, c) = writes.volume(t), states[-1]
-            cell.step(ptr(x), x.stride(0), ptr(h), ptr(c), ptr(replay[k]), ptr(replay[k + 1]))
+            h, c = masks.enter(xp, t, *states[-1])
+            if masks.some(t):
+                x = writes.volume(t)
+                cell.step(ptr(x), x.stride(0), ptr(h), ptr(c), ptr(replay[k]),
+                          ptr(replay[k + 1]))
+                if not masks.every(t):
+                    keep = masks.active[:, t].reshape(-1, *(1,) * (h.ndim - 1))
+                    replay[k].copy_(torch.where(keep, replay[k], h))
+                    replay[k + 1].copy_(torch.where(keep, replay[k + 1], c))
+            else:
+                replay[k].copy_(h)
+                replay[k + 1].copy_(c)
             states.append((replay[k], replay[k + 1]))
         for t in reversed(range(start, stop)):
-            h, c = states[t - start]
+            h, c = masks.enter(xp, t, *states[t - start])
             g_h_new, g_c_new = _pick(bufs_h, g_h), _pick(bufs_c, g_c)
-            x, d_x = writes.volume(t), writes.grad_slot(t, g_h)
-            cell.backward_step(ptr(x), x.stride(0), ptr(h), ptr(c), ptr(g_h), ptr(g_c), ptr(d_x),
-                               d_x.stride(0), ptr(g_h_new), ptr(g_c_new))
+            d_x = writes.grad_slot(t, g_h)
+            inactive = None if masks.every(t) else ~masks.active[:, t].reshape(
+                -1, *(1,) * (h.ndim - 1))
+            if masks.some(t):
+                x = writes.volume(t)
+                g_h_in, g_c_in = ((g_h, g_c) if inactive is None else
+                                  (g_h.masked_fill(inactive, 0), g_c.masked_fill(inactive, 0)))
+                cell.backward_step(ptr(x), x.stride(0), ptr(h), ptr(c), ptr(g_h_in),
+                                   ptr(g_c_in), ptr(d_x), d_x.stride(0), ptr(g_h_new),
+                                   ptr(g_c_new))
+                if inactive is not None:  # their cotangent went past the update
+                    g_h_new.add_(g_h.masked_fill(~inactive, 0))
+                    g_c_new.add_(g_c.masked_fill(~inactive, 0))
+            else:  # a read-only step: the state's cotangent passes, the write's is 0
+                d_x.zero_()
+                g_h_new.copy_(g_h)
+                g_c_new.copy_(g_c)
             call(kernels, "read_bwd", ptr(h), offset(coords, t * n), steps * n,
                  offset(g_reads, t * c_), steps * c_, ptr(g_h_new),
                  offset(d_read_coords, t * n), steps * n, b, c_, n, cell.shape_arg)
+            if masks.resets(t):
+                zeroed = masks.reset[:, t].reshape(-1, *(1,) * (h.ndim - 1))
+                g_h_new.masked_fill_(zeroed, 0)
+                g_c_new.masked_fill_(zeroed, 0)
             writes.grad_done(t)
             g_h, g_c = g_h_new, g_c_new
     return ScanGrads(g_h, g_c, d_read_coords, writes.d_coords, writes.d_sigma,

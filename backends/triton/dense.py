@@ -1,23 +1,10 @@
-"""The fused Triton scan for torch tensors: three launches per chunk step, no Python on replay.
+"""The fused Triton scan for torch tensors: the torch table's ``scan_fwd`` / ``scan_bwd``
+(contract :func:`tmcore.memory_scan_fwd` / ``memory_scan_bwd``, same checkpoints), or None
+where it does not apply and the generic loop runs.
 
-Entries ``scan_fwd`` / ``scan_bwd`` of the torch backend's :class:`~tmcore.runtime.dispatch.Ops`
-table (contract: :func:`tmcore.scan.memory_scan_fwd` / ``memory_scan_bwd``, same
-checkpoint layout, so a forward on one path and a backward on the other agree).
-They return ``None`` whenever the fused path does not apply, and tmcore's scan
-then runs its per-primitive loop. The kernels are in
-:mod:`tmcore.backends.triton.dense_kernels`.
-
-Per chunk step: forward 1 launch (write made on the fly, depthwise stencil over
-``concat(x, h)`` without the concat, pointwise ``tl.dot``, gates, read);
-backward 2 launches (gate + pointwise VJP; transposed stencil + read + write
-partial sums), plus the forward replays of ``checkpoint_every > 1``. Tap,
-bias, pointwise and write gradients are per-program partial sums reduced once
-per scan (deterministic: no atomics).
-
-When it runs, its precision and its fallback for kernels that fail are the shared
-launcher's (:mod:`tmcore.backends.triton.launch`); on CUDA each scan loop is captured
-once per shape / dtype / options as a CUDA graph and replayed
-(:func:`tmcore.backends.triton.launch.replay`).
+Per chunk step 1 launch forward and 2 backward (:mod:`.dense_kernels`), plus the forward
+replays of ``checkpoint_every > 1``; when it runs, its precision, fallback and CUDA-graph
+replay: :mod:`.launch`.
 """
 
 from __future__ import annotations
@@ -48,8 +35,8 @@ def launches_per_step(checkpoint_every: int = 1) -> float:
 
 
 class _Geometry(launch.Tiles):
-    """Launch geometry of a state ``(B, C, *S)``: the grid padded to three axes, grid
-    ``(B, G)`` of programs that each loop over their cell tiles."""
+    """Launch geometry of a state ``(B, C, *S)``: the grid padded to three axes, ``(B, G)``
+    programs that each loop over their cell tiles."""
 
     def __init__(self, state: Any) -> None:
         self.cells = math.prod(state.shape[2:])
@@ -103,8 +90,8 @@ def _forward_loop(h0, c0, rc, wc, ws, wcont, dw, db, pw, pb, *, eps, r, consts, 
 
 
 def _accepts(state, read_coords, arrays: dict, params: ConvParams, **kw: Any) -> bool:
-    """Whether the kernels take these arguments (else the scan declines); when they do,
-    every shape is checked (``ValueError`` naming the argument)."""
+    """Whether the kernels take these arguments (else the scan declines); if so every shape is
+    checked (``ValueError`` naming the argument)."""
     if read_coords.ndim != 3 or read_coords.shape[2] != state.ndim - 2:
         return False
     if not launch.usable(state, read_coords, *arrays.values(), *params):
@@ -114,9 +101,8 @@ def _accepts(state, read_coords, arrays: dict, params: ConvParams, **kw: Any) ->
 
 
 def _run(kind: str, loop, state, read_coords, inputs: tuple, eps, radius, every, geo) -> Any:
-    """``loop(*inputs)`` through the shared fallback and CUDA-graph replay, keyed by
-    ``kind`` and the shapes / dtype / options; ``None`` where its kernels failed. The
-    loops get the radius as ``r`` (0 for none) and ``consts``, the kernels' constexprs."""
+    """``loop(*inputs)`` through the shared fallback and CUDA-graph replay, keyed by ``kind``,
+    shapes, dtype and options; None where its kernels failed."""
     key = (kind, tuple(state.shape), read_coords.shape[1], state.dtype, state.device,
            float(eps), radius, every, launch.precision(state))
 
@@ -129,8 +115,11 @@ def _run(kind: str, loop, state, read_coords, inputs: tuple, eps, radius, every,
 
 
 def scan_fwd(xp: Any, h0, c0, read_coords, write_coords, write_sigma, write_content,
-             params: ConvParams, eps: float, radius: float | None, checkpoint_every: int):
-    """Fused :func:`tmcore.scan.memory_scan_fwd`, or ``None`` where it does not apply."""
+             params: ConvParams, eps: float, radius: float | None, checkpoint_every: int,
+             reset: Any = None, active: Any = None):
+    """Fused :func:`tmcore.memory_scan_fwd`, or None where it does not apply (no per-step masks)."""
+    if reset is not None or active is not None:
+        return None
     params = ConvParams(*params)
     if not _accepts(h0, read_coords, {"c0": c0, "write_coords": write_coords,
                                       "write_sigma": write_sigma,
@@ -145,7 +134,7 @@ def scan_fwd(xp: Any, h0, c0, read_coords, write_coords, write_sigma, write_cont
 def _backward_loop(rc, wc, ws, wcont, dw, db, pw, pb, h_ck, c_ck, g_reads, g_h, g_c, *, eps, r,
                    consts, every, geo):
     """The backward launches: ``(d_h0, d_c0, d_read_coords, write partials (B, T, G, C + 4),
-    d_pointwise partials, d_pointwise_bias partials, bias-class sums, stencil sums)``."""
+    d_pointwise, d_pointwise_bias partials, bias-class sums, stencil sums)``."""
     k = _kernels()
     steps = rc.shape[1]
     batch, channels, cells = geo.batch, geo.channels, geo.cells
@@ -183,10 +172,12 @@ def _backward_loop(rc, wc, ws, wcont, dw, db, pw, pb, h_ck, c_ck, g_reads, g_h, 
 
 def scan_bwd(xp: Any, read_coords, write_coords, write_sigma, write_content,
              params: ConvParams, h_checkpoints, c_checkpoints, g_reads, g_h, g_c, eps: float,
-             radius: float | None, checkpoint_every: int):
-    """Fused :func:`tmcore.scan.memory_scan_bwd`, or ``None`` where it does not apply."""
+             radius: float | None, checkpoint_every: int, reset: Any = None, active: Any = None):
+    """Fused :func:`tmcore.memory_scan_bwd`, or None where it does not apply."""
     from tmcore.types import ScanGrads
 
+    if reset is not None or active is not None:
+        return None
     params = ConvParams(*params)
     saved = -(-read_coords.shape[1] // checkpoint_every)
     if not _accepts(g_h, read_coords, {

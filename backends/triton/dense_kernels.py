@@ -1,44 +1,27 @@
 """Triton kernels of the fused chunk step: one launch forward, two backward.
 
-Imported only by :mod:`tmcore.backends.triton.dense` (and only when ``triton``
-imports); built from the parts both kernel modules share
-(:mod:`tmcore.backends.triton.parts`). Every kernel sees the state as ``(B, C, P)``
-with the grid padded to three axes ``S0 x S1 x S2`` (``n = 1``: ``1 x 1 x S``, ``n =
-2``: ``1 x S0 x S1``; a padded axis has no taps, no coordinate and a write profile of 1).
-Grid of every kernel: ``(B, G)``; program ``(b, g)`` handles batch element
-``b`` and the cell tiles ``g, g + G, ...`` of ``BP`` cells, all ``C``
-channels at once (``CB`` = ``C`` rounded up to a power of two >= 16, masked).
+Every kernel sees the state as ``(B, C, P)``, the grid padded to three axes ``S0 x S1 x S2``
+(a padded axis has no taps, no coordinate and a write profile of 1); program ``(b, g)`` of
+the grid ``(B, G)`` handles batch row ``b``, cell tiles ``g, g + G, ...`` of ``BP`` cells and
+all ``C`` channels (``CB``: ``C`` rounded up to a power of two >= 16, masked). With
+``u = concat(x, h)``, ``x`` the written volume:
 
-Math (docs/guides/conventions.md, docs/LAYER.md; ``u = concat(x, h)``, ``x`` the written volume):
+- forward: the ``n`` depthwise passes compose into one 3^n stencil per channel, ``y[p] =
+  sum_d K[d] u[p + d] + Bias(p)``, ``K[d] = prod_a taps_a[d_a]``, ``Bias = (b_0 V_1 + b_1)
+  V_2 + b_2`` (``V_a`` the sum of the taps that see a cell inside the grid); the ``h``
+  half gathers its 3^n neighbours, the ``x`` half is separable (``content * prod_a g_a``),
+  so neither the write volume nor ``concat`` is ever in memory. Then ``z = W y + b`` as
+  eight ``tl.dot``, the gates in registers, and the step's read by each row's program 0.
+- backward A: recompute ``y, z``; gate VJP, ``d_c`` over ``g_c``, ``d_y = W^T d_z``; the
+  pointwise and bias-class partial sums.
+- backward B: the transposed stencil plus the read's volume gradient as the new ``g_h``;
+  the stencil correlations (tap gradients); the write's partial sums; the read's
+  coordinate gradient.
 
-- the ``n`` depthwise passes compose into one 3^n stencil per channel,
-  ``y[p] = sum_d K[d] u[p + d] + Bias(p)`` with ``K[d] = prod_a taps_a[d_a]``
-  and ``Bias`` the per-pass biases carried through the later passes
-  (``Bias = (b_0 V_1 + b_1) V_2 + b_2``, ``V_a`` the sum of the taps that see
-  a cell inside the grid). The ``h`` half gathers its 3^n neighbours; the
-  ``x`` half is separable (``x = content * prod_a g_a``), so its stencil is a
-  product of three 3-tap sums of the Gaussian profiles: the write volume and
-  ``concat`` are never in memory.
-- ``z = W y + b`` as eight ``tl.dot`` (four gate quarters x two halves),
-  then the LSTM gates in registers; ``h', c'`` stored, and the step's read
-  (of the state entering the step) by the first program of each batch row.
-- backward A: recompute ``y, z``, gate VJP, ``d_c`` (in place over ``g_c``),
-  ``d_y = W^T d_z`` (stored for B), the pointwise weight / bias gradients
-  and the bias-class sums (below) accumulated in per-program slots;
-- backward B: ``d_u[q] = sum_d K[d] d_y[q - d]`` (the transposed stencil;
-  gathers), plus the read's volume gradient, stored as the new ``g_h``; the
-  stencil correlation ``sum_q d_y[q - d] u[q]`` (-> tap gradients); the
-  write's content / centre / spread partial sums of this step; the read
-  coordinate gradient (first program of each row).
-
-The step index ``t``, ``T`` and ``C`` are not specialized on (Triton would otherwise
-compile new variants for ``t == 1`` and ``t % 16 == 0``). Tap and bias gradients are
-finished once per scan from the per-program
-sums (``corr`` and the bias classes ``E``: every bias term depends on a cell
-only through whether it is first / interior / last along each axis, so 27
-class sums per channel carry everything). No atomics: each program owns its
-accumulator slot and steps are sequential launches, so results are
-deterministic.
+``t``, ``T`` and ``C`` are not specialized on (Triton would compile variants for ``t == 1``
+and ``t % 16 == 0``). Every bias term depends on a cell only through whether it is first,
+interior or last per axis, so 27 class sums per channel carry the bias gradients. No
+atomics: each program owns its slots and steps are sequential launches (deterministic).
 """
 
 from __future__ import annotations
@@ -82,8 +65,8 @@ def _gauss(j, mu, denom, rs, S: tl.constexpr, HAS_RADIUS: tl.constexpr):
 @triton.jit
 def _x_axis(dw_ptr, A: tl.constexpr, N: tl.constexpr, offs_c, mask_c, C2, i, mu, denom, rs,
             S: tl.constexpr, HAS_RADIUS: tl.constexpr):
-    """Padded axis ``A`` of the ``x`` half: ``G = sum_k t_k g(i + k - 1)`` over cells
-    inside, ``(CB, BP)``, ``t`` the axis's ``x`` taps, ``g`` its Gaussian profile."""
+    """Padded axis ``A`` of the ``x`` half: ``G = sum_k t_k g(i + k - 1)`` over cells inside,
+    ``(CB, BP)`` (``t``: the axis's ``x`` taps, ``g``: its Gaussian profile)."""
     t0, t1, t2 = taps(dw_ptr, A, N, 0, offs_c, mask_c, C2)
     g_mid, off = _gauss(i, mu, denom, rs, S, HAS_RADIUS)
     G = t1[:, None] * g_mid[None, :]
@@ -113,10 +96,8 @@ def _write_profile(i0, i1, i2, mu0, mu1, mu2, denom, rs, N: tl.constexpr, S0: tl
 def _conv_input(h_row, content, mu0, mu1, mu2, denom, rs, dw_ptr, db_ptr, offs_c, mask_c,
                 i0, i1, i2, offs_p, C, N: tl.constexpr, S0: tl.constexpr, S1: tl.constexpr,
                 S2: tl.constexpr, HAS_RADIUS: tl.constexpr):
-    """The depthwise output ``(y_x, y_h)``, each ``(CB, BP)``, at the tile's cells.
-
-    ``h_row`` points at ``h[b, 0, 0]``; rows ``>= C`` come out 0.
-    """
+    """The depthwise output ``(y_x, y_h)``, each ``(CB, BP)``, at the tile's cells (``h_row``:
+    ``h[b, 0, 0]``; rows ``>= C`` are 0)."""
     C2 = 2 * C
     # ---- x half: separable
     G = _x_axis(dw_ptr, 2, N, offs_c, mask_c, C2, i2, mu2, denom, rs, S2, HAS_RADIUS)
@@ -157,8 +138,8 @@ def _tent_weight(i, lower, frac):
 @triton.jit
 def _write_params(wcont_ptr, ws_ptr, wc_ptr, bt, offs_c, mask_c, C, eps, radius,
                   N: tl.constexpr):
-    """Step ``bt``'s write: content ``(CB,)``, sigma, ``2 sigma^2 + eps``, the truncation
-    radius ``radius * sigma`` and the centre ``mu0, mu1, mu2`` (coordinate order)."""
+    """Step ``bt``'s write: content ``(CB,)``, sigma, ``2 sigma^2 + eps``, ``radius * sigma`` and
+    the centre ``mu0, mu1, mu2`` (coordinate order)."""
     content = tl.load(wcont_ptr + bt * C + offs_c, mask=mask_c, other=0.0)
     sigma = tl.load(ws_ptr + bt)
     mu0 = coord(wc_ptr + bt * N, 0, N)
@@ -206,8 +187,8 @@ def step_fwd_kernel(
 
 @triton.jit
 def _read_tents(rc, N: tl.constexpr, S0: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr):
-    """:func:`_tent` of the read's coordinates ``rc`` along the three padded axes:
-    ``(lower index, lower, frac, inside)`` per axis."""
+    """:func:`_tent` of the read's coordinates along the three padded axes: ``(lower index, lower,
+    frac, inside)`` per axis."""
     x0 = coord(rc, 0, N)
     x1 = coord(rc, 1, N)
     x2 = coord(rc, 2, N)
@@ -220,8 +201,7 @@ def _read_tents(rc, N: tl.constexpr, S0: tl.constexpr, S1: tl.constexpr, S2: tl.
 @triton.jit
 def _corner_value(h_row, offs_c, mask_c, l0, l1, l2, e0: tl.constexpr, e1: tl.constexpr,
                   e2: tl.constexpr, S0: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr):
-    """``h[c, corner]`` (CB,) of the read's corner ``(l0 + e0, l1 + e1, l2 + e2)``, 0 past
-    the grid's last cell."""
+    """``h[c, corner]`` (CB,) at the read's corner, 0 past the grid's last cell."""
     P: tl.constexpr = S0 * S1 * S2
     j0 = offs_c * 0 + (l0 + e0)  # per-channel copies: masks are vectors
     j1 = offs_c * 0 + (l1 + e1)
@@ -257,12 +237,8 @@ def step_bwd_a_kernel(
     N: tl.constexpr, S0: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr,
     CB: tl.constexpr, BP: tl.constexpr, HAS_RADIUS: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """Backward A of step ``t``: gate VJP and pointwise VJP.
-
-    Reads ``g_h, g_c`` (cotangents of ``h', c'``); writes ``d_c`` over ``g_c`` and
-    ``d_y (B, 2C, P)``; adds to this program's slots of ``dpw_part (prog, 4C, 2C)``,
-    ``dpb_part (prog, 4C)`` and ``e_part (prog, 2C, 27)`` (bias-class sums of ``d_y``).
-    """
+    """Backward A of step ``t``: ``d_c`` over ``g_c``, ``d_y (B, 2C, P)``, and this program's slots
+    of ``dpw_part (prog, 4C, 2C)``, ``dpb_part (prog, 4C)``, ``e_part (prog, 2C, 27)``."""
     b = tl.program_id(0)
     pid = tl.program_id(1)
     programs = tl.num_programs(1)
@@ -311,13 +287,9 @@ def step_bwd_b_kernel(
     N: tl.constexpr, S0: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr,
     CB: tl.constexpr, BP: tl.constexpr, HAS_RADIUS: tl.constexpr,
 ):
-    """Backward B of step ``t``: transposed stencil and the write / read gradients.
-
-    Writes ``d_h`` (conv path + read path) over ``g_h``; adds the stencil
-    correlations to ``corr_part (prog, 2C, 27)``; stores this step's write partial
-    sums in ``write_part[b, t, g] = (d_content (C), sum w s (p - mu)_A (3), sum w s
-    |p - mu|^2)`` and the read coordinate gradient ``d_rc[b, t]``.
-    """
+    """Backward B of step ``t``: ``d_h`` over ``g_h``; ``corr_part (prog, 2C, 27)``; the write's
+    partial sums ``write_part[b, t, g] = (d_content (C), sum w s (p - mu)_A (3), sum w s
+    |p - mu|^2)``; the read's coordinate gradient ``d_rc[b, t]``."""
     b = tl.program_id(0)
     pid = tl.program_id(1)
     programs = tl.num_programs(1)

@@ -1,31 +1,8 @@
-"""What the fused Triton scans (dense and local) share around their launches.
-
-- When they run (:func:`usable`): ``tmcore.options(triton=False)`` /
-  ``TMCORE_TRITON=0``: never. ``"auto"`` (the default): CUDA tensors only. ``True`` /
-  ``TMCORE_TRITON=1``: CUDA tensors, and CPU tensors when ``TRITON_INTERPRET=1``
-  (Triton's interpreter; how CI tests the kernels). The C kernels stay the CPU
-  default. Plain untraced tensors of one dtype and device, float32 or float64 (others:
-  the per-primitive path, which computes halves in float32); ``n <= 3`` spatial axes
-  (``n = 4``: the generic path); ``C <=`` :data:`MAX_CHANNELS`.
-- Precision (:func:`precision`): float32 products use ``input_precision="ieee"`` (no
-  TF32); the option ``triton_tf32`` (``TMCORE_TRITON_TF32=1``) opts in on CUDA.
-- Tiles (:class:`Tiles`): ``C`` rounded up to a power of two ``CB >= 16`` (masked),
-  cells in tiles of ``BP``, the warps per program.
-- Fallback (:func:`guarded`): if the kernels fail to compile or launch for a shape
-  (e.g. an older Triton), a ``RuntimeWarning`` says so once and the per-step path
-  runs for that shape from then on.
-- CUDA graphs (:func:`replay`): on CUDA each scan loop (forward; backward without
-  the final reductions) is captured once per shape / dtype / options as a CUDA graph
-  and replayed (the option ``cuda_graphs``, ``TMCORE_CUDA_GRAPHS=0`` turns it off); a
-  capture that fails falls back to the eager launches for that key, silently. At
-  most :data:`MAX_GRAPHS` are kept (least recently used dropped).
-- Entry checks (:func:`check_shapes`): every shape the kernels index by, and a size
-  their 32-bit offsets reach.
-- The parameter gradients' per-program partial sums (:func:`param_sums`) and the
-  gradients made from them (:func:`param_grads`).
-
-The kernel modules import ``triton``, so they are imported only here (:func:`kernels`),
-when a launch needs them.
+"""What the fused Triton scans (dense and local) share around their launches: when they run
+(:func:`usable`), precision, tiles, the fallback for kernels that fail (:func:`guarded`),
+CUDA-graph replay (:func:`replay`), the entry checks, and the parameter gradients' partial
+sums. The options (``triton``, ``triton_tf32``, ``cuda_graphs``): docs/guides/backends.md.
+The kernel modules import ``triton``, so only :func:`kernels` imports them, when needed.
 """
 
 from __future__ import annotations
@@ -59,8 +36,7 @@ _BROKEN: set = set()
 
 
 def kernels(name: str) -> Any:
-    """The kernel module ``tmcore.backends.triton.<name>`` once imported, or ``None``
-    where ``triton`` does not import."""
+    """The kernel module ``<name>`` of this package, or None where ``triton`` does not import."""
     if name not in _KERNELS:
         try:
             _KERNELS[name] = importlib.import_module(f"tmcore.backends.triton.{name}")
@@ -86,7 +62,9 @@ def interpreting() -> bool:
 
 
 def usable(*tensors: torch.Tensor) -> bool:
-    """Whether a fused scan may run on ``tensors`` (see the module notes)."""
+    """Whether a fused scan may run on ``tensors``: the ``triton`` option (``"auto"``: CUDA only;
+    ``True``: also CPU under ``TRITON_INTERPRET=1``), plain untraced float32 / float64 tensors of
+    one device, ``n <= 3``, ``C <=`` :data:`MAX_CHANNELS`."""
     setting = _setting()
     if setting is False:
         return False
@@ -104,16 +82,15 @@ def usable(*tensors: torch.Tensor) -> bool:
 
 
 def precision(t: torch.Tensor) -> str:
-    """The ``tl.dot`` input precision for tensors like ``t``: ``"tf32"`` where the
-    ``triton_tf32`` option allows it (CUDA float32), else ``"ieee"``."""
+    """The ``tl.dot`` input precision: ``"tf32"`` where the ``triton_tf32`` option allows it (CUDA
+    float32), else ``"ieee"``."""
     tf32 = get_options().triton_tf32 and t.is_cuda and t.dtype == torch.float32
     return "tf32" if tf32 else "ieee"
 
 
 class Tiles:
-    """The register tiles of a state ``(B, C, *S)`` whose programs work on ``cells``
-    cells (the grid, or a local scan's box) ``BP`` at a time, all ``C`` channels at once
-    (``CB``: ``C`` rounded up to a power of two >= 16, masked)."""
+    """The register tiles of a state ``(B, C, *S)``: ``cells`` cells (the grid, or a box)
+    ``BP`` at a time, all ``C`` channels (``CB``: ``C`` rounded up to a power of two >= 16)."""
 
     def __init__(self, state: Any, cells: int) -> None:
         self.batch, self.channels = state.shape[:2]
@@ -137,10 +114,9 @@ def _on_device(t: torch.Tensor):
 
 def guarded(what: str, key: tuple, shown: int, like: torch.Tensor,
             run: Callable[[], Any]) -> Any:
-    """``run()`` on ``like``'s device, or ``None`` (decline) when ``key``'s kernels
-    failed: then (the first time) a ``RuntimeWarning`` naming the fused ``what`` and
-    ``key[:shown]``, and the per-step path runs for ``key`` from then on. Called by the
-    scans' ``_run``: the warning points at the caller of their entry."""
+    """``run()`` on ``like``'s device, or None once ``key``'s kernels failed: then a
+    ``RuntimeWarning`` (once, naming ``what`` and ``key[:shown]``) and the per-step path for
+    ``key`` from then on."""
     if key in _BROKEN:
         return None
     try:
@@ -156,9 +132,8 @@ def guarded(what: str, key: tuple, shown: int, like: torch.Tensor,
 
 def check_shapes(state: torch.Tensor, read_coords: torch.Tensor, arrays: dict,
                  params: ConvParams, **kw: Any) -> None:
-    """Every shape the kernels index by (:func:`tmcore.backends.fused.check_scan_shapes`,
-    ``kw`` passed on), and a state small enough for their 32-bit offsets: a
-    ``ValueError`` naming the argument instead of an out-of-bounds access."""
+    """Every shape the kernels index by (:func:`tmcore.backends.fused.check_scan_shapes`) and a
+    state within their 32-bit offsets: a ``ValueError`` naming the argument."""
     check_scan_shapes(state, read_coords, arrays, params, kernel="Triton kernels", **kw)
     steps = read_coords.shape[1]
     if 2 * state.numel() * max(4, steps) >= 2**31:
@@ -172,9 +147,9 @@ def contiguous(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
 
 
 def param_sums(slots: int, channels: int, like: dict) -> tuple[torch.Tensor, ...]:
-    """The zeroed per-program partial sums (``slots`` rows) of the parameter gradients:
-    ``d_pw (slots, 4C, 2C), d_pb (slots, 4C)``, the bias-class sums ``E`` and the stencil
-    correlations ``corr`` ``(slots, 2C, 27)``; ``like``: their dtype and device."""
+    """Zeroed per-program partial sums (``slots`` rows) of the parameter gradients: ``d_pw
+    (slots, 4C, 2C)``, ``d_pb (slots, 4C)``, bias-class sums ``E`` and correlations ``corr``
+    ``(slots, 2C, 27)``."""
     return (torch.zeros((slots, 4 * channels, 2 * channels), **like),
             torch.zeros((slots, 4 * channels), **like),
             torch.zeros((slots, 2 * channels, 27), **like),
@@ -183,13 +158,9 @@ def param_sums(slots: int, channels: int, like: dict) -> tuple[torch.Tensor, ...
 
 def param_grads(params: ConvParams, d_pw: torch.Tensor, d_pb: torch.Tensor,
                 e_sums: torch.Tensor, corr: torch.Tensor, s3: tuple[int, int, int]) -> ConvParams:
-    """The gradients of ``params`` from the scan's partial sums (:func:`param_sums`).
-
-    ``y = sum_d K[d] u[p + d] + Bias(p)`` is linear in the stencil ``K`` (a product of
-    one tap per axis) and in ``Bias`` (biases times per-axis tap sums, constant per
-    cell class), so ``<corr, K> + <E, Bias>`` has the taps' and biases' gradients
-    ``(n, 2C, 3), (n, 2C)``; they are taken by autograd on these few small tensors.
-    """
+    """The gradients of ``params`` from the partial sums: ``y`` is linear in the stencil ``K``
+    and in ``Bias`` (constant per cell class), so autograd of ``<corr, K> + <E, Bias>`` on
+    these few small tensors gives the taps' ``(n, 2C, 3)`` and biases' ``(n, 2C)`` gradients."""
     taps, biases = params[0], params[1]
     corr, e_sums = corr.sum(0), e_sums.sum(0)
     n, c2 = biases.shape
@@ -226,14 +197,9 @@ MAX_GRAPHS = 8
 
 
 def replay(key: tuple, fn, inputs: tuple[torch.Tensor, ...]) -> tuple:
-    """``fn(*inputs)``; on CUDA through a CUDA graph captured once per ``key``.
-
-    The first call per key runs ``fn`` once eagerly (it compiles the kernels), then
-    captures it on static copies of ``inputs``; later calls copy the inputs in,
-    replay, and return clones of the outputs. Any failure to capture makes the key
-    eager for good. Not used while a stream is already capturing (the caller's own
-    graph records the launches).
-    """
+    """``fn(*inputs)``, on CUDA through a graph captured once per ``key`` (after one eager run that
+    compiles the kernels): later calls copy the inputs in, replay and clone the outputs. A
+    failed capture makes the key eager for good; not used while a stream is capturing."""
     if (not get_options().cuda_graphs or not inputs[0].is_cuda or key in _FAILED
             or torch.cuda.is_current_stream_capturing()):
         return fn(*inputs)
@@ -257,9 +223,8 @@ def replay(key: tuple, fn, inputs: tuple[torch.Tensor, ...]) -> tuple:
 
 
 def graph_cache_bytes() -> int:
-    """Bytes held by the cached graphs' static inputs and outputs (their memory pools'
-    temporaries not included): memory a training step's peak does not show, since it
-    stays allocated between calls."""
+    """Bytes the cached graphs' static inputs and outputs hold (pools aside): memory a step's peak
+    does not show, as it stays allocated between calls."""
     total = 0
     for _, static, outs in _GRAPHS.values():
         total += sum(t.numel() * t.element_size() for t in (*static, *outs))

@@ -1,30 +1,12 @@
-"""The fused Triton local scan for torch tensors (``update="local"``), CUDA or the interpreter.
+"""The fused Triton local scan for torch tensors (``update="local"``): the torch table's
+``local_scan_fwd`` / ``local_scan_bwd`` (contract :mod:`tmcore.scan.local`, the same undo
+log, so either direction may run on either path), or None where it does not apply.
 
-Entries ``local_scan_fwd`` / ``local_scan_bwd`` of the torch backend's
-:class:`~tmcore.runtime.dispatch.Ops` table (contract: :func:`tmcore.scan.local.local_scan_fwd` /
-``local_scan_bwd``, the same undo-log residuals, so a fused forward and the generic
-backward, or the reverse, agree). They return ``None`` whenever the fused path does
-not apply, and tmcore's loop then runs. The kernels are in
-:mod:`tmcore.backends.triton.local_kernels`.
-
-Per chunk step: forward 1 launch, backward 1 launch (:func:`launches_per_step`),
-grid ``(B,)``: one program per batch row works on its box (window + halo) only,
-so a step's cost does not depend on the grid size. What does not depend on the
-state is made once per scan with torch ops: every step's window and written box
-(:func:`tmcore.scan.local.box_writes`) before the loop, the write gradients
-(:func:`tmcore.scan.local.box_writes_bwd` on the per-step box cotangents) and the
-parameter gradients (per-row partial sums, no atomics) after it. On CUDA each
-scan's launch loop is captured once per shape / options as a CUDA graph and
-replayed (the dense scan's mechanism, :func:`tmcore.backends.triton.launch.replay`).
-When it runs, and the fallback for kernels that fail, are the dense scan's too
-(:mod:`tmcore.backends.triton.launch`).
-
-Not yet run on a GPU: tested under Triton's interpreter
-(tests/backends/test_triton_local.py) and built for sm_90 without a device (Triton
-3.9; at C = 32, w = 4 ptxas reports 255 registers and ~0.7 / 1.5 KB of spills per
-thread forward / backward). One program per batch row means ``B`` thread blocks per
-launch: the step is meant to be launch-bound (a few hundred box cells), not to fill
-the GPU.
+Per chunk step 1 launch each way, grid ``(B,)``: each program works on its row's box only,
+so a step's cost does not depend on the grid (launch-bound by design, not filling the
+GPU). The writes, their gradients and the parameter gradients are made once per scan with
+torch ops. Tested under Triton's interpreter only; built for sm_90 (Triton 3.9, C = 32,
+w = 4) ptxas reports 255 registers and ~0.7 / 1.5 KB spills per thread forward / backward.
 """
 
 from __future__ import annotations
@@ -48,8 +30,8 @@ def _kernels() -> Any:
 
 
 def launches_per_step() -> int:
-    """Kernel launches per chunk step, forward + backward (the generic fast path runs
-    about 300 torch ops per step forward and 440 backward)."""
+    """Kernel launches per chunk step, forward + backward (the generic fast path: about 300 torch
+    ops forward, 440 backward)."""
     return 1 + 1
 
 
@@ -88,8 +70,7 @@ def _writes(xp, geo: _Geometry, wc, ws, wcont, window, eps, radius):
 
 def _run(kind: str, state, rc, tensors: tuple, arrays: dict, params: ConvParams, window, eps,
          radius, run) -> Any:
-    """``run()`` through the shared fallback, or ``None`` to decline; every shape is
-    checked first (``ValueError`` naming the argument)."""
+    """``run()`` through the shared fallback, or None; every shape checked first."""
     if not launch.usable(*tensors) or _kernels() is None:
         return None
     if not isinstance(window, int) or window < 1:
@@ -109,8 +90,7 @@ def _key(kind, state, rc, window, eps, radius) -> tuple:
 def scan_fwd(xp: Any, h0, c0, read_coords, write_coords, write_sigma, write_content, params,
              window: int, eps: float, radius: float | None, overwrite_state: bool, *,
              options: Any):
-    """The fused forward ``(reads (B, T, C), h_T, c_T, LocalScanResiduals)``, or ``None``
-    to decline."""
+    """The fused forward ``(reads (B, T, C), h_T, c_T, LocalScanResiduals)``, or None to decline."""
     params = ConvParams(*params)
     tensors = (h0, c0, read_coords, write_coords, write_sigma, write_content, *params)
     arrays = {"c0": c0, "write_coords": write_coords, "write_sigma": write_sigma,
@@ -190,8 +170,8 @@ def _backward(xp, geo, residuals, rc, wc, ws, wcont, params, g_reads, g_h, g_c, 
 
 def _backward_loop(g_h, g_c, h_boxes, c_boxes, read_boxes, volumes, table, rc, g_reads, dw, db,
                    pw, pb, *, geo):
-    """The backward launches: ``(d_h0, d_c0, d_x (T * B, C, *box), d_read_coords, d_pw
-    partials (B, 4C, 2C), d_pb partials (B, 4C), bias-class sums, stencil sums)``."""
+    """The backward launches: ``(d_h0, d_c0, d_x (T * B, C, *box), d_read_coords, d_pw (B, 4C,
+    2C), d_pb (B, 4C) partials, bias-class sums, stencil sums)``."""
     k = _kernels()
     batch, channels, steps = geo.batch, geo.channels, rc.shape[1]
     like = {"dtype": g_h.dtype, "device": g_h.device}

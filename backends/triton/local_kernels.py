@@ -1,39 +1,21 @@
 """Triton kernels of the fused local scan (``update="local"``): one launch per step each way.
 
-Imported only by :mod:`tmcore.backends.triton.local` (and only when ``triton``
-imports); built from the parts of :mod:`tmcore.backends.triton.parts`. Grid of both
-kernels: ``(B,)``; program ``b`` owns batch row ``b`` of the state and of every
-buffer, all ``C`` channels at once (``CB`` = ``C`` rounded up to a power of two >=
-16, masked), and loops over the box's cells in tiles of ``BP``.
+Program ``b`` of the grid ``(B,)`` owns batch row ``b`` of the state and of every buffer, all
+``C`` channels (``CB``, masked), and loops over the step's *box* (the window plus its 1-cell
+halo, inside the grid) in tiles of ``BP`` cells. Box ``S0 x S1 x S2``, grid ``G0 x G1 x G2``
+and window ``W0 x W1 x W2`` are padded to three axes; the box and window sizes are
+constexprs, the grid's are not (one kernel serves every grid of >= ``w + 2`` cells per
+axis). A window cell's conv neighbours lie in the box or outside the grid, so the box's
+zero padding and bias field are the grid's for the window cells (the halo's values are
+dropped). ``K0, K1, K2``: the read's corners per axis; ``geo (T * B, 6)`` int32: per row
+``t * B + b`` the box start in the grid and the window start in the box. The written
+volume is the precomputed box of :func:`tmcore.scan.local.box_writes`.
 
-Frame: the step's *box* (the window plus its 1-cell halo, inside the grid; sizes
-``S0 x S1 x S2``, the grid ``G0 x G1 x G2`` and the window ``W0 x W1 x W2``, all
-padded to three axes with 1). A window cell's conv neighbours all lie in the box
-or outside the grid, and a window cell is on the box's border only where the box
-is on the grid's, so the box's own zero padding and bias field (the shared
-parts with ``S`` = the box) are the grid's for the window cells; the
-halo cells' values are computed and dropped. The box and window sizes are
-compile-time constants, the grid's sizes are not (one kernel serves every grid
-of at least ``w + 2`` cells per axis); ``K0, K1, K2`` are the corner counts of
-the read (1 on a 1-cell axis, else 2). ``geo (T * B, 6)`` int32 holds per
-row ``t * B + b`` the box start in the grid and the window start in the box.
-The written volume is not made on the fly: it is the precomputed
-:func:`tmcore.scan.local.box_writes` box (zero outside the window), whose 3^n
-stencil is gathered like ``h``'s.
-
-- forward: copy the box of ``h, c`` into the undo log; the read of the state
-  entering the step (and its ``2^n`` corner cells into the residuals); barrier;
-  the gates on the box from the undo-log copy, stored into the window cells of
-  the state (in place: no program reads another's row).
-- backward: A) gate VJP on the window (``d_c`` over ``g_c`` in the box, ``d_y``
-  into a per-row scratch, pointwise and bias-class partial sums); barrier;
-  B) the transposed stencil: ``d_h`` (pass-through outside the window) over
-  ``g_h``, ``d_x`` into the per-step box buffer, the stencil correlations;
-  barrier; C) the read's VJP: ``g_h`` at the corners and ``d_read_coords``
-  from the stored corner cells.
-
-Partial sums live in per-row slots (``b``) and steps are sequential launches:
-no atomics, deterministic.
+- forward: the box of ``h, c`` into the undo log; the read and its ``2^n`` corner cells;
+  barrier; the gates on the box, stored into the window cells of the state (in place).
+- backward: A) gate VJP on the window, pointwise and bias-class sums; B) the transposed
+  stencil (``d_h`` over ``g_h``, ``d_x`` into the step's box buffer, the correlations);
+  C) the read's VJP. Barriers between them; per-row slots: no atomics, deterministic.
 """
 
 from __future__ import annotations
@@ -63,10 +45,8 @@ __all__ = ["local_fwd_kernel", "local_bwd_kernel"]
 def _box_conv(h_row, x_row, dw_ptr, db_ptr, offs_c, mask_c, i0, i1, i2, offs_p, C,
               N: tl.constexpr, S0: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr,
               CB: tl.constexpr, BP: tl.constexpr):
-    """The depthwise output ``(y_x, y_h)``, each ``(CB, BP)``, at the box cells ``offs_p``.
-
-    ``h_row`` / ``x_row`` point at channel 0 of the box ``(C, P)`` of ``h`` / ``x``.
-    """
+    """The depthwise output ``(y_x, y_h)``, each ``(CB, BP)``, at the box cells ``offs_p``
+    (``h_row`` / ``x_row``: channel 0 of the box ``(C, P)`` of ``h`` / ``x``)."""
     C2 = 2 * C
     P: tl.constexpr = S0 * S1 * S2
     zeros = tl.zeros((CB, BP), dtype=h_row.dtype.element_ty)
@@ -80,9 +60,8 @@ def _box_conv(h_row, x_row, dw_ptr, db_ptr, offs_c, mask_c, i0, i1, i2, offs_p, 
 
 @triton.jit
 def _local_tent(x, G):
-    """The read's interpolation along one grid axis of ``G`` cells, the conventions of the
-    local scan's corner box: ``(lower index, frac, slope)``, the lower corner clamped to
-    ``max(G - 2, 0)``."""
+    """The read's interpolation along a grid axis of ``G`` cells, ``(lower index, frac, slope)``,
+    the lower corner clamped to ``max(G - 2, 0)`` (the corner box's conventions)."""
     xc = tl.where(x < -1.0, x * 0.0 - 1.0, tl.where(x > 1.0, x * 0.0 + 1.0, x))
     xc = tl.where(x == x, xc, x)  # NaN stays NaN
     half = (G - 1) * 0.5
@@ -137,8 +116,8 @@ def local_fwd_kernel(
     W0: tl.constexpr, W1: tl.constexpr, W2: tl.constexpr,
     CB: tl.constexpr, BP: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """Step ``t`` forward for row ``b``: undo log ``hbox, cbox (T, B, C, P)``, corner box
-    ``rbox (T, B, C, K)``, ``reads (B, T, C)``; ``h, c (B, C, G)`` updated in place."""
+    """Step ``t`` forward for row ``b``: undo log ``hbox, cbox (T, B, C, P)``, corners ``rbox (T, B,
+    C, K)``, ``reads (B, T, C)``; ``h, c (B, C, G)`` updated in place."""
     b = tl.program_id(0)
     P: tl.constexpr = S0 * S1 * S2
     GP = G0 * G1 * G2
@@ -202,12 +181,9 @@ def local_bwd_kernel(
     W0: tl.constexpr, W1: tl.constexpr, W2: tl.constexpr,
     CB: tl.constexpr, BP: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """Step ``t`` backward for row ``b``: ``g_h, g_c (B, C, G)`` (cotangents of the state
-    after the step) become those of the state before it, in place; ``dx (T * B, C, P)``
-    gets the step's written-box cotangent, ``d_rc (B, T, n)`` the read's coordinate
-    gradient; row ``b``'s slots of ``dpw (B, 4C, 2C)``, ``dpb (B, 4C)``, ``e (B, 2C,
-    27)`` and ``corr (B, 2C, 27)`` accumulate the parameter sums. ``dy (B, 2C, P)``:
-    scratch."""
+    """Step ``t`` backward for row ``b``: ``g_h, g_c (B, C, G)`` become the state-before-step's in
+    place; ``dx (T * B, C, P)`` the box cotangent, ``d_rc (B, T, n)``; row ``b``'s slots of ``dpw
+    (B, 4C, 2C)``, ``dpb (B, 4C)``, ``e``, ``corr (B, 2C, 27)``; ``dy (B, 2C, P)`` scratch."""
     b = tl.program_id(0)
     P: tl.constexpr = S0 * S1 * S2
     GP = G0 * G1 * G2

@@ -1,24 +1,7 @@
-"""The ``@triton.jit`` parts of the fused cell that both kernel modules assemble.
-
-:mod:`~tmcore.backends.triton.dense_kernels` (the whole grid, ``(B, G)`` programs) and
-:mod:`~tmcore.backends.triton.local_kernels` (a window's box, one program per batch
-row) build their kernels from these, on tiles of ``BP`` cells of a grid (or box)
-padded to three axes ``S0 x S1 x S2`` and all ``C`` channels at once (``CB``: ``C``
-rounded up to a power of two, masked by ``mask_c``); ``i0, i1, i2`` are the tile's
-cell indices per axis. The math is in docs/guides/conventions.md and docs/LAYER.md
-(``u = concat(x, h)``, ``x`` the written volume):
-
-- the depthwise passes as one 3^n stencil per channel plus a bias field
-  (:func:`gather`, :func:`bias_field`), and its transpose (:func:`stencil_vjp`);
-- ``z = W y + b`` per gate quarter (:func:`mix`), the LSTM gates forward
-  (:func:`gates_fwd`) and their VJP (:func:`gate_activations`, :func:`gate_vjp`),
-  ``d_y = W^T d_z`` (:func:`pointwise_vjp`);
-- the parameter gradients' per-program partial sums (:func:`add_param_sums`);
-- the read's corner weights and the coordinate gradient's store (:func:`corner`,
-  :func:`store_coord_grad`).
-
-Operation order is the contract: each part computes in the order the kernels did
-before they shared it, so results do not depend on which kernel module runs it.
+"""The ``@triton.jit`` parts of the fused cell both kernel modules assemble, on tiles of ``BP``
+cells of a grid (or box) padded to three axes and all ``C`` channels (``CB``, masked by
+``mask_c``); ``i0, i1, i2``: the tile's cell indices per axis. Each part computes in the
+order the kernels did before they shared it, so results do not depend on the kernel module.
 """
 
 from __future__ import annotations
@@ -95,9 +78,8 @@ def _tap_sums(i, t0, t1, t2, S: tl.constexpr):
 @triton.jit
 def bias_field(dw_ptr, db_ptr, base, i0, i1, i2, offs_c, mask_c, C2, N: tl.constexpr,
                 S0: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr):
-    """The per-pass biases of channels ``base + offs_c`` carried through the later passes
-    (first real axis first): ``((b_0 V_1 + b_1) V_2 + b_2)``, ``(CB, BP)``. Each tap sum
-    ``V`` is made just before it is used (fewer live tiles, fewer registers)."""
+    """The per-pass biases of channels ``base + offs_c`` carried through the later passes,
+    ``((b_0 V_1 + b_1) V_2 + b_2)`` ``(CB, BP)``; each ``V`` made just before its use."""
     t0, t1, t2 = taps(dw_ptr, 2, N, base, offs_c, mask_c, C2)
     last = _bias(db_ptr, 2, N, base, offs_c, mask_c, C2)
     if N == 1:
@@ -120,10 +102,9 @@ def bias_field(dw_ptr, db_ptr, base, i0, i1, i2, offs_c, mask_c, C2, N: tl.const
 def gather(row, dw_ptr, half, offs_c, mask_c, i0, i1, i2, offs_p, acc, C, N: tl.constexpr,
            S0: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr):
     """``acc`` plus the 3^n stencil ``sum_d K[d] u[p + d]`` (CB, BP) of one half of ``u``
-    at the tile's cells: ``half`` 0 (``x``) or ``C`` (``h``) selects the taps, ``row``
-    points at that half's channel 0 ``(C, P)``; neighbours outside the grid read 0.
-    Runtime loops: an unrolled 27-way body compiles for minutes; taps inline (not
-    through a helper: each helper call costs ~10 ms in the interpreter)."""
+    (``half`` 0: ``x``, ``C``: ``h``; ``row``: its channel 0), 0 outside the grid. Runtime
+    loops (an unrolled 27-way body compiles for minutes); taps inline (a helper call costs
+    ~10 ms interpreted)."""
     C2 = 2 * C
     P: tl.constexpr = S0 * S1 * S2
     LO0: tl.constexpr = 0 if S0 > 1 else 1
@@ -180,8 +161,8 @@ def mix(y_x, y_h, pw_ptr, pb_ptr, q: tl.constexpr, offs_c, mask_c, C,
 
 @triton.jit
 def cells(tile, BP: tl.constexpr, S0: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr):
-    """Tile ``tile`` of the grid (or box): its cells ``offs_p`` (BP,), their index per axis
-    ``i0, i1, i2`` and ``mask_p``, the cells inside: ``(offs_p, i0, i1, i2, mask_p)``."""
+    """Tile ``tile`` of the grid (or box): ``(offs_p, i0, i1, i2, mask_p)``, its cells (BP,), their
+    index per axis and which are inside."""
     offs_p = tile * BP + tl.arange(0, BP)
     i0 = offs_p // (S1 * S2)
     i1 = (offs_p // S2) % S1
@@ -192,9 +173,8 @@ def cells(tile, BP: tl.constexpr, S0: tl.constexpr, S1: tl.constexpr, S2: tl.con
 @triton.jit
 def gates_fwd(y_x, y_h, c_at, mask, pw_ptr, pb_ptr, offs_c, mask_c, C,
               PRECISION: tl.constexpr):
-    """``(h', c')`` (CB, BP) of the LSTM gates on the depthwise output ``(y_x, y_h)``, the
-    cell state loaded from ``c_at`` (``mask``): one gate quarter at a time, each
-    consumed at once (fewer live tiles)."""
+    """``(h', c')`` (CB, BP) of the gates on ``(y_x, y_h)``, ``c`` loaded from ``c_at``: one gate
+    quarter at a time, each consumed at once (fewer live tiles)."""
     c_new = sigmoid(mix(y_x, y_h, pw_ptr, pb_ptr, 1, offs_c, mask_c, C, PRECISION)) \
         * tl.load(c_at, mask=mask, other=0.0)
     c_new += sigmoid(mix(y_x, y_h, pw_ptr, pb_ptr, 0, offs_c, mask_c, C, PRECISION)) \
@@ -216,8 +196,8 @@ def gate_activations(y_x, y_h, pw_ptr, pb_ptr, offs_c, mask_c, C, PRECISION: tl.
 
 @triton.jit
 def gate_vjp(s_i, s_f, s_o, t_g, c, g_h, g_c, mask):
-    """The gates' VJP for the cotangents ``g_h, g_c`` of ``(h', c')``: ``(d_c, dz_i, dz_f,
-    dz_o, dz_g)`` (CB, BP), the pre-activations' cotangents 0 outside ``mask``."""
+    """The gates' VJP for ``g_h, g_c``: ``(d_c, dz_i, dz_f, dz_o, dz_g)`` (CB, BP), 0 outside
+    ``mask``."""
     tanh_c = tanh(s_f * c + s_i * t_g)
     d_cn = g_c + g_h * s_o * (1.0 - tanh_c * tanh_c)
     dz_i = tl.where(mask, d_cn * t_g * (s_i - s_i * s_i), 0.0)
@@ -230,8 +210,8 @@ def gate_vjp(s_i, s_f, s_o, t_g, c, g_h, g_c, mask):
 @triton.jit
 def _pointwise_half_vjp(pw_ptr, half: tl.constexpr, dz_i, dz_f, dz_o, dz_g, offs_c, mask_c,
                         C, PRECISION: tl.constexpr):
-    """One half (``half`` 0: ``x``, 1: ``h``) of ``d_y = W^T d_z``: ``(CB, BP)``, summed
-    over the four gate quarters of the pointwise weight ``(4C, 2C)``."""
+    """One half (``half`` 0: ``x``, 1: ``h``) of ``d_y = W^T d_z``, ``(CB, BP)``, over the four gate
+    quarters of ``W (4C, 2C)``."""
     d_y = tl.dot(tl.trans(_weight(pw_ptr, 0, half, offs_c, mask_c, C)), dz_i,
                  input_precision=PRECISION)
     d_y += tl.dot(tl.trans(_weight(pw_ptr, 1, half, offs_c, mask_c, C)), dz_f,
@@ -246,8 +226,7 @@ def _pointwise_half_vjp(pw_ptr, half: tl.constexpr, dz_i, dz_f, dz_o, dz_g, offs
 @triton.jit
 def pointwise_vjp(pw_ptr, dz_i, dz_f, dz_o, dz_g, offs_c, mask_c, C,
                    PRECISION: tl.constexpr):
-    """``d_y = W^T d_z`` per half: ``(dy_x, dy_h)`` (CB, BP) from the four gates'
-    pre-activation cotangents (CB, BP) and the pointwise weight ``(4C, 2C)``."""
+    """``d_y = W^T d_z`` per half: ``(dy_x, dy_h)`` (CB, BP), ``W (4C, 2C)``."""
     dy_x = _pointwise_half_vjp(pw_ptr, 0, dz_i, dz_f, dz_o, dz_g, offs_c, mask_c, C,
                                PRECISION)
     dy_h = _pointwise_half_vjp(pw_ptr, 1, dz_i, dz_f, dz_o, dz_g, offs_c, mask_c, C,
@@ -259,11 +238,9 @@ def pointwise_vjp(pw_ptr, dz_i, dz_f, dz_o, dz_g, offs_c, mask_c, C,
 def add_param_sums(dpw_part, dpb_part, e_part, slot, y_x, y_h, dz_i, dz_f, dz_o, dz_g, dy_x,
                    dy_h, i0, i1, i2, offs_c, mask_c, C, S0: tl.constexpr, S1: tl.constexpr,
                    S2: tl.constexpr, PRECISION: tl.constexpr):
-    """Add the tile's parameter-gradient terms into row ``slot`` of the partial sums:
-    ``dpw (slots, 4C, 2C)`` += ``d_z y^T`` (tile by tile: register accumulators for the
-    eight (C, C) blocks would spill), ``e (slots, 2C, 27)`` += ``d_y`` per bias class
-    (``dy_x, dy_h`` already 0 outside the cells that count), ``dpb (slots, 4C)`` +=
-    ``d_z`` summed over the tile."""
+    """Add the tile's terms into row ``slot``: ``dpw (slots, 4C, 2C) += d_z y^T`` (tile by tile:
+    eight (C, C) register accumulators would spill), ``e (slots, 2C, 27) += d_y`` per bias
+    class, ``dpb (slots, 4C) += d_z``."""
     _add_w(dpw_part, slot, 0, dz_i, y_x, y_h, offs_c, mask_c, C, PRECISION)
     _add_w(dpw_part, slot, 1, dz_f, y_x, y_h, offs_c, mask_c, C, PRECISION)
     _add_w(dpw_part, slot, 2, dz_o, y_x, y_h, offs_c, mask_c, C, PRECISION)
@@ -303,9 +280,8 @@ def _add_b(part, slot, q: tl.constexpr, d, offs_c, mask_c, C):
 @triton.jit
 def _add_bias_classes(e_part, slot, dy_x, dy_h, k0, k1, k2, offs_c, mask_c, C,
                       S0: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr):
-    """Add the tile's ``d_y`` (CB, BP) per border class (``k_a``: 0 first cell, 2 last,
-    1 inside, per axis) into ``e_part``'s row ``slot`` (27 per channel of
-    ``concat(x, h)``): what the depthwise biases' gradients are made of."""
+    """Add the tile's ``d_y`` (CB, BP) per border class (``k_a``: 0 first cell, 2 last, 1 inside)
+    into ``e_part``'s row ``slot``, 27 per channel: what the bias gradients are made of."""
     MH0: tl.constexpr = 1 if S0 == 1 else 3
     MS0: tl.constexpr = 2 if S0 == 2 else 1
     MH1: tl.constexpr = 1 if S1 == 1 else 3
@@ -328,10 +304,9 @@ def _add_bias_classes(e_part, slot, dy_x, dy_h, k0, k1, k2, offs_c, mask_c, C,
 def stencil_vjp(dy_ptr, dy_row, dw_ptr, corr_ptr, slot, x_own, h_own, offs_c, mask_c,
                  offs_p, mask_p, i0, i1, i2, C, C2, P, N: tl.constexpr, S0: tl.constexpr,
                  S1: tl.constexpr, S2: tl.constexpr):
-    """The transposed depthwise stencil at a tile of cells: ``(d_h, d_x)`` (CB, BP) from
-    ``d_y`` (the stencil's output cotangent, rows ``dy_row + [0, 2C)`` of ``dy_ptr``), and
-    the tap correlations of the tile added into ``corr_ptr``'s row ``slot`` (27 per
-    channel of ``concat(x, h)``, the input ``x_own, h_own`` at the tile)."""
+    """The transposed stencil at a tile: ``(d_h, d_x)`` (CB, BP) from ``d_y`` (rows ``dy_row +
+    [0, 2C)`` of ``dy_ptr``), and the tile's tap correlations (input ``x_own, h_own``) added
+    into ``corr_ptr``'s row ``slot``."""
     LO0: tl.constexpr = 0 if S0 > 1 else 1
     HI0: tl.constexpr = 3 if S0 > 1 else 2
     LO1: tl.constexpr = 0 if S1 > 1 else 1

@@ -81,20 +81,14 @@ def _segment(params: dict, h: jax.Array, states: list, cfg: ModelConfig
     new_states = []
     for block, state in zip(params["blocks"], states, strict=True):
         if "memory" in block and cfg.memory_first:
-            h, state = tmjax.residual_apply(block["memory"], h, state,
-                                            chunk_size=cfg.chunk_size,
-                                            memory_shape=cfg.memory_shape,
-                                            sigma_scale=cfg.sigma_scale)
+            h, state = tmjax.residual_apply(block["memory"], h, state)
         qkv = _linear(block["qkv"], _layer_norm(block["ln1"], h))
         q, k, v = jnp.moveaxis(qkv.reshape(B, N, 3, heads, d // heads), 2, 0)
         scores = jnp.einsum("bqhe,bkhe->bhqk", q, k) / math.sqrt(d // heads)
         attn = jax.nn.softmax(jnp.where(causal, scores, -jnp.inf), axis=-1)
         h = h + _linear(block["proj"], jnp.einsum("bhqk,bkhe->bqhe", attn, v).reshape(B, N, d))
         if "memory" in block and not cfg.memory_first:
-            h, state = tmjax.residual_apply(block["memory"], h, state,
-                                            chunk_size=cfg.chunk_size,
-                                            memory_shape=cfg.memory_shape,
-                                            sigma_scale=cfg.sigma_scale)
+            h, state = tmjax.residual_apply(block["memory"], h, state)
         new_states.append(state)
         mlp = _linear(block["fc2"], jax.nn.gelu(_linear(block["fc1"],
                                                          _layer_norm(block["ln2"], h)),

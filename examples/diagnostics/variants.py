@@ -83,23 +83,34 @@ def gaussian_write(eps: float, radius: float | None) -> Write:
 
 
 def _stepwise_scan(h: Tensor, c: Tensor, inputs: StepInputs, params: ConvParams,
-                   write: Write) -> tuple[Tensor, Tensor, Tensor]:
+                   write: Write, reset: Tensor | None = None, active: Tensor | None = None
+                   ) -> tuple[Tensor, Tensor, Tensor]:
     """``tmcore.memory_scan``'s recurrence as a plain loop with a pluggable ``write``.
 
     Per step: read ``h`` at ``read_coords[:, t]`` (before the write), ``write``
-    the step's volume, one ConvLSTM update. ``inputs`` holds ``(B, T, ...)``
+    the step's volume, one ConvLSTM update, under the scan's row masks ``reset, active``
+    (``(B, T)``, :func:`tmcore.memory_scan`). ``inputs`` holds ``(B, T, ...)``
     arrays; returns ``(reads (B, T, C), h_T, c_T)``. Torch autograd
     differentiates it (the cell runs tmcore's generic array-API path on torch
     tensors), keeping every step's graph: meant for the small ablation runs.
     """
     shape = tuple(h.shape[2:])
     reads = []
+    rows = (-1,) + (1,) * (h.ndim - 1)
     for t in range(inputs.read_coords.shape[1]):
         step = StepInputs(*(v[:, t] for v in inputs))
+        if reset is not None:
+            h, c = (torch.where(reset[:, t].reshape(rows), torch.zeros_like(v), v)
+                    for v in (h, c))
         reads.append(trilinear_sample(h, step.read_coords[:, None])[:, 0])
         written = write(step, shape)
         with tmcore.options(generic=True):
-            h, c = tmcore.convlstm_step(written, h, c, params)
+            new_h, new_c = tmcore.convlstm_step(written, h, c, params)
+        if active is None:
+            h, c = new_h, new_c
+        else:
+            keep = active[:, t].reshape(rows)
+            h, c = torch.where(keep, new_h, h), torch.where(keep, new_c, c)
     return torch.stack(reads, dim=1), h, c
 
 
@@ -176,11 +187,13 @@ class VariantTensorMemory(TensorMemory):
         return params._replace(depthwise_weight=taps,
                                depthwise_bias=torch.zeros_like(params.depthwise_bias))
 
-    def _scan(self, h0: Tensor, c0: Tensor, inputs: Any) -> tuple[Tensor, Tensor, Tensor]:
+    def _scan(self, h0: Tensor, c0: Tensor, inputs: Any, *, reset: Tensor | None = None,
+              active: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
         config, params = self.config, self._cell_params()
+        masks = {"reset": reset, "active": active}
         if config.update != "dense" or config.dynamics != "none":  # the layer options' scan
-            return option_scan(scan_options(config), h0, c0, inputs, params)
+            return option_scan(scan_options(config), h0, c0, inputs, params, **masks)
         if self.write_mode == "gaussian":  # the adapter's scan (hand-written VJP)
             return memory_scan(h0, c0, *inputs, params, eps=config.eps, radius=config.radius,
-                               checkpoint_every=config.checkpoint_every)
-        return _stepwise_scan(h0, c0, StepInputs(*inputs), params, hard_write)
+                               checkpoint_every=config.checkpoint_every, **masks)
+        return _stepwise_scan(h0, c0, StepInputs(*inputs), params, hard_write, **masks)

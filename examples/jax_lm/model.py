@@ -67,9 +67,9 @@ class Block(nnx.Module):
         self.norm2 = nnx.LayerNorm(d, rngs=rngs)
         self.up = nnx.Linear(d, 4 * d, rngs=rngs)
         self.down = nnx.Linear(4 * d, d, rngs=rngs)
-        self.memory = (tmj.GatedMemoryResidual(d, config.memory_channels, config.memory_shape,
-                                               config.chunk_size, rngs=rngs,
-                                               forget_bias=config.forget_bias)
+        self.memory = (tmj.MemoryResidual(d, config.memory_channels, config.memory_shape,
+                                          config.chunk_size, rngs=rngs,
+                                          forget_bias=config.forget_bias)
                        if config.memory else None)
 
     def __call__(self, x: jax.Array, pos: jax.Array, cache: LayerCache

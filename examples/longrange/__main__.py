@@ -79,6 +79,8 @@ def main(argv: list[str] | None = None) -> None:
     cost_p.add_argument("--tokens", type=int, default=None, help="tokens streamed (16384)")
     cost_p.add_argument("--piece", type=int, default=None, help="tokens per call (1)")
     cost_p.add_argument("--rows", nargs="+", default=None)
+    cost_p.add_argument("--chunk", type=int, default=None,
+                        help="the memory's chunk size (default: the model config's, 1)")
     cost_p.add_argument("--tiny", action="store_true")
     cost_p.add_argument("--out", type=Path, default=None)
     cost_p.add_argument("--row-worker", default=None, help=argparse.SUPPRESS)
@@ -110,7 +112,8 @@ def main(argv: list[str] | None = None) -> None:
         if args.row_worker is not None:
             cost.worker(args.row_worker, json.loads(args.config_json))
             return
-        results = cost.run(cost.CostConfig.make(args.tiny, args.tokens, args.piece, args.rows))
+        results = cost.run(cost.CostConfig.make(args.tiny, args.tokens, args.piece, args.rows,
+                                                args.chunk))
         out = args.out if args.out is not None else (None if args.tiny else COST)
         _write(results, out)
         print(cost.table(results))

@@ -25,7 +25,7 @@ import resource
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from examples.reporting import cpu_features, cpu_model, git
@@ -44,10 +44,11 @@ class CostConfig:
     every: int = 1024
     rows: tuple[str, ...] = ROWS
     tiny: bool = False
+    chunk: int | None = None  # the memory's chunk size (None: the model config's)
 
     @staticmethod
     def make(tiny: bool = False, tokens: int | None = None, piece: int | None = None,
-             rows: list[str] | None = None) -> CostConfig:
+             rows: list[str] | None = None, chunk: int | None = None) -> CostConfig:
         base = CostConfig(tokens=64, piece=4, every=16, rows=("full", "window",
                                                               "tensor_memory"), tiny=True) \
             if tiny else CostConfig()
@@ -56,7 +57,7 @@ class CostConfig:
             raise SystemExit(f"--rows: unknown {unknown}; expected some of {ROWS}")
         return CostConfig(tokens=tokens or base.tokens, piece=piece or base.piece,
                           every=base.every, rows=tuple(rows) if rows else base.rows,
-                          tiny=base.tiny)
+                          tiny=base.tiny, chunk=chunk)
 
 
 def _rss_mib() -> float:
@@ -101,6 +102,8 @@ def worker(row: str, spec: dict[str, Any]) -> None:
 
     torch.set_num_threads(1)
     config = Config.tiny() if spec["tiny"] else Config()
+    if spec.get("chunk"):
+        config = replace(config, model=replace(config.model, chunk_size=spec["chunk"]))
     vocab = config.task.vocab
     built = build(row, config.model, vocab.size, 0, config.train.retention)
     model = built.model.eval()

@@ -119,9 +119,9 @@ def test_torch_functional_scan_validates(ta, torch):
     # tmcore's validate mode reaches the functional scan (and only then reads values)
     nan_content = [*args[:5], torch.full((1, 4, C), float("nan")), params]
     ta.memory_scan(*nan_content)
-    with tmcore.validation(), pytest.raises(ValueError, match="write_content"):
+    with tmcore.options(validate=True), pytest.raises(ValueError, match="write_content"):
         ta.memory_scan(*nan_content)
-    with tmcore.validation(), pytest.raises(ValueError, match="write_sigma"):
+    with tmcore.options(validate=True), pytest.raises(ValueError, match="write_sigma"):
         ta.memory_scan(*args[:4], -torch.ones(1, 4), *args[5:])
     args[3] = torch.zeros(1, 4, 2)
     with pytest.raises(ValueError, match="write_coords"):
@@ -349,19 +349,15 @@ def test_torch_small_items(ta, torch):
         tmcore.factorized_conv(torch.randn(1, 4, 3, 3, dtype=torch.float64), params)
 
 
-def test_torch_gate_is_one_dimensional_and_old_checkpoints_load(ta, torch):
+def test_torch_gate_is_one_dimensional_and_a_0_dim_gate_is_refused(ta, torch):
     residual = ta.MemoryResidual(_memory(ta, torch), gate_init=-2.0)
     assert residual.gate.shape == (1,)
     old = residual.state_dict()
-    old["gate"] = torch.tensor(1.5)  # a checkpoint saved with the 0-dim gate
+    old["gate"] = torch.tensor(1.5)  # the 0-dim gate of 0.1's checkpoints: no longer read
     fresh = ta.MemoryResidual(_memory(ta, torch, seed=3))
-    missing, unexpected = fresh.load_state_dict(old, strict=True)
-    assert not missing and not unexpected and fresh.gate.shape == (1,)
-    assert fresh.gate.item() == 1.5
-    x = torch.randn(2, 8, D)
-    y, _ = fresh(x)
-    out, _ = fresh.memory(fresh.norm(x))
-    torch.testing.assert_close(y, x + torch.sigmoid(torch.tensor(1.5)) * out)
+    with pytest.raises(RuntimeError, match="size mismatch for gate"):
+        fresh.load_state_dict(old, strict=True)
+    assert fresh.gate.item() == 0.0
 
 
 def test_torch_no_grad_scan_keeps_no_checkpoints(ta, torch, monkeypatch):
@@ -453,29 +449,35 @@ def test_jax_config_errors(ja, jax, kwargs, fragments):
     _fragments(info, *fragments)
 
 
+def _with(params, **changes):
+    """``params`` with its config changed (checked as layer_config checks it)."""
+    return {**params, "config": params["config"].replace(**changes)}
+
+
 def test_jax_input_and_state_errors(ja, jax):
     jnp = jax.numpy
     params = _jax_params(ja, jax)
     x = jnp.asarray(np.random.default_rng(0).normal(size=(2, 10, D)), jnp.float32)
     with pytest.raises(ValueError) as info:
-        ja.apply(params, x[0], memory_shape=GRID)
+        ja.apply(params, x[0])
     _fragments(info, "x", "(B, N, d)", "(10, 8)")
     with pytest.raises(ValueError) as info:
-        ja.apply(params, x[..., :7], memory_shape=GRID)
+        ja.apply(params, x[..., :7])
     _fragments(info, "x", "d = 8", "(2, 10, 7)")
-    with pytest.raises(ValueError, match="memory_shape: required"):
-        ja.apply(params, x)
+    with pytest.raises(TypeError) as info:  # a pytree without its config
+        ja.apply({k: v for k, v in params.items() if k != "config"}, x)
+    _fragments(info, "params", "LayerConfig", "'config'")
     with pytest.raises(ValueError) as info:
-        ja.apply(params, x, chunk_size=3, memory_shape=GRID)
-    _fragments(info, "chunk_size", "3", "L = 4")
+        ja.apply(_with(params, chunk_size=3), x)
+    _fragments(info, "write_proj.weight", "(8, 24)", "(8, 32)")
     with pytest.raises(ValueError) as info:
         ja.apply(params, x, state=ja.init_state(3, C, GRID))
     _fragments(info, "state.h", "(3, 2, 2, 3, 2)")
     with pytest.raises(ValueError) as info:
-        ja.apply(params, x, memory_shape=(2, 3))
-    _fragments(info, "n = 3")
+        ja.apply(_with(params, memory_shape=(2, 3)), x)
+    _fragments(info, "coord_net.weight", "(2, 8)", "(3, 8)")
     with pytest.raises(ValueError, match="sigma_scale"):
-        ja.apply(params, x, memory_shape=GRID, sigma_scale=0.0)
+        _with(params, sigma_scale=0.0)
 
 
 def test_jax_apply_checks_the_rest(ja, jax):
@@ -483,14 +485,14 @@ def test_jax_apply_checks_the_rest(ja, jax):
     params = _jax_params(ja, jax)
     x = jnp.zeros((2, 10, D), jnp.float32)
     calls = [
-        (lambda: ja.apply(params, x, memory_shape=(2, 0, 2)), "memory_shape"),
-        (lambda: ja.apply(params, x, memory_shape=GRID, eps=-1.0), "eps"),
-        (lambda: ja.apply(params, x, memory_shape=GRID, radius=0.0), "radius"),
+        (lambda: ja.apply(_with(params, memory_shape=(2, 0, 2)), x), "memory_shape"),
+        (lambda: ja.apply(_with(params, eps=-1.0), x), "eps"),
+        (lambda: ja.apply(_with(params, radius=0.0), x), "radius"),
         (lambda: ja.apply(params, x, state=(jnp.zeros((2, C, *GRID)),
                                             jnp.zeros((2, C, 2, 3, 3)))), "state"),
         (lambda: ja.apply({**params, "content_net": {"weight": jnp.zeros((3, D)),
                                                      "bias": jnp.zeros(C)}},
-                          x, memory_shape=GRID), "content_net"),
+                          x), "content_net"),
     ]
     for call, name in calls:
         try:
@@ -507,23 +509,23 @@ def test_jax_apply_and_init_check_parameters_and_dtypes(ja, jax):
     x = jnp.zeros((2, 10, D), jnp.float32)
     no_sigma_bias = {**params, "sigma_net": {"weight": params["sigma_net"]["weight"]}}
     with pytest.raises(KeyError, match="sigma_net.bias"):
-        ja.apply(no_sigma_bias, x, memory_shape=GRID)
+        ja.apply(no_sigma_bias, x)
     no_cell = {k: v for k, v in params.items() if k != "cell"}
     with pytest.raises(KeyError, match="cell.depthwise_weight"):
-        ja.apply(no_cell, x, memory_shape=GRID)
+        ja.apply(no_cell, x)
     with pytest.raises(TypeError) as info:
-        ja.apply(params, jnp.zeros((2, 10, D), jnp.int32), memory_shape=GRID)
+        ja.apply(params, jnp.zeros((2, 10, D), jnp.int32))
     _fragments(info, "x", "int32")
     bad_cell = {**params, "cell": {**params["cell"], "pointwise_bias": jnp.zeros(3)}}
     with pytest.raises(ValueError) as info:
-        ja.apply(bad_cell, x, memory_shape=GRID)
+        ja.apply(bad_cell, x)
     _fragments(info, "cell.pointwise_bias", "(8,)", "(3,)")
     with pytest.raises(TypeError) as info:
         ja.apply(params, x, state=(jnp.zeros((2, C, *GRID), jnp.int32),) * 2)
     _fragments(info, "state.h", "floating", "int32")
     # all static: the same checks hold under jit
     with pytest.raises(ValueError, match="radius"):
-        jax.jit(lambda p, x_: ja.apply(p, x_, memory_shape=GRID, radius=-1.0))(params, x)
+        jax.jit(lambda p, x_: ja.apply(_with(p, radius=-1.0), x_))(params, x)
     # init rejects non-integer sizes instead of truncating them
     for bad in [(2, 2.5, 2), (2.0, 3, 2), (2, True)]:
         with pytest.raises(TypeError) as info:
@@ -535,7 +537,7 @@ def test_jax_apply_and_init_check_parameters_and_dtypes(ja, jax):
 
 def _jax_outputs(ja, jax, params):
     x = jax.numpy.asarray(np.random.default_rng(1).normal(size=(2, 11, D)), jax.numpy.float32)
-    out, state = ja.apply(params, x, memory_shape=GRID)
+    out, state = ja.apply(params, x)
     return [np.asarray(a) for a in (out, state.h, state.c)]
 
 
@@ -568,13 +570,14 @@ def test_jax_params_from_a_torch_checkpoint(ja, jax, ta, torch, tmp_path):
     params = ja.params_from_state_dict(safetensors_numpy.load_file(str(path)))
     x = np.random.default_rng(2).normal(size=(2, 11, D)).astype(np.float32)
     expected, _ = memory(torch.as_tensor(x))
-    out, _ = ja.apply(params, jax.numpy.asarray(x), memory_shape=GRID)
+    out, _ = ja.apply(params, jax.numpy.asarray(x))
     np.testing.assert_allclose(np.asarray(out), expected.detach().numpy(), rtol=1e-4, atol=1e-5)
-    # the grid the torch checkpoint stores (_extra_state) is kept and checked
-    assert tuple(np.asarray(params["_extra_state"])) == GRID
-    assert "_extra_state" in ja.state_dict_from_params(params)
+    # the grid the torch checkpoint stores (_extra_state) makes the config, and is checked
+    assert params["config"] == memory.config
+    np.testing.assert_array_equal(ja.state_dict_from_params(params)["_extra_state"], GRID)
     with pytest.raises(ValueError) as info:
-        ja.apply(params, jax.numpy.asarray(x), memory_shape=(2, 3, 3))
+        ja.params_from_state_dict(safetensors_numpy.load_file(str(path)),
+                                  config=memory.config.replace(memory_shape=(2, 3, 3)))
     _fragments(info, "memory_shape", "(2, 3, 3)", "(2, 3, 2)")
 
 
@@ -582,7 +585,7 @@ def test_jax_params_with_wrong_shapes_are_refused(ja, jax):
     params = _jax_params(ja, jax, embed_dim=16)
     x = jax.numpy.zeros((2, 10, D), jax.numpy.float32)
     with pytest.raises(ValueError) as info:
-        ja.apply(params, x, memory_shape=GRID)
+        ja.apply(params, x)
     _fragments(info, "x", "d = 16")
     incomplete = {k: v for k, v in ja.state_dict_from_params(_jax_params(ja, jax)).items()
                   if k != "sigma_net.bias"}
@@ -590,8 +593,8 @@ def test_jax_params_with_wrong_shapes_are_refused(ja, jax):
         ja.params_from_state_dict(incomplete, prefix="")
     other_n = _jax_params(ja, jax, memory_shape=(2, 3))
     with pytest.raises(ValueError) as info:
-        ja.apply(other_n, x, memory_shape=GRID)
-    _fragments(info, "n = 2")
+        ja.apply(_with(other_n, memory_shape=GRID), x)
+    _fragments(info, "coord_net.weight", "(3, 8)", "(2, 8)")
 
 
 def test_flax_load_params_with_wrong_shapes_is_refused(ja, jax):
@@ -613,10 +616,10 @@ def test_flax_load_params_with_wrong_shapes_is_refused(ja, jax):
     for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(ja.params_from_module(module)),
                     strict=True):
         assert np.array_equal(np.asarray(a), np.asarray(b))
-    # a pytree of the module's shapes loads, with the grid a torch checkpoint stores
-    same = {**_jax_params(ja, jax, seed=3), "_extra_state": np.asarray(GRID, np.int32)}
+    # a pytree of the module's shapes loads, its config's grid checked
+    same = _jax_params(ja, jax, seed=3)
     ja.load_params(module, same)
     np.testing.assert_array_equal(ja.params_from_module(module)["out_proj"]["weight"],
                                   same["out_proj"]["weight"])
     with pytest.raises(ValueError, match="memory_shape"):
-        ja.load_params(module, {**same, "_extra_state": np.asarray((4, 4, 4), np.int32)})
+        ja.load_params(module, _with(same, memory_shape=(4, 4, 4)))

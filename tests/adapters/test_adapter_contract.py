@@ -75,35 +75,27 @@ class JaxShim:
     def build(self, **config):
         config = {"embed_dim": D, "memory_channels": C, "memory_shape": SHAPE,
                   "chunk_size": L, **config}
-        run_only = {k: config.pop(k) for k in ("eps", "radius", "checkpoint_every")
-                    if k in config}
-        params = self.tmj.init(self.jax.random.key(0), dtype=self.jnp.float64, **config)
-        return {"params": params, "memory_shape": config["memory_shape"],
-                "sigma_scale": config.get("sigma_scale", 1.0), **run_only}
+        return self.tmj.init(self.jax.random.key(0), dtype=self.jnp.float64, **config)
 
     def state_dict(self, model):
-        return self.tmj.state_dict_from_params(model["params"])
+        return self.tmj.state_dict_from_params(model)
 
     def from_state_dict(self, sd, **config):
-        model = self.build(**config)
-        model["params"] = self.tmj.params_from_state_dict(sd)
-        return model
+        return self.tmj.params_from_state_dict(sd, config=self.build(**config)["config"])
 
     def run(self, model, x, state=None, reset=None):
         jnp = self.jnp
-        kwargs = {k: v for k, v in model.items() if k != "params"}
-        out, (h, c) = self.tmj.apply(model["params"], jnp.asarray(x),
+        out, (h, c) = self.tmj.apply(model, jnp.asarray(x),
                                      None if state is None else tuple(map(jnp.asarray, state)),
                                      reset=None if reset is None else jnp.asarray(reset),
-                                     stream=False, **kwargs)
+                                     stream=False)
         return np.asarray(out), (np.asarray(h), np.asarray(c))
 
     def stack(self, x, mode):
         keys = self.jax.random.split(self.jax.random.key(1), 2)
         layers = [self.tmj.residual_init(k, D, C, SHAPE, L, dtype=self.jnp.float64)
                   for k in keys]
-        out, _ = self.tmj.stack_apply(layers, self.jnp.asarray(x), mode=mode,
-                                      memory_shape=SHAPE)
+        out, _ = self.tmj.stack_apply(layers, self.jnp.asarray(x), mode=mode)
         return np.asarray(out)
 
 
@@ -240,10 +232,9 @@ def test_frameworks_agree_on_the_same_parameters():
 # --------------------------------------------------------------------------- one vocabulary
 
 @pytest.mark.parametrize("module", ["torch", "jax"])
-def test_both_adapters_name_the_gated_residual_both_ways(module):
-    # the torch adapter's MemoryResidual and the JAX adapter's GatedMemoryResidual are
-    # one noun: each adapter exports both names, for one class
+def test_both_adapters_name_the_gated_residual_one_way(module):
+    # one noun in both adapters: MemoryResidual (0.1's GatedMemoryResidual is gone)
     pytest.importorskip(module, reason=f"{module} is not installed")
     adapter = pytest.importorskip(f"tmcore.adapters.{module}")
-    assert {"MemoryResidual", "GatedMemoryResidual"} <= set(adapter.__all__)
-    assert adapter.GatedMemoryResidual is adapter.MemoryResidual
+    assert "MemoryResidual" in adapter.__all__
+    assert not hasattr(adapter, "GatedMemoryResidual")

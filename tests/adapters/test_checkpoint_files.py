@@ -269,6 +269,56 @@ def test_the_dict_form_loads_in_a_process_that_registered_nothing(tmp_path):
         tt.state_to_dict("state")
 
 
+# --------------------------------------------------------------------------- one config
+
+
+def test_a_memory_and_its_config_round_trip_and_run_in_jax(tmp_path):
+    """memory_to_dict stores LayerConfig.to_dict next to the weights (weights_only loads
+    it); memory_from_dict rebuilds the module bit for bit, and the same config dict, read
+    by LayerConfig.from_dict, makes the JAX parameters of the same layer."""
+    from tmcore.layer import LayerConfig
+
+    torch.manual_seed(0)
+    memory = tt.TensorMemory(8, 3, (3, 2, 4), 3, sigma_scale=0.6, radius=2.5, eps=1e-5,
+                             forget_bias=1.0, update="local", window=2, dynamics="warp",
+                             dtype=torch.float64)
+    with torch.no_grad():  # a shift head that moves the state (zero at init)
+        memory.warp_net.weight.normal_(0.0, 0.3)
+    path = tmp_path / "memory.pt"
+    torch.save(tt.memory_to_dict(memory), path)
+    data = torch.load(path, weights_only=True)
+    assert data["config"] == memory.config.to_dict()
+    again = tt.memory_from_dict(data, dtype=torch.float64)
+    assert again.config == memory.config
+    x = torch.randn(2, 7, 8, dtype=torch.float64)
+    with torch.no_grad():
+        expected = memory(x)[0]
+        torch.testing.assert_close(again(x)[0], expected, rtol=0, atol=0)
+    tmj = pytest.importorskip("tmcore.adapters.jax")
+    jax = pytest.importorskip("jax")
+    with jax.enable_x64(True):
+        sd = {k: v.numpy() for k, v in data["state_dict"].items()}
+        params = tmj.params_from_state_dict(sd, config=LayerConfig.from_dict(data["config"]))
+        out, _ = tmj.apply(params, jax.numpy.asarray(x.numpy()))
+        np.testing.assert_allclose(np.asarray(out), expected.numpy(), rtol=1e-10, atol=1e-12)
+
+
+def test_a_saved_config_is_checked_before_anything_is_built():
+    memory = tt.TensorMemory(8, 3, (3, 2, 4), 3)
+    data = tt.memory_to_dict(memory)
+    with pytest.raises(ValueError, match=r"data\['config'\]: missing keys \['flow'\]"):
+        tt.memory_from_dict({**data, "config": {k: v for k, v in data["config"].items()
+                                                if k != "flow"}})
+    with pytest.raises(TypeError, match=r"data\['config'\].chunk_size: expected an int"):
+        tt.memory_from_dict({**data, "config": {**data["config"], "chunk_size": 3.0}})
+    with pytest.raises(MemoryError, match="embed_dim"):  # gigabytes asked, none allocated
+        tt.memory_from_dict({**data, "config": {**data["config"], "chunk_size": 10**9}})
+    with pytest.raises(TypeError, match="data: expected the dict memory_to_dict made"):
+        tt.memory_from_dict(data["state_dict"])
+    with pytest.raises(RuntimeError, match="memory_shape"):  # the stored grid, checked
+        tt.memory_from_dict({**data, "config": {**data["config"], "memory_shape": [4, 2, 3]}})
+
+
 # --------------------------------------------------------------------------- residuals
 
 

@@ -81,10 +81,10 @@ def _compare(module, jax_fn, params, inputs, cotangents):
 def test_layer_agrees_with_torch(tokens):
     memory = _torch_memory(0, sigma_scale=0.7)
     sd = {k: v.detach().numpy() for k, v in memory.state_dict().items()}
-    params = tmj.params_from_state_dict(sd)
+    params = tmj.params_from_state_dict(sd, config=memory.config)
     assert set(tmj.state_dict_from_params(params)) == set(sd)
     inputs, cotangents = _inputs(1, tokens)
-    errors = _compare(memory, lambda p, x, s: tmj.apply(p, x, s, sigma_scale=0.7), params,
+    errors = _compare(memory, lambda p, x, s: tmj.apply(p, x, s), params,
                       inputs, cotangents)
     print(f"\ntorch vs jax, layer, N={tokens}: max relative error "
           f"{max(errors.values()):.2e} ({max(errors, key=errors.get)})")
@@ -117,11 +117,9 @@ def test_checkpointed_layer_agrees_with_torch():
         for p in memory.cell.parameters():
             p.add_(0.2 * torch.randn_like(p))
     sd = {k: v.detach().numpy() for k, v in memory.state_dict().items()}
-    params = tmj.params_from_state_dict(sd)
+    params = tmj.params_from_state_dict(sd, config=memory.config)
     inputs, cotangents = _inputs(5, 14)  # 5 chunks: two full segments and a tail
-    errors = _compare(memory, lambda p, x, s: tmj.apply(p, x, s, sigma_scale=0.7,
-                                                        checkpoint_every=2),
-                      params, inputs, cotangents)
+    errors = _compare(memory, tmj.apply, params, inputs, cotangents)
     assert max(errors.values()) < TOL, errors
 
 

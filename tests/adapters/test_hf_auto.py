@@ -179,6 +179,49 @@ def test_an_edited_chunk_size_is_refused_before_any_block_is_built(tmp_path, loa
     assert grew_mib < 100, grew_mib
 
 
+@pytest.mark.parametrize("loader", ["hf", "auto", "auto-config"])
+def test_a_million_layers_in_config_json_are_refused_before_any_is_built(tmp_path, loader):
+    """``num_hidden_layers: 10**6`` against the 2 blocks the memory config records: refused
+    naming both before the model is built (it was built first: minutes, gigabytes)."""
+    import resource
+
+    model = make_model("llama")
+    hf.attach_memory(model, **MEMORY)
+    model.save_pretrained(tmp_path)
+    path = tmp_path / "config.json"
+    stored = json.loads(path.read_text())
+    stored["num_hidden_layers"] = 10**6
+    path.write_text(json.dumps(stored))
+    load = {"hf": hf.from_pretrained,
+            "auto": transformers.AutoModelForCausalLM.from_pretrained,
+            "auto-config": lambda p: transformers.AutoModelForCausalLM.from_config(
+                transformers.AutoConfig.from_pretrained(p))}[loader]
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with pytest.raises(ValueError, match=r"num_hidden_layers: the config asks for 1000000 "
+                                         r"decoder layers, its tensor_memory records 2 blocks"):
+        load(tmp_path)
+    grew_mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) >> 10
+    assert grew_mib < 100, grew_mib
+
+
+def test_the_format_version_is_an_int_and_the_base_type_a_real_one(tmp_path):
+    """``format: true`` or ``2.0`` passed as the version (``True == 1``, ``2.0 == 2``), and
+    ``base_model_type: "tensor_memory"`` was reported as "got None"."""
+    model = make_model("llama")
+    hf.attach_memory(model, **MEMORY)
+    model.save_pretrained(tmp_path)
+    stored = json.loads((tmp_path / "config.json").read_text())
+    for value in (True, 2.0, "2"):
+        with pytest.raises(ValueError, match=rf"tensor_memory.format: expected the int 2, "
+                                             rf"got {value!r}"):
+            hf.check_spec({**stored["tensor_memory"], "format": value})
+    path = tmp_path / "config.json"
+    for value in ("tensor_memory", 7):
+        path.write_text(json.dumps({**stored, "base_model_type": value}))
+        with pytest.raises(ValueError, match=rf"base_model_type: .* got {value!r}"):
+            transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+
+
 HEADS = ["AutoModelForSequenceClassification", "AutoModelForTokenClassification",
          "AutoModelForQuestionAnswering"]
 

@@ -21,6 +21,7 @@ pytest.importorskip("flax", reason="flax is not installed")
 import jax.numpy as jnp  # noqa: E402
 from jax.test_util import check_grads  # noqa: E402
 
+from tmcore import layer as tl  # noqa: E402
 from tmcore.adapters import jax as tmj  # noqa: E402
 from tmcore.testing.finite_diff import relative_error  # noqa: E402
 
@@ -168,8 +169,13 @@ def _loss(p, x, state):
     return jnp.sum(out ** 2) + jnp.sum(jnp.sin(new.h)) + jnp.sum(new.c)
 
 
+def _with(p, **changes):
+    """``p`` with its config changed (checked as layer_config checks it)."""
+    return {**p, "config": p["config"].replace(**changes)}
+
+
 # compiled once per shape and shared by the tests
-_apply = jax.jit(tmj.apply, static_argnames=("memory_shape", "sigma_scale"))
+_apply = jax.jit(tmj.apply)
 _value_and_grad = jax.jit(jax.value_and_grad(_loss, argnums=(0, 1, 2)))
 
 
@@ -281,6 +287,7 @@ def test_second_order_through_scan():
 
 def test_init_layout_and_distribution():
     p = tmj.init(jax.random.key(0), 64, 8, (4, 4, 4), 4)
+    assert p.pop("config") == tl.layer_config(64, 8, (4, 4, 4), 4)  # the config travels
     shapes = jax.tree.map(lambda a: a.shape, p)
     assert shapes == {
         "write_proj": {"weight": (64, 256), "bias": (64,)},
@@ -305,7 +312,7 @@ def test_layer_matches_reference_values_and_gradients():
     p, x, state = _layer(tokens=8)  # 3 chunks, the last one ragged
 
     def ours(p_, x_, s_):
-        return tmj.apply(p_, x_, s_, chunk_size=CHUNK, sigma_scale=0.7, stream=False)
+        return tmj.apply(_with(p_, sigma_scale=0.7), x_, s_, stream=False)
 
     def ref(p_, x_, s_):
         out, h, c = ref_apply(p_, x_, *s_, CHUNK, sigma_scale=0.7)
@@ -375,8 +382,8 @@ def test_causal_mode_is_causal_and_threaded_is_not():
     layers, blocks = _stack()
     rng = np.random.default_rng(9)
     x = jnp.asarray(rng.normal(size=(2, 12, EMBED)))
-    run = jax.jit(lambda v, mode: tmj.stack_apply(layers, v, mode=mode, blocks=blocks,
-                                                  memory_shape=SHAPE)[0], static_argnums=1)
+    run = jax.jit(lambda v, mode: tmj.stack_apply(layers, v, mode=mode, blocks=blocks)[0],
+                  static_argnums=1)
     for p in (3, 4, 7):  # a chunk's first token, inside a chunk, a chunk's last token
         changed = x.at[:, p + 1:].set(jnp.asarray(rng.normal(size=(2, 12 - p - 1, EMBED))))
         causal, causal_changed = run(x, "causal"), run(changed, "causal")
@@ -447,7 +454,7 @@ def test_forget_bias_option():
         tmj.init(jax.random.key(0), 16, 4, (3, 3), 2, forget_bias=float("nan"))
     from flax import nnx
 
-    flax_layer = tmj.GatedMemoryResidual(16, 4, (3, 3), 2, rngs=nnx.Rngs(0), forget_bias=2.0)
+    flax_layer = tmj.MemoryResidual(16, 4, (3, 3), 2, rngs=nnx.Rngs(0), forget_bias=2.0)
     np.testing.assert_array_equal(
         tmj.params_from_module(flax_layer.memory)["cell"]["pointwise_bias"][4:8], 2.0)
 
@@ -478,10 +485,11 @@ def test_flax_module_runs_converts_and_trains_one_step():
                              dtype=jnp.float64)
     params = tmj.params_from_module(model)
     assert jax.tree.structure(params) == jax.tree.structure(
-        tmj.init(jax.random.key(0), EMBED, CHANNELS, SHAPE, CHUNK))
+        tmj.init(jax.random.key(0), EMBED, CHANNELS, SHAPE, CHUNK, 0.5))
     _, x, state = _layer(tokens=6)
     out, final = model(x)
-    ref, _ = _apply(params, x, jax.tree.map(jnp.zeros_like, state), sigma_scale=0.5)
+    assert params["config"].sigma_scale == 0.5
+    ref, _ = _apply(params, x, jax.tree.map(jnp.zeros_like, state))
     np.testing.assert_allclose(out, ref, rtol=1e-13, atol=1e-15)
     assert final.h.shape == (2, CHANNELS, *SHAPE)
 
@@ -505,8 +513,8 @@ def test_flax_module_runs_converts_and_trains_one_step():
     tmj.load_params(model, swapped)
     assert _tree_rel(tmj.params_from_module(model), swapped) == 0.0
 
-    residual = tmj.GatedMemoryResidual(EMBED, CHANNELS, SHAPE, CHUNK, gate_init=-2.0,
-                                       rngs=nnx.Rngs(1), dtype=jnp.float64)
+    residual = tmj.MemoryResidual(EMBED, CHANNELS, SHAPE, CHUNK, gate_init=-2.0,
+                                  rngs=nnx.Rngs(1), dtype=jnp.float64)
     out, _ = residual(x, state)
     ref, _ = jax.jit(tmj.residual_apply)(tmj.params_from_module(residual), x, state)
     np.testing.assert_allclose(out, ref, rtol=1e-13, atol=1e-15)
@@ -531,10 +539,12 @@ def test_state_dict_round_trip():
 
 def test_errors_name_the_argument():
     p, x, state = _layer()
-    with pytest.raises(ValueError, match="memory_shape"):
-        tmj.apply(p, x)
-    with pytest.raises(ValueError, match="chunk_size"):
-        tmj.apply(p, x, state, chunk_size=CHUNK + 1)
+    with pytest.raises(TypeError, match="params: expected the parameter pytree init"):
+        tmj.apply({k: v for k, v in p.items() if k != "config"}, x)
+    with pytest.raises(ValueError, match=r"params.write_proj.weight: expected shape"):
+        tmj.apply(_with(p, chunk_size=CHUNK + 1), x, state)
+    with pytest.raises(ValueError, match=r"state.h: expected shape"):
+        tmj.apply(_with(p, memory_shape=(2, 2, 2)), x, state)
     with pytest.raises(ValueError, match="x: expected shape"):
         tmj.apply(p, x[0], state)
     with pytest.raises(ValueError, match="reset"):
@@ -558,7 +568,7 @@ def test_checkpoint_every_same_gradients_fewer_states(every):
     p, x, state = _layer(tokens=20)  # 7 chunks, the last ragged
 
     def loss(p_, x_, s_, k):
-        out, (h, c, *_) = tmj.apply(p_, x_, s_, checkpoint_every=k)
+        out, (h, c, *_) = tmj.apply(_with(p_, checkpoint_every=k), x_, s_)
         return jnp.sum(out ** 2) + jnp.sum(h * c)
 
     grads = [jax.jit(jax.value_and_grad(partial(loss, k=k), argnums=(0, 1, 2)))(p, x, state)
@@ -613,19 +623,16 @@ def test_options_apply_after_the_first_trace_and_per_thread():
     import threading
 
     import tmcore
-    from tmcore.backends import use_generic
 
     _require_kernels()
     p, _, _ = _layer()
     x = jnp.ones((3, 7, EMBED))  # a shape no other test traces
 
     def call():
-        return lambda: tmj.apply(p, x, memory_shape=SHAPE)[0]
+        return lambda: tmj.apply(p, x)[0]
 
     assert _kernel_targets(call()), "the default trace should use the fused kernels"
     with tmcore.options(generic=True):
-        assert not _kernel_targets(call())
-    with use_generic():
         assert not _kernel_targets(call())
     with tmcore.options(native=False):
         assert not _kernel_targets(call())
@@ -667,9 +674,9 @@ def test_validate_mode_reaches_apply_and_primitives():
 
 def test_empty_batch():
     p, _, _ = _layer()
-    out, (h, c, *_) = tmj.apply(p, jnp.zeros((0, 6, EMBED)), memory_shape=SHAPE)
+    out, (h, c, *_) = tmj.apply(p, jnp.zeros((0, 6, EMBED)))
     assert out.shape == (0, 6, EMBED) and h.shape == c.shape == (0, CHANNELS, *SHAPE)
-    grad = jax.grad(lambda a: jnp.sum(tmj.apply(p, a, memory_shape=SHAPE)[0]))(
+    grad = jax.grad(lambda a: jnp.sum(tmj.apply(p, a)[0]))(
         jnp.zeros((0, 6, EMBED)))
     assert grad.shape == (0, 6, EMBED)
 
@@ -678,12 +685,12 @@ def test_mixed_dtypes_promote():
     p, x, state = _layer(tokens=6)
     p32 = jax.tree.map(lambda a: a.astype(jnp.float32), p)
     for x_low in (x.astype(jnp.float16), x.astype(jnp.bfloat16)):
-        out, (h, c, *_) = tmj.apply(p32, x_low, memory_shape=SHAPE)  # zero state
+        out, (h, c, *_) = tmj.apply(p32, x_low)  # zero state
         assert out.dtype == h.dtype == c.dtype == jnp.float32
         assert np.all(np.isfinite(np.asarray(out)))
-        expected = tmj.apply(p32, x_low.astype(jnp.float32), memory_shape=SHAPE)[0]
+        expected = tmj.apply(p32, x_low.astype(jnp.float32))[0]
         np.testing.assert_allclose(np.asarray(out), np.asarray(expected), rtol=1e-6, atol=1e-6)
-        grads = jax.grad(lambda p_, a: jnp.sum(tmj.apply(p_, a, memory_shape=SHAPE)[0]),
+        grads = jax.grad(lambda p_, a: jnp.sum(tmj.apply(p_, a)[0]),
                          argnums=(0, 1))(p32, x_low)
         assert grads[1].dtype == x_low.dtype
         assert all(g.dtype == jnp.float32 for g in jax.tree.leaves(grads[0]))
@@ -713,20 +720,24 @@ def test_nnx_module_mixed_precision():
 def test_state_dict_conversion_is_strict_and_differentiable():
     p, x, state = _layer(tokens=6)
     sd = tmj.state_dict_from_params(p)
-    sd["_extra_state"] = np.asarray(SHAPE)
+    np.testing.assert_array_equal(sd.pop("_extra_state"), SHAPE)  # the config's grid
+    sd["_extra_state"] = np.asarray(SHAPE)  # as torch stores it (int64)
     params = tmj.params_from_state_dict(sd)
+    assert params["config"] == p["config"]
     assert not any(jnp.issubdtype(a.dtype, jnp.integer) for a in jax.tree.leaves(params))
     grads = jax.grad(lambda p_: jnp.sum(tmj.apply(p_, x, state)[0]))(params)  # no int leaf
-    assert _tree_rel({k: v for k, v in grads.items() if k != "_extra_state"},
-                     jax.grad(lambda p_: jnp.sum(tmj.apply(p_, x, state)[0]))(p)) < 1e-15
+    assert _tree_rel(grads, jax.grad(lambda p_: jnp.sum(tmj.apply(p_, x, state)[0]))(p)) \
+        < 1e-15
     optax = pytest.importorskip("optax", reason="optax is not installed")
     optimizer = optax.adam(1e-3)
     updates, _ = optimizer.update(grads, optimizer.init(params), params)
     optax.apply_updates(params, updates)
     assert set(tmj.state_dict_from_params(params)) == set(sd)  # the grid shape written back
     np.testing.assert_array_equal(tmj.state_dict_from_params(params)["_extra_state"], SHAPE)
-    with pytest.raises(ValueError, match="memory_shape"):  # the stored grid is still checked
-        tmj.apply(params, x, memory_shape=(2, 2, 2))
+    with pytest.raises(ValueError, match="memory_shape"):  # the stored grid is checked
+        tmj.params_from_state_dict(sd, config=_with(p, memory_shape=(2, 2, 2))["config"])
+    with pytest.raises(ValueError, match="config: the state dict stores no grid"):
+        tmj.params_from_state_dict({k: v for k, v in sd.items() if k != "_extra_state"})
     with pytest.raises(ValueError, match="write_proj.wieght"):
         tmj.params_from_state_dict({**sd, "write_proj.wieght": sd["write_proj.weight"]})
     with pytest.raises(TypeError, match="content_net.weight"):
@@ -774,12 +785,6 @@ def test_float_sizes_are_type_errors():
     assert p["out_proj"]["weight"].shape == (EMBED, CHANNELS)
 
 
-
-def test_memory_residual_is_the_torch_name_and_the_old_name_is_kept():
-    """``MemoryResidual`` (the torch adapter's name) and ``GatedMemoryResidual`` (0.1's)
-    are one exported class."""
-    assert tmj.MemoryResidual is tmj.GatedMemoryResidual
-    assert {"MemoryResidual", "GatedMemoryResidual"} <= set(tmj.__all__)
 
 
 def test_jitted_training_step_does_not_grow_with_the_chunks():

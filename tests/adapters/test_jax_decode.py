@@ -43,7 +43,7 @@ def _setup(dtype, batch=2, seed=0):
 
 
 def _apply(params, x, state=None, **kw):
-    return tmj.apply(params, x, state, memory_shape=SHAPE, **kw)
+    return tmj.apply(params, x, state, **kw)
 
 
 def _err(a, b):
@@ -118,7 +118,7 @@ def test_fori_loop_decode_equals_teacher_forcing():
 
 def test_nnx_jit_decode_equals_teacher_forcing():
     dtype = jnp.float32
-    module = tmj.GatedMemoryResidual(D, C, SHAPE, L, rngs=nnx.Rngs(0), dtype=dtype)
+    module = tmj.MemoryResidual(D, C, SHAPE, L, rngs=nnx.Rngs(0), dtype=dtype)
     x = jax.random.normal(jax.random.key(3), (1, PROMPT + STEPS, D), dtype)
     ref_out, ref_state = module(x)
     traces = []

@@ -1,5 +1,6 @@
-"""JAX adapter hardening (issue 51): the config cache keys on type and value, dtypes and
-parameter options are refused when they do not match, hostile counts never mix rows."""
+"""JAX adapter hardening (issues 51, 63): configs are checked where they are made, dtypes,
+parameter groups and states of another grid are refused when they do not match, hostile
+counts never mix rows, empty states and eager compiles are bounded."""
 
 from __future__ import annotations
 
@@ -34,12 +35,13 @@ def _x(batch=2, tokens=6, dtype=jnp.float32, seed=1):
     ({"memory_shape": (4, 4, 4)}, {"memory_shape": (4.0, 4, 4)}, "memory_shape"),
     ({"eps": 0}, {"eps": False}, "eps"),
 ])
-def test_config_cache_keys_on_type_and_value(params, good, bad, name):
-    x = _x()
-    kwargs = {"memory_shape": SHAPE, **good}
-    tmj.apply(params, x, **kwargs)  # a valid call first: its config is remembered
+def test_a_config_is_checked_by_type_and_value_where_it_is_made(params, good, bad, name):
+    good_config = params["config"].replace(**good)  # a valid one first
+    tmj.apply({**params, "config": good_config}, _x())
     with pytest.raises((TypeError, ValueError), match=name):
-        tmj.apply(params, x, **{**kwargs, **bad})
+        good_config.replace(**bad)
+    with pytest.raises((TypeError, ValueError), match=name):
+        tmj.init(jax.random.key(0), D, C, **{"memory_shape": SHAPE, "chunk_size": L, **bad})
 
 
 def test_wider_input_or_state_is_refused(params):
@@ -47,9 +49,9 @@ def test_wider_input_or_state_is_refused(params):
     ones still promote to the parameters' dtype)."""
     with jax.enable_x64(True):
         x = _x()
-        _, state = tmj.apply(params, x, memory_shape=SHAPE)
+        _, state = tmj.apply(params, x)
         with pytest.raises(TypeError, match=r"^x: dtype float64 is wider .*float32"):
-            tmj.apply(params, x.astype(jnp.float64), memory_shape=SHAPE)
+            tmj.apply(params, x.astype(jnp.float64))
         for field in ("h", "c", "pending", "read"):
             wide = state._replace(**{field: getattr(state, field).astype(jnp.float64)})
             with pytest.raises(TypeError, match=rf"^state\.{field}: dtype float64"):
@@ -60,11 +62,16 @@ def test_wider_input_or_state_is_refused(params):
         assert out.dtype == jnp.float32
 
 
-def test_stream_state_of_another_grid_is_refused(params):
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_state_of_another_grid_is_refused_naming_both(params, stream):
+    """Issue 63, item 3: the grid the parameters were made for is consulted (it was taken
+    from the state when no memory_shape was passed)."""
     x = _x()
-    _, state = tmj.apply(params, x, memory_shape=SHAPE)
-    with pytest.raises(ValueError, match=r"state\.h: expected shape"):
-        tmj.apply(params, x, state, memory_shape=(2, 2, 2))
+    other = tmj.init(jax.random.key(0), D, C, (2, 2, 2), L)
+    _, state = tmj.apply(other, x, stream=stream)
+    with pytest.raises(ValueError, match=r"state\.h: expected shape \(B, C, \*S\) = "
+                                         r"\(2, 2, 4, 4, 4\).* got \(2, 2, 2, 2, 2\)"):
+        tmj.apply(params, x, state, stream=stream)
 
 
 @pytest.mark.parametrize("options, group", [({"dynamics": "warp"}, "warp_net"),
@@ -72,12 +79,14 @@ def test_stream_state_of_another_grid_is_refused(params):
                                              "warp_flow")])
 def test_option_groups_without_their_options_are_refused(options, group):
     warp = tmj.init(jax.random.key(0), D, C, SHAPE, L, **options)
-    with pytest.raises(ValueError, match=r"params: hold the 'warp_net' group"):
-        tmj.apply(warp, _x(), memory_shape=SHAPE)
+    plain = warp["config"].replace(dynamics="none", flow=False)
+    with pytest.raises(ValueError, match=rf"params: the groups \[.*'{group}'.*\] are not "
+                                         rf"parameters of its config"):
+        tmj.apply({**warp, "config": plain}, _x())
     if group == "warp_flow":
-        with pytest.raises(ValueError, match=r"params: hold the 'warp_flow' group"):
-            tmj.apply(warp, _x(), memory_shape=SHAPE, dynamics="warp")
-    tmj.apply(warp, _x(), memory_shape=SHAPE, **options)  # with them: fine
+        with pytest.raises(ValueError, match=r"groups \['warp_flow'\]"):
+            tmj.apply({**warp, "config": plain.replace(dynamics="warp")}, _x())
+    tmj.apply(warp, _x())  # with them: fine
 
 
 @pytest.mark.parametrize("tokens", [1, 3, 6])
@@ -86,7 +95,7 @@ def test_hostile_count_under_jit_never_reads_another_row(params, tokens, hostile
     """Row 0's count is out of range; under jit its outputs and state must not depend on
     row 1's data (they equal restarting row 0's unfinished chunk)."""
     x = _x(tokens=7)
-    _, state = tmj.apply(params, x, memory_shape=SHAPE)        # count 3 in every row
+    _, state = tmj.apply(params, x)        # count 3 in every row
     bad = state._replace(count=jnp.asarray([hostile, 2], jnp.int32))
     step = jax.jit(lambda s, t: tmj.apply(params, t, s))
     piece = _x(tokens=tokens, seed=2)
@@ -111,7 +120,7 @@ def test_empty_stream_state_is_a_scan_carry(params):
     """Issue 50, item 11: a public empty StreamState; lax.scan over one token at a time
     from it equals one call over the whole sequence."""
     x = _x(tokens=9)
-    empty = tmj.empty_stream_state(params, 2, memory_shape=SHAPE)
+    empty = tmj.empty_stream_state(params, 2)
     assert isinstance(empty, tmj.StreamState) and empty.count.dtype == jnp.int32
     assert empty.h.shape == (2, C, *SHAPE) and empty.pending.shape == (2, L, D)
     assert empty.h.dtype == jnp.float32
@@ -121,18 +130,44 @@ def test_empty_stream_state_is_a_scan_carry(params):
         return state, out[:, 0, :]
 
     final, outs = jax.jit(lambda s, xs: lax.scan(body, s, xs))(empty, jnp.moveaxis(x, 1, 0))
-    ref, ref_state = tmj.apply(params, x, memory_shape=SHAPE)
+    ref, ref_state = tmj.apply(params, x)
     np.testing.assert_allclose(np.asarray(jnp.moveaxis(outs, 0, 1)), np.asarray(ref),
                                rtol=1e-5, atol=1e-6)
     assert jax.tree.structure(final) == jax.tree.structure(empty)
     np.testing.assert_array_equal(np.asarray(final.count), np.asarray(ref_state.count))
-    config = tmj.empty_stream_state(
-        tl.LayerConfig(D, C, SHAPE, L), 3)
+    config = tmj.empty_stream_state(tl.LayerConfig(D, C, SHAPE, L), 3)
     assert config.h.shape == (3, C, *SHAPE)
-    with pytest.raises(ValueError, match="memory_shape: required"):
-        tmj.empty_stream_state(params, 2)
     with pytest.raises(TypeError, match="batch"):
-        tmj.empty_stream_state(params, 2.0, memory_shape=SHAPE)
+        tmj.empty_stream_state(params, 2.0)
+    for dtype in (jnp.int32, jnp.bool_, jnp.complex64):  # issue 63, item 1
+        for source in (params, params["config"]):
+            with pytest.raises(TypeError, match=r"dtype: expected a real floating dtype"):
+                tmj.empty_stream_state(source, 2, dtype=dtype)
+
+
+def test_an_empty_state_too_big_is_refused_before_allocating():
+    """Issue 63, item 1: ``empty_stream_state(params, 10**9)`` under a 2 GiB address limit
+    killed the process (std::bad_alloc from XLA); it is refused naming ``batch``."""
+    import subprocess
+    import sys
+
+    script = (
+        "import resource\n"
+        "import jax\n"
+        "from tmcore.adapters import jax as tmj\n"
+        "from tmcore.layer import layer_config\n"
+        "config = layer_config(4, 2, (4, 4, 4), 4)\n"
+        "resource.setrlimit(resource.RLIMIT_AS, (2 << 30, resource.RLIM_INFINITY))\n"
+        "for batch in (10**9, 10**18, 10**30):\n"
+        "    try:\n"
+        "        tmj.empty_stream_state(config, batch)\n"
+        "    except (MemoryError, ValueError) as error:\n"
+        "        print(type(error).__name__, str(error).split(':')[0])\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["MemoryError", "batch", "ValueError", "batch",
+                                   "ValueError", "batch"], done.stdout
 
 
 def test_eager_streaming_keeps_at_most_the_bound_of_compiled_functions():
@@ -141,14 +176,44 @@ def test_eager_streaming_keeps_at_most_the_bound_of_compiled_functions():
     from tmcore.adapters.jax import functional as module
 
     tiny = tmj.init(jax.random.key(0), 2, 1, (2,), 2)
-    module._STREAM_FUNCTIONS.clear()
+    module._COMPILED.clear()
     state = None
     for tokens in range(2, 82):
         x = jnp.ones((1, tokens, 2), jnp.float32)
-        _, state = tmj.apply(tiny, x, state, memory_shape=(2,))
-    functions = list(module._STREAM_FUNCTIONS.values())
+        _, state = tmj.apply(tiny, x, state)
+    functions = list(module._COMPILED.values())
     assert 0 < len(functions) <= tmj.STREAM_CACHE_SIZE == 32
     assert sum(f._cache_size() for f in functions) <= tmj.STREAM_CACHE_SIZE
+
+
+def test_an_eager_call_of_a_new_length_compiles_one_program():
+    """Issue 63, item 4: an eager call of a new length compiled the layer call and, before
+    it, an op of that length (the zero state sliced from x) that no bound dropped; now it
+    compiles the one function the bounded cache holds, and a dropped one is cleared."""
+    from jax import monitoring
+
+    from tmcore.adapters.jax import functional as module
+
+    tiny = tmj.init(jax.random.key(0), 2, 1, (2,), 2)
+    tmj.apply(tiny, jax.device_put(np.ones((1, 2, 2), np.float32)))  # what any call compiles
+    compiles = []
+
+    def listen(event, *_, **__):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(event)
+
+    monitoring.register_event_duration_secs_listener(listen)
+    try:
+        for tokens in range(3, 3 + tmj.STREAM_CACHE_SIZE + 4):
+            x = jax.device_put(np.ones((1, tokens, 2), np.float32))
+            before = len(compiles)
+            first = list(module._COMPILED.values())[0] if module._COMPILED else None
+            tmj.apply(tiny, x)
+            assert len(compiles) - before == 1, tokens
+            if first is not None and first not in module._COMPILED.values():
+                assert first._cache_size() == 0  # the dropped one holds no program
+    finally:
+        monitoring.unregister_event_duration_listener(listen)
 
 
 def test_layer_scan_checks_its_bytes_before_allocating(params, monkeypatch):
@@ -161,7 +226,7 @@ def test_layer_scan_checks_its_bytes_before_allocating(params, monkeypatch):
     real = bridge.check_scan_bytes
     monkeypatch.setattr(bridge, "check_scan_bytes",
                         lambda *a, **k: calls.append(a[3]) or real(*a, **k))
-    tmj.apply(params, _x(tokens=12), memory_shape=SHAPE, stream=False)
+    tmj.apply(params, _x(tokens=12), stream=False)
     assert calls == [3]                       # T = 12 / L chunks, checked once
     # the real check with a bound the scan (not the layer's earlier gate) exceeds
     monkeypatch.setenv(runtime_options.MEMORY_LIMIT_ENV_VAR, "1KiB")
@@ -173,8 +238,8 @@ def test_layer_scan_checks_its_bytes_before_allocating(params, monkeypatch):
     monkeypatch.setattr(bridge, "check_scan_bytes", _refuse)
     monkeypatch.setattr(bridge, "checkpoint_scan", lambda *a: scans.append(a))
     monkeypatch.delenv(runtime_options.MEMORY_LIMIT_ENV_VAR)
-    with pytest.raises(MemoryError, match="h0: refused"):
-        tmj.apply(params, _x(tokens=12, seed=3), memory_shape=SHAPE, stream=False)
+    with pytest.raises(MemoryError, match="h0: refused"):  # (a new shape: traced again)
+        tmj.apply(params, _x(tokens=16, seed=3), stream=False)
     assert scans == []
 
 

@@ -1,11 +1,12 @@
 """Packed documents (``doc_starts``) inside ``jax.jit`` with a static ``max_documents``.
 
-The traced call plans the chunk grid with arrays (:func:`tmcore.layer.plan.packed_plan`)
-and runs ONE ``lax.scan`` whose per-step masks reset and freeze rows; the reference is
-the eager host-planned call (:func:`tmcore.layer.plan.host_plan`, no ``max_documents``).
-Float64 (``jax.enable_x64``): outputs, the whole returned state and gradients agree to
-1e-12; a finite-difference check on a tiny case; the compiled program does not grow
-with ``N`` (an op count of the jaxpr, not a timing).
+The traced call plans the chunk grid with arrays (:func:`tmcore.layer.plan.plan_stream`)
+and runs ONE ``lax.scan`` whose per-step masks reset and freeze rows; the reference feeds
+each row's kept tokens one call per token, restarting at each document start (no chunk
+grid at all). Float64 (``jax.enable_x64``): outputs and the whole returned state agree to
+1e-12; gradients equal the eager call's (its bound read from the masks); a
+finite-difference check on a tiny case; the compiled program does not grow with ``N``
+(an op count of the jaxpr, not a timing).
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ pytest.importorskip("flax", reason="flax is not installed")
 import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
+from tmcore import layer as tl  # noqa: E402
 from tmcore.adapters import jax as tmj  # noqa: E402
-from tmcore.layer.plan import packed_steps  # noqa: E402
+from tmcore.layer.plan import plan_steps  # noqa: E402
 
 D, C, SHAPE, L = 4, 3, (3, 4), 4
 TOL = 1e-12
@@ -39,7 +41,11 @@ def _params(seed=0, **kw):
 
 
 def _apply(params, x, state=None, **kw):
-    return tmj.apply(params, x, state, memory_shape=SHAPE, **kw)
+    """``tmj.apply``, the layer's own keywords (``update``, ...) going to the config."""
+    config = {k: kw.pop(k) for k in list(kw) if k in tl.LayerConfig.__dataclass_fields__}
+    if config:
+        params = {**params, "config": params["config"].replace(**config)}
+    return tmj.apply(params, x, state, **kw)
 
 
 def _err(a, b):
@@ -80,6 +86,29 @@ def _case(batch=5, tokens=13, seed=1, params=None, **kw):
     return params, x, state, starts, valid
 
 
+def _one_at_a_time(params, x, state, starts, valid=None, reset=None, **kw):
+    """Each row's kept tokens one call per token, its state restarted at each document
+    start (a start on a skipped token at the next kept one; after the last, the row ends
+    empty)."""
+    batch, tokens = x.shape[:2]
+    outs, rows = np.zeros(x.shape), []
+    for b in range(batch):
+        st = tmj.StreamState(*(v[b:b + 1] for v in state)) if state is not None else None
+        start = bool(reset[b]) if reset is not None else False
+        for n in range(tokens):
+            start |= bool(starts[b, n])
+            if valid is not None and not valid[b, n]:
+                continue
+            out, st = _apply(params, x[b:b + 1, n:n + 1], st, reset=np.array([start]), **kw)
+            outs[b, n] = np.asarray(out[0, 0])
+            start = False
+        if st is None or start:
+            st = _apply(params, x[b:b + 1, :0], st, reset=np.array([True]), **kw)[1]
+        rows.append(st)
+    return jnp.asarray(outs), tmj.StreamState(*(jnp.concatenate([getattr(r, f) for r in rows])
+                                                for f in tmj.StreamState._fields))
+
+
 def _jitted(documents, **static):
     @jax.jit
     def run(params, x, state, starts, valid=None, reset=None):
@@ -92,14 +121,14 @@ def _jitted(documents, **static):
 
 
 @pytest.mark.parametrize("masks", ["none", "valid", "valid+reset", "reset"])
-def test_traced_doc_starts_equal_the_host_plan(masks):
+def test_traced_doc_starts_equal_one_token_at_a_time(masks):
     params, x, state, starts, valid = _case()
     kw = {}
     if "valid" in masks:
         kw["valid"] = valid
     if "reset" in masks:
         kw["reset"] = np.array([False, True, True, False, True])
-    ref_out, ref = _apply(params, x, state, doc_starts=starts, **kw)
+    ref_out, ref = _one_at_a_time(params, x, state, starts, **kw)
     out, new = _jitted(4)(params, x, state, starts, **{k: jnp.asarray(v) for k, v in kw.items()})
     assert _err(out, ref_out) <= TOL
     _same_state(new, ref)
@@ -110,9 +139,9 @@ def test_traced_doc_starts_equal_the_host_plan(masks):
         assert _err(new.h[:1], alone_state.h) <= TOL
 
 
-def test_eager_max_documents_equals_the_host_plan_and_a_larger_bound():
+def test_eager_max_documents_equals_one_token_at_a_time_and_a_larger_bound():
     params, x, state, starts, valid = _case()
-    ref_out, ref = _apply(params, x, state, doc_starts=starts, valid=valid)
+    ref_out, ref = _one_at_a_time(params, x, state, starts, valid)
     for documents in (4, 9, 100):  # beyond N the bound is capped at N
         out, new = _apply(params, x, state, doc_starts=starts, valid=valid,
                           max_documents=documents)
@@ -121,7 +150,7 @@ def test_eager_max_documents_equals_the_host_plan_and_a_larger_bound():
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_random_masks_equal_the_host_plan(seed):
+def test_random_masks_equal_one_token_at_a_time(seed):
     rng = np.random.default_rng(100 + seed)
     batch, tokens = 6, 11
     params = _params(seed)
@@ -135,7 +164,7 @@ def test_random_masks_equal_the_host_plan(seed):
     valid = rng.random((batch, tokens)) < 0.8
     reset = rng.random(batch) < 0.3
     bound = int(starts.sum(axis=1).max()) + 1
-    ref_out, ref = _apply(params, x, state, doc_starts=starts, valid=valid, reset=reset)
+    ref_out, ref = _one_at_a_time(params, x, state, starts, valid, reset)
     out, new = _jitted(bound)(params, x, state, jnp.asarray(starts), jnp.asarray(valid),
                               jnp.asarray(reset))
     assert _err(out, ref_out) <= TOL
@@ -145,7 +174,7 @@ def test_random_masks_equal_the_host_plan(seed):
 def test_pieces_of_a_packed_stream_under_jit_equal_one_call():
     # a training-style loop: the state carried through jitted packed pieces
     params, x, _, starts, _ = _case(tokens=16)
-    ref_out, ref = _apply(params, x, doc_starts=starts)
+    ref_out, ref = _one_at_a_time(params, x, None, starts)
     run = _jitted(4)
     out1, st = run(params, x[:, :7], None, jnp.asarray(starts[:, :7]))
     out2, st = run(params, x[:, 7:], st, jnp.asarray(starts[:, 7:]))
@@ -166,7 +195,7 @@ def test_no_tokens_and_a_traced_reset():
 def test_nnx_module_and_local_update():
     module = tmj.TensorMemory(D, C, SHAPE, L, rngs=nnx.Rngs(0), dtype=jnp.float64)
     _, x, state, starts, valid = _case()
-    ref_out, ref = module(x, state, doc_starts=starts, valid=valid)
+    ref_out, ref = module(x, state, doc_starts=starts, valid=valid)  # eager: D from the masks
 
     @nnx.jit
     def run(m, x_, s_, starts_, valid_):
@@ -183,7 +212,7 @@ def test_nnx_module_and_local_update():
     # update="local" (its fast path's backward is the undo log: policy "log")
     params = _params()
     kw = dict(update="local", window=2)
-    ref_out, ref = _apply(params, x, state, doc_starts=starts, valid=valid, **kw)
+    ref_out, ref = _one_at_a_time(params, x, state, starts, valid, **kw)
     out, new = _jitted(4, **kw)(params, x, state, jnp.asarray(starts), jnp.asarray(valid))
     assert _err(out, ref_out) <= TOL
     _same_state(new, ref)
@@ -201,7 +230,7 @@ def _loss(params, x, state, starts, documents=None, **kw):
 @pytest.mark.parametrize("options", [{}, {"checkpoint_every": 3},
                                      {"update": "local", "window": 2},
                                      {"dynamics": "warp"}])
-def test_gradient_under_jit_equals_the_eager_host_plan(options):
+def test_gradient_under_jit_equals_the_eager_call(options):
     warp = {"dynamics": "warp"} if options.get("dynamics") == "warp" else {}
     params, x, state, starts, valid = _case(params=_params(**warp), **warp)
     reset = np.array([False, True, False, False, True])
@@ -284,7 +313,7 @@ def test_the_program_does_not_grow_with_the_tokens():
         counts[tokens] = (_primitives(jaxpr, "while"), _primitives(jaxpr, "scan"),
                           _ops(jaxpr))
         # the grid: T = ceil((L - 1 + N) / L) + D chunks, in one scan
-        assert packed_steps(tokens, L, 5) == -(-(L - 1 + tokens) // L) + 5
+        assert plan_steps(tokens, L, L - 1, 5) == -(-(L - 1 + tokens) // L) + 5
     assert counts[16] == counts[64], counts
     assert counts[16][0] + counts[16][1] >= 1  # the scan is there
 
@@ -292,15 +321,16 @@ def test_the_program_does_not_grow_with_the_tokens():
 # --------------------------------------------------------------------------- refusals
 
 
-def test_traced_doc_starts_without_max_documents_is_refused():
+def test_traced_doc_starts_need_max_documents_and_other_traced_masks_do_not():
     params, x, state, starts, _ = _case()
-    with pytest.raises(TypeError, match="doc_starts.*concrete.*jit.*max_documents"):
+    with pytest.raises(TypeError, match="doc_starts: traced.*max_documents"):
         jax.jit(lambda m: _apply(params, x, doc_starts=m)[0])(starts)
-    reset = jnp.array([True, False, False, False, False])
-    with pytest.raises(TypeError, match="reset.*concrete.*max_documents"):
-        jax.jit(lambda r: _apply(params, x, doc_starts=starts, reset=r)[0])(reset)
-    with pytest.raises(TypeError, match="state.count.*concrete.*max_documents"):
-        jax.jit(lambda s: _apply(params, x, s, doc_starts=starts)[0])(state)
+    # the grid's bound comes from the concrete doc_starts: a traced reset or state is data
+    reset = np.array([True, False, False, False, False])
+    ref = _apply(params, x, state, doc_starts=starts, reset=reset)[0]
+    out = jax.jit(lambda r, s: _apply(params, x, s, doc_starts=starts, reset=r)[0])(
+        jnp.asarray(reset), state)
+    assert _err(out, ref) <= TOL
 
 
 @pytest.mark.parametrize("bad, error", [(0, ValueError), (-2, ValueError),
@@ -318,21 +348,18 @@ def test_eager_overflow_is_an_error_and_jit_ignores_the_extra_starts():
     params, x, state, starts, valid = _case()
     with pytest.raises(ValueError, match=r"max_documents: row 3 starts 4 documents.*3"):
         _apply(params, x, state, doc_starts=starts, max_documents=3)
-    # a reset row without a start at token 0 counts one more
+    # a reset is applied before the grid (the row's stream restarts): not a start it counts
     one = np.zeros_like(starts)
     one[:, 4] = True
     reset = np.array([False, False, True, False, False])
-    with pytest.raises(ValueError, match=r"max_documents: row 2 starts 2 documents"):
-        _apply(params, x, state, doc_starts=one, max_documents=1, reset=reset)
-    one[2, 0] = True  # with a start there the reset is the same start
-    with pytest.raises(ValueError, match=r"max_documents: row 2 starts 2 documents"):
-        _apply(params, x, state, doc_starts=one, max_documents=1, reset=reset)
-    one[2, 4] = False
-    _apply(params, x, state, doc_starts=one, max_documents=1, reset=reset)
+    out, new = _apply(params, x, state, doc_starts=one, max_documents=1, reset=reset)
+    ref_out, ref = _one_at_a_time(params, x, state, one, reset=reset)
+    assert _err(out, ref_out) <= TOL
+    _same_state(new, ref)
     # under jit nothing can be checked: row 3's starts after its first 3 are ignored
     out, new = _jitted(3)(params, x, state, jnp.asarray(starts))
     fewer = starts.copy()
     fewer[3, 9] = False
-    ref_out, ref = _apply(params, x, state, doc_starts=fewer)
+    ref_out, ref = _one_at_a_time(params, x, state, fewer)
     assert _err(out, ref_out) <= TOL
     _same_state(new, ref)

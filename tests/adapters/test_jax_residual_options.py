@@ -1,12 +1,12 @@
 """The functional JAX residual with the layer options (``residual_init`` / ``residual_apply``).
 
 Contract (tmcore.adapters.jax): ``residual_init`` takes ``init``'s option keywords
-(``dynamics``, ``flow``) with the same defaults and makes the memory's ``warp_net`` /
-``warp_flow`` groups as ``init`` and the NNX ``MemoryResidual`` do (same key: same tree,
-same values); ``update`` / ``window`` add no parameter. ``residual_apply`` passes the
-options to the memory's ``apply``: at init (zero displacement) the warp + flow residual
-is the default one, and its jitted gradient matches finite differences (float64). Bad
-option values raise the layer's errors, naming the argument.
+(``dynamics``, ``flow``, ``update``, ``window``) and makes the memory's ``warp_net`` /
+``warp_flow`` groups and config as ``init`` and the NNX ``MemoryResidual`` do (same key:
+same tree, same values); ``update`` / ``window`` add no parameter. ``residual_apply`` runs
+the memory's config: at init (zero displacement) the warp + flow residual is the default
+one, and its jitted gradient matches finite differences (float64). Bad option values raise
+the layer's errors, naming the argument.
 """
 
 from __future__ import annotations
@@ -51,8 +51,9 @@ def test_residual_init_equals_the_nnx_residual_with_each_option(name):
     # the memory is init's with the same key and options (warp groups last, as specified)
     memory = tj.init(key, D, C, S, L, forget_bias=1.0, **options)
     assert list(params["memory"]) == list(memory)
-    config = tl.layer_config(D, C, S, L, **options)
-    assert list(params["memory"]) == list(tl.param_groups(config))
+    config = tl.layer_config(D, C, S, L, forget_bias=1.0, **options)
+    assert params["memory"]["config"] == config
+    assert list(params["memory"]) == [*tl.param_groups(config), "config"]
     for spec in tl.param_specs(config):
         leaf = params["memory"][spec.group][spec.leaf]
         assert leaf.shape == spec.shape
@@ -76,7 +77,7 @@ def test_residual_init_defaults_are_inits_and_local_adds_no_parameter():
     assert _paths(plain) == _paths(explicit)
     assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(plain),
                                                      jax.tree.leaves(explicit), strict=True))
-    assert set(plain["memory"]) == set(tl.GROUPS)
+    assert set(plain["memory"]) == {*tl.GROUPS, "config"}
     local = tj.MemoryResidual(D, C, S, L, rngs=nnx.Rngs(0), update="local", window=2)
     same = tj.residual_init(nnx.Rngs(0).params(), D, C, S, L)
     got = tj.params_from_module(local)
@@ -99,22 +100,28 @@ def test_residual_init_bad_options_are_named(kwargs, error, word):
         tj.init(jax.random.key(0), D, C, S, L, **kwargs)
 
 
-def test_residual_apply_bad_options_are_named():
+def _with(params, **changes):
+    """A residual's parameters with its memory's config changed."""
+    memory = params["memory"]
+    return {**params, "memory": {**memory, "config": memory["config"].replace(**changes)}}
+
+
+def test_residual_config_bad_options_are_named():
     params = tj.residual_init(jax.random.key(0), D, C, S, L)
     x = jnp.ones((1, 4, D))
     with pytest.raises(ValueError, match="window"):
-        tj.residual_apply(params, x, memory_shape=S, update="local")
+        _with(params, update="local")
     with pytest.raises(ValueError, match="update"):
-        tj.residual_apply(params, x, memory_shape=S, update="sparse")
+        _with(params, update="sparse")
     with pytest.raises(ValueError, match="window"):
-        tj.residual_apply(params, x, memory_shape=S, update="local", window=5)
+        _with(params, update="local", window=5)
     with pytest.raises(ValueError, match="flow"):
-        tj.residual_apply(params, x, memory_shape=S, flow=True)
+        _with(params, flow=True)
     with pytest.raises(KeyError, match="warp_net"):  # the groups come from residual_init
-        tj.residual_apply(params, x, memory_shape=S, dynamics="warp")
+        tj.residual_apply(_with(params, dynamics="warp"), x)
     warp = tj.residual_init(jax.random.key(0), D, C, S, L, dynamics="warp")
     with pytest.raises(KeyError, match="warp_flow"):
-        tj.residual_apply(warp, x, memory_shape=S, dynamics="warp", flow=True)
+        tj.residual_apply(_with(warp, flow=True), x)
 
 
 def _inputs(dtype):
@@ -137,10 +144,8 @@ def test_warp_flow_residual_at_init_is_the_default_residual():
             for leaf, value in default["memory"][group].items():
                 np.testing.assert_array_equal(warp["memory"][group][leaf], value)
         want, want_state = tj.residual_apply(default, x, state, stream=False)
-        for options in ({"dynamics": "warp", "flow": True},
-                        {"update": "local", "window": max(S), "dynamics": "warp",
-                         "flow": True}):
-            got, got_state = tj.residual_apply(warp, x, state, stream=False, **options)
+        for options in ({}, {"update": "local", "window": max(S)}):
+            got, got_state = tj.residual_apply(_with(warp, **options), x, state, stream=False)
             assert got.dtype == jnp.float64
             np.testing.assert_allclose(got, want, rtol=0, atol=1e-12)
             np.testing.assert_allclose(got_state.h, want_state.h, rtol=0, atol=1e-12)
@@ -151,7 +156,7 @@ def test_warp_flow_residual_at_init_is_the_default_residual():
         params = tj.residual_init(nnx.Rngs(0).params(), D, C, S, L, gate_init=1.0,
                                   dtype=jnp.float64, dynamics="warp", flow=True)
         out, _ = module(x, state, stream=False)
-        ref, _ = tj.residual_apply(params, x, state, stream=False, dynamics="warp", flow=True)
+        ref, _ = tj.residual_apply(params, x, state, stream=False)
         np.testing.assert_array_equal(out, ref)
 
 
@@ -170,16 +175,16 @@ def test_jitted_residual_gradient_with_warp_flow_matches_finite_differences():
         weights = jax.random.normal(jax.random.key(6), x.shape, jnp.float64)
 
         def loss(p):
-            out, (h, c) = tj.residual_apply(p, x, state, stream=False, dynamics="warp",
-                                            flow=True)
+            out, (h, c) = tj.residual_apply(p, x, state, stream=False)
             return jnp.sum(out * weights) + jnp.sum(h * c)
 
         value, grads = jax.jit(jax.value_and_grad(loss))(params)
         assert all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree.leaves(grads))
-        default = {**params, "memory": {k: v for k, v in memory.items()
-                                        if k not in (tl.WARP_GROUP, tl.FLOW_GROUP)}}
+        default = _with({**params, "memory": {k: v for k, v in memory.items()
+                                              if k not in (tl.WARP_GROUP, tl.FLOW_GROUP)}},
+                        dynamics="none", flow=False)
         plain, _ = tj.residual_apply(default, x, state, stream=False)  # the warp moves
-        out, _ = tj.residual_apply(params, x, state, stream=False, dynamics="warp", flow=True)
+        out, _ = tj.residual_apply(params, x, state, stream=False)
         assert float(jnp.max(jnp.abs(out - plain))) > 1e-6
         compiled = jax.jit(loss)
         np.testing.assert_allclose(compiled(params), value, rtol=1e-13)

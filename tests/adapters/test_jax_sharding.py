@@ -46,11 +46,12 @@ def _checks() -> dict:  # runs in the 2-device subprocess
     c0 = jnp.asarray(0.3 * rng.normal(size=(B, C, *S)))
 
     def loss(p, x_, state=None):
-        out, (h, c, *_) = tmj.apply(p, x_, state, memory_shape=S, checkpoint_every=2)
+        p = {**p, "config": p["config"].replace(checkpoint_every=2)}
+        out, (h, c, *_) = tmj.apply(p, x_, state)
         return jnp.sum(out ** 2) + jnp.sum(h * c)
 
     def loss_nostream(p, x_):
-        out, (h, c) = tmj.apply(p, x_, memory_shape=S, stream=False)
+        out, (h, c) = tmj.apply(p, x_, stream=False)
         return jnp.mean(out ** 2) + jnp.mean(h * c)
 
     grad = jax.value_and_grad(loss, argnums=(0, 1))
@@ -119,7 +120,7 @@ def _checks() -> dict:  # runs in the 2-device subprocess
     with jax.set_mesh(mesh):
         xs, state_s = data_parallel("explicit", mesh)
         mean_grad = jax.value_and_grad(  # a mean: the cotangents come in sharded
-            lambda p, a: jnp.mean(tmj.apply(p, a, memory_shape=S)[0] ** 2))
+            lambda p, a: jnp.mean(tmj.apply(p, a)[0] ** 2))
         results["explicit_mean"] = err(jax.jit(mean_grad)(params, xs),
                                        jax.jit(mean_grad)(params, x))
         out, new = jax.jit(lambda p, a, s: tmj.apply(p, a, s))(params, xs, state_s)
@@ -139,7 +140,7 @@ def _checks() -> dict:  # runs in the 2-device subprocess
     res32 = tmj.residual_init(jax.random.key(2), D, C, S, L)  # float32, as by default
     x32 = x.astype(jnp.float32)
     res_grad = jax.value_and_grad(  # norm and gate too
-        lambda p, a: jnp.mean(tmj.residual_apply(p, a, memory_shape=S)[0] ** 2))
+        lambda p, a: jnp.mean(tmj.residual_apply(p, a)[0] ** 2))
     results["bare_explicit_f32"] = err(
         jax.jit(res_grad)(res32, jax.device_put(x32, NamedSharding(mesh, data))),
         jax.jit(res_grad)(res32, x32))
@@ -157,7 +158,7 @@ def _checks() -> dict:  # runs in the 2-device subprocess
     # a StreamState continued under jit on batch-sharded meshes (rows at different counts):
     # each row's chunk grid gathers only its own tokens, so nothing is all-gathered
     first = jnp.asarray(rng.random((B, 3)) > 0.4)
-    _, st0 = tmj.apply(params, x[:, :3], memory_shape=S, valid=first)
+    _, st0 = tmj.apply(params, x[:, :3], valid=first)
     x2 = jnp.asarray(rng.normal(size=(B, N + 2, D)))
     results["continued_counts"] = sorted({int(k) for k in st0.count})
 
@@ -165,12 +166,12 @@ def _checks() -> dict:  # runs in the 2-device subprocess
     starts = jnp.asarray(rng.random((B, N + 2)) > 0.6)  # packed documents (traced)
 
     def continued(p, a, st, v=None, m=None):
-        out, new = tmj.apply(p, a, st, memory_shape=S, valid=v, doc_starts=m,
+        out, new = tmj.apply(p, a, st, valid=v, doc_starts=m,
                              max_documents=None if m is None else N + 2)
         return jnp.sum(out ** 2) + jnp.sum(new.h * new.c) + jnp.sum(new.pending ** 2) \
             + jnp.sum(new.read)
 
-    cont_forward = jax.jit(lambda p, a, st, v=None: tmj.apply(p, a, st, memory_shape=S,
+    cont_forward = jax.jit(lambda p, a, st, v=None: tmj.apply(p, a, st,
                                                                valid=v))
     cont_step = jax.jit(jax.value_and_grad(continued, argnums=(0, 1)))
     cont_cases = (("forward", cont_forward, False), ("step", cont_step, False),
@@ -197,7 +198,7 @@ def _checks() -> dict:  # runs in the 2-device subprocess
     # init and the NNX modules make uncommitted arrays: they join sharded inputs
     fresh = tmj.init(jax.random.key(1), D, C, S, L, dtype=jnp.float64)
     results["init_committed"] = sum(bool(a.committed) for a in jax.tree.leaves(fresh))
-    module = tmj.GatedMemoryResidual(D, C, S, L, rngs=nnx.Rngs(0), dtype=jnp.float64)
+    module = tmj.MemoryResidual(D, C, S, L, rngs=nnx.Rngs(0), dtype=jnp.float64)
     leaves = jax.tree.leaves(tmj.params_from_module(module))
     results["nnx_committed"] = sum(bool(a.committed) for a in leaves)
     out, _ = module(xa)

@@ -19,10 +19,10 @@ import torch.nn.functional as F  # noqa: E402
 from _helpers import reference_state_dict  # noqa: E402
 from torch import nn  # noqa: E402
 
+import tmcore  # noqa: E402
 import tmcore.adapters.torch as tmt  # noqa: E402
 from tmcore import conv_params_from_pointwise, sigma_from_logit  # noqa: E402
 from tmcore.adapters.torch import bridge as _torch_ops  # noqa: E402
-from tmcore.backends import use_generic  # noqa: E402
 from tmcore.scan import memory_scan_fwd  # noqa: E402
 from tmcore.types import ConvParams  # noqa: E402
 
@@ -143,7 +143,7 @@ def plain_forward(m: tmt.TensorMemory, x, state):
     wc = torch.tanh(m.coord_net(summary))
     content = m.content_net(summary)
     sigma = sigma_from_logit(m.sigma_net(summary)[..., 0], m.sigma_scale)
-    with use_generic():
+    with tmcore.options(generic=True):
         reads, h, c, _, _ = memory_scan_fwd(XP, *state, rc, wc, sigma, content,
                                             ConvParams(*m.cell.params()), eps=m.eps,
                                             radius=m.radius, checkpoint_every=steps)
@@ -266,7 +266,7 @@ def test_scan_vjp_matches_autograd_of_generic_forward():
         return sum((o * ct).sum() for o, ct in zip(outs, cots, strict=True))
 
     def plain(*a):
-        with use_generic():
+        with tmcore.options(generic=True):
             return memory_scan_fwd(XP, *a[:6], ConvParams(*a[6:]))[:3]
 
     ours = torch.autograd.grad(loss(_scan(*args)), args, create_graph=True)
@@ -684,7 +684,7 @@ def test_torch_compile_scan_validation_and_validate_mode():
         return tmt.memory_scan(*a[:6], ConvParams(*a[6:]), checkpoint_every=2)
 
     compiled = torch.compile(scan, backend="aot_eager", fullgraph=True)
-    with tmcore.validation():
+    with tmcore.options(validate=True):
         out = compiled(*args)
     for a, b in zip(out, scan(*args), strict=True):
         torch.testing.assert_close(a, b)
@@ -815,7 +815,7 @@ def test_no_grad_scan_passes_one_checkpoint_interval_for_every_length(monkeypatc
     call = _torch_ops.call
 
     def spy(function, op, *args, **kwargs):
-        seen.append(args[-1])  # the checkpoint interval, the op's last static
+        seen.append(args[-3])  # the checkpoint interval (the statics end with the masks)
         return call(function, op, *args, **kwargs)
 
     monkeypatch.setattr(_torch_ops, "call", spy)

@@ -1,11 +1,9 @@
-"""The one-token decode step dispatches a small, constant number of operations (issue 50,
-item 13): counted with a ``TorchDispatchMode`` (op counts, never timings). In generation
-every row is at the same position of its chunk; a token that neither starts nor
-completes a chunk runs no head, no read and no update, only its read-out; a start adds the read
-coordinates (``coord_net`` of the token alone, no write head) and the read, a completion
-the heads and the update without the scan's read (``scan.write``). The state a decode
-step made is taken as it is by the next token (no check, no host read of its counts);
-any other state is checked."""
+"""The one-token decode step dispatches a small, constant number of operations: counted
+with a ``TorchDispatchMode`` (op counts, never timings). In generation every row is at the
+same position of its chunk; a token that neither starts nor completes a chunk runs no
+head, no read and no update, only its read-out; a start adds the read coordinates
+(``coord_net`` of the token alone, no write head) and the read, a completion the heads and
+one scan step (its fused one-step kernels). Every state is checked, every token."""
 
 from __future__ import annotations
 
@@ -35,7 +33,7 @@ def _per_phase(memory: TensorMemory, rounds: int, grad: bool) -> dict[int, list[
     """Ops of each decode step, by the count the step starts from (from the second chunk
     of decode steps on: each takes the state the previous one made; the first step, from
     the prefill's state, checks it and reads the output out again, and the first write
-    of a process caches its grid's cell centres, :mod:`tmcore.backends.torch.splat`)."""
+    of a process caches its grid's cell centres, :mod:`tmcore.backends.torch.scan`)."""
     torch.manual_seed(1)
     tokens = torch.randn(4, L * rounds, 64)
     counts: dict[int, list[int]] = {}
@@ -63,10 +61,29 @@ def test_decode_step_op_count_is_small_and_constant():
     # output was reused, which no cheap check keeps exact)
     assert max(middle) <= 9, counts
     assert counts[0][0] <= 25, counts                # + read coordinates and the read (was 46, 31)
-    # + heads and one update (its ops are the fused write step's own: no autograd
-    # wrapper in inference, so its kernels are dispatched here; was 115 with the scan,
-    # 81 before the single-write splat)
-    assert counts[L - 1][0] <= 62, counts
+    # + heads and one update: the scan step is one kernel call, its ops the allocations
+    # of its five results (no autograd wrapper in inference, so they are counted here;
+    # was 62 with the write, the conv and the gates as separate ops, 115 with the scan)
+    assert counts[L - 1][0] <= 32, counts
+
+
+def test_the_one_step_scan_dispatches_only_its_results():
+    """A completing token's scan step (read, write, conv, gates: one native call) dispatches
+    one op per result, the reads, ``h'``, ``c'`` and the two checkpoints, whatever the grid
+    and the masks."""
+    from tmcore.adapters.torch.bridge import XP
+
+    torch.manual_seed(0)
+    for shape in ((5,), (4, 4, 4), (2, 3, 2, 2)):
+        memory = TensorMemory(64, 16, shape, L)
+        with torch.no_grad():
+            _, st = memory(torch.randn(4, 9, 64))
+            inputs = memory.layer.heads(XP, memory.params(), torch.randn(4, 1, L, 64))
+            active = torch.tensor([[True], [False], [True], [True]])
+            for masks in ({}, {"active": active}, {"reset": ~active, "active": active}):
+                with _Count() as mode:
+                    memory._scan(st.h, st.c, inputs, **masks)
+                assert mode.ops == ["aten.empty.memory_format"] * 5, (shape, masks, mode.ops)
 
 
 def test_decode_step_ops_do_not_grow_with_the_context():
@@ -96,146 +113,74 @@ def test_inference_skips_the_autograd_wrapper_with_the_same_bits():
     assert tuple(out.shape) == (2, 1, 16)
 
 
-# --------------------------------------------------------------------------- fast paths
+# --------------------------------------------------------------------------- the step
 
 
-def _chain(memory, tokens, st, fresh_count=False):
-    """Decode ``tokens (B, N, d)`` one by one from ``st``; ``fresh_count``: pass each
-    state with a copy of its count (a state the caller made: checked)."""
-    outs = []
-    for i in range(tokens.shape[1]):
-        if fresh_count:
-            st = st._replace(count=st.count.clone())
-        out, st = memory(tokens[:, i:i + 1], st)
-        outs.append(out)
-    return torch.cat(outs, 1), st
-
-
-def test_a_produced_state_is_taken_as_it_is_with_the_same_bits(monkeypatch):
-    """The state the previous token made skips the state checks and the host read of its
-    counts (complete_state runs once, for the prefill's state); a state the caller made
-    is checked every token; the outputs and states are the same bits either way."""
-    import tmcore.layer.layer as layer_module
-
-    torch.manual_seed(0)
-    memory = TensorMemory(64, 16, (4, 4, 4), L)
-    tokens = torch.randn(4, 3 * L, 64)
-    calls = []
-    real = layer_module.complete_state
-    monkeypatch.setattr(layer_module, "complete_state",
-                        lambda *a, **k: calls.append(1) or real(*a, **k))
-    with torch.no_grad():
-        _, st = memory(torch.randn(4, 5, 64))
-        calls.clear()
-        fast, st_fast = _chain(memory, tokens, st)
-        assert len(calls) == 1                       # the prefill's state only
-        calls.clear()
-        slow, st_slow = _chain(memory, tokens, st, fresh_count=True)
-        assert len(calls) == tokens.shape[1]         # every token's
-    assert torch.equal(fast, slow)
-    for a, b in zip(st_fast, st_slow, strict=True):
-        assert torch.equal(a, b)
-
-
-def test_a_user_state_is_still_refused():
-    """A state the caller built from a produced one, or a produced one edited in place,
-    is checked (the fast path is keyed on the arrays' identity and version counters)."""
+def test_every_state_is_checked():
+    """A state a caller edits, builds or cuts is checked at every token (no fast path takes
+    a state on trust)."""
     torch.manual_seed(0)
     memory = TensorMemory(64, 16, (4, 4, 4), L)
     x = torch.randn(4, 1, 64)
     with torch.no_grad():
         _, st = memory(torch.randn(4, 5, 64))
-        _, st = memory(x, st)                          # produced by a decode step
+        _, st = memory(x, st)                          # made by a decode step
         with pytest.raises(ValueError, match="state.count"):
             memory(x, st._replace(count=torch.full_like(st.count, L)))
         with pytest.raises(ValueError, match="state"):
             memory(x, st._replace(h=st.h[:, :8]))
         with pytest.raises(ValueError, match="state.h"):
-            memory(x[:3], st)                          # another batch: checked
-        st.count.fill_(L + 3)                          # edited in place: checked
+            memory(x[:3], st)                          # another batch
+        st.count.fill_(L + 3)                          # edited in place
         with pytest.raises(ValueError, match="state.count"):
             memory(x, st)
 
 
-def _python_calls(memory, x, st) -> int:
-    import sys
-
-    seen = [0]
-
-    def count(frame, event, arg):
-        if event in ("call", "c_call"):
-            seen[0] += 1
-
-    sys.setprofile(count)
-    try:
-        memory(x, st)
-    finally:
-        sys.setprofile(None)
-    return seen[0]
-
-
-def test_a_produced_state_saves_python_calls_per_token():
-    """Python calls of a token in the middle of a chunk, from the state the previous token
-    made vs the same state with a copied count (checked): at least 50 fewer (129 vs 207
-    when written; counts, not timings)."""
-    torch.manual_seed(0)
-    memory = TensorMemory(64, 16, (4, 4, 4), L)
-    x = torch.randn(4, 1, 64)
-    with torch.no_grad():
-        _, st = memory(torch.randn(4, 4, 64))
-        for _ in range(L + 1):                         # (warm: first-call imports)
-            _, st = memory(x, st)                      # ends at count 1: a middle token next
-        # (only the last produced state is recorded: count this one first)
-        trusted = _python_calls(memory, x, st)
-        checked = _python_calls(memory, x, st._replace(count=st.count.clone()))
-    assert trusted <= checked - 50, (trusted, checked)
-
-
-def test_the_update_without_the_read_equals_the_scan_step():
-    """``scan.write`` (the fused write step on the CPU) gives the scan's state bit for bit;
-    the generic step (no fused kernels) equals it to rounding."""
-    from tmcore.adapters.torch.bridge import _XP
-    from tmcore.adapters.torch.modules import _Scan
-    from tmcore.scan.dense import write_step
-    from tmcore.types import StepInputs
+def test_the_one_step_scan_equals_the_generic_step():
+    """A completing token's scan step (the fused one-step kernels on the CPU) equals the
+    generic array-API step to rounding, with rows masked where they do not complete."""
+    from tmcore.adapters.torch.bridge import XP
 
     torch.manual_seed(0)
-    memory = TensorMemory(64, 16, (4, 4, 4), L)
+    memory = TensorMemory(64, 16, (4, 4, 4), L).double()
     with torch.no_grad():
-        _, st = memory(torch.randn(4, 9, 64))
-        inputs = memory.layer.heads(_XP, memory.params(), torch.randn(4, 1, L, 64))
-        _, h, c = memory._scan(st.h, st.c, inputs)
-        h_w, c_w = _Scan(memory).write(st.h, st.c, inputs)
-        with tmcore.options(generic=True):
-            h_g, c_g = write_step(_XP, st.h, st.c, StepInputs(*(v[:, 0] for v in inputs)),
-                                  memory.cell.params(), memory.config.eps,
-                                  memory.config.radius)
-    assert torch.equal(h_w, h) and torch.equal(c_w, c)
-    torch.testing.assert_close(h_g, h, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(c_g, c, rtol=1e-5, atol=1e-6)
+        _, st = memory(torch.randn(4, 9, 64, dtype=torch.float64))
+        inputs = memory.layer.heads(XP, memory.params(),
+                                    torch.randn(4, 1, L, 64, dtype=torch.float64))
+        active = torch.tensor([[True], [False], [True], [True]])
+        for masks in ({}, {"active": active}):
+            fused = memory._scan(st.h, st.c, inputs, **masks)
+            with tmcore.options(generic=True):
+                generic = memory._scan(st.h, st.c, inputs, **masks)
+            for a, b in zip(fused, generic, strict=True):
+                torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+        assert torch.equal(fused[1][1], st.h[1])       # the inactive row kept its state
 
 
-def test_read_coordinates_alone_equal_the_heads_and_a_variant_runs_its_heads():
-    """``Layer.read_coords`` is the heads' ``read_coords`` to rounding; a subclass that
-    replaces the heads gets ``None`` (its decode runs its own heads)."""
-    from tmcore import layer as tl
-    from tmcore.adapters.torch.bridge import _XP
+def test_read_coordinates_alone_equal_the_heads_and_a_variant_overrides_both():
+    """``Layer.read_coords`` is the heads' ``read_coords`` to rounding; a decode step that
+    starts a chunk uses it (a variant overriding it is read there)."""
+    from tmcore.adapters.torch.bridge import XP
 
     torch.manual_seed(0)
     memory = TensorMemory(64, 16, (4, 4, 4), L)
     chunk = torch.randn(4, 1, L, 64)
     with torch.no_grad():
         params = memory.params()
-        alone = memory.layer.read_coords(_XP, params, chunk[:, 0, 0, :])
-        full = memory.layer.heads(_XP, params, chunk).read_coords[:, 0, :]
+        alone = memory.layer.read_coords(XP, params, chunk[:, 0, 0, :])
+        full = memory.layer.heads(XP, params, chunk).read_coords[:, 0, :]
     torch.testing.assert_close(alone, full, rtol=1e-5, atol=1e-6)
 
-    class Untied(tl.Layer):
-        def heads(self, xp, params, chunk):
-            return super().heads(xp, params, chunk)
+    class Centred(type(memory.layer)):
+        def read_coords(self, xp, params, first):
+            return torch.zeros_like(super().read_coords(xp, params, first))
 
-    assert Untied(memory.config).read_coords(_XP, params, chunk[:, 0, 0, :]) is None
-    assert tl.Layer(memory.config).read_coords(_XP, params, chunk[:, 0, 0, :]) is not None
+    memory.layer = Centred(memory.config)
+    with torch.no_grad():
+        _, st = memory(torch.randn(4, L, 64))            # a boundary: the next token starts
+        out, st = memory(torch.randn(4, 1, 64), st)
+        centre = memory.layer.sample(st.h, torch.zeros(4, 1, 3))[:, 0, :]
+    torch.testing.assert_close(st.read, centre)
 
 
 def test_an_output_edited_in_place_does_not_change_the_next():
@@ -265,7 +210,7 @@ def _middle_token_setup(memory: TensorMemory):
 
 
 def _fresh(memory: TensorMemory, x, st, **kwargs):
-    """The token's output from a copy of the state (checked, not the fast path)."""
+    """The token's output from a copy of the state."""
     return memory(x, st._replace(h=st.h.clone()), **kwargs)[0]
 
 
@@ -299,7 +244,7 @@ def test_other_weights_through_functional_call_read_out_again():
 
 def test_a_token_under_grad_after_one_under_no_grad_has_its_graph():
     """A token under grad after one under ``no_grad``: the out_proj weight gets the same
-    gradient as from the checked path."""
+    gradient as from a copy of the state."""
     memory = TensorMemory(64, 16, (4, 4, 4), L, zero_init=False).double()
     x, st, last = _middle_token_setup(memory)
     out, _ = memory(x, st)

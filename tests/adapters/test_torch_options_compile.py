@@ -17,10 +17,10 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="torch is not installed")
 
-from tmcore import layer as tl  # noqa: E402
 from tmcore.adapters.torch import MemoryResidual, TensorMemory  # noqa: E402
 from tmcore.adapters.torch import bridge as _torch_ops  # noqa: E402
 from tmcore.adapters.torch.bridge import _XP  # noqa: E402
+from tmcore.layer.layer import chunk  # noqa: E402
 from tmcore.scan.options import scan_options  # noqa: E402
 
 D, C, S, L = 5, 2, (4, 3), 2
@@ -83,7 +83,7 @@ def test_dynamic_scan_op_equals_the_function_bit_for_bit(name):
     flow = memory.warp_flow.params() if memory.config.flow else None
     results = []
     for compiling in (False, True):  # the Function twin, then the op itself
-        inputs = memory.layer.heads(_XP, memory.params(), tl.chunk(_XP, x, L))
+        inputs = memory.layer.heads(_XP, memory.params(), chunk(_XP, x, L))
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(torch.compiler, "is_compiling", lambda compiling=compiling: compiling)
             reads, h, c = _torch_ops.option_scan(scan_options(memory.config), h0, c0, inputs,
@@ -103,7 +103,7 @@ def test_dynamic_scan_op_passes_opcheck():
     memory = _memory(ALL)
     x = torch.randn(1, 4, D, dtype=torch.float64)
     with torch.no_grad():
-        inputs = memory.layer.heads(_XP, memory.params(), tl.chunk(_XP, x, L))
+        inputs = memory.layer.heads(_XP, memory.params(), chunk(_XP, x, L))
     h0 = torch.randn(1, C, *S, dtype=torch.float64)
 
     def leaf(t):
@@ -215,3 +215,26 @@ def test_double_backward_of_a_compiled_option_layer_raises():
     compiled = torch.compile(_memory(ALL), fullgraph=True, backend="aot_eager")
     with pytest.raises(RuntimeError, match="double backward|in-place operation"):
         _second_order(compiled, x)
+
+
+def test_compile_builds_one_graph_for_every_length():
+    """A compiled streaming training call (the default) with the length marked dynamic
+    serves ragged and whole lengths from ONE graph: the grid's sizes stay symbolic (no
+    guard on ``N mod L`` or the chunk count), and it equals eager in float32."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    model = MemoryResidual(TensorMemory(32, 8, (4, 4, 4), 4))
+    compiled = torch.compile(model, backend="aot_eager")
+    for tokens in (8, 9, 10, 11, 13, 16, 17):
+        x = torch.randn(2, tokens, 32)
+        torch._dynamo.mark_dynamic(x, 1)
+        out, state = compiled(x)
+        ref, ref_state = model(x)
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(state.h, ref_state.h, rtol=1e-5, atol=1e-5)
+        assert torch.equal(state.count, ref_state.count)
+        (out.sum() + state.h.sum()).backward()
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])

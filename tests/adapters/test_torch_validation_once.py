@@ -1,6 +1,7 @@
-"""One validation per call (the torch layer checks its tokens and the scan's inputs once
-per forward, the backward its cotangents once), and imports that go one way between the
-torch adapter's modules."""
+"""One validation per call: the torch layer checks its tokens and state once per forward;
+the scan's inputs are its own heads' (only the size gate runs); the backward checks
+nothing again (autograd shapes the cotangents). Imports go one way between the torch
+adapter's modules."""
 
 from __future__ import annotations
 
@@ -12,13 +13,13 @@ torch = pytest.importorskip("torch", reason="torch is not installed")
 import tmcore.adapters.torch as tmt  # noqa: E402
 import tmcore.adapters.torch.attach as torch_attach  # noqa: E402
 import tmcore.adapters.torch.bridge as torch_ops  # noqa: E402
-import tmcore.adapters.torch.functional as functional  # noqa: E402
 import tmcore.layer.layer as tl  # noqa: E402
-import tmcore.layer.stream as ts  # noqa: E402
+import tmcore.layer.state as ts  # noqa: E402
+import tmcore.scan.dense as dense  # noqa: E402
 
-CHECKS = [(functional, "validate_scan_inputs"), (torch_ops, "validate_scan_inputs"),
-          (tl, "check_tokens"), (tl, "check_state"), (ts, "check_state"),
-          (tl, "complete_state")]
+CHECKS = [(torch_ops, "validate_scan_inputs"), (dense, "validate_scan_inputs"),
+          (torch_ops, "check_scan"), (tl, "check_tokens"), (tl, "check_state"),
+          (ts, "check_state"), (tl, "stream_state")]
 
 
 @pytest.fixture
@@ -34,18 +35,18 @@ def test_each_check_runs_once_per_call(calls, stream, state):
     x = torch.randn(2, 16, 8, requires_grad=True)  # 4 chunks
     given = {None: None, "pair": memory.init_state(2),  # (detached: one call's graph)
              "stream": tmt.detach_state(memory(torch.randn(2, 3, 8))[1])}[state]
-    # one scan call, or two: a stream cut where the rows' states are taken
-    scans = 2 if state == "stream" else 1
     calls.clear()
     out, _ = memory(x, given, stream=stream)
     assert calls["check_tokens"] == 1
-    assert calls["validate_scan_inputs"] == scans  # once per scan (not again in the op)
+    assert calls["validate_scan_inputs"] == 0  # the layer's own heads: shapes known
+    assert calls["check_scan"] == 1            # the one scan's size gate
     # the state: checked once (a StreamState's h and c inside its own check)
-    assert (calls["check_state"], calls["complete_state"]) == {
-        None: (0, 0), "pair": (1, 0), "stream": (1, 1)}[state]
+    assert (calls["check_state"], calls["stream_state"]) == {
+        (False, None): (0, 0), (True, None): (0, 1), (False, "pair"): (1, 0),
+        (True, "pair"): (1, 1), (True, "stream"): (1, 1)}[stream, state]
     calls.clear()
     out.sum().backward()
-    assert calls["validate_scan_inputs"] == scans  # the backward's, with the cotangents
+    assert calls["validate_scan_inputs"] == 0  # nothing again in the backward
 
 
 def test_the_op_called_directly_still_validates():

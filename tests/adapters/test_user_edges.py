@@ -1,10 +1,10 @@
-"""What ordinary users do between two decode tokens, against the decode fast path
-(:class:`tmcore.layer.decode.Produced`: the next token takes the state the previous one
-made) and the adapters. Each test compares with the same computation without the fast
-path (a copy of the state, which is checked afresh).
+"""What ordinary users do between two decode tokens: each test compares a token decoded
+from the state the previous one made with the same token from a copy of that state.
 
 The tests under "the output reuse" failed while a token that starts no chunk returned
-the previous token's output (removed: no cheap check sees every edit of the weights).
+the previous token's output (removed: no cheap check sees every edit of the weights);
+those under "fixed here" while a decode step took the state the previous one made on
+trust (removed: every state is checked).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def _at_middle(memory: nn.Module, seed: int = 1):
 
 
 def _fresh(memory: nn.Module, x, st):
-    """The output from a copy of ``st`` (checked, read out afresh)."""
+    """The output from a copy of ``st``."""
     return memory(x, st._replace(h=st.h.clone()))[0]
 
 

@@ -111,7 +111,7 @@ def running(name: str, dtype: str, path: str):
             import jax
 
             stack.enter_context(jax.enable_x64(dtype == "float64"))
-        stack.enter_context(backends.use_generic(path == "generic"))
+        stack.enter_context(tmcore.options(generic=path == "generic"))
         yield
 
 
@@ -439,7 +439,7 @@ def test_jax_matches_autodiff_of_generic_under_jit(monkeypatch, x64, kernel):
 
         def generic(f):
             def run(*args):
-                with backends.use_generic():
+                with tmcore.options(generic=True):
                     return f(*args)
             return run
 
@@ -490,9 +490,9 @@ def test_tables_are_cached_per_namespace_and_switchable():
 
     fast = ops_for(xp_torch)
     assert fast.sample_fwd is not generic_ops().sample_fwd
-    with backends.use_generic():
+    with tmcore.options(generic=True):
         assert ops_for(xp_torch) is generic_ops()
-        with backends.use_generic(False):
+        with tmcore.options(generic=False):
             assert ops_for(xp_torch) is fast
     assert ops_for(xp_torch) is fast
     assert torch.is_tensor(tmcore.trilinear_sample(torch.zeros(1, 1, 2, 2),
@@ -501,9 +501,9 @@ def test_tables_are_cached_per_namespace_and_switchable():
 
 def test_environment_variable_forces_generic():
     pytest.importorskip("torch", reason="torch is not installed")
-    code = ("import torch, array_api_compat.torch as xp, tmcore.backends as b; "
+    code = ("import torch, array_api_compat.torch as xp, tmcore, tmcore.backends as b; "
             "print(b.ops_for(xp) is b.generic_ops(), end=' ')\n"
-            "with b.use_generic(False): print(b.ops_for(xp) is b.generic_ops())")
+            "with tmcore.options(generic=False): print(b.ops_for(xp) is b.generic_ops())")
     for value, expected in (("1", "True False"),):  # unset / "0": the in-process tests
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                              check=True, env={**os.environ, backends.ENV_VAR: value})

@@ -19,6 +19,7 @@ import tmcore  # noqa: E402
 import tmcore.backends.native as native  # noqa: E402
 from tmcore.backends.native import calls  # noqa: E402
 from tmcore.backends.torch import local as cpu_local  # noqa: E402
+from tmcore.runtime import dispatch  # noqa: E402
 from tmcore.scan import local as local  # noqa: E402
 from tmcore.types import LocalScanResiduals  # noqa: E402
 
@@ -89,7 +90,9 @@ def taken(monkeypatch):
 
     monkeypatch.setattr(cpu_local, "scan_fwd", spy_fwd)
     monkeypatch.setattr(cpu_local, "scan_bwd", spy_bwd)
-    return calls
+    dispatch.clear_cache()  # the tables bind the entries when they are built
+    yield calls
+    dispatch.clear_cache()
 
 
 def _fwd(args, window, **kw):

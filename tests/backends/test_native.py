@@ -247,7 +247,7 @@ def jax_native():
 
 def _generic(f):
     def run(*args):
-        with tmcore.backends.use_generic():
+        with tmcore.options(generic=True):
             return f(*args)
     return run
 

@@ -48,10 +48,20 @@ def _equal(a, b):
 
 
 @pytest.fixture(autouse=True)
-def fresh_pool():
+def fresh_pool(monkeypatch):
+    """An empty pool that takes even these small test buffers."""
+    monkeypatch.setattr(memory, "_SMALL", 0)
     memory.release_scan_buffers()
     yield
     memory.release_scan_buffers()
+
+
+def test_small_buffers_are_not_pooled(monkeypatch):
+    """Below ``_SMALL`` bytes (a decode step's buffers) a fresh one costs less than a
+    search: nothing is pooled."""
+    monkeypatch.setattr(memory, "_SMALL", 1 << 18)
+    _run(_inputs())
+    assert memory._POOL.blocks == []
 
 
 def _poison_free_blocks():

@@ -1,4 +1,4 @@
-"""The decode step's fused single-write splat (:mod:`tmcore.backends.torch.splat`) makes
+"""The decode step's fused single-write splat (:mod:`tmcore.backends.torch.scan`) makes
 the generic splat's volume bit for bit, in fewer ops."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from tmcore.adapters.torch.bridge import _XP  # noqa: E402
-from tmcore.backends.torch.splat import single_write  # noqa: E402
+from tmcore.backends.torch.scan import single_write  # noqa: E402
 from tmcore.ops.splat import splat_fwd  # noqa: E402
 
 

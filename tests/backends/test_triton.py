@@ -277,7 +277,7 @@ def test_cupy_table_has_the_bridged_scan():
     from tmcore.backends import cupy as _cupy
     from tmcore.runtime.dispatch import generic_ops
 
-    ops = _cupy.make_ops(generic_ops())
+    ops = _cupy.make_ops(generic_ops(), tmcore.get_options())
     assert ops.scan_fwd is _cupy.bridged_scan_fwd and ops.scan_bwd is _cupy.bridged_scan_bwd
     with tmcore.options(triton=False):  # off: declines without importing anything
         assert _cupy.bridged_scan_fwd(np, *([None] * 7), 1e-6, None, 1) is None

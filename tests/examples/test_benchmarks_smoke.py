@@ -37,7 +37,7 @@ def test_harness_tiny_run(tmp_path):
     if importlib.util.find_spec("jax") is not None:
         impls.append("jax")  # timed in a process of its own (benchmarks.jax_timing)
     results = main(["--tiny", "--out", str(tmp_path), "--impls", *impls,
-                    "--skip", "streaming", "memory", "profile", "truncated"])
+                    "--skip", "streaming", "memory", "peak", "profile", "truncated"])
     text = (tmp_path / "BENCHMARKS.md").read_text()
     assert "Time per chunk step" in text and "floor" in text
     for impl in impls:
@@ -59,6 +59,23 @@ def test_cpu_speed_and_memory_scripts_run(tmp_path):
     assert "tiny" in json.dumps(result["configs"])
     scan = measure_long_scan(200)
     assert scan["steps"] == 200 and scan["output_bytes"] == 2 * 200 * 64 * 4
+
+
+def test_peak_memory_measures_a_fresh_process_and_marks_growth():
+    """benchmarks/peak_memory.py: one fresh process's peak rise, and the table that puts a
+    run beside the recorded one (a rise over the tolerance is marked)."""
+    import sys
+
+    from benchmarks import peak_memory
+
+    mib = peak_memory.measure(sys.executable, TINY, "step", warm=False)
+    assert 0 < mib < 2048
+    then = {"rows": [{"commit": "aaaa (old)", "median_mib": {
+        "step/first": 100.0, "step/warm": 50.0}}]}
+    now = [{"commit": "bbbb (new)", "median_mib": {"step/first": 120.0, "step/warm": 50.0}}]
+    table = peak_memory.report(now, then)
+    assert "| step | 120.0 | 50.0 | 100.0 (+20.0) **grew** | 50.0 (+0.0) |" in table
+    assert "recorded at aaaa" in table and "no_grad" not in table
 
 
 def test_suite_time_records_the_summary_and_cpu_time():

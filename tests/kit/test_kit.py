@@ -11,9 +11,18 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import wrapped_namespace
+from hypothesis import strategies as st
 
 import tmcore.ops.cell
-from tmcore.testing import PROPERTIES, check_namespace, require_float64, run_property
+from tmcore.testing import (
+    PROPERTIES,
+    check_namespace,
+    registered_backend,
+    require_float64,
+    run_property,
+)
+from tmcore.testing.properties import Property
 from tmcore.testing.strategies import assert_rel, to_numpy
 
 REPO = Path(__file__).resolve().parents[2]
@@ -55,7 +64,7 @@ def test_pytest_plugin_runs_the_suite_on_a_named_namespace():
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
            "--pyargs", "tmcore.testing.suite",
            "--tmcore-namespace=array_api_strict", "--tmcore-max-examples=2",
-           "-k", "trilinear or float32"]
+           "-k", "trilinear"]
     result = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=300,
                             check=False)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -182,7 +191,7 @@ def test_float64_check_fails_fast_for_a_namespace_without_float64():
     def narrowing(a, dtype=None, **_):
         return np.asarray(a, dtype=np.float32)
 
-    with pytest.raises(ValueError, match="gives dtype float32.*float32_in_float32_out"):
+    with pytest.raises(ValueError, match="gives dtype float32.*trilinear_sample_in_every_dtype"):
         check_namespace(_namespace_like_numpy("narrow", asarray=narrowing))
     with pytest.raises(ValueError, match="float64"):
         run_property(_namespace_like_numpy("narrow", asarray=narrowing),
@@ -193,7 +202,7 @@ def test_float64_check_fails_fast_for_a_namespace_without_float64():
 def test_float64_check_is_skipped_when_only_float32_is_checked(monkeypatch):
     calls = []
     monkeypatch.setattr("tmcore.testing.kit.require_float64", lambda xp: calls.append(xp))
-    check_namespace("numpy", properties=["float32_in_float32_out"])
+    check_namespace("numpy", properties=["trilinear_sample_in_every_dtype"], max_examples=1)
     assert calls == []
     check_namespace("numpy", properties=["conv_matches_reference"], max_examples=1)
     assert len(calls) >= 1
@@ -265,8 +274,86 @@ def test_bad_budgets_are_rejected(kwargs, match):
 
 def test_command_line_prints_the_tally():
     cmd = [sys.executable, "-m", "tmcore.testing", "numpy", "--max-examples", "1",
-           "--properties", "conv_matches_reference,float32_in_float32_out"]
+           "--properties", "conv_matches_reference,factorized_conv_in_every_dtype"]
     result = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=240,
                             check=False)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "numpy: 2/2 passed" in result.stdout
+
+
+# ----------------------------------------------------------------------------- reports
+
+
+def test_an_expected_zero_is_reported_as_an_absolute_error():
+    with pytest.raises(AssertionError) as info:
+        assert_rel(np.array([0.0, 0.08]), np.zeros(2), 1e-3, "d_x")
+    message = str(info.value)
+    assert message.startswith("d_x: absolute error 0.08 > 1e-33 where the expected value is 0;")
+    assert "worst at index (1,): actual 0.08, expected 0.0" in message
+    assert "e+28" not in message and "actual=\n[0.   0.08]" in message
+
+
+def _raise_value_error(value: int) -> None:
+    raise ValueError(f"a backend failed on {value}")
+
+
+@pytest.fixture
+def two_bugs(monkeypatch):
+    """A property with two distinct failures: an assertion and an error raised elsewhere."""
+
+    def check(xp, case):
+        if case > 5:
+            _raise_value_error(case)
+        assert case >= -5, f"case {case} < -5"
+
+    monkeypatch.setitem(PROPERTIES, "two_bugs", Property(check, st.integers(-10, 10), 50,
+                                                         needs_float64=False))
+    return "two_bugs"
+
+
+def test_every_distinct_failure_is_reported_with_where_an_error_was_raised(two_bugs):
+    report = check_namespace("numpy", properties=[two_bugs])
+    assert [f.name for f in report.failures] == [two_bugs, two_bugs], str(report)
+    errors = sorted(f.error for f in report.failures)
+    assert errors[0].startswith("(distinct failure ") and " of 2) " in errors[0]
+    [value_error] = [e for e in errors if "ValueError: a backend failed on 6" in e]
+    assert f"{Path(__file__).name}\", line" in value_error and "_raise_value_error" in value_error
+    [assertion] = [e for e in errors if "AssertionError: case -6 < -5" in e]
+    assert "raised at" not in assertion  # its message says where already
+    assert "2 failed" not in str(report) and "0 passed, 1 failed" in str(report)
+
+
+def test_shrinking_stops_when_the_time_budget_is_spent(monkeypatch):
+    """After the budget only failing cases are replayed: the property runs a couple of
+    times instead of through hypothesis' whole shrink."""
+    runs = []
+
+    def check(xp, case):
+        runs.append(case)
+        assert sum(case) < 100, "too big"
+
+    monkeypatch.setitem(PROPERTIES, "always_fails", Property(
+        check, st.lists(st.integers(100, 10_000), min_size=3, max_size=30), 20,
+        needs_float64=False))
+    report = check_namespace("numpy", properties=["always_fails"])
+    unbudgeted = len(runs)
+    runs.clear()
+    budgeted = check_namespace("numpy", properties=["always_fails"], time_budget=1e-6)
+    [failure] = budgeted.failures
+    assert "too big" in failure.error and "case=" in failure.minimal_example
+    assert len(runs) <= 3 < unbudgeted, (len(runs), unbudgeted)
+    assert report.failures[0].minimal_example != failure.minimal_example  # shrunk further
+
+
+def test_a_backend_module_may_read_its_arrays_back():
+    """The kit reads arrays NumPy cannot (no DLPack, no ``__array__``) through the
+    ``to_numpy`` of the backend module registered for their namespace."""
+    xp = wrapped_namespace.no_device_namespace()
+    x = xp.asarray(np.arange(3.0))
+    with pytest.raises(TypeError, match=r"define to_numpy\(x\)"):
+        to_numpy(x)
+    with registered_backend(xp, wrapped_namespace.make_ops) as backend:
+        assert backend.module == "wrapped_namespace"
+        np.testing.assert_array_equal(to_numpy(x), np.arange(3.0))
+    with pytest.raises(TypeError):
+        to_numpy(x)

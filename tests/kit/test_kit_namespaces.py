@@ -1,11 +1,10 @@
-"""The backend kit on namespaces nobody here wrote: marray, ndonnx, dask.
+"""The backend kit on namespaces nobody here wrote (marray, ndonnx, dask) and on two made
+here: one without devices, one without float64.
 
-Each runs only if its package is installed (the ``test`` extras install them)
-and is skipped with a reason otherwise. Budgets are small: marray (NumPy
-underneath) runs the whole suite; ndonnx and dask build graphs op by op, so
-they run the forward/VJP-vs-reference properties with one example each.
-The namespace table of docs/guides/adding-a-backend.md comes from ``python -m tmcore.testing`` with
-larger budgets.
+The first three run only if their package is installed (the ``test`` extras install
+them) and are skipped with a reason otherwise. Budgets are small: marray (NumPy
+underneath) runs the whole suite; ndonnx and dask build graphs op by op, so they run
+the forward/VJP-vs-reference properties with one example each.
 
 marray and ndonnx arrays are not array-like to NumPy (``np.asarray`` gives a
 0-d object array); before the kit read results back through DLPack /
@@ -18,8 +17,10 @@ import warnings
 
 import numpy as np
 import pytest
+import wrapped_namespace
 
-from tmcore.testing import PROPERTIES, check_namespace, load_namespace
+from tmcore.runtime.dispatch import generic_ops, ops_for
+from tmcore.testing import PROPERTIES, check_namespace, load_namespace, registered_backend
 
 REFERENCE_PROPERTIES = ["trilinear_matches_reference", "splat_matches_reference",
                         "conv_matches_reference", "convlstm_matches_reference",
@@ -31,7 +32,7 @@ def test_kit_passes_on_marray_over_numpy():
     xp = load_namespace("marray.numpy")
     assert type(xp.asarray(np.zeros(2))).__name__ == "MArray"
     # marray 0.0.12: np.asarray(MArray) is a 0-d object array; the old read-back
-    # (np.asarray first) failed all 12 properties on shape
+    # (np.asarray first) failed every property on shape
     report = check_namespace(xp, max_examples=2)
     assert report, str(report)
     assert sorted(report.passed) == sorted(PROPERTIES)
@@ -74,3 +75,33 @@ def test_kit_passes_on_dask():
     report = check_namespace("array_api_compat.dask.array", properties=names, max_examples=1)
     assert report, str(report)
     assert report.passed == names
+
+
+def test_a_namespace_without_devices_passes_every_property_on_the_generic_path():
+    """Arrays without ``.device`` whose creation functions refuse any device but None
+    (tests/kit/wrapped_namespace.py): the generic path asks for a device only through
+    ``tmcore.types.device_of``, which says None. Read back through its backend's hook."""
+    xp = wrapped_namespace.no_device_namespace()
+    assert not hasattr(xp.asarray(1.0), "device")
+    with pytest.raises(TypeError, match="no devices"):
+        xp.zeros(1, device="cpu")
+    with registered_backend(xp, wrapped_namespace.make_ops):
+        assert ops_for(xp) is generic_ops()  # its backend is the generic table
+    report = check_namespace(xp, max_examples=2, backend=wrapped_namespace.make_ops)
+    assert report, str(report)
+    assert sorted(report.passed) == sorted(PROPERTIES)
+
+
+def test_a_namespace_without_float64_runs_the_properties_that_need_none():
+    """Like mlx: no ``float64``, float32 the default. The kit says which properties run
+    without float64, and those pass (every function in float32 and float16, by value)."""
+    xp = wrapped_namespace.float32_namespace()
+    assert xp.asarray(0.5).dtype == xp.float32 and not hasattr(xp, "float64")
+    without = [name for name, prop in PROPERTIES.items() if not prop.needs_float64]
+    with pytest.raises(ValueError, match="no float64 dtype") as info:
+        check_namespace(xp, backend=wrapped_namespace.make_ops)
+    assert f"properties={without}" in str(info.value)
+    report = check_namespace(xp, properties=without, max_examples=2,
+                             backend=wrapped_namespace.make_ops)
+    assert report, str(report)
+    assert report.passed == without and len(without) == 8

@@ -24,8 +24,8 @@ def _setup(xp):
     params = {g: {k: xp.asarray(v) for k, v in leaves.items()} for g, leaves in params.items()}
     layer = tl.Layer(config)
 
-    def scan(h, c, inputs):
-        return tmcore.memory_scan(h, c, *inputs, tl.cell_params(params))
+    def scan(h, c, inputs, **masks):
+        return tmcore.memory_scan(h, c, *inputs, tl.cell_params(params), **masks)
 
     _, st = layer.forward_stream(xp, params, xp.asarray(rng.standard_normal((2, 5, 6))), None,
                                  scan=scan)
@@ -48,7 +48,6 @@ def test_jitted_hostile_count_never_reads_another_row(count, tokens):
     jax = pytest.importorskip("jax")
     jnp = jax.numpy
     layer, params, scan, st = _setup(jnp)
-    scan.cond = jax.lax.cond  # (as the JAX adapter's scan: a decode step traces)
     run = jax.jit(lambda x, s: layer.forward_stream(jnp, params, x, s, scan=scan))
     st = st._replace(count=jnp.asarray(count, dtype=jnp.int32))
     rng = np.random.default_rng(1)

@@ -11,6 +11,8 @@ import pytest
 
 import tmcore
 from tmcore import layer as tl
+from tmcore.layer.layer import chunk, unchunk
+from tmcore.layer.state import check_state, check_tokens
 
 CONFIG = tl.layer_config(6, 2, (3, 4), 3, sigma_scale=0.7, forget_bias=1.5)
 
@@ -22,9 +24,9 @@ def _params(config=CONFIG, seed=0, dtype=np.float64):
 
 
 def _scan(config, params):
-    def scan(h0, c0, inputs):
+    def scan(h0, c0, inputs, **masks):
         return tmcore.memory_scan(h0, c0, *inputs, tl.cell_params(params), eps=config.eps,
-                                  radius=config.radius)
+                                  radius=config.radius, **masks)
     return scan
 
 
@@ -145,7 +147,7 @@ def test_heads_match_the_layer_math():
     params = _params()
     rng = np.random.default_rng(1)
     chunk = rng.normal(size=(2, 3, 6))
-    out = tl.heads(xp, params, chunk, CONFIG)
+    out = tl.Layer(CONFIG).heads(xp, params, chunk)
     summary = _linear(params["write_proj"], chunk.reshape(2, 18))
     np.testing.assert_allclose(out.read_coords, np.tanh(_linear(params["coord_net"],
                                                                 chunk[:, 0])))
@@ -154,7 +156,7 @@ def test_heads_match_the_layer_math():
     logit = _linear(params["sigma_net"], summary)[:, 0]
     np.testing.assert_allclose(out.write_sigma, (np.log1p(np.exp(logit)) + 1e-4) * 0.7)
     # a stack of chunks (B, T, L, d) gives the per-chunk results stacked
-    stacked = tl.heads(xp, params, np.stack([chunk, 2 * chunk], 1), CONFIG)
+    stacked = tl.Layer(CONFIG).heads(xp, params, np.stack([chunk, 2 * chunk], 1))
     np.testing.assert_allclose(stacked.write_sigma[:, 0], out.write_sigma)
     assert stacked.read_coords.shape == (2, 2, 2)
 
@@ -162,13 +164,13 @@ def test_heads_match_the_layer_math():
 @pytest.mark.parametrize("tokens", [1, 3, 7, 9])
 def test_chunk_pads_and_unchunk_trims(tokens):
     x = np.arange(2 * tokens * 6, dtype=np.float64).reshape(2, tokens, 6) + 1
-    chunks = tl.chunk(xp, x, 3)
+    chunks = chunk(xp, x, 3)
     steps = -(-tokens // 3)
     assert chunks.shape == (2, steps, 3, 6)
     np.testing.assert_array_equal(chunks.reshape(2, -1, 6)[:, :tokens], x)
     np.testing.assert_array_equal(chunks.reshape(2, -1, 6)[:, tokens:], 0.0)
     per_chunk = np.random.default_rng(0).normal(size=(2, steps, 6))
-    out = tl.unchunk(xp, per_chunk, tokens, 3)
+    out = unchunk(xp, per_chunk, tokens, 3)
     assert out.shape == (2, tokens, 6)
     for n in range(tokens):
         np.testing.assert_array_equal(out[:, n], per_chunk[:, n // 3])
@@ -180,25 +182,31 @@ def test_chunk_pads_and_unchunk_trims(tokens):
 def test_reset_by_bool_mask_only():
     h = np.ones((3, 2, 3, 4))
     c = 2 * np.ones((3, 2, 3, 4))
-    h2, c2 = tl.reset_state(xp, (h, c), np.array([True, False, True]))
+    params = _params(CONFIG)
+
+    def reset(mask):  # a call with no token returns the reset state
+        return tl.Layer(CONFIG).forward(xp, params, np.zeros((3, 0, 6)), (h, c),
+                                        scan=_scan(CONFIG, params), reset=mask)[1]
+
+    h2, c2 = reset(np.array([True, False, True]))
     assert h2[0].sum() == 0 and c2[2].sum() == 0 and h2[1].sum() == 24 and c2[1].sum() == 48
     with pytest.raises(TypeError, match="reset: expected a bool mask.*float64"):
-        tl.reset_state(xp, (h, c), np.array([1.0, 0.0, 1.0]))
+        reset(np.array([1.0, 0.0, 1.0]))
     with pytest.raises(ValueError, match=r"reset: expected a bool mask of shape \(B,\) = \(3,\)"):
-        tl.reset_state(xp, (h, c), np.array([True, False]))
+        reset(np.array([True, False]))
 
 
 def test_check_state_and_tokens():
     with pytest.raises(ValueError, match=r"state.h: expected shape \(B, C, \*S\) = \(2, 2, 3, 4\)"):
-        tl.check_state(xp, (np.zeros((2, 2, 3, 3)), np.zeros((2, 2, 3, 4))), 2, CONFIG)
+        check_state(xp, (np.zeros((2, 2, 3, 3)), np.zeros((2, 2, 3, 4))), 2, CONFIG)
     with pytest.raises(ValueError, match="state: expected a pair"):
-        tl.check_state(xp, np.zeros((2, 2, 3, 4)), 2, CONFIG)
+        check_state(xp, np.zeros((2, 2, 3, 4)), 2, CONFIG)
     with pytest.raises(TypeError, match="state.c: expected a real floating dtype"):
-        tl.check_state(xp, (np.zeros((2, 2, 3, 4)), np.zeros((2, 2, 3, 4), int)), 2, CONFIG)
+        check_state(xp, (np.zeros((2, 2, 3, 4)), np.zeros((2, 2, 3, 4), int)), 2, CONFIG)
     with pytest.raises(ValueError, match=r"d = 6 \(embed_dim = 6\)"):
-        tl.check_tokens(xp, np.zeros((2, 3, 5)), CONFIG)
+        check_tokens(xp, np.zeros((2, 3, 5)), CONFIG)
     with pytest.raises(TypeError, match="x: expected a real floating dtype"):
-        tl.check_tokens(xp, np.zeros((2, 3, 6), int), CONFIG)
+        check_tokens(xp, np.zeros((2, 3, 6), int), CONFIG)
 
 
 def test_modes():
@@ -240,13 +248,13 @@ def test_forward_on_numpy_equals_a_hand_loop():
     assert out.shape == x.shape and h.shape == (2, 2, 3, 4)
     # hand loop: chunk by chunk, one-step scans
     state = tl.zero_state(xp, CONFIG, 2, dtype=x.dtype)
-    chunks = tl.chunk(xp, x, 3)
+    chunks = chunk(xp, x, 3)
     rows = []
     for t in range(chunks.shape[1]):
-        inputs = tl.heads(xp, params, chunks[:, t], CONFIG)
+        inputs = tl.Layer(CONFIG).heads(xp, params, chunks[:, t])
         reads, *state = _scan(CONFIG, params)(*state, tmcore.StepInputs(
             *(v[:, None] for v in inputs)))
-        rows.append(tl.read_out(xp, params, reads[:, 0]))
+        rows.append(tl.Layer(CONFIG).read_out(xp, params, reads[:, 0]))
     expected = np.repeat(np.stack(rows, 1), 3, axis=1)[:, :7]
     np.testing.assert_allclose(out, expected, rtol=1e-12, atol=1e-12)
     np.testing.assert_allclose(h, state[0], rtol=1e-12, atol=1e-12)

@@ -71,8 +71,9 @@ def test_memory_shape_and_count_claims():
     params = tl.init_params(np, config, lambda s: rng.uniform(-s.bound, s.bound, s.shape))
     import tmcore
 
-    def scan(h0, c0, inputs):
-        return tmcore.memory_scan(h0, c0, *inputs, tl.cell_params(params), eps=config.eps)
+    def scan(h0, c0, inputs, **masks):
+        return tmcore.memory_scan(h0, c0, *inputs, tl.cell_params(params), eps=config.eps,
+                                  **masks)
 
     _, state = tl.Layer(config).forward_stream(np, params, np.ones((2, 3, 4)), None, scan=scan)
     assert state.count.dtype == np.int32 and state.count.shape == (2,)

@@ -230,10 +230,10 @@ def _np_layer(options, grid=(4, 3), seed=0, warp_scale=0.0, method="fast"):
         flow = tl.cell_params({"cell": params[tl.FLOW_GROUP]})
     options = dy.scan_options(config, method)
 
-    def scan(h, c, inputs):
+    def scan(h, c, inputs, **masks):
         return dy.dynamic_memory_scan(h, c, inputs, tl.cell_params(params),
                                       update=options.update, window=options.window,
-                                      flow_params=flow)
+                                      flow_params=flow, **masks)
 
     return tl.Layer(config), params, scan
 
@@ -310,9 +310,9 @@ def _masked(module):
     from tmcore.adapters.torch import option_scan
 
     options = dy.scan_options(module.config, "masked")
-    module._scan = lambda h0, c0, inputs: option_scan(
+    module._scan = lambda h0, c0, inputs, **masks: option_scan(
         options, h0, c0, inputs, module.cell.params(),
-        module.warp_flow.params() if module.config.flow else None)
+        module.warp_flow.params() if module.config.flow else None, **masks)
     return module
 
 
@@ -481,11 +481,12 @@ def test_jax_equals_torch_with_each_option(name):
 
         params = {g: {k: jnp.asarray(v.detach().numpy()) for k, v in leaves.items()}
                   for g, leaves in m.params().items()}
+        params["config"] = m.config
         xj = jnp.asarray(x.numpy())
         weights = jnp.linspace(-1, 1, out.numel(), dtype=jnp.float64).reshape(out.shape)
 
         def loss(p):
-            y, _ = tj.apply(p, xj, memory_shape=(4, 3), stream=False, **OPTIONS[name])
+            y, _ = tj.apply(p, xj, stream=False)
             return jnp.sum(y * weights), y
 
         (_, y), g = jax.value_and_grad(loss, has_aux=True)(params)
@@ -504,20 +505,19 @@ def test_jax_streaming_and_packed_documents_with_both_options():
         import jax.numpy as jnp
 
         params = tj.init(jax.random.PRNGKey(0), D, C, (4, 3), L, dtype=jnp.float64,
-                         dynamics="warp")
+                         **options)
         params[tl.WARP_GROUP]["weight"] = 0.3 * jax.random.normal(
             jax.random.PRNGKey(1), (2, D), jnp.float64)
         x = jax.random.normal(jax.random.PRNGKey(2), (2, 4, D), jnp.float64)
-        full, state = tj.apply(params, x, memory_shape=(4, 3), **options)
-        first, s = tj.apply(params, x[:, :1], memory_shape=(4, 3), **options)
-        second, s = tj.apply(params, x[:, 1:], s, memory_shape=(4, 3), **options)
+        full, state = tj.apply(params, x)
+        first, s = tj.apply(params, x[:, :1])
+        second, s = tj.apply(params, x[:, 1:], s)
         _close(jnp.concatenate([first, second], axis=1), full, 1e-10)
         _close(s.h, state.h, 1e-10)
         starts = np.zeros((2, 4), dtype=bool)
         starts[:, 1] = True
-        packed, _ = tj.apply(params, x, memory_shape=(4, 3), doc_starts=jnp.asarray(starts),
-                             **options)
-        alone, _ = tj.apply(params, x[:, 1:], memory_shape=(4, 3), **options)
+        packed, _ = tj.apply(params, x, doc_starts=jnp.asarray(starts))
+        alone, _ = tj.apply(params, x[:, 1:])
         _close(packed[:, :1], first, 1e-10)
         _close(packed[:, 1:], alone, 1e-10)
 
@@ -532,7 +532,7 @@ def test_jax_warp_needs_its_parameters_and_init_makes_them():
     assert not np.any(np.asarray(warp[tl.WARP_GROUP]["bias"]))
     plain = {group: leaves for group, leaves in warp.items() if group != tl.WARP_GROUP}
     with pytest.raises(KeyError, match="warp_net"):
-        tj.apply(plain, jax.numpy.ones((1, 4, D)), memory_shape=(4, 3), dynamics="warp")
+        tj.apply(plain, jax.numpy.ones((1, 4, D)))  # its config says dynamics="warp"
 
 
 def test_layer_options_benchmark_measures_and_renders_a_tiny_grid():
@@ -565,8 +565,9 @@ def test_jax_nnx_modules_with_each_option_equal_apply(name):
     module = tj.TensorMemory(D, C, (4, 3), L, rngs=nnx.Rngs(0), **options)
     params = tj.params_from_module(module)
     want = tl.param_specs(tl.layer_config(D, C, (4, 3), L, **options))
-    assert sorted((g, k) for g, leaves in params.items() for k in leaves) == sorted(
-        (s.group, s.leaf) for s in want)
+    assert params["config"] == tl.layer_config(D, C, (4, 3), L, **options)
+    assert sorted((g, k) for g, leaves in params.items() if g != "config"
+                  for k in leaves) == sorted((s.group, s.leaf) for s in want)
     reference = tj.init(jax.random.PRNGKey(0), D, C, (4, 3), L,
                         **{k: v for k, v in options.items() if k in ("dynamics", "flow")})
     for spec in want:  # the option groups start as init makes them (zeros, identity taps)
@@ -582,18 +583,19 @@ def test_jax_nnx_modules_with_each_option_equal_apply(name):
     tj.load_params(module, params)
     x = jax.random.normal(jax.random.PRNGKey(3), (2, 5, D), jnp.float32)
     out, state = module(x)
-    expected, expected_state = tj.apply(params, x, memory_shape=(4, 3), **options)
+    expected, expected_state = tj.apply(params, x)
     np.testing.assert_array_equal(out, expected)
     np.testing.assert_array_equal(state.h, expected_state.h)
     default = {k: v for k, v in params.items() if k not in (tl.WARP_GROUP, tl.FLOW_GROUP)}
-    plain, _ = tj.apply(default, x, memory_shape=(4, 3))  # the options matter here
+    default["config"] = tl.layer_config(D, C, (4, 3), L)
+    plain, _ = tj.apply(default, x)  # the options matter here
     assert np.max(np.abs(np.asarray(plain) - np.asarray(out))) > 1e-6
     residual = tj.MemoryResidual(D, C, (4, 3), L, gate_init=1.0, rngs=nnx.Rngs(0), **options)
     rparams = tj.params_from_module(residual)
     rparams["memory"] = params
     tj.load_params(residual, rparams)
     out, _ = residual(x)
-    expected, _ = tj.residual_apply(rparams, x, memory_shape=(4, 3), **options)
+    expected, _ = tj.residual_apply(rparams, x)
     np.testing.assert_array_equal(out, expected)
     assert jnp.issubdtype(out.dtype, jnp.floating)
 
@@ -605,10 +607,10 @@ def test_jax_nnx_default_module_keeps_its_parameters():
     from tmcore.adapters import jax as tj
 
     module = tj.TensorMemory(D, C, (4, 3), L, rngs=nnx.Rngs(0))
-    assert module.param_keys == tj.LAYER_KEYS
-    assert set(tj.params_from_module(module)) == set(tl.GROUPS)
-    assert (module.update, module.window, module.dynamics, module.flow) == (
-        "dense", None, "none", False)
+    config = tl.layer_config(D, C, (4, 3), L)
+    assert module.config == config
+    assert module.param_keys == tuple((s.group, s.leaf) for s in tl.param_specs(config))
+    assert set(tj.params_from_module(module)) == {*tl.GROUPS, "config"}
     with pytest.raises(ValueError, match="window"):
         tj.TensorMemory(D, C, (4, 3), L, rngs=nnx.Rngs(0), update="local")
 
@@ -642,10 +644,9 @@ def test_state_dict_round_trip_torch_jax_torch_with_warp_flow_local(precision):
     assert {k for k in sd if k.startswith(("warp_net.", "warp_flow."))} == {
         "warp_net.weight", "warp_net.bias", *FLOW_KEYS}
     with jax.enable_x64(precision == "float64"):
-        params = tj.params_from_state_dict(sd)
+        params = tj.params_from_state_dict(sd, config=m.config)
         assert set(params[tl.FLOW_GROUP]) == {k.split(".")[1] for k in FLOW_KEYS}
-        y, _ = tj.apply(params, jax.numpy.asarray(x.numpy()), memory_shape=(4, 3),
-                        stream=False, **options)
+        y, _ = tj.apply(params, jax.numpy.asarray(x.numpy()), stream=False)
         _close(y, out.numpy(), tol)
         back = tj.state_dict_from_params(params)
     assert set(back) == set(sd)
@@ -681,14 +682,13 @@ def test_jax_option_scan_compiles_to_one_loop_whatever_the_length(name):
     from tmcore.adapters import jax as tj
 
     options = OPTIONS[name]
-    params = tj.init(jax.random.key(0), D, C, (4, 3), 1,
-                     **{k: v for k, v in options.items() if k in ("dynamics", "flow")})
+    params = tj.init(jax.random.key(0), D, C, (4, 3), 1, **options)
 
     def program_lines(tokens):
         x = jnp.ones((2, tokens, D), dtype=jnp.float32)  # the parameters' (x64 or not)
 
         def loss(p):
-            return jnp.sum(tj.apply(p, x, memory_shape=(4, 3), stream=False, **options)[0])
+            return jnp.sum(tj.apply(p, x, stream=False)[0])
 
         return len(str(jax.make_jaxpr(jax.grad(loss))(params)).splitlines())
 

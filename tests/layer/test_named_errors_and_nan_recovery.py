@@ -69,7 +69,7 @@ def test_jax_still_takes_numpy_masks():
     params = tj.init(jax.random.PRNGKey(0), D, C, GRID, L)
     x = jnp.asarray(np.random.default_rng(0).normal(size=(2, 6, D)).astype(np.float32))
     starts = np.zeros((2, 6), bool)
-    out, _ = tj.apply(params, x, memory_shape=GRID, doc_starts=starts)
+    out, _ = tj.apply(params, x, doc_starts=starts)
     assert out.shape == (2, 6, D)
 
 
@@ -96,7 +96,7 @@ def test_validate_mode_checks_the_inputs_and_the_cell_weights_not_the_linear_wei
     with tmcore.options(validate=True), pytest.raises(
             ValueError, match="read_coords: expected finite values"):
         _memory()(torch.full((2, 8, D), math.nan))
-    doc = tmcore.options.__doc__ + (tmcore.runtime.options.__doc__ or "")
+    doc = tmcore.options.__doc__ + tmcore.Options.__doc__
     assert "INPUTS" in doc and "out_proj" in doc
 
 

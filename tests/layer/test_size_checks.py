@@ -134,22 +134,22 @@ def test_jax_oversize_shapes_raise_and_never_abort():
         key = jax.random.PRNGKey(0)
         params = tj.init(key, 8, 2, (4, 4, 4), 4)
         x = jnp.zeros((1, 4, 8))
-        tj.apply(params, x, memory_shape=(4, 4, 4))  # warm up before the limit
+        tj.apply(params, x)  # warm up before the limit
+        def grid(shape):  # the parameters for another grid (no parameter depends on it)
+            return {**params, "config": params["config"].replace(memory_shape=shape)}
         limit()
         start = rss_mib()
         case("init", lambda: tj.init(key, 8, 2, (2**21,) * 3, 4))
         case("init_state", lambda: tj.init_state(1, 1, (2**21,) * 3))
-        case("apply", lambda: tj.apply(params, x, memory_shape=(2**21,) * 3))
-        case("apply_bytes", lambda: tj.apply(params, x, memory_shape=(1024,) * 3))
-        case("apply_stream", lambda: tj.apply(params, x, memory_shape=(1024,) * 3,
-                                              stream=True))
-        case("jit", lambda: jax.jit(lambda p, x: tj.apply(p, x, memory_shape=(1024,) * 3))(
-            params, x))
+        case("apply", lambda: tj.apply(grid((2**21,) * 3), x))
+        case("apply_bytes", lambda: tj.apply(grid((1024,) * 3), x, stream=False))
+        case("apply_stream", lambda: tj.apply(grid((1024,) * 3), x))
+        case("jit", lambda: jax.jit(lambda p, x: tj.apply(p, x))(grid((1024,) * 3), x))
         case("init_params", lambda: tj.init(key, 2**16, 2, (4,), 64))
         case("state_bytes", lambda: tj.init_state(64, 8, (512,) * 3))
         case("splat", lambda: tj.gaussian_splat(jnp.zeros((1, 1, 2)), jnp.zeros((1, 1, 3)),
                                                 jnp.ones((1, 1)), (2**21,) * 3))
-        case("small_still_runs", lambda: tj.apply(params, x, memory_shape=(4, 4, 4)))
+        case("small_still_runs", lambda: tj.apply(params, x))
     """)
     for name in ("init", "init_state", "apply"):
         _expect(results, name, "ValueError", "memory_shape:", "int64")

@@ -1,4 +1,4 @@
-"""Per-token ``valid`` masks in :func:`tmcore.layer.stream.forward_stream` (padding skipped).
+"""Per-token ``valid`` masks in :func:`tmcore.layer.Layer.forward_stream` (padding skipped).
 
 Contract: tokens where ``valid`` is False never enter the state nor the chunk grid, their
 outputs are zeros, and each row (outputs and returned state) equals that row's valid
@@ -22,8 +22,8 @@ def _layer(seed=0):
     params = tl.init_params(np, config, lambda s: rng.uniform(-s.bound, s.bound, s.shape))
     layer = tl.Layer(config)
 
-    def scan(h, c, inputs):
-        return tmcore.memory_scan(h, c, *inputs, tl.cell_params(params))
+    def scan(h, c, inputs, **masks):
+        return tmcore.memory_scan(h, c, *inputs, tl.cell_params(params), **masks)
 
     def run(x, state=None, **kw):
         return layer.forward_stream(np, params, x, state, scan=scan, **kw)
@@ -111,11 +111,10 @@ def test_jax_apply_takes_valid():
     params = tmj.init(jax.random.key(0), 5, 2, (3, 2), L)
     x = jax.random.normal(jax.random.key(1), (2, 7, 5), jax.numpy.float32)
     valid = np.array([[False, False, True, True, True, True, True], [True] * 6 + [False]])
-    out, state = tmj.apply(params, x, memory_shape=(3, 2), valid=valid)
+    out, state = tmj.apply(params, x, valid=valid)
     assert isinstance(state, tmj.StreamState)
     for row in range(2):
-        alone, ref = tmj.apply(params, x[row:row + 1][:, valid[row]], memory_shape=(3, 2),
-                               stream=True)
+        alone, ref = tmj.apply(params, x[row:row + 1][:, valid[row]], stream=True)
         assert float(np.max(np.abs(np.asarray(out[row][valid[row]]) - alone[0]))) <= 1e-5
         assert float(np.max(np.abs(state.h[row] - ref.h[0]))) <= 1e-5
     assert not np.any(np.asarray(out)[~valid])

@@ -200,8 +200,8 @@ def test_numpy_layer_streams_exactly():
     params = tl.init_params(np, config, lambda s: rng.uniform(-s.bound, s.bound, s.shape))
     layer = tl.Layer(config)
 
-    def scan(h, c, inputs):
-        return tmcore.memory_scan(h, c, *inputs, tl.cell_params(params))
+    def scan(h, c, inputs, **masks):
+        return tmcore.memory_scan(h, c, *inputs, tl.cell_params(params), **masks)
 
     x = rng.standard_normal((2, 14, 6))
     full, ref = layer.forward_stream(np, params, x, None, scan=scan)
@@ -293,8 +293,7 @@ def _jax():
 def _jax_split(tmj, params, x, splits, state=None, **kw):
     outs, i = [], 0
     for n in splits:
-        out, state = tmj.apply(params, x[:, i:i + n], state, memory_shape=(3, 4),
-                               stream=True, **kw)
+        out, state = tmj.apply(params, x[:, i:i + n], state, stream=True, **kw)
         outs.append(out)
         i += n
     import jax.numpy as jnp
@@ -312,8 +311,8 @@ def test_jax_apply_streams_any_split_and_packs():
     jax, jnp, tmj = _jax()
     params = tmj.init(jax.random.key(0), 8, 3, (3, 4), L)
     x = jax.random.normal(jax.random.key(1), (2, 13, 8), jax.numpy.float32)
-    full, ref = tmj.apply(params, x, memory_shape=(3, 4), stream=True)
-    old, _ = tmj.apply(params, x, memory_shape=(3, 4))
+    full, ref = tmj.apply(params, x, stream=True)
+    old, _ = tmj.apply(params, x)
     assert _jmax(full, old) <= 1e-5
     for splits in ([1] * 13, [3, 1, 9]):
         out, state = _jax_split(tmj, params, x, splits)
@@ -325,17 +324,17 @@ def test_jax_apply_streams_any_split_and_packs():
     assert _ints(cut.count) == [1, 1]
     # packed documents: each equals running it alone
     starts = tmj.doc_starts_from_offsets([0, 5, 6], 13)
-    packed, _ = tmj.apply(params, x[:1], memory_shape=(3, 4), doc_starts=starts)
+    packed, _ = tmj.apply(params, x[:1], doc_starts=starts)
     for a, b in ((0, 5), (5, 6), (6, 13)):
-        alone, _ = tmj.apply(params, x[:1, a:b], memory_shape=(3, 4), stream=True)
+        alone, _ = tmj.apply(params, x[:1, a:b], stream=True)
         assert _jmax(packed[:, a:b], alone) <= 1e-5
     # the state is data: a jitted call continues it like an eager one
-    eager, _ = tmj.apply(params, x, state, memory_shape=(3, 4))
-    jitted = jax.jit(lambda s: tmj.apply(params, x, s, memory_shape=(3, 4))[0])(state)
+    eager, _ = tmj.apply(params, x, state)
+    jitted = jax.jit(lambda s: tmj.apply(params, x, s)[0])(state)
     assert _jmax(eager, jitted) <= 1e-5
-    # a traced doc_starts cannot plan the grid: tmcore's TypeError naming it
-    with pytest.raises(TypeError, match="doc_starts.*concrete"):
-        jax.jit(lambda m: tmj.apply(params, x[:1], memory_shape=(3, 4), doc_starts=m)[0])(
+    # a traced doc_starts cannot bound the grid: tmcore's TypeError naming max_documents
+    with pytest.raises(TypeError, match="doc_starts: traced.*max_documents"):
+        jax.jit(lambda m: tmj.apply(params, x[:1], doc_starts=m)[0])(
             starts)
 
 
@@ -345,18 +344,18 @@ def test_jax_causal_stack_and_modules_stream():
 
     layers = [tmj.residual_init(jax.random.key(k), 8, 3, (3, 4), L) for k in range(2)]
     x = jax.random.normal(jax.random.key(2), (1, 11, 8), jax.numpy.float32)
-    full, ref = tmj.stack_apply(layers, x, mode="causal", memory_shape=(3, 4), stream=True)
+    full, ref = tmj.stack_apply(layers, x, mode="causal", stream=True)
     state, outs, i = None, [], 0
     for n in (1, 5, 1, 4):
         out, state = tmj.stack_apply(layers, x[:, i:i + n], state, mode="causal",
-                                     memory_shape=(3, 4), stream=True)
+                                     stream=True)
         outs.append(out)
         i += n
     assert _jmax(jnp.concatenate(outs, axis=1), full) <= 1e-5
     assert [_ints(s.count) for s in state] == [_ints(s.count) for s in ref] == [[3], [3]]
     with pytest.raises(ValueError, match="causal"):
-        tmj.stack_apply(layers, x, mode="threaded", memory_shape=(3, 4), stream=True)
-    module = tmj.GatedMemoryResidual(8, 3, (3, 4), L, rngs=nnx.Rngs(0))
+        tmj.stack_apply(layers, x, mode="threaded", stream=True)
+    module = tmj.MemoryResidual(8, 3, (3, 4), L, rngs=nnx.Rngs(0))
     y, s = module(x[:, :3], stream=True)
     y2, s = module(x[:, 3:], s)
     whole, _ = module(x, stream=True)

@@ -288,8 +288,8 @@ BAD_CALLS = [
      TypeError, ["ndim", "2.5"]),
     ("params-pointwise-rank", lambda: tmcore.conv_params_from_pointwise(np.zeros(8), 3),
      ValueError, ["pointwise_weight", "(C_out, C_in)", "(8,)"]),
-    ("set-validation-str", lambda: tmcore.set_validation("yes"), TypeError,
-     ["enabled", "'yes'"]),
+    ("validate-str", lambda: tmcore.options(validate="yes"), TypeError,
+     ["validate", "'yes'"]),
 ]
 
 
@@ -342,27 +342,22 @@ def test_device_mixing_names_the_argument():
 
 
 def test_validation_switches(monkeypatch):
-    monkeypatch.delenv(tmcore.VALIDATE_ENV_VAR, raising=False)
+    monkeypatch.delenv("TMCORE_VALIDATE", raising=False)
     reload_environment()
-    assert not tmcore.validation_enabled()
-    with tmcore.validation():
-        assert tmcore.validation_enabled()
-        with tmcore.validation(False):
-            assert not tmcore.validation_enabled()
-    monkeypatch.setenv(tmcore.VALIDATE_ENV_VAR, "1")
+    assert not tmcore.get_options().validate
+    with tmcore.options(validate=True):
+        assert tmcore.get_options().validate
+        with tmcore.options(validate=False):
+            assert not tmcore.get_options().validate
+        assert tmcore.get_options().validate
+    monkeypatch.setenv("TMCORE_VALIDATE", "1")
     reload_environment()
-    assert tmcore.validation_enabled()
-    monkeypatch.setenv(tmcore.VALIDATE_ENV_VAR, "0")
+    assert tmcore.get_options().validate
+    with tmcore.options(validate=False):
+        assert not tmcore.get_options().validate
+    monkeypatch.setenv("TMCORE_VALIDATE", "0")
     reload_environment()
-    assert not tmcore.validation_enabled()
-    try:
-        tmcore.set_validation(True)
-        assert tmcore.validation_enabled()
-        with tmcore.validation(False):
-            assert not tmcore.validation_enabled()
-    finally:
-        tmcore.set_validation(None)
-    assert not tmcore.validation_enabled()
+    assert not tmcore.get_options().validate
 
 
 def _nan_at(array, index=(0, 0, 0)):
@@ -400,19 +395,19 @@ VALUE_CALLS = [
 @pytest.mark.parametrize("call, fragments", [c[1:] for c in VALUE_CALLS],
                          ids=[c[0] for c in VALUE_CALLS])
 def test_validate_mode_rejects_nonfinite_and_nonpositive_sigma(call, fragments, monkeypatch):
-    monkeypatch.delenv(tmcore.VALIDATE_ENV_VAR, raising=False)
+    monkeypatch.delenv("TMCORE_VALIDATE", raising=False)
     reload_environment()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         call()  # off by default: no exception, no sync
-        with tmcore.validation(), pytest.raises(ValueError) as info:
+        with tmcore.options(validate=True), pytest.raises(ValueError) as info:
             call()
     for fragment in fragments:
         assert fragment in str(info.value), str(info.value)
 
 
 def test_validate_mode_from_environment(monkeypatch):
-    monkeypatch.setenv(tmcore.VALIDATE_ENV_VAR, "1")
+    monkeypatch.setenv("TMCORE_VALIDATE", "1")
     reload_environment()
     with pytest.raises(ValueError, match="coords: expected finite values"):
         tmcore.trilinear_sample(VOL, _nan_at(COORDS))
@@ -422,7 +417,7 @@ def test_validate_mode_skips_values_it_cannot_read():
     """Under jax.jit the values are tracers: validate mode checks nothing, never crashes."""
     jax = pytest.importorskip("jax")
     jnp = jax.numpy
-    with tmcore.validation():
+    with tmcore.options(validate=True):
         out = jax.jit(tmcore.trilinear_sample)(jnp.asarray(VOL, jnp.float32),
                                                jnp.asarray(_nan_at(COORDS), jnp.float32))
         assert out.shape == (2, 5, 3)
@@ -470,9 +465,8 @@ def test_nan_coordinates_through_the_torch_read():
     torch = pytest.importorskip("torch")
     volume = torch.as_tensor(VOL)
     coords = torch.as_tensor(_nan_at(COORDS, (0, 1, 2)))
-    from tmcore.backends import use_generic
 
-    with use_generic():
+    with tmcore.options(generic=True):
         generic = tmcore.trilinear_sample(volume, coords)
     assert torch.isnan(generic[0, 1]).all()
     fast = tmcore.trilinear_sample(volume, coords)

@@ -24,7 +24,6 @@ import numpy as np
 import pytest
 
 import tmcore
-from tmcore.backends import use_generic
 from tmcore.runtime.dispatch import ops_for
 
 INF = float("inf")
@@ -43,7 +42,7 @@ def _paths() -> list[tuple[str, Callable, Callable]]:
     paths = [("numpy", lambda a: a, lambda fn: fn())]
 
     def generic(fn):
-        with use_generic():
+        with tmcore.options(generic=True):
             return fn()
 
     try:

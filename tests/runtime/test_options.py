@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 
 import tmcore
-from tmcore import backends
 from tmcore.backends import native as _native
 from tmcore.runtime.dispatch import generic_ops, ops_for
 from tmcore.runtime.options import reload_environment
@@ -35,7 +34,7 @@ def test_defaults_and_fields():
 def test_context_manager_restores_and_nests():
     with tmcore.options(native=False, validate=True) as opts:
         assert opts.native is False and opts.validate is True
-        assert not _native.enabled() and tmcore.validation_enabled()
+        assert not _native.enabled() and tmcore.get_options().validate
         with tmcore.options(native=None):  # None: back to the default
             assert tmcore.get_options().native is True
             assert tmcore.get_options().validate is True
@@ -47,7 +46,7 @@ def test_context_manager_restores_and_nests():
 def test_setter_applies_for_the_rest_of_the_context():
     def body():
         tmcore.options(validate=True)
-        assert tmcore.validation_enabled()
+        assert tmcore.get_options().validate
         with pytest.raises(ValueError, match="coords: expected finite values"):
             tmcore.trilinear_sample(np.zeros((1, 1, 2, 2)), np.full((1, 1, 2), np.nan))
         return tmcore.get_options().validate
@@ -105,10 +104,8 @@ def test_generic_option_switches_the_dispatch_table():
     assert fast is not generic_ops()
     with tmcore.options(generic=True):
         assert ops_for(xp_torch) is generic_ops()
-        with backends.use_generic(False):  # the older name is the same switch
+        with tmcore.options(generic=False):
             assert ops_for(xp_torch) is fast
-    with backends.use_generic():
-        assert tmcore.get_options().generic is True
     assert ops_for(xp_torch) is fast
     assert torch.is_tensor(tmcore.trilinear_sample(torch.zeros(1, 1, 2, 2), torch.zeros(1, 1, 2)))
 
@@ -129,20 +126,20 @@ def test_native_option_turns_the_fused_kernels_off():
     torch.testing.assert_close(on, off)
 
 
-def test_set_validation_is_process_wide_and_options_win():
-    try:
-        tmcore.set_validation(True)
-        assert tmcore.get_options().validate is True
-        seen = []
-        thread = threading.Thread(target=lambda: seen.append(tmcore.validation_enabled()))
-        thread.start()
-        thread.join()
-        assert seen == [True]
-        with tmcore.options(validate=False):
-            assert not tmcore.validation_enabled()
-    finally:
-        tmcore.set_validation(None)
-    assert not tmcore.validation_enabled()
+def test_environment_sets_the_default_of_every_thread_and_options_win(monkeypatch):
+    monkeypatch.setenv("TMCORE_VALIDATE", "1")
+    reload_environment()
+    assert tmcore.get_options().validate is True
+    seen = []
+    thread = threading.Thread(target=lambda: seen.append(tmcore.get_options().validate))
+    thread.start()
+    thread.join()
+    assert seen == [True]
+    with tmcore.options(validate=False):
+        assert tmcore.get_options().validate is False
+    monkeypatch.delenv("TMCORE_VALIDATE")
+    reload_environment()
+    assert tmcore.get_options().validate is False
 
 
 def test_environment_in_a_fresh_process():

@@ -22,7 +22,7 @@ LOCAL_PROPERTIES = ["local_update_matches_definition",
                     "local_update_vjp_matches_central_differences",
                     "local_scan_matches_reference", "local_scan_vjp_matches_central_differences",
                     "warped_layer_scan_matches_reference",
-                    "local_and_warp_keep_single_precision"]
+                    "local_memory_scan_in_every_dtype"]
 
 
 def _namespace(name: str):

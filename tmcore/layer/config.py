@@ -12,8 +12,8 @@ from typing import Any
 
 import array_api_compat
 
-from tmcore.layer import sizes as _layer_sizes
 from tmcore.ops.splat import DEFAULT_EPS
+from tmcore.runtime import sizes
 from tmcore.runtime.validate import (
     check_eps,
     check_finite,
@@ -104,8 +104,6 @@ class LayerConfig:
     def from_dict(cls, data: Any, where: str = "config") -> LayerConfig:
         """Read back the config :meth:`to_dict` stored, checked as :func:`layer_config`.
 
-        The options beyond the paper may be absent (their defaults then).
-
         Parameters
         ----------
         data : dict
@@ -129,17 +127,29 @@ class LayerConfig:
         if not isinstance(data, dict):
             raise TypeError(f"{where}: expected a dict, got {type(data).__name__}")
         fields = [f.name for f in dataclasses.fields(cls)]
-        required = fields[:4]
-        missing = [k for k in required if k not in data]
+        missing = [k for k in fields if k not in data]
         unknown = sorted(set(data) - set(fields))
         if missing or unknown:
             raise ValueError(f"{where}: missing keys {missing}, unknown keys {unknown}")
-        values = {k: data[k] for k in fields if k in data}
         try:
-            sizes = [values.pop(k) for k in required]
-            return layer_config(*sizes, **values)
+            return layer_config(**data)
         except (TypeError, ValueError) as error:
             raise type(error)(f"{where}.{error}") from error
+
+    def replace(self, **changes: Any) -> LayerConfig:
+        """This config with ``changes``, checked as :func:`layer_config` checks them.
+
+        Parameters
+        ----------
+        **changes
+            Fields and their new values (e.g. ``checkpoint_every=4``).
+
+        Returns
+        -------
+        LayerConfig
+            The new config.
+        """
+        return layer_config(**{**self.to_dict(), **changes})
 
     def state_shape(self, batch: int) -> tuple[int, ...]:
         """The shape of ``h`` (and ``c``) for a batch.
@@ -230,7 +240,7 @@ def layer_config(
     if array_api_compat.is_array_api_obj(sigma_scale):
         raise TypeError(f"sigma_scale: expected a finite number > 0, got an array "
                         f"{type(sigma_scale).__name__}")
-    return _layer_sizes.check_config(LayerConfig(
+    return _check_sizes(LayerConfig(
         embed_dim=_size("embed_dim", embed_dim),
         memory_channels=_size("memory_channels", memory_channels),
         memory_shape=_grid(memory_shape),
@@ -246,6 +256,16 @@ def layer_config(
         dynamics=_choice("dynamics", dynamics, DYNAMICS),
         flow=_flow(flow, dynamics),
     ))
+
+
+def _check_sizes(config: LayerConfig) -> LayerConfig:
+    """``config`` if one row of its state ``(C, *S)`` and ``write_proj (d, L*d)`` have
+    int64-addressable sizes (else a ``ValueError`` naming the argument)."""
+    sizes.check_count("memory_shape", (config.memory_channels, *config.memory_shape),
+                      "(C, *S)", "the state of one sequence")
+    sizes.check_count("embed_dim", (config.embed_dim, config.chunk_size * config.embed_dim),
+                      "(d, L*d)", "write_proj.weight")
+    return config
 
 
 def _flow(flow: Any, dynamics: Any) -> bool:

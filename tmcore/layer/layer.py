@@ -1,99 +1,116 @@
 """The Tensor Memory layer's ONE call: check once -> state -> plan -> heads -> scan -> read-out.
 
-:class:`Layer` runs one layer over a parameter pytree ``{group: {leaf: array}}`` with
-a ``scan`` callable (the adapter's differentiable scan): :meth:`Layer.forward` (the
-non-streaming call: a ragged last chunk is zero-padded and written) and
-:meth:`Layer.forward_stream` (the default of both adapters: pieces of any lengths equal
-one long call; padding masks and packed documents) check their inputs once, complete
-the state, make the call's chunk grid (:mod:`tmcore.layer.plan`) and run it
-(:func:`tmcore.layer.plan.execute`). A variant of the layer subclasses :class:`Layer` and
-overrides :meth:`Layer.heads` or :meth:`Layer.read_out` instead of copying it.
+:class:`Layer` runs one layer over a parameter pytree ``{group: {leaf: array}}`` with the
+adapter's differentiable ``scan`` (:class:`Scan`). Sizes: ``d`` embed_dim, ``C``
+channels, ``S`` the grid (``n`` axes), ``L`` chunk_size, ``B`` batch, ``N`` tokens,
+``T`` chunks.
 
-Sizes: ``d`` = embed_dim, ``C`` = memory_channels, ``S`` = memory_shape (``n = len(S)``,
-1 to 4 axes), ``L`` = chunk_size, ``B`` batch, ``N`` tokens, ``T = ceil(N / L)`` chunks.
-
-Per chunk ``t`` (docs/LAYER.md, "Per-chunk math"): ``read_coord = tanh(coord_net(first
-token))``; ``summary = write_proj(the chunk's L tokens, position-major)``; ``write_coord
-= tanh(coord_net(summary))`` (tied head); ``content = content_net(summary)``; ``sigma =
+Per chunk ``t`` (docs/LAYER.md): ``read_coord = tanh(coord_net(first token))``;
+``summary = write_proj(the chunk's L tokens, position-major)``; ``write_coord =
+tanh(coord_net(summary))`` (tied head); ``content = content_net(summary)``; ``sigma =
 (softplus(sigma_net(summary)) + 1e-4) * sigma_scale``; the scan reads the state before
-the chunk's write; ``out_proj(read_t)`` is broadcast to every token of chunk ``t``.
+the chunk's write; ``out_proj(read_t)`` goes to every token of chunk ``t``. The heads and
+the read-out run once over all ``B*T`` chunks (the operations a call dispatches do not
+grow with the sequence); only the scan steps through them, with per-step masks
+(:mod:`tmcore.layer.plan`) where rows differ.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Any
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol
 
 from tmcore.layer.config import LayerConfig
-from tmcore.layer.decode import Produced, _decode_known, decode_step, next_counts
-from tmcore.layer.heads import Linear, heads, linear, read_coords, read_out, split
-from tmcore.layer.params import Params
-from tmcore.layer.plan import array_plan, contiguous_plan, execute, host_plan, packed_plan
-from tmcore.layer.sizes import check_forward
+from tmcore.layer.params import WARP_GROUP, Params
+from tmcore.layer.plan import plan_steps, plan_stream, take_rows, zero_slot
 from tmcore.layer.state import (
     State,
+    StreamState,
+    check_forward,
+    check_mask,
     check_state,
     check_tokens,
-    require_bool_array,
-    reset_state,
+    reset_stream,
+    stream_state,
+    where_rows,
     zero_state,
 )
-from tmcore.layer.stream import (
-    PACKED_HOST_WHY,
-    PACKED_WHY,
-    StreamState,
-    check_doc_starts,
-    check_document_bound,
-    check_max_documents,
-    check_valid,
-    complete_state,
-    forget_row,
-    host_list,
-    maybe_host,
-    reset_stream,
-)
+from tmcore.ops.addressing import MIN_SIGMA
 from tmcore.ops.common import softplus
 from tmcore.ops.sample import trilinear_sample
-from tmcore.runtime.sizes import compiling
-from tmcore.types import StepInputs, device_of
+from tmcore.runtime.validate import check_int
+from tmcore.types import StepInputs, WarpInputs, device_of, host_values, traced
 
-__all__ = ["Layer", "Scan"]
+__all__ = ["Layer", "Linear", "Scan", "chunk", "linear", "split", "unchunk"]
 
 
-Scan = Callable[[Any, Any, StepInputs], tuple[Any, Any, Any]]
+class Scan(Protocol):
+    """The scan a layer runs: ``(reads (B, T, C), h_T, c_T)`` of the chunk steps
+    ``inputs`` (``(B, T, ...)`` fields) from ``(h, c)``, under the per-step row masks
+    ``reset, active`` (bool ``(B, T)`` or ``None``; :func:`tmcore.memory_scan`)."""
+
+    def __call__(self, h: Any, c: Any, inputs: Any, *, reset: Any = None,
+                 active: Any = None) -> tuple[Any, Any, Any]: ...
+
+
+Linear = Callable[[Any, Mapping[str, Any], Any], Any]
+
+
+def linear(xp: Any, p: Mapping[str, Any], x: Any) -> Any:
+    """``x (..., in) @ weight.T + bias``: a linear map in torch's layout (``p``:
+    ``{"weight": (out, in), "bias": (out,)}``)."""
+    return xp.matmul(x, xp.matrix_transpose(p["weight"])) + p["bias"]
+
+
+def split(xp: Any, x: Any, sizes: Sequence[int]) -> tuple[Any, ...]:
+    """``x (..., sum(sizes))`` cut along its last axis into consecutive pieces."""
+    pieces, start = [], 0
+    for size in sizes:
+        pieces.append(x[..., start:start + size])
+        start += size
+    return tuple(pieces)
+
+
+def chunk(xp: Any, x: Any, length: int) -> Any:
+    """Tokens ``(B, N, d)`` as chunks ``(B, T, L, d)``, the last one zero-padded."""
+    batch, tokens, d = x.shape
+    pad = -(-tokens // length) * length - tokens
+    if pad:
+        # zeros like x (dtype, device, sharding), without asking for a device
+        x = xp.concat([x, xp.broadcast_to(xp.zeros_like(x[:, :1, :]), (batch, pad, d))], axis=1)
+    return xp.reshape(x, (batch, -1, length, d))  # (-1: no symbolic ceil under compile)
+
+
+def unchunk(xp: Any, per_chunk: Any, tokens: int, length: int) -> Any:
+    """One row per chunk ``(B, T, d)`` on each of its chunk's tokens: ``(B, N, d)``."""
+    batch, steps, d = per_chunk.shape
+    out = xp.reshape(xp.broadcast_to(per_chunk[:, :, None, :], (batch, steps, length, d)),
+                     (batch, steps * length, d))
+    return out if tokens == steps * length else out[:, :tokens, :]
 
 
 class Layer:
     """One Tensor Memory layer over a parameter pytree ``{group: {leaf: array}}``.
 
-    Adapters build one per module; a variant overrides :meth:`heads` (e.g. untied
-    coordinate heads) or :meth:`read_out`. :meth:`forward` needs a ``scan``:
-    ``scan(h0, c0, inputs) -> (reads (B, T, C), h_T, c_T)`` with ``inputs`` a
-    :class:`tmcore.StepInputs` of ``(B, T, ...)`` arrays (the adapter's
-    differentiable :func:`tmcore.memory_scan`, or any variant of it).
+    Adapters build one per module. A variant subclasses it and overrides a piece:
+    :meth:`heads`, :meth:`read_out`, or the primitives they use (``linear``, ``sample``,
+    ``softplus``, ``split``: a framework's fused kernels, e.g. torch's ``F.linear``).
 
     Parameters
     ----------
     config : LayerConfig
-        The layer's hyperparameters (from :func:`layer_config`).
-
-    Raises
-    ------
-    TypeError
-        If ``config`` is not a :class:`LayerConfig`.
+        The layer's hyperparameters (:func:`tmcore.layer.layer_config`).
     """
 
-    #: the linear map of every head (see :func:`heads`); a subclass may replace it
     linear: Linear = staticmethod(linear)
-    #: the sigma head's softplus (see :func:`heads`); a subclass may replace it
-    softplus: Callable[[Any, Any], Any] = staticmethod(softplus)
-    #: the cut of the fused heads' output (see :func:`heads`); a subclass may replace it
-    split: Callable[[Any, Any, Sequence[int]], tuple[Any, ...]] = staticmethod(split)
-    #: whether the heads' products take 2-D operands (see :func:`heads`)
-    flat_rows: bool = False
-    #: ``sample(h (B, C, *S), coords (B, Q, n)) -> (B, Q, C)``, a read outside the scan
-    #: (a decode step's, a skipped update's); an adapter may pass its framework's op
+    #: ``sample(h (B, C, *S), coords (B, Q, n)) -> (B, Q, C)``: a decode step's read
     sample: Callable[[Any, Any], Any] = staticmethod(trilinear_sample)
+    softplus: Callable[[Any, Any], Any] = staticmethod(softplus)
+    split: Callable[[Any, Any, Sequence[int]], tuple[Any, ...]] = staticmethod(split)
+    #: give the heads' products 2-D operands (one row per chunk): what a framework's
+    #: linear map that flattens the leading axes itself does anyway, without the reshapes
+    flat_rows: bool = False
 
     def __init__(self, config: LayerConfig):
         if not isinstance(config, LayerConfig):
@@ -101,393 +118,353 @@ class Layer:
                             f"got {type(config).__name__}")
         self.config = config
 
-    def heads(self, xp: Any, params: Params, chunk: Any) -> StepInputs:
-        """The layer's heads (:func:`heads` with this layer's config, linear and softplus).
+    # ----------------------------------------------------------------- heads
+
+    def heads(self, xp: Any, params: Params, chunks: Any) -> StepInputs:
+        """The chunks ``(..., L, d)`` as the scan's step inputs (leading axes ``...``).
+
+        The three heads that read a ``d``-vector (``coord_net``, tied between the read
+        query and the write summary, ``content_net``, ``sigma_net``) run as ONE product
+        over the stacked rows ``[first token, summary]`` (the content and sigma columns of
+        the first-token row are unused). Streamed pieces equal one call to rounding, not
+        bit for bit: a product over ``B*T`` rows may block its sums differently.
 
         Parameters
         ----------
-        xp, params, chunk : see heads
-            As in :func:`heads`: the namespace, the parameter pytree and the
-            chunks ``(..., L, d)``.
+        xp : namespace
+            The arrays' namespace.
+        params : dict of dict of array
+            The parameter pytree.
+        chunks : array, shape ``(..., L, d)``
+            The chunks.
 
         Returns
         -------
         StepInputs
-            The step inputs of the chunks (leading axes ``...``), as
-            :func:`heads` gives them.
+            ``read_coords, write_coords (..., n)`` in ``(-1, 1)``, ``write_sigma (...)``
+            > 0, ``write_content (..., C)``; with ``dynamics="warp"`` a
+            :class:`tmcore.types.WarpInputs` (plus ``shift (..., n)``).
         """
-        return heads(xp, params, chunk, self.config, linear=self.linear,
-                     softplus=self.softplus, split=self.split, flat_rows=self.flat_rows)
-
-    heads.first_token_reads = True  # read_coords may skip them (coord_net of the first token)
+        config, linear = self.config, self.linear
+        lead = tuple(chunks.shape[:-2])
+        length, d = chunks.shape[-2:]
+        n, c = len(config.memory_shape), config.memory_channels
+        k = n + c + 1
+        fused = {key: xp.concat([params[g][key] for g in ("coord_net", "content_net",
+                                                          "sigma_net")], axis=0)
+                 for key in ("weight", "bias")}
+        if self.flat_rows:  # 2-D operands, one row per chunk: no reshape around each product
+            rows = math.prod(lead)
+            flat = xp.reshape(chunks, (rows, length * d))
+            summary = linear(xp, params["write_proj"], flat)                  # (M, d)
+            pairs = xp.reshape(xp.stack([flat[:, :d], summary], axis=1), (2 * rows, d))
+        else:
+            summary = linear(xp, params["write_proj"], xp.reshape(chunks, (*lead, length * d)))
+            pairs = xp.stack([chunks[..., 0, :], summary], axis=-2)          # (..., 2, d)
+        out = xp.reshape(linear(xp, fused, pairs), (*lead, 2 * k))
+        # the first k + n columns: the read coordinates, the first-token row's unused
+        # content and sigma columns (a zero gradient), the write coordinates
+        coords, content, sigma = self.split(xp, out, (k + n, c, 1))
+        read_coords, _, write_coords = self.split(xp, xp.tanh(coords), (n, k - n, n))
+        sigma = self.softplus(xp, xp.reshape(sigma, lead)) + MIN_SIGMA
+        if config.sigma_scale != 1.0:  # (a product by 1.0 is exact: skipped, same bits)
+            sigma = sigma * config.sigma_scale
+        inputs = StepInputs(read_coords, write_coords, sigma, content)
+        if config.dynamics == "warp":  # the shift (..., n) from the summary
+            shift = linear(xp, params[WARP_GROUP], summary)
+            return WarpInputs(*inputs, shift=xp.reshape(shift, (*lead, n)))
+        return inputs
 
     def read_coords(self, xp: Any, params: Params, first: Any) -> Any:
-        """The read coordinates of chunks from their first tokens (:func:`read_coords`).
+        """:meth:`heads`' ``read_coords`` from the chunks' first tokens alone.
 
-        A decode step that starts a chunk calls this instead of :meth:`heads`. A
-        subclass that replaces :meth:`heads` replaces this too, or the decode runs its
-        heads: this gives ``None`` unless the class's ``heads`` carries
-        ``first_token_reads = True`` (its read coordinates are ``coord_net`` of the
-        chunk's first token, as :func:`heads` makes them).
+        A decode step reads before the chunk's other tokens exist; a variant that makes
+        the read coordinates otherwise overrides both methods.
 
         Parameters
         ----------
         xp, params : namespace, dict of dict of array
             As in :meth:`heads`.
-        first : array, shape ``(B, d)``
-            Each row's chunk's first token.
+        first : array, shape ``(..., d)``
+            Each chunk's first token.
 
         Returns
         -------
-        array, shape ``(B, n)``, or None
-            The read coordinates, as :meth:`heads`' ``read_coords[:, 0]`` (to
-            rounding); ``None``: run :meth:`heads`.
+        array, shape ``(..., n)``
+            ``tanh(coord_net(first))``.
         """
-        if getattr(type(self).heads, "first_token_reads", False):
-            return read_coords(xp, params, first, linear=self.linear)
-        return None
+        return xp.tanh(self.linear(xp, params["coord_net"], first))
 
     def read_out(self, xp: Any, params: Params, reads: Any) -> Any:
-        """The layer's read-out (:func:`read_out` with this layer's linear map).
+        """``out_proj`` on the reads.
 
         Parameters
         ----------
-        xp, params, reads : see read_out
-            As in :func:`read_out`: the namespace, the parameter pytree and the
-            reads ``(..., C)``.
+        xp, params : namespace, dict of dict of array
+            As in :meth:`heads`.
+        reads : array, shape ``(..., C)``
+            What the scan read.
 
         Returns
         -------
         array, shape ``(..., d)``
             The layer's output per read.
         """
-        return read_out(xp, params, reads, linear=self.linear)
+        return self.linear(xp, params["out_proj"], reads)
+
+    # ----------------------------------------------------------------- the call
 
     def forward(self, xp: Any, params: Params, x: Any, state: State | None, *, scan: Scan,
                 reset: Any = None, check: Callable[..., None] | None = None,
                 checked: bool = False) -> tuple[Any, State]:
-        """The layer on a whole sequence: ``x (B, N, d)`` -> ``(out (B, N, d), (h, c))``.
-
-        Checks ``x``, ``state`` and ``reset`` (:func:`check_tokens`,
-        :func:`check_state`, :func:`reset_state`); the heads and the read-out
-        run once over all chunks (``(B, T, ...)``), the scan steps through them.
-        A ragged last chunk is zero-padded and written.
-        ``N = 0`` or ``B = 0`` returns zeros and the (reset) state.
+        """The paper's call on a whole sequence: a ragged last chunk zero-padded and written.
 
         Parameters
         ----------
-        xp : namespace
-            The array namespace of the arrays.
-        params : dict of dict of array
-            The layer's parameter pytree ``{group: {leaf: array}}``.
+        xp, params : namespace, dict of dict of array
+            The arrays' namespace and the parameter pytree.
         x : array, shape ``(B, N, d)``
             The tokens.
-        state : pair of arrays, shape ``(B, C, *S)`` each, or None
-            The state ``(h, c)`` entering the sequence; ``None``: zeros.
-        scan : callable
-            ``scan(h0, c0, inputs) -> (reads (B, T, C), h_T, c_T)``, e.g. the
-            adapter's differentiable :func:`tmcore.memory_scan`.
+        state : pair of arrays ``(B, C, *S)``, or None
+            ``(h, c)`` entering the sequence (``None``: zeros).
+        scan : Scan
+            The adapter's differentiable scan.
         reset : bool array, shape ``(B,)``, optional
-            True for the rows whose state is zeroed first.
+            Rows whose state is zeroed first.
         check : callable, optional
-            An adapter's own checks (devices, dtypes against the parameters),
-            called as ``check(x, state, reset=reset)`` once ``x`` and ``state``
-            passed the generic ones (``state``: the checked pair, or ``None``)
-            and before ``reset``'s, so that every input is checked once per call.
+            An adapter's own checks (devices, dtypes), called as ``check(x, state,
+            reset=reset)`` after the generic ones (each input is checked once).
         checked : bool, default False
-            True when the caller has already checked ``x`` (:func:`check_tokens`
-            and the size gate :func:`tmcore.layer.sizes.check_forward`) and
-            ``state`` (``None`` or the pair :func:`check_state` returned): they
-            are not checked again (an adapter that reads them before the call,
-            e.g. to promote dtypes, checks each input once). ``reset`` is
-            checked either way.
+            The caller checked ``x`` (tokens, size gate) and ``state`` already.
 
         Returns
         -------
         out : array, shape ``(B, N, d)``
-            Each token's output: its chunk's read, read out.
-        state : pair of arrays, shape ``(B, C, *S)`` each
+            Each token's chunk's read, read out.
+        state : pair of arrays, shape ``(B, C, *S)``
             ``(h, c)`` after the last chunk.
-
-        Raises
-        ------
-        TypeError
-            If ``x``, ``state`` or ``reset`` is not an array of the right kind
-            or dtype (each error names the argument).
-        ValueError
-            If ``x``, ``state`` or ``reset`` has the wrong shape.
-        ValueError or MemoryError
-            With ``state=None``, if the zero state cannot be indexed or does not
-            fit the device (:func:`zero_state`).
         """
-        config = self.config
-        if not checked:
-            check_tokens(xp, x, config)
-            check_forward(xp, config, x)  # the call fits, before anything is allocated
-        batch, tokens, _ = x.shape
+        batch, tokens = self._check(xp, x, checked)
         if state is not None and not checked:
-            state = check_state(xp, state, batch, config)
+            state = check_state(xp, state, batch, self.config)
         if check is not None:
             check(x, state, reset=reset)
-        return self._from_boundary(xp, params, x, state, scan, reset, stream=False)
+        h, c = (zero_state(xp, self.config, batch, dtype=x.dtype, device=device_of(x))
+                if state is None else state)
+        if reset is not None:
+            check_mask(xp, reset, "reset", (batch,))
+            h, c = (where_rows(xp, ~reset, v, xp.zeros_like(v)) for v in (h, c))
+        if not tokens or not batch:  # nothing to scan
+            return xp.zeros_like(x), (h, c)
+        reads, h, c = scan(h, c, self.heads(xp, params, chunk(xp, x, self.config.chunk_size)))
+        return unchunk(xp, self.read_out(xp, params, reads), tokens,
+                       self.config.chunk_size), (h, c)
 
     def forward_stream(self, xp: Any, params: Params, x: Any, state: Any, *, scan: Scan,
                        reset: Any = None, doc_starts: Any = None, valid: Any = None,
                        check: Callable[..., None] | None = None, checked: bool = False,
                        max_documents: int | None = None) -> tuple[Any, StreamState]:
-        """Streaming and packed documents: ``x (B, N, d)`` -> ``(out (B, N, d), StreamState)``.
+        """Streaming, padding and packed documents: the default call of both adapters.
 
-        ``state``: ``None`` (zeros), an ``(h, c)`` pair (a chunk boundary) or the
-        :class:`StreamState` a previous call returned. The call continues each row's
-        unfinished chunk, so feeding a sequence in pieces of ANY lengths (one token at
-        a time included) gives the outputs and the state of one long call. A chunk's
-        output is known from its first token (its read); its write happens when its
-        ``L``-th token arrives.
-
-        ``doc_starts``: optional bool ``(B, N)``, True where a new document starts
-        (packed documents, see :func:`doc_starts_from_offsets`): the state and the
-        unfinished chunk are dropped there and the chunk grid restarts, so each
-        document's outputs equal running it alone. ``reset (B,)`` is a document start
-        at the first token of the row. The grid is decided on the host (the masks are
-        read there), and the scan is cut only where some row starts a document or
-        ends with an unfinished chunk; with ``max_documents`` and a scan taking per-step
-        masks (``scan.masks``, the JAX adapter's) it is computed by array operations
-        instead (:func:`tmcore.layer.plan.packed_plan`: traceable, ONE uncut scan of
-        ``T = ceil((L - 1 + N) / L) + min(max_documents, N)`` chunks per row).
-
-        ``valid``: optional bool ``(B, N)``, False at tokens to skip (padding, e.g. a
-        Hugging Face attention mask, left or right): they never enter the state nor the
-        chunk grid, their outputs are zeros, and each row's stream is its valid tokens
-        only (the returned state is the one running them alone gives).
+        The call continues each row's unfinished chunk, so feeding a sequence in pieces
+        of ANY lengths (one token at a time included) gives the outputs and the state of
+        one long call. A chunk's output is known from its first token (its read); its
+        write happens when its ``L``-th token arrives.
 
         Parameters
         ----------
         xp, params : namespace, dict of dict of array
-            The array namespace and the layer's parameter pytree, as in
-            :meth:`forward`.
+            The arrays' namespace and the parameter pytree.
         x : array, shape ``(B, N, d)``
             The next piece of each row's stream (``N`` may be 0).
         state : None, pair of arrays or StreamState
-            ``None`` (zeros), an ``(h, c)`` pair ``(B, C, *S)`` or the
-            :class:`StreamState` a previous call returned.
-        scan : callable
-            ``scan(h0, c0, inputs) -> (reads (B, T, C), h_T, c_T)``; one with a
-            ``cond(pred, true_fn, false_fn)`` attribute (JAX: ``lax.cond``) lets
-            a step that completes no chunk skip the update; one with a true
-            ``masks`` attribute (JAX) also takes ``reset=`` and ``active=``, bool
-            ``(B, T)`` per-step masks, which ``max_documents`` uses.
+            ``None`` (zeros), ``(h, c)`` (a chunk boundary) or the state a previous call
+            returned.
+        scan : Scan
+            The adapter's differentiable scan.
         reset : bool array, shape ``(B,)``, optional
-            A document start at the first token of the marked rows.
+            The marked rows start a new document at this call's first token.
         doc_starts : bool array, shape ``(B, N)``, optional
-            True where a new document starts (read on the host unless
-            ``max_documents`` is given to a scan taking masks).
+            True where a new document starts (packed documents, e.g. from
+            :func:`tmcore.layer.doc_starts_from_offsets`): the state and the unfinished
+            chunk are dropped there, so each document's outputs equal running it alone. A
+            start on a skipped token moves to the next kept one.
         valid : bool array, shape ``(B, N)``, optional
-            False at tokens to skip.
+            False at tokens to skip (padding, left or right): they never enter the state,
+            their outputs are zeros.
         check : callable, optional
-            An adapter's own checks, called as ``check(x, state, reset=reset,
-            doc_starts=doc_starts, valid=valid)`` once ``x`` and ``state`` passed
-            the generic ones (``state``: ``None``, the checked pair or the checked
-            :class:`StreamState`, as given) and before the masks'.
+            An adapter's own checks, called as ``check(x, state, reset=, doc_starts=,
+            valid=)`` with the checked state (``None``, a pair or a StreamState).
         checked : bool, default False
-            True when the caller has already checked ``x`` (as in :meth:`forward`)
-            and ``state`` (``None``, the pair :func:`check_state` returned, or the
-            :class:`StreamState` :func:`stream_state` returned, its ``count`` an
-            int32 array): they are not checked again. The masks are checked
-            either way.
+            The caller checked ``x`` and ``state`` already (a StreamState's ``count`` an
+            int32 array).
         max_documents : int, optional
-            ``D``, a static bound: at least the document starts of any row in this
-            call (its True entries of ``doc_starts``, plus one for a ``reset`` row
-            whose ``doc_starts`` is False at token 0). With a scan taking masks it
-            plans the packed grid with arrays (``doc_starts``, ``reset``, ``valid``
-            and the state may be traced). A row with more starts: concrete masks are
-            checked (``ValueError``); traced ones cannot be, and the row's starts
-            after its ``D``-th (counted after a start on a skipped token moves to
-            the next valid one) are ignored: its later documents continue the state
-            of the one before, so its outputs and state are wrong from there.
-            Ignored without ``doc_starts``.
+            ``D``, a static bound on the document starts of any row in this call: needed
+            when ``doc_starts`` cannot be read on the host (traced); concrete masks with
+            more starts in a row are a ``ValueError``, traced ones' starts after a row's
+            ``D``-th are ignored (its later documents continue the one before).
 
         Returns
         -------
         out : array, shape ``(B, N, d)``
             Each token's output (zeros where ``valid`` is False).
         state : StreamState
-            The state after the last token, to pass to the next call.
+            The state after the last token.
 
         Raises
         ------
         TypeError
             If an argument is not an array of the right kind or dtype, or
-            ``doc_starts`` (or, with it, ``state.count``, ``reset`` or ``valid``)
-            is traced without ``max_documents`` (or with a scan taking no masks):
-            packed documents are then planned on the host.
+            ``doc_starts`` is traced without ``max_documents``.
         ValueError
-            If an argument has the wrong shape, ``state.count`` is not ``B``
-            ints in ``[0, L)``, ``max_documents`` is not a positive int, or a
-            concrete ``doc_starts`` has a row with more than ``max_documents``
-            starts.
+            If an argument has the wrong shape, ``state.count`` is not ``B`` ints in
+            ``[0, L)``, or a concrete row has more than ``max_documents`` starts.
         """
-        config = self.config
-        documents = check_max_documents(max_documents)
-        if not checked:
-            check_tokens(xp, x, config)
-            check_forward(xp, config, x)  # the call fits, before anything is allocated
-        batch, tokens, _ = x.shape
-        if tokens == 1 and reset is None and doc_starts is None and valid is None:
-            fast = self.decode_produced(xp, params, x, state, scan, checked=True)
-            if fast is not None:  # this layer's last decode step made it: taken as it is
-                return fast
-        if doc_starts is None and valid is None and tokens > 1 and batch \
-                and not isinstance(state, StreamState):
-            # from a chunk boundary (no state, or a pair): x chunked as it is, without
-            # first building an empty unfinished chunk (the same outputs and state)
-            pair = None if state is None else tuple(state) if checked else check_state(
-                xp, state, batch, config)
-            if check is not None:
-                check(x, pair, reset=reset)
-            return self._from_boundary(xp, params, x, pair, scan, reset, stream=True)
-        st, known = complete_state(xp, state, x, config, checked=checked)
+        length = self.config.chunk_size
+        batch, tokens = self._check(xp, x, checked)
+        st, known = stream_state(xp, state, x, self.config, checked=checked)
         if check is not None:
-            check(x, None if state is None else st if isinstance(state, StreamState)
-                  else (st.h, st.c), reset=reset, doc_starts=doc_starts, valid=valid)
-        if valid is not None:
-            require_bool_array(xp, valid, "valid", "(B, N)", (batch, tokens))
-        if reset is not None:
-            require_bool_array(xp, reset, "reset", "(B,)", (batch,),
-                               hint=" (compare explicitly, e.g. mask > 0.5)")
-        if doc_starts is not None and documents is not None and getattr(scan, "masks", False):
-            return self._packed_arrays(xp, params, x, st, known, scan, reset, doc_starts,
-                                       valid, documents)
-        if doc_starts is not None:
-            if documents is not None:
-                check_document_bound(doc_starts, reset, documents)
-            return self._packed(xp, params, x, st, known, scan, reset, doc_starts, valid,
-                                "" if documents is None else PACKED_HOST_WHY)
+            check(x, st if isinstance(state, StreamState) else
+                  None if state is None else (st.h, st.c),
+                  reset=reset, doc_starts=doc_starts, valid=valid)
+        for name, mask, shape in (("reset", reset, (batch,)), ("valid", valid, (batch, tokens)),
+                                  ("doc_starts", doc_starts, (batch, tokens))):
+            if mask is not None:
+                check_mask(xp, mask, name, shape)
+        documents, doc_starts = _documents(doc_starts, max_documents)
         st, known = reset_stream(xp, st, known, reset)
-        if tokens == 0 or batch == 0:
+        if not tokens or not batch:
             return xp.zeros_like(x), st
-        if tokens == 1 and known is not None and valid is None:  # a decode step (eager)
-            return self._decode(xp, params, x, st, scan, known)
-        if tokens == 1:  # a decode step: no chunk grid to plan
-            out, st = decode_step(self, xp, params, x[:, 0, :], st, scan,
-                                  None if valid is None else valid[:, 0], known)
-            return out[:, None, :], st
-        if known is not None and not any(known) and valid is None:  # a chunk boundary
-            return execute(self, xp, params, x, st,
-                           contiguous_plan(tokens, config.chunk_size, stream=True), scan)
-        host = None if valid is None else maybe_host(valid)
-        valid_counts = None if host is None else (min(sum(r) for r in host),
-                                                  max(sum(r) for r in host))
-        plan = array_plan(xp, x, xp.astype(st.count, xp.asarray(0).dtype), known, valid,
-                          xp.astype(st.pending, x.dtype), config.chunk_size, valid_counts)
-        return execute(self, xp, params, x, st, plan, scan)
+        if tokens == 1 and doc_starts is None:
+            return self._decode(xp, params, x, st, known, valid, scan)
+        if known is not None and not any(known) and valid is None and doc_starts is None \
+                and not traced():  # (compiled: the grid, whose sizes stay symbolic)
+            # from a chunk boundary: x chunked as it is; a ragged last chunk is read, kept
+            # unfinished, and its update not taken
+            steps, full = -(-tokens // length), tokens // length
+            active = None if full == steps else xp.broadcast_to(
+                xp.arange(steps, device=device_of(x))[None, :] < full, (batch, steps))
+            reads, h, c = scan(st.h, st.c, self.heads(xp, params, chunk(xp, x, length)),
+                               active=active)
+            out = unchunk(xp, self.read_out(xp, params, reads), tokens, length)
+            left = tokens - full * length
+            if left:
+                return out, StreamState(h, c, chunk(xp, x[:, full * length:, :], length)[:, 0],
+                                        xp.full_like(st.count, left), reads[:, full, :])
+            if isinstance(state, StreamState):  # (else: the empty chunk stream_state made)
+                st = st._replace(pending=xp.zeros_like(st.pending),
+                                 read=xp.zeros_like(st.read))
+            return out, st._replace(h=h, c=c)
+        kept = tokens if valid is None else _most(host_values(xp.sum(
+            xp.astype(valid, st.count.dtype), axis=1)), tokens)
+        steps = plan_steps(kept, length, length - 1 if known is None else max(known),
+                           documents)
+        plan = plan_stream(xp, x, xp.astype(st.count, xp.asarray(0, device=device_of(x)).dtype),
+                           xp.astype(st.pending, x.dtype), valid, doc_starts, length, steps,
+                           documents)
+        chunks = xp.reshape(take_rows(xp, plan.table, plan.gather), (batch, steps, length, -1))
+        reads, h, c = scan(st.h, st.c, self.heads(xp, params, chunks), reset=plan.reset,
+                           active=plan.active)
+        # a continued unfinished chunk's read was made at its first token: the state's
+        first = where_rows(xp, plan.carried, xp.astype(st.read, reads.dtype), reads[:, 0, :])
+        reads = xp.concat([first[:, None, :], reads[:, 1:, :]], axis=1)
+        if plan.forget is not None:
+            h, c = (where_rows(xp, ~plan.forget, v, xp.zeros_like(v)) for v in (h, c))
+        out = take_rows(xp, zero_slot(xp, self.read_out(xp, params, reads)), plan.out_index)
+        read = take_rows(xp, zero_slot(xp, reads), plan.read_pick[:, None])[:, 0, :]
+        return out, StreamState(h, c, take_rows(xp, plan.table, plan.pending_index),
+                                xp.astype(plan.count, xp.int32), read)
 
-    def _from_boundary(self, xp: Any, params: Params, x: Any, state: State | None,
-                       scan: Scan, reset: Any, stream: bool) -> tuple[Any, Any]:
-        """A call from a chunk boundary, the checked pair ``state`` (``None``: zeros) reset
-        where ``reset`` says: ``x`` chunked as it is (:func:`contiguous_plan`)."""
-        batch, tokens, _ = x.shape
-        if state is None:
-            state = zero_state(xp, self.config, batch, dtype=x.dtype, device=device_of(x))
-        if reset is not None:
-            state = reset_state(xp, state, reset)
-        if tokens == 0 or batch == 0:  # nothing to scan (the scan refuses empty arrays)
-            return xp.zeros_like(x), state
-        return execute(self, xp, params, x, StreamState(*state, None, None, None),
-                       contiguous_plan(tokens, self.config.chunk_size, stream=stream), scan)
-
-    def decode_produced(self, xp: Any, params: Params, x: Any, state: Any, scan: Scan, *,
-                        checked: bool = False) -> tuple[Any, StreamState] | None:
-        """One decode step from the state this layer's last decode step produced.
-
-        The state is taken as it is (no state check, no host read of its counts):
-        :meth:`forward_stream` of one token, or ``None`` where that does not apply
-        (another state, another kind of tokens, a trace). The record holds the batch,
-        dtype and device of the last step's (checked) tokens and refuses others, so an
-        adapter may call this before its own checks of ``x`` when it knows ``x`` is an
-        array of its framework with ``d = embed_dim`` on the parameters' device and
-        dtype.
-
-        Parameters
-        ----------
-        xp, params : namespace, dict of dict of array
-            The array namespace and the layer's parameter pytree.
-        x : array, shape ``(B, 1, d)``
-            The next token of each row.
-        state : Any
-            The state to continue (a :class:`StreamState` this layer produced, else the
-            call declines).
-        scan : callable
-            The layer's scan, as in :meth:`forward_stream`.
-        checked : bool, default False
-            True when the caller has checked that the call fits
-            (:func:`~tmcore.layer.sizes.check_forward`); else it is checked here.
-
-        Returns
-        -------
-        tuple of (array, StreamState) or None
-            ``(out (B, 1, d), state)``, or ``None`` (the caller runs its usual path).
-        """
-        record = getattr(self, "_produced", None)
-        if record is None or x.ndim != 3 or x.shape[1] != 1 or not x.shape[0] \
-                or compiling():
-            return None
-        known = record.counts(state, x)
-        if known is None:
-            return None
+    def _check(self, xp: Any, x: Any, checked: bool) -> tuple[int, int]:
         if not checked:
-            check_forward(xp, self.config, x)
-        return self._decode(xp, params, x, state, scan, known)
+            check_tokens(xp, x, self.config)
+            check_forward(xp, self.config, x)  # the call fits, before anything is allocated
+        return x.shape[0], x.shape[1]
 
-    def _decode(self, xp: Any, params: Params, x: Any, st: StreamState, scan: Scan,
-                known: tuple[int, ...]) -> tuple[Any, StreamState]:
-        """A decode step with the counts known on the host; the state it makes is recorded
-        (:class:`~tmcore.layer.decode.Produced`), so that the next token's call takes it
-        without checking it again nor reading its counts back from the device."""
-        # the token as the call gives it (B, 1, d): no reshape of it
-        out, st = _decode_known(self, xp, params, x, st, scan, known)
-        self._produced = Produced.record(st, next_counts(known, self.config.chunk_size), x)
-        return out[:, None, :], st
+    def _decode(self, xp: Any, params: Params, x: Any, st: StreamState,
+                known: tuple[int, ...] | None, valid: Any, scan: Scan
+                ) -> tuple[Any, StreamState]:
+        """The one-token step, ``x (B, 1, d)``: the token joins its row's unfinished chunk;
+        a row whose chunk starts with it reads the state, a row whose chunk it completes
+        writes and updates it (one scan step, masked where rows differ). With the counts
+        known on the host (eager) and the same in every row (generation), a token runs
+        only what it needs: the read-out alone mid-chunk, the read coordinates and a read
+        at a chunk's start, the heads and the update at its end."""
+        length = self.config.chunk_size
+        batch, _, d = x.shape
+        h, c, read, count = st.h, st.c, st.read, st.count
+        uniform = known is not None and valid is None and len(set(known)) == 1
+        if uniform and length > 1:  # one slot for every row: a concat of views
+            k = known[0]
+            head = st.pending[:, :k, :]
+            parts = ([head if head.dtype == x.dtype else xp.astype(head, x.dtype)] if k
+                     else []) + [x] + ([xp.broadcast_to(xp.zeros_like(x), (batch, length - k - 1,
+                                                                          d))]
+                                       if k < length - 1 else [])
+            pending = xp.concat(parts, axis=1) if len(parts) > 1 else x
+        elif length == 1:
+            pending = x
+        else:
+            slot = xp.reshape(xp.arange(length, dtype=count.dtype, device=device_of(x)),
+                              (1, length, 1))
+            at = xp.reshape(count, (-1, 1, 1))
+            pending = xp.where(slot == at, x, xp.where(slot < at, xp.astype(st.pending, x.dtype),
+                                                       xp.zeros_like(x)))
+        if uniform:
+            start, complete = known[0] == 0, known[0] == length - 1
+            if complete:
+                reads, h, c = scan(h, c, self.heads(xp, params, pending[:, None, ...]))
+                read = reads[:, 0, :] if start else read
+            elif start:
+                coords = self.read_coords(xp, params, pending[:, 0, :])
+                read = self.sample(h, coords[:, None, :])[:, 0, :]
+            out = self.read_out(xp, params, read)
+            if complete:
+                zero = xp.zeros_like
+                return out[:, None, :], StreamState(h, c, zero(pending), zero(count), zero(read))
+            return out[:, None, :], StreamState(h, c, pending, xp.full_like(count, known[0] + 1),
+                                                read)
+        starts, completes = count == 0, count == length - 1
+        if valid is not None:
+            valid = valid[:, 0]
+            starts, completes = starts & valid, completes & valid
+        if known is None or 0 in known or length - 1 in known:
+            reads, h, c = scan(h, c, self.heads(xp, params, pending[:, None, ...]),
+                               active=completes[:, None])
+            read = where_rows(xp, starts, reads[:, 0, :], xp.astype(read, reads.dtype))
+        out = self.read_out(xp, params, read)
+        pending, read = (where_rows(xp, completes, xp.zeros_like(v), v) for v in (pending, read))
+        count = xp.where(completes, xp.zeros_like(count), count + 1)
+        if valid is not None:  # a skipped token changes nothing
+            count = xp.where(valid, count, st.count)
+            pending = where_rows(xp, valid, pending, xp.astype(st.pending, x.dtype))
+            read = where_rows(xp, valid, read, xp.astype(st.read, read.dtype))
+            out = where_rows(xp, valid, out, xp.zeros_like(out))
+        return out[:, None, :], StreamState(h, c, pending, count, read)
 
-    def __getstate__(self) -> dict[str, Any]:
-        state = dict(self.__dict__)
-        state.pop("_produced", None)  # weak references to arrays: not copied nor pickled
-        return state
 
-    def _packed_arrays(self, xp: Any, params: Params, x: Any, st: StreamState,
-                       known: tuple[int, ...] | None, scan: Scan, reset: Any,
-                       doc_starts: Any, valid: Any, documents: int
-                       ) -> tuple[Any, StreamState]:
-        """Packed documents with at most ``documents`` starts per row: the grid from
-        arrays (:func:`packed_plan`), one scan with per-step masks (traceable)."""
-        batch, tokens, _ = x.shape
-        require_bool_array(xp, doc_starts, "doc_starts", "(B, N)", (batch, tokens))
-        check_document_bound(doc_starts, reset, documents)  # concrete masks only
-        if tokens == 0 or batch == 0:  # a reset row with no token to start at: emptied
-            return xp.zeros_like(x), reset_stream(xp, st, known, reset)[0]
-        index = xp.asarray(0, device=device_of(x)).dtype
-        plan = packed_plan(xp, x, xp.astype(st.count, index), doc_starts, valid, reset,
-                           xp.astype(st.pending, x.dtype), self.config.chunk_size, documents)
-        return execute(self, xp, params, x, st, plan, scan)
+def _most(values: Any, default: int) -> int:
+    """The largest of host ``values`` (``default`` when unknown or empty)."""
+    return default if not values else max(int(v) for v in values)
 
-    def _packed(self, xp: Any, params: Params, x: Any, st: StreamState,
-                known: tuple[int, ...] | None, scan: Scan, reset: Any, doc_starts: Any,
-                valid: Any, why: str = "") -> tuple[Any, StreamState]:
-        """Packed documents: the grid planned on the host (:func:`host_plan`); ``why``
-        replaces the refusal's hint for traced masks when given."""
-        batch, tokens, _ = x.shape
-        why = why or PACKED_WHY
-        starts = check_doc_starts(xp, doc_starts, batch, tokens, why=why)
-        keep = check_valid(xp, valid, batch, tokens, why=why) if valid is not None else None
-        counts = list(known) if known is not None else [
-            int(k) for k in host_list(st.count, "state.count", why)]
-        if reset is not None:
-            for b, r in enumerate(host_list(reset, "reset", why)):
-                if r and tokens:
-                    starts[b][0] = True
-                elif r:  # no token to start at: forget the state now
-                    st, counts[b] = forget_row(xp, st, b), 0
-        if tokens == 0 or batch == 0:
-            return xp.zeros_like(x), st._replace(count=xp.asarray(
-                counts, dtype=xp.int32, device=device_of(x)))
-        plan = host_plan(xp, x, st.pending, counts, starts, self.config.chunk_size, keep)
-        return execute(self, xp, params, x, st, plan, scan)
+
+def _documents(doc_starts: Any, max_documents: Any) -> tuple[int, Any]:
+    """``(D, doc_starts)``: the bound on a row's document starts (``max_documents``, else
+    read on the host) and the mask (``None`` where no row starts one)."""
+    if doc_starts is None:
+        return 0, None
+    rows = host_values(doc_starts)
+    most = None if rows is None else max((sum(map(bool, row)) for row in rows), default=0)
+    if max_documents is None:
+        if most is None:
+            raise TypeError("doc_starts: traced (e.g. under jax.jit or torch.compile), so the "
+                            "grid needs a static bound: pass max_documents=D (a Python int: at "
+                            "least the document starts of any row in the call)")
+        return most, doc_starts if most else None
+    bound = check_int("max_documents", max_documents, 1)
+    if most is not None and most > bound:
+        row = next(b for b, r in enumerate(rows) if sum(map(bool, r)) == most)
+        raise ValueError(f"max_documents: row {row} starts {most} documents in this call, more "
+                         f"than max_documents={bound} (the chunk grid's bound); pass a larger "
+                         f"max_documents")
+    return bound, doc_starts

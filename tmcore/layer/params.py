@@ -5,6 +5,7 @@ realization (:func:`init_params`) and checks of a parameter pytree ``{group: {le
 
 from __future__ import annotations
 
+import functools
 import math
 import operator
 from collections.abc import Callable, Mapping, Sequence
@@ -88,6 +89,7 @@ def _linear_specs(group: str, out_features: int, in_features: int, out: str, inp
                       "uniform", bound), bias]
 
 
+@functools.lru_cache(maxsize=64)  # per config: a decode step checks its params per token
 def param_specs(config: LayerConfig) -> tuple[ParamSpec, ...]:
     """Every parameter of one layer, in state-dict order (the plan in docs/LAYER.md).
 
@@ -323,7 +325,13 @@ def check_params(params: Any, config: LayerConfig) -> None:
         if tuple(value.shape) != spec.shape:
             raise ValueError(f"params.{spec.name}: expected shape {spec.layout} = {spec.shape}, "
                              f"got {tuple(value.shape)}")
-        check_floating(array_api_compat.array_namespace(value), f"params.{spec.name}", value)
+        xp = _NAMESPACES.get(type(value)) or _NAMESPACES.setdefault(
+            type(value), array_api_compat.array_namespace(value))
+        check_floating(xp, f"params.{spec.name}", value)
+
+
+#: the array namespace of each array type seen (a lookup per leaf would cost microseconds)
+_NAMESPACES: dict[type, Any] = {}
 
 
 def stored_grid_error(stored: Any, memory_shape: Sequence[int], where: str) -> str | None:

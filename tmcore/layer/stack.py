@@ -10,14 +10,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from tmcore.layer.state import State
-from tmcore.layer.stream import StreamState
+from tmcore.layer.state import State, StreamState
 
 __all__ = ["MODES", "check_mode", "final_state", "segment_states", "start_state"]
 
-#: Multi-layer modes: ``"causal"`` (every layer scans from its own state at the start of
-#: the segment) and ``"threaded"`` (the reference: layer ``l`` starts from the state
-#: layer ``l - 1`` reached after the whole segment; not causal).
+#: The multi-layer modes (see the module docstring).
 MODES = ("causal", "threaded")
 
 
@@ -32,12 +29,7 @@ def check_mode(mode: Any) -> str:
     Returns
     -------
     str
-        ``mode``.
-
-    Raises
-    ------
-    ValueError
-        If ``mode`` is not in :data:`MODES`.
+        ``mode`` (a ``ValueError`` naming it if it is not one of :data:`MODES`).
     """
     if mode not in MODES:
         raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
@@ -58,26 +50,19 @@ def segment_states(mode: str, state: Any, layers: int) -> Any:
     Parameters
     ----------
     mode : {"causal", "threaded"}
-        The stack's mode (:data:`MODES`).
+        The stack's mode.
     state : None, a state or a sequence of states
-        ``None``, one layer state (an ``(h, c)`` pair or a
-        :class:`StreamState`) or a sequence of per-layer states.
+        ``None``, one layer's state (an ``(h, c)`` pair or a :class:`StreamState`) or
+        one per layer.
     layers : int
-        The number of layers of the stack.
+        The number of layers.
 
     Returns
     -------
     list or state or None
-        ``"causal"``: a list of ``layers`` per-layer states (``None`` entries:
-        zeros; one given state is used for every layer). ``"threaded"``: one
-        state or ``None``; a per-layer sequence (as a causal stack returns)
-        gives its last layer's state.
-
-    Raises
-    ------
-    ValueError
-        If ``mode`` is not in :data:`MODES`, or a causal ``state`` sequence does
-        not hold ``layers`` states.
+        Causal: one state per layer (``None``: zeros; one given state serves every
+        layer; a ``ValueError`` if a sequence holds another number). Threaded: one
+        state or ``None`` (a per-layer sequence gives its last layer's).
     """
     check_mode(mode)
     if mode == "threaded":
@@ -97,16 +82,15 @@ def segment_states(mode: str, state: Any, layers: int) -> Any:
 def start_state(mode: str, layer: int, segment: Any, previous: State | None) -> tuple[Any, bool]:
     """Where layer ``layer`` of a stack starts.
 
-    Causal: the layer's own segment state, and the reset mask applies.
-    Threaded: layer 0 the segment state (reset applies), every later layer the
-    previous layer's final state (already reset upstream).
+    Causal: its own segment state; threaded: layer 0 the segment state, every later one
+    the previous layer's final state.
 
     Parameters
     ----------
     mode : {"causal", "threaded"}
-        The stack's mode (checked by :func:`segment_states`).
+        The stack's mode.
     layer : int
-        The layer's index in the stack.
+        The layer's index.
     segment : list or state or None
         :func:`segment_states`' result.
     previous : pair of arrays or None
@@ -115,9 +99,9 @@ def start_state(mode: str, layer: int, segment: Any, previous: State | None) -> 
     Returns
     -------
     state : state or None
-        The state the layer starts from (``None``: zeros).
+        Where the layer starts (``None``: zeros).
     reset : bool
-        Whether the call's reset mask applies to it.
+        Whether the call's reset mask applies to it (not to a state reset upstream).
     """
     if mode == "causal":
         return segment[layer], True
@@ -127,7 +111,7 @@ def start_state(mode: str, layer: int, segment: Any, previous: State | None) -> 
 
 
 def final_state(mode: str, finals: Sequence[State]) -> Any:
-    """The state a stack of layers returns.
+    """The state a stack returns.
 
     Parameters
     ----------
@@ -139,6 +123,6 @@ def final_state(mode: str, finals: Sequence[State]) -> Any:
     Returns
     -------
     tuple of states or state
-        Causal: the per-layer states as a tuple; threaded: the last one.
+        Causal: all of them; threaded: the last one.
     """
     return tuple(finals) if mode == "causal" else finals[-1]

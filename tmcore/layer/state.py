@@ -1,76 +1,152 @@
-"""The layer's state ``(h, c)``: the zero state, the tokens' and the state's checks,
-the per-sequence reset, and the bool masks.
+"""The layer's state and the checks of a call's inputs, made before anything is allocated.
+
+A stream is a sequence fed to the layer in pieces of any lengths, one token at a time
+included; :class:`StreamState` carries what an unfinished chunk needs between pieces, so
+the pieces give the outputs and the state of one long call. A plain ``(h, c)`` pair is the
+state at a chunk boundary. Sizes: ``d`` embed_dim, ``C`` channels, ``S`` the grid, ``L``
+chunk_size, ``B`` batch, ``N`` tokens.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+import math
+import operator
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
-import array_api_compat
-
-from tmcore.layer import sizes as _layer_sizes
 from tmcore.layer.config import LayerConfig
-from tmcore.runtime.validate import check_floating, check_namespace
+from tmcore.runtime import sizes
+from tmcore.runtime.options import memory_limit
+from tmcore.runtime.validate import check_bool_mask, check_floating, check_int
+from tmcore.types import device_of, host_values, traced
 
-__all__ = ["State", "check_state", "check_tokens", "require_bool_array",
-           "reset_state", "zero_state"]
+__all__ = ["State", "StreamState", "check_forward", "check_mask", "check_state", "check_tokens",
+           "doc_starts_from_offsets", "reset_stream", "stream_state", "where_rows",
+           "zero_state"]
 
 State = tuple[Any, Any]
 
 
+class StreamState(NamedTuple):
+    """A layer's state between streamed calls, valid at ANY token.
+
+    A pytree: it passes through ``jax.jit``, ``lax.scan`` and ``vmap``.
+
+    Parameters
+    ----------
+    h, c : array, shape ``(B, C, *S)``
+        The state entering the unfinished chunk (after the last complete one).
+    pending : array, shape ``(B, L, d)``
+        The unfinished chunk's tokens so far, zeros after ``count[b]``.
+    count : int32 array, shape ``(B,)``
+        Per row, the tokens the unfinished chunk holds (``0 .. L-1``).
+    read : array, shape ``(B, C)``
+        The unfinished chunk's read (made at its first token, before its write), zeros
+        where ``count`` is 0.
+    """
+
+    h: Any
+    c: Any
+    pending: Any
+    count: Any
+    read: Any
+
+
+# --------------------------------------------------------------------------- size gates
+
+
+def forward_bytes(config: LayerConfig, batch: int, tokens: int, item: int) -> int:
+    """Bytes one layer call on ``(B, N, d)`` tokens certainly holds (no checkpoints): the
+    scan's working set, the output and the padded chunks."""
+    state = batch * config.memory_channels * math.prod(config.memory_shape)
+    steps = -(-tokens // config.chunk_size)
+    working = (sizes.warp_states(len(config.memory_shape), config.flow)
+               if config.dynamics == "warp" else 0)
+    padded = batch * steps * config.chunk_size * config.embed_dim
+    return sizes.scan_bytes(state, batch, config.memory_channels, steps, 0, item) \
+        + item * (batch * tokens * config.embed_dim + padded + working * state)
+
+
+def _state_shape(config: LayerConfig, batch: int) -> tuple[int, ...]:
+    return (batch, config.memory_channels, *config.memory_shape)
+
+
+def check_forward(xp: Any, config: LayerConfig, x: Any, dtype: Any = None) -> None:
+    """Before a layer call on ``x (B, N, d)`` allocates: the state and the call's working
+    set fit the device (``ValueError`` / ``MemoryError`` naming ``memory_shape``), in
+    ``dtype`` (default ``x``'s: the dtype the call computes in)."""
+    sizes_known = _ints(x.shape[:2])
+    if sizes_known is None:  # symbolic sizes: checked eagerly, or by the ops
+        return
+    batch, tokens = sizes_known
+    nbytes = _call_bytes(config, batch, tokens, sizes.itemsize(xp, dtype or x.dtype))
+    limit = memory_limit()  # (read each call: the bound may change between calls)
+    if nbytes < sizes.SMALL and (limit is None or nbytes <= limit):
+        return  # what check_bytes would decide, without building its message per token
+    sizes.check_bytes("memory_shape", nbytes, f"a layer call on x {tuple(x.shape)} with a "
+                      f"state (B, C, *S) = {_state_shape(config, batch)}", xp, device_of(x))
+
+
+@functools.lru_cache(maxsize=256)
+def _call_bytes(config: LayerConfig, batch: int, tokens: int, item: int) -> int:
+    """:func:`forward_bytes` once the state's element count is checked (cached per call
+    shape: a decode step makes the same call every token; a refusal is not cached)."""
+    sizes.check_count("memory_shape", _state_shape(config, batch), "(B, C, *S)",
+                      "the state h (and c)")
+    return forward_bytes(config, batch, tokens, item)
+
+
+def _ints(sizes: Any) -> tuple[int, ...] | None:
+    """``sizes`` as Python ints, or ``None`` where they may be symbolic (``torch.compile``,
+    ``jax.export``): reading one would specialize it."""
+    if traced():
+        return None
+    try:
+        return tuple(operator.index(s) for s in sizes)
+    except TypeError:
+        return None
+
+
+# --------------------------------------------------------------------------- the state
+
+
 def zero_state(xp: Any, config: LayerConfig, batch: int, *, dtype: Any = None,
                device: Any = None) -> State:
-    """The zero state of a layer.
+    """The zero state ``(h, c)``, each ``(B, C, *S)``.
+
+    Checked first: it (and one scan step over it) can be indexed and fits the device
+    (``ValueError`` / ``MemoryError`` naming ``memory_shape``).
 
     Parameters
     ----------
     xp : namespace
-        The array namespace to create the state in.
+        Where to create it.
     config : LayerConfig
-        The layer's sizes (``C`` and ``S``).
+        The layer (``C`` and ``S``).
     batch : int
-        ``B``, the number of sequences.
-    dtype : dtype, optional
-        The state's dtype (default: the namespace's default floating dtype).
-    device : device, optional
-        Where to create the state (default: the namespace's default device).
+        ``B``.
+    dtype, device : optional
+        The state's (default: the namespace's defaults).
 
     Returns
     -------
     h, c : array, shape ``(B, C, *S)``
-        Two zero arrays.
-
-    Raises
-    ------
-    ValueError, MemoryError
-        If the state (and one scan step over it) cannot be indexed or does not
-        fit the device; the error names ``memory_shape``.
+        Zeros.
     """
-    _layer_sizes.check_state(xp, config, batch, dtype, device)  # sizes before allocating
-    shape = config.state_shape(batch)
-    return xp.zeros(shape, dtype=dtype, device=device), xp.zeros(shape, dtype=dtype,
-                                                                 device=device)
+    shape = _state_shape(config, batch)
+    if _ints(shape) is not None:
+        count = sizes.check_count("memory_shape", shape, "(B, C, *S)", "the state h (and c)")
+        nbytes = sizes.scan_bytes(count, shape[0], shape[1], 1, 0, sizes.itemsize(xp, dtype))
+        sizes.check_bytes("memory_shape", nbytes, f"the state (h, c) of shape (B, C, *S) = "
+                          f"{shape} and one scan step over it", xp, device)
+    return (xp.zeros(shape, dtype=dtype, device=device),
+            xp.zeros(shape, dtype=dtype, device=device))
 
 
 def check_tokens(xp: Any, x: Any, config: LayerConfig) -> None:
-    """Check a layer's tokens.
-
-    Parameters
-    ----------
-    xp : namespace
-        The array namespace of the layer's call.
-    x : array, shape ``(B, N, d)``
-        The tokens: a real floating array with ``d = embed_dim``.
-    config : LayerConfig
-        The layer (its ``embed_dim``).
-
-    Raises
-    ------
-    TypeError
-        If ``x`` is not an array or not of a real floating dtype.
-    ValueError
-        If ``x`` is not 3-D or its last axis is not ``embed_dim``.
-    """
+    """``TypeError`` / ``ValueError`` unless ``x`` is a real floating ``(B, N, d)`` array
+    with ``d = embed_dim``."""
     if not (hasattr(x, "shape") and hasattr(x, "dtype")):
         raise TypeError(f"x: expected an array of shape (B, N, d), got {type(x).__name__}")
     if x.ndim != 3:
@@ -82,33 +158,9 @@ def check_tokens(xp: Any, x: Any, config: LayerConfig) -> None:
 
 
 def check_state(xp: Any, state: Any, batch: int, config: LayerConfig) -> State:
-    """Check a layer state ``(h, c)``.
-
-    Parameters
-    ----------
-    xp : namespace
-        The array namespace of the layer's call.
-    state : pair of arrays
-        ``(h, c)``, each of shape ``(B, C, *S)`` and a real floating dtype (a
-        tuple or a list).
-    batch : int
-        The expected ``B``.
-    config : LayerConfig
-        The layer's sizes (``C`` and ``S``).
-
-    Returns
-    -------
-    h, c : array, shape ``(B, C, *S)``
-        The state as a tuple.
-
-    Raises
-    ------
-    ValueError
-        If ``state`` is not a pair, or ``h`` or ``c`` has another shape.
-    TypeError
-        If ``h`` or ``c`` is not an array or not of a real floating dtype.
-    """
-    expected = config.state_shape(batch)
+    """A state pair ``(h, c)`` (tuple or list) checked: each a real floating ``(B, C, *S)``
+    array (``ValueError`` / ``TypeError`` naming the field); returned as a tuple."""
+    expected = _state_shape(config, batch)
     if not isinstance(state, (tuple, list)) or len(state) != 2:
         raise ValueError(f"state: expected a pair (h, c) of shape (B, C, *S) = {expected} "
                          f"or None, got {type(state).__name__}")
@@ -123,59 +175,147 @@ def check_state(xp: Any, state: Any, batch: int, config: LayerConfig) -> State:
     return state[0], state[1]
 
 
+def stream_state(xp: Any, state: Any, x: Any, config: LayerConfig, *, checked: bool = False
+                 ) -> tuple[StreamState, tuple[int, ...] | None]:
+    """Check a streamed call's ``state`` and complete it to a :class:`StreamState`.
+
+    ``state``: ``None`` (zeros), an ``(h, c)`` pair (a chunk boundary) or a
+    :class:`StreamState` (its ``count`` an integer array or Python ints). ``x (B, N, d)``
+    fixes the batch, dtype and device of what is filled in. Returns the state (``count``
+    an int32 array) and its counts as Python ints, read on the host once (``None`` when
+    traced: an out-of-range traced count is taken as 0, an empty unfinished chunk, so
+    that no row ever reads another's). ``checked``: ``state`` was checked already (a
+    StreamState's ``count`` an int32 array).
+    """
+    batch = x.shape[0]
+    device = device_of(x)
+    if not isinstance(state, StreamState):
+        h, c = (zero_state(xp, config, batch, dtype=x.dtype, device=device) if state is None
+                else tuple(state) if checked else check_state(xp, state, batch, config))
+        zeros = None if _ints((batch,)) is None else (0,) * batch  # (a symbolic batch)
+        return StreamState(
+            h, c, xp.zeros((batch, config.chunk_size, config.embed_dim), dtype=x.dtype,
+                           device=device),
+            xp.zeros((batch,), dtype=xp.int32, device=device),
+            xp.zeros((batch, config.memory_channels), dtype=h.dtype, device=device)), zeros
+    if checked:
+        values = host_values(state.count)
+        return state, None if values is None else tuple(int(k) for k in values)
+    h, c = check_state(xp, (state.h, state.c), batch, config)
+    for name, value, axes, shape in (
+            ("pending", state.pending, "(B, L, d)",
+             (batch, config.chunk_size, config.embed_dim)),
+            ("read", state.read, "(B, C)", (batch, config.memory_channels))):
+        if not hasattr(value, "shape") or not hasattr(value, "dtype") \
+                or tuple(value.shape) != shape:
+            raise ValueError(f"state.{name}: expected shape {axes} = {shape}, got "
+                             f"{getattr(value, 'shape', type(value).__name__)}")
+        if not xp.isdtype(value.dtype, "real floating"):
+            raise TypeError(f"state.{name}: expected a real floating dtype (like state.h), "
+                            f"got {value.dtype}")
+    count, known = _check_count(xp, state.count, batch, config.chunk_size, device)
+    return StreamState(h, c, state.pending, count, state.read), known
+
+
+def _check_count(xp: Any, count: Any, batch: int, length: int,
+                 device: Any) -> tuple[Any, tuple[int, ...] | None]:
+    """``state.count`` as an int32 array and, read on the host, as Python ints."""
+    expected = f"{batch} ints in [0, {length}) (tokens of each row's unfinished chunk)"
+    if hasattr(count, "shape") and hasattr(count, "dtype"):
+        if tuple(count.shape) != (batch,):
+            raise ValueError(f"state.count: expected an integer array of shape (B,) = "
+                             f"({batch},), got {tuple(count.shape)}")
+        if not xp.isdtype(count.dtype, "integral"):
+            raise TypeError(f"state.count: expected an integer array ({expected}), got "
+                            f"dtype {count.dtype}")
+        values = host_values(count)
+        if values is None:  # traced: compared before the cast, so no value wraps into range
+            inside = (count >= 0) & (count < length)
+            return xp.astype(xp.where(inside, count, xp.zeros_like(count)), xp.int32), None
+        if not all(0 <= k < length for k in values):
+            raise ValueError(f"state.count: expected {expected}, got {list(values)}")
+        return (count if count.dtype == xp.int32 else xp.astype(count, xp.int32),
+                tuple(int(k) for k in values))
+    try:
+        known = None if isinstance(count, bool) or any(isinstance(k, bool) for k in count) \
+            else tuple(operator.index(k) for k in count)
+    except TypeError:
+        known = None
+    if known is None or len(known) != batch or not all(0 <= k < length for k in known):
+        raise ValueError(f"state.count: expected {expected}, got {count!r}")
+    return xp.asarray(known, dtype=xp.int32, device=device), known
+
+
+def reset_stream(xp: Any, st: StreamState, known: tuple[int, ...] | None, reset: Any
+                 ) -> tuple[StreamState, tuple[int, ...] | None]:
+    """``st`` with the rows where ``reset (B,)`` is True emptied (zero state, no unfinished
+    chunk): a document starting at the call's first token. The counts stay known on the
+    host where ``reset`` can be read."""
+    if reset is None:
+        return st, known
+    keep = ~reset
+    h, c, pending, read = (where_rows(xp, keep, v, xp.zeros_like(v))
+                           for v in (st.h, st.c, st.pending, st.read))
+    count = xp.where(keep, st.count, xp.zeros_like(st.count))
+    flags = None if known is None else host_values(reset)
+    known = None if flags is None else tuple(0 if r else k
+                                             for r, k in zip(flags, known, strict=True))
+    return StreamState(h, c, pending, count, read), known
+
+
 def where_rows(xp: Any, mask: Any, a: Any, b: Any) -> Any:
     """``a`` in the rows where the bool array ``mask (B,)`` is True, else ``b``."""
     return xp.where(xp.reshape(mask, (mask.shape[0],) + (1,) * (a.ndim - 1)), a, b)
 
 
-def keep_rows(xp: Any, keep: Any, *arrays: Any) -> tuple[Any, ...]:
-    """``arrays`` (each ``(B, ...)``) zeroed in the rows where ``keep (B,)`` is False."""
-    return tuple(where_rows(xp, keep, a, xp.zeros_like(a)) for a in arrays)
+# --------------------------------------------------------------------------- masks
 
 
-def reset_state(xp: Any, state: State, mask: Any) -> State:
-    """Zero ``(h, c)`` of the sequences where the bool ``mask (B,)`` is True.
+def check_mask(xp: Any, mask: Any, name: str, shape: tuple[int, ...]) -> None:
+    """``mask``: a bool array of ``shape`` (``(B,)`` or ``(B, N)``), named in errors."""
+    check_bool_mask(xp, mask, name, "(B,)" if len(shape) == 1 else "(B, N)", shape,
+                    hint=" (compare explicitly, e.g. mask > 0.5)")
+
+
+def doc_starts_from_offsets(xp: Any, offsets: Sequence[Any], tokens: int, *,
+                            device: Any = None) -> Any:
+    """``cu_seqlens``-style offsets to the per-token mask the layer's ``doc_starts`` takes.
 
     Parameters
     ----------
     xp : namespace
-        The array namespace of the state.
-    state : pair of arrays, shape ``(B, C, *S)`` each
-        The state ``(h, c)``.
-    mask : bool array, shape ``(B,)``
-        True for the sequences to reset (named ``reset`` in errors).
+        Where to create the mask.
+    offsets : sequence of int, or sequence of sequences of int
+        One row's increasing document starts (e.g. ``[0, 5, 12]``, optionally ending
+        with ``tokens``), or one such list per row.
+    tokens : int
+        ``N``, the tokens per row.
+    device : device, optional
+        Where to create the mask.
 
     Returns
     -------
-    h, c : array, shape ``(B, C, *S)``
-        The state with the masked rows zeroed.
+    bool array, shape ``(B, tokens)``
+        True at each document start (``B = 1`` for a single row).
 
     Raises
     ------
-    TypeError
-        If ``mask`` is not an array of ``xp``'s kind or not of dtype bool (a
-        float mask would silently mean "anything non-zero"; compare
-        explicitly, e.g. ``mask > 0.5``).
     ValueError
-        If ``mask`` does not have shape ``(B,)``.
+        If a row's offsets are not strictly increasing or not in ``[0, tokens]``.
     """
-    h, c = state
-    batch = h.shape[0]
-    require_bool_array(xp, mask, "reset", "(B,)", (batch,),
-                        hint=" (compare explicitly, e.g. mask > 0.5)")
-    where = xp.reshape(mask, (batch,) + (1,) * (h.ndim - 1))
-    return (xp.where(where, xp.zeros_like(h), h), xp.where(where, xp.zeros_like(c), c))
-
-
-def require_bool_array(xp: Any, value: Any, name: str, axes: str,
-                        shape: tuple[int, ...], hint: str = "") -> None:
-    """Raise unless ``value`` is a bool array of ``shape`` (named ``axes``, e.g. ``"(B,)"``):
-    ``TypeError`` for a non-array or another dtype, ``ValueError`` for another shape."""
-    expected = f"of shape {axes} = ({', '.join(map(str, shape))}{',' if len(shape) == 1 else ''})"
-    if not array_api_compat.is_array_api_obj(value):
-        raise TypeError(f"{name}: expected a bool array {expected}, got {type(value).__name__}")
-    check_namespace(xp, name, value, f"a bool array {expected}")
-    if not xp.isdtype(value.dtype, "bool"):
-        raise TypeError(f"{name}: expected a bool mask {expected}, got dtype {value.dtype}{hint}")
-    if tuple(value.shape) != shape:
-        raise ValueError(f"{name}: expected a bool mask {expected}, got {tuple(value.shape)}")
+    tokens = check_int("tokens", tokens, 0)
+    rows = offsets if offsets and isinstance(offsets[0], (list, tuple)) else [offsets]
+    starts = []
+    for index, row in enumerate(rows):
+        line = [check_int(f"offsets[{index}]", o, 0, tokens) for o in row]
+        if any(b <= a for a, b in zip(line, line[1:], strict=False)):
+            raise ValueError(f"offsets[{index}]: expected increasing offsets in [0, {tokens}], "
+                             f"got {list(row)}")
+        starts.append([o for o in line if o < tokens])
+    sizes.check_bytes("tokens", len(rows) * tokens, f"the document-start mask ({len(rows)}, "
+                      f"{tokens}) of bools", xp, device)
+    positions = xp.arange(tokens, device=device)
+    lines = [xp.any(positions[None, :] == xp.asarray(line, device=device)[:, None], axis=0)
+             if line else xp.zeros((tokens,), dtype=xp.bool, device=device)
+             for line in starts]
+    return xp.stack(lines, axis=0)

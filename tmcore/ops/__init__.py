@@ -1,17 +1,5 @@
-"""The primitives: each a generic array-API forward and a hand-written VJP, one per file.
-
-- :mod:`~tmcore.ops.addressing` -- coordinates, cell centres, the sigma and coordinate
-  squashes;
-- :mod:`~tmcore.ops.sample` -- the n-linear read; :mod:`~tmcore.ops.splat` -- the
-  Gaussian write;
-- :mod:`~tmcore.ops.conv` -- the factorized conv; :mod:`~tmcore.ops.cell` -- the ConvLSTM
-  step;
-- :mod:`~tmcore.ops.window` -- the local window's geometry, box write and one local step;
-- :mod:`~tmcore.ops.warp` -- resampling the state at displaced cell centres;
-- :mod:`~tmcore.ops.common` -- activations, separable profiles, boxes.
-
-Importing this package registers the generic :class:`tmcore.runtime.dispatch.Ops` table
-(:data:`GENERIC`), the reference every backend's fast path is tested against.
+"""The primitives, one per file, each a generic array-API forward with a hand-written VJP;
+importing this package registers :data:`GENERIC`, the table every fast path is tested against.
 """
 
 from tmcore.ops import cell, conv, sample, splat

@@ -1,9 +1,5 @@
-"""Continuous addressing: normalized coordinates, voxel positions, cell centres.
-
-Conventions (docs/guides/conventions.md, docs/LAYER.md): coordinates live in
-``[-1, 1]``; ``coords[..., k]`` addresses spatial axis ``n - 1 - k`` (grid_sample
-order: x = last axis); cell centres are ``linspace(-1, 1, S_a)`` (align_corners=True), so the voxel
-position along axis ``a`` is ``u_a = (x + 1) / 2 * (S_a - 1)``.
+"""Continuous addressing: normalized coordinates, voxel positions, cell centres, and the
+coordinate and sigma squashes (conventions: docs/guides/conventions.md).
 """
 
 from __future__ import annotations
@@ -52,17 +48,14 @@ def cell_centers(
         The spatial grid shape ``S``, 1 to 4 positive ints.
     xp : namespace
         The array namespace to create the arrays in.
-    dtype : dtype, optional
-        Their dtype (the namespace's default floating dtype if None).
-    device : device, optional
-        Their device (the namespace's default if None).
+    dtype, device : optional
+        Their dtype and device (the namespace's defaults if None).
 
     Returns
     -------
     list of array
-        ``linspace(-1, 1, S_a)`` of shape ``(S_a,)`` for each axis, in
-        spatial-axis order (first axis first), not coordinate order. A size-1
-        axis has its single centre at -1.
+        ``linspace(-1, 1, S_a)`` of shape ``(S_a,)`` per axis, in spatial-axis order (not
+        coordinate order); a size-1 axis has its centre at -1.
 
     Raises
     ------
@@ -70,13 +63,6 @@ def cell_centers(
         If ``shape`` is not a sequence of ints.
     ValueError
         If ``shape`` has no or more than 4 axes or a size < 1.
-
-    Examples
-    --------
-    >>> import numpy as np
-    >>> import tmcore
-    >>> tmcore.cell_centers((3, 2), xp=np)
-    [array([-1.,  0.,  1.]), array([-1.,  1.])]
     """
     dims = check_grid_shape("shape", shape)
     return [xp.linspace(-1.0, 1.0, s, dtype=dtype, device=device) for s in dims]
@@ -99,11 +85,7 @@ def _points_namespace(name: str, points: Any, dims: tuple[int, ...]) -> Any:
 
 
 def normalized_to_voxel(coords: Any, shape: Sequence[int]) -> Any:
-    """Map normalized coordinates to (unclamped) voxel positions.
-
-    ``u = (x + 1) / 2 * (S_a - 1)`` for the component ``x`` that addresses axis
-    ``a``; the output keeps the coordinate order (component ``k`` is the
-    position along spatial axis ``n - 1 - k``).
+    """Map normalized coordinates to (unclamped) voxel positions, in coordinate order.
 
     Parameters
     ----------
@@ -115,15 +97,15 @@ def normalized_to_voxel(coords: Any, shape: Sequence[int]) -> Any:
     Returns
     -------
     array, shape ``(..., n)``
-        The voxel positions, in ``coords``'s dtype.
+        ``u = (x + 1) / 2 * (S_a - 1)`` for the component ``x`` that addresses axis ``a``.
 
     Raises
     ------
     TypeError
         If ``coords`` is not an array or ``shape`` is not a sequence of ints.
     ValueError
-        If ``shape`` is not 1 to 4 positive sizes or ``coords``'s last axis is
-        not ``n = len(shape)``.
+        If ``shape`` is not 1 to 4 positive sizes or ``coords``'s last axis is not
+        ``n = len(shape)``.
 
     Examples
     --------
@@ -145,7 +127,7 @@ def voxel_to_normalized(voxel: Any, shape: Sequence[int]) -> Any:
     voxel : array, shape ``(..., n)``
         Voxel positions, in coordinate order.
     shape : sequence of int
-        The spatial grid shape ``S`` of ``n`` axes, every size >= 2.
+        The spatial grid shape ``S`` of ``n`` axes.
 
     Returns
     -------
@@ -157,8 +139,8 @@ def voxel_to_normalized(voxel: Any, shape: Sequence[int]) -> Any:
     TypeError
         If ``voxel`` is not an array or ``shape`` is not a sequence of ints.
     ValueError
-        If ``shape`` is not 1 to 4 sizes >= 2 (a size-1 axis has no scale to
-        invert) or ``voxel``'s last axis is not ``n = len(shape)``.
+        If ``shape`` is not 1 to 4 sizes >= 2 (a size-1 axis has no scale to invert) or
+        ``voxel``'s last axis is not ``n = len(shape)``.
     """
     dims = check_grid_shape("shape", shape)
     if min(dims) < 2:
@@ -182,7 +164,7 @@ def squash_coords(logits: Any) -> Any:
     Parameters
     ----------
     logits : array, shape ``(...)``
-        The coordinate head's outputs, any shape (``(B, T, n)`` in the layer).
+        The coordinate head's outputs (``(B, T, n)`` in the layer).
 
     Returns
     -------
@@ -204,7 +186,7 @@ def squash_coords_vjp(logits: Any, g: Any) -> Any:
     Parameters
     ----------
     logits : array, shape ``(...)``
-        The inputs of the squashing.
+        As in :func:`squash_coords`.
     g : array, shape ``(...)``
         The cotangent of its output, shaped like ``logits``.
 
@@ -215,10 +197,8 @@ def squash_coords_vjp(logits: Any, g: Any) -> Any:
 
     Raises
     ------
-    TypeError
-        If an argument is not an array (or None), or the two mix namespaces.
-    ValueError
-        If ``g`` is not shaped like ``logits``.
+    TypeError, ValueError
+        If an argument is not an array, the two mix namespaces, or their shapes differ.
     """
     xp = namespace_of(logits=logits, g=g)
     _same_shape("g", g, "logits", logits)
@@ -246,13 +226,6 @@ def sigma_from_logit(logit: Any, sigma_scale: float = 1.0) -> Any:
         If ``logit`` is not an array or ``sigma_scale`` is not a real number.
     ValueError
         If ``sigma_scale`` is not finite and > 0.
-
-    Examples
-    --------
-    >>> import numpy as np
-    >>> import tmcore
-    >>> np.round(tmcore.sigma_from_logit(np.array([-30.0, 0.0])), 4)
-    array([1.000e-04, 6.932e-01])
     """
     xp = namespace_of(logit=logit)
     check_positive_scalar("sigma_scale", sigma_scale)
@@ -265,7 +238,7 @@ def sigma_from_logit_vjp(logit: Any, g: Any, sigma_scale: float = 1.0) -> Any:
     Parameters
     ----------
     logit : array, shape ``(...)``
-        The input of :func:`sigma_from_logit`.
+        As in :func:`sigma_from_logit`.
     g : array, shape ``(...)``
         The cotangent of the spreads, shaped like ``logit``.
     sigma_scale : float, default 1.0
@@ -278,12 +251,8 @@ def sigma_from_logit_vjp(logit: Any, g: Any, sigma_scale: float = 1.0) -> Any:
 
     Raises
     ------
-    TypeError
-        If an argument is not an array (or None), the two mix namespaces, or
-        ``sigma_scale`` is not a real number.
-    ValueError
-        If ``g`` is not shaped like ``logit`` or ``sigma_scale`` is not finite
-        and > 0.
+    TypeError, ValueError
+        As :func:`sigma_from_logit`; also if ``g`` is not an array shaped like ``logit``.
     """
     xp = namespace_of(logit=logit, g=g)
     _same_shape("g", g, "logit", logit)

@@ -1,9 +1,4 @@
-"""The ConvLSTM update of the memory grid, and its VJP.
-
-``z = conv(concat([x, h]))`` (written volume first); ``i, f, o, g`` are the
-channel quarters of ``z`` in that order; ``c' = sigmoid(f) c + sigmoid(i) tanh(g)``,
-``h' = sigmoid(o) tanh(c')``.
-"""
+"""The ConvLSTM update of the memory grid, and its VJP."""
 
 from __future__ import annotations
 
@@ -27,12 +22,8 @@ class CellCache(NamedTuple):
 
 
 def gates_fwd(xp: Any, z: Any, c: Any) -> tuple[Any, Any, Any]:
-    """The LSTM update from pre-activations ``z (B, 4C, *S)`` and cell ``c (B, C, *S)``.
-
-    Returns ``(h', c', residuals)``; the generic residuals are
-    ``(c, (i, f, o, g) after their nonlinearities, tanh(c'))``. This is the
-    generic entry ``gates_fwd`` of :func:`tmcore.runtime.dispatch.ops_for`.
-    """
+    """The LSTM update from ``z (B, 4C, *S)`` and ``c (B, C, *S)``: ``(h', c', residuals)``, the
+    residuals ``(c, (i, f, o, g) activated, tanh(c'))`` (the generic Ops entry)."""
     channels = c.shape[1]
     i = sigmoid(xp, z[:, :channels, ...])
     f = sigmoid(xp, z[:, channels : 2 * channels, ...])
@@ -44,10 +35,7 @@ def gates_fwd(xp: Any, z: Any, c: Any) -> tuple[Any, Any, Any]:
 
 
 def gates_bwd(xp: Any, residuals: Any, g_h: Any, g_c: Any) -> tuple[Any, Any]:
-    """VJP of :func:`gates_fwd` for cotangents ``g_h, g_c (B, C, *S)``.
-
-    Returns ``(d_z (B, 4C, *S), d_c (B, C, *S))``.
-    """
+    """VJP of :func:`gates_fwd`: ``(d_z (B, 4C, *S), d_c (B, C, *S))``."""
     c, (i, f, o, g), tanh_c_new = residuals
     d_c_new = g_c + g_h * o * tanh_grad_from_output(tanh_c_new)
     d_z = xp.concat(
@@ -63,14 +51,13 @@ def gates_bwd(xp: Any, residuals: Any, g_h: Any, g_c: Any) -> tuple[Any, Any]:
 
 
 def gates_residuals(xp: Any, z: Any, c: Any) -> Any:
-    """The residuals of :func:`gates_fwd` alone (the generic path computes the update
-    anyway). The generic entry ``gates_residuals`` of :func:`tmcore.runtime.dispatch.ops_for`."""
+    """The residuals of :func:`gates_fwd` alone (the generic Ops entry)."""
     return gates_fwd(xp, z, c)[2]
 
 
 def cell_cache(xp: Any, x: Any, h: Any, c: Any, params: ConvParams) -> CellCache:
-    """What :func:`cell_bwd` needs, recomputed from the step's inputs; unlike
-    :func:`cell_fwd` it does not ask for ``h', c'`` (a backend may skip them)."""
+    """What :func:`cell_bwd` needs, recomputed from the step's inputs (without asking for
+    ``h', c'``, which a backend may skip)."""
     ops = ops_for(xp)
     z, stages = ops.conv_fwd(xp, xp.concat([x, h], axis=1), params)
     return CellCache(stages, ops.gates_residuals(xp, z, c))
@@ -123,8 +110,8 @@ def _validate(x, h, c, params, g_h=None, g_c=None):
 
 
 def validate_gate_conv(params: ConvParams, ndim: int, channels: int) -> None:
-    """Check the ConvLSTM's gate conv for ``C = channels`` state channels over ``ndim``
-    spatial axes: ``C_in = 2C`` (the written volume and ``h``), ``C_out = 4C`` (the gates)."""
+    """Check the gate conv of ``channels`` state channels over ``ndim`` axes: ``C_in = 2C`` (the
+    written volume and ``h``), ``C_out = 4C`` (the gates)."""
     validate_conv_params(params, ndim, 2 * channels)
     if params.pointwise_weight.shape[0] != 4 * channels:
         raise ValueError(f"params.pointwise_weight: expected shape (4C, 2C) = "
@@ -133,40 +120,32 @@ def validate_gate_conv(params: ConvParams, ndim: int, channels: int) -> None:
 
 
 def convlstm_step(x: Any, h: Any, c: Any, params: ConvParams) -> tuple[Any, Any]:
-    """One ConvLSTM update of the state ``(h, c)`` by the written volume ``x``.
+    """Update the state ``(h, c)`` by one ConvLSTM step on the written volume ``x``.
 
-    ``z = factorized_conv(concat([x, h], channel axis), params)`` is split into
-    the gates ``(i, f, o, g)`` in that order; ``c' = sigmoid(f) c + sigmoid(i)
-    tanh(g)`` and ``h' = sigmoid(o) tanh(c')``.
+    ``z = factorized_conv(concat([x, h], channel axis), params)`` is split into the gates
+    ``(i, f, o, g)``; ``c' = sigmoid(f) c + sigmoid(i) tanh(g)``, ``h' = sigmoid(o) tanh(c')``.
 
     Parameters
     ----------
-    x : array, shape ``(B, C, *S)``
-        The written volume (first in the concatenation).
-    h : array, shape ``(B, C, *S)``
-        The hidden state.
-    c : array, shape ``(B, C, *S)``
-        The cell state.
+    x, h, c : array, shape ``(B, C, *S)``
+        The written volume (first in the concatenation), the hidden and the cell state.
     params : ConvParams
-        The gate conv, with ``C_in = 2C`` and ``C_out = 4C``.
+        The gate conv, ``C_in = 2C``, ``C_out = 4C``.
 
     Returns
     -------
-    h_new : array, shape ``(B, C, *S)``
-        The new hidden state, ``|h_new| <= 1``.
-    c_new : array, shape ``(B, C, *S)``
-        The new cell state.
+    h_new, c_new : array, shape ``(B, C, *S)``
+        The new state; ``|h_new| <= 1``.
 
     Raises
     ------
     TypeError
-        If ``params`` is not a 4-tuple, an argument is not an array, or the
-        arrays mix namespaces.
+        If ``params`` is not a 4-tuple, an argument is not an array, or the arrays mix
+        namespaces.
     ValueError
-        If ``h`` does not have 1 to 4 spatial axes, ``x`` or ``c`` is not shaped
-        like ``h``, a field of ``params`` does not fit ``C_in = 2C``,
-        ``C_out = 4C``, the arrays lie on different devices, or (validate mode
-        only) an array holds NaN or inf.
+        If ``h`` does not have 1 to 4 spatial axes, ``x`` or ``c`` is not shaped like ``h``,
+        a field of ``params`` does not fit ``C_in = 2C``, ``C_out = 4C``, the arrays lie on
+        different devices, or (validate mode only) an array holds NaN or inf.
     """
     xp, params = _validate(x, h, c, params)
     h_new, c_new, _ = cell_fwd(xp, x, h, c, params)
@@ -176,41 +155,26 @@ def convlstm_step(x: Any, h: Any, c: Any, params: ConvParams) -> tuple[Any, Any]
 def convlstm_step_vjp(
     x: Any, h: Any, c: Any, params: ConvParams, g_h: Any, g_c: Any
 ) -> tuple[Any, Any, Any, ConvParams]:
-    """Gradients of :func:`convlstm_step` for the cotangents of ``h'`` and ``c'``.
+    """Give the gradients of :func:`convlstm_step` for the cotangents of ``h'`` and ``c'``.
 
     Parameters
     ----------
-    x : array, shape ``(B, C, *S)``
-        The written volume of the step.
-    h : array, shape ``(B, C, *S)``
-        The hidden state entering the step.
-    c : array, shape ``(B, C, *S)``
-        The cell state entering the step.
-    params : ConvParams
-        The gate conv, with ``C_in = 2C`` and ``C_out = 4C``.
-    g_h : array, shape ``(B, C, *S)``
-        The cotangent of the new hidden state.
-    g_c : array, shape ``(B, C, *S)``
-        The cotangent of the new cell state.
+    x, h, c, params : array or ConvParams
+        As in :func:`convlstm_step`.
+    g_h, g_c : array, shape ``(B, C, *S)``
+        The cotangents of the new state.
 
     Returns
     -------
-    d_x : array, shape ``(B, C, *S)``
-        The gradient for ``x``.
-    d_h : array, shape ``(B, C, *S)``
-        The gradient for ``h``.
-    d_c : array, shape ``(B, C, *S)``
-        The gradient for ``c``.
+    d_x, d_h, d_c : array, shape ``(B, C, *S)``
+        The gradients for ``x``, ``h`` and ``c``.
     d_params : ConvParams
         The gradients for the conv's fields, shaped like them.
 
     Raises
     ------
-    TypeError
-        As for :func:`convlstm_step`; ``g_h`` and ``g_c`` may not be None.
-    ValueError
-        As for :func:`convlstm_step`, and if ``g_h`` or ``g_c`` is not shaped
-        like ``h``.
+    TypeError, ValueError
+        As :func:`convlstm_step`; also if ``g_h`` or ``g_c`` is not an array shaped like ``h``.
     """
     require_array("g_h", g_h)
     require_array("g_c", g_c)

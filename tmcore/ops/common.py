@@ -1,16 +1,9 @@
-"""The pieces several primitives share: overflow-free activations, separable profiles,
-boxes of a grid.
+"""What several primitives share: overflow-free activations, separable profiles, boxes.
 
-- Activations (sigmoid, softplus and the derivatives from outputs) never evaluate ``exp``
-  of a positive number: float16 / float32 inputs of any magnitude give finite values.
-- Separable weights: the trilinear tent and the Gaussian both factor into one 1-D profile
-  per axis, so reads, writes and their gradients are dense contractions (deterministic,
-  no scatter, no atomics) over :func:`outer_product`.
-- A *box* is, per batch row ``b``, the cells ``start[b, a] <= i_a < start[b, a] + size[a]``
-  of a ``(B, K, *S)`` array (every box inside the grid): :func:`gather_box` reads it with
-  one ``take``; :func:`set_box` writes it back touching only its cells (integer-array
-  assignment in NumPy / PyTorch / CuPy, ``.at[].set`` in JAX, one slice per row
-  elsewhere). Both ``O(B K prod(size))``, independent of the grid.
+Reads, writes and their gradients are dense contractions over :func:`outer_product` of 1-D
+profiles (no scatter, no atomics: deterministic). A *box* is, per batch row ``b``, the cells
+``start[b, a] <= i_a < start[b, a] + size[a]`` of a ``(B, K, *S)`` array, inside the grid;
+:func:`gather_box` and :func:`set_box` touch only its cells, ``O(B K prod(size))``.
 """
 
 from __future__ import annotations
@@ -28,30 +21,13 @@ __all__ = ["box_index", "gather_box", "grid_size", "index_dtype", "outer_product
 
 
 def sigmoid(xp: Any, x: Any) -> Any:
-    """Logistic function ``1 / (1 + exp(-x))`` as ``0.5 * tanh(0.5 x) + 0.5``.
-
-    The identity is exact; ``tanh`` saturates instead of overflowing, and this
-    form is three elementwise passes where the ``exp(-|x|)`` / ``where`` form
-    takes seven (the gates are the scan's hottest elementwise work).
-    """
+    """``1 / (1 + exp(-x))`` as ``0.5 * tanh(0.5 x) + 0.5``: exact, never overflows, and three
+    elementwise passes where the ``exp(-|x|)`` / ``where`` form takes seven (the gates are hot)."""
     return 0.5 * xp.tanh(0.5 * x) + 0.5
 
 
 def softplus(xp: Any, x: Any) -> Any:
-    """``log(1 + exp(x))`` as ``max(x, 0) + log1p(exp(-|x|))`` (no overflow).
-
-    Parameters
-    ----------
-    xp : namespace
-        The array namespace of ``x``.
-    x : array
-        Any shape, a real floating dtype.
-
-    Returns
-    -------
-    array
-        The softplus of ``x``, elementwise (same shape and dtype).
-    """
+    """``log(1 + exp(x))`` as ``max(x, 0) + log1p(exp(-|x|))`` (never overflows)."""
     return xp.maximum(x, xp.zeros_like(x)) + xp.log1p(xp.exp(-xp.abs(x)))
 
 
@@ -74,18 +50,8 @@ def grid_size(shape: Sequence[int]) -> int:
 
 
 def outer_product(xp: Any, profiles: Sequence[Any], replace: dict[int, Any] | None = None) -> Any:
-    """Flattened outer product of per-axis profiles.
-
-    Parameters
-    ----------
-    profiles : sequence of n arrays ``(B, Q, S_a)``, in spatial-axis order.
-    replace : optional ``{axis: array (B, Q, S_axis)}`` used instead of
-        ``profiles[axis]`` (e.g. a derivative profile).
-
-    Returns
-    -------
-    ``(B, Q, prod(S))`` with the last spatial axis varying fastest (C order).
-    """
+    """Flattened outer product ``(B, Q, prod(S))`` (C order) of n profiles ``(B, Q, S_a)`` in
+    spatial-axis order; ``replace``: ``{axis: (B, Q, S_axis)}`` used instead (a derivative)."""
     replace = replace or {}
     n = len(profiles)
     batch, queries = profiles[0].shape[:2]
@@ -115,11 +81,8 @@ def to_index(xp: Any, values: Any, dtype: Any) -> Any:
 
 def box_index(xp: Any, start: Any, size: Sequence[int], batch: int, channels: int,
               shape: Sequence[int]) -> Any:
-    """Flat indices ``(B * K * prod(size),)`` of the box cells in a ``(B, K, *shape)`` array.
-
-    ``start`` is ``(B, n)`` integers (spatial-axis order); the order of the result is
-    C order over ``(B, K, *size)``.
-    """
+    """Flat indices ``(B * K * prod(size),)`` of the box at ``start (B, n)`` in a ``(B, K, *shape)``
+    array, C order over ``(B, K, *size)``."""
     n = len(shape)
     device = device_of(start)
     dtype = start.dtype
@@ -139,10 +102,8 @@ def box_index(xp: Any, start: Any, size: Sequence[int], batch: int, channels: in
 
 
 def gather_box(xp: Any, x: Any, start: Any, size: Sequence[int], index: Any = None) -> Any:
-    """The box ``(B, K, *size)`` of ``x (B, K, *S)`` at ``start (B, n)``.
-
-    ``index``: :func:`box_index` of the same box, if already made.
-    """
+    """The box ``(B, K, *size)`` of ``x (B, K, *S)`` at ``start (B, n)`` (``index``: its
+    :func:`box_index`, if made)."""
     batch, channels = x.shape[:2]
     if index is None:
         index = box_index(xp, start, size, batch, channels, tuple(x.shape[2:]))
@@ -150,11 +111,8 @@ def gather_box(xp: Any, x: Any, start: Any, size: Sequence[int], index: Any = No
 
 
 def set_box(xp: Any, x: Any, start: Any, values: Any, index: Any = None) -> Any:
-    """``x (B, K, *S)`` with the box at ``start (B, n)`` replaced by ``values (B, K, *size)``.
-
-    In place where the namespace allows it (see the module docstring): pass an array
-    that nothing else reads. Returns the updated array (use it, not ``x``).
-    """
+    """``x (B, K, *S)`` with the box at ``start (B, n)`` set to ``values (B, K, *size)``, in place
+    where the namespace allows it: pass an array nothing else reads, and use the result."""
     batch, channels = x.shape[:2]
     shape = tuple(x.shape[2:])
     size = tuple(values.shape[2:])

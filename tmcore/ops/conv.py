@@ -1,9 +1,4 @@
-"""Factorized convolution: per-axis depthwise 3-tap convs, then pointwise mixing.
-
-For each spatial axis ``a`` in order (first axis first) a depthwise 1-D
-cross-correlation ``y[i] = w[a,c,0] x[i-1] + w[a,c,1] x[i] + w[a,c,2] x[i+1] +
-b[a,c]`` with zero padding; then ``z = P @ y + p_bias`` over channels.
-"""
+"""Factorized convolution: per-axis depthwise 3-tap convs, then pointwise mixing."""
 
 from __future__ import annotations
 
@@ -31,20 +26,17 @@ __all__ = [
 
 
 def xavier_uniform_bound(c_in: int, c_out: int) -> float:
-    """Half-width of the Xavier-uniform range for a ``(c_out, c_in)`` matrix.
+    """Give the half-width ``sqrt(6 / (c_in + c_out))`` of the Xavier-uniform range.
 
     Parameters
     ----------
-    c_in : int
-        The number of input channels, >= 1.
-    c_out : int
-        The number of output channels, >= 1.
+    c_in, c_out : int
+        The matrix's input and output channels, each >= 1.
 
     Returns
     -------
     float
-        ``sqrt(6 / (c_in + c_out))``: draw the matrix uniformly in
-        ``[-bound, bound]``.
+        The bound: draw a ``(c_out, c_in)`` matrix uniformly in ``[-bound, bound]``.
 
     Raises
     ------
@@ -52,12 +44,6 @@ def xavier_uniform_bound(c_in: int, c_out: int) -> float:
         If ``c_in`` or ``c_out`` is not an int.
     ValueError
         If ``c_in`` or ``c_out`` is < 1.
-
-    Examples
-    --------
-    >>> import tmcore
-    >>> tmcore.xavier_uniform_bound(16, 32)           # the ConvLSTM of C = 8 channels
-    0.3535533905932738
     """
     c_in, c_out = check_int("c_in", c_in, 1), check_int("c_out", c_out, 1)
     return math.sqrt(6.0 / (c_in + c_out))
@@ -66,24 +52,21 @@ def xavier_uniform_bound(c_in: int, c_out: int) -> float:
 def conv_params_from_pointwise(pointwise_weight: Any, ndim: int) -> ConvParams:
     """Build the layer's initial conv parameters around a given pointwise matrix.
 
-    Depthwise taps start as identity (centre 1, others 0, bias 0) and the
-    pointwise bias at 0 (the parameter plan of docs/LAYER.md). Draw
-    ``pointwise_weight`` uniformly in ``+-xavier_uniform_bound(C_in, C_out)``
-    with your framework's random numbers.
+    Identity depthwise taps and zero biases (docs/guides/conventions.md); draw
+    ``pointwise_weight`` in ``+-xavier_uniform_bound(C_in, C_out)`` with your framework's RNG.
 
     Parameters
     ----------
     pointwise_weight : array, shape ``(C_out, C_in)``
-        The channel-mixing matrix; the other fields are made in its namespace,
-        dtype and device.
+        The channel mixing; the other fields get its namespace, dtype and device.
     ndim : int
         The number of spatial axes ``n``, 1 to 4.
 
     Returns
     -------
     ConvParams
-        ``depthwise_weight (n, C_in, 3)``, ``depthwise_bias (n, C_in)``,
-        ``pointwise_weight`` itself and ``pointwise_bias (C_out,)``.
+        ``depthwise_weight (n, C_in, 3)``, ``depthwise_bias (n, C_in)``, ``pointwise_weight``
+        itself and ``pointwise_bias (C_out,)``.
 
     Raises
     ------
@@ -114,9 +97,8 @@ def conv_params_from_pointwise(pointwise_weight: Any, ndim: int) -> ConvParams:
 
 
 def neighbours(xp: Any, x: Any, axis: int) -> tuple[Any, Any]:
-    """Zero-filled neighbours along ``axis``: ``(prev, next)`` with ``prev[i] = x[i-1]``
-    and ``next[i] = x[i+1]``. One padded copy, two slices (views where the
-    namespace has them)."""
+    """Zero-filled neighbours ``(prev, next)`` of ``x`` along ``axis``, ``prev[i] = x[i-1]``,
+    ``next[i] = x[i+1]``: one padded copy, two slices."""
     size = x.shape[axis]
     edge = [slice(None)] * x.ndim
     edge[axis] = slice(0, 1)
@@ -155,8 +137,8 @@ def depthwise_axis(xp: Any, x: Any, taps: Any, bias: Any, axis: int) -> Any:
 
 
 def conv_fwd(xp: Any, x: Any, params: ConvParams) -> tuple[Any, list[Any]]:
-    """Forward without validation. Returns ``z (B, C_out, *S)`` and the inputs
-    of each stage ``[x, after axis 0, ..., after axis n-1]`` for the backward."""
+    """Forward without validation: ``z (B, C_out, *S)`` and the stage inputs ``[x, after axis 0,
+    ..., after axis n-1]`` for the backward."""
     n = x.ndim - 2
     stages = [x]
     for axis in range(n):
@@ -259,19 +241,18 @@ def _validate(x: Any, params: ConvParams, g: Any = None) -> Any:
 
 
 def factorized_conv(x: Any, params: ConvParams) -> Any:
-    """Apply the factorized conv: depthwise 3-tap passes per axis, then pointwise mixing.
+    """Apply the factorized conv: a depthwise 3-tap pass per axis, then pointwise mixing.
 
-    For each spatial axis in order (first axis first) a depthwise 1-D
-    cross-correlation with zero padding and a per-channel bias, then
-    ``z = pointwise_weight @ y + pointwise_bias`` over channels.
+    Per spatial axis ``a``, first axis first, ``y[i] = w[a, c, 0] x[i-1] + w[a, c, 1] x[i] +
+    w[a, c, 2] x[i+1] + b[a, c]`` with zero padding; then ``z = pointwise_weight @ y +
+    pointwise_bias`` over channels.
 
     Parameters
     ----------
     x : array, shape ``(B, C_in, *S)``
         The input, with 1 to 4 spatial axes.
     params : ConvParams
-        The parameters, of ``x``'s dtype, with ``n = len(S)`` and ``C_in``
-        matching ``x``.
+        The fields as :func:`conv_params_from_pointwise` makes them, of ``x``'s dtype.
 
     Returns
     -------
@@ -281,26 +262,24 @@ def factorized_conv(x: Any, params: ConvParams) -> Any:
     Raises
     ------
     TypeError
-        If ``params`` is not a 4-tuple, an argument is not an array, the arrays
-        mix namespaces, or a field's dtype differs from ``x``'s.
+        If ``params`` is not a 4-tuple, an argument is not an array, the arrays mix
+        namespaces, or a field's dtype differs from ``x``'s.
     ValueError
-        If ``x`` does not have 1 to 4 spatial axes or has a zero-size axis, a
-        field of ``params`` does not have the shape above, the arrays lie on
-        different devices, or (validate mode only) an array holds NaN or inf.
+        If ``x`` does not have 1 to 4 spatial axes or has a zero-size axis, a field of
+        ``params`` has the wrong shape, the arrays lie on different devices, or (validate
+        mode only) an array holds NaN or inf.
     """
     xp = _validate(x, params)
     return ops_for(xp).conv_fwd(xp, x, ConvParams(*params))[0]
 
 
 def factorized_conv_vjp(x: Any, params: ConvParams, g: Any) -> tuple[Any, ConvParams]:
-    """Gradients of :func:`factorized_conv` for the cotangent ``g``.
+    """Give the gradients of :func:`factorized_conv` for the cotangent ``g``.
 
     Parameters
     ----------
-    x : array, shape ``(B, C_in, *S)``
-        The input of the conv.
-    params : ConvParams
-        The parameters of the conv.
+    x, params : array, ConvParams
+        As in :func:`factorized_conv`.
     g : array, shape ``(B, C_out, *S)``
         The cotangent of the output.
 
@@ -313,10 +292,8 @@ def factorized_conv_vjp(x: Any, params: ConvParams, g: Any) -> tuple[Any, ConvPa
 
     Raises
     ------
-    TypeError
-        As for :func:`factorized_conv`; ``g`` may not be None.
-    ValueError
-        As for :func:`factorized_conv`, and if ``g`` is not ``(B, C_out, *S)``.
+    TypeError, ValueError
+        As :func:`factorized_conv`; also if ``g`` is not an array of shape ``(B, C_out, *S)``.
     """
     require_array("g", g)
     xp = _validate(x, params, g)

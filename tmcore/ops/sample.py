@@ -1,16 +1,8 @@
-"""Trilinear (n-linear) sampling of the memory grid, and its VJP.
+"""N-linear sampling of the memory grid (the read), and its VJP.
 
-Semantics are exactly ``torch.nn.functional.grid_sample(mode="bilinear",
-padding_mode="border", align_corners=True)``, in value and gradient:
-voxel positions are clamped to ``[0, S_a - 1]``; the coordinate gradient is
-zero at and beyond the borders (torch counts the border itself as outside);
-at an interior integer position the derivative is the right-sided one
-(``h[i + 1] - h[i]``), because the lower corner is ``floor(u)``.
-
-Non-finite coordinates: ``+-inf`` reads the border (finite value, zero
-coordinate gradient), like any coordinate beyond it; a NaN component makes
-that query's read and coordinate gradient NaN, and the volume gradient of its
-batch element NaN. Every backend follows this.
+The semantics are ``grid_sample``'s with border padding (docs/guides/conventions.md); at an
+interior cell centre the coordinate derivative is the right-sided one (the lower corner is
+``floor(u)``). Non-finite coordinates: docs/guides/errors-and-cache.md ("Edge values").
 """
 
 from __future__ import annotations
@@ -34,19 +26,8 @@ __all__ = ["trilinear_sample", "trilinear_sample_vjp", "tent_profiles",
 
 
 def tent_profiles(xp: Any, coords: Any, shape: tuple[int, ...]) -> tuple[list[Any], list[Any]]:
-    """Per-axis interpolation weights and their derivatives.
-
-    Parameters
-    ----------
-    coords : ``(B, Q, n)`` normalized coordinates.
-    shape : spatial grid shape ``(S_0, ..., S_{n-1})``.
-
-    Returns
-    -------
-    weights : n arrays ``(B, Q, S_a)``; row sums are 1.
-    slopes : n arrays ``(B, Q, S_a)``: d weight / d coordinate component
-        addressing axis ``a`` (zero where the coordinate is clamped).
-    """
+    """Per-axis read weights and their slopes (d weight / d coordinate, 0 where clamped) for
+    ``coords (B, Q, n)``: two lists of n ``(B, Q, S_a)`` arrays, in spatial-axis order."""
     n = len(shape)
     device = device_of(coords)
     weights, slopes = [], []
@@ -100,8 +81,7 @@ def sample_bwd(xp: Any, volume: Any, coords: Any, g: Any) -> tuple[Any, Any]:
 
 
 def validate_sample_inputs(volume: Any, coords: Any, g: Any = None) -> Any:
-    """The checks of :func:`trilinear_sample` / its VJP (shared with the torch custom
-    op, which runs them in eager mode). Returns the namespace."""
+    """The checks of :func:`trilinear_sample` and its VJP (the torch op's too); the namespace."""
     xp = namespace_of(volume=volume, coords=coords, g=g)
     check_rank("volume", volume, (3, 4, 5, 6), "(B, C, *S) with 1 to 4 spatial axes")
     check_nonempty("volume", volume, "(B, C, *S)")
@@ -121,48 +101,34 @@ def validate_sample_inputs(volume: Any, coords: Any, g: Any = None) -> Any:
 def trilinear_sample(volume: Any, coords: Any) -> Any:
     """Read ``volume`` at continuous coordinates by n-linear interpolation.
 
-    For ``n = 3`` spatial axes this is trilinear interpolation (the paper's
-    name, kept for the function), bilinear for ``n = 2``, linear for ``n = 1``
-    and quadrilinear for ``n = 4``. It equals ``torch.nn.functional.grid_sample
-    (mode="bilinear", padding_mode="border", align_corners=True)`` in value and
-    gradient: voxel positions are clamped to the border, and the coordinate
-    gradient is zero at and beyond it.
+    Trilinear for ``n = 3`` (the paper's name), bilinear for 2, ...; equal in value and gradient
+    to ``grid_sample(mode="bilinear", padding_mode="border", align_corners=True)``.
 
     Parameters
     ----------
     volume : array, shape ``(B, C, *S)``
-        The grid to read, with 1 to 4 spatial axes ``S``, of a real floating
-        dtype.
+        The grid, with 1 to 4 spatial axes, of a real floating dtype.
     coords : array, shape ``(B, Q, n)``
-        ``Q`` query positions per batch element, normalized to ``[-1, 1]``
-        (cell centres at ``linspace(-1, 1, S_a)``); ``coords[..., k]``
-        addresses spatial axis ``n - 1 - k`` (x is the last axis). Values
-        outside ``[-1, 1]``, infinities included, read the border.
+        ``Q`` positions per batch element, normalized to ``[-1, 1]``; ``coords[..., k]``
+        addresses spatial axis ``n - 1 - k``. Values beyond ``[-1, 1]`` read the border.
 
     Returns
     -------
     array, shape ``(B, Q, C)``
-        The interpolated values, in the namespace, device and dtype of the
-        inputs.
+        The interpolated values, in the inputs' namespace, device and dtype.
 
     Raises
     ------
     TypeError
-        If an argument is not an array, the arrays belong to different
-        namespaces, or a dtype is not real floating.
+        If an argument is not a real floating array, or the arrays mix namespaces.
     ValueError
-        If ``volume`` does not have 1 to 4 spatial axes or has a zero-size
-        axis, if ``coords`` is not ``(B, Q, n)`` with ``volume``'s ``B`` and
-        ``n``, if the arrays lie on different devices, or (validate mode only)
-        if an array holds NaN or inf.
-
-    See Also
-    --------
-    trilinear_sample_vjp : The gradients of this read.
+        If ``volume`` does not have 1 to 4 spatial axes or has a zero-size axis, ``coords`` is
+        not ``(B, Q, n)`` with ``volume``'s ``B`` and ``n``, the arrays lie on different
+        devices, or (validate mode only) an array holds NaN or inf.
 
     Examples
     --------
-    A 1-D grid of three cells read at its centre and halfway to the right:
+    A 1-D grid of three cells read at its centre, halfway to the right, and past the border:
 
     >>> import numpy as np
     >>> import tmcore
@@ -176,37 +142,26 @@ def trilinear_sample(volume: Any, coords: Any) -> Any:
 
 
 def trilinear_sample_vjp(volume: Any, coords: Any, g: Any) -> tuple[Any, Any]:
-    """Gradients of :func:`trilinear_sample` for the cotangent ``g``.
+    """Give the gradients of :func:`trilinear_sample` for the cotangent ``g``.
 
     Parameters
     ----------
-    volume : array, shape ``(B, C, *S)``
-        The grid that was read.
-    coords : array, shape ``(B, Q, n)``
-        The normalized query positions that were read.
+    volume, coords : array
+        As in :func:`trilinear_sample`.
     g : array, shape ``(B, Q, C)``
         The cotangent of the read.
 
     Returns
     -------
     d_volume : array, shape ``(B, C, *S)``
-        The gradient for ``volume``, a dense contraction (no scatter, so it is
-        deterministic on every backend).
+        The gradient for ``volume``: a dense contraction (no scatter, deterministic).
     d_coords : array, shape ``(B, Q, n)``
-        The gradient for ``coords``; zero for a component at or beyond the
-        border.
+        The gradient for ``coords``; zero for a component at or beyond the border.
 
     Raises
     ------
-    TypeError
-        If an argument is not an array (``g`` may not be None), or the arrays
-        mix namespaces or have a dtype that is not real floating.
-    ValueError
-        If a shape does not match the layouts above.
-
-    See Also
-    --------
-    trilinear_sample : The read itself.
+    TypeError, ValueError
+        As :func:`trilinear_sample`; also if ``g`` is not an array of shape ``(B, Q, C)``.
     """
     require_array("g", g)
     xp = validate_sample_inputs(volume, coords, g)

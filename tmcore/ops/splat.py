@@ -1,13 +1,4 @@
-"""Gaussian splatting: writing content vectors as Gaussian-weighted volumes.
-
-``w_bk(p) = exp(-||p - mu_bk||^2 / (2 sigma_bk^2 + eps))`` over the normalized
-cell centres ``p``; ``volume[b, :, p] = sum_k content[b, k, :] * w_bk(p)``.
-The weight factors into one 1-D profile per axis, so the write is a dense
-contraction ``content^T @ W``. An optional truncation ``radius`` (in units of
-sigma) zeroes each axis profile where ``|p_a - mu_a| > radius * sigma``
-(a box, which keeps the weight separable); the mask is treated as constant
-in the gradient.
-"""
+"""Gaussian splatting (the write), and its VJP."""
 
 from __future__ import annotations
 
@@ -40,19 +31,9 @@ DEFAULT_EPS = 1e-6
 def gaussian_profiles(
     xp: Any, mu: Any, sigma: Any, shape: tuple[int, ...], eps: float, radius: float | None
 ) -> tuple[list[Any], list[Any], Any]:
-    """Per-axis Gaussian profiles.
-
-    Parameters
-    ----------
-    mu : ``(B, K, n)`` normalized centres (coordinate order).
-    sigma : ``(B, K)`` spreads.
-
-    Returns
-    -------
-    profiles : n arrays ``(B, K, S_a)`` (spatial-axis order), possibly truncated.
-    offsets : n arrays ``(B, K, S_a)``: ``p_a - mu_a``.
-    denom : ``(B, K, 1)``: ``2 sigma^2 + eps``.
-    """
+    """Per-axis profiles of writes at ``mu (B, K, n)`` with ``sigma (B, K)``: ``(profiles, offsets
+    p_a - mu_a, denom)``, n ``(B, K, S_a)`` arrays each (spatial-axis order, profiles truncated
+    by ``radius``) and ``denom = 2 sigma^2 + eps`` of shape ``(B, K, 1)``."""
     n = len(shape)
     device = device_of(mu)
     denom = (2.0 * sigma * sigma + eps)[..., None]
@@ -141,9 +122,8 @@ def splat_bwd(
 
 def splat_rows(xp: Any, write: Any, shape: tuple[int, ...], eps: float,
                radius: float | None) -> Any:
-    """One write per row, through ``ops_for(xp)``: ``write_coords (M, n)``, ``write_sigma
-    (M,)``, ``write_content (M, C)`` (a :class:`tmcore.StepInputs` serves) splatted on
-    ``shape``, ``(M, C, *shape)``."""
+    """One write per row through ``ops_for(xp)``: ``write_coords (M, n)``, ``write_sigma (M,)``,
+    ``write_content (M, C)`` (a :class:`tmcore.StepInputs` serves) -> ``(M, C, *shape)``."""
     return ops_for(xp).splat_fwd(xp, write.write_content[:, None, :],
                                  write.write_coords[:, None, :], write.write_sigma[:, None],
                                  shape, eps, radius)
@@ -151,8 +131,8 @@ def splat_rows(xp: Any, write: Any, shape: tuple[int, ...], eps: float,
 
 def splat_rows_vjp(xp: Any, write: Any, shape: tuple[int, ...], g: Any, eps: float,
                    radius: float | None) -> tuple[Any, Any, Any]:
-    """VJP of :func:`splat_rows` for ``g (M, C, *shape)``: ``(d_mu (M, n), d_sigma (M,),
-    d_content (M, C))``."""
+    """VJP of :func:`splat_rows` for ``g (M, C, *shape)``: ``(d_mu (M, n), d_sigma (M,), d_content
+    (M, C))``."""
     d_content, d_mu, d_sigma = ops_for(xp).splat_bwd(
         xp, write.write_content[:, None, :], write.write_coords[:, None, :],
         write.write_sigma[:, None], shape, g, eps, radius)
@@ -160,8 +140,8 @@ def splat_rows_vjp(xp: Any, write: Any, shape: tuple[int, ...], g: Any, eps: flo
 
 
 def validate_splat_inputs(content, mu, sigma, shape, g=None, radius=None, eps=DEFAULT_EPS):
-    """The checks of :func:`gaussian_splat` / its VJP (shared with the torch custom op,
-    which runs them in eager mode). Returns ``(namespace, shape as a tuple)``."""
+    """The checks of :func:`gaussian_splat` and its VJP (the torch op's too): ``(namespace,
+    shape as a tuple)``."""
     dims = check_grid_shape("shape", shape)
     xp = namespace_of(content=content, mu=mu, sigma=sigma, g=g)
     check_rank("content", content, 3, "(B, K, C)")
@@ -196,56 +176,43 @@ def gaussian_splat(
 ) -> Any:
     """Write ``K`` content vectors as isotropic Gaussian volumes and sum them.
 
-    ``volume[b, :, p] = sum_k content[b, k, :] * w_bk(p)`` with the
-    unnormalized weight ``w_bk(p) = exp(-||p - mu_bk||^2 / (2 sigma_bk^2 +
-    eps))`` over the normalized cell centres ``p``. The weight is a product
-    of one 1-D profile per axis, so the write is a dense contraction.
+    ``volume[b, :, p] = sum_k content[b, k, :] * w_bk(p)`` with the unnormalized weight
+    ``w_bk(p) = exp(-||p - mu_bk||^2 / (2 sigma_bk^2 + eps))`` over the normalized cell centres
+    ``p``: a product of one 1-D profile per axis, so the write is a dense contraction.
 
     Parameters
     ----------
     content : array, shape ``(B, K, C)``
         The vectors to write.
     mu : array, shape ``(B, K, n)``
-        The normalized centres of the writes; ``mu[..., k]`` addresses spatial
-        axis ``n - 1 - k``. Centres far outside ``[-1, 1]`` write (close to)
-        nothing.
+        The normalized centres; ``mu[..., k]`` addresses spatial axis ``n - 1 - k``.
     sigma : array, shape ``(B, K)``
-        The spreads, in normalized units; must be > 0. This is checked only in
-        validate mode (``tmcore.options(validate=True)``), as it needs a host
-        sync; otherwise ``sigma = 0`` gives a one-hot-like weight limited by
-        ``eps``, and a negative sigma acts like ``|sigma|`` except under
-        ``radius``. With ``eps = 0`` too the weight is the limit: exactly 1 on
-        a cell centre the write hits exactly, 0 elsewhere, and zero gradients
-        for ``mu`` and ``sigma``.
+        The spreads, in normalized units, > 0. Checked in validate mode only (a host sync);
+        otherwise ``sigma = 0`` gives a one-hot-like weight limited by ``eps`` (with
+        ``eps = 0`` its limit, docs/guides/errors-and-cache.md) and a negative sigma acts
+        like ``|sigma|`` except under ``radius``.
     shape : sequence of int
         The spatial grid shape ``S``, 1 to 4 positive ints.
     eps : float, default 1e-6
-        Added to ``2 sigma^2`` in the denominator; a finite number >= 0.
+        Added to ``2 sigma^2``; finite and >= 0.
     radius : float or None, default None
-        Truncation in units of sigma: each axis profile is zero where
-        ``|p_a - mu_a| > radius * sigma`` (a box, so the weight stays
-        separable; the mask is constant in the gradient). None writes
-        everywhere.
+        Truncation in units of sigma: each axis profile is 0 where ``|p_a - mu_a| > radius *
+        sigma`` (a box, so the weight stays separable; the mask is constant in the gradient).
 
     Returns
     -------
     array, shape ``(B, C, *shape)``
-        The written volume, in the namespace, device and dtype of the inputs.
+        The written volume, in the inputs' namespace, device and dtype.
 
     Raises
     ------
     TypeError
-        If an argument is not an array, the arrays mix namespaces, a dtype is
-        not real floating, or ``shape`` is not a sequence of ints.
+        If an argument is not a real floating array, the arrays mix namespaces, or ``shape``
+        is not a sequence of ints.
     ValueError
-        If a shape does not match the layouts above, ``shape`` has no or more
-        than 4 axes or a size < 1, ``eps`` is negative or not finite,
-        ``radius`` is not None or > 0, or (validate mode only) an array holds
-        NaN or inf or a sigma is not > 0.
-
-    See Also
-    --------
-    gaussian_splat_vjp : The gradients of this write.
+        If a shape does not match the layouts above, ``shape`` has no or more than 4 axes or
+        a size < 1, ``eps`` is negative or not finite, ``radius`` is not None or > 0, or
+        (validate mode only) an array holds NaN or inf or a sigma is not > 0.
 
     Examples
     --------
@@ -253,13 +220,9 @@ def gaussian_splat(
 
     >>> import numpy as np
     >>> import tmcore
-    >>> content = np.ones((1, 1, 1))                  # (B, K, C)
-    >>> mu = np.zeros((1, 1, 1))                      # (B, K, n)
-    >>> sigma = np.full((1, 1), 0.5)                  # (B, K)
-    >>> volume = tmcore.gaussian_splat(content, mu, sigma, (5,))
-    >>> volume.shape
-    (1, 1, 5)
-    >>> np.round(volume[0, 0], 3)                     # exp(-p^2 / 0.5) at p = -1 ... 1
+    >>> content, mu, sigma = np.ones((1, 1, 1)), np.zeros((1, 1, 1)), np.full((1, 1), 0.5)
+    >>> volume = tmcore.gaussian_splat(content, mu, sigma, (5,))      # (B, C, 5)
+    >>> np.round(volume[0, 0], 3)                                     # exp(-p^2 / 0.5)
     array([0.135, 0.607, 1.   , 0.607, 0.135])
     """
     xp, dims = validate_splat_inputs(content, mu, sigma, shape, radius=radius, eps=eps)
@@ -270,25 +233,16 @@ def gaussian_splat_vjp(
     content: Any, mu: Any, sigma: Any, shape: Sequence[int], g: Any, *,
     eps: float = DEFAULT_EPS, radius: float | None = None,
 ) -> tuple[Any, Any, Any]:
-    """Gradients of :func:`gaussian_splat` for the cotangent ``g``.
+    """Give the gradients of :func:`gaussian_splat` for the cotangent ``g``.
 
     Parameters
     ----------
-    content : array, shape ``(B, K, C)``
-        The vectors that were written.
-    mu : array, shape ``(B, K, n)``
-        The normalized centres of the writes.
-    sigma : array, shape ``(B, K)``
-        The spreads of the writes.
-    shape : sequence of int
-        The spatial grid shape ``S``.
+    content, mu, sigma, shape : array or sequence of int
+        As in :func:`gaussian_splat`.
     g : array, shape ``(B, C, *shape)``
         The cotangent of the written volume.
-    eps : float, default 1e-6
+    eps, radius : float, float or None
         As in :func:`gaussian_splat`.
-    radius : float or None, default None
-        As in :func:`gaussian_splat`; the truncation mask is constant in the
-        gradient.
 
     Returns
     -------
@@ -301,14 +255,8 @@ def gaussian_splat_vjp(
 
     Raises
     ------
-    TypeError
-        As for :func:`gaussian_splat`; ``g`` may not be None.
-    ValueError
-        As for :func:`gaussian_splat`, and if ``g`` is not ``(B, C, *shape)``.
-
-    See Also
-    --------
-    gaussian_splat : The write itself.
+    TypeError, ValueError
+        As :func:`gaussian_splat`; also if ``g`` is not an array of shape ``(B, C, *shape)``.
     """
     require_array("g", g)
     xp, dims = validate_splat_inputs(content, mu, sigma, shape, g=g, radius=radius, eps=eps)

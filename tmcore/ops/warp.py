@@ -1,37 +1,10 @@
-"""Warped memory dynamics: resample the state at displaced cell centres, and the VJP.
+"""Warped dynamics: resample the state at displaced cell centres, and the VJP.
 
-Before a step's update the state is moved: ``h_w(p) = h(p + d(p))`` and likewise ``c``,
-read by n-linear interpolation with border padding, exactly the semantics of
-:func:`tmcore.trilinear_sample` (the voxel position is clamped to ``[0, S_a - 1]``;
-the displacement gradient is zero at and beyond the border and right-sided at cell
-centres). The displacement is in normalized units, component ``k`` addressing spatial
-axis ``n - 1 - k`` like every coordinate:
-
-- ``shift (B, n)``: one displacement per batch element (a global shift per chunk);
-- ``flow (B, n, *S)`` (optional): a per-cell displacement added to the shift.
-
-Positions are computed in voxel units (``u = i + d (S_a - 1) / 2``), so a zero
-displacement returns the state exactly, bit for bit (weight 1 on the cell itself).
-Displacements beyond ``+-2`` (the whole grid) are clipped to it, which changes no value.
-
-Cost: a shift alone is separable, one ``(S_a, S_a)`` interpolation matrix per axis and
-batch element: ``O(B K P sum(S_a))`` forward and VJP (``P`` cells, ``K`` channels), on
-every namespace. With a flow the forward gathers the ``2^n`` corners of every cell
-(``O(2^n B K P)``, ``take``), and the VJP w.r.t. the displacement is ``O(2^n B K P)``
-too. The VJP w.r.t. the state is the transpose of that gather, a scatter-add of
-``weight * g`` into the ``2^n`` corner cells:
-
-- where the dispatch table has one (:class:`tmcore.runtime.dispatch.Ops` ``scatter_add``):
-  ``O(2^n B K P)``. PyTorch: ``index_add_`` (on CUDA, under the default
-  ``deterministic=True``, the sorted ``index_put_(accumulate=True)``); JAX:
-  ``.at[].add`` on the CPU, and off it only with ``deterministic=False`` (XLA's GPU
-  scatter adds atomically);
-- elsewhere (NumPy, array-api-strict, any other namespace, JAX on an accelerator by
-  default, and ``tmcore.options(generic=True)``): the array API has no scatter-add, so
-  the generic path computes it as dense products over tiles of cells, ``O(B K P^2)``.
-
-Both agree to rounding (float64: within 1e-12, tested), NaN displacements included
-(the batch element's state gradient is NaN on both).
+``h_w(p) = h(p + d(p))``, read like :func:`tmcore.trilinear_sample`, with ``d`` a shift
+``(B, n)`` plus an optional per-cell flow ``(B, n, *S)``. The definition, the costs and the
+two VJPs for the state under a flow (a scatter-add where the Ops table has ``scatter_add``,
+else dense products over tiles of cells, ``O(B K P^2)``): docs/guides/local-and-warp.md
+("Warped dynamics").
 """
 
 from __future__ import annotations
@@ -56,8 +29,7 @@ _TILE_ENTRIES = 1 << 21
 
 
 class WarpResiduals(NamedTuple):
-    """What :func:`warp_bwd` needs: the input ``volume (B, K, *S)``, the displacement and
-    the per-axis interpolation (shift: matrices; flow: per-cell positions)."""
+    """What :func:`warp_bwd` needs: ``volume (B, K, *S)`` and the per-axis interpolation."""
 
     volume: Any
     stages: Any  # shift: the volume before each axis' resampling; flow: None
@@ -67,8 +39,8 @@ class WarpResiduals(NamedTuple):
 
 
 def _positions(xp: Any, disp: Any, index: Any, size: int):
-    """Voxel positions ``index + disp (S - 1) / 2`` (broadcast) and their interpolation:
-    ``(lower, frac, d position / d disp)`` with the conventions of trilinear sampling."""
+    """Voxel positions ``index + disp (S - 1) / 2`` and their interpolation ``(lower, frac,
+    d position / d disp)`` with the conventions of trilinear sampling."""
     half = (size - 1) / 2.0
     u = index + xp.clip(disp, -_MAX_DISPLACEMENT, _MAX_DISPLACEMENT) * half
     clamped = xp.clip(u, 0.0, float(size - 1))
@@ -79,8 +51,8 @@ def _positions(xp: Any, disp: Any, index: Any, size: int):
 
 
 def _shift_matrices(xp: Any, disp: Any, size: int) -> tuple[Any, Any]:
-    """``(M, D)`` of shape ``(B, S, S)``: ``M[b, i, j]`` is the weight of cell ``j`` for
-    output cell ``i``; ``D`` its derivative w.r.t. the displacement component ``disp (B,)``."""
+    """``(M, D)``, each ``(B, S, S)``: ``M[b, i, j]`` the weight of cell ``j`` for output cell
+    ``i``, ``D`` its derivative by the displacement ``disp (B,)``."""
     device = device_of(disp)
     index = xp.arange(size, dtype=disp.dtype, device=device)
     lower, frac, slope = _positions(xp, disp[:, None], index[None, :], size)  # (B, S)
@@ -91,9 +63,8 @@ def _shift_matrices(xp: Any, disp: Any, size: int) -> tuple[Any, Any]:
 
 
 def _apply(xp: Any, volume: Any, matrix: Any, axis: int, transpose: bool = False) -> Any:
-    """Contract spatial ``axis`` of ``volume (B, K, *S)`` with ``matrix (B, S_a, S_a)``:
-    ``out[.., i, ..] = sum_j M[i, j] v[.., j, ..]``; with ``transpose``,
-    ``out[.., j, ..] = sum_i M[i, j] v[.., i, ..]``."""
+    """Contract spatial ``axis`` of ``volume (B, K, *S)`` with ``matrix (B, S_a, S_a)``, ``out[i] =
+    sum_j M[i, j] v[j]`` (``transpose``: ``out[j] = sum_i M[i, j] v[i]``)."""
     n = volume.ndim - 2
     dim = axis + 2
     order = [d for d in range(volume.ndim) if d != dim] + [dim]
@@ -120,9 +91,8 @@ def _displacement(xp: Any, shift: Any, flow: Any, component: int, n: int) -> Any
 
 
 def _corner_indices(xp: Any, volume: Any, axes: list[tuple[Any, Any, Any]]):
-    """Yield per corner ``c`` in ``{0, 1}^n``: ``(bits, index (B * K * P,))``, the flat index
-    into ``volume (B, K, *S)`` of the corner ``lower + c`` of every cell's position
-    (C order over ``(B, K, *S)``)."""
+    """Per corner ``c`` in ``{0, 1}^n``: ``(bits, flat index (B * K * P,))`` of every cell's corner
+    ``lower + c`` in ``volume (B, K, *S)``."""
     batch, channels = volume.shape[:2]
     shape = tuple(volume.shape[2:])
     n = len(shape)
@@ -145,9 +115,8 @@ def _corner_indices(xp: Any, volume: Any, axes: list[tuple[Any, Any, Any]]):
 
 def _corner_gathers(xp: Any, volume: Any, axes: list[tuple[Any, Any, Any]],
                     corners: Iterable[tuple[list[int], Any]] | None = None):
-    """Per corner ``c`` in ``{0, 1}^n``: ``(bits, values (B, K, *S))``, ``values`` the
-    volume at the corner ``lower + c`` of every cell's position (``corners``: the
-    :func:`_corner_indices` of the same volume and axes, if already made)."""
+    """Per corner: ``(bits, values (B, K, *S))`` of the volume at every cell's corner
+    (``corners``: the :func:`_corner_indices`, if made)."""
     if corners is None:
         corners = _corner_indices(xp, volume, axes)
     flat = xp.reshape(volume, (-1,))
@@ -167,10 +136,7 @@ def _corner_weight(axes: list[tuple[Any, Any, Any]], bits: list[int],
 
 
 def warp_fwd(xp: Any, volume: Any, shift: Any, flow: Any = None) -> tuple[Any, WarpResiduals]:
-    """Resample ``volume (B, K, *S)`` at the displaced centres; no validation.
-
-    Returns ``(warped (B, K, *S), residuals)``.
-    """
+    """``(warped (B, K, *S), residuals)`` of ``volume (B, K, *S)``; no validation."""
     shape = tuple(volume.shape[2:])
     n = len(shape)
     if flow is None:
@@ -195,9 +161,8 @@ def warp_fwd(xp: Any, volume: Any, shift: Any, flow: Any = None) -> tuple[Any, W
 
 
 def _flow_volume_grad(xp: Any, residuals: WarpResiduals, g: Any) -> Any:
-    """``d volume`` of the flow warp on the generic path (no scatter-add): the transpose of
-    the corner gather, as dense products of one-hot interpolation rows over tiles of
-    output cells, ``O(B K P^2)``."""
+    """``d volume`` of the flow warp without a scatter-add: dense products of one-hot
+    interpolation rows over tiles of output cells, ``O(B K P^2)``."""
     volume = residuals.volume
     batch, channels = volume.shape[:2]
     shape = tuple(volume.shape[2:])
@@ -226,9 +191,8 @@ def _flow_volume_grad(xp: Any, residuals: WarpResiduals, g: Any) -> Any:
 
 def _flow_volume_scatter(xp: Any, residuals: WarpResiduals, g: Any,
                          corners: list[tuple[list[int], Any]], scatter_add: Any) -> Any:
-    """``d volume`` of the flow warp as what it is, the transpose of the corner gather:
-    per corner, ``weight * g`` scatter-added into the corner cells (``O(2^n B K P)``;
-    ``scatter_add`` is the namespace's, :class:`tmcore.runtime.dispatch.Ops`)."""
+    """``d volume`` of the flow warp as the transpose of the corner gather: ``weight * g``
+    scatter-added into each corner's cells, ``O(2^n B K P)``."""
     volume = residuals.volume
     batch = volume.shape[0]
     n = volume.ndim - 2
@@ -249,12 +213,8 @@ def _flow_volume_scatter(xp: Any, residuals: WarpResiduals, g: Any,
 
 
 def warp_bwd(xp: Any, residuals: WarpResiduals, g: Any) -> tuple[Any, Any, Any]:
-    """VJP of :func:`warp_fwd` for ``g (B, K, *S)``: ``(d_volume, d_shift (B, n), d_flow)``
-    (``d_flow (B, n, *S)``, or ``None`` without a flow).
-
-    With a flow, ``d_volume`` is the namespace's scatter-add (``O(2^n B K P)``) where
-    ``ops_for(xp).scatter_add`` exists, else the generic tile contraction
-    (``O(B K P^2)``); see the module notes."""
+    """VJP of :func:`warp_fwd` for ``g (B, K, *S)``: ``(d_volume, d_shift (B, n), d_flow (B, n, *S)
+    or None)``."""
     volume = residuals.volume
     shape = tuple(volume.shape[2:])
     n = len(shape)
@@ -304,16 +264,15 @@ def _validate(h, c, shift, flow, g_h=None, g_c=None):
 def warp_state(h: Any, c: Any, shift: Any, flow: Any = None) -> tuple[Any, Any]:
     """Resample the state at the cell centres plus a displacement.
 
-    ``h_w(p) = h(p + d(p))`` and likewise ``c``, read n-linearly with border
-    padding (the semantics of :func:`tmcore.trilinear_sample`).
+    ``h_w(p) = h(p + d(p))`` and likewise ``c``, read like :func:`tmcore.trilinear_sample`.
 
     Parameters
     ----------
     h, c : array, shape ``(B, C, *S)``
         The state, with 1 to 4 spatial axes.
     shift : array, shape ``(B, n)``
-        One displacement per batch element, in normalized units; component
-        ``k`` moves along spatial axis ``n - 1 - k`` (coordinate order).
+        One displacement per batch element, in normalized units; component ``k`` moves along
+        spatial axis ``n - 1 - k``.
     flow : array, shape ``(B, n, *S)``, optional
         A per-cell displacement added to ``shift``.
 
@@ -325,13 +284,11 @@ def warp_state(h: Any, c: Any, shift: Any, flow: Any = None) -> tuple[Any, Any]:
     Raises
     ------
     TypeError
-        If an argument is not an array, the arrays mix namespaces, or a dtype
-        is not real floating.
+        If an argument is not a real floating array, or the arrays mix namespaces.
     ValueError
-        If ``h`` and ``c`` differ in shape or do not have 1 to 4 spatial axes,
-        ``shift`` is not ``(B, n)`` or ``flow`` not ``(B, n, *S)``, the arrays
-        lie on different devices, or (validate mode only) an array holds NaN
-        or inf.
+        If ``h`` and ``c`` differ in shape or do not have 1 to 4 spatial axes, ``shift`` is
+        not ``(B, n)`` or ``flow`` not ``(B, n, *S)``, the arrays lie on different devices,
+        or (validate mode only) an array holds NaN or inf.
     """
     xp = _validate(h, c, shift, flow)
     channels = h.shape[1]
@@ -341,13 +298,12 @@ def warp_state(h: Any, c: Any, shift: Any, flow: Any = None) -> tuple[Any, Any]:
 
 def warp_state_vjp(h: Any, c: Any, shift: Any, flow: Any, g_h: Any,
                    g_c: Any) -> tuple[Any, Any, Any, Any]:
-    """VJP of :func:`warp_state` for ``g_h, g_c (B, C, *S)`` (``flow`` may be ``None``).
+    """Give the gradients of :func:`warp_state` for ``g_h, g_c``.
 
     Parameters
     ----------
     h, c, shift, flow : array or None
-        The arguments of :func:`warp_state` (``(B, C, *S)`` twice, ``(B, n)``,
-        ``(B, n, *S)`` or ``None``).
+        As in :func:`warp_state` (``flow`` may be None).
     g_h, g_c : array, shape ``(B, C, *S)``
         The cotangents of the warped state.
 
@@ -358,13 +314,12 @@ def warp_state_vjp(h: Any, c: Any, shift: Any, flow: Any, g_h: Any,
     d_shift : array, shape ``(B, n)``
         The gradient for ``shift``.
     d_flow : array, shape ``(B, n, *S)``, or None
-        The gradient for ``flow`` (``None`` without a flow).
+        The gradient for ``flow`` (None without a flow).
 
     Raises
     ------
     TypeError, ValueError
-        As :func:`warp_state`, for the cotangents too (both must be arrays
-        shaped like ``h``).
+        As :func:`warp_state`; also if ``g_h`` or ``g_c`` is not an array shaped like ``h``.
     """
     require_array("g_h", g_h)
     require_array("g_c", g_c)

@@ -1,43 +1,10 @@
-"""Local updates: the write and the ConvLSTM update touch only a window around the write.
+"""Local updates (``update="local"``): a step's write and ConvLSTM update touch only a window
+of ``w`` cells per axis around the write.
 
-Per step, the window is ``w`` cells per spatial axis around the write centre:
-``start_a = clamp(round(u_a) - w // 2, 0, S_a - w)``, ``u_a`` the voxel position of
-the write coordinate (clamped to the grid; a NaN coordinate puts the window at 0) and
-``w`` replaced by ``S_a`` on an axis shorter than it. Then
-
-- the written volume is the Gaussian splat restricted to the window (zero outside);
-- the gates are the ConvLSTM's, ``z = conv([x, h])`` over the whole grid (so a window
-  cell reads a 1-cell halo of ``h`` around the window, and the grid's zero padding at
-  the real borders);
-- ``h', c'`` take the ConvLSTM's new values inside the window and keep ``h, c``
-  exactly (bit for bit) everywhere else.
-
-The window position is piecewise constant in the write coordinate and is treated as a
-constant in the gradient (like the splat's truncation ``radius``).
-
-Two paths, equal to within rounding (``method=``):
-
-- ``"masked"``: the definition, computed densely with a window mask and
-  ``where(mask, new, old)``; every array-API namespace; cost of the dense step.
-- ``"fast"`` (default): gathers the window plus its halo (a box of ``min(w + 2, S_a)``
-  cells per axis, moved inside the grid at the borders, so the box's own zero padding
-  is the grid's) with ``take``, splats and updates that box only, and writes the box
-  back (:mod:`tmcore.ops.common`). Its arithmetic does not depend on the grid size.
-
-:func:`local_update` is one step (functional: it copies the state once, a memory copy
-with no arithmetic). :func:`local_memory_scan` is the chunk recurrence of
-:func:`tmcore.memory_scan` (read before the write, then the local update), whose fast
-path updates its own copy of the state in place, so each step costs the window's work.
-Its backward keeps, per step, the overwritten boxes of ``h, c`` and the ``2^n`` cells of
-the read (the *undo log*, ``O(T B C (w + 2)^n)`` numbers, no dense state per step) and
-replays no step: the gates are recomputed from the stored boxes. The masked scan keeps
-every step's dense input state instead.
-
-A backend may fuse the fast scan (the ``local_scan_fwd`` / ``local_scan_bwd`` entries of
-its :class:`tmcore.runtime.dispatch.Ops` table, tried first, declining with ``None``): the same
-results and the same undo log, so either direction may run on either path. Its writes do
-not depend on the state, so :func:`box_writes` makes every step's window and written box
-in one pass before the loop, and :func:`box_writes_bwd` is their VJP after it.
+The definition and the two paths, ``method="masked"`` (the dense definition) and ``"fast"``
+(the window plus its 1-cell halo gathered as a box, updated, written back; no arithmetic
+depends on the grid): docs/guides/local-and-warp.md ("Local updates"). :func:`local_update`
+is one step; the scan and its undo log are :mod:`tmcore.scan.local`'s.
 """
 
 from __future__ import annotations
@@ -78,8 +45,8 @@ METHODS = ("fast", "masked")
 
 
 class Write(NamedTuple):
-    """One step's write: ``write_coords (B, n)``, ``write_sigma (B,)``, ``write_content
-    (B, C)`` (a :class:`tmcore.StepInputs` serves too: only these fields are read)."""
+    """One step's write: ``write_coords (B, n)``, ``write_sigma (B,)``, ``write_content (B, C)``
+    (a :class:`tmcore.StepInputs` serves too)."""
 
     write_coords: Any
     write_sigma: Any
@@ -87,13 +54,8 @@ class Write(NamedTuple):
 
 
 class Window(NamedTuple):
-    """Where a step's window and its box lie, per batch element.
-
-    start : ``(B, n)`` integer window start per spatial axis.
-    size : window size per axis, ``min(w, S_a)``.
-    box_start : ``(B, n)`` integer start of the box (window plus halo, inside the grid).
-    box : box size per axis, ``min(w + 2, S_a)``.
-    """
+    """Where a step's window and its box lie: ``start``, ``box_start`` ``(B, n)`` integer starts;
+    per axis ``size = min(w, S_a)`` and ``box = min(w + 2, S_a)`` (window and halo, in the grid)."""
 
     start: Any
     size: tuple[int, ...]
@@ -115,7 +77,7 @@ def window_sizes(shape: tuple[int, ...], window: int) -> tuple[tuple[int, ...], 
 
 
 def window_geometry(xp: Any, coords: Any, shape: tuple[int, ...], window: int) -> Window:
-    """The :class:`Window` of writes at ``coords (B, n)`` (normalized, coordinate order)."""
+    """The :class:`Window` of writes at ``coords (B, n)`` (a NaN coordinate puts it at 0)."""
     dtype = index_dtype(xp, device_of(coords))
     sizes, boxes = window_sizes(shape, window)
     u = (xp.flip(coords, axis=1) + 1.0) * _per_axis(xp, [(s - 1) / 2.0 for s in shape], coords)
@@ -195,9 +157,8 @@ class BoxWrite(NamedTuple):
 
 def box_write(xp: Any, write: Any, geometry: Window, shape: tuple[int, ...],
                eps: float, radius: float | None, masks: list[Any]) -> tuple[Any, BoxWrite]:
-    """The written box ``(B, C, *box)``: the splat's own 1-D profiles (one per axis,
-    ``O(S_a)`` each) cut to the box and masked to the window (``masks``: the
-    per-axis :func:`box_window_masks`)."""
+    """The written box ``(B, C, *box)``: the splat's own 1-D profiles cut to the box and masked to
+    the window (``masks``: :func:`box_window_masks`)."""
     batch = write.write_content.shape[0]
     mu = write.write_coords[:, None, :]
     profiles, offsets, denom = gaussian_profiles(xp, mu, write.write_sigma[:, None], shape,
@@ -226,8 +187,8 @@ def box_write(xp: Any, write: Any, geometry: Window, shape: tuple[int, ...],
 
 def box_write_bwd(xp: Any, write: Any, parts: BoxWrite, g: Any,
                    sigma: Any) -> tuple[Any, Any, Any]:
-    """VJP of :func:`box_write` for ``g (B, C, *box)``: ``(d_content (B, C), d_mu (B, n),
-    d_sigma (B,))`` (the rules of the splat's VJP for one write, on the box)."""
+    """VJP of :func:`box_write` for ``g (B, C, *box)``: ``(d_content (B, C), d_mu (B, n), d_sigma
+    (B,))``."""
     dense, profiles, offsets, denom = parts
     batch, channels = g.shape[:2]
     box = tuple(g.shape[2:])
@@ -260,8 +221,8 @@ def box_write_bwd(xp: Any, write: Any, parts: BoxWrite, g: Any,
 
 def window_write(xp: Any, write: Any, geometry: Window, shape: tuple[int, ...], eps: float,
                  radius: float | None) -> tuple[Any, Any, BoxWrite]:
-    """The fast path's write: ``(written box (B, C, *box), the window's cells in the box
-    (B, 1, *box), what box_write_bwd needs)``."""
+    """The fast path's write: ``(box (B, C, *box), the window's cells in it (B, 1, *box), what
+    box_write_bwd needs)``."""
     masks = box_window_masks(xp, geometry)
     volume, parts = box_write(xp, write, geometry, shape, eps, radius, masks)
     return volume, combine(xp, masks), parts
@@ -281,18 +242,15 @@ def owned(xp: Any, x: Any) -> Any:
 
 def box_update(xp: Any, params: ConvParams, h_box: Any, c_box: Any, volume: Any,
                inside: Any) -> tuple[Any, Any]:
-    """The ConvLSTM on a box ``(B, C, *box)`` written with ``volume``, kept only at the
-    window's cells (``inside (B, 1, *box)``): ``(new h box, new c box)``. On the whole
-    grid (``volume`` zero outside the window, ``inside`` the window's mask) it is the
-    masked path's update, the definition."""
+    """The ConvLSTM on a box ``(B, C, *box)`` written with ``volume``, kept at the window's cells
+    ``inside (B, 1, *box)``; on the whole grid, the masked path's update (the definition)."""
     h_new, c_new, _ = cell_fwd(xp, volume, h_box, c_box, params)
     return xp.where(inside, h_new, h_box), xp.where(inside, c_new, c_box)
 
 
 def box_update_vjp(xp: Any, params: ConvParams, h_box: Any, c_box: Any, volume: Any,
                    inside: Any, g_h_box: Any, g_c_box: Any):
-    """VJP of :func:`box_update`: ``(d_h box, d_c box, d_volume, d_params)``, the box
-    cotangents with the pass-through outside the window (recomputes the gates)."""
+    """VJP of :func:`box_update`: ``(d_h box, d_c box, d_volume, d_params)``."""
     zero = _zero(xp, g_h_box)
     cache = cell_cache(xp, volume, h_box, c_box, params)
     d_x, d_h, d_c, d_params = cell_bwd(xp, cache, params, xp.where(inside, g_h_box, zero),
@@ -303,9 +261,8 @@ def box_update_vjp(xp: Any, params: ConvParams, h_box: Any, c_box: Any, volume: 
 
 def update_in_box(xp: Any, params: ConvParams, h: Any, c: Any, geometry: Window, index: Any,
                   volume: Any, inside: Any) -> tuple[Any, Any, Any, Any]:
-    """:func:`box_update` on the box of ``h, c (B, C, *S)`` (``index``: its
-    :func:`box_index`), written back in place (pass arrays nothing else reads):
-    ``(h', c', h box, c box)``, the boxes as they were before the update."""
+    """:func:`box_update` on the box of ``h, c (B, C, *S)``, written back in place (pass arrays
+    nothing else reads): ``(h', c', h box, c box)``, the boxes as they were before."""
     h_box = gather_box(xp, h, geometry.box_start, geometry.box, index)
     c_box = gather_box(xp, c, geometry.box_start, geometry.box, index)
     h_new, c_new = box_update(xp, params, h_box, c_box, volume, inside)
@@ -315,9 +272,8 @@ def update_in_box(xp: Any, params: ConvParams, h: Any, c: Any, geometry: Window,
 
 def update_in_box_vjp(xp: Any, params: ConvParams, g_h: Any, g_c: Any, geometry: Window,
                       index: Any, h_box: Any, c_box: Any, volume: Any, inside: Any):
-    """VJP of :func:`update_in_box` from the boxes before the update, ``g_h, g_c (B, C,
-    *S)`` updated in place (pass arrays nothing else reads): ``(d_h, d_c, d_volume,
-    d_params)``."""
+    """VJP of :func:`update_in_box` from the boxes before the update; ``g_h, g_c (B, C, *S)``
+    updated in place: ``(d_h, d_c, d_volume, d_params)``."""
     g_h_box = gather_box(xp, g_h, geometry.box_start, geometry.box, index)
     g_c_box = gather_box(xp, g_c, geometry.box_start, geometry.box, index)
     d_h_box, d_c_box, d_volume, d_params = box_update_vjp(xp, params, h_box, c_box, volume,
@@ -328,8 +284,8 @@ def update_in_box_vjp(xp: Any, params: ConvParams, g_h: Any, g_c: Any, geometry:
 
 def state_update_vjp(xp: Any, params: ConvParams, h: Any, c: Any, g_h: Any, g_c: Any,
                      geometry: Window, index: Any, volume: Any, inside: Any):
-    """:func:`update_in_box_vjp` from the state ``h, c`` the update started from (its boxes
-    gathered), on copies of ``g_h, g_c``: ``(d_h, d_c, d_volume, d_params)``."""
+    """:func:`update_in_box_vjp` from the state ``h, c`` before the update, on copies of
+    ``g_h, g_c``."""
     return update_in_box_vjp(xp, params, owned(xp, g_h), owned(xp, g_c), geometry, index,
                              gather_box(xp, h, geometry.box_start, geometry.box, index),
                              gather_box(xp, c, geometry.box_start, geometry.box, index),
@@ -338,16 +294,15 @@ def state_update_vjp(xp: Any, params: ConvParams, h: Any, c: Any, g_h: Any, g_c:
 
 def masked_update_vjp(xp: Any, params: ConvParams, h: Any, c: Any, written: Any, mask: Any,
                       g_h: Any, g_c: Any):
-    """VJP of the masked path's update (:func:`box_update` on the grid): ``(d_h, d_c,
-    d_written (zero outside), d_params)``."""
+    """VJP of the masked path's update: ``(d_h, d_c, d_written (zero outside), d_params)``."""
     d_h, d_c, d_x, d_params = box_update_vjp(xp, params, h, c, written, mask, g_h, g_c)
     return d_h, d_c, xp.where(mask, d_x, _zero(xp, d_x)), d_params
 
 
 def masked_write(xp: Any, write: Any, shape: tuple[int, ...], window: int, eps: float,
                  radius: float | None) -> tuple[Any, Any]:
-    """``(written (B, C, *S), mask (B, 1, *S))``: the splat restricted to the window (its
-    VJP, for a cotangent already zero outside the window, is :func:`splat_rows_vjp`)."""
+    """``(written (B, C, *S), mask (B, 1, *S))``: the splat cut to the window (for a cotangent zero
+    outside the window, its VJP is :func:`splat_rows_vjp`)."""
     mask = window_mask(xp, window_geometry(xp, write.write_coords, shape, window), shape)
     splat = splat_rows(xp, write, shape, eps, radius)
     return xp.where(mask, splat, _zero(xp, splat)), mask
@@ -395,29 +350,26 @@ def _validate_step(h, c, write_coords, write_sigma, write_content, params, windo
 def local_update(h: Any, c: Any, write_coords: Any, write_sigma: Any, write_content: Any,
                  params: ConvParams, *, window: int, eps: float = DEFAULT_EPS,
                  radius: float | None = None, method: str = "fast") -> tuple[Any, Any]:
-    """One write and ConvLSTM update confined to a window around the write.
+    """Run one write and ConvLSTM update confined to a window around the write.
 
     Parameters
     ----------
     h, c : array, shape ``(B, C, *S)``
         The state, with 1 to 4 spatial axes.
     write_coords : array, shape ``(B, n)``
-        The normalized write centre (coordinate order).
+        The normalized write centre.
     write_sigma : array, shape ``(B,)``
         The write spread (> 0).
     write_content : array, shape ``(B, C)``
         The content vector.
     params : ConvParams
-        The gates' factorized conv (``C_in = 2C``, ``C_out = 4C``).
+        The gate conv, ``C_in = 2C``, ``C_out = 4C``.
     window : int
         Cells per axis, ``w >= 1`` (``min(w, S_a)`` on each axis).
-    eps : float, default 1e-6
-        As in :func:`tmcore.gaussian_splat`.
-    radius : float or None, default None
+    eps, radius : float, float or None
         As in :func:`tmcore.gaussian_splat`.
     method : {"fast", "masked"}, default "fast"
-        ``"fast"`` gathers the window's box and writes it back; ``"masked"``
-        computes the dense definition.
+        The box path or the dense definition (:mod:`tmcore.ops.window`), equal to rounding.
 
     Returns
     -------
@@ -427,13 +379,12 @@ def local_update(h: Any, c: Any, write_coords: Any, write_sigma: Any, write_cont
     Raises
     ------
     TypeError
-        If an argument is not an array (or ``params`` not four arrays), the
-        arrays mix namespaces, a dtype is not real floating, or ``window`` is
-        not an int.
+        If an argument is not an array (or ``params`` not four arrays), the arrays mix
+        namespaces, a dtype is not real floating, or ``window`` is not an int.
     ValueError
-        If a shape does not match ``h``'s ``B``, ``C`` and ``n``, ``window`` is
-        < 1, ``eps`` or ``radius`` is out of range, ``method`` is unknown, or
-        (validate mode only) an array holds NaN or inf or ``write_sigma`` <= 0.
+        If a shape does not match ``h``'s ``B``, ``C`` and ``n``, ``window`` is < 1, ``eps``
+        or ``radius`` is out of range, ``method`` is unknown, or (validate mode only) an array
+        holds NaN or inf or ``write_sigma`` <= 0.
     """
     xp, params = _validate_step(h, c, write_coords, write_sigma, write_content, params,
                                 window, eps, radius, method)
@@ -454,18 +405,14 @@ def local_update_vjp(h: Any, c: Any, write_coords: Any, write_sigma: Any, write_
                      params: ConvParams, g_h: Any, g_c: Any, *, window: int,
                      eps: float = DEFAULT_EPS, radius: float | None = None,
                      method: str = "fast") -> tuple[Any, Any, Any, Any, Any, ConvParams]:
-    """VJP of :func:`local_update` for ``g_h, g_c (B, C, *S)``.
+    """Give the gradients of :func:`local_update` for ``g_h, g_c``.
 
-    Outside the window ``d_h = g_h`` and ``d_c = g_c``, except on the 1-cell halo
-    the gates read.
+    Outside the window ``d_h = g_h`` and ``d_c = g_c``, except on the 1-cell halo the gates read.
 
     Parameters
     ----------
-    h, c, write_coords, write_sigma, write_content : array
-        The step's state and write, shaped as in :func:`local_update`
-        (``(B, C, *S)`` twice, ``(B, n)``, ``(B,)``, ``(B, C)``).
-    params : ConvParams
-        The gates' factorized conv.
+    h, c, write_coords, write_sigma, write_content, params : array or ConvParams
+        As in :func:`local_update`.
     g_h, g_c : array, shape ``(B, C, *S)``
         The cotangents of the updated state.
     window, eps, radius, method : see local_update
@@ -474,14 +421,13 @@ def local_update_vjp(h: Any, c: Any, write_coords: Any, write_sigma: Any, write_
     Returns
     -------
     tuple
-        ``(d_h, d_c, d_write_coords (B, n), d_write_sigma (B,), d_write_content
-        (B, C), d_params)``, ``d_params`` a :class:`ConvParams`.
+        ``(d_h, d_c, d_write_coords (B, n), d_write_sigma (B,), d_write_content (B, C),
+        d_params)``, each shaped like its input.
 
     Raises
     ------
     TypeError, ValueError
-        As :func:`local_update`; ``g_h`` and ``g_c`` are required arrays of the
-        shape of ``h``.
+        As :func:`local_update`; also if ``g_h`` or ``g_c`` is not an array shaped like ``h``.
     """
     require_array("g_h", g_h)
     require_array("g_c", g_c)
@@ -506,13 +452,9 @@ def local_update_vjp(h: Any, c: Any, write_coords: Any, write_sigma: Any, write_
 
 
 def corners(xp: Any, coords: Any, shape: tuple[int, ...]):
-    """The ``2^n`` cells an n-linear read at ``coords (B, n)`` uses, as a box.
-
-    Returns ``(start (B, n), size, weights, slopes)``: per axis ``(B, 1, size_a)``
-    interpolation weights and their derivatives w.r.t. the coordinate component
-    addressing that axis; the conventions of :func:`tmcore.ops.sample.tent_profiles`
-    (border clamping, right-sided derivative at cell centres, zero at the border).
-    """
+    """The ``2^n`` cells a read at ``coords (B, n)`` uses, as a box: ``(start (B, n), size, weights,
+    slopes)``, per axis ``(B, 1, size_a)``, with :func:`tmcore.ops.sample.tent_profiles`'s
+    conventions."""
     dtype = index_dtype(xp, device_of(coords))
     half = _per_axis(xp, [(s - 1) / 2.0 for s in shape], coords)
     top = _per_axis(xp, [float(s - 1) for s in shape], coords)

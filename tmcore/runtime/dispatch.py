@@ -1,32 +1,22 @@
 """Choose, per array namespace, the implementation of each primitive's forward and VJP.
 
-Every public function and the scan step ask :func:`ops_for` for an
-:class:`Ops` table. The table comes from ``tmcore.backends`` (imported lazily,
-on the first call) when it has fast paths for the namespace; every other
-namespace, and any primitive a backend leaves out, uses the generic array-API
-functions. Tables are cached per namespace, so a lookup is one context-variable
-read and one dict hit.
-
-The contract of each entry, with shapes, is :class:`Ops`'s docstring (the generic
-functions are the reference).
-
-Forcing the generic path (for comparison and debugging): ``with
-tmcore.options(generic=True): ...`` (local to the thread / task), or the
-environment variable ``TMCORE_GENERIC=1``; ``tmcore.backends.use_generic()`` is
-the same switch under its older name. Tables are cached per namespace and per
-:class:`tmcore.runtime.options.Options` value, so changing an option takes effect on
-the next call. Under ``jax.jit`` the choice is made while tracing.
+Every public function and the scan step ask :func:`ops_for` for an :class:`Ops` table.
+Registration is pushed here, never pulled by name: :mod:`tmcore.ops` registers the generic
+table, :mod:`tmcore.backends` the resolver that finds a namespace's backend table. Tables
+are cached per namespace and :class:`~tmcore.runtime.options.Options` value (under
+``jax.jit``: chosen while tracing); registering anything empties the cache.
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from tmcore.runtime.options import ENV_VARS, Options, get_options
 
-__all__ = ["Ops", "ops_for", "generic_ops", "register_generic", "no_workspace", "ENV_VAR"]
+__all__ = ["Ops", "ops_for", "generic_ops", "register_generic", "register_resolver",
+           "clear_cache", "no_workspace", "ENV_VAR"]
 
 #: The environment variable forcing the generic path (the ``generic`` option's default).
 ENV_VAR = ENV_VARS["generic"]
@@ -35,10 +25,10 @@ ENV_VAR = ENV_VARS["generic"]
 class Ops(NamedTuple):
     """One implementation of every primitive's forward and VJP.
 
-    The contract of each entry; the generic functions are the reference every backend's
-    entries must agree with. ``residuals`` are opaque: only the ``*_bwd`` of the same
-    table consumes them (the generic conv's are the list of stage inputs ``[x, after
-    axis 0, ...]``).
+    The generic functions are the reference every backend's entries agree with (the guide:
+    docs/guides/adding-a-backend.md). ``residuals`` are opaque: only the same table's
+    ``*_bwd`` consumes them. The optional entries may return None to decline a call; the
+    per-step loop then runs.
 
     Parameters
     ----------
@@ -61,44 +51,23 @@ class Ops(NamedTuple):
     gates_bwd : callable
         ``(xp, residuals, g_h, g_c (B, C, *S)) -> (d_z (B, 4C, *S), d_c)``.
     gates_residuals : callable
-        ``(xp, z, c) -> residuals``: what ``gates_fwd`` would return as residuals,
-        for the backward's recomputation, which needs no ``h', c'`` (a backend whose
-        ``gates_bwd`` recomputes the gates returns ``(z, c)`` at no cost).
+        ``(xp, z, c) -> residuals``: those of ``gates_fwd`` without ``h', c'`` (the
+        backward's recomputation).
     workspace : callable
-        ``(xp) -> context manager`` entered around the scan's loops, which consume
-        each step's residuals before making the next step's; inside it a backend may
-        reuse the memory of its per-step temporaries (the generic one does nothing).
-    scan_fwd : callable or None, default None
-        A fused whole-scan forward with the signature and results of
-        :func:`tmcore.memory_scan_fwd` (positional, after ``xp``: the arrays, then
-        ``eps, radius, checkpoint_every``); it returns None to decline, and the scan
-        then runs its per-step loop.
-    scan_bwd : callable or None, default None
-        A fused whole-scan backward like :func:`tmcore.memory_scan_bwd` (the same
-        positional convention); returns None to decline.
+        ``(xp) -> context manager`` around the scan's loops, inside which a backend may reuse
+        its per-step temporaries (each step's residuals are consumed before the next).
+    scan_fwd, scan_bwd : callable or None, default None
+        A fused whole scan with the signature and results of :func:`tmcore.memory_scan_fwd` /
+        ``memory_scan_bwd`` (positional after ``xp``: the arrays, then ``eps, radius,
+        checkpoint_every``; the keyword masks ``reset, active``, bool ``(B, T)`` or None).
     scatter_add : callable or None, default None
-        ``(xp, out (N,), index (M,) integers, values (M,)) -> (N,)``, ``out`` with
-        every ``values[i]`` added at ``index[i]`` (repeated indices sum; ``out`` may
-        be updated in place: pass a buffer the caller owns and use the result). The
-        array API has no scatter-add, so the generic table has none;
-        :mod:`tmcore.ops.warp`'s flow VJP uses it when present (``O(2^n B C P)``
-        instead of its generic ``O(B C P^2)`` tile contraction).
-    local_scan_fwd : callable or None, default None
-        A fused local scan (``update="local"``, the fast method) with the signature
-        and results of :func:`tmcore.scan.local.local_scan_fwd` (positional, after
-        ``xp``: the arrays, then ``window, eps, radius, overwrite_state``) and the
-        same undo-log residuals (:class:`tmcore.scan.local.LocalScanResiduals`), so
-        a forward on one path and a backward on the other agree; returns None to
-        decline.
-    local_scan_bwd : callable or None, default None
-        Its backward, like :func:`tmcore.scan.local.local_scan_bwd` (after ``xp``:
-        the arrays, then ``window, eps, radius``); returns None to decline.
-    write_fwd : callable or None, default None
-        One step's write and update without its read, ``(xp, h, c (B, C, *S),
-        write_coords (B, n), write_sigma (B,), write_content (B, C), params, eps,
-        radius) -> (h', c')``, the state ``scan_fwd`` reaches in one step (a decode
-        step that completes a chunk, :func:`tmcore.scan.dense.write_step`); returns
-        None to decline.
+        ``(xp, out (N,), index (M,), values (M,)) -> (N,)``: ``out`` (updated in place or
+        not) plus every ``values[i]`` at ``index[i]``; the flow warp's VJP uses it (the array
+        API has no scatter-add).
+    local_scan_fwd, local_scan_bwd : callable or None, default None
+        A fused local scan like :func:`tmcore.scan.local.local_scan_fwd` /
+        ``local_scan_bwd`` (after ``xp``: the arrays, then ``window, eps, radius`` and, forward,
+        ``overwrite_state``), with the same undo-log residuals.
     """
 
     sample_fwd: Any
@@ -111,12 +80,11 @@ class Ops(NamedTuple):
     gates_bwd: Any
     gates_residuals: Any
     workspace: Any
-    scan_fwd: Any = None  # optional fused memory_scan_fwd (tmcore.scan); None: per-step loop
-    scan_bwd: Any = None  # optional fused memory_scan_bwd; either may return None to decline
-    scatter_add: Any = None  # optional flat scatter-add (the flow warp's VJP); None: none
-    local_scan_fwd: Any = None  # optional fused local scan (tmcore.scan.local); None: the loop
-    local_scan_bwd: Any = None  # its backward; either may return None to decline
-    write_fwd: Any = None  # optional fused write + update of one step; None: step_fwd's
+    scan_fwd: Any = None
+    scan_bwd: Any = None
+    scatter_add: Any = None
+    local_scan_fwd: Any = None
+    local_scan_bwd: Any = None
 
 
 def no_workspace(xp: Any) -> contextlib.AbstractContextManager:
@@ -124,7 +92,10 @@ def no_workspace(xp: Any) -> contextlib.AbstractContextManager:
     return contextlib.nullcontext()
 
 
+#: ``(xp, generic, options) -> Ops``: a namespace's table (set by tmcore.backends)
+Resolver = Callable[[Any, Ops, Options], Ops]
 _GENERIC: list[Ops] = []
+_RESOLVER: list[Resolver] = []
 _CACHE: dict[tuple[Any, Options], Ops] = {}  # (namespace module, options) -> table
 
 
@@ -136,28 +107,30 @@ def generic_ops() -> Ops:
     Ops
         The reference implementation of every primitive.
     """
-    if not _GENERIC:  # tmcore.ops registers it on import; found by name (no import cycle)
-        importlib.import_module("tmcore.ops")
+    if not _GENERIC:  # importing tmcore (any of its modules) imports tmcore.ops
+        raise RuntimeError("no generic table is registered: import tmcore first")
     return _GENERIC[0]
 
 
 def register_generic(table: Ops) -> None:
     """Set the generic table (called once, by :mod:`tmcore.ops`)."""
     _GENERIC[:] = [table]
+    clear_cache()
 
 
-def _resolve(xp: Any, options: Options) -> Ops:
-    # Never swallowed: ``import tmcore`` already refused a checkout that is not installed,
-    # so an ImportError here is a real fault of a backend and must be seen.
-    backends = importlib.import_module("tmcore.backends")
-    return backends.ops_for_namespace(xp, generic_ops(), options)
+def register_resolver(resolve: Resolver) -> None:
+    """Set how a namespace's table is found (called once, by :mod:`tmcore.backends`)."""
+    _RESOLVER[:] = [resolve]
+    clear_cache()
+
+
+def clear_cache() -> None:
+    """Forget every table built so far (a backend was registered or unregistered)."""
+    _CACHE.clear()
 
 
 def ops_for(xp: Any) -> Ops:
     """Give the :class:`Ops` table for a namespace under the current options.
-
-    Tables are cached per namespace and :class:`tmcore.Options` value, so an
-    option changed between calls takes effect on the next one.
 
     Parameters
     ----------
@@ -171,10 +144,10 @@ def ops_for(xp: Any) -> Ops:
         ``xp``, else the backend's.
     """
     options = get_options()
-    if options.generic:
+    if options.generic or not _RESOLVER:
         return generic_ops()
     key = (xp, options)
     ops = _CACHE.get(key)
     if ops is None:
-        ops = _CACHE[key] = _resolve(xp, options)
+        ops = _CACHE[key] = _RESOLVER[0](xp, generic_ops(), options)
     return ops

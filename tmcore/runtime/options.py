@@ -1,72 +1,10 @@
-"""One configuration surface for every tmcore switch: :func:`options` and :func:`get_options`.
+"""One configuration surface for every tmcore switch, and the one reader of the environment.
 
-Fields (environment variable, default: meaning):
-
-- ``native`` (``TMCORE_NATIVE``, True): the fused C kernels for the CPU cell
-  (torch, JAX).
-- ``triton`` (``TMCORE_TRITON``, ``"auto"``): Triton kernels for torch;
-  ``"auto"`` lets the backend decide (CUDA tensors, Triton installed), True
-  forces them wherever they can run (CPU under ``TRITON_INTERPRET=1``), False
-  turns them off.
-- ``generic`` (``TMCORE_GENERIC``, False): force the generic array-API path
-  everywhere (no backend fast path at all).
-- ``deterministic`` (``TMCORE_DETERMINISTIC``, True): no kernel whose result
-  depends on thread timing (atomic adds on CUDA); False allows them where they
-  are faster.
-- ``validate`` (``TMCORE_VALIDATE``, False): validate mode. Its scope is the
-  INPUTS of tmcore's public functions: every array argument they receive must
-  be finite and every ``sigma`` > 0 (reads values back to the host). In a layer
-  call that means the state and the cell weights the scan receives and the
-  heads' outputs (coordinates, sigma, content) computed from the tokens and the
-  linear weights, so a NaN token or head weight is reported as the head output
-  it poisons (``read_coords: expected finite values``); the JAX ``apply`` also
-  checks ``x`` and the state first. The layer's linear weights are not
-  inspected themselves (a NaN in ``out_proj`` is not reported at all), nor is
-  any output.
-- ``depthwise`` (``TMCORE_DEPTHWISE``, ``"auto"``): the depthwise-tap kernel of
-  the torch and JAX backends; ``"auto"`` lets the backend choose (fused C
-  kernels on the CPU, a grouped conv on accelerators), ``"grouped"`` forces the
-  grouped conv (torch ``conv3d``, ``lax.conv_general_dilated``), ``"shifts"``
-  the shifted-slice products; both forced kernels skip the fused C conv.
-- ``triton_tf32`` (``TMCORE_TRITON_TF32``, False): TF32 products for float32 in the
-  Triton kernels on CUDA (faster, about 1e-3 relative error).
-- ``cuda_graphs`` (``TMCORE_CUDA_GRAPHS``, True): capture the Triton scan loops as
-  CUDA graphs (CUDA only; a failed capture runs the launches eagerly).
-
-Values are exactly ``True``, ``False`` or ``None`` (``triton`` also the string
-``"auto"``; ``depthwise`` one of its strings or ``None``); anything else (``1``,
-``"yes"``, a NumPy ``bool_`` or array) is a ``TypeError`` naming the field
-(``ValueError`` for an unknown ``depthwise`` string), raised before anything
-changes.
-
-Three layers, innermost first:
-
-1. :func:`options` — local to the current thread / asyncio task (a context
-   variable): ``tmcore.options(native=False)`` sets it for the rest of the
-   current context; ``with tmcore.options(native=False): ...`` sets it inside
-   the block and restores the previous value on exit. A new thread starts from
-   the defaults.
-2. Process-wide settings (:func:`tmcore.set_validation` only, kept for
-   compatibility).
-3. The environment variables: ``0``, ``false``, ``no``, ``off`` (any case) mean
-   False, any other non-empty value True (``TMCORE_TRITON`` also takes
-   ``auto``); unset or empty means the default above. They are read once, when
-   tmcore is imported (every dispatch asks for the options, so they must cost a few
-   dict lookups); after changing one in a running process, call
-   :func:`reload_environment`.
-
-Process settings that are not switches are read from the environment here too, when
-they are used (rarely: building the C kernels): :func:`cache_dir`
-(``TMCORE_CACHE_DIR``), :func:`compile_timeout` (``TMCORE_COMPILE_TIMEOUT``),
-:func:`memory_limit` (``TMCORE_MEMORY_LIMIT``, the size gates' bound) and
-:func:`environment` for the variables of other tools (``CC``, ``TRITON_INTERPRET``,
-``XDG_CACHE_HOME``). No other module of tmcore reads the environment.
-
-Where a choice is made: ``generic`` and ``triton`` when :func:`tmcore.runtime.dispatch.ops_for`
-picks a table (its cache is keyed by the options, so a change takes effect on
-the next call); ``native`` and ``validate`` at every call. Under ``jax.jit`` they
-are read while tracing: a function traced under one setting keeps it (the JAX
-adapter keys its compiled functions by :func:`get_options`).
+:class:`Options` lists the switches and their environment variables; :func:`options` sets
+them for the current thread / asyncio task (a context variable), :func:`get_options` reads
+them. The settings that are not switches are read here when used: :func:`cache_dir`,
+:func:`compile_timeout`, :func:`memory_limit` and :func:`environment` (other tools'
+variables). No other module of tmcore reads the environment (every variable: the README).
 """
 
 from __future__ import annotations
@@ -92,34 +30,37 @@ _DEPTHWISE = ("auto", "grouped", "shifts")
 class Options:
     """The effective value of every switch (hashable: usable as a cache key).
 
-    :func:`get_options` returns one; :func:`options` changes them. Each field's
-    default comes from its environment variable (``TMCORE_<NAME>``), else the
-    value below.
+    Each field's default is its environment variable, read once at import
+    (:func:`reload_environment`; ``0``, ``false``, ``no``, ``off`` mean False, other values
+    True, unset or empty the default below). The guide: docs/guides/backends.md.
 
     Parameters
     ----------
     native : bool, default True
-        Use the fused C kernels for the CPU cell (torch, JAX).
+        ``TMCORE_NATIVE``: the fused C kernels for the CPU cell (torch, JAX).
     triton : bool or ``"auto"``, default ``"auto"``
-        Triton kernels for torch: ``"auto"`` lets the backend decide (CUDA
-        tensors, Triton installed), True forces them wherever they can run
-        (CPU under ``TRITON_INTERPRET=1``), False turns them off.
+        ``TMCORE_TRITON``: Triton kernels for torch; ``"auto"`` lets the backend decide (CUDA
+        tensors, Triton installed), True forces them wherever they can run (CPU under
+        ``TRITON_INTERPRET=1``).
     generic : bool, default False
-        Force the generic array-API path everywhere (no backend fast path).
+        ``TMCORE_GENERIC``: force the generic array-API path (no backend fast path).
     deterministic : bool, default True
-        Allow no kernel whose result depends on thread timing (atomic adds on
-        CUDA); False allows them where they are faster.
+        ``TMCORE_DETERMINISTIC``: no kernel whose result depends on thread timing (CUDA
+        atomic adds).
     validate : bool, default False
-        Validate mode: every array argument of a public function must be finite
-        and every ``sigma`` > 0 (reads values back to the host).
+        ``TMCORE_VALIDATE``: validate mode, the INPUTS of every public function finite and
+        every ``sigma`` > 0 (in a layer call the state, the scan's weights and the heads'
+        outputs; not ``out_proj`` or another linear weight, no output), read on the host
+        (docs/guides/errors-and-cache.md).
     depthwise : {"auto", "grouped", "shifts"}, default ``"auto"``
-        The depthwise-tap kernel of the torch and JAX backends: ``"auto"`` lets
-        the backend choose, ``"grouped"`` forces the grouped conv, ``"shifts"``
-        the shifted-slice products.
+        ``TMCORE_DEPTHWISE``: the depthwise-tap kernel of the torch and JAX backends
+        (``"auto"``: the backend's choice; the forced ones skip the fused C conv).
     triton_tf32 : bool, default False
-        TF32 products for float32 in the Triton kernels on CUDA.
+        ``TMCORE_TRITON_TF32``: TF32 products for float32 in the Triton kernels on CUDA
+        (about 1e-3 relative error).
     cuda_graphs : bool, default True
-        Capture the Triton scan loops as CUDA graphs (CUDA only).
+        ``TMCORE_CUDA_GRAPHS``: capture the Triton scan loops as CUDA graphs (a failed
+        capture runs the launches eagerly).
     """
 
     native: bool = True
@@ -143,10 +84,8 @@ Changes = tuple[tuple[str, Any], ...]
 
 
 class _Local(NamedTuple):
-    """What :func:`options` set in this context: ``entries`` in the order they were
-    made, each ``(block, changes)`` -- ``block`` the open ``with`` block that made it
-    (a :class:`_Block`), or ``None`` for a plain setter call -- and ``overrides``,
-    the entries folded into one sorted ``(field, value)`` tuple (the cache key)."""
+    """What :func:`options` set in this context: ``entries`` ``(block or None for a setter,
+    changes)`` in order, and ``overrides``, them folded into one sorted tuple (the cache key)."""
 
     entries: tuple[tuple[Any, Changes], ...]
     overrides: Changes
@@ -165,17 +104,13 @@ def _local(entries: tuple[tuple[Any, Changes], ...]) -> _Local:
 
 _EMPTY = _Local((), ())
 
-# Context-local overrides (a _Local).
 _LOCAL: contextvars.ContextVar[_Local] = contextvars.ContextVar("tmcore_options",
                                                                 default=_EMPTY)
-# Process-wide overrides (set_validation): field -> value, and the same as a cache key.
-_PROCESS: dict[str, Any] = {}
-_PROCESS_KEY: list[tuple] = [()]
-# (environment values, process overrides, local overrides) -> Options
+# (environment values, local overrides) -> Options
 _CACHE: dict[tuple, Options] = {}
 _WARNED: set[tuple[str, str]] = set()
-# (environment values, process key, local state, Options) of the last answer
-_LAST: list[tuple] = [(None, None, None, None)]
+# (environment values, local state, Options) of the last answer
+_LAST: list[tuple] = [(None, None, None)]
 
 
 def _parse_env(name: str, raw: str | None) -> Any:
@@ -191,10 +126,8 @@ def _parse_env(name: str, raw: str | None) -> Any:
 
 
 def _check(name: Any, value: Any) -> Any:
-    """``value`` if it is a valid setting of field ``name`` (exactly True, False, None, or
-    for ``triton`` the str ``"auto"``); else ``TypeError`` naming the field. Exact types:
-    a NumPy ``bool_`` or 0-d array is refused (an array ``== "auto"`` is truthy and
-    unhashable, and would break every later call in the thread)."""
+    """``value`` if it is a valid setting of field ``name``, else ``TypeError`` (``ValueError``
+    for an unknown kernel); exact types: a NumPy ``bool_`` would poison every later call."""
     if name not in _FIELDS:
         raise TypeError(f"options: unknown option {name!r}; expected one of {', '.join(_FIELDS)}")
     if name == "depthwise" and value is not None:
@@ -214,17 +147,13 @@ def _check(name: Any, value: Any) -> Any:
                     f"(of type {type(value).__module__}.{type(value).__qualname__})")
 
 
-# The switches' environment variables are read once, at import, and again by
-# reload_environment(): get_options() runs at every dispatch and must cost a few dict
-# lookups (reading os.environ costs about 0.7 us per UNSET variable, 20x this function).
+# Read at import and by reload_environment(): get_options() runs at every dispatch, and
+# reading os.environ costs about 0.7 us per UNSET variable (20x this function).
 _ENV: list[tuple] = [()]
 
 
 def reload_environment() -> Options:
-    """Read the switches' environment variables again (they are read once, at import).
-
-    Call it after changing ``TMCORE_*`` variables in a running process (a test's
-    ``monkeypatch.setenv``); a variable set before the process starts needs nothing.
+    """Read the switches' environment variables again (after changing one in a running process).
 
     Returns
     -------
@@ -237,26 +166,19 @@ def reload_environment() -> Options:
 
 
 def get_options() -> Options:
-    """The options in effect in the current thread / asyncio task.
-
-    Each field is the innermost :func:`options` override, else the process-wide
-    setting (:func:`tmcore.set_validation`), else its environment variable,
-    else the default. The switches' environment variables are read once, at
-    import: after changing one in a running process, call
-    :func:`reload_environment`.
+    """Give the options in effect in the current thread / asyncio task.
 
     Returns
     -------
     Options
-        The effective value of every switch (hashable; the JAX adapter keys its
-        compiled functions by it).
+        Each field's innermost :func:`options` override, else its default.
     """
     local = _LOCAL.get()
     env = _ENV[0]
     last = _LAST[0]  # the previous answer: most calls ask again under the same settings
-    if last[0] == env and last[1] is _PROCESS_KEY[0] and last[2] is local:
-        return last[3]
-    key = (env, _PROCESS_KEY[0], local.overrides)
+    if last[0] == env and last[1] is local:
+        return last[2]
+    key = (env, local.overrides)
     found = _CACHE.get(key)
     if found is None:
         values: dict[str, Any] = {}
@@ -264,13 +186,12 @@ def get_options() -> Options:
             parsed = _parse_env(name, raw)
             if parsed is not None:
                 values[name] = parsed
-        values.update(_PROCESS)
         values.update(local.overrides)
         found = Options(**values)
         if len(_CACHE) > 256:  # keys are few in practice; never let the cache grow unbounded
             _CACHE.clear()
         _CACHE[key] = found
-    _LAST[0] = (env, _PROCESS_KEY[0], local, found)
+    _LAST[0] = (env, local, found)
     return found
 
 
@@ -286,26 +207,23 @@ class _Block:
 class options:  # noqa: N801  (a function-like name: it is called, rarely instantiated)
     """Set tmcore options for the current thread / task; also a context manager.
 
-    ``tmcore.options(native=False)`` applies at once and stays for the rest of
-    the current context; ``with tmcore.options(native=False): ...`` applies
-    inside the block only. A keyword left out keeps its current value; ``None``
-    returns that option to its default (environment variable, else built-in).
-    See the module docstring for the fields. ``with tmcore.options() as opts``
-    binds the effective :class:`Options`.
+    ``tmcore.options(native=False)`` applies at once, for the rest of the current context;
+    ``with tmcore.options(native=False): ...`` inside the block only (``as opts`` binds the
+    effective :class:`Options`). A keyword left out keeps its value; ``None`` returns it to its
+    default. How blocks exit, in any order: docs/guides/errors-and-cache.md.
 
     Parameters
     ----------
     **changes : bool, str or None
-        Fields of :class:`Options` and their new values: exactly ``True``,
-        ``False`` or ``None`` (``triton`` also ``"auto"``; ``depthwise`` one of
-        ``"auto"``, ``"grouped"``, ``"shifts"`` or ``None``). Every value is
-        checked before anything changes, so a refused call changes nothing.
+        Fields of :class:`Options` and their new values: exactly ``True``, ``False`` or
+        ``None`` (``triton`` also ``"auto"``; ``depthwise`` one of its kernels), all checked
+        before anything changes.
 
     Raises
     ------
     TypeError
-        If a keyword is not a field of :class:`Options`, or a value is not of
-        an accepted type (``1``, ``"yes"``, a NumPy ``bool_`` or array).
+        If a keyword is not a field of :class:`Options`, or a value is not of an accepted
+        type (``1``, ``"yes"``, a NumPy ``bool_`` or array).
     ValueError
         If ``depthwise`` is a string other than its three kernels.
     RuntimeError
@@ -313,26 +231,12 @@ class options:  # noqa: N801  (a function-like name: it is called, rarely instan
 
     Notes
     -----
-    As a context manager the block's setting is applied by ``__enter__`` (it
-    replaces the immediate application of the call, so a ``with`` leaves nothing
-    behind) and undone if entering fails; ``__exit__`` removes exactly this
-    block's setting and any setter calls made inside it. Blocks may be exited in
-    any order (e.g. ``ExitStack`` or hand-written ``__enter__`` / ``__exit__``):
-    exiting an outer block before an inner one drops the outer block's setting and
-    keeps the inner one's until it exits, so nothing leaks. Exiting a block that is
-    not open in this thread / task (exited twice, or entered in another thread) is
-    a ``RuntimeError``.
-
-    Reusing one object: creating it applies its changes at once (the setter
-    form); a ``with`` entered right after creating it (nothing changed in
-    between) takes that application over, which is why ``with
-    tmcore.options(...):`` leaves nothing behind. Any later ``with obj:`` --
-    nested, repeated or in another thread -- applies the same changes on top of
-    what is in effect when it is entered, and its exit removes exactly that entry
-    (a nested reuse exits innermost first). To keep a setting for later without
-    applying it now, keep the keywords instead:
-    ``quiet = functools.partial(tmcore.options, validate=False)``, then
-    ``with quiet(): ...``.
+    Reusing one object: creating it applies its changes (the setter form), and a ``with``
+    entered right after takes that application over, so ``with tmcore.options(...):`` leaves
+    nothing behind. A later ``with obj:`` (nested, repeated, in another thread) applies the
+    same changes on top of what is in effect, and its exit removes exactly that entry. To keep
+    a setting without applying it now, keep the keywords: ``quiet =
+    functools.partial(tmcore.options, validate=False)``, then ``with quiet(): ...``.
     """
 
     def __init__(self, **changes: Any) -> None:
@@ -382,17 +286,6 @@ class options:  # noqa: N801  (a function-like name: it is called, rarely instan
         return f"tmcore.options -> {get_options()!r}"
 
 
-def set_process_option(name: str, value: Any) -> None:
-    """Process-wide override of one option (``None``: back to the environment); the
-    innermost :func:`options` still wins. Used by :func:`tmcore.set_validation`."""
-    value = _check(name, value)
-    if value is None:
-        _PROCESS.pop(name, None)
-    else:
-        _PROCESS[name] = value
-    _PROCESS_KEY[0] = tuple(sorted(_PROCESS.items()))
-
-
 def _warn_bad_env() -> None:
     """Warn once per variable about a value that will be read as True by accident."""
     for name, raw in zip(_FIELDS, _ENV[0], strict=True):
@@ -423,8 +316,7 @@ _WARNED_TIMEOUTS: set[str] = set()
 
 
 def environment(name: str, default: str | None = None) -> str | None:
-    """The value of another tool's environment variable (``CC``, ``TRITON_INTERPRET``,
-    ...), read now; ``default`` when it is unset."""
+    """Another tool's environment variable (``CC``, ``TRITON_INTERPRET``, ...), read now."""
     return os.environ.get(name, default)
 
 
@@ -434,12 +326,9 @@ _UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
 
 
 def memory_limit() -> int | None:
-    """The bound, in bytes, every size gate checks a call's parameters, activations and
-    state against before allocating (``TMCORE_MEMORY_LIMIT``: bytes, or a number with a
-    ``K``, ``M``, ``G`` or ``T`` suffix, powers of 1024; read now). ``None`` (unset): the
-    device's own memory bounds it (host memory, a cgroup or ``RLIMIT_AS``; a GPU's total
-    memory). A value that is not a positive size is refused by name with a warning (once
-    per value), and no bound applies."""
+    """The bound in bytes every size gate checks against: ``TMCORE_MEMORY_LIMIT`` (bytes, or
+    with a ``K``, ``M``, ``G``, ``T`` suffix, powers of 1024; read now); ``None`` if unset (the
+    device's own memory bounds it) or not a size (with a warning, once per value)."""
     raw = os.environ.get(MEMORY_LIMIT_ENV_VAR, "").strip()
     if not raw:
         return None
@@ -459,9 +348,8 @@ def memory_limit() -> int | None:
 
 
 def cache_dir() -> Path:
-    """The configured folder of the built kernels: ``TMCORE_CACHE_DIR``, else
-    ``$XDG_CACHE_HOME/tmcore``, else ``~/.cache/tmcore`` (read now; the backend builds
-    elsewhere when it is not safe to use)."""
+    """The folder of the built kernels: ``TMCORE_CACHE_DIR``, else ``$XDG_CACHE_HOME/tmcore``,
+    else ``~/.cache/tmcore`` (read now)."""
     if os.environ.get("TMCORE_CACHE_DIR"):
         return Path(os.environ["TMCORE_CACHE_DIR"])
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
@@ -469,10 +357,8 @@ def cache_dir() -> Path:
 
 
 def compile_timeout() -> float | None:
-    """Seconds one compiler run may take (``TMCORE_COMPILE_TIMEOUT``, default 120, read
-    now); ``None`` (no limit) for ``inf`` or ``none``. A value that is not a number of
-    seconds > 0 (text, 0, negative, NaN) is refused by name with a warning (once per
-    value), and the default applies."""
+    """Seconds one compiler run may take (``TMCORE_COMPILE_TIMEOUT``, read now; ``None`` for
+    ``inf`` / ``none``); a value that is not seconds > 0 warns (once) and gives the default."""
     raw = os.environ.get(TIMEOUT_ENV_VAR, "").strip()
     if raw == "":
         return DEFAULT_TIMEOUT

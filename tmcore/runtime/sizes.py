@@ -1,43 +1,22 @@
-"""Sizes checked before anything is allocated: element counts and the bytes a call needs.
+"""Sizes checked before anything is allocated, from shapes and dtypes only.
 
-Two checks, both made from shapes and dtypes only (no array is touched):
-
-- **Element counts** against int64 (:func:`check_count`): every array a layer
-  or a scan makes must have fewer than ``2**63`` BYTES at 8 bytes an element
-  (XLA aborts the process, with SIGABRT, on a shape whose extent product
-  overflows; torch and NumPy raise late and unclearly). A ``ValueError`` naming
-  the argument (``memory_shape``, ``embed_dim``, ...).
-- **Bytes** against what the device can ever hold (:func:`check_bytes`): the
-  host's memory (``MemTotal`` + swap), a cgroup limit and the address space
-  left under ``RLIMIT_AS``, whichever is least; a CUDA device's total memory
-  (torch, CuPy) or a JAX device's ``bytes_limit``. A call that needs more than
-  that can never run, so it raises ``MemoryError`` naming the argument and the
-  estimate before it allocates. This is a bound, not a prediction: a call below
-  it may still run out of memory that other arrays hold.
-
-The estimates (:func:`scan_bytes`, :func:`forward_bytes`) count what a call
-certainly holds at its peak: the state in and out, one step's working set
-(the written volume, the ``4C`` gate pre-activations), the reads and outputs,
-and, for a backward, the ``ceil(T / k)`` checkpointed states. They are lower
-bounds of the real peak, so they never refuse a call that fits.
-
-Callers: :func:`tmcore.layer.layer_config` (counts), :func:`tmcore.layer.zero_state`
-(the state and one step over it, before the zero state is made: every layer path
-and ``init_state`` starts there), :func:`tmcore.scan.validate_scan_inputs` (the
-scan, with its checkpoints for a backward), and the JAX adapter's ``init`` (the
-parameters) and ``apply`` (:func:`check_forward`).
+Element counts against int64 (:func:`check_count`: XLA aborts the process on a shape whose
+extent product overflows) and the bytes a call certainly holds at its peak (lower bounds)
+against what the device can ever hold (:func:`check_bytes`, a ``MemoryError``); what is
+checked where: docs/guides/errors-and-cache.md.
 """
 
 from __future__ import annotations
 
 import math
+import operator
 import os
 import sys
 from collections.abc import Sequence
 from typing import Any
 
 from tmcore.runtime.options import MEMORY_LIMIT_ENV_VAR, memory_limit
-from tmcore.types import device_of
+from tmcore.types import device_of, traced
 
 __all__ = [
     "INT64_MAX",
@@ -46,7 +25,6 @@ __all__ = [
     "check_bytes",
     "check_scan",
     "check_array",
-    "compiling",
     "memory_budget",
     "scan_bytes",
     "itemsize",
@@ -199,23 +177,13 @@ def itemsize(xp: Any, dtype: Any) -> int:
         return 4
 
 
-def compiling() -> bool:
-    """Whether torch.compile is tracing (then the checks ran eagerly, or run in the
-    ops' fake implementations; a file read here would break the graph)."""
-    torch = sys.modules.get("torch")
-    try:
-        return torch is not None and bool(torch.compiler.is_compiling())
-    except Exception:  # an older torch
-        return False
-
-
 def check_bytes(name: str, nbytes: int, what: str, xp: Any, device: Any = None) -> None:
     """``MemoryError`` naming ``name`` when ``nbytes`` (what ``what`` needs) exceeds
     :func:`memory_budget`; nothing is looked up for small requests."""
     if nbytes > INT64_MAX:
         raise ValueError(f"{name}: {what} would need {nbytes:.3e} bytes, more than int64 "
                          f"can address")
-    if compiling():
+    if traced():  # (torch.compile: the checks ran eagerly, or run in the fake kernels)
         return
     limit = memory_limit()  # (small requests look nothing up, unless a bound is set below)
     if nbytes < SMALL and (limit is None or nbytes <= limit):
@@ -248,12 +216,13 @@ def warp_states(ndim: int, flow: bool) -> int:
 
 def check_scan(xp: Any, h0: Any, steps: int, checkpoint_every: int, backward: bool,
                log_elements: int = 0, working_states: int = 0) -> None:
-    """Before a scan allocates: the checkpoints' count fits int64, and the bytes the scan
-    needs (:func:`scan_bytes`; ``ceil(T / k)`` checkpoints for a backward, one for a
-    forward; plus ``log_elements`` per step for a step that logs instead, and
-    ``working_states`` more states of working set per step) fit the device
-    (``ValueError`` / ``MemoryError`` naming ``h0``)."""
-    shape = tuple(int(s) for s in h0.shape)
+    """Before a scan allocates: its saved states' count fits int64 and its bytes
+    (:func:`scan_bytes` with ``ceil(T / k)`` checkpoints for a backward, one otherwise, plus
+    ``log_elements`` per step and ``working_states`` states) fit the device, naming ``h0``."""
+    try:
+        shape = tuple(operator.index(s) for s in h0.shape)
+    except TypeError:  # symbolic sizes (jax.export): nothing to measure
+        return
     saved = -(-steps // checkpoint_every) if backward else 1
     state = check_count("h0", shape, "(B, C, *S)", "the state")
     check_count("checkpoint_every", (saved, *shape), "(ceil(T / k), B, C, *S)",

@@ -1,38 +1,26 @@
 """Namespace inference and argument validation shared by every public function.
 
-Errors name the argument, what was given and what was expected, so a user who
-passes a wrong shape learns which one without reading tmcore's source.
-
-Two tiers (docs/guides/errors-and-cache.md):
-
-- **Always** (no device-to-host sync; only shapes, dtypes, namespaces, devices
-  and Python scalars are inspected): every check in this module except
-  :func:`check_values` / :func:`check_positive`.
-- **Validate mode** (reads array values, so it synchronizes with the device):
-  every array argument finite, every ``sigma`` > 0. Off by default; on with
-  ``tmcore.options(validate=True)`` (also a context manager; older names:
-  ``with tmcore.validation(): ...``, and process-wide
-  ``tmcore.set_validation(True)``) or the environment variable
-  ``TMCORE_VALIDATE=1``. Values that are not concrete
-  (under ``jax.jit`` / ``vmap`` tracing, torch meta or fake tensors) are not
-  checked even then.
+Errors name the argument, what was given and what was expected. The checks read shapes,
+dtypes, namespaces, devices and Python scalars only, except validate mode's
+:func:`check_values` and :func:`check_positive`, which read concrete values
+(docs/guides/errors-and-cache.md).
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 import numbers
 import operator
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import array_api_compat
 
-from tmcore.runtime.options import ENV_VARS, get_options, options, set_process_option
-from tmcore.types import device_of
+from tmcore.runtime.options import get_options
+from tmcore.types import device_of, host_values
 
 __all__ = [
+    "check_bool_mask",
     "namespace_of",
     "check_rank",
     "check_dim",
@@ -48,17 +36,10 @@ __all__ = [
     "check_positive",
     "require_array",
     "check_namespace",
-    "validation",
-    "set_validation",
-    "validation_enabled",
-    "VALIDATE_ENV_VAR",
     "OPTIONAL_ARRAYS",
 ]
 
 MAX_SPATIAL_RANK = 4
-
-#: Environment variable switching validate mode on (any value but "", "0").
-VALIDATE_ENV_VAR = ENV_VARS["validate"]
 
 #: Argument names :func:`namespace_of` lets be ``None``: the cotangents, which the
 #: shared forward/VJP validators leave out for the forward. A public VJP whose
@@ -69,88 +50,14 @@ OPTIONAL_ARRAYS = frozenset({"g", "g_reads", "g_h", "g_c"})
 # --------------------------------------------------------------------------- validate mode
 
 
-def validation_enabled() -> bool:
-    """Whether validate mode is on (``tmcore.get_options().validate``).
-
-    Returns
-    -------
-    bool
-        The innermost :func:`tmcore.options` / :func:`validation` setting, else
-        :func:`set_validation`'s, else the environment variable
-        ``TMCORE_VALIDATE``, else False.
-    """
-    return get_options().validate
-
-
-def set_validation(enabled: bool | None) -> None:
-    """Switch validate mode on or off for the whole process.
-
-    A :func:`validation` or :func:`tmcore.options` block overrides it locally.
-
-    Parameters
-    ----------
-    enabled : bool or None
-        True or False for validate mode in every thread; ``None`` returns to
-        the environment variable ``TMCORE_VALIDATE`` (else off).
-
-    Raises
-    ------
-    TypeError
-        If ``enabled`` is not exactly True, False or None.
-    """
-    if enabled is not None and not isinstance(enabled, bool):
-        raise TypeError(f"enabled: expected True, False or None, got {enabled!r}")
-    set_process_option("validate", enabled)
-
-
-@contextlib.contextmanager
-def validation(enabled: bool = True) -> Iterator[None]:
-    """Context manager: validate mode on (or, with ``enabled=False``, off) inside.
-
-    The older name of ``tmcore.options(validate=enabled)``: local to the current
-    thread / asyncio task. In validate mode every public function also checks
-    that its array arguments are finite (no NaN or inf) and that ``sigma`` is
-    > 0; each check reads the values back to the host.
-
-    Parameters
-    ----------
-    enabled : bool, default True
-        Validate mode inside the block.
-
-    Yields
-    ------
-    None
-        Control, with validate mode set, until the block exits (the previous
-        setting is restored then).
-
-    Raises
-    ------
-    TypeError
-        If ``enabled`` is not exactly True or False.
-    """
-    if not isinstance(enabled, bool):
-        raise TypeError(f"enabled: expected True or False, got {enabled!r}")
-    with options(validate=enabled):
-        yield
-
-
-def _concrete_bool(value: Any) -> bool | None:
-    """``bool(value)``, or ``None`` when the value is not concrete (a tracer, a
-    meta / fake tensor, a lazy array): those are not checked."""
-    try:
-        return bool(value)
-    except Exception:  # each framework raises its own type for abstract values
-        return None
-
-
 def check_values(xp: Any, arrays: dict[str, Any]) -> None:
     """Validate mode only: raise ``ValueError`` naming the first array that holds NaN or inf."""
-    if not validation_enabled():
+    if not get_options().validate:
         return
     for name, value in arrays.items():
         if value is None:
             continue
-        finite = _concrete_bool(xp.all(xp.isfinite(value)))
+        finite = host_values(xp.all(xp.isfinite(value)))  # (None: abstract, unchecked)
         if finite is False:
             bad = int(xp.sum(xp.astype(~xp.isfinite(value), xp.int32)))
             raise ValueError(
@@ -161,9 +68,9 @@ def check_values(xp: Any, arrays: dict[str, Any]) -> None:
 
 def check_positive(xp: Any, name: str, value: Any) -> None:
     """Validate mode only: raise ``ValueError`` unless every entry of ``value`` is > 0."""
-    if not validation_enabled() or math.prod(value.shape) == 0:
+    if not get_options().validate or math.prod(value.shape) == 0:
         return
-    positive = _concrete_bool(xp.all(value > 0))
+    positive = host_values(xp.all(value > 0))
     if positive is False:
         smallest = float(xp.min(value))
         raise ValueError(f"{name}: expected every value > 0 (validate mode), got a minimum "
@@ -185,9 +92,8 @@ def _kind(xp: Any) -> Any:
 
 
 def check_namespace(xp: Any, name: str, value: Any, what: str) -> None:
-    """``TypeError`` unless the array ``value`` belongs to namespace ``xp`` (e.g. a NumPy
-    mask handed to the torch layer): names ``name``, ``what`` was expected and the
-    type that came, instead of a dtype message that reads "expected bool, got bool"."""
+    """``TypeError`` naming ``name`` unless the array ``value`` belongs to namespace ``xp`` (a NumPy
+    mask for the torch layer would otherwise read "expected bool, got bool")."""
     try:
         found = array_api_compat.array_namespace(value)
     except TypeError:
@@ -208,14 +114,9 @@ def require_array(name: str, value: Any) -> None:
 
 
 def namespace_of(**arrays: Any) -> Any:
-    """Return the single array-API namespace shared by ``arrays`` (name -> array).
-
-    Raises ``TypeError`` naming the first argument that is not an array (``None``
-    is allowed only for the cotangent names in :data:`OPTIONAL_ARRAYS`), that
-    belongs to a different namespace than the first one, or that does not have
-    a real floating dtype; ``ValueError`` for an array on a different device
-    than the first one. In validate mode every array must also be finite.
-    """
+    """The one array-API namespace of ``arrays`` (name -> array): ``TypeError`` naming a
+    non-array (``None`` only for :data:`OPTIONAL_ARRAYS`), another namespace or a non-floating
+    dtype, ``ValueError`` another device; validate mode checks the values."""
     found = None
     first_name = None
     first_device = None
@@ -294,11 +195,8 @@ def check_nonempty(name: str, x: Any, layout: str, axes: Sequence[int] | None = 
 
 
 def check_grid_shape(name: str, shape: Any) -> tuple[int, ...]:
-    """Validate a spatial grid shape: 1..4 positive integers. Returns it as a tuple.
-
-    ``TypeError`` for a non-sequence, a string or a non-integer entry (floats and
-    bools included); ``ValueError`` for the wrong length or a size < 1.
-    """
+    """A grid shape of 1 to 4 ints >= 1, as a tuple: ``TypeError`` for a non-sequence, a string
+    or a non-int entry (bools too), ``ValueError`` for the wrong length or a size < 1."""
     expected = f"{name}: expected a tuple of 1 to 4 positive ints"
     if isinstance(shape, (str, bytes)):
         raise TypeError(f"{expected}, got {shape!r}")
@@ -381,3 +279,19 @@ def check_flag(name: str, value: Any) -> bool:
     if isinstance(value, bool) or type(value).__name__ == "bool_":
         return bool(value)
     raise TypeError(f"{name}: expected True or False, got {value!r}")
+
+
+def check_bool_mask(xp: Any, value: Any, name: str, axes: str,
+                    shape: tuple[int, ...] | None, hint: str = "") -> None:
+    """Raise unless ``value`` is a bool array of ``shape`` (named ``axes``, e.g. ``"(B,)"``;
+    ``None``: any): ``TypeError`` for a non-array or dtype, ``ValueError`` for a shape."""
+    expected = f"of shape {axes}" + ("" if shape is None else
+                                     f" = ({', '.join(map(str, shape))}"
+                                     f"{',' if len(shape) == 1 else ''})")
+    if not array_api_compat.is_array_api_obj(value):
+        raise TypeError(f"{name}: expected a bool array {expected}, got {type(value).__name__}")
+    check_namespace(xp, name, value, f"a bool array {expected}")
+    if not xp.isdtype(value.dtype, "bool"):
+        raise TypeError(f"{name}: expected a bool mask {expected}, got dtype {value.dtype}{hint}")
+    if shape is not None and tuple(value.shape) != shape:
+        raise ValueError(f"{name}: expected a bool mask {expected}, got {tuple(value.shape)}")

@@ -1,12 +1,5 @@
-"""The chunk recurrence: read, write, update, T times, with a lean backward.
-
-- :mod:`~tmcore.scan.base` -- the ONE loop over a :class:`Step` (checkpoints and replay,
-  or a per-step log), forward and backward;
-- :mod:`~tmcore.scan.dense` -- the paper's step (:func:`memory_scan` and its VJP);
-- :mod:`~tmcore.scan.local` -- ``update="local"`` (a window around each write);
-- :mod:`~tmcore.scan.warped` -- ``dynamics="warp"`` (the state resampled before each
-  update);
-- :mod:`~tmcore.scan.options` -- the layer's options as a step (:func:`step_for`).
+"""The chunk recurrence: ONE loop (:mod:`~tmcore.scan.base`) over a :class:`Step`, the dense,
+local or warped chunk step (:mod:`~tmcore.scan.options` picks one), with a lean backward.
 """
 
 from tmcore.scan.base import Step

@@ -1,29 +1,12 @@
-"""The ONE scan loop: ``T`` chunk steps forward, and their VJP backward, for any :class:`Step`.
+"""The ONE scan loop: ``T`` chunk steps of any :class:`Step` forward, and their VJP backward.
 
-A step (:mod:`tmcore.scan.dense`, :mod:`tmcore.scan.local`, :mod:`tmcore.scan.warped`)
-says how one chunk reads, writes and updates the state ``(h, c)`` of shape
-``(B, C, *S)``, and how it is differentiated; this module runs it over the ``T`` chunks
-and keeps what the backward needs, by the step's residual policy:
-
-- ``"checkpoint"``: the state entering every ``checkpoint_every``-th step,
-  ``ceil(T / k)`` states; the backward replays each segment from its checkpoint (the
-  forward's operations, so the same bits) and then runs each step's VJP in reverse;
-- ``"log"``: a per-step log the step returns (the local update's undo log: the boxes
-  it overwrote), stacked time-major; the backward replays nothing.
-
-Writes do not depend on the state, so they are made ``WRITE_BLOCK`` steps at a time,
-with the steps folded into the batch (one call instead of one per step), and their VJP
-likewise. A backend may run a step's whole scan in fused kernels (:meth:`Step.fused`:
-the ``scan_fwd`` / ``local_scan_fwd`` entries of its :class:`~tmcore.runtime.dispatch.Ops`
-table), with the same residuals; it declines with ``None``.
-
-The framework bridges drive the same steps: ``tmcore.adapters.torch`` registers this
-loop as one custom op per step kind, ``tmcore.adapters.jax`` runs the steps in one
-checkpointed ``lax.scan``.
-
-Sizes: ``B`` batch, ``C`` channels, ``S`` the grid, ``T`` steps; ``xs`` is the step's
-inputs (a :class:`~tmcore.scan.dense.StepInputs` or
-:class:`~tmcore.scan.warped.WarpInputs`) of ``(B, T, ...)`` arrays.
+A step says how one chunk reads, writes and updates the state ``(h, c)`` ``(B, C, *S)``; the
+loop keeps what the backward needs by the step's ``policy``: ``"checkpoint"``, the state
+entering every ``checkpoint_every``-th step, each segment replayed backward (the forward's
+operations, so the same bits); ``"log"``, a per-step log stacked time-major (the local
+undo log), nothing replayed. Writes do not depend on the state, so they are made
+``WRITE_BLOCK`` steps at a time, folded into the batch. ``xs``: the steps' inputs, a
+:class:`tmcore.StepInputs` or :class:`tmcore.scan.WarpInputs` of ``(B, T, ...)`` arrays.
 """
 
 from __future__ import annotations
@@ -35,10 +18,10 @@ from typing import Any, Protocol
 import array_api_compat
 
 from tmcore.runtime.dispatch import ops_for
-from tmcore.types import Residuals, device_of
+from tmcore.types import Residuals, device_of, host_values, traced
 
-__all__ = ["WRITE_BLOCK", "Step", "scan_backward", "scan_forward", "tree_add",
-           "tree_map"]
+__all__ = ["WRITE_BLOCK", "Masks", "Step", "advance", "advance_vjp", "scan_backward",
+           "scan_forward", "tree_add", "tree_map", "where_rows"]
 
 #: Steps whose writes are made, and differentiated, in one call. Memory: two blocks of
 #: written volumes at a time.
@@ -46,12 +29,9 @@ WRITE_BLOCK = 16
 
 
 class Step(Protocol):
-    """One chunk step: the protocol :func:`scan_forward` / :func:`scan_backward` drive.
-
-    ``x`` is one step's inputs (the ``xs`` type with ``(M, ...)`` fields); ``W`` its
-    write product (a function of ``x``'s write fields only; the differentiable part is
-    its written volume, whose cotangent ``g_W`` is an array of the volume's shape).
-    """
+    """One chunk step, the protocol the loop drives. ``x``: one step's inputs (``(M, ...)``
+    fields); ``W``: its write product, a function of ``x``'s write fields only (the written
+    volume's cotangent ``g_W`` has its shape)."""
 
     #: ``"checkpoint"`` or ``"log"`` (see the module docstring)
     policy: str
@@ -71,9 +51,8 @@ class Step(Protocol):
 
     def advance_vjp(self, xp: Any, params: Any, h: Any, c: Any, x: Any, W: Any, log: Any,
                     g_read: Any, g_h: Any, g_c: Any) -> tuple[Any, ...]:
-        """``(g_h, g_c, d_read_coords (B, n), d_shift or None, g_W, d_params)`` from the
-        state entering the step (``"checkpoint"``) or its log (``"log"``; ``h, c``
-        None)."""
+        """``(g_h, g_c, d_read_coords (B, n), d_shift or None, g_W, d_params)`` from the state
+        entering the step (``"checkpoint"``) or its log (``"log"``: ``h, c`` None)."""
 
     def own_state(self, xp: Any, h: Any, c: Any, overwrite: bool) -> tuple[Any, Any]:
         """The state the loop may update in place."""
@@ -124,15 +103,15 @@ def read_point_vjp(xp: Any, h: Any, coords: Any, g: Any) -> tuple[Any, Any]:
 
 def read_then_update(step: Any, xp: Any, params: Any, h: Any, c: Any, x: Any, W: Any
                      ) -> tuple[Any, Any, Any, None]:
-    """:meth:`Step.advance` of a step that reads, then runs its ``update(xp, params, h, c,
-    x, W) -> (h', c')`` (no log)."""
+    """:meth:`Step.advance` of a step with ``update(xp, params, h, c, x, W) -> (h', c')``: read,
+    then update (no log)."""
     return (read_point(xp, h, x.read_coords), *step.update(xp, params, h, c, x, W), None)
 
 
 def read_then_update_vjp(step: Any, xp: Any, params: Any, h: Any, c: Any, x: Any, W: Any,
                          g_read: Any, g_h: Any, g_c: Any) -> tuple[Any, ...]:
-    """:meth:`Step.advance_vjp` of :func:`read_then_update`, from the step's
-    ``update_vjp(xp, params, h, c, x, W, g_h, g_c) -> (d_h, d_c, g_W, d_params)``."""
+    """:meth:`Step.advance_vjp` of :func:`read_then_update`, from the step's ``update_vjp(xp,
+    params, h, c, x, W, g_h, g_c) -> (d_h, d_c, g_W, d_params)``."""
     d_h, d_c, g_W, d_params = step.update_vjp(xp, params, h, c, x, W, g_h, g_c)
     d_h_read, d_coords = read_point_vjp(xp, h, x.read_coords, g_read)
     return d_h + d_h_read, d_c, d_coords, None, g_W, d_params
@@ -147,9 +126,8 @@ def _step(xs: Any, t: int) -> Any:
 
 
 class _Writes:
-    """The steps' write products, made ``WRITE_BLOCK`` steps at a time (folded into the
-    batch), and their VJP once every step of a block has its cotangent. Keeps the two
-    most recent blocks."""
+    """The steps' write products, ``WRITE_BLOCK`` steps at a time folded into the batch, and their
+    VJP once every step of a block has its cotangent; keeps the two latest blocks."""
 
     def __init__(self, xp: Any, step: Step, xs: Any, shape: tuple[int, ...]) -> None:
         self.xp, self.step, self.xs, self.shape = xp, step, xs, shape
@@ -205,13 +183,9 @@ class _Writes:
 
 
 class _Stacker:
-    """Collects ``count`` arrays shaped like ``like`` into one, stacked along ``axis``.
-
-    Where arrays support item assignment (NumPy, PyTorch, CuPy, array-api-strict) each
-    array is copied into a preallocated one as it arrives, so nothing is held twice (a
-    list-then-``stack`` holds every state twice at the peak); immutable arrays (JAX),
-    or a transform refusing the assignment (vmap), fall back to ``stack``.
-    """
+    """``count`` arrays like ``like`` stacked along ``axis``, each copied into a preallocated array
+    as it arrives (a list then ``stack`` holds every state twice at the peak); immutable arrays
+    (JAX) or a transform refusing the assignment (vmap) fall back to ``stack``."""
 
     def __init__(self, xp: Any, like: Any, count: int, axis: int = 0) -> None:
         self.xp, self.index, self.pending, self.axis = xp, 0, [], axis
@@ -245,48 +219,108 @@ def _workspace(xp: Any, step: Step) -> contextlib.AbstractContextManager:
     return ops_for(xp).workspace(xp) if step.workspace else contextlib.nullcontext()
 
 
+# --------------------------------------------------------------------------- masks
+
+
+def where_rows(xp: Any, mask: Any, a: Any, b: Any) -> Any:
+    """``a`` in the rows where the bool array ``mask (B,)`` is True, else ``b``."""
+    return xp.where(xp.reshape(mask, (mask.shape[0],) + (1,) * (a.ndim - 1)), a, b)
+
+
+class Masks:
+    """A scan's per-step row masks ``reset`` / ``active``, bool ``(B, T)`` or None (their meaning:
+    :func:`tmcore.memory_scan`); the per-step flags are read on the host once (eager loops)."""
+
+    def __init__(self, xp: Any, reset: Any, active: Any) -> None:
+        self.reset, self.active = reset, active
+        self._resets = self._some = self._every = None
+        if traced(reset) or traced(active):  # (JAX's scan: every step applies its masks)
+            return
+        if reset is not None:
+            self._resets = host_values(xp.any(reset, axis=0))
+        if active is not None:
+            self._some = host_values(xp.any(active, axis=0))
+            self._every = host_values(xp.all(active, axis=0))
+
+    def resets(self, t: int) -> bool:
+        """Whether some row's state is zeroed entering step ``t``."""
+        return self.reset is not None and (self._resets is None or bool(self._resets[t]))
+
+    def some(self, t: int) -> bool:
+        """Whether some row keeps step ``t``'s update (else the step only reads)."""
+        return self.active is None or self._some is None or bool(self._some[t])
+
+    def every(self, t: int) -> bool:
+        """Whether every row keeps step ``t``'s update."""
+        return self.active is None or (self._every is not None and bool(self._every[t]))
+
+    def enter(self, xp: Any, t: int, h: Any, c: Any) -> tuple[Any, Any]:
+        """The state step ``t`` runs on: ``h, c`` with the reset rows zeroed."""
+        if not self.resets(t):
+            return h, c
+        keep = ~self.reset[:, t]
+        return where_rows(xp, keep, h, xp.zeros_like(h)), where_rows(xp, keep, c, xp.zeros_like(c))
+
+
+def advance(xp: Any, step: Step, params: Any, masks: Masks, t: int, h: Any, c: Any, x: Any,
+             W: Any) -> tuple[Any, Any, Any, Any]:
+    """Step ``t`` under the masks from its entering state: ``(read, h', c', log)``."""
+    h, c = masks.enter(xp, t, h, c)
+    if not masks.some(t) and step.policy == "checkpoint":  # no row keeps the update
+        return read_point(xp, h, x.read_coords), h, c, None
+    if masks.every(t):
+        return step.advance(xp, params, h, c, x, W)
+    run_h, run_c = step.own_state(xp, h, c, False)  # (a step updating in place: copies)
+    read, new_h, new_c, log = step.advance(xp, params, run_h, run_c, x, W)
+    keep = masks.active[:, t]
+    return read, where_rows(xp, keep, new_h, h), where_rows(xp, keep, new_c, c), log
+
+
+def advance_vjp(xp: Any, step: Step, params: Any, masks: Masks, t: int, h: Any, c: Any,
+                 x: Any, W: Any, log: Any, g_read: Any, g_h: Any, g_c: Any
+                 ) -> tuple[Any, ...]:
+    """VJP of :func:`advance` from the state entering step ``t``, before its reset (None for a
+    ``"log"`` step): an inactive row's cotangent goes past the update, a reset row's stops."""
+    if h is not None:
+        h, c = masks.enter(xp, t, h, c)
+    if masks.every(t):
+        out = step.advance_vjp(xp, params, h, c, x, W, log, g_read, g_h, g_c)
+    else:
+        keep = masks.active[:, t]
+        out = step.advance_vjp(xp, params, h, c, x, W, log, g_read,
+                               where_rows(xp, keep, g_h, xp.zeros_like(g_h)),
+                               where_rows(xp, keep, g_c, xp.zeros_like(g_c)))
+        out = (where_rows(xp, keep, out[0], out[0] + g_h),
+               where_rows(xp, keep, out[1], out[1] + g_c), *out[2:])
+    if masks.resets(t):
+        keep = ~masks.reset[:, t]
+        out = (where_rows(xp, keep, out[0], xp.zeros_like(out[0])),
+               where_rows(xp, keep, out[1], xp.zeros_like(out[1])), *out[2:])
+    return out
+
+
 # --------------------------------------------------------------------------- the loop
 
 
 def scan_forward(xp: Any, step: Step, params: Any, h0: Any, c0: Any, xs: Any, *,
-                 checkpoint_every: int = 1, keep: bool = True, overwrite_state: bool = False
+                 checkpoint_every: int = 1, keep: bool = True, overwrite_state: bool = False,
+                 reset: Any = None, active: Any = None
                  ) -> tuple[Any, Any, Any, Residuals | None]:
-    """Run ``step`` over the ``T`` chunks of ``xs``; no validation.
+    """Run ``step`` over the ``T`` chunks of ``xs`` under the masks; no validation.
 
-    Parameters
-    ----------
-    xp : namespace
-        The arrays' namespace.
-    step : Step
-        The chunk step.
-    params : pytree of arrays
-        The step's parameters (the gate conv's :class:`~tmcore.ConvParams`, ...).
-    h0, c0 : array, shape ``(B, C, *S)``
-        The state entering the first step (not modified unless ``overwrite_state``).
-    xs : StepInputs or WarpInputs of ``(B, T, ...)`` arrays
-        The steps' inputs.
-    checkpoint_every : int, default 1
-        ``"checkpoint"`` policy: keep the state entering every ``k``-th step.
-    keep : bool, default True
-        Keep the residuals (``False``: none, no gradient will be asked for).
-    overwrite_state : bool, default False
-        A step that updates in place may update ``h0, c0`` themselves.
-
-    Returns
-    -------
-    reads : array, shape ``(B, T, C)``
-        What each step read, from the state before its write.
-    h_T, c_T : array, shape ``(B, C, *S)``
-        The final state.
-    residuals : Residuals or None
-        What :func:`scan_backward` needs (``None`` without ``keep``).
+    ``h0, c0 (B, C, *S)`` are updated in place only with ``overwrite_state`` (by a step that
+    can); ``keep=False`` keeps no residuals. Returns ``(reads (B, T, C), h_T, c_T,
+    residuals)``; the checkpoints are the states entering steps ``0, k, 2k, ...``, before or
+    after their resets (the replays reset them).
     """
     fused = step.fused(xp)
     if fused is not None:  # a backend's whole-scan kernels (may decline: None)
-        out = fused[0](xp, params, h0, c0, xs, checkpoint_every, keep, overwrite_state)
+        out = fused[0](xp, params, h0, c0, xs, checkpoint_every, keep, overwrite_state,
+                       reset, active)
         if out is not None:
             return out
     steps = xs.read_coords.shape[1]
+    masks = Masks(xp, reset, active)
     writes = _Writes(xp, step, xs, tuple(h0.shape[2:]))
     checkpoint = keep and step.policy == "checkpoint"
     if checkpoint:
@@ -299,7 +333,8 @@ def scan_forward(xp: Any, step: Step, params: Any, h0: Any, c0: Any, xs: Any, *,
             if checkpoint and t % checkpoint_every == 0:
                 h_saved.append(h)
                 c_saved.append(c)
-            read, h, c, log = step.advance(xp, params, h, c, _step(xs, t), writes[t])
+            read, h, c, log = advance(xp, step, params, masks, t, h, c, _step(xs, t),
+                                       writes[t])
             if reads is None:  # (B, T, C), preallocated once the reads' dtype is known
                 reads = _Stacker(xp, read, steps, axis=1)
             reads.append(read)
@@ -315,36 +350,19 @@ def scan_forward(xp: Any, step: Step, params: Any, h0: Any, c0: Any, xs: Any, *,
 
 
 def scan_backward(xp: Any, step: Step, params: Any, residuals: Residuals, xs: Any,
-                  g_reads: Any, g_h: Any, g_c: Any, *, checkpoint_every: int = 1
-                  ) -> tuple[Any, Any, Any, Any]:
-    """The VJP of :func:`scan_forward` from its residuals; no validation.
-
-    Parameters
-    ----------
-    xp, step, params, xs, checkpoint_every : see scan_forward
-        As in the forward that made ``residuals``.
-    residuals : Residuals
-        :func:`scan_forward`'s.
-    g_reads : array, shape ``(B, T, C)``
-        The cotangent of the reads.
-    g_h, g_c : array, shape ``(B, C, *S)``
-        The cotangents of the final state (not modified).
-
-    Returns
-    -------
-    d_h0, d_c0 : array, shape ``(B, C, *S)``
-        The gradients for the initial state.
-    d_xs : the type of ``xs``, of ``(B, T, ...)`` arrays
-        The gradients for the steps' inputs.
-    d_params : the type of ``params``
-        The gradients for the parameters.
-    """
+                  g_reads: Any, g_h: Any, g_c: Any, *, checkpoint_every: int = 1,
+                  reset: Any = None, active: Any = None) -> tuple[Any, Any, Any, Any]:
+    """VJP of :func:`scan_forward` (same ``step, params, xs, checkpoint_every``, masks) from its
+    residuals; no validation. ``g_reads (B, T, C)``, ``g_h, g_c (B, C, *S)`` (not modified);
+    returns ``(d_h0, d_c0, d_xs, d_params)``."""
     fused = step.fused(xp)
     if fused is not None:
-        out = fused[1](xp, params, residuals, xs, g_reads, g_h, g_c, checkpoint_every)
+        out = fused[1](xp, params, residuals, xs, g_reads, g_h, g_c, checkpoint_every, reset,
+                       active)
         if out is not None:
             return out
     steps = xs.read_coords.shape[1]
+    masks = Masks(xp, reset, active)
     writes = _Writes(xp, step, xs, tuple(g_h.shape[2:]))
     d_read: list[Any] = [None] * steps
     d_extra: list[Any] = [None] * steps
@@ -360,19 +378,19 @@ def scan_backward(xp: Any, step: Step, params: Any, residuals: Residuals, xs: An
                     states = [(residuals.h[start // checkpoint_every, ...],
                                residuals.c[start // checkpoint_every, ...])]
                     for u in range(start, t):
-                        _, h, c, _ = step.advance(xp, params, *states[-1], _step(xs, u),
-                                                  writes[u])
+                        _, h, c, _ = advance(xp, step, params, masks, u, *states[-1],
+                                              _step(xs, u), writes[u])
                         states.append((h, c))
                 (h, c), log = states.pop(), None
             else:
                 h = c = None
                 log = tuple(part[t, ...] for part in residuals.log)
-            g_h, g_c, d_read[t], d_extra[t], g_W, step_params = step.advance_vjp(
-                xp, params, h, c, x, writes[t], log, g_reads[:, t, ...], g_h, g_c)
+            g_h, g_c, d_read[t], d_extra[t], g_W, step_params = advance_vjp(
+                xp, step, params, masks, t, h, c, x, writes[t], log, g_reads[:, t, ...], g_h,
+                g_c)
             writes.add_grad(t, g_W)
             d_params = tree_add(d_params, step_params)
     d_fields = (xp.stack(d_read, axis=1), *writes.grads())
     if d_extra[0] is not None:  # a warp's shift
         d_fields += (xp.stack(d_extra, axis=1),)
     return g_h, g_c, type(xs)(*d_fields), d_params
-

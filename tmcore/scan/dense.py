@@ -1,17 +1,7 @@
-"""The paper's chunk step and its scan: read, write, update, T times, with a lean backward.
+"""The paper's chunk step (:class:`DenseStep`) and its scan, :func:`memory_scan`, with its VJP.
 
-Per step ``t`` (the layer's order, docs/LAYER.md): read ``h_{t-1}`` at ``read_coords[:, t]``
-BEFORE this step's write; splat ``write_content[:, t]`` around ``write_coords[:, t]``
-with ``write_sigma[:, t]``; update ``(h, c)`` with the ConvLSTM. :class:`DenseStep` is
-that step for the one scan loop (:mod:`tmcore.scan.base`): the backward keeps the state
-entering every ``checkpoint_every``-th step and recomputes the rest (and every step's
-gates) on the way back, so it stores at most ``T + 1`` states, never per-step gate
-tensors.
-
-A backend may run the whole loop in fused kernels (the ``scan_fwd`` / ``scan_bwd``
-entries of its :class:`~tmcore.runtime.dispatch.Ops` table: torch's C kernels on the
-CPU, the Triton kernels on CUDA and for CuPy), with the same arguments, results and
-checkpoint layout, returning ``None`` to leave the loop to run.
+A backend may run the whole scan in fused kernels (the ``scan_fwd`` / ``scan_bwd`` entries of
+its Ops table) with the same arguments, results and checkpoints, or decline with None.
 """
 
 from __future__ import annotations
@@ -25,6 +15,7 @@ from tmcore.ops.splat import DEFAULT_EPS, splat_rows, splat_rows_vjp
 from tmcore.runtime import sizes as _sizes
 from tmcore.runtime.dispatch import ops_for
 from tmcore.runtime.validate import (
+    check_bool_mask,
     check_eps,
     check_int,
     check_positive,
@@ -50,7 +41,6 @@ __all__ = [
     "memory_scan_bwd",
     "step_fwd",
     "step_bwd",
-    "write_step",
     "add_params",
     "validate_scan_inputs",
 ]
@@ -64,15 +54,9 @@ def add_params(a: ConvParams, b: ConvParams) -> ConvParams:
 
 
 class DenseStep(NamedTuple):
-    """The paper's chunk step (:class:`tmcore.scan.base.Step`): read, Gaussian write over
-    the whole grid, ConvLSTM update. ``params``: the gate conv's :class:`ConvParams`;
-    ``W``: the written volume ``(M, C, *S)``. Hashable (a static ``jit`` argument).
-
-    Parameters
-    ----------
-    eps, radius : float, float or None
-        The splat's offset and truncation (:func:`tmcore.gaussian_splat`).
-    """
+    """The paper's chunk step: read, Gaussian write over the whole grid, ConvLSTM update.
+    ``params``: the gate :class:`ConvParams`; ``W``: the written volume ``(M, C, *S)``; ``eps``,
+    ``radius``: the splat's. Hashable (a static ``jit`` argument)."""
 
     eps: float = DEFAULT_EPS
     radius: float | None = None
@@ -94,7 +78,7 @@ class DenseStep(NamedTuple):
 
     def update_vjp(self, xp: Any, params: ConvParams, h: Any, c: Any, x: Any, W: Any,
                    g_h: Any, g_c: Any) -> tuple[Any, Any, Any, ConvParams]:
-        """VJP of :meth:`update`: ``(d_h, d_c, g_W, d_params)`` (recomputes the gates)."""
+        """VJP of :meth:`update`: ``(d_h, d_c, g_W, d_params)`` (gates recomputed)."""
         d_written, d_h, d_c, d_params = cell_bwd(xp, cell_cache(xp, W, h, c, params), params,
                                                  g_h, g_c)
         return d_h, d_c, d_written, d_params
@@ -118,27 +102,29 @@ class DenseStep(NamedTuple):
             return None
         eps, radius = self.eps, self.radius
 
-        def forward(xp, params, h0, c0, xs, every, keep, overwrite):
+        def forward(xp, params, h0, c0, xs, every, keep, overwrite, reset, active):
             if ops.scan_fwd is None:
                 return None
             every = every if keep else xs.read_coords.shape[1]  # only h0 kept
-            out = ops.scan_fwd(xp, h0, c0, *xs, params, eps, radius, every)
+            out = ops.scan_fwd(xp, h0, c0, *xs, params, eps, radius, every, reset=reset,
+                               active=active)
             if out is None:
                 return None
             reads, h, c, h_saved, c_saved = out
             return reads, h, c, Residuals(h_saved, c_saved, None) if keep else None
 
-        def backward(xp, params, residuals, xs, g_reads, g_h, g_c, every):
+        def backward(xp, params, residuals, xs, g_reads, g_h, g_c, every, reset, active):
             if ops.scan_bwd is None:
                 return None
             return fused_grads(ops.scan_bwd(xp, *xs, params, residuals.h, residuals.c, g_reads,
-                                            g_h, g_c, eps, radius, every))
+                                            g_h, g_c, eps, radius, every, reset=reset,
+                                            active=active))
 
         return forward, backward
 
 
 def fused_grads(out: Any) -> tuple[Any, Any, StepInputs, ConvParams] | None:
-    """A backend's whole-scan backward's result (``None``: declined) as the loop's."""
+    """A backend's whole-scan backward result (None: declined) as the loop's."""
     if out is None:
         return None
     return out.h0, out.c0, StepInputs(*out[2:6]), out.params
@@ -148,46 +134,19 @@ def step_fwd(
     xp: Any, h: Any, c: Any, inputs: StepInputs, params: ConvParams, eps: float,
     radius: float | None,
 ) -> tuple[Any, Any, Any]:
-    """One chunk step; returns ``(read (B, C), h', c')``. No validation.
-
-    Each primitive runs through ``ops_for(xp)`` (a backend fast path or the generic one).
-    """
+    """One chunk step through ``ops_for(xp)``, no validation: ``(read (B, C), h', c')``."""
     step = DenseStep(eps, radius)
     read, h, c, _ = step.advance(xp, params, h, c, inputs, step.write(xp, inputs,
                                                                       tuple(h.shape[2:])))
     return read, h, c
 
 
-def write_step(
-    xp: Any, h: Any, c: Any, inputs: StepInputs, params: ConvParams, eps: float,
-    radius: float | None,
-) -> tuple[Any, Any]:
-    """One chunk step's write and update without its read: ``(h', c')`` of
-    :func:`step_fwd` (a decode step that completes a chunk made its read at the chunk's
-    first token). No validation.
-
-    The backend's fused ``write_fwd`` where it has one that does not decline (the
-    kernels of its fused scan: the state that scan reaches), else :func:`step_fwd`.
-    ``inputs`` holds one step's ``(B, ...)`` arrays.
-    """
-    fused = ops_for(xp).write_fwd
-    if fused is not None:
-        out = fused(xp, h, c, inputs.write_coords, inputs.write_sigma, inputs.write_content,
-                    params, eps, radius)
-        if out is not None:
-            return out
-    _, h, c = step_fwd(xp, h, c, inputs, params, eps, radius)
-    return h, c
-
-
 def step_bwd(
     xp: Any, h: Any, c: Any, inputs: StepInputs, params: ConvParams, g_read: Any, g_h: Any,
     g_c: Any, eps: float, radius: float | None,
 ) -> tuple[Any, Any, StepInputs, ConvParams]:
-    """VJP of :func:`step_fwd` from the step's input state (recomputes the gates).
-
-    Returns ``(d_h, d_c, d_inputs, d_params)``.
-    """
+    """VJP of :func:`step_fwd` from the step's input state (gates recomputed): ``(d_h, d_c,
+    d_inputs, d_params)``."""
     step = DenseStep(eps, radius)
     written = step.write(xp, inputs, tuple(h.shape[2:]))
     d_h, d_c, d_read_coords, _, g_W, d_params = step.advance_vjp(
@@ -199,57 +158,38 @@ def step_bwd(
 def memory_scan_fwd(
     xp: Any, h0: Any, c0: Any, read_coords: Any, write_coords: Any, write_sigma: Any,
     write_content: Any, params: ConvParams, *, eps: float = DEFAULT_EPS,
-    radius: float | None = None, checkpoint_every: int = 1,
+    radius: float | None = None, checkpoint_every: int = 1, reset: Any = None,
+    active: Any = None,
 ) -> tuple[Any, Any, Any, Any, Any]:
     """Run the forward scan without validation, keeping the backward's checkpoints.
 
-    The low-level half of :func:`memory_scan_vjp`, for adapters that register it
-    with a framework's autodiff (and call it inside ``jit``, so it checks
-    nothing: validate with :func:`memory_scan` first).
+    The half of :func:`memory_scan_vjp` that adapters register with an autodiff (inside ``jit``:
+    it checks nothing; validate with :func:`memory_scan` first).
 
     Parameters
     ----------
     xp : namespace
         The array namespace of the arguments.
-    h0 : array, shape ``(B, C, *S)``
-        The initial hidden state.
-    c0 : array, shape ``(B, C, *S)``
-        The initial cell state.
-    read_coords : array, shape ``(B, T, n)``
-        The normalized read position of each step.
-    write_coords : array, shape ``(B, T, n)``
-        The normalized write centre of each step.
-    write_sigma : array, shape ``(B, T)``
-        The write spread of each step.
-    write_content : array, shape ``(B, T, C)``
-        The content written by each step.
-    params : ConvParams
-        The gate conv, ``C_in = 2C``, ``C_out = 4C``.
-    eps : float, default 1e-6
-        As in :func:`gaussian_splat`.
-    radius : float or None, default None
-        As in :func:`gaussian_splat`.
+    h0, c0, read_coords, write_coords, write_sigma, write_content, params : array or ConvParams
+        As in :func:`memory_scan`.
+    eps, radius : float, float or None
+        As in :func:`memory_scan`.
     checkpoint_every : int, default 1
         Keep the state entering every ``checkpoint_every``-th step.
+    reset, active : bool array, shape ``(B, T)``, optional
+        As in :func:`memory_scan`.
 
     Returns
     -------
-    reads : array, shape ``(B, T, C)``
-        What each step read, from the state before its write.
-    h_T : array, shape ``(B, C, *S)``
-        The final hidden state.
-    c_T : array, shape ``(B, C, *S)``
-        The final cell state.
-    h_checkpoints : array, shape ``(ceil(T / checkpoint_every), B, C, *S)``
-        The hidden states entering steps ``0, k, 2k, ...``: all that
-        :func:`memory_scan_bwd` needs.
-    c_checkpoints : array, shape ``(ceil(T / checkpoint_every), B, C, *S)``
-        The cell states entering the same steps.
+    reads, h_T, c_T : array
+        As :func:`memory_scan` returns them.
+    h_checkpoints, c_checkpoints : array, shape ``(ceil(T / checkpoint_every), B, C, *S)``
+        The states entering steps ``0, k, 2k, ...``: all :func:`memory_scan_bwd` needs.
     """
     reads, h, c, residuals = scan_forward(
         xp, DenseStep(eps, radius), params, h0, c0,
         StepInputs(read_coords, write_coords, write_sigma, write_content),
-        checkpoint_every=checkpoint_every)
+        checkpoint_every=checkpoint_every, reset=reset, active=active)
     return reads, h, c, residuals.h, residuals.c
 
 
@@ -257,43 +197,25 @@ def memory_scan_bwd(
     xp: Any, read_coords: Any, write_coords: Any, write_sigma: Any, write_content: Any,
     params: ConvParams, h_checkpoints: Any, c_checkpoints: Any, g_reads: Any, g_h: Any,
     g_c: Any, *, eps: float = DEFAULT_EPS, radius: float | None = None,
-    checkpoint_every: int = 1,
+    checkpoint_every: int = 1, reset: Any = None, active: Any = None,
 ) -> ScanGrads:
     """Run the backward scan from the checkpoints of :func:`memory_scan_fwd`, unvalidated.
 
-    Each segment of ``checkpoint_every`` steps is replayed from its checkpoint
-    (storing that segment's states only), then differentiated step by step.
+    Each segment of ``checkpoint_every`` steps is replayed from its checkpoint (holding that
+    segment's states only), then differentiated step by step.
 
     Parameters
     ----------
     xp : namespace
         The array namespace of the arguments.
-    read_coords : array, shape ``(B, T, n)``
-        The read positions of the forward scan.
-    write_coords : array, shape ``(B, T, n)``
-        The write centres of the forward scan.
-    write_sigma : array, shape ``(B, T)``
-        The write spreads of the forward scan.
-    write_content : array, shape ``(B, T, C)``
-        The written content of the forward scan.
-    params : ConvParams
-        The gate conv of the forward scan.
-    h_checkpoints : array, shape ``(ceil(T / checkpoint_every), B, C, *S)``
-        The hidden-state checkpoints returned by :func:`memory_scan_fwd`.
-    c_checkpoints : array, shape ``(ceil(T / checkpoint_every), B, C, *S)``
-        The cell-state checkpoints returned by :func:`memory_scan_fwd`.
-    g_reads : array, shape ``(B, T, C)``
-        The cotangent of the reads.
-    g_h : array, shape ``(B, C, *S)``
-        The cotangent of the final hidden state.
-    g_c : array, shape ``(B, C, *S)``
-        The cotangent of the final cell state.
-    eps : float, default 1e-6
+    read_coords, write_coords, write_sigma, write_content, params : array or ConvParams
         As in the forward scan.
-    radius : float or None, default None
+    h_checkpoints, c_checkpoints : array, shape ``(ceil(T / checkpoint_every), B, C, *S)``
+        As :func:`memory_scan_fwd` returns them.
+    g_reads, g_h, g_c : array
+        The cotangents of the reads ``(B, T, C)`` and of the final state ``(B, C, *S)``.
+    eps, radius, checkpoint_every, reset, active : optional
         As in the forward scan.
-    checkpoint_every : int, default 1
-        As in the forward scan that made the checkpoints.
 
     Returns
     -------
@@ -303,20 +225,15 @@ def memory_scan_bwd(
     d_h0, d_c0, d_xs, d_params = scan_backward(
         xp, DenseStep(eps, radius), params, Residuals(h_checkpoints, c_checkpoints, None),
         StepInputs(read_coords, write_coords, write_sigma, write_content), g_reads, g_h, g_c,
-        checkpoint_every=checkpoint_every)
+        checkpoint_every=checkpoint_every, reset=reset, active=active)
     return ScanGrads(d_h0, d_c0, *d_xs, d_params)
 
 
 def validate_scan_inputs(h0, c0, read_coords, write_coords, write_sigma, write_content, params,
                          checkpoint_every, radius, g_reads=None, g_h=None, g_c=None,
-                         eps=DEFAULT_EPS, backward=None):
-    """Check the arguments of :func:`memory_scan` / :func:`memory_scan_vjp`.
-
-    Shapes, dtypes, namespaces, devices and Python scalars always (no device sync);
-    in validate mode also finite values and ``write_sigma > 0`` (skipped for values
-    that are not concrete: tracers, meta / fake tensors). Raises ``TypeError`` /
-    ``ValueError`` naming the argument. Returns ``(xp, params as ConvParams)``.
-    """
+                         eps=DEFAULT_EPS, backward=None, reset=None, active=None):
+    """Check the arguments of :func:`memory_scan` / :func:`memory_scan_vjp`, naming the argument;
+    values (finite, ``write_sigma > 0``) in validate mode only. Returns ``(xp, ConvParams)``."""
     params = as_conv_params(params)
     xp = namespace_of(
         h0=h0, c0=c0, read_coords=read_coords, write_coords=write_coords,
@@ -352,6 +269,9 @@ def validate_scan_inputs(h0, c0, read_coords, write_coords, write_sigma, write_c
     if steps < 1:
         raise ValueError(f"read_coords: expected at least one step (T >= 1), got shape "
                          f"{tuple(read_coords.shape)}")
+    for name, mask in (("reset", reset), ("active", active)):
+        if mask is not None:
+            check_bool_mask(xp, mask, name, "(B, T)", (batch, steps))
     # before allocating: a forward that keeps the backward's checkpoints counts them
     _sizes.check_scan(xp, h0, steps, checkpoint_every,
                       g_reads is not None if backward is None else backward)
@@ -362,64 +282,51 @@ def validate_scan_inputs(h0, c0, read_coords, write_coords, write_sigma, write_c
 def memory_scan(
     h0: Any, c0: Any, read_coords: Any, write_coords: Any, write_sigma: Any, write_content: Any,
     params: ConvParams, *, eps: float = DEFAULT_EPS, radius: float | None = None,
-    checkpoint_every: int = 1,
+    checkpoint_every: int = 1, reset: Any = None, active: Any = None,
 ) -> tuple[Any, Any, Any]:
     """Run the chunk recurrence over ``T`` steps: read, then write, then update.
 
-    Step ``t`` reads ``h`` at ``read_coords[:, t]`` from the state BEFORE its
-    write, splats ``write_content[:, t]`` around ``write_coords[:, t]`` with
-    spread ``write_sigma[:, t]``, and updates ``(h, c)`` with the ConvLSTM
-    (:func:`convlstm_step`).
+    Step ``t`` reads ``h`` at ``read_coords[:, t]`` from the state BEFORE its write, splats
+    ``write_content[:, t]`` around ``write_coords[:, t]`` with spread ``write_sigma[:, t]``
+    (:func:`gaussian_splat`) and updates ``(h, c)`` (:func:`convlstm_step`).
 
     Parameters
     ----------
-    h0 : array, shape ``(B, C, *S)``
-        The initial hidden state, with 1 to 4 spatial axes.
-    c0 : array, shape ``(B, C, *S)``
-        The initial cell state.
-    read_coords : array, shape ``(B, T, n)``
-        The normalized read position of each step (``coords[..., k]``
-        addresses spatial axis ``n - 1 - k``).
-    write_coords : array, shape ``(B, T, n)``
-        The normalized write centre of each step.
+    h0, c0 : array, shape ``(B, C, *S)``
+        The initial state, with 1 to 4 spatial axes.
+    read_coords, write_coords : array, shape ``(B, T, n)``
+        Each step's normalized read position and write centre.
     write_sigma : array, shape ``(B, T)``
-        The write spread of each step, > 0 (checked in validate mode only).
+        Each step's write spread, > 0 (checked in validate mode only).
     write_content : array, shape ``(B, T, C)``
-        The content vector written by each step.
+        Each step's content vector.
     params : ConvParams
         The ConvLSTM's gate conv, ``C_in = 2C``, ``C_out = 4C``.
-    eps : float, default 1e-6
-        As in :func:`gaussian_splat`.
-    radius : float or None, default None
-        As in :func:`gaussian_splat`.
+    eps, radius : float, float or None
+        As in :func:`gaussian_splat` (defaults 1e-6, None).
     checkpoint_every : int, default 1
-        Checked (an int >= 1) but without effect here: it only changes what
-        :func:`memory_scan_vjp` stores, and is accepted so that both take the
-        same keywords.
+        Checked, but used only by :func:`memory_scan_vjp` (both take the same keywords).
+    reset, active : bool array, shape ``(B, T)``, optional
+        Per-step row masks: ``reset[b, t]`` zeroes row ``b``'s state entering step ``t`` (its
+        read too); ``active[b, t]`` False gives the row back, after step ``t``, the state it
+        entered it with. None: no reset, every row active.
 
     Returns
     -------
     reads : array, shape ``(B, T, C)``
         What each step read.
-    h_T : array, shape ``(B, C, *S)``
-        The final hidden state.
-    c_T : array, shape ``(B, C, *S)``
-        The final cell state.
+    h_T, c_T : array, shape ``(B, C, *S)``
+        The final state.
 
     Raises
     ------
     TypeError
-        If ``params`` is not a 4-tuple, an argument is not an array, the arrays
-        mix namespaces, or ``checkpoint_every`` is not an int.
+        If ``params`` is not a 4-tuple, an argument is not an array, the arrays mix
+        namespaces, or ``checkpoint_every`` is not an int.
     ValueError
-        If a shape does not match the layouts above (``B, C, S`` from ``h0``,
-        ``T`` from ``read_coords``), ``T`` is 0, ``checkpoint_every < 1``,
-        ``eps`` or ``radius`` is out of range, or (validate mode only) an
-        array holds NaN or inf or a sigma is not > 0.
-
-    See Also
-    --------
-    memory_scan_vjp : The gradients of the scan.
+        If a shape does not match the layouts above (``B, C, S`` from ``h0``, ``T`` from
+        ``read_coords``), ``T`` is 0, ``checkpoint_every < 1``, ``eps`` or ``radius`` is out
+        of range, or (validate mode only) an array holds NaN or inf or a sigma is not > 0.
 
     Examples
     --------
@@ -430,24 +337,21 @@ def memory_scan(
     >>> B, C, T, S = 1, 2, 2, (5,)
     >>> h0 = c0 = np.zeros((B, C, *S))
     >>> coords = np.zeros((B, T, 1))                   # read and write at the centre
-    >>> sigma = np.full((B, T), 0.3)
-    >>> content = np.ones((B, T, C))
+    >>> sigma, content = np.full((B, T), 0.3), np.ones((B, T, C))
     >>> pointwise = np.zeros((4 * C, 2 * C))           # (4C, 2C), gates i, f, o, g
     >>> pointwise[3 * C:, :C] = np.eye(C)              # the candidate g is the write
     >>> params = tmcore.conv_params_from_pointwise(pointwise, ndim=1)
     >>> reads, h, c = tmcore.memory_scan(h0, c0, coords, coords, sigma, content, params)
-    >>> reads.shape, h.shape
-    ((1, 2, 2), (1, 2, 5))
-    >>> reads[0, 0]                                    # step 0 reads the empty state
-    array([0., 0.])
-    >>> bool(np.all(reads[0, 1] > 0))                  # step 1 reads step 0's write
-    True
+    >>> reads[0, 0], bool(np.all(reads[0, 1] > 0))     # step 1 reads step 0's write
+    (array([0., 0.]), True)
     """
     xp, params = validate_scan_inputs(h0, c0, read_coords, write_coords, write_sigma,
-                                      write_content, params, checkpoint_every, radius, eps=eps)
+                                      write_content, params, checkpoint_every, radius, eps=eps,
+                                      reset=reset, active=active)
     reads, h, c, _, _ = memory_scan_fwd(
         xp, h0, c0, read_coords, write_coords, write_sigma, write_content, params,
-        eps=eps, radius=radius, checkpoint_every=read_coords.shape[1],
+        eps=eps, radius=radius, checkpoint_every=read_coords.shape[1], reset=reset,
+        active=active,
     )
     return reads, h, c
 
@@ -456,73 +360,51 @@ def memory_scan_vjp(
     h0: Any, c0: Any, read_coords: Any, write_coords: Any, write_sigma: Any, write_content: Any,
     params: ConvParams, g_reads: Any, g_h: Any = None, g_c: Any = None, *,
     eps: float = DEFAULT_EPS, radius: float | None = None, checkpoint_every: int = 1,
+    reset: Any = None, active: Any = None,
 ) -> ScanGrads:
-    """Gradients of :func:`memory_scan` for the cotangents of its outputs.
+    """Give the gradients of :func:`memory_scan` for the cotangents of its outputs.
 
-    The forward is run again keeping only the state entering every
-    ``checkpoint_every``-th step; each segment is replayed on the way back.
-    With ``checkpoint_every = k`` the backward holds ``O(T/k + k)`` states for
-    one extra forward pass, never per-step gate tensors; the gradients do not
-    depend on ``k``.
+    The forward runs again keeping only the state entering every ``checkpoint_every``-th
+    step and replays each segment on the way back (docs/guides/conventions.md); the
+    gradients do not depend on ``checkpoint_every``.
 
     Parameters
     ----------
-    h0 : array, shape ``(B, C, *S)``
-        The initial hidden state.
-    c0 : array, shape ``(B, C, *S)``
-        The initial cell state.
-    read_coords : array, shape ``(B, T, n)``
-        The normalized read position of each step.
-    write_coords : array, shape ``(B, T, n)``
-        The normalized write centre of each step.
-    write_sigma : array, shape ``(B, T)``
-        The write spread of each step.
-    write_content : array, shape ``(B, T, C)``
-        The content vector written by each step.
-    params : ConvParams
-        The ConvLSTM's gate conv, ``C_in = 2C``, ``C_out = 4C``.
+    h0, c0, read_coords, write_coords, write_sigma, write_content, params : array or ConvParams
+        As in :func:`memory_scan`.
     g_reads : array, shape ``(B, T, C)``
         The cotangent of the reads.
-    g_h : array, shape ``(B, C, *S)``, optional
-        The cotangent of the final hidden state; None means zero.
-    g_c : array, shape ``(B, C, *S)``, optional
-        The cotangent of the final cell state; None means zero.
-    eps : float, default 1e-6
-        As in :func:`gaussian_splat`.
-    radius : float or None, default None
-        As in :func:`gaussian_splat`.
+    g_h, g_c : array, shape ``(B, C, *S)``, optional
+        The cotangents of the final state; None means zero.
+    eps, radius : float, float or None
+        As in :func:`memory_scan`.
     checkpoint_every : int, default 1
-        Keep the state entering every ``checkpoint_every``-th step and
-        recompute the others.
+        The checkpoint interval.
+    reset, active : bool array, shape ``(B, T)``, optional
+        As in :func:`memory_scan`.
 
     Returns
     -------
     ScanGrads
-        ``(h0, c0, read_coords, write_coords, write_sigma, write_content,
-        params)``: the gradient for each input, shaped like it.
+        The gradient for each input, shaped like it.
 
     Raises
     ------
-    TypeError
-        As for :func:`memory_scan`; ``g_reads`` may not be None.
-    ValueError
-        As for :func:`memory_scan`, and if a cotangent is not shaped like its
-        output.
-
-    See Also
-    --------
-    memory_scan : The forward scan.
+    TypeError, ValueError
+        As :func:`memory_scan`; also if ``g_reads`` is not an array or a cotangent is not
+        shaped like its output.
     """
     require_array("g_reads", g_reads)
     xp, params = validate_scan_inputs(h0, c0, read_coords, write_coords, write_sigma,
                                       write_content, params, checkpoint_every, radius, g_reads,
-                                      g_h, g_c, eps=eps)
+                                      g_h, g_c, eps=eps, reset=reset, active=active)
+    masks = {"reset": reset, "active": active}
     _, _, _, h_ckpt, c_ckpt = memory_scan_fwd(
         xp, h0, c0, read_coords, write_coords, write_sigma, write_content, params,
-        eps=eps, radius=radius, checkpoint_every=checkpoint_every,
+        eps=eps, radius=radius, checkpoint_every=checkpoint_every, **masks,
     )
     g_h, g_c = zero_if_none(xp, h0, c0, g_h, g_c)
     return memory_scan_bwd(
         xp, read_coords, write_coords, write_sigma, write_content, params, h_ckpt, c_ckpt,
-        g_reads, g_h, g_c, eps=eps, radius=radius, checkpoint_every=checkpoint_every,
+        g_reads, g_h, g_c, eps=eps, radius=radius, checkpoint_every=checkpoint_every, **masks,
     )

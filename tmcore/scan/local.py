@@ -1,15 +1,8 @@
-"""The local scan (``update="local"``): the chunk recurrence of :func:`tmcore.memory_scan`
-with each step's write and update restricted to a window around the write
-(:mod:`tmcore.ops.window`), and its undo-log backward.
-
-The fast path's backward keeps, per step, the overwritten boxes of ``h, c`` and the
-``2^n`` cells of the read (the *undo log*, ``O(T B C (w + 2)^n)`` numbers, no dense state
-per step) and replays no step. The masked scan keeps every step's dense input state. A
-backend may fuse the fast scan (the ``local_scan_fwd`` / ``local_scan_bwd`` entries of
-its :class:`tmcore.runtime.dispatch.Ops` table, declining with ``None``): the same
-results and the same undo log, so either direction may run on either path. Its writes
-do not depend on the state, so :func:`box_writes` makes every step's window and written
-box in one pass before the loop, and :func:`box_writes_bwd` is their VJP after it.
+"""The local scan (``update="local"``): :func:`tmcore.memory_scan`'s recurrence with the
+window update of :mod:`tmcore.ops.window`, and its undo-log backward
+(docs/guides/local-and-warp.md). A backend may fuse the fast path (its Ops table's
+``local_scan_fwd`` / ``local_scan_bwd``, declining with None) with the same undo log, from
+every step's window and written box made once before the loop (:func:`box_writes`).
 """
 
 from __future__ import annotations
@@ -56,14 +49,9 @@ __all__ = ["BoxWrites", "LocalStep", "LocalWrite", "MaskedWrite",
 
 
 class BoxWrites(NamedTuple):
-    """Every step's window and written box at once, time-major (row ``t * B + b``):
-    what a fused local scan needs from the writes, which do not depend on the state.
-
-    geometry : :class:`Window` of ``(T * B, n)`` arrays.
-    inside : ``(T * B, 1, *box)`` bool, the window's cells within the box.
-    volumes : ``(T * B, C, *box)``, the written boxes (the splat restricted to the window).
-    parts : what :func:`box_writes_bwd` needs.
-    """
+    """Every step's window and written box, time-major (row ``t * B + b``): ``geometry`` (a
+    :class:`Window` of ``(T * B, n)`` arrays), ``inside`` ``(T * B, 1, *box)`` bool, ``volumes``
+    ``(T * B, C, *box)`` and ``parts`` (what :func:`box_writes_bwd` needs)."""
 
     geometry: Window
     inside: Any
@@ -86,18 +74,15 @@ def _batch_major(xp: Any, x: Any, batch: int) -> Any:
 
 
 def _time_major_writes(xp: Any, *writes: Any) -> StepInputs:
-    """``write_coords, write_sigma, write_content (B, T, ...)`` as time-major write rows."""
+    """``write_coords, write_sigma, write_content (B, T, ...)`` as time-major rows."""
     return StepInputs(None, *(_time_major(xp, x) for x in writes))
 
 
 def box_writes(xp: Any, write_coords: Any, write_sigma: Any, write_content: Any,
                shape: tuple[int, ...], window: int, eps: float = DEFAULT_EPS,
                radius: float | None = None) -> BoxWrites:
-    """The windows and written boxes of all ``T`` steps in one pass (no validation).
-
-    ``write_coords (B, T, n)``, ``write_sigma (B, T)``, ``write_content (B, T, C)``;
-    ``shape`` the grid. The values are those of the fast path's per-step write.
-    """
+    """The windows and written boxes of all ``T`` steps of ``write_coords (B, T, n)``,
+    ``write_sigma (B, T)``, ``write_content (B, T, C)`` in one pass (no validation)."""
     write = _time_major_writes(xp, write_coords, write_sigma, write_content)
     geometry = window_geometry(xp, write.write_coords, shape, window)
     volumes, inside, parts = window_write(xp, write, geometry, shape, eps, radius)
@@ -106,9 +91,8 @@ def box_writes(xp: Any, write_coords: Any, write_sigma: Any, write_content: Any,
 
 def box_writes_bwd(xp: Any, writes: BoxWrites, write_coords: Any, write_sigma: Any,
                    write_content: Any, g: Any) -> tuple[Any, Any, Any]:
-    """VJP of :func:`box_writes` for ``g (T * B, C, *box)`` (time-major, the cotangents
-    of ``writes.volumes``): ``(d_write_coords (B, T, n), d_write_sigma (B, T),
-    d_write_content (B, T, C))``."""
+    """VJP of :func:`box_writes` for the boxes' cotangents ``g (T * B, C, *box)``:
+    ``(d_write_coords (B, T, n), d_write_sigma (B, T), d_write_content (B, T, C))``."""
     batch = write_sigma.shape[0]
     write = _time_major_writes(xp, write_coords, write_sigma, write_content)
     d_content, d_mu, d_sigma = box_write_bwd(xp, write, writes.parts, g, write.write_sigma)
@@ -117,9 +101,8 @@ def box_writes_bwd(xp: Any, writes: BoxWrites, write_coords: Any, write_sigma: A
 
 
 class LocalWrite(NamedTuple):
-    """A fast local step's write product (arrays with leading ``M`` rows): the window's
-    and the box's starts ``(M, n)``, the window's cells in the box ``(M, 1, *box)``, the
-    written box ``(M, C, *box)`` and what the write's VJP needs."""
+    """A fast local step's write product (``M`` rows): window and box starts ``(M, n)``, the
+    window's cells in the box ``(M, 1, *box)``, the box ``(M, C, *box)`` and its VJP's parts."""
 
     start: Any
     box_start: Any
@@ -129,23 +112,18 @@ class LocalWrite(NamedTuple):
 
 
 class MaskedWrite(NamedTuple):
-    """A masked local step's write product: ``written (M, C, *S)`` (zero outside the
-    window) and the window ``mask (M, 1, *S)``."""
+    """A masked local step's write product: ``volume (M, C, *S)`` (zero outside the window) and
+    the window ``mask (M, 1, *S)``."""
 
     volume: Any
     mask: Any
 
 
 class LocalStep(NamedTuple):
-    """The local chunk step (:class:`tmcore.scan.base.Step`): read, then the write and the
-    ConvLSTM update on a window of ``window`` cells per axis around the write
-    (:mod:`tmcore.ops.window`). Hashable (a static ``jit`` argument).
-
-    ``method="fast"`` updates a box in place and logs what it overwrote (policy
-    ``"log"``: the undo log, no replay); ``"masked"`` is the dense definition (policy
-    ``"checkpoint"``). Inside a warp (:class:`tmcore.scan.warped.WarpStep`) only
-    :meth:`update` / :meth:`update_vjp` run, on the dense warped state.
-    """
+    """The local chunk step: read, then the window's write and update. ``method="fast"`` updates
+    a box in place and logs what it overwrote (policy ``"log"``); ``"masked"`` is the dense
+    definition (``"checkpoint"``). Inside a warp only :meth:`update` / :meth:`update_vjp` run,
+    on the dense warped state. Hashable (a static ``jit`` argument)."""
 
     window: int
     eps: float = DEFAULT_EPS
@@ -174,8 +152,7 @@ class LocalStep(NamedTuple):
         return d_mu, d_sigma, d_content
 
     def _box(self, xp: Any, W: LocalWrite, like: Any) -> tuple[Window, Any]:
-        """The write's :class:`Window` on ``like (B, C, *S)``, and its box's
-        :func:`box_index`."""
+        """The write's :class:`Window` on ``like (B, C, *S)`` and its box's :func:`box_index`."""
         shape = tuple(like.shape[2:])
         sizes, boxes = window_sizes(shape, self.window)
         geometry = Window(W.start, sizes, W.box_start, boxes)
@@ -184,7 +161,7 @@ class LocalStep(NamedTuple):
 
     def update(self, xp: Any, params: ConvParams, h: Any, c: Any, x: Any, W: Any
                ) -> tuple[Any, Any]:
-        """The write and update of a dense state that the step may update in place."""
+        """The write and update of a dense state the step may update in place."""
         if self.method == "masked":
             return box_update(xp, params, h, c, W.volume, W.mask)
         h, c, _, _ = update_in_box(xp, params, h, c, *self._box(xp, W, h), W.volume, W.inside)
@@ -192,8 +169,7 @@ class LocalStep(NamedTuple):
 
     def update_vjp(self, xp: Any, params: ConvParams, h: Any, c: Any, x: Any, W: Any,
                    g_h: Any, g_c: Any) -> tuple[Any, Any, Any, ConvParams]:
-        """VJP of :meth:`update` from the dense state: ``(d_h, d_c, g_W, d_params)``
-        (``g_h, g_c`` are not modified)."""
+        """VJP of :meth:`update`: ``(d_h, d_c, g_W, d_params)`` (``g_h, g_c`` not modified)."""
         if self.method == "masked":
             return masked_update_vjp(xp, params, h, c, W.volume, W.mask, g_h, g_c)
         return state_update_vjp(xp, params, h, c, g_h, g_c, *self._box(xp, W, h), W.volume,
@@ -234,8 +210,9 @@ class LocalStep(NamedTuple):
             return None
         window, eps, radius = self.window, self.eps, self.radius
 
-        def forward(xp, params, h0, c0, xs, every, keep, overwrite):
-            if ops.local_scan_fwd is None:
+        # the fused local scans take no per-step masks: a masked call runs the loop
+        def forward(xp, params, h0, c0, xs, every, keep, overwrite, reset, active):
+            if ops.local_scan_fwd is None or reset is not None or active is not None:
                 return None
             out = ops.local_scan_fwd(xp, h0, c0, *xs, params, window, eps, radius, overwrite)
             if out is None:
@@ -243,8 +220,8 @@ class LocalStep(NamedTuple):
             reads, h, c, log = out
             return reads, h, c, Residuals(None, None, tuple(log)) if keep else None
 
-        def backward(xp, params, residuals, xs, g_reads, g_h, g_c, every):
-            if ops.local_scan_bwd is None:
+        def backward(xp, params, residuals, xs, g_reads, g_h, g_c, every, reset, active):
+            if ops.local_scan_bwd is None or reset is not None or active is not None:
                 return None
             return fused_grads(ops.local_scan_bwd(xp, LocalScanResiduals(*residuals.log), *xs,
                                                   params, g_reads, g_h, g_c, window, eps,
@@ -254,8 +231,7 @@ class LocalStep(NamedTuple):
 
 
 def _residuals(residuals: Residuals) -> LocalScanResiduals:
-    """The loop's residuals as :class:`LocalScanResiduals` (the undo log, or the masked
-    path's dense states)."""
+    """The loop's residuals as :class:`LocalScanResiduals` (undo log, or dense states)."""
     if residuals.log is not None:
         return LocalScanResiduals(*residuals.log)
     return LocalScanResiduals(residuals.h, residuals.c, None)
@@ -266,11 +242,8 @@ def local_scan_fwd(xp: Any, h0: Any, c0: Any, read_coords: Any, write_coords: An
                    eps: float = DEFAULT_EPS, radius: float | None = None, method: str = "fast",
                    overwrite_state: bool = False,
                    ) -> tuple[Any, Any, Any, LocalScanResiduals]:
-    """Forward local scan without validation: ``(reads (B, T, C), h_T, c_T, residuals)``.
-
-    ``overwrite_state=True`` (fast path) lets the scan update ``h0, c0`` themselves in
-    place where the namespace allows it, saving the one copy of the state.
-    """
+    """Forward local scan, no validation: ``(reads (B, T, C), h_T, c_T, residuals)``;
+    ``overwrite_state=True`` lets the fast path update ``h0, c0`` themselves in place."""
     reads, h, c, residuals = scan_forward(
         xp, LocalStep(window, eps, radius, method), params, h0, c0,
         StepInputs(read_coords, write_coords, write_sigma, write_content),
@@ -282,10 +255,8 @@ def local_scan_bwd(xp: Any, residuals: LocalScanResiduals, read_coords: Any, wri
                    write_sigma: Any, write_content: Any, params: ConvParams, g_reads: Any,
                    g_h: Any, g_c: Any, *, window: int, eps: float = DEFAULT_EPS,
                    radius: float | None = None, method: str = "fast") -> ScanGrads:
-    """Backward local scan from :func:`local_scan_fwd`'s residuals. No validation.
-
-    ``g_h, g_c (B, C, *S)`` are copied once (fast path) and updated in place per step.
-    """
+    """Backward local scan from :func:`local_scan_fwd`'s residuals, no validation; the fast path
+    copies ``g_h, g_c (B, C, *S)`` once and updates them in place."""
     kept = (Residuals(None, None, tuple(residuals)) if method == "fast"
             else Residuals(residuals.h_boxes, residuals.c_boxes, None))
     d_h0, d_c0, d_xs, d_params = scan_backward(
@@ -309,28 +280,20 @@ def local_memory_scan(h0: Any, c0: Any, read_coords: Any, write_coords: Any, wri
                       eps: float = DEFAULT_EPS, radius: float | None = None,
                       method: str = "fast", overwrite_state: bool = False,
                       ) -> tuple[Any, Any, Any]:
-    """The chunk recurrence of :func:`tmcore.memory_scan` with local updates.
+    """Run the chunk recurrence of :func:`tmcore.memory_scan` with local updates.
 
-    Per step: read ``h`` at ``read_coords[:, t]`` (n-linear, border), then
-    :func:`local_update` with the step's write.
+    Step ``t`` reads ``h`` at ``read_coords[:, t]``, then runs :func:`local_update` with its write.
 
     Parameters
     ----------
-    h0, c0 : array, shape ``(B, C, *S)``
-        The initial state.
-    read_coords, write_coords : array, shape ``(B, T, n)``
-        Each step's read position and write centre (normalized).
-    write_sigma : array, shape ``(B, T)``
-        Each step's write spread (> 0).
-    write_content : array, shape ``(B, T, C)``
-        Each step's content vector.
-    params : ConvParams
-        The gates' factorized conv (``C_in = 2C``, ``C_out = 4C``).
+    h0, c0, read_coords, write_coords, write_sigma, write_content, params : array or ConvParams
+        As in :func:`tmcore.memory_scan`: ``(B, C, *S)`` twice, ``(B, T, n)`` twice,
+        ``(B, T)``, ``(B, T, C)`` and the gate conv.
     window, eps, radius, method : see local_update
         The options of every step.
     overwrite_state : bool, default False
-        Let the fast path update ``h0, c0`` in place (NumPy, PyTorch, CuPy,
-        ...) instead of copying them once.
+        Let the fast path update ``h0, c0`` in place (NumPy, PyTorch, CuPy) instead of
+        copying them once.
 
     Returns
     -------
@@ -341,12 +304,9 @@ def local_memory_scan(h0: Any, c0: Any, read_coords: Any, write_coords: Any, wri
 
     Raises
     ------
-    TypeError
-        As :func:`tmcore.memory_scan` for the arrays; also if
-        ``overwrite_state`` is not a bool.
-    ValueError
-        As :func:`tmcore.memory_scan` for the arrays; also if ``window`` is
-        < 1 or ``method`` is unknown.
+    TypeError, ValueError
+        As :func:`tmcore.memory_scan` for the arrays; also if ``window`` is not an int >= 1,
+        ``method`` is unknown, or ``overwrite_state`` is not a bool.
     """
     xp, params = _validate_scan(h0, c0, read_coords, write_coords, write_sigma, write_content,
                                 params, window, radius, eps, method)
@@ -364,18 +324,16 @@ def local_memory_scan_vjp(h0: Any, c0: Any, read_coords: Any, write_coords: Any,
                           g_reads: Any, g_h: Any = None, g_c: Any = None, *, window: int,
                           eps: float = DEFAULT_EPS, radius: float | None = None,
                           method: str = "fast") -> ScanGrads:
-    """VJP of :func:`local_memory_scan` (``g_h, g_c = None`` mean zero).
+    """Give the gradients of :func:`local_memory_scan` (``g_h, g_c`` None mean zero).
 
     Parameters
     ----------
-    h0, c0, read_coords, write_coords, write_sigma, write_content : array
-        The scan's inputs, shaped as in :func:`local_memory_scan`.
-    params : ConvParams
-        The gates' factorized conv.
+    h0, c0, read_coords, write_coords, write_sigma, write_content, params : array or ConvParams
+        As in :func:`local_memory_scan`.
     g_reads : array, shape ``(B, T, C)``
         The cotangent of the reads.
     g_h, g_c : array, shape ``(B, C, *S)``, or None
-        The cotangents of the final state (``None``: zero).
+        The cotangents of the final state.
     window, eps, radius, method : see local_update
         The options of the forward scan.
 
@@ -387,7 +345,7 @@ def local_memory_scan_vjp(h0: Any, c0: Any, read_coords: Any, write_coords: Any,
     Raises
     ------
     TypeError, ValueError
-        As :func:`local_memory_scan`; ``g_reads`` is a required array.
+        As :func:`local_memory_scan`; also if ``g_reads`` is not an array.
     """
     require_array("g_reads", g_reads)
     xp, params = _validate_scan(h0, c0, read_coords, write_coords, write_sigma, write_content,

@@ -1,29 +1,7 @@
-"""Warped dynamics (``dynamics="warp"``): the state resampled before each update.
-
-Per chunk ``t``:
-
-1. read ``h_{t-1}`` at ``read_coords[:, t]`` (from the state BEFORE the warp, so the
-   read is the default layer's and a warp moves what later chunks read);
-2. warp the state, ``(h, c) <- warp(h, c, shift[:, t])`` (:func:`tmcore.ops.warp.warp_state`:
-   n-linear resampling at the cell centres plus the shift, border padding; exactly the
-   identity for a zero shift);
-3. write and update the warped state (the dense step, or the local one).
-
-The shift is the layer's ``warp_net`` head on the chunk's write summary
-(:class:`WarpInputs`), zero at initialization, so the layer starts as the default. With
-a flow (the layer's ``flow=True``, group ``warp_flow``) a per-cell flow
-``conv(h_{t-1}) (B, n, *S)`` (a factorized conv, ``C -> n``) is added to the shift.
-:class:`WarpStep` keeps the state entering every ``checkpoint_every``-th step (the warp
-moves every cell, so no undo log applies) and replays each segment; the replay repeats
-the forward's operations, so the values and gradients are those of ``k = 1``, bit for
-bit (NumPy, PyTorch; a compiler such as XLA may round the replayed program differently).
-
-Cost per step: the warp's is the grid's, ``O(B C P sum(S_a))`` for a shift (``P``
-cells), forward and backward, so a warped local step is no longer independent of the
-grid. With a flow the warp gathers ``2^n`` corners per cell, ``O(2^n B C P)``, and the
-state's VJP through it is their scatter-add on PyTorch and JAX (the table's
-``scatter_add``; JAX off the CPU only with ``deterministic=False``); the generic path
-keeps its ``O(B C P^2)`` contraction over tiles of cells (:mod:`tmcore.ops.warp`).
+"""Warped dynamics (``dynamics="warp"``): per chunk read, warp the state
+(:func:`tmcore.warp_state` by the chunk's shift, plus a flow ``conv(h_{t-1})`` with
+``flow=True``), then the dense or local write and update; the backward checkpoints and
+replays, as the warp moves every cell (docs/guides/local-and-warp.md).
 """
 
 from __future__ import annotations
@@ -42,8 +20,8 @@ __all__ = [ "WarpStep"]
 
 
 def _warp(xp: Any, h: Any, c: Any, shift: Any, flow_params: ConvParams | None):
-    """``(h_w, c_w, residuals, flow stages)``: both halves of the state warped by
-    ``shift (B, n)`` plus, with ``flow_params``, the flow ``conv(h) (B, n, *S)``."""
+    """``(h_w, c_w, residuals, flow stages)``: the state warped by ``shift (B, n)`` plus, with
+    ``flow_params``, the flow ``conv(h) (B, n, *S)``."""
     channels = h.shape[1]
     flow = stages = None
     if flow_params is not None:
@@ -53,15 +31,9 @@ def _warp(xp: Any, h: Any, c: Any, shift: Any, flow_params: ConvParams | None):
 
 
 class WarpStep(NamedTuple):
-    """The warped chunk step (:class:`tmcore.scan.base.Step`): read, warp, then ``update``'s
-    write and update on the warped state. ``params``: :class:`WarpParams`; ``x``: a
-    :class:`WarpInputs`. Hashable (a static ``jit`` argument).
-
-    Parameters
-    ----------
-    update : DenseStep or LocalStep
-        The write and update after the warp.
-    """
+    """The warped chunk step: read, warp, then ``update``'s write and update (a :class:`DenseStep`
+    or :class:`LocalStep`) on the warped state. ``params``: :class:`WarpParams`; ``x``: a
+    :class:`WarpInputs`. Hashable (a static ``jit`` argument)."""
 
     update: DenseStep | LocalStep
 

@@ -4,9 +4,11 @@
 - :mod:`tmcore.testing.finite_diff`: central differences, relative errors.
 - :mod:`tmcore.testing.strategies`: hypothesis strategies for tmcore inputs.
 - :mod:`tmcore.testing.properties`: the property suite, :data:`PROPERTIES`.
-- :func:`check_namespace`: run the suite on any array namespace; also as a
-  pytest plugin (``--tmcore-namespace``, ``--tmcore-max-examples``,
-  ``--tmcore-time-budget``). :func:`require_float64` is its up-front check.
+- :mod:`tmcore.testing.properties_dtypes`: every public function in every dtype.
+- :func:`check_namespace`: run the suite on any array namespace, with the backends
+  registered or with yours (``backend="module:make_ops"``); also as a pytest plugin
+  (``--tmcore-namespace``, ``--tmcore-backend``, ``--tmcore-max-examples``,
+  ``--tmcore-time-budget``) and ``python -m tmcore.testing``.
 
 Names are loaded lazily, so the pytest plugin (registered for every pytest run
 where tmcore is installed) costs nothing and needs neither NumPy nor
@@ -23,13 +25,15 @@ __all__ = [
     "NamespaceReport",
     "PropertyFailure",
     "check_namespace",
+    "load_make_ops",
     "load_namespace",
+    "registered_backend",
     "require_float64",
     "run_property",
+    "served_by",
 ]
 
 _HOME = {name: "tmcore.testing.kit" for name in __all__}
-_HOME["PROPERTIES"] = "tmcore.testing.properties"
 
 
 def __getattr__(name: str) -> Any:

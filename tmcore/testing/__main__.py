@@ -1,12 +1,14 @@
 """Command line of the backend kit: ``python -m tmcore.testing NAMESPACE [...]``.
 
-Prints the :class:`~tmcore.testing.kit.NamespaceReport` of each namespace
-(passed properties with their example counts, failures with minimal
-examples) and a one-line tally; exits 1 if any property failed, 2 if a
-namespace could not be loaded or lacks float64. For example::
+Prints the :class:`~tmcore.testing.kit.NamespaceReport` of each namespace (what served
+it, passed properties with their example counts, every failure with its minimal
+example) and a one-line tally; exits 1 if any property failed, 2 if a namespace or the
+backend could not be loaded or the namespace lacks float64. For example::
 
     python -m tmcore.testing numpy marray.numpy --max-examples 3 --time-budget 60
+    python -m tmcore.testing numpy --backend mypkg.ops:make_ops   # your fast path
     python -m tmcore.testing jax.numpy --x64        # JAX with float64 enabled
+    python -m tmcore.testing mlx.core --without-float64
 """
 
 from __future__ import annotations
@@ -23,12 +25,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("namespaces", nargs="+",
                         help="dotted names (numpy, array_api_strict, torch, jax.numpy, "
                              "marray.numpy, ndonnx, array_api_compat.dask.array, ...)")
+    parser.add_argument("--backend", default=None, metavar="MODULE:FUNCTION",
+                        help="a make_ops(generic, options) to serve the namespaces' arrays "
+                             "(default: the registered backends)")
     parser.add_argument("--max-examples", type=int, default=None,
                         help="examples per property (default: each property's own)")
     parser.add_argument("--time-budget", type=float, default=None,
                         help="seconds per namespace, shared by its properties")
     parser.add_argument("--properties", default=None,
                         help="comma-separated property names (default: all)")
+    parser.add_argument("--without-float64", action="store_true",
+                        help="run only the properties that need no float64 in the namespace")
     parser.add_argument("--x64", action="store_true",
                         help="enable JAX float64 (sets JAX_ENABLE_X64=1 before JAX is imported)")
     args = parser.parse_args(argv)
@@ -37,20 +44,24 @@ def main(argv: list[str] | None = None) -> int:
         # itself never imports a framework)
         os.environ["JAX_ENABLE_X64"] = "1"
     from tmcore.testing.kit import check_namespace
+    from tmcore.testing.properties import PROPERTIES
 
     properties = args.properties.split(",") if args.properties else None
+    if args.without_float64:
+        properties = [name for name in properties or PROPERTIES
+                      if not PROPERTIES[name].needs_float64]
     status = 0
     for name in args.namespaces:
         start = time.perf_counter()
         try:
             report = check_namespace(name, properties=properties, max_examples=args.max_examples,
-                                     time_budget=args.time_budget)
+                                     time_budget=args.time_budget, backend=args.backend)
         except (ImportError, ValueError, TypeError) as exc:
             print(f"{name}: not run: {type(exc).__name__}: {exc}")
             status = max(status, 2)
             continue
         print(report)
-        total = len(report.passed) + len(report.failures)
+        total = len(report.passed) + len({f.name for f in report.failures})
         print(f"{name}: {len(report.passed)}/{total} passed in "
               f"{time.perf_counter() - start:.1f} s\n", flush=True)
         if report.failures:

@@ -1,42 +1,50 @@
 """The backend kit: run tmcore's whole property suite against any array namespace.
 
->>> import array_api_strict
 >>> from tmcore.testing import check_namespace
->>> report = check_namespace(array_api_strict)      # doctest: +SKIP
->>> print(report)                                    # doctest: +SKIP
+>>> print(check_namespace("array_api_strict"))               # doctest: +SKIP
+>>> print(check_namespace("numpy", backend="mypkg.ops:make_ops"))  # doctest: +SKIP
 
-Each property of :data:`tmcore.testing.properties.PROPERTIES` is run under
-hypothesis; a failure is shrunk to a minimal example, and the report names
-the property, the assertion and that example. The suite needs float64 in the
-namespace (the references are float64) plus float32 for the dtype check;
-without float64 it stops at once with a :class:`ValueError` that says so
-(:func:`require_float64`) instead of reporting rounding "failures".
+Each property of :data:`tmcore.testing.properties.PROPERTIES` is run under hypothesis
+(no example database is written); a failure is shrunk to a minimal example, and the
+report names the property, the backend that served the namespace, the whole error (the
+values compared and where; file and line for an error that is not an assertion) and the
+example, for each distinct failure. The suite needs float64 in the namespace except
+for the properties marked ``needs_float64=False`` (:func:`require_float64`).
 
-Budget: ``max_examples`` caps the examples per property and ``time_budget``
-(seconds, for the whole run) stops each property once its share is spent;
+Budget: ``max_examples`` caps the examples per property and ``time_budget`` (seconds,
+for the whole run) stops each property once its share is spent, its shrinking too;
 every property runs at least one example, and the report says how many ran.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import importlib
 import math
+import pickle
+import tempfile
 import time
 import traceback
 import warnings
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from types import ModuleType
+from typing import Any
 
 import array_api_compat
 import numpy as np
 from hypothesis import HealthCheck, given, settings
+from hypothesis.configuration import set_hypothesis_home_dir
 
-from tmcore.testing import properties_local  # noqa: F401  (registers its properties)
+from tmcore.backends import Backend, register_backend, unregister_backend
+from tmcore.testing import properties_dtypes, properties_local  # noqa: F401  (register theirs)
 from tmcore.testing.properties import PROPERTIES
-from tmcore.testing.strategies import to_numpy
+from tmcore.testing.strategies import namespace_of, serving_backend, to_numpy
 
 __all__ = ["check_namespace", "run_property", "NamespaceReport", "PropertyFailure",
-           "load_namespace", "require_float64"]
+           "load_namespace", "load_make_ops", "registered_backend", "served_by",
+           "require_float64"]
 
 # 1 + 2**-40 is not a float32; a namespace that narrows float64 loses it.
 _FLOAT64_PROBE = np.asarray([1.0, 1.0 + 2.0**-40, -3.5])
@@ -127,15 +135,95 @@ def require_float64(xp: ModuleType) -> None:
     if problem is None:
         return
     hint = _JAX_X64_HINT if array_api_compat.is_jax_namespace(xp) or name.startswith("jax") else ""
+    without = [n for n, prop in PROPERTIES.items() if not prop.needs_float64]
     raise ValueError(
         f"xp: float64 is off or missing in {name} ({problem}). The property suite compares "
         f"against float64 references, so it cannot run without float64.{hint} To check "
-        "float32 alone, pass properties=['float32_in_float32_out'].")
+        f"the other dtypes alone, pass properties={without}.")
+
+
+def load_make_ops(spec: str | Callable) -> Callable:
+    """Give the ``make_ops`` named by ``"module:function"`` (a callable is returned as it is).
+
+    Parameters
+    ----------
+    spec : str or callable
+        ``"package.module:make_ops"``, or the function itself.
+
+    Returns
+    -------
+    callable
+        ``make_ops(generic, options) -> Ops``.
+
+    Raises
+    ------
+    ValueError
+        If ``spec`` is not ``"module:function"`` or does not name a callable.
+    ImportError
+        If the module cannot be imported.
+    """
+    if callable(spec):
+        return spec
+    module, _, attr = spec.partition(":") if isinstance(spec, str) else ("", "", "")
+    if not module or not attr:
+        raise ValueError(f"backend: expected 'module:function' or a callable, got {spec!r}")
+    found = getattr(importlib.import_module(module), attr, None)
+    if not callable(found):
+        raise ValueError(f"backend: {module} has no callable {attr!r}")
+    return found
+
+
+@contextlib.contextmanager
+def registered_backend(xp: ModuleType, make_ops: str | Callable) -> Iterator[Backend]:
+    """Register ``make_ops`` for ``xp``'s arrays alone, inside a ``with`` block.
+
+    Parameters
+    ----------
+    xp : module
+        The array namespace.
+    make_ops : str or callable
+        As in :func:`load_make_ops`.
+
+    Yields
+    ------
+    Backend
+        The registered backend (named ``"module:function"``); unregistered on exit.
+    """
+    make_ops = load_make_ops(make_ops)
+    target = namespace_of(xp)
+    name = f"{make_ops.__module__}:{getattr(make_ops, '__qualname__', make_ops)}"
+    backend = register_backend(name, lambda ns: ns is target, make_ops)
+    try:
+        yield backend
+    finally:
+        unregister_backend(name)
+
+
+def served_by(xp: ModuleType) -> str:
+    """Say what serves ``xp``'s arrays now.
+
+    Parameters
+    ----------
+    xp : module
+        The array namespace.
+
+    Returns
+    -------
+    str
+        ``"name (module)"`` of the registered backend, or ``"generic (tmcore.ops)"``
+        (none registered, or ``tmcore.options(generic=True)``).
+    """
+    backend = serving_backend(xp)
+    return "generic (tmcore.ops)" if backend is None else f"{backend.name} ({backend.module})"
 
 
 class _BudgetSpent(BaseException):
     """Stops a property once its time is spent. A ``BaseException`` on purpose:
     hypothesis lets it through at once instead of shrinking it as a failure."""
+
+
+def _digest(case: Any) -> bytes:
+    return hashlib.sha256(pickle.dumps(case, protocol=4)).digest()
 
 
 def run_property(xp: ModuleType, name: str, *, max_examples: int | None = None,
@@ -154,8 +242,9 @@ def run_property(xp: ModuleType, name: str, *, max_examples: int | None = None,
         Deterministic examples (default: the active hypothesis profile's
         setting).
     time_budget : float, optional
-        Seconds after which no new example starts; the first one always runs
-        and a failure is always shrunk to the end.
+        Seconds after which no new example starts; the first one always runs. A
+        failure is shrunk until then (and at least once): afterwards hypothesis
+        reports the smallest failing example found so far.
 
     Returns
     -------
@@ -169,7 +258,8 @@ def run_property(xp: ModuleType, name: str, *, max_examples: int | None = None,
         float64 and ``xp`` lacks it.
     Exception
         The property's own error (an ``AssertionError`` for a wrong value) on
-        hypothesis' shrunk minimal failing example.
+        hypothesis' shrunk minimal failing example (an exception group when it
+        found several distinct ones).
     """
     if name not in PROPERTIES:
         raise ValueError(f"name: unknown property {name!r}; expected one of {sorted(PROPERTIES)}")
@@ -180,34 +270,50 @@ def run_property(xp: ModuleType, name: str, *, max_examples: int | None = None,
     overrides = dict(
         max_examples=prop.max_examples if max_examples is None else max_examples,
         deadline=None,
+        database=None,  # nothing written to the author's working folder (_storage_elsewhere)
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                HealthCheck.filter_too_much],
     )
     if derandomize is not None:
         overrides["derandomize"] = derandomize
     stop_at = None if time_budget is None else time.monotonic() + time_budget
-    state = {"passed": 0, "failed": False}
+    passed = [0]
+    failing: set[bytes] = set()  # the cases that failed: replayed even when time is up
 
     @settings(**overrides)
     @given(case=prop.strategy)
     def check(case: dict) -> None:
-        # Once anything failed, never stop: hypothesis must finish shrinking.
-        if (stop_at is not None and state["passed"] and not state["failed"]
-                and time.monotonic() >= stop_at):
-            raise _BudgetSpent
+        if stop_at is not None and passed[0] + len(failing) and time.monotonic() >= stop_at:
+            if not failing:
+                raise _BudgetSpent
+            if _digest(case) not in failing:
+                return  # time is up: shrinking stops at the smallest failure found so far
         try:
             prop.check(xp, case)
         except Exception:
-            state["failed"] = True
+            failing.add(_digest(case))
             raise
-        state["passed"] += 1
+        passed[0] += 1
 
     check.__name__ = name
     try:
-        check()
+        with _storage_elsewhere():
+            check()
     except _BudgetSpent:
         pass
-    return state["passed"]
+    return passed[0]
+
+
+@contextlib.contextmanager
+def _storage_elsewhere() -> Iterator[None]:
+    """Hypothesis caches what it reads of the source under ``.hypothesis/`` of the working
+    folder even without a database: a temporary folder takes it instead."""
+    with tempfile.TemporaryDirectory(prefix="tmcore-kit-") as home:
+        set_hypothesis_home_dir(home)
+        try:
+            yield
+        finally:
+            set_hypothesis_home_dir(None)  # back to its default: $HYPOTHESIS_STORAGE_DIRECTORY
 
 
 def _check_budget(max_examples: int | None, time_budget: float | None) -> None:
@@ -223,14 +329,15 @@ def _check_budget(max_examples: int | None, time_budget: float | None) -> None:
 
 @dataclass
 class PropertyFailure:
-    """A violated property: its name, the error and hypothesis' minimal example.
+    """A violated property: its name, the whole error and hypothesis' minimal example.
 
     Parameters
     ----------
     name : str
         The property's name.
     error : str
-        The first line of the error it raised.
+        The error it raised, whole (an assertion's values; where any other error was
+        raised).
     minimal_example : str
         The shrunk example hypothesis reported, indented.
     """
@@ -240,7 +347,8 @@ class PropertyFailure:
     minimal_example: str
 
     def __str__(self) -> str:
-        return f"FAILED {self.name}\n  {self.error}\n  minimal example:\n{self.minimal_example}"
+        error = "\n  ".join(self.error.splitlines())
+        return f"FAILED {self.name}\n  {error}\n  minimal example:\n{self.minimal_example}"
 
 
 @dataclass
@@ -251,15 +359,18 @@ class NamespaceReport:
     ----------
     namespace : str
         The name of the namespace that was checked.
+    served_by : str
+        What served its arrays (:func:`served_by`).
     passed : list of str
         The properties that held.
     failures : list of PropertyFailure
-        The properties that failed, with their minimal examples.
+        One per distinct failure (a property may have several).
     examples : dict of str to int
         How many examples ran and passed, per passed property.
     """
 
     namespace: str
+    served_by: str = ""
     passed: list[str] = field(default_factory=list)
     failures: list[PropertyFailure] = field(default_factory=list)
     examples: dict[str, int] = field(default_factory=dict)
@@ -268,8 +379,9 @@ class NamespaceReport:
         return not self.failures
 
     def __str__(self) -> str:
-        lines = [f"tmcore property suite on {self.namespace}: {len(self.passed)} passed, "
-                 f"{len(self.failures)} failed"]
+        failed = len({failure.name for failure in self.failures})
+        lines = [f"tmcore property suite on {self.namespace}, served by {self.served_by}: "
+                 f"{len(self.passed)} passed, {failed} failed"]
         for name in self.passed:
             count = self.examples.get(name)
             noun = "example" if count == 1 else "examples"
@@ -278,21 +390,32 @@ class NamespaceReport:
         return "\n".join(lines)
 
 
-def _describe_failure(name: str, exc: BaseException) -> PropertyFailure:
+def _describe_failures(name: str, exc: BaseException) -> list[PropertyFailure]:
+    """One :class:`PropertyFailure` per distinct failure hypothesis found in ``exc``."""
+    group = getattr(exc, "exceptions", None)
+    if group:
+        found = [f for sub in group for f in _describe_failures(name, sub)]
+        for i, failure in enumerate(found, 1):
+            failure.error = f"(distinct failure {i} of {len(found)}) {failure.error}"
+        return found
     notes = [n for n in getattr(exc, "__notes__", []) if n.strip()]
     example = "\n".join(f"    {line}" for note in notes for line in note.splitlines())
-    message = "".join(traceback.format_exception_only(type(exc), exc)).strip()
-    first_line = message.splitlines()[0] if message else type(exc).__name__
-    return PropertyFailure(name, first_line, example or "    (no example recorded)")
+    error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__  # no notes
+    if not isinstance(exc, AssertionError):
+        frames = traceback.extract_tb(exc.__traceback__)[-3:]
+        error += "\nraised at (innermost last):\n" + "".join(traceback.format_list(frames))
+    return [PropertyFailure(name, error.rstrip(), example or "    (no example recorded)")]
 
 
 def check_namespace(xp: str | ModuleType, *, properties: list[str] | None = None,
                     max_examples: int | None = None, time_budget: float | None = None,
-                    derandomize: bool = True, raise_on_failure: bool = False) -> NamespaceReport:
-    """Run the property suite on ``xp`` (a module or its dotted name).
+                    derandomize: bool = True, raise_on_failure: bool = False,
+                    backend: str | Callable | None = None) -> NamespaceReport:
+    """Run the property suite on ``xp`` (a module or its dotted name), optionally with a backend.
 
-    Every forward and VJP is compared with the float64 NumPy references and
-    central differences on hypothesis-drawn shapes, coordinates and sigmas.
+    Every forward and VJP is compared with the float64 NumPy references and central
+    differences on hypothesis-drawn shapes, coordinates and sigmas, and in every dtype
+    the namespace has (the fast path and the generic path).
 
     Parameters
     ----------
@@ -305,24 +428,28 @@ def check_namespace(xp: str | ModuleType, *, properties: list[str] | None = None
     time_budget : float, optional
         Seconds for the whole run (default: none). Each property gets an equal
         share of what is left when it starts (time a fast property leaves over
-        goes to the later ones); it always runs at least one example, so the
-        run can overshoot by about one example per property.
+        goes to the later ones), shrinking included; it always runs at least one
+        example, so the run can overshoot by about one example per property.
     derandomize : bool, default True
         Deterministic examples, for reproducible reports.
     raise_on_failure : bool, default False
         Raise an ``AssertionError`` with the report if anything failed.
+    backend : str or callable, optional
+        A ``make_ops`` (or ``"module:function"`` naming it) to serve ``xp``'s
+        arrays during the run (:func:`registered_backend`); default: whatever is
+        registered (the built-in backends, installed packages' entry points).
 
     Returns
     -------
     NamespaceReport
-        The passed properties (with how many examples ran) and the failures
-        with their minimal examples.
+        What served the namespace, the passed properties (with how many examples
+        ran) and the failures with their minimal examples.
 
     Raises
     ------
     ValueError
-        For unknown property names, a bad budget, or (before anything runs) a
-        namespace without float64 when a selected property needs it.
+        For unknown property names, a bad budget or ``backend``, or (before
+        anything runs) a namespace without float64 when a selected property needs it.
     AssertionError
         With ``raise_on_failure``, if a property failed.
     """
@@ -333,23 +460,24 @@ def check_namespace(xp: str | ModuleType, *, properties: list[str] | None = None
                          f"{sorted(PROPERTIES)}")
     _check_budget(max_examples, time_budget)
     module = load_namespace(xp)
-    if any(PROPERTIES[name].needs_float64 for name in names):
-        require_float64(module)  # fail fast, not after minutes of rounding "failures"
-    report = NamespaceReport(_namespace_name(module))
-    deadline = None if time_budget is None else time.monotonic() + time_budget
-    for i, name in enumerate(names):
-        share = None
-        if deadline is not None:
-            # never 0: run_property rejects it, and one example always runs anyway
-            share = max(deadline - time.monotonic(), 1e-3) / (len(names) - i)
-        try:
-            count = run_property(module, name, max_examples=max_examples,
-                                 derandomize=derandomize, time_budget=share)
-        except Exception as exc:  # noqa: BLE001 - every failure is reported, not raised
-            report.failures.append(_describe_failure(name, exc))
-        else:
-            report.passed.append(name)
-            report.examples[name] = count
+    with registered_backend(module, backend) if backend is not None else contextlib.nullcontext():
+        if any(PROPERTIES[name].needs_float64 for name in names):
+            require_float64(module)  # fail fast, not after minutes of rounding "failures"
+        report = NamespaceReport(_namespace_name(module), served_by(module))
+        deadline = None if time_budget is None else time.monotonic() + time_budget
+        for i, name in enumerate(names):
+            share = None
+            if deadline is not None:
+                # never 0: run_property rejects it, and one example always runs anyway
+                share = max(deadline - time.monotonic(), 1e-3) / (len(names) - i)
+            try:
+                count = run_property(module, name, max_examples=max_examples,
+                                     derandomize=derandomize, time_budget=share)
+            except Exception as exc:  # noqa: BLE001 - every failure is reported, not raised
+                report.failures += _describe_failures(name, exc)
+            else:
+                report.passed.append(name)
+                report.examples[name] = count
     if raise_on_failure and report.failures:
         raise AssertionError(str(report))
     return report

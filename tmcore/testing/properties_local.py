@@ -16,8 +16,7 @@ on every namespace like the others:
   VJP and central differences away from kinks;
 - the layer's warped scan (:mod:`tmcore.scan.warped`, dense and local updates) equals a
   reference loop of reads, reference warps and steps; its local fast VJP equals the
-  masked one;
-- float32 in, float32 out.
+  masked one.
 """
 
 from __future__ import annotations
@@ -413,9 +412,6 @@ def warp_vjp_matches_sampling_and_central_differences(xp: ModuleType, case: dict
         assert_rel(got, want, FD_TOL, f"{name} vs FD", floor=FD_FLOOR)
 
 
-# ----------------------------------------------------------------------------- dtype
-
-
 # ----------------------------------------------------------------------------- layer scan
 
 
@@ -465,45 +461,3 @@ def warped_layer_scan_matches_reference(xp: ModuleType, case: dict) -> None:
         grads[(update, method)] = [d_h, d_c, *d_inputs, *d_params]
     for got, masked in zip(grads[("local", "fast")], grads[("local", "masked")], strict=True):
         assert_rel(got, to_numpy(masked), VJP_TOL, "warped local scan VJP (fast vs masked)")
-
-
-@_property(1, st.just({}), needs_float64=False)
-def local_and_warp_keep_single_precision(xp: ModuleType, case: dict) -> None:
-    """Every local and warp function keeps float32 (and the namespace) and stays finite."""
-    rng = np.random.default_rng(0)
-    batch, channels, steps, shape = 2, 2, 3, (4, 3, 5)
-
-    def f32(*s):
-        return xp.asarray(rng.standard_normal(s).astype(np.float32))
-
-    def uniform(low, high, *s):
-        return xp.asarray(rng.uniform(low, high, s).astype(np.float32))
-
-    params = tmcore.ConvParams(f32(3, 2 * channels, 3), f32(3, 2 * channels),
-                               f32(4 * channels, 2 * channels), f32(4 * channels))
-    h, c = f32(batch, channels, *shape), f32(batch, channels, *shape)
-    step = (h, c, uniform(-1, 1, batch, 3), uniform(0.1, 1, batch), f32(batch, channels))
-    scan = (h, c, uniform(-1, 1, batch, steps, 3), uniform(-1, 1, batch, steps, 3),
-            uniform(0.1, 1, batch, steps), f32(batch, steps, channels))
-    shift, flow = uniform(-0.5, 0.5, batch, 3), uniform(-0.2, 0.2, batch, 3, *shape)
-    results = {}
-    for method in METHODS:
-        kw = dict(window=2, method=method)
-        results[f"local_update ({method})"] = tmcore.local_update(*step, params, **kw)
-        results[f"local_update_vjp ({method})"] = tmcore.local_update_vjp(*step, params, h, c,
-                                                                          **kw)
-        results[f"local_memory_scan ({method})"] = tmcore.local_memory_scan(*scan, params, **kw)
-        results[f"local_memory_scan_vjp ({method})"] = tmcore.local_memory_scan_vjp(
-            *scan, params, f32(batch, steps, channels), h, c, **kw)
-    for flow_or_none in (None, flow):
-        label = "flow" if flow_or_none is not None else "shift"
-        results[f"warp_state ({label})"] = tmcore.warp_state(h, c, shift, flow_or_none)
-        grads = tmcore.warp_state_vjp(h, c, shift, flow_or_none, h, c)
-        results[f"warp_state_vjp ({label})"] = [g for g in grads if g is not None]
-    for name, result in results.items():
-        leaves = [leaf for item in result
-                  for leaf in (item if isinstance(item, (tuple, list)) else (item,))]
-        _assert_namespace(xp, *leaves)
-        for i, leaf in enumerate(leaves):
-            assert leaf.dtype == xp.float32, f"{name} output {i}: {leaf.dtype}"
-            assert np.all(np.isfinite(to_numpy(leaf))), f"{name} output {i} not finite"

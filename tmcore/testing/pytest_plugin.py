@@ -1,13 +1,16 @@
 """pytest entry of the backend kit.
 
-Run tmcore's property suite against any namespace::
+Run tmcore's property suite against any namespace, optionally with your backend::
 
     pytest --pyargs tmcore.testing.suite --tmcore-namespace=array_api_strict \
         --tmcore-max-examples=5 --tmcore-time-budget=60
+    pytest --pyargs tmcore.testing.suite --tmcore-namespace=numpy \
+        --tmcore-backend=mypkg.ops:make_ops
 
 The plugin is registered through the ``pytest11`` entry point when tmcore is
 installed; with plugin autoloading disabled, add ``-p tmcore.testing.pytest_plugin``.
-Each property is one test item; a failure prints hypothesis' minimal example.
+Each property is one test item; a failure prints the error, hypothesis' minimal example
+and (captured output) what served the namespace.
 ``--tmcore-time-budget`` (seconds) is split evenly over the collected suite
 items; each item runs at least one example. A namespace without float64
 fails every item that needs it at once, with a message saying so.
@@ -15,6 +18,8 @@ fails every item that needs it at once, with a message saying so.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from types import ModuleType
 
 import pytest
@@ -28,6 +33,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         default=None,
         help="dotted name of an array-API namespace to run tmcore's property suite on "
              "(e.g. array_api_strict, mlx.core); used by tmcore.testing.suite",
+    )
+    group.addoption(
+        "--tmcore-backend",
+        action="store",
+        default=None,
+        help="module:function of a make_ops(generic, options) that serves the namespace's "
+             "arrays during the suite (default: the registered backends)",
     )
     group.addoption(
         "--tmcore-max-examples",
@@ -56,14 +68,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 @pytest.fixture(scope="session")
-def tmcore_namespace(request: pytest.FixtureRequest) -> ModuleType:
-    """The namespace named by ``--tmcore-namespace``."""
+def tmcore_namespace(request: pytest.FixtureRequest) -> Iterator[ModuleType]:
+    """The namespace named by ``--tmcore-namespace``, served by ``--tmcore-backend`` if given."""
     name = request.config.getoption("--tmcore-namespace")
     if not name:
         pytest.skip("no --tmcore-namespace given")
-    from tmcore.testing.kit import load_namespace  # lazy: hypothesis only when used
+    from tmcore.testing.kit import load_namespace, registered_backend  # lazy: hypothesis
 
-    return load_namespace(name)
+    xp = load_namespace(name)
+    backend = request.config.getoption("--tmcore-backend")
+    with registered_backend(xp, backend) if backend else contextlib.nullcontext():
+        yield xp
 
 
 @pytest.fixture(scope="session")

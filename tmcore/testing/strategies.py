@@ -10,6 +10,8 @@ beyond the border) appear often.
 from __future__ import annotations
 
 import math
+import sys
+import warnings
 from typing import Any
 
 import array_api_compat
@@ -17,6 +19,7 @@ import numpy as np
 from hypothesis import assume
 from hypothesis import strategies as st
 
+import tmcore
 from tmcore.testing.finite_diff import relative_error
 from tmcore.testing.reference import cell_centers
 
@@ -32,8 +35,10 @@ __all__ = [
     "fd_step_for_sigma",
     "grid_shapes",
     "log_uniform_sigma",
+    "namespace_of",
     "radii",
     "seeds",
+    "serving_backend",
     "smooth_coords_array",
     "splat_margin_ok",
     "to_numpy",
@@ -227,18 +232,67 @@ def _is_masked(x: Any) -> bool:
 _READ_ERRORS = (TypeError, ValueError, RuntimeError, BufferError, AttributeError)
 
 
+def namespace_of(xp: Any) -> Any:
+    """Give the namespace tmcore dispatches on for the arrays ``xp`` makes.
+
+    Parameters
+    ----------
+    xp : module
+        An array namespace (``numpy``, ``torch``, ...).
+
+    Returns
+    -------
+    module
+        ``array_api_compat.array_namespace(xp.asarray([0.0]))``.
+    """
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # JAX narrowing float64
+        return array_api_compat.array_namespace(xp.asarray([0.0]))
+
+
+def serving_backend(xp: Any) -> Any:
+    """Give the backend serving ``xp``'s arrays under the current options.
+
+    Parameters
+    ----------
+    xp : module
+        An array namespace.
+
+    Returns
+    -------
+    tmcore.backends.Backend or None
+        None for the generic path.
+    """
+    from tmcore.backends import backend_for
+
+    return None if tmcore.get_options().generic else backend_for(namespace_of(xp))
+
+
+def _backend_reader(x: Any) -> Any:
+    """The ``to_numpy`` of the module of the backend registered for ``x``'s namespace."""
+    if isinstance(x, np.ndarray) or not array_api_compat.is_array_api_obj(x):
+        return None
+    from tmcore.backends import backend_for
+
+    backend = backend_for(array_api_compat.array_namespace(x))
+    return getattr(sys.modules.get(backend.module), "to_numpy", None) if backend else None
+
+
 def _plain_numpy(x: Any, _moved: bool = False) -> np.ndarray:
     """A NumPy view/copy of an unmasked array of any namespace.
 
-    Order matters: DLPack first (zero-copy on the CPU and exact for every
-    namespace that exports it); for arrays on an accelerator,
-    ``array_api_compat.to_device(x, "cpu")`` (CuPy, torch); then hooks of
-    namespaces that do not export DLPack (ndonnx' ``unwrap_numpy``);
-    ``np.asarray`` last, and only if it gives a real numeric array: for an
-    object that is not array-like to NumPy it silently returns a 0-d
-    ``object`` array, which would make every shape comparison fail for the
-    wrong reason.
+    Order matters: the ``to_numpy(x)`` of the backend module registered for ``x``'s
+    namespace, where it defines one (e.g. a sparse array's densification); DLPack
+    (zero-copy on the CPU and exact for every namespace that exports it); for arrays
+    on an accelerator, ``array_api_compat.to_device(x, "cpu")`` (CuPy, torch); then
+    hooks of namespaces that do not export DLPack (ndonnx' ``unwrap_numpy``);
+    ``np.asarray`` last, and only if it gives a real numeric array: for an object that
+    is not array-like to NumPy it silently returns a 0-d ``object`` array, which would
+    make every shape comparison fail for the wrong reason.
     """
+    reader = _backend_reader(x)
+    if reader is not None:
+        return np.asarray(reader(x))
     if isinstance(x, np.ndarray):
         return x
     if hasattr(x, "__dlpack__"):
@@ -264,15 +318,17 @@ def _plain_numpy(x: Any, _moved: bool = False) -> np.ndarray:
         out = np.asarray(x)
     except (TypeError, ValueError, RuntimeError) as exc:
         raise TypeError(f"cannot read a {type(x).__name__} back into NumPy: it exports "
-                        f"neither DLPack nor __array__ ({exc})") from exc
+                        f"neither DLPack nor __array__, and no backend module registered for "
+                        f"its namespace defines to_numpy(x) ({exc})") from exc
     if out.dtype == object:
         raise TypeError(f"cannot read a {type(x).__name__} back into NumPy: np.asarray gives "
-                        "an object array; the namespace should export DLPack (__dlpack__)")
+                        "an object array; the namespace should export DLPack (__dlpack__), or "
+                        "a backend module registered for it define to_numpy(x)")
     return out
 
 
 def to_numpy(x: Any) -> np.ndarray:
-    """Copy an array of any namespace to NumPy (DLPack, ``unwrap_numpy`` or ``__array__``).
+    """Copy an array of any namespace to NumPy (its backend's ``to_numpy``, DLPack, ...).
 
     Masked arrays (marray) are read as their data with masked entries set to
     NaN, so an output that tmcore should never mask fails every comparison
@@ -307,7 +363,7 @@ def to_numpy(x: Any) -> np.ndarray:
 
 def assert_rel(actual: Any, expected: np.ndarray, tol: float, what: str,
                floor: float = 1e-30) -> None:
-    """Assert ``relative_error(actual, expected, floor) <= tol`` with a helpful message.
+    """Assert ``relative_error(actual, expected, floor) <= tol`` with the whole failure.
 
     Parameters
     ----------
@@ -320,21 +376,34 @@ def assert_rel(actual: Any, expected: np.ndarray, tol: float, what: str,
     what : str
         What is compared, for the message.
     floor : float, default 1e-30
-        As in :func:`tmcore.testing.finite_diff.relative_error`.
+        As in :func:`tmcore.testing.finite_diff.relative_error`: where ``max|expected|``
+        is below it the error is absolute (``tol * floor`` allowed), and said so.
 
     Raises
     ------
     AssertionError
-        If the shapes differ or the relative error exceeds ``tol``; the message
-        shows both arrays.
+        If the shapes differ or the error exceeds ``tol``; the message gives the error,
+        the worst entry (index, actual, expected) and both arrays.
     """
     actual = to_numpy(actual)
     expected = np.asarray(expected)
     assert actual.shape == expected.shape, f"{what}: shape {actual.shape} != {expected.shape}"
     err = relative_error(actual, expected, floor=floor)
-    assert err <= tol, (
-        f"{what}: relative error {err:.3g} > {tol:.1g}\nactual=\n{actual}\nexpected=\n{expected}"
-    )
+    if err <= tol:
+        return
+    diff = np.abs(actual.astype(np.float64) - expected)
+    index = np.unravel_index(int(np.argmax(np.where(np.isnan(diff), np.inf, diff))), diff.shape)
+    scale = float(np.max(np.abs(expected)))
+    if scale >= floor:
+        measure = f"relative error {err:.3g} > {tol:.1g}"
+    else:  # a relative error means nothing here (8e28 for 8e-2 over a floor of 1e-30)
+        measure = (f"absolute error {float(np.nanmax(diff)):.3g} > {tol * floor:.1g} where the "
+                   + ("expected value is 0" if scale == 0 else f"expected values are at most "
+                      f"{scale:.3g}"))
+    raise AssertionError(
+        f"{what}: {measure}; worst at index {tuple(int(i) for i in index)}: actual "
+        f"{actual[index].item()!r}, expected {expected[index].item()!r}\nactual=\n{actual}\n"
+        f"expected=\n{expected}")
 
 
 # ----------------------------------------------------------------------------- cases

@@ -1,0 +1,163 @@
+"""Where the memory goes in a Hugging Face model: its decoder blocks (:func:`find_blocks`),
+the checks that they take a memory of a given width, and the key its configuration is
+stored under in ``model.config``."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+from torch import nn
+
+__all__ = ["BLOCK_PATHS", "CONFIG_KEY", "find_blocks"]
+
+#: Key of the memory configuration in ``model.config`` (and so in ``config.json``).
+CONFIG_KEY = "tensor_memory"
+#: Where decoder blocks live, relative to the model (first match wins).
+BLOCK_PATHS = ("model.layers", "transformer.h", "model.decoder.layers", "gpt_neox.layers",
+               "transformer.layers", "transformer.blocks", "model.language_model.layers",
+               "layers", "h", "decoder.layers", "blocks")
+
+
+def transformers_module() -> Any:
+    """``transformers``, or an ``ImportError`` saying which extra installs it."""
+    try:
+        import transformers
+    except ImportError as error:  # pragma: no cover - the tests skip without it
+        raise ImportError("tmcore.adapters.hf needs transformers: pip install 'tmcore[hf]'"
+                          ) from error
+    return transformers
+
+
+def _resolve(root: nn.Module, path: str) -> Any:
+    obj: Any = root
+    for part in path.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            return None
+    return obj
+
+
+def text_config(config: Any) -> Any:
+    """The decoder's part of a model config (a multimodal config's text config)."""
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def _int_field(config: Any, name: str) -> int | None:
+    value = getattr(text_config(config), name, None)
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def hidden_size(model: nn.Module) -> int | None:
+    """``config.hidden_size`` of ``model`` (its text config's), ``None`` if not an int."""
+    return _int_field(model.config, "hidden_size")
+
+
+def num_layers(config: Any) -> int | None:
+    """``num_hidden_layers`` of a model config (its text config's), ``None`` if not an int."""
+    return _int_field(config, "num_hidden_layers")
+
+
+def find_blocks(model: nn.Module, blocks: str | None = None) -> tuple[str, nn.Module,
+                                                                         nn.ModuleList]:
+    """The decoder blocks of a Hugging Face model: where they are, who owns them, the list.
+
+    Parameters
+    ----------
+    model : transformers.PreTrainedModel
+        A decoder-only model (``LlamaForCausalLM``, ``GPT2LMHeadModel``, ...).
+    blocks : str or None, default None
+        The dotted path of its ``nn.ModuleList`` of blocks (e.g. ``"model.layers"``);
+        ``None``: the first of :data:`BLOCK_PATHS` that is a non-empty one. Either way
+        the list has ``config.num_hidden_layers`` blocks when the config says.
+
+    Returns
+    -------
+    path : str
+        The dotted path of the blocks.
+    owner : torch.nn.Module
+        The module that owns the list (the base model, whose forward receives the
+        cache and the attention mask).
+    blocks : torch.nn.ModuleList
+        The blocks.
+
+    Raises
+    ------
+    TypeError
+        If ``model`` is not a ``PreTrainedModel`` or ``blocks`` is not a str.
+    ValueError
+        Naming ``model`` / ``blocks``: an encoder-decoder model, a path that is
+        not a non-empty ``nn.ModuleList`` of ``num_hidden_layers`` blocks, or no
+        blocks found.
+    """
+    transformers = transformers_module()
+    if not isinstance(model, transformers.PreTrainedModel):
+        raise TypeError(f"model: expected a transformers PreTrainedModel, "
+                        f"got {type(model).__name__}")
+    if getattr(model.config, "is_encoder_decoder", False):
+        raise ValueError(f"model: {type(model).__name__} is an encoder-decoder; "
+                         f"tmcore.adapters.hf supports decoder-only (causal LM) models")
+    layers = num_layers(model.config)
+
+    def fits(found: Any) -> bool:
+        return isinstance(found, nn.ModuleList) and len(found) > 0 \
+            and (layers is None or len(found) == layers)
+
+    if blocks is not None:
+        if not isinstance(blocks, str):
+            raise TypeError(f"blocks: expected a dotted path such as 'model.layers', "
+                            f"got {type(blocks).__name__}")
+        found = _resolve(model, blocks)
+        if not fits(found):
+            raise ValueError(f"blocks: {blocks!r} is not a non-empty nn.ModuleList of "
+                             f"{type(model).__name__} with config.num_hidden_layers = "
+                             f"{layers} blocks (got {type(found).__name__}"
+                             f"{f' of {len(found)}' if hasattr(found, '__len__') else ''})")
+        path = blocks
+    else:
+        path = next((p for p in BLOCK_PATHS if fits(_resolve(model, p))), None)
+        if path is None:
+            raise ValueError(f"model: could not find the decoder blocks of "
+                             f"{type(model).__name__} (tried {', '.join(BLOCK_PATHS)}); "
+                             f"pass blocks='dotted.path.to.the.ModuleList'")
+    owner_path, _, _ = path.rpartition(".")
+    owner = model if not owner_path else _resolve(model, owner_path)
+    return path, owner, _resolve(model, path)
+
+
+def check_fits(model: nn.Module, path: str, owner: nn.Module, embed_dim: int,
+               where: str = "embed_dim") -> None:
+    """Refuse, before anything is attached, what would only fail at the first forward: a
+    token width other than the blocks' (the hidden size), or blocks whose owner is not
+    called with the tokens (an encoder's inner stack such as BERT's ``encoder.layer``,
+    whose owner receives hidden states and an extended mask)."""
+    width = hidden_size(model)
+    if width is not None and embed_dim != width:
+        raise ValueError(f"{where}: the memory reads and writes the blocks' outputs of the "
+                         f"model's hidden size {width} (config.hidden_size), got {embed_dim}; "
+                         f"leave embed_dim unset or pass {width}")
+    names = parameter_names(owner)
+    if "input_ids" not in names and "inputs_embeds" not in names:
+        raise ValueError(
+            f"blocks: {path!r} is owned by {type(owner).__name__}, whose forward is not "
+            f"called with input_ids or inputs_embeds (an encoder's inner stack?); "
+            f"tmcore.adapters.hf attaches to the blocks of a decoder's base model, whose "
+            f"forward receives the tokens, the cache and the padding mask (model.layers, "
+            f"transformer.h, ...). For other stacks use tmcore.adapters.torch.attach_memory")
+
+
+def parameter_names(owner: nn.Module) -> dict[str, int]:
+    """``{name: position}`` of the parameters of ``owner.forward``."""
+    try:
+        params = list(inspect.signature(owner.forward).parameters)
+    except (TypeError, ValueError):  # pragma: no cover - a forward without a signature
+        return {}
+    return {name: i for i, name in enumerate(params)}
+
+
+def unmark_config(config: Any) -> type:
+    """Give a config with memory its base model's class back; returns its class before
+    (a config with memory saves as ``model_type = "tensor_memory"``)."""
+    cls = type(config)
+    config.__class__ = getattr(cls, "_tmcore_base", cls)
+    return cls

@@ -1,0 +1,442 @@
+"""The memory state follows the generation, the way the KV cache does
+(docs/guides/huggingface.md): :class:`HFMemory`, the forward hooks of the blocks' owner
+that take each call's state from its cache (or start fresh) and store the state the call
+reaches on the cache; the cache methods whose rows the state follows; the padding mask
+read as the tokens that enter the state; the decoding modes it cannot follow, refused."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from tmcore.adapters.hf.blocks import (
+    CONFIG_KEY,
+    parameter_names,
+    transformers_module,
+    unmark_config,
+)
+from tmcore.adapters.torch import MemoryHandle, StreamState, detach_state
+from tmcore.adapters.torch import attach as _torch_attach
+from tmcore.adapters.torch import tuners as _tuners
+
+__all__ = ["PEFT_EXCLUDE", "HFMemory"]
+
+_CACHE_ATTR = "_tmcore_memory"
+_CACHE_NAMES = ("cache", "past_key_values")
+
+
+class _Entry:
+    """What a cache object carries for the memory: the owner, the cache length the
+    state belongs to (``None``: bound by a compiled forward, not recorded), the per-layer
+    states."""
+
+    def __init__(self, owner: int, length: int | None, state: list[Any]):
+        self.owner, self.length, self.state = owner, length, state
+
+
+def _index_state(state: Any, index: Tensor) -> Any:
+    """One layer's state with its batch axis gathered by ``index (B',)`` (every field,
+    ``count`` included: a tuple of ints or an integer tensor)."""
+    def take(t: Tensor) -> Tensor:
+        return t.index_select(0, index.to(t.device))
+
+    if isinstance(state, StreamState):
+        count = take(state.count) if isinstance(state.count, Tensor) else tuple(
+            state.count[i] for i in index.tolist())
+        return StreamState(take(state.h), take(state.c), take(state.pending), count,
+                           take(state.read))
+    return tuple(take(t) for t in state)
+
+
+class _CacheMethod:
+    """An instance attribute that wraps a ``Cache`` method so the memory state stored on
+    the cache follows it (picklable and deep-copyable with the cache)."""
+
+    def __init__(self, cache: Any, name: str):
+        self.cache, self.name = cache, name
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        cache, name = self.cache, self.name
+        entry = cache.__dict__.get(_CACHE_ATTR)
+        if name == "crop" and entry is not None:
+            before = cache.get_seq_length()
+            amount = args[0] if args else kwargs.get("tokens_to_remove", kwargs.get(
+                "max_length", 0))
+            removes = amount < 0 or (amount > 0 and amount < before)
+            if removes and before > 0:
+                raise RuntimeError(
+                    f"tmcore.adapters.hf: cache.crop({amount}) would remove tokens, but the "
+                    f"Tensor Memory state cannot be rolled back (assisted / prompt-lookup "
+                    f"decoding and deferred stop checks are not supported with memory); "
+                    f"use greedy, sampling or beam search")
+        result = getattr(type(cache), name)(cache, *args, **kwargs)
+        if entry is None:
+            return result
+        if name == "reset":
+            cache.__dict__.pop(_CACHE_ATTR, None)
+        elif name in _ROW_METHODS:  # the rows the cache keeps: indices, a bool mask or repeats
+            value = args[0] if args else next(iter(kwargs.values()))
+            if name == "batch_repeat_interleave":
+                index = torch.arange(_first_h(entry.state).shape[0]).repeat_interleave(int(value))
+            else:
+                index = torch.as_tensor(value)
+                if index.dtype == torch.bool:
+                    index = torch.nonzero(index).reshape(-1)
+            entry.state = [_index_state(s, index) for s in entry.state]
+        return result
+
+
+#: The cache methods that pick the rows the cache keeps (the state's rows follow).
+_ROW_METHODS = ("reorder_cache", "batch_select_indices", "batch_repeat_interleave")
+_FOLLOWED = (*_ROW_METHODS, "crop", "reset")
+
+
+def _first_h(states: list[Any]) -> Tensor:
+    """The first layer's ``h`` (the layers' states are computed together)."""
+    first = states[0]
+    return first.h if isinstance(first, StreamState) else first[0]
+
+
+# --------------------------------------------------------------------------- the handle
+
+
+class HFMemory:
+    """The memories attached to a Hugging Face model (:func:`attach_memory`'s result).
+
+    ``memories`` / ``parameters()`` as :class:`tmcore.adapters.torch.MemoryHandle`'s;
+    ``spec`` the stored configuration (``model.config.tensor_memory``);
+    :meth:`state_of` the per-layer state a cache carries; :meth:`remove` undoes the
+    attach exactly. Made by :func:`attach_memory` and :func:`from_pretrained`, not
+    by hand.
+
+    Parameters
+    ----------
+    model : transformers.PreTrainedModel
+        The model the memories are attached to.
+    path : str
+        The dotted path of its blocks (:func:`find_blocks`).
+    owner : torch.nn.Module
+        The module owning the blocks; its forward hooks carry the memory state.
+    handle : tmcore.adapters.torch.MemoryHandle
+        The attached memories (one per block).
+    spec : dict
+        The memory configuration stored in ``model.config.tensor_memory``.
+    """
+
+    def __init__(self, model: nn.Module, path: str, owner: nn.Module, handle: MemoryHandle,
+                 spec: dict[str, Any]):
+        self.model, self.path, self.owner, self.handle = model, path, owner, handle
+        self.spec = spec
+        self.streaming = bool(spec["streaming"])
+        self._train_state: list[Any] | None = None
+        self._names = parameter_names(owner)
+        self._hooks = [
+            owner.register_forward_pre_hook(_Hook(self, "_before"), with_kwargs=True,
+                                            prepend=True),
+            owner.register_forward_hook(_Hook(self, "_after"), with_kwargs=True),
+        ]
+        for method in _REFUSED:
+            if hasattr(model, method):
+                model.__dict__[method] = _Refused(method)
+
+    def __repr__(self) -> str:
+        return (f"HFMemory(blocks={self.path!r}, layers={len(self.handle.memories)}, "
+                f"attached={self.attached})")
+
+    @property
+    def attached(self) -> bool:
+        return bool(self._hooks)
+
+    @property
+    def memories(self) -> list[nn.Module]:
+        return self.handle.memories
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        return self.handle.parameters()
+
+    def state_of(self, cache: Any) -> list[Any] | None:
+        """The per-layer memory state a generation cache carries.
+
+        Parameters
+        ----------
+        cache : transformers.Cache or None
+            The ``past_key_values`` of a forward or ``generate`` call.
+
+        Returns
+        -------
+        list or None
+            One state per memory layer (:class:`tmcore.adapters.torch.StreamState`),
+            or ``None`` when the cache carries none (a fresh start).
+        """
+        entry = getattr(cache, "__dict__", {}).get(_CACHE_ATTR)
+        return None if entry is None else entry.state
+
+    def reset_state(self) -> None:
+        """Forget the streaming-training state (``streaming=True``).
+
+        The next uncached training forward starts fresh (a document boundary).
+        """
+        self._train_state = None
+
+    def remove(self) -> None:
+        """Remove the memories, the hooks and ``model.config.tensor_memory``."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+        for method in _REFUSED:
+            if isinstance(self.model.__dict__.get(method), _Refused):
+                del self.model.__dict__[method]
+        self.handle.remove()
+        self._train_state = None
+        if getattr(self.model, "_tmcore_hf_memory", None) is self:
+            del self.model._tmcore_hf_memory
+        if hasattr(self.model.config, CONFIG_KEY):
+            delattr(self.model.config, CONFIG_KEY)
+        unmark_config(self.model.config)  # model_type included
+
+    # ----------------------------------------------------------------- per call
+
+    def _arg(self, args: tuple, kwargs: dict, name: str) -> Any:
+        if name in kwargs:
+            return kwargs[name]
+        index = self._names.get(name)
+        return args[index] if index is not None and index < len(args) else None
+
+    def _first_arg(self, args: tuple, kwargs: dict, names: tuple[str, ...]) -> tuple[str, Any]:
+        """The first of the arguments ``names`` that is given (not None), and its name."""
+        for name in names:
+            value = self._arg(args, kwargs, name)
+            if value is not None:
+                return name, value
+        return names[0], None
+
+    def _before(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        compiling = torch.compiler.is_compiling()
+        if torch.is_grad_enabled() and not compiling:  # training (decoding: no_grad)
+            _check_adapted_linears(self.handle.memories)
+        name, cache = self._first_arg(args, kwargs, _CACHE_NAMES)
+        _, tokens = self._first_arg(args, kwargs, ("input_ids", "inputs_embeds"))
+        if not isinstance(tokens, Tensor) or tokens.dim() < 2:
+            raise ValueError("input_ids: expected input_ids (B, N) or inputs_embeds (B, N, d)")
+        batch, count = int(tokens.shape[0]), int(tokens.shape[1])
+        start, past = None, 0
+        if cache is None:
+            if self.streaming and module.training and self._train_state is not None:
+                rows = int(_first_h(self._train_state).shape[0])
+                if rows != batch:
+                    raise ValueError(
+                        f"input_ids: streaming training continues the previous batch of "
+                        f"{rows} rows, got {batch} rows; drop the last incomplete batch "
+                        f"(dataloader_drop_last=True) or call memory.reset_state() first")
+                start = self._train_state
+        else:
+            start = self._cache_start(name, cache, compiling)
+            past = 0 if compiling else cache.get_seq_length()
+        self.handle.state = start  # a detached training state, a cache's (no grad) or None
+        self.handle._state_cut = True
+        self.handle._valid = _valid_mask(self._arg(args, kwargs, "attention_mask"), batch,
+                                         count, compiling, past)
+
+    def _cache_start(self, name: str, cache: Any, compiling: bool) -> list[Any] | None:
+        transformers = transformers_module()
+        if type(cache).__name__ == "PagedAttentionCache":
+            raise NotImplementedError(f"{name}: {_REFUSED['init_continuous_batching']}")
+        if not isinstance(cache, transformers.Cache):
+            raise TypeError(f"{name}: tmcore's memory follows a transformers Cache object "
+                            f"(DynamicCache, StaticCache, ...); got {type(cache).__name__} "
+                            f"(legacy tuple caches cannot carry the memory state)")
+        past = cache.get_seq_length()
+        entry = cache.__dict__.get(_CACHE_ATTR)
+        if compiling:
+            return None if entry is None else entry.state
+        if past == 0:
+            cache.__dict__.pop(_CACHE_ATTR, None)
+            return None
+        if entry is None or entry.owner != id(self):
+            raise RuntimeError(f"{name}: this cache holds {past} tokens but no Tensor Memory "
+                               f"state of this model: it was filled before the memory was "
+                               f"attached, by another model, or with virtual tokens the memory "
+                               f"never read (PEFT prefix tuning is not supported with memory; "
+                               f"LoRA and prompt tuning are); start from an empty cache")
+        if entry.length is not None and entry.length != past:
+            raise RuntimeError(f"{name}: the cache now holds {past} tokens, its memory state "
+                               f"belongs to {entry.length}; the cache was changed in a way "
+                               f"the memory cannot follow")
+        return entry.state
+
+    def _after(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        states = self.handle.state
+        self.handle.state = None
+        self.handle._valid = None
+        if states is None:
+            return
+        _, passed = self._first_arg(args, kwargs, _CACHE_NAMES)
+        cache = passed if passed is not None else _cache_in(output)
+        if _first_h(states).requires_grad:  # a cache never keeps the graph alive
+            states = [detach_state(s) for s in states]
+        transformers = transformers_module()
+        if isinstance(cache, transformers.Cache):
+            self._bind(cache, states)
+        if self.streaming and module.training and passed is None:
+            # no cache came in (one the forward made for itself, use_cache=True by
+            # default, does not count): streaming training carries the state on
+            self._train_state = states
+
+    def _bind(self, cache: Any, states: list[Any]) -> None:
+        # a compiled forward cannot read the length without a graph break (a static
+        # cache counts it on the device): None, the next eager call takes the state as is
+        length = None if torch.compiler.is_compiling() else cache.get_seq_length()
+        cache.__dict__[_CACHE_ATTR] = _Entry(id(self), length, list(states))
+        for name in _FOLLOWED:
+            current = cache.__dict__.get(name)
+            if not isinstance(current, _CacheMethod) and hasattr(type(cache), name):
+                cache.__dict__[name] = _CacheMethod(cache, name)
+
+
+#: The PEFT ``exclude_modules`` that keeps LoRA (and other tuners) off the memory's own
+#: layers, e.g. ``LoraConfig(target_modules="all-linear", exclude_modules=PEFT_EXCLUDE)``:
+#: to train the memory in full next to the base model's adapters. Without it, LoRA on the
+#: memory's linear layers works too (their deltas are folded into the weights the memory
+#: reads, :func:`tmcore.adapters.torch.tuners.effective_weight`).
+PEFT_EXCLUDE = rf".*\.{_torch_attach.ATTRIBUTE}\..*"
+
+
+def _check_adapted_linears(memories: list[nn.Module]) -> None:
+    """Check the PEFT tuners on the memory's layers (``target_modules="all-linear"``) before
+    a training forward, naming each layer in full: a tuner the memory cannot fold into its
+    weights is refused, a skipped LoRA dropout warned about
+    (:func:`tmcore.adapters.torch.tuners.check_tuned`)."""
+    skipped = []
+    for index, residual in enumerate(memories):
+        for name, sub in residual.named_modules():
+            full = f"{_torch_attach.ATTRIBUTE}.{name} (block {index})"
+            if _tuners.is_tuned(sub) and _tuners.check_tuned(sub, full, warn=False):
+                skipped.append(full)
+    if skipped:  # one warning for all the memory's layers
+        _tuners.warn_dropout(skipped)
+
+
+#: Decoding modes the memory state cannot follow, refused when they start (before any
+#: token): the model method each starts with, and why.
+_REFUSED = {
+    "_get_candidate_generator": (
+        "assisted and prompt-lookup decoding (assistant_model=, prompt_lookup_num_tokens=, "
+        "assistant_early_exit=) are not supported with Tensor Memory: they feed candidate "
+        "tokens and crop the rejected ones from the cache, and the memory state cannot be "
+        "rolled back; use greedy, sampling or beam search"),
+    "init_continuous_batching": (
+        "continuous batching (generate_batch, init_continuous_batching, paged caches) is "
+        "not supported with Tensor Memory: a paged cache packs the requests into one "
+        "sequence and carries no per-request memory state; use generate with a batch "
+        "(left padding)"),
+}
+
+
+class _Refused:
+    """An instance attribute shadowing a model method that starts a decoding mode the
+    memory cannot follow: calling it raises (picklable: no reference to the model)."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError(f"tmcore.adapters.hf: {_REFUSED[self.name]}")
+
+
+class _Hook:
+    """The owner's forward pre-hook (``"_before"``) or hook (``"_after"``): that method
+    of the memory (picklable)."""
+
+    def __init__(self, memory: HFMemory, method: str):
+        self.memory, self.method = memory, method
+
+    def __call__(self, *args: Any) -> None:
+        getattr(self.memory, self.method)(*args)
+
+
+def _cache_in(output: Any) -> Any:
+    """The cache a base model's output holds (a ``ModelOutput`` field or a tuple entry;
+    read by value, not by name: an old field name may be a deprecated alias)."""
+    transformers = transformers_module()
+    if isinstance(output, transformers.utils.ModelOutput):
+        values: Any = output.values()
+    elif isinstance(output, tuple):
+        values = output
+    else:
+        return None
+    return next((v for v in values if isinstance(v, transformers.Cache)), None)
+
+
+_INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+
+
+def _valid_from_4d(mask: Tensor, batch: int, tokens: int, past: int, compiling: bool
+                   ) -> Tensor | None:
+    """Validity from a prepared 4-D mask ``(B, H, N, K)`` (``generate`` passes one with
+    static caches; bool True = may attend, or additive float 0 = may attend): a real
+    token attends to itself, a padding token's row is masked out, so new token ``j`` is
+    valid where its own key (index ``past + j``) is allowed in its row."""
+    if tokens == 1:  # a decoding step: generated tokens are real (the 2-D mask gets a 1)
+        return None
+    if mask.shape[0] != batch or mask.shape[2] != tokens or mask.shape[3] < past + tokens:
+        raise ValueError(f"attention_mask: a 4-D mask must be (B, heads, N, keys) with "
+                         f"B = {batch}, N = {tokens}, keys >= {past + tokens}, "
+                         f"got {tuple(mask.shape)}")
+    allowed = mask[:, 0] if mask.dtype == torch.bool else mask[:, 0] == 0
+    index = torch.arange(tokens, device=mask.device)
+    valid = allowed[:, index, index + past]
+    return _none_if_all(valid, compiling)
+
+
+def _none_if_all(valid: Tensor, compiling: bool) -> Tensor | None:
+    """``valid``, or ``None`` where every token is valid (not read under a compile)."""
+    return valid if compiling or not bool(valid.all()) else None
+
+
+def _mask_from_mapping(masks: dict) -> Any:
+    """One mask of the per-attention-type masks ``generate`` prepares for models mixing
+    sliding and full attention (``{"full_attention": ..., "sliding_attention": ...}``,
+    with ``cache_implementation="static"``): every kind lets a real token attend to
+    itself and masks out a padding token's row, so each says which tokens are real; the
+    full-attention one is read when there is one."""
+    if "full_attention" in masks:
+        return masks["full_attention"]
+    for value in masks.values():
+        if value is not None:
+            return value
+    return None
+
+
+def _valid_mask(mask: Any, batch: int, tokens: int, compiling: bool, past: int = 0
+                ) -> Tensor | None:
+    """The new tokens' bool ``(B, N)`` validity from ``attention_mask (B, past + N)``, or
+    from a prepared 4-D mask (:func:`_valid_from_4d`) or a mapping of them per attention
+    kind (:func:`_mask_from_mapping`); ``None`` when there is no mask or no padding."""
+    if isinstance(mask, dict):
+        mask = _mask_from_mapping(mask)
+    if mask is None:
+        return None
+    if isinstance(mask, Tensor) and mask.dim() == 4:
+        return _valid_from_4d(mask, batch, tokens, past, compiling)
+    if not isinstance(mask, Tensor):
+        raise TypeError(f"attention_mask: expected a tensor of shape (B, past + N) of 0/1 "
+                        f"ints or bools, got {type(mask).__name__}")
+    if mask.dtype != torch.bool and mask.dtype not in _INT_DTYPES:
+        raise TypeError(f"attention_mask: expected 0/1 ints or bools of shape (B, past + N), "
+                        f"got dtype {mask.dtype} (tmcore reads which tokens are padding; "
+                        f"convert with mask.long())")
+    if mask.dim() != 2 or mask.shape[0] != batch or mask.shape[1] < tokens:
+        raise ValueError(f"attention_mask: expected shape (B, past + N) with B = {batch}, "
+                         f"N = {tokens} (a 2-D padding mask, or a prepared 4-D mask "
+                         f"(B, heads, N, keys)), got {tuple(mask.shape)}")
+    valid = mask[:, mask.shape[1] - tokens:]
+    if not compiling and bool((valid == 1).all()):  # no padding (every decoding step): one
+        return None                                # test instead of the range check's five
+    if valid.dtype != torch.bool:
+        if not compiling and bool(((valid != 0) & (valid != 1)).any()):
+            raise ValueError("attention_mask: expected only 0 and 1 (1 = a real token)")
+        valid = valid != 0
+    return _none_if_all(valid, compiling)
