@@ -4,7 +4,7 @@
 :class:`~tmcore.adapters.torch.TensorMemory` in it (from
 :func:`~tmcore.adapters.torch.attach_memory`, :func:`tmcore.adapters.hf.attach_memory` or
 built by hand) that recomputes, from the tokens the memory receives and with the layer's
-own pieces (:func:`tmcore.layer.chunk`, its :meth:`~tmcore.layer.Layer.heads`,
+own pieces (:func:`tmcore.layer.layer.chunk`, its :meth:`~tmcore.layer.Layer.heads`,
 :func:`~tmcore.adapters.torch.memory_scan` one chunk at a time), the per-chunk addresses,
 spreads, reads and state norms; the gate and the residual stream come from the
 :class:`~tmcore.adapters.torch.MemoryResidual` around it. :func:`plot` draws one row.
@@ -26,6 +26,7 @@ from tmcore import layer as tl
 from tmcore.adapters.torch.bridge import XP
 from tmcore.adapters.torch.functional import memory_scan
 from tmcore.adapters.torch.modules import MemoryResidual, TensorMemory
+from tmcore.layer.layer import chunk, unchunk
 
 __all__ = ["MemoryTrace", "plot", "trace"]
 
@@ -148,7 +149,7 @@ def _recompute(memory: TensorMemory, residual: MemoryResidual | None,
             raise ValueError("state: a StreamState with an unfinished chunk")
         state = (state.h, state.c)
     h, c = memory.init_state(batch) if state is None else state
-    inputs = memory.layer.heads(XP, memory.params(), tl.chunk(XP, x, size))
+    inputs = memory.layer.heads(XP, memory.params(), chunk(XP, x, size))
     reads, norms = [], []
     for t in range(inputs.read_coords.shape[1]):
         read, h, c = memory_scan(h, c, *(v[:, t:t + 1] for v in inputs), memory.cell.params(),
@@ -160,7 +161,7 @@ def _recompute(memory: TensorMemory, residual: MemoryResidual | None,
     gate = read_rms = stream_rms = None
     if residual is not None and residual_in is not None:
         gate = float(torch.sigmoid(residual.gate).reshape(()))
-        out = tl.unchunk(XP, memory.layer.read_out(XP, memory.params(), reads_), tokens, size)
+        out = unchunk(XP, memory.layer.read_out(XP, memory.params(), reads_), tokens, size)
         read_rms = (gate * out).square().mean(-1).sqrt()
         stream_rms = residual_in.square().mean(-1).sqrt()
     return MemoryTrace(inputs.read_coords, inputs.write_coords, inputs.write_sigma,
