@@ -23,7 +23,7 @@ from pathlib import Path
 from examples.reporting import md_table, mean_std
 
 __all__ = ["tables", "blocks", "render_text", "render_all", "plot_recall", "plot_cost",
-           "uses_state", "PAGES"]
+           "uses_state", "best_variant", "PAGES"]
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -218,7 +218,7 @@ def search_table(search: dict, results: dict | None) -> str:
     def kv_beyond(name: str) -> bool:
         return _kv(name) is not None and beyond(name)
 
-    header = ["variant", "what changes", "lr", "validation %", f"recall d > {reach}",
+    header = ["variant", "what changes", "seeds", "lr", "validation %", f"recall d > {reach}",
               "state reset", "uses state", "eta² write", "eta² read", "nearest % (chance)",
               "sigma facts / filler", "read / stream %", "gate"]
     rows = []
@@ -235,8 +235,12 @@ def search_table(search: dict, results: dict | None) -> str:
             + f"{100 * statistics.fmean(s['measures'][0]['nearest_chance'] for s in seeds):.0f})")
         sigma = "-" if not has else (_layers(seeds, "sigma_facts", 2) + " vs "
                                      + _layers(seeds, "sigma_filler", 2))
-        rows.append([f"`{name}`", v["label"], f"{lr:g}", f"{100 * best['validation_mean']:.1f}",
-                     _cell(seeds, "accuracy", kv_beyond), _cell(seeds, "reset", kv_beyond),
+        wanted = len(v["config"]["seeds"])
+        one = "" if len(seeds) == wanted else f" ({len(seeds)} seed{'s' * (len(seeds) > 1)})"
+        rows.append([f"`{name}`", v["label"], f"{len(seeds)} of {wanted}", f"{lr:g}",
+                     f"{100 * best['validation_mean']:.1f}",
+                     _cell(seeds, "accuracy", kv_beyond) + one,
+                     _cell(seeds, "reset", kv_beyond) + one,
                      uses_state(data, name), _layers(seeds, "eta2_write", 3),
                      _layers(seeds, "eta2_read", 3), nearest, sigma,
                      _layers(seeds, "read_ratio", 1, 100), _layers(seeds, "gate", 2)])
@@ -248,10 +252,63 @@ def search_table(search: dict, results: dict | None) -> str:
         point = next(p for p in results["tuning"][row]["points"]
                      if p["hparams"] == data["hparams"])
         rows.append([f"{data['label']} (`run`)", "the default run's row",
+                     f"{len(seeds)} of {len(results['config']['seeds'])}",
                      f"{data['hparams']['lr']:g}", f"{100 * point['validation_mean']:.1f}",
                      _cell(seeds, "accuracy", kv_beyond), _cell(seeds, "reset", kv_beyond),
                      uses_state(results, row), *["-"] * 6])
     return md_table(header, rows)
+
+
+def best_variant(search: dict) -> str | None:
+    """The variant whose chosen point scored best on the validation split, among those with
+    every seed of their config (a variant missing seeds is not eligible); None if none."""
+    complete = {name: v for name, v in search["variants"].items()
+                if v["points"] and [s["seed"] for s in v["seeds"]] == v["config"]["seeds"]}
+    if not complete:
+        return None
+    return max(complete, key=lambda name: max(p["validation_mean"]
+                                              for p in complete[name]["points"]))
+
+
+def search_best_table(search: dict, results: dict | None) -> str:
+    """The best variant (:func:`best_variant`) seed by seed next to the default variant and
+    the default run's memory rows: recall beyond the reach per seed, mean ± std, with the
+    state reset, and per key count."""
+    best = best_variant(search)
+    if best is None:
+        return "*No variant has all its seeds yet.*"
+    reach = search["reach"]
+    beyond = _beyond({"reach": reach})
+    keys = sorted({_kv(n)[0] for s in search["variants"][best]["seeds"]
+                   for n in s["accuracy"] if _kv(n)})
+    seeds = search["variants"][best]["config"]["seeds"]
+
+    def kv_beyond(name: str, n: int | None = None) -> bool:
+        kv = _kv(name)
+        return kv is not None and beyond(name) and n in (None, kv[0])
+
+    entries = [(f"`{name}`: {search['variants'][name]['label']}", search["variants"][name])
+               for name in dict.fromkeys([best, "default"]) if name in search["variants"]]
+    for row in ("lstm", "delta"):
+        data = (results or {}).get("rows", {}).get(row)
+        if data is not None:
+            entries.append((f"{data['label']} (`run`)", data))
+    rows = []
+    for label, data in entries:
+        by_seed = {s["seed"]: s for s in data["seeds"]}
+        rows.append([label, *(_cell([by_seed[k]], "accuracy", kv_beyond) if k in by_seed
+                              else "-" for k in seeds),
+                     _cell(data["seeds"], "accuracy", kv_beyond),
+                     _cell(data["seeds"], "reset", kv_beyond),
+                     *(_cell(data["seeds"], "accuracy", lambda name, n=n: kv_beyond(name, n))
+                       for n in keys)])
+    point = max(search["variants"][best]["points"], key=lambda p: p["validation_mean"])
+    note = (f"*Best by the validation split among the variants with all their seeds: `{best}` "
+            f"({100 * point['validation_mean']:.1f} % at lr {point['hparams']['lr']:g}). "
+            f"Key-value recall beyond the reach (d > {reach}), %.*")
+    header = ["variant", *(f"seed {k}" for k in seeds), "mean ± std", "state reset",
+              *(f"n={n}" for n in keys)]
+    return note + "\n\n" + md_table(header, rows)
 
 
 def search_tuning_table(search: dict) -> str:
@@ -342,6 +399,7 @@ def blocks(results: dict | None, cost: dict | None, search: dict | None = None
     if search is not None:
         src = search_source(search)
         out["search"] = "\n\n".join([search_table(search, results), src])
+        out["search-best"] = "\n\n".join([search_best_table(search, results), src])
         out["search-tuning"] = "\n\n".join([search_tuning_table(search), src])
     return out
 

@@ -294,10 +294,17 @@ def test_committed_results_render_into_the_pages(tmp_path):
         copies.append(copy)
         assert "<!-- longrange: " in page.read_text(), page
     assert render.render_all(check=True, pages=copies) == [], "README is stale: render it"
-    named = render.blocks(json.loads(cli.RESULTS.read_text()), json.loads(cli.COST.read_text()))
+    named = render.blocks(json.loads(cli.RESULTS.read_text()), json.loads(cli.COST.read_text()),
+                          json.loads(cli.SEARCH.read_text()))
     readme = render.PAGES[0].read_text()
-    for name in ("distance", "keys", "passkey", "grid", "tuning", "cost"):
+    for name in ("distance", "keys", "passkey", "grid", "tuning", "cost", "search",
+                 "search-best", "search-tuning"):
         assert named[name] in readme, name
+    tampered = tmp_path / "tampered.md"  # one number inside a block no longer the file's
+    tampered.write_text(readme.replace("32.5 ± 5.0 |", "33.5 ± 5.0 |", 1))
+    assert tampered.read_text() != readme
+    assert render.render_all(check=True, pages=[tampered]) == [str(tampered)]
+    assert tampered.read_text() != readme  # --check does not rewrite
     bad = tmp_path / "bad.md"
     bad.write_text("<!-- longrange: nothing -->\nx\n<!-- /longrange -->\n")
     with pytest.raises(SystemExit, match="nothing"):
@@ -402,6 +409,22 @@ def test_the_oracle_addresses_by_key_and_the_probe_sees_it():
         assert not torch.allclose(built.forward(batch.tokens, batch.tags),
                                   learned.forward(batch.tokens, batch.tags))
         assert torch.equal(built.forward(batch.tokens), learned.forward(batch.tokens))
+
+
+def test_the_best_variant_is_chosen_on_validation_among_complete_ones():
+    def variant(validation: float, seeds: list[int]) -> dict:
+        return {"points": [{"validation_mean": validation}], "config": {"seeds": [0, 1, 2]},
+                "seeds": [{"seed": s} for s in seeds]}
+
+    search = {"variants": {"a": variant(0.2, [0, 1, 2]), "b": variant(0.3, [0, 1, 2]),
+                           "one_seed": variant(0.9, [0])}}
+    assert render.best_variant(search) == "b"
+    committed = json.loads(cli.SEARCH.read_text())
+    best = render.best_variant(committed)
+    assert len(committed["variants"][best]["seeds"]) == 3
+    assert all(len(v["seeds"]) < 3 or max(p["validation_mean"] for p in v["points"])
+               <= max(p["validation_mean"] for p in committed["variants"][best]["points"])
+               for v in committed["variants"].values())
 
 
 def test_a_tiny_search_writes_and_resumes(tmp_path):
