@@ -9,6 +9,8 @@ at build time, so it cannot drift from the code. The guides are Markdown (MyST).
 from __future__ import annotations
 
 import importlib
+import shutil
+from pathlib import Path
 
 import tmcore
 
@@ -75,6 +77,9 @@ def _importable(name: str) -> bool:
 # The Hugging Face adapter's page (api_hf.rst) is built where the adapter imports
 # (transformers installed); elsewhere it is left out, and the index's glob skips it.
 autosummary_generate = ["api.rst"]
+# autosummary writes the pages of what exists but never removes those of names that went:
+# start from none, so a removed name's stale page cannot survive into the build
+shutil.rmtree(Path(__file__).parent / "generated", ignore_errors=True)
 if _importable("tmcore.adapters.hf"):
     autosummary_generate.append("api_hf.rst")
 else:

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tmcore import layer as tl
-from tmcore.runtime import sizes as _sizes
+from tmcore.runtime import validate
 
 __all__ = ["CONFIG", "EXTRA_STATE", "params_from_state_dict", "state_dict_from_params"]
 
@@ -247,7 +247,7 @@ def params_from_state_dict(
                              f"{tuple(value.shape)} that would take {nbytes / 2**30:.1f} GiB "
                              f"once materialized; a trained checkpoint never holds one "
                              f"(materialize it with np.ascontiguousarray if you mean it)")
-    _sizes.check_bytes("sd", total, "the parameters as jnp arrays", jnp)
+    validate.check_bytes("sd", total, "the parameters as jnp arrays", jnp)
     params = jax.tree.map(lambda v: jnp.asarray(v, dtype=v.dtype if dtype is None else dtype),
                           raw)
     (params["memory"] if residual else params)[CONFIG] = config

@@ -28,7 +28,7 @@ from tmcore.layer.state import (
     stream_state,
     where_rows,
 )
-from tmcore.runtime import sizes
+from tmcore.runtime import validate
 from tmcore.runtime.validate import check_flag, check_int, check_values
 from tmcore.scan.options import scan_options, step_for
 from tmcore.types import ConvParams, WarpParams
@@ -227,9 +227,9 @@ def empty_stream_state(config_or_params: Any, batch: int, *, dtype: Any = None
         raise TypeError(f"dtype: expected a real floating dtype, got {jnp.dtype(dtype).name}")
     batch = check_int("batch", batch, 0)
     shape = config.state_shape(batch)
-    count = sizes.check_count("batch", shape, "(B, C, *S)", "the state h (and c)")
+    count = validate.check_count("batch", shape, "(B, C, *S)", "the state h (and c)")
     rest = batch * (config.chunk_size * config.embed_dim + config.memory_channels)
-    sizes.check_bytes("batch", (2 * count + rest) * jnp.dtype(dtype).itemsize + 4 * batch,
+    validate.check_bytes("batch", (2 * count + rest) * jnp.dtype(dtype).itemsize + 4 * batch,
                       f"an empty stream state of {batch} rows (h and c {shape})", jnp)
     tokens = jnp.zeros((batch, 0, config.embed_dim), dtype)  # fixes B, dtype, device
     return stream_state(jnp, None, tokens, config)[0]

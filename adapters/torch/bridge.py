@@ -36,8 +36,7 @@ from tmcore.ops.sample import validate_sample_inputs
 from tmcore.ops.splat import validate_splat_inputs
 from tmcore.runtime.dispatch import ops_for
 from tmcore.runtime.options import get_options, options
-from tmcore.runtime.sizes import check_scan
-from tmcore.runtime.validate import check_positive, check_values
+from tmcore.runtime.validate import check_positive, check_scan, check_values
 from tmcore.scan.base import scan_backward, scan_forward
 from tmcore.scan.dense import memory_scan_bwd, memory_scan_fwd, validate_scan_inputs
 from tmcore.scan.options import ScanOptions, check_options, check_scan_bytes, step_for

@@ -55,17 +55,23 @@ def _assert_agree(fused, generic, rtol):
 
 @pytest.fixture
 def counted(monkeypatch):
-    """The number of fused-scan cell steps taken."""
+    """The fused-scan steps taken: cell steps around BLAS, or one ``step_fwd`` call each."""
     calls = []
-    step = scan.Cell.step
+    step, call = scan.Cell.step, scan.call
     monkeypatch.setattr(scan.Cell, "step", lambda self, *a: (calls.append(1), step(self, *a)))
+    monkeypatch.setattr(scan, "call", lambda kernels, name, *a: (
+        calls.append(1) if name == "step_fwd" else None, call(kernels, name, *a)))
     return calls
 
 
 @pytest.mark.parametrize("shape", [(4, 3, 5), (6,), (2, 5), (3, 1, 4), (2, 3, 1, 2)])
 @pytest.mark.parametrize("every", [1, 3])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_fused_scan_matches_the_generic_loop(shape, every, dtype, counted):
+@pytest.mark.parametrize("fused_step_max", [scan.FUSED_STEP_MAX, 0])
+def test_fused_scan_matches_the_generic_loop(shape, every, dtype, fused_step_max, counted,
+                                             monkeypatch):
+    # both forwards: one step_fwd call per step (small grids), and the kernels around bmm
+    monkeypatch.setattr(scan, "FUSED_STEP_MAX", fused_step_max)
     args, cotangents = _inputs(shape, dtype)
     fused, generic = _both(args, cotangents, checkpoint_every=every)
     assert counted, "the fused CPU scan did not run"

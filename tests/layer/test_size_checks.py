@@ -21,7 +21,7 @@ import pytest
 
 import tmcore
 from tmcore import layer as tl
-from tmcore.runtime import sizes as _sizes
+from tmcore.runtime import validate
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux",
                                 reason="RLIMIT_AS and /proc are Linux's; tested there")
@@ -177,7 +177,7 @@ def test_numpy_public_functions_check_counts_before_allocating():
 def test_a_budget_below_the_estimate_refuses_and_names_it(monkeypatch):
     """With a fake 64 MiB device, a 2 x 32 MiB state plus one step is refused; the
     message gives the estimate and the budget."""
-    monkeypatch.setattr(_sizes, "memory_budget", lambda xp, device=None: (64 << 20, "a test"))
+    monkeypatch.setattr(validate, "memory_budget", lambda xp, device=None: (64 << 20, "a test"))
     config = tl.layer_config(8, 1, (256, 256, 128), 4)
     with pytest.raises(MemoryError, match=r"^memory_shape: the state .* would take at least "
                                           r"[0-9.]+ .iB, more than 64.0 MiB \(a test\)"):
@@ -191,11 +191,11 @@ def test_the_estimates_are_lower_bounds_of_what_is_held():
     """The scan estimate counts at least the state in and out and the reads, so it never
     exceeds what a real scan holds; with checkpoints it grows by 2 states each."""
     state, batch, channels = 1000, 2, 4
-    none = _sizes.scan_bytes(state, batch, channels, 10, 0, 4)
+    none = validate.scan_bytes(state, batch, channels, 10, 0, 4)
     assert none >= 4 * (4 * state + batch * 10 * channels)
-    assert _sizes.scan_bytes(state, batch, channels, 10, 5, 4) - none == 4 * 2 * 5 * state
+    assert validate.scan_bytes(state, batch, channels, 10, 5, 4) - none == 4 * 2 * 5 * state
 
 
 def test_the_host_budget_is_known_here():
-    budget = _sizes.memory_budget(np)
+    budget = validate.memory_budget(np)
     assert budget is not None and budget[0] > 1 << 28

@@ -15,7 +15,7 @@ import pytest
 import tmcore
 from tmcore.layer import doc_starts_from_offsets
 from tmcore.runtime import options as runtime_options
-from tmcore.runtime import sizes
+from tmcore.runtime import validate
 
 torch = pytest.importorskip("torch", reason="torch is not installed")
 
@@ -37,7 +37,7 @@ def test_memory_limit_parses_sizes_and_warns_on_nonsense(monkeypatch):
     monkeypatch.setenv(runtime_options.MEMORY_LIMIT_ENV_VAR, "lots")
     with pytest.warns(RuntimeWarning, match="TMCORE_MEMORY_LIMIT='lots'"):
         assert runtime_options.memory_limit() is None
-    assert sizes.memory_budget(np)[0] > 0  # the host's own bound applies again
+    assert validate.memory_budget(np)[0] > 0  # the host's own bound applies again
 
 
 def test_parameters_are_gated_by_field_before_any_is_made(limit):

@@ -13,7 +13,7 @@ from typing import Any
 import array_api_compat
 
 from tmcore.ops.splat import DEFAULT_EPS
-from tmcore.runtime import sizes
+from tmcore.runtime import validate
 from tmcore.runtime.validate import (
     check_eps,
     check_finite,
@@ -261,9 +261,9 @@ def layer_config(
 def _check_sizes(config: LayerConfig) -> LayerConfig:
     """``config`` if one row of its state ``(C, *S)`` and ``write_proj (d, L*d)`` have
     int64-addressable sizes (else a ``ValueError`` naming the argument)."""
-    sizes.check_count("memory_shape", (config.memory_channels, *config.memory_shape),
+    validate.check_count("memory_shape", (config.memory_channels, *config.memory_shape),
                       "(C, *S)", "the state of one sequence")
-    sizes.check_count("embed_dim", (config.embed_dim, config.chunk_size * config.embed_dim),
+    validate.check_count("embed_dim", (config.embed_dim, config.chunk_size * config.embed_dim),
                       "(d, L*d)", "write_proj.weight")
     return config
 

@@ -15,7 +15,7 @@ import array_api_compat
 
 from tmcore.layer.config import LayerConfig
 from tmcore.ops.conv import xavier_uniform_bound
-from tmcore.runtime import sizes
+from tmcore.runtime import validate
 from tmcore.runtime.validate import check_floating
 from tmcore.types import ConvParams
 
@@ -416,7 +416,7 @@ def check_param_bytes(xp: Any, config: Any, dtype: Any = None, device: Any = Non
                   if 2 * cell > count else
                   ("embed_dim", f"the parameters (write_proj.weight (d, L*d) = ({d}, "
                                 f"{length * d}) and the rest)"))
-    sizes.check_bytes(name, count * sizes.itemsize(xp, dtype), what, xp, device)
+    validate.check_bytes(name, count * validate.itemsize(xp, dtype), what, xp, device)
     if dtype is None:
         dtype = xp.asarray(0.0).dtype
     largest = float(xp.finfo(dtype).max)

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 from tmcore.layer.config import LayerConfig
-from tmcore.runtime import sizes
+from tmcore.runtime import validate
 from tmcore.runtime.options import memory_limit
 from tmcore.runtime.validate import check_bool_mask, check_floating, check_int
 from tmcore.types import device_of, host_values, traced
@@ -61,10 +61,10 @@ def forward_bytes(config: LayerConfig, batch: int, tokens: int, item: int) -> in
     scan's working set, the output and the padded chunks."""
     state = batch * config.memory_channels * math.prod(config.memory_shape)
     steps = -(-tokens // config.chunk_size)
-    working = (sizes.warp_states(len(config.memory_shape), config.flow)
+    working = (validate.warp_states(len(config.memory_shape), config.flow)
                if config.dynamics == "warp" else 0)
     padded = batch * steps * config.chunk_size * config.embed_dim
-    return sizes.scan_bytes(state, batch, config.memory_channels, steps, 0, item) \
+    return validate.scan_bytes(state, batch, config.memory_channels, steps, 0, item) \
         + item * (batch * tokens * config.embed_dim + padded + working * state)
 
 
@@ -80,11 +80,11 @@ def check_forward(xp: Any, config: LayerConfig, x: Any, dtype: Any = None) -> No
     if sizes_known is None:  # symbolic sizes: checked eagerly, or by the ops
         return
     batch, tokens = sizes_known
-    nbytes = _call_bytes(config, batch, tokens, sizes.itemsize(xp, dtype or x.dtype))
+    nbytes = _call_bytes(config, batch, tokens, validate.itemsize(xp, dtype or x.dtype))
     limit = memory_limit()  # (read each call: the bound may change between calls)
-    if nbytes < sizes.SMALL and (limit is None or nbytes <= limit):
+    if nbytes < validate.SMALL and (limit is None or nbytes <= limit):
         return  # what check_bytes would decide, without building its message per token
-    sizes.check_bytes("memory_shape", nbytes, f"a layer call on x {tuple(x.shape)} with a "
+    validate.check_bytes("memory_shape", nbytes, f"a layer call on x {tuple(x.shape)} with a "
                       f"state (B, C, *S) = {_state_shape(config, batch)}", xp, device_of(x))
 
 
@@ -92,7 +92,7 @@ def check_forward(xp: Any, config: LayerConfig, x: Any, dtype: Any = None) -> No
 def _call_bytes(config: LayerConfig, batch: int, tokens: int, item: int) -> int:
     """:func:`forward_bytes` once the state's element count is checked (cached per call
     shape: a decode step makes the same call every token; a refusal is not cached)."""
-    sizes.check_count("memory_shape", _state_shape(config, batch), "(B, C, *S)",
+    validate.check_count("memory_shape", _state_shape(config, batch), "(B, C, *S)",
                       "the state h (and c)")
     return forward_bytes(config, batch, tokens, item)
 
@@ -136,9 +136,9 @@ def zero_state(xp: Any, config: LayerConfig, batch: int, *, dtype: Any = None,
     """
     shape = _state_shape(config, batch)
     if _ints(shape) is not None:
-        count = sizes.check_count("memory_shape", shape, "(B, C, *S)", "the state h (and c)")
-        nbytes = sizes.scan_bytes(count, shape[0], shape[1], 1, 0, sizes.itemsize(xp, dtype))
-        sizes.check_bytes("memory_shape", nbytes, f"the state (h, c) of shape (B, C, *S) = "
+        count = validate.check_count("memory_shape", shape, "(B, C, *S)", "the state h (and c)")
+        nbytes = validate.scan_bytes(count, shape[0], shape[1], 1, 0, validate.itemsize(xp, dtype))
+        validate.check_bytes("memory_shape", nbytes, f"the state (h, c) of shape (B, C, *S) = "
                           f"{shape} and one scan step over it", xp, device)
     return (xp.zeros(shape, dtype=dtype, device=device),
             xp.zeros(shape, dtype=dtype, device=device))
@@ -312,7 +312,7 @@ def doc_starts_from_offsets(xp: Any, offsets: Sequence[Any], tokens: int, *,
             raise ValueError(f"offsets[{index}]: expected increasing offsets in [0, {tokens}], "
                              f"got {list(row)}")
         starts.append([o for o in line if o < tokens])
-    sizes.check_bytes("tokens", len(rows) * tokens, f"the document-start mask ({len(rows)}, "
+    validate.check_bytes("tokens", len(rows) * tokens, f"the document-start mask ({len(rows)}, "
                       f"{tokens}) of bools", xp, device)
     positions = xp.arange(tokens, device=device)
     lines = [xp.any(positions[None, :] == xp.asarray(line, device=device)[:, None], axis=0)

@@ -7,7 +7,7 @@ from typing import Any
 
 from tmcore.ops.addressing import axis_of_component
 from tmcore.ops.common import grid_size, outer_product
-from tmcore.runtime import sizes as _sizes
+from tmcore.runtime import validate
 from tmcore.runtime.dispatch import ops_for
 from tmcore.runtime.validate import (
     check_dim,
@@ -162,7 +162,7 @@ def validate_splat_inputs(content, mu, sigma, shape, g=None, radius=None, eps=DE
         )
     check_radius(radius)
     check_eps(eps)
-    _sizes.check_array(xp, "shape", (batch, channels, *dims), "(B, C, *shape)", "the volume",
+    validate.check_array(xp, "shape", (batch, channels, *dims), "(B, C, *shape)", "the volume",
                        content)
     check_positive(xp, "sigma", sigma)
     return xp, dims

@@ -12,7 +12,7 @@ from typing import Any, NamedTuple
 from tmcore.ops.cell import cell_bwd, cell_cache, cell_fwd, validate_gate_conv, validate_state
 from tmcore.ops.conv import as_conv_params
 from tmcore.ops.splat import DEFAULT_EPS, splat_rows, splat_rows_vjp
-from tmcore.runtime import sizes as _sizes
+from tmcore.runtime import validate
 from tmcore.runtime.dispatch import ops_for
 from tmcore.runtime.validate import (
     check_bool_mask,
@@ -273,7 +273,7 @@ def validate_scan_inputs(h0, c0, read_coords, write_coords, write_sigma, write_c
         if mask is not None:
             check_bool_mask(xp, mask, name, "(B, T)", (batch, steps))
     # before allocating: a forward that keeps the backward's checkpoints counts them
-    _sizes.check_scan(xp, h0, steps, checkpoint_every,
+    validate.check_scan(xp, h0, steps, checkpoint_every,
                       g_reads is not None if backward is None else backward)
     check_positive(xp, "write_sigma", write_sigma)
     return xp, params

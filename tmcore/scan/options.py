@@ -12,7 +12,7 @@ from typing import Any, NamedTuple
 from tmcore.ops.conv import as_conv_params, validate_conv_params
 from tmcore.ops.splat import DEFAULT_EPS
 from tmcore.ops.window import check_method, window_sizes
-from tmcore.runtime import sizes
+from tmcore.runtime import validate
 from tmcore.runtime.validate import check_dim, check_int, check_rank, require_array
 from tmcore.scan.base import Step, scan_backward, scan_forward, zero_if_none
 from tmcore.scan.dense import DenseStep, validate_scan_inputs
@@ -78,14 +78,14 @@ def check_scan_bytes(xp: Any, step: Step, h0: Any, steps: int, checkpoint_every:
     inner = step.update if isinstance(step, WarpStep) else step
     working = 0
     if isinstance(step, WarpStep):
-        working = sizes.warp_states(len(grid), flow)
+        working = validate.warp_states(len(grid), flow)
     if isinstance(inner, LocalStep) and inner.policy == "log" and step is inner:
         box = math.prod(window_sizes(tuple(grid), inner.window)[1])
         corners = math.prod(1 if s == 1 else 2 for s in grid)
-        sizes.check_scan(xp, h0, steps, steps, backward,
+        validate.check_scan(xp, h0, steps, steps, backward,
                          log_elements=batch * channels * (2 * box + corners))
         return
-    sizes.check_scan(xp, h0, steps, checkpoint_every, backward, working_states=working)
+    validate.check_scan(xp, h0, steps, checkpoint_every, backward, working_states=working)
 
 
 def _shift_of(inputs: Any) -> Any:
