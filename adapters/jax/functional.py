@@ -24,12 +24,13 @@ from tmcore.layer.state import (
     check_forward,
     check_mask,
     check_state,
+    check_stream_call,
     check_tokens,
     stream_state,
     where_rows,
 )
 from tmcore.runtime import validate
-from tmcore.runtime.validate import check_flag, check_int, check_values
+from tmcore.runtime.validate import check_int, check_values
 from tmcore.scan.options import scan_options, step_for
 from tmcore.types import ConvParams, WarpParams
 
@@ -424,14 +425,7 @@ def _run(params: Mapping[str, Any], x: Any, state: Any, residual: Any, *, reset:
     """:func:`apply`, or with ``residual = (norm, gate)`` the gated residual around it
     (:func:`tmcore.adapters.jax.residual_apply`): checks, then one compiled call."""
     config = config_of(params)
-    if not check_flag("stream", stream):
-        for name, value in (("doc_starts", doc_starts), ("valid", valid)):
-            if value is not None:
-                raise ValueError(f"{name}: packed documents and skipped tokens need "
-                                 f"stream=True (the default), got stream=False")
-        if isinstance(state, tl.StreamState):
-            raise ValueError("state: a StreamState continues a stream; pass stream=True "
-                             "(the default)")
+    stream = check_stream_call(stream, state, doc_starts, valid)
     documents = None if max_documents is None else check_int("max_documents", max_documents, 1)
     documents = None if doc_starts is None else documents  # (one function whatever it is)
     check_tokens(jnp, x, config)

@@ -16,6 +16,7 @@ from tmcore import layer as tl
 from tmcore.adapters.torch import bridge
 from tmcore.adapters.torch.functional import option_scan
 from tmcore.adapters.torch.tuners import computed, fold_tuned
+from tmcore.layer.state import check_stream_call
 from tmcore.ops.splat import DEFAULT_EPS
 from tmcore.runtime.validate import check_finite, check_flag, check_int
 from tmcore.scan.options import scan_options
@@ -539,16 +540,10 @@ class TensorMemory(nn.Module):
             ``stream=False``.
         """
         check = self._check(x, state, reset)
-        if stream:
+        if check_stream_call(stream, state, doc_starts, valid):
             return self.layer.forward_stream(_XP, self.params(), x, state, scan=self._scan,
                                              reset=reset, doc_starts=doc_starts, valid=valid,
                                              check=check)
-        if isinstance(state, tl.StreamState):
-            raise ValueError("state: a StreamState continues a stream; leave stream=True")
-        if doc_starts is not None:
-            raise ValueError("doc_starts: packed documents need stream=True (the default)")
-        if valid is not None:
-            raise ValueError("valid: a padding mask needs stream=True (the default)")
         return self.layer.forward(_XP, self.params(), x, state, scan=self._scan, reset=reset,
                                   check=check)
 

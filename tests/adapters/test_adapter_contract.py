@@ -48,6 +48,14 @@ class TorchShim:
                                 stream=False)
         return out.numpy(), (h.numpy(), c.numpy())
 
+    def call(self, model, x, state=None, **kwargs):
+        """The layer's own call (streaming by default), masks as tensors."""
+        t = self.torch
+        kwargs = {k: t.as_tensor(v) if isinstance(v, np.ndarray) else v
+                  for k, v in kwargs.items()}
+        with t.no_grad():
+            return model(t.as_tensor(x), state, **kwargs)
+
     def stack(self, x, mode):
         """Two gated memory residuals after identity blocks, in ``mode``."""
         t, nn = self.torch, self.torch.nn
@@ -90,6 +98,12 @@ class JaxShim:
                                      reset=None if reset is None else jnp.asarray(reset),
                                      stream=False)
         return np.asarray(out), (np.asarray(h), np.asarray(c))
+
+    def call(self, model, x, state=None, **kwargs):
+        """The layer's own call (streaming by default), masks as arrays."""
+        kwargs = {k: self.jnp.asarray(v) if isinstance(v, np.ndarray) else v
+                  for k, v in kwargs.items()}
+        return self.tmj.apply(model, self.jnp.asarray(x), state, **kwargs)
 
     def stack(self, x, mode):
         keys = self.jax.random.split(self.jax.random.key(1), 2)
@@ -187,6 +201,22 @@ def test_reset_mask(fw):
 def test_empty_batch(fw):
     out, (h, _) = fw.run(fw.build(), _x(batch=0))
     assert out.shape == (0, 9, D) and h.shape == (0, C, *SHAPE)
+
+
+def test_stream_only_arguments_are_refused_alike_without_stream(fw):
+    # one check serves both adapters: what only a streamed call takes, and the flag's type
+    model, x = fw.build(), _x(tokens=6)
+    _, streamed = fw.call(model, x[:, :3])
+    starts = np.zeros((2, 6), bool)
+    starts[:, 0] = True
+    for kwargs, message in (({"doc_starts": starts}, "doc_starts: packed documents"),
+                            ({"valid": np.ones((2, 6), bool)}, "valid: packed documents"),
+                            ({}, "state: a StreamState continues a stream")):
+        state = streamed if not kwargs else None
+        with pytest.raises(ValueError, match=message):
+            fw.call(model, x, state, stream=False, **kwargs)
+    with pytest.raises(TypeError, match="stream: expected True or False, got 1"):
+        fw.call(model, x, stream=1)
 
 
 def test_wrong_state_is_refused_naming_it(fw):

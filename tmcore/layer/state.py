@@ -18,10 +18,11 @@ from typing import Any, NamedTuple
 from tmcore.layer.config import LayerConfig
 from tmcore.runtime import validate
 from tmcore.runtime.options import memory_limit
-from tmcore.runtime.validate import check_bool_mask, check_floating, check_int
+from tmcore.runtime.validate import check_bool_mask, check_flag, check_floating, check_int
 from tmcore.types import device_of, host_values, traced
 
-__all__ = ["State", "StreamState", "check_forward", "check_mask", "check_state", "check_tokens",
+__all__ = ["State", "StreamState", "check_forward", "check_mask", "check_state",
+           "check_stream_call", "check_tokens",
            "doc_starts_from_offsets", "reset_stream", "stream_state", "where_rows",
            "zero_state"]
 
@@ -266,6 +267,21 @@ def reset_stream(xp: Any, st: StreamState, known: tuple[int, ...] | None, reset:
 def where_rows(xp: Any, mask: Any, a: Any, b: Any) -> Any:
     """``a`` in the rows where the bool array ``mask (B,)`` is True, else ``b``."""
     return xp.where(xp.reshape(mask, (mask.shape[0],) + (1,) * (a.ndim - 1)), a, b)
+
+
+def check_stream_call(stream: Any, state: Any, doc_starts: Any, valid: Any) -> bool:
+    """``stream`` as a bool, refusing what only a streamed call takes with ``stream=False``
+    (a :class:`StreamState`, ``doc_starts``, ``valid``): both adapters' calls."""
+    if check_flag("stream", stream):
+        return True
+    for name, value in (("doc_starts", doc_starts), ("valid", valid)):
+        if value is not None:
+            raise ValueError(f"{name}: packed documents and skipped tokens need "
+                             f"stream=True (the default), got stream=False")
+    if isinstance(state, StreamState):
+        raise ValueError("state: a StreamState continues a stream; pass stream=True "
+                         "(the default)")
+    return False
 
 
 # --------------------------------------------------------------------------- masks
