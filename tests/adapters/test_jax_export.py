@@ -20,7 +20,7 @@ def test_export_with_a_symbolic_batch_equals_the_concrete_call(tokens):
     params = tmj.init(jax.random.key(0), 16, 4, (4, 4, 4), 4)
 
     def call(p, x):
-        out, state = tmj.apply(p, x, memory_shape=(4, 4, 4))
+        out, state = tmj.apply(p, x)
         return out, state.h
 
     f = jax.jit(call)
