@@ -97,7 +97,7 @@ def jax_trace() -> dict[str, int]:
     params = tmj.init(jax.random.key(0), EMBED, CHANNELS, SHAPE, CHUNK)
 
     def apply(p: Any, x: Any) -> Any:
-        return tmj.apply(p, x, memory_shape=SHAPE)[0]
+        return tmj.apply(p, x)[0]
 
     jax.jit(apply).trace(params, jax.numpy.zeros((BATCH + 1, TOKENS, EMBED)))
     x = jax.random.normal(jax.random.key(1), (BATCH, TOKENS, EMBED))

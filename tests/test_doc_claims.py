@@ -479,10 +479,8 @@ def test_the_jax_scan_is_one_loop_as_the_docs_say() -> None:
     chunks = 5
     x = jax.numpy.zeros((1, 4 * chunks, 8))
     for options in ({}, {"update": "local", "window": 2}, {"dynamics": "warp"}):
-        params = tmj.init(jax.random.key(0), 8, 2, (3, 3), 4,
-                          **{k: v for k, v in options.items() if k == "dynamics"})
-        jaxpr = jax.make_jaxpr(lambda p, x, o=options: tmj.apply(
-            p, x, memory_shape=(3, 3), **o)[0])(params, x)
+        params = tmj.init(jax.random.key(0), 8, 2, (3, 3), 4, **options)
+        jaxpr = jax.make_jaxpr(lambda p, x: tmj.apply(p, x)[0])(params, x)
         lengths = [eqn.params["length"] for eqn in _equations(jaxpr.jaxpr)
                    if eqn.primitive.name == "scan"]
         assert lengths == [chunks], (options, lengths)
