@@ -38,16 +38,17 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
     shape = tuple(args.grid)
     params = tmj.init(jax.random.key(0), args.width, args.channels, shape, args.chunk)
-    tokens = jax.random.normal(jax.random.key(1), (args.tokens, args.batch, args.width))
+    # (T, B, 1, d): every Python-driven mode takes token t with one eager index, none reshapes
+    tokens = jax.random.normal(jax.random.key(1), (args.tokens, args.batch, 1, args.width))
     start = tmj.empty_stream_state(params, args.batch)
 
     @jax.jit
     def step(state: Any, token: Any) -> Any:
-        out, state = tmj.apply(params, token[:, None, :], state)
+        out, state = tmj.apply(params, token, state)
         return out, state
 
     def body(state: Any, token: Any) -> Any:
-        out, state = tmj.apply(params, token[:, None, :], state)
+        out, state = tmj.apply(params, token, state)
         return state, out[:, 0]
 
     scan = jax.jit(lambda s, xs: lax.scan(body, s, xs))
@@ -63,7 +64,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
     @jax.jit
     def floor(state: Any, token: Any) -> Any:  # the same pytree in and out, no work
-        return token[:, None, :], state
+        return token, state
 
     def run_floor() -> None:
         state = start
@@ -74,7 +75,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     def run_eager() -> None:
         state = start
         for t in range(args.tokens):
-            out, state = tmj.apply(params, tokens[t][:, None, :], state)
+            out, state = tmj.apply(params, tokens[t], state)
         jax.block_until_ready((out, state))
 
     modes = (("eager", run_eager), ("jit step", run_step), ("lax.scan", run_scan),
