@@ -58,17 +58,17 @@ def _one(python: str, chunk: int, tokens: int) -> dict[str, float]:
 
 
 def summarize(result: dict) -> list[dict]:
-    """Per (chunk, checkout): the median tokens/s of each row and of the per-round ratios."""
+    """Per (chunk, checkout): the median tokens/s of each row, and the median and range of
+    the per-round ratios."""
     table = []
     for run in result["runs"]:
         rounds = run["rounds"]
         row = {"chunk": run["chunk"], "commit": run["commit"]}
         for name in ROWS:
             row[name] = statistics.median(r[name] for r in rounds)
-        row["memory_over_lstm"] = statistics.median(r["tensor_memory"] / r["lstm"]
-                                                    for r in rounds)
-        row["memory_over_delta"] = statistics.median(r["tensor_memory"] / r["delta"]
-                                                     for r in rounds)
+        for key, other in (("memory_over_lstm", "lstm"), ("memory_over_delta", "delta")):
+            ratios = sorted(r["tensor_memory"] / r[other] for r in rounds)
+            row[key], row[key + "_range"] = statistics.median(ratios), (ratios[0], ratios[-1])
         table.append(row)
     return table
 
@@ -78,7 +78,8 @@ def render(result: dict) -> str:
     lines = ["# Streamed-token cost side by side (examples/longrange cost)", "",
              f"`{result['command']}`; {result['machine']}; {result['config']['tokens']} "
              f"tokens per run, one token per call, {result['config']['rounds']} rounds "
-             "(interleaved); medians over the rounds. Every round's values: "
+             "(interleaved); medians over the rounds (the ratios: of the per-round ratios, "
+             "their range in brackets). Every round's values: "
              "`decode_cost.json`.", "",
              "| chunk | checkout | " + " | ".join(f"{LABELS[r]} tokens/s" for r in ROWS)
              + " | memory / LSTM | memory / delta rule |",
@@ -86,7 +87,9 @@ def render(result: dict) -> str:
     for row in summarize(result):
         lines.append(f"| {row['chunk']} | `{row['commit'].split(' ')[0]}` | "
                      + " | ".join(f"{row[r]:.0f}" for r in ROWS)
-                     + f" | {row['memory_over_lstm']:.2f}x | {row['memory_over_delta']:.2f}x |")
+                     + "".join(f" | {row[k]:.2f}x ({row[k + '_range'][0]:.2f}-"
+                               f"{row[k + '_range'][1]:.2f}x)"
+                               for k in ("memory_over_lstm", "memory_over_delta")) + " |")
     return "\n".join(lines) + "\n"
 
 

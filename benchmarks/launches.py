@@ -14,6 +14,12 @@ launches, with ``torch.profiler``.
 
     python -m benchmarks.launches                  # B=8, d=128, C=32, 8^3, chunk 16
     python -m benchmarks.launches --tokens 256 1024 4096 --out benchmarks/results/launches.json
+    python -m benchmarks.launches --decode --out benchmarks/results/launches_decode.json
+
+``--decode`` counts one-token decode steps instead (``no_grad``, B=4, d=64, C=16, 4^3,
+chunk 4), by the position in its chunk the token takes: a token that starts a chunk reads,
+one in the middle only reads out, one that completes a chunk runs the heads and one scan
+step.
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["count_step_ops", "count_cuda_kernels", "main"]
+__all__ = ["count_step_ops", "count_decode_ops", "count_cuda_kernels", "main"]
 
 _SCAN_OPS = ("tmcore.memory_scan", "tmcore.memory_scan_backward")
 #: operations that only make a view or a detached alias: dispatched (Python and C++
@@ -92,6 +98,32 @@ def count_step_ops(tokens: int, *, batch: int = 8, embed_dim: int = 128, channel
             "by_op": dict(counter.ops.most_common())}
 
 
+def count_decode_ops(*, batch: int = 4, embed_dim: int = 64, channels: int = 16,
+                     shape: Sequence[int] = (4, 4, 4), chunk: int = 4,
+                     rounds: int = 3) -> list[dict[str, Any]]:
+    """Ops of each one-token decode step over ``rounds`` chunks after a warm-up, one row
+    per position in the chunk: ``{"position", "ops", "by_op"}`` (``ops``: each chunk's
+    count; ``by_op``: the last chunk's)."""
+    from tmcore.adapters.torch import TensorMemory
+
+    torch.manual_seed(0)
+    layer = TensorMemory(embed_dim, channels, tuple(shape), chunk)
+    tokens = torch.randn(batch, chunk * (rounds + 1) + 1, embed_dim)
+    rows: dict[int, dict[str, Any]] = {}
+    with torch.no_grad():
+        _, state = layer(tokens[:, :1])
+        for t in range(1, tokens.shape[1]):
+            position = int(state.count[0])
+            counter = _Counter()
+            with counter:
+                _, state = layer(tokens[:, t:t + 1], state)
+            if t > chunk:  # the first chunk of steps warms caches (the first write's grid)
+                row = rows.setdefault(position, {"position": position, "ops": []})
+                row["ops"].append(sum(counter.ops.values()))
+                row["by_op"] = dict(counter.ops.most_common())
+    return [rows[k] for k in sorted(rows)]
+
+
 def count_cuda_kernels(tokens: int, **sizes: Any) -> int:
     """CUDA kernels one training step launches (``torch.profiler``; needs a GPU)."""
     from torch.profiler import ProfilerActivity, profile
@@ -125,22 +157,38 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--tokens", type=int, nargs="+", default=[256, 1024, 4096])
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--out", default=None, help="write the rows as JSON here")
+    parser.add_argument("--decode", action="store_true", help="count one-token decode steps")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
+    command = "python -m benchmarks.launches " + " ".join(sys.argv[1:] if argv is None else argv)
+    if args.decode:
+        from benchmarks.common import checkout_commit
+
+        rows = count_decode_ops()
+        result = {"command": command, "commit": checkout_commit(sys.executable),
+                  "config": {"batch": 4, "embed_dim": 64, "channels": 16, "shape": [4, 4, 4],
+                             "chunk": 4, "grad": False}, "rows": rows}
+        for row in rows:
+            print(f"position {row['position']} in its chunk: {row['ops']} ops")
+    else:
+        result = _train_counts(args, command)
+    if args.out:
+        with open(args.out, "w") as handle:
+            json.dump(result, handle, indent=1)
+    return result
+
+
+def _train_counts(args: argparse.Namespace, command: str) -> dict[str, Any]:
     rows = [count_step_ops(n, device=args.device, stream=stream)
             for stream in (True, False) for n in args.tokens]
     if args.device == "cuda":
         for row in rows:
             row["cuda_kernels"] = count_cuda_kernels(row["tokens"])
-    result = {"command": "python -m benchmarks.launches " + " ".join(sys.argv[1:] if argv is None
-                                                                   else argv),
+    result = {"command": command,
               "config": {"batch": 8, "embed_dim": 128, "channels": 32, "shape": [8, 8, 8],
                          "chunk": 16, "device": args.device},
               "rows": rows}
     print(render(rows))
-    if args.out:
-        with open(args.out, "w") as handle:
-            json.dump(result, handle, indent=1)
     return result
 
 
