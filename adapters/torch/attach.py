@@ -66,10 +66,7 @@ def detach_state(state: Any) -> Any:
 def _in_backward() -> bool:
     """Whether the autograd engine runs a backward in this thread (never while compiling:
     the compiled backward re-runs no hook)."""
-    if traced():
-        return False
-    task = getattr(torch._C, "_current_graph_task_id", None)
-    return task is not None and task() != -1
+    return not traced() and torch._C._current_graph_task_id() != -1
 
 
 def blocks_of(blocks: Any) -> tuple[list[nn.Module], bool | None]:
@@ -211,9 +208,6 @@ class MemoryHandle:
         return state
 
     def __setstate__(self, state: dict) -> None:
-        state.setdefault("_doc_starts", None)  # pickled before packed documents
-        state.setdefault("_valid", None)
-        state.setdefault("_state_cut", True)
         self.__dict__.update(state)
         self._setup_transient()
 
@@ -238,12 +232,7 @@ class MemoryHandle:
         nn.Parameter
             Each parameter of the memories.
         """
-        seen: set[int] = set()
-        for memory in self.memories:
-            for p in memory.parameters():
-                if id(p) not in seen:
-                    seen.add(id(p))
-                    yield p
+        yield from dict.fromkeys(p for memory in self.memories for p in memory.parameters())
 
     # ----------------------------------------------------------------- the hook
 
@@ -327,14 +316,9 @@ class MemoryHandle:
     def _stream_kwargs(self, doc_starts: Any, valid: Any = None) -> dict[str, Any]:
         """Causal mode streams (a :class:`tmcore.layer.StreamState` per layer); threaded mode
         passes plain ``(h, c)`` between layers, as the reference does."""
-        if self.mode != "causal":
-            if valid is not None:
-                raise ValueError("valid: padding masks need mode='causal'")
+        if self.mode != "causal":  # (set_valid and start_documents refuse other modes)
             return {"stream": False}
-        kwargs: dict[str, Any] = {"stream": True, "doc_starts": doc_starts}
-        if valid is not None:
-            kwargs["valid"] = valid
-        return kwargs
+        return {"stream": True, "doc_starts": doc_starts, "valid": valid}
 
     def _remember(self, key: tuple, x: Tensor, init: Any, reset: Any,
                   kwargs: dict[str, Any], cut: bool = True) -> None:
@@ -410,7 +394,7 @@ class MemoryHandle:
         Raises
         ------
         TypeError
-            If ``valid`` is not a 2-D bool tensor.
+            If ``valid`` is not a bool tensor.
         ValueError
             If the handle's mode is not ``"causal"``.
         """
@@ -420,10 +404,7 @@ class MemoryHandle:
         if self.mode != "causal":
             raise ValueError(f"valid: padding masks need mode='causal', "
                              f"this handle is {self.mode!r}")
-        if not isinstance(valid, Tensor) or valid.dtype != torch.bool or valid.dim() != 2:
-            got = (f"{valid.dtype} tensor of shape {tuple(valid.shape)}"
-                   if isinstance(valid, Tensor) else type(valid).__name__)
-            raise TypeError(f"valid: expected a bool tensor of shape (B, N), got {got}")
+        check_bool_mask(_XP, valid, "valid", "(B, N)", None)
         self._valid = valid
 
     def detach_state(self) -> None:
