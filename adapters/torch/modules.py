@@ -57,15 +57,22 @@ def _init_from_plan(params: Mapping[str, Tensor], config: tl.LayerConfig, groups
                 params[f"{group}.{leaf}"].copy_(value)
 
 
-def _paper_scan(config: tl.LayerConfig) -> bool:
-    return config.update == "dense" and config.dynamics == "none"
+class _ConvGroup(nn.Module):
+    """A module holding the four :class:`tmcore.ConvParams` tensors of a factorized conv."""
+
+    def params(self) -> ConvParams:
+        """Give the module's four tensors themselves (not copies) as the scan takes them.
+
+        Returns
+        -------
+        ConvParams
+            ``depthwise_weight``, ``depthwise_bias``, ``pointwise_weight``, ``pointwise_bias``.
+        """
+        return ConvParams(self.depthwise_weight, self.depthwise_bias, self.pointwise_weight,
+                          self.pointwise_bias)
 
 
-def _cell_config(channels: int, ndim: int, forget_bias: float) -> tl.LayerConfig:
-    return tl.layer_config(1, channels, (1,) * ndim, 1, forget_bias=forget_bias)
-
-
-class ConvLSTMCell(nn.Module):
+class ConvLSTMCell(_ConvGroup):
     """The ConvLSTM update of the memory grid: its gate conv's parameters and one step.
 
     The :class:`tmcore.ConvParams` tensors ``depthwise_weight (n, 2C, 3)``, ``depthwise_bias
@@ -96,7 +103,8 @@ class ConvLSTMCell(nn.Module):
         super().__init__()
         self.channels, self.ndim = channels, ndim
         self.forget_bias = check_finite("forget_bias", forget_bias)
-        self._config = _cell_config(channels, ndim, self.forget_bias)
+        self._config = tl.layer_config(1, channels, (1,) * ndim, 1,
+                                       forget_bias=self.forget_bias)
         tl.check_param_bytes(_XP, self._config, dtype, device, groups=("cell",))
         kw = {"device": device, "dtype": dtype}
         for spec in tl.param_specs(self._config):
@@ -108,17 +116,6 @@ class ConvLSTMCell(nn.Module):
         """Initialize the parameters by the plan of :func:`tmcore.layer.param_specs`."""
         _init_from_plan({f"cell.{k}": v for k, v in self.named_parameters()}, self._config,
                         ("cell",))
-
-    def params(self) -> ConvParams:
-        """Give the gate conv's parameters as the scan takes them.
-
-        Returns
-        -------
-        ConvParams
-            The module's four tensors themselves (not copies).
-        """
-        return ConvParams(self.depthwise_weight, self.depthwise_bias, self.pointwise_weight,
-                          self.pointwise_bias)
 
     def forward(self, x: Tensor, state: tuple[Tensor, Tensor] | None = None
                 ) -> tuple[Tensor, Tensor]:
@@ -167,7 +164,7 @@ class ConvLSTMCell(nn.Module):
                            x, h, c, *self.params())
 
 
-class WarpFlow(nn.Module):
+class WarpFlow(_ConvGroup):
     """The ``warp_flow`` group (``flow=True``): the per-cell flow's conv parameters.
 
     ``depthwise_weight (n, C, 3)``, ``depthwise_bias (n, C)``, ``pointwise_weight (n, C)``,
@@ -187,17 +184,6 @@ class WarpFlow(nn.Module):
                   "pointwise_weight": (ndim, channels), "pointwise_bias": (ndim,)}
         for name, shape in shapes.items():
             self.register_parameter(name, nn.Parameter(torch.zeros(shape, **kw)))
-
-    def params(self) -> ConvParams:
-        """Give the four tensors as :class:`tmcore.ConvParams`.
-
-        Returns
-        -------
-        ConvParams
-            The module's own tensors.
-        """
-        return ConvParams(self.depthwise_weight, self.depthwise_bias, self.pointwise_weight,
-                          self.pointwise_bias)
 
 
 @functools.lru_cache(maxsize=64)
@@ -347,17 +333,13 @@ class TensorMemory(nn.Module):
         Returns
         -------
         str
-            ``"embed_dim=..., memory_channels=..., ..."``.
+            ``"embed_dim=..., memory_channels=..., ..."``: the sizes, and the config's other
+            fields where they differ from their defaults.
         """
-        return (f"embed_dim={self.embed_dim}, memory_channels={self.memory_channels}, "
-                f"memory_shape={self.memory_shape}, chunk_size={self.chunk_size}, "
-                f"sigma_scale={self.sigma_scale}, checkpoint_every={self.checkpoint_every}, "
-                f"radius={self.radius}, forget_bias={self.cell.forget_bias}"
-                + (", zero_init=True" if self.zero_init else "")
-                + (f", update='local', window={self.config.window}"
-                   if self.config.update == "local" else "")
-                + (", dynamics='warp'" if self.config.dynamics == "warp" else "")
-                + (", flow=True" if self.config.flow else ""))
+        values = [(f.name, getattr(self.config, f.name), f.default)
+                  for f in dataclasses.fields(self.config)]
+        return ", ".join(f"{name}={value!r}" for name, value, default in values
+                         if default is dataclasses.MISSING or value != default)
 
     def params(self) -> dict[str, dict[str, Tensor]]:
         """Give the parameters as :mod:`tmcore.layer`'s pytree.
@@ -405,14 +387,6 @@ class TensorMemory(nn.Module):
         """
         return torch.tensor(self.memory_shape, dtype=torch.int32)
 
-    def _grid_error(self, value: Any, key: str) -> str | None:
-        if isinstance(value, Tensor) and value.device.type == "meta":
-            return None  # no values to compare
-        if not isinstance(value, Tensor) and isinstance(value, Sequence) \
-                and not isinstance(value, (str, bytes)):
-            value = list(value)
-        return tl.stored_grid_error(value, self.memory_shape, key)
-
     def set_extra_state(self, state: Any) -> None:
         """Check a stored grid shape against this model's (:meth:`get_extra_state`).
 
@@ -426,7 +400,7 @@ class TensorMemory(nn.Module):
         ValueError
             If it is malformed or another grid than ``memory_shape``.
         """
-        error = self._grid_error(state, "_extra_state")
+        error = tl.stored_grid_error(state, self.memory_shape, "_extra_state")
         if error is not None:
             raise ValueError(error)
 
@@ -434,7 +408,7 @@ class TensorMemory(nn.Module):
                               unexpected_keys, error_msgs):
         key = prefix + "_extra_state"
         if key in state_dict:
-            error = self._grid_error(state_dict[key], key)
+            error = tl.stored_grid_error(state_dict[key], self.memory_shape, key)
             if error is not None:
                 # reported with torch's other loading errors (one RuntimeError naming all)
                 error_msgs.append(error)
@@ -491,7 +465,7 @@ class TensorMemory(nn.Module):
     def _scan(self, h0: Tensor, c0: Tensor, inputs: Any, *, reset: Tensor | None = None,
               active: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
         config = self.config
-        if not _paper_scan(config):
+        if config.update != "dense" or config.dynamics != "none":  # (the paper's scan below)
             return option_scan(scan_options(config), h0, c0, inputs, self.cell.params(),
                                self.warp_flow.params() if config.flow else None,
                                reset=reset, active=active)
