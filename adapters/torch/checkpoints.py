@@ -18,18 +18,10 @@ __all__ = ["convert_reference_state_dict", "memory_from_dict", "memory_to_dict",
            "state_from_dict", "state_to_dict"]
 
 
-_RENAMED = {
-    "write_proj.weight": "write_proj.weight",
-    "write_proj.bias": "write_proj.bias",
-    "writer.content_net.weight": "content_net.weight",
-    "writer.content_net.bias": "content_net.bias",
-    "writer.sigma_net.weight": "sigma_net.weight",
-    "writer.sigma_net.bias": "sigma_net.bias",
-    "coord_net.weight": "coord_net.weight",
-    "coord_net.bias": "coord_net.bias",
-    "out_proj.weight": "out_proj.weight",
-    "out_proj.bias": "out_proj.bias",
-}
+#: the reference's linear layers -> TensorMemory's (``writer.*`` loses its prefix)
+_RENAMED = {f"{layer}.{leaf}": f"{layer.removeprefix('writer.')}.{leaf}"
+            for layer in ("write_proj", "writer.content_net", "writer.sigma_net", "coord_net",
+                          "out_proj") for leaf in ("weight", "bias")}
 _DEPTHWISE = ("gate_conv.conv_d", "gate_conv.conv_h", "gate_conv.conv_w")
 _IGNORED = ("grid_cache",)
 _POINTWISE = ("gate_conv.pointwise.weight", "gate_conv.pointwise.bias")
