@@ -12,6 +12,7 @@ from torch import Tensor
 from tmcore import layer as tl
 from tmcore.adapters.torch import bridge
 from tmcore.ops.conv import as_conv_params
+from tmcore.ops.sample import validate_sample_inputs
 from tmcore.ops.splat import DEFAULT_EPS, validate_splat_inputs
 from tmcore.types import ConvParams, StepInputs
 
@@ -41,8 +42,11 @@ def trilinear_sample(volume: Tensor, coords: Tensor) -> Tensor:
     TypeError, ValueError
         As :func:`tmcore.trilinear_sample`.
     """
-    # (the op's forward checks the inputs: eagerly, and when a compiled graph runs it)
-    return bridge.call(bridge.TrilinearSampleFunction, bridge.trilinear_sample_op, volume, coords)
+    validated = not torch.compiler.is_compiling()  # (Dynamo cannot trace the validator)
+    if validated:
+        validate_sample_inputs(volume, coords)
+    return bridge.call(bridge.TrilinearSampleFunction, bridge.trilinear_sample_op,
+                       volume, coords, validated=validated)
 
 
 def gaussian_splat(

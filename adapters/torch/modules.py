@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -194,29 +194,6 @@ def _param_names(config: tl.LayerConfig) -> tuple[tuple[str, tuple[str, ...]], .
     for spec in tl.param_specs(config):
         groups.setdefault(spec.group, []).append(spec.leaf)
     return tuple((group, tuple(leaves)) for group, leaves in groups.items())
-
-
-class _TorchChecks(NamedTuple):
-    """The torch-side checks of a layer call's state and masks (``check=`` of
-    :meth:`tmcore.layer.Layer.forward`): devices, and dtypes unless ``check_dtype`` is off
-    (autocast), against the parameters' ``ref``."""
-
-    ref: Tensor
-    check_dtype: bool
-
-    def __call__(self, x: Tensor, state: Any, *, reset: Any = None, doc_starts: Any = None,
-                 valid: Any = None) -> None:
-        ref, check_dtype = self.ref, self.check_dtype
-        if isinstance(state, tl.StreamState):
-            _check_like_params("state: pending", state.pending, ref, check_dtype)
-            _check_like_params("state: read", state.read, ref, check_dtype)
-        if state is not None:
-            _check_like_params("state: h", state[0], ref, check_dtype)
-            _check_like_params("state: c", state[1], ref, check_dtype)
-        for name, mask in (("reset", reset), ("doc_starts", doc_starts), ("valid", valid)):
-            if isinstance(mask, Tensor) and mask.device != x.device:
-                raise ValueError(f"{name}: expected a mask on x's device {x.device}, "
-                                 f"got one on {mask.device}")
 
 
 class _TorchLayer(tl.Layer):
@@ -449,18 +426,40 @@ class TensorMemory(nn.Module):
                              dtype=ref.dtype if dtype is None else dtype,
                              device=ref.device if device is None else device)
 
-    def _check(self, x: Tensor, state: Any, reset: Tensor | None) -> _TorchChecks:
-        """Check ``x`` (a tensor on the parameters' device, in their dtype unless autocast is on);
-        the state's and masks' torch checks run inside the layer's call (:class:`_TorchChecks`)."""
+    def _check(self, x: Tensor, state: Any, masks: dict[str, Any]) -> None:
+        """The torch side of a call's checks (the layer's check the shapes): ``x`` and the
+        state's fields are torch tensors on the parameters' device, in their dtype unless
+        autocast is on; the masks are torch tensors on ``x``'s device."""
+        def kind(value: Any) -> str:
+            return f"{type(value).__module__}.{type(value).__qualname__}"
+
         if not isinstance(x, Tensor):
             raise TypeError(f"x: expected a tensor of shape (B, N, d), got {type(x).__name__}")
-        _require_torch(state, reset)
-        ref = self.out_proj.weight
-        device_type = x.device.type
+        ref, device_type = self.out_proj.weight, x.device.type
         check_dtype = not (torch.amp.is_autocast_available(device_type)
                            and torch.is_autocast_enabled(device_type))
         _check_like_params("x", x, ref, check_dtype)
-        return _TorchChecks(ref, check_dtype)
+        fields: dict[str, Any] = {}
+        if isinstance(state, tl.StreamState):
+            fields = {k: v for k, v in state._asdict().items() if k != "count"}
+            if not isinstance(state.count, (Tensor, tuple, list)):
+                raise TypeError(f"state.count: expected a tuple of ints or an integer "
+                                f"torch.Tensor (B,), got {kind(state.count)} (convert with "
+                                f"torch.as_tensor)")
+        elif isinstance(state, (tuple, list)) and len(state) == 2:
+            fields = {"h": state[0], "c": state[1]}
+        for name, value in fields.items():
+            if not isinstance(value, Tensor):
+                raise TypeError(f"state.{name}: expected a torch.Tensor, got {kind(value)} "
+                                f"(convert with torch.as_tensor)")
+            _check_like_params(f"state: {name}", value, ref, check_dtype)
+        if masks["reset"] is not None and not isinstance(masks["reset"], Tensor):
+            raise TypeError(f"reset: expected a bool torch.Tensor of shape (B,), got "
+                            f"{kind(masks['reset'])} (convert with torch.as_tensor)")
+        for name, mask in masks.items():
+            if isinstance(mask, Tensor) and mask.device != x.device:
+                raise ValueError(f"{name}: expected a mask on x's device {x.device}, "
+                                 f"got one on {mask.device}")
 
     def _scan(self, h0: Tensor, c0: Tensor, inputs: Any, *, reset: Tensor | None = None,
               active: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
@@ -513,13 +512,11 @@ class TensorMemory(nn.Module):
             If an argument has the wrong shape or device, or a stream-only argument comes with
             ``stream=False``.
         """
-        check = self._check(x, state, reset)
+        self._check(x, state, {"reset": reset, "doc_starts": doc_starts, "valid": valid})
         if check_stream_call(stream, state, doc_starts, valid):
             return self.layer.forward_stream(_XP, self.params(), x, state, scan=self._scan,
-                                             reset=reset, doc_starts=doc_starts, valid=valid,
-                                             check=check)
-        return self.layer.forward(_XP, self.params(), x, state, scan=self._scan, reset=reset,
-                                  check=check)
+                                             reset=reset, doc_starts=doc_starts, valid=valid)
+        return self.layer.forward(_XP, self.params(), x, state, scan=self._scan, reset=reset)
 
 
 class MemoryResidual(nn.Module):
@@ -561,10 +558,8 @@ class MemoryResidual(nn.Module):
             memory.zero_read_out_()
         self.memory = memory
         kw = {"device": ref.device, "dtype": ref.dtype}
-        if norm is None:
-            norm = nn.LayerNorm(memory.embed_dim, **kw)
-        elif isinstance(norm, type):
-            norm = norm(memory.embed_dim, **kw)
+        if norm is None or isinstance(norm, type):  # (a class: called with d)
+            norm = (norm or nn.LayerNorm)(memory.embed_dim, **kw)
         self.norm = norm
         self.gate = nn.Parameter(torch.full(tl.GATE_SHAPE, gate_init, **kw))
 
@@ -596,28 +591,3 @@ class MemoryResidual(nn.Module):
         out, state = self.memory(self.norm(x), state, reset=reset, doc_starts=doc_starts,
                                  valid=valid, stream=stream)
         return x + torch.sigmoid(self.gate) * out, state
-
-
-
-def _require_torch(state: Any, reset: Any) -> None:
-    """``TypeError`` naming the field when a state or a reset mask holds arrays of another kind
-    (NumPy, JAX)."""
-    def kind(value: Any) -> str:
-        return f"{type(value).__module__}.{type(value).__qualname__}"
-
-    fields: dict[str, Any] = {}
-    if isinstance(state, tl.StreamState):
-        fields = {k: v for k, v in state._asdict().items() if k != "count"}
-        count = state.count
-        if not isinstance(count, (Tensor, tuple, list)):
-            raise TypeError(f"state.count: expected a tuple of ints or an integer torch.Tensor "
-                            f"(B,), got {kind(count)} (convert with torch.as_tensor)")
-    elif isinstance(state, (tuple, list)) and len(state) == 2:
-        fields = {"h": state[0], "c": state[1]}
-    for name, value in fields.items():
-        if not isinstance(value, Tensor):
-            raise TypeError(f"state.{name}: expected a torch.Tensor, got {kind(value)} "
-                            f"(convert with torch.as_tensor)")
-    if reset is not None and not isinstance(reset, Tensor):
-        raise TypeError(f"reset: expected a bool torch.Tensor of shape (B,), got {kind(reset)} "
-                        f"(convert with torch.as_tensor)")
