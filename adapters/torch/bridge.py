@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextvars
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import array_api_compat
 import torch
@@ -104,22 +104,18 @@ def _fresh(outputs: Sequence[Tensor], inputs: Sequence[Tensor]) -> tuple[Tensor,
     fresh = []
     for t in outputs:
         t = t.contiguous()
-        pointer = t.untyped_storage().data_ptr()
-        if pointer in seen and t.numel():
+        if t.untyped_storage().data_ptr() in seen and t.numel():
             t = t.clone()
-            pointer = t.untyped_storage().data_ptr()
-        seen.add(pointer)
+        seen.add(t.untyped_storage().data_ptr())
         fresh.append(t)
     return tuple(fresh)
 
 
 def _schema(spec: OpSpec, backward: bool) -> str:
     """The ``torch.library`` schema of the op (or of its backward)."""
-    tensors = list(spec.primals)
-    if backward:
-        differentiable = len(spec.outputs) - spec.residuals
-        tensors += list(spec.outputs[differentiable:])
-        tensors += [f"g_{name}" for name in spec.outputs[:differentiable]]
+    differentiable = len(spec.outputs) - spec.residuals
+    tensors = (*spec.primals, *((*spec.outputs[differentiable:], *(
+        f"g_{name}" for name in spec.outputs[:differentiable])) if backward else ()))
     args = [f"Tensor {name}" for name in tensors]
     args += [f"{kind} {name}" + ("=None" if kind == "Tensor?" else "")  # (the masks)
              for name, kind in spec.statics]
@@ -149,25 +145,14 @@ def _loop_vmap(op: Callable[..., Any]) -> Callable[..., Any]:
     """A vmap rule that calls ``op`` once per mapped slice and stacks the results."""
 
     def rule(info, in_dims, *args):
-        outs = []
-        for i in range(info.batch_size):
-            sliced = [a.select(d, i) if d is not None else a
-                      for a, d in zip(args, in_dims, strict=True)]
-            outs.append(op(*sliced))
+        outs = [op(*(a if d is None else a.select(d, i) for a, d in zip(args, in_dims,
+                                                                       strict=True)))
+                for i in range(info.batch_size)]
         if isinstance(outs[0], tuple):
-            stacked = tuple(torch.stack(parts) for parts in zip(*outs, strict=True))
-            return stacked, (0,) * len(stacked)
+            return tuple(map(torch.stack, zip(*outs, strict=True))), (0,) * len(outs[0])
         return torch.stack(outs), 0
 
     return rule
-
-
-class _Function(torch.autograd.Function):
-    """Base of the ``autograd.Function`` twins of the ops (see the module docstring): the
-    forward runs the custom op (:func:`_twin`), ``setup_context`` / ``backward`` are the very rules
-    registered on the op, and ``generate_vmap_rule`` composes the ops' vmap rules."""
-
-    generate_vmap_rule = True
 
 
 def _interpreter() -> Any:
@@ -192,7 +177,7 @@ def _plain_inference(args: tuple) -> bool:
                    for a in args)
 
 
-def call(function: type[_Function], op: Callable[..., Any], *args: Any,
+def call(function: type[torch.autograd.Function], op: Callable[..., Any], *args: Any,
          validated: bool = False) -> Any:
     """Run an op through its Function twin in eager mode (``torch.func``-safe), the custom op
     itself while ``torch.compile`` traces (Dynamo cannot trace the Function without grads).
@@ -207,10 +192,9 @@ def call(function: type[_Function], op: Callable[..., Any], *args: Any,
         return _run(_DIRECT[op], args, validated)
     if interpreter is not None and interpreter.key().name == "Jvp":  # (no jvp rules)
         raise NotImplementedError(
-            f"tmcore: {getattr(op, '_name', op)} has no forward-mode derivative "
-            f"(torch.func.jvp, jacfwd, hessian via jacfwd): tmcore registers reverse-mode "
-            f"VJPs only. Use reverse mode "
-            f"(torch.func.grad / vjp / jacrev, or torch.autograd.grad twice)")
+            f"tmcore: {getattr(op, '_name', op)} has no forward-mode derivative (torch.func.jvp, "
+            f"jacfwd, hessian via jacfwd): tmcore registers reverse-mode VJPs only. Use reverse "
+            f"mode (torch.func.grad / vjp / jacrev, or torch.autograd.grad twice)")
     return _run(function.apply, args, validated)
 
 
@@ -224,8 +208,9 @@ def _run(fn: Callable[..., Any], args: tuple, validated: bool) -> Any:
 
 
 def _twin(name: str, op: Any, direct: Callable[..., Any], setup: Callable[..., Any],
-          grad: Callable[..., Any]) -> type[_Function]:
-    """The ``autograd.Function`` twin of ``op``: its forward, with the op's rules."""
+          grad: Callable[..., Any]) -> type[torch.autograd.Function]:
+    """The ``autograd.Function`` twin of ``op`` (see the module docstring): its forward, with
+    the very rules registered on the op (``generate_vmap_rule`` composes the ops' vmap rules)."""
     def forward(*args):
         # op's own forward where _plain_inference allows (grad is off in a forward), eager,
         # no transform and no mode sees ops (a counter sees one op): the custom op's dispatcher
@@ -235,19 +220,17 @@ def _twin(name: str, op: Any, direct: Callable[..., Any], setup: Callable[..., A
                      or _interpreter() is not None) and _plain_inference(args)
         return (direct if plain else op)(*args)
 
-    return type(name, (_Function,), {"forward": staticmethod(forward),
-                                     "setup_context": staticmethod(setup),
-                                     "backward": staticmethod(grad)})
+    return type(name, (torch.autograd.Function,), {
+        "forward": staticmethod(forward), "setup_context": staticmethod(setup),
+        "backward": staticmethod(grad), "generate_vmap_rule": True})
 
 
-@dataclasses.dataclass
-class MadeOp:
-    """What :func:`_make_op` returns: the two ops and their Function twins."""
+class MadeOp(NamedTuple):
+    """What :func:`_make_op` returns: the op and its Function twin (its backward op is
+    ``torch.ops.tmcore.<name>_backward``)."""
 
     op: Any
-    backward_op: Any
-    function: type[_Function]
-    backward_function: type[_Function]
+    function: type[torch.autograd.Function]
 
 
 def _make_op(spec: OpSpec) -> MadeOp:
@@ -286,15 +269,12 @@ def _make_op(spec: OpSpec) -> MadeOp:
         return tuple(g.contiguous() for g in spec.backward(primals, residuals, cotangents,
                                                            statics))
 
-    def backward_fake(*args):
-        return tuple(torch.empty_like(p) for p in args[:n_primals])
-
     op = torch.library.custom_op(f"tmcore::{spec.name}", forward, mutates_args=(),
                                  schema=_schema(spec, backward=False))
     op.register_fake(fake)
     backward_op = torch.library.custom_op(f"tmcore::{spec.name}_backward", backward,
                                           mutates_args=(), schema=_schema(spec, backward=True))
-    backward_op.register_fake(backward_fake)
+    backward_op.register_fake(lambda *args: tuple(map(torch.empty_like, args[:n_primals])))
 
     def setup(ctx, inputs, output):
         primals, statics = split(full(tuple(inputs)))
@@ -371,7 +351,7 @@ def _make_op(spec: OpSpec) -> MadeOp:
                               backward_setup, backward_grad)
     function = _twin(f"{title}Function", op, forward, setup, grad)
     _DIRECT[op] = forward
-    return MadeOp(op, backward_op, function, backward_function)
+    return MadeOp(op, function)
 
 
 # --------------------------------------------------------------------------- the four ops
@@ -505,7 +485,6 @@ DOUBLE_BACKWARD = (
 _OPTION_STATICS = (("update", "str"), ("window", "int?"), ("eps", "float"),
                    ("radius", "float?"), ("method", "str"), ("checkpoint_every", "int"),
                    ("keep", "bool"), ("reset", "Tensor?"), ("active", "Tensor?"))
-_RESIDUALS = ("residual_0", "residual_1", "residual_2")
 
 
 def _option_parts(primals: tuple, statics: tuple, warp: bool, flow: bool):
@@ -516,30 +495,6 @@ def _option_parts(primals: tuple, statics: tuple, warp: bool, flow: bool):
     cell = ConvParams(*primals[len(xs) + 2:len(xs) + 6])
     params = WarpParams(cell, ConvParams(*primals[-4:]) if flow else None) if warp else cell
     return step_for(options, warp), params, xs, h0, c0, options.checkpoint_every, keep
-
-
-def _pack(residuals: Any, like: Tensor) -> tuple[Tensor, ...]:
-    """The loop's :class:`tmcore.scan.Residuals` as three tensors (empty where unused)."""
-    parts = () if residuals is None else (
-        residuals.log if residuals.log is not None else (residuals.h, residuals.c))
-    return (*parts, *(like.new_empty((0,)) for _ in range(3 - len(parts))))
-
-
-def _unpack(step: Any, tensors: tuple) -> Residuals:
-    if step.policy == "log":
-        return Residuals(None, None, tuple(tensors))
-    return Residuals(tensors[0], tensors[1], None)
-
-
-def _option_shapes(step: Any, h0: Tensor, steps: int, every: int, keep: bool):
-    """The residuals' shapes of an option scan (for its fake implementation)."""
-    if not keep:
-        return [(0,)] * 3
-    batch, channels, *grid = h0.shape
-    if step.policy == "checkpoint":
-        return [(-(-steps // every), *h0.shape)] * 2 + [(0,)]
-    _, box, corner = window_boxes(tuple(grid), step.window)
-    return [(steps, batch, channels, *box)] * 2 + [(steps, batch, channels, *corner)]
 
 
 def _make_option_scan(name: str, warp: bool, flow: bool) -> MadeOp:
@@ -554,31 +509,40 @@ def _make_option_scan(name: str, warp: bool, flow: bool) -> MadeOp:
         reads, h, c, residuals = scan_forward(_XP, step, params, h0, c0, xs,
                                               checkpoint_every=every, keep=keep,
                                               reset=statics[7], active=statics[8])
-        return (reads, h, c, *_pack(residuals, h))
+        # the loop's Residuals as three tensors (empty where unused)
+        parts = () if residuals is None else (
+            residuals.log if residuals.log is not None else (residuals.h, residuals.c))
+        return (reads, h, c, *parts, *(h.new_empty((0,)) for _ in range(3 - len(parts))))
 
     def backward(primals, residuals, cotangents, statics):
         step, params, xs, h0, c0, every, keep = _option_parts(primals, statics, warp, flow)
         if not keep:
             raise RuntimeError("tmcore: this local / warp scan ran without residuals "
                                "(no input required grad when it ran)")
-        g_reads, g_h, g_c = cotangents
-        d_h, d_c, d_xs, d_params = scan_backward(_XP, step, params, _unpack(step, residuals),
-                                                 xs, g_reads, g_h, g_c, checkpoint_every=every,
-                                                 reset=statics[7], active=statics[8])
+        residuals = (Residuals(None, None, tuple(residuals)) if step.policy == "log"
+                     else Residuals(*residuals[:2], None))
+        d_h, d_c, d_xs, d_params = scan_backward(_XP, step, params, residuals, xs, *cotangents,
+                                                 checkpoint_every=every, reset=statics[7],
+                                                 active=statics[8])
         cell, flows = (d_params.cell, d_params.flow or ()) if warp else (d_params, ())
         return (d_h, d_c, *d_xs, *cell, *flows)
 
     def fake(primals, statics):
         step, _, xs, h0, c0, every, keep = _option_parts(primals, statics, warp, flow)
-        steps = xs.read_coords.shape[1]
-        reads = h0.new_empty((h0.shape[0], steps, h0.shape[1]))
-        return (reads, torch.empty_like(h0), torch.empty_like(c0),
-                *(h0.new_empty(shape) for shape in _option_shapes(step, h0, steps, every,
-                                                                    keep)))
+        (batch, channels, *grid), steps = h0.shape, xs.read_coords.shape[1]
+        shapes = [(0,)] * 3  # the residuals'
+        if keep and step.policy == "checkpoint":
+            shapes = [(-(-steps // every), *h0.shape)] * 2 + [(0,)]
+        elif keep:
+            _, box, corner = window_boxes(tuple(grid), step.window)
+            shapes = [(steps, batch, channels, *box)] * 2 + [(steps, batch, channels, *corner)]
+        return (h0.new_empty((batch, steps, channels)), torch.empty_like(h0),
+                torch.empty_like(c0), *map(h0.new_empty, shapes))
 
     return _make_op(OpSpec(name=name, primals=primals, statics=_OPTION_STATICS,
-                           outputs=("reads", "h", "c", *_RESIDUALS), residuals=3,
-                           forward=forward, backward=backward, fake=fake, second_order=False))
+                           outputs=("reads", "h", "c", "residual_0", "residual_1", "residual_2"),
+                           residuals=3, forward=forward, backward=backward, fake=fake,
+                           second_order=False))
 
 
 _OPTION_SCANS = {(False, False): _make_option_scan("local_scan", False, False),
