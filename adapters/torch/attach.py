@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.utils._pytree import tree_map
 
 from tmcore import layer as tl
 from tmcore.adapters.torch.bridge import XP as _XP
@@ -50,17 +51,9 @@ def detach_state(state: Any) -> Any:
     -------
     None, Tensor, tuple, list or StreamState
         The same structure with every tensor detached (not copied); a stream state's
-        ``count`` is kept.
+        ``count`` keeps its values.
     """
-    if state is None:
-        return None
-    if isinstance(state, Tensor):
-        return state.detach()
-    if isinstance(state, tl.StreamState):
-        return tl.StreamState(state.h.detach(), state.c.detach(), state.pending.detach(),
-                              state.count, state.read.detach())
-    return type(state)(detach_state(s) for s in state) if isinstance(state, tuple) \
-        else [detach_state(s) for s in state]
+    return tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, state)
 
 
 def _in_backward() -> bool:
@@ -108,11 +101,8 @@ def _checkpoints_forward(module: nn.Module) -> bool:
 def _with_tensors(state: Any, tensors: Sequence[Tensor]) -> Any:
     """``state`` (a pair or a :class:`tmcore.layer.StreamState`) with its tensor fields, in
     order, replaced by ``tensors``."""
-    values = list(state)
-    slots = [i for i, v in enumerate(values) if isinstance(v, Tensor)]
-    for i, t in zip(slots, tensors, strict=True):
-        values[i] = t
-    return type(state)(*values) if isinstance(state, tl.StreamState) else tuple(values)
+    replaced = iter(tensors)
+    return tree_map(lambda v: next(replaced) if isinstance(v, Tensor) else v, state)
 
 
 def _checkpointed(module: nn.Module, memory: nn.Module, x: Tensor, init: Any, reset: Any,
@@ -184,14 +174,16 @@ class MemoryHandle:
         self._blocks = list(blocks)
         for block, memory in zip(self._blocks, memories, strict=True):
             block.add_module(ATTRIBUTE, memory)
-        self.state: list[State] | None = None
-        self._reset: Tensor | None = None
-        self._doc_starts: Tensor | None = None
-        self._valid: Tensor | None = None
+        self._forget()
         self._state_cut = True  # no state, or one detached from earlier calls' graphs
         self._setup_transient()
         self._hooks = [block.register_forward_hook(_Hook(self, layer), prepend=True)
                        for layer, block in enumerate(self._blocks)]
+
+    def _forget(self) -> None:
+        """No state, and no pending reset, document or padding mask for the next call."""
+        self.state: list[State] | None = None
+        self._reset = self._doc_starts = self._valid = None
 
     def _setup_transient(self) -> None:
         self._local = threading.local()  # per-call bookkeeping of the calling thread
@@ -200,11 +192,9 @@ class MemoryHandle:
         self._lock = threading.Lock()
 
     def __getstate__(self) -> dict:
-        state = dict(self.__dict__)
-        for key in ("_local", "_compiled_local", "_records", "_lock"):
-            state.pop(key)
-        if self.state is not None:  # a copy carries the streaming state, not its graph
-            state["state"] = [detach_state(s) for s in self.state]
+        state = {k: v for k, v in self.__dict__.items()
+                 if k not in ("_local", "_compiled_local", "_records", "_lock")}
+        state["state"] = detach_state(self.state)  # a copy carries the state, not its graph
         return state
 
     def __setstate__(self, state: dict) -> None:
@@ -355,8 +345,7 @@ class MemoryHandle:
             If ``mask`` is not a bool tensor.
         """
         if mask is None:
-            self.state, self._reset, self._doc_starts, self._valid = None, None, None, None
-            return
+            return self._forget()
         check_bool_mask(_XP, mask, "mask", "(B,)", None)
         self._reset = mask if self._reset is None else (self._reset | mask)
 
@@ -409,8 +398,7 @@ class MemoryHandle:
 
     def detach_state(self) -> None:
         """Cut the graph to the previous calls (truncated backprop through time)."""
-        if self.state is not None:
-            self.state = [detach_state(s) for s in self.state]
+        self.state = detach_state(self.state)
         self._state_cut = True
 
     def set_state(self, state: Sequence[State] | None) -> None:
@@ -442,7 +430,7 @@ class MemoryHandle:
                 if ATTRIBUTE in block._modules:
                     delattr(block, ATTRIBUTE)
         self._hooks = []
-        self.state, self._reset, self._doc_starts, self._valid = None, None, None, None
+        self._forget()
         with self._lock:
             self._records.clear()
 
