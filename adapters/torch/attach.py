@@ -285,7 +285,10 @@ class MemoryHandle:
         init, applies = tl.start_state(self.mode, layer, local.carried,
                                        local.current[layer - 1] if layer else None)
         reset = local.reset if applies else None
-        kwargs = self._stream_kwargs(local.doc_starts, local.valid)
+        # causal mode streams (a StreamState per layer); threaded mode passes plain (h, c)
+        # between layers, as the reference does (set_valid, start_documents: causal only)
+        kwargs = ({"stream": True, "doc_starts": local.doc_starts, "valid": local.valid}
+                  if self.mode == "causal" else {"stream": False})
         if key is not None:
             # whether a reentrant recomputation may start from ``init`` (no gradient is lost
             # through it): no state, or a carried one the user cut (detach_state)
@@ -299,16 +302,8 @@ class MemoryHandle:
         if layer == layers - 1:
             self.state = list(local.current)
             self._state_cut = False  # produced by this call (cut only by detach_state)
-            local.current, local.carried, local.reset = None, None, None
-            local.doc_starts, local.valid = None, None
+            local.current = local.carried = local.reset = local.doc_starts = local.valid = None
         return out if self.batch_first else out.transpose(0, 1)
-
-    def _stream_kwargs(self, doc_starts: Any, valid: Any = None) -> dict[str, Any]:
-        """Causal mode streams (a :class:`tmcore.layer.StreamState` per layer); threaded mode
-        passes plain ``(h, c)`` between layers, as the reference does."""
-        if self.mode != "causal":  # (set_valid and start_documents refuse other modes)
-            return {"stream": False}
-        return {"stream": True, "doc_starts": doc_starts, "valid": valid}
 
     def _remember(self, key: tuple, x: Tensor, init: Any, reset: Any,
                   kwargs: dict[str, Any], cut: bool = True) -> None:
