@@ -340,7 +340,8 @@ class MemoryHandle:
             If ``mask`` is not a bool tensor.
         """
         if mask is None:
-            return self._forget()
+            self._forget()
+            return
         check_bool_mask(_XP, mask, "mask", "(B,)", None)
         self._reset = mask if self._reset is None else (self._reset | mask)
 
