@@ -8,7 +8,6 @@ memories to models (:func:`attach_memory`). The guide, with what works under
 the multi-layer modes: docs/guides/modes.md.
 """
 
-from tmcore import layer as tl
 from tmcore.adapters.torch.attach import MemoryHandle, attach_memory, detach_memory, detach_state
 from tmcore.adapters.torch.checkpoints import (
     convert_reference_state_dict,
@@ -30,6 +29,7 @@ from tmcore.adapters.torch.modules import (
     TensorMemory,
     WarpFlow,
 )
+from tmcore.layer import MODES, StreamState  # (the multi-layer modes, the streamed state)
 
 __all__ = [
     "ConvLSTMCell",
@@ -53,8 +53,3 @@ __all__ = [
     "state_to_dict",
     "trilinear_sample",
 ]
-
-#: Multi-layer modes of :func:`attach_memory` (:data:`tmcore.layer.MODES`).
-MODES = tl.MODES
-# The state between streamed calls (documented in tmcore.layer).
-StreamState = tl.StreamState

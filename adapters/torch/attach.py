@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.utils._pytree import tree_map
 
 from tmcore import layer as tl
 from tmcore.adapters.torch.bridge import XP as _XP
@@ -50,26 +51,15 @@ def detach_state(state: Any) -> Any:
     -------
     None, Tensor, tuple, list or StreamState
         The same structure with every tensor detached (not copied); a stream state's
-        ``count`` is kept.
+        ``count`` keeps its values.
     """
-    if state is None:
-        return None
-    if isinstance(state, Tensor):
-        return state.detach()
-    if isinstance(state, tl.StreamState):
-        return tl.StreamState(state.h.detach(), state.c.detach(), state.pending.detach(),
-                              state.count, state.read.detach())
-    return type(state)(detach_state(s) for s in state) if isinstance(state, tuple) \
-        else [detach_state(s) for s in state]
+    return tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, state)
 
 
 def _in_backward() -> bool:
     """Whether the autograd engine runs a backward in this thread (never while compiling:
     the compiled backward re-runs no hook)."""
-    if traced():
-        return False
-    task = getattr(torch._C, "_current_graph_task_id", None)
-    return task is not None and task() != -1
+    return not traced() and torch._C._current_graph_task_id() != -1
 
 
 def blocks_of(blocks: Any) -> tuple[list[nn.Module], bool | None]:
@@ -111,11 +101,8 @@ def _checkpoints_forward(module: nn.Module) -> bool:
 def _with_tensors(state: Any, tensors: Sequence[Tensor]) -> Any:
     """``state`` (a pair or a :class:`tmcore.layer.StreamState`) with its tensor fields, in
     order, replaced by ``tensors``."""
-    values = list(state)
-    slots = [i for i, v in enumerate(values) if isinstance(v, Tensor)]
-    for i, t in zip(slots, tensors, strict=True):
-        values[i] = t
-    return type(state)(*values) if isinstance(state, tl.StreamState) else tuple(values)
+    replaced = iter(tensors)
+    return tree_map(lambda v: next(replaced) if isinstance(v, Tensor) else v, state)
 
 
 def _checkpointed(module: nn.Module, memory: nn.Module, x: Tensor, init: Any, reset: Any,
@@ -187,14 +174,16 @@ class MemoryHandle:
         self._blocks = list(blocks)
         for block, memory in zip(self._blocks, memories, strict=True):
             block.add_module(ATTRIBUTE, memory)
-        self.state: list[State] | None = None
-        self._reset: Tensor | None = None
-        self._doc_starts: Tensor | None = None
-        self._valid: Tensor | None = None
+        self._forget()
         self._state_cut = True  # no state, or one detached from earlier calls' graphs
         self._setup_transient()
         self._hooks = [block.register_forward_hook(_Hook(self, layer), prepend=True)
                        for layer, block in enumerate(self._blocks)]
+
+    def _forget(self) -> None:
+        """No state, and no pending reset, document or padding mask for the next call."""
+        self.state: list[State] | None = None
+        self._reset = self._doc_starts = self._valid = None
 
     def _setup_transient(self) -> None:
         self._local = threading.local()  # per-call bookkeeping of the calling thread
@@ -203,17 +192,12 @@ class MemoryHandle:
         self._lock = threading.Lock()
 
     def __getstate__(self) -> dict:
-        state = dict(self.__dict__)
-        for key in ("_local", "_compiled_local", "_records", "_lock"):
-            state.pop(key)
-        if self.state is not None:  # a copy carries the streaming state, not its graph
-            state["state"] = [detach_state(s) for s in self.state]
+        state = {k: v for k, v in self.__dict__.items()
+                 if k not in ("_local", "_compiled_local", "_records", "_lock")}
+        state["state"] = detach_state(self.state)  # a copy carries the state, not its graph
         return state
 
     def __setstate__(self, state: dict) -> None:
-        state.setdefault("_doc_starts", None)  # pickled before packed documents
-        state.setdefault("_valid", None)
-        state.setdefault("_state_cut", True)
         self.__dict__.update(state)
         self._setup_transient()
 
@@ -238,12 +222,7 @@ class MemoryHandle:
         nn.Parameter
             Each parameter of the memories.
         """
-        seen: set[int] = set()
-        for memory in self.memories:
-            for p in memory.parameters():
-                if id(p) not in seen:
-                    seen.add(id(p))
-                    yield p
+        yield from dict.fromkeys(p for memory in self.memories for p in memory.parameters())
 
     # ----------------------------------------------------------------- the hook
 
@@ -306,7 +285,10 @@ class MemoryHandle:
         init, applies = tl.start_state(self.mode, layer, local.carried,
                                        local.current[layer - 1] if layer else None)
         reset = local.reset if applies else None
-        kwargs = self._stream_kwargs(local.doc_starts, local.valid)
+        # causal mode streams (a StreamState per layer); threaded mode passes plain (h, c)
+        # between layers, as the reference does (set_valid, start_documents: causal only)
+        kwargs = ({"stream": True, "doc_starts": local.doc_starts, "valid": local.valid}
+                  if self.mode == "causal" else {"stream": False})
         if key is not None:
             # whether a reentrant recomputation may start from ``init`` (no gradient is lost
             # through it): no state, or a carried one the user cut (detach_state)
@@ -320,21 +302,8 @@ class MemoryHandle:
         if layer == layers - 1:
             self.state = list(local.current)
             self._state_cut = False  # produced by this call (cut only by detach_state)
-            local.current, local.carried, local.reset = None, None, None
-            local.doc_starts, local.valid = None, None
+            local.current = local.carried = local.reset = local.doc_starts = local.valid = None
         return out if self.batch_first else out.transpose(0, 1)
-
-    def _stream_kwargs(self, doc_starts: Any, valid: Any = None) -> dict[str, Any]:
-        """Causal mode streams (a :class:`tmcore.layer.StreamState` per layer); threaded mode
-        passes plain ``(h, c)`` between layers, as the reference does."""
-        if self.mode != "causal":
-            if valid is not None:
-                raise ValueError("valid: padding masks need mode='causal'")
-            return {"stream": False}
-        kwargs: dict[str, Any] = {"stream": True, "doc_starts": doc_starts}
-        if valid is not None:
-            kwargs["valid"] = valid
-        return kwargs
 
     def _remember(self, key: tuple, x: Tensor, init: Any, reset: Any,
                   kwargs: dict[str, Any], cut: bool = True) -> None:
@@ -371,7 +340,7 @@ class MemoryHandle:
             If ``mask`` is not a bool tensor.
         """
         if mask is None:
-            self.state, self._reset, self._doc_starts, self._valid = None, None, None, None
+            self._forget()
             return
         check_bool_mask(_XP, mask, "mask", "(B,)", None)
         self._reset = mask if self._reset is None else (self._reset | mask)
@@ -410,7 +379,7 @@ class MemoryHandle:
         Raises
         ------
         TypeError
-            If ``valid`` is not a 2-D bool tensor.
+            If ``valid`` is not a bool tensor.
         ValueError
             If the handle's mode is not ``"causal"``.
         """
@@ -420,16 +389,12 @@ class MemoryHandle:
         if self.mode != "causal":
             raise ValueError(f"valid: padding masks need mode='causal', "
                              f"this handle is {self.mode!r}")
-        if not isinstance(valid, Tensor) or valid.dtype != torch.bool or valid.dim() != 2:
-            got = (f"{valid.dtype} tensor of shape {tuple(valid.shape)}"
-                   if isinstance(valid, Tensor) else type(valid).__name__)
-            raise TypeError(f"valid: expected a bool tensor of shape (B, N), got {got}")
+        check_bool_mask(_XP, valid, "valid", "(B, N)", None)
         self._valid = valid
 
     def detach_state(self) -> None:
         """Cut the graph to the previous calls (truncated backprop through time)."""
-        if self.state is not None:
-            self.state = [detach_state(s) for s in self.state]
+        self.state = detach_state(self.state)
         self._state_cut = True
 
     def set_state(self, state: Sequence[State] | None) -> None:
@@ -461,7 +426,7 @@ class MemoryHandle:
                 if ATTRIBUTE in block._modules:
                     delattr(block, ATTRIBUTE)
         self._hooks = []
-        self.state, self._reset, self._doc_starts, self._valid = None, None, None, None
+        self._forget()
         with self._lock:
             self._records.clear()
 

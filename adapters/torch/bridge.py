@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextvars
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import array_api_compat
 import torch
@@ -78,8 +78,10 @@ class OpSpec:
     others; ``outputs``: the last ``residuals`` of them are saved for the backward and carry no
     gradient. ``forward(primals, statics) -> outputs``, ``backward(primals, residuals,
     cotangents, statics) -> a gradient per primal``, ``fake(primals, statics) -> outputs``
-    (``torch.compile``; may check shapes), ``recompute(primals, statics) -> residuals``
-    (second order), all over tuples.
+    (``torch.compile``; may check shapes), all over tuples; ``validate(primals, statics,
+    residuals=(), cotangents=())`` checks the arguments of an eager call of the op or its
+    backward that no adapter function checked first (:data:`_VALIDATED`). A double backward
+    recomputes the residuals with ``forward``.
     """
 
     name: str
@@ -90,13 +92,9 @@ class OpSpec:
     backward: Callable[[tuple, tuple, tuple, tuple], tuple]
     fake: Callable[[tuple, tuple], tuple]
     residuals: int = 0
-    recompute: Callable[[tuple, tuple], tuple] = lambda primals, statics: ()
+    validate: Callable[..., Any] = lambda primals, statics, residuals=(), cotangents=(): None
     #: whether a double backward is supported (the local / warp scans: first order only)
     second_order: bool = True
-
-
-def _contiguous(tensors: Sequence[Tensor]) -> tuple[Tensor, ...]:
-    return tuple(t.contiguous() for t in tensors)
 
 
 def _fresh(outputs: Sequence[Tensor], inputs: Sequence[Tensor]) -> tuple[Tensor, ...]:
@@ -106,22 +104,18 @@ def _fresh(outputs: Sequence[Tensor], inputs: Sequence[Tensor]) -> tuple[Tensor,
     fresh = []
     for t in outputs:
         t = t.contiguous()
-        pointer = t.untyped_storage().data_ptr()
-        if pointer in seen and t.numel():
+        if t.untyped_storage().data_ptr() in seen and t.numel():
             t = t.clone()
-            pointer = t.untyped_storage().data_ptr()
-        seen.add(pointer)
+        seen.add(t.untyped_storage().data_ptr())
         fresh.append(t)
     return tuple(fresh)
 
 
 def _schema(spec: OpSpec, backward: bool) -> str:
     """The ``torch.library`` schema of the op (or of its backward)."""
-    tensors = list(spec.primals)
-    if backward:
-        differentiable = len(spec.outputs) - spec.residuals
-        tensors += list(spec.outputs[differentiable:])
-        tensors += [f"g_{name}" for name in spec.outputs[:differentiable]]
+    differentiable = len(spec.outputs) - spec.residuals
+    tensors = (*spec.primals, *((*spec.outputs[differentiable:], *(
+        f"g_{name}" for name in spec.outputs[:differentiable])) if backward else ()))
     args = [f"Tensor {name}" for name in tensors]
     args += [f"{kind} {name}" + ("=None" if kind == "Tensor?" else "")  # (the masks)
              for name, kind in spec.statics]
@@ -140,67 +134,34 @@ def _pullback(fn: Callable[..., Sequence[Tensor]], primals: Sequence[Tensor],
         pairs = [(o, c) for o, c in zip(outs, cotangents, strict=True)
                  if c is not None and o.requires_grad]
         wrt = [leaf for leaf in leaves if leaf.requires_grad]
-        grads = [None] * len(wrt)
-        if pairs and wrt:
-            grads = list(torch.autograd.grad([o for o, _ in pairs], wrt,
-                                             [c for _, c in pairs], allow_unused=True))
-    result, it = [], iter(grads)
-    for leaf in leaves:
-        g = next(it) if leaf.requires_grad else None
-        if g is None and leaf.requires_grad:
-            g = torch.zeros_like(leaf)
-        result.append(None if g is None else g.detach().contiguous())
-    return result
+        grads = iter(torch.autograd.grad([o for o, _ in pairs], wrt, [c for _, c in pairs],
+                                         allow_unused=True, materialize_grads=True)
+                     if pairs and wrt else [torch.zeros_like(leaf) for leaf in wrt])
+    return [next(grads).detach().contiguous() if leaf.requires_grad else None
+            for leaf in leaves]
 
 
 def _loop_vmap(op: Callable[..., Any]) -> Callable[..., Any]:
     """A vmap rule that calls ``op`` once per mapped slice and stacks the results."""
 
     def rule(info, in_dims, *args):
-        outs = []
-        for i in range(info.batch_size):
-            sliced = [a.select(d, i) if d is not None else a
-                      for a, d in zip(args, in_dims, strict=True)]
-            outs.append(op(*sliced))
+        outs = [op(*(a if d is None else a.select(d, i) for a, d in zip(args, in_dims,
+                                                                       strict=True)))
+                for i in range(info.batch_size)]
         if isinstance(outs[0], tuple):
-            stacked = tuple(torch.stack(parts) for parts in zip(*outs, strict=True))
-            return stacked, (0,) * len(stacked)
+            return tuple(map(torch.stack, zip(*outs, strict=True))), (0,) * len(outs[0])
         return torch.stack(outs), 0
 
     return rule
 
 
-class _Function(torch.autograd.Function):
-    """Base of the ``autograd.Function`` twins of the ops (see the module docstring): the
-    forward runs the custom op (:func:`_twin`), ``setup_context`` / ``backward`` are the very rules
-    registered on the op, and ``generate_vmap_rule`` composes the ops' vmap rules."""
-
-    generate_vmap_rule = True
-
-
-_NO_INTERPRETER = object()
-
-
 def _interpreter() -> Any:
-    """The innermost ``torch.func`` transform's interpreter (``None``: no transform;
-    ``_NO_INTERPRETER``: this torch cannot tell)."""
-    try:
-        if torch._C._functorch.peek_interpreter_stack() is None:  # (no transform: cheap)
-            return None
-        from torch._functorch.pyfunctorch import retrieve_current_functorch_interpreter
+    """The innermost ``torch.func`` transform's interpreter (``None``: no transform)."""
+    if torch._C._functorch.peek_interpreter_stack() is None:  # (no transform: cheap)
+        return None
+    from torch._functorch.pyfunctorch import retrieve_current_functorch_interpreter
 
-        return retrieve_current_functorch_interpreter()
-    except Exception:  # an older or newer torch without these helpers: let torch decide
-        return _NO_INTERPRETER
-
-
-def _in_forward_mode(interpreter: Any = _NO_INTERPRETER) -> bool:
-    """Whether a ``torch.func.jvp`` / ``jacfwd`` transform is active (none of the ops
-    has a forward-mode rule)."""
-    if interpreter is _NO_INTERPRETER:
-        interpreter = _interpreter()
-    return interpreter is not None and interpreter is not _NO_INTERPRETER \
-        and interpreter.key().name == "Jvp"
+    return retrieve_current_functorch_interpreter()
 
 
 #: op -> its eager forward (what the custom op runs), for calls that need no autograd
@@ -211,22 +172,12 @@ def _plain_inference(args: tuple) -> bool:
     """Whether a call may skip the op's wrappers: no gradient needed, every tensor a plain one
     with data (a fake, DTensor or meta tensor needs the op's registered rules)."""
     grad = torch.is_grad_enabled()
-    for a in args:
-        if isinstance(a, Tensor):
-            if (type(a) is not Tensor and type(a) is not torch.nn.Parameter) \
-                    or a.is_meta or (grad and a.requires_grad):
-                return False
-    return True
+    return not any(isinstance(a, Tensor) and (type(a) not in (Tensor, torch.nn.Parameter)
+                                              or a.is_meta or (grad and a.requires_grad))
+                   for a in args)
 
 
-def plain_inference(*tensors: Any) -> bool:
-    """Whether ops on ``tensors`` may run without their Function and custom op: eager, no
-    ``torch.func`` transform, :func:`_plain_inference`."""
-    return (not torch.compiler.is_compiling() and _interpreter() is None
-            and _plain_inference(tensors))
-
-
-def call(function: type[_Function], op: Callable[..., Any], *args: Any,
+def call(function: type[torch.autograd.Function], op: Callable[..., Any], *args: Any,
          validated: bool = False) -> Any:
     """Run an op through its Function twin in eager mode (``torch.func``-safe), the custom op
     itself while ``torch.compile`` traces (Dynamo cannot trace the Function without grads).
@@ -234,26 +185,22 @@ def call(function: type[_Function], op: Callable[..., Any], *args: Any,
     if torch.compiler.is_compiling():
         return op(*args)
     interpreter = _interpreter()
-    direct = _DIRECT.get(op)
-    if direct is not None and interpreter is None and _plain_inference(args):
+    if interpreter is None and _plain_inference(args):
         # no transform and no gradient (inference, a decode step): the op's own forward,
         # without the autograd Function and the dispatcher around it (the same
         # computation; a few hundred microseconds less per call on the CPU)
-        return _run(direct, args, validated)
-    if _in_forward_mode(interpreter):
+        return _run(_DIRECT[op], args, validated)
+    if interpreter is not None and interpreter.key().name == "Jvp":  # (no jvp rules)
         raise NotImplementedError(
-            f"tmcore: {getattr(op, '_name', op)} has no forward-mode derivative "
-            f"(torch.func.jvp, jacfwd, hessian via jacfwd): tmcore registers reverse-mode "
-            f"VJPs only. Use reverse mode "
-            f"(torch.func.grad / vjp / jacrev, or torch.autograd.grad twice)")
+            f"tmcore: {getattr(op, '_name', op)} has no forward-mode derivative (torch.func.jvp, "
+            f"jacfwd, hessian via jacfwd): tmcore registers reverse-mode VJPs only. Use reverse "
+            f"mode (torch.func.grad / vjp / jacrev, or torch.autograd.grad twice)")
     return _run(function.apply, args, validated)
 
 
 def _run(fn: Callable[..., Any], args: tuple, validated: bool) -> Any:
-    """``fn(*args)``, with :data:`_VALIDATED` set while it runs when ``validated``."""
-    if not validated:
-        return fn(*args)
-    token = _VALIDATED.set(True)
+    """``fn(*args)``, with :data:`_VALIDATED` set to ``validated`` while it runs."""
+    token = _VALIDATED.set(validated)
     try:
         return fn(*args)
     finally:
@@ -261,29 +208,29 @@ def _run(fn: Callable[..., Any], args: tuple, validated: bool) -> Any:
 
 
 def _twin(name: str, op: Any, direct: Callable[..., Any], setup: Callable[..., Any],
-          grad: Callable[..., Any]) -> type[_Function]:
-    """The ``autograd.Function`` twin of ``op``: its forward, with the op's rules."""
+          grad: Callable[..., Any]) -> type[torch.autograd.Function]:
+    """The ``autograd.Function`` twin of ``op`` (see the module docstring): its forward, with
+    the very rules registered on the op (``generate_vmap_rule`` composes the ops' vmap rules)."""
     def forward(*args):
-        # op's own forward where plain_inference allows (grad is off in a forward) and no
-        # mode sees ops (a counter sees one op): the custom op's dispatcher imports
-        # torch._dynamo on its first call (+165 MiB resident, 0.9 s in a first step)
+        # op's own forward where _plain_inference allows (grad is off in a forward), eager,
+        # no transform and no mode sees ops (a counter sees one op): the custom op's dispatcher
+        # imports torch._dynamo on its first call (+165 MiB resident, 0.9 s in a first step)
         plain = not (torch._C._len_torch_function_stack()
-                     or torch._C._len_torch_dispatch_stack()) and plain_inference(*args)
+                     or torch._C._len_torch_dispatch_stack() or torch.compiler.is_compiling()
+                     or _interpreter() is not None) and _plain_inference(args)
         return (direct if plain else op)(*args)
 
-    return type(name, (_Function,), {"forward": staticmethod(forward),
-                                     "setup_context": staticmethod(setup),
-                                     "backward": staticmethod(grad)})
+    return type(name, (torch.autograd.Function,), {
+        "forward": staticmethod(forward), "setup_context": staticmethod(setup),
+        "backward": staticmethod(grad), "generate_vmap_rule": True})
 
 
-@dataclasses.dataclass
-class MadeOp:
-    """What :func:`_make_op` returns: the two ops and their Function twins."""
+class MadeOp(NamedTuple):
+    """What :func:`_make_op` returns: the op and its Function twin (its backward op is
+    ``torch.ops.tmcore.<name>_backward``)."""
 
     op: Any
-    backward_op: Any
-    function: type[_Function]
-    backward_function: type[_Function]
+    function: type[torch.autograd.Function]
 
 
 def _make_op(spec: OpSpec) -> MadeOp:
@@ -301,8 +248,9 @@ def _make_op(spec: OpSpec) -> MadeOp:
         return (*args, *(None,) * (total - len(args)))
 
     def forward(*args):
-        args = full(args)
-        primals, statics = split(args)
+        primals, statics = split(full(args))
+        if not _VALIDATED.get():  # an eager call of the op itself: the public checks
+            spec.validate(primals, statics)
         out = _fresh(spec.forward(primals, statics), primals)
         return out[0] if single else out
 
@@ -316,17 +264,17 @@ def _make_op(spec: OpSpec) -> MadeOp:
         primals, statics = split(args)
         residuals = tuple(args[n_primals:n_primals + spec.residuals])
         cotangents = tuple(args[n_primals + spec.residuals:len(args) - n_statics])
-        return _contiguous(spec.backward(primals, residuals, cotangents, statics))
-
-    def backward_fake(*args):
-        return tuple(torch.empty_like(p) for p in args[:n_primals])
+        if not _VALIDATED.get():  # a direct call of the backward op (autograd's are checked)
+            spec.validate(primals, statics, residuals, cotangents)
+        return tuple(g.contiguous() for g in spec.backward(primals, residuals, cotangents,
+                                                           statics))
 
     op = torch.library.custom_op(f"tmcore::{spec.name}", forward, mutates_args=(),
                                  schema=_schema(spec, backward=False))
     op.register_fake(fake)
     backward_op = torch.library.custom_op(f"tmcore::{spec.name}_backward", backward,
                                           mutates_args=(), schema=_schema(spec, backward=True))
-    backward_op.register_fake(backward_fake)
+    backward_op.register_fake(lambda *args: tuple(map(torch.empty_like, args[:n_primals])))
 
     def setup(ctx, inputs, output):
         primals, statics = split(full(tuple(inputs)))
@@ -376,23 +324,20 @@ def _make_op(spec: OpSpec) -> MadeOp:
     def backward_grad(ctx, *g_grads):
         if not spec.second_order:
             raise RuntimeError(DOUBLE_BACKWARD)
-        saved = ctx.saved_tensors
-        statics = ctx.statics
-        primals = saved[:n_primals]
-        cotangents = saved[n_primals + spec.residuals:]
-        needs = ctx.needs_input_grad
-        need_primals = needs[:n_primals]
-        need_cotangents = needs[n_primals + spec.residuals:len(needs) - n_statics]
+        saved, statics, needs = ctx.saved_tensors, ctx.statics, ctx.needs_input_grad
+        primals, cotangents = saved[:n_primals], saved[n_primals + spec.residuals:]
 
         # Differentiate "recompute the residuals, then the backward" from the primals, so
         # the residual inputs (functions of the primals) need no gradient of their own.
         def fn(*leaves):
             prim, cot = tuple(leaves[:n_primals]), tuple(leaves[n_primals:])
-            return spec.backward(prim, spec.recompute(prim, statics), cot, statics)
+            return spec.backward(prim, spec.forward(prim, statics)[differentiable:], cot,
+                                 statics)
 
         with options(**dataclasses.asdict(ctx.tm_options)):
-            grads = _pullback(fn, (*primals, *cotangents), (*need_primals, *need_cotangents),
-                              g_grads)
+            grads = _pullback(fn, (*primals, *cotangents), (
+                *needs[:n_primals], *needs[n_primals + spec.residuals:len(needs) - n_statics]),
+                g_grads)
         return (*grads[:n_primals], *([None] * spec.residuals), *grads[n_primals:],
                 *([None] * n_statics))
 
@@ -406,75 +351,45 @@ def _make_op(spec: OpSpec) -> MadeOp:
                               backward_setup, backward_grad)
     function = _twin(f"{title}Function", op, forward, setup, grad)
     _DIRECT[op] = forward
-    return MadeOp(op, backward_op, function, backward_function)
+    return MadeOp(op, function)
 
 
 # --------------------------------------------------------------------------- the four ops
 
 
-def _sample_forward(primals, statics):
-    volume, coords = primals
-    if not _VALIDATED.get():  # eager calls of the op: the public checks (once per call)
-        validate_sample_inputs(volume, coords)
-    return (ops_for(_XP).sample_fwd(_XP, volume, coords),)
-
-
-def _sample_backward(primals, residuals, cotangents, statics):
-    volume, coords = primals
-    if not _VALIDATED.get():  # a direct call of the backward op (autograd's are checked)
-        validate_sample_inputs(volume, coords, cotangents[0])
-    return ops_for(_XP).sample_bwd(_XP, volume, coords, cotangents[0])
-
-
-def _sample_fake(primals, statics):
-    volume, coords = primals
-    return (volume.new_empty((volume.shape[0], coords.shape[1], volume.shape[1])),)
-
-
 _SAMPLE = _make_op(OpSpec(
     name="trilinear_sample", primals=("volume", "coords"), statics=(), outputs=("out",),
-    forward=_sample_forward, backward=_sample_backward, fake=_sample_fake))
-
-
-def _splat_forward(primals, statics):
-    shape, eps, radius = statics
-    if not _VALIDATED.get():
-        validate_splat_inputs(*primals, shape, radius=radius, eps=eps)
-    return (ops_for(_XP).splat_fwd(_XP, *primals, tuple(shape), eps, radius),)
-
-
-def _splat_backward(primals, residuals, cotangents, statics):
-    shape, eps, radius = statics
-    if not _VALIDATED.get():
-        validate_splat_inputs(*primals, shape, cotangents[0], radius=radius, eps=eps)
-    return ops_for(_XP).splat_bwd(_XP, *primals, tuple(shape), cotangents[0], eps, radius)
-
-
-def _splat_fake(primals, statics):
-    content = primals[0]
-    return (content.new_empty((content.shape[0], content.shape[2], *statics[0])),)
-
+    forward=lambda p, s: (ops_for(_XP).sample_fwd(_XP, *p),),
+    backward=lambda p, r, g, s: ops_for(_XP).sample_bwd(_XP, *p, *g),
+    fake=lambda p, s: (p[0].new_empty((p[0].shape[0], p[1].shape[1], p[0].shape[1])),),
+    validate=lambda p, s, r=(), g=(): validate_sample_inputs(*p, *g)))
 
 _SPLAT = _make_op(OpSpec(
     name="gaussian_splat", primals=("content", "mu", "sigma"),
     statics=(("shape", "SymInt[]"), ("eps", "float"), ("radius", "float?")),
-    outputs=("volume",), forward=_splat_forward, backward=_splat_backward, fake=_splat_fake))
+    outputs=("volume",),
+    forward=lambda p, s: (ops_for(_XP).splat_fwd(_XP, *p, tuple(s[0]), *s[1:]),),
+    backward=lambda p, r, g, s: ops_for(_XP).splat_bwd(_XP, *p, tuple(s[0]), *g, *s[1:]),
+    fake=lambda p, s: (p[0].new_empty((p[0].shape[0], p[0].shape[2], *s[0])),),
+    validate=lambda p, s, r=(), g=(): validate_splat_inputs(*p, s[0], *g, radius=s[2],
+                                                             eps=s[1])))
 
 _SCAN_PRIMALS = ("h0", "c0", "read_coords", "write_coords", "write_sigma", "write_content",
-                 "depthwise_weight", "depthwise_bias", "pointwise_weight", "pointwise_bias")
+                 *ConvParams._fields)
 
 
 def _scan_forward(primals, statics):
     eps, radius, checkpoint_every, reset, active = statics
-    if not _VALIDATED.get():
-        validate_scan_inputs(*primals[:6], ConvParams(*primals[6:]), checkpoint_every, radius,
-                             eps=eps, reset=reset, active=active)
     return memory_scan_fwd(_XP, *primals[:6], ConvParams(*primals[6:]), eps=eps, radius=radius,
                            checkpoint_every=checkpoint_every, reset=reset, active=active)
 
 
-def _scan_recompute(primals, statics):
-    return _scan_forward(primals, statics)[3:]
+def _scan_validate(primals, statics, residuals=(), cotangents=()):
+    eps, radius, checkpoint_every, reset, active = statics
+    validate_scan_inputs(*primals[:6], ConvParams(*primals[6:]), checkpoint_every, radius,
+                         *cotangents, eps=eps, reset=reset, active=active)
+    if residuals:
+        _check_residuals(primals, residuals, checkpoint_every)
 
 
 def _check_residuals(primals: Sequence[Tensor], residuals: Sequence[Tensor],
@@ -507,10 +422,6 @@ def _check_residuals(primals: Sequence[Tensor], residuals: Sequence[Tensor],
 
 def _scan_backward(primals, residuals, cotangents, statics):
     eps, radius, checkpoint_every, reset, active = statics
-    if not _VALIDATED.get():
-        validate_scan_inputs(*primals[:6], ConvParams(*primals[6:]), checkpoint_every, radius,
-                             *cotangents, eps=eps, reset=reset, active=active)
-        _check_residuals(primals, residuals, checkpoint_every)
     grads = memory_scan_bwd(_XP, *primals[2:6], ConvParams(*primals[6:]), *residuals,
                             *cotangents, eps=eps, radius=radius,
                             checkpoint_every=checkpoint_every, reset=reset, active=active)
@@ -521,14 +432,11 @@ def _scan_fake(primals, statics):
     # The adapter's memory_scan validates eagerly; under torch.compile Dynamo cannot trace
     # the validator, so its shape checks run here, once per trace, in plain Python (fake
     # tensors have no values: validate mode's value checks are off).
-    eps, radius, checkpoint_every, reset, active = statics
-    h0, c0, read_coords = primals[:3]
     with options(validate=False):
-        validate_scan_inputs(*primals[:6], ConvParams(*primals[6:]), checkpoint_every, radius,
-                             eps=eps, reset=reset, active=active)
-    batch, channels = h0.shape[:2]
-    saved = -(-read_coords.shape[1] // checkpoint_every)
-    return (h0.new_empty((batch, read_coords.shape[1], channels)), torch.empty_like(h0),
+        _scan_validate(primals, statics)
+    h0, c0, read_coords = primals[:3]
+    saved = -(-read_coords.shape[1] // statics[2])
+    return (h0.new_empty((h0.shape[0], read_coords.shape[1], h0.shape[1])), torch.empty_like(h0),
             torch.empty_like(c0), h0.new_empty((saved, *h0.shape)),
             c0.new_empty((saved, *c0.shape)))
 
@@ -538,33 +446,21 @@ _SCAN = _make_op(OpSpec(
     statics=(("eps", "float"), ("radius", "float?"), ("checkpoint_every", "int"),
              ("reset", "Tensor?"), ("active", "Tensor?")),
     outputs=("reads", "h", "c", "h_checkpoints", "c_checkpoints"), residuals=2,
-    forward=_scan_forward, backward=_scan_backward, fake=_scan_fake,
-    recompute=_scan_recompute))
+    forward=_scan_forward, backward=_scan_backward, fake=_scan_fake, validate=_scan_validate))
 
-_CELL_PRIMALS = ("x", "h", "c", "depthwise_weight", "depthwise_bias", "pointwise_weight",
-                 "pointwise_bias")
-
-
-def _cell_forward(primals, statics):
-    x, h, c, *conv = primals
-    return convlstm_step(x, h, c, ConvParams(*conv))  # checks its inputs (a public entry)
 
 
 def _cell_backward(primals, residuals, cotangents, statics):
-    x, h, c, *conv = primals
-    d_x, d_h, d_c, d_conv = convlstm_step_vjp(x, h, c, ConvParams(*conv), *cotangents)
-    return (d_x, d_h, d_c, *d_conv)
-
-
-def _cell_fake(primals, statics):
-    # shapes are checked when the op runs (convlstm_step), also in a compiled graph
-    h = primals[1]
-    return torch.empty_like(h), torch.empty_like(h)
+    *grads, d_conv = convlstm_step_vjp(*primals[:3], ConvParams(*primals[3:]), *cotangents)
+    return (*grads, *d_conv)
 
 
 _CELL = _make_op(OpSpec(
-    name="convlstm_step", primals=_CELL_PRIMALS, statics=(), outputs=("h_new", "c_new"),
-    forward=_cell_forward, backward=_cell_backward, fake=_cell_fake))
+    name="convlstm_step", primals=("x", "h", "c", *ConvParams._fields), statics=(),
+    outputs=("h_new", "c_new"),
+    # convlstm_step checks its inputs (a public entry), also in a compiled graph
+    forward=lambda p, s: convlstm_step(*p[:3], ConvParams(*p[3:])),
+    backward=_cell_backward, fake=lambda p, s: (torch.empty_like(p[1]), torch.empty_like(p[1]))))
 
 trilinear_sample_op = _SAMPLE.op
 gaussian_splat_op = _SPLAT.op
@@ -589,7 +485,6 @@ DOUBLE_BACKWARD = (
 _OPTION_STATICS = (("update", "str"), ("window", "int?"), ("eps", "float"),
                    ("radius", "float?"), ("method", "str"), ("checkpoint_every", "int"),
                    ("keep", "bool"), ("reset", "Tensor?"), ("active", "Tensor?"))
-_RESIDUALS = ("residual_0", "residual_1", "residual_2")
 
 
 def _option_parts(primals: tuple, statics: tuple, warp: bool, flow: bool):
@@ -602,35 +497,11 @@ def _option_parts(primals: tuple, statics: tuple, warp: bool, flow: bool):
     return step_for(options, warp), params, xs, h0, c0, options.checkpoint_every, keep
 
 
-def _pack(residuals: Any, like: Tensor) -> tuple[Tensor, ...]:
-    """The loop's :class:`tmcore.scan.Residuals` as three tensors (empty where unused)."""
-    parts = () if residuals is None else (
-        residuals.log if residuals.log is not None else (residuals.h, residuals.c))
-    return (*parts, *(like.new_empty((0,)) for _ in range(3 - len(parts))))
-
-
-def _unpack(step: Any, tensors: tuple) -> Residuals:
-    if step.policy == "log":
-        return Residuals(None, None, tuple(tensors))
-    return Residuals(tensors[0], tensors[1], None)
-
-
-def _option_shapes(step: Any, h0: Tensor, steps: int, every: int, keep: bool):
-    """The residuals' shapes of an option scan (for its fake implementation)."""
-    if not keep:
-        return [(0,)] * 3
-    batch, channels, *grid = h0.shape
-    if step.policy == "checkpoint":
-        return [(-(-steps // every), *h0.shape)] * 2 + [(0,)]
-    _, box, corner = window_boxes(tuple(grid), step.window)
-    return [(steps, batch, channels, *box)] * 2 + [(steps, batch, channels, *corner)]
-
-
 def _make_option_scan(name: str, warp: bool, flow: bool) -> MadeOp:
     """One option scan (``update="local"`` and / or ``dynamics="warp"``) as a custom op:
     :func:`tmcore.scan.base.scan_forward` / ``scan_backward`` over the options' step."""
     primals = ("h0", "c0", "read_coords", "write_coords", "write_sigma", "write_content",
-               *(("shift",) if warp else ()), *_SCAN_PRIMALS[6:],
+               *(("shift",) if warp else ()), *ConvParams._fields,
                *(tuple(f"flow_{f}" for f in ConvParams._fields) if flow else ()))
 
     def forward(primals, statics):
@@ -638,31 +509,40 @@ def _make_option_scan(name: str, warp: bool, flow: bool) -> MadeOp:
         reads, h, c, residuals = scan_forward(_XP, step, params, h0, c0, xs,
                                               checkpoint_every=every, keep=keep,
                                               reset=statics[7], active=statics[8])
-        return (reads, h, c, *_pack(residuals, h))
+        # the loop's Residuals as three tensors (empty where unused)
+        parts = () if residuals is None else (
+            residuals.log if residuals.log is not None else (residuals.h, residuals.c))
+        return (reads, h, c, *parts, *(h.new_empty((0,)) for _ in range(3 - len(parts))))
 
     def backward(primals, residuals, cotangents, statics):
         step, params, xs, h0, c0, every, keep = _option_parts(primals, statics, warp, flow)
         if not keep:
             raise RuntimeError("tmcore: this local / warp scan ran without residuals "
                                "(no input required grad when it ran)")
-        g_reads, g_h, g_c = cotangents
-        d_h, d_c, d_xs, d_params = scan_backward(_XP, step, params, _unpack(step, residuals),
-                                                 xs, g_reads, g_h, g_c, checkpoint_every=every,
-                                                 reset=statics[7], active=statics[8])
+        residuals = (Residuals(None, None, tuple(residuals)) if step.policy == "log"
+                     else Residuals(*residuals[:2], None))
+        d_h, d_c, d_xs, d_params = scan_backward(_XP, step, params, residuals, xs, *cotangents,
+                                                 checkpoint_every=every, reset=statics[7],
+                                                 active=statics[8])
         cell, flows = (d_params.cell, d_params.flow or ()) if warp else (d_params, ())
         return (d_h, d_c, *d_xs, *cell, *flows)
 
     def fake(primals, statics):
         step, _, xs, h0, c0, every, keep = _option_parts(primals, statics, warp, flow)
-        steps = xs.read_coords.shape[1]
-        reads = h0.new_empty((h0.shape[0], steps, h0.shape[1]))
-        return (reads, torch.empty_like(h0), torch.empty_like(c0),
-                *(h0.new_empty(shape) for shape in _option_shapes(step, h0, steps, every,
-                                                                    keep)))
+        (batch, channels, *grid), steps = h0.shape, xs.read_coords.shape[1]
+        shapes = [(0,)] * 3  # the residuals'
+        if keep and step.policy == "checkpoint":
+            shapes = [(-(-steps // every), *h0.shape)] * 2 + [(0,)]
+        elif keep:
+            _, box, corner = window_boxes(tuple(grid), step.window)
+            shapes = [(steps, batch, channels, *box)] * 2 + [(steps, batch, channels, *corner)]
+        return (h0.new_empty((batch, steps, channels)), torch.empty_like(h0),
+                torch.empty_like(c0), *map(h0.new_empty, shapes))
 
     return _make_op(OpSpec(name=name, primals=primals, statics=_OPTION_STATICS,
-                           outputs=("reads", "h", "c", *_RESIDUALS), residuals=3,
-                           forward=forward, backward=backward, fake=fake, second_order=False))
+                           outputs=("reads", "h", "c", "residual_0", "residual_1", "residual_2"),
+                           residuals=3, forward=forward, backward=backward, fake=fake,
+                           second_order=False))
 
 
 _OPTION_SCANS = {(False, False): _make_option_scan("local_scan", False, False),

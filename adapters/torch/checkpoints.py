@@ -18,21 +18,11 @@ __all__ = ["convert_reference_state_dict", "memory_from_dict", "memory_to_dict",
            "state_from_dict", "state_to_dict"]
 
 
-_RENAMED = {
-    "write_proj.weight": "write_proj.weight",
-    "write_proj.bias": "write_proj.bias",
-    "writer.content_net.weight": "content_net.weight",
-    "writer.content_net.bias": "content_net.bias",
-    "writer.sigma_net.weight": "sigma_net.weight",
-    "writer.sigma_net.bias": "sigma_net.bias",
-    "coord_net.weight": "coord_net.weight",
-    "coord_net.bias": "coord_net.bias",
-    "out_proj.weight": "out_proj.weight",
-    "out_proj.bias": "out_proj.bias",
-}
+#: the reference's linear layers -> TensorMemory's (``writer.*`` loses its prefix)
+_RENAMED = {f"{layer}.{leaf}": f"{layer.removeprefix('writer.')}.{leaf}"
+            for layer in ("write_proj", "writer.content_net", "writer.sigma_net", "coord_net",
+                          "out_proj") for leaf in ("weight", "bias")}
 _DEPTHWISE = ("gate_conv.conv_d", "gate_conv.conv_h", "gate_conv.conv_w")
-_IGNORED = ("grid_cache",)
-_POINTWISE = ("gate_conv.pointwise.weight", "gate_conv.pointwise.bias")
 
 
 def _reference_layout(d: int, c: int, length: int, grid: Sequence[int] | None
@@ -155,10 +145,9 @@ def convert_reference_state_dict(
     own = {k[len(prefix):]: v for k, v in sd.items() if k.startswith(prefix)}
     if not own:
         raise ValueError(f"sd: no key starts with prefix {prefix!r}")
-    expected = set(_RENAMED) | set(_IGNORED) | set(_POINTWISE)
-    expected |= {f"{m}.{p}" for m in _DEPTHWISE for p in ("weight", "bias")}
+    expected = set(_reference_layout(1, 1, 1, None))  # every key (grid_cache optional)
     unknown = sorted(set(own) - expected)
-    missing = sorted(expected - set(own) - set(_IGNORED))
+    missing = sorted(expected - set(own) - {"grid_cache"})
     if unknown or missing:
         raise ValueError(f"sd: not a reference memory state dict under prefix {prefix!r}; "
                          f"unknown keys {unknown}, missing keys {missing}")
@@ -208,8 +197,8 @@ def convert_reference_state_dict(
         source = {new: old for old, new in _RENAMED.items()}
         source.update({"cell.depthwise_weight": f"{_DEPTHWISE[0]}.weight",
                        "cell.depthwise_bias": f"{_DEPTHWISE[0]}.bias",
-                       "cell.pointwise_weight": _POINTWISE[0],
-                       "cell.pointwise_bias": _POINTWISE[1]})
+                       "cell.pointwise_weight": "gate_conv.pointwise.weight",
+                       "cell.pointwise_bias": "gate_conv.pointwise.bias"})
         for name, value in out.items():
             want = theirs.get(name)
             if name == "_extra_state" or not isinstance(want, Tensor):
@@ -298,7 +287,7 @@ def memory_from_dict(data: Mapping[str, Any], *, device: Any = None, dtype: Any 
 
 # --------------------------------------------------------------------------- saving a stream
 
-_STATE_FIELDS = ("h", "c", "pending", "count", "read")
+_STATE_FIELDS = tl.StreamState._fields
 
 
 def state_to_dict(state: Any) -> dict[str, Any]:
@@ -329,18 +318,16 @@ def state_to_dict(state: Any) -> dict[str, Any]:
         If ``state`` is neither, or a field is not a tensor.
     """
     if isinstance(state, tl.StreamState):
-        count = state.count
-        as_tensor = isinstance(count, Tensor)
-        out = {name: getattr(state, name) for name in _STATE_FIELDS if name != "count"}
+        out = state._asdict()
         for name, value in out.items():
-            if not isinstance(value, Tensor):
+            if name != "count" and not isinstance(value, Tensor):
                 raise TypeError(f"state.{name}: expected a torch.Tensor, "
                                 f"got {type(value).__name__}")
-            out[name] = value.detach()
-        out["count"] = count.detach().to(torch.int64) if as_tensor else torch.tensor(
+        count, as_tensor = state.count, isinstance(state.count, Tensor)
+        out["count"] = count.to(torch.int64) if as_tensor else torch.tensor(
             [int(k) for k in count], dtype=torch.int64)
-        out["count_kind"] = "tensor" if as_tensor else "tuple"
-        return out
+        return {**{k: v.detach() for k, v in out.items()},
+                "count_kind": "tensor" if as_tensor else "tuple"}
     if isinstance(state, (tuple, list)) and len(state) == 2 \
             and all(isinstance(s, Tensor) for s in state):
         return {"h": state[0].detach(), "c": state[1].detach()}

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -57,15 +57,22 @@ def _init_from_plan(params: Mapping[str, Tensor], config: tl.LayerConfig, groups
                 params[f"{group}.{leaf}"].copy_(value)
 
 
-def _paper_scan(config: tl.LayerConfig) -> bool:
-    return config.update == "dense" and config.dynamics == "none"
+class _ConvGroup(nn.Module):
+    """A module holding the four :class:`tmcore.ConvParams` tensors of a factorized conv."""
+
+    def params(self) -> ConvParams:
+        """Give the module's four tensors themselves (not copies) as the scan takes them.
+
+        Returns
+        -------
+        ConvParams
+            ``depthwise_weight``, ``depthwise_bias``, ``pointwise_weight``, ``pointwise_bias``.
+        """
+        return ConvParams(self.depthwise_weight, self.depthwise_bias, self.pointwise_weight,
+                          self.pointwise_bias)
 
 
-def _cell_config(channels: int, ndim: int, forget_bias: float) -> tl.LayerConfig:
-    return tl.layer_config(1, channels, (1,) * ndim, 1, forget_bias=forget_bias)
-
-
-class ConvLSTMCell(nn.Module):
+class ConvLSTMCell(_ConvGroup):
     """The ConvLSTM update of the memory grid: its gate conv's parameters and one step.
 
     The :class:`tmcore.ConvParams` tensors ``depthwise_weight (n, 2C, 3)``, ``depthwise_bias
@@ -96,7 +103,8 @@ class ConvLSTMCell(nn.Module):
         super().__init__()
         self.channels, self.ndim = channels, ndim
         self.forget_bias = check_finite("forget_bias", forget_bias)
-        self._config = _cell_config(channels, ndim, self.forget_bias)
+        self._config = tl.layer_config(1, channels, (1,) * ndim, 1,
+                                       forget_bias=self.forget_bias)
         tl.check_param_bytes(_XP, self._config, dtype, device, groups=("cell",))
         kw = {"device": device, "dtype": dtype}
         for spec in tl.param_specs(self._config):
@@ -108,17 +116,6 @@ class ConvLSTMCell(nn.Module):
         """Initialize the parameters by the plan of :func:`tmcore.layer.param_specs`."""
         _init_from_plan({f"cell.{k}": v for k, v in self.named_parameters()}, self._config,
                         ("cell",))
-
-    def params(self) -> ConvParams:
-        """Give the gate conv's parameters as the scan takes them.
-
-        Returns
-        -------
-        ConvParams
-            The module's four tensors themselves (not copies).
-        """
-        return ConvParams(self.depthwise_weight, self.depthwise_bias, self.pointwise_weight,
-                          self.pointwise_bias)
 
     def forward(self, x: Tensor, state: tuple[Tensor, Tensor] | None = None
                 ) -> tuple[Tensor, Tensor]:
@@ -167,7 +164,7 @@ class ConvLSTMCell(nn.Module):
                            x, h, c, *self.params())
 
 
-class WarpFlow(nn.Module):
+class WarpFlow(_ConvGroup):
     """The ``warp_flow`` group (``flow=True``): the per-cell flow's conv parameters.
 
     ``depthwise_weight (n, C, 3)``, ``depthwise_bias (n, C)``, ``pointwise_weight (n, C)``,
@@ -188,17 +185,6 @@ class WarpFlow(nn.Module):
         for name, shape in shapes.items():
             self.register_parameter(name, nn.Parameter(torch.zeros(shape, **kw)))
 
-    def params(self) -> ConvParams:
-        """Give the four tensors as :class:`tmcore.ConvParams`.
-
-        Returns
-        -------
-        ConvParams
-            The module's own tensors.
-        """
-        return ConvParams(self.depthwise_weight, self.depthwise_bias, self.pointwise_weight,
-                          self.pointwise_bias)
-
 
 @functools.lru_cache(maxsize=64)
 def _param_names(config: tl.LayerConfig) -> tuple[tuple[str, tuple[str, ...]], ...]:
@@ -208,29 +194,6 @@ def _param_names(config: tl.LayerConfig) -> tuple[tuple[str, tuple[str, ...]], .
     for spec in tl.param_specs(config):
         groups.setdefault(spec.group, []).append(spec.leaf)
     return tuple((group, tuple(leaves)) for group, leaves in groups.items())
-
-
-class _TorchChecks(NamedTuple):
-    """The torch-side checks of a layer call's state and masks (``check=`` of
-    :meth:`tmcore.layer.Layer.forward`): devices, and dtypes unless ``check_dtype`` is off
-    (autocast), against the parameters' ``ref``."""
-
-    ref: Tensor
-    check_dtype: bool
-
-    def __call__(self, x: Tensor, state: Any, *, reset: Any = None, doc_starts: Any = None,
-                 valid: Any = None) -> None:
-        ref, check_dtype = self.ref, self.check_dtype
-        if isinstance(state, tl.StreamState):
-            _check_like_params("state: pending", state.pending, ref, check_dtype)
-            _check_like_params("state: read", state.read, ref, check_dtype)
-        if state is not None:
-            _check_like_params("state: h", state[0], ref, check_dtype)
-            _check_like_params("state: c", state[1], ref, check_dtype)
-        for name, mask in (("reset", reset), ("doc_starts", doc_starts), ("valid", valid)):
-            if isinstance(mask, Tensor) and mask.device != x.device:
-                raise ValueError(f"{name}: expected a mask on x's device {x.device}, "
-                                 f"got one on {mask.device}")
 
 
 class _TorchLayer(tl.Layer):
@@ -347,17 +310,13 @@ class TensorMemory(nn.Module):
         Returns
         -------
         str
-            ``"embed_dim=..., memory_channels=..., ..."``.
+            ``"embed_dim=..., memory_channels=..., ..."``: the sizes, and the config's other
+            fields where they differ from their defaults.
         """
-        return (f"embed_dim={self.embed_dim}, memory_channels={self.memory_channels}, "
-                f"memory_shape={self.memory_shape}, chunk_size={self.chunk_size}, "
-                f"sigma_scale={self.sigma_scale}, checkpoint_every={self.checkpoint_every}, "
-                f"radius={self.radius}, forget_bias={self.cell.forget_bias}"
-                + (", zero_init=True" if self.zero_init else "")
-                + (f", update='local', window={self.config.window}"
-                   if self.config.update == "local" else "")
-                + (", dynamics='warp'" if self.config.dynamics == "warp" else "")
-                + (", flow=True" if self.config.flow else ""))
+        values = [(f.name, getattr(self.config, f.name), f.default)
+                  for f in dataclasses.fields(self.config)]
+        return ", ".join(f"{name}={value!r}" for name, value, default in values
+                         if default is dataclasses.MISSING or value != default)
 
     def params(self) -> dict[str, dict[str, Tensor]]:
         """Give the parameters as :mod:`tmcore.layer`'s pytree.
@@ -405,14 +364,6 @@ class TensorMemory(nn.Module):
         """
         return torch.tensor(self.memory_shape, dtype=torch.int32)
 
-    def _grid_error(self, value: Any, key: str) -> str | None:
-        if isinstance(value, Tensor) and value.device.type == "meta":
-            return None  # no values to compare
-        if not isinstance(value, Tensor) and isinstance(value, Sequence) \
-                and not isinstance(value, (str, bytes)):
-            value = list(value)
-        return tl.stored_grid_error(value, self.memory_shape, key)
-
     def set_extra_state(self, state: Any) -> None:
         """Check a stored grid shape against this model's (:meth:`get_extra_state`).
 
@@ -426,7 +377,7 @@ class TensorMemory(nn.Module):
         ValueError
             If it is malformed or another grid than ``memory_shape``.
         """
-        error = self._grid_error(state, "_extra_state")
+        error = tl.stored_grid_error(state, self.memory_shape, "_extra_state")
         if error is not None:
             raise ValueError(error)
 
@@ -434,7 +385,7 @@ class TensorMemory(nn.Module):
                               unexpected_keys, error_msgs):
         key = prefix + "_extra_state"
         if key in state_dict:
-            error = self._grid_error(state_dict[key], key)
+            error = tl.stored_grid_error(state_dict[key], self.memory_shape, key)
             if error is not None:
                 # reported with torch's other loading errors (one RuntimeError naming all)
                 error_msgs.append(error)
@@ -475,23 +426,45 @@ class TensorMemory(nn.Module):
                              dtype=ref.dtype if dtype is None else dtype,
                              device=ref.device if device is None else device)
 
-    def _check(self, x: Tensor, state: Any, reset: Tensor | None) -> _TorchChecks:
-        """Check ``x`` (a tensor on the parameters' device, in their dtype unless autocast is on);
-        the state's and masks' torch checks run inside the layer's call (:class:`_TorchChecks`)."""
+    def _check(self, x: Tensor, state: Any, masks: dict[str, Any]) -> None:
+        """The torch side of a call's checks (the layer's check the shapes): ``x`` and the
+        state's fields are torch tensors on the parameters' device, in their dtype unless
+        autocast is on; the masks are torch tensors on ``x``'s device."""
+        def kind(value: Any) -> str:
+            return f"{type(value).__module__}.{type(value).__qualname__}"
+
         if not isinstance(x, Tensor):
             raise TypeError(f"x: expected a tensor of shape (B, N, d), got {type(x).__name__}")
-        _require_torch(state, reset)
-        ref = self.out_proj.weight
-        device_type = x.device.type
+        ref, device_type = self.out_proj.weight, x.device.type
         check_dtype = not (torch.amp.is_autocast_available(device_type)
                            and torch.is_autocast_enabled(device_type))
         _check_like_params("x", x, ref, check_dtype)
-        return _TorchChecks(ref, check_dtype)
+        fields: dict[str, Any] = {}
+        if isinstance(state, tl.StreamState):
+            fields = {k: v for k, v in state._asdict().items() if k != "count"}
+            if not isinstance(state.count, (Tensor, tuple, list)):
+                raise TypeError(f"state.count: expected a tuple of ints or an integer "
+                                f"torch.Tensor (B,), got {kind(state.count)} (convert with "
+                                f"torch.as_tensor)")
+        elif isinstance(state, (tuple, list)) and len(state) == 2:
+            fields = {"h": state[0], "c": state[1]}
+        for name, value in fields.items():
+            if not isinstance(value, Tensor):
+                raise TypeError(f"state.{name}: expected a torch.Tensor, got {kind(value)} "
+                                f"(convert with torch.as_tensor)")
+            _check_like_params(f"state: {name}", value, ref, check_dtype)
+        if masks["reset"] is not None and not isinstance(masks["reset"], Tensor):
+            raise TypeError(f"reset: expected a bool torch.Tensor of shape (B,), got "
+                            f"{kind(masks['reset'])} (convert with torch.as_tensor)")
+        for name, mask in masks.items():
+            if isinstance(mask, Tensor) and mask.device != x.device:
+                raise ValueError(f"{name}: expected a mask on x's device {x.device}, "
+                                 f"got one on {mask.device}")
 
     def _scan(self, h0: Tensor, c0: Tensor, inputs: Any, *, reset: Tensor | None = None,
               active: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
         config = self.config
-        if not _paper_scan(config):
+        if config.update != "dense" or config.dynamics != "none":  # (the paper's scan below)
             return option_scan(scan_options(config), h0, c0, inputs, self.cell.params(),
                                self.warp_flow.params() if config.flow else None,
                                reset=reset, active=active)
@@ -539,13 +512,11 @@ class TensorMemory(nn.Module):
             If an argument has the wrong shape or device, or a stream-only argument comes with
             ``stream=False``.
         """
-        check = self._check(x, state, reset)
+        self._check(x, state, {"reset": reset, "doc_starts": doc_starts, "valid": valid})
         if check_stream_call(stream, state, doc_starts, valid):
             return self.layer.forward_stream(_XP, self.params(), x, state, scan=self._scan,
-                                             reset=reset, doc_starts=doc_starts, valid=valid,
-                                             check=check)
-        return self.layer.forward(_XP, self.params(), x, state, scan=self._scan, reset=reset,
-                                  check=check)
+                                             reset=reset, doc_starts=doc_starts, valid=valid)
+        return self.layer.forward(_XP, self.params(), x, state, scan=self._scan, reset=reset)
 
 
 class MemoryResidual(nn.Module):
@@ -587,10 +558,8 @@ class MemoryResidual(nn.Module):
             memory.zero_read_out_()
         self.memory = memory
         kw = {"device": ref.device, "dtype": ref.dtype}
-        if norm is None:
-            norm = nn.LayerNorm(memory.embed_dim, **kw)
-        elif isinstance(norm, type):
-            norm = norm(memory.embed_dim, **kw)
+        if norm is None or isinstance(norm, type):  # (a class: called with d)
+            norm = (norm or nn.LayerNorm)(memory.embed_dim, **kw)
         self.norm = norm
         self.gate = nn.Parameter(torch.full(tl.GATE_SHAPE, gate_init, **kw))
 
@@ -622,28 +591,3 @@ class MemoryResidual(nn.Module):
         out, state = self.memory(self.norm(x), state, reset=reset, doc_starts=doc_starts,
                                  valid=valid, stream=stream)
         return x + torch.sigmoid(self.gate) * out, state
-
-
-
-def _require_torch(state: Any, reset: Any) -> None:
-    """``TypeError`` naming the field when a state or a reset mask holds arrays of another kind
-    (NumPy, JAX)."""
-    def kind(value: Any) -> str:
-        return f"{type(value).__module__}.{type(value).__qualname__}"
-
-    fields: dict[str, Any] = {}
-    if isinstance(state, tl.StreamState):
-        fields = {k: v for k, v in state._asdict().items() if k != "count"}
-        count = state.count
-        if not isinstance(count, (Tensor, tuple, list)):
-            raise TypeError(f"state.count: expected a tuple of ints or an integer torch.Tensor "
-                            f"(B,), got {kind(count)} (convert with torch.as_tensor)")
-    elif isinstance(state, (tuple, list)) and len(state) == 2:
-        fields = {"h": state[0], "c": state[1]}
-    for name, value in fields.items():
-        if not isinstance(value, Tensor):
-            raise TypeError(f"state.{name}: expected a torch.Tensor, got {kind(value)} "
-                            f"(convert with torch.as_tensor)")
-    if reset is not None and not isinstance(reset, Tensor):
-        raise TypeError(f"reset: expected a bool torch.Tensor of shape (B,), got {kind(reset)} "
-                        f"(convert with torch.as_tensor)")

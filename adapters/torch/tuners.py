@@ -54,19 +54,6 @@ def _own(module: nn.Module, leaf: str) -> Tensor | None:
     return registered if registered is not None else computed(module, leaf)
 
 
-def _is_lora(linear: nn.Module) -> bool:
-    # peft's LoRA layers (lora.Linear and its quantized kinds) by what this module uses
-    return all(hasattr(linear, a) for a in ("lora_A", "lora_B", "scaling", "get_delta_weight"))
-
-
-def _mixed_batch(linear: nn.Module) -> bool:
-    # peft's `adapter_names=` (one adapter per row) reaches its layers as a forward
-    # pre-hook that adds the argument; the memory never calls the layer, so it is refused
-    return any(getattr(getattr(hook, "func", hook), "__name__", "")
-               == "_adapter_names_pre_forward_hook"
-               for hook in linear._forward_pre_hooks.values())
-
-
 def _active(linear: nn.Module) -> list[str]:
     # peft's forward skips the active names this layer has no adapter of
     return [a for a in linear.active_adapters if a in linear.lora_A]
@@ -80,7 +67,8 @@ def check_tuned(linear: nn.Module, name: str, *, warn: bool = True) -> bool:
     if not is_tuned(linear) or linear.disable_adapters:
         return False
     kind = type(linear).__name__
-    if not _is_lora(linear):
+    # peft's LoRA layers (lora.Linear and its quantized kinds) by what this module uses
+    if not all(hasattr(linear, a) for a in ("lora_A", "lora_B", "scaling", "get_delta_weight")):
         raise ValueError(f"{name}: a PEFT {kind} tuner wraps this memory layer; the memory "
                          f"reads its layers' weights, and only plain LoRA is folded into "
                          f"them (its update is a weight delta); {_HOW_TO_EXCLUDE}")
@@ -88,7 +76,10 @@ def check_tuned(linear: nn.Module, name: str, *, warn: bool = True) -> bool:
         raise ValueError(f"{name}: PEFT tuners wrap this memory layer twice "
                          f"({kind} around {type(linear.base_layer).__name__}); only one LoRA "
                          f"tuner is supported on the memory's layers; {_HOW_TO_EXCLUDE}")
-    if _mixed_batch(linear):
+    # peft's `adapter_names=` (one adapter per row) reaches its layers as a forward pre-hook
+    # that adds the argument; the memory never calls the layer, so it is refused
+    if any(getattr(getattr(hook, "func", hook), "__name__", "") == "_adapter_names_pre_forward_hook"
+           for hook in linear._forward_pre_hooks.values()):
         raise ValueError(f"{name}: adapter_names (one adapter per row) is not supported on "
                          f"the memory's LoRA layers (the memory folds the active adapters "
                          f"into one weight for the whole batch); {_HOW_TO_EXCLUDE}")
@@ -166,8 +157,5 @@ def fold_tuned(layers: dict[str, nn.Module]) -> dict[str, dict[str, Tensor | Non
     skipped = [name for name, linear in layers.items() if check_tuned(linear, name, warn=False)]
     if skipped:
         warn_dropout(skipped)
-    folded = {}
-    for name, linear in layers.items():
-        weight, bias = effective_weight(linear, name, check=False)
-        folded[name] = {"weight": weight, "bias": bias}
-    return folded
+    return {name: dict(zip(("weight", "bias"), effective_weight(linear, name, check=False),
+                           strict=True)) for name, linear in layers.items()}
