@@ -215,8 +215,7 @@ class Layer:
     # ----------------------------------------------------------------- the call
 
     def forward(self, xp: Any, params: Params, x: Any, state: State | None, *, scan: Scan,
-                reset: Any = None, check: Callable[..., None] | None = None,
-                checked: bool = False) -> tuple[Any, State]:
+                reset: Any = None, checked: bool = False) -> tuple[Any, State]:
         """The paper's call on a whole sequence: a ragged last chunk zero-padded and written.
 
         Parameters
@@ -231,9 +230,6 @@ class Layer:
             The adapter's differentiable scan.
         reset : bool array, shape ``(B,)``, optional
             Rows whose state is zeroed first.
-        check : callable, optional
-            An adapter's own checks (devices, dtypes), called as ``check(x, state,
-            reset=reset)`` after the generic ones (each input is checked once).
         checked : bool, default False
             The caller checked ``x`` (tokens, size gate) and ``state`` already.
 
@@ -247,8 +243,6 @@ class Layer:
         batch, tokens = self._check(xp, x, checked)
         if state is not None and not checked:
             state = check_state(xp, state, batch, self.config)
-        if check is not None:
-            check(x, state, reset=reset)
         h, c = (zero_state(xp, self.config, batch, dtype=x.dtype, device=device_of(x))
                 if state is None else state)
         if reset is not None:
@@ -262,8 +256,8 @@ class Layer:
 
     def forward_stream(self, xp: Any, params: Params, x: Any, state: Any, *, scan: Scan,
                        reset: Any = None, doc_starts: Any = None, valid: Any = None,
-                       check: Callable[..., None] | None = None, checked: bool = False,
-                       max_documents: int | None = None) -> tuple[Any, StreamState]:
+                       checked: bool = False, max_documents: int | None = None
+                       ) -> tuple[Any, StreamState]:
         """Streaming, padding and packed documents: the default call of both adapters.
 
         The call continues each row's unfinished chunk, so feeding a sequence in pieces
@@ -292,9 +286,6 @@ class Layer:
         valid : bool array, shape ``(B, N)``, optional
             False at tokens to skip (padding, left or right): they never enter the state,
             their outputs are zeros.
-        check : callable, optional
-            An adapter's own checks, called as ``check(x, state, reset=, doc_starts=,
-            valid=)`` with the checked state (``None``, a pair or a StreamState).
         checked : bool, default False
             The caller checked ``x`` and ``state`` already (a StreamState's ``count`` an
             int32 array).
@@ -323,10 +314,6 @@ class Layer:
         length = self.config.chunk_size
         batch, tokens = self._check(xp, x, checked)
         st, known = stream_state(xp, state, x, self.config, checked=checked)
-        if check is not None:
-            check(x, st if isinstance(state, StreamState) else
-                  None if state is None else (st.h, st.c),
-                  reset=reset, doc_starts=doc_starts, valid=valid)
         for name, mask, shape in (("reset", reset, (batch,)), ("valid", valid, (batch, tokens)),
                                   ("doc_starts", doc_starts, (batch, tokens))):
             if mask is not None:
