@@ -5,12 +5,11 @@ rebuilt by :func:`from_pretrained` and by the ``Auto`` classes (``model_type =
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from torch import Tensor, nn
+from torch import nn
 
 from tmcore import layer as tl
 from tmcore.adapters.hf.blocks import (
@@ -19,6 +18,7 @@ from tmcore.adapters.hf.blocks import (
     find_blocks,
     hidden_size,
     num_layers,
+    resolve,
     transformers_module,
     unmark_config,
 )
@@ -245,26 +245,6 @@ def _check_saved_shapes(path: str, config: tl.LayerConfig) -> None:
                             f"gives {expected[leaf]} (nothing was built)")
 
 
-def _memory_tensors(path: str) -> dict[str, Tensor]:
-    """The memory entries (``*.tensor_memory.*``) of a ``save_pretrained`` folder."""
-    from safetensors.torch import load_file
-
-    index = os.path.join(path, "model.safetensors.index.json")
-    if os.path.exists(index):
-        with open(index) as f:
-            files = sorted({v for k, v in json.load(f)["weight_map"].items() if _MARKER in k})
-    elif os.path.exists(os.path.join(path, "model.safetensors")):
-        files = ["model.safetensors"]
-    else:
-        raise ValueError(f"path: {path!r} has no model.safetensors (save with "
-                         f"save_pretrained(..., safe_serialization=True), the default)")
-    out: dict[str, Tensor] = {}
-    for name in files:
-        out.update({k: v for k, v in load_file(os.path.join(path, name)).items()
-                    if _MARKER in k})
-    return out
-
-
 def from_pretrained(path: str | os.PathLike, model_class: Any = None, **kwargs: Any
                     ) -> nn.Module:
     """Load a model saved with its memory (``save_pretrained``) and its memory, in one call.
@@ -304,57 +284,21 @@ def from_pretrained(path: str | os.PathLike, model_class: Any = None, **kwargs: 
         raise ValueError(f"path: expected a local folder written by save_pretrained, "
                          f"got {path!r}")
     config = kwargs.pop("config", None) or transformers.AutoConfig.from_pretrained(path)
-    spec = getattr(config, CONFIG_KEY, None)
-    if spec is None:
+    if getattr(config, CONFIG_KEY, None) is None:
         raise ValueError(f"path: {path!r} has no '{CONFIG_KEY}' in its config.json (saved "
                          f"without memory?); load it with the model class's from_pretrained")
-    layer = check_spec(spec, config)
-    _check_saved_shapes(path, layer)
-    unmark_config(config)  # built as the base model (see _memory_model_class)
+    base = getattr(type(config), "_tmcore_base", type(config))
     concrete = model_class or transformers.AutoModelForCausalLM
-    mapping = getattr(concrete, "_model_mapping", None)
-    if mapping is not None:
-        concrete = mapping[type(config)]
-    if getattr(concrete, "_tmcore_memory_class", False):  # the registered class: its base
-        concrete = concrete.__mro__[1]                     # (the memory is attached below)
-    saved = concrete.__dict__.get("_keys_to_ignore_on_load_unexpected", _NOTHING)
-    concrete._keys_to_ignore_on_load_unexpected = [
-        *(getattr(concrete, "_keys_to_ignore_on_load_unexpected", None) or []),
-        rf"\.{_torch_attach.ATTRIBUTE}\."]
-    try:  # the base weights (the memory's are not the base model's: ignored here)
-        model = concrete.from_pretrained(path, config=config, **kwargs)
-    finally:
-        if saved is _NOTHING:
-            del concrete._keys_to_ignore_on_load_unexpected
-        else:
-            concrete._keys_to_ignore_on_load_unexpected = saved
-    if memory_of(model) is not None:  # a registered memory class attached it: reattach
-        memory_of(model).remove()     # below, its weights loaded strictly
-    if hasattr(model.config, CONFIG_KEY):
-        delattr(model.config, CONFIG_KEY)
-    moved = _blocks_of_this_head(model, spec)  # another head's checkpoint (AutoModel, ...)
-    memory = _attach_spec(model, moved, layer)
-    tensors = _memory_tensors(path)
-    if moved["blocks"] != spec["blocks"]:  # its keys move as transformers moves the rest
-        old, new = spec["blocks"] + ".", moved["blocks"] + "."
-        tensors = {new + k[len(old):] if k.startswith(old) else k: v
-                   for k, v in tensors.items()}
-    expected = {k for k in model.state_dict() if _MARKER in k}
-    missing, unknown = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
-    if missing or unknown:
-        memory.remove()
-        raise ValueError(f"path: the memory weights do not fit its {CONFIG_KEY} config: "
-                         f"missing {_few(missing)}, unknown {_few(unknown)}")
-    try:
-        model.load_state_dict(tensors, strict=False)
-    except RuntimeError as error:
-        memory.remove()
-        raise ValueError(f"{CONFIG_KEY}: the stored configuration does not fit the saved "
-                         f"memory weights: {error}") from error
+    if getattr(concrete, "_model_mapping", None) is not None:  # an Auto class: its head
+        concrete = concrete._model_mapping[base]
+    if getattr(concrete, "_tmcore_memory_class", False):
+        concrete = concrete.__mro__[1]
+    # loaded as the Auto classes load it (the memory attached by __init__, its weights
+    # checked and loaded with the rest), then given the model's own class back
+    model = _memory_model_class(_memory_config_class(base), concrete).from_pretrained(
+        path, config=config, **kwargs)
+    model.__class__ = concrete
     return model
-
-
-_NOTHING: Any = object()
 
 
 def _few(keys: list[str]) -> str:
@@ -368,7 +312,6 @@ def _few(keys: list[str]) -> str:
 #: ``AutoConfig``); ``base_model_type`` next to it names the model it extends.
 MODEL_TYPE = "tensor_memory"
 _BASE_KEY = "base_model_type"
-_CONFIG_CLASSES: dict[type, type] = {}
 
 
 def _memory_config_class(base: type) -> type:
@@ -377,26 +320,24 @@ def _memory_config_class(base: type) -> type:
     once, a module attribute so that pickling finds it)."""
     if getattr(base, "_tmcore_base", None) is not None:
         return base
-    if base not in _CONFIG_CLASSES:
-        name = f"TensorMemory{base.__name__}"
-
+    name = f"TensorMemory{base.__name__}"
+    if name not in globals():
         def to_dict(self: Any) -> dict[str, Any]:
             out = base.to_dict(self)
             out[_BASE_KEY] = base.model_type
             return out
 
-        cls = type(name, (base,), {"model_type": MODEL_TYPE, "_tmcore_base": base,
-                                   "to_dict": to_dict, "__module__": __name__,
-                                   "__doc__": f"{base.__name__} with Tensor Memory "
-                                              f"(``config.{CONFIG_KEY}``)."})
-        globals()[name] = cls
-        _CONFIG_CLASSES[base] = cls
-    return _CONFIG_CLASSES[base]
+        globals()[name] = type(name, (base,), {
+            "model_type": MODEL_TYPE, "_tmcore_base": base, "to_dict": to_dict,
+            "__module__": __name__,
+            "__doc__": f"{base.__name__} with Tensor Memory (``config.{CONFIG_KEY}``)."})
+    return globals()[name]
 
 
-def _memory_model_class(config_class: type, model_class: type, auto: Any) -> type:
+def _memory_model_class(config_class: type, model_class: type, auto: Any = None) -> type:
     """``model_class`` whose ``__init__`` attaches the memory its config stores, registered
-    with the Auto class ``auto`` (``AutoModelForCausalLM``, ...) for ``config_class``."""
+    with the Auto class ``auto`` (``AutoModelForCausalLM``, ...; none: not registered) for
+    ``config_class``."""
     if getattr(model_class, "_tmcore_memory_class", False):
         return model_class
     name = f"TensorMemory{model_class.__name__}"
@@ -404,7 +345,8 @@ def _memory_model_class(config_class: type, model_class: type, auto: Any) -> typ
     if existing is not None and existing.config_class is config_class:
         # registered again: the Auto class builds the class last asked for (a checkpoint's
         # own architecture, read just before its model is built)
-        auto.register(config_class, existing, exist_ok=True)
+        if auto is not None:
+            auto.register(config_class, existing, exist_ok=True)
         return existing
 
     def __init__(self: Any, config: Any, *args: Any, **kwargs: Any) -> None:
@@ -435,11 +377,12 @@ def _memory_model_class(config_class: type, model_class: type, auto: Any) -> typ
         model, loading = model_class.from_pretrained.__func__(cls, *args,
                                                               output_loading_info=True,
                                                               **kwargs)
-        missing = sorted(k for k in loading.get("missing_keys", ()) if _MARKER in k)
-        if missing:
-            raise ValueError(f"pretrained_model_name_or_path: the checkpoint lacks memory "
-                             f"weights its {CONFIG_KEY} config needs: {_few(missing)}; "
-                             f"the memory cannot be restored")
+        missing, unknown = ([k for k in loading.get(key, ()) if _MARKER in k]
+                            for key in ("missing_keys", "unexpected_keys"))
+        if missing or unknown:
+            raise ValueError(f"pretrained_model_name_or_path: the memory weights do not fit "
+                             f"its {CONFIG_KEY} config: missing {_few(sorted(missing))}, "
+                             f"unknown {_few(sorted(unknown))}; the memory cannot be restored")
         return (model, loading) if info else model
 
     cls = type(name, (model_class,), {"__init__": __init__, "from_pretrained": from_pretrained,
@@ -449,7 +392,8 @@ def _memory_model_class(config_class: type, model_class: type, auto: Any) -> typ
                                                  f"attached from its config."})
     globals()[name] = cls
     _share_conversions(model_class, name)
-    auto.register(config_class, cls, exist_ok=True)
+    if auto is not None:
+        auto.register(config_class, cls, exist_ok=True)
     return cls
 
 
@@ -460,11 +404,7 @@ def _blocks_of_this_head(model: nn.Module, spec: dict[str, Any]) -> dict[str, An
     blocks, prefix = spec["blocks"], getattr(model, "base_model_prefix", "") or ""
 
     def exists(path: str) -> bool:
-        try:
-            model.get_submodule(path)
-        except AttributeError:
-            return False
-        return True
+        return resolve(model, path) is not None
 
     if not prefix or exists(blocks):
         return spec

@@ -29,7 +29,7 @@ def transformers_module() -> Any:
     return transformers
 
 
-def _resolve(root: nn.Module, path: str) -> Any:
+def resolve(root: nn.Module, path: str) -> Any:
     obj: Any = root
     for part in path.split("."):
         obj = getattr(obj, part, None)
@@ -107,7 +107,7 @@ def find_blocks(model: nn.Module, blocks: str | None = None) -> tuple[str, nn.Mo
         if not isinstance(blocks, str):
             raise TypeError(f"blocks: expected a dotted path such as 'model.layers', "
                             f"got {type(blocks).__name__}")
-        found = _resolve(model, blocks)
+        found = resolve(model, blocks)
         if not fits(found):
             raise ValueError(f"blocks: {blocks!r} is not a non-empty nn.ModuleList of "
                              f"{type(model).__name__} with config.num_hidden_layers = "
@@ -115,14 +115,14 @@ def find_blocks(model: nn.Module, blocks: str | None = None) -> tuple[str, nn.Mo
                              f"{f' of {len(found)}' if hasattr(found, '__len__') else ''})")
         path = blocks
     else:
-        path = next((p for p in BLOCK_PATHS if fits(_resolve(model, p))), None)
+        path = next((p for p in BLOCK_PATHS if fits(resolve(model, p))), None)
         if path is None:
             raise ValueError(f"model: could not find the decoder blocks of "
                              f"{type(model).__name__} (tried {', '.join(BLOCK_PATHS)}); "
                              f"pass blocks='dotted.path.to.the.ModuleList'")
     owner_path, _, _ = path.rpartition(".")
-    owner = model if not owner_path else _resolve(model, owner_path)
-    return path, owner, _resolve(model, path)
+    owner = model if not owner_path else resolve(model, owner_path)
+    return path, owner, resolve(model, path)
 
 
 def check_fits(model: nn.Module, path: str, owner: nn.Module, embed_dim: int,
