@@ -15,9 +15,8 @@ from tmcore import layer as tl
 from tmcore.adapters.hf.blocks import (
     CONFIG_KEY,
     check_fits,
+    config_int,
     find_blocks,
-    hidden_size,
-    num_layers,
     resolve,
     transformers_module,
     unmark_config,
@@ -114,7 +113,7 @@ def attach_memory(
         raise ValueError("model: already has a Tensor Memory attached; detach_memory first")
     path, _, found = find_blocks(model, blocks)
     if embed_dim is None:
-        embed_dim = hidden_size(model)
+        embed_dim = config_int(model.config, "hidden_size")
         if embed_dim is None:
             raise ValueError("model: its config has no integer hidden_size; pass embed_dim=")
     config = tl.layer_config(embed_dim, memory_channels, memory_shape, chunk_size,
@@ -211,7 +210,7 @@ def check_spec(spec: Any, config: Any = None) -> tl.LayerConfig:
     if not isinstance(spec["blocks"], str):
         raise TypeError(f"{CONFIG_KEY}.blocks: expected a dotted path, got {spec['blocks']!r}")
     blocks = check_int(f"{CONFIG_KEY}.num_blocks", spec["num_blocks"], 1)
-    layers = None if config is None else num_layers(config)
+    layers = None if config is None else config_int(config, "num_hidden_layers")
     if layers is not None and layers != blocks:
         raise ValueError(f"num_hidden_layers: the config asks for {layers} decoder layers, "
                          f"its {CONFIG_KEY} records {blocks} blocks (num_blocks); nothing "
@@ -225,10 +224,9 @@ def _check_saved_shapes(path: str, config: tl.LayerConfig) -> None:
     configuration BEFORE any block is built: a few edited bytes of ``config.json``
     (``chunk_size`` 10**6) would otherwise allocate gigabytes first. Reads headers only;
     a folder without safetensors files is left to the strict load."""
-    files = sorted(name for name in os.listdir(path) if name.endswith(".safetensors"))
-    if not files:
-        return
     from safetensors import safe_open
+
+    files = sorted(name for name in os.listdir(path) if name.endswith(".safetensors"))
 
     expected = {spec.name: tuple(spec.shape) for spec in tl.param_specs(config)}
     marker = f"{_MARKER}memory."
@@ -341,14 +339,17 @@ def _memory_model_class(config_class: type, model_class: type, auto: Any = None)
     if getattr(model_class, "_tmcore_memory_class", False):
         return model_class
     name = f"TensorMemory{model_class.__name__}"
-    existing = globals().get(name)
-    if existing is not None and existing.config_class is config_class:
-        # registered again: the Auto class builds the class last asked for (a checkpoint's
-        # own architecture, read just before its model is built)
-        if auto is not None:
-            auto.register(config_class, existing, exist_ok=True)
-        return existing
+    if getattr(globals().get(name), "config_class", None) is not config_class:
+        globals()[name] = _make_memory_model_class(name, config_class, model_class)
+        _share_conversions(model_class, name)
+    if auto is not None:  # registered each time: the Auto class builds the class last asked
+        # for (a checkpoint's own architecture, read just before its model is built)
+        auto.register(config_class, globals()[name], exist_ok=True)
+    return globals()[name]
 
+
+def _make_memory_model_class(name: str, config_class: type, model_class: type) -> type:
+    """The class :func:`_memory_model_class` registers (``__init__``, ``from_pretrained``)."""
     def __init__(self: Any, config: Any, *args: Any, **kwargs: Any) -> None:
         spec = getattr(config, CONFIG_KEY, None)
         if spec is None:
@@ -385,16 +386,11 @@ def _memory_model_class(config_class: type, model_class: type, auto: Any = None)
                              f"unknown {_few(sorted(unknown))}; the memory cannot be restored")
         return (model, loading) if info else model
 
-    cls = type(name, (model_class,), {"__init__": __init__, "from_pretrained": from_pretrained,
-                                      "config_class": config_class,
-                                      "_tmcore_memory_class": True, "__module__": __name__,
-                                      "__doc__": f"{model_class.__name__} with Tensor Memory "
-                                                 f"attached from its config."})
-    globals()[name] = cls
-    _share_conversions(model_class, name)
-    if auto is not None:
-        auto.register(config_class, cls, exist_ok=True)
-    return cls
+    return type(name, (model_class,), {"__init__": __init__, "from_pretrained": from_pretrained,
+                                       "config_class": config_class,
+                                       "_tmcore_memory_class": True, "__module__": __name__,
+                                       "__doc__": f"{model_class.__name__} with Tensor Memory "
+                                                  f"attached from its config."})
 
 
 def _blocks_of_this_head(model: nn.Module, spec: dict[str, Any]) -> dict[str, Any]:
@@ -402,16 +398,10 @@ def _blocks_of_this_head(model: nn.Module, spec: dict[str, Any]) -> dict[str, An
     by the base model (``AutoModel``: ``model.layers`` -> ``layers``) or the reverse, by
     the base model prefix transformers strips or adds when it loads."""
     blocks, prefix = spec["blocks"], getattr(model, "base_model_prefix", "") or ""
-
-    def exists(path: str) -> bool:
-        return resolve(model, path) is not None
-
-    if not prefix or exists(blocks):
-        return spec
-    if blocks.startswith(prefix + ".") and exists(blocks[len(prefix) + 1:]):
-        return {**spec, "blocks": blocks[len(prefix) + 1:]}
-    if exists(f"{prefix}.{blocks}"):
-        return {**spec, "blocks": f"{prefix}.{blocks}"}
+    stripped = blocks[len(prefix) + 1:] if blocks.startswith(prefix + ".") else None
+    for moved in (blocks, stripped, f"{prefix}.{blocks}") if prefix else ():
+        if moved is not None and resolve(model, moved) is not None:
+            return {**spec, "blocks": moved}
     return spec
 
 

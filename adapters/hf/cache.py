@@ -108,8 +108,7 @@ class HFMemory:
 
     def __init__(self, model: nn.Module, path: str, owner: nn.Module, handle: MemoryHandle,
                  spec: dict[str, Any]):
-        self.model, self.path, self.owner, self.handle = model, path, owner, handle
-        self.spec = spec
+        self.model, self.path, self.owner, self.handle, self.spec = model, path, owner, handle, spec
         self.streaming = bool(spec["streaming"])
         self._train_state: list[Any] | None = None
         self._names = parameter_names(owner)
@@ -210,16 +209,14 @@ class HFMemory:
         else:
             start = self._cache_start(name, cache, compiling)
             past = 0 if compiling else cache.get_seq_length()
-        self.handle.state = start  # a detached training state, a cache's (no grad) or None
-        self.handle._state_cut = True
+        self.handle.set_state(start)  # a detached training state, a cache's (no grad) or None
         self.handle._valid = _valid_mask(self._arg(args, kwargs, "attention_mask")[1], batch,
                                          count, compiling, past)
 
     def _cache_start(self, name: str, cache: Any, compiling: bool) -> list[Any] | None:
-        transformers = transformers_module()
         if type(cache).__name__ == "PagedAttentionCache":
             raise NotImplementedError(f"{name}: {_REFUSED['init_continuous_batching']}")
-        if not isinstance(cache, transformers.Cache):
+        if not isinstance(cache, transformers_module().Cache):
             raise TypeError(f"{name}: tmcore's memory follows a transformers Cache object "
                             f"(DynamicCache, StaticCache, ...); got {type(cache).__name__} "
                             f"(legacy tuple caches cannot carry the memory state)")
@@ -250,10 +247,8 @@ class HFMemory:
             return
         _, passed = self._arg(args, kwargs, *_CACHE_NAMES)
         cache = passed if passed is not None else _cache_in(output)
-        if states[0].h.requires_grad:  # a cache never keeps the graph alive
-            states = [detach_state(s) for s in states]
-        transformers = transformers_module()
-        if isinstance(cache, transformers.Cache):
+        states = [detach_state(s) for s in states]  # a cache never keeps the graph alive
+        if isinstance(cache, transformers_module().Cache):
             self._bind(cache, states)
         if self.streaming and module.training and passed is None:
             # no cache came in (one the forward made for itself, use_cache=True by
