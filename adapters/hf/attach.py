@@ -312,6 +312,11 @@ MODEL_TYPE = "tensor_memory"
 _BASE_KEY = "base_model_type"
 
 
+def _memory_to_dict(config: Any) -> dict[str, Any]:
+    """A config with memory's ``to_dict``: its base class's, with ``base_model_type``."""
+    return {**config._tmcore_base.to_dict(config), _BASE_KEY: config._tmcore_base.model_type}
+
+
 def _memory_config_class(base: type) -> type:
     """The config class of ``base`` with memory: the same fields and behaviour, saved with
     ``model_type = "tensor_memory"`` and ``base_model_type`` (one class per base, made
@@ -320,13 +325,8 @@ def _memory_config_class(base: type) -> type:
         return base
     name = f"TensorMemory{base.__name__}"
     if name not in globals():
-        def to_dict(self: Any) -> dict[str, Any]:
-            out = base.to_dict(self)
-            out[_BASE_KEY] = base.model_type
-            return out
-
         globals()[name] = type(name, (base,), {
-            "model_type": MODEL_TYPE, "_tmcore_base": base, "to_dict": to_dict,
+            "model_type": MODEL_TYPE, "_tmcore_base": base, "to_dict": _memory_to_dict,
             "__module__": __name__,
             "__doc__": f"{base.__name__} with Tensor Memory (``config.{CONFIG_KEY}``)."})
     return globals()[name]
@@ -411,12 +411,12 @@ def _share_conversions(model_class: type, name: str) -> None:
     saves with them, so the memory class must load with them (else a weight is left
     freshly initialized). Nothing where this transformers has no such registry."""
     try:
-        from transformers import conversion_mapping
-    except ImportError:
+        from transformers import conversion_mapping as conversions
+        get, register = (conversions.get_checkpoint_conversion_mapping,
+                         conversions.register_checkpoint_conversion_mapping)
+    except (ImportError, AttributeError):
         return
-    get = getattr(conversion_mapping, "get_checkpoint_conversion_mapping", None)
-    register = getattr(conversion_mapping, "register_checkpoint_conversion_mapping", None)
-    mapping = None if get is None or register is None else get(model_class.__name__)
+    mapping = get(model_class.__name__)
     if mapping is not None:
         register(name, mapping, overwrite=True)
 
@@ -488,17 +488,12 @@ def _auto_config_class() -> type:
                 raise ValueError(f"{_BASE_KEY}: a '{MODEL_TYPE}' config must name the model "
                                  f"it extends (one of transformers' model types, not "
                                  f"{MODEL_TYPE!r}), got {base_type!r}")
-            if CONFIG_KEY not in config_dict:
-                raise ValueError(f"{CONFIG_KEY}: a '{MODEL_TYPE}' config without its memory "
-                                 f"configuration; the memory cannot be restored")
             config_class = _memory_config_class(mapping[base_type])
             named = (getattr(transformers, arch, None)
                      for arch in config_dict.get("architectures") or ())
             _register_heads(config_class, [c for c in named if isinstance(c, type)])
-            config = config_class.from_dict(config_dict, **kwargs)
-            check_spec(config_dict[CONFIG_KEY], config[0] if isinstance(config, tuple)
-                       else config)
-            return config
+            # its memory configuration is checked by the model built from it
+            return config_class.from_dict(config_dict, **kwargs)
 
     return TensorMemoryConfig
 

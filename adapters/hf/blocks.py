@@ -90,26 +90,23 @@ def find_blocks(model: nn.Module, blocks: str | None = None) -> tuple[str, nn.Mo
         return isinstance(found, nn.ModuleList) and len(found) > 0 \
             and (layers is None or len(found) == layers)
 
-    if blocks is not None:
-        if not isinstance(blocks, str):
-            raise TypeError(f"blocks: expected a dotted path such as 'model.layers', "
-                            f"got {type(blocks).__name__}")
-        found = resolve(model, blocks)
-        if not fits(found):
-            raise ValueError(f"blocks: {blocks!r} is not a non-empty nn.ModuleList of "
-                             f"{type(model).__name__} with config.num_hidden_layers = "
-                             f"{layers} blocks (got {type(found).__name__}"
-                             f"{f' of {len(found)}' if hasattr(found, '__len__') else ''})")
-        path = blocks
-    else:
-        path = next((p for p in BLOCK_PATHS if fits(resolve(model, p))), None)
-        if path is None:
-            raise ValueError(f"model: could not find the decoder blocks of "
-                             f"{type(model).__name__} (tried {', '.join(BLOCK_PATHS)}); "
-                             f"pass blocks='dotted.path.to.the.ModuleList'")
+    if blocks is not None and not isinstance(blocks, str):
+        raise TypeError(f"blocks: expected a dotted path such as 'model.layers', "
+                        f"got {type(blocks).__name__}")
+    path = blocks if blocks is not None else next(
+        (p for p in BLOCK_PATHS if fits(resolve(model, p))), None)
+    if path is None:
+        raise ValueError(f"model: could not find the decoder blocks of "
+                         f"{type(model).__name__} (tried {', '.join(BLOCK_PATHS)}); "
+                         f"pass blocks='dotted.path.to.the.ModuleList'")
+    found = resolve(model, path)
+    if not fits(found):  # a path the caller gave
+        raise ValueError(f"blocks: {path!r} is not a non-empty nn.ModuleList of "
+                         f"{type(model).__name__} with config.num_hidden_layers = "
+                         f"{layers} blocks (got {type(found).__name__}"
+                         f"{f' of {len(found)}' if hasattr(found, '__len__') else ''})")
     owner_path, _, _ = path.rpartition(".")
-    owner = model if not owner_path else resolve(model, owner_path)
-    return path, owner, resolve(model, path)
+    return path, model if not owner_path else resolve(model, owner_path), found
 
 
 def check_fits(model: nn.Module, path: str, owner: nn.Module, embed_dim: int,
@@ -123,8 +120,7 @@ def check_fits(model: nn.Module, path: str, owner: nn.Module, embed_dim: int,
         raise ValueError(f"{where}: the memory reads and writes the blocks' outputs of the "
                          f"model's hidden size {width} (config.hidden_size), got {embed_dim}; "
                          f"leave embed_dim unset or pass {width}")
-    names = parameter_names(owner)
-    if "input_ids" not in names and "inputs_embeds" not in names:
+    if not {"input_ids", "inputs_embeds"} & parameter_names(owner).keys():
         raise ValueError(
             f"blocks: {path!r} is owned by {type(owner).__name__}, whose forward is not "
             f"called with input_ids or inputs_embeds (an encoder's inner stack?); "

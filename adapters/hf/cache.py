@@ -32,7 +32,7 @@ _CACHE_NAMES = ("cache", "past_key_values")
 class _Entry:
     """What a cache object carries for the memory: the owner, the cache length the
     state belongs to (``None``: bound by a compiled forward, not recorded), the per-layer
-    states."""
+    states (a class: ``torch.compile`` builds it without a graph break)."""
 
     def __init__(self, owner: int, length: int | None, state: list[Any]):
         self.owner, self.length, self.state = owner, length, state
@@ -48,22 +48,16 @@ class _CacheMethod:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         cache, name = self.cache, self.name
         entry = cache.__dict__.get(_CACHE_ATTR)
+        value = args[0] if args else next(iter(kwargs.values()), 0)  # its one argument
         if name == "crop" and entry is not None:
             before = cache.get_seq_length()
-            amount = args[0] if args else next(iter(kwargs.values()), 0)
-            if before > 0 and (amount < 0 or 0 < amount < before):
-                raise RuntimeError(
-                    f"tmcore.adapters.hf: cache.crop({amount}) would remove tokens, but the "
-                    f"Tensor Memory state cannot be rolled back (assisted / prompt-lookup "
-                    f"decoding and deferred stop checks are not supported with memory); "
-                    f"use greedy, sampling or beam search")
+            if before > 0 and (value < 0 or 0 < value < before):
+                raise RuntimeError(f"tmcore.adapters.hf: cache.crop({value}) would remove "
+                                   f"tokens: {_REFUSED['_get_candidate_generator']}")
         result = getattr(type(cache), name)(cache, *args, **kwargs)
-        if entry is None:
-            return result
-        if name == "reset":
+        if entry is not None and name == "reset":
             cache.__dict__.pop(_CACHE_ATTR, None)
-        elif name in _ROW_METHODS:  # the rows the cache keeps: indices, a bool mask or repeats
-            value = args[0] if args else next(iter(kwargs.values()))
+        elif entry is not None and name in _ROW_METHODS:  # indices, a bool mask or repeats
             if name == "batch_repeat_interleave":
                 index = torch.arange(entry.state[0].h.shape[0]).repeat_interleave(int(value))
             else:
@@ -149,8 +143,7 @@ class HFMemory:
             One state per memory layer (:class:`tmcore.adapters.torch.StreamState`),
             or ``None`` when the cache carries none (a fresh start).
         """
-        entry = getattr(cache, "__dict__", {}).get(_CACHE_ATTR)
-        return None if entry is None else entry.state
+        return getattr(getattr(cache, "__dict__", {}).get(_CACHE_ATTR), "state", None)
 
     def reset_state(self) -> None:
         """Forget the streaming-training state (``streaming=True``).
@@ -171,8 +164,7 @@ class HFMemory:
         self._train_state = None
         if getattr(self.model, "_tmcore_hf_memory", None) is self:
             del self.model._tmcore_hf_memory
-        if hasattr(self.model.config, CONFIG_KEY):
-            delattr(self.model.config, CONFIG_KEY)
+        self.model.config.__dict__.pop(CONFIG_KEY, None)
         unmark_config(self.model.config)  # model_type included
 
     # ----------------------------------------------------------------- per call
@@ -207,13 +199,14 @@ class HFMemory:
                         f"(dataloader_drop_last=True) or call memory.reset_state() first")
                 start = self._train_state
         else:
-            start = self._cache_start(name, cache, compiling)
-            past = 0 if compiling else cache.get_seq_length()
+            start, past = self._cache_start(name, cache, compiling)
         self.handle.set_state(start)  # a detached training state, a cache's (no grad) or None
         self.handle._valid = _valid_mask(self._arg(args, kwargs, "attention_mask")[1], batch,
                                          count, compiling, past)
 
-    def _cache_start(self, name: str, cache: Any, compiling: bool) -> list[Any] | None:
+    def _cache_start(self, name: str, cache: Any, compiling: bool
+                     ) -> tuple[list[Any] | None, int]:
+        """The state a cached call starts from, and the cache length (0 while compiling)."""
         if type(cache).__name__ == "PagedAttentionCache":
             raise NotImplementedError(f"{name}: {_REFUSED['init_continuous_batching']}")
         if not isinstance(cache, transformers_module().Cache):
@@ -223,10 +216,10 @@ class HFMemory:
         past = cache.get_seq_length()
         entry = cache.__dict__.get(_CACHE_ATTR)
         if compiling:
-            return None if entry is None else entry.state
+            return getattr(entry, "state", None), 0
         if past == 0:
             cache.__dict__.pop(_CACHE_ATTR, None)
-            return None
+            return None, 0
         if entry is None or entry.owner != id(self):
             raise RuntimeError(f"{name}: this cache holds {past} tokens but no Tensor Memory "
                                f"state of this model: it was filled before the memory was "
@@ -237,7 +230,7 @@ class HFMemory:
             raise RuntimeError(f"{name}: the cache now holds {past} tokens, its memory state "
                                f"belongs to {entry.length}; the cache was changed in a way "
                                f"the memory cannot follow")
-        return entry.state
+        return entry.state, past
 
     def _after(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         states = self.handle.state
@@ -279,12 +272,9 @@ def _check_adapted_linears(memories: list[nn.Module]) -> None:
     a training forward, naming each layer in full: a tuner the memory cannot fold into its
     weights is refused, a skipped LoRA dropout warned about
     (:func:`tmcore.adapters.torch.tuners.check_tuned`)."""
-    skipped = []
-    for index, residual in enumerate(memories):
-        for name, sub in residual.named_modules():
-            full = f"{_torch_attach.ATTRIBUTE}.{name} (block {index})"
-            if _tuners.is_tuned(sub) and _tuners.check_tuned(sub, full, warn=False):
-                skipped.append(full)
+    layers = {f"{_torch_attach.ATTRIBUTE}.{name} (block {index})": sub
+              for index, residual in enumerate(memories) for name, sub in residual.named_modules()}
+    skipped = [name for name, sub in layers.items() if _tuners.check_tuned(sub, name, warn=False)]
     if skipped:  # one warning for all the memory's layers
         _tuners.warn_dropout(skipped)
 
