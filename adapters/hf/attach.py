@@ -112,10 +112,9 @@ def attach_memory(
     if memory_of(model) is not None:
         raise ValueError("model: already has a Tensor Memory attached; detach_memory first")
     path, _, found = find_blocks(model, blocks)
+    embed_dim = config_int(model.config, "hidden_size") if embed_dim is None else embed_dim
     if embed_dim is None:
-        embed_dim = config_int(model.config, "hidden_size")
-        if embed_dim is None:
-            raise ValueError("model: its config has no integer hidden_size; pass embed_dim=")
+        raise ValueError("model: its config has no integer hidden_size; pass embed_dim=")
     config = tl.layer_config(embed_dim, memory_channels, memory_shape, chunk_size,
                              zero_init=zero_init, **options)
     spec = {"format": FORMAT, "blocks": path, "num_blocks": len(found),
@@ -227,7 +226,6 @@ def _check_saved_shapes(path: str, config: tl.LayerConfig) -> None:
     from safetensors import safe_open
 
     files = sorted(name for name in os.listdir(path) if name.endswith(".safetensors"))
-
     expected = {spec.name: tuple(spec.shape) for spec in tl.param_specs(config)}
     marker = f"{_MARKER}memory."
     for name in files:
@@ -453,7 +451,7 @@ def _mark_config(model: nn.Module) -> None:
     and register the pair with the Auto classes, so that ``AutoModelForCausalLM`` (or the
     Auto class of the model's head) loads the model back with its memory."""
     base = type(model.config)
-    if getattr(base, "_tmcore_base", None) is None and getattr(base, "model_type", ""):
+    if getattr(base, "model_type", ""):  # (a config with memory already: unchanged)
         model.config.__class__ = _memory_config_class(base)
     config_class = type(model.config)
     if not _register_heads(config_class, (type(model),)):

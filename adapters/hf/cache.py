@@ -201,8 +201,8 @@ class HFMemory:
         else:
             start, past = self._cache_start(name, cache, compiling)
         self.handle.set_state(start)  # a detached training state, a cache's (no grad) or None
-        self.handle._valid = _valid_mask(self._arg(args, kwargs, "attention_mask")[1], batch,
-                                         count, compiling, past)
+        self.handle.set_valid(_valid_mask(self._arg(args, kwargs, "attention_mask")[1], batch,
+                                          count, compiling, past))
 
     def _cache_start(self, name: str, cache: Any, compiling: bool
                      ) -> tuple[list[Any] | None, int]:
@@ -234,8 +234,7 @@ class HFMemory:
 
     def _after(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         states = self.handle.state
-        self.handle.state = None
-        self.handle._valid = None
+        self.handle.reset_state()  # the next call starts from what its pre-hook sets
         if states is None:
             return
         _, passed = self._arg(args, kwargs, *_CACHE_NAMES)
@@ -334,8 +333,7 @@ def _valid_mask(mask: Any, batch: int, tokens: int, compiling: bool, past: int =
                              f"B = {batch}, N = {tokens}, keys >= {past + tokens}, "
                              f"got {tuple(mask.shape)}")
         allowed = mask[:, 0] if mask.dtype == torch.bool else mask[:, 0] == 0
-        index = torch.arange(tokens, device=mask.device)
-        valid = allowed[:, index, index + past]
+        valid = allowed.diagonal(past, 1, 2)  # (B, N): token j's row at its key past + j
         return valid if compiling or not bool(valid.all()) else None
     if mask.dtype.is_floating_point or mask.dtype.is_complex:
         raise TypeError(f"attention_mask: expected 0/1 ints or bools of shape (B, past + N), "
