@@ -235,8 +235,6 @@ class HFMemory:
     def _after(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         states = self.handle.state
         self.handle.reset_state()  # the next call starts from what its pre-hook sets
-        if states is None:
-            return
         _, passed = self._arg(args, kwargs, *_CACHE_NAMES)
         cache = passed if passed is not None else _cache_in(output)
         states = [detach_state(s) for s in states]  # a cache never keeps the graph alive
