@@ -25,6 +25,8 @@ memory (docs/guides/huggingface.md says what is supported). Its modules, one job
 :mod:`~tmcore.adapters.hf.attach` (attach, detach, save and load).
 """
 
+from contextlib import suppress
+
 from tmcore.adapters.hf.attach import (
     MODEL_TYPE,
     attach_memory,
@@ -41,7 +43,5 @@ __all__ = ["BLOCK_PATHS", "CONFIG_KEY", "MODEL_TYPE", "PEFT_EXCLUDE", "HFMemory"
            "attach_memory", "check_spec", "detach_memory", "find_blocks", "from_pretrained",
            "memory_of", "register_auto_classes"]
 
-try:  # registered on import, as fla registers its models
-    register_auto_classes()
-except ImportError:  # pragma: no cover - transformers absent: the adapter's calls say so
-    pass
+with suppress(ImportError):  # registered on import, as fla registers its models (without
+    register_auto_classes()  # transformers, the adapter's calls say it is missing)

@@ -5,20 +5,19 @@ rebuilt by :func:`from_pretrained` and by the ``Auto`` classes (``model_type =
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from torch import Tensor, nn
+from torch import nn
 
 from tmcore import layer as tl
 from tmcore.adapters.hf.blocks import (
     CONFIG_KEY,
     check_fits,
+    config_int,
     find_blocks,
-    hidden_size,
-    num_layers,
+    resolve,
     transformers_module,
     unmark_config,
 )
@@ -113,10 +112,9 @@ def attach_memory(
     if memory_of(model) is not None:
         raise ValueError("model: already has a Tensor Memory attached; detach_memory first")
     path, _, found = find_blocks(model, blocks)
+    embed_dim = config_int(model.config, "hidden_size") if embed_dim is None else embed_dim
     if embed_dim is None:
-        embed_dim = hidden_size(model)
-        if embed_dim is None:
-            raise ValueError("model: its config has no integer hidden_size; pass embed_dim=")
+        raise ValueError("model: its config has no integer hidden_size; pass embed_dim=")
     config = tl.layer_config(embed_dim, memory_channels, memory_shape, chunk_size,
                              zero_init=zero_init, **options)
     spec = {"format": FORMAT, "blocks": path, "num_blocks": len(found),
@@ -211,7 +209,7 @@ def check_spec(spec: Any, config: Any = None) -> tl.LayerConfig:
     if not isinstance(spec["blocks"], str):
         raise TypeError(f"{CONFIG_KEY}.blocks: expected a dotted path, got {spec['blocks']!r}")
     blocks = check_int(f"{CONFIG_KEY}.num_blocks", spec["num_blocks"], 1)
-    layers = None if config is None else num_layers(config)
+    layers = None if config is None else config_int(config, "num_hidden_layers")
     if layers is not None and layers != blocks:
         raise ValueError(f"num_hidden_layers: the config asks for {layers} decoder layers, "
                          f"its {CONFIG_KEY} records {blocks} blocks (num_blocks); nothing "
@@ -225,11 +223,9 @@ def _check_saved_shapes(path: str, config: tl.LayerConfig) -> None:
     configuration BEFORE any block is built: a few edited bytes of ``config.json``
     (``chunk_size`` 10**6) would otherwise allocate gigabytes first. Reads headers only;
     a folder without safetensors files is left to the strict load."""
-    files = sorted(name for name in os.listdir(path) if name.endswith(".safetensors"))
-    if not files:
-        return
     from safetensors import safe_open
 
+    files = sorted(name for name in os.listdir(path) if name.endswith(".safetensors"))
     expected = {spec.name: tuple(spec.shape) for spec in tl.param_specs(config)}
     marker = f"{_MARKER}memory."
     for name in files:
@@ -243,26 +239,6 @@ def _check_saved_shapes(path: str, config: tl.LayerConfig) -> None:
                             f"{CONFIG_KEY}: the stored configuration does not fit the saved "
                             f"memory weights: {key} has shape {stored}, the configuration "
                             f"gives {expected[leaf]} (nothing was built)")
-
-
-def _memory_tensors(path: str) -> dict[str, Tensor]:
-    """The memory entries (``*.tensor_memory.*``) of a ``save_pretrained`` folder."""
-    from safetensors.torch import load_file
-
-    index = os.path.join(path, "model.safetensors.index.json")
-    if os.path.exists(index):
-        with open(index) as f:
-            files = sorted({v for k, v in json.load(f)["weight_map"].items() if _MARKER in k})
-    elif os.path.exists(os.path.join(path, "model.safetensors")):
-        files = ["model.safetensors"]
-    else:
-        raise ValueError(f"path: {path!r} has no model.safetensors (save with "
-                         f"save_pretrained(..., safe_serialization=True), the default)")
-    out: dict[str, Tensor] = {}
-    for name in files:
-        out.update({k: v for k, v in load_file(os.path.join(path, name)).items()
-                    if _MARKER in k})
-    return out
 
 
 def from_pretrained(path: str | os.PathLike, model_class: Any = None, **kwargs: Any
@@ -304,57 +280,21 @@ def from_pretrained(path: str | os.PathLike, model_class: Any = None, **kwargs: 
         raise ValueError(f"path: expected a local folder written by save_pretrained, "
                          f"got {path!r}")
     config = kwargs.pop("config", None) or transformers.AutoConfig.from_pretrained(path)
-    spec = getattr(config, CONFIG_KEY, None)
-    if spec is None:
+    if getattr(config, CONFIG_KEY, None) is None:
         raise ValueError(f"path: {path!r} has no '{CONFIG_KEY}' in its config.json (saved "
                          f"without memory?); load it with the model class's from_pretrained")
-    layer = check_spec(spec, config)
-    _check_saved_shapes(path, layer)
-    unmark_config(config)  # built as the base model (see _memory_model_class)
+    base = getattr(type(config), "_tmcore_base", type(config))
     concrete = model_class or transformers.AutoModelForCausalLM
-    mapping = getattr(concrete, "_model_mapping", None)
-    if mapping is not None:
-        concrete = mapping[type(config)]
-    if getattr(concrete, "_tmcore_memory_class", False):  # the registered class: its base
-        concrete = concrete.__mro__[1]                     # (the memory is attached below)
-    saved = concrete.__dict__.get("_keys_to_ignore_on_load_unexpected", _NOTHING)
-    concrete._keys_to_ignore_on_load_unexpected = [
-        *(getattr(concrete, "_keys_to_ignore_on_load_unexpected", None) or []),
-        rf"\.{_torch_attach.ATTRIBUTE}\."]
-    try:  # the base weights (the memory's are not the base model's: ignored here)
-        model = concrete.from_pretrained(path, config=config, **kwargs)
-    finally:
-        if saved is _NOTHING:
-            del concrete._keys_to_ignore_on_load_unexpected
-        else:
-            concrete._keys_to_ignore_on_load_unexpected = saved
-    if memory_of(model) is not None:  # a registered memory class attached it: reattach
-        memory_of(model).remove()     # below, its weights loaded strictly
-    if hasattr(model.config, CONFIG_KEY):
-        delattr(model.config, CONFIG_KEY)
-    moved = _blocks_of_this_head(model, spec)  # another head's checkpoint (AutoModel, ...)
-    memory = _attach_spec(model, moved, layer)
-    tensors = _memory_tensors(path)
-    if moved["blocks"] != spec["blocks"]:  # its keys move as transformers moves the rest
-        old, new = spec["blocks"] + ".", moved["blocks"] + "."
-        tensors = {new + k[len(old):] if k.startswith(old) else k: v
-                   for k, v in tensors.items()}
-    expected = {k for k in model.state_dict() if _MARKER in k}
-    missing, unknown = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
-    if missing or unknown:
-        memory.remove()
-        raise ValueError(f"path: the memory weights do not fit its {CONFIG_KEY} config: "
-                         f"missing {_few(missing)}, unknown {_few(unknown)}")
-    try:
-        model.load_state_dict(tensors, strict=False)
-    except RuntimeError as error:
-        memory.remove()
-        raise ValueError(f"{CONFIG_KEY}: the stored configuration does not fit the saved "
-                         f"memory weights: {error}") from error
+    if getattr(concrete, "_model_mapping", None) is not None:  # an Auto class: its head
+        concrete = concrete._model_mapping[base]
+    if getattr(concrete, "_tmcore_memory_class", False):
+        concrete = concrete.__mro__[1]
+    # loaded as the Auto classes load it (the memory attached by __init__, its weights
+    # checked and loaded with the rest), then given the model's own class back
+    model = _memory_model_class(_memory_config_class(base), concrete).from_pretrained(
+        path, config=config, **kwargs)
+    model.__class__ = concrete
     return model
-
-
-_NOTHING: Any = object()
 
 
 def _few(keys: list[str]) -> str:
@@ -368,7 +308,11 @@ def _few(keys: list[str]) -> str:
 #: ``AutoConfig``); ``base_model_type`` next to it names the model it extends.
 MODEL_TYPE = "tensor_memory"
 _BASE_KEY = "base_model_type"
-_CONFIG_CLASSES: dict[type, type] = {}
+
+
+def _memory_to_dict(config: Any) -> dict[str, Any]:
+    """A config with memory's ``to_dict``: its base class's, with ``base_model_type``."""
+    return {**config._tmcore_base.to_dict(config), _BASE_KEY: config._tmcore_base.model_type}
 
 
 def _memory_config_class(base: type) -> type:
@@ -377,36 +321,33 @@ def _memory_config_class(base: type) -> type:
     once, a module attribute so that pickling finds it)."""
     if getattr(base, "_tmcore_base", None) is not None:
         return base
-    if base not in _CONFIG_CLASSES:
-        name = f"TensorMemory{base.__name__}"
-
-        def to_dict(self: Any) -> dict[str, Any]:
-            out = base.to_dict(self)
-            out[_BASE_KEY] = base.model_type
-            return out
-
-        cls = type(name, (base,), {"model_type": MODEL_TYPE, "_tmcore_base": base,
-                                   "to_dict": to_dict, "__module__": __name__,
-                                   "__doc__": f"{base.__name__} with Tensor Memory "
-                                              f"(``config.{CONFIG_KEY}``)."})
-        globals()[name] = cls
-        _CONFIG_CLASSES[base] = cls
-    return _CONFIG_CLASSES[base]
+    name = f"TensorMemory{base.__name__}"
+    if name not in globals():
+        globals()[name] = type(name, (base,), {
+            "model_type": MODEL_TYPE, "_tmcore_base": base, "to_dict": _memory_to_dict,
+            "__module__": __name__,
+            "__doc__": f"{base.__name__} with Tensor Memory (``config.{CONFIG_KEY}``)."})
+    return globals()[name]
 
 
-def _memory_model_class(config_class: type, model_class: type, auto: Any) -> type:
+def _memory_model_class(config_class: type, model_class: type, auto: Any = None) -> type:
     """``model_class`` whose ``__init__`` attaches the memory its config stores, registered
-    with the Auto class ``auto`` (``AutoModelForCausalLM``, ...) for ``config_class``."""
+    with the Auto class ``auto`` (``AutoModelForCausalLM``, ...; none: not registered) for
+    ``config_class``."""
     if getattr(model_class, "_tmcore_memory_class", False):
         return model_class
     name = f"TensorMemory{model_class.__name__}"
-    existing = globals().get(name)
-    if existing is not None and existing.config_class is config_class:
-        # registered again: the Auto class builds the class last asked for (a checkpoint's
-        # own architecture, read just before its model is built)
-        auto.register(config_class, existing, exist_ok=True)
-        return existing
+    if getattr(globals().get(name), "config_class", None) is not config_class:
+        globals()[name] = _make_memory_model_class(name, config_class, model_class)
+        _share_conversions(model_class, name)
+    if auto is not None:  # registered each time: the Auto class builds the class last asked
+        # for (a checkpoint's own architecture, read just before its model is built)
+        auto.register(config_class, globals()[name], exist_ok=True)
+    return globals()[name]
 
+
+def _make_memory_model_class(name: str, config_class: type, model_class: type) -> type:
+    """The class :func:`_memory_model_class` registers (``__init__``, ``from_pretrained``)."""
     def __init__(self: Any, config: Any, *args: Any, **kwargs: Any) -> None:
         spec = getattr(config, CONFIG_KEY, None)
         if spec is None:
@@ -435,22 +376,19 @@ def _memory_model_class(config_class: type, model_class: type, auto: Any) -> typ
         model, loading = model_class.from_pretrained.__func__(cls, *args,
                                                               output_loading_info=True,
                                                               **kwargs)
-        missing = sorted(k for k in loading.get("missing_keys", ()) if _MARKER in k)
-        if missing:
-            raise ValueError(f"pretrained_model_name_or_path: the checkpoint lacks memory "
-                             f"weights its {CONFIG_KEY} config needs: {_few(missing)}; "
-                             f"the memory cannot be restored")
+        missing, unknown = ([k for k in loading.get(key, ()) if _MARKER in k]
+                            for key in ("missing_keys", "unexpected_keys"))
+        if missing or unknown:
+            raise ValueError(f"pretrained_model_name_or_path: the memory weights do not fit "
+                             f"its {CONFIG_KEY} config: missing {_few(sorted(missing))}, "
+                             f"unknown {_few(sorted(unknown))}; the memory cannot be restored")
         return (model, loading) if info else model
 
-    cls = type(name, (model_class,), {"__init__": __init__, "from_pretrained": from_pretrained,
-                                      "config_class": config_class,
-                                      "_tmcore_memory_class": True, "__module__": __name__,
-                                      "__doc__": f"{model_class.__name__} with Tensor Memory "
-                                                 f"attached from its config."})
-    globals()[name] = cls
-    _share_conversions(model_class, name)
-    auto.register(config_class, cls, exist_ok=True)
-    return cls
+    return type(name, (model_class,), {"__init__": __init__, "from_pretrained": from_pretrained,
+                                       "config_class": config_class,
+                                       "_tmcore_memory_class": True, "__module__": __name__,
+                                       "__doc__": f"{model_class.__name__} with Tensor Memory "
+                                                  f"attached from its config."})
 
 
 def _blocks_of_this_head(model: nn.Module, spec: dict[str, Any]) -> dict[str, Any]:
@@ -458,20 +396,10 @@ def _blocks_of_this_head(model: nn.Module, spec: dict[str, Any]) -> dict[str, An
     by the base model (``AutoModel``: ``model.layers`` -> ``layers``) or the reverse, by
     the base model prefix transformers strips or adds when it loads."""
     blocks, prefix = spec["blocks"], getattr(model, "base_model_prefix", "") or ""
-
-    def exists(path: str) -> bool:
-        try:
-            model.get_submodule(path)
-        except AttributeError:
-            return False
-        return True
-
-    if not prefix or exists(blocks):
-        return spec
-    if blocks.startswith(prefix + ".") and exists(blocks[len(prefix) + 1:]):
-        return {**spec, "blocks": blocks[len(prefix) + 1:]}
-    if exists(f"{prefix}.{blocks}"):
-        return {**spec, "blocks": f"{prefix}.{blocks}"}
+    stripped = blocks[len(prefix) + 1:] if blocks.startswith(prefix + ".") else None
+    for moved in (blocks, stripped, f"{prefix}.{blocks}") if prefix else ():
+        if moved is not None and resolve(model, moved) is not None:
+            return {**spec, "blocks": moved}
     return spec
 
 
@@ -481,12 +409,12 @@ def _share_conversions(model_class: type, name: str) -> None:
     saves with them, so the memory class must load with them (else a weight is left
     freshly initialized). Nothing where this transformers has no such registry."""
     try:
-        from transformers import conversion_mapping
-    except ImportError:
+        from transformers import conversion_mapping as conversions
+        get, register = (conversions.get_checkpoint_conversion_mapping,
+                         conversions.register_checkpoint_conversion_mapping)
+    except (ImportError, AttributeError):
         return
-    get = getattr(conversion_mapping, "get_checkpoint_conversion_mapping", None)
-    register = getattr(conversion_mapping, "register_checkpoint_conversion_mapping", None)
-    mapping = None if get is None or register is None else get(model_class.__name__)
+    mapping = get(model_class.__name__)
     if mapping is not None:
         register(name, mapping, overwrite=True)
 
@@ -523,7 +451,7 @@ def _mark_config(model: nn.Module) -> None:
     and register the pair with the Auto classes, so that ``AutoModelForCausalLM`` (or the
     Auto class of the model's head) loads the model back with its memory."""
     base = type(model.config)
-    if getattr(base, "_tmcore_base", None) is None and getattr(base, "model_type", ""):
+    if getattr(base, "model_type", ""):  # (a config with memory already: unchanged)
         model.config.__class__ = _memory_config_class(base)
     config_class = type(model.config)
     if not _register_heads(config_class, (type(model),)):
@@ -558,17 +486,12 @@ def _auto_config_class() -> type:
                 raise ValueError(f"{_BASE_KEY}: a '{MODEL_TYPE}' config must name the model "
                                  f"it extends (one of transformers' model types, not "
                                  f"{MODEL_TYPE!r}), got {base_type!r}")
-            if CONFIG_KEY not in config_dict:
-                raise ValueError(f"{CONFIG_KEY}: a '{MODEL_TYPE}' config without its memory "
-                                 f"configuration; the memory cannot be restored")
             config_class = _memory_config_class(mapping[base_type])
             named = (getattr(transformers, arch, None)
                      for arch in config_dict.get("architectures") or ())
             _register_heads(config_class, [c for c in named if isinstance(c, type)])
-            config = config_class.from_dict(config_dict, **kwargs)
-            check_spec(config_dict[CONFIG_KEY], config[0] if isinstance(config, tuple)
-                       else config)
-            return config
+            # its memory configuration is checked by the model built from it
+            return config_class.from_dict(config_dict, **kwargs)
 
     return TensorMemoryConfig
 

@@ -29,7 +29,7 @@ def transformers_module() -> Any:
     return transformers
 
 
-def _resolve(root: nn.Module, path: str) -> Any:
+def resolve(root: nn.Module, path: str) -> Any:
     obj: Any = root
     for part in path.split("."):
         obj = getattr(obj, part, None)
@@ -38,24 +38,11 @@ def _resolve(root: nn.Module, path: str) -> Any:
     return obj
 
 
-def text_config(config: Any) -> Any:
-    """The decoder's part of a model config (a multimodal config's text config)."""
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
-
-
-def _int_field(config: Any, name: str) -> int | None:
-    value = getattr(text_config(config), name, None)
+def config_int(config: Any, name: str) -> int | None:
+    """The int field ``name`` of a model config (a multimodal config's text config's),
+    ``None`` if it is not an int."""
+    value = getattr(config.get_text_config(), name, None)
     return value if isinstance(value, int) and not isinstance(value, bool) else None
-
-
-def hidden_size(model: nn.Module) -> int | None:
-    """``config.hidden_size`` of ``model`` (its text config's), ``None`` if not an int."""
-    return _int_field(model.config, "hidden_size")
-
-
-def num_layers(config: Any) -> int | None:
-    """``num_hidden_layers`` of a model config (its text config's), ``None`` if not an int."""
-    return _int_field(config, "num_hidden_layers")
 
 
 def find_blocks(model: nn.Module, blocks: str | None = None) -> tuple[str, nn.Module,
@@ -97,32 +84,29 @@ def find_blocks(model: nn.Module, blocks: str | None = None) -> tuple[str, nn.Mo
     if getattr(model.config, "is_encoder_decoder", False):
         raise ValueError(f"model: {type(model).__name__} is an encoder-decoder; "
                          f"tmcore.adapters.hf supports decoder-only (causal LM) models")
-    layers = num_layers(model.config)
+    layers = config_int(model.config, "num_hidden_layers")
 
     def fits(found: Any) -> bool:
         return isinstance(found, nn.ModuleList) and len(found) > 0 \
             and (layers is None or len(found) == layers)
 
-    if blocks is not None:
-        if not isinstance(blocks, str):
-            raise TypeError(f"blocks: expected a dotted path such as 'model.layers', "
-                            f"got {type(blocks).__name__}")
-        found = _resolve(model, blocks)
-        if not fits(found):
-            raise ValueError(f"blocks: {blocks!r} is not a non-empty nn.ModuleList of "
-                             f"{type(model).__name__} with config.num_hidden_layers = "
-                             f"{layers} blocks (got {type(found).__name__}"
-                             f"{f' of {len(found)}' if hasattr(found, '__len__') else ''})")
-        path = blocks
-    else:
-        path = next((p for p in BLOCK_PATHS if fits(_resolve(model, p))), None)
-        if path is None:
-            raise ValueError(f"model: could not find the decoder blocks of "
-                             f"{type(model).__name__} (tried {', '.join(BLOCK_PATHS)}); "
-                             f"pass blocks='dotted.path.to.the.ModuleList'")
+    if blocks is not None and not isinstance(blocks, str):
+        raise TypeError(f"blocks: expected a dotted path such as 'model.layers', "
+                        f"got {type(blocks).__name__}")
+    path = blocks if blocks is not None else next(
+        (p for p in BLOCK_PATHS if fits(resolve(model, p))), None)
+    if path is None:
+        raise ValueError(f"model: could not find the decoder blocks of "
+                         f"{type(model).__name__} (tried {', '.join(BLOCK_PATHS)}); "
+                         f"pass blocks='dotted.path.to.the.ModuleList'")
+    found = resolve(model, path)
+    if not fits(found):  # a path the caller gave
+        raise ValueError(f"blocks: {path!r} is not a non-empty nn.ModuleList of "
+                         f"{type(model).__name__} with config.num_hidden_layers = "
+                         f"{layers} blocks (got {type(found).__name__}"
+                         f"{f' of {len(found)}' if hasattr(found, '__len__') else ''})")
     owner_path, _, _ = path.rpartition(".")
-    owner = model if not owner_path else _resolve(model, owner_path)
-    return path, owner, _resolve(model, path)
+    return path, model if not owner_path else resolve(model, owner_path), found
 
 
 def check_fits(model: nn.Module, path: str, owner: nn.Module, embed_dim: int,
@@ -131,13 +115,12 @@ def check_fits(model: nn.Module, path: str, owner: nn.Module, embed_dim: int,
     token width other than the blocks' (the hidden size), or blocks whose owner is not
     called with the tokens (an encoder's inner stack such as BERT's ``encoder.layer``,
     whose owner receives hidden states and an extended mask)."""
-    width = hidden_size(model)
+    width = config_int(model.config, "hidden_size")
     if width is not None and embed_dim != width:
         raise ValueError(f"{where}: the memory reads and writes the blocks' outputs of the "
                          f"model's hidden size {width} (config.hidden_size), got {embed_dim}; "
                          f"leave embed_dim unset or pass {width}")
-    names = parameter_names(owner)
-    if "input_ids" not in names and "inputs_embeds" not in names:
+    if not {"input_ids", "inputs_embeds"} & parameter_names(owner).keys():
         raise ValueError(
             f"blocks: {path!r} is owned by {type(owner).__name__}, whose forward is not "
             f"called with input_ids or inputs_embeds (an encoder's inner stack?); "
@@ -148,11 +131,7 @@ def check_fits(model: nn.Module, path: str, owner: nn.Module, embed_dim: int,
 
 def parameter_names(owner: nn.Module) -> dict[str, int]:
     """``{name: position}`` of the parameters of ``owner.forward``."""
-    try:
-        params = list(inspect.signature(owner.forward).parameters)
-    except (TypeError, ValueError):  # pragma: no cover - a forward without a signature
-        return {}
-    return {name: i for i, name in enumerate(params)}
+    return {name: i for i, name in enumerate(inspect.signature(owner.forward).parameters)}
 
 
 def unmark_config(config: Any) -> type:

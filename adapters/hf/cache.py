@@ -7,6 +7,7 @@ read as the tokens that enter the state; the decoding modes it cannot follow, re
 from __future__ import annotations
 
 from collections.abc import Iterator
+from functools import partial
 from typing import Any
 
 import torch
@@ -31,24 +32,10 @@ _CACHE_NAMES = ("cache", "past_key_values")
 class _Entry:
     """What a cache object carries for the memory: the owner, the cache length the
     state belongs to (``None``: bound by a compiled forward, not recorded), the per-layer
-    states."""
+    states (a class: ``torch.compile`` builds it without a graph break)."""
 
     def __init__(self, owner: int, length: int | None, state: list[Any]):
         self.owner, self.length, self.state = owner, length, state
-
-
-def _index_state(state: Any, index: Tensor) -> Any:
-    """One layer's state with its batch axis gathered by ``index (B',)`` (every field,
-    ``count`` included: a tuple of ints or an integer tensor)."""
-    def take(t: Tensor) -> Tensor:
-        return t.index_select(0, index.to(t.device))
-
-    if isinstance(state, StreamState):
-        count = take(state.count) if isinstance(state.count, Tensor) else tuple(
-            state.count[i] for i in index.tolist())
-        return StreamState(take(state.h), take(state.c), take(state.pending), count,
-                           take(state.read))
-    return tuple(take(t) for t in state)
 
 
 class _CacheMethod:
@@ -61,43 +48,30 @@ class _CacheMethod:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         cache, name = self.cache, self.name
         entry = cache.__dict__.get(_CACHE_ATTR)
+        value = args[0] if args else next(iter(kwargs.values()), 0)  # its one argument
         if name == "crop" and entry is not None:
             before = cache.get_seq_length()
-            amount = args[0] if args else kwargs.get("tokens_to_remove", kwargs.get(
-                "max_length", 0))
-            removes = amount < 0 or (amount > 0 and amount < before)
-            if removes and before > 0:
-                raise RuntimeError(
-                    f"tmcore.adapters.hf: cache.crop({amount}) would remove tokens, but the "
-                    f"Tensor Memory state cannot be rolled back (assisted / prompt-lookup "
-                    f"decoding and deferred stop checks are not supported with memory); "
-                    f"use greedy, sampling or beam search")
+            if before > 0 and (value < 0 or 0 < value < before):
+                raise RuntimeError(f"tmcore.adapters.hf: cache.crop({value}) would remove "
+                                   f"tokens: {_REFUSED['_get_candidate_generator']}")
         result = getattr(type(cache), name)(cache, *args, **kwargs)
-        if entry is None:
-            return result
-        if name == "reset":
+        if entry is not None and name == "reset":
             cache.__dict__.pop(_CACHE_ATTR, None)
-        elif name in _ROW_METHODS:  # the rows the cache keeps: indices, a bool mask or repeats
-            value = args[0] if args else next(iter(kwargs.values()))
+        elif entry is not None and name in _ROW_METHODS:  # indices, a bool mask or repeats
             if name == "batch_repeat_interleave":
-                index = torch.arange(_first_h(entry.state).shape[0]).repeat_interleave(int(value))
+                index = torch.arange(entry.state[0].h.shape[0]).repeat_interleave(int(value))
             else:
                 index = torch.as_tensor(value)
-                if index.dtype == torch.bool:
-                    index = torch.nonzero(index).reshape(-1)
-            entry.state = [_index_state(s, index) for s in entry.state]
+                index = index.nonzero().reshape(-1) if index.dtype == torch.bool else index
+            # a StreamState per layer, every field (count included) with the batch axis first
+            entry.state = [StreamState(*(t.index_select(0, index.to(t.device)) for t in s))
+                           for s in entry.state]
         return result
 
 
 #: The cache methods that pick the rows the cache keeps (the state's rows follow).
 _ROW_METHODS = ("reorder_cache", "batch_select_indices", "batch_repeat_interleave")
 _FOLLOWED = (*_ROW_METHODS, "crop", "reset")
-
-
-def _first_h(states: list[Any]) -> Tensor:
-    """The first layer's ``h`` (the layers' states are computed together)."""
-    first = states[0]
-    return first.h if isinstance(first, StreamState) else first[0]
 
 
 # --------------------------------------------------------------------------- the handle
@@ -128,19 +102,17 @@ class HFMemory:
 
     def __init__(self, model: nn.Module, path: str, owner: nn.Module, handle: MemoryHandle,
                  spec: dict[str, Any]):
-        self.model, self.path, self.owner, self.handle = model, path, owner, handle
-        self.spec = spec
+        self.model, self.path, self.owner, self.handle, self.spec = model, path, owner, handle, spec
         self.streaming = bool(spec["streaming"])
         self._train_state: list[Any] | None = None
         self._names = parameter_names(owner)
         self._hooks = [
-            owner.register_forward_pre_hook(_Hook(self, "_before"), with_kwargs=True,
-                                            prepend=True),
-            owner.register_forward_hook(_Hook(self, "_after"), with_kwargs=True),
+            owner.register_forward_pre_hook(self._before, with_kwargs=True, prepend=True),
+            owner.register_forward_hook(self._after, with_kwargs=True),
         ]
         for method in _REFUSED:
             if hasattr(model, method):
-                model.__dict__[method] = _Refused(method)
+                model.__dict__[method] = partial(_refuse, method)
 
     def __repr__(self) -> str:
         return (f"HFMemory(blocks={self.path!r}, layers={len(self.handle.memories)}, "
@@ -171,8 +143,7 @@ class HFMemory:
             One state per memory layer (:class:`tmcore.adapters.torch.StreamState`),
             or ``None`` when the cache carries none (a fresh start).
         """
-        entry = getattr(cache, "__dict__", {}).get(_CACHE_ATTR)
-        return None if entry is None else entry.state
+        return getattr(getattr(cache, "__dict__", {}).get(_CACHE_ATTR), "state", None)
 
     def reset_state(self) -> None:
         """Forget the streaming-training state (``streaming=True``).
@@ -187,28 +158,23 @@ class HFMemory:
             hook.remove()
         self._hooks = []
         for method in _REFUSED:
-            if isinstance(self.model.__dict__.get(method), _Refused):
+            if getattr(self.model.__dict__.get(method), "func", None) is _refuse:
                 del self.model.__dict__[method]
         self.handle.remove()
         self._train_state = None
         if getattr(self.model, "_tmcore_hf_memory", None) is self:
             del self.model._tmcore_hf_memory
-        if hasattr(self.model.config, CONFIG_KEY):
-            delattr(self.model.config, CONFIG_KEY)
+        self.model.config.__dict__.pop(CONFIG_KEY, None)
         unmark_config(self.model.config)  # model_type included
 
     # ----------------------------------------------------------------- per call
 
-    def _arg(self, args: tuple, kwargs: dict, name: str) -> Any:
-        if name in kwargs:
-            return kwargs[name]
-        index = self._names.get(name)
-        return args[index] if index is not None and index < len(args) else None
-
-    def _first_arg(self, args: tuple, kwargs: dict, names: tuple[str, ...]) -> tuple[str, Any]:
-        """The first of the arguments ``names`` that is given (not None), and its name."""
+    def _arg(self, args: tuple, kwargs: dict, *names: str) -> tuple[str, Any]:
+        """The first of the forward's arguments ``names`` that is given (not None), and its
+        name."""
         for name in names:
-            value = self._arg(args, kwargs, name)
+            index = self._names.get(name, len(args))
+            value = kwargs.get(name, args[index] if index < len(args) else None)
             if value is not None:
                 return name, value
         return names[0], None
@@ -217,15 +183,15 @@ class HFMemory:
         compiling = torch.compiler.is_compiling()
         if torch.is_grad_enabled() and not compiling:  # training (decoding: no_grad)
             _check_adapted_linears(self.handle.memories)
-        name, cache = self._first_arg(args, kwargs, _CACHE_NAMES)
-        _, tokens = self._first_arg(args, kwargs, ("input_ids", "inputs_embeds"))
+        name, cache = self._arg(args, kwargs, *_CACHE_NAMES)
+        _, tokens = self._arg(args, kwargs, "input_ids", "inputs_embeds")
         if not isinstance(tokens, Tensor) or tokens.dim() < 2:
             raise ValueError("input_ids: expected input_ids (B, N) or inputs_embeds (B, N, d)")
         batch, count = int(tokens.shape[0]), int(tokens.shape[1])
         start, past = None, 0
         if cache is None:
             if self.streaming and module.training and self._train_state is not None:
-                rows = int(_first_h(self._train_state).shape[0])
+                rows = int(self._train_state[0].h.shape[0])
                 if rows != batch:
                     raise ValueError(
                         f"input_ids: streaming training continues the previous batch of "
@@ -233,28 +199,27 @@ class HFMemory:
                         f"(dataloader_drop_last=True) or call memory.reset_state() first")
                 start = self._train_state
         else:
-            start = self._cache_start(name, cache, compiling)
-            past = 0 if compiling else cache.get_seq_length()
-        self.handle.state = start  # a detached training state, a cache's (no grad) or None
-        self.handle._state_cut = True
-        self.handle._valid = _valid_mask(self._arg(args, kwargs, "attention_mask"), batch,
-                                         count, compiling, past)
+            start, past = self._cache_start(name, cache, compiling)
+        self.handle.set_state(start)  # a detached training state, a cache's (no grad) or None
+        self.handle.set_valid(_valid_mask(self._arg(args, kwargs, "attention_mask")[1], batch,
+                                          count, compiling, past))
 
-    def _cache_start(self, name: str, cache: Any, compiling: bool) -> list[Any] | None:
-        transformers = transformers_module()
+    def _cache_start(self, name: str, cache: Any, compiling: bool
+                     ) -> tuple[list[Any] | None, int]:
+        """The state a cached call starts from, and the cache length (0 while compiling)."""
         if type(cache).__name__ == "PagedAttentionCache":
             raise NotImplementedError(f"{name}: {_REFUSED['init_continuous_batching']}")
-        if not isinstance(cache, transformers.Cache):
+        if not isinstance(cache, transformers_module().Cache):
             raise TypeError(f"{name}: tmcore's memory follows a transformers Cache object "
                             f"(DynamicCache, StaticCache, ...); got {type(cache).__name__} "
                             f"(legacy tuple caches cannot carry the memory state)")
         past = cache.get_seq_length()
         entry = cache.__dict__.get(_CACHE_ATTR)
         if compiling:
-            return None if entry is None else entry.state
+            return getattr(entry, "state", None), 0
         if past == 0:
             cache.__dict__.pop(_CACHE_ATTR, None)
-            return None
+            return None, 0
         if entry is None or entry.owner != id(self):
             raise RuntimeError(f"{name}: this cache holds {past} tokens but no Tensor Memory "
                                f"state of this model: it was filled before the memory was "
@@ -265,20 +230,15 @@ class HFMemory:
             raise RuntimeError(f"{name}: the cache now holds {past} tokens, its memory state "
                                f"belongs to {entry.length}; the cache was changed in a way "
                                f"the memory cannot follow")
-        return entry.state
+        return entry.state, past
 
     def _after(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         states = self.handle.state
-        self.handle.state = None
-        self.handle._valid = None
-        if states is None:
-            return
-        _, passed = self._first_arg(args, kwargs, _CACHE_NAMES)
+        self.handle.reset_state()  # the next call starts from what its pre-hook sets
+        _, passed = self._arg(args, kwargs, *_CACHE_NAMES)
         cache = passed if passed is not None else _cache_in(output)
-        if _first_h(states).requires_grad:  # a cache never keeps the graph alive
-            states = [detach_state(s) for s in states]
-        transformers = transformers_module()
-        if isinstance(cache, transformers.Cache):
+        states = [detach_state(s) for s in states]  # a cache never keeps the graph alive
+        if isinstance(cache, transformers_module().Cache):
             self._bind(cache, states)
         if self.streaming and module.training and passed is None:
             # no cache came in (one the forward made for itself, use_cache=True by
@@ -309,12 +269,9 @@ def _check_adapted_linears(memories: list[nn.Module]) -> None:
     a training forward, naming each layer in full: a tuner the memory cannot fold into its
     weights is refused, a skipped LoRA dropout warned about
     (:func:`tmcore.adapters.torch.tuners.check_tuned`)."""
-    skipped = []
-    for index, residual in enumerate(memories):
-        for name, sub in residual.named_modules():
-            full = f"{_torch_attach.ATTRIBUTE}.{name} (block {index})"
-            if _tuners.is_tuned(sub) and _tuners.check_tuned(sub, full, warn=False):
-                skipped.append(full)
+    layers = {f"{_torch_attach.ATTRIBUTE}.{name} (block {index})": sub
+              for index, residual in enumerate(memories) for name, sub in residual.named_modules()}
+    skipped = [name for name, sub in layers.items() if _tuners.check_tuned(sub, name, warn=False)]
     if skipped:  # one warning for all the memory's layers
         _tuners.warn_dropout(skipped)
 
@@ -335,96 +292,48 @@ _REFUSED = {
 }
 
 
-class _Refused:
-    """An instance attribute shadowing a model method that starts a decoding mode the
-    memory cannot follow: calling it raises (picklable: no reference to the model)."""
-
-    def __init__(self, name: str):
-        self.name = name
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        raise NotImplementedError(f"tmcore.adapters.hf: {_REFUSED[self.name]}")
-
-
-class _Hook:
-    """The owner's forward pre-hook (``"_before"``) or hook (``"_after"``): that method
-    of the memory (picklable)."""
-
-    def __init__(self, memory: HFMemory, method: str):
-        self.memory, self.method = memory, method
-
-    def __call__(self, *args: Any) -> None:
-        getattr(self.memory, self.method)(*args)
+def _refuse(name: str, *args: Any, **kwargs: Any) -> Any:
+    """Shadows (as a picklable ``partial``) a model method of :data:`_REFUSED`."""
+    raise NotImplementedError(f"tmcore.adapters.hf: {_REFUSED[name]}")
 
 
 def _cache_in(output: Any) -> Any:
     """The cache a base model's output holds (a ``ModelOutput`` field or a tuple entry;
     read by value, not by name: an old field name may be a deprecated alias)."""
-    transformers = transformers_module()
-    if isinstance(output, transformers.utils.ModelOutput):
-        values: Any = output.values()
-    elif isinstance(output, tuple):
-        values = output
-    else:
-        return None
-    return next((v for v in values if isinstance(v, transformers.Cache)), None)
-
-
-_INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
-
-
-def _valid_from_4d(mask: Tensor, batch: int, tokens: int, past: int, compiling: bool
-                   ) -> Tensor | None:
-    """Validity from a prepared 4-D mask ``(B, H, N, K)`` (``generate`` passes one with
-    static caches; bool True = may attend, or additive float 0 = may attend): a real
-    token attends to itself, a padding token's row is masked out, so new token ``j`` is
-    valid where its own key (index ``past + j``) is allowed in its row."""
-    if tokens == 1:  # a decoding step: generated tokens are real (the 2-D mask gets a 1)
-        return None
-    if mask.shape[0] != batch or mask.shape[2] != tokens or mask.shape[3] < past + tokens:
-        raise ValueError(f"attention_mask: a 4-D mask must be (B, heads, N, keys) with "
-                         f"B = {batch}, N = {tokens}, keys >= {past + tokens}, "
-                         f"got {tuple(mask.shape)}")
-    allowed = mask[:, 0] if mask.dtype == torch.bool else mask[:, 0] == 0
-    index = torch.arange(tokens, device=mask.device)
-    valid = allowed[:, index, index + past]
-    return _none_if_all(valid, compiling)
-
-
-def _none_if_all(valid: Tensor, compiling: bool) -> Tensor | None:
-    """``valid``, or ``None`` where every token is valid (not read under a compile)."""
-    return valid if compiling or not bool(valid.all()) else None
-
-
-def _mask_from_mapping(masks: dict) -> Any:
-    """One mask of the per-attention-type masks ``generate`` prepares for models mixing
-    sliding and full attention (``{"full_attention": ..., "sliding_attention": ...}``,
-    with ``cache_implementation="static"``): every kind lets a real token attend to
-    itself and masks out a padding token's row, so each says which tokens are real; the
-    full-attention one is read when there is one."""
-    if "full_attention" in masks:
-        return masks["full_attention"]
-    for value in masks.values():
-        if value is not None:
-            return value
-    return None
+    values = output.values() if isinstance(output, dict) else output  # a ModelOutput or a tuple
+    cache_class = transformers_module().Cache
+    return next((v for v in values if isinstance(v, cache_class)), None)
 
 
 def _valid_mask(mask: Any, batch: int, tokens: int, compiling: bool, past: int = 0
                 ) -> Tensor | None:
-    """The new tokens' bool ``(B, N)`` validity from ``attention_mask (B, past + N)``, or
-    from a prepared 4-D mask (:func:`_valid_from_4d`) or a mapping of them per attention
-    kind (:func:`_mask_from_mapping`); ``None`` when there is no mask or no padding."""
+    """The new tokens' bool ``(B, N)`` validity, ``None`` when there is no mask or no padding.
+
+    ``mask`` is ``attention_mask (B, past + N)`` of 0/1 ints or bools, or a prepared 4-D mask
+    ``(B, H, N, K)`` (``generate`` passes one with static caches; bool True or additive 0 =
+    may attend), or a mapping of those per attention kind (models mixing sliding and full
+    attention; the full-attention one is read). A real token attends to itself and a padding
+    token's row is masked out, so new token ``j`` is valid where its key ``past + j`` is
+    allowed in its row."""
     if isinstance(mask, dict):
-        mask = _mask_from_mapping(mask)
+        mask = mask.get("full_attention", next((m for m in mask.values() if m is not None),
+                                               None))
     if mask is None:
         return None
-    if isinstance(mask, Tensor) and mask.dim() == 4:
-        return _valid_from_4d(mask, batch, tokens, past, compiling)
     if not isinstance(mask, Tensor):
         raise TypeError(f"attention_mask: expected a tensor of shape (B, past + N) of 0/1 "
                         f"ints or bools, got {type(mask).__name__}")
-    if mask.dtype != torch.bool and mask.dtype not in _INT_DTYPES:
+    if mask.dim() == 4:
+        if tokens == 1:  # a decoding step: generated tokens are real (the 2-D mask gets a 1)
+            return None
+        if mask.shape[0] != batch or mask.shape[2] != tokens or mask.shape[3] < past + tokens:
+            raise ValueError(f"attention_mask: a 4-D mask must be (B, heads, N, keys) with "
+                             f"B = {batch}, N = {tokens}, keys >= {past + tokens}, "
+                             f"got {tuple(mask.shape)}")
+        allowed = mask[:, 0] if mask.dtype == torch.bool else mask[:, 0] == 0
+        valid = allowed.diagonal(past, 1, 2)  # (B, N): token j's row at its key past + j
+        return valid if compiling or not bool(valid.all()) else None
+    if mask.dtype.is_floating_point or mask.dtype.is_complex:
         raise TypeError(f"attention_mask: expected 0/1 ints or bools of shape (B, past + N), "
                         f"got dtype {mask.dtype} (tmcore reads which tokens are padding; "
                         f"convert with mask.long())")
@@ -435,8 +344,6 @@ def _valid_mask(mask: Any, batch: int, tokens: int, compiling: bool, past: int =
     valid = mask[:, mask.shape[1] - tokens:]
     if not compiling and bool((valid == 1).all()):  # no padding (every decoding step): one
         return None                                # test instead of the range check's five
-    if valid.dtype != torch.bool:
-        if not compiling and bool(((valid != 0) & (valid != 1)).any()):
-            raise ValueError("attention_mask: expected only 0 and 1 (1 = a real token)")
-        valid = valid != 0
-    return _none_if_all(valid, compiling)
+    if valid.dtype != torch.bool and not compiling and bool(((valid != 0) & (valid != 1)).any()):
+        raise ValueError("attention_mask: expected only 0 and 1 (1 = a real token)")
+    return valid != 0
