@@ -62,33 +62,12 @@ from tmcore.adapters.jax.nnx import MemoryResidual, TensorMemory, load_params, p
 from tmcore.adapters.jax.primitives import gaussian_splat, memory_scan, trilinear_sample
 from tmcore.adapters.jax.stack import residual_apply, residual_init, stack_apply
 
-__all__ = [
-    "MODES",
-    "STREAM_CACHE_SIZE",
-    "MemoryState",
-    "MemoryResidual",
-    "StreamState",
-    "TensorMemory",
-    "apply",
-    "config_of",
-    "conv_params",
-    "detach_state",
-    "doc_starts_from_offsets",
-    "empty_stream_state",
-    "gaussian_splat",
-    "init",
-    "init_state",
-    "load_params",
-    "memory_scan",
-    "params_from_module",
-    "params_from_state_dict",
-    "residual_apply",
-    "reset_state",
-    "residual_init",
-    "stack_apply",
-    "state_dict_from_params",
-    "trilinear_sample",
-]
+__all__ = ["MODES", "STREAM_CACHE_SIZE", "MemoryState", "MemoryResidual", "StreamState",
+           "TensorMemory", "apply", "config_of", "conv_params", "detach_state",
+           "doc_starts_from_offsets", "empty_stream_state", "gaussian_splat", "init",
+           "init_state", "load_params", "memory_scan", "params_from_module",
+           "params_from_state_dict", "residual_apply", "reset_state", "residual_init",
+           "stack_apply", "state_dict_from_params", "trilinear_sample"]
 
 #: Multi-layer modes of :func:`stack_apply` (:data:`tmcore.layer.MODES`).
 MODES = tl.MODES
