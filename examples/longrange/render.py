@@ -259,11 +259,14 @@ def search_table(search: dict, results: dict | None) -> str:
     return md_table(header, rows)
 
 
-def best_variant(search: dict) -> str | None:
+def best_variant(search: dict, steps: int | None = None) -> str | None:
     """The variant whose chosen point scored best on the validation split, among those with
-    every seed of their config (a variant missing seeds is not eligible); None if none."""
+    every seed of their config (a variant missing seeds is not eligible) and, given
+    ``steps``, trained for that many steps (the baselines' budget: a longer-trained variant
+    is not compared with rows trained shorter); None if none."""
     complete = {name: v for name, v in search["variants"].items()
-                if v["points"] and [s["seed"] for s in v["seeds"]] == v["config"]["seeds"]}
+                if v["points"] and [s["seed"] for s in v["seeds"]] == v["config"]["seeds"]
+                and (steps is None or v["config"]["train"]["steps"] == steps)}
     if not complete:
         return None
     return max(complete, key=lambda name: max(p["validation_mean"]
@@ -273,8 +276,11 @@ def best_variant(search: dict) -> str | None:
 def search_best_table(search: dict, results: dict | None) -> str:
     """The best variant (:func:`best_variant`) seed by seed next to the default variant and
     the default run's memory rows: recall beyond the reach per seed, mean ± std, with the
-    state reset, and per key count."""
-    best = best_variant(search)
+    state reset, and per key count. Only variants trained for the default run's steps are
+    eligible: the baselines had that budget."""
+    steps = search["variants"]["default"]["config"]["train"]["steps"] \
+        if "default" in search["variants"] else None
+    best = best_variant(search, steps)
     if best is None:
         return "*No variant has all its seeds yet.*"
     reach = search["reach"]
@@ -303,7 +309,8 @@ def search_best_table(search: dict, results: dict | None) -> str:
                      *(_cell(data["seeds"], "accuracy", lambda name, n=n: kv_beyond(name, n))
                        for n in keys)])
     point = max(search["variants"][best]["points"], key=lambda p: p["validation_mean"])
-    note = (f"*Best by the validation split among the variants with all their seeds: `{best}` "
+    note = (f"*Best by the validation split among the variants with all their seeds and the "
+            f"baselines' {steps} training steps: `{best}` "
             f"({100 * point['validation_mean']:.1f} % at lr {point['hparams']['lr']:g}). "
             f"Key-value recall beyond the reach (d > {reach}), %.*")
     header = ["variant", *(f"seed {k}" for k in seeds), "mean ± std", "state reset",

@@ -412,13 +412,17 @@ def test_the_oracle_addresses_by_key_and_the_probe_sees_it():
 
 
 def test_the_best_variant_is_chosen_on_validation_among_complete_ones():
-    def variant(validation: float, seeds: list[int]) -> dict:
-        return {"points": [{"validation_mean": validation}], "config": {"seeds": [0, 1, 2]},
+    def variant(validation: float, seeds: list[int], steps: int = 800) -> dict:
+        return {"points": [{"validation_mean": validation}],
+                "config": {"seeds": [0, 1, 2], "train": {"steps": steps}},
                 "seeds": [{"seed": s} for s in seeds]}
 
     search = {"variants": {"a": variant(0.2, [0, 1, 2]), "b": variant(0.3, [0, 1, 2]),
-                           "one_seed": variant(0.9, [0])}}
-    assert render.best_variant(search) == "b"
+                           "one_seed": variant(0.9, [0]),
+                           "longer": variant(0.5, [0, 1, 2], steps=3200)}}
+    assert render.best_variant(search) == "longer"
+    # at the baselines' budget, a longer-trained variant is not eligible
+    assert render.best_variant(search, steps=800) == "b"
     committed = json.loads(cli.SEARCH.read_text())
     best = render.best_variant(committed)
     assert len(committed["variants"][best]["seeds"]) == 3
