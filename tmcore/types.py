@@ -131,10 +131,11 @@ def traced(value: Any = None) -> bool:
     """Whether ``value`` is an abstract value of a tracing framework (a JAX tracer: its
     values cannot be read on the host), or torch.compile is tracing (its sizes may be
     symbolic too); ``traced()``: only the latter."""
-    if value is not None and any("Tracer" in cls.__name__ for cls in type(value).__mro__):
-        return True
     torch = sys.modules.get("torch")
-    return torch is not None and bool(torch.compiler.is_compiling())
+    compiling = torch is not None and bool(torch.compiler.is_compiling())
+    if value is None or compiling or (torch is not None and type(value) is torch.Tensor):
+        return compiling  # (a plain tensor: no class to search, once per decode token)
+    return any("Tracer" in cls.__name__ for cls in type(value).__mro__)
 
 
 def host_values(value: Any) -> Any:

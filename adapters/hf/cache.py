@@ -237,7 +237,8 @@ class HFMemory:
         self.handle.reset_state()  # the next call starts from what its pre-hook sets
         _, passed = self._arg(args, kwargs, *_CACHE_NAMES)
         cache = passed if passed is not None else _cache_in(output)
-        states = [detach_state(s) for s in states]  # a cache never keeps the graph alive
+        if torch.is_grad_enabled():  # a cache never keeps the graph alive (no_grad: none)
+            states = [detach_state(s) for s in states]
         if isinstance(cache, transformers_module().Cache):
             self._bind(cache, states)
         if self.streaming and module.training and passed is None:

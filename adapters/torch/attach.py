@@ -16,12 +16,12 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.utils._pytree import tree_map
 
 from tmcore import layer as tl
 from tmcore.adapters.torch.bridge import XP as _XP
 from tmcore.adapters.torch.modules import MemoryResidual, TensorMemory
 from tmcore.runtime.validate import check_bool_mask
+from tmcore.scan.base import tree_map
 from tmcore.types import traced
 
 __all__ = ["ATTRIBUTE", "MemoryHandle", "attach_memory", "blocks_of", "detach_memory",
@@ -56,10 +56,10 @@ def detach_state(state: Any) -> Any:
     return tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, state)
 
 
-def _in_backward() -> bool:
-    """Whether the autograd engine runs a backward in this thread (never while compiling:
-    the compiled backward re-runs no hook)."""
-    return not traced() and torch._C._current_graph_task_id() != -1
+def _in_backward(compiling: bool) -> bool:
+    """Whether the autograd engine runs a backward in this thread (never while
+    ``compiling``: the compiled backward re-runs no hook)."""
+    return not compiling and torch._C._current_graph_task_id() != -1
 
 
 def blocks_of(blocks: Any) -> tuple[list[nn.Module], bool | None]:
@@ -243,7 +243,7 @@ class MemoryHandle:
         x = y if self.batch_first else y.transpose(0, 1)
         compiling = traced()
         key = None if compiling else self._record_key(layer, args)
-        if _in_backward():  # activation checkpointing is recomputing this block
+        if _in_backward(compiling):  # activation checkpointing is recomputing this block
             with self._lock:
                 record = self._records.get(key) if key is not None else None
             if record is _AMBIGUOUS:

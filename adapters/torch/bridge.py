@@ -172,9 +172,11 @@ def _plain_inference(args: tuple) -> bool:
     """Whether a call may skip the op's wrappers: no gradient needed, every tensor a plain one
     with data (a fake, DTensor or meta tensor needs the op's registered rules)."""
     grad = torch.is_grad_enabled()
-    return not any(isinstance(a, Tensor) and (type(a) not in (Tensor, torch.nn.Parameter)
-                                              or a.is_meta or (grad and a.requires_grad))
-                   for a in args)
+    for a in args:  # (a loop, not any(): a decode step passes 16 tensors)
+        if isinstance(a, Tensor) and (type(a) not in (Tensor, torch.nn.Parameter) or a.is_meta
+                                      or (grad and a.requires_grad)):
+            return False
+    return True
 
 
 def call(function: type[torch.autograd.Function], op: Callable[..., Any], *args: Any,
@@ -607,8 +609,9 @@ def dense_scan(h0: Tensor, c0: Tensor, inputs: Any, params: ConvParams, *, eps: 
                active: Tensor | None = None, validated: bool = False
                ) -> tuple[Tensor, Tensor, Tensor]:
     """The paper's scan with autograd: ``(reads (B, T, C), h_T, c_T)``. ``validated``: the
-    inputs are a layer's heads, so only the size gate and validate mode's value checks run;
-    else :func:`validate_scan_inputs`."""
+    inputs are a layer's heads, so only the size gate (a backward's: the layer's call
+    counted the rest) and validate mode's value checks run; else
+    :func:`validate_scan_inputs`."""
     tensors = (h0, c0, *inputs, *params)
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
     if not torch.compiler.is_compiling():  # (Dynamo cannot trace the checks)
@@ -616,7 +619,8 @@ def dense_scan(h0: Tensor, c0: Tensor, inputs: Any, params: ConvParams, *, eps: 
             check_values(XP, {"h0": h0, "c0": c0, **inputs._asdict(),
                               **{f"params.{k}": v for k, v in params._asdict().items()}})
             check_positive(XP, "write_sigma", inputs.write_sigma)
-            check_scan(XP, h0, inputs.read_coords.shape[1], checkpoint_every, grad)
+            if grad:  # (without, the layer's size gate counted this scan: check_forward)
+                check_scan(XP, h0, inputs.read_coords.shape[1], checkpoint_every, grad)
         else:
             validate_scan_inputs(h0, c0, *inputs, params, checkpoint_every, radius, eps=eps,
                                  backward=grad, reset=reset, active=active)

@@ -266,3 +266,57 @@ def test_a_token_under_autocast_after_one_without_gets_the_autocast_dtype():
         expected = _fresh(memory, x, st)
     assert out.dtype == expected.dtype == torch.bfloat16 and last.dtype == torch.float32
     assert torch.equal(out, expected)
+
+
+def _library_calls_per_phase(rounds: int) -> dict[int, list[int]]:
+    """Python calls (every function and generator step) outside torch's own code of each
+    decode token through an attached memory's hook, by the count the token starts from
+    (counted with ``sys.setprofile``: calls, never timings). Not counted: torch's module
+    call, which varies with what torch imported before (Dynamo), and generated methods
+    (``<string>``: a config's ``__eq__`` runs where an equal config of another test
+    shares a cache entry)."""
+    import os
+    import sys
+
+    from tmcore.adapters.torch import attach_memory
+
+    calls = [0]
+    torch_code = os.path.dirname(torch.__file__) + os.sep
+
+    def profile(frame, event, arg):
+        name = frame.f_code.co_filename
+        if event == "call" and not name.startswith((torch_code, "<")):
+            calls[0] += 1
+
+    torch.manual_seed(0)
+    block = torch.nn.Linear(64, 64)
+    handle = attach_memory([block], embed_dim=64, memory_channels=16, memory_shape=(4, 4, 4),
+                           chunk_size=L, streaming=True, batch_first=True)
+    counts: dict[int, list[int]] = {}
+    with torch.no_grad():
+        block(torch.randn(4, 5, 64))
+        for _ in range(L * (rounds + 1)):
+            phase = int(handle.state[0].count[0])
+            calls[0] = 0
+            sys.setprofile(profile)
+            try:
+                block(torch.randn(4, 1, 64))
+            finally:
+                sys.setprofile(None)
+            counts.setdefault(phase, []).append(calls[0])
+    return {phase: seen[1:] for phase, seen in counts.items()}  # (the first: caches filled)
+
+
+def test_decode_token_python_calls_are_few_and_constant():
+    """Issue 60: the Python work of a decode token through the attach hook is a small
+    constant per phase of its chunk (Python calls outside torch, not timings). At eac3a01
+    they were 79 (middle), 109 (start) and 240 (completion: the heads and the scan's
+    dispatch)."""
+    counts = _library_calls_per_phase(rounds=3)
+    assert sorted(counts) == list(range(L))
+    for phase, seen in counts.items():
+        assert len(set(seen)) == 1, (phase, seen)
+    middle = max(counts[k][0] for k in range(1, L - 1))
+    assert middle <= 74, counts
+    assert counts[0][0] <= 101, counts
+    assert counts[L - 1][0] <= 180, counts

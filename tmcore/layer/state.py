@@ -58,14 +58,15 @@ class StreamState(NamedTuple):
 
 
 def forward_bytes(config: LayerConfig, batch: int, tokens: int, item: int) -> int:
-    """Bytes one layer call on ``(B, N, d)`` tokens certainly holds (no checkpoints): the
-    scan's working set, the output and the padded chunks."""
+    """Bytes one layer call on ``(B, N, d)`` tokens certainly holds without a backward:
+    the scan's working set (with its one kept state, so that this gate covers the scan's
+    own, which a layer's no-grad scan then skips), the output and the padded chunks."""
     state = batch * config.memory_channels * math.prod(config.memory_shape)
     steps = -(-tokens // config.chunk_size)
     working = (validate.warp_states(len(config.memory_shape), config.flow)
                if config.dynamics == "warp" else 0)
     padded = batch * steps * config.chunk_size * config.embed_dim
-    return validate.scan_bytes(state, batch, config.memory_channels, steps, 0, item) \
+    return validate.scan_bytes(state, batch, config.memory_channels, steps, 1, item) \
         + item * (batch * tokens * config.embed_dim + padded + working * state)
 
 
@@ -211,7 +212,7 @@ def stream_state(xp: Any, state: Any, x: Any, config: LayerConfig, *, checked: b
                 or tuple(value.shape) != shape:
             raise ValueError(f"state.{name}: expected shape {axes} = {shape}, got "
                              f"{getattr(value, 'shape', type(value).__name__)}")
-        if not xp.isdtype(value.dtype, "real floating"):
+        if not validate.real_floating(xp, value.dtype):
             raise TypeError(f"state.{name}: expected a real floating dtype (like state.h), "
                             f"got {value.dtype}")
     count, known = _check_count(xp, state.count, batch, config.chunk_size, device)

@@ -32,6 +32,7 @@ __all__ = [
     "check_dim",
     "check_nonempty",
     "check_floating",
+    "real_floating",
     "check_grid_shape",
     "check_int",
     "check_eps",
@@ -179,8 +180,24 @@ def _device_or_none(x: Any) -> Any:
 
 def check_floating(xp: Any, name: str, x: Any) -> None:
     """Raise ``TypeError`` unless ``x`` has a real floating dtype."""
-    if not xp.isdtype(x.dtype, "real floating"):
+    if not real_floating(xp, x.dtype):
         raise TypeError(f"{name}: expected a real floating dtype, got {x.dtype}")
+
+
+#: (namespace, dtype) -> whether it is real floating: a dict read, where ``isdtype`` runs
+#: a namespace's Python code (several times per decode token)
+_REAL_FLOATING: dict[tuple[int, Any], bool] = {}
+
+
+def real_floating(xp: Any, dtype: Any) -> bool:
+    """``xp.isdtype(dtype, "real floating")``, remembered per namespace and dtype."""
+    try:
+        known = _REAL_FLOATING.get((id(xp), dtype))
+    except TypeError:  # (an unhashable dtype object)
+        return bool(xp.isdtype(dtype, "real floating"))
+    if known is None:
+        known = _REAL_FLOATING[(id(xp), dtype)] = bool(xp.isdtype(dtype, "real floating"))
+    return known
 
 
 def check_rank(name: str, x: Any, rank: int | Sequence[int], layout: str) -> None:
