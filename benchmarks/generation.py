@@ -291,16 +291,23 @@ def main_hf(args: argparse.Namespace, argv: list[str]) -> dict:
         with open(RESULTS_HF, "w") as f:
             json.dump(result, f, indent=1)
             f.write("\n")
-        with open(RESULTS_HF[:-len(".json")] + ".md", "w") as f:
-            f.write("# Hugging Face generate and training with / without Tensor Memory\n\n"
-                    "Same process, one thread, interleaved; the ratio of the best rounds, then "
-                    "the median and range of the per-round ratios. Written by "
-                    "`python -m benchmarks.generation --hf`.\n")
-            for r in result["runs"]:
-                f.write(f"\n## {r['tag']}\n\n`{r['command']}` at commit `{r['commit']}`; "
-                        f"{r['machine']}\n\n{hf_table(r['rows'])}\n")
+        write_hf_markdown(result)
     print(hf_table(run["rows"]))
     return run
+
+
+def write_hf_markdown(result: dict) -> None:
+    """generation-hf.md from the runs of generation-hf.json (``python -c "import json;
+    from benchmarks import generation as g; g.write_hf_markdown(json.load(open(g.RESULTS_HF)))"``
+    renders it again)."""
+    with open(RESULTS_HF[:-len(".json")] + ".md", "w") as f:
+        f.write("# Hugging Face generate and training with / without Tensor Memory\n\n"
+                "Same process, one thread, interleaved; the ratio of the best rounds, then "
+                "the median and range of the per-round ratios. Written by "
+                "`python -m benchmarks.generation --hf`.\n")
+        for r in result["runs"]:
+            f.write(f"\n## {r['tag']}\n\n`{r['command']}` at commit `{r['commit']}`; "
+                    f"{r['machine']}\n\n{hf_table(r['rows'])}\n")
 
 
 def _commit() -> str:
