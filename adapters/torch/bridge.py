@@ -615,10 +615,11 @@ def dense_scan(h0: Tensor, c0: Tensor, inputs: Any, params: ConvParams, *, eps: 
     tensors = (h0, c0, *inputs, *params)
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
     if not torch.compiler.is_compiling():  # (Dynamo cannot trace the checks)
-        if validated:  # validate mode: the values the scan receives
-            check_values(XP, {"h0": h0, "c0": c0, **inputs._asdict(),
-                              **{f"params.{k}": v for k, v in params._asdict().items()}})
-            check_positive(XP, "write_sigma", inputs.write_sigma)
+        if validated:
+            if get_options().validate:  # validate mode: the values the scan receives
+                check_values(XP, {"h0": h0, "c0": c0, **inputs._asdict(),
+                                  **{f"params.{k}": v for k, v in params._asdict().items()}})
+                check_positive(XP, "write_sigma", inputs.write_sigma)
             if grad:  # (without, the layer's size gate counted this scan: check_forward)
                 check_scan(XP, h0, inputs.read_coords.shape[1], checkpoint_every, grad)
         else:

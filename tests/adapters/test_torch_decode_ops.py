@@ -328,3 +328,62 @@ def test_decode_token_python_calls_are_few_and_constant():
     assert middle <= 74, counts
     assert counts[0][0] <= 101, counts
     assert counts[L - 1][0] <= 180, counts
+
+
+def _chunk_one_memory() -> TensorMemory:
+    torch.manual_seed(0)
+    return TensorMemory(64, 16, (4, 4, 4), 1, zero_init=False).double()
+
+
+def _completing_outputs(memory: TensorMemory, edit=None, grad: bool = False):
+    """Chunk 1 (every token completes a chunk): a first token without gradients, then
+    ``edit(memory)``, then two more tokens (the third reads what the second wrote with
+    the edited heads); returns the third's output, the same from a copy of the module made
+    after the edit (it stacks its heads afresh), and the copy."""
+    import copy
+
+    torch.manual_seed(3)
+    x = torch.randn(4, 3, 64, dtype=memory.out_proj.weight.dtype)
+    with torch.no_grad():
+        _, st = memory(x[:, :1])
+        if edit is not None:
+            edit(memory)
+    fresh = copy.deepcopy(memory)
+    with torch.set_grad_enabled(grad):
+        outs = []
+        for module in (memory, fresh):
+            _, mid = module(x[:, 1:2], st)
+            outs.append(module(x[:, 2:3], mid)[0])
+    return outs[0], outs[1], fresh
+
+
+@pytest.mark.parametrize("edit", [
+    lambda m: m.coord_net.weight.mul_(1.5),                  # an optimizer step, in place
+    lambda m: m.sigma_net.bias.add_(0.25),
+    lambda m: setattr(m.content_net, "weight", torch.nn.Parameter(m.content_net.weight * 2)),
+])
+def test_stacked_heads_follow_every_change_of_their_weights(edit):
+    """A decode step without gradients stacks the three heads once and keeps them while
+    their tensors are unchanged: an in-place update or new parameters between two tokens
+    reach the second token's write (it equals a copy that stacks again, and differs from
+    the unedited module's)."""
+    with torch.no_grad():
+        second, expected, _ = _completing_outputs(_chunk_one_memory(), edit)
+        unedited, _, _ = _completing_outputs(_chunk_one_memory())
+    assert torch.equal(second, expected)
+    assert not torch.equal(second, unedited)
+
+
+def test_stacked_heads_keep_the_graph_under_grad():
+    """Under grad the heads are stacked each call (after a no-grad call kept a stack):
+    every head weight gets the gradient a fresh copy of the module gets."""
+    memory = _chunk_one_memory()
+    with torch.no_grad():
+        memory(torch.randn(4, 1, 64, dtype=torch.float64))   # a stack is kept from here
+    second, expected, fresh = _completing_outputs(memory, grad=True)
+    (second.sum() + expected.sum()).backward()
+    for name, p in memory.named_parameters():
+        if name.startswith(("coord_net", "content_net", "sigma_net")):
+            other = dict(fresh.named_parameters())[name].grad
+            assert p.grad is not None and p.grad.abs().max() > 0, name
+            torch.testing.assert_close(p.grad, other, rtol=0, atol=0)

@@ -42,7 +42,7 @@ from tmcore.ops.sample import trilinear_sample
 from tmcore.runtime.validate import check_int
 from tmcore.types import StepInputs, WarpInputs, device_of, host_values, traced
 
-__all__ = ["Layer", "Linear", "Scan", "chunk", "linear", "split", "unchunk"]
+__all__ = ["HEAD_GROUPS", "Layer", "Linear", "Scan", "chunk", "linear", "split", "unchunk"]
 
 
 class Scan(Protocol):
@@ -55,6 +55,10 @@ class Scan(Protocol):
 
 
 Linear = Callable[[Any, Mapping[str, Any], Any], Any]
+
+
+#: The heads that read a ``d``-vector, in the order :meth:`Layer.head_weights` stacks them.
+HEAD_GROUPS = ("coord_net", "content_net", "sigma_net")
 
 
 def linear(xp: Any, p: Mapping[str, Any], x: Any) -> Any:
@@ -150,9 +154,7 @@ class Layer:
         length, d = chunks.shape[-2:]
         n, c = len(config.memory_shape), config.memory_channels
         k = n + c + 1
-        fused = {key: xp.concat([params[g][key] for g in ("coord_net", "content_net",
-                                                          "sigma_net")], axis=0)
-                 for key in ("weight", "bias")}
+        fused = self.head_weights(xp, params)
         if self.flat_rows:  # 2-D operands, one row per chunk: no reshape around each product
             rows = math.prod(lead)
             flat = xp.reshape(chunks, (rows, length * d))
@@ -174,6 +176,23 @@ class Layer:
             shift = linear(xp, params[WARP_GROUP], summary)
             return WarpInputs(*inputs, shift=xp.reshape(shift, (*lead, n)))
         return inputs
+
+    def head_weights(self, xp: Any, params: Params) -> dict[str, Any]:
+        """The three heads on a ``d``-vector as one linear map, in :meth:`heads`' order.
+
+        Parameters
+        ----------
+        xp, params : namespace, dict of dict of array
+            As in :meth:`heads`.
+
+        Returns
+        -------
+        dict of array
+            ``weight (n + C + 1, d)`` and ``bias (n + C + 1,)``: ``coord_net``'s,
+            ``content_net``'s and ``sigma_net``'s, stacked.
+        """
+        return {key: xp.concat([params[g][key] for g in HEAD_GROUPS], axis=0)
+                for key in ("weight", "bias")}
 
     def read_coords(self, xp: Any, params: Params, first: Any) -> Any:
         """:meth:`heads`' ``read_coords`` from the chunks' first tokens alone.
