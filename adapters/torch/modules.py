@@ -16,7 +16,6 @@ from tmcore import layer as tl
 from tmcore.adapters.torch import bridge
 from tmcore.adapters.torch.functional import option_scan
 from tmcore.adapters.torch.tuners import computed, fold_tuned
-from tmcore.layer.layer import HEAD_GROUPS
 from tmcore.layer.state import check_stream_call
 from tmcore.ops.splat import DEFAULT_EPS
 from tmcore.runtime.validate import check_finite, check_flag, check_int
@@ -221,26 +220,6 @@ class _TorchLayer(tl.Layer):
     @staticmethod
     def split(xp: Any, x: Tensor, sizes: Sequence[int]) -> tuple[Tensor, ...]:
         return x.split_with_sizes(list(sizes), dim=-1)  # (the op itself: no Python frames)
-
-    def head_weights(self, xp: Any, params: Mapping[str, Any]) -> dict[str, Tensor]:
-        """The stacked heads, kept between calls that need no gradient while the six
-        tensors are the same objects at the same versions (a decode step stacks nothing;
-        an optimizer step, an in-place edit or new tensors stack them again)."""
-        leaves = [params[g][k] for k in ("weight", "bias") for g in HEAD_GROUPS]
-        if torch.compiler.is_compiling() or (torch.is_grad_enabled()
-                                             and any(t.requires_grad for t in leaves)):
-            return super().head_weights(xp, params)  # (a trace, or a graph: the concat)
-        try:
-            key = [(t, t._version) for t in leaves]
-        except RuntimeError:  # an inference tensor keeps no version: stacked each call
-            return super().head_weights(xp, params)
-        kept = getattr(self, "_stacked", None)
-        if kept is not None and all(a is b and u == v for (a, u), (b, v)
-                                    in zip(kept[0], key, strict=True)):
-            return kept[1]
-        fused = super().head_weights(xp, params)
-        self._stacked = (key, fused)
-        return fused
 
 
 class TensorMemory(nn.Module):

@@ -339,7 +339,7 @@ def _completing_outputs(memory: TensorMemory, edit=None, grad: bool = False):
     """Chunk 1 (every token completes a chunk): a first token without gradients, then
     ``edit(memory)``, then two more tokens (the third reads what the second wrote with
     the edited heads); returns the third's output, the same from a copy of the module made
-    after the edit (it stacks its heads afresh), and the copy."""
+    after the edit, and the copy."""
     import copy
 
     torch.manual_seed(3)
@@ -361,12 +361,15 @@ def _completing_outputs(memory: TensorMemory, edit=None, grad: bool = False):
     lambda m: m.coord_net.weight.mul_(1.5),                  # an optimizer step, in place
     lambda m: m.sigma_net.bias.add_(0.25),
     lambda m: setattr(m.content_net, "weight", torch.nn.Parameter(m.content_net.weight * 2)),
+    lambda m: m.coord_net.weight.data.copy_(m.coord_net.weight.data * 0.5),  # no version
+    lambda m: setattr(m.sigma_net.weight, "data", m.sigma_net.weight.data * 3),  # as .to()
 ])
-def test_stacked_heads_follow_every_change_of_their_weights(edit):
-    """A decode step without gradients stacks the three heads once and keeps them while
-    their tensors are unchanged: an in-place update or new parameters between two tokens
-    reach the second token's write (it equals a copy that stacks again, and differs from
-    the unedited module's)."""
+def test_heads_follow_every_change_of_their_weights(edit):
+    """Any change of the heads' weights between two decode tokens reaches the second
+    token's write: an in-place update, new parameters, and edits through ``.data``, which
+    no version counter sees (so no cache of the stacked heads could tell: the heads are
+    stacked each call). The output equals a fresh copy's and differs from the unedited
+    module's."""
     with torch.no_grad():
         second, expected, _ = _completing_outputs(_chunk_one_memory(), edit)
         unedited, _, _ = _completing_outputs(_chunk_one_memory())
@@ -374,12 +377,12 @@ def test_stacked_heads_follow_every_change_of_their_weights(edit):
     assert not torch.equal(second, unedited)
 
 
-def test_stacked_heads_keep_the_graph_under_grad():
-    """Under grad the heads are stacked each call (after a no-grad call kept a stack):
-    every head weight gets the gradient a fresh copy of the module gets."""
+def test_heads_keep_the_graph_under_grad_after_a_no_grad_call():
+    """Under grad after a no-grad call, every head weight gets the gradient a fresh copy
+    of the module gets."""
     memory = _chunk_one_memory()
     with torch.no_grad():
-        memory(torch.randn(4, 1, 64, dtype=torch.float64))   # a stack is kept from here
+        memory(torch.randn(4, 1, 64, dtype=torch.float64))
     second, expected, fresh = _completing_outputs(memory, grad=True)
     (second.sum() + expected.sum()).backward()
     for name, p in memory.named_parameters():
@@ -387,3 +390,17 @@ def test_stacked_heads_keep_the_graph_under_grad():
             other = dict(fresh.named_parameters())[name].grad
             assert p.grad is not None and p.grad.abs().max() > 0, name
             torch.testing.assert_close(p.grad, other, rtol=0, atol=0)
+
+
+def test_heads_follow_a_dtype_conversion():
+    """``module.float()`` between tokens (it swaps each parameter's ``.data``): the next
+    token computes in float32 with the converted heads, as a fresh float32 module does."""
+    memory = _chunk_one_memory()
+    x = torch.randn(4, 1, 64)
+    with torch.no_grad():
+        memory(torch.randn(4, 1, 64, dtype=torch.float64))
+        memory.float()
+        out, _ = memory(x)
+        expected, _ = _chunk_one_memory().float()(x)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)

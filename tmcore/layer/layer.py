@@ -57,7 +57,7 @@ class Scan(Protocol):
 Linear = Callable[[Any, Mapping[str, Any], Any], Any]
 
 
-#: The heads that read a ``d``-vector, in the order :meth:`Layer.head_weights` stacks them.
+#: The heads that read a ``d``-vector, in the order :meth:`Layer.heads` stacks them.
 HEAD_GROUPS = ("coord_net", "content_net", "sigma_net")
 
 
@@ -154,7 +154,8 @@ class Layer:
         length, d = chunks.shape[-2:]
         n, c = len(config.memory_shape), config.memory_channels
         k = n + c + 1
-        fused = self.head_weights(xp, params)
+        fused = {key: xp.concat([params[g][key] for g in HEAD_GROUPS], axis=0)
+                 for key in ("weight", "bias")}
         if self.flat_rows:  # 2-D operands, one row per chunk: no reshape around each product
             rows = math.prod(lead)
             flat = xp.reshape(chunks, (rows, length * d))
@@ -176,23 +177,6 @@ class Layer:
             shift = linear(xp, params[WARP_GROUP], summary)
             return WarpInputs(*inputs, shift=xp.reshape(shift, (*lead, n)))
         return inputs
-
-    def head_weights(self, xp: Any, params: Params) -> dict[str, Any]:
-        """The three heads on a ``d``-vector as one linear map, in :meth:`heads`' order.
-
-        Parameters
-        ----------
-        xp, params : namespace, dict of dict of array
-            As in :meth:`heads`.
-
-        Returns
-        -------
-        dict of array
-            ``weight (n + C + 1, d)`` and ``bias (n + C + 1,)``: ``coord_net``'s,
-            ``content_net``'s and ``sigma_net``'s, stacked.
-        """
-        return {key: xp.concat([params[g][key] for g in HEAD_GROUPS], axis=0)
-                for key in ("weight", "bias")}
 
     def read_coords(self, xp: Any, params: Params, first: Any) -> Any:
         """:meth:`heads`' ``read_coords`` from the chunks' first tokens alone.
