@@ -42,7 +42,7 @@ from tmcore.ops.sample import trilinear_sample
 from tmcore.runtime.validate import check_int
 from tmcore.types import StepInputs, WarpInputs, device_of, host_values, traced
 
-__all__ = ["HEAD_GROUPS", "Layer", "Linear", "Scan", "chunk", "linear", "split", "unchunk"]
+__all__ = ["Layer", "Linear", "Scan", "chunk", "linear", "split", "unchunk"]
 
 
 class Scan(Protocol):
@@ -55,10 +55,6 @@ class Scan(Protocol):
 
 
 Linear = Callable[[Any, Mapping[str, Any], Any], Any]
-
-
-#: The heads that read a ``d``-vector, in the order :meth:`Layer.heads` stacks them.
-HEAD_GROUPS = ("coord_net", "content_net", "sigma_net")
 
 
 def linear(xp: Any, p: Mapping[str, Any], x: Any) -> Any:
@@ -154,7 +150,8 @@ class Layer:
         length, d = chunks.shape[-2:]
         n, c = len(config.memory_shape), config.memory_channels
         k = n + c + 1
-        fused = {key: xp.concat([params[g][key] for g in HEAD_GROUPS], axis=0)
+        fused = {key: xp.concat([params[g][key] for g in ("coord_net", "content_net",
+                                                          "sigma_net")], axis=0)
                  for key in ("weight", "bias")}
         if self.flat_rows:  # 2-D operands, one row per chunk: no reshape around each product
             rows = math.prod(lead)
