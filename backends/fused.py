@@ -4,6 +4,7 @@ they may take, and every shape their kernels index by.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -54,11 +55,13 @@ def window_boxes(spatial: tuple[int, ...], window: int) -> tuple[tuple[int, ...]
     return (*window_sizes(spatial, window), tuple(1 if s == 1 else 2 for s in spatial))
 
 
-def _layouts(state: Any, steps: int, saved: int | None,
+@functools.lru_cache(maxsize=64)
+def _layouts(like: tuple[int, ...], steps: int, saved: int | None,
              window: int | None) -> dict[str, tuple[tuple[int, ...], str]]:
-    """Argument name -> ``(expected shape, layout)`` of the scans' arrays."""
-    batch, channels, *spatial = state.shape
-    n, like, c2 = len(spatial), tuple(state.shape), 2 * channels
+    """Argument name -> ``(expected shape, layout)`` of the scans' arrays, the state ``like =
+    (B, C, *S)`` (cached: a decode step asks for the same shapes every token)."""
+    batch, channels, *spatial = like
+    n, c2 = len(spatial), 2 * channels
     checkpoints = ((saved, *like), "(ceil(T / checkpoint_every), B, C, *S)")
     out = {"c0": (like, "(B, C, *S) like h0"), "g_c": (like, "(B, C, *S) like g_h"),
            "g_reads": ((batch, steps, channels), "(B, T, C)"),
@@ -79,6 +82,9 @@ def _layouts(state: Any, steps: int, saved: int | None,
     return out
 
 
+_PARAM_NAMES = tuple(f"params.{k}" for k in ConvParams._fields)
+
+
 def check_scan_shapes(state: Any, read_coords: Any, arrays: dict[str, Any],
                       params: ConvParams, *, saved: int | None = None,
                       window: int | None = None, kernel: str = "CPU kernel") -> None:
@@ -91,9 +97,9 @@ def check_scan_shapes(state: Any, read_coords: Any, arrays: dict[str, Any],
     if read_coords.ndim != 3 or tuple(read_coords.shape[::2]) != (batch, n):
         raise ValueError(f"read_coords: expected shape (B, T, n) = ({batch}, T, {n}), got "
                          f"{tuple(read_coords.shape)}")
-    layouts = _layouts(state, read_coords.shape[1], saved, window)
-    named = dict(arrays, **{f"params.{k}": v for k, v in ConvParams(*params)._asdict().items()})
-    for name, t in named.items():
+    layouts = _layouts(tuple(state.shape), read_coords.shape[1], saved, window)
+    for name, t in (*arrays.items(), *zip(_PARAM_NAMES, params, strict=True)):
         shape, layout = layouts[name]
-        expect_shape(name, t, shape, layout, kernel)
+        if tuple(t.shape) != shape:
+            expect_shape(name, t, shape, layout, kernel)
 

@@ -628,6 +628,24 @@ def dense_scan(h0: Tensor, c0: Tensor, inputs: Any, params: ConvParams, *, eps: 
     # one checkpoint whatever T without a backward: a constant, so that a compiled no_grad
     # call does not specialize on (and recompile for) each length
     every = int(checkpoint_every) if grad else NO_GRAD_CHECKPOINT_EVERY
-    out = call(MemoryScanFunction, memory_scan_op, *tensors, float(eps),
-               None if radius is None else float(radius), every, reset, active, validated=True)
+    statics = (float(eps), None if radius is None else float(radius), every, reset, active)
+    if not grad and not torch.compiler.is_compiling() and _interpreter() is None \
+            and _plain_inference((*tensors, reset, active)):
+        # inference (a decode step): the scan itself, without the op's wrappers (checked
+        # above); only the state's storage must not come back (the op's outputs never
+        # share it: a caller may write into h_T)
+        reads, h, c, _, _ = memory_scan_fwd(XP, h0, c0, *inputs, params, eps=statics[0],
+                                            radius=statics[1], checkpoint_every=every,
+                                            reset=reset, active=active)
+        return _unshared(reads, h0, c0), _unshared(h, h0, c0), _unshared(c, h0, c0)
+    out = call(MemoryScanFunction, memory_scan_op, *tensors, *statics, validated=True)
     return out[0], out[1], out[2]
+
+
+def _unshared(t: Tensor, *inputs: Tensor) -> Tensor:
+    """``t``, or a copy where it shares storage with one of ``inputs``."""
+    where = t.untyped_storage().data_ptr()
+    for i in inputs:
+        if i.untyped_storage().data_ptr() == where and t.numel():
+            return t.clone()
+    return t

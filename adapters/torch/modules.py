@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -28,15 +28,46 @@ State = tuple[Tensor, Tensor]
 _XP = bridge.XP
 
 
-def _check_like_params(name: str, value: Tensor, ref: Tensor, check_dtype: bool) -> None:
-    """``ValueError`` unless ``value`` is on ``ref``'s device, ``TypeError`` unless it has
-    ``ref``'s dtype (when ``check_dtype``); ``name`` leads the message."""
-    if value.device != ref.device:
-        raise ValueError(f"{name}: expected a tensor on the parameters' device {ref.device}, "
+def _check_like_params(name: str, value: Tensor, device: torch.device,
+                       dtype: torch.dtype | None) -> None:
+    """``ValueError`` unless ``value`` is on the parameters' ``device``, ``TypeError`` unless it
+    has their ``dtype`` (``None``: any); ``name`` leads the message."""
+    if value.device != device:
+        raise ValueError(f"{name}: expected a tensor on the parameters' device {device}, "
                          f"got one on {value.device}")
-    if check_dtype and value.dtype != ref.dtype:
-        raise TypeError(f"{name}: expected dtype {ref.dtype} (the parameters'), "
-                        f"got {value.dtype}")
+    if dtype is not None and value.dtype != dtype:
+        raise TypeError(f"{name}: expected dtype {dtype} (the parameters'), got {value.dtype}")
+
+
+def _state_fields(state: Any, kind: Callable[[Any], str]) -> tuple[tuple[str, Tensor], ...]:
+    """``(name, tensor)`` of a call's state (a :class:`tmcore.layer.StreamState`, or a pair
+    ``(h, c)``; else none); ``TypeError`` naming a field that is not a torch tensor."""
+    if isinstance(state, tl.StreamState):
+        if not isinstance(state.count, (Tensor, tuple, list)):
+            raise TypeError(f"state.count: expected a tuple of ints or an integer "
+                            f"torch.Tensor (B,), got {kind(state.count)} (convert with "
+                            f"torch.as_tensor)")
+        fields = (("h", state.h), ("c", state.c), ("pending", state.pending),
+                  ("read", state.read))
+    elif isinstance(state, (tuple, list)) and len(state) == 2:
+        fields = (("h", state[0]), ("c", state[1]))
+    else:
+        return ()
+    for name, value in fields:
+        if not isinstance(value, Tensor):
+            raise TypeError(f"state.{name}: expected a torch.Tensor, got {kind(value)} "
+                            f"(convert with torch.as_tensor)")
+    return tuple((f"state: {name}", value) for name, value in fields)
+
+
+@functools.lru_cache(maxsize=8)
+def _autocast_available(device_type: str) -> bool:
+    return torch.amp.is_autocast_available(device_type)
+
+
+def _autocasting(device_type: str) -> bool:
+    """Whether autocast is on for ``device_type`` (then a call's dtype is autocast's)."""
+    return _autocast_available(device_type) and torch.is_autocast_enabled(device_type)
 
 
 def _init_from_plan(params: Mapping[str, Tensor], config: tl.LayerConfig, groups: Sequence[str]
@@ -159,7 +190,7 @@ class ConvLSTMCell(_ConvGroup):
                 raise ValueError(f"{name}: expected shape {expected}"
                                  + ("" if name == "x" else f" like x {tuple(x.shape)}")
                                  + f", got {tuple(value.shape)}")
-            _check_like_params(name, value, ref, check_dtype=True)
+            _check_like_params(name, value, ref.device, ref.dtype)
         return bridge.call(bridge.ConvLSTMStepFunction, bridge.convlstm_step_op,
                            x, h, c, *self.params())
 
@@ -435,24 +466,16 @@ class TensorMemory(nn.Module):
 
         if not isinstance(x, Tensor):
             raise TypeError(f"x: expected a tensor of shape (B, N, d), got {type(x).__name__}")
-        ref, device_type = self.out_proj.weight, x.device.type
-        check_dtype = not (torch.amp.is_autocast_available(device_type)
-                           and torch.is_autocast_enabled(device_type))
-        _check_like_params("x", x, ref, check_dtype)
-        fields: dict[str, Any] = {}
-        if isinstance(state, tl.StreamState):
-            fields = {k: v for k, v in state._asdict().items() if k != "count"}
-            if not isinstance(state.count, (Tensor, tuple, list)):
-                raise TypeError(f"state.count: expected a tuple of ints or an integer "
-                                f"torch.Tensor (B,), got {kind(state.count)} (convert with "
-                                f"torch.as_tensor)")
-        elif isinstance(state, (tuple, list)) and len(state) == 2:
-            fields = {"h": state[0], "c": state[1]}
-        for name, value in fields.items():
-            if not isinstance(value, Tensor):
-                raise TypeError(f"state.{name}: expected a torch.Tensor, got {kind(value)} "
-                                f"(convert with torch.as_tensor)")
-            _check_like_params(f"state: {name}", value, ref, check_dtype)
+        ref = self.out_proj.weight
+        device, dtype = ref.device, ref.dtype
+        if not _autocasting(x.device.type):
+            _check_like_params("x", x, device, dtype)
+            for name, value in _state_fields(state, kind):
+                _check_like_params(name, value, device, dtype)
+        else:  # (autocast: the dtype is autocast's)
+            _check_like_params("x", x, device, None)
+            for name, value in _state_fields(state, kind):
+                _check_like_params(name, value, device, None)
         if masks["reset"] is not None and not isinstance(masks["reset"], Tensor):
             raise TypeError(f"reset: expected a bool torch.Tensor of shape (B,), got "
                             f"{kind(masks['reset'])} (convert with torch.as_tensor)")

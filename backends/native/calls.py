@@ -32,7 +32,7 @@ def kernels_for(*tensors: torch.Tensor) -> Kernels | None:
     if suffix is None or not untraced(tensors):
         return None
     for t in tensors:  # (a loop, not any(): a decode step checks 17 tensors)
-        if t.device.type != "cpu" or t.layout != torch.strided or t.is_nested:
+        if not t.is_cpu or t.layout != torch.strided or t.is_nested:
             return None
     lib = library()
     return None if lib is None else (lib, suffix)

@@ -8,12 +8,14 @@ dense contraction (``deterministic``). n = 4 and mixed dtypes take the generic p
 
 from __future__ import annotations
 
+import ctypes
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from tmcore.backends.fused import PLAIN, is_wrapped
+from tmcore.backends.native.calls import Kernels, call, kernels_for, plain, ptr, shape_arg
 from tmcore.ops.common import outer_product
 from tmcore.ops.sample import tent_profiles
 from tmcore.runtime.dispatch import Ops
@@ -63,11 +65,34 @@ def _may_hold_true(mask: torch.Tensor) -> bool:
         return True
 
 
+#: the grid shapes (``S``) as the read kernel takes them
+_SHAPES: dict[tuple[int, ...], ctypes.Array] = {}
+
+
+def _native_read(kernels: Kernels, volume: torch.Tensor, coords: torch.Tensor) -> torch.Tensor:
+    """One read per row, ``coords (B, 1, n)``, by the fused CPU scan's own read kernel: ``(B,
+    1, C)`` (NaN where a coordinate is NaN, as on every path)."""
+    volume, coords = plain(volume), plain(coords)
+    batch, channels, *spatial = volume.shape
+    shape = _SHAPES.get(tuple(spatial))
+    if shape is None:
+        shape = _SHAPES[tuple(spatial)] = shape_arg(tuple(spatial))
+    out = torch.empty((batch, 1, channels), dtype=volume.dtype)
+    call(kernels, "read_fwd", ptr(volume), ptr(coords), len(spatial), ptr(out), channels,
+         batch, channels, len(spatial), shape)
+    return out
+
+
 def make_sample(generic: Ops) -> tuple[Any, Any]:
     """``(sample_fwd, sample_bwd)`` over ``grid_sample``; ``generic``'s where it does not
-    apply (n = 4, mixed dtypes)."""
+    apply (n = 4, mixed dtypes). One query per row on the CPU (a decode step's read) runs
+    the fused scan's read kernel instead: one call, where ``grid_sample`` needs eight ops."""
 
     def sample_fwd(xp, volume, coords):
+        if coords.ndim == 3 and coords.shape[1] == 1 and volume.ndim == coords.shape[2] + 2:
+            kernels = kernels_for(volume, coords)
+            if kernels is not None:
+                return _native_read(kernels, volume, coords)
         if volume.ndim > 5 or volume.dtype != coords.dtype:
             return generic.sample_fwd(xp, volume, coords)
         batch, channels = volume.shape[:2]

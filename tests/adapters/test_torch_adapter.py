@@ -811,21 +811,45 @@ def test_fullgraph_compile_continues_a_stream_state():
 def test_no_grad_scan_passes_one_checkpoint_interval_for_every_length(monkeypatch):
     """Under no_grad the scan keeps only h0, c0 with an interval that does not depend on
     T (an interval equal to T made a compiled no_grad call recompile per length)."""
-    seen = []
-    call = _torch_ops.call
+    seen: dict[bool, list[int]] = {True: [], False: []}  # by grad mode
+    call, direct = _torch_ops.call, _torch_ops.memory_scan_fwd
 
-    def spy(function, op, *args, **kwargs):
-        seen.append(args[-3])  # the checkpoint interval (the statics end with the masks)
+    def spy(function, op, *args, **kwargs):  # with grad: the op
+        seen[True].append(args[-3])  # the checkpoint interval (the statics end with the masks)
         return call(function, op, *args, **kwargs)
 
+    def spy_direct(*args, checkpoint_every, **kwargs):  # no grad: the scan itself
+        if not outer_grad:  # (the op's own forward also runs without grad)
+            seen[False].append(checkpoint_every)
+        return direct(*args, checkpoint_every=checkpoint_every, **kwargs)
+
     monkeypatch.setattr(_torch_ops, "call", spy)
+    monkeypatch.setattr(_torch_ops, "memory_scan_fwd", spy_direct)
     for steps in (3, 7):
         args = scan_args(steps=steps)
+        outer_grad = False
         with torch.no_grad():
             reads, h, c = _scan(*args)
+        outer_grad = True
         seen_reads, seen_h, _ = _scan(*args)  # with grad: checkpoint_every=2
         assert torch.equal(reads, seen_reads.detach()) and torch.equal(h, seen_h.detach())
-    assert seen[0] == seen[2] and seen[0] >= 7 and seen[1] == seen[3] == 2
+    assert seen[False][0] == seen[False][1] >= 7 and seen[True] == [2, 2]
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_no_grad_scan_returns_no_storage_of_its_state(native):
+    """Without grad the scan runs without the op's wrappers; a state it did not change
+    (every step inactive) still comes back in storage of its own, as the op's does."""
+    args = scan_args(steps=2, requires_grad=False)
+    h0, c0 = args[0].clone(), args[1].clone()
+    inactive = torch.zeros(2, 2, dtype=torch.bool)
+    with torch.no_grad(), tmcore.options(native=native):
+        _, h, c = tmt.memory_scan(*args[:6], ConvParams(*args[6:]), active=inactive)
+    assert torch.equal(h, h0) and torch.equal(c, c0)
+    for out, state in ((h, args[0]), (c, args[1])):
+        assert out.untyped_storage().data_ptr() != state.untyped_storage().data_ptr()
+        out.add_(1.0)
+    assert torch.equal(args[0], h0) and torch.equal(args[1], c0)
 
 
 @pytest.mark.slow

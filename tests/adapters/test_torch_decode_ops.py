@@ -319,15 +319,17 @@ def test_decode_token_python_calls_are_few_and_constant():
     """Issue 60: the Python work of a decode token through the attach hook is a small
     constant per phase of its chunk (Python calls outside torch, not timings). At eac3a01
     they were 79 (middle), 109 (start) and 240 (completion: the heads and the scan's
-    dispatch)."""
+    dispatch). The start's read is the fused scan's read kernel since ab29fa6: one native
+    call where ``grid_sample`` took eight ops (20 -> 11 us alone), with more Python calls of
+    the library's own (torch's Python in ``grid_sample`` was not counted)."""
     counts = _library_calls_per_phase(rounds=3)
     assert sorted(counts) == list(range(L))
     for phase, seen in counts.items():
         assert len(set(seen)) == 1, (phase, seen)
     middle = max(counts[k][0] for k in range(1, L - 1))
     assert middle <= 74, counts
-    assert counts[0][0] <= 101, counts
-    assert counts[L - 1][0] <= 174, counts
+    assert counts[0][0] <= 113, counts
+    assert counts[L - 1][0] <= 163, counts
 
 
 def _chunk_one_memory() -> TensorMemory:

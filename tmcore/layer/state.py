@@ -208,8 +208,7 @@ def stream_state(xp: Any, state: Any, x: Any, config: LayerConfig, *, checked: b
             ("pending", state.pending, "(B, L, d)",
              (batch, config.chunk_size, config.embed_dim)),
             ("read", state.read, "(B, C)", (batch, config.memory_channels))):
-        if not hasattr(value, "shape") or not hasattr(value, "dtype") \
-                or tuple(value.shape) != shape:
+        if tuple(getattr(value, "shape", ())) != shape or not hasattr(value, "dtype"):
             raise ValueError(f"state.{name}: expected shape {axes} = {shape}, got "
                              f"{getattr(value, 'shape', type(value).__name__)}")
         if not validate.real_floating(xp, value.dtype):
@@ -227,17 +226,17 @@ def _check_count(xp: Any, count: Any, batch: int, length: int,
         if tuple(count.shape) != (batch,):
             raise ValueError(f"state.count: expected an integer array of shape (B,) = "
                              f"({batch},), got {tuple(count.shape)}")
-        if not xp.isdtype(count.dtype, "integral"):
+        if not validate.is_kind(xp, count.dtype, "integral"):
             raise TypeError(f"state.count: expected an integer array ({expected}), got "
                             f"dtype {count.dtype}")
         values = host_values(count)
         if values is None:  # traced: compared before the cast, so no value wraps into range
             inside = (count >= 0) & (count < length)
             return xp.astype(xp.where(inside, count, xp.zeros_like(count)), xp.int32), None
-        if not all(0 <= k < length for k in values):
+        known = tuple(values)
+        if not (0 <= min(known, default=0) and max(known, default=0) < length):
             raise ValueError(f"state.count: expected {expected}, got {list(values)}")
-        return (count if count.dtype == xp.int32 else xp.astype(count, xp.int32),
-                tuple(int(k) for k in values))
+        return count if count.dtype == xp.int32 else xp.astype(count, xp.int32), known
     try:
         known = None if isinstance(count, bool) or any(isinstance(k, bool) for k in count) \
             else tuple(operator.index(k) for k in count)

@@ -184,20 +184,26 @@ def check_floating(xp: Any, name: str, x: Any) -> None:
         raise TypeError(f"{name}: expected a real floating dtype, got {x.dtype}")
 
 
-#: (namespace, dtype) -> whether it is real floating: a dict read, where ``isdtype`` runs
-#: a namespace's Python code (several times per decode token)
-_REAL_FLOATING: dict[tuple[int, Any], bool] = {}
+#: (namespace, dtype, kind) -> ``isdtype``'s answer: a dict read, where ``isdtype`` runs a
+#: namespace's Python code (several times per decode token)
+_KINDS: dict[tuple[int, Any, str], bool] = {}
+
+
+def is_kind(xp: Any, dtype: Any, kind: str) -> bool:
+    """``xp.isdtype(dtype, kind)``, remembered per namespace, dtype and kind."""
+    key = (id(xp), dtype, kind)
+    try:
+        known = _KINDS.get(key)
+    except TypeError:  # (an unhashable dtype object)
+        return bool(xp.isdtype(dtype, kind))
+    if known is None:
+        known = _KINDS[key] = bool(xp.isdtype(dtype, kind))
+    return known
 
 
 def real_floating(xp: Any, dtype: Any) -> bool:
-    """``xp.isdtype(dtype, "real floating")``, remembered per namespace and dtype."""
-    try:
-        known = _REAL_FLOATING.get((id(xp), dtype))
-    except TypeError:  # (an unhashable dtype object)
-        return bool(xp.isdtype(dtype, "real floating"))
-    if known is None:
-        known = _REAL_FLOATING[(id(xp), dtype)] = bool(xp.isdtype(dtype, "real floating"))
-    return known
+    """``xp.isdtype(dtype, "real floating")``, remembered (:func:`is_kind`)."""
+    return is_kind(xp, dtype, "real floating")
 
 
 def check_rank(name: str, x: Any, rank: int | Sequence[int], layout: str) -> None:
