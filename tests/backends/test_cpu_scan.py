@@ -124,3 +124,36 @@ def _namespace():
     import array_api_compat
 
     return array_api_compat.array_namespace(torch.empty(0))
+
+
+@pytest.mark.parametrize("shape", [(5, 5, 5), (5,), (1, 5), (5, 1, 2), (2, 5, 1, 3)])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_one_query_read_by_the_read_kernel_matches_the_generic_read(shape, dtype,
+                                                                     monkeypatch):
+    """A read of one query per row (a decode step's) on the CPU runs the fused scan's read
+    kernel: the generic read's values on centres, borders, beyond them, at infinities and
+    NaN (which reads NaN)."""
+    from tmcore.backends.torch import sample
+
+    kernel_calls = []
+    call = sample.call
+    monkeypatch.setattr(sample, "call", lambda kernels, name, *a: (
+        kernel_calls.append(name), call(kernels, name, *a)))
+    n = len(shape)
+    volume = torch.randn(7, 3, *shape, generator=torch.Generator().manual_seed(5), dtype=dtype)
+    edges = torch.tensor([-1.0, 1.0, 0.0, 2.5, -7.0, float("inf"), -float("inf"), 0.3333,
+                          -0.5], dtype=dtype)
+    coords = torch.stack([edges[(torch.arange(7) + 2 * a) % len(edges)] for a in range(n)],
+                         dim=-1)[:, None, :]
+    coords[6, 0, n - 1] = float("nan")
+    read = tmcore.trilinear_sample(volume, coords)
+    assert kernel_calls == ["read_fwd"]
+    with tmcore.options(generic=True):
+        expected = tmcore.trilinear_sample(volume, coords)
+    assert read.shape == expected.shape == (7, 1, 3) and read.dtype == dtype
+    assert torch.isnan(read[6]).all() and not torch.isnan(read[:6]).any()
+    tolerance = 1e-12 if dtype == torch.float64 else 1e-6
+    torch.testing.assert_close(read[:6], expected[:6], rtol=tolerance, atol=tolerance)
+    with tmcore.options(native=False):  # and the op stays what grid_sample gives
+        torch.testing.assert_close(tmcore.trilinear_sample(volume, coords)[:6], read[:6],
+                                   rtol=tolerance, atol=tolerance)
