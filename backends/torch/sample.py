@@ -1,4 +1,5 @@
-"""The torch read: ``grid_sample`` forward, ``grid_sampler`` backward (n = 1, 2, 3).
+"""The torch read: ``grid_sample`` forward, ``grid_sampler`` backward (n = 1, 2, 3); one query
+per row on the CPU (a decode step's read) by the fused scan's C read kernel (n = 1..4).
 
 ``F.grid_sample(mode="bilinear", padding_mode="border", align_corners=True)`` (n = 1 as a
 height-1 2-D sample); its VJP calls ``aten.grid_sampler_{2,3}d_backward`` directly. On CUDA
