@@ -90,7 +90,8 @@ def make_sample(generic: Ops) -> tuple[Any, Any]:
     the fused scan's read kernel instead: one call, where ``grid_sample`` needs eight ops."""
 
     def sample_fwd(xp, volume, coords):
-        if coords.ndim == 3 and coords.shape[1] == 1 and volume.ndim == coords.shape[2] + 2:
+        if coords.ndim == 3 and coords.shape[1] == 1 and 1 <= coords.shape[2] <= 4 \
+                and volume.ndim == coords.shape[2] + 2:  # (the kernel's ranks)
             kernels = kernels_for(volume, coords)
             if kernels is not None:
                 return _native_read(kernels, volume, coords)
