@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -39,13 +39,18 @@ def _check_like_params(name: str, value: Tensor, device: torch.device,
         raise TypeError(f"{name}: expected dtype {dtype} (the parameters'), got {value.dtype}")
 
 
-def _state_fields(state: Any, kind: Callable[[Any], str]) -> tuple[tuple[str, Tensor], ...]:
+def _kind(value: Any) -> str:
+    """``value``'s type with its module, as an error names it."""
+    return f"{type(value).__module__}.{type(value).__qualname__}"
+
+
+def _state_fields(state: Any) -> tuple[tuple[str, Tensor], ...]:
     """``(name, tensor)`` of a call's state (a :class:`tmcore.layer.StreamState`, or a pair
     ``(h, c)``; else none); ``TypeError`` naming a field that is not a torch tensor."""
     if isinstance(state, tl.StreamState):
         if not isinstance(state.count, (Tensor, tuple, list)):
             raise TypeError(f"state.count: expected a tuple of ints or an integer "
-                            f"torch.Tensor (B,), got {kind(state.count)} (convert with "
+                            f"torch.Tensor (B,), got {_kind(state.count)} (convert with "
                             f"torch.as_tensor)")
         fields = (("h", state.h), ("c", state.c), ("pending", state.pending),
                   ("read", state.read))
@@ -55,7 +60,7 @@ def _state_fields(state: Any, kind: Callable[[Any], str]) -> tuple[tuple[str, Te
         return ()
     for name, value in fields:
         if not isinstance(value, Tensor):
-            raise TypeError(f"state.{name}: expected a torch.Tensor, got {kind(value)} "
+            raise TypeError(f"state.{name}: expected a torch.Tensor, got {_kind(value)} "
                             f"(convert with torch.as_tensor)")
     return tuple((f"state: {name}", value) for name, value in fields)
 
@@ -461,24 +466,21 @@ class TensorMemory(nn.Module):
         """The torch side of a call's checks (the layer's check the shapes): ``x`` and the
         state's fields are torch tensors on the parameters' device, in their dtype unless
         autocast is on; the masks are torch tensors on ``x``'s device."""
-        def kind(value: Any) -> str:
-            return f"{type(value).__module__}.{type(value).__qualname__}"
-
         if not isinstance(x, Tensor):
             raise TypeError(f"x: expected a tensor of shape (B, N, d), got {type(x).__name__}")
         ref = self.out_proj.weight
         device, dtype = ref.device, ref.dtype
         if not _autocasting(x.device.type):
             _check_like_params("x", x, device, dtype)
-            for name, value in _state_fields(state, kind):
+            for name, value in _state_fields(state):
                 _check_like_params(name, value, device, dtype)
         else:  # (autocast: the dtype is autocast's)
             _check_like_params("x", x, device, None)
-            for name, value in _state_fields(state, kind):
+            for name, value in _state_fields(state):
                 _check_like_params(name, value, device, None)
         if masks["reset"] is not None and not isinstance(masks["reset"], Tensor):
             raise TypeError(f"reset: expected a bool torch.Tensor of shape (B,), got "
-                            f"{kind(masks['reset'])} (convert with torch.as_tensor)")
+                            f"{_kind(masks['reset'])} (convert with torch.as_tensor)")
         for name, mask in masks.items():
             if isinstance(mask, Tensor) and mask.device != x.device:
                 raise ValueError(f"{name}: expected a mask on x's device {x.device}, "
