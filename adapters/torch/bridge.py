@@ -164,8 +164,9 @@ def _interpreter() -> Any:
     return retrieve_current_functorch_interpreter()
 
 
-#: op -> its eager forward (what the custom op runs), for calls that need no autograd
-_DIRECT: dict[Any, Callable[..., Any]] = {}
+#: op -> ``direct(args, validated)``: its eager forward (what the custom op runs), for calls
+#: that need no autograd (``validated``: the caller ran the op's checks)
+_DIRECT: dict[Any, Callable[[tuple, bool], Any]] = {}
 
 
 def _plain_inference(args: tuple) -> bool:
@@ -191,7 +192,7 @@ def call(function: type[torch.autograd.Function], op: Callable[..., Any], *args:
         # no transform and no gradient (inference, a decode step): the op's own forward,
         # without the autograd Function and the dispatcher around it (the same
         # computation; a few hundred microseconds less per call on the CPU)
-        return _run(_DIRECT[op], args, validated)
+        return _DIRECT[op](args, validated)
     if interpreter is not None and interpreter.key().name == "Jvp":  # (no jvp rules)
         raise NotImplementedError(
             f"tmcore: {getattr(op, '_name', op)} has no forward-mode derivative (torch.func.jvp, "
@@ -249,12 +250,15 @@ def _make_op(spec: OpSpec) -> MadeOp:
         total = n_primals + n_statics + (spec.residuals + differentiable if backward else 0)
         return (*args, *(None,) * (total - len(args)))
 
-    def forward(*args):
+    def direct(args: tuple, validated: bool):
         primals, statics = split(full(args))
-        if not _VALIDATED.get():  # an eager call of the op itself: the public checks
+        if not validated:  # an eager call of the op itself: the public checks
             spec.validate(primals, statics)
         out = _fresh(spec.forward(primals, statics), primals)
         return out[0] if single else out
+
+    def forward(*args):
+        return direct(args, _VALIDATED.get())
 
     def fake(*args):
         primals, statics = split(full(args))
@@ -352,7 +356,7 @@ def _make_op(spec: OpSpec) -> MadeOp:
     backward_function = _twin(f"_{title}BackwardFunction", backward_op, backward,
                               backward_setup, backward_grad)
     function = _twin(f"{title}Function", op, forward, setup, grad)
-    _DIRECT[op] = forward
+    _DIRECT[op] = direct
     return MadeOp(op, function)
 
 
@@ -628,24 +632,7 @@ def dense_scan(h0: Tensor, c0: Tensor, inputs: Any, params: ConvParams, *, eps: 
     # one checkpoint whatever T without a backward: a constant, so that a compiled no_grad
     # call does not specialize on (and recompile for) each length
     every = int(checkpoint_every) if grad else NO_GRAD_CHECKPOINT_EVERY
-    statics = (float(eps), None if radius is None else float(radius), every, reset, active)
-    if not grad and not torch.compiler.is_compiling() and _interpreter() is None \
-            and _plain_inference((*tensors, reset, active)):
-        # inference (a decode step): the scan itself, without the op's wrappers (checked
-        # above); only the state's storage must not come back (the op's outputs never
-        # share it: a caller may write into h_T)
-        reads, h, c, _, _ = memory_scan_fwd(XP, h0, c0, *inputs, params, eps=statics[0],
-                                            radius=statics[1], checkpoint_every=every,
-                                            reset=reset, active=active)
-        return _unshared(reads, h0, c0), _unshared(h, h0, c0), _unshared(c, h0, c0)
-    out = call(MemoryScanFunction, memory_scan_op, *tensors, *statics, validated=True)
+    out = call(MemoryScanFunction, memory_scan_op, *tensors, float(eps),
+               None if radius is None else float(radius), every, reset, active, validated=True)
     return out[0], out[1], out[2]
 
-
-def _unshared(t: Tensor, *inputs: Tensor) -> Tensor:
-    """``t``, or a copy where it shares storage with one of ``inputs``."""
-    where = t.untyped_storage().data_ptr()
-    for i in inputs:
-        if i.untyped_storage().data_ptr() == where and t.numel():
-            return t.clone()
-    return t

@@ -70,11 +70,6 @@ def _autocast_available(device_type: str) -> bool:
     return torch.amp.is_autocast_available(device_type)
 
 
-def _autocasting(device_type: str) -> bool:
-    """Whether autocast is on for ``device_type`` (then a call's dtype is autocast's)."""
-    return _autocast_available(device_type) and torch.is_autocast_enabled(device_type)
-
-
 def _init_from_plan(params: Mapping[str, Tensor], config: tl.LayerConfig, groups: Sequence[str]
                     ) -> None:
     """Fill ``params`` (``"group.leaf"`` -> parameter) by :func:`tmcore.layer.init_params`,
@@ -468,16 +463,12 @@ class TensorMemory(nn.Module):
         autocast is on; the masks are torch tensors on ``x``'s device."""
         if not isinstance(x, Tensor):
             raise TypeError(f"x: expected a tensor of shape (B, N, d), got {type(x).__name__}")
-        ref = self.out_proj.weight
-        device, dtype = ref.device, ref.dtype
-        if not _autocasting(x.device.type):
-            _check_like_params("x", x, device, dtype)
-            for name, value in _state_fields(state):
-                _check_like_params(name, value, device, dtype)
-        else:  # (autocast: the dtype is autocast's)
-            _check_like_params("x", x, device, None)
-            for name, value in _state_fields(state):
-                _check_like_params(name, value, device, None)
+        ref, device_type = self.out_proj.weight, x.device.type
+        # (under autocast the dtype is autocast's)
+        dtype = None if (_autocast_available(device_type)
+                         and torch.is_autocast_enabled(device_type)) else ref.dtype
+        for name, value in (("x", x), *_state_fields(state)):
+            _check_like_params(name, value, ref.device, dtype)
         if masks["reset"] is not None and not isinstance(masks["reset"], Tensor):
             raise TypeError(f"reset: expected a bool torch.Tensor of shape (B,), got "
                             f"{_kind(masks['reset'])} (convert with torch.as_tensor)")

@@ -5,6 +5,8 @@ get: callers check the shapes first (:mod:`tmcore.backends.fused`) and pass plai
 from __future__ import annotations
 
 import ctypes
+import functools
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -56,8 +58,14 @@ def offset(t: torch.Tensor, elements: int) -> ctypes.c_void_p:
     return ctypes.c_void_p(t.data_ptr() + elements * t.element_size())
 
 
-def shape_arg(shape: tuple[int, ...]) -> ctypes.Array:
-    """``shape`` as the ``int64_t *`` the kernels take."""
+def shape_arg(shape: Sequence[int]) -> ctypes.Array:
+    """``shape`` as the ``int64_t *`` the kernels take (one array per shape, kept: the
+    kernels only read it)."""
+    return _shape_arg(tuple(shape))
+
+
+@functools.lru_cache(maxsize=256)
+def _shape_arg(shape: tuple[int, ...]) -> ctypes.Array:
     return (ctypes.c_int64 * len(shape))(*shape)
 
 

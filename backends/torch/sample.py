@@ -9,7 +9,6 @@ dense contraction (``deterministic``). n = 4 and mixed dtypes take the generic p
 
 from __future__ import annotations
 
-import ctypes
 from typing import Any
 
 import torch
@@ -66,28 +65,21 @@ def _may_hold_true(mask: torch.Tensor) -> bool:
         return True
 
 
-#: the grid shapes (``S``) as the read kernel takes them
-_SHAPES: dict[tuple[int, ...], ctypes.Array] = {}
-
-
 def _native_read(kernels: Kernels, volume: torch.Tensor, coords: torch.Tensor) -> torch.Tensor:
     """One read per row, ``coords (B, 1, n)``, by the fused CPU scan's own read kernel: ``(B,
-    1, C)`` (NaN where a coordinate is NaN, as on every path)."""
+    1, C)`` (NaN where a coordinate is NaN, as on every path); one call, where ``grid_sample``
+    needs eight ops."""
     volume, coords = plain(volume), plain(coords)
     batch, channels, *spatial = volume.shape
-    shape = _SHAPES.get(tuple(spatial))
-    if shape is None:
-        shape = _SHAPES[tuple(spatial)] = shape_arg(tuple(spatial))
     out = torch.empty((batch, 1, channels), dtype=volume.dtype)
     call(kernels, "read_fwd", ptr(volume), ptr(coords), len(spatial), ptr(out), channels,
-         batch, channels, len(spatial), shape)
+         batch, channels, len(spatial), shape_arg(spatial))
     return out
 
 
 def make_sample(generic: Ops) -> tuple[Any, Any]:
     """``(sample_fwd, sample_bwd)`` over ``grid_sample``; ``generic``'s where it does not
-    apply (n = 4, mixed dtypes). One query per row on the CPU (a decode step's read) runs
-    the fused scan's read kernel instead: one call, where ``grid_sample`` needs eight ops."""
+    apply (n = 4, mixed dtypes); one query per row on the CPU: :func:`_native_read`."""
 
     def sample_fwd(xp, volume, coords):
         if coords.ndim == 3 and coords.shape[1] == 1 and 1 <= coords.shape[2] <= 4 \

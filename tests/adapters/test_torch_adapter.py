@@ -811,35 +811,27 @@ def test_fullgraph_compile_continues_a_stream_state():
 def test_no_grad_scan_passes_one_checkpoint_interval_for_every_length(monkeypatch):
     """Under no_grad the scan keeps only h0, c0 with an interval that does not depend on
     T (an interval equal to T made a compiled no_grad call recompile per length)."""
-    seen: dict[bool, list[int]] = {True: [], False: []}  # by grad mode
-    call, direct = _torch_ops.call, _torch_ops.memory_scan_fwd
+    seen = []
+    call = _torch_ops.call
 
-    def spy(function, op, *args, **kwargs):  # with grad: the op
-        seen[True].append(args[-3])  # the checkpoint interval (the statics end with the masks)
+    def spy(function, op, *args, **kwargs):
+        seen.append(args[-3])  # the checkpoint interval (the statics end with the masks)
         return call(function, op, *args, **kwargs)
 
-    def spy_direct(*args, checkpoint_every, **kwargs):  # no grad: the scan itself
-        if not outer_grad:  # (the op's own forward also runs without grad)
-            seen[False].append(checkpoint_every)
-        return direct(*args, checkpoint_every=checkpoint_every, **kwargs)
-
     monkeypatch.setattr(_torch_ops, "call", spy)
-    monkeypatch.setattr(_torch_ops, "memory_scan_fwd", spy_direct)
     for steps in (3, 7):
         args = scan_args(steps=steps)
-        outer_grad = False
         with torch.no_grad():
             reads, h, c = _scan(*args)
-        outer_grad = True
         seen_reads, seen_h, _ = _scan(*args)  # with grad: checkpoint_every=2
         assert torch.equal(reads, seen_reads.detach()) and torch.equal(h, seen_h.detach())
-    assert seen[False][0] == seen[False][1] >= 7 and seen[True] == [2, 2]
+    assert seen[0] == seen[2] and seen[0] >= 7 and seen[1] == seen[3] == 2
 
 
 @pytest.mark.parametrize("native", [True, False])
 def test_no_grad_scan_returns_no_storage_of_its_state(native):
-    """Without grad the scan runs without the op's wrappers; a state it did not change
-    (every step inactive) still comes back in storage of its own, as the op's does."""
+    """Without grad the scan runs without the autograd wrapper; a state it did not change
+    (every step inactive) still comes back in storage of its own, as with grad."""
     args = scan_args(steps=2, requires_grad=False)
     h0, c0 = args[0].clone(), args[1].clone()
     inactive = torch.zeros(2, 2, dtype=torch.bool)

@@ -329,9 +329,9 @@ def test_decode_token_python_calls_are_few_and_constant():
     for phase, seen in counts.items():
         assert len(set(seen)) == 1, (phase, seen)
     middle = max(counts[k][0] for k in range(1, L - 1))
-    assert middle <= 74, counts
-    assert counts[0][0] <= 113, counts
-    assert counts[L - 1][0] <= 163, counts
+    assert middle <= 68, counts
+    assert counts[0][0] <= 107, counts
+    assert counts[L - 1][0] <= 164, counts
 
 
 def _chunk_one_memory() -> TensorMemory:

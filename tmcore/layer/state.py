@@ -211,7 +211,7 @@ def stream_state(xp: Any, state: Any, x: Any, config: LayerConfig, *, checked: b
         if tuple(getattr(value, "shape", ())) != shape or not hasattr(value, "dtype"):
             raise ValueError(f"state.{name}: expected shape {axes} = {shape}, got "
                              f"{getattr(value, 'shape', type(value).__name__)}")
-        if not validate.real_floating(xp, value.dtype):
+        if not validate.is_kind(xp, value.dtype, "real floating"):
             raise TypeError(f"state.{name}: expected a real floating dtype (like state.h), "
                             f"got {value.dtype}")
     count, known = _check_count(xp, state.count, batch, config.chunk_size, device)

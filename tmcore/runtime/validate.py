@@ -32,7 +32,7 @@ __all__ = [
     "check_dim",
     "check_nonempty",
     "check_floating",
-    "real_floating",
+    "is_kind",
     "check_grid_shape",
     "check_int",
     "check_eps",
@@ -180,7 +180,7 @@ def _device_or_none(x: Any) -> Any:
 
 def check_floating(xp: Any, name: str, x: Any) -> None:
     """Raise ``TypeError`` unless ``x`` has a real floating dtype."""
-    if not real_floating(xp, x.dtype):
+    if not is_kind(xp, x.dtype, "real floating"):
         raise TypeError(f"{name}: expected a real floating dtype, got {x.dtype}")
 
 
@@ -199,11 +199,6 @@ def is_kind(xp: Any, dtype: Any, kind: str) -> bool:
     if known is None:
         known = _KINDS[key] = bool(xp.isdtype(dtype, kind))
     return known
-
-
-def real_floating(xp: Any, dtype: Any) -> bool:
-    """``xp.isdtype(dtype, "real floating")``, remembered (:func:`is_kind`)."""
-    return is_kind(xp, dtype, "real floating")
 
 
 def check_rank(name: str, x: Any, rank: int | Sequence[int], layout: str) -> None:
