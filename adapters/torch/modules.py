@@ -16,7 +16,9 @@ from tmcore import layer as tl
 from tmcore.adapters.torch import bridge
 from tmcore.adapters.torch.functional import option_scan
 from tmcore.adapters.torch.tuners import computed, fold_tuned
+from tmcore.backends.torch.token import decode_token
 from tmcore.layer.state import check_stream_call
+from tmcore.ops.addressing import MIN_SIGMA
 from tmcore.ops.splat import DEFAULT_EPS
 from tmcore.runtime.validate import check_finite, check_flag, check_int
 from tmcore.scan.options import scan_options
@@ -227,6 +229,30 @@ def _param_names(config: tl.LayerConfig) -> tuple[tuple[str, tuple[str, ...]], .
     return tuple((group, tuple(leaves)) for group, leaves in groups.items())
 
 
+def _softplus_threshold(dtype: torch.dtype) -> float:
+    # above it torch's softplus returns x, whose error exp(-x) / x is below half an ulp
+    # there (float64: exp(-40) / 40 ~ 1e-19): the generic form to rounding
+    return 40.0 if dtype == torch.float64 else 20.0
+
+
+#: the linears a decode token reads, in :func:`tmcore.backends.torch.token.decode_token`'s order
+_TOKEN_LINEARS = ("coord_net", "content_net", "sigma_net", "write_proj", "out_proj")
+
+
+def _plain_weights(module: nn.Module) -> tuple[Tensor, Tensor] | None:
+    """``(weight, bias)`` of a plain ``nn.Linear`` / ``nn.LayerNorm`` (registered parameters, no
+    hook, no tuner or parametrization: its class exactly), else None."""
+    if type(module) not in (nn.Linear, nn.LayerNorm) or module._forward_pre_hooks \
+            or module._forward_hooks:
+        return None
+    registered = module._parameters
+    weight, bias = registered.get("weight"), registered.get("bias")
+    if (weight is None and getattr(module, "weight", None) is not None) \
+            or (bias is None and getattr(module, "bias", None) is not None):
+        return None  # an attribute, not a parameter (FSDP1's flat-parameter views)
+    return weight, bias
+
+
 class _TorchLayer(tl.Layer):
     """:mod:`tmcore.layer`'s layer with torch's fused primitives (``F.linear``, the read's custom
     op, ``F.softplus``, ``torch.split``): the same math in fewer dispatched ops."""
@@ -244,9 +270,7 @@ class _TorchLayer(tl.Layer):
 
     @staticmethod
     def softplus(xp: Any, x: Tensor) -> Tensor:
-        # above the threshold torch returns x, whose error exp(-x) / x is below half an
-        # ulp there (float64: exp(-40) / 40 ~ 1e-19): the generic form to rounding
-        return F.softplus(x, threshold=40.0 if x.dtype == torch.float64 else 20.0)
+        return F.softplus(x, threshold=_softplus_threshold(x.dtype))
 
     @staticmethod
     def split(xp: Any, x: Tensor, sizes: Sequence[int]) -> tuple[Tensor, ...]:
@@ -488,6 +512,40 @@ class TensorMemory(nn.Module):
                                  radius=config.radius, checkpoint_every=config.checkpoint_every,
                                  reset=reset, active=active, validated=True)
 
+    def _token(self, x: Any, state: Any, norm: nn.Module | None = None,
+               gate: Tensor | None = None) -> tuple[Tensor, Any] | None:
+        """A streamed decode token as one native call (:func:`tmcore.backends.torch.token.
+        decode_token`): ``x (B, 1, d)`` and a :class:`StreamState` of the paper's layer with
+        plain linears (and ``norm`` a plain ``nn.LayerNorm`` over ``d`` or none); else None."""
+        config = self.config
+        if torch.compiler.is_compiling():  # (a traced call: the layer's ops, one graph)
+            return None
+        if type(state) is not tl.StreamState or type(x) is not Tensor or x.dim() != 3 \
+                or x.shape[1] != 1 or type(self.layer) is not _TorchLayer \
+                or config.update != "dense" or config.dynamics != "none" \
+                or type(self._modules["cell"]) is not ConvLSTMCell:
+            return None
+        norm_eps, weights = None, [None, None]
+        if norm is not None and type(norm) is not nn.Identity:
+            found = _plain_weights(norm)
+            if found is None or type(norm) is not nn.LayerNorm \
+                    or tuple(norm.normalized_shape) != (config.embed_dim,):
+                return None
+            norm_eps, weights = norm.eps, list(found)
+        modules = self._modules
+        for name in _TOKEN_LINEARS:
+            found = _plain_weights(modules[name])
+            if found is None or found[0] is None or found[1] is None:
+                return None
+            weights += found
+        cell = modules["cell"]._parameters
+        cell = [cell.get(name) for name in ConvParams._fields]
+        if any(t is None for t in cell):
+            return None
+        return decode_token(x, state, config, (*weights, gate), cell,
+                            min_sigma=MIN_SIGMA, softplus_threshold=_softplus_threshold(x.dtype),
+                            norm_eps=norm_eps, residual=gate is not None)
+
     def forward(
         self, x: Tensor, state: Any = None, *, reset: Tensor | None = None,
         doc_starts: Tensor | None = None, valid: Tensor | None = None, stream: bool = True,
@@ -528,6 +586,10 @@ class TensorMemory(nn.Module):
             If an argument has the wrong shape or device, or a stream-only argument comes with
             ``stream=False``.
         """
+        if stream is True and reset is None and doc_starts is None and valid is None:
+            done = self._token(x, state)
+            if done is not None:
+                return done
         self._check(x, state, {"reset": reset, "doc_starts": doc_starts, "valid": valid})
         if check_stream_call(stream, state, doc_starts, valid):
             return self.layer.forward_stream(_XP, self.params(), x, state, scan=self._scan,
@@ -604,6 +666,12 @@ class MemoryResidual(nn.Module):
         TypeError, ValueError
             As :meth:`TensorMemory.forward`.
         """
+        if stream is True and reset is None and doc_starts is None and valid is None:
+            memory = self.memory  # (its own hooks would not run: the layer's path then)
+            done = None if memory._forward_hooks or memory._forward_pre_hooks \
+                else memory._token(x, state, self.norm, self.gate)
+            if done is not None:
+                return done
         out, state = self.memory(self.norm(x), state, reset=reset, doc_starts=doc_starts,
                                  valid=valid, stream=stream)
         return x + torch.sigmoid(self.gate) * out, state

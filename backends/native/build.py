@@ -253,6 +253,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     argtypes["step_fwd"] = [ptr, ptr, ptr, i64, ptr, i64, ptr, i64, ptr, i64, ptr, i64, ptr,
                             i64, ptr, ptr, ptr, ptr, ptr, ctypes.c_double, ctypes.c_double, ptr,
                             i64, ptr, ptr, ptr, ptr, i64, i64, cint, shape]
+    argtypes["token_fwd"] = [ptr, ptr, shape, ptr]
     functions = [(getattr(lib, f"{k}_{s}"), k) for k in argtypes for s in ("f32", "f64")]
     for function, kernel in functions:  # all looked up first: a missing one changes nothing
         function.argtypes = argtypes[kernel]

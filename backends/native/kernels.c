@@ -43,6 +43,13 @@
  *            they entered with (masks: uint8 or NULL); h_saved / c_saved (or NULL)
  *            get the entering state (the scan's checkpoint).
  *
+ * and, for the torch module's decode token (token.inc),
+ *
+ *   token_fwd one token of every row at the same chunk slot in one call: the norm
+ *            (LayerNorm or none), the token joining its chunk, the read at a chunk's
+ *            start, the heads and step_fwd at its end, the read-out and the gated
+ *            residual; arguments passed as arrays (in, out, sizes, scalars).
+ *
  * Every entry returns 0, or TM_ENOMEM when a scratch allocation failed (the
  * outputs are then undefined; the caller raises MemoryError). Callers check
  * shapes and contiguity before calling: the kernels trust them.
@@ -240,4 +247,5 @@ static void tm_strides4(const i64 *shape4, i64 *strides4, i64 *cells) {
 #include "gates.inc"
 #include "local.inc"
 #include "step.inc"
+#include "token.inc"
 #endif /* TM_TEMPLATE */

@@ -1,0 +1,195 @@
+"""A decode token as one C call (``token_fwd``, ``backends/torch/token.py``) against the
+layer's own path (the torch ops, ``native=False``) and against one call on the whole
+sequence; and where it must step aside, so that the layer's path (its checks, autograd,
+hooks, tuners) runs instead.
+
+Every spatial rank (1 to 4), float32 and float64, chunk sizes 1 and 3 (a token that both
+starts and completes its chunk; start, middle and completion), batch 1 and 3, a LayerNorm
+(affine or not), no norm, the memory alone, a truncation radius and a sigma scale.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="torch is not installed")
+
+import tmcore  # noqa: E402
+import tmcore.adapters.torch.modules as modules  # noqa: E402
+import tmcore.backends.native as native  # noqa: E402
+from tmcore.adapters.torch import MemoryResidual, TensorMemory  # noqa: E402
+
+pytestmark = pytest.mark.skipif(native.library() is None,
+                                reason="the fused kernels cannot be built here (no C compiler)")
+
+TOLERANCE = {torch.float64: 1e-12, torch.float32: 2e-5}
+
+
+@pytest.fixture
+def taken(monkeypatch):
+    """``(residual, ran)`` of every token offered to the kernel: a MemoryResidual's own
+    (``residual``) or its memory's, and whether the kernel ran it."""
+    seen = []
+    original = modules.decode_token
+
+    def recording(*args, **kwargs):
+        result = original(*args, **kwargs)
+        seen.append((kwargs["residual"], result is not None))
+        return result
+
+    monkeypatch.setattr(modules, "decode_token", recording)
+    return seen
+
+
+def _ran(taken, residual=True):
+    return sum(ran for r, ran in taken if r == residual)
+
+
+def _module(shape, dtype, chunk, norm="layernorm", residual=True, **kw):
+    torch.manual_seed(0)
+    memory = TensorMemory(8, 3, shape, chunk, dtype=dtype, **kw)
+    if not residual:
+        module = memory
+    else:
+        made = {"layernorm": None, "identity": torch.nn.Identity(),
+                "plain": torch.nn.LayerNorm(8, elementwise_affine=False, dtype=dtype)}
+        module = MemoryResidual(memory, norm=made[norm], gate_init=0.4)
+    with torch.no_grad():  # every parameter away from its initial value (zero read-outs)
+        for p in module.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    return module.eval()
+
+
+def _stream(module, x, state=None):
+    outs = []
+    for t in range(x.shape[1]):
+        out, state = module(x[:, t:t + 1], state)
+        outs.append(out)
+    return torch.cat(outs, dim=1), state
+
+
+def _close(a, b, tolerance):
+    for u, v in zip(a, b, strict=True):
+        assert u.dtype == v.dtype and u.shape == v.shape
+        assert torch.allclose(u.double(), v.double(), rtol=tolerance, atol=tolerance), \
+            (u - v).abs().max()
+
+
+@pytest.mark.parametrize("shape", [(5,), (3, 4), (3, 4, 2), (2, 3, 2, 2)])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("chunk", [1, 3])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_the_token_kernel_equals_the_layers_path_and_one_call(shape, dtype, chunk, batch,
+                                                              taken):
+    module = _module(shape, dtype, chunk, sigma_scale=1.5, radius=2.0)
+    torch.manual_seed(1)
+    x = torch.randn(batch, 3 * chunk + 2, 8, dtype=dtype)
+    with torch.no_grad():
+        _, start = module(x[:, :2])  # a prefill, then one token per call
+        out, state = _stream(module, x[:, 2:], start)
+        assert taken == [(True, True)] * (x.shape[1] - 2)
+        with tmcore.options(native=False):
+            ref_out, ref_state = _stream(module, x[:, 2:], start)
+            whole_out, whole_state = module(x)
+    tolerance = TOLERANCE[dtype]
+    _close([out, *state], [ref_out, *ref_state], tolerance)
+    _close([out, *state], [whole_out[:, 2:], *whole_state], tolerance)
+
+
+@pytest.mark.parametrize("norm", ["identity", "plain"])
+def test_no_norm_a_plain_layernorm_and_the_memory_alone(norm, taken):
+    for module in (_module((3, 4, 2), torch.float64, 3, norm=norm),
+                   _module((3, 4, 2), torch.float64, 3, residual=False)):
+        torch.manual_seed(2)
+        x = torch.randn(2, 8, 8, dtype=torch.float64)
+        with torch.no_grad():
+            out, state = _stream(module, x)
+            with tmcore.options(native=False):
+                ref = _stream(module, x)
+        _close([out, *state], [ref[0], *ref[1]], 1e-12)
+    # (each stream's first token starts from no state)
+    assert _ran(taken, True) == _ran(taken, False) == 7
+
+
+def test_nan_and_infinite_tokens_read_as_the_layers_path():
+    module = _module((3, 4, 2), torch.float64, 2)
+    x = torch.randn(3, 6, 8, dtype=torch.float64)
+    x[0, 2, 1], x[1, 3, :] = float("nan"), float("inf")
+    with torch.no_grad():
+        out, state = _stream(module, x)
+        with tmcore.options(native=False):
+            ref = _stream(module, x)
+    for u, v in zip([out, *state], [ref[0], *ref[1]], strict=True):
+        assert torch.equal(u.isnan(), v.isnan())
+        assert torch.allclose(u.nan_to_num(), v.nan_to_num(), rtol=1e-12, atol=1e-12)
+
+
+def _declined(module, x, state, taken, memory_alone=False):
+    """The call's output and state, asserting the kernel declined the residual's token (and
+    ran its memory's, where ``memory_alone``), against native off."""
+    before = (_ran(taken, True), _ran(taken, False))
+    with torch.no_grad():
+        out, new = module(x, state)
+    assert (_ran(taken, True), _ran(taken, False)) == (before[0], before[1] + memory_alone)
+    with torch.no_grad(), tmcore.options(native=False):
+        ref, ref_new = module(x, state)
+    _close([out, *new], [ref, *ref_new], 1e-12)
+
+
+def test_it_steps_aside_where_the_layers_path_must_run(taken):
+    module = _module((3, 4, 2), torch.float64, 3)
+    torch.manual_seed(3)
+    x = torch.randn(2, 4, 8, dtype=torch.float64)
+    with torch.no_grad():
+        _, st = module(x[:, :2])
+    token = x[:, 2:3]
+    # rows at different slots of their chunks
+    ragged = st._replace(count=torch.tensor([2, 0], dtype=torch.int32))
+    _declined(module, token, ragged, taken)
+    # a state not contiguous (a transposed copy's view) and another dtype's count
+    h = st.h.transpose(-1, -2).contiguous().transpose(-1, -2)
+    _declined(module, token, st._replace(h=h), taken)
+    _declined(module, token, st._replace(count=st.count.long()), taken)
+    # a hook on the memory (the residual calls it: the memory alone may take the kernel),
+    # on the norm; a norm of another kind
+    calls = []
+    handle = module.memory.register_forward_hook(lambda *a: calls.append(a))
+    with torch.no_grad():
+        out, _ = module(token, st)
+        with tmcore.options(native=False):
+            ref, _ = module(token, st)
+    handle.remove()
+    assert len(calls) == 2 and torch.allclose(out, ref, rtol=1e-12, atol=1e-12)
+    handle = module.norm.register_forward_pre_hook(lambda *a: calls.append(a))
+    _declined(module, token, st, taken, memory_alone=True)
+    handle.remove()
+    assert len(calls) == 4
+    rms = MemoryResidual(module.memory, norm=torch.nn.RMSNorm(8, dtype=torch.float64))
+    _declined(rms.eval(), token, st, taken, memory_alone=True)
+    # options that turn the native kernels off, a grid above the one-call step's bound
+    with tmcore.options(depthwise="grouped"):
+        _declined(module, token, st, taken)
+    big = _module((20, 20, 20), torch.float64, 3)  # C * C * prod(S) = 72000
+    with torch.no_grad():
+        _, big_st = big(x[:, :2])
+    _declined(big, token, big_st, taken)
+    # autograd on: the layer's path, with its gradient
+    with torch.enable_grad():
+        out, _ = module(token, st)
+    assert out.requires_grad and _ran(taken, True) == 0 and _ran(taken, False) == 3
+
+
+def test_a_bad_state_gets_the_layers_error():
+    module = _module((3, 4, 2), torch.float64, 3)
+    x = torch.randn(2, 3, 8, dtype=torch.float64)
+    with torch.no_grad():
+        _, st = module(x[:, :2])
+        for bad, match in ((st._replace(h=st.h[:, :, :2]), "state.h"),
+                           (st._replace(pending=st.pending[:, :2]), "state.pending"),
+                           (st._replace(read=st.read.float()), "state: read"),
+                           (st._replace(count=torch.tensor([3, 3], dtype=torch.int32)),
+                            "state.count")):
+            with pytest.raises((ValueError, TypeError), match=match):
+                module(x[:, 2:3], bad)
+        with pytest.raises(ValueError, match="x"):
+            module.memory(torch.randn(2, 1, 9, dtype=torch.float64), st)
