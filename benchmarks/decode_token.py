@@ -1,0 +1,126 @@
+"""A decode token through ``MemoryResidual`` alone, by its position in the chunk, side by side.
+
+Each round runs this file's worker once per (shape, interpreter) in rotating order, a fresh
+process each (one torch thread, ``no_grad``, C = 16 on a 4x4x4 grid, chunk 4, 2,048 tokens
+after 400 warm-up tokens): the median microseconds of a call at each position of its chunk
+(start, middle, middle, completion) and their mean. The answer is the median over the
+rounds. ``--python`` names an interpreter whose tmcore is the checkout to time (the worker
+imports only torch and tmcore, so an older checkout runs it too)::
+
+    python -m benchmarks.decode_token --python /tmp/old/.venv/bin/python \\
+        --python .venv/bin/python --rounds 3
+
+Writes ``--json`` (default ``benchmarks/results/decode_token.json``: the command, the
+commits, the config and every round's values) and ``--md`` (the table, rendered from it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+SHAPES = ((1, 64), (4, 64), (4, 512))  # (batch, d)
+POSITIONS = ("start", "middle", "middle", "completion")
+CHUNK, TOKENS, WARMUP = 4, 2048, 400
+
+
+def worker(batch: int, d: int) -> dict[str, list[float]]:
+    """Median microseconds per position of the chunk (this process's tmcore)."""
+    import time
+
+    import torch
+
+    from tmcore.adapters.torch import MemoryResidual, TensorMemory
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    module = MemoryResidual(TensorMemory(d, 16, (4, 4, 4), CHUNK)).eval()
+    tokens = torch.randn(WARMUP + TOKENS, batch, 1, d)
+    times: list[list[float]] = [[] for _ in range(CHUNK)]
+    state = None
+    with torch.no_grad():
+        for t in range(WARMUP + TOKENS):
+            start = time.perf_counter()
+            _, state = module(tokens[t], state)
+            if t >= WARMUP:
+                times[t % CHUNK].append((time.perf_counter() - start) * 1e6)
+    return {"us": [statistics.median(v) for v in times]}
+
+
+def _one(python: str, batch: int, d: int) -> list[float]:
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    out = subprocess.run([python, str(Path(__file__).resolve()), "--worker", str(batch), str(d)],
+                         capture_output=True, text=True, check=True, env=env, cwd="/").stdout
+    return json.loads(out.strip().splitlines()[-1])["us"]
+
+
+def render(result: dict) -> str:
+    """The Markdown page of a results dict."""
+    lines = ["# A decode token through MemoryResidual alone, side by side", "",
+             f"`{result['command']}`; {result['machine']}; C = 16, 4x4x4 grid, chunk "
+             f"{CHUNK}, one torch thread, `no_grad`, {TOKENS} tokens after {WARMUP} of "
+             f"warm-up per run, {result['config']['rounds']} rounds (interleaved); the median "
+             "over the rounds of each run's median microseconds per call by the token's "
+             "position in its chunk. Every round's values: `decode_token.json`.", "",
+             "| B | d | checkout | " + " | ".join(POSITIONS) + " | mean |",
+             "|---:|---:|---|" + "---:|" * (len(POSITIONS) + 1)]
+    for run in result["runs"]:
+        medians = [statistics.median(r[i] for r in run["rounds"]) for i in range(CHUNK)]
+        lines.append(f"| {run['batch']} | {run['d']} | `{run['commit'].split(' ')[0]}` | "
+                     + " | ".join(f"{v:.1f}" for v in medians)
+                     + f" | {statistics.mean(medians):.1f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--python", action="append", default=None,
+                        help="an interpreter whose tmcore is the checkout to time (repeatable; "
+                             "default: this one)")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--json", type=Path, default=HERE / "results" / "decode_token.json")
+    parser.add_argument("--md", type=Path, default=HERE / "results" / "decode_token.md")
+    parser.add_argument("--render", action="store_true", help="only rewrite --md from --json")
+    parser.add_argument("--worker", type=int, nargs=2, default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker is not None:
+        print(json.dumps(worker(*args.worker)))
+        return 0
+    if args.render:
+        args.md.write_text(render(json.loads(args.json.read_text())))
+        return 0
+    from benchmarks.common import checkout_commit, machine_line
+
+    pythons = [os.path.abspath(p) for p in (args.python or [sys.executable])]
+    jobs = [(shape, python) for shape in SHAPES for python in pythons]
+    rounds: dict[tuple, list[list[float]]] = {job: [] for job in jobs}
+    for index in range(args.rounds):
+        # rotate the order so a load that changes during a round slows every job alike
+        for shape, python in jobs[index % len(jobs):] + jobs[:index % len(jobs)]:
+            rounds[shape, python].append(_one(python, *shape))
+            print(f"round {index}, B={shape[0]} d={shape[1]}, {python}: "
+                  f"{[round(v, 1) for v in rounds[shape, python][-1]]}", file=sys.stderr)
+    command = "python -m benchmarks.decode_token " + " ".join(
+        shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
+    result = {"command": command, "machine": machine_line(),
+              "config": {"rounds": args.rounds, "chunk": CHUNK, "tokens": TOKENS,
+                         "warmup": WARMUP, "channels": 16, "grid": [4, 4, 4],
+                         "torch_threads": 1},
+              "runs": [{"batch": shape[0], "d": shape[1], "python": python,
+                        "commit": checkout_commit(python), "rounds": rounds[shape, python]}
+                       for shape, python in jobs]}
+    args.json.write_text(json.dumps(result, indent=1) + "\n")
+    args.md.write_text(render(result))
+    print(render(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
