@@ -1,10 +1,11 @@
 """A decode token of the torch module in one C call (``token_fwd``, backends/native/token.inc).
 
-Generation feeds one token per call, every row at the same slot ``k`` of its chunk. On a
-plain CPU call without autograd the whole token (norm, joining the chunk, the read at a
-chunk's start, the heads and the scan step at its end, read-out, gated residual) is one
-kernel call instead of some twenty torch ops; :func:`decode_token` returns ``None`` where
-it does not apply and the layer's own path runs (the reference it is tested against).
+Generation feeds one token per call. On a plain CPU call without autograd the whole token
+(norm, joining its row's chunk, the read where a chunk starts, the heads and the scan step
+where one completes, read-out, gated residual) is one kernel call instead of some twenty
+torch ops, whatever slot of its chunk each row is at (a padded batch's rows differ);
+:func:`decode_token` returns ``None`` where it does not apply and the layer's own path runs
+(the reference it is tested against).
 """
 
 from __future__ import annotations
@@ -25,13 +26,13 @@ from .scan import _centres, _small, scan_kernels
 
 __all__ = ["decode_token"]
 
-_INPUTS = 23
+_INPUTS = 24
 
 
 @functools.lru_cache(maxsize=64)
-def _sizes(batch: int, d: int, length: int, k: int, channels: int, shape: tuple[int, ...],
+def _sizes(batch: int, d: int, length: int, channels: int, shape: tuple[int, ...],
            residual: bool, layer_norm: bool, row_stride: int) -> ctypes.Array:
-    values = (batch, d, length, k, channels, len(shape), int(residual), int(layer_norm),
+    values = (batch, d, length, channels, len(shape), int(residual), int(layer_norm),
               row_stride, *shape)
     return (ctypes.c_int64 * len(values))(*values)
 
@@ -45,7 +46,7 @@ def decode_token(x: torch.Tensor, state: StreamState, config: LayerConfig,
                  weights: Sequence[torch.Tensor | None], cell: Sequence[torch.Tensor], *,
                  min_sigma: float, softplus_threshold: float, norm_eps: float | None,
                  residual: bool) -> tuple[torch.Tensor, StreamState] | None:
-    """One token ``x (B, 1, d)`` of every row at the same chunk slot, or ``None`` to decline.
+    """One token ``x (B, 1, d)`` of every row, or ``None`` to decline.
 
     Parameters
     ----------
@@ -73,8 +74,8 @@ def decode_token(x: torch.Tensor, state: StreamState, config: LayerConfig,
     (out, state) or None
         ``out (B, 1, d)`` and the new :class:`StreamState`, as the layer's decode step gives
         them (to rounding); None where the kernel does not apply (autograd on, not a plain
-        CPU float32 / float64 call of one dtype, a large grid, rows at different slots, a
-        state of other shapes).
+        CPU float32 / float64 call of one dtype, a large grid, a state of other shapes or
+        counts out of range).
     """
     h, c, pending, count, read = state
     batch, _, d = x.shape
@@ -101,24 +102,26 @@ def decode_token(x: torch.Tensor, state: StreamState, config: LayerConfig,
     kernels = scan_kernels(get_options(), x)
     if kernels is None or not _small(h) or torch.is_autocast_enabled("cpu"):
         return None
-    slots = count.tolist()
-    k = slots[0]
-    if slots.count(k) != batch or not 0 <= k < length:
+    if type(count) not in PLAIN or not count.is_cpu or not count.is_contiguous() \
+            or is_wrapped(count):
         return None
-    start, complete = k == 0, k == length - 1
+    slots = count.tolist()
+    if min(slots) < 0 or max(slots) >= length:
+        return None
+    complete = length - 1 in slots
     y = torch.empty((batch, 1, d), dtype=dtype)
     pending_out = torch.empty((batch, length, d), dtype=dtype)
-    read_out = torch.empty((batch, channels), dtype=dtype) if start or complete else read
+    read_out = torch.empty((batch, channels), dtype=dtype) if complete or 0 in slots else read
     h_out, c_out = (torch.empty_like(h), torch.empty_like(c)) if complete else (h, c)
+    count_out = torch.empty_like(count)
     in_ptrs = (ctypes.c_void_p * _INPUTS)(*pointers, _centres(shape, dtype, x.device)[0]
-                                          .data_ptr())
-    out_ptrs = (ctypes.c_void_p * 5)(y.data_ptr(), pending_out.data_ptr(), read_out.data_ptr(),
-                                     h_out.data_ptr(), c_out.data_ptr())
+                                          .data_ptr(), count.data_ptr())
+    out_ptrs = (ctypes.c_void_p * 6)(y.data_ptr(), pending_out.data_ptr(), read_out.data_ptr(),
+                                     h_out.data_ptr(), c_out.data_ptr(), count_out.data_ptr())
     scalars = _scalars((0.0 if norm_eps is None else float(norm_eps), config.eps,
                         -1.0 if config.radius is None else float(config.radius),
                         config.sigma_scale, min_sigma, softplus_threshold))
     call(kernels, "token_fwd", in_ptrs, out_ptrs,
-         _sizes(batch, d, length, k, channels, shape, residual, norm_eps is not None,
+         _sizes(batch, d, length, channels, shape, residual, norm_eps is not None,
                 x.stride(0)), scalars)
-    count_out = torch.zeros_like(count) if complete else torch.full_like(count, k + 1)
     return y, StreamState(h_out, c_out, pending_out, count_out, read_out)

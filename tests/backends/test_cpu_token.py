@@ -96,6 +96,33 @@ def test_the_token_kernel_equals_the_layers_path_and_one_call(shape, dtype, chun
     _close([out, *state], [whole_out[:, 2:], *whole_state], tolerance)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("chunk", [1, 3, 4])
+def test_rows_at_different_slots_of_their_chunks(dtype, chunk, taken):
+    """A padded batch: its rows reach the decode at different slots (a prefill with a
+    padding mask), so one token starts a chunk in one row, completes one in another."""
+    module = _module((3, 4, 2), dtype, chunk)
+    torch.manual_seed(4)
+    x = torch.randn(4, 13, 8, dtype=dtype)
+    valid = torch.ones(4, 5, dtype=torch.bool)
+    for row, pad in enumerate((0, 1, 2, 3)):
+        valid[row, :pad] = False  # left padding of 0..3 tokens
+    with torch.no_grad():
+        _, start = module(x[:, :5], valid=valid)
+        assert len(set(start.count.tolist())) == min(chunk, 4)
+        out, state = _stream(module, x[:, 5:], start)
+        assert taken == [(True, True)] * 8
+        with tmcore.options(native=False):
+            ref_out, ref_state = _stream(module, x[:, 5:], start)
+    _close([out, *state], [ref_out, *ref_state], TOLERANCE[dtype])
+    # each row alone (its real tokens only) as one call
+    for row, pad in enumerate((0, 1, 2, 3)):
+        with torch.no_grad(), tmcore.options(native=False):
+            alone, alone_state = module(x[row:row + 1, pad:])
+        _close([out[row:row + 1], alone_state.h], [alone[:, 5 - pad:], state.h[row:row + 1]],
+               TOLERANCE[dtype])
+
+
 @pytest.mark.parametrize("norm", ["identity", "plain"])
 def test_no_norm_a_plain_layernorm_and_the_memory_alone(norm, taken):
     for module in (_module((3, 4, 2), torch.float64, 3, norm=norm),
@@ -143,9 +170,6 @@ def test_it_steps_aside_where_the_layers_path_must_run(taken):
     with torch.no_grad():
         _, st = module(x[:, :2])
     token = x[:, 2:3]
-    # rows at different slots of their chunks
-    ragged = st._replace(count=torch.tensor([2, 0], dtype=torch.int32))
-    _declined(module, token, ragged, taken)
     # a state not contiguous (a transposed copy's view) and another dtype's count
     h = st.h.transpose(-1, -2).contiguous().transpose(-1, -2)
     _declined(module, token, st._replace(h=h), taken)
