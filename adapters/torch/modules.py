@@ -235,6 +235,11 @@ def _softplus_threshold(dtype: torch.dtype) -> float:
     return 40.0 if dtype == torch.float64 else 20.0
 
 
+#: torch's forward hooks on every module (its dicts, filled in place): they would miss the
+#: norm's and the memory's calls that a decode token's one native call replaces
+_GLOBAL_HOOKS = tuple(getattr(torch.nn.modules.module, name, {})
+                      for name in ("_global_forward_pre_hooks", "_global_forward_hooks"))
+
 #: the linears a decode token reads, in :func:`tmcore.backends.torch.token.decode_token`'s order
 _TOKEN_LINEARS = ("coord_net", "content_net", "sigma_net", "write_proj", "out_proj")
 
@@ -667,9 +672,9 @@ class MemoryResidual(nn.Module):
             As :meth:`TensorMemory.forward`.
         """
         if stream is True and reset is None and doc_starts is None and valid is None:
-            memory = self.memory  # (its own hooks would not run: the layer's path then)
+            memory = self.memory  # (hooks on it would not run: the layer's path then)
             done = None if memory._forward_hooks or memory._forward_pre_hooks \
-                else memory._token(x, state, self.norm, self.gate)
+                or any(_GLOBAL_HOOKS) else memory._token(x, state, self.norm, self.gate)
             if done is not None:
                 return done
         out, state = self.memory(self.norm(x), state, reset=reset, doc_starts=doc_starts,

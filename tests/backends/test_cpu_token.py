@@ -175,7 +175,7 @@ def test_it_steps_aside_where_the_layers_path_must_run(taken):
     _declined(module, token, st._replace(h=h), taken)
     _declined(module, token, st._replace(count=st.count.long()), taken)
     # a hook on the memory (the residual calls it: the memory alone may take the kernel),
-    # on the norm; a norm of another kind
+    # on the norm, on every module; a norm of another kind
     calls = []
     handle = module.memory.register_forward_hook(lambda *a: calls.append(a))
     with torch.no_grad():
@@ -188,6 +188,12 @@ def test_it_steps_aside_where_the_layers_path_must_run(taken):
     _declined(module, token, st, taken, memory_alone=True)
     handle.remove()
     assert len(calls) == 4
+    seen = []
+    handle = torch.nn.modules.module.register_module_forward_hook(
+        lambda m, *a: seen.append(type(m).__name__))
+    _declined(module, token, st, taken, memory_alone=True)
+    handle.remove()
+    assert seen.count("LayerNorm") == seen.count("TensorMemory") == 2  # (native on, then off)
     rms = MemoryResidual(module.memory, norm=torch.nn.RMSNorm(8, dtype=torch.float64))
     _declined(rms.eval(), token, st, taken, memory_alone=True)
     # options that turn the native kernels off, a grid above the one-call step's bound
@@ -200,7 +206,7 @@ def test_it_steps_aside_where_the_layers_path_must_run(taken):
     # autograd on: the layer's path, with its gradient
     with torch.enable_grad():
         out, _ = module(token, st)
-    assert out.requires_grad and _ran(taken, True) == 0 and _ran(taken, False) == 3
+    assert out.requires_grad and _ran(taken, True) == 0 and _ran(taken, False) == 4
 
 
 def test_a_bad_state_gets_the_layers_error():
