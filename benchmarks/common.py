@@ -165,3 +165,31 @@ def checkout_commit(python: str) -> str:
                 "adapters")
     return f"{git('rev-parse', '--short=10', 'HEAD') or '?'}{'+changes' if dirty else ''} " \
            f"({where})"
+
+
+def checkout_arguments(parser: Any, name: str) -> None:
+    """The options of a benchmark that times checkouts side by side: ``--python`` (repeatable),
+    ``--rounds``, ``--json`` / ``--md`` (default ``benchmarks/results/{name}.json`` / ``.md``)
+    and ``--render``."""
+    from pathlib import Path
+
+    results = Path(__file__).resolve().parent / "results"
+    parser.add_argument("--python", action="append", default=None,
+                        help="an interpreter whose tmcore is the checkout to time (repeatable; "
+                             "default: this one)")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--json", type=Path, default=results / f"{name}.json")
+    parser.add_argument("--md", type=Path, default=results / f"{name}.md")
+    parser.add_argument("--render", action="store_true", help="only rewrite --md from --json")
+
+
+def interleaved_rounds(jobs: list, rounds: int, run: Callable[..., Any]) -> dict:
+    """``{job: [run(*job) per round]}``, each round running every job once in an order rotated
+    by one from the round before, so that a load that changes during a round slows every job
+    alike; each result is printed to stderr as it comes."""
+    results: dict = {job: [] for job in jobs}
+    for index in range(rounds):
+        for job in jobs[index % len(jobs):] + jobs[:index % len(jobs)]:
+            results[job].append(run(*job))
+            print(f"round {index}, {job}: {results[job][-1]}", file=sys.stderr)
+    return results

@@ -28,10 +28,14 @@ import sys
 import tempfile
 from pathlib import Path
 
-from benchmarks.common import checkout_commit, machine_line
+from benchmarks.common import (
+    checkout_arguments,
+    checkout_commit,
+    interleaved_rounds,
+    machine_line,
+)
 
 ROWS = ("window", "tensor_memory", "lstm", "delta")
-HERE = Path(__file__).resolve().parent
 LABELS = {"window": "window only", "tensor_memory": "window + Tensor Memory",
           "lstm": "window + LSTM memory", "delta": "window + gated delta-rule memory"}
 
@@ -95,35 +99,24 @@ def render(result: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--python", action="append", default=None,
-                        help="an interpreter whose tmcore is the checkout to time (repeatable; "
-                             "default: this one)")
+    checkout_arguments(parser, "decode_cost")
     parser.add_argument("--chunks", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--tokens", type=int, default=4096)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--json", type=Path, default=HERE / "results" / "decode_cost.json")
-    parser.add_argument("--md", type=Path, default=HERE / "results" / "decode_cost.md")
-    parser.add_argument("--render", action="store_true", help="only rewrite --md from --json")
     args = parser.parse_args(argv)
     if args.render:
         args.md.write_text(render(json.loads(args.json.read_text())))
         return 0
     pythons = [os.path.abspath(p) for p in (args.python or [sys.executable])]
-    jobs = [(chunk, python) for chunk in args.chunks for python in pythons]
-    rounds: dict[tuple[int, str], list[dict]] = {job: [] for job in jobs}
-    for index in range(args.rounds):
-        # rotate the order so a load that changes during a round slows every job alike
-        for chunk, python in jobs[index % len(jobs):] + jobs[:index % len(jobs)]:
-            rounds[chunk, python].append(_one(python, chunk, args.tokens))
-            print(f"round {index}, chunk {chunk}, {python}: {rounds[chunk, python][-1]}",
-                  file=sys.stderr)
+    jobs = [(python, chunk, args.tokens) for chunk in args.chunks for python in pythons]
+    rounds = interleaved_rounds(jobs, args.rounds, _one)
     command = "python -m benchmarks.decode_cost " + " ".join(
         shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
     result = {"command": command, "machine": machine_line(),
               "config": {"tokens": args.tokens, "rounds": args.rounds, "chunks": args.chunks,
                          "rows": list(ROWS), "piece": 1, "torch_threads": 1},
               "runs": [{"chunk": chunk, "python": python, "commit": checkout_commit(python),
-                        "rounds": rounds[chunk, python]} for chunk, python in jobs]}
+                        "rounds": rounds[python, chunk, tokens]}
+                       for python, chunk, tokens in jobs]}
     args.json.write_text(json.dumps(result, indent=1) + "\n")
     args.md.write_text(render(result))
     print(render(result))

@@ -25,7 +25,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
 SHAPES = ((1, 64), (4, 64), (4, 512))  # (batch, d)
 POSITIONS = ("start", "middle", "middle", "completion")
 CHUNK, TOKENS, WARMUP = 4, 2048, 400
@@ -80,42 +79,34 @@ def render(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--python", action="append", default=None,
-                        help="an interpreter whose tmcore is the checkout to time (repeatable; "
-                             "default: this one)")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--json", type=Path, default=HERE / "results" / "decode_token.json")
-    parser.add_argument("--md", type=Path, default=HERE / "results" / "decode_token.md")
-    parser.add_argument("--render", action="store_true", help="only rewrite --md from --json")
-    parser.add_argument("--worker", type=int, nargs=2, default=None, help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    if args.worker is not None:
-        print(json.dumps(worker(*args.worker)))
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--worker"]:  # (run as a file by another checkout's interpreter)
+        print(json.dumps(worker(int(argv[1]), int(argv[2]))))
         return 0
+    from benchmarks.common import (
+        checkout_arguments,
+        checkout_commit,
+        interleaved_rounds,
+        machine_line,
+    )
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    checkout_arguments(parser, "decode_token")
+    args = parser.parse_args(argv)
     if args.render:
         args.md.write_text(render(json.loads(args.json.read_text())))
         return 0
-    from benchmarks.common import checkout_commit, machine_line
-
     pythons = [os.path.abspath(p) for p in (args.python or [sys.executable])]
-    jobs = [(shape, python) for shape in SHAPES for python in pythons]
-    rounds: dict[tuple, list[list[float]]] = {job: [] for job in jobs}
-    for index in range(args.rounds):
-        # rotate the order so a load that changes during a round slows every job alike
-        for shape, python in jobs[index % len(jobs):] + jobs[:index % len(jobs)]:
-            rounds[shape, python].append(_one(python, *shape))
-            print(f"round {index}, B={shape[0]} d={shape[1]}, {python}: "
-                  f"{[round(v, 1) for v in rounds[shape, python][-1]]}", file=sys.stderr)
-    command = "python -m benchmarks.decode_token " + " ".join(
-        shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
+    jobs = [(python, *shape) for shape in SHAPES for python in pythons]
+    rounds = interleaved_rounds(jobs, args.rounds, _one)
+    command = "python -m benchmarks.decode_token " + " ".join(shlex.quote(a) for a in argv)
     result = {"command": command, "machine": machine_line(),
               "config": {"rounds": args.rounds, "chunk": CHUNK, "tokens": TOKENS,
                          "warmup": WARMUP, "channels": 16, "grid": [4, 4, 4],
                          "torch_threads": 1},
-              "runs": [{"batch": shape[0], "d": shape[1], "python": python,
-                        "commit": checkout_commit(python), "rounds": rounds[shape, python]}
-                       for shape, python in jobs]}
+              "runs": [{"batch": batch, "d": d, "python": python,
+                        "commit": checkout_commit(python), "rounds": rounds[python, batch, d]}
+                       for python, batch, d in jobs]}
     args.json.write_text(json.dumps(result, indent=1) + "\n")
     args.md.write_text(render(result))
     print(render(result))
