@@ -193,3 +193,11 @@ def interleaved_rounds(jobs: list, rounds: int, run: Callable[..., Any]) -> dict
             results[job].append(run(*job))
             print(f"round {index}, {job}: {results[job][-1]}", file=sys.stderr)
     return results
+
+
+def save_results(args: Any, result: dict, render: Callable[[dict], str]) -> None:
+    """Write ``result`` to ``args.json`` and its page ``render(result)`` to ``args.md``, and print
+    the page."""
+    args.json.write_text(json.dumps(result, indent=1) + "\n")
+    args.md.write_text(render(result))
+    print(render(result))

@@ -33,6 +33,7 @@ from benchmarks.common import (
     checkout_commit,
     interleaved_rounds,
     machine_line,
+    save_results,
 )
 
 ROWS = ("window", "tensor_memory", "lstm", "delta")
@@ -117,9 +118,7 @@ def main(argv: list[str] | None = None) -> int:
               "runs": [{"chunk": chunk, "python": python, "commit": checkout_commit(python),
                         "rounds": rounds[python, chunk, tokens]}
                        for python, chunk, tokens in jobs]}
-    args.json.write_text(json.dumps(result, indent=1) + "\n")
-    args.md.write_text(render(result))
-    print(render(result))
+    save_results(args, result, render)
     return 0
 
 

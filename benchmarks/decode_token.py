@@ -107,9 +107,7 @@ def main(argv: list[str] | None = None) -> int:
               "runs": [{"batch": batch, "d": d, "python": python,
                         "commit": checkout_commit(python), "rounds": rounds[python, batch, d]}
                        for python, batch, d in jobs]}
-    args.json.write_text(json.dumps(result, indent=1) + "\n")
-    args.md.write_text(render(result))
-    print(render(result))
+    save_results(args, result, render)
     return 0
 
 
