@@ -88,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         checkout_commit,
         interleaved_rounds,
         machine_line,
+        save_results,
     )
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
