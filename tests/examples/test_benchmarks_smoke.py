@@ -94,3 +94,33 @@ def test_suite_time_records_the_summary_and_cpu_time():
     assert result["pytest_summary"] == "3 passed, 1 skipped in 0.1s"
     assert result["user_cpu_s"] >= 0 and result["wall_s"] > 0
     assert result["commit"] and "cores" in result["machine"]
+
+
+@pytest.mark.parametrize("name", ["decode_cost", "decode_token"])
+def test_side_by_side_pages_are_rendered_from_their_results(name):
+    """The committed tables of the side-by-side decode benchmarks are their ``render`` of the
+    committed results (no number typed by hand)."""
+    import importlib
+    import json
+    from pathlib import Path
+
+    module = importlib.import_module(f"benchmarks.{name}")
+    results = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
+    result = json.loads((results / f"{name}.json").read_text())
+    assert module.render(result) == (results / f"{name}.md").read_text()
+    assert all(len(run["rounds"]) == result["config"]["rounds"] for run in result["runs"])
+
+
+def test_decode_token_worker_times_every_position():
+    """The worker that another checkout's interpreter runs as a file: one median per
+    position of the chunk, each a positive time."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "decode_token.py"
+    out = subprocess.run([sys.executable, str(script), "--worker", "1", "8"],
+                         capture_output=True, text=True, check=True, cwd="/").stdout
+    times = json.loads(out.strip().splitlines()[-1])["us"]
+    assert len(times) == 4 and all(t > 0 for t in times)
