@@ -45,10 +45,11 @@
  *
  * and, for the torch module's decode token (token.inc),
  *
- *   token_fwd one token of every row at the same chunk slot in one call: the norm
- *            (LayerNorm or none), the token joining its chunk, the read at a chunk's
- *            start, the heads and step_fwd at its end, the read-out and the gated
- *            residual; arguments passed as arrays (in, out, sizes, scalars).
+ *   token_fwd one token of every row (each at its own slot of its chunk) in one call:
+ *            the norm (LayerNorm or none), the token joining its chunk, the read where a
+ *            row's chunk starts, the heads and step_fwd (the other rows inactive) where
+ *            one completes, the read-out and the gated residual; arguments passed as
+ *            arrays (in, out, sizes, scalars).
  *
  * Every entry returns 0, or TM_ENOMEM when a scratch allocation failed (the
  * outputs are then undefined; the caller raises MemoryError). Callers check
