@@ -635,4 +635,3 @@ def dense_scan(h0: Tensor, c0: Tensor, inputs: Any, params: ConvParams, *, eps: 
     out = call(MemoryScanFunction, memory_scan_op, *tensors, float(eps),
                None if radius is None else float(radius), every, reset, active, validated=True)
     return out[0], out[1], out[2]
-

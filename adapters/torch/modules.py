@@ -517,14 +517,17 @@ class TensorMemory(nn.Module):
                                  radius=config.radius, checkpoint_every=config.checkpoint_every,
                                  reset=reset, active=active, validated=True)
 
-    def _token(self, x: Any, state: Any, norm: nn.Module | None = None,
+    def _token(self, x: Any, state: Any, *, stream: bool, reset: Any, doc_starts: Any,
+               valid: Any, norm: nn.Module | None = None,
                gate: Tensor | None = None) -> tuple[Tensor, Any] | None:
         """A streamed decode token as one native call (:func:`tmcore.backends.torch.token.
         decode_token`): ``x (B, 1, d)`` and a :class:`StreamState` of the paper's layer with
-        plain linears (and ``norm`` a plain ``nn.LayerNorm`` over ``d`` or none); else None."""
+        plain linears (and ``norm`` a plain ``nn.LayerNorm`` over ``d`` or none), no mask;
+        else None."""
         config = self.config
-        if torch.compiler.is_compiling():  # (a traced call: the layer's ops, one graph)
-            return None
+        if stream is not True or reset is not None or doc_starts is not None \
+                or valid is not None or torch.compiler.is_compiling():
+            return None  # (masks, the paper's call; a traced call: the layer's ops, one graph)
         if type(state) is not tl.StreamState or type(x) is not Tensor or x.dim() != 3 \
                 or x.shape[1] != 1 or type(self.layer) is not _TorchLayer \
                 or config.update != "dense" or config.dynamics != "none" \
@@ -591,10 +594,10 @@ class TensorMemory(nn.Module):
             If an argument has the wrong shape or device, or a stream-only argument comes with
             ``stream=False``.
         """
-        if stream is True and reset is None and doc_starts is None and valid is None:
-            done = self._token(x, state)
-            if done is not None:
-                return done
+        done = self._token(x, state, stream=stream, reset=reset, doc_starts=doc_starts,
+                           valid=valid)
+        if done is not None:
+            return done
         self._check(x, state, {"reset": reset, "doc_starts": doc_starts, "valid": valid})
         if check_stream_call(stream, state, doc_starts, valid):
             return self.layer.forward_stream(_XP, self.params(), x, state, scan=self._scan,
@@ -671,12 +674,12 @@ class MemoryResidual(nn.Module):
         TypeError, ValueError
             As :meth:`TensorMemory.forward`.
         """
-        if stream is True and reset is None and doc_starts is None and valid is None:
-            memory = self.memory  # (hooks on it would not run: the layer's path then)
-            done = None if memory._forward_hooks or memory._forward_pre_hooks \
-                or any(_GLOBAL_HOOKS) else memory._token(x, state, self.norm, self.gate)
-            if done is not None:
-                return done
+        memory = self.memory  # (hooks on it would not run: the layer's path then)
+        done = None if memory._forward_hooks or memory._forward_pre_hooks or any(_GLOBAL_HOOKS) \
+            else memory._token(x, state, stream=stream, reset=reset, doc_starts=doc_starts,
+                               valid=valid, norm=self.norm, gate=self.gate)
+        if done is not None:
+            return done
         out, state = self.memory(self.norm(x), state, reset=reset, doc_starts=doc_starts,
                                  valid=valid, stream=stream)
         return x + torch.sigmoid(self.gate) * out, state

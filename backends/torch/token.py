@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import torch
 
-from tmcore.backends.fused import PLAIN, is_wrapped
+from tmcore.backends.fused import untraced
 from tmcore.backends.native.calls import call
 from tmcore.layer.config import LayerConfig
 from tmcore.layer.state import StreamState
@@ -86,29 +86,25 @@ def decode_token(x: torch.Tensor, state: StreamState, config: LayerConfig,
             or d != config.embed_dim or tuple(pending.shape) != (batch, length, d) \
             or tuple(read.shape) != (batch, channels):
         return None
-    dtype, strided = x.dtype, torch.strided
     if x.stride(2) != 1:  # (its rows may lie apart: a slice of a longer sequence)
         return None
     inputs = [x, pending, h, c, read, *weights, *cell]  # the kernel's order
+    kernels = scan_kernels(get_options(), *[t for t in inputs if t is not None])
+    if kernels is None or not _small(h) or torch.is_autocast_enabled("cpu") \
+            or not untraced((count,)) or not count.is_cpu or not count.is_contiguous():
+        return None
     pointers: list[int | None] = []
-    for t in inputs:  # what the kernel trusts
+    for t in inputs:  # (plain CPU tensors of one dtype: scan_kernels checked them)
         if t is None:
             pointers.append(None)
-        elif type(t) not in PLAIN or t.dtype != dtype or not t.is_cpu or t.layout != strided \
-                or is_wrapped(t) or not (t is x or t.is_contiguous()):
+        elif t is not x and not t.is_contiguous():
             return None
         else:
             pointers.append(t.data_ptr())
-    kernels = scan_kernels(get_options(), x)
-    if kernels is None or not _small(h) or torch.is_autocast_enabled("cpu"):
-        return None
-    if type(count) not in PLAIN or not count.is_cpu or not count.is_contiguous() \
-            or is_wrapped(count):
-        return None
     slots = count.tolist()
     if min(slots) < 0 or max(slots) >= length:
         return None
-    complete = length - 1 in slots
+    complete, dtype = length - 1 in slots, x.dtype
     y = torch.empty((batch, 1, d), dtype=dtype)
     pending_out = torch.empty((batch, length, d), dtype=dtype)
     read_out = torch.empty((batch, channels), dtype=dtype) if complete or 0 in slots else read

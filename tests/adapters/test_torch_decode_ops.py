@@ -325,7 +325,7 @@ def test_decode_token_python_calls_are_few_and_constant():
     assert sorted(counts) == list(range(L))
     for phase, seen in counts.items():
         assert len(set(seen)) == 1, (phase, seen)
-    assert max(seen[0] for seen in counts.values()) <= 40, counts
+    assert max(seen[0] for seen in counts.values()) <= 41, counts
 
 
 def _chunk_one_memory() -> TensorMemory:
