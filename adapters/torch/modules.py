@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -16,7 +17,13 @@ from tmcore import layer as tl
 from tmcore.adapters.torch import bridge
 from tmcore.adapters.torch.functional import option_scan
 from tmcore.adapters.torch.tuners import computed, fold_tuned
-from tmcore.backends.torch.token import decode_token
+from tmcore.backends.torch.token import (
+    LINEARS,
+    decode_token,
+    softplus_threshold,
+    token_weights,
+    weights_key,
+)
 from tmcore.layer.state import check_stream_call
 from tmcore.ops.addressing import MIN_SIGMA
 from tmcore.ops.splat import DEFAULT_EPS
@@ -229,19 +236,13 @@ def _param_names(config: tl.LayerConfig) -> tuple[tuple[str, tuple[str, ...]], .
     return tuple((group, tuple(leaves)) for group, leaves in groups.items())
 
 
-def _softplus_threshold(dtype: torch.dtype) -> float:
-    # above it torch's softplus returns x, whose error exp(-x) / x is below half an ulp
-    # there (float64: exp(-40) / 40 ~ 1e-19): the generic form to rounding
-    return 40.0 if dtype == torch.float64 else 20.0
-
-
 #: torch's forward hooks on every module (its dicts, filled in place): they would miss the
 #: norm's and the memory's calls that a decode token's one native call replaces
 _GLOBAL_HOOKS = tuple(getattr(torch.nn.modules.module, name, {})
                       for name in ("_global_forward_pre_hooks", "_global_forward_hooks"))
 
-#: the linears a decode token reads, in :func:`tmcore.backends.torch.token.decode_token`'s order
-_TOKEN_LINEARS = ("coord_net", "content_net", "sigma_net", "write_proj", "out_proj")
+#: each memory's decode-token weights, checked (rebuilt when :func:`weights_key` changes)
+_TOKEN_WEIGHTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _plain_weights(module: nn.Module) -> tuple[Tensor, Tensor] | None:
@@ -275,7 +276,7 @@ class _TorchLayer(tl.Layer):
 
     @staticmethod
     def softplus(xp: Any, x: Tensor) -> Tensor:
-        return F.softplus(x, threshold=_softplus_threshold(x.dtype))
+        return F.softplus(x, threshold=softplus_threshold(x.dtype))
 
     @staticmethod
     def split(xp: Any, x: Tensor, sizes: Sequence[int]) -> tuple[Tensor, ...]:
@@ -541,18 +542,21 @@ class TensorMemory(nn.Module):
                 return None
             norm_eps, weights = norm.eps, list(found)
         modules = self._modules
-        for name in _TOKEN_LINEARS:
+        for name in LINEARS:
             found = _plain_weights(modules[name])
-            if found is None or found[0] is None or found[1] is None:
+            if found is None:
                 return None
             weights += found
+        weights.append(gate)
         cell = modules["cell"]._parameters
-        cell = [cell.get(name) for name in ConvParams._fields]
-        if any(t is None for t in cell):
-            return None
-        return decode_token(x, state, config, (*weights, gate), cell,
-                            min_sigma=MIN_SIGMA, softplus_threshold=_softplus_threshold(x.dtype),
-                            norm_eps=norm_eps, residual=gate is not None)
+        weights += [cell.get(name) for name in ConvParams._fields]
+        checked = _TOKEN_WEIGHTS.get(self)
+        if checked is None or checked.key != weights_key(weights, norm_eps):
+            checked = token_weights(weights, config, norm_eps=norm_eps, min_sigma=MIN_SIGMA)
+            if checked is None:
+                return None
+            _TOKEN_WEIGHTS[self] = checked
+        return decode_token(x, state, config, checked)
 
     def forward(
         self, x: Tensor, state: Any = None, *, reset: Tensor | None = None,

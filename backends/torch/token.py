@@ -3,9 +3,13 @@
 Generation feeds one token per call. On a plain CPU call without autograd the whole token
 (norm, joining its row's chunk, the read where a chunk starts, the heads and the scan step
 where one completes, read-out, gated residual) is one kernel call instead of some twenty
-torch ops, whatever slot of its chunk each row is at (a padded batch's rows differ);
-:func:`decode_token` returns ``None`` where it does not apply and the layer's own path runs
-(the reference it is tested against).
+torch ops, whatever slot of its chunk each row is at (a padded batch's rows differ).
+
+The weights are checked once into a :class:`TokenWeights` (kind, dtype, device, layout and
+the config's shapes: the kernel indexes them by those); a token compares only what could
+have changed since (:func:`weights_key`). :func:`decode_token` checks the state per call and
+returns ``None`` where it does not apply, so that the layer's own path runs (the reference it
+is tested against).
 """
 
 from __future__ import annotations
@@ -13,39 +17,125 @@ from __future__ import annotations
 import ctypes
 import functools
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
 from tmcore.backends.fused import untraced
-from tmcore.backends.native.calls import call
+from tmcore.backends.native.calls import call, kernels_for
 from tmcore.layer.config import LayerConfig
+from tmcore.layer.params import GATE_SHAPE, param_specs
 from tmcore.layer.state import StreamState
 from tmcore.runtime.options import get_options
 
 from .scan import _centres, _small, scan_kernels
 
-__all__ = ["decode_token"]
+__all__ = ["LINEARS", "TokenWeights", "decode_token", "softplus_threshold", "token_weights",
+           "weights_key"]
 
-_INPUTS = 24
+#: the weights' slots of the kernel's inputs: the norm's weight and bias, then each linear's
+LINEARS = ("coord_net", "content_net", "sigma_net", "write_proj", "out_proj")
+_CELL = ("depthwise_weight", "depthwise_bias", "pointwise_weight", "pointwise_bias")
+_GATE = 2 + 2 * len(LINEARS)  # its slot
+_OPTIONAL = (0, 1, _GATE)  # the norm's weight and bias, the gate (the memory alone: none)
+_PTR, _SIZE, _CONTIGUOUS = torch.Tensor.data_ptr, torch.Tensor.size, torch.Tensor.is_contiguous
+
+
+def softplus_threshold(dtype: torch.dtype) -> float:
+    """Above it torch's softplus returns x, whose error exp(-x) / x is below half an ulp there
+    (float64: exp(-40) / 40 ~ 1e-19): the generic form to rounding."""
+    return 40.0 if dtype == torch.float64 else 20.0
+
+
+def weights_key(weights: Sequence[torch.Tensor | None], norm_eps: float | None) -> tuple:
+    """What the kernel trusts of ``weights`` that may change between tokens, cheap to compare:
+    each tensor object, its address, sizes and contiguity (``p.data = ...`` keeps the object
+    and may change the other three; in-place updates change none of them and need no
+    check: the kernel reads the values at each call), and the norm's eps."""
+    present = [t for t in weights if t is not None]
+    return (norm_eps, *map(id, weights), *map(_PTR, present), *map(_SIZE, present),
+            *map(_CONTIGUOUS, present))
+
+
+class TokenWeights(NamedTuple):
+    """A decode token's weights, checked (:func:`token_weights`).
+
+    ``key`` is :func:`weights_key` of ``tensors`` (kept here, so that their ids stay
+    theirs); ``pointers`` their addresses in the kernel's order, then the cell centres';
+    ``scalars`` the kernel's constants.
+    """
+
+    key: tuple
+    tensors: tuple[torch.Tensor | None, ...]
+    dtype: torch.dtype
+    residual: bool
+    layer_norm: bool
+    pointers: tuple[int | None, ...]
+    scalars: ctypes.Array
+
+
+def token_weights(weights: Sequence[torch.Tensor | None], config: LayerConfig, *,
+                  norm_eps: float | None, min_sigma: float) -> TokenWeights | None:
+    """Check a decode token's weights once, or ``None`` where the kernel cannot take them.
+
+    Parameters
+    ----------
+    weights : sequence of Tensor or None
+        The norm's weight and bias (``(d,)`` each, or None), the weight and bias of each of
+        :data:`LINEARS` (the config's shapes), the gate ``(1,)`` (None: the memory alone,
+        no residual), the cell's ``depthwise_weight, depthwise_bias, pointwise_weight,
+        pointwise_bias``.
+    config : LayerConfig
+        The layer's (the paper's dense update).
+    norm_eps : float or None
+        The LayerNorm's eps, or None for no norm.
+    min_sigma : float
+        The heads' least sigma (the layer's).
+
+    Returns
+    -------
+    TokenWeights or None
+        None unless every tensor is a plain untraced contiguous CPU float32 / float64 tensor
+        of one dtype with the shape the kernel indexes it by.
+    """
+    specs = {(spec.group, spec.leaf): spec.shape for spec in param_specs(config)}
+    d = config.embed_dim
+    shapes = [(d,), (d,), *(specs[name, leaf] for name in LINEARS for leaf in ("weight", "bias")),
+              GATE_SHAPE, *(specs["cell", leaf] for leaf in _CELL)]
+    present = [t for t in weights if t is not None]
+    if len(weights) != len(shapes) or kernels_for(*present) is None \
+            or any(t is None for i, t in enumerate(weights) if i not in _OPTIONAL):
+        return None
+    for t, shape in zip(weights, shapes, strict=True):
+        if t is not None and (tuple(t.shape) != shape or not t.is_contiguous()):
+            return None
+    dtype = present[0].dtype
+    centres = _centres(config.memory_shape, dtype, present[0].device)[0]
+    scalars = (0.0 if norm_eps is None else float(norm_eps), config.eps,
+               -1.0 if config.radius is None else float(config.radius), config.sigma_scale,
+               min_sigma, softplus_threshold(dtype))
+    return TokenWeights(weights_key(weights, norm_eps), tuple(weights), dtype,
+                        weights[_GATE] is not None, norm_eps is not None,
+                        (*(None if t is None else t.data_ptr() for t in weights),
+                         centres.data_ptr()),
+                        (ctypes.c_double * len(scalars))(*scalars))
 
 
 @functools.lru_cache(maxsize=64)
-def _sizes(batch: int, d: int, length: int, channels: int, shape: tuple[int, ...],
-           residual: bool, layer_norm: bool, row_stride: int) -> ctypes.Array:
-    values = (batch, d, length, channels, len(shape), int(residual), int(layer_norm),
-              row_stride, *shape)
+def _sizes(config: LayerConfig, residual: bool, layer_norm: bool, batch: int,
+           row_stride: int) -> ctypes.Array:
+    shape = config.memory_shape
+    values = (batch, config.embed_dim, config.chunk_size, config.memory_channels, len(shape),
+              int(residual), int(layer_norm), row_stride, *shape)
     return (ctypes.c_int64 * len(values))(*values)
 
 
-@functools.lru_cache(maxsize=64)
-def _scalars(values: tuple[float, ...]) -> ctypes.Array:
-    return (ctypes.c_double * len(values))(*values)
+def _dense(t: torch.Tensor) -> torch.Tensor:
+    return t if t.is_contiguous() else t.contiguous()
 
 
 def decode_token(x: torch.Tensor, state: StreamState, config: LayerConfig,
-                 weights: Sequence[torch.Tensor | None], cell: Sequence[torch.Tensor], *,
-                 min_sigma: float, softplus_threshold: float, norm_eps: float | None,
-                 residual: bool) -> tuple[torch.Tensor, StreamState] | None:
+                 weights: TokenWeights) -> tuple[torch.Tensor, StreamState] | None:
     """One token ``x (B, 1, d)`` of every row, or ``None`` to decline.
 
     Parameters
@@ -56,26 +146,16 @@ def decode_token(x: torch.Tensor, state: StreamState, config: LayerConfig,
         ``h, c (B, C, *S)``, ``pending (B, L, d)``, ``count (B,)`` int32, ``read (B, C)``.
     config : LayerConfig
         The layer's (the paper's dense update: no option of :mod:`tmcore.scan.options`).
-    weights : sequence of Tensor or None
-        The norm's weight and bias (``(d,)`` each, or None), the weight and bias of
-        ``coord_net``, ``content_net``, ``sigma_net``, ``write_proj``, ``out_proj``, then the
-        gate ``(1,)`` (read where ``residual``).
-    cell : sequence of Tensor
-        The cell's ``depthwise_weight, depthwise_bias, pointwise_weight, pointwise_bias``.
-    min_sigma, softplus_threshold : float
-        The heads' constants (the layer's).
-    norm_eps : float or None
-        The LayerNorm's eps, or None for no norm.
-    residual : bool
-        ``x + sigmoid(gate) * read_out`` (a MemoryResidual), else the read-out alone.
+    weights : TokenWeights
+        Its weights (:func:`token_weights`), in ``x``'s dtype.
 
     Returns
     -------
     (out, state) or None
-        ``out (B, 1, d)`` and the new :class:`StreamState`, as the layer's decode step gives
-        them (to rounding); None where the kernel does not apply (autograd on, not a plain
-        CPU float32 / float64 call of one dtype, a large grid, a state of other shapes or
-        counts out of range).
+        ``out (B, 1, d)`` (``x + sigmoid(gate) * read_out`` with a gate, else the read-out)
+        and the new :class:`StreamState`, as the layer's decode step gives them (to
+        rounding); None where the kernel does not apply (autograd on, not a plain CPU call
+        in the weights' dtype, a large grid, a state of other shapes or counts out of range).
     """
     h, c, pending, count, read = state
     batch, _, d = x.shape
@@ -84,23 +164,13 @@ def decode_token(x: torch.Tensor, state: StreamState, config: LayerConfig,
             or count.dtype != torch.int32 or tuple(count.shape) != (batch,) \
             or tuple(h.shape) != (batch, channels, *shape) or c.shape != h.shape \
             or d != config.embed_dim or tuple(pending.shape) != (batch, length, d) \
-            or tuple(read.shape) != (batch, channels):
+            or tuple(read.shape) != (batch, channels) or x.stride(2) != 1:
+        return None  # (x's rows may lie apart: a slice of a longer sequence)
+    kernels = scan_kernels(get_options(), h, c, pending, read, x)
+    if kernels is None or x.dtype != weights.dtype or not _small(h) \
+            or torch.is_autocast_enabled("cpu") or not untraced((count,)) or not count.is_cpu:
         return None
-    if x.stride(2) != 1:  # (its rows may lie apart: a slice of a longer sequence)
-        return None
-    inputs = [x, pending, h, c, read, *weights, *cell]  # the kernel's order
-    kernels = scan_kernels(get_options(), *[t for t in inputs if t is not None])
-    if kernels is None or not _small(h) or torch.is_autocast_enabled("cpu") \
-            or not untraced((count,)) or not count.is_cpu or not count.is_contiguous():
-        return None
-    pointers: list[int | None] = []
-    for t in inputs:  # (plain CPU tensors of one dtype: scan_kernels checked them)
-        if t is None:
-            pointers.append(None)
-        elif t is not x and not t.is_contiguous():
-            return None
-        else:
-            pointers.append(t.data_ptr())
+    h, c, pending, read, count = map(_dense, (h, c, pending, read, count))
     slots = count.tolist()
     if min(slots) < 0 or max(slots) >= length:
         return None
@@ -110,14 +180,12 @@ def decode_token(x: torch.Tensor, state: StreamState, config: LayerConfig,
     read_out = torch.empty((batch, channels), dtype=dtype) if complete or 0 in slots else read
     h_out, c_out = (torch.empty_like(h), torch.empty_like(c)) if complete else (h, c)
     count_out = torch.empty_like(count)
-    in_ptrs = (ctypes.c_void_p * _INPUTS)(*pointers, _centres(shape, dtype, x.device)[0]
-                                          .data_ptr(), count.data_ptr())
+    in_ptrs = (ctypes.c_void_p * 24)(x.data_ptr(), pending.data_ptr(), h.data_ptr(),
+                                     c.data_ptr(), read.data_ptr(), *weights.pointers,
+                                     count.data_ptr())
     out_ptrs = (ctypes.c_void_p * 6)(y.data_ptr(), pending_out.data_ptr(), read_out.data_ptr(),
                                      h_out.data_ptr(), c_out.data_ptr(), count_out.data_ptr())
-    scalars = _scalars((0.0 if norm_eps is None else float(norm_eps), config.eps,
-                        -1.0 if config.radius is None else float(config.radius),
-                        config.sigma_scale, min_sigma, softplus_threshold))
     call(kernels, "token_fwd", in_ptrs, out_ptrs,
-         _sizes(batch, d, length, channels, shape, residual, norm_eps is not None,
-                x.stride(0)), scalars)
+         _sizes(config, weights.residual, weights.layer_norm, batch, x.stride(0)),
+         weights.scalars)
     return y, StreamState(h_out, c_out, pending_out, count_out, read_out)

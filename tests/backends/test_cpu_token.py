@@ -34,7 +34,7 @@ def taken(monkeypatch):
 
     def recording(*args, **kwargs):
         result = original(*args, **kwargs)
-        seen.append((kwargs["residual"], result is not None))
+        seen.append((args[3].residual, result is not None))
         return result
 
     monkeypatch.setattr(modules, "decode_token", recording)
@@ -170,9 +170,7 @@ def test_it_steps_aside_where_the_layers_path_must_run(taken):
     with torch.no_grad():
         _, st = module(x[:, :2])
     token = x[:, 2:3]
-    # a state not contiguous (a transposed copy's view) and another dtype's count
-    h = st.h.transpose(-1, -2).contiguous().transpose(-1, -2)
-    _declined(module, token, st._replace(h=h), taken)
+    # another dtype's count
     _declined(module, token, st._replace(count=st.count.long()), taken)
     # a hook on the memory (the residual calls it: the memory alone may take the kernel),
     # on the norm, on every module; a norm of another kind
@@ -207,6 +205,70 @@ def test_it_steps_aside_where_the_layers_path_must_run(taken):
     with torch.enable_grad():
         out, _ = module(token, st)
     assert out.requires_grad and _ran(taken, True) == 0 and _ran(taken, False) == 4
+
+
+def test_a_state_of_views_takes_the_kernel(taken):
+    """A state whose tensors are views (a transposed copy's, a prefill's read column) is
+    copied dense for the kernel, not sent down the layer's path."""
+    module = _module((3, 4, 2), torch.float64, 3)
+    x = torch.randn(2, 4, 8, dtype=torch.float64)
+    with torch.no_grad():
+        _, st = module(x[:, :2])
+    views = st._replace(h=st.h.transpose(-1, -2).contiguous().transpose(-1, -2),
+                        read=torch.stack([st.read, st.read], dim=-1)[..., 0])
+    assert not views.h.is_contiguous() and not views.read.is_contiguous()
+    with torch.no_grad():
+        out, new = module(x[:, 2:3], views)
+        with tmcore.options(native=False):
+            ref, ref_new = module(x[:, 2:3], st)
+    _close([out, *new], [ref, *ref_new], 1e-12)
+    assert _ran(taken) == 1 and all(t.is_contiguous() for t in new)
+
+
+@pytest.mark.parametrize("name", ["norm", "coord_net", "content_net", "sigma_net",
+                                  "write_proj", "out_proj"])
+def test_weights_of_other_shapes_take_the_layers_path(name, taken):
+    """The kernel indexes every weight by the config's shapes: a replaced module of other
+    sizes (or a weight swapped through ``.data``) goes to the layer's path, which gives
+    what the torch ops give, or their error."""
+    module = _module((3, 4, 2), torch.float64, 3)
+    x = torch.randn(2, 4, 8, dtype=torch.float64)
+    with torch.no_grad():
+        _, st = module(x[:, :2])
+        module(x[:, 2:3], st)  # (the weights checked once, then reused)
+    assert _ran(taken) == 1
+    memory = module.memory
+    inner = getattr(memory, name, None) or module.norm
+    out_features = inner.weight.shape[0]
+    with torch.no_grad():
+        inner.weight.data = inner.weight.data[: out_features - 1]  # same address, fewer rows
+        inner.bias.data = inner.bias.data[: out_features - 1]
+    with torch.no_grad(), pytest.raises(RuntimeError):
+        module(x[:, 2:3], st)
+    assert _ran(taken) == 1
+
+
+def test_weights_changed_in_place_or_replaced_are_read_anew(taken):
+    module = _module((3, 4, 2), torch.float64, 3)
+    x = torch.randn(2, 3, 8, dtype=torch.float64)
+    with torch.no_grad():
+        _, st = module(x[:, :2])
+        module(x[:, 2:3], st)
+        module.memory.out_proj.weight.mul_(2.0)  # in place: the same buffer, new values
+        out, _ = module(x[:, 2:3], st)
+        module.memory.content_net = torch.nn.Linear(8, 3, dtype=torch.float64)  # a new module
+        module.gate = torch.nn.Parameter(torch.full((1,), -1.0, dtype=torch.float64))
+        out2, new2 = module(x[:, 2:3], st)
+        with tmcore.options(native=False):
+            ref2, ref_new2 = module(x[:, 2:3], st)
+        module.memory.content_net.weight.data = module.memory.content_net.weight.data * 3
+        out3, _ = module(x[:, 2:3], st)
+        with tmcore.options(native=False):
+            ref3, _ = module(x[:, 2:3], st)
+    assert _ran(taken) == 4
+    _close([out2, *new2], [ref2, *ref_new2], 1e-12)
+    _close([out3], [ref3], 1e-12)
+    assert not torch.allclose(out, out2)
 
 
 def test_a_bad_state_gets_the_layers_error():
