@@ -15,7 +15,6 @@ is tested against).
 from __future__ import annotations
 
 import ctypes
-import functools
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -30,8 +29,8 @@ from tmcore.runtime.options import get_options
 
 from .scan import _centres, _small, scan_kernels
 
-__all__ = ["LINEARS", "TokenWeights", "decode_token", "softplus_threshold", "token_weights",
-           "weights_key"]
+__all__ = ["LINEARS", "TokenWeights", "decode_token", "run_token", "softplus_threshold",
+           "token_weights", "weights_key"]
 
 #: the weights' slots of the kernel's inputs: the norm's weight and bias, then each linear's
 LINEARS = ("coord_net", "content_net", "sigma_net", "write_proj", "out_proj")
@@ -62,7 +61,7 @@ class TokenWeights(NamedTuple):
 
     ``key`` is :func:`weights_key` of ``tensors`` (kept here, so that their ids stay
     theirs); ``pointers`` their addresses in the kernel's order, then the cell centres';
-    ``scalars`` the kernel's constants.
+    ``scalars`` the kernel's constants; ``sizes`` its sizes per batch and row stride.
     """
 
     key: tuple
@@ -72,6 +71,7 @@ class TokenWeights(NamedTuple):
     layer_norm: bool
     pointers: tuple[int | None, ...]
     scalars: ctypes.Array
+    sizes: dict[tuple[int, int], ctypes.Array]
 
 
 def token_weights(weights: Sequence[torch.Tensor | None], config: LayerConfig, *,
@@ -118,16 +118,19 @@ def token_weights(weights: Sequence[torch.Tensor | None], config: LayerConfig, *
                         weights[_GATE] is not None, norm_eps is not None,
                         (*(None if t is None else t.data_ptr() for t in weights),
                          centres.data_ptr()),
-                        (ctypes.c_double * len(scalars))(*scalars))
+                        (ctypes.c_double * len(scalars))(*scalars), {})
 
 
-@functools.lru_cache(maxsize=64)
-def _sizes(config: LayerConfig, residual: bool, layer_norm: bool, batch: int,
+def _sizes(weights: TokenWeights, config: LayerConfig, batch: int,
            row_stride: int) -> ctypes.Array:
-    shape = config.memory_shape
-    values = (batch, config.embed_dim, config.chunk_size, config.memory_channels, len(shape),
-              int(residual), int(layer_norm), row_stride, *shape)
-    return (ctypes.c_int64 * len(values))(*values)
+    """The kernel's sizes, made once per batch and row stride."""
+    sizes = weights.sizes.get((batch, row_stride))
+    if sizes is None:
+        shape = config.memory_shape
+        values = (batch, config.embed_dim, config.chunk_size, config.memory_channels,
+                  len(shape), int(weights.residual), int(weights.layer_norm), row_stride, *shape)
+        sizes = weights.sizes[batch, row_stride] = (ctypes.c_int64 * len(values))(*values)
+    return sizes
 
 
 def _dense(t: torch.Tensor) -> torch.Tensor:
@@ -170,11 +173,22 @@ def decode_token(x: torch.Tensor, state: StreamState, config: LayerConfig,
     if kernels is None or x.dtype != weights.dtype or not _small(h) \
             or torch.is_autocast_enabled("cpu") or not untraced((count,)) or not count.is_cpu:
         return None
-    h, c, pending, read, count = map(_dense, (h, c, pending, read, count))
-    slots = count.tolist()
+    state = StreamState(*map(_dense, state))
+    slots = state.count.tolist()
     if min(slots) < 0 or max(slots) >= length:
         return None
-    complete, dtype = length - 1 in slots, x.dtype
+    return run_token(x, state, slots, config, weights, kernels)
+
+
+def run_token(x: torch.Tensor, state: StreamState, slots: list[int], config: LayerConfig,
+              weights: TokenWeights, kernels: tuple) -> tuple[torch.Tensor, StreamState]:
+    """:func:`decode_token`'s kernel call on what it checked: ``state`` dense, ``slots`` its
+    counts (each in ``0 .. L-1``), ``kernels`` for ``x``'s dtype. Nothing is checked here
+    (benchmarks time it as the floor of any checks around the kernel)."""
+    h, c, pending, count, read = state
+    batch, _, d = x.shape
+    length, channels, dtype = config.chunk_size, config.memory_channels, x.dtype
+    complete = length - 1 in slots
     y = torch.empty((batch, 1, d), dtype=dtype)
     pending_out = torch.empty((batch, length, d), dtype=dtype)
     read_out = torch.empty((batch, channels), dtype=dtype) if complete or 0 in slots else read
@@ -185,7 +199,6 @@ def decode_token(x: torch.Tensor, state: StreamState, config: LayerConfig,
                                      count.data_ptr())
     out_ptrs = (ctypes.c_void_p * 6)(y.data_ptr(), pending_out.data_ptr(), read_out.data_ptr(),
                                      h_out.data_ptr(), c_out.data_ptr(), count_out.data_ptr())
-    call(kernels, "token_fwd", in_ptrs, out_ptrs,
-         _sizes(config, weights.residual, weights.layer_norm, batch, x.stride(0)),
+    call(kernels, "token_fwd", in_ptrs, out_ptrs, _sizes(weights, config, batch, x.stride(0)),
          weights.scalars)
     return y, StreamState(h_out, c_out, pending_out, count_out, read_out)

@@ -96,7 +96,7 @@ def test_suite_time_records_the_summary_and_cpu_time():
     assert result["commit"] and "cores" in result["machine"]
 
 
-@pytest.mark.parametrize("name", ["decode_cost", "decode_token"])
+@pytest.mark.parametrize("name", ["decode_cost", "decode_token", "decode_floor"])
 def test_side_by_side_pages_are_rendered_from_their_results(name):
     """The committed tables of the side-by-side decode benchmarks are their ``render`` of the
     committed results (no number typed by hand)."""
@@ -124,3 +124,19 @@ def test_decode_token_worker_times_every_position():
                          capture_output=True, text=True, check=True, cwd="/").stdout
     times = json.loads(out.strip().splitlines()[-1])["us"]
     assert len(times) == 4 and all(t > 0 for t in times)
+
+
+def test_decode_floor_times_every_form_and_its_floor_is_the_librarys_tokens(tmp_path):
+    """A tiny run of the floor benchmark: every form timed in every round, and the unchecked
+    kernel call (the floor) generates the library's tokens (so it times the same work)."""
+    pytest.importorskip("transformers", reason="transformers is not installed")
+    import json
+
+    from benchmarks import decode_floor
+
+    out = tmp_path / "floor.json"
+    decode_floor.main(["--widths", "16", "--rounds", "2", "--new-tokens", "5",
+                       "--json", str(out), "--md", str(tmp_path / "floor.md")])
+    (run,) = json.loads(out.read_text())["runs"]
+    assert run["floor_equals_library"] is True and len(run["rounds"]) == 2
+    assert all(r[form] > 0 for r in run["rounds"] for form in decode_floor.FORMS)
