@@ -133,10 +133,6 @@ def _sizes(weights: TokenWeights, config: LayerConfig, batch: int,
     return sizes
 
 
-def _dense(t: torch.Tensor) -> torch.Tensor:
-    return t if t.is_contiguous() else t.contiguous()
-
-
 def decode_token(x: torch.Tensor, state: StreamState, config: LayerConfig,
                  weights: TokenWeights) -> tuple[torch.Tensor, StreamState] | None:
     """One token ``x (B, 1, d)`` of every row, or ``None`` to decline.
@@ -173,7 +169,8 @@ def decode_token(x: torch.Tensor, state: StreamState, config: LayerConfig,
     if kernels is None or x.dtype != weights.dtype or not _small(h) \
             or torch.is_autocast_enabled("cpu") or not untraced((count,)) or not count.is_cpu:
         return None
-    state = StreamState(*map(_dense, state))
+    state = StreamState(h.contiguous(), c.contiguous(), pending.contiguous(),
+                        count.contiguous(), read.contiguous())  # (views: copied dense)
     slots = state.count.tolist()
     if min(slots) < 0 or max(slots) >= length:
         return None

@@ -320,12 +320,13 @@ def test_decode_token_python_calls_are_few_and_constant():
     constant, the same in every phase of its chunk: the hook, the checks of what the token
     kernel trusts and its one call (Python calls outside torch, not timings). At eac3a01 they
     were 79 (middle), 109 (start) and 240 (completion: the heads and the scan's dispatch); 68,
-    107 and 164 with the fused read and scan step called from the layer's path."""
+    107 and 164 with the fused read and scan step called from the layer's path; 41 with the
+    token kernel checking its weights at every token."""
     counts = _library_calls_per_phase(rounds=3)
     assert sorted(counts) == list(range(L))
     for phase, seen in counts.items():
         assert len(set(seen)) == 1, (phase, seen)
-    assert max(seen[0] for seen in counts.values()) <= 41, counts
+    assert max(seen[0] for seen in counts.values()) <= 38, counts
 
 
 def _chunk_one_memory() -> TensorMemory:
