@@ -550,8 +550,12 @@ class TensorMemory(nn.Module):
         weights.append(gate)
         cell = modules["cell"]._parameters
         weights += [cell.get(name) for name in ConvParams._fields]
+        try:
+            key = weights_key(weights, norm_eps)
+        except RuntimeError:  # a tensor without storage (a functorch transform's)
+            return None
         checked = _TOKEN_WEIGHTS.get(self)
-        if checked is None or checked.key != weights_key(weights, norm_eps):
+        if checked is None or checked.key != key:
             checked = token_weights(weights, config, norm_eps=norm_eps, min_sigma=MIN_SIGMA)
             if checked is None:
                 return None

@@ -271,6 +271,28 @@ def test_weights_changed_in_place_or_replaced_are_read_anew(taken):
     assert not torch.allclose(out, out2)
 
 
+def test_functorch_transforms_of_the_weights_get_the_layers_path(taken):
+    """Weights a transform wraps (no storage: their addresses cannot be read) go to the
+    layer's path, which computes (vmap) or raises its own error (jvp: no forward mode)."""
+    module = _module((3, 4, 2), torch.float64, 3)
+    x = torch.randn(2, 3, 8, dtype=torch.float64)
+    with torch.no_grad():
+        _, st = module(x[:, :2])
+        ref, _ = module(x[:, 2:3], st)  # (the weights checked once: then wrapped below)
+    params = {name: p.detach() for name, p in module.named_parameters()}
+
+    def token(p):
+        return torch.func.functional_call(module, p, (x[:, 2:3], st))[0]
+
+    with torch.no_grad():
+        out = torch.func.vmap(token)({k: torch.stack([v, v]) for k, v in params.items()})
+        _close([out[0], out[1]], [ref, ref], 1e-12)
+        tangents = {k: torch.ones_like(v) for k, v in params.items()}
+        with pytest.raises(NotImplementedError, match="forward-mode"):
+            torch.func.jvp(token, (params,), (tangents,))
+    assert _ran(taken) == 1
+
+
 def test_a_bad_state_gets_the_layers_error():
     module = _module((3, 4, 2), torch.float64, 3)
     x = torch.randn(2, 3, 8, dtype=torch.float64)
