@@ -21,7 +21,9 @@ from typing import NamedTuple
 import torch
 
 from tmcore.backends.fused import untraced
-from tmcore.backends.native.calls import call, kernels_for
+from tmcore.backends.native.calls import call
+from tmcore.backends.triton import launch as triton
+from tmcore.backends.triton import token as triton_token
 from tmcore.layer.config import LayerConfig
 from tmcore.layer.params import GATE_SHAPE, param_specs
 from tmcore.layer.state import StreamState
@@ -67,6 +69,7 @@ class TokenWeights(NamedTuple):
     key: tuple
     tensors: tuple[torch.Tensor | None, ...]
     dtype: torch.dtype
+    device: torch.device
     residual: bool
     layer_norm: bool
     pointers: tuple[int | None, ...]
@@ -95,26 +98,29 @@ def token_weights(weights: Sequence[torch.Tensor | None], config: LayerConfig, *
     Returns
     -------
     TokenWeights or None
-        None unless every tensor is a plain untraced contiguous CPU float32 / float64 tensor
-        of one dtype with the shape the kernel indexes it by.
+        None unless every tensor is a plain untraced contiguous float32 / float64 tensor of
+        one dtype and device with the shape the kernels index it by.
     """
     specs = {(spec.group, spec.leaf): spec.shape for spec in param_specs(config)}
     d = config.embed_dim
     shapes = [(d,), (d,), *(specs[name, leaf] for name in LINEARS for leaf in ("weight", "bias")),
               GATE_SHAPE, *(specs["cell", leaf] for leaf in _CELL)]
     present = [t for t in weights if t is not None]
-    if len(weights) != len(shapes) or kernels_for(*present) is None \
+    if len(weights) != len(shapes) or not untraced(tuple(present)) \
             or any(t is None for i, t in enumerate(weights) if i not in _OPTIONAL):
         return None
+    dtype, device = present[0].dtype, present[0].device
+    if dtype not in (torch.float32, torch.float64):
+        return None
     for t, shape in zip(weights, shapes, strict=True):
-        if t is not None and (tuple(t.shape) != shape or not t.is_contiguous()):
+        if t is not None and (tuple(t.shape) != shape or not t.is_contiguous()
+                              or t.device != device or t.layout != torch.strided or t.is_nested):
             return None
-    dtype = present[0].dtype
-    centres = _centres(config.memory_shape, dtype, present[0].device)[0]
+    centres = _centres(config.memory_shape, dtype, device)[0]
     scalars = (0.0 if norm_eps is None else float(norm_eps), config.eps,
                -1.0 if config.radius is None else float(config.radius), config.sigma_scale,
                min_sigma, softplus_threshold(dtype))
-    return TokenWeights(weights_key(weights, norm_eps), tuple(weights), dtype,
+    return TokenWeights(weights_key(weights, norm_eps), tuple(weights), dtype, device,
                         weights[_GATE] is not None, norm_eps is not None,
                         (*(None if t is None else t.data_ptr() for t in weights),
                          centres.data_ptr()),
@@ -165,15 +171,21 @@ def decode_token(x: torch.Tensor, state: StreamState, config: LayerConfig,
             or d != config.embed_dim or tuple(pending.shape) != (batch, length, d) \
             or tuple(read.shape) != (batch, channels) or x.stride(2) != 1:
         return None  # (x's rows may lie apart: a slice of a longer sequence)
+    if x.dtype != weights.dtype or x.device != weights.device \
+            or torch.is_autocast_enabled(x.device.type) or not untraced((count,)) \
+            or count.device != x.device:
+        return None
     kernels = scan_kernels(get_options(), h, c, pending, read, x)
-    if kernels is None or x.dtype != weights.dtype or not _small(h) \
-            or torch.is_autocast_enabled("cpu") or not untraced((count,)) or not count.is_cpu:
+    on_triton = kernels is None and triton.usable(h, c, pending, read, x)
+    if (kernels is None or not _small(h)) and not on_triton:
         return None
     state = StreamState(h.contiguous(), c.contiguous(), pending.contiguous(),
                         count.contiguous(), read.contiguous())  # (views: copied dense)
-    slots = state.count.tolist()
+    slots = state.count.tolist()  # (on CUDA a sync, as the layer's path has)
     if min(slots) < 0 or max(slots) >= length:
         return None
+    if on_triton:
+        return triton_token.decode_token(x, state, slots, config, weights)
     return run_token(x, state, slots, config, weights, kernels)
 
 

@@ -45,7 +45,7 @@ from .parts import (
     taps,
 )
 
-__all__ = ["step_fwd_kernel", "step_bwd_a_kernel", "step_bwd_b_kernel"]
+__all__ = ["read_at", "step_fwd_kernel", "step_bwd_a_kernel", "step_bwd_b_kernel"]
 
 
 @triton.jit
@@ -186,12 +186,9 @@ def step_fwd_kernel(
 
 
 @triton.jit
-def _read_tents(rc, N: tl.constexpr, S0: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr):
-    """:func:`_tent` of the read's coordinates along the three padded axes: ``(lower index, lower,
-    frac, inside)`` per axis."""
-    x0 = coord(rc, 0, N)
-    x1 = coord(rc, 1, N)
-    x2 = coord(rc, 2, N)
+def _read_tents(x0, x1, x2, S0: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr):
+    """:func:`_tent` of a read's coordinates ``x0, x1, x2`` along the three padded axes:
+    ``(lower index, lower, frac, inside)`` per axis."""
     l0, low0, fr0, in0 = _tent(x0, S0)
     l1, low1, fr1, in1 = _tent(x1, S1)
     l2, low2, fr2, in2 = _tent(x2, S2)
@@ -212,10 +209,11 @@ def _corner_value(h_row, offs_c, mask_c, l0, l1, l2, e0: tl.constexpr, e1: tl.co
 
 
 @triton.jit
-def _read(h_row, rc, out, offs_c, mask_c, N: tl.constexpr, S0: tl.constexpr,
-          S1: tl.constexpr, S2: tl.constexpr):
-    """``out[c] = sum over the 2^n corners of weight * h[c, corner]`` (border clamped)."""
-    l0, _, fr0, in0, l1, _, fr1, in1, l2, _, fr2, in2 = _read_tents(rc, N, S0, S1, S2)
+def read_at(h_row, x0, x1, x2, offs_c, mask_c, S0: tl.constexpr, S1: tl.constexpr,
+            S2: tl.constexpr):
+    """``(CB,)``: the sum over the 2^n corners of weight * ``h[c, corner]`` (border clamped),
+    ``x0, x1, x2`` the coordinates along the padded axes."""
+    l0, _, fr0, in0, l1, _, fr1, in1, l2, _, fr2, in2 = _read_tents(x0, x1, x2, S0, S1, S2)
     acc = (offs_c * 0).to(fr2.dtype)
     for e0 in tl.static_range(2):
         for e1 in tl.static_range(2):
@@ -227,6 +225,15 @@ def _read(h_row, rc, out, offs_c, mask_c, N: tl.constexpr, S0: tl.constexpr,
                     w = w0 * w1 * w2
                     hv = _corner_value(h_row, offs_c, mask_c, l0, l1, l2, e0, e1, e2, S0, S1, S2)
                     acc += w * hv
+    return acc
+
+
+@triton.jit
+def _read(h_row, rc, out, offs_c, mask_c, N: tl.constexpr, S0: tl.constexpr,
+          S1: tl.constexpr, S2: tl.constexpr):
+    """``out[c]``: :func:`read_at` the coordinates at ``rc``."""
+    acc = read_at(h_row, coord(rc, 0, N), coord(rc, 1, N), coord(rc, 2, N), offs_c, mask_c,
+                  S0, S1, S2)
     tl.store(out + offs_c, acc, mask=mask_c)
 
 
@@ -305,8 +312,9 @@ def step_bwd_b_kernel(
     content, sigma, denom, rs, mu0, mu1, mu2 = _write_params(
         wcont_ptr, ws_ptr, wc_ptr, bt, offs_c, mask_c, C, eps, radius, N)
     g_read = tl.load(g_reads + bt * C + offs_c, mask=mask_c, other=0.0)
+    rc = rc_ptr + bt * N
     li0, low0, fr0, in0, li1, low1, fr1, in1, li2, low2, fr2, in2 = _read_tents(
-        rc_ptr + bt * N, N, S0, S1, S2)
+        coord(rc, 0, N), coord(rc, 1, N), coord(rc, 2, N), S0, S1, S2)
     zero_c = tl.zeros((CB,), dtype=content.dtype)
     d_content = zero_c
     s_mu0 = tl.sum(zero_c, axis=0)
@@ -363,7 +371,8 @@ def step_bwd_b_kernel(
 def _read_coord_grad(h_row, rc, g_read, out, offs_c, mask_c, N: tl.constexpr,
                      S0: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr):
     """``d read / d coords`` contracted with ``g_read`` (C,), stored per component."""
-    l0, _, fr0, in0, l1, _, fr1, in1, l2, _, fr2, in2 = _read_tents(rc, N, S0, S1, S2)
+    l0, _, fr0, in0, l1, _, fr1, in1, l2, _, fr2, in2 = _read_tents(
+        coord(rc, 0, N), coord(rc, 1, N), coord(rc, 2, N), S0, S1, S2)
     # d weight / d coordinate: -+ (S - 1) / 2 at the lower / upper corner, 0 when clamped
     slope0 = in0.to(fr0.dtype) * ((S0 - 1) * 0.5)
     slope1 = in1.to(fr1.dtype) * ((S1 - 1) * 0.5)

@@ -1,0 +1,208 @@
+"""A decode token in Triton launches (tmcore.backends.triton.token), on the CPU under Triton's
+interpreter, against the layer's path (torch ops: ``native=False, triton=False``) and one call
+on the whole sequence.
+
+As in tests/backends/test_triton.py, ``TRITON_INTERPRET=1`` must be set before ``triton`` is
+imported: the kernel tests (``test_kernel_*``) run in a subprocess that
+:func:`test_triton_token_interpreter_suite` starts with ``TRITON_INTERPRET=1
+TMCORE_TRITON=1``; in the main process they skip. Shapes are tiny (every device-function call
+costs milliseconds in the interpreter).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import tmcore  # noqa: E402
+from tmcore.adapters.torch import MemoryResidual, TensorMemory  # noqa: E402
+
+# a kernel failure would fall back to the layer's path with a warning: fail instead
+pytestmark = pytest.mark.filterwarnings("error:tmcore. the fused Triton decode token failed")
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
+inner = pytest.mark.skipif(
+    not (INTERPRETING and HAS_TRITON and os.environ.get("TMCORE_TRITON") == "1"),
+    reason="kernel test: runs in the interpreter subprocess of "
+           "test_triton_token_interpreter_suite",
+)
+REFERENCE = {"native": False, "triton": False}
+TOLERANCE = {torch.float64: 1e-12, torch.float32: 2e-5}
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (pip install triton)")
+@pytest.mark.skipif(INTERPRETING, reason="already inside the interpreter run")
+def test_triton_token_interpreter_suite():
+    """Every ``test_kernel_*`` below, in a subprocess under Triton's interpreter."""
+    env = dict(os.environ, TRITON_INTERPRET="1", TMCORE_TRITON="1")
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__,
+         "-k", "kernel_"],
+        env=env, capture_output=True, text=True, timeout=900,
+    )
+    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
+    assert " passed" in done.stdout and "skipped" not in done.stdout.splitlines()[-1], \
+        done.stdout[-3000:]
+
+
+def test_cpu_tokens_take_no_triton_launch_by_default():
+    """Automatic mode sends no CPU token to Triton (the C kernel or the layer's path)."""
+    from tmcore.backends.triton import launch
+
+    x = torch.zeros(2, 3, 4)
+    with tmcore.options(triton="auto"):
+        assert not launch.usable(x)
+
+
+# --------------------------------------------------------------------------- kernels
+
+
+class _Launches:
+    """Counts the decode token's kernel launches (each kernel's ``[grid](...)``)."""
+
+    def __init__(self, monkeypatch):
+        from tmcore.backends.triton import launch
+
+        self.count = 0
+        kernels = launch.kernels
+
+        def counted(name):
+            module = kernels(name)
+            return _Counting(module, self)
+
+        monkeypatch.setattr(launch, "kernels", counted)
+
+
+class _Counting:
+    def __init__(self, module, owner):
+        self.module, self.owner = module, owner
+
+    def __getattr__(self, name):
+        kernel = getattr(self.module, name)
+        owner = self.owner
+
+        class Launcher:
+            def __getitem__(self, grid):
+                owner.count += 1
+                return kernel[grid]
+
+        return Launcher()
+
+
+def _module(shape, dtype, chunk, norm="layernorm", residual=True, **kw):
+    torch.manual_seed(0)
+    memory = TensorMemory(8, 3, shape, chunk, dtype=dtype, **kw)
+    if not residual:
+        module = memory
+    else:
+        made = {"layernorm": None, "identity": torch.nn.Identity(),
+                "plain": torch.nn.LayerNorm(8, elementwise_affine=False, dtype=dtype)}
+        module = MemoryResidual(memory, norm=made[norm], gate_init=0.4)
+    with torch.no_grad():  # every parameter away from its initial value (zero read-outs)
+        for p in module.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    return module.eval()
+
+
+def _stream(module, x, state=None):
+    outs = []
+    for t in range(x.shape[1]):
+        out, state = module(x[:, t:t + 1], state)
+        outs.append(out)
+    return torch.cat(outs, dim=1), state
+
+
+def _close(a, b, tolerance):
+    for u, v in zip(a, b, strict=True):
+        assert u.dtype == v.dtype and u.shape == v.shape
+        assert torch.allclose(u.double(), v.double(), rtol=tolerance, atol=tolerance), \
+            (u - v).abs().max()
+
+
+@inner
+@pytest.mark.parametrize("shape", [(5,), (3, 4), (3, 4, 2)])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("chunk", [1, 3])
+def test_kernel_token_equals_the_layers_path_and_one_call(shape, dtype, chunk, monkeypatch):
+    launches = _Launches(monkeypatch)
+    module = _module(shape, dtype, chunk, sigma_scale=1.5, radius=2.0)
+    torch.manual_seed(1)
+    x = torch.randn(3, 2 * chunk + 3, 8, dtype=dtype)
+    with torch.no_grad():
+        _, start = module(x[:, :2])  # a prefill (the layer's path), then one token per call
+        launches.count = 0
+        out, state = _stream(module, x[:, 2:], start)
+        tokens = x.shape[1] - 2
+        completions = sum((2 + t) % chunk == chunk - 1 for t in range(tokens))
+        assert launches.count == tokens + 3 * completions  # 1 per token, 4 at a completion
+        with tmcore.options(**REFERENCE):
+            ref_out, ref_state = _stream(module, x[:, 2:], start)
+            whole_out, whole_state = module(x)
+    _close([out, *state], [ref_out, *ref_state], TOLERANCE[dtype])
+    _close([out, *state], [whole_out[:, 2:], *whole_state], TOLERANCE[dtype])
+
+
+@inner
+@pytest.mark.parametrize("norm", ["identity", "plain"])
+def test_kernel_no_norm_a_plain_layernorm_and_the_memory_alone(norm, monkeypatch):
+    for module in (_module((3, 4), torch.float64, 2, norm=norm),
+                   _module((3, 4), torch.float64, 2, residual=False)):
+        launches = _Launches(monkeypatch)
+        x = torch.randn(2, 5, 8, dtype=torch.float64)
+        with torch.no_grad():
+            out, state = _stream(module, x)
+            assert launches.count == 4 + 3 * 2  # (the first token starts from no state)
+            with tmcore.options(**REFERENCE):
+                ref = _stream(module, x)
+        _close([out, *state], [ref[0], *ref[1]], 1e-12)
+
+
+@inner
+def test_kernel_rows_at_different_slots(monkeypatch):
+    """A padded batch: rows at different slots share the token launch; a token that completes
+    some rows' chunks but not others' goes to the layer's path (the scan kernel takes no row
+    mask); every token equals the layer's path."""
+    launches = _Launches(monkeypatch)
+    module = _module((3, 4, 2), torch.float64, 3)
+    x = torch.randn(3, 10, 8, dtype=torch.float64)
+    valid = torch.ones(3, 4, dtype=torch.bool)
+    valid[1, :1] = valid[2, :2] = False  # left padding of 0, 1, 2 tokens
+    with torch.no_grad():
+        _, start = module(x[:, :4], valid=valid)
+        assert sorted(start.count.tolist()) == [0, 1, 2]
+        launches.count = 0
+        out, state = _stream(module, x[:, 4:], start)
+        assert launches.count == 0  # (every token completes one row's chunk, not the others')
+        with tmcore.options(**REFERENCE):
+            ref_out, ref_state = _stream(module, x[:, 4:], start)
+    _close([out, *state], [ref_out, *ref_state], 1e-12)
+    valid = torch.ones(3, 4, dtype=torch.bool)
+    valid[2, :1] = False  # slots 1, 1, 0: the next token starts one row, continues two
+    with torch.no_grad():
+        _, start = module(x[:, :4], valid=valid)
+        launches.count = 0
+        out, state = module(x[:, 4:5], start)
+        assert launches.count == 1
+        with tmcore.options(**REFERENCE):
+            ref_out, ref_state = module(x[:, 4:5], start)
+    _close([out, *state], [ref_out, *ref_state], 1e-12)
+
+
+@inner
+def test_kernel_a_four_axis_grid_takes_the_layers_path(monkeypatch):
+    launches = _Launches(monkeypatch)
+    module = _module((2, 3, 2, 2), torch.float64, 2)
+    x = torch.randn(2, 4, 8, dtype=torch.float64)
+    with torch.no_grad():
+        out, state = _stream(module, x)
+        with tmcore.options(**REFERENCE):
+            ref = _stream(module, x)
+    assert launches.count == 0
+    _close([out, *state], [ref[0], *ref[1]], 1e-12)
