@@ -13,7 +13,8 @@ outputs and gradients; peak GPU memory of a torch training step (fused,
 per-step, plain);
 the truncated write at 8^3..32^3; the local update (``update="local"``, w = 4) at
 8^3..64^3, dense fused vs local generic vs local fused (:func:`local_scan`); a
-short streaming run. The **floor** here is
+short streaming run; a decode token, the Triton token launches against the layer's path
+(:func:`decode`). The **floor** here is
 the pointwise matmuls of one step on the GPU plus the bytes of state one step
 must move (read ``h, c``, write ``h', c'``: ``4 B C prod(S)`` floats) over the
 measured device-to-device copy bandwidth.
@@ -486,6 +487,38 @@ def streaming(device: str, tokens: int) -> dict:
             "peak_first_last": [peaks[0], peaks[-1]] if peaks else None}
 
 
+def decode(device: str, tiny: bool, reps: int = 3) -> dict:
+    """A decode token through ``MemoryResidual`` (B=4, d=512, C=16 on 4^3, chunk 4, no_grad):
+    microseconds per token and CUDA kernels per chunk of 4 tokens of the default (on CUDA the
+    Triton token launches) against the layer's path (``triton=False``), and the max
+    |difference| of their outputs."""
+    import tmcore
+    from tmcore.adapters.torch import MemoryResidual, TensorMemory
+
+    d, tokens = (16, 8) if tiny else (512, 256)
+    torch.manual_seed(0)
+    module = MemoryResidual(TensorMemory(d, 16, (4, 4, 4), 4)).to(device).eval()
+    x = torch.randn(tokens, 4, 1, d, device=device)
+
+    def stream(choice):
+        def run():
+            state, outs = None, []
+            with torch.no_grad(), tmcore.options(triton=choice):
+                for t in range(tokens):
+                    out, state = module(x[t], state)
+                    outs.append(out)
+            return torch.cat(outs, dim=1)
+        return run
+
+    result = {"tokens": tokens, "d": d}
+    for name, choice in (("default", "auto"), ("layer", False)):
+        result[f"{name}_us_per_token"] = _time(stream(choice), device, reps) / tokens * 1e6
+        result[f"{name}_kernels_per_chunk"] = _kernels_per_step(stream(choice), tokens // 4,
+                                                                device)
+    result["max_abs_diff"] = float((stream("auto")() - stream(False)()).abs().max())
+    return result
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--device", default="cuda")
@@ -495,8 +528,10 @@ def main(argv: list[str] | None = None) -> dict:
                                                                      / "results")))
     parser.add_argument("--impls", nargs="+", default=None,
                         help="rows to time (default: all), e.g. torch torch-per-step")
-    parser.add_argument("--sections", nargs="*", default=["truncated", "local", "streaming"],
-                        help="extra sections to run (default: truncated local streaming)")
+    parser.add_argument("--sections", nargs="*",
+                        default=["truncated", "local", "streaming", "decode"],
+                        help="extra sections to run (default: truncated local streaming "
+                             "decode)")
     parser.add_argument("--no-prewarm", action="store_true",
                         help="do not compile the Triton kernels in parallel first")
     args = parser.parse_args(argv)
@@ -526,7 +561,8 @@ def main(argv: list[str] | None = None) -> dict:
     for name, fn in (("truncated", lambda: truncated_write(device, args.tiny)),
                      ("local", lambda: local_scan(device, args.tiny, 1 if args.tiny else 3)),
                      ("streaming", lambda: streaming(device, 3 * 8192 if args.tiny
-                                                     else 1_000_000))):
+                                                     else 1_000_000)),
+                     ("decode", lambda: decode(device, args.tiny, 1 if args.tiny else 3))):
         if name not in args.sections:
             continue
         if time.perf_counter() - start > args.budget:

@@ -1,12 +1,14 @@
-"""A decode token of the torch module in one C call (``token_fwd``, backends/native/token.inc).
+"""A decode token of the torch module in one native call: on the CPU the C kernel ``token_fwd``
+(backends/native/token.inc), on CUDA the Triton launches of :mod:`tmcore.backends.triton.token`.
 
-Generation feeds one token per call. On a plain CPU call without autograd the whole token
-(norm, joining its row's chunk, the read where a chunk starts, the heads and the scan step
-where one completes, read-out, gated residual) is one kernel call instead of some twenty
-torch ops, whatever slot of its chunk each row is at (a padded batch's rows differ).
+Generation feeds one token per call. Without autograd the whole token (norm, joining its
+row's chunk, the read where a chunk starts, the heads and the scan step where one completes,
+read-out, gated residual) is one kernel call on the CPU, whatever slot of its chunk each
+row is at (a padded batch's rows differ), and one to four launches on CUDA, instead of some
+twenty torch ops.
 
 The weights are checked once into a :class:`TokenWeights` (kind, dtype, device, layout and
-the config's shapes: the kernel indexes them by those); a token compares only what could
+the config's shapes: the kernels index them by those); a token compares only what could
 have changed since (:func:`weights_key`). :func:`decode_token` checks the state per call and
 returns ``None`` where it does not apply, so that the layer's own path runs (the reference it
 is tested against).
@@ -159,8 +161,10 @@ def decode_token(x: torch.Tensor, state: StreamState, config: LayerConfig,
     (out, state) or None
         ``out (B, 1, d)`` (``x + sigmoid(gate) * read_out`` with a gate, else the read-out)
         and the new :class:`StreamState`, as the layer's decode step gives them (to
-        rounding); None where the kernel does not apply (autograd on, not a plain CPU call
-        in the weights' dtype, a large grid, a state of other shapes or counts out of range).
+        rounding); None where no kernel applies (autograd on; not a plain call in the
+        weights' dtype and device; on the CPU a grid above the one-call step's bound, on
+        CUDA rows completing their chunks at different tokens or 4 spatial axes; a state of
+        other shapes or counts out of range).
     """
     h, c, pending, count, read = state
     batch, _, d = x.shape

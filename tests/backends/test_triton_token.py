@@ -61,6 +61,18 @@ def test_cpu_tokens_take_no_triton_launch_by_default():
         assert not launch.usable(x)
 
 
+def test_gpu_benchmark_decode_section_runs_on_the_cpu():
+    """``benchmarks/gpu.py``'s decode section at its tiny size on the CPU: both rows timed,
+    no kernel count off CUDA, the two paths' outputs equal to rounding."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, os.pardir))
+    from benchmarks import gpu
+
+    result = gpu.decode("cpu", tiny=True, reps=1)
+    assert result["default_us_per_token"] > 0 and result["layer_us_per_token"] > 0
+    assert result["default_kernels_per_chunk"] is None
+    assert result["max_abs_diff"] <= 1e-5
+
+
 # --------------------------------------------------------------------------- kernels
 
 
