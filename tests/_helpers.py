@@ -1,11 +1,14 @@
 """Test-suite helpers: the kit's strategies (tmcore.testing.strategies), re-exported, and a
 random state dict in the paper's reference layout."""
 
+import os as _os
+
 from tmcore.testing.strategies import *  # noqa: F403
 from tmcore.testing.strategies import __all__ as _strategies
 
 __all__ = [*_strategies, "reference_state_dict", "torch_scan_inputs", "EDGE_COORDS",
-           "count_calls"]
+           "count_calls", "INTERPRETING_KERNELS", "run_interpreter_suite", "token_module",
+           "stream_tokens", "assert_all_close"]
 
 
 def reference_state_dict(torch, d: int, c: int, length: int, grid=(3, 4, 5), seed: int = 0,
@@ -85,3 +88,76 @@ def count_calls(monkeypatch, targets, key=None):
 
         monkeypatch.setattr(module, name, counted)
     return counts
+
+
+# --------------------------------------------------------------------------- Triton's interpreter
+
+#: Whether this process runs the kernel tests (``TRITON_INTERPRET=1 TMCORE_TRITON=1``, set by
+#: :func:`run_interpreter_suite`: triton reads them when it is imported).
+INTERPRETING_KERNELS = (_os.environ.get("TRITON_INTERPRET") == "1"
+                        and _os.environ.get("TMCORE_TRITON") == "1")
+
+
+def run_interpreter_suite(test_file: str, **env: str) -> None:
+    """Run the ``test_kernel_*`` tests of ``test_file`` in a subprocess under Triton's
+    interpreter (with ``env`` added) and assert that they ran and passed."""
+    import os
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", test_file,
+         "-k", "kernel_"],
+        env=dict(os.environ, TRITON_INTERPRET="1", TMCORE_TRITON="1", **env),
+        capture_output=True, text=True, timeout=900,
+    )
+    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
+    assert " passed" in done.stdout and "skipped" not in done.stdout.splitlines()[-1], \
+        done.stdout[-3000:]
+
+
+# --------------------------------------------------------------------------- decode tokens
+
+
+def token_module(shape, dtype, chunk, norm="layernorm", residual=True, **kw):
+    """A ``MemoryResidual(TensorMemory(8, 3, shape, chunk))`` (``norm``: ``"layernorm"``,
+    ``"identity"`` or ``"plain"``, a LayerNorm without affine) or the memory alone, every
+    parameter moved away from its initial value (the read-outs start at zero), in eval mode."""
+    import torch
+
+    from tmcore.adapters.torch import MemoryResidual, TensorMemory
+
+    torch.manual_seed(0)
+    memory = TensorMemory(8, 3, shape, chunk, dtype=dtype, **kw)
+    if not residual:
+        module = memory
+    else:
+        made = {"layernorm": None, "identity": torch.nn.Identity(),
+                "plain": torch.nn.LayerNorm(8, elementwise_affine=False, dtype=dtype)}
+        module = MemoryResidual(memory, norm=made[norm], gate_init=0.4)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    return module.eval()
+
+
+def stream_tokens(module, x, state=None):
+    """``module`` over ``x (B, N, d)`` one token per call: the outputs and the last state."""
+    import torch
+
+    outs = []
+    for t in range(x.shape[1]):
+        out, state = module(x[:, t:t + 1], state)
+        outs.append(out)
+    return torch.cat(outs, dim=1), state
+
+
+def assert_all_close(got, want, tolerance):
+    """Every tensor of ``got`` has the dtype and shape of ``want``'s and its values within
+    ``tolerance`` (relative and absolute)."""
+    import torch
+
+    for u, v in zip(got, want, strict=True):
+        assert u.dtype == v.dtype and u.shape == v.shape
+        assert torch.allclose(u.double(), v.double(), rtol=tolerance, atol=tolerance), \
+            (u - v).abs().max()

@@ -14,10 +14,14 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="torch is not installed")
 
+from _helpers import assert_all_close as _close  # noqa: E402
+from _helpers import stream_tokens as _stream  # noqa: E402
+from _helpers import token_module as _module  # noqa: E402
+
 import tmcore  # noqa: E402
 import tmcore.adapters.torch.modules as modules  # noqa: E402
 import tmcore.backends.native as native  # noqa: E402
-from tmcore.adapters.torch import MemoryResidual, TensorMemory  # noqa: E402
+from tmcore.adapters.torch import MemoryResidual  # noqa: E402
 
 pytestmark = pytest.mark.skipif(native.library() is None,
                                 reason="the fused kernels cannot be built here (no C compiler)")
@@ -43,36 +47,6 @@ def taken(monkeypatch):
 
 def _ran(taken, residual=True):
     return sum(ran for r, ran in taken if r == residual)
-
-
-def _module(shape, dtype, chunk, norm="layernorm", residual=True, **kw):
-    torch.manual_seed(0)
-    memory = TensorMemory(8, 3, shape, chunk, dtype=dtype, **kw)
-    if not residual:
-        module = memory
-    else:
-        made = {"layernorm": None, "identity": torch.nn.Identity(),
-                "plain": torch.nn.LayerNorm(8, elementwise_affine=False, dtype=dtype)}
-        module = MemoryResidual(memory, norm=made[norm], gate_init=0.4)
-    with torch.no_grad():  # every parameter away from its initial value (zero read-outs)
-        for p in module.parameters():
-            p.add_(torch.randn_like(p) * 0.3)
-    return module.eval()
-
-
-def _stream(module, x, state=None):
-    outs = []
-    for t in range(x.shape[1]):
-        out, state = module(x[:, t:t + 1], state)
-        outs.append(out)
-    return torch.cat(outs, dim=1), state
-
-
-def _close(a, b, tolerance):
-    for u, v in zip(a, b, strict=True):
-        assert u.dtype == v.dtype and u.shape == v.shape
-        assert torch.allclose(u.double(), v.double(), rtol=tolerance, atol=tolerance), \
-            (u - v).abs().max()
 
 
 @pytest.mark.parametrize("shape", [(5,), (3, 4), (3, 4, 2), (2, 3, 2, 2)])

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import subprocess
 import sys
 import warnings
 
@@ -21,6 +20,8 @@ import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
+
+from _helpers import run_interpreter_suite  # noqa: E402
 
 import tmcore  # noqa: E402
 from tmcore.types import ConvParams  # noqa: E402
@@ -40,16 +41,7 @@ inner = pytest.mark.skipif(
 @pytest.mark.skipif(INTERPRETING, reason="already inside the interpreter run")
 def test_triton_interpreter_suite():
     """Every ``test_kernel_*`` below, in a subprocess under Triton's interpreter."""
-    env = dict(os.environ, TRITON_INTERPRET="1", TMCORE_TRITON="1",
-               TRITON_DEFAULT_FP_FUSION="1")
-    done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__,
-         "-k", "kernel_"],
-        env=env, capture_output=True, text=True, timeout=900,
-    )
-    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
-    assert " passed" in done.stdout and "skipped" not in done.stdout.splitlines()[-1], \
-        done.stdout[-3000:]
+    run_interpreter_suite(__file__, TRITON_DEFAULT_FP_FUSION="1")
 
 
 def test_cpu_tensors_need_the_switch():

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import subprocess
 import sys
 import warnings
 
@@ -23,6 +22,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import array_api_compat  # noqa: E402
+from _helpers import run_interpreter_suite  # noqa: E402
 
 import tmcore  # noqa: E402
 from tmcore.scan.local import local_scan_bwd, local_scan_fwd  # noqa: E402
@@ -44,15 +44,7 @@ XP = array_api_compat.array_namespace(torch.empty(0))
 @pytest.mark.skipif(INTERPRETING, reason="already inside the interpreter run")
 def test_triton_local_interpreter_suite():
     """Every ``test_kernel_*`` below, in a subprocess under Triton's interpreter."""
-    env = dict(os.environ, TRITON_INTERPRET="1", TMCORE_TRITON="1", OMP_NUM_THREADS="1")
-    done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__,
-         "-k", "kernel_"],
-        env=env, capture_output=True, text=True, timeout=900,
-    )
-    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
-    assert " passed" in done.stdout and "skipped" not in done.stdout.splitlines()[-1], \
-        done.stdout[-3000:]
+    run_interpreter_suite(__file__, OMP_NUM_THREADS="1")
 
 
 def test_launch_count():

@@ -13,23 +13,25 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import subprocess
 import sys
 
 import pytest
 
 torch = pytest.importorskip("torch")
 
+from _helpers import INTERPRETING_KERNELS, run_interpreter_suite  # noqa: E402
+from _helpers import assert_all_close as _close  # noqa: E402
+from _helpers import stream_tokens as _stream  # noqa: E402
+from _helpers import token_module as _module  # noqa: E402
+
 import tmcore  # noqa: E402
-from tmcore.adapters.torch import MemoryResidual, TensorMemory  # noqa: E402
 
 # a kernel failure would fall back to the layer's path with a warning: fail instead
 pytestmark = pytest.mark.filterwarnings("error:tmcore. the fused Triton decode token failed")
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
-INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 inner = pytest.mark.skipif(
-    not (INTERPRETING and HAS_TRITON and os.environ.get("TMCORE_TRITON") == "1"),
+    not (INTERPRETING_KERNELS and HAS_TRITON),
     reason="kernel test: runs in the interpreter subprocess of "
            "test_triton_token_interpreter_suite",
 )
@@ -38,18 +40,10 @@ TOLERANCE = {torch.float64: 1e-12, torch.float32: 2e-5}
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (pip install triton)")
-@pytest.mark.skipif(INTERPRETING, reason="already inside the interpreter run")
+@pytest.mark.skipif(INTERPRETING_KERNELS, reason="already inside the interpreter run")
 def test_triton_token_interpreter_suite():
     """Every ``test_kernel_*`` below, in a subprocess under Triton's interpreter."""
-    env = dict(os.environ, TRITON_INTERPRET="1", TMCORE_TRITON="1")
-    done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__,
-         "-k", "kernel_"],
-        env=env, capture_output=True, text=True, timeout=900,
-    )
-    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
-    assert " passed" in done.stdout and "skipped" not in done.stdout.splitlines()[-1], \
-        done.stdout[-3000:]
+    run_interpreter_suite(__file__)
 
 
 def test_cpu_tokens_take_no_triton_launch_by_default():
@@ -106,36 +100,6 @@ class _Counting:
                 return kernel[grid]
 
         return Launcher()
-
-
-def _module(shape, dtype, chunk, norm="layernorm", residual=True, **kw):
-    torch.manual_seed(0)
-    memory = TensorMemory(8, 3, shape, chunk, dtype=dtype, **kw)
-    if not residual:
-        module = memory
-    else:
-        made = {"layernorm": None, "identity": torch.nn.Identity(),
-                "plain": torch.nn.LayerNorm(8, elementwise_affine=False, dtype=dtype)}
-        module = MemoryResidual(memory, norm=made[norm], gate_init=0.4)
-    with torch.no_grad():  # every parameter away from its initial value (zero read-outs)
-        for p in module.parameters():
-            p.add_(torch.randn_like(p) * 0.3)
-    return module.eval()
-
-
-def _stream(module, x, state=None):
-    outs = []
-    for t in range(x.shape[1]):
-        out, state = module(x[:, t:t + 1], state)
-        outs.append(out)
-    return torch.cat(outs, dim=1), state
-
-
-def _close(a, b, tolerance):
-    for u, v in zip(a, b, strict=True):
-        assert u.dtype == v.dtype and u.shape == v.shape
-        assert torch.allclose(u.double(), v.double(), rtol=tolerance, atol=tolerance), \
-            (u - v).abs().max()
 
 
 @inner
