@@ -74,8 +74,10 @@ def _launch(x: torch.Tensor, state: StreamState, complete: bool, config: LayerCo
     if not complete:
         return y, StreamState(h, c, pending_out, count_out, read_out)
     summary = torch.empty((batch, d), **like)
-    kernels.summary_kernel[(batch, -(-d // tile))](
-        pending, u, proj_w, proj_b, summary, d, length, BO=tile, BI=tile, **geo.launch_kw())
+    outputs = min(block, 32)  # (a 32 x 64 weight tile: no spill at float64 on sm_90)
+    kernels.summary_kernel[(batch, -(-d // outputs))](
+        pending, u, proj_w, proj_b, summary, d, length, BO=outputs, BI=tile,
+        **geo.launch_kw())
     write_coords = torch.empty((batch, 1, n), **like)
     write_sigma = torch.empty((batch, 1), **like)
     write_content = torch.empty((batch, 1, channels), **like)

@@ -67,6 +67,38 @@ def test_gpu_benchmark_decode_section_runs_on_the_cpu():
     assert result["max_abs_diff"] <= 1e-5
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (pip install triton)")
+@pytest.mark.skipif(INTERPRETING_KERNELS, reason="the interpreter replaces the compiler")
+@pytest.mark.parametrize("dtype", ["fp32", "fp64"])
+def test_token_kernels_build_for_sm90_without_spills(dtype):
+    """The token kernels compile for sm_90 with Triton's own LLVM and ptxas (no GPU needed:
+    the interpreter does not check what only the compiler rejects), at the launch's tiles
+    for d = 512, C = 16 on 4^3, with no register spill (``ptxas -v``)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, os.pardir,
+                                    "benchmarks"))
+    from benchmarks.gpu_check import _ptxas_usage
+    from tmcore.backends.triton import token_kernels as k
+
+    scalars = {"x_stride": "i32", "d": "i32", "C": "i32", "L": "i32", "norm_eps": dtype,
+               "min_sigma": dtype, "sigma_scale": dtype, "threshold": dtype,
+               "count_ptr": "*i32", "count_out": "*i32"}
+    grid = {"N": 3, "S0": 4, "S1": 4, "S2": 4, "CB": 16}
+    for fn, consts in ((k.token_kernel, {"LAYER_NORM": True, "NORM_W": True, "NORM_B": True,
+                                         "RESIDUAL": True, **grid, "BD": 512, "BT": 64}),
+                       (k.summary_kernel, {"BO": 32, "BI": 64}),
+                       (k.heads_kernel, {"N": 3, "CB": 16, "BD": 512, "BT": 64})):
+        signature = {a: "constexpr" if a in consts else scalars.get(a, f"*{dtype}")
+                     for a in fn.arg_names}
+        compiled = triton.compile(
+            triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=consts),
+            target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+        assert "spill stores/loads 0/0 B" in _ptxas_usage(compiled.asm["ptx"], 90), fn
+
+
 # --------------------------------------------------------------------------- kernels
 
 
