@@ -64,7 +64,9 @@ class TokenWeights(NamedTuple):
     """A decode token's weights, checked (:func:`token_weights`).
 
     ``key`` is :func:`weights_key` of ``tensors`` (kept here, so that their ids stay
-    theirs); ``pointers`` their addresses in the kernel's order, then the cell centres';
+    theirs: a replaced weight's memory is freed when its module's next token rebuilds this,
+    or the module is collected); ``pointers`` their addresses in the C kernel's order, then
+    the cell centres';
     ``scalars`` the kernel's constants; ``sizes`` its sizes per batch and row stride.
     """
 
