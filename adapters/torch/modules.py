@@ -17,13 +17,7 @@ from tmcore import layer as tl
 from tmcore.adapters.torch import bridge
 from tmcore.adapters.torch.functional import option_scan
 from tmcore.adapters.torch.tuners import computed, fold_tuned
-from tmcore.backends.torch.token import (
-    LINEARS,
-    decode_token,
-    softplus_threshold,
-    token_weights,
-    weights_key,
-)
+from tmcore.backends.torch.token import LINEARS, decode_token, token_weights, weights_key
 from tmcore.layer.state import check_stream_call
 from tmcore.ops.addressing import MIN_SIGMA
 from tmcore.ops.splat import DEFAULT_EPS
@@ -236,6 +230,12 @@ def _param_names(config: tl.LayerConfig) -> tuple[tuple[str, tuple[str, ...]], .
     return tuple((group, tuple(leaves)) for group, leaves in groups.items())
 
 
+def _softplus_threshold(dtype: torch.dtype) -> float:
+    # above it torch's softplus returns x, whose error exp(-x) / x is below half an ulp
+    # there (float64: exp(-40) / 40 ~ 1e-19): the generic form to rounding
+    return 40.0 if dtype == torch.float64 else 20.0
+
+
 #: torch's forward hooks on every module (its dicts, filled in place): they would miss the
 #: norm's and the memory's calls that a decode token's one native call replaces
 _GLOBAL_HOOKS = tuple(getattr(torch.nn.modules.module, name, {})
@@ -276,7 +276,7 @@ class _TorchLayer(tl.Layer):
 
     @staticmethod
     def softplus(xp: Any, x: Tensor) -> Tensor:
-        return F.softplus(x, threshold=softplus_threshold(x.dtype))
+        return F.softplus(x, threshold=_softplus_threshold(x.dtype))
 
     @staticmethod
     def split(xp: Any, x: Tensor, sizes: Sequence[int]) -> tuple[Tensor, ...]:
@@ -556,7 +556,8 @@ class TensorMemory(nn.Module):
             return None
         checked = _TOKEN_WEIGHTS.get(self)
         if checked is None or checked.key != key:
-            checked = token_weights(weights, config, norm_eps=norm_eps, min_sigma=MIN_SIGMA)
+            checked = token_weights(weights, config, norm_eps=norm_eps, min_sigma=MIN_SIGMA,
+                                    softplus_threshold=_softplus_threshold)
             if checked is None:
                 return None
             _TOKEN_WEIGHTS[self] = checked

@@ -17,7 +17,7 @@ is tested against).
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
@@ -33,8 +33,8 @@ from tmcore.runtime.options import get_options
 
 from .scan import _centres, _small, scan_kernels
 
-__all__ = ["LINEARS", "TokenWeights", "decode_token", "run_token", "softplus_threshold",
-           "token_weights", "weights_key"]
+__all__ = ["LINEARS", "TokenWeights", "decode_token", "run_token", "token_weights",
+           "weights_key"]
 
 #: the weights' slots of the kernel's inputs: the norm's weight and bias, then each linear's
 LINEARS = ("coord_net", "content_net", "sigma_net", "write_proj", "out_proj")
@@ -42,12 +42,6 @@ _CELL = ("depthwise_weight", "depthwise_bias", "pointwise_weight", "pointwise_bi
 _GATE = 2 + 2 * len(LINEARS)  # its slot
 _OPTIONAL = (0, 1, _GATE)  # the norm's weight and bias, the gate (the memory alone: none)
 _PTR, _SIZE, _CONTIGUOUS = torch.Tensor.data_ptr, torch.Tensor.size, torch.Tensor.is_contiguous
-
-
-def softplus_threshold(dtype: torch.dtype) -> float:
-    """Above it torch's softplus returns x, whose error exp(-x) / x is below half an ulp there
-    (float64: exp(-40) / 40 ~ 1e-19): the generic form to rounding."""
-    return 40.0 if dtype == torch.float64 else 20.0
 
 
 def weights_key(weights: Sequence[torch.Tensor | None], norm_eps: float | None) -> tuple:
@@ -82,7 +76,8 @@ class TokenWeights(NamedTuple):
 
 
 def token_weights(weights: Sequence[torch.Tensor | None], config: LayerConfig, *,
-                  norm_eps: float | None, min_sigma: float) -> TokenWeights | None:
+                  norm_eps: float | None, min_sigma: float,
+                  softplus_threshold: Callable[[torch.dtype], float]) -> TokenWeights | None:
     """Check a decode token's weights once, or ``None`` where the kernel cannot take them.
 
     Parameters
@@ -98,6 +93,8 @@ def token_weights(weights: Sequence[torch.Tensor | None], config: LayerConfig, *
         The LayerNorm's eps, or None for no norm.
     min_sigma : float
         The heads' least sigma (the layer's).
+    softplus_threshold : callable
+        The layer's softplus threshold for a dtype.
 
     Returns
     -------
