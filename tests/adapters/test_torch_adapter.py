@@ -747,6 +747,7 @@ def test_ddp_single_process_training_step(tmp_path):
     expected = [p.grad.clone() for p in plain.parameters()]
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
                             world_size=1)
+    ddp = opt = None
     try:
         wrapped = build()
         before = [p.detach().clone() for p in wrapped.parameters()]
@@ -759,6 +760,9 @@ def test_ddp_single_process_training_step(tmp_path):
         assert all(not torch.equal(p, b) for p, b in zip(wrapped.parameters(), before,
                                                           strict=True))
     finally:
+        # DDP's reducer goes before its process group: freed after it (when the test's
+        # locals go), its destructor joined gloo's threads and hung once in a CI run
+        del ddp, opt
         dist.destroy_process_group()
 
 
