@@ -119,8 +119,8 @@ def run_interpreter_suite(test_file: str, **env: str) -> None:
 # --------------------------------------------------------------------------- decode tokens
 
 
-def token_module(shape, dtype, chunk, norm="layernorm", residual=True, **kw):
-    """A ``MemoryResidual(TensorMemory(8, 3, shape, chunk))`` (``norm``: ``"layernorm"``,
+def token_module(shape, dtype, chunk, norm="layernorm", residual=True, width=8, **kw):
+    """A ``MemoryResidual(TensorMemory(width, 3, shape, chunk))`` (``norm``: ``"layernorm"``,
     ``"identity"`` or ``"plain"``, a LayerNorm without affine) or the memory alone, every
     parameter moved away from its initial value (the read-outs start at zero), in eval mode."""
     import torch
@@ -128,12 +128,12 @@ def token_module(shape, dtype, chunk, norm="layernorm", residual=True, **kw):
     from tmcore.adapters.torch import MemoryResidual, TensorMemory
 
     torch.manual_seed(0)
-    memory = TensorMemory(8, 3, shape, chunk, dtype=dtype, **kw)
+    memory = TensorMemory(width, 3, shape, chunk, dtype=dtype, **kw)
     if not residual:
         module = memory
     else:
         made = {"layernorm": None, "identity": torch.nn.Identity(),
-                "plain": torch.nn.LayerNorm(8, elementwise_affine=False, dtype=dtype)}
+                "plain": torch.nn.LayerNorm(width, elementwise_affine=False, dtype=dtype)}
         module = MemoryResidual(memory, norm=made[norm], gate_init=0.4)
     with torch.no_grad():
         for p in module.parameters():

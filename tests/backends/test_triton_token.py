@@ -158,6 +158,24 @@ def test_kernel_token_equals_the_layers_path_and_one_call(shape, dtype, chunk, m
 
 
 @inner
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_kernel_token_of_a_width_of_several_tiles(dtype, monkeypatch):
+    """d = 70: two tiles of the read-out and of the content head, three programs of the
+    summary product with two input tiles per slot, a masked tail in each."""
+    launches = _Launches(monkeypatch)
+    module = _module((3, 4), dtype, 2, width=70)
+    x = torch.randn(2, 6, 70, dtype=dtype)
+    with torch.no_grad():
+        _, start = module(x[:, :1])
+        launches.count = 0
+        out, state = _stream(module, x[:, 1:], start)
+        assert launches.count == 5 + 3 * 3
+        with tmcore.options(**REFERENCE):
+            ref_out, ref_state = _stream(module, x[:, 1:], start)
+    _close([out, *state], [ref_out, *ref_state], TOLERANCE[dtype])
+
+
+@inner
 @pytest.mark.parametrize("norm", ["identity", "plain"])
 def test_kernel_no_norm_a_plain_layernorm_and_the_memory_alone(norm, monkeypatch):
     for module in (_module((3, 4), torch.float64, 2, norm=norm),
