@@ -105,7 +105,8 @@ def triton_compile(arch: int, shapes: list[str], dtype: str) -> int:
             continue
         n = sum(1 for size in s3 if size > 1) if name in ("2d", "1d") else 3
         geo = dense._Geometry(_FakeState((2, channels, *s3[3 - n:])))
-        for fn, extra in ((k.step_fwd_kernel, {"WRITE_READ": True, "PRECISION": "ieee"}),
+        for fn, extra in ((k.step_fwd_kernel, {"WRITE_READ": True, "PRECISION": "ieee",
+                                                "HAS_ACTIVE": False}),
                           (k.step_bwd_a_kernel, {"PRECISION": "ieee"}),
                           (k.step_bwd_b_kernel, {})):
             consts = {**geo.constexprs(True), **extra}

@@ -162,8 +162,7 @@ def decode_token(x: torch.Tensor, state: StreamState, config: LayerConfig,
         and the new :class:`StreamState`, as the layer's decode step gives them (to
         rounding); None where no kernel applies (autograd on; not a plain call in the
         weights' dtype and device; on the CPU a grid above the one-call step's bound, on
-        CUDA rows completing their chunks at different tokens or 4 spatial axes; a state of
-        other shapes or counts out of range).
+        CUDA 4 spatial axes; a state of other shapes or counts out of range).
     """
     h, c, pending, count, read = state
     batch, _, d = x.shape

@@ -82,9 +82,9 @@ def _forward_loop(h0, c0, rc, wc, ws, wcont, dw, db, pw, pb, *, eps, r, consts, 
         else:
             out = scratch[t % len(scratch)]  # never the buffer it reads: see above
         k.step_fwd_kernel[geo.grid](
-            cur[0], cur[1], out[0], out[1], reads, rc, wc, ws, wcont, dw, db, pw, pb,
+            cur[0], cur[1], out[0], out[1], reads, rc, wc, ws, wcont, dw, db, pw, pb, rc,
             t, steps, geo.channels, eps, r, WRITE_READ=True, PRECISION=launch.precision(h0),
-            **consts, **geo.launch_kw(geo.fwd_warps))
+            HAS_ACTIVE=False, **consts, **geo.launch_kw(geo.fwd_warps))
         cur = out
     return reads, h_t, c_t, h_ck, c_ck
 
@@ -155,9 +155,9 @@ def _backward_loop(rc, wc, ws, wcont, dw, db, pw, pb, h_ck, c_ck, g_reads, g_h, 
         for t in range(start, stop - 1):
             out = (replay[0][t - start], replay[1][t - start])
             k.step_fwd_kernel[geo.grid](
-                *states[-1], out[0], out[1], d_rc, rc, wc, ws, wcont, dw, db, pw, pb, t, steps,
-                channels, eps, r, WRITE_READ=False, PRECISION=precision, **consts,
-                **geo.launch_kw(geo.fwd_warps))
+                *states[-1], out[0], out[1], d_rc, rc, wc, ws, wcont, dw, db, pw, pb, rc, t,
+                steps, channels, eps, r, WRITE_READ=False, PRECISION=precision,
+                HAS_ACTIVE=False, **consts, **geo.launch_kw(geo.fwd_warps))
             states.append(out)
         for t in reversed(range(start, stop)):
             h, c = states[t - start]

@@ -151,12 +151,13 @@ def _write_params(wcont_ptr, ws_ptr, wc_ptr, bt, offs_c, mask_c, C, eps, radius,
 @triton.jit(do_not_specialize=["t", "T", "C"])
 def step_fwd_kernel(
     h_ptr, c_ptr, h_out, c_out, reads_ptr, rc_ptr, wc_ptr, ws_ptr, wcont_ptr,
-    dw_ptr, db_ptr, pw_ptr, pb_ptr, t, T, C, eps, radius,
+    dw_ptr, db_ptr, pw_ptr, pb_ptr, active_ptr, t, T, C, eps, radius,
     N: tl.constexpr, S0: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr,
     CB: tl.constexpr, BP: tl.constexpr, HAS_RADIUS: tl.constexpr, WRITE_READ: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, HAS_ACTIVE: tl.constexpr,
 ):
-    """One chunk step forward: ``h, c (B, C, P) -> h_out, c_out``; ``reads[b, t]``."""
+    """One chunk step forward: ``h, c (B, C, P) -> h_out, c_out``; ``reads[b, t]``. With
+    ``HAS_ACTIVE`` a row whose ``active_ptr[b]`` (int8) is 0 keeps its state."""
     b = tl.program_id(0)
     pid = tl.program_id(1)
     programs = tl.num_programs(1)
@@ -172,15 +173,22 @@ def step_fwd_kernel(
         if pid == 0:
             _read(h_ptr + row, rc_ptr + bt * N, reads_ptr + bt * C, offs_c, mask_c, N, S0, S1,
                   S2)
+    live = True
+    if HAS_ACTIVE:
+        live = tl.load(active_ptr + b) != 0
     for tile in range(pid, TILES, programs):
         offs_p, i0, i1, i2, mask_p = cells(tile, BP, S0, S1, S2)
-        y_x, y_h = _conv_input(h_ptr + row, content, mu0, mu1, mu2, denom, rs, dw_ptr, db_ptr,
-                               offs_c, mask_c, i0, i1, i2, offs_p, C, N, S0, S1, S2,
-                               HAS_RADIUS)
         at = row + offs_c[:, None] * P + offs_p[None, :]
         mask = mask_c[:, None] & mask_p[None, :]
-        h_new, c_new = gates_fwd(y_x, y_h, c_ptr + at, mask, pw_ptr, pb_ptr, offs_c, mask_c, C,
-                                 PRECISION)
+        if live:
+            y_x, y_h = _conv_input(h_ptr + row, content, mu0, mu1, mu2, denom, rs, dw_ptr,
+                                   db_ptr, offs_c, mask_c, i0, i1, i2, offs_p, C, N, S0, S1,
+                                   S2, HAS_RADIUS)
+            h_new, c_new = gates_fwd(y_x, y_h, c_ptr + at, mask, pw_ptr, pb_ptr, offs_c, mask_c,
+                                     C, PRECISION)
+        else:
+            h_new = tl.load(h_ptr + at, mask=mask, other=0.0)
+            c_new = tl.load(c_ptr + at, mask=mask, other=0.0)
         tl.store(c_out + at, c_new, mask=mask)
         tl.store(h_out + at, h_new, mask=mask)
 

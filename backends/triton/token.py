@@ -1,8 +1,8 @@
 """A decode token of the torch module in Triton launches (:mod:`.token_kernels`), on CUDA (and on
 the CPU under Triton's interpreter, for the tests): one launch where no row completes its
-chunk, four where every row does (the token, the summary product, the heads, the scan's step
-kernel), against 9 to 32 torch operations on the layer's path. Rows that complete their
-chunks at different tokens (a padded batch) are left to the layer's path.
+chunk, four where some row does (the token, the summary product, the heads, the scan's step
+kernel with the other rows inactive), against 9 to 32 torch operations on the layer's path;
+each row at any slot of its chunk (a padded batch too).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ __all__ = ["decode_token", "launches"]
 
 
 def launches(complete: bool) -> int:
-    """Kernel launches of a decode token: where every row completes its chunk, else none does."""
+    """Kernel launches of a decode token: where some row completes its chunk, else none does."""
     return 4 if complete else 1
 
 
@@ -30,19 +30,17 @@ def decode_token(x: torch.Tensor, state: StreamState, slots: list[int], config: 
     """:func:`tmcore.backends.torch.token.decode_token`'s token in Triton launches, on what it
     checked (``state`` dense, ``slots`` its counts, ``weights`` its
     :class:`~tmcore.backends.torch.token.TokenWeights` on ``x``'s device); None where the
-    rows complete their chunks at different tokens, the grid has 4 axes, or a kernel failed
-    (warned once; the layer's path then)."""
+    grid has 4 axes or a kernel failed (warned once; the layer's path then)."""
     length = config.chunk_size
-    complete = [k == length - 1 for k in slots]
     h = state.h
-    if any(complete) != all(complete) or len(config.memory_shape) > 3 \
+    if len(config.memory_shape) > 3 \
             or config.memory_channels > launch.MAX_CHANNELS \
             or 8 * max(h.numel(), state.pending.numel()) >= 2**31:
         return None
     key = ("token", tuple(h.shape), length, x.dtype, x.device, weights.layer_norm,
            weights.residual, config.radius is not None)
     return launch.guarded("decode token", key, 3, h,
-                          lambda: _launch(x, state, all(complete), config, weights))
+                          lambda: _launch(x, state, length - 1 in slots, config, weights))
 
 
 def _launch(x: torch.Tensor, state: StreamState, complete: bool, config: LayerConfig,
@@ -63,11 +61,12 @@ def _launch(x: torch.Tensor, state: StreamState, complete: bool, config: LayerCo
     read_out = torch.empty((batch, channels), **like)
     count_out = torch.empty_like(count)
     u = torch.empty((batch, d), **like)
+    active = torch.empty((batch,), dtype=torch.int8, device=x.device)
     kernels = launch.kernels("token_kernels")
     kernels.token_kernel[(batch,)](
         x, x.stride(0), pending, h, read, count, x if norm_w is None else norm_w,
         x if norm_b is None else norm_b, coord_w, coord_b, out_w, out_b,
-        x if gate is None else gate, y, pending_out, read_out, count_out, u, d, channels,
+        x if gate is None else gate, y, pending_out, read_out, count_out, u, active, d, channels,
         length, norm_eps, LAYER_NORM=weights.layer_norm, NORM_W=norm_w is not None,
         NORM_B=norm_b is not None, RESIDUAL=gate is not None, N=n, S0=s0, S1=s1, S2=s2,
         CB=geo.cb, BD=block, BT=tile, **geo.launch_kw())
@@ -88,7 +87,7 @@ def _launch(x: torch.Tensor, state: StreamState, complete: bool, config: LayerCo
     h_out, c_out = torch.empty_like(h), torch.empty_like(c)
     launch.kernels("dense_kernels").step_fwd_kernel[geo.grid](
         h, c, h_out, c_out, write_content, write_coords, write_coords, write_sigma,
-        write_content, *cell, 0, 1, channels, eps, max(radius, 0.0), WRITE_READ=False,
-        PRECISION=launch.precision(h), **geo.constexprs(radius >= 0),
+        write_content, *cell, active, 0, 1, channels, eps, max(radius, 0.0), WRITE_READ=False,
+        PRECISION=launch.precision(h), HAS_ACTIVE=True, **geo.constexprs(radius >= 0),
         **geo.launch_kw(geo.fwd_warps))
     return y, StreamState(h_out, c_out, pending_out, count_out, read_out)

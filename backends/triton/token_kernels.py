@@ -3,9 +3,10 @@
 - :func:`token_kernel`, program ``b`` per batch row: the norm, the token joining its row's
   chunk, the read coordinates and the read where the row's chunk starts, the read-out and
   the gated residual, the next ``read`` and ``count``;
-- where every row completes its chunk, :func:`summary_kernel` (program ``(b, tile of
-  outputs)``: ``write_proj`` over the row's chunk), :func:`heads_kernel` (program ``b``: the
-  write's centre, content and sigma) and the scan's own ``step_fwd_kernel`` (one step).
+- where a row completes its chunk, :func:`summary_kernel` (program ``(b, tile of outputs)``:
+  ``write_proj`` over the row's chunk), :func:`heads_kernel` (program ``b``: the write's
+  centre, content and sigma) and the scan's own ``step_fwd_kernel`` (one step; the other
+  rows keep their state).
 
 Products are sums of broadcast tiles (no ``tl.dot``: one row each). Rows of ``d`` values
 are tiles of ``BD`` (``d`` rounded up to a power of two), weight tiles ``BT`` rows or
@@ -48,7 +49,7 @@ def _coords(w_ptr, b_ptr, v, offs_d, mask_d, d, N: tl.constexpr):
 def token_kernel(
     x_ptr, x_stride, pending_ptr, h_ptr, read_ptr, count_ptr,
     norm_w, norm_b, coord_w, coord_b, out_w, out_b, gate_ptr,
-    y_ptr, pending_out, read_out, count_out, u_out,
+    y_ptr, pending_out, read_out, count_out, u_out, active_out,
     d, C, L, norm_eps,
     LAYER_NORM: tl.constexpr, NORM_W: tl.constexpr, NORM_B: tl.constexpr,
     RESIDUAL: tl.constexpr, N: tl.constexpr, S0: tl.constexpr, S1: tl.constexpr,
@@ -56,7 +57,7 @@ def token_kernel(
 ):
     """Row ``b``'s token: ``y (B, d)``, ``pending_out (B, L, d)`` (zeros where the chunk
     completes), ``read_out (B, C)``, ``count_out (B,)``, ``u_out (B, d)`` (the memory's input,
-    the completing chunk's last token)."""
+    the completing chunk's last token), ``active_out (B,)`` (int8: whether it completes)."""
     b = tl.program_id(0)
     P: tl.constexpr = S0 * S1 * S2
     offs_d = tl.arange(0, BD)
@@ -88,6 +89,7 @@ def token_kernel(
         read = read_at(h_ptr + b * C * P, x0, x1, x2, offs_c, mask_c, S0, S1, S2)
     tl.store(read_out + b * C + offs_c, tl.where(complete, read * 0.0, read), mask=mask_c)
     tl.store(count_out + b, tl.where(complete, k * 0, k + 1))
+    tl.store(active_out + b, complete.to(tl.int8))
     # out_proj (d, C) read, then the gated residual, BT outputs at a time
     for d0 in range(0, d, BT):
         rows = d0 + tl.arange(0, BT)

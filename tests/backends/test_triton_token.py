@@ -74,7 +74,8 @@ def test_gpu_benchmark_decode_section_runs_on_the_cpu():
 def test_token_kernels_build_for_sm90_without_spills(dtype):
     """The token kernels compile for sm_90 with Triton's own LLVM and ptxas (no GPU needed:
     the interpreter does not check what only the compiler rejects), at the launch's tiles
-    for d = 512, C = 16 on 4^3, with no register spill (``ptxas -v``)."""
+    for d = 512, C = 16 on 4^3, with no register spill (``ptxas -v``); so does the scan's step
+    kernel with its row mask."""
     import triton
     from triton.backends.compiler import GPUTarget
 
@@ -97,6 +98,21 @@ def test_token_kernels_build_for_sm90_without_spills(dtype):
             triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=consts),
             target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
         assert "spill stores/loads 0/0 B" in _ptxas_usage(compiled.asm["ptx"], 90), fn
+    # the scan's step kernel with a row mask (the token's completions); with none it is the
+    # scan's own, which benchmarks/gpu_check.py --triton-compile builds
+    from tmcore.backends.triton import dense
+    from tmcore.backends.triton import dense_kernels as kd
+
+    geo = dense._Geometry(torch.empty(2, 16, 4, 4, 4))
+    consts = {**geo.constexprs(True), "WRITE_READ": False, "PRECISION": "ieee",
+              "HAS_ACTIVE": True}
+    signature = {a: "constexpr" if a in consts else "i32" if a in ("t", "T", "C")
+                 else dtype if a in ("eps", "radius") else "*i8" if a == "active_ptr"
+                 else f"*{dtype}" for a in kd.step_fwd_kernel.arg_names}
+    compiled = triton.compile(
+        triton.compiler.ASTSource(fn=kd.step_fwd_kernel, signature=signature, constexprs=consts),
+        target=GPUTarget("cuda", 90, 32), options={"num_warps": geo.fwd_warps})
+    assert compiled.asm["ptx"]
 
 
 # --------------------------------------------------------------------------- kernels
@@ -192,9 +208,9 @@ def test_kernel_no_norm_a_plain_layernorm_and_the_memory_alone(norm, monkeypatch
 
 @inner
 def test_kernel_rows_at_different_slots(monkeypatch):
-    """A padded batch: rows at different slots share the token launch; a token that completes
-    some rows' chunks but not others' goes to the layer's path (the scan kernel takes no row
-    mask); every token equals the layer's path."""
+    """A padded batch: rows at different slots share the launches; where a token completes
+    some rows' chunks, the scan step updates those rows and the others keep their state;
+    every token equals the layer's path, and each row its real tokens alone."""
     launches = _Launches(monkeypatch)
     module = _module((3, 4, 2), torch.float64, 3)
     x = torch.randn(3, 10, 8, dtype=torch.float64)
@@ -205,10 +221,15 @@ def test_kernel_rows_at_different_slots(monkeypatch):
         assert sorted(start.count.tolist()) == [0, 1, 2]
         launches.count = 0
         out, state = _stream(module, x[:, 4:], start)
-        assert launches.count == 0  # (every token completes one row's chunk, not the others')
+        assert launches.count == 4 * 6  # (every token completes one row's chunk)
         with tmcore.options(**REFERENCE):
             ref_out, ref_state = _stream(module, x[:, 4:], start)
     _close([out, *state], [ref_out, *ref_state], 1e-12)
+    for row, pad in enumerate((0, 1, 2)):
+        with torch.no_grad(), tmcore.options(**REFERENCE):
+            alone, alone_state = module(x[row:row + 1, pad:])
+        _close([out[row:row + 1], alone_state.h], [alone[:, 4 - pad:], state.h[row:row + 1]],
+               1e-12)
     valid = torch.ones(3, 4, dtype=torch.bool)
     valid[2, :1] = False  # slots 1, 1, 0: the next token starts one row, continues two
     with torch.no_grad():
