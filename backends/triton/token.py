@@ -17,12 +17,7 @@ from tmcore.layer.state import StreamState
 from . import launch
 from .dense import _Geometry
 
-__all__ = ["decode_token", "launches"]
-
-
-def launches(complete: bool) -> int:
-    """Kernel launches of a decode token: where some row completes its chunk, else none does."""
-    return 4 if complete else 1
+__all__ = ["decode_token"]
 
 
 def decode_token(x: torch.Tensor, state: StreamState, slots: list[int], config: LayerConfig,
