@@ -80,14 +80,13 @@ def token_kernel(
     for j in range(0, L):  # the chunk so far, the token at slot k, zeros after
         old = tl.load(pending_ptr + (b * L + j) * d + offs_d, mask=mask_d & (offs_d * 0 + j < k),
                       other=0.0)
-        value = tl.where(j == k, u, old)
-        value = tl.where(complete, value * 0.0, value)
+        value = tl.where(complete, 0.0, tl.where(j == k, u, old))  # (not 0 * a NaN token)
         tl.store(pending_out + (b * L + j) * d + offs_d, value, mask=mask_d)
     read = tl.load(read_ptr + b * C + offs_c, mask=mask_c, other=0.0)
     if k == 0:  # the chunk starts: read the state at tanh(coord_net(token))
         x0, x1, x2 = _coords(coord_w, coord_b, u, offs_d, mask_d, d, N)
         read = read_at(h_ptr + b * C * P, x0, x1, x2, offs_c, mask_c, S0, S1, S2)
-    tl.store(read_out + b * C + offs_c, tl.where(complete, read * 0.0, read), mask=mask_c)
+    tl.store(read_out + b * C + offs_c, tl.where(complete, 0.0, read), mask=mask_c)
     tl.store(count_out + b, tl.where(complete, k * 0, k + 1))
     tl.store(active_out + b, complete.to(tl.int8))
     # out_proj (d, C) read, then the gated residual, BT outputs at a time

@@ -243,6 +243,24 @@ def test_kernel_rows_at_different_slots(monkeypatch):
 
 
 @inner
+def test_kernel_nan_and_infinite_tokens_read_as_the_layers_path(monkeypatch):
+    """A NaN or infinite token spreads where the layer's path spreads it and nowhere else
+    (a completed chunk's pending tokens and read are zeros, not 0 * NaN)."""
+    launches = _Launches(monkeypatch)
+    module = _module((3, 4, 2), torch.float64, 2)
+    x = torch.randn(3, 6, 8, dtype=torch.float64)
+    x[0, 2, 1], x[1, 3, :] = float("nan"), float("inf")
+    with torch.no_grad():
+        out, state = _stream(module, x)
+        with tmcore.options(**REFERENCE):
+            ref = _stream(module, x)
+    assert launches.count == 5 + 3 * 3
+    for u, v in zip([out, *state], [ref[0], *ref[1]], strict=True):
+        assert torch.equal(u.isnan(), v.isnan())
+        assert torch.allclose(u.nan_to_num(), v.nan_to_num(), rtol=1e-12, atol=1e-12)
+
+
+@inner
 def test_kernel_a_four_axis_grid_takes_the_layers_path(monkeypatch):
     launches = _Launches(monkeypatch)
     module = _module((2, 3, 2, 2), torch.float64, 2)
