@@ -1,11 +1,9 @@
 """A decode token of the torch module in one native call: on the CPU the C kernel ``token_fwd``
 (backends/native/token.inc), on CUDA the Triton launches of :mod:`tmcore.backends.triton.token`.
 
-Generation feeds one token per call. Without autograd the whole token (norm, joining its
-row's chunk, the read where a chunk starts, the heads and the scan step where one completes,
-read-out, gated residual) is one kernel call on the CPU, whatever slot of its chunk each
-row is at (a padded batch's rows differ), and one to four launches on CUDA, instead of some
-twenty torch ops.
+Generation feeds one token per call. Without autograd the whole token (what it computes:
+``token_fwd`` in backends/native/kernels.c) is one kernel call on the CPU and one to four
+launches on CUDA, instead of some twenty torch ops.
 
 The weights are checked once into a :class:`TokenWeights` (kind, dtype, device, layout and
 the config's shapes: the kernels index them by those); a token compares only what could

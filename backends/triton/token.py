@@ -1,8 +1,5 @@
-"""A decode token of the torch module in Triton launches (:mod:`.token_kernels`), on CUDA (and on
-the CPU under Triton's interpreter, for the tests): one launch where no row completes its
-chunk, four where some row does (the token, the summary product, the heads, the scan's step
-kernel with the other rows inactive), against 9 to 32 torch operations on the layer's path;
-each row at any slot of its chunk (a padded batch too).
+"""A decode token of the torch module in the Triton launches of :mod:`.token_kernels`, on CUDA
+(and on the CPU under Triton's interpreter, for the tests).
 """
 
 from __future__ import annotations

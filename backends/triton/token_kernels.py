@@ -1,4 +1,6 @@
-"""Triton kernels of a decode token (the CPU's ``token_fwd`` in backends/native/token.inc).
+"""Triton kernels of a decode token (the CPU's ``token_fwd`` in backends/native/token.inc), each
+row at any slot of its chunk: one launch where no row completes its chunk, four where some
+row does (against 9 to 32 torch operations on the layer's path):
 
 - :func:`token_kernel`, program ``b`` per batch row: the norm, the token joining its row's
   chunk, the read coordinates and the read where the row's chunk starts, the read-out and
